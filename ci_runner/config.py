@@ -1,0 +1,382 @@
+"""The matrix file: YAML + JSON Schema → frozen, resolved dataclasses. Defaults live here only.
+
+Every problem is one `ConfigError` that names the file, the line and column, the key path and
+the fix; unknown keys get a "did you mean" suggestion.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping
+
+import yaml
+
+from .errors import ConfigError
+
+ALL_MODES: tuple[str, ...] = ("ops", "layers", "numerics")
+DEFAULT_TIMEOUT_S = 900.0
+DEFAULT_MAX_JOBS = 1024  # expand refuses more cells than this unless raised in `defaults.max_jobs`
+
+
+@dataclass(frozen=True, kw_only=True)
+class InputSpec:
+    batch: int = 1
+    seq_len: int = 32
+    samples: int = 4
+    seed: int = 0
+    image_size: int | None = None
+    text: tuple[str, ...] = ()
+
+    def merged(self, override: Mapping[str, Any] | None) -> "InputSpec":
+        if not override:
+            return self
+        kw = dict(override)
+        if "text" in kw:
+            kw["text"] = tuple(kw["text"])
+        return replace(self, **kw)
+
+    def key(self) -> dict[str, Any]:
+        return {"batch": self.batch, "seq_len": self.seq_len, "samples": self.samples, "seed": self.seed,
+                "image_size": self.image_size, "text": list(self.text)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reference:
+    id: str
+    device: str = "cpu"
+    dtype: str = "float32"
+
+
+DEFAULT_REFERENCES: tuple[Reference, ...] = (
+    Reference(id="cpu-fp32", device="cpu", dtype="float32"),
+    Reference(id="cpu-fp64", device="cpu", dtype="float64"),
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    id: str
+    config: str | None = None
+    overrides: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    path: str | None = None  # absolute, resolved against the matrix file's folder
+    hub: str | None = None
+    revision: str | None = None
+    factory: str | None = None
+    task: str = "auto"
+    dtype: str = "float32"
+    trust_remote_code: bool = False
+
+    @property
+    def source(self) -> str:
+        if self.config:
+            return f"config:{self.config}"
+        if self.path:
+            return f"path:{self.path}"
+        if self.hub:
+            return f"hub:{self.hub}@{self.revision or 'main'}"
+        return f"factory:{self.factory}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackendSpec:
+    id: str
+    compile: str | None = None  # None: eager on `device`
+    imports: tuple[str, ...] = ()
+    device: str = "cpu"
+    env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    compile_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    backend_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    ir: str = "aten"  # what the backend's compiler sees: dynamo (torch-level), aten (after aot_autograd), core_aten
+    runs_on: tuple[str, ...] = ("ubuntu-latest",)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cell:
+    """One model × backend job, with everything resolved."""
+
+    id: str
+    model: ModelSpec
+    backend: BackendSpec
+    modes: tuple[str, ...]
+    timeout: float
+    inputs: InputSpec
+    references: tuple[Reference, ...]
+    options: Mapping[str, Mapping[str, Any]]  # per-mode options, model and backend merged over defaults
+
+
+@dataclass(frozen=True, kw_only=True)
+class Matrix:
+    path: Path
+    version: int
+    modes: tuple[str, ...]
+    timeout: float
+    inputs: InputSpec
+    options: Mapping[str, Mapping[str, Any]]
+    max_jobs: int
+    references: tuple[Reference, ...]
+    models: tuple[ModelSpec, ...]
+    backends: tuple[BackendSpec, ...]
+    exclude: tuple[Mapping[str, str], ...] = ()
+    include: tuple[Mapping[str, str], ...] = ()
+    raw: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), repr=False, compare=False)
+
+    def model(self, model_id: str) -> ModelSpec:
+        for m in self.models:
+            if m.id == model_id:
+                return m
+        raise ConfigError(f"{self.path}: no model with id {model_id!r}", hint=_choices_hint(model_id, [m.id for m in self.models]))
+
+    def backend(self, backend_id: str) -> BackendSpec:
+        for b in self.backends:
+            if b.id == backend_id:
+                return b
+        raise ConfigError(f"{self.path}: no backend with id {backend_id!r}", hint=_choices_hint(backend_id, [b.id for b in self.backends]))
+
+
+# --------------------------------------------------------------------------- YAML with positions
+
+class _Positions:
+    """Maps key paths to (line, column), 1-based, from the composed YAML node tree."""
+
+    def __init__(self) -> None:
+        self.key_marks: dict[tuple[Any, ...], tuple[int, int]] = {}
+        self.value_marks: dict[tuple[Any, ...], tuple[int, int]] = {}
+
+    def walk(self, node: yaml.Node, path: tuple[Any, ...], source: str) -> None:
+        self.value_marks[path] = (node.start_mark.line + 1, node.start_mark.column + 1)
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key_node, value_node in node.value:
+                key = key_node.value
+                line = key_node.start_mark.line + 1
+                if key in seen:
+                    raise ConfigError(
+                        f"{source}:{line}:{key_node.start_mark.column + 1}: duplicate key {key!r} "
+                        f"at {_fmt_path(path) or 'top level'} (first at line {seen[key]})",
+                        hint="remove one of the two entries",
+                    )
+                seen[key] = line
+                self.key_marks[path + (key,)] = (line, key_node.start_mark.column + 1)
+                self.walk(value_node, path + (key,), source)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                self.walk(item, path + (i,), source)
+
+    def at(self, path: tuple[Any, ...]) -> tuple[int, int] | None:
+        for p in (path, *(path[:i] for i in range(len(path) - 1, -1, -1))):
+            if p in self.key_marks:
+                return self.key_marks[p]
+            if p in self.value_marks:
+                return self.value_marks[p]
+        return None
+
+
+def _fmt_path(path: tuple[Any, ...]) -> str:
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+def _choices_hint(word: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(word, choices, n=1)
+    listed = ", ".join(sorted(choices)) or "(none)"
+    if close:
+        return f"did you mean {close[0]!r}? known: {listed}"
+    return f"known: {listed}"
+
+
+def parse_yaml(text: str, source: str) -> tuple[Any, _Positions]:
+    """`yaml.safe_load` semantics, plus positions and duplicate-key detection."""
+    positions = _Positions()
+    try:
+        loader = yaml.SafeLoader(text)
+        try:
+            node = loader.get_single_node()
+            if node is None:
+                return None, positions
+            positions.walk(node, (), source)
+            data = loader.construct_document(node)
+        finally:
+            loader.dispose()
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
+        problem = exc.problem or exc.context or "invalid YAML"
+        raise ConfigError(f"{where}: invalid YAML: {problem}", hint="fix the YAML syntax at that position") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: invalid YAML: {exc}", hint="fix the YAML syntax") from None
+    except (ValueError, TypeError, OverflowError, RecursionError) as exc:  # e.g. timestamps out of range
+        raise ConfigError(f"{source}: invalid YAML value: {exc}", hint="quote the value as a string") from None
+    return data, positions
+
+
+# --------------------------------------------------------------------------- schema errors
+
+def _schema_error_message(err: Any, data: Any, positions: _Positions, source: str) -> ConfigError:
+    path = tuple(err.absolute_path)
+    hint: str | None = None
+    message = err.message
+    if err.validator == "additionalProperties":
+        allowed = sorted((err.schema.get("properties") or {}).keys())
+        instance = err.instance if isinstance(err.instance, dict) else {}
+        unknown = [k for k in instance if k not in allowed]
+        if unknown:
+            key = unknown[0]
+            path = path + (key,)
+            message = f"unknown key {key!r}"
+            hint = _choices_hint(str(key), allowed)
+    elif err.validator == "oneOf" and path and len(path) >= 2 and path[0] == "models":
+        message = "a model needs exactly one source: one of `config`, `path`, `hub` or `factory`"
+        hint = "keep one source key for this model"
+    elif err.validator in ("enum", "const"):
+        options = err.validator_value if err.validator == "enum" else [err.validator_value]
+        hint = _choices_hint(str(err.instance), [str(o) for o in options])
+    elif err.validator == "required":
+        hint = "add the missing key"
+    elif err.validator == "pattern":
+        hint = f"the value must match {err.validator_value}"
+    elif err.validator == "type":
+        hint = f"use a value of type {err.validator_value}"
+    pos = positions.at(path)
+    where = f"{source}:{pos[0]}:{pos[1]}" if pos else source
+    key_path = _fmt_path(path) or "(top level)"
+    return ConfigError(f"{where}: {key_path}: {message}", hint=hint)
+
+
+def _best_error(errors: list[Any]) -> Any:
+    import jsonschema
+
+    return jsonschema.exceptions.best_match(errors)
+
+
+# --------------------------------------------------------------------------- load
+
+def load_matrix(path: str | os.PathLike[str] | None = None) -> Matrix:
+    """Load and validate a matrix file; `None` loads the bundled example."""
+    if path is None:
+        from importlib.resources import as_file, files
+
+        with as_file(files("ci_runner") / "data" / "example.yaml") as p:
+            return _load(Path(p), Path(p).read_text(encoding="utf-8"))
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: matrix file not found", hint="give the path to a matrix YAML file, or none for the bundled example") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{p}: is a folder, not a matrix file", hint="give the path to a matrix YAML file") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{p}: not UTF-8 text", hint="save the matrix as UTF-8 YAML") from None
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read matrix file: {exc.strerror}") from None
+    return _load(p.resolve(), text)
+
+
+def load_matrix_text(text: str, *, path: str = "<matrix>") -> Matrix:
+    return _load(Path(path), text)
+
+
+def _load(path: Path, text: str) -> Matrix:
+    import jsonschema
+
+    from .results import schema
+
+    source = str(path)
+    data, positions = parse_yaml(text, source)
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{source}:1:1: the matrix must be a mapping with `version`, `models` and `backends`",
+            hint="start from matrix/example.yaml",
+        )
+    validator = jsonschema.Draft202012Validator(schema("matrix.schema.json"))
+    errors = list(validator.iter_errors(data))
+    if errors:
+        raise _schema_error_message(_best_error(errors), data, positions, source)
+    return _resolve(path, data, positions)
+
+
+def _unique(items: list[dict[str, Any]], what: str, source: str, positions: _Positions) -> None:
+    seen: set[str] = set()
+    for i, item in enumerate(items):
+        if item["id"] in seen:
+            pos = positions.at((what, i, "id")) or (0, 0)
+            raise ConfigError(f"{source}:{pos[0]}:{pos[1]}: {what}[{i}].id: duplicate id {item['id']!r}", hint="ids must be unique")
+        seen.add(item["id"])
+
+
+def _resolve(path: Path, data: dict[str, Any], positions: _Positions) -> Matrix:
+    source = str(path)
+    base = path.parent
+    defaults = data.get("defaults") or {}
+    _unique(data["models"], "models", source, positions)
+    _unique(data["backends"], "backends", source, positions)
+
+    models = []
+    for m in data["models"]:
+        kw = {k: v for k, v in m.items() if k in ("id", "config", "hub", "revision", "factory", "task", "dtype", "trust_remote_code")}
+        if "path" in m:
+            p = Path(os.path.expanduser(m["path"]))
+            kw["path"] = str(p if p.is_absolute() else (base / p).resolve())
+        kw["overrides"] = MappingProxyType(dict(m.get("overrides") or {}))
+        models.append(ModelSpec(**kw))
+
+    backends = []
+    for b in data["backends"]:
+        runs_on = b.get("runs-on", "ubuntu-latest")
+        backends.append(
+            BackendSpec(
+                id=b["id"],
+                compile=b.get("compile"),
+                imports=tuple(b.get("import") or ()),
+                device=b.get("device", "cpu"),
+                env=MappingProxyType({k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in (b.get("env") or {}).items()}),
+                compile_options=MappingProxyType(dict(b.get("compile_options") or {})),
+                backend_options=MappingProxyType(dict(b.get("backend_options") or {})),
+                ir=b.get("ir", "aten"),
+                runs_on=(runs_on,) if isinstance(runs_on, str) else tuple(runs_on),
+            )
+        )
+
+    model_ids = [m.id for m in models]
+    backend_ids = [b.id for b in backends]
+    for key in ("exclude", "include"):
+        for i, sel in enumerate(data.get(key) or []):
+            for field_name, ids in (("model", model_ids), ("backend", backend_ids)):
+                pattern = sel.get(field_name)
+                if pattern is not None and not any(fnmatch.fnmatchcase(x, pattern) for x in ids):
+                    pos = positions.at((key, i, field_name)) or (0, 0)
+                    raise ConfigError(
+                        f"{source}:{pos[0]}:{pos[1]}: {key}[{i}].{field_name}: {pattern!r} matches no {field_name}",
+                        hint=_choices_hint(pattern, ids),
+                    )
+
+    refs = tuple(Reference(**r) for r in data["references"]) if data.get("references") else DEFAULT_REFERENCES
+    return Matrix(
+        path=path,
+        version=data["version"],
+        modes=tuple(defaults.get("modes", ALL_MODES)),
+        timeout=float(defaults.get("timeout", DEFAULT_TIMEOUT_S)),
+        inputs=InputSpec().merged(defaults.get("inputs")),
+        options=MappingProxyType({k: MappingProxyType(dict(v)) for k, v in (defaults.get("options") or {}).items()}),
+        max_jobs=int(defaults.get("max_jobs", DEFAULT_MAX_JOBS)),
+        references=refs,
+        models=tuple(models),
+        backends=tuple(backends),
+        exclude=tuple(MappingProxyType(dict(s)) for s in data.get("exclude") or ()),
+        include=tuple(MappingProxyType(dict(s)) for s in data.get("include") or ()),
+        raw=MappingProxyType(data),
+    )
+
+
+def raw_entry(matrix: Matrix, kind: str, entry_id: str) -> Mapping[str, Any]:
+    """The matrix entry as written (for per-entry modes/timeout/inputs/options)."""
+    for item in matrix.raw.get(kind, ()):
+        if item.get("id") == entry_id:
+            return item
+    return {}

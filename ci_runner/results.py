@@ -1,0 +1,333 @@
+"""The one result model. Everything downstream of a cell reads these, never live torch objects.
+
+A `CellResult` is written by each cell as `cells/<cell-id>/result.json`; `aggregate` merges many
+into a `Results` (`results.json`). Both validate against `schemas/results.schema.json`.
+
+Non-finite floats (NaN/Inf in metrics) are stored as the strings ``"nan"``, ``"inf"``, ``"-inf"``
+so that the files stay strict JSON; `number()` reads them back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Literal, Mapping
+
+from .errors import InputError
+
+SCHEMA_VERSION = 1
+
+CellStatus = Literal["pass", "fail", "error", "timeout", "crashed", "skipped"]
+CELL_STATUSES: tuple[str, ...] = ("pass", "fail", "error", "timeout", "crashed", "skipped")
+FINDING_KINDS: tuple[str, ...] = (
+    "unsupported_op",
+    "op_error",
+    "op_mismatch",
+    "layer_failure",
+    "divergence",
+    "weights_mismatch",
+    "batch_variance",
+)
+STAGES: tuple[str, ...] = ("trace", "compile", "run", "compare")
+# Worst first: used to fold mode statuses into a cell status and to rank "got worse".
+STATUS_SEVERITY: dict[str, int] = {
+    "crashed": 5,
+    "timeout": 4,
+    "error": 3,
+    "fail": 2,
+    "pass": 1,
+    "skipped": 0,
+}
+
+
+def fingerprint(kind: str, backend: str, *key: str) -> str:
+    """Stable id of a finding: kind, backend and a semantic key; never paths, times or addresses."""
+    text = "\x1f".join((kind, backend, *key))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:20]
+
+
+def encode_number(value: float | int | None) -> float | int | str | None:
+    if value is None or isinstance(value, (bool, int)):
+        return value
+    value = float(value)
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return value
+
+
+def number(value: Any) -> float | None:
+    """Read back a number written by `encode_number`."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return float(value)
+    return float(value)
+
+
+def _clean(obj: Any) -> Any:
+    """Recursively make `obj` strict-JSON-safe (non-finite floats to strings, tuples to lists)."""
+    if isinstance(obj, float):
+        return encode_number(obj)
+    if isinstance(obj, Mapping):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+@dataclass
+class Repro:
+    path: str  # relative to the cell folder
+    verified: bool = False
+    command: str | None = None
+    note: str | None = None
+
+
+@dataclass
+class Finding:
+    kind: str
+    stage: str
+    message: str
+    fingerprint: str
+    op: str | None = None
+    module: str | None = None
+    module_class: str | None = None
+    error_type: str | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    threshold: dict[str, Any] = field(default_factory=dict)
+    repro: Repro | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _clean(asdict(self))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Finding":
+        d = dict(data)
+        repro = d.pop("repro", None)
+        return cls(**d, repro=Repro(**repro) if repro else None)
+
+
+@dataclass
+class ModeResult:
+    status: str
+    findings: list[Finding] = field(default_factory=list)
+    duration_s: float = 0.0
+    reason: str | None = None  # why skipped/error, in words
+    data: dict[str, Any] = field(default_factory=dict)  # mode-specific tables (per-layer metrics, inventory)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "status": self.status,
+            "duration_s": round(self.duration_s, 4),
+            "reason": self.reason,
+            "findings": [f.to_dict() for f in self.findings],
+            "data": _clean(self.data),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ModeResult":
+        return cls(
+            status=data["status"],
+            findings=[Finding.from_dict(f) for f in data.get("findings", [])],
+            duration_s=float(data.get("duration_s", 0.0)),
+            reason=data.get("reason"),
+            data=dict(data.get("data") or {}),
+        )
+
+
+@dataclass
+class CellError:
+    """What killed a cell: exception, exit code, signal, and the tail of stderr."""
+
+    type: str
+    message: str
+    exit_code: int | None = None
+    signal: str | None = None
+    stderr_tail: str = ""
+    last_module: str | None = None  # from the crash journal, when a mode keeps one
+
+
+@dataclass
+class CellResult:
+    id: str
+    model: str
+    backend: str
+    status: str
+    duration_s: float = 0.0
+    env: dict[str, Any] = field(default_factory=dict)
+    modes: dict[str, ModeResult] = field(default_factory=dict)
+    error: CellError | None = None
+    artifacts_dir: str | None = None  # relative to the run folder: cells/<id>
+    started_at: str | None = None
+
+    @property
+    def findings(self) -> list[Finding]:
+        return [f for m in self.modes.values() for f in m.findings]
+
+    def fold_status(self) -> str:
+        """Cell status from its modes: the worst of them; skipped only when all were skipped."""
+        if not self.modes:
+            return "skipped"
+        worst = max(self.modes.values(), key=lambda m: STATUS_SEVERITY.get(m.status, 3))
+        return worst.status
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "model": self.model,
+            "backend": self.backend,
+            "status": self.status,
+            "duration_s": round(self.duration_s, 4),
+            "started_at": self.started_at,
+            "env": _clean(self.env),
+            "artifacts_dir": self.artifacts_dir,
+            "error": _clean(asdict(self.error)) if self.error else None,
+            "modes": {name: m.to_dict() for name, m in self.modes.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "CellResult":
+        err = data.get("error")
+        return cls(
+            id=data["id"],
+            model=data["model"],
+            backend=data["backend"],
+            status=data["status"],
+            duration_s=float(data.get("duration_s", 0.0)),
+            env=dict(data.get("env") or {}),
+            modes={k: ModeResult.from_dict(v) for k, v in (data.get("modes") or {}).items()},
+            error=CellError(**err) if err else None,
+            artifacts_dir=data.get("artifacts_dir"),
+            started_at=data.get("started_at"),
+        )
+
+
+@dataclass
+class Results:
+    """The merged results of a run: `results.json`."""
+
+    cells: list[CellResult] = field(default_factory=list)
+    tool_version: str = ""
+    generated_at: str | None = None
+    ranking: list[dict[str, Any]] = field(default_factory=list)  # failing ops ranked by models blocked
+    patterns: list[dict[str, Any]] = field(default_factory=list)  # cross-model layer-class patterns
+
+    def cell(self, cell_id: str) -> CellResult | None:
+        return next((c for c in self.cells if c.id == cell_id), None)
+
+    def counts(self) -> dict[str, int]:
+        out = {s: 0 for s in CELL_STATUSES}
+        for c in self.cells:
+            out[c.status] = out.get(c.status, 0) + 1
+        out["total"] = len(self.cells)
+        out["findings"] = sum(len(c.findings) for c in self.cells)
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "tool_version": self.tool_version,
+            "generated_at": self.generated_at,
+            "counts": self.counts(),
+            "cells": [c.to_dict() for c in sorted(self.cells, key=lambda c: c.id)],
+            "ranking": _clean(self.ranking),
+            "patterns": _clean(self.patterns),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Results":
+        return cls(
+            cells=[CellResult.from_dict(c) for c in data.get("cells", [])],
+            tool_version=data.get("tool_version", ""),
+            generated_at=data.get("generated_at"),
+            ranking=list(data.get("ranking") or []),
+            patterns=list(data.get("patterns") or []),
+        )
+
+
+# --------------------------------------------------------------------------- schema + I/O
+
+def schema(name: str) -> dict[str, Any]:
+    """Load a JSON Schema shipped in `ci_runner/schemas/`."""
+    from importlib.resources import files
+
+    return json.loads((files("ci_runner") / "schemas" / name).read_text(encoding="utf-8"))
+
+
+def validate(obj: Any, schema_name: str, *, source: str) -> None:
+    """Validate against a shipped schema; raise `InputError` naming the file and JSON path."""
+    import jsonschema
+
+    if schema_name == "cell.schema.json":  # one file holds the model; a cell is one of its $defs
+        full = schema("results.schema.json")
+        spec = {"$defs": full["$defs"], "$ref": "#/$defs/cell"}
+    else:
+        spec = schema(schema_name)
+    validator = jsonschema.Draft202012Validator(spec)
+    errors = sorted(validator.iter_errors(obj), key=lambda e: list(e.absolute_path))
+    if errors:
+        err = errors[0]
+        where = "/".join(str(p) for p in err.absolute_path) or "(top level)"
+        raise InputError(
+            f"{source}: does not match {schema_name} at {where}: {err.message}",
+            hint="regenerate it with this version of deepview-ci, or check that the right file was given",
+        )
+
+
+def read_json(path: str | Path, *, what: str) -> Any:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError(f"{p}: {what} not found", hint="check the path") from None
+    except OSError as exc:
+        raise InputError(f"{p}: cannot read {what}: {exc.strerror}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(
+            f"{p}:{exc.lineno}:{exc.colno}: {what} is not valid JSON ({exc.msg})",
+            hint="the file is corrupt or truncated; rerun the step that produced it",
+        ) from None
+
+
+def load_cell_result(path: str | Path) -> CellResult:
+    data = read_json(path, what="cell result")
+    validate(data, "cell.schema.json", source=str(path))
+    return CellResult.from_dict(data)
+
+
+def load_results(path: str | Path) -> Results:
+    data = read_json(path, what="results file")
+    if isinstance(data, dict) and data.get("schema_version") not in (None, SCHEMA_VERSION):
+        raise InputError(
+            f"{path}: results schema_version {data.get('schema_version')!r} is not {SCHEMA_VERSION}",
+            hint="produce it with a matching deepview-ci version",
+        )
+    validate(data, "results.schema.json", source=str(path))
+    return Results.from_dict(data)
+
+
+def save_cell_result(cell: CellResult, path: str | Path) -> Path:
+    from .fsutil import atomic_write_json
+
+    return atomic_write_json(path, cell.to_dict())
+
+
+def save_results(results: Results, path: str | Path) -> Path:
+    from .fsutil import atomic_write_json
+
+    return atomic_write_json(path, results.to_dict())
+
+
+def iter_findings(results: Results) -> Iterable[tuple[CellResult, str, Finding]]:
+    for cell in results.cells:
+        for mode_name, mode in cell.modes.items():
+            for f in mode.findings:
+                yield cell, mode_name, f
