@@ -321,8 +321,11 @@ def _resolve(path: Path, data: dict[str, Any], positions: _Positions) -> Matrix:
     for m in data["models"]:
         kw = {k: v for k, v in m.items() if k in ("id", "config", "hub", "revision", "factory", "task", "dtype", "trust_remote_code")}
         if "path" in m:
-            p = Path(os.path.expanduser(m["path"]))
-            kw["path"] = str(p if p.is_absolute() else (base / p).resolve())
+            if m["path"].startswith("pkg:"):  # a folder inside an installed package, resolved by models.py
+                kw["path"] = m["path"]
+            else:
+                p = Path(os.path.expanduser(m["path"]))
+                kw["path"] = str(p if p.is_absolute() else (base / p).resolve())
         kw["overrides"] = MappingProxyType(dict(m.get("overrides") or {}))
         models.append(ModelSpec(**kw))
 
