@@ -154,6 +154,12 @@ class _Positions:
             for key_node, value_node in node.value:
                 key = key_node.value
                 line = key_node.start_mark.line + 1
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag != "tag:yaml.org,2002:str":
+                    raise ConfigError(
+                        f"{source}:{line}:{key_node.start_mark.column + 1}: key {key!r} at "
+                        f"{_fmt_path(path) or 'top level'} is not read as a string by YAML",
+                        hint=f'quote it: "{key}"',
+                    )
                 if key in seen:
                     raise ConfigError(
                         f"{source}:{line}:{key_node.start_mark.column + 1}: duplicate key {key!r} "
@@ -167,7 +173,10 @@ class _Positions:
             for i, item in enumerate(node.value):
                 self.walk(item, path + (i,), source)
 
-    def at(self, path: tuple[Any, ...]) -> tuple[int, int] | None:
+    def at(self, path: tuple[Any, ...], *, value: bool = False) -> tuple[int, int] | None:
+        """Position of the key at `path` (or of its value), else of the nearest enclosing entry."""
+        if value and path in self.value_marks:
+            return self.value_marks[path]
         for p in (path, *(path[:i] for i in range(len(path) - 1, -1, -1))):
             if p in self.key_marks:
                 return self.key_marks[p]
@@ -234,16 +243,17 @@ def _schema_error_message(err: Any, data: Any, positions: _Positions, source: st
     elif err.validator == "oneOf" and path and len(path) >= 2 and path[0] == "models":
         message = "a model needs exactly one source: one of `config`, `path`, `hub` or `factory`"
         hint = "keep one source key for this model"
-    elif err.validator in ("enum", "const"):
-        options = err.validator_value if err.validator == "enum" else [err.validator_value]
-        hint = _choices_hint(str(err.instance), [str(o) for o in options])
+    elif err.validator == "const":
+        hint = f"use {err.validator_value!r}"
+    elif err.validator == "enum":
+        hint = _choices_hint(str(err.instance), [str(o) for o in err.validator_value])
     elif err.validator == "required":
         hint = "add the missing key"
     elif err.validator == "pattern":
         hint = f"the value must match {err.validator_value}"
     elif err.validator == "type":
         hint = f"use a value of type {err.validator_value}"
-    pos = positions.at(path)
+    pos = positions.at(path, value=err.validator in ("enum", "const", "type", "pattern", "minimum", "maximum", "exclusiveMinimum", "minItems", "uniqueItems"))
     where = f"{source}:{pos[0]}:{pos[1]}" if pos else source
     key_path = _fmt_path(path) or "(top level)"
     return ConfigError(f"{where}: {key_path}: {message}", hint=hint)

@@ -1,0 +1,169 @@
+"""One hook mechanism for every mode: forward (pre-)hooks on every submodule, always removed.
+
+`ModuleCapture` records every call of every submodule separately (modules called several times per
+forward exist), under its qualified name. Callbacks never break the run they observe: an exception
+inside one is recorded in `errors` and the forward goes on.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+PreCallback = Callable[["CallInfo", tuple[Any, ...], dict[str, Any]], None]
+PostCallback = Callable[["CallInfo", tuple[Any, ...], dict[str, Any], Any], None]
+
+
+@dataclass(frozen=True)
+class CallInfo:
+    name: str  # qualified module name; "" is the root
+    module_class: str
+    call_index: int  # 0 for the first call of this module in this capture
+    order: int  # global position of the call's start among all captured calls
+    depth: int
+
+
+@dataclass
+class CallRecord:
+    info: CallInfo
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    output: Any = None
+
+
+def detach_tree(obj: Any, *, clone: bool = True) -> Any:
+    """Detached (cloned) copy of nested tensors, for recording without aliasing later in-place updates."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        return t.clone() if clone else t
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(detach_tree(v, clone=clone) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(detach_tree(v, clone=clone) for v in obj)
+    if isinstance(obj, dict):
+        return {k: detach_tree(v, clone=clone) for k, v in obj.items()}
+    if hasattr(obj, "to_tuple") and hasattr(obj, "keys"):  # transformers ModelOutput
+        return {k: detach_tree(obj[k], clone=clone) for k in obj.keys()}
+    return obj
+
+
+class ModuleCapture:
+    """Context manager: hooks on `model` and every submodule (or those `include` accepts).
+
+    Either pass callbacks (`pre`, `post`) to act on the fly, or `record_inputs` / `record_outputs`
+    to keep `CallRecord`s (detached clones) in `records`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        pre: PreCallback | None = None,
+        post: PostCallback | None = None,
+        record_inputs: bool = False,
+        record_outputs: bool = False,
+        include: Callable[[str, nn.Module], bool] | None = None,
+    ) -> None:
+        self._model_ref = weakref.ref(model)
+        self._pre = pre
+        self._post = post
+        self._record_inputs = record_inputs
+        self._record_outputs = record_outputs
+        self._include = include
+        self._handles: list[Any] = []
+        self._names: dict[int, tuple[str, int]] = {}
+        self._counts: dict[str, int] = {}
+        self._stack: list[CallRecord] = []
+        self._order = 0
+        self.records: list[CallRecord] = []
+        self.errors: list[tuple[str, BaseException]] = []
+        self.entered: list[str] = []  # names in call order, for journals
+
+    def __enter__(self) -> "ModuleCapture":
+        model = self._model_ref()
+        if model is None:
+            raise RuntimeError("model was garbage-collected before capture")
+        for name, module in model.named_modules():
+            if self._include is not None and not self._include(name, module):
+                continue
+            depth = 0 if name == "" else name.count(".") + 1
+            self._names[id(module)] = (name, depth)
+            self._handles.append(module.register_forward_pre_hook(self._on_pre, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._on_post, with_kwargs=True, always_call=True))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._stack.clear()
+
+    # hooks ------------------------------------------------------------------------------
+    def _on_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        name, depth = self._names.get(id(module), ("?", 0))
+        idx = self._counts.get(name, 0)
+        self._counts[name] = idx + 1
+        info = CallInfo(name=name, module_class=type(module).__name__, call_index=idx, order=self._order, depth=depth)
+        self._order += 1
+        rec = CallRecord(info=info)
+        if self._record_inputs:
+            rec.args = detach_tree(args)
+            rec.kwargs = detach_tree(kwargs)
+        self._stack.append(rec)
+        self.entered.append(name)
+        if self._pre is not None:
+            try:
+                self._pre(info, args, kwargs)
+            except Exception as exc:  # never break the observed run
+                self.errors.append((name, exc))
+
+    def _on_post(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        if not self._stack:
+            return
+        rec = self._stack.pop()
+        if self._record_outputs:
+            rec.output = detach_tree(output)
+        if self._record_inputs or self._record_outputs:
+            self.records.append(rec)
+        if self._post is not None:
+            try:
+                self._post(rec.info, args, kwargs, output)
+            except Exception as exc:
+                self.errors.append((rec.info.name, exc))
+
+    def by_name(self) -> dict[str, list[CallRecord]]:
+        out: dict[str, list[CallRecord]] = {}
+        for r in sorted(self.records, key=lambda r: r.info.order):
+            out.setdefault(r.info.name, []).append(r)
+        return out
+
+
+def iter_tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """Flatten tensors out of tensors/tuples/lists/dicts/ModelOutput, with stable sub-names; caches skipped."""
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, dict) or (hasattr(obj, "keys") and hasattr(obj, "__getitem__") and not isinstance(obj, (str, bytes))):
+        for k in obj.keys():
+            if k in ("past_key_values", "cache_params") or "cache" in str(k):
+                continue
+            yield from iter_tensors(obj[k], f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from iter_tensors(v, f"{prefix}.{i}" if prefix else str(i))
+
+
+def primary_tensor(obj: Any) -> torch.Tensor | None:
+    """The module's main output: the tensor itself, or the first floating tensor in it."""
+    for _, t in iter_tensors(obj):
+        if t.is_floating_point() or t.is_complex():
+            return t
+    for _, t in iter_tensors(obj):
+        return t
+    return None

@@ -1,0 +1,96 @@
+"""Inside the cell's own process: resolve the backend, run the selected modes in order.
+
+This module is what the `_worker` command runs. The parent (`execute.py`) owns timeouts and crash
+handling; here, a Python exception in a mode becomes that mode's `error` status and the next mode
+still runs. After each mode the partial result is written atomically, so a hard crash later loses
+nothing already diagnosed.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import time
+import traceback
+from pathlib import Path
+
+from .config import Cell
+from .errors import DeepviewError
+from .fsutil import atomic_write_json
+from .modes import ModeContext, get_mode
+from .results import CellError, CellResult, ModeResult, save_cell_result
+
+PARTIAL_NAME = "result.partial.json"
+RESULT_NAME = "result.json"
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def run_cell_inprocess(cell: Cell, cell_dir: Path, *, modes: tuple[str, ...], deadline: float,
+                       previous: CellResult | None = None) -> CellResult:
+    """Run `modes` of `cell` in this process; returns the (partial-merged) result and writes it."""
+    from .envinfo import base_stamp, cell_stamp
+
+    cell_dir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    result = previous or CellResult(
+        id=cell.id, model=cell.model.id, backend=cell.backend.id, status="skipped",
+        env=base_stamp(), artifacts_dir=f"cells/{cell.id}", started_at=_now(),
+    )
+
+    def checkpoint() -> None:
+        atomic_write_json(cell_dir / PARTIAL_NAME, result.to_dict())
+
+    try:
+        from .backends import resolve_backend
+
+        backend = resolve_backend(cell.backend)
+        backend.prepare()
+        result.env = cell_stamp(backend.device, backend.versions())
+    except Exception as exc:  # a DeepviewError, or a plugin import raising anything
+        text = str(exc) if isinstance(exc, DeepviewError) else f"{type(exc).__name__}: {exc}"
+        for name in modes:
+            result.modes[name] = ModeResult(status="error", reason=f"backend setup failed: {text}")
+        result.error = CellError(type=type(exc).__name__, message=f"backend setup failed: {text}")
+        return _finish(result, cell_dir, started)
+
+    ctx = ModeContext(cell=cell, cell_dir=cell_dir, backend=backend, deadline=deadline, env=result.env,
+                      previous=dict(result.modes))
+    for name in modes:
+        fn = get_mode(name)
+        if fn is None:
+            result.modes[name] = ModeResult(status="skipped", reason=f"mode {name!r} is not available in this version of deepview-ci")
+            checkpoint()
+            continue
+        ctx.journal("enter-mode", name)
+        t0 = time.monotonic()
+        try:
+            mode_result = fn(ctx)
+        except DeepviewError as exc:
+            mode_result = ModeResult(status="error", reason=str(exc))
+        except Exception as exc:
+            tb = traceback.format_exc(limit=8)
+            mode_result = ModeResult(status="error", reason=f"{type(exc).__name__}: {exc}", data={"traceback": tb[-4000:]})
+        mode_result.duration_s = mode_result.duration_s or (time.monotonic() - t0)
+        ctx.journal("leave-mode", name)
+        result.modes[name] = mode_result
+        ctx.previous[name] = mode_result
+        checkpoint()
+    return _finish(result, cell_dir, started)
+
+
+def _finish(result: CellResult, cell_dir: Path, started: float) -> CellResult:
+    result.duration_s += time.monotonic() - started
+    result.status = result.fold_status()
+    atomic_write_json(cell_dir / PARTIAL_NAME, result.to_dict())
+    return result
+
+
+def write_final(result: CellResult, cell_dir: Path) -> Path:
+    path = save_cell_result(result, cell_dir / RESULT_NAME)
+    try:
+        (cell_dir / PARTIAL_NAME).unlink()
+    except FileNotFoundError:
+        pass
+    return path

@@ -1,0 +1,306 @@
+"""`deepview-ci` command line: parses arguments, calls the library, maps errors to exit codes.
+
+Thin on purpose: every command is a few lines over a library function that is tested on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+from . import errors
+from .errors import DeepviewError, UsageError
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def _modes_arg(text: str) -> tuple[str, ...]:
+    from .config import ALL_MODES
+
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    bad = [m for m in modes if m not in ALL_MODES]
+    if bad or not modes:
+        raise argparse.ArgumentTypeError(f"unknown mode(s) {', '.join(bad) or '(none)'}; choose from {', '.join(ALL_MODES)}")
+    return modes
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{self.prog}: {message}", hint=f"see `{self.prog} --help`")
+
+
+# --------------------------------------------------------------------------- commands
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .aggregate import aggregate, write_report_dir
+    from .config import load_matrix
+    from .execute import RunOptions, run_cells
+    from .log import Progress
+    from .matrix import expand, select
+
+    matrix = load_matrix(args.matrix)
+    cells = select(expand(matrix), args.select, args.skip)
+    if not cells:
+        raise UsageError(f"{matrix.path}: no cell matches --select/--skip", hint="list the cells with `deepview-ci expand MATRIX`")
+    out = Path(args.out)
+    progress = Progress(len(cells))
+    progress.info(f"deepview-ci: {len(cells)} cell(s) from {matrix.path} → {out}")
+    results = run_cells(cells, RunOptions(matrix_path=matrix.path, out_dir=out, jobs=args.jobs, force=args.force,
+                                          modes=args.modes), progress)
+    report = aggregate([out / "cells"])
+    written = write_report_dir(report, out / "report", run_dir=out)
+    counts = report.counts()
+    progress.info(
+        f"deepview-ci: {counts['pass']} pass, {counts['fail']} fail, {counts['error']} error, {counts['crashed']} crashed, "
+        f"{counts['timeout']} timeout, {counts['skipped']} skipped; {counts['findings']} finding(s)"
+    )
+    for name, path in written.items():
+        progress.info(f"  {name}: {path}")
+    bad = [r for r in results if r.status not in ("pass", "skipped")]
+    return errors.EXIT_FINDINGS if bad else errors.EXIT_OK
+
+
+def cmd_cell(args: argparse.Namespace) -> int:
+    from .config import load_matrix
+    from .execute import RunOptions, run_cells
+    from .log import Progress
+    from .matrix import find_cell
+
+    matrix = load_matrix(args.matrix)
+    cell = find_cell(matrix, args.cell_id)
+    progress = Progress(1)
+    [result] = run_cells([cell], RunOptions(matrix_path=matrix.path, out_dir=Path(args.out), force=args.force,
+                                            modes=args.modes), progress)
+    return errors.EXIT_OK if result.status in ("pass", "skipped") else errors.EXIT_FINDINGS
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    import time
+
+    from .cellrun import run_cell_inprocess
+    from .config import load_matrix
+    from .execute import _load_partial, cell_dir
+    from .matrix import find_cell
+
+    deadline = time.monotonic() + float(args.budget)
+    matrix = load_matrix(args.matrix)
+    cell = find_cell(matrix, args.cell)
+    cdir = cell_dir(Path(args.out), cell.id)
+    run_cell_inprocess(cell, cdir, modes=tuple(args.modes.split(",")), deadline=deadline, previous=_load_partial(cdir))
+    return 0
+
+
+def cmd_expand(args: argparse.Namespace) -> int:
+    from .config import load_matrix
+    from .github.actions import set_output as write_output
+    from .matrix import dumps_compact, expand, expand_json, select
+
+    matrix = load_matrix(args.matrix)
+    cells = select(expand(matrix), args.select, args.skip)
+    max_jobs = args.max_jobs if args.max_jobs is not None else matrix.max_jobs
+    doc = expand_json(cells, max_jobs=max_jobs, chunk_size=args.chunk_size)
+    print(json.dumps(doc, indent=2))
+    write_output("count", str(doc["count"]))
+    write_output("chunks", str(doc["chunks"]))
+    write_output("matrix", dumps_compact(doc["matrix"][0]))
+    for i, m in enumerate(doc["matrix"]):
+        write_output(f"matrix-{i}", dumps_compact(m))
+    return 0
+
+
+def cmd_aggregate(args: argparse.Namespace) -> int:
+    from .aggregate import aggregate, write_report_dir
+
+    paths = [Path(p) for p in args.dirs]
+    results = aggregate(paths)
+    run_dir = Path(args.run_dir) if args.run_dir else (paths[0] if len(paths) == 1 and paths[0].is_dir() else None)
+    written = write_report_dir(results, Path(args.out), run_dir=run_dir)
+    c = results.counts()
+    print(f"aggregated {c['total']} cell(s), {c['findings']} finding(s)")
+    for name, path in written.items():
+        print(f"  {name}: {path}")
+    if args.fail_on_findings and any(cell.status not in ("pass", "skipped") for cell in results.cells):
+        return errors.EXIT_FINDINGS
+    return 0
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from . import baseline
+    from .results import load_results
+
+    results_path = Path(args.results)
+    results = load_results(results_path)
+    base = baseline.load_baseline(Path(args.baseline))
+    d = baseline.diff(results, base, results_path=results_path, baseline_path=Path(args.baseline),
+                      run_dir=Path(args.run_dir) if args.run_dir else None)
+    out_dir = Path(args.out) if args.out else results_path.parent
+    json_path, md_path = baseline.write_diff(d, out_dir)
+    baseline.annotate_regressions(d)
+    print(md_path.read_text(encoding="utf-8"))
+    print(f"diff: {json_path}")
+    return d.exit_code(args.fail_on)
+
+
+def cmd_baseline_update(args: argparse.Namespace) -> int:
+    from . import baseline
+
+    path = baseline.update_baseline(Path(args.results), Path(args.out))
+    print(f"baseline written: {path}")
+    return 0
+
+
+def cmd_baseline_missing(args: argparse.Namespace) -> int:
+    raise UsageError("baseline: missing subcommand", hint="use `deepview-ci baseline update RESULTS --out BASELINE`")
+
+
+def cmd_file_issues(args: argparse.Namespace) -> int:
+    from .github.issues import FilingOptions, file_issues
+
+    options = FilingOptions.from_args(args)
+    report = file_issues(Path(args.diff), repo=args.repo, dry_run=Path(args.dry_run) if args.dry_run else None,
+                         run_dir=Path(args.run_dir) if args.run_dir else None, artifacts_url=args.artifacts_url,
+                         options=options, env=os.environ)
+    print(report.summary())
+    return report.exit_code
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from .dumps import compare_command
+
+    return compare_command(args)
+
+
+def cmd_dump(args: argparse.Namespace) -> int:
+    from .dumps import dump_command
+
+    return dump_command(args)
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    from .envinfo import env_report, format_env
+
+    report = env_report()
+    print(json.dumps(report, indent=2, default=str) if args.json else format_env(report))
+    return 0
+
+
+# --------------------------------------------------------------------------- parser
+
+def build_parser() -> argparse.ArgumentParser:
+    from .envinfo import tool_version
+
+    p = _Parser(prog="deepview-ci", description="Run PyTorch models × accelerator backends as CI: missing operators, "
+                "failing layers and numerical divergence, with repros, reports and regression diffs.")
+    p.add_argument("--version", action="version", version=f"deepview-ci {tool_version()}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    def add(name: str, handler: Handler, help_text: str, **kw: object) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help_text, description=help_text, **kw)  # type: ignore[arg-type]
+        sp.set_defaults(handler=handler)
+        return sp
+
+    def selection(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--select", action="append", default=[], metavar="GLOB", help="only cells whose id matches (repeatable)")
+        sp.add_argument("--skip", action="append", default=[], metavar="GLOB", help="drop cells whose id matches (repeatable)")
+
+    sp = add("run", cmd_run, "Run the whole matrix locally and write the report.")
+    sp.add_argument("matrix", nargs="?", default=None, help="matrix YAML (default: the bundled example)")
+    sp.add_argument("--out", default="out", help="output folder (default: out)")
+    selection(sp)
+    sp.add_argument("--modes", type=_modes_arg, default=None, help="comma list of ops,layers,numerics (default: the matrix's)")
+    sp.add_argument("--jobs", type=int, default=1, help="cells run in parallel (default 1)")
+    sp.add_argument("--force", action="store_true", help="rerun cells that already finished")
+
+    sp = add("expand", cmd_expand, "Print the GitHub include-matrix JSON (and write GITHUB_OUTPUT when set).")
+    sp.add_argument("matrix")
+    selection(sp)
+    sp.add_argument("--max-jobs", type=int, default=None, help="fail past this many cells (default: defaults.max_jobs)")
+    sp.add_argument("--chunk-size", type=int, default=256, help="jobs per GitHub matrix chunk (≤ 256)")
+
+    sp = add("cell", cmd_cell, "Run one cell (what a CI job runs).")
+    sp.add_argument("cell_id", metavar="CELL_ID")
+    sp.add_argument("--matrix", required=True)
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--modes", type=_modes_arg, default=None)
+    sp.add_argument("--force", action="store_true")
+
+    sp = sub.add_parser("_worker")  # internal: no help, so it is not listed
+    sp.set_defaults(handler=cmd_worker)
+    sp.add_argument("--matrix", required=True)
+    sp.add_argument("--cell", required=True)
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--modes", required=True)
+    sp.add_argument("--budget", required=True)
+
+    sp = add("aggregate", cmd_aggregate, "Merge cell results into results.json, junit.xml, summary.md, report.html.")
+    sp.add_argument("dirs", nargs="+", metavar="DIR")
+    sp.add_argument("--out", required=True, metavar="REPORT_DIR")
+    sp.add_argument("--run-dir", default=None, help="folder the cells' artifact paths are relative to")
+    sp.add_argument("--fail-on-findings", action="store_true", help="exit 1 when any cell did not pass")
+
+    sp = add("diff", cmd_diff, "Diff results against a baseline; exit code per --fail-on.")
+    sp.add_argument("results")
+    sp.add_argument("--baseline", required=True)
+    sp.add_argument("--fail-on", choices=("regression", "change", "never"), default="regression")
+    sp.add_argument("--out", default=None, help="folder for diff.json and diff.md (default: next to RESULTS)")
+    sp.add_argument("--run-dir", default=None)
+
+    sp = add("baseline", cmd_baseline_missing, "Manage the committed baseline.")
+    bsub = sp.add_subparsers(dest="baseline_command", metavar="SUBCOMMAND", parser_class=_Parser)
+    bu = bsub.add_parser("update", help="Write a baseline from results.json.")
+    bu.set_defaults(handler=cmd_baseline_update)
+    bu.add_argument("results")
+    bu.add_argument("--out", required=True)
+
+    sp = add("file-issues", cmd_file_issues, "File, comment on, reopen or close GitHub issues for a diff.")
+    sp.add_argument("diff")
+    sp.add_argument("--repo", required=True, help="OWNER/NAME")
+    sp.add_argument("--dry-run", default=None, metavar="DIR", help="write the drafts to DIR, call no API")
+    sp.add_argument("--run-dir", default=None, help="run folder holding cells/<id>/… (for repro scripts)")
+    sp.add_argument("--artifacts-url", default=None, help="link to the run's artifacts, for truncated repros")
+    sp.add_argument("--label", default="deepview-ci")
+    sp.add_argument("--opt-out-label", default="deepview-ci:ignore")
+    sp.add_argument("--close-fixed", action=argparse.BooleanOptionalAction, default=True)
+    sp.add_argument("--layers", action="store_true", help="also file issues for failing submodules and divergent layer classes")
+    sp.add_argument("--min-interval", type=float, default=1.0, help="seconds between writes (GitHub: ≥ 1)")
+    sp.add_argument("--max-wait", type=float, default=300.0, help="longest rate-limit wait before keeping a draft")
+
+    sp = add("dump", cmd_dump, "Dump per-layer outputs of one model on one device/backend (safetensors + manifest).")
+    sp.add_argument("--matrix", default=None)
+    sp.add_argument("--model", required=True)
+    sp.add_argument("--backend", default=None, help="backend id from the matrix (default: eager CPU reference)")
+    sp.add_argument("--reference", default=None, help="reference id from the matrix")
+    sp.add_argument("--sample", type=int, default=0)
+    sp.add_argument("--out", required=True)
+
+    sp = add("compare", cmd_compare, "Compare two per-layer dumps offline (inputs, schema, then numbers).")
+    sp.add_argument("ref_dump", metavar="REF_DUMP")
+    sp.add_argument("target_dump", metavar="TARGET_DUMP")
+    sp.add_argument("--json", default=None, help="also write the comparison as JSON here")
+
+    sp = add("env", cmd_env, "Versions, devices and available backends, for a bug report.")
+    sp.add_argument("--json", action="store_true")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        handler: Handler | None = getattr(args, "handler", None)
+        if handler is None:
+            parser.print_help(sys.stderr)
+            return errors.EXIT_USAGE
+        return handler(args)
+    except DeepviewError as exc:
+        print(f"deepview-ci: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("deepview-ci: interrupted; finished cells are kept, rerun to resume", file=sys.stderr)
+        return errors.EXIT_INTERRUPTED
+    except BrokenPipeError:
+        return errors.EXIT_OK

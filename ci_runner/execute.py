@@ -1,0 +1,262 @@
+"""Run cells, each in its own process, with a timeout; survive aborts, segfaults, OOM kills and hangs.
+
+Layout of a run folder::
+
+    DIR/cells/<cell-id>/result.json          final CellResult (atomic)
+    DIR/cells/<cell-id>/result.partial.json  written after each mode while the cell runs
+    DIR/cells/<cell-id>/journal.log          append-only enter/leave events of modes and modules
+    DIR/cells/<cell-id>/stderr.log           the worker's stderr
+    DIR/cells/<cell-id>/<mode>/…             artifacts (repro scripts, dumps)
+
+When a worker dies, the mode it was in is marked crashed (or timeout), the module named by the
+journal is kept, and a fresh worker continues with the remaining modes while time is left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from .cellrun import PARTIAL_NAME, RESULT_NAME, write_final
+from .config import Cell
+from .envinfo import base_stamp
+from .errors import DeepviewError, ExecutionError, InputError
+from .log import Progress
+from .modes import JOURNAL_NAME, last_open_entry
+from .results import CellError, CellResult, ModeResult, load_cell_result, read_json
+
+STDERR_TAIL_CHARS = 4000
+_KILL_GRACE_S = 2.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunOptions:
+    matrix_path: Path
+    out_dir: Path
+    jobs: int = 1
+    force: bool = False
+    modes: tuple[str, ...] | None = None  # override the matrix's modes for every cell
+    python: str = sys.executable
+
+
+def cell_dir(out_dir: Path, cid: str) -> Path:
+    return out_dir / "cells" / cid
+
+
+def existing_result(out_dir: Path, cid: str) -> CellResult | None:
+    """A finished cell's result, or None when absent or unreadable (then the cell reruns)."""
+    path = cell_dir(out_dir, cid) / RESULT_NAME
+    if not path.exists():
+        return None
+    try:
+        return load_cell_result(path)
+    except DeepviewError:
+        return None
+
+
+def _signal_name(returncode: int) -> str | None:
+    if returncode >= 0:
+        return None
+    try:
+        return signal.Signals(-returncode).name
+    except ValueError:
+        return f"signal {-returncode}"
+
+
+def _tail(path: Path, limit: int = STDERR_TAIL_CHARS) -> str:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - limit))
+            return fh.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        return
+    try:
+        proc.wait(timeout=_KILL_GRACE_S)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
+
+
+class _Children:
+    """Live worker processes, so Ctrl-C can stop them all."""
+
+    def __init__(self) -> None:
+        self._procs: set[subprocess.Popen[bytes]] = set()
+        self._lock = threading.Lock()
+        self.interrupted = False
+
+    def add(self, p: subprocess.Popen[bytes]) -> None:
+        with self._lock:
+            self._procs.add(p)
+
+    def discard(self, p: subprocess.Popen[bytes]) -> None:
+        with self._lock:
+            self._procs.discard(p)
+
+    def kill_all(self) -> None:
+        self.interrupted = True
+        with self._lock:
+            procs = list(self._procs)
+        for p in procs:
+            _kill_group(p)
+
+
+def _load_partial(cdir: Path) -> CellResult | None:
+    path = cdir / PARTIAL_NAME
+    if not path.exists():
+        return None
+    try:
+        return CellResult.from_dict(read_json(path, what="partial cell result"))
+    except (InputError, KeyError, TypeError):
+        return None
+
+
+def run_one(cell: Cell, opts: RunOptions, children: _Children | None = None) -> CellResult:
+    """Run one cell to a final, written result, restarting the worker after a crash."""
+    children = children or _Children()
+    cdir = cell_dir(opts.out_dir, cell.id)
+    cdir.mkdir(parents=True, exist_ok=True)
+    for stale in (PARTIAL_NAME, JOURNAL_NAME):
+        (cdir / stale).unlink(missing_ok=True)
+    modes = tuple(opts.modes or cell.modes)
+    started = time.monotonic()
+    deadline = started + cell.timeout
+    error: CellError | None = None
+    remaining = list(modes)
+    stderr_path = cdir / "stderr.log"
+    stderr_path.unlink(missing_ok=True)
+
+    while remaining:
+        budget = deadline - time.monotonic()
+        if budget <= 0:
+            break
+        cmd = [
+            opts.python, "-m", "ci_runner", "_worker",
+            "--matrix", str(opts.matrix_path), "--cell", cell.id, "--out", str(opts.out_dir),
+            "--modes", ",".join(remaining), "--budget", f"{budget:.3f}",
+        ]
+        env = dict(os.environ)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        with open(stderr_path, "ab") as err_fh:
+            proc = subprocess.Popen(cmd, stdout=err_fh, stderr=err_fh, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, env=env)
+            children.add(proc)
+            timed_out = False
+            try:
+                proc.wait(timeout=budget)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                _kill_group(proc)
+            finally:
+                children.discard(proc)
+        if children.interrupted:
+            raise KeyboardInterrupt
+        partial = _load_partial(cdir)
+        done = set(partial.modes) if partial else set()
+        if not timed_out and proc.returncode == 0 and all(m in done for m in remaining):
+            error = None
+            break
+        # the worker died (or hung): blame the mode that was open, keep what was finished
+        running = last_open_entry(cdir / JOURNAL_NAME, "mode") or next((m for m in remaining if m not in done), remaining[0])
+        last_module = last_open_entry(cdir / JOURNAL_NAME, "module")
+        sig = _signal_name(proc.returncode) if not timed_out else None
+        status = "timeout" if timed_out else "crashed"
+        if timed_out:
+            what = f"cell timed out after {cell.timeout:g}s"
+        elif sig:
+            what = f"worker process killed by {sig}"
+        else:
+            what = f"worker process exited with code {proc.returncode}"
+        where = f" while running module {last_module!r}" if last_module else ""
+        error = CellError(type=status, message=f"{what} during mode {running!r}{where}",
+                          exit_code=None if timed_out else proc.returncode, signal=sig,
+                          stderr_tail=_tail(stderr_path), last_module=last_module)
+        result = partial or CellResult(id=cell.id, model=cell.model.id, backend=cell.backend.id, status=status,
+                                       env=base_stamp(), artifacts_dir=f"cells/{cell.id}")
+        result.modes[running] = ModeResult(status=status, reason=error.message,
+                                           data={"last_module": last_module} if last_module else {})
+        _write_partial(cdir, result)
+        remaining = [m for m in remaining if m not in result.modes]
+        if timed_out:
+            break
+
+    result = _load_partial(cdir) or CellResult(id=cell.id, model=cell.model.id, backend=cell.backend.id,
+                                                status="skipped", env=base_stamp(), artifacts_dir=f"cells/{cell.id}")
+    for m in modes:
+        if m not in result.modes:
+            reason = "not run: the cell's time ran out" if time.monotonic() >= deadline else "not run"
+            result.modes[m] = ModeResult(status="timeout" if error and error.type == "timeout" else "skipped", reason=reason)
+    result.modes = {m: result.modes[m] for m in modes if m in result.modes}
+    result.error = error
+    result.duration_s = time.monotonic() - started
+    result.status = result.fold_status()
+    if error is not None and result.status not in ("crashed", "timeout"):
+        result.status = error.type
+    write_final(result, cdir)
+    return result
+
+
+def _write_partial(cdir: Path, result: CellResult) -> None:
+    from .fsutil import atomic_write_json
+
+    atomic_write_json(cdir / PARTIAL_NAME, result.to_dict())
+
+
+def run_cells(cells: Sequence[Cell], opts: RunOptions, progress: Progress | None = None) -> list[CellResult]:
+    """Run (or reuse) every cell; `jobs` at a time. Ctrl-C stops workers and leaves finished cells on disk."""
+    if opts.jobs < 1:
+        raise ExecutionError(f"--jobs must be at least 1, got {opts.jobs}")
+    progress = progress or Progress(len(cells), quiet=True)
+    children = _Children()
+    results: dict[str, CellResult] = {}
+    todo: list[Cell] = []
+    for c in cells:
+        prior = None if opts.force else existing_result(opts.out_dir, c.id)
+        if prior is not None:
+            results[c.id] = prior
+            progress.cell_reused(c.id, prior.status)
+        else:
+            todo.append(c)
+
+    def work(c: Cell) -> CellResult:
+        progress.cell_started(c.id)
+        r = run_one(c, opts, children)
+        detail = r.error.message if r.error else ""
+        progress.cell_finished(c.id, r.status, r.duration_s, detail)
+        return r
+
+    pool = ThreadPoolExecutor(max_workers=opts.jobs) if opts.jobs > 1 else None
+    try:
+        if pool is None:
+            for c in todo:
+                results[c.id] = work(c)
+        else:
+            for r in pool.map(work, todo):
+                results[r.id] = r
+    except KeyboardInterrupt:
+        children.kill_all()
+        raise
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+    return [results[c.id] for c in cells]

@@ -1,0 +1,117 @@
+"""Mode registry and the context a mode runs in.
+
+A mode is a function `run(ctx: ModeContext) -> ModeResult` in `ci_runner/modes/<name>.py`.
+The cell runs the selected modes in the matrix's order; a later mode still runs when an earlier
+one failed (it works on what can run). A mode whose module is absent is reported as skipped with
+that reason: nothing fakes a result.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from ..fsutil import append_line
+from ..results import ModeResult
+
+if TYPE_CHECKING:
+    from ..backends import Backend
+    from ..config import Cell
+    from ..models import LoadedModel
+
+ModeFn = Callable[["ModeContext"], ModeResult]
+
+# name -> "module:function"; the order here is the canonical run order.
+MODE_REGISTRY: dict[str, str] = {
+    "ops": "ci_runner.modes.ops:run",
+    "layers": "ci_runner.modes.layers:run",
+    "numerics": "ci_runner.modes.numerics:run",
+}
+
+
+def get_mode(name: str) -> ModeFn | None:
+    """The mode's function, or None when this installation does not have that mode."""
+    target = MODE_REGISTRY.get(name)
+    if target is None:
+        return None
+    module_name, fn_name = target.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name == module_name:
+            return None
+        raise
+    return getattr(module, fn_name, None)
+
+
+JOURNAL_NAME = "journal.log"
+
+
+@dataclass
+class ModeContext:
+    """What a mode gets: the resolved cell, its folder, the prepared backend and lazy model loading."""
+
+    cell: "Cell"
+    cell_dir: Path
+    backend: "Backend"
+    deadline: float  # time.monotonic() at which the cell's timeout strikes
+    env: dict[str, Any] = field(default_factory=dict)
+    previous: dict[str, ModeResult] = field(default_factory=dict)
+    _models: dict[tuple[Any, ...], "LoadedModel"] = field(default_factory=dict, repr=False)
+
+    @property
+    def model_id(self) -> str:
+        return self.cell.model.id
+
+    def options(self, mode: str) -> Mapping[str, Any]:
+        return self.cell.options.get(mode, {})
+
+    def remaining(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+    def artifact_dir(self, mode: str) -> Path:
+        d = self.cell_dir / mode
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def model(self, *, dtype: str | None = None, device: str = "cpu", meta: bool = False) -> "LoadedModel":
+        """Load (once per dtype/device/meta) the cell's model; the same seed gives the same weights."""
+        from ..models import load_model
+
+        key = (dtype, device, meta)
+        if key not in self._models:
+            self._models[key] = load_model(self.cell.model, seed=self.cell.inputs.seed, dtype=dtype, device=device, meta=meta)
+        return self._models[key]
+
+    def inputs(self, loaded: "LoadedModel", *, sample: int = 0, device: str = "cpu") -> dict[str, Any]:
+        from ..models import build_inputs
+
+        return build_inputs(loaded, self.cell.inputs, sample=sample, device=device)
+
+    def drop_models(self) -> None:
+        self._models.clear()
+
+    def journal(self, event: str, name: str) -> None:
+        """Append `event name` to the crash journal (fsync'd): the parent reads it after a hard crash."""
+        append_line(self.cell_dir / JOURNAL_NAME, f"{event}\t{name}")
+
+
+def last_open_entry(journal: Path, kind: str = "module") -> str | None:
+    """The innermost `enter-<kind>` without a matching `leave-<kind>`: what was running when a process died."""
+    try:
+        lines = journal.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return None
+    stack: list[str] = []
+    for line in lines:
+        event, _, name = line.partition("\t")
+        if event == f"enter-{kind}":
+            stack.append(name)
+        elif event == f"leave-{kind}" and stack:
+            if name in stack:
+                while stack and stack.pop() != name:
+                    pass
+    return stack[-1] if stack else None
