@@ -1,0 +1,97 @@
+"""Cells: stable ids, include/exclude, select/skip globs, GitHub chunking and GITHUB_OUTPUT."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ci_runner.config import load_matrix_text
+from ci_runner.errors import ConfigError
+from ci_runner.matrix import artifact_name, chunk, expand, expand_json, find_cell, select
+
+
+def matrix(models: int = 2, backends: int = 2, extra: str = "") -> str:
+    ms = "\n".join(f"  - {{id: m{i}, config: llama}}" for i in range(models))
+    bs = "\n".join(f"  - {{id: b{i}, compile: inductor}}" for i in range(backends))
+    return f"version: 1\nmodels:\n{ms}\nbackends:\n{bs}\n{extra}"
+
+
+def test_ids_are_model_at_backend_in_matrix_order() -> None:
+    cells = expand(load_matrix_text(matrix()))
+    assert [c.id for c in cells] == ["m0@b0", "m0@b1", "m1@b0", "m1@b1"]
+    assert cells[0].modes == ("ops", "layers", "numerics")
+
+
+def test_exclude_include_and_globs() -> None:
+    m = load_matrix_text(matrix(3, 2, "exclude:\n  - {model: m1}\n  - {model: m2, backend: b0}\n"))
+    assert [c.id for c in expand(m)] == ["m0@b0", "m0@b1", "m2@b1"]
+    m = load_matrix_text(matrix(3, 2, "include:\n  - {backend: b1}\n"))
+    assert [c.id for c in expand(m)] == ["m0@b1", "m1@b1", "m2@b1"]
+    cells = expand(load_matrix_text(matrix(3, 2)))
+    assert [c.id for c in select(cells, ["m1@*", "*@b0"], ["m0@*"])] == ["m1@b0", "m1@b1", "m2@b0"]
+
+
+def test_per_entry_modes_timeout_inputs_and_options_override_defaults() -> None:
+    text = textwrap.dedent(
+        """\
+        version: 1
+        defaults: {modes: [ops], timeout: 50, inputs: {seq_len: 8}, options: {numerics: {margin: 2, percentile: 99}}}
+        models:
+          - {id: a, config: llama, modes: [numerics], timeout: 7, inputs: {seq_len: 4}, options: {numerics: {margin: 9}}}
+          - {id: b, config: llama}
+        backends:
+          - {id: x, compile: inductor, options: {numerics: {percentile: 90}}}
+        """
+    )
+    a, b = expand(load_matrix_text(text))
+    assert a.modes == ("numerics",) and a.timeout == 7 and a.inputs.seq_len == 4
+    assert dict(a.options["numerics"]) == {"margin": 9, "percentile": 90}
+    assert b.modes == ("ops",) and b.timeout == 50 and b.inputs.seq_len == 8
+    assert dict(b.options["numerics"]) == {"margin": 2, "percentile": 90}
+
+
+def test_chunking_at_256_and_failing_loudly_past_the_limit() -> None:
+    cells = expand(load_matrix_text(matrix(30, 20)))  # 600 cells
+    doc = expand_json(cells, max_jobs=1000)
+    assert doc["count"] == 600 and doc["chunks"] == 3
+    assert [len(m["include"]) for m in doc["matrix"]] == [256, 256, 88]
+    with pytest.raises(ConfigError, match="600 cells, more than the limit of 512"):
+        chunk(cells, max_jobs=512)
+    with pytest.raises(ConfigError, match="outside 1..256"):
+        chunk(cells, max_jobs=1000, chunk_size=300)
+
+
+def test_include_entries_carry_runs_on_and_safe_artifact_names() -> None:
+    text = matrix(1, 0) + "  - {id: v, compile: 'pkg.mod:fn', runs-on: [self-hosted, card]}\n  - {id: c, compile: inductor}\n"
+    doc = expand_json(expand(load_matrix_text(text)), max_jobs=10)
+    inc = doc["matrix"][0]["include"]
+    assert inc[0]["runs-on"] == ["self-hosted", "card"] and inc[1]["runs-on"] == "ubuntu-latest"
+    for entry in inc:
+        assert not set('":<>|*?\\/') & set(entry["artifact"])
+    assert artifact_name("a/b@c:d") == "deepview-cell-a_b__c_d"
+
+
+def test_find_cell_suggests_close_ids() -> None:
+    m = load_matrix_text(matrix())
+    assert find_cell(m, "m1@b0").id == "m1@b0"
+    with pytest.raises(ConfigError, match="did you mean .*m1@b0"):
+        find_cell(m, "m1@bo")
+
+
+def test_expand_cli_writes_github_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from ci_runner.cli import main
+
+    mpath = tmp_path / "m.yaml"
+    mpath.write_text(matrix(2, 2), encoding="utf-8")
+    out = tmp_path / "gh_output"
+    monkeypatch.setenv("GITHUB_OUTPUT", str(out))
+    assert main(["expand", str(mpath)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["count"] == 4
+    text = out.read_text(encoding="utf-8")
+    assert "count=4" in text or "count<<" in text
+    assert "m1@b1" in text
+    assert main(["expand", str(mpath), "--max-jobs", "3"]) == 2
