@@ -1,0 +1,150 @@
+"""The executor: each cell in its own process; SIGKILL/SIGABRT/SIGSEGV/hang give the right status,
+the other cells complete, and the run folder resumes cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from ci_runner.results import load_cell_result, load_results
+
+REPO = Path(__file__).resolve().parents[2]
+
+MATRIX = textwrap.dedent(
+    """\
+    version: 1
+    defaults:
+      modes: [ops]
+      timeout: {timeout}
+    models:
+      - id: tiny
+        config: llama
+        overrides: {{hidden_size: 16, intermediate_size: 32, num_hidden_layers: 1, num_attention_heads: 2, num_key_value_heads: 1, vocab_size: 64}}
+    backends:
+      - {{id: ok, compile: "tests.fixtures.faults:backend", import: [tests.fixtures.faults]}}
+      - {{id: abort, compile: "tests.fixtures.faults:backend", import: [tests.fixtures.faults], env: {{DEEPVIEW_TEST_FAULT: abort}}}}
+      - {{id: segv, compile: "tests.fixtures.faults:backend", import: [tests.fixtures.faults], env: {{DEEPVIEW_TEST_FAULT: segv}}}}
+      - {{id: kill, compile: "tests.fixtures.faults:backend", import: [tests.fixtures.faults], env: {{DEEPVIEW_TEST_FAULT: kill}}}}
+      - {{id: raises, compile: "tests.fixtures.faults:backend", import: [tests.fixtures.faults], env: {{DEEPVIEW_TEST_FAULT: raise}}}}
+      - {{id: hang, compile: "tests.fixtures.faults:backend", import: [tests.fixtures.faults], env: {{DEEPVIEW_TEST_FAULT: hang}}, timeout: 6}}
+    """
+)
+
+
+def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.run([sys.executable, "-m", "ci_runner", *args], cwd=REPO, env=full_env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture()
+def matrix(tmp_path: Path) -> Path:
+    p = tmp_path / "matrix.yaml"
+    p.write_text(MATRIX.format(timeout=120), encoding="utf-8")
+    return p
+
+
+@pytest.mark.slow
+def test_faults_get_statuses_others_complete_and_the_run_resumes(tmp_path: Path, matrix: Path) -> None:
+    out = tmp_path / "out"
+    proc = cli("run", str(matrix), "--out", str(out), "--jobs", "2")
+    assert proc.returncode == 1, proc.stderr  # findings: some cells did not pass
+    assert "Traceback" not in proc.stderr
+    cells = {p.parent.name: load_cell_result(p) for p in (out / "cells").glob("*/result.json")}
+    assert set(cells) == {f"tiny@{b}" for b in ("ok", "abort", "segv", "kill", "hang", "raises")}
+    assert cells["tiny@abort"].status == "crashed" and cells["tiny@abort"].error.signal == "SIGABRT"
+    assert cells["tiny@segv"].status == "crashed" and cells["tiny@segv"].error.signal == "SIGSEGV"
+    assert cells["tiny@kill"].status == "crashed" and cells["tiny@kill"].error.signal == "SIGKILL"
+    assert cells["tiny@hang"].status == "timeout" and "timed out" in cells["tiny@hang"].error.message
+    raises = cells["tiny@raises"]
+    assert raises.status == "error" and "no device found" in raises.error.message
+    assert cells["tiny@ok"].status in ("pass", "fail", "skipped")  # what the ops mode found; never a crash
+    assert cells["tiny@ok"].error is None
+    for c in cells.values():
+        assert set(c.modes) == {"ops"}
+        assert c.env.get("torch")
+    results = load_results(out / "report" / "results.json")  # validates against the shipped schema
+    assert results.counts()["total"] == 6
+
+    # resume: nothing reruns (fast), unless --force
+    before = {k: (out / "cells" / k / "result.json").stat().st_mtime_ns for k in cells}
+    t0 = time.monotonic()
+    proc = cli("run", str(matrix), "--out", str(out))
+    assert time.monotonic() - t0 < 60
+    assert "finished earlier" in proc.stderr
+    after = {k: (out / "cells" / k / "result.json").stat().st_mtime_ns for k in cells}
+    assert before == after
+    proc = cli("run", str(matrix), "--out", str(out), "--select", "tiny@abort", "--force")
+    assert (out / "cells" / "tiny@abort" / "result.json").stat().st_mtime_ns != before["tiny@abort"]
+
+
+def test_a_corrupt_cell_result_is_rerun_not_fatal(tmp_path: Path, matrix: Path) -> None:
+    out = tmp_path / "out"
+    proc = cli("run", str(matrix), "--out", str(out), "--select", "tiny@raises")
+    assert proc.returncode == 1, proc.stderr
+    result = out / "cells" / "tiny@raises" / "result.json"
+    result.write_text('{"id": "tiny@raises", "trunc', encoding="utf-8")
+    proc = cli("run", str(matrix), "--out", str(out), "--select", "tiny@raises")
+    assert "Traceback" not in proc.stderr
+    assert load_cell_result(result).status == "error"
+
+
+def test_ctrl_c_leaves_a_consistent_folder(tmp_path: Path, matrix: Path) -> None:
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "ci_runner", "run", str(matrix), "--out", str(out),
+                             "--select", "tiny@hang", "--select", "tiny@raises"], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (out / "cells" / "tiny@raises" / "result.json").exists():
+        time.sleep(0.2)
+    time.sleep(1.0)  # the hanging cell is running now
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err
+    assert load_cell_result(out / "cells" / "tiny@raises" / "result.json").status == "error"
+    assert not (out / "cells" / "tiny@hang" / "result.json").exists()
+    leftovers = [p for p in out.rglob("*.tmp")]
+    assert leftovers == []
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("version: 1\nmodels: [{id: a, config: llama}]\nbackends: [{id: b, compile: inductor, devcie: cpu}]\n", "did you mean 'device'"),
+        ("version: 1\nmodels: [{id: a, config: llama}\nbackends: []\n", "invalid YAML"),
+    ],
+)
+def test_bad_matrix_exits_2_with_one_message(tmp_path: Path, text: str, needle: str) -> None:
+    p = tmp_path / "bad.yaml"
+    p.write_text(text, encoding="utf-8")
+    proc = cli("run", str(p), "--out", str(tmp_path / "o"))
+    assert proc.returncode == 2
+    assert needle in proc.stderr and str(p) in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.count("error:") == 1
+
+
+def test_unknown_cell_id_exits_2(tmp_path: Path, matrix: Path) -> None:
+    proc = cli("cell", "tiny@nope", "--matrix", str(matrix), "--out", str(tmp_path / "o"))
+    assert proc.returncode == 2 and "no cell 'tiny@nope'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_aggregate_rejects_a_corrupt_results_file_with_exit_3(tmp_path: Path) -> None:
+    cdir = tmp_path / "run" / "cells" / "a@b"
+    cdir.mkdir(parents=True)
+    (cdir / "result.json").write_text("{not json", encoding="utf-8")
+    proc = cli("aggregate", str(tmp_path / "run"), "--out", str(tmp_path / "rep"))
+    assert proc.returncode == 3
+    assert "result.json:1:2" in proc.stderr and "not valid JSON" in proc.stderr
+    assert "Traceback" not in proc.stderr
