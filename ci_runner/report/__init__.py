@@ -1,0 +1,50 @@
+"""The reports of a run: ``junit.xml``, ``summary.md`` and ``report.html``, from one `Results`.
+
+`write_reports` is what ``deepview-ci run`` and ``deepview-ci aggregate`` call after writing
+``results.json``. All three files are written atomically and say the same thing, because they are
+rendered from one view (`view.build_view`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..fsutil import atomic_write_bytes, atomic_write_text
+from ..results import Results
+from .html import render_html
+from .junit import render_junit, xml_safe
+from .summary import SUMMARY_LIMIT, render_summary, truncate_markdown
+from .view import build_view
+
+__all__ = ["write_reports", "render_junit", "render_summary", "render_html", "truncate_markdown", "xml_safe",
+           "SUMMARY_LIMIT"]
+
+
+def write_reports(
+    results: Results,
+    out_dir: Path,
+    *,
+    run_dir: Path | None = None,
+    diff: Any = None,
+    env: Mapping[str, str] | None = None,
+) -> dict[str, Path]:
+    """Write junit.xml, summary.md and report.html into `out_dir`; return their paths.
+
+    Repro paths are shown relative to `out_dir` when `run_dir` (the folder holding ``cells/``) is
+    given. With `diff` (a `baseline.Diff`), regressions lead the summary and the page. When
+    ``GITHUB_STEP_SUMMARY`` is set (in `env`, default ``os.environ``), the summary is appended to
+    it within GitHub's 1 MiB cap.
+    """
+    from ..github.actions import append_step_summary
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    view = build_view(results, out_dir=out if run_dir is not None else None, run_dir=run_dir, diff=diff)
+    paths = {
+        "junit": atomic_write_bytes(out / "junit.xml", render_junit(results, view=view)),
+        "summary": atomic_write_text(out / "summary.md", summary := render_summary(results, view=view)),
+        "html": atomic_write_text(out / "report.html", render_html(results, view=view)),
+    }
+    append_step_summary(summary, env=env, pointer="the full report is `report.html` in the run's report artifact")
+    return paths

@@ -1,0 +1,203 @@
+"""`report.html`: one self-contained page (inline CSS, JS and SVG; no network, no CDN).
+
+The same content as the summary, plus, per cell with a numerics table, a chart of each layer's
+deviation against its threshold in both views (cumulative: the target's own forward; isolated: the
+layer fed the reference's inputs), on a log scale, with the flagged layers and the first divergent
+layer marked. One chart per metric (rel, 1 − cos, mad); tabs switch between them.
+
+A Content-Security-Policy meta tag forbids every fetch, so a page that would need the network
+fails loudly in a browser instead of quietly phoning home.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from markupsafe import Markup
+
+from ..results import Results
+from .junit import xml_safe
+from .view import LayerPoint, NumericsView, ReportView, build_view, first_line, fmt_num, icon
+
+MAX_FINDINGS_PER_CELL = 500
+CHART_METRICS: tuple[tuple[str, str], ...] = (("rel", "relative error"), ("cos", "1 − cosine"), ("mad", "mean abs diff"))
+
+W, H = 760, 260
+ML, MR, MT, MB = 64, 16, 18, 42
+
+
+def _metric(p: LayerPoint, view: str, metric: str) -> float | None:
+    d = p.cumulative if view == "cumulative" else p.isolated
+    v = d.get(metric)
+    if v is None:
+        return None
+    return 1.0 - v if metric == "cos" else v
+
+
+def _threshold(p: LayerPoint, metric: str) -> float | None:
+    t = p.threshold.get(metric)
+    if t is None or not math.isfinite(t):
+        return None
+    return 1.0 - t if metric == "cos" else t
+
+
+def _e(text: Any) -> str:
+    return html.escape(xml_safe(text), quote=True)
+
+
+def layer_chart(nv: NumericsView, metric: str, *, cell_id: str, label: str, hidden: bool = False) -> str:
+    """An SVG chart of every layer's `metric` (cumulative and isolated) against its threshold."""
+    pts = nv.layers
+    n = len(pts)
+    series = {v: [_metric(p, v, metric) for p in pts] for v in ("cumulative", "isolated")}
+    thr = [_threshold(p, metric) for p in pts]
+    finite = [x for xs in (*series.values(), thr) for x in xs if x is not None and math.isfinite(x) and x > 0]
+    lo = math.floor(math.log10(min(finite))) if finite else -8
+    hi = math.ceil(math.log10(max(finite))) if finite else 0
+    if hi - lo < 2:
+        lo, hi = lo - 1, hi + 1
+    pw, ph = W - ML - MR, H - MT - MB
+    step = pw / max(n, 1)
+
+    def x(i: int) -> float:
+        return ML + (i + 0.5) * step
+
+    def y(v: float | None) -> tuple[float, str]:
+        """Plot position and the kind of point: value, zero (at the floor) or nonfinite (at the top)."""
+        if v is None:
+            return (MT + ph, "none")
+        if math.isnan(v) or math.isinf(v):
+            return (MT, "nonfinite")
+        if v <= 0:
+            return (MT + ph, "zero")
+        t = (math.log10(v) - lo) / (hi - lo)
+        return (MT + ph - max(0.0, min(1.0, t)) * ph, "value")
+
+    first = nv.verdict.get("first_divergent")
+    flagged = sum(1 for p in pts if p.flagged_cumulative or p.flagged_isolated)
+    out: list[str] = [
+        f'<svg class="chart{" hidden" if hidden else ""}" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {W} {H}" width="{W}" height="{H}" '
+        f'role="img" data-cell="{_e(cell_id)}" data-metric="{metric}" data-layers="{n}" data-flagged="{flagged}">',
+        f"<title>{_e(cell_id)}: per-layer {_e(label)} against threshold ({n} layers, {flagged} flagged)</title>",
+        f'<rect class="plot" x="{ML}" y="{MT}" width="{pw:.1f}" height="{ph}"/>',
+    ]
+    every = max(1, math.ceil((hi - lo) / 8))
+    for dec in range(lo, hi + 1, every):
+        yy = MT + ph - (dec - lo) / (hi - lo) * ph
+        out.append(f'<line class="grid" x1="{ML}" x2="{ML + pw:.1f}" y1="{yy:.1f}" y2="{yy:.1f}"/>')
+        out.append(f'<text class="tick" x="{ML - 6}" y="{yy + 4:.1f}" text-anchor="end">1e{dec}</text>')
+    xticks = max(1, math.ceil(n / 12))
+    for i in range(0, n, xticks):
+        out.append(f'<text class="tick" x="{x(i):.1f}" y="{MT + ph + 14}" text-anchor="middle">{pts[i].index}</text>')
+    out.append(f'<text class="axis" x="{ML + pw / 2:.1f}" y="{H - 6}" text-anchor="middle">layer (execution order)</text>')
+    out.append(f'<text class="axis" transform="translate(14 {MT + ph / 2:.1f}) rotate(-90)" text-anchor="middle">{_e(label)}</text>')
+    if first:
+        for i, p in enumerate(pts):
+            if p.name == first:
+                out.append(f'<line class="first" x1="{x(i):.1f}" x2="{x(i):.1f}" y1="{MT}" y2="{MT + ph}"/>')
+                anchor = "end" if i > n / 2 else "start"
+                dx = -4 if anchor == "end" else 4
+                out.append(f'<text class="firstlabel" x="{x(i) + dx:.1f}" y="{MT + 12}" text-anchor="{anchor}">'
+                           f"first divergent: {_e(first)}</text>")
+                break
+    # threshold as a step line, broken where a layer has none
+    d: list[str] = []
+    pen = False
+    for i, t in enumerate(thr):
+        if t is None or t <= 0:
+            pen = False
+            continue
+        yy, _ = y(t)
+        x0, x1 = ML + i * step, ML + (i + 1) * step
+        d.append(f"{'L' if pen else 'M'}{x0:.1f} {yy:.1f}H{x1:.1f}")
+        pen = True
+    if d:
+        out.append(f'<path class="thr" d="{"".join(d)}"/>')
+    for view, cls in (("cumulative", "cum"), ("isolated", "iso")):
+        coords = []
+        for i, v in enumerate(series[view]):
+            if v is None:
+                continue
+            yy, _ = y(v)
+            coords.append(f"{x(i):.1f},{yy:.1f}")
+        if coords:
+            out.append(f'<polyline class="line {cls}" data-view="{view}" points="{" ".join(coords)}"/>')
+    for i, p in enumerate(pts):
+        for view, flag, shape in (("cumulative", p.flagged_cumulative, "circle"), ("isolated", p.flagged_isolated, "diamond")):
+            v = series[view][i]
+            yy, kind = y(v)
+            if kind == "nonfinite":
+                out.append(f'<path class="nonfinite" d="M{x(i):.1f} {MT - 1}l-5 9h10z"/>')
+            if not flag:
+                continue
+            if shape == "circle":
+                out.append(f'<circle class="flag flag-cum" cx="{x(i):.1f}" cy="{yy:.1f}" r="4.5"/>')
+            else:
+                out.append(f'<path class="flag flag-iso" d="M{x(i):.1f} {yy - 5:.1f}l5 5l-5 5l-5 -5z"/>')
+        tip = [f"#{p.index} {p.name} ({p.module_class})" if p.module_class else f"#{p.index} {p.name}"]
+        for view in ("cumulative", "isolated"):
+            tip.append(f"{view}: {fmt_num(series[view][i])}")
+        tip.append(f"threshold: {fmt_num(thr[i])}")
+        if p.flagged_cumulative or p.flagged_isolated:
+            tip.append("flagged: " + ", ".join(v for v, f in (("cumulative", p.flagged_cumulative), ("isolated", p.flagged_isolated)) if f))
+        out.append(f'<rect class="hit" x="{ML + i * step:.1f}" y="{MT}" width="{step:.2f}" height="{ph}">'
+                   f"<title>{_e(chr(10).join(tip))}</title></rect>")
+    out.append("</svg>")
+    return "".join(out)
+
+
+def _anchor(cell_id: str) -> str:
+    """A unique, URL-safe element id for a cell."""
+    import hashlib
+
+    safe = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in cell_id)
+    return f"cell-{safe}-{hashlib.sha1(cell_id.encode('utf-8', 'surrogatepass')).hexdigest()[:6]}"
+
+
+def _finalize(value: Any) -> Any:
+    if isinstance(value, str) and not isinstance(value, Markup):
+        return xml_safe(value)
+    return value
+
+
+_ENV: jinja2.Environment | None = None
+
+
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("ci_runner", "templates"),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        finalize=_finalize,
+    )
+    env.filters.update(num=fmt_num, icon=icon, first_line=first_line)
+    return env
+
+
+def render_html(
+    results: Results,
+    *,
+    out_dir: Path | None = None,
+    run_dir: Path | None = None,
+    view: ReportView | None = None,
+    diff: Any = None,
+) -> str:
+    global _ENV
+    if _ENV is None:
+        _ENV = _environment()
+    v = view or build_view(results, out_dir=out_dir, run_dir=run_dir, diff=diff)
+    charts: dict[str, list[tuple[str, str, Markup]]] = {}
+    for cv in v.cells:
+        if cv.numerics and cv.numerics.layers:
+            charts[cv.id] = [(m, label, Markup(layer_chart(cv.numerics, m, cell_id=cv.id, label=label, hidden=i > 0)))
+                             for i, (m, label) in enumerate(CHART_METRICS)]
+    return _ENV.get_template("report.html.j2").render(
+        v=v, diff=v.diff, charts=charts, max_findings=MAX_FINDINGS_PER_CELL,
+        anchor=_anchor,
+    )

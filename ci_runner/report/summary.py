@@ -1,0 +1,146 @@
+"""`summary.md`: what GitHub shows on the run page, and what an engineer reads first.
+
+Order: regressions (when a diff is given) and failing cells first, then the cells × modes table,
+the operator ranking, failing submodules, divergent layers with their metrics, and per-cell details
+folded in ``<details>``. Always under GitHub's 1 MiB step-summary limit: past it the text is cut at
+a line, open code fences and ``<details>`` are closed, and a note points at the full report.
+
+Everything that comes from results (messages, names, stderr) is escaped: it cannot open a table
+cell, a raw HTML tag or a code fence of its own.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from ..github.actions import STEP_SUMMARY_LIMIT
+from ..results import Results
+from .junit import xml_safe
+from .view import ReportView, build_view, first_line, fmt_num, icon
+
+# The file stays this far under GitHub's limit, so that appending it after a few lines another
+# step wrote still fits.
+SUMMARY_LIMIT = STEP_SUMMARY_LIMIT - 8 * 1024
+MAX_ROWS = 200  # rows per table before "… N more"
+MAX_DETAILS_FINDINGS = 40  # findings shown per cell inside <details>
+DEFAULT_POINTER = "the full report is `report.html` (with `results.json` and `junit.xml`) in the same folder / artifact"
+
+_MD_SPECIAL = re.compile(r"([\\`*_\[\]|~])")
+
+
+def md(text: Any, limit: int | None = 300) -> str:
+    """Inline Markdown text: one line, no raw HTML, no table-breaking pipes."""
+    s = xml_safe("" if text is None else text)
+    s = " ".join(s.split())
+    if limit and len(s) > limit:
+        s = s[: limit - 1] + "…"
+    s = s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    return _MD_SPECIAL.sub(r"\\\1", s).replace("\\|", "&#124;")
+
+
+def h(text: Any, limit: int | None = 300) -> str:
+    """Text inside an HTML tag of the Markdown (``<summary>``): escaped HTML, one line."""
+    import html
+
+    s = " ".join(xml_safe("" if text is None else text).split())
+    if limit and len(s) > limit:
+        s = s[: limit - 1] + "…"
+    return html.escape(s, quote=True)
+
+
+def code(text: Any) -> str:
+    """Inline code span that survives backticks and pipes in the text."""
+    s = " ".join(xml_safe("" if text is None else text).split())
+    s = s.replace("|", "¦")  # a pipe inside a table cell ends the cell even in code spans
+    ticks = max((len(m) for m in re.findall(r"`+", s)), default=0)
+    fence = "`" * (ticks + 1)
+    pad = " " if s.startswith("`") or s.endswith("`") or not s else ""
+    return f"{fence}{pad}{s}{pad}{fence}"
+
+
+def block(text: Any, lang: str = "", limit: int = 4000) -> str:
+    """A fenced code block longer than any backtick run inside `text`."""
+    s = xml_safe("" if text is None else text).replace("\r\n", "\n").replace("\r", "\n")
+    if len(s) > limit:
+        s = s[: limit] + f"\n… [{len(s) - limit} characters cut]"
+    ticks = max((len(m) for m in re.findall(r"`{3,}", s)), default=2)
+    fence = "`" * max(3, ticks + 1)
+    return f"{fence}{lang}\n{s.rstrip()}\n{fence}"
+
+
+_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})(.*)$")
+
+
+def truncate_markdown(text: str, limit: int, *, pointer: str = DEFAULT_POINTER) -> str:
+    """Cut Markdown to `limit` UTF-8 bytes at a line, closing open fences and ``<details>``."""
+    data = text.encode("utf-8")
+    if len(data) <= limit:
+        return text
+    reserve = 1024
+    cut = data[: max(0, limit - reserve)]
+    nl = cut.rfind(b"\n")
+    kept = cut[: nl + 1] if nl >= 0 else b""
+    lines = kept.decode("utf-8", errors="ignore").splitlines(keepends=True)
+    fence: str | None = None
+    depth = 0
+    for line in lines:
+        m = _FENCE.match(line.rstrip("\n"))
+        if fence is None and m:
+            fence = m.group(1)
+            continue
+        if fence is not None:
+            if m and m.group(1)[0] == fence[0] and len(m.group(1)) >= len(fence) and not m.group(2).strip():
+                fence = None
+            continue
+        depth += line.count("<details") - line.count("</details>")
+    tail = ""
+    if fence is not None:
+        tail += fence + "\n"
+    tail += "</details>\n" * max(depth, 0)
+    shown = len(kept)
+    tail += (f"\n> [!WARNING]\n> This summary was cut at {shown:,} of {len(data):,} bytes to stay under "
+             f"GitHub's 1 MiB step-summary limit; {pointer}.\n")
+    return "".join(lines) + tail
+
+
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("ci_runner", "templates"),
+        autoescape=False,  # Markdown: every value goes through md/code/block instead
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        finalize=lambda x: xml_safe(x) if isinstance(x, str) else x,
+    )
+    env.filters.update(md=md, h=h, code=code, block=block, num=fmt_num, icon=icon, first_line=first_line)
+    return env
+
+
+_ENV: jinja2.Environment | None = None
+
+
+def render_summary(
+    results: Results,
+    *,
+    out_dir: Path | None = None,
+    run_dir: Path | None = None,
+    view: ReportView | None = None,
+    diff: Any = None,
+    limit: int = SUMMARY_LIMIT,
+    pointer: str = DEFAULT_POINTER,
+) -> str:
+    """The summary Markdown, at most `limit` UTF-8 bytes."""
+    global _ENV
+    if _ENV is None:
+        _ENV = _environment()
+    v = view or build_view(results, out_dir=out_dir, run_dir=run_dir, diff=diff)
+    text = _ENV.get_template("summary.md.j2").render(
+        v=v, max_rows=MAX_ROWS, max_details=MAX_DETAILS_FINDINGS, diff=v.diff,
+    )
+    text = re.sub(r"\n{3,}", "\n\n", text)
+    return truncate_markdown(text, limit, pointer=pointer)

@@ -1,0 +1,282 @@
+"""One view of a `Results` that every report renders: the summary, the HTML page and the JUnit file.
+
+Building it once keeps the three reports saying the same thing: the same order of cells, the same
+icons, the same repro paths. Nothing here formats Markdown or HTML.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import posixpath
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from ..results import STATUS_SEVERITY, CellResult, Finding, Results, number
+
+MODE_ORDER: tuple[str, ...] = ("ops", "layers", "numerics")
+ICONS: dict[str, str] = {
+    "pass": "✅",
+    "fail": "❌",
+    "error": "⚠️",
+    "timeout": "⚠️",
+    "crashed": "⚠️",
+    "skipped": "➖",
+}
+BAD_STATUSES = frozenset({"fail", "error", "timeout", "crashed"})
+METRIC_KEYS: tuple[str, ...] = ("rel", "cos", "mad", "max_abs", "sqnr_db")
+ENV_KEYS: tuple[str, ...] = ("torch", "transformers", "backend_version", "device")
+
+
+def icon(status: str | None) -> str:
+    return ICONS.get(status or "", "·")
+
+
+def fmt_num(value: Any) -> str:
+    """Short, exact-enough text for a metric: 3 significant digits, NaN/Inf spelled out."""
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return str(value).lower()
+    try:
+        x = number(value) if isinstance(value, (int, float, str)) else None
+    except (TypeError, ValueError):
+        return str(value)
+    if x is None:
+        return str(value)
+    if math.isnan(x):
+        return "NaN"
+    if math.isinf(x):
+        return "∞" if x > 0 else "-∞"
+    if isinstance(value, int):
+        return str(value)
+    if x == 0:
+        return "0"
+    if 1e-3 <= abs(x) < 1e4:
+        return f"{x:.4g}"
+    return f"{x:.3g}"
+
+
+def as_float(value: Any) -> float | None:
+    """A metric as a float (NaN/Inf included), or None when absent or not numeric."""
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        return number(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def first_line(text: str, limit: int = 240) -> str:
+    """The headline of a message; a lead-in such as ``backend='x' raised:`` is joined to the next line."""
+    lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
+    line = lines[0] if lines else ""
+    if len(lines) > 1 and line.endswith(":") and len(line) < 80:
+        line = f"{line} {lines[1]}"
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def repro_path(cell: CellResult, finding: Finding, *, out_dir: Path | None, run_dir: Path | None) -> str | None:
+    """Where a finding's repro lies, as a reader of the report folder should open it.
+
+    Repro paths are relative to the cell folder (``artifacts_dir``, itself relative to the run
+    folder). With `run_dir`, the result is relative to `out_dir`; without, relative to the run folder.
+    """
+    if finding.repro is None or not finding.repro.path:
+        return None
+    rel = finding.repro.path.replace("\\", "/")
+    if posixpath.isabs(rel):
+        full = rel
+    else:
+        base = (cell.artifacts_dir or f"cells/{cell.id}").replace("\\", "/")
+        full = posixpath.normpath(posixpath.join(base, rel))
+        if run_dir is None or out_dir is None:
+            return full
+        full = os.path.join(os.path.abspath(run_dir), full)
+    if out_dir is None:
+        return full
+    try:
+        return Path(os.path.relpath(full, os.path.abspath(out_dir))).as_posix()
+    except ValueError:  # another drive on Windows
+        return Path(full).as_posix()
+
+
+@dataclass
+class FindingView:
+    cell: str
+    model: str
+    backend: str
+    mode: str
+    finding: Finding
+    title: str  # op, or module, or kind
+    summary: str  # first line of the message
+    repro: str | None
+    verified: bool
+    view: str | None = None  # numerics: cumulative / isolated
+
+
+@dataclass
+class LayerPoint:
+    name: str
+    module_class: str
+    index: int
+    cumulative: dict[str, float | None]
+    isolated: dict[str, float | None]
+    threshold: dict[str, float | None]
+    flagged_cumulative: bool
+    flagged_isolated: bool
+
+
+@dataclass
+class NumericsView:
+    layers: list[LayerPoint]
+    verdict: dict[str, Any]
+
+    @property
+    def flagged(self) -> list[LayerPoint]:
+        return [p for p in self.layers if p.flagged_cumulative or p.flagged_isolated]
+
+
+@dataclass
+class CellView:
+    cell: CellResult
+    modes: dict[str, str | None]  # mode → status (None when the mode did not run at all)
+    reasons: dict[str, str]
+    findings: list[FindingView]
+    env: dict[str, str]
+    numerics: NumericsView | None
+
+    @property
+    def id(self) -> str:
+        return self.cell.id
+
+    @property
+    def status(self) -> str:
+        return self.cell.status
+
+    @property
+    def bad(self) -> bool:
+        return self.cell.status in BAD_STATUSES
+
+
+@dataclass
+class ReportView:
+    cells: list[CellView]
+    modes: list[str]
+    counts: dict[str, int]
+    ranking: list[dict[str, Any]]
+    submodules: list[FindingView]  # layer failures
+    divergent: list[FindingView]  # divergence findings
+    op_findings: list[FindingView]
+    other: list[FindingView]
+    verdicts: list[tuple[CellView, dict[str, Any]]]
+    tool_version: str
+    generated_at: str | None
+    regressions: list[Any] = field(default_factory=list)  # diff entries, when a diff was given
+    diff: Any = None
+
+    @property
+    def failing(self) -> list[CellView]:
+        return [c for c in self.cells if c.bad]
+
+    @property
+    def total_findings(self) -> int:
+        return self.counts.get("findings", 0)
+
+
+def _metrics(d: Any) -> dict[str, float | None]:
+    if not isinstance(d, Mapping):
+        return {}
+    return {k: as_float(v) for k, v in d.items()}
+
+
+def _numerics(cell: CellResult) -> NumericsView | None:
+    mode = cell.modes.get("numerics")
+    if mode is None or not isinstance(mode.data, Mapping):
+        return None
+    rows = mode.data.get("layers")
+    if not isinstance(rows, Sequence) or isinstance(rows, (str, bytes)):
+        return None
+    points: list[LayerPoint] = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, Mapping):
+            continue
+        idx = row.get("index", i)
+        points.append(LayerPoint(
+            name=str(row.get("name", f"layer {i}")),
+            module_class=str(row.get("module_class") or ""),
+            index=idx if isinstance(idx, int) else i,
+            cumulative=_metrics(row.get("cumulative")),
+            isolated=_metrics(row.get("isolated")),
+            threshold=_metrics(row.get("threshold")),
+            flagged_cumulative=bool(row.get("flagged_cumulative")),
+            flagged_isolated=bool(row.get("flagged_isolated")),
+        ))
+    verdict = mode.data.get("verdict")
+    return NumericsView(layers=points, verdict=dict(verdict) if isinstance(verdict, Mapping) else {})
+
+
+def _flat_env(env: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    out: dict[str, str] = {}
+    for k in sorted(env, key=str):
+        v = env[k]
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(_flat_env(v, key + "."))
+        elif isinstance(v, (list, tuple)):
+            import json
+
+            out[key] = json.dumps(v, sort_keys=True, ensure_ascii=False, default=str)
+        elif v is not None:
+            out[key] = str(v)
+    return out
+
+
+def mode_names(results: Results) -> list[str]:
+    seen = {m for c in results.cells for m in c.modes}
+    return [m for m in MODE_ORDER if m in seen] + sorted(seen - set(MODE_ORDER)) or list(MODE_ORDER)
+
+
+def build_view(results: Results, *, out_dir: Path | None = None, run_dir: Path | None = None, diff: Any = None) -> ReportView:
+    """Order: failing cells first (worst status first), then by id; findings in mode order."""
+    modes = mode_names(results)
+    cells: list[CellView] = []
+    for c in results.cells:
+        fviews: list[FindingView] = []
+        for mname in [m for m in modes if m in c.modes]:
+            for f in c.modes[mname].findings:
+                fviews.append(FindingView(
+                    cell=c.id, model=c.model, backend=c.backend, mode=mname, finding=f,
+                    title=f.op or f.module or f.kind, summary=first_line(f.message),
+                    repro=repro_path(c, f, out_dir=out_dir, run_dir=run_dir),
+                    verified=bool(f.repro and f.repro.verified),
+                    view=str(f.details.get("view")) if isinstance(f.details, Mapping) and f.details.get("view") else None,
+                ))
+        cells.append(CellView(
+            cell=c,
+            modes={m: (c.modes[m].status if m in c.modes else None) for m in modes},
+            reasons={m: c.modes[m].reason or "" for m in modes if m in c.modes and c.modes[m].reason},
+            findings=fviews,
+            env=_flat_env(c.env),
+            numerics=_numerics(c),
+        ))
+    cells.sort(key=lambda cv: (0 if cv.bad else 1, -STATUS_SEVERITY.get(cv.status, 3), cv.id))
+    allf = [f for cv in cells for f in cv.findings]
+    view = ReportView(
+        cells=cells,
+        modes=modes,
+        counts=results.counts(),
+        ranking=[r for r in results.ranking if isinstance(r, Mapping)],
+        submodules=[f for f in allf if f.finding.kind == "layer_failure"],
+        divergent=[f for f in allf if f.finding.kind == "divergence"],
+        op_findings=[f for f in allf if f.finding.kind in ("unsupported_op", "op_error", "op_mismatch")],
+        other=[f for f in allf if f.finding.kind in ("weights_mismatch", "batch_variance")],
+        verdicts=[(cv, cv.numerics.verdict) for cv in cells if cv.numerics and cv.numerics.verdict.get("first_divergent")],
+        tool_version=results.tool_version,
+        generated_at=results.generated_at,
+        diff=diff,
+    )
+    if diff is not None:
+        view.regressions = [e for e in diff.entries if e.category == "regressed"]
+    return view

@@ -1,0 +1,223 @@
+"""report.html in a real headless browser (Debian's chromium), driven over the DevTools protocol.
+
+The page must load with no script error, no console error, no CSP violation and no request other
+than the file itself; its charts must be there, drawn with a real size, one line per view with a
+point per layer, the flagged layers marked; the metric tabs must switch charts.
+
+Chromium is talked to over ``--remote-debugging-pipe`` (fd 3 in, fd 4 out, NUL-separated JSON),
+so no websocket library or port is needed. Without chromium the test is skipped locally and fails
+under CI (``CI`` set), so a missing install step cannot hide.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ci_runner.report import write_reports
+from tests.fixtures.results_factory import example_results
+
+BROWSERS = ("chromium", "chromium-browser", "google-chrome", "chrome")
+
+
+def _browser() -> str:
+    for name in BROWSERS:
+        path = shutil.which(name)
+        if path:
+            return path
+    msg = "no chromium on PATH (apt-get install chromium)"
+    if os.environ.get("CI"):
+        pytest.fail(msg + ": the browser test must run in CI")
+    pytest.skip(msg)
+
+
+class DevTools:
+    """A minimal Chrome DevTools Protocol client over ``--remote-debugging-pipe``."""
+
+    def __init__(self, binary: str, profile: Path) -> None:
+        to_r, self._to_w = os.pipe()
+        self._from_r, from_w = os.pipe()
+        args = [binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--no-first-run", "--no-default-browser-check", "--disable-extensions",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                f"--user-data-dir={profile}", "--remote-debugging-pipe", "about:blank"]
+        script = f'exec "$@" 3<&{to_r} 4>&{from_w}'
+        self.proc = subprocess.Popen(["bash", "-c", script, "chromium", *args], pass_fds=(to_r, from_w),
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        os.close(to_r)
+        os.close(from_w)
+        self._buf = b""
+        self._id = 0
+        self.events: list[dict[str, Any]] = []
+
+    def _read_message(self, deadline: float) -> dict[str, Any]:
+        while b"\0" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("chromium did not answer in time")
+            ready, _, _ = select.select([self._from_r], [], [], left)
+            if ready:
+                chunk = os.read(self._from_r, 1 << 16)
+                if not chunk:
+                    err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+                    raise RuntimeError(f"chromium closed the pipe: {err[-2000:]}")
+                self._buf += chunk
+        raw, self._buf = self._buf.split(b"\0", 1)
+        return json.loads(raw)
+
+    def send(self, method: str, params: dict[str, Any] | None = None, *, session: str | None = None,
+             timeout: float = 30.0) -> dict[str, Any]:
+        self._id += 1
+        msg: dict[str, Any] = {"id": self._id, "method": method, "params": params or {}}
+        if session:
+            msg["sessionId"] = session
+        os.write(self._to_w, json.dumps(msg).encode() + b"\0")
+        deadline = time.monotonic() + timeout
+        while True:
+            reply = self._read_message(deadline)
+            if reply.get("id") == self._id:
+                if "error" in reply:
+                    raise RuntimeError(f"{method}: {reply['error']}")
+                return reply.get("result", {})
+            self.events.append(reply)
+
+    def wait_for(self, method: str, timeout: float = 30.0) -> dict[str, Any]:
+        for e in self.events:
+            if e.get("method") == method:
+                return e
+        deadline = time.monotonic() + timeout
+        while True:
+            e = self._read_message(deadline)
+            self.events.append(e)
+            if e.get("method") == method:
+                return e
+
+    def drain(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        try:
+            while True:
+                self.events.append(self._read_message(deadline))
+        except TimeoutError:
+            pass
+
+    def close(self) -> None:
+        try:
+            self.send("Browser.close", timeout=5)
+        except Exception:
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        for fd in (self._to_w, self._from_r):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+CHECK_JS = r"""
+(() => {
+  const root = document.documentElement;
+  const visible = [...document.querySelectorAll("svg.chart")].filter(s => !s.classList.contains("hidden"));
+  const charts = visible.map(s => {
+    const r = s.getBoundingClientRect();
+    const lines = [...s.querySelectorAll("polyline.line")].map(p => ({
+      view: p.getAttribute("data-view"), points: p.points.numberOfItems, length: p.getTotalLength()}));
+    return {cell: s.dataset.cell, metric: s.dataset.metric, layers: +s.dataset.layers, flagged: +s.dataset.flagged,
+            width: r.width, height: r.height, lines,
+            marks: s.querySelectorAll(".flag").length, thr: s.querySelectorAll("path.thr").length,
+            first: s.querySelectorAll("line.first").length};
+  });
+  // switch every chart box to its second metric, then read what is shown
+  const boxes = [...document.querySelectorAll(".chartbox")];
+  boxes.forEach(b => b.querySelectorAll(".tabs button")[1].click());
+  const switched = boxes.map(b => [...b.querySelectorAll("svg.chart")]
+      .filter(s => getComputedStyle(s).display !== "none").map(s => s.dataset.metric));
+  return JSON.stringify({ready: root.dataset.ready, errors: root.dataset.errors, count: +root.dataset.charts,
+                         charts, switched, title: document.title,
+                         rows: document.querySelectorAll("#cells tbody tr").length});
+})()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_example_matrix_report_in_headless_chromium(tmp_path: Path) -> None:
+    binary = _browser()
+    results = example_results()
+    run = tmp_path / "run"
+    paths = write_reports(results, run / "report", run_dir=run, env={})
+    page = paths["html"]
+    expected_charts = [c for c in results.cells if c.modes.get("numerics") and c.modes["numerics"].data.get("layers")]
+    assert expected_charts, "the example results must have numerics tables to chart"
+
+    dt = DevTools(binary, tmp_path / "profile")
+    try:
+        target = dt.send("Target.createTarget", {"url": "about:blank"})["targetId"]
+        session = dt.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+        for domain in ("Page", "Runtime", "Log", "Network"):
+            dt.send(f"{domain}.enable", session=session)
+        dt.send("Page.navigate", {"url": page.resolve().as_uri()}, session=session)
+        dt.wait_for("Page.loadEventFired", timeout=60)
+        dt.drain(0.3)
+        result = dt.send("Runtime.evaluate", {"expression": CHECK_JS, "returnByValue": True}, session=session)
+        assert "exceptionDetails" not in result, result
+        info = json.loads(result["result"]["value"])
+        shot = dt.send("Page.captureScreenshot", {"format": "png"}, session=session)
+        (tmp_path / "report.png").write_bytes(__import__("base64").b64decode(shot["data"]))
+        dt.drain(0.2)
+    finally:
+        dt.close()
+
+    exceptions = [e for e in dt.events if e.get("method") == "Runtime.exceptionThrown"]
+    console_errors = [e for e in dt.events if e.get("method") == "Runtime.consoleAPICalled"
+                      and e["params"].get("type") in ("error", "assert")]
+    log_errors = [e for e in dt.events if e.get("method") == "Log.entryAdded" and e["params"]["entry"]["level"] == "error"]
+    requests = [e["params"]["request"]["url"] for e in dt.events if e.get("method") == "Network.requestWillBeSent"]
+    assert not exceptions, exceptions
+    assert not console_errors, console_errors
+    assert not log_errors, log_errors
+    assert all(u.startswith("file:") for u in requests), f"the page fetched something: {requests}"
+
+    assert info["ready"] == "1" and info["errors"] == "0", info
+    assert info["rows"] == len(results.cells)
+    assert info["count"] == 3 * len(expected_charts)  # one chart per metric per cell
+    charts = info["charts"]
+    assert len(charts) == len(expected_charts)
+    assert {c["cell"] for c in charts} == {c.id for c in expected_charts}
+    for ch in charts:
+        cell = results.cell(ch["cell"])
+        assert cell is not None
+        layers = cell.modes["numerics"].data["layers"]
+        assert ch["metric"] == "rel"
+        assert ch["layers"] == len(layers)
+        assert ch["width"] > 300 and ch["height"] > 100, ch
+        assert {ln["view"] for ln in ch["lines"]} == {"cumulative", "isolated"}
+        assert all(ln["points"] == len(layers) and ln["length"] > 0 for ln in ch["lines"]), ch["lines"]
+        n_flags = sum(bool(r["flagged_cumulative"]) + bool(r["flagged_isolated"]) for r in layers)
+        assert ch["marks"] == n_flags == ch["flagged"] + sum(r["flagged_cumulative"] and r["flagged_isolated"] for r in layers)
+        assert ch["thr"] == 1
+        assert ch["first"] == (1 if cell.modes["numerics"].data["verdict"]["first_divergent"] else 0)
+    assert any(ch["marks"] for ch in charts), "some example cell must have flagged layers"
+    assert all(shown == ["cos"] for shown in info["switched"]), info["switched"]
+    assert (tmp_path / "report.png").stat().st_size > 10_000
+
+
+def test_report_html_is_self_contained(tmp_path: Path) -> None:
+    """No external asset can be referenced: no src/href to another origin, and a CSP forbidding fetches."""
+    import re
+
+    paths = write_reports(example_results(), tmp_path, env={})
+    text = paths["html"].read_text(encoding="utf-8")
+    assert "default-src 'none'" in text
+    assert not re.search(r"""(?:src|href)\s*=\s*["']?(?:https?:)?//""", text)
+    assert "<link" not in text and "@import" not in text and "url(" not in text
