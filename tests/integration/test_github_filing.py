@@ -1,0 +1,335 @@
+"""`file_issues` against the local fake GitHub: dedupe over reruns, recurrence, reopen, close on fix,
+rate limits, truncation, drafts when the API fails, and no token anywhere in the output."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ci_runner.github.issues import FilingOptions, file_issues, group_fingerprint
+from ci_runner.results import CellResult, Finding, ModeResult, Results, save_results
+from tests.fixtures.fake_github import SECONDARY_MESSAGE, FakeGitHub, entry, op_finding, write_diff
+
+REPO = "acme/models"
+ROOT = Path(__file__).resolve().parents[2]
+SOFTPLUS = ("op", "sim-subset", "aten.softplus.default")
+
+
+@pytest.fixture
+def gh():
+    with FakeGitHub() as server:
+        yield server
+
+
+def run(gh: FakeGitHub, diff: Path, *, run_id: str | None = "100", token: str | None = None, run_dir: Path | None = None,
+        **opts):
+    env = {"GITHUB_TOKEN": token or gh.token, "GITHUB_API_URL": gh.url}
+    if run_id:
+        env.update(GITHUB_RUN_ID=run_id, GITHUB_SERVER_URL="https://github.com", GITHUB_REPOSITORY=REPO)
+    options = FilingOptions(**{"min_interval": 0.0, "backoff": 0.0, "max_wait": 5.0, **opts})
+    return file_issues(diff, repo=REPO, dry_run=None, run_dir=run_dir, artifacts_url=None, options=options, env=env)
+
+
+def softplus_diff(tmp_path: Path, category: str = "regressed", models=("tiny-bamba", "tiny-llama"), name="diff.json") -> Path:
+    f = op_finding("aten.softplus.default", "sim-subset")
+    return write_diff(tmp_path / name, [entry(category, m, "sim-subset", f) for m in models])
+
+
+def comments(issue: dict) -> list[str]:
+    return [c["body"] for c in issue["comments_list"]]
+
+
+# --------------------------------------------------------------------------- dedupe, recurrence, reopen, close
+
+
+def test_filing_twice_files_nothing_new(gh, tmp_path):
+    f1 = op_finding("aten.softplus.default", "sim-subset")
+    f2 = op_finding("aten.erf.default", "sim-subset", kind="op_mismatch")
+    f3 = op_finding("aten.softplus.default", "inductor", kind="op_error")
+    d = write_diff(tmp_path / "diff.json", [entry("regressed", "tiny-bamba", "sim-subset", f1),
+                                            entry("regressed", "tiny-llama", "sim-subset", f1),
+                                            entry("regressed", "tiny-vit", "sim-subset", f2),
+                                            entry("regressed", "tiny-bamba", "inductor", f3)])
+    first = run(gh, d)
+    assert (first.created, first.drafts, first.exit_code) == (3, 0, 0)
+    issues = gh.issues()
+    assert sorted(i["title"] for i in issues) == [
+        "[deepview-ci] aten.erf.default fails on sim-subset",
+        "[deepview-ci] aten.softplus.default fails on inductor",
+        "[deepview-ci] aten.softplus.default fails on sim-subset",
+    ]
+    assert all([lab["name"] for lab in i["labels"]] == ["deepview-ci"] for i in issues)
+    writes = len(gh.writes())
+    for _ in range(2):  # a rerun of the same run, then the same diff again
+        again = run(gh, d)
+        assert (again.created, again.commented, again.unchanged) == (0, 0, 3)
+    assert len(gh.writes()) == writes and len(gh.issues()) == 3
+    assert all(i["comments"] == 0 for i in gh.issues())
+
+
+def test_recurrence_comments_once_per_run(gh, tmp_path):
+    d = softplus_diff(tmp_path)
+    run(gh, d, run_id="100")
+    r = run(gh, d, run_id="101")
+    assert (r.created, r.commented) == (0, 1)
+    [issue] = gh.issues()
+    [c] = comments(issue)
+    assert c.startswith("<!-- deepview-ci:event=recurrence run=gh-101 -->") and "Seen again" in c
+    assert "`tiny-bamba`" in c
+    r = run(gh, d, run_id="101")  # the rerun of run 101 does not repeat it
+    assert r.commented == 0 and len(comments(gh.issues()[0])) == 1
+
+
+def test_local_reruns_key_on_the_diff_content(gh, tmp_path):
+    d = softplus_diff(tmp_path)
+    assert run(gh, d, run_id=None).created == 1
+    assert run(gh, d, run_id=None).commented == 0
+    d2 = softplus_diff(tmp_path, models=("tiny-bamba", "tiny-mixtral"), name="diff2.json")
+    assert run(gh, d2, run_id=None).commented == 1
+
+
+def test_closed_issue_is_reopened(gh, tmp_path):
+    d = softplus_diff(tmp_path)
+    run(gh, d, run_id="100")
+    gh.issues()[0]["state"] = "closed"
+    r = run(gh, d, run_id="101")
+    assert (r.created, r.reopened) == (0, 1)
+    [issue] = gh.issues()
+    assert issue["state"] == "open" and issue["state_reason"] == "reopened"
+    assert "Reopened" in comments(issue)[0]
+    assert run(gh, d, run_id="101").reopened == 0 and len(gh.issues()[0]["comments_list"]) == 1
+
+
+def test_fixed_finding_closes_its_issue(gh, tmp_path):
+    run(gh, softplus_diff(tmp_path), run_id="100")
+    fixed = softplus_diff(tmp_path, category="fixed", name="fixed.json")
+    r = run(gh, fixed, run_id="102")
+    assert r.closed == 1
+    [issue] = gh.issues()
+    assert issue["state"] == "closed" and issue["state_reason"] == "completed"
+    assert "Fixed" in comments(issue)[0] and "Closing" in comments(issue)[0]
+    writes = len(gh.writes())
+    assert run(gh, fixed, run_id="102").closed == 0
+    assert len(gh.writes()) == writes
+
+
+def test_fixed_without_close_comments_once(gh, tmp_path):
+    run(gh, softplus_diff(tmp_path), run_id="100")
+    fixed = softplus_diff(tmp_path, category="fixed", name="fixed.json")
+    r = run(gh, fixed, run_id="102", close_fixed=False)
+    assert (r.closed, r.commented) == (0, 1)
+    r = run(gh, fixed, run_id="103", close_fixed=False)
+    assert r.commented == 0
+    [issue] = gh.issues()
+    assert issue["state"] == "open" and len(issue["comments_list"]) == 1
+
+
+def _results_with(tmp_path: Path, cells: dict[str, str]) -> Path:
+    """results.json where each cell ran the ops mode with the given status and no findings."""
+    res = Results(cells=[CellResult(id=cid, model=cid.split("@")[0], backend=cid.split("@")[1], status=st,
+                                    modes={"ops": ModeResult(status=st)}) for cid, st in cells.items()])
+    return save_results(res, tmp_path / "results.json")
+
+
+def test_finding_gone_from_results_closes_even_without_a_baseline_entry(gh, tmp_path):
+    run(gh, softplus_diff(tmp_path), run_id="100")
+    # the next night: both cells ran ops and passed; the baseline never had the finding, so no `fixed` entry
+    _results_with(tmp_path, {"tiny-bamba@sim-subset": "pass", "tiny-llama@sim-subset": "pass"})
+    empty = write_diff(tmp_path / "night2.json", [], results="results.json")
+    r = run(gh, empty, run_id="103")
+    assert r.closed == 1 and gh.issues()[0]["state"] == "closed"
+
+
+def test_issue_stays_open_when_its_cells_did_not_run(gh, tmp_path):
+    run(gh, softplus_diff(tmp_path), run_id="100")
+    _results_with(tmp_path, {"tiny-bamba@sim-subset": "pass"})  # tiny-llama not in this (partial) run
+    r = run(gh, write_diff(tmp_path / "partial.json", [], results="results.json"), run_id="103")
+    assert r.closed == 0 and gh.issues()[0]["state"] == "open"
+
+
+def test_opt_out_label_is_respected(gh, tmp_path):
+    d = softplus_diff(tmp_path)
+    run(gh, d, run_id="100")
+    issue = gh.issues()[0]
+    issue["labels"].append(gh.add_label(REPO, "deepview-ci:ignore"))
+    issue["state"] = "closed"
+    writes = len(gh.writes())
+    r = run(gh, d, run_id="101")
+    assert (r.skipped, r.reopened, r.commented) == (1, 0, 0)
+    r = run(gh, softplus_diff(tmp_path, category="fixed", name="f.json"), run_id="102")
+    assert r.skipped == 0 and r.closed == 0  # closed already: nothing to do
+    assert len(gh.writes()) == writes
+
+
+def test_dedupe_pages_through_every_labelled_issue_and_skips_prs(gh, tmp_path):
+    fp = group_fingerprint(SOFTPLUS)
+    gh.add_issue(REPO, title="old", body=f"<!-- deepview-ci:fingerprint={fp} -->\nfiled long ago", labels=("deepview-ci",))
+    gh.add_issue(REPO, title="a PR quoting it", body=f"<!-- deepview-ci:fingerprint={fp} -->", labels=("deepview-ci",),
+                 pull_request=True)
+    gh.add_issue(REPO, title="prefix only", body=f"<!-- deepview-ci:fingerprint={fp}00 -->", labels=("deepview-ci",))
+    for i in range(230):  # newest first: the real one ends up on the last page
+        gh.add_issue(REPO, title=f"other {i}", body=f"<!-- deepview-ci:fingerprint={i:020x} -->", labels=("deepview-ci",))
+    r = run(gh, softplus_diff(tmp_path), run_id="200")
+    assert (r.created, r.commented) == (0, 1)
+    assert gh.issues()[0]["comments"] == 1
+    pages = [q.query.get("page", ["1"])[0] for q in gh.requests if q.method == "GET" and q.path.endswith("/issues")]
+    assert pages == ["1", "2", "3"]
+    listing = next(q for q in gh.requests if q.path.endswith("/issues"))
+    assert listing.query["state"] == ["all"] and listing.query["labels"] == ["deepview-ci"]
+
+
+def test_layers_are_filed_only_when_asked(gh, tmp_path):
+    from ci_runner.results import fingerprint
+
+    lf = {"kind": "layer_failure", "stage": "compile", "message": "boom", "fingerprint": fingerprint("layer_failure", "sim-crash", "m.attn"),
+          "op": None, "module": "model.layers.0.self_attn", "module_class": "LlamaAttention", "repro": None, "details": {}}
+    d = write_diff(tmp_path / "d.json", [entry("regressed", "tiny-llama", "sim-crash", lf)])
+    r = run(gh, d)
+    assert r.created == 0 and any("--layers" in n for n in r.notes)
+    assert run(gh, d, layers=True).created == 1
+    assert gh.issues()[0]["title"] == "[deepview-ci] model.layers.0.self_attn of tiny-llama fails on sim-crash"
+
+
+# --------------------------------------------------------------------------- limits and failures
+
+
+def test_secondary_rate_limit_wait_is_honoured(gh, tmp_path):
+    gh.fail("POST", r"/issues$", status=403, headers={"retry-after": "1", "x-ratelimit-remaining": "4990"},
+            body={"message": SECONDARY_MESSAGE})
+    start = time.monotonic()
+    r = run(gh, softplus_diff(tmp_path))
+    assert r.created == 1 and r.exit_code == 0 and len(gh.issues()) == 1
+    posts = [q for q in gh.writes() if q.path.endswith("/issues")]
+    assert [q.status for q in posts] == [403, 201] and posts[1].at - posts[0].at >= 1.0
+    assert time.monotonic() - start >= 1.0
+
+
+def test_primary_rate_limit_reset_is_honoured(gh, tmp_path):
+    reset = int(time.time()) + 1
+    gh.fail("POST", r"/issues$", status=403, body={"message": "API rate limit exceeded for installation"},
+            headers={"x-ratelimit-remaining": "0", "x-ratelimit-reset": str(reset)})
+    r = run(gh, softplus_diff(tmp_path))
+    assert r.created == 1 and time.time() >= reset
+
+
+def test_rate_limit_past_max_wait_keeps_drafts_and_exits_6(gh, tmp_path):
+    f2 = op_finding("aten.erf.default", "sim-subset")
+    d = write_diff(tmp_path / "diff.json", [entry("regressed", "m", "sim-subset", op_finding("aten.softplus.default", "sim-subset")),
+                                            entry("regressed", "m", "sim-subset", f2)])
+    gh.fail("POST", r"/issues$", status=429, headers={"retry-after": "3600"}, body={"message": SECONDARY_MESSAGE})
+    start = time.monotonic()
+    r = run(gh, d, max_wait=2)
+    assert time.monotonic() - start < 2
+    assert (r.created, r.drafts, r.exit_code) == (0, 2, 6)
+    assert "3600" in r.stopped and "rate limited" in r.stopped
+    index = json.loads((tmp_path / "issue-drafts" / "drafts.json").read_text())
+    assert [x["action"] for x in index["drafts"]] == ["create", "create"]
+    assert len([q for q in gh.writes() if q.path.endswith("/issues")]) == 1  # stopped: no hammering
+    assert "fingerprint=" in (tmp_path / "issue-drafts" / index["drafts"][0]["file"]).read_text()
+
+
+def test_server_failure_keeps_drafts(gh, tmp_path):
+    gh.fail("GET", r"/issues$", status=502, times=99)
+    r = run(gh, softplus_diff(tmp_path), max_retries=2)
+    assert (r.created, r.drafts, r.exit_code) == (0, 1, 6)
+    assert "502" in r.stopped
+    drafts = json.loads((tmp_path / "issue-drafts" / "drafts.json").read_text())["drafts"]
+    assert drafts[0]["action"] == "file" and "could not list" in drafts[0]["reason"]
+
+
+def test_5xx_after_create_does_not_duplicate(gh, tmp_path):
+    gh.fail("POST", r"/issues$", status=502, after=True)  # GitHub created it, then answered 502
+    r = run(gh, softplus_diff(tmp_path))
+    assert r.created == 1 and r.exit_code == 0
+    assert len(gh.issues()) == 1
+
+
+def test_fork_read_only_token_stops_with_drafts(gh, tmp_path):
+    gh.readonly_tokens.add("ghs_forkReadOnly_0123456789")
+    f2 = op_finding("aten.erf.default", "sim-subset")
+    d = write_diff(tmp_path / "diff.json", [entry("regressed", "m", "sim-subset", op_finding("aten.softplus.default", "sim-subset")),
+                                            entry("regressed", "m", "sim-subset", f2)])
+    r = run(gh, d, token="ghs_forkReadOnly_0123456789")
+    assert r.exit_code == 6 and r.drafts == 2 and r.created == 0
+    assert "Resource not accessible by integration" in r.stopped and "fork" in r.stopped
+    assert len(gh.writes()) == 1  # the first write failed; nothing else was tried
+
+
+def test_oversized_body_422_keeps_a_draft_and_goes_on(tmp_path):
+    with FakeGitHub(body_limit=3000) as small:  # a server stricter than GitHub: the body is refused
+        f2 = op_finding("aten.erf.default", "sim-subset", message="short")
+        big = op_finding("aten.softplus.default", "sim-subset", message="x" * 3500)
+        d = write_diff(tmp_path / "diff.json", [entry("regressed", "m", "sim-subset", big),
+                                                entry("regressed", "m", "sim-subset", f2)])
+        r = run(small, d)
+        assert r.exit_code == 6 and r.drafts == 1 and r.stopped is None
+        # the draft is the refused issue; the other one was still filed
+        assert r.created == 1 and small.issues()[0]["title"].startswith("[deepview-ci] aten.erf.default")
+
+
+def test_oversized_repro_is_truncated_and_accepted(gh, tmp_path):
+    run_dir = tmp_path / "run"
+    cell = run_dir / "cells" / "tiny-bamba@sim-subset" / "repro"
+    cell.mkdir(parents=True)
+    (cell / "op.py").write_text("import torch\n" + "t = torch.ones(3)  # " + "pad " * 60 + "\n" * 1 + ("y = 1\n" * 40000))
+    f = op_finding("aten.softplus.default", "sim-subset", repro="repro/op.py")
+    d = write_diff(tmp_path / "diff.json", [entry("regressed", "tiny-bamba", "sim-subset", f)], run_dir=str(run_dir))
+    r = run(gh, d)
+    assert r.created == 1
+    body = gh.issues()[0]["body"]
+    assert 60000 < len(body) <= 65536
+    assert "Truncated to fit GitHub's issue size limit" in body
+    assert "https://github.com/acme/models/actions/runs/100" in body
+
+
+def test_writes_are_serial_and_spaced(tmp_path):
+    with FakeGitHub(write_interval=0.2) as strict:  # closer writes get a secondary rate limit
+        entries = [entry("regressed", "m", "sim-subset", op_finding(f"aten.op{i}.default", "sim-subset")) for i in range(3)]
+        r = run(strict, write_diff(tmp_path / "d.json", entries), min_interval=0.2)
+        assert r.created == 3
+        w = strict.writes()
+        assert all(q.status in (200, 201) for q in w)
+        assert all(b.at - a.at >= 0.2 for a, b in zip(w, w[1:]))
+
+
+def test_ghes_api_url_is_honoured(tmp_path):
+    with FakeGitHub(prefix="/api/v3") as ghes:
+        r = run(ghes, softplus_diff(tmp_path))
+        assert r.created == 1 and ghes.requests[0].path == "/repos/acme/models/issues"
+
+
+# --------------------------------------------------------------------------- the CLI: outputs and secrecy
+
+
+def test_cli_outputs_and_no_token_anywhere(gh, tmp_path):
+    """Run the real CLI, fail half-way, and look for the token in every byte it produced."""
+    token = gh.token
+    gh.fail("POST", r"/issues/\d+/comments$", status=403, body={"message": f"echo {token}"},
+            headers={"x-ratelimit-remaining": "4000"})
+    d = softplus_diff(tmp_path)
+    run(gh, d, run_id="100")
+    f2 = op_finding("aten.erf.default", "sim-subset", message=f"leaked {token}? @octocat")
+    d2 = write_diff(tmp_path / "d2.json", [entry("regressed", "tiny-bamba", "sim-subset", op_finding("aten.softplus.default", "sim-subset")),
+                                           entry("regressed", "tiny-bamba", "sim-subset", f2)])
+    out, summary = tmp_path / "gh_output", tmp_path / "gh_summary"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GITHUB_TOKEN": token, "GITHUB_API_URL": gh.url,
+           "GITHUB_OUTPUT": str(out), "GITHUB_STEP_SUMMARY": str(summary), "GITHUB_RUN_ID": "101",
+           "GITHUB_SERVER_URL": "https://github.com", "GITHUB_REPOSITORY": REPO, "GITHUB_ACTIONS": "true"}
+    proc = subprocess.run([sys.executable, "-m", "ci_runner", "file-issues", str(d2), "--repo", REPO, "--min-interval", "0",
+                           "--max-wait", "5"], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 6, proc.stderr
+    assert "stopped" in proc.stdout and "draft" in proc.stdout
+    outputs = out.read_text()
+    assert "created<<" in outputs and "drafts<<" in outputs
+    assert "### deepview-ci issues" in summary.read_text()
+    produced = [proc.stdout, proc.stderr, outputs, summary.read_text()]
+    produced += [p.read_text() for p in (tmp_path / "issue-drafts").iterdir()]
+    produced += [i["body"] for i in gh.issues()] + [c for i in gh.issues() for c in comments(i)]
+    assert all(token not in text for text in produced)
+    assert len(gh.issues()) == 2  # the new op was filed; the comment on the old one is a draft
