@@ -1,0 +1,620 @@
+"""The `layers` mode's engine: the module tree, replayable call inputs, the top-down search, the probing child.
+
+The search is a pure function of the probe outcomes (`search(tree, probe)`): breadth-first from the root,
+a failing module's children are tried, a passing module's subtree never is. The smallest failing modules are
+the failing ones none of whose tried children fail alone (this covers "fails only in combination": the parent
+fails, every child passes alone).
+
+Because the search is deterministic, a crash costs nothing already learnt: the probing child appends each
+outcome to a JSON-lines file as soon as it has it; after an abort, segfault or hang the parent appends the
+crashed module's outcome (named by the crash journal) and a fresh child replays the known outcomes and goes on
+with the remaining candidates.
+
+Call inputs are stored once per capture: every distinct tensor in one safetensors file, and per module and call
+a small JSON spec of the call structure (`encode_value` / `decode_value`). Strides are kept, so a module is
+replayed on inputs laid out as they were on the reference.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+
+from .fsutil import append_line, atomic_write_json
+from .isolate import child_journal
+
+ROOT = ""  # the root module's qualified name
+ROOT_LABEL = "<root>"  # how the root is named in findings and reports
+FAILED_STATUSES = ("fail", "crashed", "timeout")
+
+
+def label(name: str) -> str:
+    return name or ROOT_LABEL
+
+
+def unlabel(name: str) -> str:
+    return ROOT if name == ROOT_LABEL else name
+
+
+# --------------------------------------------------------------------------- module tree
+
+@dataclass(frozen=True, kw_only=True)
+class ModuleNode:
+    name: str
+    module_class: str
+    parent: str | None  # nearest *called* ancestor; None for the root
+    calls: int  # how many times the module ran in the captured forward
+    replayable: bool = True  # its first call's inputs can be rebuilt (no opaque objects)
+    why_not: str | None = None
+
+
+@dataclass
+class ModuleTree:
+    """The modules that ran in the captured forward, each under its nearest called ancestor.
+
+    Containers without a forward of their own (ModuleList, ModuleDict) never run, so the search descends
+    through them: `model.layers.0` is a child of `model`.
+    """
+
+    nodes: dict[str, ModuleNode]  # in first-call order
+    children_of: dict[str, list[str]] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, entries: Iterable[tuple[str, str, int, bool, str | None]]) -> "ModuleTree":
+        """`entries`: (name, module_class, calls, replayable, why_not) in first-call order; the root must be there."""
+        raw = list(entries)
+        names = {e[0] for e in raw}
+        if ROOT not in names:
+            raise ValueError("the root module was not captured")
+        nodes: dict[str, ModuleNode] = {}
+        children: dict[str, list[str]] = {}
+        for name, cls_name, calls, replayable, why_not in raw:
+            parent = None if name == ROOT else _nearest_ancestor(name, names)
+            nodes[name] = ModuleNode(name=name, module_class=cls_name, parent=parent, calls=calls,
+                                     replayable=replayable, why_not=why_not)
+            children.setdefault(name, [])
+            if parent is not None:
+                children.setdefault(parent, []).append(name)
+        return cls(nodes=nodes, children_of=children)
+
+    @property
+    def root(self) -> str:
+        return ROOT
+
+    def children(self, name: str) -> list[str]:
+        return self.children_of.get(name, [])
+
+    def path(self, name: str) -> list[str]:
+        """Qualified names from the root down to `name` (the root first)."""
+        out = [name]
+        node = self.nodes[name]
+        while node.parent is not None:
+            out.append(node.parent)
+            node = self.nodes[node.parent]
+        return out[::-1]
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [asdict(n) for n in self.nodes.values()]
+
+    @classmethod
+    def from_json(cls, data: Sequence[Mapping[str, Any]]) -> "ModuleTree":
+        return cls.build((d["name"], d["module_class"], int(d["calls"]), bool(d["replayable"]), d.get("why_not"))
+                         for d in data)
+
+
+def _nearest_ancestor(name: str, names: set[str]) -> str:
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        cand = ".".join(parts[:i])
+        if cand in names:
+            return cand
+    return ROOT
+
+
+# --------------------------------------------------------------------------- call inputs
+
+class TensorStore:
+    """Distinct tensors of a capture, each saved once (tensors passed to many modules are shared)."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._keys: dict[tuple[Any, ...], str] = {}
+
+    def add(self, t: torch.Tensor) -> str:
+        t = t.detach()
+        ident = (t.device.type, t.untyped_storage().data_ptr() if t.device.type != "meta" else id(t),
+                 t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        key = self._keys.get(ident)
+        if key is None:
+            key = f"t{len(self.tensors)}"
+            self._keys[ident] = key
+            # safetensors wants contiguous tensors that share no memory with another entry
+            self.tensors[key] = t.to("cpu").contiguous().clone()
+        return key
+
+    def save(self, path: Path) -> Path:
+        from safetensors.torch import save_file
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        save_file(self.tensors, str(tmp))
+        os.replace(tmp, path)
+        return path
+
+
+class Opaque(Exception):
+    """A call input that cannot be stored (an arbitrary object, e.g. a cache instance)."""
+
+
+def encode_value(obj: Any, store: TensorStore) -> Any:
+    """JSON spec of a call input; tensors go to `store`. Raises `Opaque` on objects it cannot rebuild."""
+    if isinstance(obj, torch.Tensor):
+        if obj.layout != torch.strided:
+            raise Opaque(f"a {obj.layout} tensor")
+        return {"tensor": store.add(obj), "stride": list(obj.stride()), "requires_grad": False}
+    if obj is None or isinstance(obj, (bool, int, str)):
+        return {"value": obj}
+    if isinstance(obj, float):
+        if math.isfinite(obj):
+            return {"value": obj}
+        return {"float": repr(obj)}
+    if isinstance(obj, torch.dtype):
+        return {"dtype": str(obj).removeprefix("torch.")}
+    if isinstance(obj, torch.device):
+        return {"device": str(obj)}
+    if isinstance(obj, torch.Size):
+        return {"size": list(obj)}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        raise Opaque(f"a namedtuple {type(obj).__name__}")
+    if isinstance(obj, tuple):
+        return {"tuple": [encode_value(v, store) for v in obj]}
+    if isinstance(obj, list):
+        return {"list": [encode_value(v, store) for v in obj]}
+    if type(obj) is dict:
+        if not all(isinstance(k, str) for k in obj):
+            raise Opaque("a dict with non-string keys")
+        return {"dict": [[k, encode_value(v, store)] for k, v in obj.items()]}
+    raise Opaque(f"an object of type {type(obj).__module__}.{type(obj).__qualname__}")
+
+
+def decode_value(spec: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """Inverse of `encode_value` (the repro templates carry a copy of this function)."""
+    if "tensor" in spec:
+        t = tensors[spec["tensor"]]
+        stride = tuple(spec.get("stride") or ())
+        if stride and stride != t.stride() and t.numel() > 0 and 0 not in stride:
+            try:
+                out = torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device)
+                out.copy_(t)
+                t = out
+            except RuntimeError:
+                pass  # overlapping layout: keep the contiguous copy
+        return t
+    if "value" in spec:
+        return spec["value"]
+    if "float" in spec:
+        return float(spec["float"])
+    if "dtype" in spec:
+        return getattr(torch, spec["dtype"])
+    if "device" in spec:
+        return torch.device(spec["device"])
+    if "size" in spec:
+        return torch.Size(spec["size"])
+    if "tuple" in spec:
+        return tuple(decode_value(v, tensors) for v in spec["tuple"])
+    if "list" in spec:
+        return [decode_value(v, tensors) for v in spec["list"]]
+    if "dict" in spec:
+        return {k: decode_value(v, tensors) for k, v in spec["dict"]}
+    raise ValueError(f"unknown call-input spec {spec!r}")
+
+
+def encode_call(args: tuple[Any, ...], kwargs: Mapping[str, Any], store: TensorStore) -> dict[str, Any]:
+    return {"args": encode_value(tuple(args), store), "kwargs": encode_value(dict(kwargs), store)}
+
+
+def decode_call(spec: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    return decode_value(spec["args"], tensors), decode_value(spec["kwargs"], tensors)
+
+
+def call_tensor_keys(spec: Any) -> list[str]:
+    """The tensor keys a call spec refers to (to write a repro's own inputs file)."""
+    out: list[str] = []
+
+    def walk(s: Any) -> None:
+        if "tensor" in s:
+            out.append(s["tensor"])
+        for k in ("tuple", "list"):
+            if k in s:
+                for v in s[k]:
+                    walk(v)
+        if "dict" in s:
+            for _, v in s["dict"]:
+                walk(v)
+
+    walk(spec["args"])
+    walk(spec["kwargs"])
+    return list(dict.fromkeys(out))
+
+
+# --------------------------------------------------------------------------- outcomes and the search
+
+@dataclass(kw_only=True)
+class ProbeOutcome:
+    """What happened when one module was compiled and run alone on its captured inputs."""
+
+    name: str
+    status: str  # pass | fail | crashed | timeout | skipped
+    stage: str | None = None  # compile | run (for failures)
+    error_type: str | None = None
+    message: str = ""
+    traceback: str = ""
+    executing: str | None = None  # eager devices: the innermost submodule running when it failed
+    signal: str | None = None
+    duration_s: float = 0.0
+    calls_tried: int = 0
+
+    @property
+    def failed(self) -> bool:
+        return self.status in FAILED_STATUSES
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "ProbeOutcome":
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+@dataclass
+class SearchResult:
+    outcomes: dict[str, ProbeOutcome]  # in the order tried
+    minimal: list[str]  # smallest failing modules, in tree order
+    complete: bool  # False when the search stopped early (time budget, restarts)
+
+    @property
+    def whole_model(self) -> ProbeOutcome | None:
+        return self.outcomes.get(ROOT)
+
+
+class StopSearch(Exception):
+    """Raised by a probe to end the search early (out of time); the outcomes so far stand."""
+
+
+def search(tree: ModuleTree, probe: Callable[[str], ProbeOutcome]) -> SearchResult:
+    """Top-down, breadth-first: the whole model, then the children of every failing module, level by level.
+
+    A module that cannot be replayed (opaque inputs) is not run; the search looks through it to its children.
+    """
+    outcomes: dict[str, ProbeOutcome] = {}
+    complete = True
+    try:
+        first = probe(tree.root)
+        outcomes[tree.root] = first
+        frontier = [tree.root] if first.failed else []
+        while frontier:
+            nxt: list[str] = []
+            for parent in frontier:
+                for child in tree.children(parent):
+                    node = tree.nodes[child]
+                    if not node.replayable:
+                        outcomes[child] = ProbeOutcome(name=child, status="skipped",
+                                                       message=f"inputs cannot be replayed: {node.why_not}")
+                        nxt.append(child)  # look through it
+                        continue
+                    res = probe(child)
+                    outcomes[child] = res
+                    if res.failed:
+                        nxt.append(child)
+            frontier = nxt
+    except StopSearch:
+        complete = False
+    return SearchResult(outcomes=outcomes, minimal=minimal_failing(tree, outcomes), complete=complete)
+
+
+def minimal_failing(tree: ModuleTree, outcomes: Mapping[str, ProbeOutcome]) -> list[str]:
+    """Failing modules none of whose tried descendants (looking through skipped ones) fail alone."""
+
+    def failing_below(name: str) -> bool:
+        for child in tree.children(name):
+            o = outcomes.get(child)
+            if o is None:
+                continue
+            if o.failed:
+                return True
+            if o.status == "skipped" and failing_below(child):
+                return True
+        return False
+
+    return [n for n in tree.nodes if (o := outcomes.get(n)) is not None and o.failed and not failing_below(n)]
+
+
+def read_outcomes(path: Path) -> dict[str, ProbeOutcome]:
+    """Outcomes appended so far (the last line for a name wins; a torn last line is ignored)."""
+    out: dict[str, ProbeOutcome] = {}
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return out
+    for line in text.splitlines():
+        try:
+            o = ProbeOutcome.from_json(json.loads(line))
+        except (ValueError, TypeError):
+            continue
+        out[o.name] = o
+    return out
+
+
+def append_outcome(path: Path, outcome: ProbeOutcome) -> None:
+    append_line(path, json.dumps(outcome.to_json(), ensure_ascii=False))
+
+
+# --------------------------------------------------------------------------- errors
+
+def unwrap_exception(exc: BaseException) -> BaseException:
+    """The error the backend raised, not Dynamo's wrapper around it."""
+    seen = 0
+    while seen < 8:
+        seen += 1
+        inner = getattr(exc, "inner_exception", None)  # BackendCompilerFailed
+        if isinstance(inner, BaseException):
+            exc = inner
+            continue
+        mod = type(exc).__module__ or ""
+        if mod.startswith("torch._dynamo") and isinstance(exc.__cause__, BaseException):
+            exc = exc.__cause__  # InternalTorchDynamoError and friends
+            continue
+        break
+    return exc
+
+
+def _is_compile_error(exc: BaseException) -> bool:
+    try:
+        from torch._dynamo.exc import TorchDynamoException
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(exc, TorchDynamoException)
+
+
+def first_line(text: str, limit: int = 300) -> str:
+    for line in str(text).splitlines():
+        if line.strip():
+            return line.strip()[:limit]
+    return ""
+
+
+# --------------------------------------------------------------------------- the probing child
+
+@dataclass(frozen=True, kw_only=True)
+class ChildPlan:
+    """What a probing child needs; JSON through `run_isolated`."""
+
+    model: dict[str, Any]  # ModelSpec fields
+    backend: dict[str, Any]  # BackendSpec fields
+    seed: int
+    dtype: str | None
+    layers_dir: str  # holds tree.json, calls.json, inputs.safetensors
+    outcomes_file: str
+    timeout_file: str  # faulthandler writes here when a module overruns probe_timeout
+    probe_timeout: float
+    deadline_wall: float  # time.time() after which no new module is started
+    all_calls: bool = False
+
+
+def spec_to_json(spec: Any) -> dict[str, Any]:
+    """A frozen spec dataclass as plain JSON (mappings to dicts, tuples to lists)."""
+    from dataclasses import fields
+
+    def plain(v: Any) -> Any:
+        if isinstance(v, Mapping):
+            return {str(k): plain(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        return v
+
+    return {f.name: plain(getattr(spec, f.name)) for f in fields(spec)}
+
+
+def _spec_from_json(cls: type, data: Mapping[str, Any]) -> Any:
+    from dataclasses import fields
+
+    kw: dict[str, Any] = {}
+    for f in fields(cls):
+        if f.name not in data:
+            continue
+        v = data[f.name]
+        if isinstance(v, list) and "tuple" in str(f.type):
+            v = tuple(v)
+        kw[f.name] = v
+    return cls(**kw)
+
+
+def _arm_parent_death() -> None:
+    """Die with the parent: a hung probe must not outlive a worker that was killed."""
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:  # not Linux: fall back to polling
+        pass
+    import threading
+
+    ppid = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != ppid:
+                os._exit(70)
+
+    threading.Thread(target=watch, daemon=True, name="deepview-parent-watch").start()
+
+
+_COMPILE_FRAMES = ("torch/_dynamo/convert_frame.py", "torch/_dynamo/output_graph.py",
+                   "torch/_functorch/_aot_autograd/graph_compile.py")
+
+
+def is_compile_stage(exc: BaseException) -> bool:
+    """Whether `exc` came from compiling (Dynamo tracing or the backend's compiler), not from running the result.
+
+    Dynamo re-raises some backend errors unwrapped, so the traceback decides: a compile error passes through
+    Dynamo's frame conversion; a run-time error comes from the compiled code's runtime wrappers.
+    """
+    if _is_compile_error(exc):
+        return True
+    tb = exc.__traceback__
+    while tb is not None:
+        fname = tb.tb_frame.f_code.co_filename.replace(os.sep, "/")
+        if fname.endswith(_COMPILE_FRAMES):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _materialize(out: Any) -> None:
+    """Force asynchronous devices to finish (and surface their errors) by fetching the outputs."""
+    from .capture import iter_tensors
+
+    for _, t in iter_tensors(out):
+        if t.device.type != "cpu":
+            t.to("cpu")
+
+
+def probe_child(payload: dict[str, Any]) -> dict[str, Any]:
+    """Entry point of a probing child (`run_isolated("ci_runner.layer_search:probe_child", …)`).
+
+    Loads the model and the backend, replays the outcomes already known, and probes the rest of the
+    search, appending every outcome as soon as it has it.
+    """
+    _arm_parent_death()
+    faulthandler.enable(file=sys.stderr)
+    import torch._dynamo
+
+    from .backends import resolve_backend
+    from .config import BackendSpec, ModelSpec
+    from .models import load_model
+
+    plan = ChildPlan(**payload)
+    layers_dir = Path(plan.layers_dir)
+    tree = ModuleTree.from_json(json.loads((layers_dir / "tree.json").read_text(encoding="utf-8")))
+    calls: dict[str, list[dict[str, Any]]] = json.loads((layers_dir / "calls.json").read_text(encoding="utf-8"))
+    outcomes_file = Path(plan.outcomes_file)
+    known = read_outcomes(outcomes_file)
+
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(layers_dir / "inputs.safetensors"))
+    loaded = load_model(_spec_from_json(ModelSpec, plan.model), seed=plan.seed, dtype=plan.dtype)
+    backend = resolve_backend(_spec_from_json(BackendSpec, plan.backend))
+    backend.prepare()
+    model = loaded.module
+    timeout_fh = open(plan.timeout_file, "a", encoding="utf-8")
+    probed = 0
+
+    def probe(name: str) -> ProbeOutcome:
+        nonlocal probed
+        if name in known:
+            return known[name]
+        if time.time() >= plan.deadline_wall:
+            raise StopSearch()
+        outcome = _probe_one(name, model=model, backend=backend, calls=calls.get(name, []), tensors=tensors,
+                             tree=tree, all_calls=plan.all_calls,
+                             timeout=max(1.0, min(plan.probe_timeout, plan.deadline_wall - time.time())),
+                             timeout_fh=timeout_fh)
+        append_outcome(outcomes_file, outcome)
+        known[name] = outcome
+        probed += 1
+        return outcome
+
+    result = search(tree, probe)
+    timeout_fh.close()
+    return {"complete": result.complete, "probed": probed}
+
+
+def _probe_one(name: str, *, model: torch.nn.Module, backend: Any, calls: list[dict[str, Any]],
+               tensors: Mapping[str, torch.Tensor], tree: ModuleTree, all_calls: bool,
+               timeout: float, timeout_fh: Any) -> ProbeOutcome:
+    import torch._dynamo
+
+    child_journal("enter-module", name)
+    faulthandler.dump_traceback_later(timeout, exit=True, file=timeout_fh)
+    t0 = time.monotonic()
+    tracker: _ExecutingTracker | None = None
+    tried = 0
+    try:
+        sub = model if name == ROOT else model.get_submodule(name)
+        torch._dynamo.reset()
+        sub = backend.to_device(sub)
+        fn = backend.compile(sub)
+        tracker = _ExecutingTracker(sub, name) if backend.is_eager else None
+        for spec in (calls if all_calls else calls[:1]):
+            args, kwargs = decode_call(spec, tensors)
+            args, kwargs = backend.to_device(args), backend.to_device(kwargs)
+            tried += 1
+            with torch.no_grad():
+                if tracker is not None:
+                    with tracker:
+                        out = fn(*args, **kwargs)
+                else:
+                    out = fn(*args, **kwargs)
+                _materialize(out)
+            del out
+        outcome = ProbeOutcome(name=name, status="pass", duration_s=time.monotonic() - t0, calls_tried=tried)
+    except Exception as exc:  # the backend's error is the finding
+        inner = unwrap_exception(exc)
+        stage = "compile" if (not backend.is_eager and is_compile_stage(exc)) else "run"
+        outcome = ProbeOutcome(name=name, status="fail", stage=stage, error_type=type(inner).__name__,
+                               message=str(inner)[:4000] or type(inner).__name__,
+                               traceback=traceback.format_exc(limit=30)[-6000:],
+                               executing=tracker.failed_in if tracker is not None else None,
+                               duration_s=time.monotonic() - t0, calls_tried=tried)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        child_journal("leave-module", name)
+    return outcome
+
+
+class _ExecutingTracker:
+    """Eager devices: name the innermost submodule that was running when the forward raised."""
+
+    def __init__(self, module: torch.nn.Module, prefix: str) -> None:
+        self.module = module
+        self.prefix = prefix
+        self.failed_in: str | None = None
+        self._cap: Any = None
+
+    def _post(self, info: Any, args: Any, kwargs: Any, output: Any) -> None:
+        if self.failed_in is None and sys.exc_info()[1] is not None:
+            rel = info.name
+            self.failed_in = ".".join(p for p in (self.prefix, rel) if p)
+
+    def __enter__(self) -> "_ExecutingTracker":
+        from .capture import ModuleCapture
+
+        self.failed_in = None
+        self._cap = ModuleCapture(self.module, post=self._post)
+        self._cap.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._cap.close()
+
+
+def write_capture(layers_dir: Path, tree: ModuleTree, calls: Mapping[str, list[dict[str, Any]]],
+                  store: TensorStore) -> None:
+    atomic_write_json(layers_dir / "tree.json", tree.to_json())
+    atomic_write_json(layers_dir / "calls.json", dict(calls), indent=None)
+    store.save(layers_dir / "inputs.safetensors")

@@ -1,0 +1,626 @@
+"""Mode `layers`: the smallest submodules that fail alone on the target, each with a verified repro.
+
+1. Capture: one forward of the model on the reference (CPU) with hooks on every submodule records each call's
+   args and kwargs (`capture_module_inputs`). Tensors are kept by reference, not copied, unless the forward
+   changed one of them in place afterwards (its version counter moved); then the capture is redone with copies.
+2. Search, isolated: a child process loads the model and the backend and walks the module tree top-down
+   (`layer_search.search`): the whole model first; if it passes, the mode passes. Each failing module's
+   children are compiled and run alone on their captured inputs; a passing module's subtree is never tried.
+   Each module is journalled (`enter-module`/`leave-module` in the cell's journal) and each outcome appended
+   to `layers/probes.jsonl`. When the child aborts, segfaults, overruns `probe_timeout` or is OOM-killed, the
+   journal's open entry is the culprit: it is recorded as crashed/timeout and a fresh child goes on.
+3. Findings: one `layer_failure` per smallest failing module (a failing module none of whose children fail
+   alone), with its class, stage, error, the path from the root and how many times it is called.
+4. Repro per finding in `layers/repro/<module>/`: `module.pt2` (torch.export of the submodule),
+   `inputs.safetensors` and `repro.py`, which needs torch and the backend's plugin only; run in a subprocess
+   and marked verified when it fails the same way. When export fails (or its repro does not reproduce), the
+   fallback `repro.py` rebuilds the submodule from the model source (config + qualified name) and loads the
+   submodule's own weights from `weights.safetensors`; the finding says so.
+
+Options (`options: {layers: {...}}` in the matrix):
+
+=================  =======  =============================================================================
+option             default  meaning
+=================  =======  =============================================================================
+probe_timeout      120      seconds one module may take to compile and run before it counts as a hang
+startup_timeout    180      seconds a probing child may take to import, load the model and the backend
+all_calls          false    run every captured call of a module called several times (default: the first)
+sample             0        which input sample the capture runs on
+repro              true     write a repro per finding
+verify             true     run each repro in a subprocess to verify it
+verify_timeout     180      seconds a repro may take (a hang repro gets probe_timeout + 60)
+export             true     false: skip torch.export and write the model-source repro directly
+max_restarts       64       most probing children started after crashes before the search gives up
+=================  =======  =============================================================================
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import json
+import os
+import sys
+import sysconfig
+import time
+import traceback
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch
+
+from ..capture import ModuleCapture
+from ..errors import ConfigError
+from ..fsutil import atomic_write_json, atomic_write_text
+from ..isolate import run_isolated
+from ..layer_search import (
+    ROOT,
+    ChildPlan,
+    ModuleTree,
+    Opaque,
+    ProbeOutcome,
+    SearchResult,
+    StopSearch,
+    TensorStore,
+    append_outcome,
+    call_tensor_keys,
+    decode_call,
+    encode_call,
+    first_line,
+    label,
+    read_outcomes,
+    search,
+    spec_to_json,
+    unlabel,
+    unwrap_exception,
+    write_capture,
+)
+from ..modes import JOURNAL_NAME
+from ..repro import render_template, safe_filename, verify_script, write_script
+from ..results import Finding, ModeResult, Repro, fingerprint
+
+if TYPE_CHECKING:
+    from . import ModeContext
+
+KIND = "layer_failure"
+_MIN_CHILD_S = 20.0  # no new probing child is started with less time than this left
+
+
+# --------------------------------------------------------------------------- options
+
+@dataclass(frozen=True, kw_only=True)
+class LayersOptions:
+    probe_timeout: float = 120.0
+    startup_timeout: float = 180.0
+    all_calls: bool = False
+    sample: int = 0
+    repro: bool = True
+    verify: bool = True
+    verify_timeout: float = 180.0
+    export: bool = True
+    max_restarts: int = 64
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any] | None) -> "LayersOptions":
+        data = dict(data or {})
+        known = {f.name: f for f in fields(cls)}
+        kw: dict[str, Any] = {}
+        for key, value in data.items():
+            if key not in known:
+                close = difflib.get_close_matches(key, list(known), n=1)
+                raise ConfigError(f"options.layers: unknown option {key!r}",
+                                  hint=(f"did you mean {close[0]!r}? " if close else "")
+                                  + f"known: {', '.join(sorted(known))}")
+            default = known[key].default
+            ok = isinstance(value, bool) if isinstance(default, bool) else (
+                isinstance(value, (int, float)) and not isinstance(value, bool))
+            if not ok or (not isinstance(default, bool) and value < 0):
+                raise ConfigError(f"options.layers.{key}: {value!r} is not a valid value",
+                                  hint=f"use a {'boolean' if isinstance(default, bool) else 'non-negative number'}")
+            kw[key] = type(default)(value)
+        return cls(**kw)
+
+
+# --------------------------------------------------------------------------- capture
+
+@dataclass
+class RecordedCall:
+    name: str
+    module_class: str
+    call_index: int
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+def _versions(obj: Any, out: list[tuple[torch.Tensor, int]]) -> None:
+    if isinstance(obj, torch.Tensor):
+        out.append((obj, obj._version))
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _versions(v, out)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _versions(v, out)
+
+
+def record_calls(model: torch.nn.Module, args: tuple[Any, ...] = (), kwargs: Mapping[str, Any] | None = None, *,
+                 clone: bool = False) -> tuple[list[RecordedCall], bool]:
+    """One forward with hooks on every submodule, keeping every call's args and kwargs.
+
+    Without `clone`, tensors are kept by reference (the capture costs little more than the forward); the
+    second value says whether the forward modified one of them in place afterwards, in which case the caller
+    must capture again with `clone=True`.
+    """
+    from ..capture import detach_tree
+
+    recorded: list[RecordedCall] = []
+    versions: list[tuple[torch.Tensor, int]] = []
+
+    def pre(info: Any, a: tuple[Any, ...], kw: dict[str, Any]) -> None:
+        if clone:
+            a, kw = detach_tree(a), detach_tree(kw)
+        else:
+            _versions(a, versions)
+            _versions(kw, versions)
+        recorded.append(RecordedCall(info.name, info.module_class, info.call_index, a, dict(kw)))
+
+    with torch.no_grad(), ModuleCapture(model, pre=pre) as cap:
+        model(*args, **dict(kwargs or {}))
+    if cap.errors:
+        name, exc = cap.errors[0]
+        raise RuntimeError(f"capture hook failed in {label(name)}: {exc}") from exc
+    mutated = any(t._version != v for t, v in versions)
+    return recorded, mutated
+
+
+@dataclass
+class Capture:
+    tree: ModuleTree
+    calls: dict[str, list[dict[str, Any]]]  # encoded call specs per module (first call, or every call)
+    store: TensorStore
+    cloned: bool
+    forward_s: float
+    call_count: int
+
+
+def capture_module_inputs(model: torch.nn.Module, kwargs: Mapping[str, Any], *, all_calls: bool = False) -> Capture:
+    """Record and encode every submodule's inputs for replay (the reference side of the search)."""
+    t0 = time.perf_counter()
+    recorded, mutated = record_calls(model, (), kwargs)
+    if mutated:
+        recorded, _ = record_calls(model, (), kwargs, clone=True)
+    forward_s = time.perf_counter() - t0
+    store = TensorStore()
+    calls: dict[str, list[dict[str, Any]]] = {}
+    classes: dict[str, str] = {}
+    counts: dict[str, int] = {}
+    why_not: dict[str, str] = {}
+    for rec in recorded:
+        counts[rec.name] = counts.get(rec.name, 0) + 1
+        classes.setdefault(rec.name, rec.module_class)
+        if rec.call_index > 0 and not all_calls:
+            continue
+        if rec.name in why_not:
+            continue
+        try:
+            calls.setdefault(rec.name, []).append(encode_call(rec.args, rec.kwargs, store))
+        except Opaque as exc:
+            why_not[rec.name] = f"call {rec.call_index} takes {exc}"
+            calls.pop(rec.name, None)
+    tree = ModuleTree.build((n, classes[n], counts[n], n not in why_not, why_not.get(n)) for n in classes)
+    return Capture(tree=tree, calls=calls, store=store, cloned=mutated, forward_s=forward_s,
+                   call_count=len(recorded))
+
+
+# --------------------------------------------------------------------------- isolated search
+
+@dataclass
+class SearchRun:
+    result: SearchResult
+    restarts: int
+    children: int
+    stop_reason: str | None
+
+
+class _Unknown(Exception):
+    pass
+
+
+def _replay(tree: ModuleTree, known: Mapping[str, ProbeOutcome]) -> SearchResult:
+    def probe(name: str) -> ProbeOutcome:
+        if name in known:
+            return known[name]
+        raise StopSearch()
+
+    return search(tree, probe)
+
+
+def _open_entry_since(journal: Path, offset: int) -> str | None:
+    """The innermost module entered and not left in the journal lines written after `offset`."""
+    try:
+        with open(journal, "rb") as fh:
+            fh.seek(offset)
+            text = fh.read().decode("utf-8", errors="replace")
+    except OSError:
+        return None
+    stack: list[str] = []
+    for line in text.splitlines():
+        event, _, name = line.partition("\t")
+        if event == "enter-module":
+            stack.append(name)
+        elif event == "leave-module" and name in stack:
+            while stack and stack.pop() != name:
+                pass
+    return unlabel(stack[-1]) if stack else None
+
+
+def run_search(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, layers_dir: Path, *,
+               reserve_s: float = 0.0) -> SearchRun:
+    """Probe the tree in isolated children until the search is complete, the time is out or crashes pile up."""
+    outcomes_file = layers_dir / "probes.jsonl"
+    outcomes_file.unlink(missing_ok=True)
+    journal = ctx.cell_dir / JOURNAL_NAME
+    restarts = 0
+    children = 0
+    stop: str | None = None
+    while True:
+        known = read_outcomes(outcomes_file)
+        replay = _replay(tree, known)
+        if replay.complete:
+            return SearchRun(result=replay, restarts=restarts, children=children, stop_reason=None)
+        budget = ctx.remaining() - reserve_s
+        if budget < _MIN_CHILD_S:
+            stop = f"the cell's time ran out after {len(known)} module(s) were probed"
+            break
+        unknown = sum(1 for n, node in tree.nodes.items() if node.replayable and n not in known)
+        timeout = min(budget, opts.startup_timeout + opts.probe_timeout * max(1, unknown))
+        timeout_file = layers_dir / f"child-{children}.timeout.txt"
+        timeout_file.unlink(missing_ok=True)
+        plan = ChildPlan(model=spec_to_json(ctx.cell.model), backend=spec_to_json(ctx.cell.backend),
+                         seed=ctx.cell.inputs.seed, dtype=None, layers_dir=str(layers_dir),
+                         outcomes_file=str(outcomes_file), timeout_file=str(timeout_file),
+                         probe_timeout=opts.probe_timeout, deadline_wall=time.time() + budget - 5.0,
+                         all_calls=opts.all_calls)
+        offset = journal.stat().st_size if journal.exists() else 0
+        children += 1
+        res = run_isolated("ci_runner.layer_search:probe_child", plan.__dict__, timeout=timeout, journal=journal,
+                           env={str(k): str(v) for k, v in ctx.cell.backend.env.items()})
+        if res.status == "ok":
+            if not (res.value or {}).get("complete", False):
+                stop = "the cell's time ran out during the search"
+                break
+            continue
+        culprit = _open_entry_since(journal, offset)
+        if res.status == "error":
+            if culprit is not None:  # should not happen: probe errors are outcomes
+                ctx.journal("leave-module", label(culprit))
+            stop = (f"the probing child failed outside any module: {res.error_type}: {first_line(res.message)}"
+                    + (f"\n{res.traceback[-2000:]}" if res.traceback else ""))
+            break
+        if culprit is None:
+            stop = f"the probing child {res.message or res.status} before it entered a module"
+            if res.stderr_tail:
+                stop += f"; stderr: {res.stderr_tail[-1500:]}"
+            break
+        timed_out = res.status == "timeout" or _nonempty(timeout_file)
+        if timed_out:
+            outcome = ProbeOutcome(name=culprit, status="timeout", stage="run", error_type="Timeout",
+                                   message=f"{label(culprit)} did not finish within {opts.probe_timeout:g}s "
+                                           f"(probe_timeout); the probing child was killed",
+                                   traceback=_read_tail(timeout_file) or res.stderr_tail)
+        else:
+            sig = res.signal or (f"exit code {res.exit_code}" if res.exit_code is not None else "unknown")
+            outcome = ProbeOutcome(name=culprit, status="crashed", stage="run", error_type=res.signal or "Crash",
+                                   message=f"the process died while {label(culprit)} ran: {res.message or sig}",
+                                   traceback=res.stderr_tail, signal=res.signal)
+        append_outcome(outcomes_file, outcome)
+        ctx.journal("leave-module", label(culprit))  # keep the cell journal balanced
+        restarts += 1
+        if restarts > opts.max_restarts:
+            stop = f"gave up after {restarts} crashed probing children (max_restarts={opts.max_restarts})"
+            break
+    known = read_outcomes(outcomes_file)
+    replay = _replay(tree, known)
+    replay.complete = False
+    return SearchRun(result=replay, restarts=restarts, children=children, stop_reason=stop)
+
+
+def _nonempty(path: Path) -> bool:
+    try:
+        return path.stat().st_size > 0
+    except OSError:
+        return False
+
+
+def _read_tail(path: Path, limit: int = 6000) -> str:
+    try:
+        return path.read_text(encoding="utf-8", errors="replace")[-limit:]
+    except OSError:
+        return ""
+
+
+# --------------------------------------------------------------------------- the mode
+
+def run(ctx: "ModeContext") -> ModeResult:
+    opts = LayersOptions.from_mapping(ctx.options("layers"))
+    layers_dir = ctx.artifact_dir("layers")
+    t0 = time.monotonic()
+    loaded = ctx.model()
+    model = loaded.module
+    kwargs = ctx.inputs(loaded, sample=opts.sample)
+    try:
+        cap = capture_module_inputs(model, kwargs, all_calls=opts.all_calls)
+    except Exception as exc:
+        return ModeResult(status="error", reason=f"the model fails on the reference (cpu) before any backend runs: "
+                                                  f"{type(exc).__name__}: {first_line(str(exc))}",
+                          data={"traceback": traceback.format_exc(limit=8)[-4000:]})
+    write_capture(layers_dir, cap.tree, cap.calls, cap.store)
+    capture_info = {"modules": len(cap.tree.nodes), "calls": cap.call_count, "tensors": len(cap.store.tensors),
+                    "cloned": cap.cloned, "seconds": round(cap.forward_s, 4),
+                    "not_replayable": {label(n): node.why_not for n, node in cap.tree.nodes.items() if not node.replayable}}
+    reserve = _repro_reserve(opts, ctx.remaining())
+    srun = run_search(ctx, opts, cap.tree, layers_dir, reserve_s=reserve)
+    result = srun.result
+    data: dict[str, Any] = {
+        "capture": capture_info,
+        "search": {"complete": result.complete, "probed": sum(1 for o in result.outcomes.values() if o.status != "skipped"),
+                   "children": srun.children, "restarts": srun.restarts, "stop_reason": srun.stop_reason},
+        "candidates": [_candidate_row(cap.tree, o) for o in result.outcomes.values()],
+    }
+    whole = result.whole_model
+    if whole is None:
+        status = "timeout" if srun.stop_reason and "time ran out" in srun.stop_reason else "error"
+        return ModeResult(status=status, reason=srun.stop_reason or "the whole model was not probed", data=data,
+                          duration_s=time.monotonic() - t0)
+    data["whole_model"] = _candidate_row(cap.tree, whole)
+    if whole.status == "pass":
+        return ModeResult(status="pass", data=data, duration_s=time.monotonic() - t0)
+
+    findings: list[Finding] = []
+    for name in result.minimal:
+        finding = _finding(ctx, cap.tree, result, name)
+        if opts.repro:
+            finding.repro = _repro_for(ctx, opts, loaded, cap, name, result.outcomes[name], layers_dir)
+        findings.append(finding)
+    data["minimal"] = [label(n) for n in result.minimal]
+    reason = None
+    if not result.complete:
+        reason = f"search incomplete: {srun.stop_reason}; the modules named may not be the smallest failing ones"
+    return ModeResult(status="fail", findings=findings, reason=reason, data=data, duration_s=time.monotonic() - t0)
+
+
+def _repro_reserve(opts: LayersOptions, remaining: float) -> float:
+    if not opts.repro:
+        return 0.0
+    return min(remaining * 0.25, 120.0)
+
+
+def _candidate_row(tree: ModuleTree, o: ProbeOutcome) -> dict[str, Any]:
+    node = tree.nodes.get(o.name)
+    row: dict[str, Any] = {"module": label(o.name), "module_class": node.module_class if node else None,
+                           "status": o.status, "duration_s": round(o.duration_s, 3)}
+    if o.failed:
+        row.update(stage=o.stage, error_type=o.error_type, message=first_line(o.message))
+    elif o.status == "skipped":
+        row["message"] = o.message
+    return row
+
+
+def _finding(ctx: "ModeContext", tree: ModuleTree, result: SearchResult, name: str) -> Finding:
+    o = result.outcomes[name]
+    node = tree.nodes[name]
+    children = tree.children(name)
+    tried_children = {c: result.outcomes[c].status for c in children if c in result.outcomes}
+    where = "the whole model" if name == ROOT else label(name)
+    if o.status == "crashed":
+        what = f"the process died ({o.error_type}) while {where} ran alone"
+    elif o.status == "timeout":
+        what = f"{where} hung: no result within the probe timeout"
+    else:
+        what = f"{where} fails alone at {o.stage}: {o.error_type}: {first_line(o.message, 240)}"
+    if children and all(s == "pass" for s in tried_children.values()) and len(tried_children) == len(children):
+        what += f" (each of its {len(children)} children passes alone: the failure needs them together)"
+    details: dict[str, Any] = {
+        "status": o.status,
+        "path": [label(p) for p in tree.path(name)],
+        "calls": node.calls,
+        "call_index": 0,
+        "children": {label(c): s for c, s in tried_children.items()},
+        "message_full": o.message[:4000],
+        "traceback_tail": o.traceback[-3000:],
+    }
+    if o.signal:
+        details["signal"] = o.signal
+    if o.executing:
+        details["executing"] = label(o.executing)
+    if node.calls > 1:
+        details["note"] = f"called {node.calls} times per forward; probed on its first call's inputs"
+    return Finding(kind=KIND, stage=o.stage or "run", message=what,
+                   fingerprint=fingerprint(KIND, ctx.cell.backend.id, ctx.cell.model.id, label(name)),
+                   module=label(name), module_class=node.module_class, error_type=o.error_type, details=details)
+
+
+# --------------------------------------------------------------------------- repros
+
+def _plugin_modules(spec: Any) -> list[str]:
+    mods = list(spec.imports)
+    if spec.compile and ":" in spec.compile:
+        mods.append(spec.compile.split(":", 1)[0])
+    if _is_sim_backend(spec):
+        mods.append("ci_runner")
+    return list(dict.fromkeys(mods))
+
+
+def _is_sim_backend(spec: Any) -> bool:
+    return bool((spec.compile or "").startswith("sim-") or spec.device == "simdev")
+
+
+def plugin_pythonpath(modules: list[str]) -> list[str]:
+    """Folders to put on PYTHONPATH so `modules` import in a clean process (site-packages are left out)."""
+    site = {os.path.realpath(p) for p in (sysconfig.get_paths().get("purelib"), sysconfig.get_paths().get("platlib")) if p}
+    out: list[str] = []
+    for mod in modules:
+        top = mod.split(".")[0]
+        try:
+            spec = importlib.util.find_spec(top)
+        except (ImportError, ValueError):
+            continue
+        if spec is None or not spec.origin or spec.origin in ("built-in", "frozen"):
+            continue
+        origin = Path(spec.origin).resolve()
+        root = origin.parent.parent if origin.name == "__init__.py" else origin.parent
+        if str(root) not in site and str(root) not in out:
+            out.append(str(root))
+    return out
+
+
+def _key_text(message: str) -> list[str]:
+    """A stable piece of the error text for verification (first line, before node names or numbers vary)."""
+    line = first_line(message, 120)
+    for cut in (" in node ", " at 0x", "\n"):
+        if cut in line:
+            line = line.split(cut, 1)[0]
+    line = line.strip()
+    return [line[:80]] if len(line) >= 8 else []
+
+
+def _backend_recipe(spec: Any) -> dict[str, Any]:
+    """How the repro script gets the backend: kind plus what the template needs for that kind."""
+    compile_spec = spec.compile
+    recipe: dict[str, Any] = {"kind": "eager", "name": None, "module": None, "attr": None,
+                              "options": dict(spec.backend_options), "compile_options": dict(spec.compile_options)}
+    if compile_spec is None:
+        return recipe
+    if ":" in compile_spec:
+        mod, attr = compile_spec.split(":", 1)
+        recipe.update(kind="callable", module=mod, attr=attr)
+    elif compile_spec.startswith("sim-"):
+        recipe.update(kind="sim", name=compile_spec)
+    else:
+        recipe.update(kind="registered", name=compile_spec)
+    return recipe
+
+
+def _repro_context(ctx: "ModeContext", name: str, node_class: str, o: ProbeOutcome, call: dict[str, Any]) -> dict[str, Any]:
+    spec = ctx.cell.backend
+    return {
+        "module": label(name), "qualified_name": name, "module_class": node_class,
+        "model_id": ctx.cell.model.id, "model_source": ctx.cell.model.source, "backend_id": spec.id,
+        "stage": o.stage or "run", "error_type": o.error_type or "", "message": first_line(o.message, 300),
+        "status": o.status, "torch_version": torch.__version__,
+        "env": {str(k): str(v) for k, v in spec.env.items()}, "imports": list(spec.imports),
+        "device": spec.device, "simdev": spec.device == "simdev", "backend": _backend_recipe(spec),
+        "call": call, "versions": dict(ctx.env.get("backend_versions", {}) or {}) if isinstance(ctx.env, dict) else {},
+    }
+
+
+def _repro_for(ctx: "ModeContext", opts: LayersOptions, loaded: Any, cap: Capture, name: str, o: ProbeOutcome,
+               layers_dir: Path) -> Repro:
+    rdir = layers_dir / "repro" / safe_filename(label(name))
+    rdir.mkdir(parents=True, exist_ok=True)
+    rel = rdir.relative_to(ctx.cell_dir)
+    node = cap.tree.nodes[name]
+    call = cap.calls[name][0]
+    keys = call_tensor_keys(call)
+    _save_tensors({k: cap.store.tensors[k] for k in keys}, rdir / "inputs.safetensors")
+    sub = loaded.module if name == ROOT else loaded.module.get_submodule(name)
+    rctx = _repro_context(ctx, name, node.module_class, o, call)
+    notes: list[str] = []
+
+    pt2_ok = False
+    if opts.export:
+        try:
+            args, kwargs = decode_call(call, cap.store.tensors)
+            with torch.no_grad():
+                ep = torch.export.export(sub, args, kwargs, strict=False)
+            tmp = rdir / ".module.pt2.tmp"
+            torch.export.save(ep, str(tmp))
+            os.replace(tmp, rdir / "module.pt2")
+            pt2_ok = True
+        except Exception as exc:
+            inner = unwrap_exception(exc)
+            notes.append(f"torch.export failed ({type(inner).__name__}: {first_line(str(inner), 200)})")
+    else:
+        notes.append("export disabled (options.layers.export: false)")
+
+    script = rdir / "repro.py"
+    if pt2_ok:
+        write_script(script, render_template("repro_layer.py.j2", **rctx))
+        ver = _verify(ctx, opts, script, o)
+        if ver is None or ver.verified:
+            return _repro(rel, ver, notes + ["exported submodule (module.pt2): needs no model source"])
+        notes.append(f"the exported-module repro did not reproduce it ({ver.note})")
+        os.replace(script, rdir / "repro_pt2.py")
+
+    source = _write_source_repro(ctx, loaded, sub, name, rdir, rctx)
+    if source is None:
+        if pt2_ok:
+            os.replace(rdir / "repro_pt2.py", script)
+            return _repro(rel, ver, notes + ["no model-source fallback for this model source"])
+        atomic_write_text(rdir / "README.txt", "No repro: " + "; ".join(notes) + "\n")
+        return Repro(path=str(rel / "README.txt"), verified=False, note="; ".join(notes + ["no model-source fallback"]))
+    ver2 = _verify(ctx, opts, script, o)
+    notes.append("fallback: repro.py rebuilds the submodule from the model source (config + qualified name) "
+                 "and loads its weights from weights.safetensors")
+    return _repro(rel, ver2, notes)
+
+
+def _repro(rel: Path, ver: Any, notes: list[str]) -> Repro:
+    note = "; ".join(notes + ([ver.note] if ver is not None else ["not verified (options.layers.verify: false)"]))
+    return Repro(path=str(rel / "repro.py"), verified=bool(ver and ver.verified),
+                 command=f"cd {rel} && python repro.py", note=note)
+
+
+def _verify(ctx: "ModeContext", opts: LayersOptions, script: Path, o: ProbeOutcome) -> Any:
+    if not opts.verify:
+        return None
+    spec = ctx.cell.backend
+    env = {str(k): str(v) for k, v in spec.env.items()}
+    paths = plugin_pythonpath(_plugin_modules(spec))
+    if paths:
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+    hard = o.status in ("crashed", "timeout")
+    timeout = opts.verify_timeout
+    if o.status == "timeout":
+        timeout = min(timeout, opts.probe_timeout + 60.0)
+    timeout = max(5.0, min(timeout, ctx.remaining() - 5.0))
+    if hard:
+        return verify_script(script, expect_text=[], timeout=timeout, env=env, expect_signal=True)
+    return verify_script(script, expect_text=_key_text(o.message), expect_error_type=o.error_type,
+                         timeout=timeout, env=env)
+
+
+def _save_tensors(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+    os.replace(tmp, path)
+
+
+def _write_source_repro(ctx: "ModeContext", loaded: Any, sub: torch.nn.Module, name: str, rdir: Path,
+                        rctx: dict[str, Any]) -> Path | None:
+    """The fallback: rebuild the submodule from the model's source, load its own weights, replay the call."""
+    import transformers
+
+    model = loaded.module
+    cls = type(model)
+    spec = ctx.cell.model
+    source: dict[str, Any]
+    if spec.factory:
+        source = {"kind": "factory", "factory": spec.factory}
+    elif getattr(transformers, cls.__name__, None) is cls and loaded.config is not None:
+        cfg = loaded.config
+        atomic_write_text(rdir / "config.json", cfg.to_json_string(use_diff=False))
+        source = {"kind": "transformers", "model_class": cls.__name__, "config_class": type(cfg).__name__,
+                  "attn_implementation": getattr(cfg, "_attn_implementation", None)}
+    else:
+        return None
+    state: dict[str, torch.Tensor] = {}
+    for key, t in list(sub.named_parameters(remove_duplicate=False)) + list(sub.named_buffers(remove_duplicate=False)):
+        state[key] = t.detach().to("cpu").contiguous().clone()
+    _save_tensors(state, rdir / "weights.safetensors")
+    script = rdir / "repro.py"
+    write_script(script, render_template("repro_layer_source.py.j2", **rctx, source=source))
+    return script

@@ -1,0 +1,313 @@
+"""The layers mode's engine without processes: tree, call encoding, the top-down search, capture, options."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from ci_runner.errors import ConfigError
+from ci_runner.layer_search import (
+    ROOT,
+    ModuleTree,
+    Opaque,
+    ProbeOutcome,
+    StopSearch,
+    TensorStore,
+    append_outcome,
+    call_tensor_keys,
+    decode_call,
+    encode_call,
+    is_compile_stage,
+    minimal_failing,
+    read_outcomes,
+    search,
+    unwrap_exception,
+)
+from ci_runner.modes.layers import LayersOptions, _key_text, _open_entry_since, capture_module_inputs, record_calls
+
+
+# --------------------------------------------------------------------------- tree
+
+def _tree(*names: str, opaque: tuple[str, ...] = ()) -> ModuleTree:
+    return ModuleTree.build((n, f"C_{n or 'root'}", 1, n not in opaque, "opaque" if n in opaque else None)
+                            for n in (ROOT, *names))
+
+
+def test_tree_descends_through_containers_that_never_ran() -> None:
+    # `model.layers` (a ModuleList) never runs, so layer 0 hangs under `model` directly
+    tree = _tree("model", "model.layers.0", "model.layers.0.attn", "model.layers.1", "lm_head")
+    assert tree.children(ROOT) == ["model", "lm_head"]
+    assert tree.children("model") == ["model.layers.0", "model.layers.1"]
+    assert tree.path("model.layers.0.attn") == [ROOT, "model", "model.layers.0", "model.layers.0.attn"]
+    again = ModuleTree.from_json(json.loads(json.dumps(tree.to_json())))
+    assert again.children("model") == tree.children("model")
+
+
+def test_tree_requires_the_root() -> None:
+    with pytest.raises(ValueError):
+        ModuleTree.build([("a", "A", 1, True, None)])
+
+
+# --------------------------------------------------------------------------- search
+
+def _prober(failing: dict[str, str], log: list[str]):
+    def probe(name: str) -> ProbeOutcome:
+        log.append(name)
+        status = failing.get(name, "pass")
+        return ProbeOutcome(name=name, status=status, stage="run" if status != "pass" else None)
+
+    return probe
+
+
+def test_search_passes_on_a_passing_model_after_one_probe() -> None:
+    tree = _tree("a", "a.b", "c")
+    log: list[str] = []
+    res = search(tree, _prober({}, log))
+    assert log == [ROOT]
+    assert res.minimal == [] and res.complete
+    assert res.whole_model is not None and res.whole_model.status == "pass"
+
+
+def test_search_finds_every_smallest_failing_module_and_skips_passing_subtrees() -> None:
+    tree = _tree("m", "m.l0", "m.l0.attn", "m.l0.attn.q", "m.l0.mlp", "m.l0.mlp.up",
+                 "m.l1", "m.l1.attn", "m.l1.attn.q", "m.l1.mlp", "m.l1.mlp.up", "head")
+    failing = {ROOT: "fail", "m": "fail", "m.l0": "fail", "m.l0.attn": "fail", "m.l1": "crashed",
+               "m.l1.attn": "timeout"}
+    log: list[str] = []
+    res = search(tree, _prober(failing, log))
+    assert res.minimal == ["m.l0.attn", "m.l1.attn"]
+    # passing modules' children are never tried
+    assert "m.l0.mlp.up" not in log and "m.l1.mlp.up" not in log and "head" in log
+    # breadth first: every module of a level before the next level
+    assert log.index("m.l1") < log.index("m.l0.attn")
+    assert len(log) == len(set(log))
+
+
+def test_a_parent_failing_while_each_child_passes_is_the_answer() -> None:
+    tree = _tree("m", "m.attn", "m.attn.q", "m.attn.k", "m.attn.o")
+    res = search(tree, _prober({ROOT: "fail", "m": "fail", "m.attn": "fail"}, []))
+    assert res.minimal == ["m.attn"]
+
+
+def test_search_looks_through_modules_whose_inputs_cannot_be_replayed() -> None:
+    tree = _tree("m", "m.blk", "m.blk.inner", "m.other", opaque=("m.blk",))
+    log: list[str] = []
+    res = search(tree, _prober({ROOT: "fail", "m": "fail", "m.blk.inner": "fail"}, log))
+    assert "m.blk" not in log and res.outcomes["m.blk"].status == "skipped"
+    assert res.minimal == ["m.blk.inner"]
+    # when nothing under a skipped module fails, the failing parent stays the answer
+    res2 = search(tree, _prober({ROOT: "fail", "m": "fail"}, []))
+    assert res2.minimal == ["m"]
+
+
+def test_search_stopped_early_keeps_what_it_learnt() -> None:
+    tree = _tree("m", "m.a", "m.b")
+    calls = {"n": 0}
+
+    def probe(name: str) -> ProbeOutcome:
+        calls["n"] += 1
+        if calls["n"] > 2:
+            raise StopSearch()
+        return ProbeOutcome(name=name, status="fail")
+
+    res = search(tree, probe)
+    assert not res.complete
+    assert list(res.outcomes) == [ROOT, "m"]
+    assert res.minimal == ["m"]
+
+
+def test_replay_from_the_outcomes_file_continues_where_a_crash_stopped(tmp_path: Path) -> None:
+    tree = _tree("m", "m.a", "m.b", "m.a.x")
+    f = tmp_path / "probes.jsonl"
+    for o in (ProbeOutcome(name=ROOT, status="fail"), ProbeOutcome(name="m", status="fail"),
+              ProbeOutcome(name="m.a", status="crashed", error_type="SIGSEGV")):
+        append_outcome(f, o)
+    with open(f, "a", encoding="utf-8") as fh:
+        fh.write('{"name": "m.b", "sta')  # torn line of a process killed mid-write
+    known = read_outcomes(f)
+    assert set(known) == {ROOT, "m", "m.a"}
+    log: list[str] = []
+    res = search(tree, lambda n: known[n] if n in known else _prober({}, log)(n))
+    assert log == ["m.b", "m.a.x"]
+    assert res.minimal == ["m.a"]
+    assert minimal_failing(tree, res.outcomes) == ["m.a"]
+
+
+def test_open_journal_entry_since_an_offset(tmp_path: Path) -> None:
+    j = tmp_path / "journal.log"
+    j.write_text("enter-module\told\n", encoding="utf-8")
+    offset = j.stat().st_size
+    with open(j, "a", encoding="utf-8") as fh:
+        fh.write("enter-module\t<root>\nleave-module\t<root>\nenter-module\tm.a\nleave-module\tm.a\nenter-module\tm.b\n")
+    assert _open_entry_since(j, offset) == "m.b"
+    with open(j, "a", encoding="utf-8") as fh:
+        fh.write("leave-module\tm.b\nenter-module\t<root>\n")
+    assert _open_entry_since(j, offset) == ROOT
+    assert _open_entry_since(j, j.stat().st_size) is None
+
+
+# --------------------------------------------------------------------------- call encoding
+
+def test_call_round_trip_keeps_structure_strides_and_sharing() -> None:
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    t = base.t()  # non-contiguous
+    shared = torch.ones(3)
+    args = (t, shared, None, 3, 2.5, float("inf"), "x", True)
+    kwargs = {"pair": (shared, torch.tensor([1, 2])), "lst": [torch.zeros(2, dtype=torch.bool)],
+              "dtype": torch.float16, "dev": torch.device("cpu"), "size": torch.Size([2, 3]), "d": {"k": 1}}
+    store = TensorStore()
+    spec = encode_call(args, kwargs, store)
+    json.dumps(spec)  # plain JSON
+    assert len(store.tensors) == 4  # `shared` stored once
+    a, k = decode_call(spec, store.tensors)
+    assert torch.equal(a[0], t) and a[0].stride() == t.stride()
+    assert a[1] is k["pair"][0]
+    assert a[2:5] == (None, 3, 2.5) and math.isinf(a[5]) and a[6:] == ("x", True)
+    assert k["dtype"] is torch.float16 and k["dev"] == torch.device("cpu") and k["size"] == torch.Size([2, 3])
+    assert k["lst"][0].dtype == torch.bool and k["d"] == {"k": 1}
+    assert sorted(call_tensor_keys(spec)) == sorted(store.tensors)
+
+
+def test_saved_inputs_load_back(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    store = TensorStore()
+    x = torch.randn(2, 3)
+    spec = encode_call((x, x[:, 1:]), {}, store)
+    store.save(tmp_path / "in.safetensors")
+    a, _ = decode_call(spec, load_file(str(tmp_path / "in.safetensors")))
+    assert torch.equal(a[0], x) and torch.equal(a[1], x[:, 1:])
+
+
+def test_objects_that_cannot_be_rebuilt_are_reported() -> None:
+    class Cache:
+        pass
+
+    with pytest.raises(Opaque, match="Cache"):
+        encode_call((), {"cache": Cache()}, TensorStore())
+
+
+# --------------------------------------------------------------------------- capture
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.act = nn.ReLU()
+
+    def forward(self, x: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+        return self.act(self.lin(x)) * scale
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block(), _Block()])
+        self.shared = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = self.shared(b(x, scale=0.5))
+        return x
+
+
+def test_capture_records_every_call_and_builds_the_tree() -> None:
+    net = _Net().eval()
+    cap = capture_module_inputs(net, {"x": torch.randn(2, 4)})
+    tree = cap.tree
+    assert tree.children(ROOT) == ["blocks.0", "shared", "blocks.1"]
+    assert tree.nodes["shared"].calls == 2 and tree.nodes["blocks.0"].calls == 1
+    assert "blocks" not in tree.nodes  # the ModuleList never ran
+    assert cap.call_count == 1 + 2 * 3 + 2
+    a, k = decode_call(cap.calls["blocks.1"][0], cap.store.tensors)
+    assert k == {"scale": 0.5} and a[0].shape == (2, 4)
+    assert not cap.cloned
+    assert len(cap.calls["shared"]) == 1
+    every = capture_module_inputs(net, {"x": torch.randn(2, 4)}, all_calls=True)
+    assert len(every.calls["shared"]) == 2
+
+
+def test_capture_notices_in_place_updates_and_copies() -> None:
+    class InPlace(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Identity()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = x * 1
+            self.a(y)
+            y.add_(100.0)  # modifies the tensor `a` was called with
+            return y
+
+    m = InPlace()
+    x = torch.zeros(3)
+    recorded, mutated = record_calls(m, (), {"x": x})
+    assert mutated
+    cap = capture_module_inputs(m, {"x": x})
+    assert cap.cloned
+    a, _ = decode_call(cap.calls["a"][0], cap.store.tensors)
+    assert torch.equal(a[0], torch.zeros(3))  # the value at call time, not after the add_
+
+
+def test_capture_leaves_no_hooks() -> None:
+    net = _Net()
+    capture_module_inputs(net, {"x": torch.randn(1, 4)})
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in net.modules())
+
+
+# --------------------------------------------------------------------------- errors and options
+
+def test_stage_of_backend_errors() -> None:
+    import torch._dynamo
+
+    from tests.fixtures.plugin_layers_fault import raise_backend
+    from tests.fixtures.plugin_layers_pair import pair_backend
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return -self.lin(x)
+
+    x = torch.randn(2, 4)
+    torch._dynamo.reset()
+    with pytest.raises(IndexError) as info:
+        torch.compile(M(), backend=pair_backend)(x)
+    assert is_compile_stage(info.value)
+    assert isinstance(unwrap_exception(info.value), IndexError)
+
+    class A(nn.Module):
+        def forward(self, q: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.scaled_dot_product_attention(q, q, q)
+
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match="fault-plugin") as info2:
+        torch.compile(A(), backend=raise_backend)(torch.randn(1, 2, 4, 8))
+    assert not is_compile_stage(info2.value)
+    torch._dynamo.reset()
+
+
+def test_options_defaults_and_errors() -> None:
+    o = LayersOptions.from_mapping({"probe_timeout": 5, "all_calls": True})
+    assert o.probe_timeout == 5.0 and o.all_calls and o.verify
+    with pytest.raises(ConfigError, match="probe_timout") as info:
+        LayersOptions.from_mapping({"probe_timout": 5})
+    assert "probe_timeout" in str(info.value)
+    with pytest.raises(ConfigError):
+        LayersOptions.from_mapping({"verify": "yes"})
+    with pytest.raises(ConfigError):
+        LayersOptions.from_mapping({"probe_timeout": -1})
+
+
+def test_key_text_is_a_stable_prefix() -> None:
+    assert _key_text("[sim-subset] unsupported operator aten.neg.default in node neg_1: more") == [
+        "[sim-subset] unsupported operator aten.neg.default"]
+    assert _key_text("list index out of range\n\nSet TORCHDYNAMO_VERBOSE=1") == ["list index out of range"]
+    assert _key_text("x") == []
