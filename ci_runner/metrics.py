@@ -1,0 +1,222 @@
+"""Per-tensor comparison metrics, computed in float64, that never lie about what they saw.
+
+`compare_tensors(ref, tgt)` returns, for a reference tensor and the target's tensor of the same shape:
+
+========== ====================================================================================================
+key        meaning
+========== ====================================================================================================
+rel        relative error ‖tgt − ref‖₂ / ‖ref‖₂ (the most sensitive of the five when values span large ranges)
+cos        cosine similarity of the flattened tensors, clamped to [−1, 1] (never above 1, unlike fp32 cosines)
+mad        mean absolute difference
+max_abs    maximum absolute difference
+sqnr_db    signal-to-quantization-noise ratio 10·log10(‖ref‖² / ‖tgt − ref‖²) = −20·log10(rel); +inf when equal
+========== ====================================================================================================
+
+plus bookkeeping: `numel`, `ref_absmean` (the mean |ref|, the scale floors are measured against), and the
+non-finite counts `nonfinite_ref`, `nonfinite_tgt`, `nonfinite_mismatch`.
+
+Edge cases, each decided once here:
+
+* Shapes must match exactly: a mismatch raises `MetricsError`, a broadcast never happens.
+* NaN/±Inf are reported, not hidden. Positions where both sides hold the same non-finite value (the same NaN/Inf
+  pattern, e.g. an attention mask full of −inf) count as equal and are left out of the numeric metrics; each
+  position where the two sides disagree about finiteness counts in `nonfinite_mismatch` and makes `rel`, `mad` and
+  `max_abs` +inf, `sqnr_db` −inf (so any threshold test flags it); `cos` is then computed on the positions finite
+  on both sides.
+* All-zero tensors: equal zeros give rel 0, cos 1, sqnr +inf; a zero reference against a non-zero target gives
+  rel +inf and cos 0; a non-zero reference against a zero target gives rel 1 and cos 0.
+* Empty tensors compare as identical.
+* Values are scaled by the largest magnitude before squaring, so float64 inputs near 1e308 or subnormals near
+  1e-308 neither overflow nor underflow.
+* Integer and bool tensors are compared as float64; complex tensors as their (real, imag) pairs.
+
+Severity (`severity()`) is a fixed, data-independent reading for humans, after the dump-bisect method: rel is
+trusted over cos when the two disagree. Pass/fail in the numerics mode uses data-derived thresholds instead
+(`ci_runner.thresholds`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from .errors import DeepviewError
+
+METRIC_KEYS: tuple[str, ...] = ("rel", "cos", "mad", "max_abs", "sqnr_db")
+
+# Severity levels, best first. Each level is reached while BOTH cos ≥ cos_min and rel ≤ rel_max hold.
+SEVERITY_LEVELS: tuple[tuple[str, float, float], ...] = (
+    # name,      cos_min,  rel_max
+    ("close",    0.99999,  1e-4),   # ✓ numerical noise
+    ("drift",    0.999,    1e-2),   # ? drift worth watching (a single step should stay above cos 0.999)
+    ("diverged", 0.99,     1e-1),   # ✗ the dump-bisect rule: cos < 0.99 or rel > 10 % is where a bug lives
+)
+SEVERITY_ORDER: tuple[str, ...] = ("exact", "close", "drift", "diverged", "broken")
+SEVERITY_SYMBOL: Mapping[str, str] = {"exact": "=", "close": "✓", "drift": "?", "diverged": "✗", "broken": "✗✗"}
+
+
+class MetricsError(DeepviewError):
+    """Two tensors cannot be compared (different shapes or structures)."""
+
+
+def _as_float64(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    if t.is_complex():
+        t = torch.view_as_real(t.resolve_conj())
+    return t.to(torch.float64).reshape(-1)
+
+
+def compare_tensors(ref: torch.Tensor, tgt: torch.Tensor, *, where: str = "") -> dict[str, Any]:
+    """Metrics of `tgt` against the reference `ref` (see the module docstring); never mutates its inputs."""
+    if not isinstance(ref, torch.Tensor) or not isinstance(tgt, torch.Tensor):
+        raise MetricsError(f"{where or 'compare_tensors'}: expected two tensors, got "
+                           f"{type(ref).__name__} and {type(tgt).__name__}")
+    if tuple(ref.shape) != tuple(tgt.shape):
+        raise MetricsError(
+            f"{where or 'compare_tensors'}: shape mismatch: reference {list(ref.shape)} vs target {list(tgt.shape)}",
+            hint="the target computed a differently shaped tensor; compare the layer's structure, not its numbers",
+        )
+    if ref.is_complex() != tgt.is_complex():
+        raise MetricsError(f"{where or 'compare_tensors'}: one tensor is complex and the other is not "
+                           f"({ref.dtype} vs {tgt.dtype})")
+    a = _as_float64(ref)
+    b = _as_float64(tgt)
+    numel = int(a.numel())
+    fa = torch.isfinite(a)
+    fb = torch.isfinite(b)
+    nonfinite_ref = int(numel - int(fa.sum()))
+    nonfinite_tgt = int(numel - int(fb.sum()))
+    both = fa & fb
+    mismatch = 0
+    if nonfinite_ref or nonfinite_tgt:
+        # same non-finite value on both sides (NaN with NaN, +inf with +inf) is agreement
+        same_nonfinite = (~fa) & (~fb) & ((torch.isnan(a) & torch.isnan(b)) | (a == b))
+        mismatch = int(numel - int(both.sum()) - int(same_nonfinite.sum()))
+        a = a[both]
+        b = b[both]
+    out = _finite_metrics(a, b)
+    out.update(numel=numel, nonfinite_ref=nonfinite_ref, nonfinite_tgt=nonfinite_tgt, nonfinite_mismatch=mismatch)
+    if mismatch:
+        out.update(rel=math.inf, mad=math.inf, max_abs=math.inf, sqnr_db=-math.inf)
+    return out
+
+
+def _finite_metrics(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
+    """rel/cos/mad/max_abs/sqnr of finite float64 vectors `b` (target) against `a` (reference)."""
+    n = a.numel()
+    if n == 0:
+        return {"rel": 0.0, "cos": 1.0, "mad": 0.0, "max_abs": 0.0, "sqnr_db": math.inf, "ref_absmean": 0.0}
+    scale = float(torch.maximum(a.abs().max(), b.abs().max()))
+    ref_absmean = float(a.abs().mean())
+    if scale == 0.0:  # both all zeros
+        return {"rel": 0.0, "cos": 1.0, "mad": 0.0, "max_abs": 0.0, "sqnr_db": math.inf, "ref_absmean": 0.0}
+    # scale into [-1, 1] so that squares neither overflow nor underflow
+    sa = a / scale
+    sb = b / scale
+    d = sb - sa
+    absd = d.abs()
+    max_abs = float(absd.max()) * scale
+    mad = float(absd.mean()) * scale
+    na = float(torch.linalg.vector_norm(sa))
+    nb = float(torch.linalg.vector_norm(sb))
+    nd = float(torch.linalg.vector_norm(d))
+    if na == 0.0:
+        rel = math.inf if nd > 0.0 else 0.0
+    else:
+        rel = nd / na
+    if nd == 0.0:
+        cos = 1.0  # identical: exactly 1, not 1 - ulp
+    elif na == 0.0 or nb == 0.0:
+        cos = 0.0
+    else:
+        cos = float(torch.dot(sa, sb)) / (na * nb)
+        cos = max(-1.0, min(1.0, cos))
+    if nd == 0.0:
+        sqnr = math.inf
+    elif na == 0.0:
+        sqnr = -math.inf
+    else:
+        sqnr = 20.0 * math.log10(na / nd)
+    return {"rel": rel, "cos": cos, "mad": mad, "max_abs": max_abs, "sqnr_db": sqnr, "ref_absmean": ref_absmean}
+
+
+def compare_outputs(ref: Any, tgt: Any, *, where: str = "") -> dict[str, dict[str, Any]]:
+    """Metrics per tensor of two nested outputs (tensors, tuples, dicts, ModelOutput; caches skipped).
+
+    Keys are the tensors' sub-names (`""` for a bare tensor, `"0"`, `"logits"`, `"0.1"`…). A tensor present on one
+    side only raises `MetricsError`: a structural difference is not a numerical one.
+    """
+    from .capture import iter_tensors
+
+    r = dict(iter_tensors(ref))
+    t = dict(iter_tensors(tgt))
+    if r.keys() != t.keys():
+        only_r = sorted(set(r) - set(t))
+        only_t = sorted(set(t) - set(r))
+        raise MetricsError(f"{where or 'compare_outputs'}: output structure differs: only in reference "
+                           f"{only_r[:5]}, only in target {only_t[:5]}")
+    return {k: compare_tensors(r[k], t[k], where=f"{where}[{k}]" if where else k) for k in r}
+
+
+def worst(per_tensor: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """One metrics dict for a layer with several output tensors: the worst value of each metric."""
+    items = list(per_tensor)
+    if not items:
+        return {"rel": 0.0, "cos": 1.0, "mad": 0.0, "max_abs": 0.0, "sqnr_db": math.inf}
+    out: dict[str, Any] = {
+        "rel": _worst_of((m["rel"] for m in items), high_is_bad=True),
+        "cos": _worst_of((m["cos"] for m in items), high_is_bad=False),
+        "mad": _worst_of((m["mad"] for m in items), high_is_bad=True),
+        "max_abs": _worst_of((m["max_abs"] for m in items), high_is_bad=True),
+        "sqnr_db": _worst_of((m["sqnr_db"] for m in items), high_is_bad=False),
+    }
+    for extra in ("nonfinite_ref", "nonfinite_tgt", "nonfinite_mismatch", "numel"):
+        if any(extra in m for m in items):
+            out[extra] = sum(int(m.get(extra, 0)) for m in items)
+    if any("ref_absmean" in m for m in items):
+        out["ref_absmean"] = max(float(m.get("ref_absmean", 0.0)) for m in items)
+    return out
+
+
+def _worst_of(values: Iterable[Any], *, high_is_bad: bool) -> float:
+    """Max (or min) of metric values where NaN, if present, is the worst (plain `max` would drop it by order)."""
+    vals = [float(v) for v in values]
+    if any(math.isnan(v) for v in vals):
+        return math.nan
+    return max(vals) if high_is_bad else min(vals)
+
+
+def _level(cos: float, rel: float) -> int:
+    if math.isnan(cos) or math.isnan(rel):
+        return len(SEVERITY_LEVELS)
+    for i, (_name, cos_min, rel_max) in enumerate(SEVERITY_LEVELS):
+        if cos >= cos_min and rel <= rel_max:
+            return i
+    return len(SEVERITY_LEVELS)
+
+
+def severity(metrics: Mapping[str, Any]) -> str:
+    """`exact`, `close`, `drift`, `diverged` or `broken` (non-finite disagreement or worse than `diverged`)."""
+    if int(metrics.get("nonfinite_mismatch", 0) or 0):
+        return "broken"
+    max_abs = float(metrics.get("max_abs", math.nan))
+    if max_abs == 0.0:
+        return "exact"
+    lvl = _level(float(metrics.get("cos", math.nan)), float(metrics.get("rel", math.nan)))
+    if lvl >= len(SEVERITY_LEVELS):
+        return "broken"
+    return SEVERITY_LEVELS[lvl][0]
+
+
+def flag_for(metrics: Mapping[str, Any]) -> str:
+    """The severity as a one-glyph flag for tables: = ✓ ? ✗ ✗✗."""
+    return SEVERITY_SYMBOL[severity(metrics)]
+
+
+def public(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """Only the five contract keys (`METRIC_KEYS`) of a metrics dict, for report tables."""
+    return {k: metrics[k] for k in METRIC_KEYS if k in metrics}
