@@ -17,8 +17,8 @@ What happens to a group (``run`` is this run: ``GITHUB_RUN_ID``, else a hash of 
 ==================================  ===========================================================
 the group in this diff               the matching issue → action
 ==================================  ===========================================================
-a finding is ``regressed`` (new)     none → create; open → comment once per run; closed → reopen
-                                     and comment; carries the opt-out label → skip
+a finding is new (``regressed``, or  none → create; open → comment once per run; closed → reopen
+in a ``new_cell``)                   and comment; carries the opt-out label → skip
 only ``persisting`` / ``flaky``      nothing (the baseline already knows it)
 gone: ``fixed`` entries, or absent   open → comment, and close when `close_fixed`; a finding
 from results where every cell the    counts as gone only if its cells ran the mode that found it
@@ -64,7 +64,8 @@ from .client import (
 ISSUE_BODY_LIMIT = 65536  # characters; GitHub answers 422 above it
 TITLE_LIMIT = 256
 OP_KINDS = ("unsupported_op", "op_error", "op_mismatch")
-FAILING = ("regressed", "persisting", "flaky")
+NEW = ("regressed", "new_cell")  # a finding the baseline does not know: filed
+FAILING = ("regressed", "new_cell", "persisting", "flaky")  # still failing, whether filed or not
 CATEGORIES = ("regressed", "fixed", "persisting", "flaky", "new_cell", "missing_cell")
 MODE_OF_GROUP = {"op": "ops", "layer": "layers", "divergence": "numerics"}
 _REPO_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9-]{0,38})/[A-Za-z0-9._-]{1,100}$")
@@ -327,7 +328,8 @@ class Group:
 
     @property
     def regressed(self) -> bool:
-        return any(e["category"] == "regressed" for e in self.entries)
+        """Some finding is new: not in the baseline (regressed, or in a cell the baseline lacks)."""
+        return any(e["category"] in NEW for e in self.entries)
 
     @property
     def present(self) -> bool:
@@ -369,11 +371,23 @@ def group_title(key: Sequence[str]) -> str:
     return safe_title(text)
 
 
+def entry_finding(e: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The entry's finding; for a fixed or not re-checked one (``finding: null``), rebuilt from kind and key."""
+    if e.get("finding"):
+        return e["finding"]
+    kind, key = e.get("kind"), e.get("key")
+    if not e.get("fingerprint") or not kind or not key:
+        return None
+    if kind in OP_KINDS:
+        return {"kind": kind, "op": key}
+    return {"kind": kind, "module": key}
+
+
 def group_entries(diff: Mapping[str, Any], *, layers: bool) -> list[Group]:
     groups: dict[tuple[str, ...], Group] = {}
     for e in diff.get("entries", []):
-        f = e.get("finding")
-        if not f or not e.get("fingerprint"):
+        f = entry_finding(e)
+        if not f:
             continue  # cell-level entries (a cell got worse, appeared, vanished): not an issue of their own
         key = group_key(e["backend"], e.get("model") or e["cell"].split("@")[0], f, layers=layers)
         if key is None:
@@ -473,7 +487,7 @@ def _read_repro(entry: Mapping[str, Any], run_dir: Path | None) -> dict[str, Any
 
 
 def _group_view(g: Group, *, max_entries: int, message_limit: int) -> dict[str, Any]:
-    ordered = sorted(g.entries, key=lambda e: (e["category"] != "regressed", e["cell"], e.get("fingerprint") or ""))
+    ordered = sorted(g.entries, key=lambda e: (e["category"] not in NEW, e["cell"], e.get("fingerprint") or ""))
     views = [_entry_view(e) for e in ordered]
     messages: list[str] = []
     for e in ordered:
@@ -495,7 +509,7 @@ def _group_view(g: Group, *, max_entries: int, message_limit: int) -> dict[str, 
         "entries": views[:max_entries],
         "more_entries": max(0, len(views) - max_entries),
         "models": sorted({v["model"] for v in views}),
-        "new_models": sorted({v["model"] for v in views if v["category"] == "regressed"}),
+        "new_models": sorted({v["model"] for v in views if v["category"] in NEW}),
         "messages": shown,
         "more_messages": max(0, len(messages) - MAX_MESSAGES),
         "env": _env_text(first.get("env")),
@@ -542,7 +556,7 @@ def render_issue(g: Group, ctx: RenderContext) -> str:
     links = {"run": _safe_url(ctx.run_url), "artifacts": _safe_url(ctx.artifacts_url or ctx.run_url)}
     template = _jinja().get_template(f"issue_{g.kind}.md.j2")
     repro = None
-    for e in sorted(g.entries, key=lambda e: (e["category"] != "regressed", e["cell"])):
+    for e in sorted(g.entries, key=lambda e: (e["category"] not in NEW, e["cell"])):
         candidate = _read_repro(e, ctx.run_dir)
         if candidate and (repro is None or (repro["text"] is None and candidate["text"] is not None)):
             repro = candidate
@@ -922,7 +936,7 @@ def file_issues(diff_path: Path, *, repo: str, dry_run: Path | None, run_dir: Pa
     groups = group_entries(diff, layers=options.layers)
     report = FilingReport(repo=repo, dry_run=dry_run is not None)
     labels = [options.label, *options.extra_labels]
-    ignored = sum(1 for e in diff.get("entries", []) if e.get("finding") and e["category"] in FAILING
+    ignored = sum(1 for e in diff.get("entries", []) if e.get("finding") and e["category"] in NEW
                   and group_key(e["backend"], e.get("model") or "", e["finding"], layers=options.layers) is None)
     if ignored:
         report.notes.append(f"{ignored} finding(s) of kinds not filed as issues"

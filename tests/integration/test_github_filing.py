@@ -184,6 +184,16 @@ def test_dedupe_pages_through_every_labelled_issue_and_skips_prs(gh, tmp_path):
     assert listing.query["state"] == ["all"] and listing.query["labels"] == ["deepview-ci"]
 
 
+def test_findings_of_a_new_cell_are_filed_and_known_ones_are_not(gh, tmp_path):
+    f = op_finding("aten.softplus.default", "sim-subset")
+    known = op_finding("aten.erf.default", "sim-subset")
+    d = write_diff(tmp_path / "d.json", [entry("new_cell", "tiny-new", "sim-subset", f, baseline_status=None),
+                                         entry("persisting", "tiny-llama", "sim-subset", known),
+                                         entry("flaky", "tiny-vit", "sim-subset", op_finding("aten.cos.default", "sim-subset"))])
+    r = run(gh, d)
+    assert r.created == 1 and [i["title"] for i in gh.issues()] == ["[deepview-ci] aten.softplus.default fails on sim-subset"]
+
+
 def test_layers_are_filed_only_when_asked(gh, tmp_path):
     from ci_runner.results import fingerprint
 
