@@ -240,7 +240,8 @@ class GitHubClient:
         """A URL as shown in messages: the path and query, relative to the API root."""
         return redact(url[len(self.api_url):] if url.startswith(self.api_url) else url, self.token)
 
-    def _sleep(self, seconds: float) -> None:
+    def wait(self, seconds: float) -> None:
+        """Sleep, and record it in `waits`."""
         if seconds > 0:
             self.waits.append(seconds)
             self.sleep(seconds)
@@ -251,7 +252,7 @@ class GitHubClient:
         if self._last_write is not None:
             left = self.options.min_write_interval - (self.monotonic() - self._last_write)
             if left > 0:
-                self._sleep(left)
+                self.wait(left)
 
     def _request_url(self, method: str, url: str, body: Mapping[str, Any] | None) -> Response:
         attempt = 0
@@ -274,7 +275,7 @@ class GitHubClient:
                         hint="GitHub (or GITHUB_API_URL) is unreachable or failing; rerun later. "
                         "What was not filed is kept as drafts",
                     ) from None
-                self._sleep(wait)
+                self.wait(wait)
                 continue
             except _Redirect as exc:
                 target = self._same_origin(urllib.parse.urljoin(url, exc.location))
@@ -296,7 +297,7 @@ class GitHubClient:
                         status=exc.status,
                         hint="rerun later (or raise --max-wait); what was not filed is kept as drafts",
                     ) from None
-                self._sleep(exc.wait)
+                self.wait(exc.wait)
                 continue
             return resp
 

@@ -680,10 +680,6 @@ def _parse_issue(item: Mapping[str, Any]) -> tuple[str, _Issue] | None:
                               body=body, labels=labels, url=item.get("html_url"), meta=meta)
 
 
-class _Stop(Exception):
-    """API work cannot go on this run."""
-
-
 @dataclass
 class _Action:
     action: str  # create | comment | reopen | close | file (state unknown: the API failed first)
@@ -694,14 +690,15 @@ class _Action:
 
 
 class _Filer:
+    """Reads the tracker, plans one action per group, and carries it out."""
+
     def __init__(self, client: GitHubClient, repo: str, options: FilingOptions, ctx: RenderContext,
-                 report: FilingReport, drafts: "_Drafts") -> None:
+                 report: FilingReport) -> None:
         self.client = client
         self.repo = repo
         self.options = options
         self.ctx = ctx
         self.report = report
-        self.drafts = drafts
         self.base = f"/repos/{repo}"
 
     # ----------------------------------------------------------------- reads
@@ -759,7 +756,7 @@ class _Filer:
                     return found
                 if attempt > self.options.max_retries:
                     raise ServerUnavailable(str(exc.message), status=exc.status, hint=exc.hint) from None
-                self.client._sleep(self.options.backoff * 2 ** (attempt - 1))
+                self.client.wait(self.options.backoff * 2 ** (attempt - 1))
 
     def create(self, a: _Action) -> None:
         labels = [self.options.label, *self.options.extra_labels]
@@ -956,7 +953,7 @@ def file_issues(diff_path: Path, *, repo: str, dry_run: Path | None, run_dir: Pa
 
     drafts = _Drafts(options.drafts_dir or diff_path.parent / "issue-drafts", repo, report)
     client = GitHubClient(env.get("GITHUB_API_URL") or DEFAULT_API_URL, token, options.client_options())
-    filer = _Filer(client, repo, options, ctx, report, drafts)
+    filer = _Filer(client, repo, options, ctx, report)
     actions: list[_Action] = []
     present = {g.fingerprint for g in group_entries(diff, layers=True) if g.present}
     try:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ci_runner.github.issues import FilingOptions, file_issues, group_fingerprint
-from ci_runner.results import CellResult, Finding, ModeResult, Results, save_results
+from ci_runner.results import CellResult, ModeResult, Results, save_results
 from tests.fixtures.fake_github import SECONDARY_MESSAGE, FakeGitHub, entry, op_finding, write_diff
 
 REPO = "acme/models"
