@@ -18,7 +18,8 @@ What happens to a group (``run`` is this run: ``GITHUB_RUN_ID``, else a hash of 
 the group in this diff               the matching issue → action
 ==================================  ===========================================================
 a finding is new (``regressed``, or  none → create; open → comment once per run; closed → reopen
-in a ``new_cell``)                   and comment; carries the opt-out label → skip
+in a ``new_cell``)                   and comment (not when closed as "not planned"); carries the
+                                     opt-out label → skip
 only ``persisting`` / ``flaky``      nothing (the baseline already knows it)
 gone: ``fixed`` entries, or absent   open → comment, and close when `close_fixed`; a finding
 from results where every cell the    counts as gone only if its cells ran the mode that found it
@@ -661,6 +662,7 @@ class _Issue:
     labels: set[str]
     url: str | None
     meta: dict[str, Any]
+    state_reason: str | None = None
 
 
 def _parse_issue(item: Mapping[str, Any]) -> tuple[str, _Issue] | None:
@@ -677,7 +679,8 @@ def _parse_issue(item: Mapping[str, Any]) -> tuple[str, _Issue] | None:
             meta = {}
     labels = {str(lab.get("name", "") if isinstance(lab, dict) else lab).lower() for lab in item.get("labels") or []}
     return m.group(1), _Issue(number=int(item["number"]), state=str(item.get("state", "open")), title=str(item.get("title", "")),
-                              body=body, labels=labels, url=item.get("html_url"), meta=meta)
+                              body=body, labels=labels, url=item.get("html_url"), meta=meta,
+                              state_reason=item.get("state_reason"))
 
 
 @dataclass
@@ -832,6 +835,9 @@ class _Filer:
         issue = a.issue
         if issue is not None and self.options.opt_out_label.lower() in issue.labels:
             self._done(a, "skipped", reason=f"has the label {self.options.opt_out_label}")
+            return
+        if a.action == "reopen" and issue is not None and issue.state_reason == "not_planned":
+            self._done(a, "skipped", reason="closed as not planned")  # a person decided; do not fight it
             return
         if a.action == "none":
             self._done(a, "unchanged", reason="known finding (persisting or flaky in the baseline)")

@@ -106,6 +106,15 @@ def test_closed_issue_is_reopened(gh, tmp_path):
     assert run(gh, d, run_id="101").reopened == 0 and len(gh.issues()[0]["comments_list"]) == 1
 
 
+def test_issue_closed_as_not_planned_stays_closed(gh, tmp_path):
+    d = softplus_diff(tmp_path)
+    run(gh, d, run_id="100")
+    issue = gh.issues()[0]
+    issue["state"], issue["state_reason"] = "closed", "not_planned"
+    r = run(gh, d, run_id="101")
+    assert (r.reopened, r.skipped) == (0, 1) and issue["state"] == "closed" and issue["comments"] == 0
+
+
 def test_fixed_finding_closes_its_issue(gh, tmp_path):
     run(gh, softplus_diff(tmp_path), run_id="100")
     fixed = softplus_diff(tmp_path, category="fixed", name="fixed.json")
