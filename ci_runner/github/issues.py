@@ -427,7 +427,12 @@ def _env_text(env: Mapping[str, Any] | None) -> str:
     return "\n".join(lines)
 
 
-def _signatures(details: Mapping[str, Any] | None) -> list[str]:
+def _signatures(details: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """`details["signatures"]` (or `"signature"`) as {text, count, module, module_class, source}.
+
+    Items may be strings, or the ops mode's dicts: ``{"signature": "aten.x(f32[1, 3])", "count": 2,
+    "sites": [{"module": …, "module_class": …, "source": …}], …}``.
+    """
     if not details:
         return []
     raw = details.get("signatures")
@@ -435,8 +440,17 @@ def _signatures(details: Mapping[str, Any] | None) -> list[str]:
         raw = details.get("signature")
     if raw is None:
         return []
-    items = raw if isinstance(raw, list) else [raw]
-    return [s if isinstance(s, str) else json.dumps(s, sort_keys=True, separators=(",", ":")) for s in items]
+    out = []
+    for item in raw if isinstance(raw, list) else [raw]:
+        if isinstance(item, Mapping):
+            sites = item.get("sites") or [{}]
+            site = sites[0] if isinstance(sites[0], Mapping) else {}
+            text = item.get("signature") or json.dumps(dict(item), sort_keys=True, separators=(",", ":"))[:400]
+            out.append({"text": str(text), "count": int(item.get("count") or 1), "module": site.get("module"),
+                        "module_class": site.get("module_class"), "source": site.get("source")})
+        else:
+            out.append({"text": str(item), "count": 1, "module": None, "module_class": None, "source": None})
+    return out
 
 
 def _entry_view(e: Mapping[str, Any]) -> dict[str, Any]:

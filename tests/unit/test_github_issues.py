@@ -281,3 +281,14 @@ def test_dry_run_writes_drafts_and_calls_nothing(tmp_path):
     assert sorted(by_action) == ["close", "create"]
     first = (out / by_action["create"]["file"]).read_text()
     assert "aten.softplus.default" in first and "<!-- deepview-ci:fingerprint=" in first
+
+
+def test_ops_mode_signature_dicts_render_as_call_site_lines():
+    f = op_finding("aten.convolution.default", "sim-subset")
+    f["details"] = {"signatures": [{"signature": "aten.convolution.default(f32[1, 3, 16, 16])", "count": 2,
+                                    "sites": [{"module": "vit.embeddings.proj", "module_class": "Conv2d",
+                                               "source": "modeling_vit.py:69 in forward"}]}]}
+    [g] = group_entries({"entries": [entry("regressed", "tiny-vit", "sim-subset", f)]}, layers=False)
+    body = render_issue(g, ctx(None))
+    assert ("  - `aten.convolution.default(f32[1, 3, 16, 16])`, 2 calls in `vit.embeddings.proj` (`Conv2d`) "
+            "at `modeling_vit.py:69 in forward`") in body
