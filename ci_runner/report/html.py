@@ -21,7 +21,7 @@ from markupsafe import Markup
 
 from ..results import Results
 from .junit import xml_safe
-from .view import LayerPoint, NumericsView, ReportView, build_view, first_line, fmt_num, icon
+from .view import CellView, LayerPoint, NumericsView, ReportView, build_view, first_line, fmt_num, icon
 
 MAX_FINDINGS_PER_CELL = 500
 CHART_METRICS: tuple[tuple[str, str], ...] = (("rel", "relative error"), ("cos", "1 − cosine"), ("mad", "mean abs diff"))
@@ -46,7 +46,8 @@ def _threshold(p: LayerPoint, metric: str) -> float | None:
 
 
 def _e(text: Any) -> str:
-    return html.escape(xml_safe(text), quote=True)
+    """Escaped text for HTML (illegal XML characters are replaced on the whole page at the end)."""
+    return html.escape("" if text is None else str(text), quote=True)
 
 
 def layer_chart(nv: NumericsView, metric: str, *, cell_id: str, label: str, hidden: bool = False) -> str:
@@ -150,18 +151,53 @@ def layer_chart(nv: NumericsView, metric: str, *, cell_id: str, label: str, hidd
     return "".join(out)
 
 
+def layer_table(nv: NumericsView) -> str:
+    """The per-layer table under a cell's charts (built in code: big runs have thousands of rows)."""
+    out = ['<table><thead><tr><th>#</th><th>layer</th><th>class</th><th>cum rel</th><th>iso rel</th><th>≤ rel</th>'
+           '<th>cum cos</th><th>iso cos</th><th>≥ cos</th><th>flagged</th></tr></thead><tbody>']
+    for p in nv.layers:
+        row_cls = ' class="s-fail"' if p.flagged_cumulative or p.flagged_isolated else ""
+        c, i, t = p.cumulative, p.isolated, p.threshold
+        out.append(
+            f'<tr{row_cls}><td class="num">{p.index}</td><td><code>{_e(p.name)}</code></td>'
+            f"<td>{_e(p.module_class)}</td>"
+            f'<td class="num">{_e(fmt_num(c.get("rel")))}</td><td class="num">{_e(fmt_num(i.get("rel")))}</td>'
+            f'<td class="num muted">{_e(fmt_num(t.get("rel")))}</td>'
+            f'<td class="num">{_e(fmt_num(c.get("cos")))}</td><td class="num">{_e(fmt_num(i.get("cos")))}</td>'
+            f'<td class="num muted">{_e(fmt_num(t.get("cos")))}</td>'
+            f"<td>{'cumulative ' if p.flagged_cumulative else ''}{'isolated' if p.flagged_isolated else ''}</td></tr>")
+    out.append("</tbody></table>")
+    return "\n".join(out)
+
+
+def findings_html(cv: CellView, limit: int = MAX_FINDINGS_PER_CELL) -> str:
+    """A cell's findings, each with its message, metrics against thresholds and repro."""
+    out: list[str] = []
+    for fv in cv.findings[:limit]:
+        f = fv.finding
+        head = (f'<div class="finding" data-fingerprint="{_e(f.fingerprint)}">\n<b>{_e(f.kind)}</b> <code>{_e(fv.title)}</code> '
+                f'<span class="muted">({_e(fv.mode)}, {_e(f.stage)}{", " + _e(f.error_type) if f.error_type else ""})</span>')
+        out.append(head)
+        if fv.repro:
+            cmd = f" · <code>{_e(f.repro.command)}</code>" if f.repro and f.repro.command else ""
+            out.append(f"<br>repro: <code>{_e(fv.repro)}</code> {'(verified)' if fv.verified else '(not verified)'}{cmd}")
+        if f.metrics:
+            parts = []
+            for k, val in f.metrics.items():
+                thr = f.threshold.get(k) if isinstance(f.threshold, dict) else None
+                parts.append(f"{_e(k)} <b>{_e(fmt_num(val))}</b>"
+                             + (f' <span class="muted">(threshold {_e(fmt_num(thr))})</span>' if thr is not None else ""))
+            out.append("<br>" + " · ".join(parts))
+        out.append(f"<pre>{_e(f.message)}</pre>\n</div>")
+    return "\n".join(out)
+
+
 def _anchor(cell_id: str) -> str:
     """A unique, URL-safe element id for a cell."""
     import hashlib
 
     safe = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in cell_id)
     return f"cell-{safe}-{hashlib.sha1(cell_id.encode('utf-8', 'surrogatepass')).hexdigest()[:6]}"
-
-
-def _finalize(value: Any) -> Any:
-    if isinstance(value, str) and not isinstance(value, Markup):
-        return xml_safe(value)
-    return value
 
 
 _ENV: jinja2.Environment | None = None
@@ -174,7 +210,6 @@ def _environment() -> jinja2.Environment:
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
         lstrip_blocks=True,
-        finalize=_finalize,
     )
     env.filters.update(num=fmt_num, icon=icon, first_line=first_line)
     return env
@@ -193,11 +228,16 @@ def render_html(
         _ENV = _environment()
     v = view or build_view(results, out_dir=out_dir, run_dir=run_dir, diff=diff)
     charts: dict[str, list[tuple[str, str, Markup]]] = {}
+    blocks: dict[str, dict[str, Markup]] = {}
     for cv in v.cells:
+        blocks[cv.id] = {"findings": Markup(findings_html(cv)), "layers": Markup("")}
         if cv.numerics and cv.numerics.layers:
             charts[cv.id] = [(m, label, Markup(layer_chart(cv.numerics, m, cell_id=cv.id, label=label, hidden=i > 0)))
                              for i, (m, label) in enumerate(CHART_METRICS)]
-    return _ENV.get_template("report.html.j2").render(
-        v=v, diff=v.diff, charts=charts, max_findings=MAX_FINDINGS_PER_CELL,
+            blocks[cv.id]["layers"] = Markup(layer_table(cv.numerics))
+    # Illegal characters become visible escapes in one pass over the page (ASCII escapes: the same
+    # as escaping every value, far faster than a filter on each).
+    return xml_safe(_ENV.get_template("report.html.j2").render(
+        v=v, diff=v.diff, charts=charts, blocks=blocks, max_findings=MAX_FINDINGS_PER_CELL,
         anchor=_anchor,
-    )
+    ))

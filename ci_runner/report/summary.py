@@ -34,8 +34,7 @@ _MD_SPECIAL = re.compile(r"([\\`*_\[\]|~])")
 
 def md(text: Any, limit: int | None = 300) -> str:
     """Inline Markdown text: one line, no raw HTML, no table-breaking pipes."""
-    s = xml_safe("" if text is None else text)
-    s = " ".join(s.split())
+    s = " ".join(str("" if text is None else text).split())
     if limit and len(s) > limit:
         s = s[: limit - 1] + "…"
     s = s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
@@ -46,7 +45,7 @@ def h(text: Any, limit: int | None = 300) -> str:
     """Text inside an HTML tag of the Markdown (``<summary>``): escaped HTML, one line."""
     import html
 
-    s = " ".join(xml_safe("" if text is None else text).split())
+    s = " ".join(str("" if text is None else text).split())
     if limit and len(s) > limit:
         s = s[: limit - 1] + "…"
     return html.escape(s, quote=True)
@@ -54,7 +53,7 @@ def h(text: Any, limit: int | None = 300) -> str:
 
 def code(text: Any) -> str:
     """Inline code span that survives backticks and pipes in the text."""
-    s = " ".join(xml_safe("" if text is None else text).split())
+    s = " ".join(str("" if text is None else text).split())
     s = s.replace("|", "¦")  # a pipe inside a table cell ends the cell even in code spans
     ticks = max((len(m) for m in re.findall(r"`+", s)), default=0)
     fence = "`" * (ticks + 1)
@@ -64,7 +63,7 @@ def code(text: Any) -> str:
 
 def block(text: Any, lang: str = "", limit: int = 4000) -> str:
     """A fenced code block longer than any backtick run inside `text`."""
-    s = xml_safe("" if text is None else text).replace("\r\n", "\n").replace("\r", "\n")
+    s = str("" if text is None else text).replace("\r\n", "\n").replace("\r", "\n")
     if len(s) > limit:
         s = s[: limit] + f"\n… [{len(s) - limit} characters cut]"
     ticks = max((len(m) for m in re.findall(r"`{3,}", s)), default=2)
@@ -75,13 +74,16 @@ def block(text: Any, lang: str = "", limit: int = 4000) -> str:
 _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})(.*)$")
 
 
-def truncate_markdown(text: str, limit: int, *, pointer: str = DEFAULT_POINTER) -> str:
-    """Cut Markdown to `limit` UTF-8 bytes at a line, closing open fences and ``<details>``."""
+def truncate_markdown(text: str, limit: int, *, pointer: str = DEFAULT_POINTER, cut_already: int | None = None) -> str:
+    """Cut Markdown to `limit` UTF-8 bytes at a line, closing open fences and ``<details>``.
+
+    `cut_already` (the full size in bytes) says the text is already a cut prefix: it then gets the
+    closing tags and the note even when it fits."""
     data = text.encode("utf-8")
-    if len(data) <= limit:
+    if len(data) <= limit and cut_already is None:
         return text
     reserve = 1024
-    cut = data[: max(0, limit - reserve)]
+    cut = data[: max(0, min(limit - reserve, len(data)))]
     nl = cut.rfind(b"\n")
     kept = cut[: nl + 1] if nl >= 0 else b""
     lines = kept.decode("utf-8", errors="ignore").splitlines(keepends=True)
@@ -102,7 +104,8 @@ def truncate_markdown(text: str, limit: int, *, pointer: str = DEFAULT_POINTER) 
         tail += fence + "\n"
     tail += "</details>\n" * max(depth, 0)
     shown = len(kept)
-    tail += (f"\n> [!WARNING]\n> This summary was cut at {shown:,} of {len(data):,} bytes to stay under "
+    total = f"{cut_already:,}+" if cut_already is not None else f"{len(data):,}"
+    tail += (f"\n> [!WARNING]\n> This summary was cut at {shown:,} of {total} bytes to stay under "
              f"GitHub's 1 MiB step-summary limit; {pointer}.\n")
     return "".join(lines) + tail
 
@@ -115,7 +118,6 @@ def _environment() -> jinja2.Environment:
         trim_blocks=True,
         lstrip_blocks=True,
         keep_trailing_newline=True,
-        finalize=lambda x: xml_safe(x) if isinstance(x, str) else x,
     )
     env.filters.update(md=md, h=h, code=code, block=block, num=fmt_num, icon=icon, first_line=first_line)
     return env
@@ -139,8 +141,22 @@ def render_summary(
     if _ENV is None:
         _ENV = _environment()
     v = view or build_view(results, out_dir=out_dir, run_dir=run_dir, diff=diff)
-    text = _ENV.get_template("summary.md.j2").render(
+    # Stream the template and stop once well past the limit: a huge run need not render details
+    # that will be cut anyway. Characters ≤ bytes, so a prefix longer than limit + margin in
+    # characters is surely over the limit after blank lines are collapsed.
+    chunks: list[str] = []
+    size = 0
+    stopped = False
+    budget = limit + 256 * 1024
+    for chunk in _ENV.get_template("summary.md.j2").generate(
         v=v, max_rows=MAX_ROWS, max_details=MAX_DETAILS_FINDINGS, diff=v.diff,
-    )
-    text = re.sub(r"\n{3,}", "\n\n", text)
-    return truncate_markdown(text, limit, pointer=pointer)
+    ):
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > budget:
+            stopped = True
+            break
+    # Illegal characters (NUL, C0 controls, lone surrogates) become visible escapes in one pass;
+    # the escapes are ASCII, so this after rendering equals escaping every value before.
+    text = re.sub(r"\n{3,}", "\n\n", xml_safe("".join(chunks)))
+    return truncate_markdown(text, limit, pointer=pointer, cut_already=len(text.encode("utf-8")) if stopped else None)

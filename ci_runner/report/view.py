@@ -33,8 +33,16 @@ def icon(status: str | None) -> str:
     return ICONS.get(status or "", "·")
 
 
+_INF = float("inf")
+
+
 def fmt_num(value: Any) -> str:
     """Short, exact-enough text for a metric: 3 significant digits, NaN/Inf spelled out."""
+    if type(value) is float and value == value and value not in (_INF, -_INF):  # the common case first
+        if value == 0:
+            return "0"
+        a = abs(value)
+        return f"{value:.4g}" if 1e-3 <= a < 1e4 else f"{value:.3g}"
     if value is None:
         return "–"
     if isinstance(value, bool):
@@ -77,29 +85,40 @@ def first_line(text: str, limit: int = 240) -> str:
     return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
-def repro_path(cell: CellResult, finding: Finding, *, out_dir: Path | None, run_dir: Path | None) -> str | None:
+def cell_base(cell: CellResult, *, out_dir: Path | None, run_dir: Path | None) -> str:
+    """The cell folder as the report reader reaches it: relative to `out_dir` when `run_dir` is
+    known, else relative to the run folder."""
+    base = (cell.artifacts_dir or f"cells/{cell.id}").replace("\\", "/")
+    if run_dir is None or out_dir is None:
+        return posixpath.normpath(base)
+    full = os.path.join(os.path.abspath(run_dir), base)
+    try:
+        return Path(os.path.relpath(full, os.path.abspath(out_dir))).as_posix()
+    except ValueError:  # another drive on Windows
+        return Path(full).as_posix()
+
+
+def repro_path(cell: CellResult, finding: Finding, *, out_dir: Path | None, run_dir: Path | None,
+               base: str | None = None) -> str | None:
     """Where a finding's repro lies, as a reader of the report folder should open it.
 
     Repro paths are relative to the cell folder (``artifacts_dir``, itself relative to the run
     folder). With `run_dir`, the result is relative to `out_dir`; without, relative to the run folder.
+    `base` is `cell_base` precomputed for the cell.
     """
     if finding.repro is None or not finding.repro.path:
         return None
     rel = finding.repro.path.replace("\\", "/")
     if posixpath.isabs(rel):
-        full = rel
-    else:
-        base = (cell.artifacts_dir or f"cells/{cell.id}").replace("\\", "/")
-        full = posixpath.normpath(posixpath.join(base, rel))
-        if run_dir is None or out_dir is None:
-            return full
-        full = os.path.join(os.path.abspath(run_dir), full)
-    if out_dir is None:
-        return full
-    try:
-        return Path(os.path.relpath(full, os.path.abspath(out_dir))).as_posix()
-    except ValueError:  # another drive on Windows
-        return Path(full).as_posix()
+        if out_dir is None:
+            return rel
+        try:
+            return Path(os.path.relpath(rel, os.path.abspath(out_dir))).as_posix()
+        except ValueError:
+            return rel
+    if base is None:
+        base = cell_base(cell, out_dir=out_dir, run_dir=run_dir)
+    return posixpath.normpath(posixpath.join(base, rel))
 
 
 @dataclass
@@ -244,12 +263,13 @@ def build_view(results: Results, *, out_dir: Path | None = None, run_dir: Path |
     cells: list[CellView] = []
     for c in results.cells:
         fviews: list[FindingView] = []
+        base = cell_base(c, out_dir=out_dir, run_dir=run_dir)
         for mname in [m for m in modes if m in c.modes]:
             for f in c.modes[mname].findings:
                 fviews.append(FindingView(
                     cell=c.id, model=c.model, backend=c.backend, mode=mname, finding=f,
                     title=f.op or f.module or f.kind, summary=first_line(f.message),
-                    repro=repro_path(c, f, out_dir=out_dir, run_dir=run_dir),
+                    repro=repro_path(c, f, out_dir=out_dir, run_dir=run_dir, base=base),
                     verified=bool(f.repro and f.repro.verified),
                     view=str(f.details.get("view")) if isinstance(f.details, Mapping) and f.details.get("view") else None,
                 ))

@@ -1,0 +1,96 @@
+"""report.html without a browser: content, charts as SVG, escaping, self-containment."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from lxml import etree
+
+from ci_runner.report.html import layer_chart, render_html
+from ci_runner.report.view import LayerPoint, NumericsView, build_view
+from ci_runner.results import ModeResult, Results
+from tests.fixtures import results_factory as rf
+
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def charts(page: str) -> list[etree._Element]:
+    return [etree.fromstring(m.encode()) for m in re.findall(r"<svg class=\"chart.*?</svg>", page, flags=re.S)]
+
+
+def test_same_sections_as_the_summary() -> None:
+    page = render_html(rf.sample_results())
+    for section in ('id="failing"', 'id="matrix"', 'id="ranking"', 'id="submodules"', 'id="divergent"', 'id="cells-detail"'):
+        assert section in page
+    assert page.index('id="failing"') < page.index('id="matrix"')
+    assert page.count('<article class="cell') == 5
+
+
+def test_one_chart_per_metric_for_each_numerics_cell() -> None:
+    results = rf.sample_results()
+    svgs = charts(render_html(results))
+    with_numerics = [c for c in results.cells if "numerics" in c.modes and c.modes["numerics"].data.get("layers")]
+    assert len(svgs) == 3 * len(with_numerics)
+    drift = [s for s in svgs if s.get("data-cell") == "tiny-llama@sim-drift"]
+    assert [s.get("data-metric") for s in drift] == ["rel", "cos", "mad"]
+    assert "hidden" not in drift[0].get("class") and all("hidden" in s.get("class") for s in drift[1:])
+    rel = drift[0]
+    layers = results.cell("tiny-llama@sim-drift").modes["numerics"].data["layers"]
+    lines = {p.get("data-view"): p.get("points").split() for p in rel.iter(f"{SVG}polyline")}
+    assert set(lines) == {"cumulative", "isolated"} and all(len(v) == len(layers) for v in lines.values())
+    flags = [e for e in rel.iter() if "flag" in (e.get("class") or "").split()]
+    assert len(flags) == sum(r["flagged_cumulative"] + r["flagged_isolated"] for r in layers)
+    assert len([e for e in rel.iter(f"{SVG}line") if e.get("class") == "first"]) == 1
+    assert len([e for e in rel.iter(f"{SVG}path") if e.get("class") == "nonfinite"]) == 1  # the NaN layer
+    tips = [t.text for t in rel.iter(f"{SVG}title")]
+    assert any("model.layers.1.post_attention_layernorm" in t and "flagged: cumulative, isolated" in t for t in tips)
+
+
+def test_chart_positions_follow_the_values_on_a_log_scale() -> None:
+    pts = [LayerPoint(name=f"l{i}", module_class="", index=i, cumulative={"rel": 10.0 ** -(6 - i)},
+                      isolated={"rel": 1e-6}, threshold={"rel": 1e-3}, flagged_cumulative=i >= 4,
+                      flagged_isolated=False) for i in range(6)]
+    svg = etree.fromstring(layer_chart(NumericsView(layers=pts, verdict={}), "rel", cell_id="a@b", label="rel").encode())
+    cum = next(p for p in svg.iter(f"{SVG}polyline") if p.get("data-view") == "cumulative")
+    ys = [float(xy.split(",")[1]) for xy in cum.get("points").split()]
+    steps = [ys[i] - ys[i + 1] for i in range(5)]
+    assert all(s > 0 for s in steps) and max(steps) - min(steps) < 0.2  # equal decades, equal steps
+    thr_y = float(re.search(r"M[\d.]+ ([\d.]+)H", svg.find(f"{SVG}path[@class='thr']").get("d")).group(1))
+    assert ys[3] == thr_y  # 1e-3 sits on the threshold line
+    assert len([e for e in svg.iter() if e.get("class") == "flag flag-cum"]) == 2
+
+
+def test_chart_survives_zeros_nans_and_one_layer() -> None:
+    for values in ([0.0], [float("nan")], [float("inf"), 0.0, 1e-9], []):
+        pts = [LayerPoint(name=f"l{i}", module_class="", index=i, cumulative={"rel": v}, isolated={},
+                          threshold={"rel": float("nan")}, flagged_cumulative=math.isnan(v), flagged_isolated=False)
+               for i, v in enumerate(values)]
+        svg = etree.fromstring(layer_chart(NumericsView(layers=pts, verdict={"first_divergent": "nope"}), "cos",
+                                           cell_id="a@b", label="1 − cos").encode())
+        assert svg.get("data-layers") == str(len(values))
+
+
+def test_nasty_text_is_escaped_and_the_page_parses() -> None:
+    page = render_html(rf.nasty_results())
+    assert "<b>&amp;</b>" not in page and "&lt;b&gt;&amp;amp;&lt;/b&gt;" in page
+    assert "\x00" not in page and "\x1b" not in page and "\\x1b" in page
+    parser = etree.HTMLParser(recover=False)
+    etree.fromstring(page.encode("utf-8", "surrogatepass"), parser)  # no surrogates, parses
+    assert 'id="cell-m__x__sim-crash-' in page
+
+
+def test_repro_paths_are_relative_to_the_report_folder(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    run = tmp_path / "run"
+    view = build_view(rf.sample_results(), out_dir=run / "report", run_dir=run)
+    paths = [f.repro for cv in view.cells for f in cv.findings if f.repro]
+    assert paths and all(p.startswith("../cells/") for p in paths)
+    view = build_view(rf.sample_results())
+    assert all(f.repro.startswith("cells/") for cv in view.cells for f in cv.findings if f.repro)
+
+
+def test_no_numerics_no_charts_no_crash() -> None:
+    results = Results(cells=[rf.cell("m", "b", {"numerics": ModeResult(status="error", reason="boom", data={})})])
+    page = render_html(results)
+    assert "<svg" not in page and "numerics error: boom" in page
+    assert "No cells ran." in render_html(rf.empty_results())
