@@ -207,7 +207,7 @@ def run_one(cell: Cell, opts: RunOptions, children: _Children | None = None) -> 
             reason = "not run: the cell's time ran out" if time.monotonic() >= deadline else "not run"
             result.modes[m] = ModeResult(status="timeout" if error and error.type == "timeout" else "skipped", reason=reason)
     result.modes = {m: result.modes[m] for m in modes if m in result.modes}
-    result.error = error
+    result.error = error or result.error  # a crash found here, else what the worker recorded
     result.duration_s = time.monotonic() - started
     result.status = result.fold_status()
     if error is not None and result.status not in ("crashed", "timeout"):
