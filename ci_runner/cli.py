@@ -35,6 +35,19 @@ class _Parser(argparse.ArgumentParser):
 
 # --------------------------------------------------------------------------- commands
 
+_REPORT_OUTPUTS = {"results": "results", "junit": "junit", "summary": "summary", "html": "html"}
+
+
+def _report_outputs(report_dir: Path, written: dict[str, Path]) -> None:
+    """Step outputs for the composite action: the report folder and each report file."""
+    from .github.actions import set_output
+
+    set_output("report-dir", str(report_dir))
+    for key, name in _REPORT_OUTPUTS.items():
+        if key in written:
+            set_output(name, str(written[key]))
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from .aggregate import aggregate, write_report_dir
     from .config import load_matrix
@@ -53,6 +66,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                                           modes=args.modes), progress)
     report = aggregate([out / "cells"])
     written = write_report_dir(report, out / "report", run_dir=out)
+    _report_outputs(out / "report", written)
     counts = report.counts()
     progress.info(
         f"deepview-ci: {counts['pass']} pass, {counts['fail']} fail, {counts['error']} error, {counts['crashed']} crashed, "
@@ -119,6 +133,7 @@ def cmd_aggregate(args: argparse.Namespace) -> int:
     results = aggregate(paths)
     run_dir = Path(args.run_dir) if args.run_dir else (paths[0] if len(paths) == 1 and paths[0].is_dir() else None)
     written = write_report_dir(results, Path(args.out), run_dir=run_dir)
+    _report_outputs(Path(args.out), written)
     c = results.counts()
     print(f"aggregated {c['total']} cell(s), {c['findings']} finding(s)")
     for name, path in written.items():
@@ -140,6 +155,11 @@ def cmd_diff(args: argparse.Namespace) -> int:
     out_dir = Path(args.out) if args.out else results_path.parent
     json_path, md_path = baseline.write_diff(d, out_dir)
     baseline.annotate_regressions(d)
+    from .github.actions import set_output
+
+    set_output("diff", str(json_path))
+    for category, n in d.counts().items():
+        set_output(category.replace("_", "-"), str(n))
     print(md_path.read_text(encoding="utf-8"))
     print(f"diff: {json_path}")
     return d.exit_code(args.fail_on)
