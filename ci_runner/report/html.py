@@ -38,8 +38,8 @@ def _metric(p: LayerPoint, view: str, metric: str) -> float | None:
     return 1.0 - v if metric == "cos" else v
 
 
-def _threshold(p: LayerPoint, metric: str) -> float | None:
-    t = p.threshold.get(metric)
+def _threshold(threshold: dict[str, float | None], metric: str) -> float | None:
+    t = threshold.get(metric)
     if t is None or not math.isfinite(t):
         return None
     return 1.0 - t if metric == "cos" else t
@@ -55,8 +55,11 @@ def layer_chart(nv: NumericsView, metric: str, *, cell_id: str, label: str, hidd
     pts = nv.layers
     n = len(pts)
     series = {v: [_metric(p, v, metric) for p in pts] for v in ("cumulative", "isolated")}
-    thr = [_threshold(p, metric) for p in pts]
-    finite = [x for xs in (*series.values(), thr) for x in xs if x is not None and math.isfinite(x) and x > 0]
+    thr = [_threshold(p.threshold, metric) for p in pts]
+    thr_iso = [_threshold(p.threshold_isolated, metric) if p.threshold_isolated else t for p, t in zip(pts, thr)]
+    if thr_iso == thr:
+        thr_iso = []
+    finite = [x for xs in (*series.values(), thr, thr_iso) for x in xs if x is not None and math.isfinite(x) and x > 0]
     lo = math.floor(math.log10(min(finite))) if finite else -8
     hi = math.ceil(math.log10(max(finite))) if finite else 0
     if hi - lo < 2:
@@ -105,19 +108,20 @@ def layer_chart(nv: NumericsView, metric: str, *, cell_id: str, label: str, hidd
                 out.append(f'<text class="firstlabel" x="{x(i) + dx:.1f}" y="{MT + 12}" text-anchor="{anchor}">'
                            f"first divergent: {_e(first)}</text>")
                 break
-    # threshold as a step line, broken where a layer has none
-    d: list[str] = []
-    pen = False
-    for i, t in enumerate(thr):
-        if t is None or t <= 0:
-            pen = False
-            continue
-        yy, _ = y(t)
-        x0, x1 = ML + i * step, ML + (i + 1) * step
-        d.append(f"{'L' if pen else 'M'}{x0:.1f} {yy:.1f}H{x1:.1f}")
-        pen = True
-    if d:
-        out.append(f'<path class="thr" d="{"".join(d)}"/>')
+    # thresholds as step lines, broken where a layer has none (the isolated one only when it differs)
+    for values, cls in ((thr, "thr"), (thr_iso, "thr thr-iso")):
+        d: list[str] = []
+        pen = False
+        for i, t in enumerate(values):
+            if t is None or t <= 0:
+                pen = False
+                continue
+            yy, _ = y(t)
+            x0, x1 = ML + i * step, ML + (i + 1) * step
+            d.append(f"{'L' if pen else 'M'}{x0:.1f} {yy:.1f}H{x1:.1f}")
+            pen = True
+        if d:
+            out.append(f'<path class="{cls}" d="{"".join(d)}"/>')
     for view, cls in (("cumulative", "cum"), ("isolated", "iso")):
         coords = []
         for i, v in enumerate(series[view]):
@@ -139,10 +143,10 @@ def layer_chart(nv: NumericsView, metric: str, *, cell_id: str, label: str, hidd
                 out.append(f'<circle class="flag flag-cum" cx="{x(i):.1f}" cy="{yy:.1f}" r="4.5"/>')
             else:
                 out.append(f'<path class="flag flag-iso" d="M{x(i):.1f} {yy - 5:.1f}l5 5l-5 5l-5 -5z"/>')
-        tip = [f"#{p.index} {p.name} ({p.module_class})" if p.module_class else f"#{p.index} {p.name}"]
+        tip = [f"#{p.index} {p.label} ({p.module_class})" if p.module_class else f"#{p.index} {p.label}"]
         for view in ("cumulative", "isolated"):
             tip.append(f"{view}: {fmt_num(series[view][i])}")
-        tip.append(f"threshold: {fmt_num(thr[i])}")
+        tip.append(f"threshold: {fmt_num(thr[i])}" + (f" (isolated {fmt_num(thr_iso[i])})" if thr_iso and thr_iso[i] != thr[i] else ""))
         if p.flagged_cumulative or p.flagged_isolated:
             tip.append("flagged: " + ", ".join(v for v, f in (("cumulative", p.flagged_cumulative), ("isolated", p.flagged_isolated)) if f))
         out.append(f'<rect class="hit" x="{ML + i * step:.1f}" y="{MT}" width="{step:.2f}" height="{ph}">'
@@ -159,7 +163,7 @@ def layer_table(nv: NumericsView) -> str:
         row_cls = ' class="s-fail"' if p.flagged_cumulative or p.flagged_isolated else ""
         c, i, t = p.cumulative, p.isolated, p.threshold
         out.append(
-            f'<tr{row_cls}><td class="num">{p.index}</td><td><code>{_e(p.name)}</code></td>'
+            f'<tr{row_cls}><td class="num">{p.index}</td><td><code>{_e(p.label)}</code></td>'
             f"<td>{_e(p.module_class)}</td>"
             f'<td class="num">{_e(fmt_num(c.get("rel")))}</td><td class="num">{_e(fmt_num(i.get("rel")))}</td>'
             f'<td class="num muted">{_e(fmt_num(t.get("rel")))}</td>'
@@ -181,13 +185,8 @@ def findings_html(cv: CellView, limit: int = MAX_FINDINGS_PER_CELL) -> str:
         if fv.repro:
             cmd = f" · <code>{_e(f.repro.command)}</code>" if f.repro and f.repro.command else ""
             out.append(f"<br>repro: <code>{_e(fv.repro)}</code> {'(verified)' if fv.verified else '(not verified)'}{cmd}")
-        if f.metrics:
-            parts = []
-            for k, val in f.metrics.items():
-                thr = f.threshold.get(k) if isinstance(f.threshold, dict) else None
-                parts.append(f"{_e(k)} <b>{_e(fmt_num(val))}</b>"
-                             + (f' <span class="muted">(threshold {_e(fmt_num(thr))})</span>' if thr is not None else ""))
-            out.append("<br>" + " · ".join(parts))
+        if fv.metrics_text:
+            out.append(f"<br>{_e(fv.metrics_text)}")
         out.append(f"<pre>{_e(f.message)}</pre>\n</div>")
     return "\n".join(out)
 

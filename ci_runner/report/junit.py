@@ -25,7 +25,7 @@ from typing import Any, Mapping
 
 from ..fsutil import atomic_write_bytes
 from ..results import Results
-from .view import CellView, FindingView, ReportView, build_view, first_line, fmt_num
+from .view import CellView, FindingView, ReportView, build_view, first_line
 
 _ILLEGAL_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
 MESSAGE_LIMIT = 1000  # characters in a `message` attribute; the full text goes in the body
@@ -83,10 +83,8 @@ def _finding_body(fv: FindingView) -> str:
         lines.append(f"module: {f.module}" + (f" ({f.module_class})" if f.module_class else ""))
     if f.error_type:
         lines.append(f"error type: {f.error_type}")
-    if f.metrics:
-        lines.append("metrics: " + ", ".join(f"{k}={fmt_num(v)}" for k, v in f.metrics.items()))
-    if f.threshold:
-        lines.append("threshold: " + ", ".join(f"{k}={fmt_num(v)}" for k, v in f.threshold.items()))
+    if fv.metrics_text:
+        lines.append(f"metrics: {fv.metrics_text}")
     if fv.repro:
         lines.append(f"repro: {fv.repro} ({'verified' if fv.verified else 'not verified'})")
         if f.repro and f.repro.command:

@@ -42,6 +42,8 @@ def fmt_num(value: Any) -> str:
         if value == 0:
             return "0"
         a = abs(value)
+        if 0.999 < a < 1:  # cosines: show enough digits to see how far from 1
+            return f"{value:.{min(15, math.ceil(-math.log10(1 - a)) + 2)}f}".rstrip("0")
         return f"{value:.4g}" if 1e-3 <= a < 1e4 else f"{value:.3g}"
     if value is None:
         return "–"
@@ -61,6 +63,8 @@ def fmt_num(value: Any) -> str:
         return str(value)
     if x == 0:
         return "0"
+    if 0.999 < abs(x) < 1:
+        return f"{x:.{min(15, math.ceil(-math.log10(1 - abs(x))) + 2)}f}".rstrip("0")
     if 1e-3 <= abs(x) < 1e4:
         return f"{x:.4g}"
     return f"{x:.3g}"
@@ -132,7 +136,51 @@ class FindingView:
     summary: str  # first line of the message
     repro: str | None
     verified: bool
-    view: str | None = None  # numerics: cumulative / isolated
+    view: str | None = None  # numerics: the view(s) it was flagged in: cumulative / isolated / both
+    # the metrics to show in one table row: (view, metrics, threshold); see `metric_views`
+    primary: tuple[str | None, dict[str, Any], dict[str, Any]] = (None, {}, {})
+    metrics_text: str = ""
+
+
+VIEWS: tuple[str, ...] = ("cumulative", "isolated")
+
+
+def metric_views(f: Finding) -> list[tuple[str | None, dict[str, Any], dict[str, Any]]]:
+    """A finding's metrics per view. Numerics findings may nest them (``metrics.cumulative.rel``,
+    ``threshold.isolated.rel``) or keep them flat with ``details.view`` saying which view."""
+    m = f.metrics if isinstance(f.metrics, Mapping) else {}
+    t = f.threshold if isinstance(f.threshold, Mapping) else {}
+    nested = [v for v in VIEWS if isinstance(m.get(v), Mapping)]
+    if nested:
+        flat_t = {k: x for k, x in t.items() if not isinstance(x, Mapping)}
+        return [(v, dict(m[v]), dict(t[v]) if isinstance(t.get(v), Mapping) else flat_t) for v in nested]
+    view = f.details.get("view") if isinstance(f.details, Mapping) else None
+    return [(view if view in VIEWS else None, dict(m), dict(t))]
+
+
+def primary_metrics(f: Finding, view: str | None) -> tuple[str | None, dict[str, Any], dict[str, Any]]:
+    """The view that says most about the layer itself: isolated when it was flagged there."""
+    views = metric_views(f)
+    want = "isolated" if view in ("isolated", "both", None) else view
+    for v in views:
+        if v[0] == want:
+            return v
+    return views[0]
+
+
+def format_metrics(f: Finding) -> str:
+    """``rel 0.04 (threshold 0.002) · cos 0.9992 (threshold 0.9995)``, per view when nested."""
+    parts = []
+    for view, m, t in metric_views(f):
+        items = []
+        for k, val in m.items():
+            if isinstance(val, (Mapping, list)):
+                continue
+            thr = t.get(k)
+            items.append(f"{k} {fmt_num(val)}" + (f" (threshold {fmt_num(thr)})" if thr is not None and not isinstance(thr, (Mapping, list)) else ""))
+        if items:
+            parts.append((f"{view}: " if view and len(metric_views(f)) > 1 else "") + " · ".join(items))
+    return "; ".join(parts)
 
 
 @dataclass
@@ -145,12 +193,18 @@ class LayerPoint:
     threshold: dict[str, float | None]
     flagged_cumulative: bool
     flagged_isolated: bool
+    threshold_isolated: dict[str, float | None] = field(default_factory=dict)  # when it differs
+
+    @property
+    def label(self) -> str:
+        return self.name or "(whole model)"
 
 
 @dataclass
 class NumericsView:
     layers: list[LayerPoint]
     verdict: dict[str, Any]
+    total: int = 0  # layers the mode compared; more than `layers` when it kept only part of the table
 
     @property
     def flagged(self) -> list[LayerPoint]:
@@ -231,9 +285,12 @@ def _numerics(cell: CellResult) -> NumericsView | None:
             threshold=_metrics(row.get("threshold")),
             flagged_cumulative=bool(row.get("flagged_cumulative")),
             flagged_isolated=bool(row.get("flagged_isolated")),
+            threshold_isolated=_metrics(row.get("threshold_isolated")),
         ))
     verdict = mode.data.get("verdict")
-    return NumericsView(layers=points, verdict=dict(verdict) if isinstance(verdict, Mapping) else {})
+    total = mode.data.get("layers_total")
+    return NumericsView(layers=points, verdict=dict(verdict) if isinstance(verdict, Mapping) else {},
+                        total=total if isinstance(total, int) and total >= len(points) else len(points))
 
 
 def _flat_env(env: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -266,12 +323,15 @@ def build_view(results: Results, *, out_dir: Path | None = None, run_dir: Path |
         base = cell_base(c, out_dir=out_dir, run_dir=run_dir)
         for mname in [m for m in modes if m in c.modes]:
             for f in c.modes[mname].findings:
+                fview = str(f.details.get("view")) if isinstance(f.details, Mapping) and f.details.get("view") else None
                 fviews.append(FindingView(
                     cell=c.id, model=c.model, backend=c.backend, mode=mname, finding=f,
                     title=f.op or f.module or f.kind, summary=first_line(f.message),
                     repro=repro_path(c, f, out_dir=out_dir, run_dir=run_dir, base=base),
                     verified=bool(f.repro and f.repro.verified),
-                    view=str(f.details.get("view")) if isinstance(f.details, Mapping) and f.details.get("view") else None,
+                    view=fview,
+                    primary=primary_metrics(f, fview) if f.kind == "divergence" else (None, {}, {}),
+                    metrics_text=format_metrics(f) if f.metrics else "",
                 ))
         cells.append(CellView(
             cell=c,

@@ -11,6 +11,7 @@ under CI (``CI`` set), so a missing install step cannot hide.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import select
@@ -23,6 +24,7 @@ from typing import Any
 import pytest
 
 from ci_runner.report import write_reports
+from ci_runner.results import Results, load_results
 from tests.fixtures.results_factory import example_results
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "chrome")
@@ -150,17 +152,9 @@ CHECK_JS = r"""
 """
 
 
-@pytest.mark.timeout(120)
-def test_example_matrix_report_in_headless_chromium(tmp_path: Path) -> None:
-    binary = _browser()
-    results = example_results()
-    run = tmp_path / "run"
-    paths = write_reports(results, run / "report", run_dir=run, env={})
-    page = paths["html"]
-    expected_charts = [c for c in results.cells if c.modes.get("numerics") and c.modes["numerics"].data.get("layers")]
-    assert expected_charts, "the example results must have numerics tables to chart"
-
-    dt = DevTools(binary, tmp_path / "profile")
+def load_in_browser(page: Path, tmp_path: Path) -> dict[str, Any]:
+    """Open `page` in headless chromium; assert it loaded cleanly and offline; return CHECK_JS's answer."""
+    dt = DevTools(_browser(), tmp_path / "profile")
     try:
         target = dt.send("Target.createTarget", {"url": "about:blank"})["targetId"]
         session = dt.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
@@ -173,7 +167,7 @@ def test_example_matrix_report_in_headless_chromium(tmp_path: Path) -> None:
         assert "exceptionDetails" not in result, result
         info = json.loads(result["result"]["value"])
         shot = dt.send("Page.captureScreenshot", {"format": "png"}, session=session)
-        (tmp_path / "report.png").write_bytes(__import__("base64").b64decode(shot["data"]))
+        (tmp_path / "report.png").write_bytes(base64.b64decode(shot["data"]))
         dt.drain(0.2)
     finally:
         dt.close()
@@ -187,30 +181,56 @@ def test_example_matrix_report_in_headless_chromium(tmp_path: Path) -> None:
     assert not console_errors, console_errors
     assert not log_errors, log_errors
     assert all(u.startswith("file:") for u in requests), f"the page fetched something: {requests}"
-
     assert info["ready"] == "1" and info["errors"] == "0", info
+    assert (tmp_path / "report.png").stat().st_size > 10_000
+    return info
+
+
+def check_charts(results: Results, info: dict[str, Any]) -> None:
+    """Every numerics table is charted: both views, a point per layer, every flagged layer marked."""
+    expected = [c for c in results.cells if c.modes.get("numerics") and c.modes["numerics"].data.get("layers")]
     assert info["rows"] == len(results.cells)
-    assert info["count"] == 3 * len(expected_charts)  # one chart per metric per cell
+    assert info["count"] == 3 * len(expected)  # one chart per metric per cell
     charts = info["charts"]
-    assert len(charts) == len(expected_charts)
-    assert {c["cell"] for c in charts} == {c.id for c in expected_charts}
+    assert {c["cell"] for c in charts} == {c.id for c in expected} and len(charts) == len(expected)
     for ch in charts:
         cell = results.cell(ch["cell"])
         assert cell is not None
         layers = cell.modes["numerics"].data["layers"]
-        assert ch["metric"] == "rel"
-        assert ch["layers"] == len(layers)
+        assert ch["metric"] == "rel" and ch["layers"] == len(layers)
         assert ch["width"] > 300 and ch["height"] > 100, ch
         assert {ln["view"] for ln in ch["lines"]} == {"cumulative", "isolated"}
         assert all(ln["points"] == len(layers) and ln["length"] > 0 for ln in ch["lines"]), ch["lines"]
         n_flags = sum(bool(r["flagged_cumulative"]) + bool(r["flagged_isolated"]) for r in layers)
-        assert ch["marks"] == n_flags == ch["flagged"] + sum(r["flagged_cumulative"] and r["flagged_isolated"] for r in layers)
-        assert ch["thr"] == 1
-        assert ch["first"] == (1 if cell.modes["numerics"].data["verdict"]["first_divergent"] else 0)
-    assert any(ch["marks"] for ch in charts), "some example cell must have flagged layers"
+        assert ch["marks"] == n_flags == ch["flagged"] + sum(bool(r["flagged_cumulative"] and r["flagged_isolated"]) for r in layers)
+        assert ch["thr"] >= 1
+        verdict = cell.modes["numerics"].data.get("verdict") or {}
+        names = {r.get("name") for r in layers}
+        assert ch["first"] == (1 if verdict.get("first_divergent") in names else 0)
     assert all(shown == ["cos"] for shown in info["switched"]), info["switched"]
-    assert (tmp_path / "report.png").stat().st_size > 10_000
 
+
+@pytest.mark.timeout(120)
+def test_example_matrix_report_in_headless_chromium(tmp_path: Path) -> None:
+    _browser()
+    results = example_results()
+    run = tmp_path / "run"
+    paths = write_reports(results, run / "report", run_dir=run, env={})
+    info = load_in_browser(paths["html"], tmp_path)
+    check_charts(results, info)
+    assert any(ch["marks"] for ch in info["charts"]), "some example cell must have flagged layers"
+
+
+@pytest.mark.timeout(120)
+def test_a_real_run_report_in_headless_chromium(tmp_path: Path) -> None:
+    """A report from a real `deepview-ci run`, when ``DEEPVIEW_BROWSER_RESULTS`` names its results.json."""
+    source = os.environ.get("DEEPVIEW_BROWSER_RESULTS")
+    if not source:
+        pytest.skip("set DEEPVIEW_BROWSER_RESULTS=path/to/results.json to check a real run's report")
+    results = load_results(source)
+    run = Path(source).resolve().parent.parent
+    paths = write_reports(results, tmp_path / "report", run_dir=run, env={})
+    check_charts(results, load_in_browser(paths["html"], tmp_path))
 
 def test_report_html_is_self_contained(tmp_path: Path) -> None:
     """No external asset can be referenced: no src/href to another origin, and a CSP forbidding fetches."""

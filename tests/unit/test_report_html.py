@@ -94,3 +94,22 @@ def test_no_numerics_no_charts_no_crash() -> None:
     page = render_html(results)
     assert "<svg" not in page and "numerics error: boom" in page
     assert "No cells ran." in render_html(rf.empty_results())
+
+
+def test_metric_views_flat_and_nested() -> None:
+    from ci_runner.report.view import format_metrics, metric_views, primary_metrics
+    from ci_runner.results import Finding
+
+    flat = Finding(kind="divergence", stage="compare", message="m", fingerprint="ab" * 10,
+                   metrics={"rel": 0.5, "cos": 0.9}, threshold={"rel": 0.1}, details={"view": "cumulative"})
+    assert metric_views(flat) == [("cumulative", {"rel": 0.5, "cos": 0.9}, {"rel": 0.1})]
+    assert format_metrics(flat) == "rel 0.5 (threshold 0.1) · cos 0.9"
+    nested = Finding(kind="divergence", stage="compare", message="m", fingerprint="ab" * 10,
+                     metrics={"cumulative": {"rel": 0.5}, "isolated": {"rel": "nan"}},
+                     threshold={"cumulative": {"rel": 0.1}, "isolated": {"rel": 0.2}}, details={"view": "both"})
+    assert primary_metrics(nested, "both") == ("isolated", {"rel": "nan"}, {"rel": 0.2})
+    assert primary_metrics(nested, "cumulative")[0] == "cumulative"
+    assert format_metrics(nested) == "cumulative: rel 0.5 (threshold 0.1); isolated: rel NaN (threshold 0.2)"
+    odd = Finding(kind="op_mismatch", stage="compare", message="m", fingerprint="ab" * 10,
+                  metrics={"max_abs": 0.01, "shape": [2, 3], "numel": 16})
+    assert format_metrics(odd) == "max_abs 0.01 · numel 16"

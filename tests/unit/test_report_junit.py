@@ -93,7 +93,7 @@ def test_cases_per_mode_and_per_finding() -> None:
     assert sub.get("file") == "cells/tiny-llama@sim-subset/repro/model.layers.0.self_attn/repro.py"
     drift = next(s for s in root.findall("testsuite") if s.get("name") == "tiny-llama@sim-drift")
     layer = next(c for c in drift.findall("testcase") if c.get("name") == "divergence model.layers.1.post_attention_layernorm")
-    assert "metrics: rel=0.04" in layer.find("failure").text and "threshold: rel=0.002" in layer.find("failure").text
+    assert "isolated: rel 0.04 (threshold 0.002) · cos 0.9992 (threshold 0.9995)" in layer.find("failure").text
     numerics = next(c for c in drift.findall("testcase") if c.get("name") == "mode numerics")
     assert "first divergent layer" in numerics.find("system-out").text
     passing = next(s for s in root.findall("testsuite") if s.get("name") == "tiny-llama@inductor")

@@ -93,8 +93,9 @@ def test_ranking_submodules_and_divergent_layers() -> None:
     subs = table_rows(text, "| cell | submodule |")
     assert subs[0][1] == "`model.layers.0.self_attn`" and "repro.py`" in subs[0][4]
     div = table_rows(text, "| cell | layer |")
+    assert "Metrics are the isolated view's" in text
     first = div[0]
-    assert first[1] == "`model.layers.1.post_attention_layernorm`" and first[3] == "isolated"
+    assert first[1] == "`model.layers.1.post_attention_layernorm`" and first[3] == "both"  # isolated metrics shown
     assert first[4:6] == ["0.04", "0.002"]
     assert any(r[1] == "`lm_head`" and r[4] == "NaN" for r in div)
     assert "first divergent `model.layers.1.post_attention_layernorm` · **algorithmic**" in text
