@@ -32,9 +32,10 @@ in some attempts' lists but not in all of them. In a flaky cell, findings that c
 ``fingerprint: null``):
 
 - ``regressed``: a new fingerprint in a cell of the baseline; or a cell or mode whose status got
-  worse (pass → crashed, layers pass → error) without a new finding of that mode to show for it.
+  worse (pass → crashed, layers pass → error) in a way its new findings do not explain (new
+  findings explain a move to ``fail``, never an error, timeout or crash): a cell-level entry.
 - ``fixed``: a baseline finding that is gone while its mode ran to a verdict (pass/fail); or a
-  cell whose status got better without a fixed finding to show for it.
+  cell or mode whose status got better in a way its fixed findings do not explain.
 - ``persisting``: in both. Also a baseline finding whose mode did not reach a verdict in this run
   (skipped, error, timeout, crash): it was not re-checked, so it is kept, with that reason, never
   counted as fixed.
@@ -513,10 +514,12 @@ def diff(
         modes = sorted(set(c.modes) | set(bc.modes))
         worse = [m for m in modes if _worse(c.modes[m].status if m in c.modes else None, bc.modes.get(m))]
         better = [m for m in modes if _better(c.modes[m].status if m in c.modes else None, bc.modes.get(m))]
-        unexplained_worse = [m for m in worse if m not in regressed_modes]
-        unexplained_better = [m for m in better if m not in fixed_modes]
-        cell_worse = _worse(c.status, bc.status) and not regressed_modes
-        cell_better = _better(c.status, bc.status) and not fixed_modes
+        # New findings explain a move to "fail", never an error, timeout or crash (and the reverse).
+        mode_now = {m: (c.modes[m].status if m in c.modes else None) for m in modes}
+        unexplained_worse = [m for m in worse if not (mode_now[m] == "fail" and m in regressed_modes)]
+        unexplained_better = [m for m in better if not (bc.modes.get(m) == "fail" and m in fixed_modes)]
+        cell_worse = _worse(c.status, bc.status) and not (c.status == "fail" and regressed_modes)
+        cell_better = _better(c.status, bc.status) and not (bc.status == "fail" and fixed_modes)
 
         def change(ms: list[str]) -> str:
             parts = [] if c.status == bc.status else [f"status {bc.status} → {c.status}"]

@@ -326,3 +326,18 @@ def test_fast_finding_dict_equals_to_dict() -> None:
         for c in results.cells:
             for f in c.findings:
                 assert finding_dict(f) == f.to_dict()
+
+
+def test_a_crash_is_reported_even_when_new_findings_came_with_it() -> None:
+    base = rf.sample_results()
+    now = rf.sample_results(run="b")
+    cell = now.cell("tiny-llama@inductor")
+    cell.modes = {"ops": rf.ops_mode("inductor", ("aten.x.default",), run="b")}  # ops found one, then the process died
+    cell.status = "crashed"
+    d = diff(now, base_of(base))
+    regs = entries(d, "regressed")
+    assert [e.fingerprint is None for e in regs] == [True, False]
+    assert regs[0].reason == "status pass → crashed"
+    # while a move to plain "fail" is explained by its new findings alone
+    cell.status = "fail"
+    assert [e.fingerprint is None for e in entries(diff(now, base_of(base)), "regressed")] == [False]

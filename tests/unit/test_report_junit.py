@@ -8,7 +8,7 @@ import pytest
 
 from ci_runner.report import write_reports
 from ci_runner.report.junit import render_junit, xml_safe
-from ci_runner.results import CellResult, Finding, ModeResult, Repro, Results, fingerprint
+from ci_runner.results import CellError, CellResult, Finding, ModeResult, Repro, Results, fingerprint
 from tests.fixtures import results_factory as rf
 from tests.fixtures.junit import check_junit
 
@@ -181,3 +181,32 @@ def test_junitparser_reads_it_like_the_github_reporters(tmp_path: Path) -> None:
     assert not case.is_passed and "not supported" in case.result[0].message
     assert case.classname == "tiny-llama@sim-subset.ops"
     assert suites["tiny-llama@inductor"].failures == 0
+
+
+def test_any_text_at_all_gives_valid_junit_and_safe_reports() -> None:
+    """Property: whatever characters a backend puts in messages, names and env, the reports stay valid."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from ci_runner.report.html import render_html
+    from ci_runner.report.summary import render_summary
+
+    anything = st.text(alphabet=st.characters(min_codepoint=0, max_codepoint=0x10FFFF), max_size=60)
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(message=anything, op=anything, module=anything, reason=anything, env=anything, stderr=anything)
+    def check(message: str, op: str, module: str, reason: str, env: str, stderr: str) -> None:
+        f = Finding(kind="op_error", stage="run", op=op or None, module=module or None, message=message,
+                    error_type=env, fingerprint="ab" * 10, repro=Repro(path=op or "r.py", verified=False),
+                    metrics={"rel": 0.5, env: message})
+        cell = CellResult(id="m@b", model="m", backend="b", status="crashed", env={"device": env, env: reason},
+                          modes={"ops": ModeResult(status="fail", findings=[f, f]),
+                                 "layers": ModeResult(status="skipped", reason=reason)},
+                          error=CellError(type=env or "X", message=message, stderr_tail=stderr, last_module=module))
+        results = Results(cells=[cell])
+        check_junit(render_junit(results))
+        for text in (render_summary(results), render_html(results)):
+            text.encode("utf-8")  # no lone surrogates
+            assert xml_safe(text) == text  # no character XML (or a browser) would choke on
+
+    check()
