@@ -22,7 +22,7 @@ from ci_runner.baseline import (
 )
 from ci_runner.errors import EXIT_FINDINGS, UsageError
 from ci_runner.github.actions import AnnotationCap
-from ci_runner.results import CellError, Results, load_results, save_results, validate
+from ci_runner.results import Results, load_results, save_results, validate
 from tests.fixtures import results_factory as rf
 
 
