@@ -50,7 +50,6 @@ and ``flaky`` (so a fixed finding forces a baseline update and the baseline cann
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
@@ -67,7 +66,6 @@ from .results import (
     Finding,
     Results,
     _clean,
-    encode_number,
     load_results,
     read_json,
     validate,
@@ -156,30 +154,6 @@ class Baseline:
         return b
 
 
-_FINDING_FIELDS = tuple(f.name for f in dataclasses.fields(Finding))
-
-
-def json_safe(obj: Any) -> Any:
-    """What `results._clean` does (non-finite floats to strings, tuples to lists, keys to str),
-    with concrete type checks first: the diff of a big run calls it on every finding."""
-    t = type(obj)
-    if t is str or t is int or t is bool or obj is None:
-        return obj
-    if t is float:
-        return encode_number(obj)
-    if t is dict:
-        return {str(k): json_safe(v) for k, v in obj.items()}
-    if t is list or t is tuple:
-        return [json_safe(v) for v in obj]
-    return _clean(obj)  # other mappings, sequences, numbers: the general way
-
-
-def finding_dict(f: Finding) -> dict[str, Any]:
-    """`Finding.to_dict()` without its deep copy: the same dict, several times faster."""
-    d = {name: getattr(f, name) for name in _FINDING_FIELDS}
-    if f.repro is not None:
-        d["repro"] = {r.name: getattr(f.repro, r.name) for r in dataclasses.fields(f.repro)}
-    return json_safe(d)
 
 
 def finding_key(f: Finding) -> str:
@@ -455,7 +429,7 @@ def diff(
         assert src is not None
         d.entries.append(DiffEntry(
             category=category, cell=src.id, model=src.model, backend=src.backend, fingerprint=fp,
-            finding=finding_dict(f) if f is not None else None,
+            finding=f.to_dict() if f is not None else None,
             status=c.status if c else None, baseline_status=bc.status if bc else None,
             artifacts_dir=c.artifacts_dir if c else None, env=envs[src.id] if c else {},
             reason=reason, mode=mode, kind=kind if kind is not None else (f.kind if f else None),
@@ -468,7 +442,7 @@ def diff(
         if c.id in seen:
             continue
         seen.add(c.id)
-        envs[c.id] = json_safe(c.env)
+        envs[c.id] = _clean(c.env)
         found: dict[str, tuple[str, Finding]] = {}
         for mname, mode in c.modes.items():
             for f in mode.findings:

@@ -151,7 +151,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     results = load_results(results_path)
     base = baseline.load_baseline(Path(args.baseline))
     d = baseline.diff(results, base, results_path=results_path, baseline_path=Path(args.baseline),
-                      run_dir=Path(args.run_dir) if args.run_dir else None)
+                      run_dir=Path(args.run_dir) if args.run_dir else None, policy=args.fail_on)
     out_dir = Path(args.out) if args.out else results_path.parent
     json_path, md_path = baseline.write_diff(d, out_dir)
     baseline.annotate_regressions(d)

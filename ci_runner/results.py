@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterable, Literal, Mapping
 
@@ -70,7 +70,18 @@ def number(value: Any) -> float | None:
 
 
 def _clean(obj: Any) -> Any:
-    """Recursively make `obj` strict-JSON-safe (non-finite floats to strings, tuples to lists)."""
+    """Recursively make `obj` strict-JSON-safe (non-finite floats to strings, tuples to lists, keys to str).
+
+    Concrete type checks come first: a big run calls this on every finding."""
+    t = type(obj)
+    if t is str or t is int or t is bool or obj is None:
+        return obj
+    if t is float:
+        return encode_number(obj)
+    if t is dict:
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if t is list or t is tuple:
+        return [_clean(v) for v in obj]
     if isinstance(obj, float):
         return encode_number(obj)
     if isinstance(obj, Mapping):
@@ -104,13 +115,20 @@ class Finding:
     details: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return _clean(asdict(self))
+        d = {name: getattr(self, name) for name in _FINDING_FIELDS}  # no deep copy: _clean builds new containers
+        if self.repro is not None:
+            d["repro"] = {"path": self.repro.path, "verified": self.repro.verified, "command": self.repro.command,
+                          "note": self.repro.note}
+        return _clean(d)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Finding":
         d = dict(data)
         repro = d.pop("repro", None)
         return cls(**d, repro=Repro(**repro) if repro else None)
+
+
+_FINDING_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Finding))
 
 
 @dataclass
@@ -320,10 +338,21 @@ def save_cell_result(cell: CellResult, path: str | Path) -> Path:
     return atomic_write_json(path, cell.to_dict())
 
 
-def save_results(results: Results, path: str | Path) -> Path:
-    from .fsutil import atomic_write_json
+def dumps_results(data: Mapping[str, Any]) -> str:
+    """results.json text: one cell per line, so big runs write fast and diffs stay line-oriented."""
+    head = {k: v for k, v in data.items() if k not in ("cells", "ranking", "patterns")}
+    parts = [json.dumps(head, ensure_ascii=False, allow_nan=False)[:-1]]
+    for key in ("cells", "ranking", "patterns"):
+        items = data.get(key) or []
+        body = ",\n".join(json.dumps(item, ensure_ascii=False, allow_nan=False) for item in items)
+        parts.append(f', "{key}": [\n{body}\n]' if items else f', "{key}": []')
+    return "".join(parts) + "}\n"
 
-    return atomic_write_json(path, results.to_dict())
+
+def save_results(results: Results, path: str | Path) -> Path:
+    from .fsutil import atomic_write_text
+
+    return atomic_write_text(path, dumps_results(results.to_dict()))
 
 
 def iter_findings(results: Results) -> Iterable[tuple[CellResult, str, Finding]]:

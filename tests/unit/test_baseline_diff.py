@@ -319,13 +319,15 @@ def test_annotations_respect_an_already_used_cap_and_stay_off_outside_actions() 
     assert "3 more regressions" in buf.getvalue()
 
 
-def test_fast_finding_dict_equals_to_dict() -> None:
-    from ci_runner.baseline import finding_dict
+def test_fast_finding_to_dict_equals_the_deep_copy() -> None:
+    from dataclasses import asdict
+
+    from ci_runner.results import _clean
 
     for results in (rf.sample_results(), rf.nasty_results(), rf.example_results()):
         for c in results.cells:
             for f in c.findings:
-                assert finding_dict(f) == f.to_dict()
+                assert f.to_dict() == _clean(asdict(f))
 
 
 def test_a_crash_is_reported_even_when_new_findings_came_with_it() -> None:
