@@ -1,0 +1,344 @@
+"""Per-layer divergence thresholds derived from data: the spread between two trusted references.
+
+One tolerance for a whole model does not work: acceptable variation differs per layer and per model. So for every
+module call the numerics mode measures how far a second trusted reference lands from the primary one (on CPU:
+float64 against float32; with a GPU: CUDA against CPU) over several input samples, in both views (cumulative and
+isolated, see `ci_runner.modes.numerics`), and holds every backend to
+
+    threshold(metric) = max(floor, margin × percentile_p(reference-vs-reference metric over samples))
+
+with, per metric:
+
+=========== ===================================== ==================================================================
+metric      test                                  floor
+=========== ===================================== ==================================================================
+rel         flagged when rel > threshold.rel      `rel_floor` (default 64 × eps of the primary dtype: 7.6e-6 in fp32)
+mad         flagged when mad > threshold.mad      `mad_floor` × mean |reference output| (default = rel_floor)
+cos         flagged when cos < threshold.cos      1 − cos is held to max(cos_floor, margin² × percentile(1 − cos)),
+                                                  because 1 − cos grows like rel²/2 (default cos_floor = rel_floor²)
+=========== ===================================== ==================================================================
+
+Defaults (`ThresholdOptions`) and why, measured on the example matrix (tiny Llama, Granite, Bamba, Mixtral, ViT,
+Llava, MiniLM; see the numerics mode's README section and `benchmarks/bench_numerics.py`):
+
+* `percentile` 99: with a handful of samples this is close to the worst sample, which is what a CI gate wants.
+* `margin` 8: a target as accurate as float32 eager lands up to about √2–2× the float32-vs-float64 spread from the
+  float32 reference (triangle inequality), and inductor/aot_eager on CPU stayed within that everywhere measured;
+  the factor 8 leaves head-room for sample noise. The drift the mode exists for is orders of magnitude larger
+  (bfloat16 normalization: rel ≈ 1e-3 against spreads of 1e-7–1e-6).
+* floors: a layer where both references agree bit for bit (an embedding lookup, a pure container) would otherwise
+  get a zero threshold and flag any re-association of a sum; 64 ulps of the primary dtype is far below any real
+  drift and above reordering noise.
+
+The raw reference-vs-reference statistics are stored, not only the thresholds, so that changing `percentile`,
+`margin` or the floors does not need a new derivation. The file is keyed by what changes the statistics (model
+fingerprint, input spec, references, number of samples, method version, torch version) and reused when the key
+matches; `load_or_derive` takes a file lock so that two cells of the same model derive once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import fcntl
+import hashlib
+import json
+import math
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping
+
+from .errors import ConfigError, InputError
+from .fsutil import atomic_write_json
+
+SCHEMA_VERSION = 1
+METHOD_VERSION = 1  # bump when the derivation (what is measured, how) changes: old files are then re-derived
+VIEWS: tuple[str, ...] = ("cumulative", "isolated")
+
+_EPS = {"float64": 2.220446049250313e-16, "float32": 1.1920928955078125e-07, "bfloat16": 0.0078125,
+        "float16": 0.0009765625}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ThresholdOptions:
+    """How thresholds are derived from the reference-vs-reference statistics (options of `numerics`)."""
+
+    percentile: float = 99.0
+    margin: float = 8.0
+    rel_floor: float | None = None  # None: 64 × eps(primary dtype)
+    mad_floor: float | None = None  # relative to mean |ref|; None: rel_floor
+    cos_floor: float | None = None  # floor of 1 − cos; None: rel_floor²
+    samples: int | None = None  # input samples to derive over; None: the cell's `inputs.samples` (at least 2)
+    thresholds_dir: str | None = None  # share across runs; default <run>/thresholds
+
+    KEYS = ("percentile", "margin", "rel_floor", "mad_floor", "cos_floor", "samples", "thresholds_dir")
+
+    @classmethod
+    def from_mapping(cls, opts: Mapping[str, Any], *, where: str = "options.numerics") -> "ThresholdOptions":
+        kw = {k: opts[k] for k in cls.KEYS if k in opts and opts[k] is not None}
+        for key in ("percentile", "margin", "rel_floor", "mad_floor", "cos_floor"):
+            if key in kw:
+                try:
+                    kw[key] = float(kw[key])
+                except (TypeError, ValueError):
+                    raise ConfigError(f"{where}.{key}: {kw[key]!r} is not a number", hint="give a number") from None
+        if "percentile" in kw and not 0.0 < kw["percentile"] <= 100.0:
+            raise ConfigError(f"{where}.percentile: {kw['percentile']} is outside (0, 100]", hint="e.g. 99")
+        if "margin" in kw and kw["margin"] < 1.0:
+            raise ConfigError(f"{where}.margin: {kw['margin']} is below 1", hint="a margin multiplies the spread; use ≥ 1, e.g. 8")
+        for key in ("rel_floor", "mad_floor", "cos_floor"):
+            if key in kw and kw[key] < 0:
+                raise ConfigError(f"{where}.{key}: must not be negative", hint="use 0 to disable the floor")
+        if "samples" in kw:
+            if not isinstance(kw["samples"], int) or isinstance(kw["samples"], bool) or kw["samples"] < 1:
+                raise ConfigError(f"{where}.samples: {kw['samples']!r} is not a positive integer", hint="e.g. 4")
+        if "thresholds_dir" in kw:
+            kw["thresholds_dir"] = str(kw["thresholds_dir"])
+        return cls(**kw)
+
+    def floors(self, primary_dtype: str) -> tuple[float, float, float]:
+        """(rel_floor, mad_floor relative to mean |ref|, floor of 1 − cos) for a primary reference dtype."""
+        rel = self.rel_floor if self.rel_floor is not None else 64.0 * _EPS.get(primary_dtype, _EPS["float32"])
+        mad = self.mad_floor if self.mad_floor is not None else rel
+        cos = self.cos_floor if self.cos_floor is not None else rel * rel
+        return rel, mad, cos
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.KEYS}
+
+
+def percentile(values: list[float], p: float) -> float:
+    """Linear-interpolation percentile (numpy's default method) of finite values; NaN/inf propagate as inf."""
+    if not values:
+        return 0.0
+    if any(not math.isfinite(v) for v in values):
+        return math.inf
+    xs = sorted(values)
+    if len(xs) == 1:
+        return xs[0]
+    pos = (len(xs) - 1) * p / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+# ------------------------------------------------------------------------------------------------ statistics
+
+@dataclass
+class LayerStats:
+    """Reference-vs-reference measurements of one module call, one value per (sample, secondary reference)."""
+
+    module_class: str
+    name: str
+    views: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+
+    def add(self, view: str, metrics: Mapping[str, Any]) -> None:
+        v = self.views.setdefault(view, {"rel": [], "one_minus_cos": [], "mad": [], "ref_absmean": []})
+        v["rel"].append(float(metrics["rel"]))
+        v["one_minus_cos"].append(max(0.0, 1.0 - float(metrics["cos"])))
+        v["mad"].append(float(metrics["mad"]))
+        v["ref_absmean"].append(float(metrics.get("ref_absmean", 0.0)))
+
+
+def threshold_from_stats(stats: Mapping[str, list[float]], opts: ThresholdOptions, primary_dtype: str) -> dict[str, float]:
+    """{"rel", "cos", "mad"} for one layer and view: margin × percentile, with floors."""
+    rel_floor, mad_floor, cos_floor = opts.floors(primary_dtype)
+    p, m = opts.percentile, opts.margin
+    scale = percentile(sorted(stats.get("ref_absmean", [])), 50.0) if stats.get("ref_absmean") else 0.0
+    rel = max(rel_floor, m * percentile(stats.get("rel", []), p))
+    mad = max(mad_floor * scale, m * percentile(stats.get("mad", []), p))
+    one_minus_cos = max(cos_floor, m * m * percentile(stats.get("one_minus_cos", []), p))
+    return {"rel": rel, "cos": 1.0 - min(2.0, one_minus_cos), "mad": mad}
+
+
+def exceeded(metrics: Mapping[str, Any], threshold: Mapping[str, Any]) -> list[str]:
+    """The metrics of `metrics` over their threshold (rel/mad above, cos below); NaN always counts as over."""
+    out = []
+    for key, above in (("rel", True), ("cos", False), ("mad", True)):
+        if key not in threshold or key not in metrics:
+            continue
+        v = float(metrics[key])
+        t = float(threshold[key])
+        if math.isnan(v) or (v > t if above else v < t):
+            out.append(key)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ the table
+
+@dataclass
+class ThresholdTable:
+    """Thresholds per module call key (`name` or `name#k`) and view, recomputed from stored statistics."""
+
+    layers: dict[str, LayerStats]
+    options: ThresholdOptions
+    primary_dtype: str
+    key: dict[str, Any]
+    path: Path | None = None
+    reused: bool = False  # loaded from an existing file rather than derived now
+    derive_seconds: float | None = None
+    _cache: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict, repr=False)
+
+    def get(self, call_key: str, view: str) -> tuple[dict[str, float], str]:
+        """(threshold, source): source `derived`, or `fallback` when this call was never measured (the loosest
+        threshold of the same module class, else of the view)."""
+        ck = (call_key, view)
+        if ck in self._cache:
+            return self._cache[ck], "derived"
+        layer = self.layers.get(call_key)
+        if layer is not None and view in layer.views:
+            thr = threshold_from_stats(layer.views[view], self.options, self.primary_dtype)
+            self._cache[ck] = thr
+            return thr, "derived"
+        return self._fallback(call_key, view), "fallback"
+
+    def _fallback(self, call_key: str, view: str) -> dict[str, float]:
+        cls = None
+        base = call_key.split("#", 1)[0]
+        for k, layer in self.layers.items():
+            if k.split("#", 1)[0] == base:
+                cls = layer.module_class
+        pool = [k for k, layer in self.layers.items() if view in layer.views and (cls is None or layer.module_class == cls)]
+        if not pool:
+            pool = [k for k, layer in self.layers.items() if view in layer.views]
+        if not pool:
+            rel_floor, _mad, cos_floor = self.options.floors(self.primary_dtype)
+            return {"rel": rel_floor, "cos": 1.0 - cos_floor, "mad": math.inf}
+        thrs = [self.get(k, view)[0] for k in pool]
+        return {"rel": max(t["rel"] for t in thrs), "cos": min(t["cos"] for t in thrs), "mad": max(t["mad"] for t in thrs)}
+
+    def to_json(self) -> dict[str, Any]:
+        layers = {}
+        for k, layer in self.layers.items():
+            layers[k] = {
+                "name": layer.name, "module_class": layer.module_class, "stats": layer.views,
+                "thresholds": {v: threshold_from_stats(layer.views[v], self.options, self.primary_dtype)
+                               for v in layer.views},
+            }
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "method_version": METHOD_VERSION,
+            "key": self.key,
+            "key_hash": key_hash(self.key),
+            "primary_dtype": self.primary_dtype,
+            "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "derive_seconds": self.derive_seconds,
+            "options": self.options.as_dict(),  # what the stored "thresholds" were computed with (informative)
+            "layers": layers,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], options: ThresholdOptions, *, path: Path | None = None) -> "ThresholdTable":
+        layers = {}
+        for k, entry in (data.get("layers") or {}).items():
+            views = {v: {m: [float(x) for x in vals] for m, vals in s.items()} for v, s in entry["stats"].items()}
+            layers[k] = LayerStats(module_class=entry.get("module_class", ""), name=entry.get("name", k), views=views)
+        return cls(layers=layers, options=options, primary_dtype=data.get("primary_dtype", "float32"),
+                   key=dict(data.get("key") or {}), path=path, reused=True, derive_seconds=data.get("derive_seconds"))
+
+
+# ------------------------------------------------------------------------------------------------ key and file
+
+def threshold_key(*, model_fingerprint: Mapping[str, Any], inputs: Mapping[str, Any],
+                  references: list[Mapping[str, Any]], samples: int) -> dict[str, Any]:
+    """What the stored statistics depend on. Options that only post-process them (margin, percentile, floors) are
+    not part of it."""
+    import torch
+
+    return {
+        "model": json.loads(json.dumps(dict(model_fingerprint), sort_keys=True, default=str)),
+        "inputs": json.loads(json.dumps(dict(inputs), sort_keys=True, default=str)),
+        "references": [dict(r) for r in references],
+        "samples": int(samples),
+        "method_version": METHOD_VERSION,
+        "torch": torch.__version__.split("+")[0],
+    }
+
+
+def key_hash(key: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode("utf-8")).hexdigest()[:16]
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "model"
+
+
+def threshold_path(folder: Path, model_id: str, key: Mapping[str, Any]) -> Path:
+    """`<folder>/<model-id>-<key-hash>.json`."""
+    return Path(folder) / f"{_safe(model_id)}-{key_hash(key)}.json"
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = path.with_name(path.name + ".lock")
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+
+def read_table(path: Path, key: Mapping[str, Any], options: ThresholdOptions) -> tuple[ThresholdTable | None, str | None]:
+    """The stored table when `path` holds one for exactly `key`; else (None, why not)."""
+    if not path.exists():
+        return None, "no thresholds file yet"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        return None, f"unreadable thresholds file ({exc}); re-derived"
+    if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION:
+        return None, f"thresholds file schema {data.get('schema_version') if isinstance(data, dict) else '?'} is not {SCHEMA_VERSION}; re-derived"
+    if data.get("key") != json.loads(json.dumps(dict(key))):
+        return None, "thresholds file key differs; re-derived"
+    try:
+        return ThresholdTable.from_json(data, options, path=path), None
+    except (KeyError, TypeError, ValueError) as exc:
+        return None, f"malformed thresholds file ({exc}); re-derived"
+
+
+def load_or_derive(path: Path, key: Mapping[str, Any], options: ThresholdOptions, primary_dtype: str,
+                   derive: Callable[[], dict[str, LayerStats]]) -> tuple[ThresholdTable, str]:
+    """Reuse the thresholds at `path` when its key matches, else call `derive()` and store the result atomically.
+
+    Holds an exclusive `fcntl.flock` on `<path>.lock` throughout, so parallel cells of the same model wait for the
+    first one's derivation instead of repeating it. Returns the table and a note saying what happened.
+    """
+    with _locked(path):
+        table, why = read_table(path, key, options)
+        if table is not None:
+            return table, f"reused {path.name}"
+        t0 = time.monotonic()
+        layers = derive()
+        table = ThresholdTable(layers=layers, options=options, primary_dtype=primary_dtype, key=dict(key), path=path,
+                               reused=False, derive_seconds=round(time.monotonic() - t0, 3))
+        atomic_write_json(path, table.to_json())
+        return table, f"derived ({why})"
+
+
+def load_table(path: Path, options: ThresholdOptions | None = None) -> ThresholdTable:
+    """Read a thresholds file whatever its key (for offline comparison); `InputError` when it cannot be read."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(f"{path}: thresholds file not found", hint="run the numerics mode once to derive it") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise InputError(f"{path}: cannot read thresholds file: {exc}", hint="delete it; it is re-derived") from None
+    if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION:
+        raise InputError(f"{path}: thresholds schema_version is not {SCHEMA_VERSION}",
+                         hint="re-derive it with this version of deepview-ci")
+    return ThresholdTable.from_json(data, options or ThresholdOptions(), path=Path(path))
+
+
+__all__ = [
+    "METHOD_VERSION", "SCHEMA_VERSION", "VIEWS", "LayerStats", "ThresholdOptions", "ThresholdTable", "exceeded",
+    "key_hash", "load_or_derive", "load_table", "percentile", "read_table", "threshold_from_stats", "threshold_key",
+    "threshold_path",
+]

@@ -1,0 +1,177 @@
+"""thresholds.py: derivation from reference statistics, floors, the versioned keyed file and its lock."""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing
+import time
+from pathlib import Path
+
+import pytest
+
+from ci_runner.errors import ConfigError, InputError
+from ci_runner.thresholds import (
+    SCHEMA_VERSION,
+    LayerStats,
+    ThresholdOptions,
+    ThresholdTable,
+    exceeded,
+    key_hash,
+    load_or_derive,
+    load_table,
+    percentile,
+    read_table,
+    threshold_from_stats,
+    threshold_key,
+    threshold_path,
+)
+
+FP = {"id": "tiny", "source": "config", "model_type": "llama", "overrides": {"hidden_size": 32}}
+INPUTS = {"batch": 1, "seq_len": 8, "samples": 2, "seed": 0, "image_size": None, "text": []}
+REFS = [{"id": "cpu-fp32", "device": "cpu", "dtype": "float32"}, {"id": "cpu-fp64", "device": "cpu", "dtype": "float64"}]
+
+
+def _stats(rels: list[float], *, absmean: float = 1.0, cls: str = "Linear", name: str = "a") -> LayerStats:
+    s = LayerStats(module_class=cls, name=name)
+    for r in rels:
+        for view in ("cumulative", "isolated"):
+            s.add(view, {"rel": r, "cos": 1 - r * r / 2, "mad": r * absmean, "ref_absmean": absmean})
+    return s
+
+
+def test_percentile_matches_numpy_linear() -> None:
+    xs = [3.0, 1.0, 2.0, 10.0]
+    assert percentile(xs, 50) == pytest.approx(2.5)
+    assert percentile(xs, 100) == 10.0
+    assert percentile(xs, 99) == pytest.approx(3.0 + 0.97 * 7.0)
+    assert percentile([4.0], 99) == 4.0 and percentile([], 99) == 0.0
+    assert percentile([1.0, math.nan], 50) == math.inf
+
+
+def test_threshold_is_margin_times_percentile_with_floors() -> None:
+    opts = ThresholdOptions(percentile=100, margin=8)
+    s = _stats([1e-5, 2e-5])
+    thr = threshold_from_stats(s.views["cumulative"], opts, "float32")
+    assert thr["rel"] == pytest.approx(8 * 2e-5)
+    assert thr["mad"] == pytest.approx(8 * 2e-5)
+    assert 1 - thr["cos"] == pytest.approx(64 * (2e-5) ** 2 / 2, rel=1e-6)
+    # references that agree exactly: the floors (64 ulp of float32) hold
+    z = threshold_from_stats(_stats([0.0, 0.0], absmean=3.0).views["isolated"], opts, "float32")
+    assert z["rel"] == pytest.approx(64 * 2 ** -23)
+    assert z["mad"] == pytest.approx(64 * 2 ** -23 * 3.0)
+    assert 1 - z["cos"] == pytest.approx((64 * 2 ** -23) ** 2)
+    # explicit floors and a float64 primary
+    f = threshold_from_stats(_stats([0.0]).views["isolated"], ThresholdOptions(rel_floor=1e-3, mad_floor=0, cos_floor=0), "float32")
+    assert f == {"rel": 1e-3, "cos": 1.0, "mad": 0.0}
+    assert threshold_from_stats(_stats([0.0]).views["isolated"], ThresholdOptions(), "float64")["rel"] == pytest.approx(64 * 2 ** -52)
+
+
+def test_exceeded_reads_each_metric_in_its_direction_and_nan_fails() -> None:
+    thr = {"rel": 1e-4, "cos": 0.9999, "mad": 1e-3}
+    assert exceeded({"rel": 1e-5, "cos": 0.99999, "mad": 1e-4}, thr) == []
+    assert exceeded({"rel": 1e-3, "cos": 0.99999, "mad": 1e-4}, thr) == ["rel"]
+    assert exceeded({"rel": 1e-5, "cos": 0.99, "mad": 1e-2}, thr) == ["cos", "mad"]
+    assert exceeded({"rel": math.nan, "cos": 1.0, "mad": 0.0}, thr) == ["rel"]
+    assert exceeded({"rel": math.inf, "cos": 1.0, "mad": math.inf}, thr) == ["rel", "mad"]
+
+
+def test_options_validation() -> None:
+    o = ThresholdOptions.from_mapping({"percentile": 95, "margin": "4", "samples": 3, "other": 1})
+    assert (o.percentile, o.margin, o.samples) == (95.0, 4.0, 3)
+    for bad in ({"percentile": 0}, {"percentile": 101}, {"margin": 0.5}, {"rel_floor": -1}, {"samples": 0},
+                {"samples": 1.5}, {"margin": "x"}):
+        with pytest.raises(ConfigError):
+            ThresholdOptions.from_mapping(bad)
+
+
+def test_key_and_path() -> None:
+    k1 = threshold_key(model_fingerprint=FP, inputs=INPUTS, references=REFS, samples=2)
+    k2 = threshold_key(model_fingerprint=FP, inputs={**INPUTS, "seed": 1}, references=REFS, samples=2)
+    k3 = threshold_key(model_fingerprint=FP, inputs=INPUTS, references=REFS[:1], samples=2)
+    assert len({key_hash(k1), key_hash(k2), key_hash(k3)}) == 3
+    assert key_hash(k1) == key_hash(json.loads(json.dumps(k1)))
+    p = threshold_path(Path("/x"), "my model/v2", k1)
+    assert p.parent == Path("/x") and p.name == f"my_model_v2-{key_hash(k1)}.json"
+
+
+def test_load_or_derive_reuses_matching_key_and_rederives_otherwise(tmp_path: Path) -> None:
+    calls: list[int] = []
+
+    def derive() -> dict[str, LayerStats]:
+        calls.append(1)
+        return {"a": _stats([1e-5, 3e-5]), "b#1": _stats([0.0], cls="Norm", name="b")}
+
+    key = threshold_key(model_fingerprint=FP, inputs=INPUTS, references=REFS, samples=2)
+    path = threshold_path(tmp_path, "tiny", key)
+    t1, note1 = load_or_derive(path, key, ThresholdOptions(), "float32", derive)
+    assert not t1.reused and note1.startswith("derived") and len(calls) == 1
+    data = json.loads(path.read_text())
+    assert data["schema_version"] == SCHEMA_VERSION and data["key"] == key
+    assert set(data["layers"]) == {"a", "b#1"} and "thresholds" in data["layers"]["a"]
+    # same key: reused, and margin changes apply without re-deriving (raw statistics are stored)
+    t2, note2 = load_or_derive(path, key, ThresholdOptions(margin=2), "float32", derive)
+    assert t2.reused and note2.startswith("reused") and len(calls) == 1
+    assert t2.get("a", "cumulative")[0]["rel"] == pytest.approx(max(64 * 2 ** -23, 2 * percentile([1e-5, 3e-5], 99)))
+    # a different key in the same file name (tampered) or a corrupt file: derived again
+    other = {**key, "samples": 5}
+    _t3, note3 = load_or_derive(path, other, ThresholdOptions(), "float32", derive)
+    assert note3.startswith("derived") and "key differs" in note3 and len(calls) == 2
+    path.write_text("{not json")
+    _t4, note4 = load_or_derive(path, other, ThresholdOptions(), "float32", derive)
+    assert "unreadable" in note4 and len(calls) == 3
+    assert read_table(path, other, ThresholdOptions())[0] is not None
+
+
+def test_fallback_threshold_for_unmeasured_calls() -> None:
+    table = ThresholdTable(layers={"l.0.norm": _stats([1e-4], cls="Norm", name="l.0.norm"),
+                                   "l.0.proj": _stats([1e-6], cls="Linear", name="l.0.proj")},
+                           options=ThresholdOptions(margin=1, percentile=100), primary_dtype="float32", key={})
+    thr, src = table.get("l.0.norm", "isolated")
+    assert src == "derived" and thr["rel"] == pytest.approx(1e-4)
+    thr, src = table.get("l.0.norm#1", "isolated")  # a second call never measured: same module's threshold
+    assert src == "fallback" and thr["rel"] == pytest.approx(1e-4)
+    thr, src = table.get("unknown", "cumulative")  # loosest of the view
+    assert src == "fallback" and thr["rel"] == pytest.approx(1e-4)
+    empty = ThresholdTable(layers={}, options=ThresholdOptions(), primary_dtype="float32", key={})
+    assert empty.get("x", "isolated")[0]["rel"] == pytest.approx(64 * 2 ** -23)
+
+
+def test_load_table_errors(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="not found"):
+        load_table(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"schema_version": 99}))
+    with pytest.raises(InputError, match="schema_version"):
+        load_table(bad)
+
+
+def _derive_in_process(path: str, marker: str, barrier_file: str) -> None:
+    key = threshold_key(model_fingerprint=FP, inputs=INPUTS, references=REFS, samples=2)
+
+    def derive() -> dict[str, LayerStats]:
+        with open(marker, "a") as fh:
+            fh.write("derive\n")
+        time.sleep(1.0)  # long enough for the other process to reach the lock
+        return {"a": _stats([1e-5])}
+
+    while not Path(barrier_file).exists():
+        time.sleep(0.01)
+    load_or_derive(Path(path), key, ThresholdOptions(), "float32", derive)
+
+
+def test_parallel_cells_derive_once(tmp_path: Path) -> None:
+    key = threshold_key(model_fingerprint=FP, inputs=INPUTS, references=REFS, samples=2)
+    path = threshold_path(tmp_path, "tiny", key)
+    marker = tmp_path / "derivations.log"
+    barrier = tmp_path / "go"
+    ctx = multiprocessing.get_context("fork")  # no re-import of torch in the children
+    procs = [ctx.Process(target=_derive_in_process, args=(str(path), str(marker), str(barrier))) for _ in range(2)]
+    for p in procs:
+        p.start()
+    barrier.touch()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert marker.read_text().count("derive") == 1
+    assert json.loads(path.read_text())["key"] == key
