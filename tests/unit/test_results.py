@@ -81,3 +81,31 @@ def test_corrupt_results_are_input_errors(tmp_path: Path, content: str, needle: 
 def test_missing_results_file(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="not found"):
         load_results(tmp_path / "nope.json")
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda d: d["cells"][0].update(status="exploded"),
+        lambda d: d["cells"][0]["modes"]["numerics"]["findings"][0].update(kind="weird"),
+        lambda d: d["cells"][0]["modes"]["numerics"]["findings"][0].update(fingerprint="XYZ"),
+        lambda d: d["cells"][0]["modes"]["numerics"]["findings"][0].update(metrics=[1.0]),
+        lambda d: d["cells"][0]["modes"].update(extra={"status": "pass", "findings": []}),
+        lambda d: d["cells"][0].update(surprise=1),
+        lambda d: d["cells"][0].update(id="no-at-sign"),
+        lambda d: d["cells"][0]["error"].update(exit_code="7"),
+    ],
+)
+def test_the_fast_validator_rejects_what_the_schema_rejects(mutate) -> None:
+    import jsonschema
+
+    from ci_runner.results import _fast_validator, schema
+
+    d = Results(cells=[make_cell()]).to_dict()
+    validate(d, "results.schema.json", source="ok")
+    mutate(d)
+    assert not jsonschema.Draft202012Validator(schema("results.schema.json")).is_valid(d)
+    with pytest.raises(Exception):
+        _fast_validator("results.schema.json")(d)
+    with pytest.raises(InputError):
+        validate(d, "results.schema.json", source="bad")
