@@ -1,0 +1,812 @@
+"""The operator inventory of a model: every op overload it calls, per input signature, with its owner.
+
+An *inventory* lists, for one IR level, each distinct (op, signature) the model's forward uses: the op's
+qualified name, the recorded arguments (tensors as shape / dtype / stride, scalars as values, devices and dtypes
+by name), how often it is called and where (owning module, module class, source line). It is built from tracing
+alone, so a meta-device model (no weights, no accelerator) is enough.
+
+The IR level is what the backend's compiler sees (`BackendSpec.ir`); each is traced differently:
+
+============ ====================================================================================================
+level        how it is traced and what it contains
+============ ====================================================================================================
+``aten``     default. What `aot_autograd` hands a torch.compile backend, captured exactly that way:
+             `torch.compile(model, backend=aot_autograd(fw_compiler=<recorder>))` on a fake copy of the model on
+             the backend's host device kind (cpu/cuda; meta for any other device), inside its FakeTensorMode: no
+             memory, the device's own kernel choices (attention), one graph per graph break. Falls back to
+             `torch.export.export(strict=False)` + `run_decompositions` with only the CompositeImplicitAutograd
+             decompositions, which gives nearly the same graph (measured: the same op set on tiny Bamba; it differs
+             where Python and Dynamo trace differently, e.g. tensor unpacking → `unbind` instead of `select`).
+``core_aten`` `torch.export.export(strict=False)` on the fake copy, lowered with the default Core ATen table
+             (`run_decompositions()`).
+``dynamo``   `torch.compile` with a recording backend: the FX graphs of torch-level calls (`torch.nn.functional.*`,
+             `torch.Tensor.*` methods, `operator.*`) that a plain (non-aot) backend receives; one per graph break.
+``dispatch`` a `TorchDispatchMode` over an eager forward of the meta model: the ATen ops an *eager* device's
+             kernels receive (after CompositeImplicitAutograd decomposition, not functionalized: in-place ops
+             and views as called). Used for eager backends (no `compile`), whatever `ir` says.
+============ ====================================================================================================
+
+Export-only bookkeeping nodes (`aten._assert_tensor_metadata` and friends) are left out: no backend sees them.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import re
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from .errors import DeepviewError
+
+LEVELS: tuple[str, ...] = ("dynamo", "aten", "core_aten", "dispatch")
+MAX_SITES = 8  # call sites kept per signature
+SKIP_OPS: frozenset[str] = frozenset({
+    "aten._assert_tensor_metadata.default",
+    "aten._assert_scalar.default",
+    "aten._assert_async.default",
+    "aten._assert_async.msg",
+    "aten._functional_assert_async.msg",
+    "aten._functional_assert_scalar.default",
+    "aten.sym_constrain_range.default",
+    "aten.sym_constrain_range_for_size.default",
+    "aten._functional_sym_constrain_range.default",
+    "aten._functional_sym_constrain_range_for_size.default",
+    "aten.sym_size.int",
+    "aten.sym_stride.int",
+    "aten.sym_numel.default",
+    "aten.sym_storage_offset.default",
+})
+_DTYPE_SHORT = {
+    "float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16", "int64": "i64", "int32": "i32",
+    "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "b8", "complex64": "c64", "complex128": "c128",
+}
+
+
+class InventoryError(DeepviewError):
+    """The model could not be traced at any level: the message carries the trace error and where it happened."""
+
+
+# --------------------------------------------------------------------------------------------- encoding
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    value = getattr(torch, name, None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"not a torch dtype: {name!r}")
+    return value
+
+
+def tensor_spec(t: torch.Tensor) -> dict[str, Any]:
+    """What a probe needs to rebuild a tensor argument: shape, stride, dtype (values are synthetic)."""
+    shape = [int(s) for s in t.shape]
+    try:
+        stride = [int(s) for s in t.stride()]
+    except (RuntimeError, NotImplementedError):  # sparse or nested: take the contiguous layout
+        stride = _contiguous_stride(shape)
+    return {"shape": shape, "stride": stride, "dtype": dtype_name(t.dtype)}
+
+
+def _contiguous_stride(shape: Sequence[int]) -> list[int]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(int(s), 1)
+    return list(reversed(stride))
+
+
+def encode_value(value: Any, tensor_of: Callable[[Any], torch.Tensor | None] = lambda v: None) -> Any:
+    """A JSON-able description of an op argument. `tensor_of` maps graph nodes to their (fake) tensor value.
+
+    Tagged forms: ``{"__tensor__": spec}``, ``{"__dtype__": name}``, ``{"__device__": type}``, ``{"__layout__": …}``,
+    ``{"__memory_format__": …}``, ``{"__float__": "inf"|"-inf"|"nan"}``, ``{"__slice__": [start, stop, step]}``,
+    ``{"__ellipsis__": true}``, ``{"__tuple__": [...]}``; anything else unrepresentable is ``{"__opaque__": repr}``.
+    """
+    t = tensor_of(value)
+    if t is not None:
+        value = t
+    if isinstance(value, torch.Tensor):
+        return {"__tensor__": tensor_spec(value)}
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return {"__float__": "nan"}
+        if math.isinf(value):
+            return {"__float__": "inf" if value > 0 else "-inf"}
+        return value
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        hint = value.node.hint if hasattr(value, "node") else None
+        return encode_value(hint) if hint is not None else {"__opaque__": str(value)}
+    if isinstance(value, torch.dtype):
+        return {"__dtype__": dtype_name(value)}
+    if isinstance(value, torch.device):
+        return {"__device__": value.type}
+    if isinstance(value, torch.layout):
+        return {"__layout__": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.memory_format):
+        return {"__memory_format__": str(value).removeprefix("torch.")}
+    if isinstance(value, slice):
+        return {"__slice__": [encode_value(value.start), encode_value(value.stop), encode_value(value.step)]}
+    if value is Ellipsis:
+        return {"__ellipsis__": True}
+    if isinstance(value, tuple):
+        return {"__tuple__": [encode_value(v, tensor_of) for v in value]}
+    if isinstance(value, list):
+        return [encode_value(v, tensor_of) for v in value]
+    return {"__opaque__": repr(value)[:200]}
+
+
+def iter_tensor_specs(enc: Any) -> Iterator[dict[str, Any]]:
+    """Every tensor spec inside an encoded argument tree, in order."""
+    if isinstance(enc, dict):
+        if "__tensor__" in enc:
+            yield enc["__tensor__"]
+            return
+        for v in enc.values():
+            yield from iter_tensor_specs(v)
+    elif isinstance(enc, list):
+        for v in enc:
+            yield from iter_tensor_specs(v)
+
+
+def is_opaque(enc: Any) -> bool:
+    """True when an encoded tree holds a value a probe cannot rebuild."""
+    if isinstance(enc, dict):
+        return "__opaque__" in enc or any(is_opaque(v) for v in enc.values())
+    if isinstance(enc, list):
+        return any(is_opaque(v) for v in enc)
+    return False
+
+
+def describe_value(enc: Any) -> str:
+    """Short human text for an encoded argument: `f32[1, 12, 4]`, `bf16[4, 6]{stride=(1, 4)}`, `2`, `float32`."""
+    if isinstance(enc, dict):
+        if "__tensor__" in enc:
+            spec = enc["__tensor__"]
+            text = f"{_DTYPE_SHORT.get(spec['dtype'], spec['dtype'])}{list(spec['shape'])}"
+            if list(spec["stride"]) != _contiguous_stride(spec["shape"]) and math.prod(spec["shape"]) > 1:
+                text += f"{{stride={tuple(spec['stride'])}}}"
+            return text
+        for tag in ("__dtype__", "__device__", "__layout__", "__memory_format__", "__float__", "__opaque__"):
+            if tag in enc:
+                return str(enc[tag])
+        if "__slice__" in enc:
+            return ":".join("" if v is None else describe_value(v) for v in enc["__slice__"])
+        if "__ellipsis__" in enc:
+            return "..."
+        if "__tuple__" in enc:
+            return "(" + ", ".join(describe_value(v) for v in enc["__tuple__"]) + ")"
+        return "{" + ", ".join(f"{k}: {describe_value(v)}" for k, v in enc.items()) + "}"
+    if isinstance(enc, list):
+        return "[" + ", ".join(describe_value(v) for v in enc) + "]"
+    return repr(enc)
+
+
+def signature_key(op: str, args: Any, kwargs: Any) -> str:
+    return json.dumps([op, args, kwargs], sort_keys=True, separators=(",", ":"))
+
+
+# --------------------------------------------------------------------------------------------- model
+
+@dataclass(frozen=True)
+class CallSite:
+    module: str  # qualified module name; "" is the model itself
+    module_class: str
+    source: str | None = None  # "path/to/file.py:123 in fn"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"module": self.module, "module_class": self.module_class, "source": self.source}
+
+
+@dataclass
+class OpSignature:
+    """One distinct (op, arguments) of the inventory, with how often and where it is called."""
+
+    op: str
+    args: list[Any]
+    kwargs: dict[str, Any]
+    key: str
+    count: int = 0
+    order: int = 0  # position of its first call in the trace
+    sites: list[CallSite] = field(default_factory=list)
+    site_count: int = 0  # distinct sites seen (sites keeps the first MAX_SITES)
+
+    def describe(self) -> str:
+        parts = [describe_value(a) for a in self.args]
+        parts += [f"{k}={describe_value(v)}" for k, v in self.kwargs.items()]
+        return f"{self.op}({', '.join(parts)})"
+
+    @property
+    def probeable(self) -> bool:
+        return not is_opaque(self.args) and not is_opaque(self.kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"op": self.op, "args": self.args, "kwargs": self.kwargs, "count": self.count, "order": self.order,
+                "site_count": self.site_count, "sites": [s.to_dict() for s in self.sites], "text": self.describe()}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "OpSignature":
+        args, kwargs = list(d["args"]), dict(d["kwargs"])
+        return cls(op=d["op"], args=args, kwargs=kwargs, key=signature_key(d["op"], args, kwargs),
+                   count=int(d.get("count", 0)), order=int(d.get("order", 0)),
+                   site_count=int(d.get("site_count", 0)), sites=[CallSite(**s) for s in d.get("sites", [])])
+
+
+@dataclass
+class Inventory:
+    """All (op, signature) pairs of one trace, in first-call order."""
+
+    level: str
+    method: str  # export | aot | dynamo | dispatch
+    device: str  # the device the trace modelled (cpu, cuda, meta)
+    signatures: list[OpSignature] = field(default_factory=list)
+    total_calls: int = 0
+    graphs: int = 1
+    notes: list[str] = field(default_factory=list)
+    duration_s: float = 0.0
+
+    def op_names(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for s in self.signatures:
+            seen.setdefault(s.op, None)
+        return list(seen)
+
+    def by_op(self) -> dict[str, list[OpSignature]]:
+        out: dict[str, list[OpSignature]] = {}
+        for s in self.signatures:
+            out.setdefault(s.op, []).append(s)
+        return out
+
+    def summary(self, *, max_ops: int = 400, max_modules: int = 5) -> dict[str, Any]:
+        """A bounded digest for `ModeResult.data["inventory"]`: counts, per-op calls and owning modules."""
+        ops = []
+        for op, sigs in sorted(self.by_op().items()):
+            modules: dict[str, None] = {}
+            for s in sigs:
+                for site in s.sites:
+                    modules.setdefault(site.module, None)
+            ops.append({"op": op, "calls": sum(s.count for s in sigs), "signatures": len(sigs),
+                        "modules": list(modules)[:max_modules], "module_count": len(modules)})
+        return {
+            "level": self.level, "method": self.method, "device": self.device, "graphs": self.graphs,
+            "total_calls": self.total_calls, "distinct_ops": len(ops), "distinct_signatures": len(self.signatures),
+            "ops": ops[:max_ops], "ops_truncated": len(ops) > max_ops, "notes": self.notes[:20],
+            "duration_s": round(self.duration_s, 3),
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"level": self.level, "method": self.method, "device": self.device, "graphs": self.graphs,
+                "total_calls": self.total_calls, "notes": self.notes, "duration_s": round(self.duration_s, 3),
+                "signatures": [s.to_dict() for s in self.signatures]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Inventory":
+        return cls(level=d["level"], method=d["method"], device=d.get("device", "cpu"),
+                   signatures=[OpSignature.from_dict(s) for s in d.get("signatures", [])],
+                   total_calls=int(d.get("total_calls", 0)), graphs=int(d.get("graphs", 1)),
+                   notes=list(d.get("notes", [])), duration_s=float(d.get("duration_s", 0.0)))
+
+
+class _Builder:
+    """Accumulates calls into distinct signatures."""
+
+    def __init__(self) -> None:
+        self.by_key: dict[str, OpSignature] = {}
+        self.total = 0
+
+    def add(self, op: str, args: list[Any], kwargs: dict[str, Any], site: CallSite) -> None:
+        key = signature_key(op, args, kwargs)
+        sig = self.by_key.get(key)
+        if sig is None:
+            sig = self.by_key[key] = OpSignature(op=op, args=args, kwargs=kwargs, key=key, order=self.total)
+        sig.count += 1
+        self.total += 1
+        if site not in sig.sites:
+            sig.site_count += 1
+            if len(sig.sites) < MAX_SITES:
+                sig.sites.append(site)
+
+    def build(self, **kw: Any) -> Inventory:
+        sigs = sorted(self.by_key.values(), key=lambda s: s.order)
+        return Inventory(signatures=sigs, total_calls=self.total, **kw)
+
+
+# --------------------------------------------------------------------------------------------- helpers
+
+_FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in ([^\n]+)')
+
+
+def short_path(path: str) -> str:
+    """A path without the machine-specific prefix: after site-packages/, else relative to cwd, else as is."""
+    for marker in ("site-packages/", "dist-packages/"):
+        if marker in path:
+            return path.split(marker, 1)[1]
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return path
+
+
+def source_from_stack_trace(stack_trace: str | None) -> str | None:
+    """`file.py:123 in fn` of the innermost frame of an FX node's `stack_trace`."""
+    if not stack_trace:
+        return None
+    frames = _FRAME_RE.findall(stack_trace)
+    if not frames:
+        return None
+    torch_dir = str(Path(torch.__file__).parent)
+    outside = [f for f in frames if not f[0].startswith(torch_dir)]
+    path, line, fn = (outside or frames)[-1]  # the model's own line, not torch.nn's
+    return f"{short_path(path)}:{line} in {fn.strip()}"
+
+
+_MODULE_PATH_RE = re.compile(r"\._modules\[['\"]([^'\"]+)['\"]\]|\[['\"]([^'\"]+)['\"]\]|\[(\d+)\]")
+
+
+def normalize_module_path(path: str) -> str:
+    """`L['self'].model.layers[0]._modules['mlp']` or `model.layers.0@1` → `model.layers.0.mlp`."""
+    path = re.sub(r"^L\[['\"](self|mod|model|fn)['\"]\]", "", path)
+    path = re.sub(r"^(L__self__|L__self)", "", path)
+    path = _MODULE_PATH_RE.sub(lambda m: "." + (m.group(1) or m.group(2) or m.group(3)), path)
+    path = re.sub(r"@\d+$", "", path)
+    path = re.sub(r"@\d+(?=\.)", "", path)
+    return path.strip(".")
+
+
+def _class_name(cls: Any) -> str:
+    if isinstance(cls, type):
+        return cls.__name__
+    return str(cls).rsplit(".", 1)[-1].rstrip("'>")
+
+
+def site_from_node(node: torch.fx.Node, root_class: str) -> CallSite:
+    stack = node.meta.get("nn_module_stack") or {}
+    module, module_class = "", root_class
+    if stack:
+        path, cls = list(stack.values())[-1]
+        module, module_class = normalize_module_path(str(path)), _class_name(cls)
+        if module == "":
+            module_class = root_class
+    return CallSite(module=module, module_class=module_class, source=source_from_stack_trace(node.meta.get("stack_trace")))
+
+
+def _node_value(meta_key: str) -> Callable[[Any], Any]:
+    def get(v: Any) -> Any:
+        return v.meta.get(meta_key, v.meta.get("val")) if isinstance(v, torch.fx.Node) else v
+    return get
+
+
+def _encode_node_args(node: torch.fx.Node, meta_key: str) -> tuple[list[Any], dict[str, Any]]:
+    """Encode a node's args; nodes become their recorded values (tensors → specs, SymInts → ints)."""
+    resolve = _node_value(meta_key)
+
+    def enc(v: Any) -> Any:
+        if isinstance(v, torch.fx.Node):
+            return encode_value(resolve(v))
+        if isinstance(v, (list, tuple)) and not hasattr(v, "_fields"):
+            items = [enc(x) for x in v]
+            return {"__tuple__": items} if isinstance(v, tuple) and meta_key == "example_value" else items
+        if isinstance(v, dict):
+            return {"__opaque__": "dict"}
+        return encode_value(v)
+
+    return [enc(a) for a in node.args], {k: enc(v) for k, v in node.kwargs.items()}
+
+
+def _graph_modules(gm: torch.fx.GraphModule) -> Iterator[torch.fx.GraphModule]:
+    """The graph module and the subgraphs of higher-order ops (cond, wrap…), each once."""
+    seen: set[int] = set()
+    for mod in gm.modules():
+        if isinstance(mod, torch.fx.GraphModule) and id(mod) not in seen:
+            seen.add(id(mod))
+            yield mod
+
+
+def _is_aten_like(target: Any) -> bool:
+    return isinstance(target, torch._ops.OpOverload)
+
+
+def add_aten_graph(builder: _Builder, gm: torch.fx.GraphModule, root_class: str, notes: list[str]) -> None:
+    """Record every OpOverload call of `gm` (and its subgraphs) into `builder`."""
+    skipped_hops: set[str] = set()
+    for sub in _graph_modules(gm):
+        for node in sub.graph.nodes:
+            if node.op != "call_function":
+                continue
+            target = node.target
+            if not _is_aten_like(target):
+                if isinstance(target, torch._ops.HigherOrderOperator):
+                    skipped_hops.add(str(target.name()))
+                continue
+            name = str(target)
+            if name in SKIP_OPS:
+                continue
+            args, kwargs = _encode_node_args(node, "val")
+            builder.add(name, args, kwargs, site_from_node(node, root_class))
+    if skipped_hops:
+        notes.append("higher-order ops not probed (their bodies are): " + ", ".join(sorted(skipped_hops)))
+
+
+# --------------------------------------------------------------------------------------------- model prep
+
+def _is_meta_model(model: nn.Module) -> bool:
+    return any(t.is_meta for t in _module_tensors(model))
+
+
+def _module_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
+    yield from model.parameters()
+    yield from model.buffers()
+
+
+def _host_device(device: str) -> str:
+    """The device to fake for tracing: cpu or cuda keep their kernels' choices, any other device traces on meta."""
+    kind = (device or "cpu").split(":", 1)[0]
+    return kind if kind in ("cpu", "cuda") else "meta"
+
+
+def _fake_model_and_inputs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                           device: str, mode: Any = None) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+    """A copy of a meta `model` with fake tensors on `device` (no memory), and fake inputs on it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = mode or FakeTensorMode(allow_non_fake_inputs=True)
+    clone = copy.deepcopy(model)
+
+    def fake_input(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device=device)
+        if isinstance(v, (list, tuple)):
+            return type(v)(fake_input(x) for x in v)
+        if isinstance(v, dict):
+            return {k: fake_input(x) for k, x in v.items()}
+        return v
+
+    with mode:
+        for mod in clone.modules():  # swap in fake tensors by hand: `to_empty` cannot swap meta → meta
+            for name, p in list(mod._parameters.items()):
+                if p is not None:
+                    fake = torch.empty_strided(tuple(p.shape), tuple(p.stride()), dtype=p.dtype, device=device)
+                    mod._parameters[name] = nn.Parameter(fake, requires_grad=p.requires_grad)
+            for name, b in list(mod._buffers.items()):
+                if b is not None:
+                    mod._buffers[name] = torch.empty_strided(tuple(b.shape), tuple(b.stride()), dtype=b.dtype, device=device)
+        fargs = fake_input(args)
+        fkwargs = fake_input(kwargs)
+    return clone, fargs, fkwargs
+
+
+def _to_meta(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.to("meta")
+    if isinstance(v, (list, tuple)):
+        return type(v)(_to_meta(x) for x in v)
+    if isinstance(v, dict):
+        return {k: _to_meta(x) for k, x in v.items()}
+    return v
+
+
+def where_failed(exc: BaseException) -> str:
+    """The innermost frame of a traceback outside torch: `file.py:123 in fn`, or the innermost at all."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    torch_dir = str(Path(torch.__file__).parent)
+    mine = str(Path(__file__).parent)
+    for fr in reversed(frames):
+        if not fr.filename.startswith(torch_dir) and not fr.filename.startswith(mine):
+            return f"{short_path(fr.filename)}:{fr.lineno} in {fr.name}"
+    if frames:
+        fr = frames[-1]
+        return f"{short_path(fr.filename)}:{fr.lineno} in {fr.name}"
+    return "unknown location"
+
+
+def _first_line(text: str, limit: int = 600) -> str:
+    text = text.strip()
+    line = text.splitlines()[0] if text else ""
+    return line[:limit]
+
+
+# --------------------------------------------------------------------------------------------- tracers
+
+def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *, level: str,
+                 device: str = "cpu") -> Inventory:
+    """`aten` / `core_aten` via torch.export on a fake copy of the model (see the module docstring)."""
+    t0 = time.monotonic()
+    host = _host_device(device)
+    root_class = type(model).__name__
+    if _is_meta_model(model) and host != "meta":
+        model, args, kwargs = _fake_model_and_inputs(model, args, kwargs, host)
+    elif _is_meta_model(model):
+        args, kwargs = _to_meta(args), _to_meta(kwargs)
+    else:
+        host = next((t.device.type for t in _module_tensors(model)), "cpu")
+    with torch.no_grad():
+        ep = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
+    if level == "core_aten":
+        ep = ep.run_decompositions()
+    else:
+        ep = ep.run_decompositions(cia_decompositions())
+    builder = _Builder()
+    notes: list[str] = []
+    add_aten_graph(builder, ep.graph_module, root_class, notes)
+    return builder.build(level=level, method="export", device=host, notes=notes, duration_s=time.monotonic() - t0)
+
+
+def cia_decompositions() -> Any:
+    """The decomposition table holding only the CompositeImplicitAutograd ops (what aot_autograd applies)."""
+    from torch._export.utils import _collect_all_valid_cia_ops
+    from torch.export import default_decompositions
+
+    table = default_decompositions()
+    cia = _collect_all_valid_cia_ops()
+    for op in list(table.keys()):
+        if op not in cia:
+            table.pop(op)
+    return table
+
+
+def trace_aot(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *, device: str = "cpu") -> Inventory:
+    """`aten` through torch.compile + aot_autograd with a recording compiler: exactly what an aot backend gets.
+
+    One graph per graph break. A meta model runs as a fake copy on `device`'s host kind (inside its fake mode),
+    so device-dependent choices (the attention kernel) are those of that device, with no memory used.
+    """
+    from torch._dynamo.backends.common import aot_autograd
+
+    t0 = time.monotonic()
+    root_class = type(model).__name__
+    fake_mode: Any = _null_context()
+    if _is_meta_model(model):
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        host = _host_device(device)
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        model, args, kwargs = _fake_model_and_inputs(model, args, kwargs, host, fake_mode)
+    else:
+        host = next((t.device.type for t in _module_tensors(model)), "cpu")
+    graphs: list[torch.fx.GraphModule] = []
+
+    def record(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad(), fake_mode:
+            torch.compile(model, backend=aot_autograd(fw_compiler=record), dynamic=False)(*args, **kwargs)
+    finally:
+        torch._dynamo.reset()
+    builder = _Builder()
+    notes: list[str] = []
+    for gm in graphs:
+        add_aten_graph(builder, gm, root_class, notes)
+    if len(graphs) > 1:
+        notes.append(f"{len(graphs)} graphs (graph breaks)")
+    return builder.build(level="aten", method="aot", device=host, graphs=len(graphs), notes=notes,
+                         duration_s=time.monotonic() - t0)
+
+
+class _null_context:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _leaves(v: Any) -> list[Any]:
+    if isinstance(v, (list, tuple)):
+        return [y for x in v for y in _leaves(x)]
+    if isinstance(v, dict):
+        return [y for x in v.values() for y in _leaves(x)]
+    return [v]
+
+
+def dynamo_op_name(node: torch.fx.Node) -> str | None:
+    """An importable name for a Dynamo-level call: `torch.nn.functional.silu`, `torch.Tensor.view`, `operator.add`."""
+    if node.op == "call_method":
+        return f"torch.Tensor.{node.target}"
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return f"{target}.default"
+    module = getattr(target, "__module__", None)
+    qual = getattr(target, "__qualname__", None) or getattr(target, "__name__", None)
+    if module is None and qual is not None:
+        # builtins of C modules (torch._C._nn.linear …) have no __module__; find them in torch's namespaces
+        for prefix, namespace in (("torch._C._nn", torch._C._nn), ("torch._C._fft", torch._C._fft),
+                                  ("torch._C._linalg", torch._C._linalg), ("torch._C._special", torch._C._special),
+                                  ("torch", torch)):
+            if getattr(namespace, qual, None) is target:
+                return f"{prefix}.{qual}"
+        return None
+    if module in ("_operator",):
+        module = "operator"
+    if qual is not None and qual.startswith("_VariableFunctionsClass."):  # torch.arange, torch.cat …
+        module, qual = "torch", qual.split(".", 1)[1]
+    if module is None or qual is None or "<" in qual:
+        return None
+    return f"{module}.{qual}"
+
+
+def resolve_callable(name: str) -> Callable[..., Any]:
+    """The callable behind an inventory op name (`aten.softplus.default`, `torch.nn.functional.silu`, …)."""
+    parts = name.split(".")
+    if len(parts) == 3 and not name.startswith("torch."):
+        ns, op, overload = parts
+        return getattr(getattr(getattr(torch.ops, ns), op), overload)
+    import importlib
+
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ValueError(f"cannot resolve {name!r} to a callable")
+
+
+def trace_dynamo(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Inventory:
+    """`dynamo`: the torch-level FX graphs a plain torch.compile backend receives (meta model, recording backend)."""
+    t0 = time.monotonic()
+    root_class = type(model).__name__
+    if not _is_meta_model(model):
+        model = copy.deepcopy(model).to("meta")
+    args, kwargs = _to_meta(args), _to_meta(kwargs)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def record(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            torch.compile(model, backend=record, dynamic=False)(*args, **kwargs)
+    finally:
+        torch._dynamo.reset()
+    builder = _Builder()
+    notes: list[str] = []
+    for gm in graphs:
+        for node in gm.graph.nodes:
+            if node.op not in ("call_function", "call_method"):
+                continue
+            name = dynamo_op_name(node)
+            if name is None:
+                continue
+            args_enc, kwargs_enc = _encode_node_args(node, "example_value")
+            out = node.meta.get("example_value")
+            touches_tensor = any(True for _ in iter_tensor_specs([args_enc, kwargs_enc])) or any(
+                isinstance(x, torch.Tensor) for x in _leaves(out))
+            if not touches_tensor:  # grad-mode switches, python arithmetic on sizes …
+                continue
+            builder.add(name, args_enc, kwargs_enc, site_from_node(node, root_class))
+    if len(graphs) > 1:
+        notes.append(f"{len(graphs)} graphs (graph breaks)")
+    return builder.build(level="dynamo", method="dynamo", device="meta", graphs=len(graphs), notes=notes,
+                         duration_s=time.monotonic() - t0)
+
+
+def trace_dispatch(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *, device: str = "meta") -> Inventory:
+    """`dispatch`: the ATen ops an eager device receives, from a TorchDispatchMode over a fake forward.
+
+    A meta model runs as fake tensors on `device`'s host kind (meta for out-of-tree devices, whose attention
+    falls back to the math path as on such devices); a real model runs as it is.
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from .capture import ModuleCapture
+
+    t0 = time.monotonic()
+    root_class = type(model).__name__
+    fake_mode: Any = _null_context()
+    if _is_meta_model(model):
+        # fake tensors, not bare meta ones: models skip data-dependent checks (`.item()`) on fake tensors,
+        # and the forward runs inside the fake mode so that factories (arange …) make fake tensors too
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        device = _host_device(device)
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        model, args, kwargs = _fake_model_and_inputs(model, args, kwargs, device, fake_mode)
+    else:
+        device = next((t.device.type for t in _module_tensors(model)), "cpu")
+    builder = _Builder()
+    stack: list[tuple[str, str]] = []
+    skip_dirs = (str(Path(torch.__file__).parent), str(Path(__file__).parent))
+
+    def src() -> str | None:
+        f = sys._getframe(2)
+        while f is not None:
+            fn = f.f_code.co_filename
+            if not fn.startswith(skip_dirs) and not fn.endswith("contextlib.py"):
+                return f"{short_path(fn)}:{f.f_lineno} in {f.f_code.co_name}"
+            f = f.f_back  # type: ignore[assignment]
+        return None
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, a: tuple[Any, ...] = (), kw: dict[str, Any] | None = None) -> Any:
+            kw = kw or {}
+            out = func(*a, **kw)
+            name = str(func)
+            if name not in SKIP_OPS and not name.startswith("prim."):
+                module, cls = stack[-1] if stack else ("", root_class)
+                builder.add(name, [encode_value(x) for x in a], {k: encode_value(v) for k, v in kw.items()},
+                            CallSite(module=module, module_class=cls if module else root_class, source=src()))
+            return out
+
+    def pre(info: Any, a: Any, kw: Any) -> None:
+        stack.append((info.name, info.module_class))
+
+    def post(info: Any, a: Any, kw: Any, out: Any) -> None:
+        if stack:
+            stack.pop()
+
+    with torch.no_grad(), fake_mode, ModuleCapture(model, pre=pre, post=post), Recorder():
+        model(*args, **kwargs)
+    return builder.build(level="dispatch", method="dispatch", device=device, duration_s=time.monotonic() - t0)
+
+
+def take_inventory(model: nn.Module, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None, *,
+                   level: str = "aten", device: str = "cpu") -> Inventory:
+    """The inventory of `model(*args, **kwargs)` at `level`, for a backend whose tensors live on `device`.
+
+    Tries the level's primary tracer, then its fallbacks (recorded in `Inventory.notes`); raises
+    `InventoryError` naming each tracer's error and the source line it came from when none works.
+    """
+    if level not in LEVELS:
+        raise InventoryError(f"unknown IR level {level!r}", hint=f"use one of: {', '.join(LEVELS)}")
+    args_t, kwargs_d = tuple(args), dict(kwargs or {})
+    attempts: list[tuple[str, Callable[[], Inventory]]]
+    if level == "aten":
+        attempts = [("dynamo+aot_autograd capture", lambda: trace_aot(model, args_t, kwargs_d, device=device)),
+                    ("torch.export", lambda: trace_export(model, args_t, kwargs_d, level=level, device=device))]
+    elif level == "core_aten":
+        attempts = [("torch.export", lambda: trace_export(model, args_t, kwargs_d, level=level, device=device))]
+    elif level == "dynamo":
+        attempts = [("dynamo capture", lambda: trace_dynamo(model, args_t, kwargs_d))]
+    else:
+        attempts = [("dispatch trace", lambda: trace_dispatch(model, args_t, kwargs_d, device=device))]
+    failures: list[str] = []
+    for what, fn in attempts:
+        try:
+            inv = fn()
+        except Exception as exc:  # any tracer failure is data for the next attempt and for the report
+            failures.append(f"{what} failed at {where_failed(exc)}: {type(exc).__name__}: {_first_line(str(exc))}")
+            continue
+        inv.notes[:0] = [f"fallback after: {f}" for f in failures]
+        return inv
+    raise InventoryError(
+        f"the model could not be traced for its op inventory (level {level}): " + "; ".join(failures),
+        hint="fix the trace error at that source line, or choose another `ir` level for this backend",
+    )
+
+
+def load_inventory(path: str | Path) -> Inventory:
+    return Inventory.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
+
+
+def ops_in(signatures: Iterable[OpSignature]) -> set[str]:
+    return {s.op for s in signatures}
+
+
+__all__ = [
+    "LEVELS", "CallSite", "OpSignature", "Inventory", "InventoryError", "take_inventory", "trace_export",
+    "trace_aot", "trace_dynamo", "trace_dispatch", "encode_value", "describe_value", "iter_tensor_specs",
+    "dtype_from_name", "dtype_name", "resolve_callable", "cia_decompositions", "load_inventory",
+]

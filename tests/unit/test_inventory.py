@@ -1,0 +1,245 @@
+"""The op inventory: what each IR level records, from meta models, with owners and source lines."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ci_runner.inventory import (
+    Inventory,
+    InventoryError,
+    describe_value,
+    encode_value,
+    normalize_module_path,
+    source_from_stack_trace,
+    take_inventory,
+)
+
+
+class Mixer(nn.Module):
+    """A state-space-like block: pad, softplus, cumsum, exp (ops a transformer-only backend lacks)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.softplus(self.proj(x))
+        h = F.pad(h, (0, 0, 1, 0))[:, 1:]
+        return torch.exp(torch.cumsum(h, dim=1) * -0.1) * x
+
+
+class Attn(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 2, d // 2).permute(2, 0, 3, 1, 4)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return o.transpose(1, 2).reshape(b, s, d)
+
+
+class Tiny(nn.Module):
+    def __init__(self, vocab: int = 32, d: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.mixer = Mixer(d)
+        self.attn = Attn(d)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        x = x + self.mixer(x)
+        x = x + self.attn(x)
+        return self.norm(x)
+
+
+def _meta_tiny() -> Tiny:
+    with torch.device("meta"):
+        return Tiny().eval()
+
+
+IDS = torch.zeros(1, 6, dtype=torch.long)
+
+
+def _aot_ops(model: nn.Module, *args: torch.Tensor) -> set[str]:
+    """Ground truth: the ops an aot_autograd backend receives when compiling the real model on CPU."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    seen: set[str] = set()
+
+    def record(gm: torch.fx.GraphModule, example_inputs: object) -> object:
+        seen.update(str(n.target) for n in gm.graph.nodes
+                    if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload))
+        return gm
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=aot_autograd(fw_compiler=record), dynamic=False)(*args)
+    torch._dynamo.reset()
+    return seen
+
+
+def test_encode_tags_every_kind_of_argument() -> None:
+    t = torch.empty(2, 3).t()
+    enc = encode_value([t, 2, 1.5, float("inf"), None, torch.float16, torch.device("cpu"), torch.strided,
+                        torch.contiguous_format, slice(1, None), Ellipsis, (1, 2), "mean", True])
+    assert enc[0] == {"__tensor__": {"shape": [3, 2], "stride": [1, 3], "dtype": "float32"}}
+    assert enc[1:5] == [2, 1.5, {"__float__": "inf"}, None]
+    assert enc[5] == {"__dtype__": "float16"} and enc[6] == {"__device__": "cpu"}
+    assert enc[7] == {"__layout__": "strided"} and enc[8] == {"__memory_format__": "contiguous_format"}
+    assert enc[9] == {"__slice__": [1, None, None]} and enc[10] == {"__ellipsis__": True}
+    assert enc[11] == {"__tuple__": [1, 2]} and enc[12:] == ["mean", True]
+    json.dumps(enc)  # JSON-able
+    assert describe_value(enc[0]) == "f32[3, 2]{stride=(1, 3)}"
+    assert describe_value({"__tensor__": {"shape": [4], "stride": [1], "dtype": "bfloat16"}}) == "bf16[4]"
+
+
+def test_module_paths_and_source_lines_are_normalised() -> None:
+    assert normalize_module_path("L['self'].model.layers[0]._modules['mlp']") == "model.layers.0.mlp"
+    assert normalize_module_path("model.layers.0@1") == "model.layers.0"
+    assert normalize_module_path("L['self']") == ""
+    trace = ('  File "/x/site-packages/transformers/models/llama/modeling_llama.py", line 12, in forward\n'
+             '    h = self.up(x)\n'
+             f'  File "{torch.__file__.rsplit("/", 1)[0]}/nn/modules/linear.py", line 134, in forward\n'
+             '    return F.linear(x, self.weight)\n')
+    assert source_from_stack_trace(trace) == "transformers/models/llama/modeling_llama.py:12 in forward"
+    assert source_from_stack_trace(None) is None
+
+
+def test_aten_inventory_from_a_meta_model_matches_what_aot_autograd_hands_a_backend() -> None:
+    meta = _meta_tiny()
+    assert all(p.is_meta for p in meta.parameters())
+    inv = take_inventory(meta, (IDS,), level="aten", device="cpu")
+    assert inv.method == "aot" and inv.level == "aten" and inv.device == "cpu"
+    torch.manual_seed(0)
+    truth = _aot_ops(Tiny().eval(), IDS)
+    assert set(inv.op_names()) == truth
+    # the meta model is untouched (the trace used a fake copy)
+    assert all(p.is_meta for p in meta.parameters())
+
+
+def test_signatures_carry_shapes_dtypes_strides_owner_and_source() -> None:
+    inv = take_inventory(_meta_tiny(), (IDS,), level="aten", device="cpu")
+    by_op = inv.by_op()
+    (softplus,) = by_op["aten.softplus.default"]
+    assert softplus.args[0] == {"__tensor__": {"shape": [1, 6, 8], "stride": [48, 8, 1], "dtype": "float32"}}
+    assert softplus.count == 1
+    site = softplus.sites[0]
+    assert (site.module, site.module_class) == ("mixer", "Mixer")
+    assert site.source is not None and site.source.startswith("tests/unit/test_inventory.py:")
+    assert "in forward" in site.source
+    (emb,) = by_op["aten.embedding.default"]
+    assert emb.sites[0].module == "embed" and emb.args[1]["__tensor__"]["dtype"] == "int64"
+    # every call is counted, and each distinct signature listed once
+    assert inv.total_calls == sum(s.count for s in inv.signatures)
+    assert len({s.key for s in inv.signatures}) == len(inv.signatures)
+
+
+def test_export_fallback_gives_the_same_ops_here() -> None:
+    from ci_runner.inventory import trace_export
+
+    aot = take_inventory(_meta_tiny(), (IDS,), level="aten", device="cpu")
+    exp = trace_export(_meta_tiny(), (IDS,), {}, level="aten", device="cpu")
+    assert exp.method == "export"
+    # non-strict export runs Python: `q, k, v = t` unbinds where Dynamo selects
+    assert set(exp.op_names()) ^ set(aot.op_names()) == {"aten.unbind.int", "aten.select.int"}
+
+
+def test_same_signature_from_two_modules_is_one_entry_with_two_sites() -> None:
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = Mixer(4)
+            self.b = Mixer(4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x))
+
+    with torch.device("meta"):
+        model = Two()
+    inv = take_inventory(model, (torch.ones(1, 3, 4),), level="aten")
+    (sp,) = inv.by_op()["aten.softplus.default"]
+    assert sp.count == 2 and [s.module for s in sp.sites] == ["a", "b"] and sp.site_count == 2
+
+
+def test_device_decides_the_attention_kernel() -> None:
+    cpu = take_inventory(_meta_tiny(), (IDS,), level="aten", device="cpu")
+    other = take_inventory(_meta_tiny(), (IDS,), level="aten", device="simdev")
+    assert "aten._scaled_dot_product_flash_attention_for_cpu.default" in cpu.op_names()
+    assert other.device == "meta"
+    assert "aten._scaled_dot_product_flash_attention_for_cpu.default" not in other.op_names()
+    assert "aten._safe_softmax.default" in other.op_names()  # the math path an out-of-tree device takes
+
+
+def test_core_aten_is_lowered_further() -> None:
+    aten = set(take_inventory(_meta_tiny(), (IDS,), level="aten").op_names())
+    core = set(take_inventory(_meta_tiny(), (IDS,), level="core_aten").op_names())
+    assert "aten.softplus.default" in aten and "aten.softplus.default" not in core
+    assert "aten.native_layer_norm.default" in core
+
+
+def test_dynamo_level_records_torch_functions() -> None:
+    inv = take_inventory(_meta_tiny(), (IDS,), level="dynamo")
+    names = set(inv.op_names())
+    assert "torch.nn.functional.softplus" in names or "torch._C._nn.softplus" in names
+    assert "torch.cumsum" in names and "torch.exp" in names
+    assert not any(n.startswith("aten.") for n in names)
+    (sig,) = [s for s in inv.signatures if s.op == "torch.cumsum"]
+    assert sig.sites[0].module == "mixer"
+
+
+def test_dispatch_level_sees_eager_ops_with_module_stack() -> None:
+    inv = take_inventory(_meta_tiny(), (IDS,), level="dispatch", device="simdev")
+    names = set(inv.op_names())
+    assert {"aten.softplus.default", "aten.cumsum.default", "aten.exp.default", "aten.embedding.default"} <= names
+    (sp,) = inv.by_op()["aten.softplus.default"]
+    assert sp.sites[0].module == "mixer" and sp.sites[0].module_class == "Mixer"
+    assert sp.sites[0].source is not None and "test_inventory.py" in sp.sites[0].source
+    assert inv.method == "dispatch"
+
+
+def test_inventory_round_trips_and_summary_is_bounded() -> None:
+    inv = take_inventory(_meta_tiny(), (IDS,), level="aten")
+    back = Inventory.from_dict(json.loads(json.dumps(inv.to_dict())))
+    assert [s.key for s in back.signatures] == [s.key for s in inv.signatures]
+    assert back.signatures[0].sites == inv.signatures[0].sites
+    summary = inv.summary(max_ops=3, max_modules=1)
+    assert summary["distinct_ops"] == len(inv.op_names()) and len(summary["ops"]) == 3 and summary["ops_truncated"]
+    assert all(len(o["modules"]) <= 1 for o in summary["ops"])
+    assert summary["total_calls"] == inv.total_calls == sum(s.count for s in inv.signatures)
+    assert len(json.dumps(inv.summary())) < 20000
+
+
+class DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x * self.w
+        if x.sum().item() > 0:  # needs real data: no tracer can decide it on a meta model
+            return x * 2
+        return x
+
+
+def test_untraceable_model_gives_the_error_and_where_it_happened() -> None:
+    with torch.device("meta"):
+        model = DataDependent()
+    with pytest.raises(InventoryError) as info:
+        take_inventory(model, (torch.ones(3),), level="aten")
+    text = str(info.value)
+    assert "dynamo+aot_autograd capture failed" in text and "torch.export failed" in text
+    assert "test_inventory.py" in text  # the model line, not a torch internal
+    assert "Traceback" not in text
+
+
+def test_unknown_level_is_rejected() -> None:
+    with pytest.raises(InventoryError, match="unknown IR level"):
+        take_inventory(_meta_tiny(), (IDS,), level="tosa")

@@ -1,0 +1,187 @@
+"""Probing one op alone: synthetic inputs, the verdicts (unsupported / error / mismatch), options, parsing."""
+
+from __future__ import annotations
+
+import math
+from types import MappingProxyType
+from typing import Any
+
+import pytest
+import torch
+
+from ci_runner.config import BackendSpec
+from ci_runner.errors import ConfigError
+from ci_runner.inventory import encode_value
+from ci_runner.modes.ops import (
+    DEFAULT_TOLERANCE,
+    OpsOptions,
+    assemble,
+    build_tensors,
+    compare,
+    make_tensor,
+    parse_named_op,
+    run_probe,
+    spec_from_dict,
+    spec_to_dict,
+    with_ranges,
+)
+
+
+def _probe(op: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    enc_args = [encode_value(a) for a in args]
+    enc_kwargs = {k: encode_value(v) for k, v in kwargs.items()}
+    a, k = with_ranges(op, enc_args, enc_kwargs)
+    return {"id": "p0000", "op": op, "args": a, "kwargs": k, "seed": 1234, "tolerance": [1e-4, 1e-5]}
+
+
+class SimBackend:
+    """The parts of `backends.Backend` a probe uses, around a sim torch.compile backend (no child process)."""
+
+    is_eager = False
+    device = "cpu"
+
+    def __init__(self, name: str, **options: Any) -> None:
+        from ci_runner.sim import make_backend
+
+        self.spec = BackendSpec(id=name, compile=name, backend_options=MappingProxyType(options))
+        self._backend = make_backend(name, options)
+
+    def compiler_backend(self) -> Any:
+        return self._backend
+
+    def compile(self, fn: Any) -> Any:
+        return torch.compile(fn, backend=self._backend)
+
+    def to_device(self, obj: Any) -> Any:
+        return obj
+
+
+def test_make_tensor_keeps_layout_and_is_deterministic() -> None:
+    t = make_tensor([4, 6], [1, 4], "float32", -1.0, 1.0, 7)
+    assert t.shape == (4, 6) and t.stride() == (1, 4) and t.dtype == torch.float32
+    assert torch.equal(t, make_tensor([4, 6], [1, 4], "float32", -1.0, 1.0, 7))
+    assert not torch.equal(t, make_tensor([4, 6], [1, 4], "float32", -1.0, 1.0, 8))
+    assert float(t.min()) >= -1.0 and float(t.max()) < 1.0
+    expanded = make_tensor([3, 5], [0, 1], "bfloat16", 0.1, 1.1, 1)  # stride 0: an expanded (overlapping) input
+    assert expanded.stride() == (0, 1) and torch.equal(expanded[0], expanded[2])
+    ints = make_tensor([100], [1], "int64", 0, 7, 3)
+    assert int(ints.min()) >= 0 and int(ints.max()) < 7
+    bools = make_tensor([2, 2], [2, 1], "bool", 0, 2, 3)
+    assert bools.dtype == torch.bool
+    assert make_tensor([0, 3], [3, 1], "float32", -1, 1, 0).numel() == 0
+    assert make_tensor([], [], "float16", -1, 1, 0).shape == ()
+
+
+def test_integer_inputs_stay_valid_indices() -> None:
+    weight, ids = torch.empty(50, 8), torch.zeros(2, 40, dtype=torch.long)
+    probe = _probe("aten.embedding.default", weight, ids)
+    spec = probe["args"][1]["__tensor__"]
+    assert (spec["low"], spec["high"]) == (0, 8)  # smallest other dimension: valid whatever it indexes
+    a, k = assemble(probe["args"], probe["kwargs"], build_tensors(probe["args"], probe["kwargs"], 5), "cpu")
+    torch.ops.aten.embedding.default(*a, **k)  # in range
+    assert _probe("aten.log.default", torch.empty(3))["args"][0]["__tensor__"]["low"] > 0  # domain kept
+
+
+def test_compare_verdicts() -> None:
+    a = torch.tensor([1.0, 2.0, float("nan")])
+    assert compare(a, a.clone(), 1e-4, 1e-5) is None
+    assert compare(a, a + 1e-7, 1e-4, 1e-5) is None
+    assert "beyond" in compare(a, a + torch.tensor([0.0, 0.01, 0.0]), 1e-4, 1e-5)
+    assert "NaN" in compare(a, torch.tensor([1.0, 2.0, 3.0]), 1e-4, 1e-5)
+    assert "differ" in compare(torch.tensor([1, 2]), torch.tensor([1, 3]), 0, 0)
+    assert "shape" in compare(torch.zeros(2), torch.zeros(3), 0, 0)
+    assert "dtype" in compare(torch.zeros(2), torch.zeros(2, dtype=torch.float64), 0, 0)
+    assert "outputs" in compare([torch.zeros(1)], [torch.zeros(1), torch.zeros(1)], 0, 0)
+    assert compare((torch.ones(2), 3), (torch.ones(2), 3), 0, 0) is None
+    assert "infinities" in compare(torch.tensor([math.inf]), torch.tensor([-math.inf]), 0, 0)
+
+
+def test_parse_named_op_in_each_format() -> None:
+    assert parse_named_op("[sim-subset] unsupported operator aten.softplus.default in node softplus") == (
+        "aten.softplus.default", "unsupported operator aten.softplus.default")
+    op, phrase = parse_named_op("Could not run 'aten::rsqrt.out' with arguments from the 'simdev' backend. This")
+    assert op == "aten.rsqrt.out" and phrase.startswith("Could not run 'aten::rsqrt.out'")
+    assert parse_named_op("NPU lowering failed: no kernel for 'aten::softplus' (op 1)")[0] == "aten.softplus.default"
+    assert parse_named_op("device lost") == (None, None)
+
+
+def test_unsupported_at_compile_keeps_the_backend_text() -> None:
+    out = run_probe(SimBackend("sim-subset"), _probe("aten.softplus.default", torch.empty(2, 3)),
+                    compare_results=True, tolerance=(1e-4, 1e-5))
+    assert out["status"] == "unsupported" and out["stage"] == "compile"
+    assert out["error_type"] == "SimCompilerError"
+    assert out["message"].startswith("[sim-subset] unsupported operator aten.softplus.default")
+    assert out["named_op"] == "aten.softplus.default"
+
+
+@pytest.mark.parametrize("via", ["fx", "dynamo"])
+def test_supported_op_passes_and_is_compared(via: str) -> None:
+    x = torch.empty(4, 6).t()  # non-contiguous, as recorded
+    out = run_probe(SimBackend("sim-subset"), _probe("aten.mul.Tensor", x, x), compare_results=True,
+                    tolerance=(1e-4, 1e-5), via=via)
+    assert out["status"] == "pass" and out["compare"] == "ok", out
+    multi = run_probe(SimBackend("sim-subset"), _probe("aten.split_with_sizes.default", torch.empty(4, 6), [2, 4], 1),
+                      compare_results=True, tolerance=(1e-4, 1e-5), via=via)
+    assert multi["status"] == "pass" and multi["compare"] == "ok", multi
+
+
+def test_runtime_error_and_mismatch() -> None:
+    q = torch.empty(1, 2, 4, 8)
+    crash = run_probe(SimBackend("sim-crash", op="softplus"), _probe("aten.softplus.default", q),
+                      compare_results=True, tolerance=(1e-4, 1e-5))
+    assert crash["status"] == "error" and crash["stage"] == "run" and crash["error_type"] == "RuntimeError"
+    assert "Assertion" in crash["message"] and crash["named_op"] == "aten.softplus.default"
+    drift = run_probe(SimBackend("sim-drift", op="exp"), _probe("aten.exp.default", torch.empty(64)),
+                      compare_results=True, tolerance=DEFAULT_TOLERANCE["float32"])
+    assert drift["status"] == "mismatch" and drift["stage"] == "compare" and drift["error_type"] == "OpMismatch"
+    assert drift["metrics"]["max_abs"] > 1e-4 and drift["metrics"]["numel"] == 64
+    quiet = run_probe(SimBackend("sim-drift", op="exp"), _probe("aten.exp.default", torch.empty(64)),
+                      compare_results=False, tolerance=DEFAULT_TOLERANCE["float32"])
+    assert quiet["status"] == "pass"
+
+
+@pytest.mark.parametrize("via", ["fx", "dynamo"])
+def test_invalid_synthetic_inputs_are_not_blamed_on_the_backend(via: str) -> None:
+    probe = _probe("aten.view.default", torch.empty(4, 6), [5, 5])  # cannot hold on CPU either
+    out = run_probe(SimBackend("sim-subset"), probe, compare_results=True, tolerance=(1e-4, 1e-5), via=via)
+    assert out["status"] == "probe_error", out
+
+
+def test_eager_device_unsupported_op_is_the_dispatcher_error() -> None:
+    from ci_runner.sim import simdev
+
+    simdev.register()
+
+    class Eager:
+        is_eager = True
+        device = "simdev"
+
+        def to_device(self, obj: Any) -> Any:
+            return obj.to("simdev")
+
+    ok = run_probe(Eager(), _probe("aten.mul.Tensor", torch.empty(3), torch.empty(3)), compare_results=True,
+                   tolerance=(1e-4, 1e-5))
+    assert ok["status"] == "pass" and ok["compare"] == "ok"
+    bad = run_probe(Eager(), _probe("aten.rsqrt.default", torch.empty(3)), compare_results=True, tolerance=(1e-4, 1e-5))
+    assert bad["status"] == "unsupported" and bad["stage"] == "run" and bad["error_type"] == "NotImplementedError"
+    assert bad["named_op"] == "aten.rsqrt.out" and "'simdev' backend" in bad["named_text"]
+
+
+def test_options_are_validated_with_suggestions() -> None:
+    opts = OpsOptions.from_mapping({"probe_timeout": 5, "tolerance": {"bfloat16": [0.1, 0.05]}, "skip_ops": "aten.view*"})
+    assert opts.probe_timeout == 5.0 and opts.tolerance_for("bfloat16") == (0.1, 0.05)
+    assert opts.tolerance_for("float32") == DEFAULT_TOLERANCE["float32"] and opts.skip_ops == ("aten.view*",)
+    with pytest.raises(ConfigError, match="did you mean 'probe_timeout'"):
+        OpsOptions.from_mapping({"probe_timeot": 3})
+    with pytest.raises(ConfigError, match="IR level"):
+        OpsOptions.from_mapping({"ir": "llvm"})
+    with pytest.raises(ConfigError, match=">= 1"):
+        OpsOptions.from_mapping({"workers": 0})
+
+
+def test_backend_spec_survives_the_trip_to_the_child() -> None:
+    spec = BackendSpec(id="v", compile="pkg.mod:fn", imports=("pkg",), env=MappingProxyType({"A": "1"}),
+                       backend_options=MappingProxyType({"deny": ["exp"]}), runs_on=("self-hosted",))
+    import json
+
+    assert spec_from_dict(json.loads(json.dumps(spec_to_dict(spec)))) == spec
