@@ -26,7 +26,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
 
 import torch
 
@@ -247,6 +247,124 @@ def call_tensor_keys(spec: Any) -> list[str]:
     return list(dict.fromkeys(out))
 
 
+# --------------------------------------------------------------------------- capture
+
+@dataclass
+class RecordedCall:
+    name: str
+    module_class: str
+    call_index: int
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    opaque: str | None = None  # why the call's inputs cannot be stored, if they cannot
+
+
+def _versions(obj: Any, out: list[tuple[torch.Tensor, int]]) -> None:
+    if isinstance(obj, torch.Tensor):
+        out.append((obj, obj._version))
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _versions(v, out)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _versions(v, out)
+
+
+def _check_storable(obj: Any) -> None:
+    """`encode_value` without storing anything: raises `Opaque` for inputs that cannot be rebuilt."""
+    if isinstance(obj, torch.Tensor):
+        if obj.layout != torch.strided:
+            raise Opaque(f"a {obj.layout} tensor")
+    elif obj is None or isinstance(obj, (bool, int, float, str, torch.dtype, torch.device, torch.Size)):
+        return
+    elif isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        raise Opaque(f"a namedtuple {type(obj).__name__}")
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _check_storable(v)
+    elif type(obj) is dict:
+        for k, v in obj.items():
+            if not isinstance(k, str):
+                raise Opaque("a dict with non-string keys")
+            _check_storable(v)
+    else:
+        raise Opaque(f"an object of type {type(obj).__module__}.{type(obj).__qualname__}")
+
+
+def record_calls(model: torch.nn.Module, args: tuple[Any, ...] = (), kwargs: Mapping[str, Any] | None = None, *,
+                 include: Collection[str] | None = None, keep: bool = True,
+                 clone: bool = False) -> tuple[list[RecordedCall], bool]:
+    """One reference forward with pre-hooks on every submodule (or on those named in `include`).
+
+    With `keep`, each call's args and kwargs are kept: by reference (cheap) unless `clone`; the second value
+    says whether the forward later modified a kept tensor in place, in which case the caller must record
+    again with `clone=True`. Without `keep`, only the call structure is recorded (names, classes, call
+    counts, whether the inputs can be stored): hooks, nothing retained.
+    """
+    from .capture import ModuleCapture, detach_tree
+
+    recorded: list[RecordedCall] = []
+    versions: list[tuple[torch.Tensor, int]] = []
+    wanted = None if include is None else set(include)
+
+    def pre(info: Any, a: tuple[Any, ...], kw: dict[str, Any]) -> None:
+        rec = RecordedCall(info.name, info.module_class, info.call_index)
+        if keep:
+            if clone:
+                a, kw = detach_tree(a), detach_tree(kw)
+            else:
+                _versions(a, versions)
+                _versions(kw, versions)
+            rec.args, rec.kwargs = a, dict(kw)
+        else:
+            try:
+                _check_storable(a)
+                _check_storable(kw)
+            except Opaque as exc:
+                rec.opaque = f"call {info.call_index} takes {exc}"
+        recorded.append(rec)
+
+    include_fn = None if wanted is None else (lambda name, _m: name in wanted)
+    with torch.no_grad(), ModuleCapture(model, pre=pre, include=include_fn) as cap:
+        model(*args, **dict(kwargs or {}))
+    if cap.errors:
+        name, exc = cap.errors[0]
+        raise RuntimeError(f"capture hook failed in {label(name)}: {exc}") from exc
+    mutated = any(t._version != v for t, v in versions)
+    return recorded, mutated
+
+
+def scan_model(model: torch.nn.Module, kwargs: Mapping[str, Any], *, all_calls: bool = False) -> ModuleTree:
+    """The capture pass over every call: which modules run, how often, and whether their inputs can be replayed.
+
+    Tensor values are not kept here (that would cost a fresh copy of every activation); `capture_inputs`
+    records the values of the modules about to be probed, level by level.
+    """
+    recorded, _ = record_calls(model, (), kwargs, keep=False)
+    classes: dict[str, str] = {}
+    counts: dict[str, int] = {}
+    why_not: dict[str, str] = {}
+    for rec in recorded:
+        counts[rec.name] = counts.get(rec.name, 0) + 1
+        classes.setdefault(rec.name, rec.module_class)
+        if rec.opaque and (all_calls or rec.call_index == 0):
+            why_not.setdefault(rec.name, rec.opaque)
+    return ModuleTree.build((n, classes[n], counts[n], n not in why_not, why_not.get(n)) for n in classes)
+
+
+def capture_inputs(model: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], names: Collection[str], *,
+                   all_calls: bool = False) -> dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]]:
+    """The inputs of the named modules (first call, or every call) from one reference forward."""
+    recorded, mutated = record_calls(model, args, kwargs, include=names)
+    if mutated:
+        recorded, _ = record_calls(model, args, kwargs, include=names, clone=True)
+    out: dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]] = {}
+    for rec in recorded:
+        if rec.call_index == 0 or all_calls:
+            out.setdefault(rec.name, []).append((rec.args, rec.kwargs))
+    return out
+
+
 # --------------------------------------------------------------------------- outcomes and the search
 
 @dataclass(kw_only=True)
@@ -292,10 +410,13 @@ class StopSearch(Exception):
     """Raised by a probe to end the search early (out of time); the outcomes so far stand."""
 
 
-def search(tree: ModuleTree, probe: Callable[[str], ProbeOutcome]) -> SearchResult:
+def search(tree: ModuleTree, probe: Callable[[str], ProbeOutcome],
+           prefetch: Callable[[list[str]], None] | None = None) -> SearchResult:
     """Top-down, breadth-first: the whole model, then the children of every failing module, level by level.
 
     A module that cannot be replayed (opaque inputs) is not run; the search looks through it to its children.
+    `prefetch`, when given, is told each level's modules before they are probed (to capture their inputs in
+    one reference forward).
     """
     outcomes: dict[str, ProbeOutcome] = {}
     complete = True
@@ -305,6 +426,10 @@ def search(tree: ModuleTree, probe: Callable[[str], ProbeOutcome]) -> SearchResu
         frontier = [tree.root] if first.failed else []
         while frontier:
             nxt: list[str] = []
+            if prefetch is not None:
+                level = [c for p in frontier for c in tree.children(p) if tree.nodes[c].replayable]
+                if level:
+                    prefetch(level)
             for parent in frontier:
                 for child in tree.children(parent):
                     node = tree.nodes[child]
@@ -404,7 +529,7 @@ class ChildPlan:
     backend: dict[str, Any]  # BackendSpec fields
     seed: int
     dtype: str | None
-    layers_dir: str  # holds tree.json, calls.json, inputs.safetensors
+    layers_dir: str  # holds tree.json, root_call.json and root_inputs.safetensors
     outcomes_file: str
     timeout_file: str  # faulthandler writes here when a module overruns probe_timeout
     probe_timeout: float
@@ -426,7 +551,8 @@ def spec_to_json(spec: Any) -> dict[str, Any]:
     return {f.name: plain(getattr(spec, f.name)) for f in fields(spec)}
 
 
-def _spec_from_json(cls: type, data: Mapping[str, Any]) -> Any:
+def spec_from_json(cls: type, data: Mapping[str, Any]) -> Any:
+    """Inverse of `spec_to_json` for ModelSpec / BackendSpec (lists back to tuples where the field is a tuple)."""
     from dataclasses import fields
 
     kw: dict[str, Any] = {}
@@ -440,6 +566,15 @@ def _spec_from_json(cls: type, data: Mapping[str, Any]) -> Any:
     return cls(**kw)
 
 
+def write_root_call(layers_dir: Path, tree: ModuleTree, kwargs: Mapping[str, Any]) -> None:
+    """What the probing child starts from: the tree and the model's own call (its inputs)."""
+    store = TensorStore()
+    spec = encode_call((), kwargs, store)
+    store.save(layers_dir / "root_inputs.safetensors")
+    atomic_write_json(layers_dir / "root_call.json", spec)
+    atomic_write_json(layers_dir / "tree.json", tree.to_json())
+
+
 def _arm_parent_death() -> None:
     """Die with the parent: a hung probe must not outlive a worker that was killed."""
     try:
@@ -448,7 +583,7 @@ def _arm_parent_death() -> None:
 
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:  # not Linux: fall back to polling
+    except Exception:  # not Linux: the polling thread below still works
         pass
     import threading
 
@@ -496,12 +631,14 @@ def _materialize(out: Any) -> None:
 def probe_child(payload: dict[str, Any]) -> dict[str, Any]:
     """Entry point of a probing child (`run_isolated("ci_runner.layer_search:probe_child", …)`).
 
-    Loads the model and the backend, replays the outcomes already known, and probes the rest of the
-    search, appending every outcome as soon as it has it.
+    Loads the model and the backend, replays the outcomes already known, and probes the rest of the search,
+    appending every outcome as soon as it has it. Each level's inputs are captured by one reference forward
+    of the CPU model (which probing never modifies: a module is copied before it goes to a device).
     """
     _arm_parent_death()
     faulthandler.enable(file=sys.stderr)
-    import torch._dynamo
+
+    from safetensors.torch import load_file
 
     from .backends import resolve_backend
     from .config import BackendSpec, ModelSpec
@@ -510,19 +647,23 @@ def probe_child(payload: dict[str, Any]) -> dict[str, Any]:
     plan = ChildPlan(**payload)
     layers_dir = Path(plan.layers_dir)
     tree = ModuleTree.from_json(json.loads((layers_dir / "tree.json").read_text(encoding="utf-8")))
-    calls: dict[str, list[dict[str, Any]]] = json.loads((layers_dir / "calls.json").read_text(encoding="utf-8"))
+    root_spec = json.loads((layers_dir / "root_call.json").read_text(encoding="utf-8"))
+    root_args, root_kwargs = decode_call(root_spec, load_file(str(layers_dir / "root_inputs.safetensors")))
     outcomes_file = Path(plan.outcomes_file)
     known = read_outcomes(outcomes_file)
 
-    from safetensors.torch import load_file
-
-    tensors = load_file(str(layers_dir / "inputs.safetensors"))
-    loaded = load_model(_spec_from_json(ModelSpec, plan.model), seed=plan.seed, dtype=plan.dtype)
-    backend = resolve_backend(_spec_from_json(BackendSpec, plan.backend))
+    loaded = load_model(spec_from_json(ModelSpec, plan.model), seed=plan.seed, dtype=plan.dtype)
+    backend = resolve_backend(spec_from_json(BackendSpec, plan.backend))
     backend.prepare()
     model = loaded.module
+    inputs: dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]] = {ROOT: [(root_args, root_kwargs)]}
     timeout_fh = open(plan.timeout_file, "a", encoding="utf-8")
     probed = 0
+
+    def prefetch(names: list[str]) -> None:
+        need = [n for n in names if n not in known and n not in inputs]
+        if need:
+            inputs.update(capture_inputs(model, root_args, root_kwargs, need, all_calls=plan.all_calls))
 
     def probe(name: str) -> ProbeOutcome:
         nonlocal probed
@@ -530,8 +671,10 @@ def probe_child(payload: dict[str, Any]) -> dict[str, Any]:
             return known[name]
         if time.time() >= plan.deadline_wall:
             raise StopSearch()
-        outcome = _probe_one(name, model=model, backend=backend, calls=calls.get(name, []), tensors=tensors,
-                             tree=tree, all_calls=plan.all_calls,
+        if name not in inputs:
+            prefetch([name])
+        outcome = _probe_one(name, model=model, backend=backend, calls=inputs.pop(name, []),
+                             all_calls=plan.all_calls,
                              timeout=max(1.0, min(plan.probe_timeout, plan.deadline_wall - time.time())),
                              timeout_fh=timeout_fh)
         append_outcome(outcomes_file, outcome)
@@ -539,29 +682,42 @@ def probe_child(payload: dict[str, Any]) -> dict[str, Any]:
         probed += 1
         return outcome
 
-    result = search(tree, probe)
-    timeout_fh.close()
+    try:
+        result = search(tree, probe, prefetch)
+    finally:
+        timeout_fh.close()
     return {"complete": result.complete, "probed": probed}
 
 
-def _probe_one(name: str, *, model: torch.nn.Module, backend: Any, calls: list[dict[str, Any]],
-               tensors: Mapping[str, torch.Tensor], tree: ModuleTree, all_calls: bool,
-               timeout: float, timeout_fh: Any) -> ProbeOutcome:
+def _target_copy(sub: torch.nn.Module, backend: Any) -> torch.nn.Module:
+    """The module the target gets: a copy, so the CPU reference model stays intact for later captures."""
+    import copy
+
+    try:
+        sub = copy.deepcopy(sub)
+    except Exception:  # an uncopyable module: probe it in place (later captures may then see its changes)
+        pass
+    return backend.to_device(sub)
+
+
+def _probe_one(name: str, *, model: torch.nn.Module, backend: Any, calls: list[tuple[tuple[Any, ...], dict[str, Any]]],
+               all_calls: bool, timeout: float, timeout_fh: Any) -> ProbeOutcome:
     import torch._dynamo
 
-    child_journal("enter-module", name)
+    child_journal("enter-module", label(name))
     faulthandler.dump_traceback_later(timeout, exit=True, file=timeout_fh)
     t0 = time.monotonic()
     tracker: _ExecutingTracker | None = None
     tried = 0
     try:
-        sub = model if name == ROOT else model.get_submodule(name)
+        if not calls:
+            raise RuntimeError(f"{label(name)} did not run in the reference forward: no inputs to replay")
         torch._dynamo.reset()
-        sub = backend.to_device(sub)
+        sub = _target_copy(model if name == ROOT else model.get_submodule(name), backend)
         fn = backend.compile(sub)
-        tracker = _ExecutingTracker(sub, name) if backend.is_eager else None
-        for spec in (calls if all_calls else calls[:1]):
-            args, kwargs = decode_call(spec, tensors)
+        if backend.is_eager:
+            tracker = _ExecutingTracker(sub, name)
+        for args, kwargs in (calls if all_calls else calls[:1]):
             args, kwargs = backend.to_device(args), backend.to_device(kwargs)
             tried += 1
             with torch.no_grad():
@@ -583,7 +739,7 @@ def _probe_one(name: str, *, model: torch.nn.Module, backend: Any, calls: list[d
                                duration_s=time.monotonic() - t0, calls_tried=tried)
     finally:
         faulthandler.cancel_dump_traceback_later()
-        child_journal("leave-module", name)
+        child_journal("leave-module", label(name))
     return outcome
 
 
@@ -597,9 +753,9 @@ class _ExecutingTracker:
         self._cap: Any = None
 
     def _post(self, info: Any, args: Any, kwargs: Any, output: Any) -> None:
+        # forward hooks with always_call run while the exception unwinds: the first one is the innermost
         if self.failed_in is None and sys.exc_info()[1] is not None:
-            rel = info.name
-            self.failed_in = ".".join(p for p in (self.prefix, rel) if p)
+            self.failed_in = ".".join(p for p in (self.prefix, info.name) if p)
 
     def __enter__(self) -> "_ExecutingTracker":
         from .capture import ModuleCapture
@@ -611,10 +767,3 @@ class _ExecutingTracker:
 
     def __exit__(self, *exc: object) -> None:
         self._cap.close()
-
-
-def write_capture(layers_dir: Path, tree: ModuleTree, calls: Mapping[str, list[dict[str, Any]]],
-                  store: TensorStore) -> None:
-    atomic_write_json(layers_dir / "tree.json", tree.to_json())
-    atomic_write_json(layers_dir / "calls.json", dict(calls), indent=None)
-    store.save(layers_dir / "inputs.safetensors")

@@ -1,11 +1,15 @@
 """Mode `layers`: the smallest submodules that fail alone on the target, each with a verified repro.
 
-1. Capture: one forward of the model on the reference (CPU) with hooks on every submodule records each call's
-   args and kwargs (`capture_module_inputs`). Tensors are kept by reference, not copied, unless the forward
-   changed one of them in place afterwards (its version counter moved); then the capture is redone with copies.
+1. Capture, on the reference (CPU), with hooks on every submodule (`capture.ModuleCapture`), every call:
+   a structural pass (`layer_search.scan_model`) records which modules run, how often and whether their
+   args/kwargs can be stored and replayed; it keeps no tensor, so it costs about one plain forward. The
+   values are captured where they are needed (`layer_search.capture_inputs`): one reference forward per
+   search level keeps the args and kwargs of just the modules about to be probed (by reference, or copied
+   when the forward later changes one of them in place: the tensors' version counters say so).
 2. Search, isolated: a child process loads the model and the backend and walks the module tree top-down
    (`layer_search.search`): the whole model first; if it passes, the mode passes. Each failing module's
-   children are compiled and run alone on their captured inputs; a passing module's subtree is never tried.
+   children are compiled and run alone on their captured inputs (a copy of the module goes to the target,
+   the CPU model stays the reference); a passing module's subtree is never tried.
    Each module is journalled (`enter-module`/`leave-module` in the cell's journal) and each outcome appended
    to `layers/probes.jsonl`. When the child aborts, segfaults, overruns `probe_timeout` or is OOM-killed, the
    journal's open entry is the culprit: it is recorded as crashed/timeout and a fresh child goes on.
@@ -28,7 +32,7 @@ all_calls          false    run every captured call of a module called several t
 sample             0        which input sample the capture runs on
 repro              true     write a repro per finding
 verify             true     run each repro in a subprocess to verify it
-verify_timeout     180      seconds a repro may take (a hang repro gets probe_timeout + 60)
+verify_timeout     180      seconds a repro may take (a hang repro gets probe_timeout + 30)
 export             true     false: skip torch.export and write the model-source repro directly
 max_restarts       64       most probing children started after crashes before the search gives up
 =================  =======  =============================================================================
@@ -36,45 +40,43 @@ max_restarts       64       most probing children started after crashes before t
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib.util
-import json
+import logging
 import os
-import sys
 import sysconfig
 import time
 import traceback
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
 
-from ..capture import ModuleCapture
 from ..errors import ConfigError
-from ..fsutil import atomic_write_json, atomic_write_text
+from ..fsutil import atomic_write_text
 from ..isolate import run_isolated
 from ..layer_search import (
     ROOT,
     ChildPlan,
     ModuleTree,
-    Opaque,
     ProbeOutcome,
     SearchResult,
     StopSearch,
     TensorStore,
     append_outcome,
-    call_tensor_keys,
-    decode_call,
+    capture_inputs,
     encode_call,
     first_line,
     label,
     read_outcomes,
+    scan_model,
     search,
     spec_to_json,
     unlabel,
     unwrap_exception,
-    write_capture,
+    write_root_call,
 )
 from ..modes import JOURNAL_NAME
 from ..repro import render_template, safe_filename, verify_script, write_script
@@ -122,97 +124,6 @@ class LayersOptions:
         return cls(**kw)
 
 
-# --------------------------------------------------------------------------- capture
-
-@dataclass
-class RecordedCall:
-    name: str
-    module_class: str
-    call_index: int
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-
-
-def _versions(obj: Any, out: list[tuple[torch.Tensor, int]]) -> None:
-    if isinstance(obj, torch.Tensor):
-        out.append((obj, obj._version))
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _versions(v, out)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _versions(v, out)
-
-
-def record_calls(model: torch.nn.Module, args: tuple[Any, ...] = (), kwargs: Mapping[str, Any] | None = None, *,
-                 clone: bool = False) -> tuple[list[RecordedCall], bool]:
-    """One forward with hooks on every submodule, keeping every call's args and kwargs.
-
-    Without `clone`, tensors are kept by reference (the capture costs little more than the forward); the
-    second value says whether the forward modified one of them in place afterwards, in which case the caller
-    must capture again with `clone=True`.
-    """
-    from ..capture import detach_tree
-
-    recorded: list[RecordedCall] = []
-    versions: list[tuple[torch.Tensor, int]] = []
-
-    def pre(info: Any, a: tuple[Any, ...], kw: dict[str, Any]) -> None:
-        if clone:
-            a, kw = detach_tree(a), detach_tree(kw)
-        else:
-            _versions(a, versions)
-            _versions(kw, versions)
-        recorded.append(RecordedCall(info.name, info.module_class, info.call_index, a, dict(kw)))
-
-    with torch.no_grad(), ModuleCapture(model, pre=pre) as cap:
-        model(*args, **dict(kwargs or {}))
-    if cap.errors:
-        name, exc = cap.errors[0]
-        raise RuntimeError(f"capture hook failed in {label(name)}: {exc}") from exc
-    mutated = any(t._version != v for t, v in versions)
-    return recorded, mutated
-
-
-@dataclass
-class Capture:
-    tree: ModuleTree
-    calls: dict[str, list[dict[str, Any]]]  # encoded call specs per module (first call, or every call)
-    store: TensorStore
-    cloned: bool
-    forward_s: float
-    call_count: int
-
-
-def capture_module_inputs(model: torch.nn.Module, kwargs: Mapping[str, Any], *, all_calls: bool = False) -> Capture:
-    """Record and encode every submodule's inputs for replay (the reference side of the search)."""
-    t0 = time.perf_counter()
-    recorded, mutated = record_calls(model, (), kwargs)
-    if mutated:
-        recorded, _ = record_calls(model, (), kwargs, clone=True)
-    forward_s = time.perf_counter() - t0
-    store = TensorStore()
-    calls: dict[str, list[dict[str, Any]]] = {}
-    classes: dict[str, str] = {}
-    counts: dict[str, int] = {}
-    why_not: dict[str, str] = {}
-    for rec in recorded:
-        counts[rec.name] = counts.get(rec.name, 0) + 1
-        classes.setdefault(rec.name, rec.module_class)
-        if rec.call_index > 0 and not all_calls:
-            continue
-        if rec.name in why_not:
-            continue
-        try:
-            calls.setdefault(rec.name, []).append(encode_call(rec.args, rec.kwargs, store))
-        except Opaque as exc:
-            why_not[rec.name] = f"call {rec.call_index} takes {exc}"
-            calls.pop(rec.name, None)
-    tree = ModuleTree.build((n, classes[n], counts[n], n not in why_not, why_not.get(n)) for n in classes)
-    return Capture(tree=tree, calls=calls, store=store, cloned=mutated, forward_s=forward_s,
-                   call_count=len(recorded))
-
-
 # --------------------------------------------------------------------------- isolated search
 
 @dataclass
@@ -221,10 +132,6 @@ class SearchRun:
     restarts: int
     children: int
     stop_reason: str | None
-
-
-class _Unknown(Exception):
-    pass
 
 
 def _replay(tree: ModuleTree, known: Mapping[str, ProbeOutcome]) -> SearchResult:
@@ -306,6 +213,7 @@ def run_search(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, layers
         timed_out = res.status == "timeout" or _nonempty(timeout_file)
         if timed_out:
             outcome = ProbeOutcome(name=culprit, status="timeout", stage="run", error_type="Timeout",
+                                   duration_s=opts.probe_timeout,
                                    message=f"{label(culprit)} did not finish within {opts.probe_timeout:g}s "
                                            f"(probe_timeout); the probing child was killed",
                                    traceback=_read_tail(timeout_file) or res.stderr_tail)
@@ -350,39 +258,47 @@ def run(ctx: "ModeContext") -> ModeResult:
     model = loaded.module
     kwargs = ctx.inputs(loaded, sample=opts.sample)
     try:
-        cap = capture_module_inputs(model, kwargs, all_calls=opts.all_calls)
+        t_cap = time.perf_counter()
+        tree = scan_model(model, kwargs, all_calls=opts.all_calls)
+        cap_s = time.perf_counter() - t_cap
     except Exception as exc:
         return ModeResult(status="error", reason=f"the model fails on the reference (cpu) before any backend runs: "
                                                   f"{type(exc).__name__}: {first_line(str(exc))}",
                           data={"traceback": traceback.format_exc(limit=8)[-4000:]})
-    write_capture(layers_dir, cap.tree, cap.calls, cap.store)
-    capture_info = {"modules": len(cap.tree.nodes), "calls": cap.call_count, "tensors": len(cap.store.tensors),
-                    "cloned": cap.cloned, "seconds": round(cap.forward_s, 4),
-                    "not_replayable": {label(n): node.why_not for n, node in cap.tree.nodes.items() if not node.replayable}}
+    write_root_call(layers_dir, tree, kwargs)
+    capture_info = {"modules": len(tree.nodes), "calls": sum(n.calls for n in tree.nodes.values()),
+                    "seconds": round(cap_s, 4),
+                    "shared": {label(n): node.calls for n, node in tree.nodes.items() if node.calls > 1},
+                    "not_replayable": {label(n): node.why_not for n, node in tree.nodes.items() if not node.replayable}}
     reserve = _repro_reserve(opts, ctx.remaining())
-    srun = run_search(ctx, opts, cap.tree, layers_dir, reserve_s=reserve)
+    srun = run_search(ctx, opts, tree, layers_dir, reserve_s=reserve)
     result = srun.result
     data: dict[str, Any] = {
         "capture": capture_info,
-        "search": {"complete": result.complete, "probed": sum(1 for o in result.outcomes.values() if o.status != "skipped"),
+        "search": {"complete": result.complete,
+                   "probed": sum(1 for o in result.outcomes.values() if o.status != "skipped"),
                    "children": srun.children, "restarts": srun.restarts, "stop_reason": srun.stop_reason},
-        "candidates": [_candidate_row(cap.tree, o) for o in result.outcomes.values()],
+        "candidates": [_candidate_row(tree, o) for o in result.outcomes.values()],
     }
     whole = result.whole_model
     if whole is None:
         status = "timeout" if srun.stop_reason and "time ran out" in srun.stop_reason else "error"
         return ModeResult(status=status, reason=srun.stop_reason or "the whole model was not probed", data=data,
                           duration_s=time.monotonic() - t0)
-    data["whole_model"] = _candidate_row(cap.tree, whole)
+    data["whole_model"] = _candidate_row(tree, whole)
     if whole.status == "pass":
         return ModeResult(status="pass", data=data, duration_s=time.monotonic() - t0)
 
-    findings: list[Finding] = []
-    for name in result.minimal:
-        finding = _finding(ctx, cap.tree, result, name)
-        if opts.repro:
-            finding.repro = _repro_for(ctx, opts, loaded, cap, name, result.outcomes[name], layers_dir)
-        findings.append(finding)
+    findings = [_finding(ctx, tree, result, name) for name in result.minimal]
+    if opts.repro and result.minimal:
+        captured = capture_inputs(model, (), kwargs, result.minimal)
+        for name, finding in zip(result.minimal, findings):
+            try:
+                finding.repro = _repro_for(ctx, opts, loaded, tree, name, result.outcomes[name],
+                                           captured.get(name, []), layers_dir)
+            except Exception as exc:  # a repro problem must not lose the finding
+                finding.repro = Repro(path=str((layers_dir / "repro").relative_to(ctx.cell_dir)), verified=False,
+                                      note=f"repro generation failed: {type(exc).__name__}: {first_line(str(exc))}")
     data["minimal"] = [label(n) for n in result.minimal]
     reason = None
     if not result.complete:
@@ -402,6 +318,8 @@ def _candidate_row(tree: ModuleTree, o: ProbeOutcome) -> dict[str, Any]:
                            "status": o.status, "duration_s": round(o.duration_s, 3)}
     if o.failed:
         row.update(stage=o.stage, error_type=o.error_type, message=first_line(o.message))
+        if o.executing:
+            row["executing"] = label(o.executing)
     elif o.status == "skipped":
         row["message"] = o.message
     return row
@@ -504,37 +422,43 @@ def _backend_recipe(spec: Any) -> dict[str, Any]:
 
 def _repro_context(ctx: "ModeContext", name: str, node_class: str, o: ProbeOutcome, call: dict[str, Any]) -> dict[str, Any]:
     spec = ctx.cell.backend
+    versions = {str(k): str(v) for k, v in (ctx.env.get("backend") or {}).items() if k != "torch"}
+    simdev_options = spec.backend_options if spec.compile is None else spec.backend_options.get("simdev", {})
     return {
         "module": label(name), "qualified_name": name, "module_class": node_class,
         "model_id": ctx.cell.model.id, "model_source": ctx.cell.model.source, "backend_id": spec.id,
-        "stage": o.stage or "run", "error_type": o.error_type or "", "message": first_line(o.message, 300),
-        "status": o.status, "torch_version": torch.__version__,
+        "stage": o.stage or "run", "error_type": o.error_type or "", "message": first_line(o.message, 200),
+        "status": o.status, "torch_version": torch.__version__, "versions": versions,
         "env": {str(k): str(v) for k, v in spec.env.items()}, "imports": list(spec.imports),
-        "device": spec.device, "simdev": spec.device == "simdev", "backend": _backend_recipe(spec),
-        "call": call, "versions": dict(ctx.env.get("backend_versions", {}) or {}) if isinstance(ctx.env, dict) else {},
+        "device": spec.device, "simdev": spec.device.split(":")[0] == "simdev",
+        "simdev_options": dict(simdev_options) if isinstance(simdev_options, Mapping) else {},
+        "backend": _backend_recipe(spec), "call": call, "plugin_modules": _plugin_modules(spec),
     }
 
 
-def _repro_for(ctx: "ModeContext", opts: LayersOptions, loaded: Any, cap: Capture, name: str, o: ProbeOutcome,
-               layers_dir: Path) -> Repro:
+def _repro_for(ctx: "ModeContext", opts: LayersOptions, loaded: Any, tree: ModuleTree, name: str, o: ProbeOutcome,
+               calls: list[tuple[tuple[Any, ...], dict[str, Any]]], layers_dir: Path) -> Repro:
     rdir = layers_dir / "repro" / safe_filename(label(name))
     rdir.mkdir(parents=True, exist_ok=True)
     rel = rdir.relative_to(ctx.cell_dir)
-    node = cap.tree.nodes[name]
-    call = cap.calls[name][0]
-    keys = call_tensor_keys(call)
-    _save_tensors({k: cap.store.tensors[k] for k in keys}, rdir / "inputs.safetensors")
+    node = tree.nodes[name]
+    if not calls:
+        raise RuntimeError(f"{label(name)} did not run in the reference forward")
+    args, kwargs = calls[0]
+    store = TensorStore()
+    call = encode_call(args, kwargs, store)
+    store.save(rdir / "inputs.safetensors")
     sub = loaded.module if name == ROOT else loaded.module.get_submodule(name)
     rctx = _repro_context(ctx, name, node.module_class, o, call)
     notes: list[str] = []
 
     pt2_ok = False
+    ver = None
     if opts.export:
         try:
-            args, kwargs = decode_call(call, cap.store.tensors)
-            with torch.no_grad():
+            with torch.no_grad(), _quiet_torch_logs():
                 ep = torch.export.export(sub, args, kwargs, strict=False)
-            tmp = rdir / ".module.pt2.tmp"
+            tmp = rdir / ".module.tmp.pt2"
             torch.export.save(ep, str(tmp))
             os.replace(tmp, rdir / "module.pt2")
             pt2_ok = True
@@ -561,9 +485,21 @@ def _repro_for(ctx: "ModeContext", opts: LayersOptions, loaded: Any, cap: Captur
         atomic_write_text(rdir / "README.txt", "No repro: " + "; ".join(notes) + "\n")
         return Repro(path=str(rel / "README.txt"), verified=False, note="; ".join(notes + ["no model-source fallback"]))
     ver2 = _verify(ctx, opts, script, o)
-    notes.append("fallback: repro.py rebuilds the submodule from the model source (config + qualified name) "
-                 "and loads its weights from weights.safetensors")
+    notes.append(f"fallback: repro.py rebuilds the submodule from the model source ({ctx.cell.model.source}) "
+                 f"by its qualified name and loads its weights from weights.safetensors")
     return _repro(rel, ver2, notes)
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs() -> Iterator[None]:
+    """torch.export logs whole graphs as warnings when it fails; the finding's note says what matters."""
+    logger = logging.getLogger("torch")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _repro(rel: Path, ver: Any, notes: list[str]) -> Repro:
@@ -582,8 +518,8 @@ def _verify(ctx: "ModeContext", opts: LayersOptions, script: Path, o: ProbeOutco
         env["PYTHONPATH"] = os.pathsep.join(paths)
     hard = o.status in ("crashed", "timeout")
     timeout = opts.verify_timeout
-    if o.status == "timeout":
-        timeout = min(timeout, opts.probe_timeout + 60.0)
+    if o.status == "timeout":  # startup plus the probe's own limit: longer than that counts as the hang
+        timeout = min(timeout, opts.probe_timeout + 30.0)
     timeout = max(5.0, min(timeout, ctx.remaining() - 5.0))
     if hard:
         return verify_script(script, expect_text=[], timeout=timeout, env=env, expect_signal=True)
@@ -609,7 +545,8 @@ def _write_source_repro(ctx: "ModeContext", loaded: Any, sub: torch.nn.Module, n
     spec = ctx.cell.model
     source: dict[str, Any]
     if spec.factory:
-        source = {"kind": "factory", "factory": spec.factory}
+        source = {"kind": "factory", "factory": spec.factory, "seed": ctx.cell.inputs.seed,
+                  "overrides": dict(spec.overrides), "dtype": spec.dtype}
     elif getattr(transformers, cls.__name__, None) is cls and loaded.config is not None:
         cfg = loaded.config
         atomic_write_text(rdir / "config.json", cfg.to_json_string(use_diff=False))

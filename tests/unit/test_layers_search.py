@@ -20,15 +20,18 @@ from ci_runner.layer_search import (
     TensorStore,
     append_outcome,
     call_tensor_keys,
+    capture_inputs,
     decode_call,
     encode_call,
     is_compile_stage,
     minimal_failing,
     read_outcomes,
+    record_calls,
+    scan_model,
     search,
     unwrap_exception,
 )
-from ci_runner.modes.layers import LayersOptions, _key_text, _open_entry_since, capture_module_inputs, record_calls
+from ci_runner.modes.layers import LayersOptions, _key_text, _open_entry_since
 
 
 # --------------------------------------------------------------------------- tree
@@ -216,20 +219,52 @@ class _Net(nn.Module):
         return x
 
 
-def test_capture_records_every_call_and_builds_the_tree() -> None:
+def test_scan_records_every_call_and_builds_the_tree() -> None:
     net = _Net().eval()
-    cap = capture_module_inputs(net, {"x": torch.randn(2, 4)})
-    tree = cap.tree
+    tree = scan_model(net, {"x": torch.randn(2, 4)})
     assert tree.children(ROOT) == ["blocks.0", "shared", "blocks.1"]
     assert tree.nodes["shared"].calls == 2 and tree.nodes["blocks.0"].calls == 1
     assert "blocks" not in tree.nodes  # the ModuleList never ran
-    assert cap.call_count == 1 + 2 * 3 + 2
-    a, k = decode_call(cap.calls["blocks.1"][0], cap.store.tensors)
-    assert k == {"scale": 0.5} and a[0].shape == (2, 4)
-    assert not cap.cloned
-    assert len(cap.calls["shared"]) == 1
-    every = capture_module_inputs(net, {"x": torch.randn(2, 4)}, all_calls=True)
-    assert len(every.calls["shared"]) == 2
+    assert sum(n.calls for n in tree.nodes.values()) == 1 + 2 * 3 + 2
+    assert all(n.replayable for n in tree.nodes.values())
+
+
+def test_scan_keeps_no_tensor_and_marks_opaque_inputs() -> None:
+    class Cache:
+        pass
+
+    class Takes(nn.Module):
+        def forward(self, x: torch.Tensor, cache: object = None) -> torch.Tensor:
+            return x
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = Takes()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x, cache=Cache())
+
+    recorded, _ = record_calls(Outer(), (), {"x": torch.ones(2)}, keep=False)
+    assert all(r.args == () and r.kwargs == {} for r in recorded)
+    tree = scan_model(Outer(), {"x": torch.ones(2)})
+    assert tree.nodes[ROOT].replayable and not tree.nodes["inner"].replayable
+    assert "Cache" in (tree.nodes["inner"].why_not or "")
+
+
+def test_capture_inputs_keeps_only_the_named_modules() -> None:
+    net = _Net().eval()
+    x = torch.randn(2, 4)
+    got = capture_inputs(net, (), {"x": x}, ["blocks.1", "shared"])
+    assert set(got) == {"blocks.1", "shared"}
+    assert len(got["shared"]) == 1 and got["blocks.1"][0][1] == {"scale": 0.5}
+    every = capture_inputs(net, (), {"x": x}, ["shared"], all_calls=True)
+    assert len(every["shared"]) == 2
+    # replaying the captured call gives the same output as inside the forward
+    a, k = got["blocks.1"][0]
+    with torch.no_grad():
+        h = net.shared(net.blocks[0](x, scale=0.5))
+        assert torch.allclose(a[0], h)
 
 
 def test_capture_notices_in_place_updates_and_copies() -> None:
@@ -246,18 +281,24 @@ def test_capture_notices_in_place_updates_and_copies() -> None:
 
     m = InPlace()
     x = torch.zeros(3)
-    recorded, mutated = record_calls(m, (), {"x": x})
+    _, mutated = record_calls(m, (), {"x": x}, include=["a"])
     assert mutated
-    cap = capture_module_inputs(m, {"x": x})
-    assert cap.cloned
-    a, _ = decode_call(cap.calls["a"][0], cap.store.tensors)
-    assert torch.equal(a[0], torch.zeros(3))  # the value at call time, not after the add_
+    got = capture_inputs(m, (), {"x": x}, ["a"])
+    assert torch.equal(got["a"][0][0][0], torch.zeros(3))  # the value at call time, not after the add_
 
 
 def test_capture_leaves_no_hooks() -> None:
     net = _Net()
-    capture_module_inputs(net, {"x": torch.randn(1, 4)})
+    scan_model(net, {"x": torch.randn(1, 4)})
+    capture_inputs(net, (), {"x": torch.randn(1, 4)}, ["shared"])
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in net.modules())
+
+
+def test_search_prefetches_each_level_once() -> None:
+    tree = _tree("m", "m.a", "m.a.x", "m.b", "h")
+    levels: list[list[str]] = []
+    search(tree, _prober({ROOT: "fail", "m": "fail", "m.a": "fail"}, []), levels.append)
+    assert levels == [["m", "h"], ["m.a", "m.b"], ["m.a.x"]]
 
 
 # --------------------------------------------------------------------------- errors and options

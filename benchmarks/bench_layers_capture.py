@@ -1,0 +1,93 @@
+"""Overhead of the `layers` capture pass against a plain forward, on a realistically sized model.
+
+Measured, interleaved with plain forwards (no hooks):
+
+* `capture pass` (what the mode runs on every cell): `layer_search.scan_model`, hooks on every submodule,
+  every call recorded (names, classes, call counts, whether the inputs can be replayed). Goal ≤ 1.02x.
+* `level capture`: `layer_search.capture_inputs` for one search level of the widest kind (every decoder
+  layer's `self_attn`): what the probing child runs per level when the whole model failed.
+* `full retention` (for comparison, not used by the mode): every call's args and kwargs kept by reference.
+  Keeping every activation alive costs fresh memory for all of them; that is why the mode does not do it.
+
+    PYTHONPATH=. python benchmarks/bench_layers_capture.py [--hidden 768 --layers 12 --seq 128 --repeat 9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from ci_runner.config import InputSpec, ModelSpec
+    from ci_runner.layer_search import capture_inputs, record_calls, scan_model
+    from ci_runner.models import build_inputs, load_model
+
+    spec = ModelSpec(id="bench-llama", config="llama", overrides={
+        "hidden_size": args.hidden, "intermediate_size": 4 * args.hidden, "num_hidden_layers": args.layers,
+        "num_attention_heads": args.hidden // 64, "num_key_value_heads": args.hidden // 64,
+        "vocab_size": args.vocab, "max_position_embeddings": max(512, args.seq)})
+    loaded = load_model(spec, seed=0)
+    model = loaded.module
+    kwargs = build_inputs(loaded, InputSpec(batch=1, seq_len=args.seq, samples=1, seed=0), sample=0)
+    n_params = sum(p.numel() for p in model.parameters())
+
+    attn = [n for n, m in model.named_modules() if n.endswith("self_attn")]
+
+    def timed(fn) -> float:  # type: ignore[no-untyped-def]
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    def plain() -> None:
+        with torch.no_grad():
+            model(**kwargs)
+
+    variants = {
+        "plain_forward": plain,
+        "capture_pass": lambda: scan_model(model, kwargs),
+        "level_capture_self_attn": lambda: capture_inputs(model, (), kwargs, attn),
+        "full_retention": lambda: record_calls(model, (), kwargs),
+    }
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for fn in variants.values():
+        fn()  # warm-up
+    order = list(variants)
+    for i in range(args.repeat):  # interleaved and rotated, against drift on a shared machine
+        for k in order[i % len(order):] + order[: i % len(order)]:
+            times[k].append(timed(variants[k]))
+    tree = scan_model(model, kwargs)
+    base_med = statistics.median(times["plain_forward"])
+    base_min = min(times["plain_forward"])
+    report: dict[str, object] = {
+        "model": {"hidden": args.hidden, "layers": args.layers, "seq": args.seq, "vocab": args.vocab,
+                  "params_m": round(n_params / 1e6, 1), "threads": torch.get_num_threads()},
+        "modules": len(tree.nodes), "calls": sum(n.calls for n in tree.nodes.values()), "repeat": args.repeat,
+    }
+    for k, v in times.items():
+        report[k] = {"median_s": round(statistics.median(v), 4), "min_s": round(min(v), 4),
+                     "ratio_median": round(statistics.median(v) / base_med, 4),
+                     "ratio_min": round(min(v) / base_min, 4)}
+    report["goal"] = "capture_pass ratio <= 1.02"
+    report["goal_met"] = bool(report["capture_pass"]["ratio_min"] <= 1.02)  # type: ignore[index]
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

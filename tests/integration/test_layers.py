@@ -1,0 +1,198 @@
+"""Mode `layers` end to end: real tiny models, real (sim and plugin) backends, isolated children, verified repros.
+
+Each test runs the mode the way a cell worker does (`cellrun.run_cell_inprocess`), so the probing children,
+the crash journal, the restarts and the repro verification are all real.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ci_runner.cellrun import run_cell_inprocess
+from ci_runner.config import load_matrix_text
+from ci_runner.matrix import expand
+from ci_runner.modes import JOURNAL_NAME, last_open_entry
+from ci_runner.results import CellResult, ModeResult, fingerprint, validate
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.slow  # each test starts probing children and compiles: tens of seconds on 2 cores
+
+_DECODER = ("{hidden_size: 16, intermediate_size: 32, num_hidden_layers: %d, num_attention_heads: 2, "
+            "num_key_value_heads: 1, vocab_size: 64}")
+
+
+def _matrix(layers: int, options: str) -> str:
+    dec = _DECODER % layers
+    return textwrap.dedent(f"""\
+        version: 1
+        defaults:
+          modes: [layers]
+          timeout: 900
+          inputs: {{batch: 1, seq_len: 8, samples: 1, seed: 0}}
+          options: {{layers: {{{options}}}}}
+        models:
+          - {{id: tiny-llama, config: llama, overrides: {dec}}}
+          - {{id: tiny-granite, config: granite, overrides: {dec}}}
+          - {{id: gated, factory: "tests.fixtures.plugin_layers_models:gated"}}
+        backends:
+          - {{id: pair, compile: "tests.fixtures.plugin_layers_pair:pair_backend"}}
+          - {{id: fault-raise, compile: "tests.fixtures.plugin_layers_fault:raise_backend"}}
+          - {{id: sim-crash, compile: sim-crash}}
+          - {{id: sim-abort, compile: sim-abort}}
+          - {{id: sim-segv, compile: sim-segv}}
+          - {{id: sim-hang, compile: sim-hang}}
+          - {{id: simdev, device: simdev}}
+          - {{id: aot, compile: aot_eager}}
+        """)
+
+
+def _run(tmp_path: Path, model: str, backend: str, *, layers: int = 1,
+         options: str = "probe_timeout: 60") -> tuple[ModeResult, CellResult, Path]:
+    matrix = load_matrix_text(_matrix(layers, options), path=str(tmp_path / "matrix.yaml"))
+    cell = next(c for c in expand(matrix) if c.model.id == model and c.backend.id == backend)
+    cdir = tmp_path / "cells" / cell.id
+    result = run_cell_inprocess(cell, cdir, modes=("layers",), deadline=time.monotonic() + cell.timeout)
+    validate(result.to_dict(), "cell.schema.json", source="layers test")
+    return result.modes["layers"], result, cdir
+
+
+def _modules(mode: ModeResult) -> list[str]:
+    return [f.module for f in mode.findings if f.module is not None]
+
+
+def _rows(mode: ModeResult) -> dict[str, dict[str, Any]]:
+    return {r["module"]: r for r in mode.data["candidates"]}
+
+
+def _run_by_hand(repro_dir: Path, plugin_root: Path | None) -> subprocess.CompletedProcess[str]:
+    """`python repro.py` from its folder, with torch and the backend's plugin only (no deepview-ci unless it is the plugin)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if plugin_root is not None:
+        env["PYTHONPATH"] = str(plugin_root)
+    return subprocess.run([sys.executable, "repro.py"], cwd=repro_dir, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+# --------------------------------------------------------------------------- ground truth of the issue
+
+def test_two_operator_backend_names_self_attn_while_each_child_compiles(tmp_path: Path) -> None:
+    """A backend that fails only when aten.mm and aten.neg share a graph: no single op is to blame."""
+    mode, _, cdir = _run(tmp_path, "tiny-llama", "pair", layers=2)
+    assert mode.status == "fail", mode.reason
+    assert _modules(mode) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    rows = _rows(mode)
+    assert rows["<root>"]["status"] == "fail" and rows["<root>"]["stage"] == "compile"
+    for layer in (0, 1):
+        for child in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            assert rows[f"model.layers.{layer}.self_attn.{child}"]["status"] == "pass"
+        assert rows[f"model.layers.{layer}.mlp"]["status"] == "pass"
+        assert f"model.layers.{layer}.mlp.up_proj" not in rows  # a passing module's subtree is never tried
+    f = mode.findings[0]
+    assert f.kind == "layer_failure" and f.stage == "compile" and f.error_type == "IndexError"
+    assert f.module_class == "LlamaAttention"
+    assert f.details["path"] == ["<root>", "model", "model.layers.0", "model.layers.0.self_attn"]
+    assert "each of its 4 children passes alone" in f.message
+    assert f.fingerprint == fingerprint("layer_failure", "pair", "tiny-llama", "model.layers.0.self_attn")
+    # a verified repro: the exported submodule, its inputs and a script
+    assert f.repro is not None and f.repro.verified, f.repro
+    rdir = cdir / Path(f.repro.path).parent
+    assert {p.name for p in rdir.iterdir()} >= {"module.pt2", "inputs.safetensors", "repro.py"}
+    assert "model source" not in (f.repro.note or "") or "needs no model source" in (f.repro.note or "")
+    # by hand, from its folder: torch and the plugin only
+    proc = _run_by_hand(rdir, REPO)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "REPRO FAILED" in proc.stderr and "IndexError" in proc.stderr
+    # the journal is balanced: nothing left open
+    assert last_open_entry(cdir / JOURNAL_NAME, "module") is None
+
+
+# --------------------------------------------------------------------------- sim-crash on Llama and Granite
+
+@pytest.mark.parametrize("model, cls", [("tiny-llama", "LlamaAttention"), ("tiny-granite", "GraniteAttention")])
+def test_sim_crash_names_each_attention_module_and_nothing_else(tmp_path: Path, model: str, cls: str) -> None:
+    mode, _, cdir = _run(tmp_path, model, "sim-crash", layers=2)
+    assert mode.status == "fail", mode.reason
+    assert _modules(mode) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert mode.data["search"]["complete"] and mode.data["search"]["children"] == 1
+    for f in mode.findings:
+        assert f.module_class == cls and f.stage == "run" and f.error_type == "RuntimeError"
+        assert "[sim-crash]" in f.message and f.details["status"] == "fail"
+        assert f.repro is not None and f.repro.verified, f.repro
+    # siblings and children were tried and passed; they are not findings
+    rows = _rows(mode)
+    assert rows["model.layers.0.mlp"]["status"] == "pass"
+    assert rows["model.layers.1.self_attn.q_proj"]["status"] == "pass"
+    if model == "tiny-granite":
+        rdir = cdir / Path(mode.findings[1].repro.path).parent  # type: ignore[union-attr]
+        proc = _run_by_hand(rdir, REPO)  # the sim backends live in ci_runner: that is the plugin here
+        assert proc.returncode == 1 and "[sim-crash]" in proc.stderr, proc.stdout + proc.stderr
+
+
+# --------------------------------------------------------------------------- hard faults
+
+@pytest.mark.parametrize("backend, status, error_type, probe_timeout", [
+    ("sim-abort", "crashed", "SIGABRT", 60),
+    ("sim-segv", "crashed", "SIGSEGV", 60),
+    ("sim-hang", "timeout", "Timeout", 10),
+])
+def test_hard_faults_keep_the_diagnosis_and_the_run_goes_on(tmp_path: Path, backend: str, status: str,
+                                                            error_type: str, probe_timeout: int) -> None:
+    mode, cell, cdir = _run(tmp_path, "tiny-llama", backend, options=f"probe_timeout: {probe_timeout}")
+    assert cell.status == "fail" and mode.status == "fail", mode.reason
+    assert _modules(mode) == ["model.layers.0.self_attn"]
+    f = mode.findings[0]
+    assert f.details["status"] == status and f.error_type == error_type and f.stage == "run"
+    search = mode.data["search"]
+    assert search["complete"] and search["restarts"] == 4  # root, model, layer 0, self_attn: one child each
+    rows = _rows(mode)
+    assert [m for m, r in rows.items() if r["status"] == status] == [
+        "<root>", "model", "model.layers.0", "model.layers.0.self_attn"]
+    assert rows["model.layers.0.self_attn.q_proj"]["status"] == "pass"  # probed after the crashes
+    assert last_open_entry(cdir / JOURNAL_NAME, "module") is None
+    assert f.repro is not None and f.repro.verified, f.repro  # the repro dies (or hangs) the same way
+
+
+# --------------------------------------------------------------------------- eager device
+
+def test_eager_device_names_the_executing_submodule(tmp_path: Path) -> None:
+    mode, _, _ = _run(tmp_path, "tiny-llama", "simdev")
+    assert mode.status == "fail", mode.reason
+    # simdev lacks rsqrt (every RMSNorm) and _softmax (attention)
+    assert _modules(mode) == ["model.layers.0.input_layernorm", "model.layers.0.self_attn",
+                              "model.layers.0.post_attention_layernorm", "model.norm"]
+    whole = mode.data["whole_model"]
+    assert whole["executing"] == "model.layers.0.input_layernorm"  # where the whole model's run died
+    by = {f.module: f for f in mode.findings}
+    assert "aten::rsqrt" in by["model.norm"].message and by["model.norm"].details["executing"] == "model.norm"
+    assert "aten::_softmax" in by["model.layers.0.self_attn"].message
+    assert all(f.repro is not None and f.repro.verified for f in mode.findings), [f.repro for f in mode.findings]
+
+
+# --------------------------------------------------------------------------- export fallback, passing backend
+
+def test_export_failure_falls_back_to_a_model_source_repro(tmp_path: Path) -> None:
+    mode, _, cdir = _run(tmp_path, "gated", "fault-raise")
+    assert _modules(mode) == ["gate"]
+    f = mode.findings[0]
+    assert f.repro is not None and f.repro.verified, f.repro
+    assert "torch.export failed" in (f.repro.note or "") and "fallback" in (f.repro.note or "")
+    rdir = cdir / Path(f.repro.path).parent
+    assert not (rdir / "module.pt2").exists() and (rdir / "weights.safetensors").exists()
+    proc = _run_by_hand(rdir, REPO)
+    assert proc.returncode == 1 and "fault-plugin" in proc.stderr, proc.stdout + proc.stderr
+
+
+def test_a_backend_that_runs_the_model_passes_after_one_probe(tmp_path: Path) -> None:
+    mode, _, cdir = _run(tmp_path, "tiny-llama", "aot")
+    assert mode.status == "pass" and mode.findings == []
+    assert mode.data["search"]["probed"] == 1 and mode.data["whole_model"]["status"] == "pass"
+    assert not (cdir / "layers" / "repro").exists()
