@@ -256,7 +256,7 @@ def _load_config_source(spec: ModelSpec, *, seed: int, meta: bool) -> tuple[torc
     cls = _auto_class(task)
     if not _in_mapping(cls, config):
         raise _err(spec, f"architecture {spec.config!r} has no {task} model class",
-                   hint=f"set `task:` to one this architecture supports, e.g. 'base'")
+                   hint="set `task:` to one this architecture supports, e.g. 'base'")
     kwargs = dict(loader, trust_remote_code=spec.trust_remote_code, dtype=torch.float32)
     if meta:
         with torch.device("meta"):
@@ -568,6 +568,9 @@ def build_inputs(model: LoadedModel, inputs: InputSpec, *, sample: int = 0, devi
     kwargs: dict[str, Any] = {}
     if model.task == "image-classification":
         kwargs["pixel_values"] = _pixel_values(model, inputs, sample)
+        native = getattr(config, "image_size", None)
+        if inputs.image_size and inputs.image_size != native and _accepts(model.module, "interpolate_pos_encoding"):
+            kwargs["interpolate_pos_encoding"] = True  # ViT-style models at another resolution
     elif model.task == "image-text":
         ids = _seeded_ids(config, inputs, sample, length) if model.tokenizer is None else \
             _tokenized(model, inputs, sample, length)["input_ids"]

@@ -195,3 +195,13 @@ def test_unsupported_op_parser_reads_both_formats() -> None:
     assert unsupported_op_from_error(
         "Could not run 'aten::empty_strided' with arguments from the 'npu' backend.") == "aten.empty_strided.default"
     assert unsupported_op_from_error("RuntimeError: shapes do not match") is None
+
+
+def test_nightly_matrix_backends_resolve() -> None:
+    from pathlib import Path
+
+    from ci_runner.config import load_matrix
+
+    nightly = load_matrix(Path(__file__).resolve().parents[2] / "matrix" / "nightly.yaml")
+    kinds = {resolve_backend(spec).kind for spec in nightly.backends}
+    assert kinds == {"registered", "sim", "eager"}

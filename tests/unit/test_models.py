@@ -265,3 +265,19 @@ def test_loaded_model_is_frozen() -> None:
     assert isinstance(loaded, LoadedModel)
     with pytest.raises(AttributeError):
         loaded.task = "causal-lm"  # type: ignore[misc]
+
+
+def test_nightly_matrix_models_build() -> None:
+    nightly = load_matrix(__import__("pathlib").Path(__file__).resolve().parents[2] / "matrix" / "nightly.yaml")
+    for m in nightly.models:
+        loaded = load_model(m, meta=m.path is None)  # meta: config validity without the weights' cost
+        assert loaded.task in ("causal-lm", "image-classification", "image-text", "base"), m.id
+
+
+def test_image_size_override_interpolates_position_embeddings() -> None:
+    loaded = load_model(EXAMPLE.model("tiny-vit"))
+    kw = build_inputs(loaded, InputSpec(image_size=48), sample=0)
+    assert kw["pixel_values"].shape == (1, 3, 48, 48) and kw["interpolate_pos_encoding"] is True
+    with torch.no_grad():
+        assert loaded.module(**kw).logits.shape == (1, 10)
+    assert "interpolate_pos_encoding" not in build_inputs(loaded, InputSpec(), sample=0)
