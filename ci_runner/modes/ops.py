@@ -70,7 +70,6 @@ from ..inventory import (
     Inventory,
     InventoryError,
     OpSignature,
-    describe_value,
     iter_tensor_specs,
     resolve_callable,
     take_inventory,
@@ -78,7 +77,6 @@ from ..inventory import (
 from ..results import Finding, ModeResult, Repro, fingerprint
 
 if TYPE_CHECKING:
-    from ..backends import Backend
     from ..config import BackendSpec
     from . import ModeContext
 

@@ -1,0 +1,71 @@
+"""Probes in isolated children: an abort, a segfault or a hang costs that probe only, and the rest still run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import pytest
+import torch
+
+from ci_runner.config import BackendSpec
+from ci_runner.inventory import encode_value
+from ci_runner.modes.ops import OpsOptions, ProbeRunner, with_ranges
+
+pytestmark = pytest.mark.slow
+
+
+def _probe(i: int, op: str, *args: Any) -> dict[str, Any]:
+    a, k = with_ranges(op, [encode_value(x) for x in args], {})
+    return {"id": f"p{i:04d}", "op": op, "key": f"{op}#{i}", "args": a, "kwargs": k, "seed": i, "tolerance": [1e-4, 1e-5]}
+
+
+def _run(tmp_path: Path, spec: BackendSpec, probes: list[dict[str, Any]], **opts: Any) -> tuple[dict[str, Any], list[str]]:
+    events: list[str] = []
+    runner = ProbeRunner(backend_spec=spec, work_dir=tmp_path / "work",
+                         opts=OpsOptions.from_mapping({"workers": 1, **opts}), remaining=lambda: 600.0,
+                         journal=lambda event, name: events.append(event))
+    return runner.run(probes), events
+
+
+X = torch.empty(2, 3)
+PROBES = [_probe(0, "aten.mul.Tensor", X, X), _probe(1, "aten.softplus.default", X), _probe(2, "aten.exp.default", X),
+          _probe(3, "aten.add.Tensor", X, X)]
+
+
+@pytest.mark.parametrize("kind,signal", [("sim-abort", "SIGABRT"), ("sim-segv", "SIGSEGV")])
+def test_a_hard_crash_costs_one_probe(tmp_path: Path, kind: str, signal: str) -> None:
+    spec = BackendSpec(id=kind, compile=kind, backend_options=MappingProxyType({"op": "softplus"}))
+    out, events = _run(tmp_path, spec, PROBES)
+    assert [out[p["id"]]["status"] for p in PROBES] == ["pass", "crashed", "pass", "pass"]
+    crash = out["p0001"]
+    assert crash["error_type"] == signal and crash["stage"] == "run"
+    assert f"[{kind}]" in crash["message"] and crash["named_op"] == "aten.softplus.default"
+    assert events.count("enter-probe-batch") == 2  # one restart, with the remaining probes
+
+
+def test_a_hang_costs_one_probe_timeout(tmp_path: Path) -> None:
+    spec = BackendSpec(id="sim-hang", compile="sim-hang", backend_options=MappingProxyType({"op": "exp"}))
+    out, _ = _run(tmp_path, spec, PROBES, probe_timeout=4)
+    assert [out[p["id"]]["status"] for p in PROBES] == ["pass", "pass", "timeout", "pass"]
+    hang = out["p0002"]
+    assert hang["error_type"] == "Timeout" and "within 4s" in hang["message"]
+    assert "[sim-hang]" in hang["message"]
+
+
+def test_a_backend_that_cannot_be_set_up_is_reported_not_probed(tmp_path: Path) -> None:
+    spec = BackendSpec(id="missing", compile="no_such_plugin_module:compile_fn")
+    runner = ProbeRunner(backend_spec=spec, work_dir=tmp_path / "w", opts=OpsOptions.from_mapping({"workers": 1}),
+                         remaining=lambda: 600.0)
+    out = runner.run(PROBES[:2])
+    assert {o["status"] for o in out.values()} == {"not_run"}
+    assert runner.setup_error is not None and "no_such_plugin_module" in runner.setup_error
+
+
+def test_probes_split_over_two_children(tmp_path: Path) -> None:
+    spec = BackendSpec(id="sim-subset", compile="sim-subset")
+    out, events = _run(tmp_path, spec, PROBES, workers=2)
+    assert events.count("enter-probe-batch") == 2
+    assert {p: o["status"] for p, o in out.items()} == {"p0000": "pass", "p0001": "unsupported",
+                                                       "p0002": "unsupported", "p0003": "pass"}
