@@ -230,6 +230,11 @@ def _finish(module: torch.nn.Module, *, dtype: torch.dtype, device: str, meta: b
         if any(p.dtype != dtype for p in module.parameters() if p.is_floating_point()):
             module = module.to(dtype)
         if device != "cpu":
+            if device.split(":")[0] == "simdev":
+                from .sim import simdev
+
+                if not simdev.is_registered():  # normally done by Backend.prepare() with the matrix's options
+                    simdev.register()
             module = module.to(device)
     module.eval()
     return module
@@ -552,7 +557,8 @@ def build_inputs(model: LoadedModel, inputs: InputSpec, *, sample: int = 0, devi
     """Keyword arguments for `model.module(**kwargs)`, deterministic per (inputs.seed, sample).
 
     Text: token ids from the model's tokenizer (texts from `inputs.text`, else DEFAULT_TEXTS; padded with an
-    attention mask) or seeded ids within the vocabulary (special ids excluded) and an all-ones mask; length
+    attention mask) or, without a tokenizer, seeded ids within the vocabulary (special ids excluded; `inputs.text`
+    is then unused) and an all-ones mask; length
     `sample_length()`. Vision: seeded `pixel_values` of the config's image size, in the model's dtype.
     Image-text (Llava-style): the image placeholder tokens, then text. `use_cache=False` when the forward takes it.
     """

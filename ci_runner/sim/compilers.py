@@ -51,9 +51,10 @@ ALIASES: Mapping[str, tuple[str, ...]] = {"attention": ATTENTION_OPS, "norm": NO
 # Linear algebra, pointwise arithmetic and activations, norms, softmax and fused attention, reductions, embedding
 # and indexing, shape/memory ops, comparisons. NOT in it (so models using them fail): convolution,
 # constant_pad_nd, softplus, exp, log, cumsum, topk, sort, histc, index_put, scatter, masked_scatter, floor_divide,
-# remainder and any non-aten custom op. With the example models: Llama, Granite and MiniLM compile; ViT and the
-# Llava vision tower stop at `aten.convolution.default`, Mixtral at its router's `aten.topk.default`, Bamba in its
-# mamba mixer.
+# remainder and any non-aten custom op. With the example models and inputs: Llama, Granite and MiniLM compile; ViT
+# and the Llava vision tower stop at `aten.convolution.default`, Mixtral at its router's `aten.topk.default`, Bamba
+# in its mamba mixer. (Called WITHOUT an attention mask, transformers' mask code adds `aten.cumsum.default`, so even
+# Llama stops there; build_inputs always passes a mask.)
 TRANSFORMER_OPS: tuple[str, ...] = (
     # linear algebra
     "mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "t", "dot",
