@@ -23,7 +23,7 @@ Only tensors whose first dimension is the batch are compared (a rotary table sha
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch

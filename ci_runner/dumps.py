@@ -77,7 +77,7 @@ from .modes.numerics import (
 
 if TYPE_CHECKING:
     from .backends import Backend
-    from .config import Cell, InputSpec, Matrix, ModelSpec, Reference
+    from .config import InputSpec, Matrix, ModelSpec, Reference
     from .modes import ModeContext
     from .results import Finding
     from .thresholds import ThresholdTable
@@ -262,8 +262,7 @@ def dump_model(module: nn.Module, kwargs: Mapping[str, Any], out: Path, *, side:
         assert backend is not None
         _dump_compiled(module, backend, kwargs, writer)
     seconds = time.monotonic() - t0
-    index_path = writer.close()
-    del index_path
+    writer.close()  # index.json: the numerics mode's view of the same files
     return _write_manifest(out, writer, side=side, digest=digest, tensors=tensors, other=other, model=model,
                            extra=extra, capture="compiled" if compiled else "eager", seconds=seconds,
                            backend=backend)
@@ -483,6 +482,8 @@ class Entry:
 class Dump:
     """A dump folder, read lazily: the manifest at once, one tensor at a time (`load_dump` to open one)."""
 
+    max_open = 2  # chunk files kept open (memory-mapped): entries are read in order, so memory stays bounded
+
     def __init__(self, folder: Path, manifest: Mapping[str, Any], entries: list[Entry]) -> None:
         self.folder = folder
         self.manifest = dict(manifest)
@@ -510,7 +511,11 @@ class Dump:
         from safetensors import safe_open
 
         h = self._handles.get(file)
-        if h is None:
+        if h is not None:
+            self._handles[file] = self._handles.pop(file)  # most recently used last
+        else:
+            while len(self._handles) >= self.max_open:  # drop the least recently used chunk (and its mapping)
+                self._handles.pop(next(iter(self._handles)))
             path = self.folder / file
             try:
                 h = safe_open(str(path), framework="pt", device="cpu")
@@ -1023,7 +1028,8 @@ def reference_dumps(ctx: "ModeContext", tb: ToolboxOptions) -> tuple[list[Path],
 
     Each must be an eager reference dump (with per-call inputs), of this model (same fingerprint), made on exactly
     the input this cell builds for its sample (same input hash); otherwise `ConfigError`/`InputError` says which.
-    Returns (folders, their samples).
+    Paths are absolute or relative to the working directory. A dump of another reference than the primary (say
+    float64) is still compared (metrics are float64) against the primary's thresholds. Returns (folders, samples).
     """
     from .models import model_fingerprint
 
@@ -1054,9 +1060,6 @@ def reference_dumps(ctx: "ModeContext", tb: ToolboxOptions) -> tuple[list[Path],
             raise DumpInputsMismatch(f"options.numerics.reference_dump: {folder} was made on another input than "
                                      f"this cell's sample {sample}",
                                      hint="dump with the same matrix inputs (seed, seq_len, batch) and --sample")
-        if side.get("dtype") != primary.dtype or side.get("id") != primary.id:
-            # still usable: metrics are float64; the thresholds are the primary's
-            pass
         dump.close()
         folders.append(folder)
         samples.append(sample)
