@@ -26,8 +26,8 @@ Edge cases, each decided once here:
 * All-zero tensors: equal zeros give rel 0, cos 1, sqnr +inf; a zero reference against a non-zero target gives
   rel +inf and cos 0; a non-zero reference against a zero target gives rel 1 and cos 0.
 * Empty tensors compare as identical.
-* Values are scaled by the largest magnitude before squaring, so float64 inputs near 1e308 or subnormals near
-  1e-308 neither overflow nor underflow.
+* Squares that would overflow or underflow (float64 inputs beyond 1e154, subnormals near 1e-308) are avoided by
+  scaling both vectors by their largest magnitude first.
 * Integer and bool tensors are compared as float64; complex tensors as their (real, imag) pairs.
 
 Severity (`severity()`) is a fixed, data-independent reading for humans, after the dump-bisect method: rel is
@@ -83,65 +83,76 @@ def compare_tensors(ref: torch.Tensor, tgt: torch.Tensor, *, where: str = "") ->
     if ref.is_complex() != tgt.is_complex():
         raise MetricsError(f"{where or 'compare_tensors'}: one tensor is complex and the other is not "
                            f"({ref.dtype} vs {tgt.dtype})")
+    numel = int(ref.numel())
+    if ref.dtype == tgt.dtype and ref.device == tgt.device and torch.equal(ref, tgt):  # no NaN (NaN != NaN)
+        absmean = float(_as_float64(ref).abs().mean()) if numel else 0.0
+        return {"rel": 0.0, "cos": 1.0, "mad": 0.0, "max_abs": 0.0, "sqnr_db": math.inf, "ref_absmean": absmean,
+                "numel": numel, "nonfinite_ref": 0, "nonfinite_tgt": 0, "nonfinite_mismatch": 0}
     a = _as_float64(ref)
     b = _as_float64(tgt)
-    numel = int(a.numel())
+    out = _finite_metrics(a, b)
+    if out is not None:
+        out.update(numel=numel, nonfinite_ref=0, nonfinite_tgt=0, nonfinite_mismatch=0)
+        return out
     fa = torch.isfinite(a)
     fb = torch.isfinite(b)
     nonfinite_ref = int(numel - int(fa.sum()))
     nonfinite_tgt = int(numel - int(fb.sum()))
     both = fa & fb
-    mismatch = 0
-    if nonfinite_ref or nonfinite_tgt:
-        # same non-finite value on both sides (NaN with NaN, +inf with +inf) is agreement
-        same_nonfinite = (~fa) & (~fb) & ((torch.isnan(a) & torch.isnan(b)) | (a == b))
-        mismatch = int(numel - int(both.sum()) - int(same_nonfinite.sum()))
-        a = a[both]
-        b = b[both]
-    out = _finite_metrics(a, b)
+    # the same non-finite value on both sides (NaN with NaN, +inf with +inf) is agreement
+    same_nonfinite = (~fa) & (~fb) & ((torch.isnan(a) & torch.isnan(b)) | (a == b))
+    mismatch = int(numel - int(both.sum()) - int(same_nonfinite.sum()))
+    out = _finite_metrics(a[both], b[both])
+    assert out is not None
     out.update(numel=numel, nonfinite_ref=nonfinite_ref, nonfinite_tgt=nonfinite_tgt, nonfinite_mismatch=mismatch)
     if mismatch:
         out.update(rel=math.inf, mad=math.inf, max_abs=math.inf, sqnr_db=-math.inf)
     return out
 
 
-def _finite_metrics(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
-    """rel/cos/mad/max_abs/sqnr of finite float64 vectors `b` (target) against `a` (reference)."""
+def _finite_metrics(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any] | None:
+    """rel/cos/mad/max_abs/sqnr of float64 vectors `b` (target) against `a` (reference); None if either holds a
+    non-finite value. All sums come from one 3×3 Gram matrix of (a, b, b − a) and one pass of |·| reductions;
+    when squares would overflow or underflow, the vectors are first scaled by their largest magnitude."""
     n = a.numel()
     if n == 0:
         return {"rel": 0.0, "cos": 1.0, "mad": 0.0, "max_abs": 0.0, "sqnr_db": math.inf, "ref_absmean": 0.0}
-    scale = float(torch.maximum(a.abs().max(), b.abs().max()))
-    ref_absmean = float(a.abs().mean())
+    m = torch.stack([a, b, b - a])
+    absm = m.abs()
+    mx = absm.amax(dim=1)
+    sm = absm.sum(dim=1)
+    amax, bmax, dmax = (float(x) for x in mx.tolist())
+    if not (math.isfinite(amax) and math.isfinite(bmax)):
+        return None
+    asum, _bsum, dsum = (float(x) for x in sm.tolist())
+    scale = max(amax, bmax)
     if scale == 0.0:  # both all zeros
         return {"rel": 0.0, "cos": 1.0, "mad": 0.0, "max_abs": 0.0, "sqnr_db": math.inf, "ref_absmean": 0.0}
-    # scale into [-1, 1] so that squares neither overflow nor underflow
-    sa = a / scale
-    sb = b / scale
-    d = sb - sa
-    absd = d.abs()
-    max_abs = float(absd.max()) * scale
-    mad = float(absd.mean()) * scale
-    na = float(torch.linalg.vector_norm(sa))
-    nb = float(torch.linalg.vector_norm(sb))
-    nd = float(torch.linalg.vector_norm(d))
-    if na == 0.0:
-        rel = math.inf if nd > 0.0 else 0.0
-    else:
-        rel = nd / na
+    g = (m @ m.T).tolist()
+    aa, bb, dd, ab = g[0][0], g[1][1], g[2][2], g[0][1]
+    ok = all(math.isfinite(v) for v in (aa, bb, dd, ab)) and not (
+        (aa == 0.0 and amax > 0.0) or (bb == 0.0 and bmax > 0.0) or (dd == 0.0 and dmax > 0.0))
+    if not ok:  # squares overflowed or underflowed: ratios from the scaled vectors
+        ms = m / scale
+        g = (ms @ ms.T).tolist()
+        aa, bb, dd, ab = g[0][0], g[1][1], g[2][2], g[0][1]
+    na, nb, nd = math.sqrt(aa), math.sqrt(bb), math.sqrt(dd)
+    if dmax == 0.0:
+        nd = 0.0
+    rel = (math.inf if nd > 0.0 else 0.0) if na == 0.0 else nd / na
     if nd == 0.0:
         cos = 1.0  # identical: exactly 1, not 1 - ulp
     elif na == 0.0 or nb == 0.0:
         cos = 0.0
     else:
-        cos = float(torch.dot(sa, sb)) / (na * nb)
-        cos = max(-1.0, min(1.0, cos))
+        cos = max(-1.0, min(1.0, ab / (na * nb)))
     if nd == 0.0:
         sqnr = math.inf
     elif na == 0.0:
         sqnr = -math.inf
     else:
         sqnr = 20.0 * math.log10(na / nd)
-    return {"rel": rel, "cos": cos, "mad": mad, "max_abs": max_abs, "sqnr_db": sqnr, "ref_absmean": ref_absmean}
+    return {"rel": rel, "cos": cos, "mad": dsum / n, "max_abs": dmax, "sqnr_db": sqnr, "ref_absmean": asum / n}
 
 
 def compare_outputs(ref: Any, tgt: Any, *, where: str = "") -> dict[str, dict[str, Any]]:
@@ -163,17 +174,15 @@ def compare_outputs(ref: Any, tgt: Any, *, where: str = "") -> dict[str, dict[st
 
 
 def worst(per_tensor: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-    """One metrics dict for a layer with several output tensors: the worst value of each metric."""
+    """One metrics dict for a layer with several output tensors: the worst value of each metric (of the metrics
+    every item has)."""
     items = list(per_tensor)
     if not items:
         return {"rel": 0.0, "cos": 1.0, "mad": 0.0, "max_abs": 0.0, "sqnr_db": math.inf}
-    out: dict[str, Any] = {
-        "rel": _worst_of((m["rel"] for m in items), high_is_bad=True),
-        "cos": _worst_of((m["cos"] for m in items), high_is_bad=False),
-        "mad": _worst_of((m["mad"] for m in items), high_is_bad=True),
-        "max_abs": _worst_of((m["max_abs"] for m in items), high_is_bad=True),
-        "sqnr_db": _worst_of((m["sqnr_db"] for m in items), high_is_bad=False),
-    }
+    out: dict[str, Any] = {}
+    for key, high_is_bad in (("rel", True), ("cos", False), ("mad", True), ("max_abs", True), ("sqnr_db", False)):
+        if all(key in m for m in items):
+            out[key] = _worst_of((m[key] for m in items), high_is_bad=high_is_bad)
     for extra in ("nonfinite_ref", "nonfinite_tgt", "nonfinite_mismatch", "numel"):
         if any(extra in m for m in items):
             out[extra] = sum(int(m.get(extra, 0)) for m in items)
