@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -211,6 +212,9 @@ def test_compare_inputs_first_then_schema_then_numbers(tmp_path: Path) -> None:
     doc = cmp.to_json()
     json.dumps(doc, allow_nan=False)
     assert doc["first_divergent"] == "block.fc2" and doc["layers"][0]["name"] == "embed"
+    moved = shutil.copytree(b, tmp_path / "elsewhere" / "b")  # as if fetched from another machine's artifact
+    shutil.rmtree(b)
+    assert compare_dumps(load_dump(a), load_dump(moved)).first_divergent == "block.fc2"
 
 
 def test_mismatched_inputs_stop_the_comparison(tmp_path: Path) -> None:
