@@ -296,11 +296,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--reference", default=None, help="reference id from the matrix")
     sp.add_argument("--sample", type=int, default=0)
     sp.add_argument("--out", required=True)
+    sp.add_argument("--chunk-mb", type=float, default=64.0, help="size of each safetensors chunk (bounds memory)")
 
     sp = add("compare", cmd_compare, "Compare two per-layer dumps offline (inputs, schema, then numbers).")
     sp.add_argument("ref_dump", metavar="REF_DUMP")
     sp.add_argument("target_dump", metavar="TARGET_DUMP")
     sp.add_argument("--json", default=None, help="also write the comparison as JSON here")
+    sp.add_argument("--thresholds", default=None, metavar="FILE", help="numerics thresholds file: hold each layer to its own threshold")
+    sp.add_argument("--fail-on", choices=("drift", "diverged", "broken", "never"), default="diverged",
+                    help="exit 1 from this severity on (default: diverged)")
 
     sp = add("env", cmd_env, "Versions, devices and available backends, for a bug report.")
     sp.add_argument("--json", action="store_true")
