@@ -61,6 +61,7 @@ from ..layer_search import (
     ROOT,
     ChildPlan,
     ModuleTree,
+    Opaque,
     ProbeOutcome,
     SearchResult,
     StopSearch,
@@ -193,6 +194,9 @@ def run_search(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, layers
         children += 1
         res = run_isolated("ci_runner.layer_search:probe_child", plan.__dict__, timeout=timeout, journal=journal,
                            env={str(k): str(v) for k, v in ctx.cell.backend.env.items()})
+        timed_out = res.status == "timeout" or _nonempty(timeout_file)
+        if not _nonempty(timeout_file):
+            timeout_file.unlink(missing_ok=True)
         if res.status == "ok":
             if not (res.value or {}).get("complete", False):
                 stop = "the cell's time ran out during the search"
@@ -210,7 +214,6 @@ def run_search(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, layers
             if res.stderr_tail:
                 stop += f"; stderr: {res.stderr_tail[-1500:]}"
             break
-        timed_out = res.status == "timeout" or _nonempty(timeout_file)
         if timed_out:
             outcome = ProbeOutcome(name=culprit, status="timeout", stage="run", error_type="Timeout",
                                    duration_s=opts.probe_timeout,
@@ -219,8 +222,11 @@ def run_search(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, layers
                                    traceback=_read_tail(timeout_file) or res.stderr_tail)
         else:
             sig = res.signal or (f"exit code {res.exit_code}" if res.exit_code is not None else "unknown")
+            why = res.message or sig
+            if res.signal == "SIGKILL":
+                why += " (SIGKILL from outside: often the kernel's out-of-memory killer)"
             outcome = ProbeOutcome(name=culprit, status="crashed", stage="run", error_type=res.signal or "Crash",
-                                   message=f"the process died while {label(culprit)} ran: {res.message or sig}",
+                                   message=f"the process died while {label(culprit)} ran: {why}",
                                    traceback=res.stderr_tail, signal=res.signal)
         append_outcome(outcomes_file, outcome)
         ctx.journal("leave-module", label(culprit))  # keep the cell journal balanced
@@ -265,7 +271,11 @@ def run(ctx: "ModeContext") -> ModeResult:
         return ModeResult(status="error", reason=f"the model fails on the reference (cpu) before any backend runs: "
                                                   f"{type(exc).__name__}: {first_line(str(exc))}",
                           data={"traceback": traceback.format_exc(limit=8)[-4000:]})
-    write_root_call(layers_dir, tree, kwargs)
+    try:
+        write_root_call(layers_dir, tree, kwargs)
+    except Opaque as exc:
+        return ModeResult(status="error", reason=f"the model's own inputs cannot be stored for the probing child: "
+                                                  f"they include {exc}")
     capture_info = {"modules": len(tree.nodes), "calls": sum(n.calls for n in tree.nodes.values()),
                     "seconds": round(cap_s, 4),
                     "shared": {label(n): node.calls for n, node in tree.nodes.items() if node.calls > 1},
