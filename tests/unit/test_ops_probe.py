@@ -185,3 +185,30 @@ def test_backend_spec_survives_the_trip_to_the_child() -> None:
     import json
 
     assert spec_from_dict(json.loads(json.dumps(spec_to_dict(spec)))) == spec
+
+
+def test_dynamo_level_probe_reaches_a_torch_level_compiler() -> None:
+    from tests.fixtures.plugin_ops_torchlevel import compile_fn
+
+    class TorchLevel:
+        is_eager = False
+        device = "cpu"
+
+        def compiler_backend(self) -> Any:
+            return compile_fn
+
+        def compile(self, fn: Any) -> Any:
+            return torch.compile(fn, backend=compile_fn)
+
+        def to_device(self, obj: Any) -> Any:
+            return obj
+
+    x = torch.empty(2, 5)
+    for via in ("fx", "dynamo"):
+        bad = run_probe(TorchLevel(), _probe("torch.cumsum", x, dim=1), compare_results=True, tolerance=(1e-4, 1e-5),
+                        via=via)
+        assert bad["status"] == "unsupported" and bad["error_type"] == "TorchLevelError", (via, bad)
+        assert "torch.cumsum" in bad["message"]
+        ok = run_probe(TorchLevel(), _probe("torch.Tensor.view", x, 10), compare_results=True, tolerance=(1e-4, 1e-5),
+                       via=via)
+        assert ok["status"] == "pass" and ok["compare"] == "ok", (via, ok)
