@@ -97,6 +97,7 @@ KIND_OF_STATUS = {"unsupported": "unsupported_op", "error": "op_error", "crashed
 SEVERITY = {"unsupported": 5, "crashed": 4, "timeout": 3, "error": 2, "mismatch": 1}
 FAILED = tuple(KIND_OF_STATUS)
 _CHILD_STARTUP_S = 60.0  # importing torch, the backend and Dynamo's first compile, on a loaded 2-core machine
+_MIN_PROBES_PER_CHILD = 24
 _MAX_PROBE_ROWS = 1000  # outcomes kept in ModeResult.data["probes"] (all of them are in ops/probes.json)
 
 COULD_NOT_RUN_RE = re.compile(r"Could not run '(?P<op>[\w:.]+)' with arguments from the '(?P<backend>[^']+)' backend")
@@ -681,7 +682,8 @@ class ProbeRunner:
 
     def run(self, probes: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        workers = max(1, min(self.opts.workers, len(probes)))
+        # a child costs a Python + torch + backend start-up: only split when each gets a fair share of probes
+        workers = max(1, min(self.opts.workers, len(probes) // _MIN_PROBES_PER_CHILD))
         shards = [_Shard(i, probes[i::workers]) for i in range(workers)]
         results: dict[str, dict[str, Any]] = {}
         if workers == 1:

@@ -65,7 +65,10 @@ def test_a_backend_that_cannot_be_set_up_is_reported_not_probed(tmp_path: Path) 
 
 def test_probes_split_over_two_children(tmp_path: Path) -> None:
     spec = BackendSpec(id="sim-subset", compile="sim-subset")
-    out, events = _run(tmp_path, spec, PROBES, workers=2)
+    probes = [_probe(i, op, X) for i, op in enumerate(["aten.exp.default", "aten.neg.default"] * 24)]
+    out, events = _run(tmp_path, spec, probes, workers=2)
     assert events.count("enter-probe-batch") == 2
-    assert {p: o["status"] for p, o in out.items()} == {"p0000": "pass", "p0001": "unsupported",
-                                                       "p0002": "unsupported", "p0003": "pass"}
+    assert [out[p["id"]]["status"] for p in probes] == ["unsupported", "pass"] * 24
+    few, events = _run(tmp_path, spec, PROBES, workers=2)  # too few probes to pay for a second child
+    assert events.count("enter-probe-batch") == 1
+    assert [few[p["id"]]["status"] for p in PROBES] == ["pass", "unsupported", "unsupported", "pass"]
