@@ -98,6 +98,7 @@ SEVERITY = {"unsupported": 5, "crashed": 4, "timeout": 3, "error": 2, "mismatch"
 FAILED = tuple(KIND_OF_STATUS)
 _CHILD_STARTUP_S = 60.0  # importing torch, the backend and Dynamo's first compile, on a loaded 2-core machine
 _MIN_PROBES_PER_CHILD = 24
+_CPU_FALLBACK_MAX_BYTES = 4 * 2**30  # a model whose meta trace fails is retried on CPU (real weights) up to this size
 _MAX_PROBE_ROWS = 1000  # outcomes kept in ModeResult.data["probes"] (all of them are in ops/probes.json)
 
 COULD_NOT_RUN_RE = re.compile(r"Could not run '(?P<op>[\w:.]+)' with arguments from the '(?P<backend>[^']+)' backend")
@@ -890,8 +891,19 @@ def render_repro(*, op: str, kind: str, stage: str, error_type: str | None, mess
 # --------------------------------------------------------------------------------------------- the mode
 
 def _plain_source(fn: Callable[..., Any]) -> str:
-    """A function's source for a standalone script, without this package's type-checker comments."""
-    return re.sub(r"  # type: ignore\[[^\]]*\]", "", inspect.getsource(fn))
+    """A function's source for a standalone script, without this package's type-checker comments.
+
+    Read once, at import: `inspect` reads the file on disk, which may have changed under a long-running process.
+    """
+    source = _SOURCES.get(fn.__name__)
+    if source is None:
+        source = _SOURCES[fn.__name__] = re.sub(r"  # type: ignore\[[^\]]*\]", "", inspect.getsource(fn))
+    return source
+
+
+_SOURCES: dict[str, str] = {}
+_plain_source(make_tensor)
+_plain_source(compare)
 
 
 def choose_level(spec: "BackendSpec", is_eager: bool, override: str | None) -> str:
@@ -998,7 +1010,6 @@ def run(ctx: "ModeContext") -> ModeResult:
 
     rows = []
     failures: dict[str, list[_Failure]] = {}
-    probe_errors = []
     for p in probes:
         o = outcomes.get(p["id"]) or _not_run(p, "no outcome recorded")
         sig = by_key[p["key"]]
@@ -1008,8 +1019,6 @@ def run(ctx: "ModeContext") -> ModeResult:
         if o["status"] in FAILED:
             op = attributed_op(p["op"], o)
             failures.setdefault(op, []).append(_Failure(op=op, signature=sig, probe=p, outcome=o))
-        elif o["status"] == "probe_error":
-            probe_errors.append(rows[-1])
     atomic_write_json(ops_dir / "probes.json", {"probes": rows, "left_out": left_out})
 
     counts: dict[str, int] = {}
@@ -1048,7 +1057,11 @@ def _take_inventory(ctx: "ModeContext", level: str) -> Inventory:
     """From a meta-device model (no weights) when the model source can build one, else from the CPU model."""
     device = ctx.backend.device
     errors: list[str] = []
+    _model_bytes = 0
     for meta in (True, False):
+        if not meta and _model_bytes > _CPU_FALLBACK_MAX_BYTES:
+            errors.append(f"not retried with real weights on CPU: the model needs {_model_bytes / 2**30:.1f} GiB")
+            break
         try:
             loaded = ctx.model(meta=meta)
             kwargs = ctx.inputs(loaded, sample=0, device="cpu")
@@ -1057,6 +1070,8 @@ def _take_inventory(ctx: "ModeContext", level: str) -> Inventory:
         except Exception as exc:
             errors.append(f"building the {'meta' if meta else 'CPU'} model failed: {type(exc).__name__}: {exc}")
             continue
+        if meta:
+            _model_bytes = sum(t.numel() * t.element_size() for t in loaded.module.parameters())
         try:
             inv = take_inventory(loaded.module, (), kwargs, level=level, device=device)
         except InventoryError as exc:

@@ -212,3 +212,26 @@ def test_dynamo_level_probe_reaches_a_torch_level_compiler() -> None:
         ok = run_probe(TorchLevel(), _probe("torch.Tensor.view", x, 10), compare_results=True, tolerance=(1e-4, 1e-5),
                        via=via)
         assert ok["status"] == "pass" and ok["compare"] == "ok", (via, ok)
+
+
+def test_a_model_that_does_not_trace_is_an_error_with_the_place_not_a_traceback(tmp_path: Any) -> None:
+    import time
+
+    from ci_runner.backends import resolve_backend
+    from ci_runner.config import load_matrix_text
+    from ci_runner.matrix import expand
+    from ci_runner.modes import ModeContext
+    from ci_runner.modes.ops import run
+
+    matrix = load_matrix_text("""
+version: 1
+models: [{id: giant, factory: "tests.fixtures.plugin_ops_models:untraceable"}]
+backends: [{id: sim-subset, compile: sim-subset}]
+""")
+    (cell,) = expand(matrix)
+    ctx = ModeContext(cell=cell, cell_dir=tmp_path, backend=resolve_backend(cell.backend), deadline=time.monotonic() + 300)
+    result = run(ctx)
+    assert result.status == "error" and not result.findings
+    assert "tests/fixtures/plugin_ops_models.py" in result.reason and "in forward" in result.reason
+    assert "not retried with real weights on CPU" in result.reason
+    assert "Traceback" not in result.reason
