@@ -112,3 +112,11 @@ def test_simdev_repro_reproduces_the_dispatcher_error(tmp_path: Path) -> None:
                       expect_error_type="NotImplementedError", timeout=120, env=_env())
     assert v.verified, v
     assert "REPRO FAILED (run): NotImplementedError" in v.output_tail
+
+
+def test_any_backend_text_keeps_the_script_valid() -> None:
+    nasty = 'bad """ quote \\N{oops} \\x9 and {braces} %s\nsecond line\r\nthird'
+    text = _render(SUBSET, "aten.softplus.default", torch.empty(3), message=nasty, error_type='Err"""\\')
+    ast.parse(text)
+    assert '# Found:    Err"""\\: bad """ quote \\N{oops}' in text  # verbatim, inside a comment
+    assert "\nsecond line" not in text
