@@ -299,7 +299,7 @@ def run(ctx: "ModeContext") -> ModeResult:
     if whole.status == "pass":
         return ModeResult(status="pass", data=data, duration_s=time.monotonic() - t0)
 
-    findings = [_finding(ctx, tree, result, name) for name in result.minimal]
+    findings = [_finding(ctx, tree, result, name, all_calls=opts.all_calls) for name in result.minimal]
     if opts.repro and result.minimal:
         captured = capture_inputs(model, (), kwargs, result.minimal)
         for name, finding in zip(result.minimal, findings):
@@ -335,7 +335,7 @@ def _candidate_row(tree: ModuleTree, o: ProbeOutcome) -> dict[str, Any]:
     return row
 
 
-def _finding(ctx: "ModeContext", tree: ModuleTree, result: SearchResult, name: str) -> Finding:
+def _finding(ctx: "ModeContext", tree: ModuleTree, result: SearchResult, name: str, *, all_calls: bool) -> Finding:
     o = result.outcomes[name]
     node = tree.nodes[name]
     children = tree.children(name)
@@ -353,7 +353,7 @@ def _finding(ctx: "ModeContext", tree: ModuleTree, result: SearchResult, name: s
         "status": o.status,
         "path": [label(p) for p in tree.path(name)],
         "calls": node.calls,
-        "call_index": 0,
+        "call_index": max(0, o.calls_tried - 1) if o.status == "fail" else 0,
         "children": {label(c): s for c, s in tried_children.items()},
         "message_full": o.message[:4000],
         "traceback_tail": o.traceback[-3000:],
@@ -363,7 +363,8 @@ def _finding(ctx: "ModeContext", tree: ModuleTree, result: SearchResult, name: s
     if o.executing:
         details["executing"] = label(o.executing)
     if node.calls > 1:
-        details["note"] = f"called {node.calls} times per forward; probed on its first call's inputs"
+        details["note"] = (f"called {node.calls} times per forward; probed on "
+                           + ("every call's inputs" if all_calls else "its first call's inputs"))
     return Finding(kind=KIND, stage=o.stage or "run", message=what,
                    fingerprint=fingerprint(KIND, ctx.cell.backend.id, ctx.cell.model.id, label(name)),
                    module=label(name), module_class=node.module_class, error_type=o.error_type, details=details)
@@ -380,8 +381,14 @@ def _plugin_modules(spec: Any) -> list[str]:
     return list(dict.fromkeys(mods))
 
 
+def _sim_name(compile_spec: str | None) -> bool:
+    from ..sim import is_sim
+
+    return bool(is_sim(compile_spec))
+
+
 def _is_sim_backend(spec: Any) -> bool:
-    return bool((spec.compile or "").startswith("sim-") or spec.device == "simdev")
+    return _sim_name(spec.compile) or spec.device.split(":")[0] == "simdev"
 
 
 def plugin_pythonpath(modules: list[str]) -> list[str]:
@@ -423,7 +430,7 @@ def _backend_recipe(spec: Any) -> dict[str, Any]:
     if ":" in compile_spec:
         mod, attr = compile_spec.split(":", 1)
         recipe.update(kind="callable", module=mod, attr=attr)
-    elif compile_spec.startswith("sim-"):
+    elif _sim_name(compile_spec):
         recipe.update(kind="sim", name=compile_spec)
     else:
         recipe.update(kind="registered", name=compile_spec)

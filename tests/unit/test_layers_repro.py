@@ -61,6 +61,8 @@ def test_backend_recipes_and_plugin_paths() -> None:
     plug = _backend_recipe(SPECS[2])
     assert (plug["kind"], plug["module"], plug["attr"]) == ("callable", "tests.fixtures.plugin_layers_pair", "pair_backend")
     assert _backend_recipe(SPECS[3])["kind"] == "eager"
+    both = BackendSpec(id="both", compile="aot_eager", device="simdev")  # a compiler on the sim device
+    assert _backend_recipe(both)["kind"] == "registered" and _plugin_modules(both) == ["ci_runner"]
     assert _plugin_modules(SPECS[2]) == ["tests.fixtures", "tests.fixtures.plugin_layers_pair"]
     assert _plugin_modules(SPECS[3]) == ["ci_runner"]
     # the checkout's root holds `tests` and `ci_runner`; torch lives in site-packages and is left out
