@@ -76,6 +76,7 @@ def _rows(mode: ModeResult) -> dict[str, dict[str, Any]]:
 def _run_by_hand(repro_dir: Path, plugin_root: Path | None) -> subprocess.CompletedProcess[str]:
     """`python repro.py` from its folder, with torch and the backend's plugin only (no deepview-ci unless it is the plugin)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONSAFEPATH"] = "1"  # nothing from the current folder beyond the script's own
     if plugin_root is not None:
         env["PYTHONPATH"] = str(plugin_root)
     return subprocess.run([sys.executable, "repro.py"], cwd=repro_dir, env=env, capture_output=True, text=True,
@@ -107,8 +108,14 @@ def test_two_operator_backend_names_self_attn_while_each_child_compiles(tmp_path
     rdir = cdir / Path(f.repro.path).parent
     assert {p.name for p in rdir.iterdir()} >= {"module.pt2", "inputs.safetensors", "repro.py"}
     assert "model source" not in (f.repro.note or "") or "needs no model source" in (f.repro.note or "")
-    # by hand, from its folder: torch and the plugin only
-    proc = _run_by_hand(rdir, REPO)
+    # by hand, from its folder: torch and the plugin only (a copy of the plugin alone; deepview-ci not importable)
+    plugin_root = tmp_path / "plugin_only"
+    (plugin_root / "tests" / "fixtures").mkdir(parents=True)
+    (plugin_root / "tests" / "__init__.py").write_text("")
+    (plugin_root / "tests" / "fixtures" / "__init__.py").write_text("")
+    (plugin_root / "tests" / "fixtures" / "plugin_layers_pair.py").write_text(
+        (REPO / "tests" / "fixtures" / "plugin_layers_pair.py").read_text())
+    proc = _run_by_hand(rdir, plugin_root)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "REPRO FAILED" in proc.stderr and "IndexError" in proc.stderr
     # the journal is balanced: nothing left open
