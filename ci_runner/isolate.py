@@ -110,7 +110,25 @@ def _tail(path: Path, limit: int = 4000) -> str:
     return data[-limit:].decode("utf-8", errors="replace")
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this child when its parent dies (it runs in its own session, so killing the
+    parent's process group would miss it, and a hung probe must not outlive its cell)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
 def _child(payload_path: str, result_path: str) -> int:
+    _die_with_parent()
     spec = json.loads(Path(payload_path).read_text(encoding="utf-8"))
     module_name, fn_name = spec["target"].split(":")
     try:
