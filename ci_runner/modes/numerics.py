@@ -28,38 +28,47 @@ Method
    ops only (for `model.layers.0.self_attn`: the rotary embedding, attention and reshapes, not q/k/v/o_proj), and
    a module flagged in this view is where the error is made, not where it arrives. The granularity is every
    called module (containers included; ModuleList/ModuleDict are never called and do not appear), because an op
-   can be owned by a container (attention in `*.self_attn`, residual adds in a decoder layer). Cost: each op
-   runs once, i.e. about one extra forward.
-5. **Verdict**: the first divergent layer (completion order, cumulative view; else the isolated view), and
-   `algorithmic` (a layer flagged in the isolated view), `layer_class` (two or more layers flagged in the isolated
+   can be owned by a container (attention in `*.self_attn`, residual adds in a decoder layer). What a module
+   passes to its stubbed sub-calls is compared too (an own op whose result only feeds a sub-call). Cost: each op
+   runs once, i.e. about one extra forward; so by default (`isolated: auto`) this view runs only when the
+   cumulative view flags a layer, fails or misses one: it is what attributes a divergence, and a clean target
+   then costs about a reference pass plus a target pass. `isolated: all` always runs it (it also catches an own-op
+   error too small to exceed the cumulative view's looser, accumulated thresholds).
+5. **Verdict**: the first divergent layer (the first layer, in completion order, flagged in the isolated view:
+   wrong on its own; else the first flagged in the cumulative view), and `algorithmic` (a layer flagged in the
+   isolated view: a sudden jump, not carried-in drift), `layer_class` (two or more layers flagged in the isolated
    view share a module class or a relative path such as `model.layers.*.post_attention_layernorm`) or `drift`
-   (the cumulative view grows past thresholds with no layer wrong on its own).
+   (the cumulative view grows past thresholds with no layer wrong on its own). Findings (`divergence`): one per
+   module flagged in the isolated view; for pure drift, one for the first divergent layer.
 
 The target runs in a child process (`isolate.run_isolated`) so that a backend that aborts, segfaults or hangs
 loses only the module it was running (journalled in `numerics/journal.log`); a fresh child goes on with the rest.
 
 Options (`options: {numerics: {...}}` in the matrix)
 ----------------------------------------------------
-================  ========  ===========================================================================
-option            default   meaning
-================  ========  ===========================================================================
-percentile        99        percentile of the reference-vs-reference spread over samples (thresholds.py)
-margin            8         factor on that spread
-rel_floor         64·eps    lowest rel threshold (eps of the primary dtype: 7.6e-6 for float32)
-mad_floor         rel_floor lowest mad threshold, relative to the layer's mean |reference|
-cos_floor         rel_floor² lowest 1 − cos threshold
-samples           max(2, inputs.samples)  input samples the thresholds are derived over
-thresholds_dir    <run>/thresholds  where threshold files live (share one folder across runs)
-compare_samples   1         input samples the target is compared on (worst sample counts)
-views             [cumulative, isolated]
-isolate           true      run the target in a child process (false: in this process; faster, unsafe)
-timeout           (cell)    seconds for one target child
-max_restarts      8         children started again after crashes before giving up
-keep_dumps        false     keep the reference dumps (numerics/ref/) after the mode
-chunk_mb          64        size of one safetensors chunk of the reference dump
-max_layers        2000      layers listed in `data["layers"]` (the rest is counted, not listed)
-max_findings      200       findings emitted (the most severe first)
-================  ========  ===========================================================================
+| option | default | meaning |
+|---|---|---|
+| `percentile` | 99 | percentile of the reference-vs-reference spread over samples (`thresholds.py`) |
+| `margin` | 8 | factor on that spread |
+| `rel_floor` | 64·eps | lowest rel threshold (eps of the primary dtype: 7.6e-6 for float32) |
+| `mad_floor` | rel_floor | lowest mad threshold, relative to the layer's mean abs reference value |
+| `cos_floor` | rel_floor² | lowest 1 − cos threshold |
+| `samples` | max(2, inputs.samples) | input samples the thresholds are derived over |
+| `thresholds_dir` | `<run>/thresholds` | where threshold files live (point several runs at one folder to share) |
+| `compare_samples` | 1 | input samples the target is compared on (the worst sample counts) |
+| `views` | [cumulative, isolated] | which views run at all |
+| `isolated` | auto | auto: the isolated view runs when the cumulative view flags or fails something; all: always |
+| `isolate` | true | run the target in a child process (false: in this process; faster, not crash-safe) |
+| `timeout` | the cell's | seconds for one target child |
+| `max_restarts` | 8 | children started again after crashes before giving up |
+| `keep_dumps` | false | keep the reference dumps (`numerics/ref/`) after the mode |
+| `chunk_mb` | 64 | size of one safetensors chunk of the reference dump |
+| `max_layers` | 2000 | layers listed in `data["layers"]` (the rest is counted, not listed) |
+| `max_findings` | 200 | findings emitted (the most severe first) |
+
+Status: `fail` with findings; `pass` when nothing exceeds its threshold (`reason` says "partial: …" when some
+layers or a view could not be compared, e.g. the backend crashed in them: the layers mode reports those);
+`error` when nothing at all could be compared, or fewer than two references are configured.
 """
 
 from __future__ import annotations
@@ -119,6 +128,7 @@ class NumericsOptions:
     thresholds: ThresholdOptions
     compare_samples: int = 1
     views: tuple[str, ...] = VIEWS
+    isolated: str = "auto"  # "auto": when the cumulative view flags or fails anything; "all": always
     isolate: bool = True
     timeout: float | None = None
     max_restarts: int = 8
@@ -156,6 +166,11 @@ class NumericsOptions:
                     raise ConfigError(f"{where}.{key}: {opts[key]!r} is not a number", hint="give seconds / MiB") from None
                 if kw[key] <= 0:
                     raise ConfigError(f"{where}.{key}: must be positive", hint="give a positive number")
+        if "isolated" in opts:
+            if opts["isolated"] not in ("auto", "all"):
+                raise ConfigError(f"{where}.isolated: {opts['isolated']!r} is not auto or all",
+                                  hint="auto: the isolated view runs when the cumulative view flags or fails something")
+            kw["isolated"] = opts["isolated"]
         if "views" in opts:
             views = opts["views"]
             if isinstance(views, str):
@@ -591,24 +606,41 @@ class CompareSink(CallSink):
         if call is None:
             return
         self.seen.add(meta.key)
+        if output is None and call["compare"]:  # post hooks run with always_call: the forward raised in here
+            self.on_result(_record("cumulative", call, error="no output: the forward raised inside this module",
+                                   stage="run"))
+            return
         try:
             self.on_result(_record("cumulative", call, metrics=compare_call(self.reader, call, output)))
         except MetricsError as exc:
             self.on_result(_record("cumulative", call, error=exc.message, stage="compare"))
 
 
+def _capture_forward(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """What the cumulative view compiles: the model's call, in a frame of its own. Dynamo caches compiled code per
+    code object and, by default, does not guard on hooks; compiling `module` itself could reuse a graph this
+    process compiled earlier WITHOUT the capture hooks (the hooks would then silently not run)."""
+    return module(*args, **kwargs)
+
+
+def compile_for_capture(backend: Any) -> Callable[..., Any]:
+    """`backend.compile` of the cumulative view's entry point; call it as `fn(module, args, kwargs)`."""
+    return backend.compile(_capture_forward)
+
+
 def capture_compiled_outputs(module: nn.Module, fn: Callable[..., Any], args: Sequence[Any],
-                             kwargs: Mapping[str, Any], holder: "_Appender") -> tuple[Any, list[tuple[str, Any]]]:
-    """Run the compiled `fn` with `holder`'s hooks on `module`'s submodules; (output, [(key, flat output)]).
+                             kwargs: Mapping[str, Any], holder: "CaptureHooks") -> tuple[Any, list[tuple[str, Any]]]:
+    """Run `fn = compile_for_capture(backend)` on `module` with `holder`'s hooks on its submodules; returns
+    (output, [(key, flat output)]).
 
     The hooks only append to a list, which Dynamo traces into the graph (no graph break): the outputs are the
     backend's own. Keys count each module's completions, so the k-th call of a module is `name#k`.
     """
     holder.records.clear()
-    with torch.no_grad():
-        out = fn(*args, **kwargs)
+    with torch.no_grad(), torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):
+        out = fn(module, tuple(args), dict(kwargs))
     records = list(holder.records)
-    holder.records.clear()  # the same list object: Dynamo guards on it
+    holder.records.clear()  # the same list object, always
     counts: dict[str, int] = {}
     keyed = []
     for name, o in records:
@@ -618,27 +650,40 @@ def capture_compiled_outputs(module: nn.Module, fn: Callable[..., Any], args: Se
     return out, keyed
 
 
-class _Appender:
-    """Forward hooks that only append `(name, output)`: traceable by Dynamo without a graph break."""
+# One module-level list that every compiled-capture hook appends to. Dynamo does not guard on hooks by default
+# (`skip_nnmodule_hook_guards`): a graph traced with an earlier set of hooks is reused for a same-shaped model and
+# replays ITS appends. Appending to this one list, never replaced, keeps that replay pointed at the current capture.
+_CUMULATIVE_SINK: list[tuple[str, tuple[tuple[str, torch.Tensor], ...]]] = []
+
+
+class CaptureHooks:
+    """Forward hooks that only append `(name, flat output)`: traceable by Dynamo without a graph break."""
 
     def __init__(self, module: nn.Module) -> None:
-        self.records: list[tuple[str, Any]] = []
-        self.handles = [sub.register_forward_hook(self._hook(name)) for name, sub in module.named_modules()]
-
-    def _hook(self, name: str) -> Callable[..., None]:
-        holder = self
-
-        def hook(mod: nn.Module, args: Any, output: Any) -> None:
-            acc: list[tuple[str, torch.Tensor]] = []
-            _flatten_traceable(output, "", acc)  # now: the model may mutate a returned ModelOutput later
-            holder.records.append((name, tuple(acc)))
-
-        return hook
+        self.records = _CUMULATIVE_SINK
+        self.handles = [sub.register_forward_hook(_sink_hook(name)) for name, sub in module.named_modules()]
 
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+
+
+_SINK_HOOKS: dict[str, Callable[..., None]] = {}
+
+
+def _sink_hook(name: str) -> Callable[..., None]:
+    """The capture hook for module `name`: one function object per name for the whole process, so that guards on
+    hooks (`skip_nnmodule_hook_guards=False` while capturing) hold from one capture to the next."""
+    hook = _SINK_HOOKS.get(name)
+    if hook is None:
+        def hook(mod: nn.Module, args: Any, output: Any) -> None:
+            acc: list[tuple[str, torch.Tensor]] = []
+            _flatten_traceable(output, "", acc)  # now: the model may mutate a returned ModelOutput later
+            _CUMULATIVE_SINK.append((name, tuple(acc)))
+
+        _SINK_HOOKS[name] = hook
+    return hook
 
 
 def _flatten_traceable(obj: Any, prefix: str, acc: list[tuple[str, torch.Tensor]]) -> None:
@@ -885,6 +930,9 @@ class TargetPlan:
     views: tuple[str, ...] = VIEWS
     skip: Mapping[str, Sequence[str]] = field(default_factory=dict)  # "<view>:<sample>" -> keys already done
     deadline_wall: float | None = None  # time.time() after which no new module is started
+    isolated: str = "all"  # "auto": only when the cumulative view flags or fails something (needs `thresholds`)
+    thresholds: str | None = None  # the thresholds file, for `isolated: auto`
+    threshold_options: Mapping[str, Any] = field(default_factory=dict)
 
 
 def spec_to_json(spec: Any) -> dict[str, Any]:
@@ -915,12 +963,31 @@ def spec_from_json(cls: type, data: Mapping[str, Any]) -> Any:
 
 
 def compare_target(module: nn.Module, backend: Any, plan: TargetPlan, emit: ResultFn,
-                   journal: Callable[[str, str], None] | None = None) -> None:
+                   journal: Callable[[str, str], None] | None = None, *, table: ThresholdTable | None = None) -> None:
     """Both views of the target against every dump of `plan`; each record goes to `emit` as it is made.
 
     `module` is the model in the primary reference's dtype on CPU; it is moved to the backend's device (eager
-    devices) and compiled whole for the cumulative view, then module by module for the isolated view.
+    devices) and compiled whole for the cumulative view, then module by module for the isolated view. With
+    `plan.isolated == "auto"` the isolated view runs only when the cumulative view flags a layer (against `table`,
+    else the thresholds file of the plan), fails, or misses one; otherwise a `{"view": "isolated", "status":
+    "skipped"}` record says so. Each view ends with a status record carrying its `seconds`.
     """
+    if plan.isolated == "auto" and table is None and plan.thresholds:
+        from ..thresholds import load_table
+
+        table = load_table(Path(plan.thresholds), ThresholdOptions.from_mapping(plan.threshold_options))
+    needed = plan.isolated != "auto" or table is None
+    inner = emit
+
+    def emit(rec: dict[str, Any]) -> None:  # noqa: F811 - watches the cumulative records go by
+        nonlocal needed
+        if rec.get("view") == "cumulative" and not needed:
+            if "error" in rec or rec.get("status") == "error" or rec.get("unobserved_count"):
+                needed = True
+            elif "metrics" in rec and table is not None and exceeded(rec["metrics"], table.get(rec["key"], "cumulative")[0]):
+                needed = True
+        inner(rec)
+
     device = getattr(backend, "device", "cpu")
     if device != "cpu":
         module = backend.to_device(module)
@@ -935,7 +1002,11 @@ def compare_target(module: nn.Module, backend: Any, plan: TargetPlan, emit: Resu
     with torch._dynamo.config.patch(**DYNAMO_SETTINGS):
         if "cumulative" in plan.views:
             _cumulative(module, backend, readers, plan, emit, to_dev, journal)
-        if "isolated" in plan.views:
+        if "isolated" in plan.views and not needed:
+            emit({"view": "isolated", "status": "skipped", "seconds": 0.0,
+                  "reason": "the cumulative view flagged no layer (isolated: auto)"})
+        elif "isolated" in plan.views:
+            t0 = time.monotonic()
             compiled: dict[str, Callable[..., Any]] = {}
 
             def runner(name: str, m: nn.Module) -> Callable[..., Any]:
@@ -952,6 +1023,7 @@ def compare_target(module: nn.Module, backend: Any, plan: TargetPlan, emit: Resu
 
                 run_isolated_view(modules, reader, runner, emit_s, cast=to_dev, skip=skip, journal=journal,
                                   prefix=f"isolated:{s}:", deadline=deadline)
+            emit({"view": "isolated", "status": "done", "seconds": round(time.monotonic() - t0, 4)})
     for r in readers:
         r.close()
 
@@ -959,7 +1031,7 @@ def compare_target(module: nn.Module, backend: Any, plan: TargetPlan, emit: Resu
 def _cumulative(module: nn.Module, backend: Any, readers: Sequence[DumpReader], plan: TargetPlan, emit: ResultFn,
                 to_dev: Callable[[Any], Any], journal: Callable[[str, str], None] | None) -> None:
     eager = bool(getattr(backend, "is_eager", False))
-    appender = None if eager else _Appender(module)
+    appender = None if eager else CaptureHooks(module)
     fn = None
     try:
         for s, reader in enumerate(readers):
@@ -971,6 +1043,7 @@ def _cumulative(module: nn.Module, backend: Any, readers: Sequence[DumpReader], 
             tag = f"cumulative:{s}"
             if journal:
                 journal("enter-module", tag)
+            t0 = time.monotonic()
             try:
                 if eager:
                     sink = CompareSink(reader, lambda r, s=s: emit({**r, "sample": s}), journal=journal, prefix=tag + ":")
@@ -979,8 +1052,10 @@ def _cumulative(module: nn.Module, backend: Any, readers: Sequence[DumpReader], 
                 else:
                     assert appender is not None
                     if fn is None:
-                        fn = backend.compile(module)
+                        fn = compile_for_capture(backend)
                     _out, records = capture_compiled_outputs(module, fn, args, kwargs, appender)
+                    if not records and reader.calls:
+                        raise CaptureError("the compiled model ran but none of the capture hooks did")
                     seen = set()
                     records.reverse()
                     while records:
@@ -998,7 +1073,7 @@ def _cumulative(module: nn.Module, backend: Any, readers: Sequence[DumpReader], 
                         del out, flat
                 missing = [c["key"] for c in reader.calls if c["key"] not in seen]
                 emit({"view": "cumulative", "sample": s, "status": "ok", "unobserved": missing[:50],
-                      "unobserved_count": len(missing)})
+                      "unobserved_count": len(missing), "seconds": round(time.monotonic() - t0, 4)})
             except Exception as exc:
                 emit({"view": "cumulative", "sample": s, "status": "error", "error": _short(exc, 2000),
                       "stage": "compile" if _is_compile_error(exc) else "run"})
@@ -1071,7 +1146,8 @@ def _parse_journal_entry(entry: str | None) -> tuple[str, int, str] | None:
     return parts[0], s, parts[2] if len(parts) > 2 else ""
 
 
-def _run_target(ctx: "ModeContext", opts: NumericsOptions, dumps: list[Path], work: Path) -> tuple[list[dict[str, Any]], list[str]]:
+def _run_target(ctx: "ModeContext", opts: NumericsOptions, dumps: list[Path], work: Path,
+                table: ThresholdTable) -> tuple[list[dict[str, Any]], list[str]]:
     """Compare the target against `dumps` (child processes unless `isolate: false`); (records, notes)."""
     from ..isolate import run_isolated
     from ..modes import last_open_entry
@@ -1085,7 +1161,8 @@ def _run_target(ctx: "ModeContext", opts: NumericsOptions, dumps: list[Path], wo
     notes: list[str] = []
     base = dict(model=spec_to_json(ctx.cell.model), backend=spec_to_json(ctx.cell.backend), seed=ctx.cell.inputs.seed,
                 dtype=primary.dtype, dumps=tuple(str(d) for d in dumps), results=str(results), journal=str(journal),
-                views=opts.views)
+                views=opts.views, isolated=opts.isolated, thresholds=str(table.path) if table.path else None,
+                threshold_options=opts.thresholds.as_dict())
     if not opts.isolate:
         loaded = ctx.model(dtype=primary.dtype, device="cpu")
         module = loaded.module
@@ -1101,7 +1178,7 @@ def _run_target(ctx: "ModeContext", opts: NumericsOptions, dumps: list[Path], wo
         def jour(event: str, name: str) -> None:
             append_line(journal, f"{event}\t{name}")
 
-        compare_target(module, ctx.backend, plan, emit, journal=jour)
+        compare_target(module, ctx.backend, plan, emit, journal=jour, table=table)
         return read_records(results), notes
 
     skip: dict[str, list[str]] = {}
@@ -1116,6 +1193,8 @@ def _run_target(ctx: "ModeContext", opts: NumericsOptions, dumps: list[Path], wo
         records = read_records(results)
         skip = _done_keys(records, crashed)
         payload = {**base, "skip": skip, "deadline_wall": time.time() + budget * 0.9}
+        if attempt:  # a child died: the cumulative view is incomplete or the isolated view had started
+            payload["isolated"] = "all"
         res = run_isolated("ci_runner.modes.numerics:target_child", payload, timeout=budget, journal=journal,
                            env=dict(ctx.cell.backend.env))
         if res.status == "ok":
@@ -1155,7 +1234,7 @@ def _run_target(ctx: "ModeContext", opts: NumericsOptions, dumps: list[Path], wo
 def _done_keys(records: list[dict[str, Any]], crashed: list[dict[str, Any]]) -> dict[str, list[str]]:
     skip: dict[str, list[str]] = {}
     for r in records:
-        if r.get("view") == "isolated" and "key" in r:
+        if r.get("view") == "isolated" and "key" in r and "sample" in r:
             skip.setdefault(f"isolated:{r['sample']}", []).append(r["key"])
         elif r.get("view") == "cumulative" and "status" in r:
             skip.setdefault(f"cumulative:{r['sample']}", [])
@@ -1186,6 +1265,7 @@ class _Layer:
     threshold: dict[str, dict[str, float]] = field(default_factory=dict)
     threshold_source: dict[str, str] = field(default_factory=dict)
     exceeded: dict[str, list[str]] = field(default_factory=dict)
+    via: str | None = None  # isolated view: the sub-call whose inputs (computed by this layer) differ most
 
     def flagged(self, view: str) -> bool:
         return bool(self.exceeded.get(view))
@@ -1206,18 +1286,19 @@ def _build_layers(reader: DumpReader, records: list[dict[str, Any]], table: Thre
             continue
         layer = layers[key]
         if "metrics" in r:
+            prev = layer.metrics.get(r["view"])
             _merge(layer, r["view"], r["metrics"])
+            if r["view"] == "isolated" and (prev is None or float(r["metrics"]["rel"]) >= float(prev["rel"])):
+                layer.via = r.get("via")
         elif "error" in r:
             layer.errors.setdefault(r["view"], f"{r.get('stage', 'run')}: {r['error']}")
     for layer in layers.values():
         for view in VIEWS:
-            m = layer.metrics.get(view)
-            if m is None:
-                continue
             thr, source = table.get(layer.key, view)
             layer.threshold[view] = thr
             layer.threshold_source[view] = source
-            layer.exceeded[view] = exceeded(m, thr)
+            m = layer.metrics.get(view)
+            layer.exceeded[view] = exceeded(m, thr) if m is not None else []
     return sorted(layers.values(), key=lambda l: l.idx)
 
 
@@ -1291,9 +1372,10 @@ def _findings(ctx: "ModeContext", layers: list[_Layer], verdict: Mapping[str, An
         over = worst_l.exceeded.get(why, [])
         sev = severity(m) if m else "n/a"
         if why == "isolated":
-            msg = (f"{name or '(root)'} ({worst_l.module_class}) diverges on its own: {_fmt(m)} against threshold "
-                   f"rel {thr.get('rel', math.nan):.2e} / cos {thr.get('cos', math.nan):.6f} (isolated view, "
-                   f"{sev})")
+            where = f" in what it passes to {worst_l.via}" if worst_l.via else ""
+            msg = (f"{name or '(root)'} ({worst_l.module_class}) diverges on its own{where}: {_fmt(m)} against "
+                   f"threshold rel {thr.get('rel', math.nan):.2e} / cos {thr.get('cos', math.nan):.6f} (isolated "
+                   f"view, {sev})")
         else:
             msg = (f"accumulated drift first exceeds the threshold at {name or '(root)'} ({worst_l.module_class}): "
                    f"{_fmt(m)} against rel {thr.get('rel', math.nan):.2e} (cumulative view, {sev}); "
@@ -1306,7 +1388,7 @@ def _findings(ctx: "ModeContext", layers: list[_Layer], verdict: Mapping[str, An
             module=name, module_class=worst_l.module_class,
             metrics={v: public(worst_l.metrics[v]) for v in VIEWS if worst_l.metrics.get(v)},
             threshold={v: dict(worst_l.threshold[v]) for v in VIEWS if v in worst_l.threshold},
-            details={"view": view, "exceeded": over, "severity": sev, "calls": len(ls),
+            details={"view": view, "exceeded": over, "severity": sev, "calls": len(ls), "via": worst_l.via,
                      "relative_path": _rel_path(name), "first_divergent": name == verdict.get("first_divergent"),
                      "verdict": verdict.get("kind"), "pattern": verdict.get("pattern"),
                      "downstream_flagged": downstream if why == "cumulative" else None},
@@ -1324,17 +1406,30 @@ def _table(layers: list[_Layer], cap: int) -> list[dict[str, Any]]:
             "depth": l.depth,
             "cumulative": public(l.metrics["cumulative"]) if l.metrics.get("cumulative") else None,
             "isolated": public(l.metrics["isolated"]) if l.metrics.get("isolated") else None,
-            "threshold": dict(l.threshold.get("cumulative") or l.threshold.get("isolated") or {}),
+            "threshold": dict(l.threshold.get("cumulative") or {}),
             "threshold_isolated": dict(l.threshold.get("isolated") or {}),
             "flagged_cumulative": l.flagged("cumulative"),
             "flagged_isolated": l.flagged("isolated"),
         }
+        if l.via:
+            row["isolated_via"] = l.via
         if l.errors:
             row["errors"] = dict(l.errors)
         if "fallback" in l.threshold_source.values():
             row["threshold_source"] = dict(l.threshold_source)
         out.append(row)
     return out
+
+
+def _view_status(layers: list[_Layer], view: str, *, errors: bool, wanted: bool) -> str:
+    """`ran` (every layer compared), `partial`, `error` (nothing compared) or `not run`."""
+    if not wanted:
+        return "not run"
+    compared = sum(1 for l in layers if l.metrics.get(view) is not None)
+    failed = errors or any(view in l.errors for l in layers)
+    if compared == 0:
+        return "error" if failed else "not run"
+    return "partial" if failed or compared < len(layers) else "ran"
 
 
 def _thresholds_folder(ctx: "ModeContext", opts: NumericsOptions) -> Path:
@@ -1355,8 +1450,13 @@ def derive_for_cell(ctx: "ModeContext", opts: NumericsOptions, dump_root: Path, 
     path = threshold_path(_thresholds_folder(ctx, opts), ctx.cell.model.id, key)
 
     def derive() -> dict[str, LayerStats]:
+        from ..models import load_model
+
         loaded = ctx.model(dtype=primary.dtype, device=primary.device)
-        secondaries = [(r, ctx.model(dtype=r.dtype, device=r.device).module) for r in refs[1:]]
+        # secondary references are loaded here, not through ctx's cache: their memory (a float64 copy is twice the
+        # weights) is freed as soon as the thresholds are derived
+        secondaries = [(r, load_model(ctx.cell.model, seed=ctx.cell.inputs.seed, dtype=r.dtype, device=r.device).module)
+                       for r in refs[1:]]
         for r, module in secondaries:
             runnable_reference(module, r.dtype)
 
@@ -1405,16 +1505,21 @@ def run(ctx: "ModeContext") -> ModeResult:
         notes.append(f"reference pass replaced by dump(s) {', '.join(str(d) for d in dumps)}")
     for s in compare if not toolbox.reference_dump else ():
         folder = dump_root / f"sample-{s}"
-        if not (folder / "index.json").exists():
+        if table.reused or not (folder / "index.json").exists():  # derived now: derive() left it on disk
             record_reference(loaded.module, ctx.inputs(loaded, sample=s, device=primary.device), folder,
                              chunk_mb=opts.chunk_mb, meta=_dump_meta(primary, s))
         dumps.append(folder)
     timings["reference_s"] = round(time.monotonic() - t, 3)
     t = time.monotonic()
-    records, target_notes = _run_target(ctx, opts, dumps, work)
+    records, target_notes = _run_target(ctx, opts, dumps, work, table)
     notes.extend(target_notes)
     timings["target_s"] = round(time.monotonic() - t, 3)
 
+    iso_status = [r for r in records if r.get("view") == "isolated" and "status" in r]
+    timings["target_cumulative_s"] = round(sum(float(r.get("seconds", 0.0)) for r in records
+                                               if r.get("view") == "cumulative" and "status" in r), 3)
+    timings["target_isolated_s"] = round(sum(float(r.get("seconds", 0.0)) for r in iso_status), 3)
+    iso_skipped = next((r.get("reason") for r in iso_status if r["status"] == "skipped"), None)
     reader = DumpReader(dumps[0])
     layers = _build_layers(reader, records, table)
     reader.close()
@@ -1436,12 +1541,16 @@ def run(ctx: "ModeContext") -> ModeResult:
                        "key_hash": table.path.stem.rsplit("-", 1)[-1] if table.path else None,
                        "references": [r.id for r in refs], "options": opts.thresholds.as_dict(),
                        "derive_seconds": table.derive_seconds},
-        "views": {"cumulative": "ran" if cum_ran else ("error" if cum_errors else "not run"),
-                  "isolated": "ran" if iso_ran else "not run"},
+        "views": {view: _view_status(layers, view, errors=bool(cum_errors) if view == "cumulative" else False,
+                                     wanted=view in opts.views) for view in VIEWS},
+        "isolated": opts.isolated,
         "compare_samples": compare,
         "timings": timings,
         "notes": notes,
     }
+    if iso_skipped:
+        data["views"]["isolated"] = "skipped"
+        notes.append(f"isolated view skipped: {iso_skipped}")
     if len(layers) > opts.max_layers:
         data["layers_truncated"] = f"{len(layers) - opts.max_layers} more layers not listed (max_layers={opts.max_layers})"
     if cum_errors:
@@ -1467,7 +1576,7 @@ def run(ctx: "ModeContext") -> ModeResult:
     partial = []
     if not cum_ran:
         partial.append("cumulative view did not run" + (f" ({cum_errors[0]['error'][:300]})" if cum_errors else ""))
-    if "isolated" in opts.views and not iso_ran:
+    if "isolated" in opts.views and not iso_ran and not iso_skipped:
         partial.append("isolated view did not run")
     if errors:
         partial.append(f"{len(errors)} layer(s) could not be compared")
@@ -1479,7 +1588,7 @@ def run(ctx: "ModeContext") -> ModeResult:
 
 __all__ = [
     "CallMeta", "CallSink", "CompareSink", "DumpReader", "DumpWriter", "NumericsOptions", "RecordingSink",
-    "TargetPlan", "capture_compiled_outputs", "capture_layer_outputs", "cast_tree", "compare_call",
+    "CaptureHooks", "TargetPlan", "capture_compiled_outputs", "capture_layer_outputs", "compile_for_capture", "cast_tree", "compare_call",
     "compare_target", "compared_tensors", "decode_value", "derive_reference_stats", "encode_value",
     "record_reference", "run", "run_isolated_view", "target_child",
 ]

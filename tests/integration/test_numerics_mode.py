@@ -213,7 +213,7 @@ def test_real_compilers_flag_no_layer_on_the_example_matrix(tmp_path: Path, back
         for seed in (0, 1, 2):
             cell = dataclasses.replace(base, id=f"{model}@{backend}", backend=spec,
                                        inputs=dataclasses.replace(base.inputs, seed=seed),
-                                       options={"numerics": {"isolate": False}})
+                                       options={"numerics": {"isolate": False, "isolated": "all"}})
             cell_dir = tmp_path / "run" / "cells" / f"{cell.id}-s{seed}"
             cell_dir.mkdir(parents=True)
             res = run(ModeContext(cell=cell, cell_dir=cell_dir, backend=be, deadline=time.monotonic() + 900))
@@ -225,3 +225,40 @@ def test_real_compilers_flag_no_layer_on_the_example_matrix(tmp_path: Path, back
                     if row[view] and thr:
                         worst_ratio = max(worst_ratio, row[view]["rel"] / thr["rel"])
     assert worst_ratio < 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_cli_run_two_backends_in_parallel_share_one_derivation(tmp_path: Path) -> None:
+    """`deepview-ci run --modes numerics --jobs 2`: each cell in its own process; the thresholds file is derived
+    once (file lock), the report's results.json carries the per-layer table and the verdict."""
+    import os
+    import subprocess
+    import sys
+
+    matrix = tmp_path / "m.yaml"
+    matrix.write_text(f"""
+version: 1
+defaults: {{modes: [numerics], inputs: {{seq_len: 8, samples: 2, seed: 0}}}}
+models:
+  - {{id: tiny-llama, config: llama, overrides: {{{TINY}}}}}
+backends:
+  - {{id: sim-drift, compile: sim-drift}}
+  - {{id: aot_eager, compile: aot_eager}}
+""")
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.run([sys.executable, "-m", "ci_runner", "run", str(matrix), "--out", str(out), "--jobs", "2"],
+                          capture_output=True, text=True, env=env, timeout=1100)
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    results = json.loads((out / "report" / "results.json").read_text())
+    cells = {c["id"]: c for c in results["cells"]}
+    drift = cells["tiny-llama@sim-drift"]["modes"]["numerics"]
+    clean = cells["tiny-llama@aot_eager"]["modes"]["numerics"]
+    assert drift["status"] == "fail" and clean["status"] == "pass", (drift["reason"], clean["reason"])
+    assert drift["data"]["verdict"]["pattern"] == "LlamaRMSNorm"
+    assert sorted([drift["data"]["thresholds"]["reused"], clean["data"]["thresholds"]["reused"]]) == [False, True]
+    files = [p for p in (out / "thresholds").glob("*.json")]
+    assert len(files) == 1
+    assert {f["fingerprint"] for f in drift["findings"]} and all(f["kind"] == "divergence" for f in drift["findings"])
+    assert cells["tiny-llama@sim-drift"]["status"] == "fail"

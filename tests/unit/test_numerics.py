@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import copy
 import math
 from pathlib import Path
@@ -243,7 +244,7 @@ def test_compare_target_both_views(tmp_path: Path, backend: Any) -> None:
     torch._dynamo.reset()
     nx.compare_target(model, backend, plan, emit)
     cum = {r["key"]: r for r in recs if r["view"] == "cumulative" and "key" in r}
-    iso = {r["key"]: r for r in recs if r["view"] == "isolated"}
+    iso = {r["key"]: r for r in recs if r["view"] == "isolated" and "key" in r}
     status = [r for r in recs if r["view"] == "cumulative" and "status" in r]
     assert status and status[0]["status"] == "ok" and status[0]["unobserved_count"] == 0
     assert set(cum) == set(iso) == {c["key"] for c in nx.DumpReader(tmp_path / "r0").calls}
@@ -262,9 +263,30 @@ def test_compiled_cumulative_view_sees_the_backends_own_values(tmp_path: Path) -
     torch._dynamo.reset()
     nx.compare_target(model, _CompiledBackend(make(op="aten.tanh.default", scale=1e-2)), plan, emit)
     cum_off = {r["key"] for r in recs if r["view"] == "cumulative" and r.get("metrics", {}).get("rel", 0) > 1e-4}
-    iso_off = {r["key"] for r in recs if r["view"] == "isolated" and r.get("metrics", {}).get("rel", 0) > 1e-4}
-    assert iso_off == {""}  # tanh is the root's own op
+    iso = {r["key"]: r for r in recs if r["view"] == "isolated" and "key" in r}
+    iso_off = {k for k, r in iso.items() if r.get("metrics", {}).get("rel", 0) > 1e-4}
+    assert iso_off == {""}  # tanh is the root's own op ...
+    assert iso[""]["via"] == "shared#1"  # ... whose result only feeds the second call of `shared`
     assert cum_off == {"shared#1", "head", ""}  # what runs after it in the compiled graph
+
+
+def test_isolated_auto_runs_only_when_the_cumulative_view_flags(tmp_path: Path) -> None:
+    from tests.fixtures.plugin_numerics_perturb import make
+
+    model = Toy().eval()
+    nx.record_reference(model, _inputs(), tmp_path / "r0")
+    table = ThresholdTable(layers={}, options=ThresholdOptions(), primary_dtype="float32", key={})
+    plan = nx.TargetPlan(model={}, backend={}, seed=0, dtype="float32", dumps=(str(tmp_path / "r0"),),
+                         results="", journal="", isolated="auto")
+    torch._dynamo.reset()
+    recs, emit = _collect()
+    nx.compare_target(model, _EagerBackend(), plan, emit, table=table)
+    status = [r for r in recs if r["view"] == "isolated"]
+    assert len(status) == 1 and status[0]["status"] == "skipped"
+    recs, emit = _collect()
+    nx.compare_target(model, _CompiledBackend(make(op="aten.tanh.default", scale=1e-2)), plan, emit, table=table)
+    assert any(r["view"] == "isolated" and "metrics" in r for r in recs)
+    assert [r["status"] for r in recs if r["view"] == "isolated" and "status" in r] == ["done"]
 
 
 # ------------------------------------------------------------------------------------------ verdicts
@@ -323,3 +345,30 @@ def test_options() -> None:
     for bad in ({"views": ["sideways"]}, {"compare_samples": 0}, {"isolate": "yes"}, {"chunk_mb": -1}):
         with pytest.raises(ConfigError):
             nx.NumericsOptions.from_mapping(bad)
+
+
+def test_compiled_capture_is_not_fooled_by_earlier_compiles(tmp_path: Path) -> None:
+    """Dynamo caches per code object and does not guard on hooks by default: a model compiled earlier without the
+    capture hooks (a plain target run), or another instance of the same architecture, must still be observed."""
+    torch._dynamo.reset()
+    be = _CompiledBackend()
+    model = Toy().eval()
+    with torch.no_grad():
+        be.compile(model)(**_inputs())  # compiled once without any hooks
+    nx.record_reference(model, _inputs(), tmp_path / "a")
+    plan = nx.TargetPlan(model={}, backend={}, seed=0, dtype="float32", dumps=(str(tmp_path / "a"),), results="",
+                         journal="", views=("cumulative",))
+    for _ in range(2):
+        recs, emit = _collect()
+        nx.compare_target(model, be, plan, emit)
+        assert [r["unobserved_count"] for r in recs if "status" in r] == [0]
+        assert len([r for r in recs if "metrics" in r]) == 12
+    other = Toy().eval()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.5)
+    nx.record_reference(other, _inputs(), tmp_path / "b")
+    plan_b = dataclasses.replace(plan, dumps=(str(tmp_path / "b"),))
+    recs, emit = _collect()
+    nx.compare_target(other, be, plan_b, emit)
+    assert max(r["metrics"]["rel"] for r in recs if "metrics" in r) < 1e-6  # its own weights, not the first model's
