@@ -195,6 +195,9 @@ def main() -> int:
               f"{r['mode_auto_s']:>7.3f} {r['mode_auto_s'] / base:>6.2f}x {r['mode_s']:>7.3f} {r['mode_s'] / base:>6.2f}x "
               f"{r['plain_peak_mb']:>9.0f} {r['mode_peak_mb']:>8.0f} {mx:>5.2f}x {r['dump_mb']:>8.1f} "
               f"{r['thresholds_s']:>6.1f} {r['mode_first_s']:>6.1f}")
+    print("memory: mode − plain forward, per depth: " + ", ".join(
+        f"{int(r['depth'])} layers +{r['mode_peak_mb'] - r['plain_peak_mb']:.0f} MB" for r in rows)
+        + " (a compiled target's cumulative view holds one compiled graph's module outputs until it returns)")
     print("CPU time (process_time, best of; robust on a shared machine with --threads 1):")
     for r in rows:
         base = r["ref_cpu"] + r["tgt_cpu"]

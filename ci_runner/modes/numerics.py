@@ -393,7 +393,10 @@ class DumpWriter:
 
 
 class DumpReader:
-    """Reads a dump lazily: one tensor at a time from its chunk (files stay open, tensors are not cached)."""
+    """Reads a dump lazily: one tensor at a time from its chunk (at most `MAX_OPEN` chunk files open; tensors are
+    not cached)."""
+
+    MAX_OPEN = 2
 
     def __init__(self, folder: Path) -> None:
         self.folder = Path(folder)
@@ -420,10 +423,12 @@ class DumpReader:
         from safetensors import safe_open
 
         fi = self.index["tensors"][key]
-        h = self._handles.get(fi)
+        h = self._handles.pop(fi, None)
         if h is None:
             h = safe_open(str(self.folder / self.index["files"][fi]), framework="pt", device="cpu")
-            self._handles[fi] = h
+            while len(self._handles) >= self.MAX_OPEN:  # each open chunk is a mapping whose read pages count as
+                self._handles.pop(next(iter(self._handles)))  # resident: keep few, memory stays flat in depth
+        self._handles[fi] = h  # most recently used last
         t = h.get_tensor(key)
         if clone:
             t = t.clone()
@@ -769,9 +774,15 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
 
 
 def _short(exc: BaseException, limit: int = 400) -> str:
-    text = f"{type(exc).__name__}: {exc}".strip()
-    first = text.splitlines()[0] if text else type(exc).__name__
-    return first[:limit]
+    """`Type: first line` of an exception; a first line that only announces the cause (Dynamo's `backend='x'
+    raised:`) is followed by the next line, which holds it."""
+    lines = [ln.strip() for ln in f"{type(exc).__name__}: {exc}".splitlines() if ln.strip()]
+    if not lines:
+        return type(exc).__name__
+    text = lines[0]
+    if text.endswith(":") and len(lines) > 1:
+        text += " " + lines[1]
+    return text[:limit]
 
 
 def run_isolated_view(modules: Mapping[str, nn.Module], reader: DumpReader,

@@ -262,3 +262,19 @@ backends:
     assert len(files) == 1
     assert {f["fingerprint"] for f in drift["findings"]} and all(f["kind"] == "divergence" for f in drift["findings"])
     assert cells["tiny-llama@sim-drift"]["status"] == "fail"
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "minilm"])
+def test_references_see_the_same_weights_in_both_dtypes(model: str) -> None:
+    """The thresholds rest on it: float32 and float64 references built from one seed hold identical parameters."""
+    import torch
+
+    from ci_runner.models import load_model
+
+    spec = load_matrix_text(MATRIX).model(model)
+    a = dict(load_model(spec, seed=0, dtype="float32").module.named_parameters())
+    b = dict(load_model(spec, seed=0, dtype="float64").module.named_parameters())
+    assert a.keys() == b.keys()
+    for name, p in a.items():
+        assert p.dtype == torch.float32 and b[name].dtype == torch.float64
+        assert torch.equal(p.double(), b[name]), name
