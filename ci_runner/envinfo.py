@@ -16,7 +16,9 @@ def _version(dist: str) -> str | None:
 
 
 def tool_version() -> str:
-    return _version("deepview-ci") or "0+unknown"
+    from . import __version__
+
+    return _version("deepview-ci") or __version__
 
 
 def base_stamp() -> dict[str, Any]:
