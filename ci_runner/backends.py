@@ -24,7 +24,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from .config import BackendSpec
@@ -367,3 +367,32 @@ def unsupported_op_from_error(text: str) -> str | None:
 
 __all__ = ["Backend", "available_backends", "available_devices", "registered_compile_backends", "resolve_backend",
            "unsupported_op_from_error"]
+
+
+def plugin_pythonpath(modules: Iterable[str]) -> list[str]:
+    """Folders to put on PYTHONPATH so `modules` import in a fresh interpreter (none for installed ones).
+
+    Repro scripts and probe children run in clean processes; a plugin that lives in the user's checkout
+    (not installed) needs its root folder passed along."""
+    import importlib.util
+    import sysconfig
+    from pathlib import Path
+
+    installed = {str(Path(p).resolve()) for p in (sysconfig.get_paths().get("purelib"), sysconfig.get_paths().get("platlib")) if p}
+    roots: list[str] = []
+    for mod in modules:
+        try:
+            spec = importlib.util.find_spec(mod.split(".")[0])
+        except (ImportError, ValueError):
+            continue
+        if spec is None:
+            continue
+        locations = list(spec.submodule_search_locations or []) or ([spec.origin] if spec.origin else [])
+        for loc in locations:
+            if loc in (None, "built-in", "frozen"):
+                continue
+            root = str(Path(loc).resolve().parent)  # a package folder's parent, or a module file's folder
+            if root not in installed and root not in roots:
+                roots.append(root)
+            break
+    return roots

@@ -290,7 +290,7 @@ def batch_child(payload: Mapping[str, Any]) -> dict[str, Any]:
     from .backends import resolve_backend
     from .config import BackendSpec, InputSpec, ModelSpec
     from .models import build_inputs, load_model
-    from .modes.numerics import spec_from_json
+    from .config import spec_from_json
 
     backend = resolve_backend(spec_from_json(BackendSpec, payload["backend"]))
     spec = spec_from_json(ModelSpec, payload["model"])
@@ -309,7 +309,7 @@ def batch_child(payload: Mapping[str, Any]) -> dict[str, Any]:
 def check_cell(ctx: "ModeContext", *, table: "ThresholdTable | None", slots: int = 4, position: bool = False,
                isolate: bool = True, sample: int = 0) -> tuple[list["Finding"], dict[str, Any]]:
     """The experiment on a cell's backend: (findings, data for the mode's result)."""
-    from .modes.numerics import spec_to_json
+    from .config import spec_to_json
 
     primary = ctx.cell.references[0]
     payload = {"model": spec_to_json(ctx.cell.model), "backend": spec_to_json(ctx.cell.backend),

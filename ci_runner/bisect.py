@@ -370,7 +370,7 @@ def bisect_child(payload: Mapping[str, Any]) -> dict[str, Any]:
     from .backends import resolve_backend
     from .config import BackendSpec, InputSpec, ModelSpec
     from .models import build_inputs, load_model
-    from .modes.numerics import spec_from_json
+    from .config import spec_from_json
     from .results import _clean
 
     backend = resolve_backend(spec_from_json(BackendSpec, payload["backend"]))
@@ -394,7 +394,7 @@ def bisect_cell(ctx: "ModeContext", *, layers: Sequence[Any], verdict: Mapping[s
     threshold = dict(layer.threshold.get(view) or {})
     if not threshold and table is not None:
         threshold = dict(table.get(layer.key, view)[0])
-    from .modes.numerics import spec_to_json
+    from .config import spec_to_json
     from .results import number
 
     payload = {"model": spec_to_json(ctx.cell.model), "backend": spec_to_json(ctx.cell.backend),

@@ -393,3 +393,36 @@ def raw_entry(matrix: Matrix, kind: str, entry_id: str) -> Mapping[str, Any]:
         if item.get("id") == entry_id:
             return item
     return {}
+
+
+# --------------------------------------------------------------------------- specs across processes
+
+def spec_to_json(spec: Any) -> dict[str, Any]:
+    """A frozen spec dataclass (ModelSpec, BackendSpec, InputSpec, …) as plain JSON, for a child process."""
+    from dataclasses import fields
+
+    def plain(v: Any) -> Any:
+        if isinstance(v, Mapping):
+            return {str(k): plain(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        return v
+
+    return {f.name: plain(getattr(spec, f.name)) for f in fields(spec)}
+
+
+def spec_from_json(cls: type, data: Mapping[str, Any]) -> Any:
+    """Inverse of `spec_to_json`: lists back to tuples, mappings to read-only mappings; unknown keys ignored."""
+    from dataclasses import fields
+
+    kw: dict[str, Any] = {}
+    for f in fields(cls):
+        if f.name not in data:
+            continue
+        v = data[f.name]
+        if isinstance(v, list):
+            v = tuple(v)
+        elif isinstance(v, dict):
+            v = MappingProxyType(dict(v))
+        kw[f.name] = v
+    return cls(**kw)

@@ -537,35 +537,6 @@ class ChildPlan:
     all_calls: bool = False
 
 
-def spec_to_json(spec: Any) -> dict[str, Any]:
-    """A frozen spec dataclass as plain JSON (mappings to dicts, tuples to lists)."""
-    from dataclasses import fields
-
-    def plain(v: Any) -> Any:
-        if isinstance(v, Mapping):
-            return {str(k): plain(x) for k, x in v.items()}
-        if isinstance(v, (list, tuple)):
-            return [plain(x) for x in v]
-        return v
-
-    return {f.name: plain(getattr(spec, f.name)) for f in fields(spec)}
-
-
-def spec_from_json(cls: type, data: Mapping[str, Any]) -> Any:
-    """Inverse of `spec_to_json` for ModelSpec / BackendSpec (lists back to tuples where the field is a tuple)."""
-    from dataclasses import fields
-
-    kw: dict[str, Any] = {}
-    for f in fields(cls):
-        if f.name not in data:
-            continue
-        v = data[f.name]
-        if isinstance(v, list) and "tuple" in str(f.type):
-            v = tuple(v)
-        kw[f.name] = v
-    return cls(**kw)
-
-
 def write_root_call(layers_dir: Path, tree: ModuleTree, kwargs: Mapping[str, Any]) -> None:
     """What the probing child starts from: the tree and the model's own call (its inputs)."""
     store = TensorStore()
@@ -641,7 +612,7 @@ def probe_child(payload: dict[str, Any]) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     from .backends import resolve_backend
-    from .config import BackendSpec, ModelSpec
+    from .config import BackendSpec, ModelSpec, spec_from_json
     from .models import load_model
 
     plan = ChildPlan(**payload)

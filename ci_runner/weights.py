@@ -256,7 +256,7 @@ def weights_child(payload: Mapping[str, Any]) -> dict[str, Any]:
     from .backends import resolve_backend
     from .config import BackendSpec, ModelSpec
     from .models import load_model
-    from .modes.numerics import spec_from_json
+    from .config import spec_from_json
 
     backend = resolve_backend(spec_from_json(BackendSpec, payload["backend"]))
     loaded = load_model(spec_from_json(ModelSpec, payload["model"]), seed=int(payload["seed"]),
@@ -280,7 +280,7 @@ def check_cell(ctx: "ModeContext", *, isolate: bool = True, chunk_mb: float = 25
         return [], {"status": "skipped", "reason": "eager CPU backend: the weights are not transferred"}
     if isolate:
         from .isolate import run_isolated
-        from .modes.numerics import spec_to_json
+        from .config import spec_to_json
 
         payload = {"model": spec_to_json(ctx.cell.model), "backend": spec_to_json(ctx.cell.backend),
                    "seed": ctx.cell.inputs.seed, "dtype": primary.dtype, "chunk_mb": chunk_mb}

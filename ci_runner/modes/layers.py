@@ -42,10 +42,8 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-import importlib.util
 import logging
 import os
-import sysconfig
 import time
 import traceback
 from dataclasses import dataclass, fields
@@ -54,6 +52,8 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
 
+from ..backends import plugin_pythonpath
+from ..config import spec_to_json
 from ..errors import ConfigError
 from ..fsutil import atomic_write_text
 from ..isolate import run_isolated
@@ -74,7 +74,6 @@ from ..layer_search import (
     read_outcomes,
     scan_model,
     search,
-    spec_to_json,
     unlabel,
     unwrap_exception,
     write_root_call,
@@ -389,25 +388,6 @@ def _sim_name(compile_spec: str | None) -> bool:
 
 def _is_sim_backend(spec: Any) -> bool:
     return _sim_name(spec.compile) or spec.device.split(":")[0] == "simdev"
-
-
-def plugin_pythonpath(modules: list[str]) -> list[str]:
-    """Folders to put on PYTHONPATH so `modules` import in a clean process (site-packages are left out)."""
-    site = {os.path.realpath(p) for p in (sysconfig.get_paths().get("purelib"), sysconfig.get_paths().get("platlib")) if p}
-    out: list[str] = []
-    for mod in modules:
-        top = mod.split(".")[0]
-        try:
-            spec = importlib.util.find_spec(top)
-        except (ImportError, ValueError):
-            continue
-        if spec is None or not spec.origin or spec.origin in ("built-in", "frozen"):
-            continue
-        origin = Path(spec.origin).resolve()
-        root = origin.parent.parent if origin.name == "__init__.py" else origin.parent
-        if str(root) not in site and str(root) not in out:
-            out.append(str(root))
-    return out
 
 
 def _key_text(message: str) -> list[str]:

@@ -90,6 +90,7 @@ import torch
 from torch import nn
 
 from ..capture import CallInfo, ModuleCapture, iter_tensors
+from ..config import spec_from_json, spec_to_json
 from ..errors import ConfigError, DeepviewError, InputError
 from ..fsutil import append_line, atomic_write_json
 from ..metrics import MetricsError, compare_tensors, public, severity, worst
@@ -944,33 +945,6 @@ class TargetPlan:
     isolated: str = "all"  # "auto": only when the cumulative view flags or fails something (needs `thresholds`)
     thresholds: str | None = None  # the thresholds file, for `isolated: auto`
     threshold_options: Mapping[str, Any] = field(default_factory=dict)
-
-
-def spec_to_json(spec: Any) -> dict[str, Any]:
-    def plain(v: Any) -> Any:
-        if isinstance(v, Mapping):
-            return {str(k): plain(x) for k, x in v.items()}
-        if isinstance(v, (list, tuple)):
-            return [plain(x) for x in v]
-        return v
-
-    return {f.name: plain(getattr(spec, f.name)) for f in fields(spec)}
-
-
-def spec_from_json(cls: type, data: Mapping[str, Any]) -> Any:
-    from types import MappingProxyType
-
-    kw: dict[str, Any] = {}
-    for f in fields(cls):
-        if f.name not in data:
-            continue
-        v = data[f.name]
-        if isinstance(v, list):
-            v = tuple(v)
-        elif isinstance(v, dict):
-            v = MappingProxyType(dict(v))
-        kw[f.name] = v
-    return cls(**kw)
 
 
 def compare_target(module: nn.Module, backend: Any, plan: TargetPlan, emit: ResultFn,

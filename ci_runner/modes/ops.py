@@ -64,6 +64,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from ..backends import plugin_pythonpath
+from ..config import spec_to_json
 from ..errors import ConfigError, DeepviewError
 from ..fsutil import append_line, atomic_write_json
 from ..inventory import (
@@ -406,34 +408,6 @@ def _float_dtype(args: Any, kwargs: Any) -> str:
 
 # --------------------------------------------------------------------------------------------- probing (child side)
 
-def spec_to_dict(spec: "BackendSpec") -> dict[str, Any]:
-    """A JSON-able copy of a BackendSpec (mapping proxies and tuples made plain)."""
-    def plain(v: Any) -> Any:
-        if isinstance(v, Mapping):
-            return {str(k): plain(x) for k, x in v.items()}
-        if isinstance(v, (list, tuple)):
-            return [plain(x) for x in v]
-        return v
-
-    return {f.name: plain(getattr(spec, f.name)) for f in dataclasses.fields(spec)}
-
-
-def spec_from_dict(data: Mapping[str, Any]) -> "BackendSpec":
-    from ..config import BackendSpec
-
-    names = {f.name for f in dataclasses.fields(BackendSpec)}
-    kw: dict[str, Any] = {}
-    for key, value in data.items():
-        if key not in names:
-            continue
-        if key in ("imports", "runs_on"):
-            value = tuple(value)
-        elif key in ("env", "compile_options", "backend_options"):
-            value = MappingProxyType(dict(value))
-        kw[key] = value
-    return BackendSpec(**kw)
-
-
 def parse_named_op(message: str) -> tuple[str | None, str | None]:
     """(op overload, the phrase naming it) from a backend's error text; (None, None) when none is named."""
     m = UNSUPPORTED_RE.search(message)
@@ -632,9 +606,10 @@ def probe_batch(payload: Mapping[str, Any]) -> dict[str, Any]:
     import faulthandler
 
     from ..backends import resolve_backend
+    from ..config import BackendSpec, spec_from_json
     from ..isolate import child_journal
 
-    backend = resolve_backend(spec_from_dict(payload["backend"]))
+    backend = resolve_backend(spec_from_json(BackendSpec, payload["backend"]))
     backend.prepare()
     results = payload["results"]
     timeout = float(payload["probe_timeout"])
@@ -712,7 +687,7 @@ class ProbeRunner:
             attempt = self._next_attempt()
             results_path = self.work_dir / f"probes-{attempt:03d}.jsonl"
             journal_path = self.work_dir / f"journal-{attempt:03d}.log"
-            payload = {"backend": spec_to_dict(self.spec), "probes": batch, "results": str(results_path),
+            payload = {"backend": spec_to_json(self.spec), "probes": batch, "results": str(results_path),
                        "probe_timeout": self.opts.probe_timeout, "compare": self.opts.compare, "via": self.opts.via}
             timeout = min(budget, self.opts.probe_timeout * len(batch) + _CHILD_STARTUP_S)
             if self.journal:
@@ -830,34 +805,7 @@ def backend_recipe(spec: "BackendSpec") -> BackendRecipe:
     imports = list(dict.fromkeys(imports))
     return BackendRecipe(imports=tuple(imports), setup=tuple(setup), backend_expr=expr, device=spec.device,
                          env=dict(spec.env), compile_options=dict(spec.compile_options),
-                         pythonpath=tuple(_import_roots(imports)))
-
-
-def _import_roots(modules: Iterable[str]) -> list[str]:
-    """Folders to put on PYTHONPATH so that `modules` import in a fresh interpreter (none for installed ones)."""
-    import importlib.util
-    import sysconfig
-
-    installed = {str(Path(p).resolve()) for p in (sysconfig.get_paths().get("purelib"), sysconfig.get_paths().get("platlib")) if p}
-    roots: list[str] = []
-    for mod in modules:
-        top = mod.split(".")[0]
-        try:
-            spec = importlib.util.find_spec(top)
-        except (ImportError, ValueError):
-            continue
-        if spec is None:
-            continue
-        locations = list(spec.submodule_search_locations or []) or ([spec.origin] if spec.origin else [])
-        for loc in locations:
-            if loc in (None, "built-in", "frozen"):
-                continue
-            path = Path(loc).resolve()
-            root = path.parent if spec.submodule_search_locations else path.parent
-            if str(root) not in installed and str(root) not in roots:
-                roots.append(str(root))
-            break
-    return roots
+                         pythonpath=tuple(plugin_pythonpath(imports)))
 
 
 def render_repro(*, op: str, kind: str, stage: str, error_type: str | None, message: str,

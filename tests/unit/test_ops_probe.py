@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from ci_runner.config import BackendSpec
+from ci_runner.config import BackendSpec, spec_from_json, spec_to_json
 from ci_runner.errors import ConfigError
 from ci_runner.inventory import encode_value
 from ci_runner.modes.ops import (
@@ -21,8 +21,6 @@ from ci_runner.modes.ops import (
     make_tensor,
     parse_named_op,
     run_probe,
-    spec_from_dict,
-    spec_to_dict,
     with_ranges,
 )
 
@@ -184,7 +182,7 @@ def test_backend_spec_survives_the_trip_to_the_child() -> None:
                        backend_options=MappingProxyType({"deny": ["exp"]}), runs_on=("self-hosted",))
     import json
 
-    assert spec_from_dict(json.loads(json.dumps(spec_to_dict(spec)))) == spec
+    assert spec_from_json(BackendSpec, json.loads(json.dumps(spec_to_json(spec)))) == spec
 
 
 def test_dynamo_level_probe_reaches_a_torch_level_compiler() -> None:
