@@ -345,11 +345,19 @@ def _compared(flat: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def run_compiled_with_outputs(module: nn.Module, backend: "Backend", args: Sequence[Any],
                               kwargs: Mapping[str, Any]) -> tuple[Any, list[tuple[str, dict[str, torch.Tensor]]]]:
-    """`backend.compile(module)(*args, **kwargs)` under no_grad, with every submodule's output: (output, calls)."""
-    with OutputHooks(module) as hooks, torch._dynamo.config.patch(**DYNAMO_SETTINGS), torch.no_grad():
-        fn = backend.compile(module)
-        out = fn(*args, **kwargs)
-        return out, hooks.take()
+    """The module compiled by `backend` and run under no_grad, with every submodule's output: (output, calls).
+
+    Uses the numerics mode's compiled capture (one process-wide hook sink, hook guards on while capturing): hooks of
+    a capture's own would be silently dropped by Dynamo when it reuses a graph compiled earlier without them."""
+    from .modes.numerics import CaptureHooks, capture_compiled_outputs, compile_for_capture
+
+    holder = CaptureHooks(module)
+    try:
+        with torch._dynamo.config.patch(**DYNAMO_SETTINGS):
+            out, keyed = capture_compiled_outputs(module, compile_for_capture(backend), args, kwargs, holder)
+    finally:
+        holder.remove()
+    return out, [(key, _compared(dict(flat))) for key, flat in keyed]
 
 
 def _dump_compiled(module: nn.Module, backend: "Backend", kwargs: Mapping[str, Any], writer: _LayerWriter) -> None:
