@@ -171,30 +171,10 @@ class _LayerWriter(DumpWriter):
             self.tensor_meta[key] = (list(t.shape), _dtype_name(t.dtype))
         return key
 
+    index_name = INDEX_NAME
+
     def chunk_name(self, i: int) -> str:
         return f"{CHUNK_PREFIX}{i:05d}.safetensors"
-
-    def flush(self) -> None:
-        if not self._buf:
-            return
-        from safetensors.torch import save_file
-
-        save_file(self._buf, str(self.folder / self.chunk_name(self._files)))
-        for k in self._buf:
-            self.tensor_file[k] = self._files
-        self.bytes_written += self._buf_bytes
-        self._files += 1
-        self._buf = {}
-        self._buf_bytes = 0
-
-    def close(self) -> Path:
-        from .modes.numerics import DUMP_SCHEMA_VERSION
-
-        self.flush()
-        self._seen.clear()
-        index = {"schema_version": DUMP_SCHEMA_VERSION, **self.meta, "calls": self.calls,
-                 "files": [self.chunk_name(i) for i in range(self._files)], "tensors": self.tensor_file}
-        return atomic_write_json(self.folder / INDEX_NAME, index, indent=None)
 
 
 def _is_dump_file(p: Path) -> bool:

@@ -348,6 +348,11 @@ class DumpWriter:
         self._seen: dict[int, tuple[Any, int, str]] = {}
         self.bytes_written = 0
 
+    index_name = "index.json"
+
+    def chunk_name(self, i: int) -> str:
+        return f"chunk-{i:04d}.safetensors"
+
     def put(self, t: torch.Tensor) -> str:
         entry = self._seen.get(id(t))
         if entry is not None and entry[0]() is t and entry[1] == t._version:
@@ -376,8 +381,7 @@ class DumpWriter:
             return
         from safetensors.torch import save_file
 
-        name = f"chunk-{self._files:04d}.safetensors"
-        save_file(self._buf, str(self.folder / name))
+        save_file(self._buf, str(self.folder / self.chunk_name(self._files)))
         for k in self._buf:
             self.tensor_file[k] = self._files
         self.bytes_written += self._buf_bytes
@@ -389,8 +393,8 @@ class DumpWriter:
         self.flush()
         self._seen.clear()
         index = {"schema_version": DUMP_SCHEMA_VERSION, **self.meta, "calls": self.calls,
-                 "files": [f"chunk-{i:04d}.safetensors" for i in range(self._files)], "tensors": self.tensor_file}
-        return atomic_write_json(self.folder / "index.json", index, indent=None)
+                 "files": [self.chunk_name(i) for i in range(self._files)], "tensors": self.tensor_file}
+        return atomic_write_json(self.folder / self.index_name, index, indent=None)
 
 
 class DumpReader:
