@@ -174,8 +174,7 @@ def run_one(cell: Cell, opts: RunOptions, children: _Children | None = None) -> 
         partial = _load_partial(cdir)
         done = set(partial.modes) if partial else set()
         if not timed_out and proc.returncode == 0 and all(m in done for m in remaining):
-            error = None
-            break
+            break  # an earlier crash in this cell (if any) stays in `error`
         # the worker died (or hung): blame the mode that was open, keep what was finished
         running = last_open_entry(cdir / JOURNAL_NAME, "mode") or next((m for m in remaining if m not in done), remaining[0])
         last_module = last_open_entry(cdir / JOURNAL_NAME, "module")
