@@ -64,7 +64,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     progress.info(f"deepview-ci: {len(cells)} cell(s) from {matrix.path} → {out}")
     results = run_cells(cells, RunOptions(matrix_path=matrix.path, out_dir=out, jobs=args.jobs, force=args.force,
                                           modes=args.modes), progress)
-    report = aggregate([out / "cells"])
+    report = aggregate([out / "cells" / r.id / "result.json" for r in results])  # this run's cells, not stale ones
     written = write_report_dir(report, out / "report", run_dir=out)
     _report_outputs(out / "report", written)
     counts = report.counts()
