@@ -91,9 +91,6 @@ class ModeContext:
 
         return build_inputs(loaded, self.cell.inputs, sample=sample, device=device)
 
-    def drop_models(self) -> None:
-        self._models.clear()
-
     def journal(self, event: str, name: str) -> None:
         """Append `event name` to the crash journal (fsync'd): the parent reads it after a hard crash."""
         append_line(self.cell_dir / JOURNAL_NAME, f"{event}\t{name}")
