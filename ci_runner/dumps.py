@@ -71,6 +71,7 @@ from .modes.numerics import (
     DYNAMO_SETTINGS,
     DumpWriter,
     RecordingSink,
+    _flatten_traceable,
     call_key,
     capture_layer_outputs,
 )
@@ -286,7 +287,7 @@ class OutputHooks:
 
         def hook(mod: nn.Module, args: Any, output: Any) -> None:
             acc: list[tuple[str, torch.Tensor]] = []
-            _flatten(output, "", acc)
+            _flatten_traceable(output, "", acc)
             records.append((name, tuple(acc)))
 
         return hook
@@ -302,19 +303,6 @@ class OutputHooks:
             out.append((call_key(name, k), _compared(dict(flat))))
         self.records.clear()
         return out
-
-
-def _flatten(obj: Any, prefix: str, acc: list[tuple[str, torch.Tensor]]) -> None:
-    if isinstance(obj, torch.Tensor):
-        acc.append((prefix, obj))
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            if k in ("past_key_values", "cache_params") or "cache" in str(k):
-                continue
-            _flatten(v, f"{prefix}.{k}" if prefix else str(k), acc)
-    elif isinstance(obj, (tuple, list)):
-        for i, v in enumerate(obj):
-            _flatten(v, f"{prefix}.{i}" if prefix else str(i), acc)
 
 
 def _compared(flat: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
