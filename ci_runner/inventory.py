@@ -558,6 +558,21 @@ def cia_decompositions() -> Any:
     return table
 
 
+def _traceable(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], device: str
+               ) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any], str, Any]:
+    """(model, args, kwargs, host device, mode to trace in). A meta model becomes a fake copy on `device`'s host
+    kind: fake tensors, not bare meta ones, because models skip data-dependent checks (`.item()`) on fake tensors,
+    and the forward runs inside the fake mode so that factories (arange …) make fake tensors too."""
+    if not _is_meta_model(model):
+        return model, args, kwargs, next((t.device.type for t in _module_tensors(model)), "cpu"), _null_context()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    host = _host_device(device)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model, args, kwargs = _fake_model_and_inputs(model, args, kwargs, host, fake_mode)
+    return model, args, kwargs, host, fake_mode
+
+
 def trace_aot(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *, device: str = "cpu") -> Inventory:
     """`aten` through torch.compile + aot_autograd with a recording compiler: exactly what an aot backend gets.
 
@@ -568,15 +583,7 @@ def trace_aot(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *
 
     t0 = time.monotonic()
     root_class = type(model).__name__
-    fake_mode: Any = _null_context()
-    if _is_meta_model(model):
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        host = _host_device(device)
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        model, args, kwargs = _fake_model_and_inputs(model, args, kwargs, host, fake_mode)
-    else:
-        host = next((t.device.type for t in _module_tensors(model)), "cpu")
+    model, args, kwargs, host, fake_mode = _traceable(model, args, kwargs, device)
     graphs: list[torch.fx.GraphModule] = []
 
     def record(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
@@ -715,17 +722,7 @@ def trace_dispatch(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
 
     t0 = time.monotonic()
     root_class = type(model).__name__
-    fake_mode: Any = _null_context()
-    if _is_meta_model(model):
-        # fake tensors, not bare meta ones: models skip data-dependent checks (`.item()`) on fake tensors,
-        # and the forward runs inside the fake mode so that factories (arange …) make fake tensors too
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        device = _host_device(device)
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        model, args, kwargs = _fake_model_and_inputs(model, args, kwargs, device, fake_mode)
-    else:
-        device = next((t.device.type for t in _module_tensors(model)), "cpu")
+    model, args, kwargs, device, fake_mode = _traceable(model, args, kwargs, device)
     builder = _Builder()
     stack: list[tuple[str, str]] = []
     skip_dirs = (str(Path(torch.__file__).parent), str(Path(__file__).parent))
