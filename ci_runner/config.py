@@ -16,7 +16,8 @@ from typing import Any, Mapping
 
 import yaml
 
-from .errors import ConfigError
+from .errors import ConfigError, OptionError
+from .options import parse as parse_options
 
 ALL_MODES: tuple[str, ...] = ("ops", "layers", "numerics")
 DEFAULT_TIMEOUT_S = 900.0
@@ -129,13 +130,13 @@ class Matrix:
         for m in self.models:
             if m.id == model_id:
                 return m
-        raise ConfigError(f"{self.path}: no model with id {model_id!r}", hint=_choices_hint(model_id, [m.id for m in self.models]))
+        raise ConfigError(f"{self.path}: no model with id {model_id!r}", hint=choices_hint(model_id, [m.id for m in self.models]))
 
     def backend(self, backend_id: str) -> BackendSpec:
         for b in self.backends:
             if b.id == backend_id:
                 return b
-        raise ConfigError(f"{self.path}: no backend with id {backend_id!r}", hint=_choices_hint(backend_id, [b.id for b in self.backends]))
+        raise ConfigError(f"{self.path}: no backend with id {backend_id!r}", hint=choices_hint(backend_id, [b.id for b in self.backends]))
 
 
 # --------------------------------------------------------------------------- YAML with positions
@@ -192,7 +193,8 @@ def _fmt_path(path: tuple[Any, ...]) -> str:
     return out
 
 
-def _choices_hint(word: str, choices: list[str]) -> str:
+def choices_hint(word: str, choices: list[str]) -> str:
+    """`did you mean 'x'? known: …` for a word that is not among `choices`."""
     close = difflib.get_close_matches(word, choices, n=1)
     listed = ", ".join(sorted(choices)) or "(none)"
     if close:
@@ -239,14 +241,14 @@ def _schema_error_message(err: Any, data: Any, positions: _Positions, source: st
             key = unknown[0]
             path = path + (key,)
             message = f"unknown key {key!r}"
-            hint = _choices_hint(str(key), allowed)
+            hint = choices_hint(str(key), allowed)
     elif err.validator == "oneOf" and path and len(path) >= 2 and path[0] == "models":
         message = "a model needs exactly one source: one of `config`, `path`, `hub` or `factory`"
         hint = "keep one source key for this model"
     elif err.validator == "const":
         hint = f"use {err.validator_value!r}"
     elif err.validator == "enum":
-        hint = _choices_hint(str(err.instance), [str(o) for o in err.validator_value])
+        hint = choices_hint(str(err.instance), [str(o) for o in err.validator_value])
     elif err.validator == "required":
         hint = "add the missing key"
     elif err.validator == "pattern":
@@ -320,12 +322,30 @@ def _unique(items: list[dict[str, Any]], what: str, source: str, positions: _Pos
         seen.add(item["id"])
 
 
+def _check_options(data: dict[str, Any], positions: _Positions, source: str) -> None:
+    """Every `options.<mode>` of defaults, models and backends parses (`ci_runner/options.py`), or one ConfigError
+    at the offending key."""
+    blocks: list[tuple[tuple[Any, ...], Any]] = [(("defaults", "options"), (data.get("defaults") or {}).get("options"))]
+    for kind in ("models", "backends"):
+        blocks += [((kind, i, "options"), item.get("options")) for i, item in enumerate(data.get(kind) or [])]
+    for path, block in blocks:
+        for mode, opts in (block or {}).items():
+            try:
+                parse_options(mode, opts, where=_fmt_path(path + (mode,)))
+            except OptionError as exc:
+                at = path + (mode, exc.key) if exc.key is not None and exc.key in (opts or {}) else path + (mode,)
+                known_key = "unknown option" in exc.message
+                pos = positions.at(at, value=not known_key) or (0, 0)
+                raise ConfigError(f"{source}:{pos[0]}:{pos[1]}: {exc.message}", hint=exc.hint) from None
+
+
 def _resolve(path: Path, data: dict[str, Any], positions: _Positions) -> Matrix:
     source = str(path)
     base = path.parent
     defaults = data.get("defaults") or {}
     _unique(data["models"], "models", source, positions)
     _unique(data["backends"], "backends", source, positions)
+    _check_options(data, positions, source)
 
     models = []
     for m in data["models"]:
@@ -366,7 +386,7 @@ def _resolve(path: Path, data: dict[str, Any], positions: _Positions) -> Matrix:
                     pos = positions.at((key, i, field_name)) or (0, 0)
                     raise ConfigError(
                         f"{source}:{pos[0]}:{pos[1]}: {key}[{i}].{field_name}: {pattern!r} matches no {field_name}",
-                        hint=_choices_hint(pattern, ids),
+                        hint=choices_hint(pattern, ids),
                     )
 
     refs = tuple(Reference(**r) for r in data["references"]) if data.get("references") else DEFAULT_REFERENCES

@@ -53,6 +53,14 @@ class ConfigError(DeepviewError):
     exit_code = EXIT_USAGE
 
 
+class OptionError(ConfigError):
+    """A mode option (`options.<mode>.<key>`) is unknown or has a bad value; `key` names it."""
+
+    def __init__(self, message: str, *, hint: str | None = None, key: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.key = key
+
+
 class UsageError(ConfigError):
     """The command line is wrong."""
 
