@@ -8,6 +8,7 @@ The spec format (also read by the layer repro scripts, `templates/_repro_layer_c
     {"value": x}                                                 None, bool, int, str, a finite float
     {"float": "inf"}                                             a non-finite float
     {"dtype": "float16"} / {"device": "cpu"} / {"size": [2, 3]}
+    {"namedtuple": "Name", "fields": [...], "tuple": [...]}     a namedtuple (rebuilt by name and fields)
     {"tuple": [...]} / {"list": [...]} / {"dict": [[key, spec], ...]}
     {"mo": "module:Class", "items": [[key, spec], ...]}         a Hugging Face ModelOutput
     {"value": null, "cache": "DynamicCache"}                     a cache object, replaced by None
@@ -18,7 +19,7 @@ Policies:
 - `strict=True` (what the layers mode can replay exactly): only strided tensors, plain data, dtypes, devices,
   sizes, tuples, lists and plain dicts with string keys; a namedtuple, ModelOutput, cache, slice, a dict with
   other keys or any other object raises `Unstorable`.
-- `strict=False` (numerics): namedtuples are stored as tuples, ModelOutputs by class, caches as None, slices,
+- `strict=False` (numerics): namedtuples are stored with their name and fields, ModelOutputs by class, caches as None, slices,
   dicts with str/int keys; any other object raises `Unstorable`, or becomes `{"opaque": type}` with `opaque=True`
   (outputs, compared only through their tensors).
 
@@ -28,6 +29,7 @@ Tensor stores dedupe: a tensor stored once is not stored again while it is alive
 
 from __future__ import annotations
 
+import collections
 import importlib
 import math
 import os
@@ -161,7 +163,7 @@ def encode_value(obj: Any, put: Callable[[torch.Tensor], str], *, strict: bool =
     if isinstance(obj, tuple) and hasattr(type(obj), "_fields"):
         if strict:
             raise Unstorable(f"a namedtuple {type(obj).__name__}")
-        return {"tuple": [enc(v) for v in obj]}
+        return {"namedtuple": type(obj).__name__, "fields": list(type(obj)._fields), "tuple": [enc(v) for v in obj]}
     if isinstance(obj, tuple):
         return {"tuple": [enc(v) for v in obj]}
     if isinstance(obj, list):
@@ -228,6 +230,9 @@ def decode_value(spec: Any, tensors: Mapping[str, torch.Tensor] | Getter) -> Any
         return torch.device(spec["device"])
     if "size" in spec:
         return torch.Size(spec["size"])
+    if "namedtuple" in spec:  # rebuilt as a namedtuple of the same name and fields (nothing is imported)
+        cls = collections.namedtuple(spec["namedtuple"], spec["fields"], rename=True)  # type: ignore[misc]
+        return cls(*(decode_value(v, get) for v in spec["tuple"]))
     if "tuple" in spec:
         return tuple(decode_value(v, get) for v in spec["tuple"])
     if "list" in spec:

@@ -30,7 +30,8 @@ from .config import Cell
 from .envinfo import base_stamp
 from .errors import DeepviewError, ExecutionError, InputError
 from .log import Progress
-from .modes import JOURNAL_NAME, last_open_entry
+from .isolate import child_env, open_entry, signal_name
+from .modes import JOURNAL_NAME
 from .results import CellError, CellResult, ModeResult, load_cell_result, read_json
 
 STDERR_TAIL_CHARS = 4000
@@ -60,15 +61,6 @@ def existing_result(out_dir: Path, cid: str) -> CellResult | None:
         return load_cell_result(path)
     except DeepviewError:
         return None
-
-
-def _signal_name(returncode: int) -> str | None:
-    if returncode >= 0:
-        return None
-    try:
-        return signal.Signals(-returncode).name
-    except ValueError:
-        return f"signal {-returncode}"
 
 
 def _tail(path: Path, limit: int = STDERR_TAIL_CHARS) -> str:
@@ -121,7 +113,8 @@ class _Children:
             _kill_group(p)
 
 
-def _load_partial(cdir: Path) -> CellResult | None:
+def load_partial(cdir: Path) -> CellResult | None:
+    """The cell's result so far (written after each mode), or None when there is none or it is unreadable."""
     path = cdir / PARTIAL_NAME
     if not path.exists():
         return None
@@ -155,7 +148,7 @@ def run_one(cell: Cell, opts: RunOptions, children: _Children | None = None) -> 
             "--matrix", str(opts.matrix_path), "--cell", cell.id, "--out", str(opts.out_dir),
             "--modes", ",".join(remaining), "--budget", f"{budget:.3f}",
         ]
-        env = dict(os.environ)
+        env = child_env()  # the worker dies with this process (`isolate.arm_worker`)
         env.setdefault("PYTHONUNBUFFERED", "1")
         with open(stderr_path, "ab") as err_fh:
             proc = subprocess.Popen(cmd, stdout=err_fh, stderr=err_fh, stdin=subprocess.DEVNULL,
@@ -167,18 +160,21 @@ def run_one(cell: Cell, opts: RunOptions, children: _Children | None = None) -> 
             except subprocess.TimeoutExpired:
                 timed_out = True
                 _kill_group(proc)
+            except BaseException:  # Ctrl-C (or any error) here: the worker must not outlive this wait
+                _kill_group(proc)
+                raise
             finally:
                 children.discard(proc)
         if children.interrupted:
             raise KeyboardInterrupt
-        partial = _load_partial(cdir)
+        partial = load_partial(cdir)
         done = set(partial.modes) if partial else set()
         if not timed_out and proc.returncode == 0 and all(m in done for m in remaining):
             break  # an earlier crash in this cell (if any) stays in `error`
         # the worker died (or hung): blame the mode that was open, keep what was finished
-        running = last_open_entry(cdir / JOURNAL_NAME, "mode") or next((m for m in remaining if m not in done), remaining[0])
-        last_module = last_open_entry(cdir / JOURNAL_NAME, "module")
-        sig = _signal_name(proc.returncode) if not timed_out else None
+        running = open_entry(cdir / JOURNAL_NAME, "mode") or next((m for m in remaining if m not in done), remaining[0])
+        last_module = open_entry(cdir / JOURNAL_NAME, "module")
+        sig = signal_name(proc.returncode) if not timed_out else None
         status = "timeout" if timed_out else "crashed"
         if timed_out:
             what = f"cell timed out after {cell.timeout:g}s"
@@ -199,7 +195,7 @@ def run_one(cell: Cell, opts: RunOptions, children: _Children | None = None) -> 
         if timed_out:
             break
 
-    result = _load_partial(cdir) or CellResult(id=cell.id, model=cell.model.id, backend=cell.backend.id,
+    result = load_partial(cdir) or CellResult(id=cell.id, model=cell.model.id, backend=cell.backend.id,
                                                 status="skipped", env=base_stamp(), artifacts_dir=f"cells/{cell.id}")
     for m in modes:
         if m not in result.modes:

@@ -19,6 +19,7 @@ from typing import Any, Mapping, Sequence
 import jinja2
 
 from .fsutil import atomic_write_text
+from .isolate import set_pdeathsig
 
 
 @lru_cache(maxsize=1)
@@ -77,7 +78,8 @@ def verify_script(script: Path, *, expect_text: Sequence[str], expect_error_type
     child_env.update(env or {})
     try:
         proc = subprocess.run([sys.executable, str(script.name)], cwd=script.parent, env=child_env,
-                              stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout)
+                              stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout,
+                              preexec_fn=set_pdeathsig)  # dies with the worker
     except subprocess.TimeoutExpired as exc:
         out = ((exc.stdout or b"") + (exc.stderr or b"")).decode("utf-8", "replace")[-4000:]
         return Verification(verified=expect_signal, exit_code=None, output_tail=out,

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from ..fsutil import append_line
+from ..isolate import Journal
 from ..results import ModeResult
 
 if TYPE_CHECKING:
@@ -92,23 +92,5 @@ class ModeContext:
         return build_inputs(loaded, self.cell.inputs, sample=sample, device=device)
 
     def journal(self, event: str, name: str) -> None:
-        """Append `event name` to the crash journal (fsync'd): the parent reads it after a hard crash."""
-        append_line(self.cell_dir / JOURNAL_NAME, f"{event}\t{name}")
-
-
-def last_open_entry(journal: Path, kind: str = "module") -> str | None:
-    """The innermost `enter-<kind>` without a matching `leave-<kind>`: what was running when a process died."""
-    try:
-        lines = journal.read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return None
-    stack: list[str] = []
-    for line in lines:
-        event, _, name = line.partition("\t")
-        if event == f"enter-{kind}":
-            stack.append(name)
-        elif event == f"leave-{kind}" and stack:
-            if name in stack:
-                while stack and stack.pop() != name:
-                    pass
-    return stack[-1] if stack else None
+        """Append `event name` to the cell's crash journal (fsync'd): the parent reads it after a hard crash."""
+        Journal(self.cell_dir / JOURNAL_NAME).write(event, name)

@@ -68,6 +68,7 @@ from ..backends import plugin_pythonpath
 from ..config import spec_to_json
 from ..errors import ConfigError, DeepviewError
 from ..fsutil import append_line, atomic_write_json
+from ..isolate import Attempt, IsolatedResult, child_journal, supervise
 from ..inventory import (
     Inventory,
     InventoryError,
@@ -77,6 +78,7 @@ from ..inventory import (
     take_inventory,
 )
 from ..results import Finding, ModeResult, Repro, fingerprint
+from ..tree import map_tensors
 
 if TYPE_CHECKING:
     from ..config import BackendSpec
@@ -458,12 +460,6 @@ def classify_failure(exc: BaseException, *, eager: bool, ref_exc: BaseException 
             "named_op": named, "named_text": phrase}
 
 
-def _to_cpu(value: Any) -> Any:
-    from torch.utils import _pytree as pytree
-
-    return pytree.tree_map(lambda x: x.detach().to("cpu") if isinstance(x, torch.Tensor) else x, value)
-
-
 class _NoGraph(Exception):
     pass
 
@@ -580,7 +576,7 @@ def run_probe(backend: Any, probe: Mapping[str, Any], *, compare_results: bool,
                 return op(*a, **k)
 
             value = backend.compile(fn)(*tensors)
-        value = _to_cpu(value)
+        value = map_tensors(lambda t: t.detach().to("cpu"), value)
     except Exception as exc:
         return done(**classify_failure(exc, eager=eager, ref_exc=ref_exc))
 
@@ -607,7 +603,6 @@ def probe_batch(payload: Mapping[str, Any]) -> dict[str, Any]:
 
     from ..backends import resolve_backend
     from ..config import BackendSpec, spec_from_json
-    from ..isolate import child_journal
 
     backend = resolve_backend(spec_from_json(BackendSpec, payload["backend"]))
     backend.prepare()
@@ -671,47 +666,66 @@ class ProbeRunner:
         return results
 
     def _run_shard(self, shard: _Shard) -> dict[str, dict[str, Any]]:
-        from ..isolate import run_isolated
-        from . import last_open_entry
-
+        """The shard's probes in children (`isolate.supervise`): a child that dies costs the probe it was in."""
         pending = list(shard.probes)
         results: dict[str, dict[str, Any]] = {}
         env = {str(k): str(v) for k, v in self.spec.env.items()}
-        while pending:
+        journal_path = self.work_dir / f"journal-{shard.index:03d}.log"
+        journal_path.unlink(missing_ok=True)
+        batch: list[dict[str, Any]] = []
+        results_path = self.work_dir / "probes.jsonl"
+        tag = ""
+
+        def next_attempt(_n: int) -> Attempt | str | None:
+            nonlocal batch, results_path, tag
+            if not pending:
+                return None
             budget = self.remaining() - 5.0
             if budget < min(self.opts.probe_timeout, 10.0):
                 for p in pending:
                     results[p["id"]] = _not_run(p, "the cell's time ran out before this probe")
-                break
+                return "the cell's time ran out"
             batch = pending[: self.opts.batch_size]
             attempt = self._next_attempt()
             results_path = self.work_dir / f"probes-{attempt:03d}.jsonl"
-            journal_path = self.work_dir / f"journal-{attempt:03d}.log"
             payload = {"backend": spec_to_json(self.spec), "probes": batch, "results": str(results_path),
                        "probe_timeout": self.opts.probe_timeout, "compare": self.opts.compare, "via": self.opts.via}
-            timeout = min(budget, self.opts.probe_timeout * len(batch) + _CHILD_STARTUP_S)
+            tag = f"{attempt}:{batch[0]['id']}..{batch[-1]['id']}"
             if self.journal:
-                self.journal("enter-probe-batch", f"{attempt}:{batch[0]['id']}..{batch[-1]['id']}")
-            res = run_isolated("ci_runner.modes.ops:probe_batch", payload, timeout=timeout, journal=journal_path, env=env)
+                self.journal("enter-probe-batch", tag)
+            return Attempt(payload=payload, timeout=min(budget, self.opts.probe_timeout * len(batch) + _CHILD_STARTUP_S))
+
+        def collect() -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+            nonlocal pending
             if self.journal:
-                self.journal("leave-probe-batch", f"{attempt}:{batch[0]['id']}..{batch[-1]['id']}")
+                self.journal("leave-probe-batch", tag)
             done = _read_outcomes(results_path)
             results.update(done)
             left = [p for p in batch if p["id"] not in done]
-            rest = pending[len(batch):]
+            pending = pending[len(batch):]
+            return done, left
+
+        def on_ok(res: IsolatedResult) -> str | None:
+            return on_crash(None, res)  # a child that returned without an outcome for each of its probes
+
+        def on_crash(open_id: str | None, res: IsolatedResult) -> str | None:
+            nonlocal pending
+            done, left = collect()
             if not left:
-                pending = rest
-                continue
+                return None
             if res.status == "error" and not done:
                 # the child failed before its first probe: the backend cannot even be set up there
                 self.setup_error = f"{res.error_type}: {res.message}".strip()
-                for p in pending:
+                for p in left + pending:
                     results[p["id"]] = _not_run(p, f"probe process failed before probing: {self.setup_error}")
-                break
-            open_id = last_open_entry(journal_path, "probe")
+                return "the probe process failed before probing"
             culprit = next((p for p in left if p["id"] == open_id), left[0])
             results[culprit["id"]] = _crash_outcome(culprit, res, self.opts.probe_timeout)
-            pending = [p for p in left if p is not culprit] + rest
+            pending = [p for p in left if p is not culprit] + pending
+            return None
+
+        supervise("ci_runner.modes.ops:probe_batch", journal=journal_path, kind="probe", next_attempt=next_attempt,
+                  on_ok=on_ok, on_crash=on_crash, env=env)
         return results
 
 

@@ -19,7 +19,8 @@ import pytest
 from ci_runner.cellrun import run_cell_inprocess
 from ci_runner.config import load_matrix_text
 from ci_runner.matrix import expand
-from ci_runner.modes import JOURNAL_NAME, last_open_entry
+from ci_runner.isolate import open_entry
+from ci_runner.modes import JOURNAL_NAME
 from ci_runner.results import CellResult, ModeResult, fingerprint, validate
 
 REPO = Path(__file__).resolve().parents[2]
@@ -119,7 +120,7 @@ def test_two_operator_backend_names_self_attn_while_each_child_compiles(tmp_path
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "REPRO FAILED" in proc.stderr and "IndexError" in proc.stderr
     # the journal is balanced: nothing left open
-    assert last_open_entry(cdir / JOURNAL_NAME, "module") is None
+    assert open_entry(cdir / JOURNAL_NAME, "module") is None
 
 
 # --------------------------------------------------------------------------- sim-crash on Llama and Granite
@@ -164,7 +165,7 @@ def test_hard_faults_keep_the_diagnosis_and_the_run_goes_on(tmp_path: Path, back
     assert [m for m, r in rows.items() if r["status"] == status] == [
         "<root>", "model", "model.layers.0", "model.layers.0.self_attn"]
     assert rows["model.layers.0.self_attn.q_proj"]["status"] == "pass"  # probed after the crashes
-    assert last_open_entry(cdir / JOURNAL_NAME, "module") is None
+    assert open_entry(cdir / JOURNAL_NAME, "module") is None
     assert f.repro is not None and f.repro.verified, f.repro  # the repro dies (or hangs) the same way
 
 

@@ -16,7 +16,8 @@ from ci_runner.cellrun import run_cell_inprocess
 from ci_runner.config import load_matrix_text
 from ci_runner.layer_search import read_outcomes
 from ci_runner.matrix import expand
-from ci_runner.modes import JOURNAL_NAME, last_open_entry
+from ci_runner.isolate import open_entry
+from ci_runner.modes import JOURNAL_NAME
 from ci_runner.results import ModeResult
 
 MATRIX = textwrap.dedent("""\
@@ -58,7 +59,7 @@ def test_segfaults_cost_one_child_each_and_the_search_finishes(tmp_path: Path) -
     assert known["head"].status == "pass" and known["head"].calls_tried == 1
     assert mode.data["capture"]["shared"] == {"head": 2}
     assert "blocks.0.mlp.0" not in known  # below a passing module: never tried
-    assert last_open_entry(cdir / JOURNAL_NAME, "module") is None
+    assert open_entry(cdir / JOURNAL_NAME, "module") is None
 
 
 @pytest.mark.slow

@@ -75,6 +75,7 @@ def test_lenient_policy_keeps_model_outputs_caches_namedtuples_and_marks_opaque(
     back = decode_value(json.loads(json.dumps(spec)), store.__getitem__)
     assert isinstance(back["mo"], BaseModelOutput) and torch.equal(back["mo"].last_hidden_state, torch.zeros(1))
     assert math.isnan(back["f"]) and back["s"] == slice(1, None) and back["p"] == (1, [2, None])
+    assert type(back["p"]).__name__ == "Pair" and back["p"]._fields == ("a", "b") and back["p"].b == [2, None]
     assert back["c"] is None and back[3] == "int key"
     with pytest.raises(Unstorable, match="object"):
         encode_value(object(), put)

@@ -6,9 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ci_runner.isolate import run_isolated
-from ci_runner.modes import last_open_entry
-
+from ci_runner.isolate import open_entry, run_isolated
 
 @pytest.mark.parametrize(
     ("action", "status", "check"),
@@ -28,7 +26,7 @@ def test_child_outcomes(tmp_path: Path, action: str, status: str, check) -> None
     assert res.status == status, res
     assert check(res), res
     if status in ("crashed", "timeout"):
-        assert last_open_entry(journal, "item") == "item-3"
+        assert open_entry(journal, "item") == "item-3"
 
 
 def test_a_hung_child_dies_with_its_parent(tmp_path: Path) -> None:
@@ -61,3 +59,87 @@ def test_a_hung_child_dies_with_its_parent(tmp_path: Path) -> None:
     else:
         os.kill(child, signal.SIGKILL)
         raise AssertionError("the isolated child outlived its parent")
+
+
+def test_describe_says_what_happened_to_the_child() -> None:
+    from ci_runner.isolate import IsolatedResult
+
+    assert IsolatedResult(status="crashed", signal="SIGSEGV").describe() == "crashed (SIGSEGV)"
+    assert IsolatedResult(status="crashed", message="child process exited with code 7").describe() == \
+        "crashed (child process exited with code 7)"
+    assert IsolatedResult(status="timeout", timeout=60.0).describe() == "timed out after 60 s"
+    assert IsolatedResult(status="error", error_type="ValueError", message="bad\nmore").describe() == \
+        "failed: ValueError: bad"
+
+
+def test_journal_open_entry_counts_only_lines_since_an_offset(tmp_path: Path) -> None:
+    from ci_runner.isolate import Journal
+
+    j = Journal(tmp_path / "j.log")
+    j.enter("item", "a")
+    since = j.size()
+    assert j.open_entry("item") == "a" and j.open_entry("item", since=since) is None
+    j.enter("item", "b")
+    j.enter("item", "c")
+    j.leave("item", "b")  # closes b and everything opened after it
+    assert j.open_entry("item", since=since) is None
+    j.enter("item", "d")
+    assert j.open_entry("item", since=since) == "d" and j.open_entry("other") is None
+
+
+def _supervise_items(tmp_path: Path, items: list[str], fail: dict[str, str], **kw: object):
+    from ci_runner.isolate import Attempt, supervise
+
+    out = tmp_path / "done.jsonl"
+    crashed: dict[str, str] = {}
+    pending = list(items)
+
+    def done_items() -> list[str]:
+        import json
+
+        return [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
+
+    def next_attempt(n: int) -> Attempt | str | None:
+        left = [i for i in pending if i not in done_items() and i not in crashed]
+        if not left:
+            return None
+        return Attempt(payload={"items": left, "fail": fail, "out": str(out)}, timeout=3)
+
+    def on_crash(item: str | None, res) -> str | None:
+        if item is None:
+            return f"died outside any item: {res.describe()}"
+        crashed[item] = res.status
+        return None
+
+    run = supervise("tests.fixtures.iso_targets:items", journal=tmp_path / "journal.log", kind="item",
+                    next_attempt=next_attempt, on_crash=on_crash, **kw)
+    return run, done_items(), crashed
+
+
+def test_supervise_restarts_after_each_crash_and_attributes_the_item_in_flight(tmp_path: Path) -> None:
+    run, done, crashed = _supervise_items(tmp_path, ["a", "b", "c", "d", "e"], {"b": "abort", "d": "hang"})
+    assert crashed == {"b": "crashed", "d": "timeout"}
+    assert done == ["a", "c", "e"]
+    assert run.stop_reason is None and run.children == 3 and run.restarts == 2
+    assert open_entry(tmp_path / "journal.log", "item") is None  # the loop closed what the children left open
+
+
+def test_supervise_gives_up_after_max_restarts(tmp_path: Path) -> None:
+    run, done, crashed = _supervise_items(tmp_path, ["a", "b", "c"], {"a": "abort", "b": "abort", "c": "abort"},
+                                          max_restarts=1)
+    assert list(crashed) == ["a", "b"] and done == []
+    assert run.stop_reason is not None and "max_restarts=1" in run.stop_reason
+
+
+def test_supervise_stops_when_a_child_dies_outside_any_item(tmp_path: Path) -> None:
+    from ci_runner.isolate import Attempt, supervise
+
+    calls: list[str | None] = []
+
+    def on_crash(item: str | None, res) -> str | None:
+        calls.append(item)
+        return "stop" if item is None else None
+
+    run = supervise("tests.fixtures.iso_targets:no_such_function", journal=tmp_path / "j.log", kind="item",
+                    next_attempt=lambda n: Attempt(payload={}, timeout=30), on_crash=on_crash)
+    assert calls == [None] and run.stop_reason == "stop" and run.last is not None and run.last.status == "error"
