@@ -10,6 +10,7 @@ from typing import Iterable, Sequence
 from .cellrun import RESULT_NAME
 from .envinfo import tool_version
 from .errors import InputError
+from .report import write_reports
 from .results import CellResult, Results, iter_findings, load_cell_result, save_results
 
 OP_KINDS = ("unsupported_op", "op_error", "op_mismatch")
@@ -91,12 +92,8 @@ def aggregate(paths: Sequence[Path]) -> Results:
 
 
 def write_report_dir(results: Results, report_dir: Path, *, run_dir: Path | None = None) -> dict[str, Path]:
-    """results.json plus, when the report package is installed, junit.xml, summary.md and report.html."""
+    """results.json, junit.xml, summary.md and report.html."""
     report_dir.mkdir(parents=True, exist_ok=True)
     written = {"results": save_results(results, report_dir / "results.json")}
-    try:
-        from .report import write_reports
-    except ImportError:
-        return written
     written.update(write_reports(results, report_dir, run_dir=run_dir))
     return written

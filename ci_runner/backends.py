@@ -1,6 +1,6 @@
 """Backend specs → a ready-to-use `Backend`: compile adapter, device adapter, versions.
 
-A matrix backend (DESIGN §3) is resolved in this order:
+A matrix backend (`backends:` in the matrix, `config.BackendSpec`) is resolved in this order:
 
 1. `env` is applied to `os.environ` (plugins may read it when imported);
 2. the `import` list is imported (plugins may register torch.compile backends or a PrivateUse1 device);
@@ -15,20 +15,40 @@ A matrix backend (DESIGN §3) is resolved in this order:
      `torch._dynamo.list_backends(exclude_tags=())` lists after the imports), passed through as the string.
 
 `backend_options` go to the compile backend when there is one; for an eager `device: simdev` backend they configure
-simdev (`allow`/`extra_allow`/`deny`); with both, simdev's options sit under `backend_options.simdev`.
+simdev (`allow`/`extra_allow`/`deny`); with both, simdev's options sit under `backend_options.simdev`
+(`simdev_options`).
 Every failure is a `BackendError` that lists what is available.
+
+The other facts about backends live here too, so that every mode and every repro agrees on them:
+`backend_recipe` (how a standalone script rebuilds the backend), and the error-text patterns that name an
+unsupported op (`UNSUPPORTED_RE`, `COULD_NOT_RUN_RE`, `ATEN_NAME_RE`; `unsupported_op_from_error`,
+`named_op_from_error`).
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib
+import importlib.util
 import os
+import re
+import sysconfig
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 from .config import BackendSpec
+from .envinfo import tool_version
 from .errors import BackendError
+
+# `unsupported operator aten.softplus.default` (the sims' and many vendor compilers' wording)
+UNSUPPORTED_RE = re.compile(r"unsupported operator (?P<op>[A-Za-z_](?:[\w.]*\w)?)")
+# PyTorch's dispatcher error for an eager device without the kernel (simdev, real PrivateUse1 plugins)
+COULD_NOT_RUN_RE = re.compile(r"Could not run '(?P<op>[\w:.]+)' with arguments from the '(?P<backend>[^']+)' backend")
+# any ATen/prims name in an error text (`aten::softplus`, `aten.rsqrt.default`): the last resort
+ATEN_NAME_RE = re.compile(r"\b(?P<op>(?:aten|prims)(?:::|\.)[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)?)")
 
 # Short descriptions of the usual torch.compile backends, for `deepview-ci env`.
 _KNOWN_DESCRIPTIONS: Mapping[str, str] = {
@@ -46,20 +66,20 @@ _COMPILE_KEYS = frozenset({"fullgraph", "dynamic", "mode", "options", "disable"}
 
 
 def _torch() -> Any:
-    import torch
+    import torch  # deferred: `deepview-ci expand` and the report commands never need torch
 
     return torch
 
 
 def registered_compile_backends() -> list[str]:
     """torch.compile backend names registered in this process (built-ins and plugins already imported)."""
-    from torch._dynamo import list_backends
+    from torch._dynamo import list_backends  # deferred: torch
 
     return sorted(n for n in set(list_backends(exclude_tags=())) if not n.endswith("_TESTING_ONLY"))
 
 
 def _all_dynamo_names() -> set[str]:
-    from torch._dynamo import list_backends
+    from torch._dynamo import list_backends  # deferred: torch
 
     return set(list_backends(exclude_tags=()))
 
@@ -137,21 +157,14 @@ class Backend:
                                hint="the plugin itself failed to import; run `python -c 'import "
                                     f"{name}'` to see the full error") from None
 
-    def _simdev_options(self) -> Mapping[str, Any]:
-        opts = self.spec.backend_options
-        if self.spec.compile is None:
-            return opts
-        nested = opts.get("simdev", {})
-        return nested if isinstance(nested, Mapping) else {}
-
     def _setup_device(self) -> None:
         torch = _torch()
         dev_type = self.device.split(":")[0]
         if dev_type == "simdev":
-            from .sim import simdev
+            from .sim import simdev  # deferred: imports torch
 
             try:
-                simdev.register_from_options(self._simdev_options())
+                simdev.register_from_options(simdev_options(self.spec))
             except (RuntimeError, ValueError) as exc:
                 raise BackendError(f"backend {self.spec.id!r}: cannot set up device simdev: {exc}",
                                    hint="check backend_options (allow/extra_allow/deny); simdev needs PrivateUse1 "
@@ -186,7 +199,7 @@ class Backend:
                                hint=_choices(bad[0], sorted(_COMPILE_KEYS)) + " (torch.compile's arguments)")
         options = dict(self.spec.backend_options)
         if _is_sim(name):
-            from . import sim
+            from . import sim  # deferred: imports torch
 
             try:
                 return sim.make_backend(name, options)
@@ -251,20 +264,20 @@ class Backend:
 
     def to_device(self, obj: Any) -> Any:
         """Move a module, tensor or nested dict/list/tuple of them to the backend's device."""
+        from .tree import map_tensors  # deferred: imports torch
+
         self.prepare()
-        return _to(obj, self.device)
+        return map_tensors(lambda x: x.to(self.device), obj, modules=True)
 
     def versions(self) -> dict[str, str]:
         """Versions for the env stamp: torch, the compile backend and every plugin module."""
         torch = _torch()
         out: dict[str, str] = {"torch": torch.__version__, "backend": self.spec.compile or f"eager:{self.device}"}
         if _is_sim(self.spec.compile) or self.device.startswith("simdev"):
-            from .envinfo import tool_version
-
             out["deepview-ci"] = tool_version()
         if self.spec.compile == "inductor":
             try:
-                import triton  # type: ignore[import-not-found]
+                import triton  # type: ignore[import-not-found]  # deferred: optional, heavy
 
                 out["triton"] = str(triton.__version__)
             except Exception:
@@ -279,25 +292,10 @@ class Backend:
         return out
 
 
-def _to(obj: Any, device: str) -> Any:
-    torch = _torch()
-    if isinstance(obj, (torch.nn.Module, torch.Tensor)):
-        return obj.to(device)
-    if isinstance(obj, Mapping):
-        return {k: _to(v, device) for k, v in obj.items()}
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(_to(v, device) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to(v, device) for v in obj)
-    return obj
-
-
 def _module_version(name: str, mod: Any) -> str | None:
     v = getattr(mod, "__version__", None)
     if isinstance(v, str):
         return v
-    from importlib import metadata
-
     top = name.split(".")[0]
     for dist in metadata.packages_distributions().get(top, []) or [top]:
         try:
@@ -308,7 +306,7 @@ def _module_version(name: str, mod: Any) -> str | None:
 
 
 def _sim_registry() -> Mapping[str, Any]:
-    from .sim import SIM_BACKENDS
+    from .sim import SIM_BACKENDS  # deferred: ci_runner.sim imports torch; loading a matrix must not
 
     return SIM_BACKENDS
 
@@ -358,15 +356,97 @@ def _device_description(dev: str) -> str:
     return "PrivateUse1 device registered by a plugin" if dev == torch._C._get_privateuse1_backend_name() else dev
 
 
+# --------------------------------------------------------------------------- backend facts
+
+def simdev_options(spec: BackendSpec) -> Mapping[str, Any]:
+    """simdev's options: all of `backend_options` for an eager simdev backend, `backend_options.simdev` when the
+    backend also compiles (the rest then goes to the compiler)."""
+    opts = spec.backend_options
+    if spec.compile is None:
+        return opts
+    nested = opts.get("simdev", {})
+    return nested if isinstance(nested, Mapping) else {}
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackendRecipe:
+    """How a standalone script rebuilds a backend: imports, setup lines, the torch.compile backend expression."""
+
+    kind: str  # eager | sim | plugin | registered (as `Backend.kind`)
+    name: str | None  # the matrix's `compile` (None when eager)
+    module: str | None  # plugin: the module of `module:callable`
+    attr: str | None  # plugin: the callable's (dotted) name in it
+    options: Mapping[str, Any]  # backend_options
+    simdev_options: Mapping[str, Any] | None  # None unless the device is simdev
+    imports: tuple[str, ...]
+    setup: tuple[str, ...]  # Python lines run after the imports; they bind BACKEND when compiling
+    backend_expr: str | None  # None for eager devices
+    device: str
+    env: Mapping[str, str]
+    compile_options: Mapping[str, Any]
+    pythonpath: tuple[str, ...]  # folders the script needs on PYTHONPATH (plugins not installed as packages)
+
+
+def backend_recipe(spec: BackendSpec) -> BackendRecipe:
+    """The recipe for `spec`; the same resolution order as `Backend.prepare` (imports, simdev, compiler)."""
+    imports: list[str] = list(spec.imports)
+    setup: list[str] = []
+    expr: str | None = None
+    options = dict(spec.backend_options)
+    kind, module, attr = "eager", None, None
+    sim_opts: dict[str, Any] | None = None
+    if spec.device.split(":")[0] == "simdev":
+        sim_opts = dict(simdev_options(spec))
+        imports.append("ci_runner.sim.simdev")
+        setup.append(f"ci_runner.sim.simdev.register_from_options({sim_opts!r})  # registers the simdev device")
+    if spec.compile is not None:
+        if _is_sim(spec.compile):
+            kind = "sim"
+            imports.append("ci_runner.sim")
+            setup.append(f"BACKEND = ci_runner.sim.make_backend({spec.compile!r}, {options!r})")
+        elif ":" in spec.compile:
+            kind = "plugin"
+            module, _, attr = spec.compile.partition(":")
+            imports.append(module)
+            target = f"{module}.{attr}"
+            setup.append(f"BACKEND = {target}(**{options!r})" if options else f"BACKEND = {target}")
+        else:
+            kind = "registered"
+            setup.append(f"BACKEND = {spec.compile!r}")
+        expr = "BACKEND"
+    imports = list(dict.fromkeys(imports))
+    return BackendRecipe(kind=kind, name=spec.compile, module=module, attr=attr, options=options,
+                         simdev_options=sim_opts, imports=tuple(imports), setup=tuple(setup), backend_expr=expr,
+                         device=spec.device, env=dict(spec.env), compile_options=dict(spec.compile_options),
+                         pythonpath=tuple(plugin_pythonpath(imports)))
+
+
 def unsupported_op_from_error(text: str) -> str | None:
-    """The op an error text names as unsupported (sim-subset's or PyTorch's 'Could not run' format), else None."""
-    from .sim import parse_unsupported_op
+    """The overload (`aten.rsqrt.out`) an error text says is unsupported (the sims' `unsupported operator X` or
+    PyTorch's `Could not run 'aten::X'` format), else None."""
+    m = UNSUPPORTED_RE.search(text)
+    if m:
+        return m.group("op")
+    m = COULD_NOT_RUN_RE.search(text)
+    if m:
+        return _overload(m.group("op"))
+    return None
 
-    return parse_unsupported_op(text)
+
+def named_op_from_error(text: str) -> tuple[str | None, str | None]:
+    """(op overload, the phrase naming it) from a backend's error text, also from any ATen name in it;
+    (None, None) when none is named."""
+    for pattern in (UNSUPPORTED_RE, COULD_NOT_RUN_RE, ATEN_NAME_RE):
+        m = pattern.search(text)
+        if m:
+            op = m.group("op")
+            return (op if pattern is UNSUPPORTED_RE else _overload(op)), m.group(0)
+    return None, None
 
 
-__all__ = ["Backend", "available_backends", "available_devices", "registered_compile_backends", "resolve_backend",
-           "unsupported_op_from_error"]
+def _overload(name: str) -> str:
+    name = name.replace("::", ".")
+    return name if name.count(".") >= 2 else f"{name}.default"
 
 
 def plugin_pythonpath(modules: Iterable[str]) -> list[str]:
@@ -374,10 +454,6 @@ def plugin_pythonpath(modules: Iterable[str]) -> list[str]:
 
     Repro scripts and probe children run in clean processes; a plugin that lives in the user's checkout
     (not installed) needs its root folder passed along."""
-    import importlib.util
-    import sysconfig
-    from pathlib import Path
-
     installed = {str(Path(p).resolve()) for p in (sysconfig.get_paths().get("purelib"), sysconfig.get_paths().get("platlib")) if p}
     roots: list[str] = []
     for mod in modules:

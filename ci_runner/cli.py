@@ -97,14 +97,16 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     from .cellrun import run_cell_inprocess
     from .config import load_matrix
-    from .execute import _load_partial, cell_dir
+    from .execute import cell_dir, load_partial
+    from .isolate import arm_worker
     from .matrix import find_cell
 
+    arm_worker(float(args.budget))  # dies with its run, and ends itself past its budget
     deadline = time.monotonic() + float(args.budget)
     matrix = load_matrix(args.matrix)
     cell = find_cell(matrix, args.cell)
     cdir = cell_dir(Path(args.out), cell.id)
-    run_cell_inprocess(cell, cdir, modes=tuple(args.modes.split(",")), deadline=deadline, previous=_load_partial(cdir))
+    run_cell_inprocess(cell, cdir, modes=tuple(args.modes.split(",")), deadline=deadline, previous=load_partial(cdir))
     return 0
 
 
@@ -189,21 +191,56 @@ def cmd_file_issues(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from .dumps import compare_command
+    """`deepview-ci compare REF TARGET [--json PATH] [--thresholds FILE] [--fail-on drift|diverged|broken|never]`.
 
-    return compare_command(args)
+    Exit 0 when inputs, schema and every layer agree; 1 when the schema differs or a layer is flagged; 3 when a
+    dump is unreadable or the inputs differ (no layer is compared then)."""
+    from .fsutil import atomic_write_json
+    from .numerics.compare import compare_dumps, format_comparison  # deferred: torch
+    from .numerics.dumps import load_dump  # deferred: torch
+    from .numerics.thresholds import load_table
+
+    table = load_table(Path(args.thresholds)) if getattr(args, "thresholds", None) else None
+    ref = load_dump(args.ref_dump)
+    tgt = load_dump(args.target_dump)
+    cmp = compare_dumps(ref, tgt, thresholds=table, fail_on=getattr(args, "fail_on", None) or "diverged")
+    print(format_comparison(cmp))
+    if getattr(args, "json", None):
+        path = atomic_write_json(Path(args.json), cmp.to_json())
+        print(f"comparison written: {path}")
+    return errors.EXIT_OK if cmp.ok else errors.EXIT_FINDINGS
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
-    from .dumps import dump_command
+    """`deepview-ci dump --matrix M --model ID [--backend ID] [--reference ID] [--sample N] --out DIR [--chunk-mb X]`."""
+    from .config import load_matrix
+    from .numerics.dumps import dump_entry  # deferred: torch
 
-    return dump_command(args)
+    matrix = load_matrix(getattr(args, "matrix", None))
+    out = Path(args.out)
+    try:
+        path = dump_entry(matrix, args.model, out, backend_id=getattr(args, "backend", None),
+                          reference_id=getattr(args, "reference", None), sample=int(getattr(args, "sample", 0) or 0),
+                          chunk_mb=float(getattr(args, "chunk_mb", None) or 64.0))
+    except DeepviewError:
+        raise
+    except Exception as exc:  # the model or backend failed while running: say where, keep the exit code meaningful
+        raise errors.ExecutionError(f"dump of {args.model!r} failed: {type(exc).__name__}: "
+                                    f"{str(exc).splitlines()[0] if str(exc) else ''}",
+                                    hint="run the `layers` mode on this cell to find the failing module") from exc
+    m = json.loads(path.read_text(encoding="utf-8"))
+    print(f"dumped {len(m['entries'])} tensors of {m['calls']} module calls ({m['bytes'] / 1e6:.1f} MB, "
+          f"{m['seconds']:.1f} s) → {out}")
+    print(f"  side: {m['side']['role']} {m['side']['id']} on {m['side']['device']} {m['side']['dtype']} "
+          f"({m['side']['capture']}); input sha256 {m['input']['hash'][:16]}…")
+    return 0
 
 
 def cmd_env(args: argparse.Namespace) -> int:
+    from .backends import available_backends
     from .envinfo import env_report, format_env
 
-    report = env_report()
+    report = env_report(available_backends)
     print(json.dumps(report, indent=2, default=str) if args.json else format_env(report))
     return 0
 

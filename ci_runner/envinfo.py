@@ -5,7 +5,9 @@ from __future__ import annotations
 import platform
 import sys
 from importlib import metadata
-from typing import Any
+from typing import Any, Callable
+
+from . import __version__
 
 
 def _version(dist: str) -> str | None:
@@ -16,8 +18,6 @@ def _version(dist: str) -> str | None:
 
 
 def tool_version() -> str:
-    from . import __version__
-
     return _version("deepview-ci") or __version__
 
 
@@ -33,7 +33,7 @@ def base_stamp() -> dict[str, Any]:
 
 
 def devices() -> dict[str, Any]:
-    import torch
+    import torch  # deferred: the parent process and `deepview-ci env` on a broken torch must not need it
 
     out: dict[str, Any] = {"cpu": {"threads": torch.get_num_threads()}}
     if torch.cuda.is_available():
@@ -45,7 +45,7 @@ def devices() -> dict[str, Any]:
 
 
 def cell_stamp(device: str, backend_versions: dict[str, str] | None = None) -> dict[str, Any]:
-    import torch
+    import torch  # deferred: torch
 
     stamp = base_stamp()
     stamp["torch"] = torch.__version__
@@ -56,8 +56,8 @@ def cell_stamp(device: str, backend_versions: dict[str, str] | None = None) -> d
     return stamp
 
 
-def env_report() -> dict[str, Any]:
-    """Versions, devices and available backends, for a bug report."""
+def env_report(list_backends: Callable[[], list[dict[str, str]]]) -> dict[str, Any]:
+    """Versions, devices and the backends `list_backends()` finds (`backends.available_backends`), for a bug report."""
     report: dict[str, Any] = base_stamp()
     for dist in ("safetensors", "jinja2", "pyyaml", "jsonschema", "numpy", "tokenizers", "huggingface-hub"):
         report[dist] = _version(dist)
@@ -67,11 +67,9 @@ def env_report() -> dict[str, Any]:
     except Exception as exc:  # a broken torch install is exactly what this report must show
         report["devices"] = f"unavailable: {type(exc).__name__}: {exc}"
     try:
-        from .backends import available_backends
-
-        report["backends"] = available_backends()
-    except ImportError:
-        report["backends"] = "unavailable in this installation"
+        report["backends"] = list_backends()
+    except Exception as exc:  # a broken torch or plugin install: show what broke
+        report["backends"] = f"unavailable: {type(exc).__name__}: {exc}"
     return report
 
 

@@ -8,6 +8,7 @@ import threading
 from dataclasses import dataclass
 from typing import Mapping, TextIO
 
+STEP_SUMMARY_LIMIT = 1024 * 1024  # bytes per step summary ($GITHUB_STEP_SUMMARY), GitHub's hard limit
 STATUS_MARK = {"pass": "ok", "fail": "FAIL", "error": "ERROR", "timeout": "TIMEOUT", "crashed": "CRASHED", "skipped": "skipped"}
 
 

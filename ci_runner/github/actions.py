@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Mapping, TextIO
 
 from ..errors import ExecutionError
+from ..log import STEP_SUMMARY_LIMIT
 
-STEP_SUMMARY_LIMIT = 1024 * 1024  # bytes per step, GitHub's hard limit
 STEP_CAPS: dict[str, int] = {"error": 10, "warning": 10, "notice": 10}
 JOB_CAP = 50
 LEVELS: tuple[str, ...] = ("error", "warning", "notice", "debug")

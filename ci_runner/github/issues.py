@@ -52,6 +52,7 @@ from typing import Any, Mapping, Sequence
 from ..errors import EXIT_GITHUB, EXIT_OK, ConfigError, InputError
 from ..fsutil import atomic_write_json, atomic_write_text
 from ..results import fingerprint as _hash_key
+from .actions import append_step_summary, set_output
 from .client import (
     DEFAULT_API_URL,
     ApiError,
@@ -1018,10 +1019,6 @@ def file_issues(diff_path: Path, *, repo: str, dry_run: Path | None, run_dir: Pa
 def _publish(report: FilingReport, env: Mapping[str, str], token: str) -> None:
     """Step outputs and summary under GitHub Actions (no-ops elsewhere)."""
     if not env.get("GITHUB_OUTPUT") and not env.get("GITHUB_STEP_SUMMARY"):
-        return
-    try:
-        from .actions import append_step_summary, set_output
-    except ImportError:  # pragma: no cover - actions.py ships with this package
         return
     for name, value in report.counts().items():
         set_output(name, str(value), env=env)

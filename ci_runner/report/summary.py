@@ -17,7 +17,7 @@ from typing import Any
 
 import jinja2
 
-from ..github.actions import STEP_SUMMARY_LIMIT
+from ..log import STEP_SUMMARY_LIMIT
 from ..results import Results
 from .junit import xml_safe
 from .view import ReportView, build_view, first_line, fmt_num, icon

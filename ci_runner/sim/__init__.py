@@ -26,14 +26,13 @@ names (`aten.rsqrt`) or bare aten names (`rsqrt`), with `fnmatch` globs; `attent
 A chosen op that never appears in a graph means the backend behaves like `aot_eager`.
 
 All torch.compile sims are `aot_autograd` backends: they see ATen overloads (the matrix's `ir: aten`), the same
-names `torch.export` + the ops inventory record. Unsupported ops from sim-subset are parsed with
-`UNSUPPORTED_RE`; simdev's with `COULD_NOT_RUN_RE`.
+names `torch.export` + the ops inventory record. The op an error names (sim-subset's `unsupported operator X`,
+simdev's `Could not run 'aten::X'`) is parsed by `ci_runner/backends.py` (`unsupported_op_from_error`).
 """
 
 from __future__ import annotations
 
 import difflib
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -51,28 +50,10 @@ from .compilers import (
 )
 
 __all__ = [
-    "ALIASES", "ATTENTION_OPS", "COULD_NOT_RUN_RE", "NORM_OPS", "SIM_BACKENDS", "SimBackendInfo", "SimCompilerError",
-    "TRANSFORMER_OPS", "UNSUPPORTED_RE", "expand_patterns", "is_sim", "make_backend", "op_matches", "op_name",
-    "parse_unsupported_op", "register_with_dynamo", "table_markdown",
+    "ALIASES", "ATTENTION_OPS", "NORM_OPS", "SIM_BACKENDS", "SimBackendInfo", "SimCompilerError",
+    "TRANSFORMER_OPS", "expand_patterns", "is_sim", "make_backend", "op_matches", "op_name",
+    "register_with_dynamo", "table_markdown",
 ]
-
-# `unsupported operator aten.softplus.default` (sim-subset, inside Dynamo's BackendCompilerFailed text)
-UNSUPPORTED_RE = re.compile(r"unsupported operator (?P<op>[A-Za-z_][\w.]*)")
-# PyTorch's dispatcher error for an eager device without the kernel (simdev, real PrivateUse1 plugins)
-COULD_NOT_RUN_RE = re.compile(r"Could not run '(?P<op>[\w:.]+)' with arguments from the '(?P<backend>[^']+)' backend")
-
-
-def parse_unsupported_op(text: str) -> str | None:
-    """The overload (`aten.rsqrt.out`) an error text says is unsupported, from either message format; else None."""
-    m = UNSUPPORTED_RE.search(text)
-    if m:
-        return m.group("op").rstrip(".")
-    m = COULD_NOT_RUN_RE.search(text)
-    if m:
-        name = m.group("op").replace("::", ".")
-        return name if name.count(".") >= 2 else f"{name}.default"
-    return None
-
 
 @dataclass(frozen=True, kw_only=True)
 class SimBackendInfo:

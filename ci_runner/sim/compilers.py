@@ -88,7 +88,7 @@ TRANSFORMER_OPS: tuple[str, ...] = (
 class SimCompilerError(RuntimeError):
     """sim-subset's compile-time error, shaped like a vendor compiler's lowering failure.
 
-    The message always contains `unsupported operator <overload>` (see `UNSUPPORTED_RE`) so the op can be parsed
+    The message always contains `unsupported operator <overload>` (see `backends.UNSUPPORTED_RE`) so the op can be parsed
     out of Dynamo's wrapping `BackendCompilerFailed`.
     """
 

@@ -11,14 +11,9 @@ import torch
 import ci_runner.sim as sim
 from ci_runner.config import BackendSpec, load_matrix
 from ci_runner.models import build_inputs, load_model
-from ci_runner.sim import (
-    COULD_NOT_RUN_RE,
-    SIM_BACKENDS,
-    UNSUPPORTED_RE,
-    SimCompilerError,
-    make_backend,
-    parse_unsupported_op,
-)
+from ci_runner.backends import COULD_NOT_RUN_RE, UNSUPPORTED_RE
+from ci_runner.backends import unsupported_op_from_error as parse_unsupported_op
+from ci_runner.sim import SIM_BACKENDS, SimCompilerError, make_backend
 from ci_runner.sim import simdev
 
 EXAMPLE = load_matrix(None)
