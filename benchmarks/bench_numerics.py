@@ -56,8 +56,10 @@ def measure(depth: int, args: argparse.Namespace) -> dict[str, float]:
     from ci_runner.backends import resolve_backend
     from ci_runner.config import BackendSpec, InputSpec, ModelSpec, Reference
     from ci_runner.models import build_inputs, load_model
-    from ci_runner.modes import numerics as nx
-    from ci_runner.thresholds import ThresholdOptions, ThresholdTable
+    from ci_runner.numerics import settings, views
+    from ci_runner.numerics.target import TargetPlan, compare_target
+    from ci_runner.numerics import capture as ncap
+    from ci_runner.numerics.thresholds import ThresholdOptions, ThresholdTable
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -79,8 +81,8 @@ def measure(depth: int, args: argparse.Namespace) -> dict[str, float]:
         f64 = load_model(spec, seed=0, dtype="float64").module
         primary = Reference(id="cpu-fp32", device="cpu", dtype="float32")
         second = Reference(id="cpu-fp64", device="cpu", dtype="float64")
-        with torch._dynamo.config.patch(**nx.DYNAMO_SETTINGS):
-            stats = nx.derive_reference_stats(model, primary, [(second, f64)],
+        with torch._dynamo.config.patch(**settings.DYNAMO_SETTINGS):
+            stats = views.derive_reference_stats(model, primary, [(second, f64)],
                                               lambda s: build_inputs(loaded, inputs, sample=s), 2, work / "derive",
                                               chunk_mb=args.chunk_mb)
         table = ThresholdTable(layers=stats, options=ThresholdOptions(), primary_dtype="float32", key={})
@@ -127,11 +129,11 @@ def measure(depth: int, args: argparse.Namespace) -> dict[str, float]:
         def mode(isolated: str) -> float:
             t0, c0 = time.perf_counter(), time.process_time()
             folder = work / "ref" / "sample-0"
-            nx.record_reference(model, kwargs, folder, chunk_mb=args.chunk_mb)
-            plan = nx.TargetPlan(model={}, backend={}, seed=0, dtype="float32", dumps=(str(folder),), results="",
+            ncap.record_reference(model, kwargs, folder, chunk_mb=args.chunk_mb)
+            plan = TargetPlan(model={}, backend={}, seed=0, dtype="float32", dumps=(str(folder),), results="",
                                  journal="", isolated=isolated)
             recs: list[dict] = []
-            nx.compare_target(model, backend, plan, recs.append, table=table)
+            compare_target(model, backend, plan, recs.append, table=table)
             assert recs and not any("error" in r for r in recs), [r for r in recs if "error" in r][:3]
             ran = any(r["view"] == "isolated" and "metrics" in r for r in recs)
             assert ran == (isolated == "all"), "a clean target skips the isolated view under auto"

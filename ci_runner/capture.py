@@ -1,8 +1,14 @@
 """One hook mechanism for every mode: forward (pre-)hooks on every submodule, always removed.
 
-`ModuleCapture` records every call of every submodule separately (modules called several times per
-forward exist), under its qualified name. Callbacks never break the run they observe: an exception
-inside one is recorded in `errors` and the forward goes on.
+Two ways to use it, one per kind of run:
+
+* **eager** (`ModuleCapture`): pre and post hooks with callbacks, or recorded calls. Every call of every
+  submodule is seen separately (modules called several times per forward exist), under its qualified name, with
+  its inputs. Callbacks never break the run they observe: an exception inside one is recorded in `errors` and the
+  forward goes on.
+* **compiled** (`OutputHooks`): forward hooks that only append `(name, flat output tensors)` to one process-wide
+  list. Dynamo traces such hooks into the compiled graph without a graph break, so the tensors are the backend's
+  own outputs (fusions and all). The same hooks work eagerly too.
 """
 
 from __future__ import annotations
@@ -167,3 +173,84 @@ def primary_tensor(obj: Any) -> torch.Tensor | None:
     for _, t in iter_tensors(obj):
         return t
     return None
+
+
+def flatten_traceable(obj: Any, prefix: str, acc: list[tuple[str, torch.Tensor]]) -> None:
+    """`iter_tensors` in a form Dynamo traces without a graph break (same sub-names, caches skipped)."""
+    if isinstance(obj, torch.Tensor):
+        acc.append((prefix, obj))
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            if k in ("past_key_values", "cache_params") or "cache" in str(k):
+                continue
+            flatten_traceable(v, prefix + "." + str(k) if prefix else str(k), acc)
+    elif isinstance(obj, (tuple, list)):
+        for i, v in enumerate(obj):
+            flatten_traceable(v, prefix + "." + str(i) if prefix else str(i), acc)
+
+
+def call_key(name: str, call_index: int) -> str:
+    """`name` for the first call of a module, `name#k` for its k-th later call."""
+    return name if call_index == 0 else f"{name}#{call_index}"
+
+
+FlatOutput = tuple[tuple[str, torch.Tensor], ...]
+
+# One module-level list that every output hook appends to. Dynamo does not guard on hooks by default
+# (`skip_nnmodule_hook_guards`): a graph traced with an earlier set of hooks is reused for a same-shaped model and
+# replays ITS appends. Appending to this one list, never replaced, keeps that replay pointed at the current capture.
+_OUTPUT_SINK: list[tuple[str, FlatOutput]] = []
+_OUTPUT_HOOKS: dict[str, Callable[..., None]] = {}
+
+
+def _output_hook(name: str) -> Callable[..., None]:
+    """The hook for module `name`: one function object per name for the whole process, so that guards on hooks
+    (`skip_nnmodule_hook_guards=False` while capturing) hold from one capture to the next."""
+    hook = _OUTPUT_HOOKS.get(name)
+    if hook is None:
+        def hook(mod: nn.Module, args: Any, output: Any) -> None:
+            acc: list[tuple[str, torch.Tensor]] = []
+            flatten_traceable(output, "", acc)  # now: the model may mutate a returned ModelOutput later
+            _OUTPUT_SINK.append((name, tuple(acc)))
+
+        _OUTPUT_HOOKS[name] = hook
+    return hook
+
+
+class OutputHooks:
+    """Forward hooks on every submodule of `module` that only append `(name, flat output)`; traceable by Dynamo.
+
+    Use as a context manager (the hooks are always removed), or call `remove()`. The output is flattened inside
+    the hook (the sub-names of `iter_tensors`, caches skipped) because a model may mutate a returned ModelOutput
+    afterwards. `take()` returns and clears what was recorded; only one capture runs at a time per process.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.records = _OUTPUT_SINK
+        self.records.clear()
+        self.handles = [sub.register_forward_hook(_output_hook(name)) for name, sub in module.named_modules()]
+
+    def __enter__(self) -> "OutputHooks":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        self.records.clear()
+
+    def take(self) -> list[tuple[str, FlatOutput]]:
+        """The recorded calls as `(call key, flat output)` in completion order (the k-th call of a module is
+        `name#k`). Empties the record (the same list object, always: compiled graphs append to it)."""
+        records = list(self.records)
+        self.records.clear()
+        counts: dict[str, int] = {}
+        out = []
+        for name, flat in records:
+            k = counts.get(name, 0)
+            counts[name] = k + 1
+            out.append((call_key(name, k), flat))
+        return out

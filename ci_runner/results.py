@@ -70,7 +70,7 @@ def number(value: Any) -> float | None:
     return float(value)
 
 
-def _clean(obj: Any) -> Any:
+def clean(obj: Any) -> Any:
     """Recursively make `obj` strict-JSON-safe (non-finite floats to strings, tuples to lists, keys to str).
 
     Concrete type checks come first: a big run calls this on every finding."""
@@ -80,16 +80,19 @@ def _clean(obj: Any) -> Any:
     if t is float:
         return encode_number(obj)
     if t is dict:
-        return {str(k): _clean(v) for k, v in obj.items()}
+        return {str(k): clean(v) for k, v in obj.items()}
     if t is list or t is tuple:
-        return [_clean(v) for v in obj]
+        return [clean(v) for v in obj]
     if isinstance(obj, float):
         return encode_number(obj)
     if isinstance(obj, Mapping):
-        return {str(k): _clean(v) for k, v in obj.items()}
+        return {str(k): clean(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
+        return [clean(v) for v in obj]
     return obj
+
+
+_clean = clean  # old name, still used by other modules until they switch to `clean`
 
 
 @dataclass
@@ -120,7 +123,7 @@ class Finding:
         if self.repro is not None:
             d["repro"] = {"path": self.repro.path, "verified": self.repro.verified, "command": self.repro.command,
                           "note": self.repro.note}
-        return _clean(d)
+        return clean(d)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Finding":
@@ -146,7 +149,7 @@ class ModeResult:
             "duration_s": round(self.duration_s, 4),
             "reason": self.reason,
             "findings": [f.to_dict() for f in self.findings],
-            "data": _clean(self.data),
+            "data": clean(self.data),
         }
 
     @classmethod
@@ -204,9 +207,9 @@ class CellResult:
             "status": self.status,
             "duration_s": round(self.duration_s, 4),
             "started_at": self.started_at,
-            "env": _clean(self.env),
+            "env": clean(self.env),
             "artifacts_dir": self.artifacts_dir,
-            "error": _clean(asdict(self.error)) if self.error else None,
+            "error": clean(asdict(self.error)) if self.error else None,
             "modes": {name: m.to_dict() for name, m in self.modes.items()},
         }
 
@@ -255,8 +258,8 @@ class Results:
             "generated_at": self.generated_at,
             "counts": self.counts(),
             "cells": [c.to_dict() for c in sorted(self.cells, key=lambda c: c.id)],
-            "ranking": _clean(self.ranking),
-            "patterns": _clean(self.patterns),
+            "ranking": clean(self.ranking),
+            "patterns": clean(self.patterns),
         }
 
     @classmethod

@@ -2,7 +2,7 @@
 
 "Single prompt OK, batch fails" has two very different causes: a bug in the multi-sequence path, or kernels whose
 reduction order depends on the batch (split-K GEMMs, per-slot dispatch), which make slots disagree and flip
-edge-confidence tokens. The experiment (dump-bisect method, phase 8) tells them apart and names the first layer:
+edge-confidence tokens. The experiment (the dump-bisect method, `docs/numerics.md`) tells them apart and names the first layer:
 
 * **same input** (E1): the cell's input (sample 0, first row) copied into all `slots` slots of one batch, run on
   the target (compiled whole, with every submodule's output observed the way the numerics mode's cumulative view
@@ -29,13 +29,20 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from ..backends import resolve_backend
+from ..config import BackendSpec, InputSpec, ModelSpec, spec_from_json, spec_to_json
+from ..isolate import run_isolated
+from ..models import build_inputs, load_model
+from ..options import ThresholdOptions
+from ..tree import map_tensors
+from ..results import Finding, clean, fingerprint, number
+from .capture import run_compiled_with_outputs, run_eager_with_outputs
 from .metrics import compare_tensors, public, worst
+from .settings import CellContext
+from .thresholds import ThresholdTable, exceeded
 
 if TYPE_CHECKING:
-    from .backends import Backend
-    from .modes import ModeContext
-    from .results import Finding
-    from .thresholds import ThresholdTable
+    from ..backends import Backend
 
 _SAME_KEYS = ("attention_mask", "token_type_ids", "position_ids", "cache_position", "pixel_mask", "image_sizes")
 
@@ -84,16 +91,12 @@ def other_input(row: Mapping[str, Any]) -> dict[str, Any]:
 def run_with_outputs(module: nn.Module, backend: "Backend | None", kwargs: Mapping[str, Any]) -> Calls:
     """Every submodule's output of one forward: compiled by `backend` (whole model), or eager when it is None
     or eager (on its device). Output tensors come back on CPU."""
-    from .dumps import OutputHooks, run_compiled_with_outputs
-
     device = getattr(backend, "device", "cpu") if backend is not None else "cpu"
-    args = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+    args = map_tensors(lambda t: t.to(device), dict(kwargs))
     if backend is not None and not backend.is_eager:
         _out, calls = run_compiled_with_outputs(module, backend, (), args)
     else:
-        with OutputHooks(module) as hooks, torch.no_grad():
-            module(**args)
-            calls = hooks.take()
+        calls = run_eager_with_outputs(module, args)
     return [(k, {s: t.detach().to("cpu") for s, t in ts.items()}) for k, ts in calls]
 
 
@@ -112,47 +115,41 @@ class SlotLayer:
 
 def slot_spread(calls: Calls, slots: int, classes: Mapping[str, str], *, pairs: Sequence[tuple[int, int]] | None = None,
                 per_run: Sequence[Calls] | None = None) -> list[SlotLayer]:
-    """Per call, slot `a` against slot `b` for each pair (default: 0 vs every other slot of one run).
+    """Per call, slot `a` against slot `b` for each pair `(a, b)` (default: 0 against every other slot).
 
-    With `per_run` (the position experiment) pair (j, j) means: run j's slot j against run 0's slot 0.
+    With `per_run` (the position experiment, one run per position) a pair `(a, b)` compares run `a`'s slot `a`
+    against run `b`'s slot `b` (default: run 0's slot 0 against run j's slot j, for every other run). A layer's
+    `worst_slot` is the `b` of its worst pair.
     """
     out = []
-    if per_run is None:
-        for order, (key, tensors) in enumerate(calls):
-            ms, bitwise, worst_slot, n = [], True, 0, 0
-            for sub, t in tensors.items():
-                if t.dim() == 0 or t.shape[0] != slots:
-                    continue
-                n += 1
-                for k in range(1, slots):
-                    if bitwise and not torch.equal(t[0], t[k]):
-                        bitwise = False
-                    m = compare_tensors(t[0], t[k], where=f"{key}[{sub}] slot {k}")
-                    m["slot"] = k
-                    ms.append(m)
-            if not n:
-                continue
-            w = worst(ms)
-            worst_slot = max(ms, key=lambda m: float(m["rel"]) if not math.isnan(float(m["rel"])) else math.inf)["slot"]
-            out.append(SlotLayer(key=key, module_class=classes.get(key.split("#")[0], "?"), order=order,
-                                 bitwise=bitwise, metrics=w, worst_slot=worst_slot, compared=n))
-        return out
-    base = per_run[0]
+    runs = list(per_run) if per_run is not None else None
+    n_sides = len(runs) if runs is not None else slots
+    todo = list(pairs) if pairs is not None else [(0, j) for j in range(1, n_sides)]
+    for a, b in todo:
+        if not (0 <= a < slots and 0 <= b < slots) or (runs is not None and not (a < len(runs) and b < len(runs))):
+            raise ValueError(f"slot pair {(a, b)} is outside 0..{slots - 1}")
+    base = runs[0] if runs is not None else calls
+    lookup = [dict(r) for r in runs] if runs is not None else None
     for order, (key, tensors) in enumerate(base):
         ms, bitwise, n = [], True, 0
-        for sub, t0 in tensors.items():
-            if t0.dim() == 0 or t0.shape[0] != slots:
+        for sub, t in tensors.items():
+            if t.dim() == 0 or t.shape[0] != slots:
                 continue
             n += 1
-            for j in range(1, len(per_run)):
-                calls_j = dict(per_run[j])
-                tj = calls_j.get(key, {}).get(sub)
-                if tj is None or tuple(tj.shape) != tuple(t0.shape):
-                    continue
-                if bitwise and not torch.equal(t0[0], tj[j]):
+            for a, b in todo:
+                if lookup is None:
+                    x, y = t[a], t[b]
+                    what = f"slot {b}" if a == 0 else f"slot {a} vs {b}"
+                else:
+                    ta, tb = lookup[a].get(key, {}).get(sub), lookup[b].get(key, {}).get(sub)
+                    if ta is None or tb is None or tuple(ta.shape) != tuple(t.shape) or tuple(tb.shape) != tuple(t.shape):
+                        continue
+                    x, y = ta[a], tb[b]
+                    what = f"position {b}" if a == 0 else f"position {a} vs {b}"
+                if bitwise and not torch.equal(x, y):
                     bitwise = False
-                m = compare_tensors(t0[0], tj[j], where=f"{key}[{sub}] position {j}")
-                m["slot"] = j
+                m = compare_tensors(x, y, where=f"{key}[{sub}] {what}")
+                m["slot"] = b
                 ms.append(m)
         if not n or not ms:
             continue
@@ -193,10 +190,9 @@ def batch_experiment(module: nn.Module, backend: "Backend | None", kwargs: Mappi
 
 
 def _layer_json(x: SlotLayer) -> dict[str, Any]:
-    from .results import _clean
 
     return {"key": x.key, "module_class": x.module_class, "order": x.order, "bitwise": x.bitwise,
-            "metrics": _clean(public(x.metrics)), "worst_slot": x.worst_slot, "compared": x.compared}
+            "metrics": clean(public(x.metrics)), "worst_slot": x.worst_slot, "compared": x.compared}
 
 
 # --------------------------------------------------------------------------------------------- verdict
@@ -206,7 +202,6 @@ ThresholdFn = Callable[[str], Mapping[str, float]]
 
 def default_threshold(dtype: str = "float32") -> ThresholdFn:
     """The floors of `dtype` when no thresholds table is at hand."""
-    from .thresholds import ThresholdOptions
 
     rel, _mad, cos = ThresholdOptions().floors(dtype)
     return lambda _key: {"rel": rel, "cos": 1.0 - cos}
@@ -214,8 +209,6 @@ def default_threshold(dtype: str = "float32") -> ThresholdFn:
 
 def evaluate(result: Mapping[str, Any], threshold: ThresholdFn, *, margin: float = 8.0) -> dict[str, Any]:
     """Apply thresholds: per experiment the flagged layers, the first flagged and the first non-bitwise layer."""
-    from .results import number
-    from .thresholds import exceeded
 
     ref = {x["key"]: x for x in result.get("reference", [])}
     verdict: dict[str, Any] = {"slots": result.get("slots")}
@@ -247,9 +240,8 @@ def evaluate(result: Mapping[str, Any], threshold: ThresholdFn, *, margin: float
     return verdict
 
 
-def findings_for(verdict: Mapping[str, Any], *, backend_id: str, model_id: str) -> list["Finding"]:
+def findings_for(verdict: Mapping[str, Any], *, backend_id: str, model_id: str) -> list[Finding]:
     """One `batch_variance` finding per experiment's first flagged layer (one per module)."""
-    from .results import Finding, fingerprint
 
     out: list[Finding] = []
     slots = verdict.get("slots")
@@ -286,11 +278,7 @@ def findings_for(verdict: Mapping[str, Any], *, backend_id: str, model_id: str) 
 # --------------------------------------------------------------------------------------------- in a cell
 
 def batch_child(payload: Mapping[str, Any]) -> dict[str, Any]:
-    """Entry point of the isolated child (`run_isolated("ci_runner.batch_invariance:batch_child", …)`)."""
-    from .backends import resolve_backend
-    from .config import BackendSpec, InputSpec, ModelSpec
-    from .models import build_inputs, load_model
-    from .config import spec_from_json
+    """Entry point of the isolated child (`run_isolated("ci_runner.numerics.batch_invariance:batch_child", …)`)."""
 
     backend = resolve_backend(spec_from_json(BackendSpec, payload["backend"]))
     spec = spec_from_json(ModelSpec, payload["model"])
@@ -300,26 +288,23 @@ def batch_child(payload: Mapping[str, Any]) -> dict[str, Any]:
     target = load_model(spec, seed=int(payload["seed"]), dtype=payload["dtype"], device="cpu").module
     if backend.device != "cpu":
         target = backend.to_device(target)
-    from .results import _clean
 
-    return _clean(batch_experiment(target, backend, kwargs, slots=int(payload["slots"]),
+    return clean(batch_experiment(target, backend, kwargs, slots=int(payload["slots"]),
                                    position=bool(payload["position"]), reference=reference.module))
 
 
-def check_cell(ctx: "ModeContext", *, table: "ThresholdTable | None", slots: int = 4, position: bool = False,
-               isolate: bool = True, sample: int = 0) -> tuple[list["Finding"], dict[str, Any]]:
+def check_cell(ctx: CellContext, *, table: ThresholdTable | None, slots: int = 4, position: bool = False,
+               isolate: bool = True, sample: int = 0) -> tuple[list[Finding], dict[str, Any]]:
     """The experiment on a cell's backend: (findings, data for the mode's result)."""
-    from .config import spec_to_json
 
     primary = ctx.cell.references[0]
     payload = {"model": spec_to_json(ctx.cell.model), "backend": spec_to_json(ctx.cell.backend),
                "inputs": spec_to_json(ctx.cell.inputs), "seed": ctx.cell.inputs.seed, "dtype": primary.dtype,
                "slots": slots, "position": position, "sample": sample}
     if isolate:
-        from .isolate import run_isolated
 
         timeout = max(5.0, min(900.0, ctx.remaining() * 0.5))
-        res = run_isolated("ci_runner.batch_invariance:batch_child", payload, timeout=timeout,
+        res = run_isolated("ci_runner.numerics.batch_invariance:batch_child", payload, timeout=timeout,
                            env=dict(ctx.cell.backend.env))
         if res.status != "ok":
             why = {"crashed": f"the child crashed ({res.signal or res.message})",

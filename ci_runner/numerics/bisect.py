@@ -37,12 +37,19 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from ..backends import resolve_backend
+from ..capture import ModuleCapture, iter_tensors
+from ..config import BackendSpec, InputSpec, ModelSpec, spec_from_json, spec_to_json
+from ..isolate import run_isolated
+from ..models import build_inputs, load_model
+from ..results import clean, number
+from ..sim.compilers import op_name
 from .metrics import compare_tensors, public, worst
+from .settings import DYNAMO_SETTINGS, CellContext
+from .thresholds import ThresholdTable, exceeded
 
 if TYPE_CHECKING:
-    from .backends import Backend
-    from .modes import ModeContext
-    from .thresholds import ThresholdTable
+    from ..backends import Backend
 
 INDUCTOR_FAMILY = ("inductor",)
 
@@ -56,7 +63,6 @@ class BisectError(Exception):
 def capture_call_inputs(model: nn.Module, kwargs: Mapping[str, Any], name: str,
                         call_index: int = 0) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The (args, kwargs) the submodule `name` received in its `call_index`-th call of `model(**kwargs)`."""
-    from .capture import ModuleCapture
 
     with torch.no_grad(), ModuleCapture(model, record_inputs=True, include=lambda n, _m: n == name) as cap:
         model(**kwargs)
@@ -68,7 +74,6 @@ def capture_call_inputs(model: nn.Module, kwargs: Mapping[str, Any], name: str,
 
 
 def _floating_leaves(out: Any) -> list[torch.Tensor]:
-    from .capture import iter_tensors
 
     ts = [t for _k, t in iter_tensors(out)]
     fl = [t for t in ts if t.is_floating_point() or t.is_complex()]
@@ -85,7 +90,6 @@ def deviation(ref: Any, out: Any) -> dict[str, Any]:
 
 
 def _bad(metrics: Mapping[str, Any], threshold: Mapping[str, float]) -> bool:
-    from .thresholds import exceeded
 
     return bool(exceeded(metrics, threshold))
 
@@ -242,7 +246,6 @@ class _Hybrid(torch.fx.Interpreter):
 
 
 def _node_info(n: torch.fx.Node, layer_name: str) -> dict[str, Any]:
-    from .sim.compilers import op_name
 
     stack = list((n.meta.get("nn_module_stack") or {}).values())
     sub = str(stack[-1][0]) if stack else ""
@@ -259,8 +262,6 @@ def _node_info(n: torch.fx.Node, layer_name: str) -> dict[str, Any]:
 def node_bisect(layer: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any], backend: "Backend", *,
                 threshold: Mapping[str, float], layer_name: str = "") -> dict[str, Any]:
     """Binary search over the layer's graph nodes for the first one whose run on the target causes the deviation."""
-    from .modes.numerics import DYNAMO_SETTINGS
-
     gm, flat = export_layer(layer, args, kwargs)
     units = _units(gm)
     device = getattr(backend, "device", "cpu")
@@ -366,25 +367,20 @@ def bisect_layer(model: nn.Module, kwargs: Mapping[str, Any], backend: "Backend"
 
 
 def bisect_child(payload: Mapping[str, Any]) -> dict[str, Any]:
-    """Entry point of the isolated child (`run_isolated("ci_runner.bisect:bisect_child", …)`)."""
-    from .backends import resolve_backend
-    from .config import BackendSpec, InputSpec, ModelSpec
-    from .models import build_inputs, load_model
-    from .config import spec_from_json
-    from .results import _clean
+    """Entry point of the isolated child (`run_isolated("ci_runner.numerics.bisect:bisect_child", …)`)."""
 
     backend = resolve_backend(spec_from_json(BackendSpec, payload["backend"]))
     loaded = load_model(spec_from_json(ModelSpec, payload["model"]), seed=int(payload["seed"]),
                         dtype=payload["dtype"], device="cpu")
     inputs = spec_from_json(InputSpec, payload["inputs"])
     kwargs = build_inputs(loaded, inputs, sample=int(payload.get("sample", 0)), device="cpu")
-    return _clean(bisect_layer(loaded.module, kwargs, backend, layer=payload["layer"],
+    return clean(bisect_layer(loaded.module, kwargs, backend, layer=payload["layer"],
                                call_index=int(payload.get("call_index", 0)), threshold=payload["threshold"],
                                method=payload.get("method", "auto")))
 
 
-def bisect_cell(ctx: "ModeContext", *, layers: Sequence[Any], verdict: Mapping[str, Any],
-                table: "ThresholdTable | None" = None, method: str = "auto", timeout: float = 600.0,
+def bisect_cell(ctx: CellContext, *, layers: Sequence[Any], verdict: Mapping[str, Any],
+                table: ThresholdTable | None = None, method: str = "auto", timeout: float = 600.0,
                 isolate: bool = True) -> dict[str, Any] | None:
     """Bisect the cell's divergent layer (None when no layer diverged); the result dict has `summary`."""
     chosen = choose_layer(layers, verdict)
@@ -394,8 +390,6 @@ def bisect_cell(ctx: "ModeContext", *, layers: Sequence[Any], verdict: Mapping[s
     threshold = dict(layer.threshold.get(view) or {})
     if not threshold and table is not None:
         threshold = dict(table.get(layer.key, view)[0])
-    from .config import spec_to_json
-    from .results import number
 
     payload = {"model": spec_to_json(ctx.cell.model), "backend": spec_to_json(ctx.cell.backend),
                "inputs": spec_to_json(ctx.cell.inputs), "seed": ctx.cell.inputs.seed,
@@ -406,9 +400,8 @@ def bisect_cell(ctx: "ModeContext", *, layers: Sequence[Any], verdict: Mapping[s
             "view": view}
     budget = max(5.0, min(timeout, ctx.remaining() * 0.8))
     if isolate:
-        from .isolate import run_isolated
 
-        res = run_isolated("ci_runner.bisect:bisect_child", payload, timeout=budget, env=dict(ctx.cell.backend.env))
+        res = run_isolated("ci_runner.numerics.bisect:bisect_child", payload, timeout=budget, env=dict(ctx.cell.backend.env))
         if res.status != "ok":
             why = {"crashed": f"the child crashed ({res.signal or res.message})",
                    "timeout": f"timed out after {budget:.0f} s",

@@ -32,7 +32,7 @@ Edge cases, each decided once here:
 
 Severity (`severity()`) is a fixed, data-independent reading for humans, after the dump-bisect method: rel is
 trusted over cos when the two disagree. Pass/fail in the numerics mode uses data-derived thresholds instead
-(`ci_runner.thresholds`).
+(`thresholds.py`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from .errors import DeepviewError
+from ..capture import iter_tensors
+from ..errors import DeepviewError
 
 METRIC_KEYS: tuple[str, ...] = ("rel", "cos", "mad", "max_abs", "sqnr_db")
 
@@ -161,8 +162,6 @@ def compare_outputs(ref: Any, tgt: Any, *, where: str = "") -> dict[str, dict[st
     Keys are the tensors' sub-names (`""` for a bare tensor, `"0"`, `"logits"`, `"0.1"`…). A tensor present on one
     side only raises `MetricsError`: a structural difference is not a numerical one.
     """
-    from .capture import iter_tensors
-
     r = dict(iter_tensors(ref))
     t = dict(iter_tensors(tgt))
     if r.keys() != t.keys():

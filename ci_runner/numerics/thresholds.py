@@ -3,7 +3,7 @@
 One tolerance for a whole model does not work: acceptable variation differs per layer and per model. So for every
 module call the numerics mode measures how far a second trusted reference lands from the primary one (on CPU:
 float64 against float32; with a GPU: CUDA against CPU) over several input samples, in both views (cumulative and
-isolated, see `ci_runner.modes.numerics`), and holds every backend to
+isolated, see `docs/numerics.md`), and holds every backend to
 
     threshold(metric) = max(floor, margin × percentile_p(reference-vs-reference metric over samples))
 
@@ -55,63 +55,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
-from .errors import ConfigError, InputError
-from .fsutil import atomic_write_json
+from ..errors import InputError
+from ..fsutil import atomic_write_json
+from ..options import NUMERICS_VIEWS as VIEWS
+from ..options import ThresholdOptions
 
 SCHEMA_VERSION = 1
 METHOD_VERSION = 1  # bump when the derivation (what is measured, how) changes: old files are then re-derived
-VIEWS: tuple[str, ...] = ("cumulative", "isolated")
 
-_EPS = {"float64": 2.220446049250313e-16, "float32": 1.1920928955078125e-07, "bfloat16": 0.0078125,
-        "float16": 0.0009765625}
-
-
-@dataclass(frozen=True, kw_only=True)
-class ThresholdOptions:
-    """How thresholds are derived from the reference-vs-reference statistics (options of `numerics`)."""
-
-    percentile: float = 99.0
-    margin: float = 8.0
-    rel_floor: float | None = None  # None: 64 × eps(primary dtype)
-    mad_floor: float | None = None  # relative to mean |ref|; None: rel_floor
-    cos_floor: float | None = None  # floor of 1 − cos; None: rel_floor²
-    samples: int | None = None  # input samples to derive over; None: the cell's `inputs.samples` (at least 2)
-    thresholds_dir: str | None = None  # share across runs; default <run>/thresholds
-
-    KEYS = ("percentile", "margin", "rel_floor", "mad_floor", "cos_floor", "samples", "thresholds_dir")
-
-    @classmethod
-    def from_mapping(cls, opts: Mapping[str, Any], *, where: str = "options.numerics") -> "ThresholdOptions":
-        kw = {k: opts[k] for k in cls.KEYS if k in opts and opts[k] is not None}
-        for key in ("percentile", "margin", "rel_floor", "mad_floor", "cos_floor"):
-            if key in kw:
-                try:
-                    kw[key] = float(kw[key])
-                except (TypeError, ValueError):
-                    raise ConfigError(f"{where}.{key}: {kw[key]!r} is not a number", hint="give a number") from None
-        if "percentile" in kw and not 0.0 < kw["percentile"] <= 100.0:
-            raise ConfigError(f"{where}.percentile: {kw['percentile']} is outside (0, 100]", hint="e.g. 99")
-        if "margin" in kw and kw["margin"] < 1.0:
-            raise ConfigError(f"{where}.margin: {kw['margin']} is below 1", hint="a margin multiplies the spread; use ≥ 1, e.g. 8")
-        for key in ("rel_floor", "mad_floor", "cos_floor"):
-            if key in kw and kw[key] < 0:
-                raise ConfigError(f"{where}.{key}: must not be negative", hint="use 0 to disable the floor")
-        if "samples" in kw:
-            if not isinstance(kw["samples"], int) or isinstance(kw["samples"], bool) or kw["samples"] < 1:
-                raise ConfigError(f"{where}.samples: {kw['samples']!r} is not a positive integer", hint="e.g. 4")
-        if "thresholds_dir" in kw:
-            kw["thresholds_dir"] = str(kw["thresholds_dir"])
-        return cls(**kw)
-
-    def floors(self, primary_dtype: str) -> tuple[float, float, float]:
-        """(rel_floor, mad_floor relative to mean |ref|, floor of 1 − cos) for a primary reference dtype."""
-        rel = self.rel_floor if self.rel_floor is not None else 64.0 * _EPS.get(primary_dtype, _EPS["float32"])
-        mad = self.mad_floor if self.mad_floor is not None else rel
-        cos = self.cos_floor if self.cos_floor is not None else rel * rel
-        return rel, mad, cos
-
-    def as_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.KEYS}
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -250,7 +201,7 @@ def threshold_key(*, model_fingerprint: Mapping[str, Any], inputs: Mapping[str, 
                   references: list[Mapping[str, Any]], samples: int) -> dict[str, Any]:
     """What the stored statistics depend on. Options that only post-process them (margin, percentile, floors) are
     not part of it."""
-    import torch
+    import torch  # deferred: reading/writing threshold files needs no torch
 
     return {
         "model": json.loads(json.dumps(dict(model_fingerprint), sort_keys=True, default=str)),

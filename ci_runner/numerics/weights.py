@@ -2,7 +2,8 @@
 
 Weights that load or transfer wrong masquerade as forward bugs: every layer after the bad tensor diverges, and a
 day of forward bisect later the cause turns out to be the loader. So this runs before the numerics comparison
-(dump-bisect method, phase 1: "rule out weight loading first; byte-equality before any forward bisect").
+(the dump-bisect method, `docs/numerics.md`: "rule out weight loading first; byte-equality before any forward
+bisect").
 
 What "the round trip" is depends on the backend:
 
@@ -23,6 +24,7 @@ by one group's copies.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
@@ -30,12 +32,16 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
+from ..backends import resolve_backend
+from ..config import BackendSpec, ModelSpec, spec_from_json, spec_to_json
+from ..isolate import run_isolated
+from ..models import load_model
+from ..results import Finding, clean, fingerprint, number
 from .metrics import compare_tensors, public
+from .settings import DYNAMO_SETTINGS, CellContext
 
 if TYPE_CHECKING:
-    from .backends import Backend
-    from .modes import ModeContext
-    from .results import Finding
+    from ..backends import Backend
 
 MAX_FINDINGS = 50
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -91,7 +97,6 @@ class WeightsReport:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "WeightsReport":
-        from .results import number
 
         tensors = []
         for t in data.get("tensors", []):
@@ -182,8 +187,6 @@ def check_weights(module: nn.Module, backend: "Backend", *, chunk_mb: float = 25
 
     `module` is not modified; with a compiling backend on another device a copy of it is moved there.
     """
-    from .modes.numerics import DYNAMO_SETTINGS
-
     device = getattr(backend, "device", "cpu")
     compiled = not getattr(backend, "is_eager", True)
     method = "+".join(m for m, on in (("device", device != "cpu"), ("compiled", compiled)) if on) or "none"
@@ -200,8 +203,6 @@ def check_weights(module: nn.Module, backend: "Backend", *, chunk_mb: float = 25
     target = module
     originals: dict[str, torch.Tensor] | None = None
     if device != "cpu":
-        import copy
-
         originals = {name: t.detach().clone() for name, _k, t in items}
         target = backend.to_device(copy.deepcopy(module))
     with torch._dynamo.config.patch(**DYNAMO_SETTINGS), torch.no_grad():
@@ -222,9 +223,8 @@ def _owner(module_names: Mapping[str, str], tensor: str) -> tuple[str, str | Non
 
 
 def findings_for(report: WeightsReport, *, backend_id: str, model_id: str,
-                 module_classes: Mapping[str, str] | None = None, limit: int = MAX_FINDINGS) -> list["Finding"]:
+                 module_classes: Mapping[str, str] | None = None, limit: int = MAX_FINDINGS) -> list[Finding]:
     """One `weights_mismatch` finding per changed tensor (the first `limit`, largest error first)."""
-    from .results import Finding, fingerprint
 
     classes = dict(module_classes or {})
     out = []
@@ -252,23 +252,18 @@ def findings_for(report: WeightsReport, *, backend_id: str, model_id: str,
 # --------------------------------------------------------------------------------------------- in a cell
 
 def weights_child(payload: Mapping[str, Any]) -> dict[str, Any]:
-    """Entry point of the isolated child (`run_isolated("ci_runner.weights:weights_child", …)`)."""
-    from .backends import resolve_backend
-    from .config import BackendSpec, ModelSpec
-    from .models import load_model
-    from .config import spec_from_json
+    """Entry point of the isolated child (`run_isolated("ci_runner.numerics.weights:weights_child", …)`)."""
 
     backend = resolve_backend(spec_from_json(BackendSpec, payload["backend"]))
     loaded = load_model(spec_from_json(ModelSpec, payload["model"]), seed=int(payload["seed"]),
                         dtype=payload["dtype"], device="cpu")
     report = check_weights(loaded.module, backend, chunk_mb=float(payload.get("chunk_mb", 256.0)))
-    from .results import _clean
 
-    return {"report": _clean(report.to_json()),
+    return {"report": clean(report.to_json()),
             "classes": {n: type(m).__name__ for n, m in loaded.module.named_modules()}}
 
 
-def check_cell(ctx: "ModeContext", *, isolate: bool = True, chunk_mb: float = 256.0) -> tuple[list["Finding"], dict[str, Any]]:
+def check_cell(ctx: CellContext, *, isolate: bool = True, chunk_mb: float = 256.0) -> tuple[list[Finding], dict[str, Any]]:
     """The weights check of a cell's model on its backend: (findings, data for the mode's result).
 
     The model is built in the primary reference's dtype, like the numerics target. With `isolate` the round trip
@@ -279,13 +274,11 @@ def check_cell(ctx: "ModeContext", *, isolate: bool = True, chunk_mb: float = 25
     if getattr(backend, "is_eager", True) and getattr(backend, "device", "cpu") == "cpu":
         return [], {"status": "skipped", "reason": "eager CPU backend: the weights are not transferred"}
     if isolate:
-        from .isolate import run_isolated
-        from .config import spec_to_json
-
+    
         payload = {"model": spec_to_json(ctx.cell.model), "backend": spec_to_json(ctx.cell.backend),
                    "seed": ctx.cell.inputs.seed, "dtype": primary.dtype, "chunk_mb": chunk_mb}
         timeout = max(5.0, min(600.0, ctx.remaining() * 0.5))
-        res = run_isolated("ci_runner.weights:weights_child", payload, timeout=timeout,
+        res = run_isolated("ci_runner.numerics.weights:weights_child", payload, timeout=timeout,
                            env=dict(ctx.cell.backend.env))
         if res.status != "ok":
             why = {"crashed": f"the child crashed ({res.signal or res.message})", "timeout": f"timed out after {timeout:.0f} s",
@@ -295,7 +288,6 @@ def check_cell(ctx: "ModeContext", *, isolate: bool = True, chunk_mb: float = 25
         report = WeightsReport.from_json(res.value["report"])
         classes = res.value.get("classes") or {}
     else:
-        from .models import load_model
 
         loaded = load_model(ctx.cell.model, seed=ctx.cell.inputs.seed, dtype=primary.dtype, device="cpu")
         try:

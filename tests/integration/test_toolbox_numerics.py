@@ -108,7 +108,7 @@ def test_bisect_traces_a_plugin_divergence_to_its_graph_node(setup) -> None:  # 
 
 @pytest.mark.slow
 def test_numerics_consumes_a_reference_dump_instead_of_running_the_reference(setup) -> None:  # type: ignore[no-untyped-def]
-    from ci_runner.dumps import dump_entry
+    from ci_runner.numerics.dumps import dump_entry
 
     root, matrix = setup
     dump_entry(matrix, "tiny-llama", root / "ref-dump", reference_id="cpu-fp32", sample=0)

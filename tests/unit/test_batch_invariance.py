@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ci_runner.backends import resolve_backend
-from ci_runner.batch_invariance import (
+from ci_runner.numerics.batch_invariance import (
     batch_experiment,
     batched,
     default_threshold,

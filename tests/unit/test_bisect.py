@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ci_runner.backends import resolve_backend
-from ci_runner.bisect import (
+from ci_runner.numerics.bisect import (
     BisectError,
     _cut,
     _Hybrid,

@@ -12,23 +12,21 @@ import torch
 
 from ci_runner import errors
 from ci_runner.config import load_matrix_text
-from ci_runner.dumps import (
+from ci_runner.cli import cmd_compare as compare_command
+from ci_runner.numerics.compare import compare_dumps, format_comparison
+from ci_runner.numerics.dumps import (
     DumpInputsMismatch,
     DumpSide,
-    ToolboxOptions,
-    compare_command,
-    compare_dumps,
     dump_entry,
     dump_model,
     entry_name,
-    format_comparison,
     input_hash,
     load_dump,
     prepare_folder,
     split_inputs,
-    split_numerics_options,
 )
 from ci_runner.errors import ConfigError, InputError, UsageError
+from ci_runner.options import ToolboxOptions, parse
 from tests.fixtures.plugin_toolbox_models import TinyNet, base
 
 MATRIX = """
@@ -261,7 +259,7 @@ def test_schema_diff_names_renamed_and_reshaped_tensors(matrix, tmp_path: Path, 
 
 
 def test_thresholds_table_flags_what_exceeds_each_layers_threshold(tmp_path: Path) -> None:
-    from ci_runner.thresholds import LayerStats, ThresholdOptions, ThresholdTable
+    from ci_runner.numerics.thresholds import LayerStats, ThresholdOptions, ThresholdTable
 
     model, inputs = base()
     x = inputs(0)["x"]
@@ -299,16 +297,17 @@ def test_compare_command_exit_codes_and_json(tmp_path: Path, capsys: pytest.Capt
 # --------------------------------------------------------------------------------------------- options
 
 def test_toolbox_options_are_split_from_the_numerics_options() -> None:
-    tb, rest = split_numerics_options({"margin": 4, "batch_invariance": True, "batch_slots": 3,
-                                       "reference_dump": "/d/ref", "bisect": True, "bisect_method": "nodes"})
-    assert rest == {"margin": 4}
+    opts = parse("numerics", {"margin": 4, "batch_invariance": True, "batch_slots": 3,
+                              "reference_dump": "/d/ref", "bisect": True, "bisect_method": "nodes"})
+    tb = opts.toolbox
+    assert opts.thresholds.margin == 4
     assert tb == ToolboxOptions(batch_invariance=True, batch_slots=3, reference_dump=("/d/ref",), bisect=True,
                                 bisect_method="nodes")
-    assert ToolboxOptions.from_mapping({}).weights_check is True
+    assert parse("numerics", {}).toolbox.weights_check is True
     for bad in ({"weights_check": "yes"}, {"batch_slots": 1}, {"bisect_method": "magic"}, {"reference_dump": []},
                 {"bisect_timeout": "soon"}):
         with pytest.raises(ConfigError):
-            ToolboxOptions.from_mapping(bad)
+            parse("numerics", bad)
 
 
 def test_tiny_net_fixture_is_deterministic() -> None:

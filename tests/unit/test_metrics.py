@@ -10,7 +10,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from ci_runner.errors import DeepviewError
-from ci_runner.metrics import (
+from ci_runner.numerics.metrics import (
     METRIC_KEYS,
     MetricsError,
     compare_outputs,

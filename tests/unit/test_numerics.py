@@ -14,8 +14,10 @@ import torch
 from torch import nn
 
 from ci_runner.errors import ConfigError, InputError
-from ci_runner.modes import numerics as nx
-from ci_runner.thresholds import ThresholdOptions, ThresholdTable
+from ci_runner.numerics import calls, store, target, verdict, views
+from ci_runner.options import parse
+from ci_runner.numerics import capture as ncap
+from ci_runner.numerics.thresholds import ThresholdOptions, ThresholdTable
 
 
 class Block(nn.Module):
@@ -51,15 +53,15 @@ def _inputs() -> dict[str, Any]:
 
 
 @pytest.fixture()
-def dump(tmp_path: Path) -> nx.DumpReader:
+def dump(tmp_path: Path) -> store.DumpReader:
     model = Toy().eval()
-    nx.record_reference(model, _inputs(), tmp_path / "ref", chunk_mb=0.0005)
-    return nx.DumpReader(tmp_path / "ref")
+    ncap.record_reference(model, _inputs(), tmp_path / "ref", chunk_mb=0.0005)
+    return store.DumpReader(tmp_path / "ref")
 
 
 # ------------------------------------------------------------------------------------------ dumps
 
-def test_reference_dump_records_every_call_with_its_caller(dump: nx.DumpReader) -> None:
+def test_reference_dump_records_every_call_with_its_caller(dump: store.DumpReader) -> None:
     keys = [c["key"] for c in dump.calls]
     assert keys == ["", "blocks.0", "blocks.0.norm", "blocks.0.lin", "blocks.0.act", "blocks.1", "blocks.1.norm",
                     "blocks.1.lin", "blocks.1.act", "shared", "shared#1", "head"]
@@ -73,7 +75,7 @@ def test_reference_dump_records_every_call_with_its_caller(dump: nx.DumpReader) 
     assert len(dump.index["files"]) > 1  # tiny chunk size: several safetensors files
 
 
-def test_dump_round_trip_rebuilds_calls_and_outputs(dump: nx.DumpReader) -> None:
+def test_dump_round_trip_rebuilds_calls_and_outputs(dump: store.DumpReader) -> None:
     model = Toy().eval()
     args, kwargs = dump.inputs(dump.root())
     assert args == () and kwargs["scale"] == 2.0 and kwargs["mask"] is None
@@ -87,7 +89,7 @@ def test_dump_round_trip_rebuilds_calls_and_outputs(dump: nx.DumpReader) -> None
 
 
 def test_unchanged_tensors_are_stored_once_and_in_place_changes_are_not_missed(tmp_path: Path) -> None:
-    w = nx.DumpWriter(tmp_path / "d")
+    w = store.DumpWriter(tmp_path / "d")
     t = torch.ones(4)
     k1 = w.put(t)
     assert w.put(t) == k1  # same object, same version: one copy
@@ -95,12 +97,12 @@ def test_unchanged_tensors_are_stored_once_and_in_place_changes_are_not_missed(t
     k2 = w.put(t)
     assert k2 != k1
     w.close()
-    r = nx.DumpReader(tmp_path / "d")
+    r = store.DumpReader(tmp_path / "d")
     assert torch.equal(r.get(k1), torch.ones(4)) and torch.equal(r.get(k2), torch.full((4,), 2.0))
 
 
 def test_writer_buffers_at_most_one_chunk(tmp_path: Path) -> None:
-    w = nx.DumpWriter(tmp_path / "d", chunk_bytes=1000)
+    w = store.DumpWriter(tmp_path / "d", chunk_bytes=1000)
     peak = 0
     for _ in range(20):
         w.put(torch.randn(50))  # 200 bytes each
@@ -121,22 +123,22 @@ def test_encode_decode_values() -> None:
     Pair = collections.namedtuple("Pair", "a b")
     value = {"t": torch.ones(2), "mo": BaseModelOutput(last_hidden_state=torch.zeros(1)), "f": math.nan,
              "dt": torch.float16, "dev": torch.device("cpu"), "s": slice(1, None), "p": Pair(1, [2, None])}
-    spec = nx.encode_value(value, put, strict=True)
-    back = nx.decode_value(spec, store.__getitem__)
+    spec = calls.encode_value(value, put, strict=True)
+    back = calls.decode_value(spec, store.__getitem__)
     assert isinstance(back["mo"], BaseModelOutput) and torch.equal(back["mo"].last_hidden_state, torch.zeros(1))
     assert math.isnan(back["f"]) and back["dt"] is torch.float16 and back["s"] == slice(1, None)
     assert back["p"] == (1, [2, None])
-    with pytest.raises(nx.Unserializable):
-        nx.encode_value(object(), put, strict=True)
-    assert nx.encode_value(object(), put, strict=False) == {"opaque": "object"}
+    with pytest.raises(calls.Unserializable):
+        calls.encode_value(object(), put, strict=True)
+    assert calls.encode_value(object(), put, strict=False) == {"opaque": "object"}
 
 
 def test_corrupt_or_missing_dump_is_an_input_error(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="not a complete numerics dump"):
-        nx.DumpReader(tmp_path)
+        store.DumpReader(tmp_path)
     (tmp_path / "index.json").write_text('{"schema_version": 7}')
     with pytest.raises(InputError, match="schema"):
-        nx.DumpReader(tmp_path)
+        store.DumpReader(tmp_path)
 
 
 # ------------------------------------------------------------------------------------------ views
@@ -146,10 +148,10 @@ def _collect() -> tuple[list[dict[str, Any]], Any]:
     return recs, recs.append
 
 
-def test_isolated_view_measures_only_each_modules_own_ops(dump: nx.DumpReader) -> None:
+def test_isolated_view_measures_only_each_modules_own_ops(dump: store.DumpReader) -> None:
     model = Toy().eval()
     recs, emit = _collect()
-    nx.run_isolated_view(dict(model.named_modules()), dump, lambda _n, m: m, emit)
+    views.run_isolated_view(dict(model.named_modules()), dump, lambda _n, m: m, emit)
     assert {r["key"] for r in recs} == {c["key"] for c in dump.calls}
     assert all(r["metrics"]["rel"] == 0.0 for r in recs)  # the reference against itself: exact
 
@@ -161,7 +163,7 @@ def test_isolated_view_measures_only_each_modules_own_ops(dump: nx.DumpReader) -
         return m
 
     recs, emit = _collect()
-    nx.run_isolated_view(dict(model.named_modules()), dump, runner, emit)
+    views.run_isolated_view(dict(model.named_modules()), dump, runner, emit)
     off = {r["key"] for r in recs if r["metrics"]["rel"] > 0}
     assert off == {"blocks.1.lin"}
     assert not any(m.__dict__.get("forward") for m in model.modules())  # stubs removed
@@ -171,7 +173,7 @@ def test_isolated_view_measures_only_each_modules_own_ops(dump: nx.DumpReader) -
         bad.blocks[1].lin.weight.mul_(1.01)
     recs, emit = _collect()
     args, kwargs = dump.inputs(dump.root())
-    nx.capture_layer_outputs(bad, args, kwargs, nx.CompareSink(dump, emit))
+    ncap.capture_layer_outputs(bad, args, kwargs, ncap.CompareSink(dump, emit))
     cum_off = {r["key"] for r in recs if r["metrics"]["rel"] > 0}
     assert cum_off == {"blocks.1.lin", "blocks.1.act", "blocks.1", "shared", "shared#1", "head", ""}
 
@@ -179,8 +181,8 @@ def test_isolated_view_measures_only_each_modules_own_ops(dump: nx.DumpReader) -
 def test_isolated_view_records_failures_and_unstorable_inputs(tmp_path: Path) -> None:
     model = Toy().eval()
     kwargs = _inputs()
-    nx.record_reference(model, kwargs, tmp_path / "r")
-    reader = nx.DumpReader(tmp_path / "r")
+    ncap.record_reference(model, kwargs, tmp_path / "r")
+    reader = store.DumpReader(tmp_path / "r")
 
     def runner(name: str, m: nn.Module) -> Any:
         if name == "head":
@@ -188,7 +190,7 @@ def test_isolated_view_records_failures_and_unstorable_inputs(tmp_path: Path) ->
         return m
 
     recs, emit = _collect()
-    nx.run_isolated_view(dict(model.named_modules()), reader, runner, emit, skip={"blocks.0"})
+    views.run_isolated_view(dict(model.named_modules()), reader, runner, emit, skip={"blocks.0"})
     by = {r["key"]: r for r in recs}
     assert "blocks.0" not in by
     assert by["head"]["stage"] == "compile" and "unsupported operator" in by["head"]["error"]
@@ -205,7 +207,7 @@ def test_derive_reference_stats_float64_against_float32(tmp_path: Path) -> None:
         g = torch.Generator().manual_seed(s)
         return {"x": torch.randn(1, 2 + s, 8, generator=g)}
 
-    stats = nx.derive_reference_stats(model, primary, [(ref, f64)], sample, 3, tmp_path / "ref", keep=[0])
+    stats = views.derive_reference_stats(model, primary, [(ref, f64)], sample, 3, tmp_path / "ref", keep=[0])
     assert (tmp_path / "ref" / "sample-0" / "index.json").exists() and not (tmp_path / "ref" / "sample-1").exists()
     lin = stats["blocks.1.lin"].views
     assert len(lin["cumulative"]["rel"]) == 3 and len(lin["isolated"]["rel"]) == 3
@@ -237,17 +239,17 @@ class _CompiledBackend(_EagerBackend):
 @pytest.mark.parametrize("backend", [_EagerBackend(), _CompiledBackend()], ids=["eager", "aot_eager"])
 def test_compare_target_both_views(tmp_path: Path, backend: Any) -> None:
     model = Toy().eval()
-    nx.record_reference(model, _inputs(), tmp_path / "r0")
-    plan = nx.TargetPlan(model={}, backend={}, seed=0, dtype="float32", dumps=(str(tmp_path / "r0"),),
+    ncap.record_reference(model, _inputs(), tmp_path / "r0")
+    plan = target.TargetPlan(model={}, backend={}, seed=0, dtype="float32", dumps=(str(tmp_path / "r0"),),
                          results="", journal="")
     recs, emit = _collect()
     torch._dynamo.reset()
-    nx.compare_target(model, backend, plan, emit)
+    target.compare_target(model, backend, plan, emit)
     cum = {r["key"]: r for r in recs if r["view"] == "cumulative" and "key" in r}
     iso = {r["key"]: r for r in recs if r["view"] == "isolated" and "key" in r}
     status = [r for r in recs if r["view"] == "cumulative" and "status" in r]
     assert status and status[0]["status"] == "ok" and status[0]["unobserved_count"] == 0
-    assert set(cum) == set(iso) == {c["key"] for c in nx.DumpReader(tmp_path / "r0").calls}
+    assert set(cum) == set(iso) == {c["key"] for c in store.DumpReader(tmp_path / "r0").calls}
     assert max(r["metrics"]["rel"] for r in [*cum.values(), *iso.values()]) < 1e-6
     assert not any(m._forward_hooks for m in model.modules())  # the capture hooks are gone
 
@@ -256,12 +258,12 @@ def test_compiled_cumulative_view_sees_the_backends_own_values(tmp_path: Path) -
     from tests.fixtures.plugin_numerics_perturb import make
 
     model = Toy().eval()
-    nx.record_reference(model, _inputs(), tmp_path / "r0")
-    plan = nx.TargetPlan(model={}, backend={}, seed=0, dtype="float32", dumps=(str(tmp_path / "r0"),),
+    ncap.record_reference(model, _inputs(), tmp_path / "r0")
+    plan = target.TargetPlan(model={}, backend={}, seed=0, dtype="float32", dumps=(str(tmp_path / "r0"),),
                          results="", journal="", views=("cumulative", "isolated"))
     recs, emit = _collect()
     torch._dynamo.reset()
-    nx.compare_target(model, _CompiledBackend(make(op="aten.tanh.default", scale=1e-2)), plan, emit)
+    target.compare_target(model, _CompiledBackend(make(op="aten.tanh.default", scale=1e-2)), plan, emit)
     cum_off = {r["key"] for r in recs if r["view"] == "cumulative" and r.get("metrics", {}).get("rel", 0) > 1e-4}
     iso = {r["key"]: r for r in recs if r["view"] == "isolated" and "key" in r}
     iso_off = {k for k, r in iso.items() if r.get("metrics", {}).get("rel", 0) > 1e-4}
@@ -274,17 +276,17 @@ def test_isolated_auto_runs_only_when_the_cumulative_view_flags(tmp_path: Path) 
     from tests.fixtures.plugin_numerics_perturb import make
 
     model = Toy().eval()
-    nx.record_reference(model, _inputs(), tmp_path / "r0")
+    ncap.record_reference(model, _inputs(), tmp_path / "r0")
     table = ThresholdTable(layers={}, options=ThresholdOptions(), primary_dtype="float32", key={})
-    plan = nx.TargetPlan(model={}, backend={}, seed=0, dtype="float32", dumps=(str(tmp_path / "r0"),),
+    plan = target.TargetPlan(model={}, backend={}, seed=0, dtype="float32", dumps=(str(tmp_path / "r0"),),
                          results="", journal="", isolated="auto")
     torch._dynamo.reset()
     recs, emit = _collect()
-    nx.compare_target(model, _EagerBackend(), plan, emit, table=table)
+    target.compare_target(model, _EagerBackend(), plan, emit, table=table)
     status = [r for r in recs if r["view"] == "isolated"]
     assert len(status) == 1 and status[0]["status"] == "skipped"
     recs, emit = _collect()
-    nx.compare_target(model, _CompiledBackend(make(op="aten.tanh.default", scale=1e-2)), plan, emit, table=table)
+    target.compare_target(model, _CompiledBackend(make(op="aten.tanh.default", scale=1e-2)), plan, emit, table=table)
     assert any(r["view"] == "isolated" and "metrics" in r for r in recs)
     assert [r["status"] for r in recs if r["view"] == "isolated" and "status" in r] == ["done"]
 
@@ -292,59 +294,59 @@ def test_isolated_auto_runs_only_when_the_cumulative_view_flags(tmp_path: Path) 
 # ------------------------------------------------------------------------------------------ verdicts
 
 def _layer(name: str, done: int, cls: str = "Linear", cum: float = 0.0, iso: float = 0.0) -> Any:
-    layer = nx._Layer(key=name, name=name, module_class=cls, call_index=0, idx=done, done=done, depth=name.count(".") + 1)
+    layer = verdict.Layer(key=name, name=name, module_class=cls, call_index=0, idx=done, done=done, depth=name.count(".") + 1)
     layer.metrics = {"cumulative": {"rel": cum, "cos": 1.0, "mad": 0.0}, "isolated": {"rel": iso, "cos": 1.0, "mad": 0.0}}
     layer.exceeded = {"cumulative": ["rel"] if cum > 1e-3 else [], "isolated": ["rel"] if iso > 1e-3 else []}
     return layer
 
 
 def test_verdict_kinds() -> None:
-    none = nx._verdict([_layer("a", 0), _layer("b", 1)], isolated_ran=True)
+    none = verdict.verdict_of([_layer("a", 0), _layer("b", 1)], isolated_ran=True)
     assert none["kind"] is None and none["first_divergent"] is None
 
-    drift = nx._verdict([_layer("l.0", 0, cum=1e-4), _layer("l.1", 1, cum=2e-3), _layer("l.2", 2, cum=5e-3)], isolated_ran=True)
+    drift = verdict.verdict_of([_layer("l.0", 0, cum=1e-4), _layer("l.1", 1, cum=2e-3), _layer("l.2", 2, cum=5e-3)], isolated_ran=True)
     assert drift["kind"] == "drift" and drift["first_divergent"] == "l.1" and "accumulated drift" in drift["text"]
 
-    algo = nx._verdict([_layer("m.0.attn", 0, cls="Attn", cum=1e-2, iso=1e-2), _layer("m.0", 1, cls="Layer", cum=1e-2),
+    algo = verdict.verdict_of([_layer("m.0.attn", 0, cls="Attn", cum=1e-2, iso=1e-2), _layer("m.0", 1, cls="Layer", cum=1e-2),
                         _layer("m.1.attn", 2, cls="Attn", cum=1e-2)], isolated_ran=True)
     assert algo["kind"] == "algorithmic" and algo["first_divergent"] == "m.0.attn" and "m.0.attn (Attn)" in algo["text"]
 
-    cls = nx._verdict([_layer("m.0.norm", 0, cls="RMSNorm", cum=1e-2, iso=1e-2),
+    cls = verdict.verdict_of([_layer("m.0.norm", 0, cls="RMSNorm", cum=1e-2, iso=1e-2),
                        _layer("m.1.ln2", 1, cls="RMSNorm", cum=1e-2, iso=1e-2)], isolated_ran=True)
     assert cls["kind"] == "layer_class" and cls["pattern"] == "RMSNorm"
 
-    path = nx._verdict([_layer("m.0.ff_ln", 0, cls="A", iso=1e-2), _layer("m.1.ff_ln", 1, cls="B", iso=1e-2)],
+    path = verdict.verdict_of([_layer("m.0.ff_ln", 0, cls="A", iso=1e-2), _layer("m.1.ff_ln", 1, cls="B", iso=1e-2)],
                        isolated_ran=True)
     assert path["kind"] == "layer_class" and path["pattern"] == "m.*.ff_ln"
 
 
 def test_rel_path() -> None:
-    assert nx._rel_path("model.layers.12.post_attention_layernorm") == "model.layers.*.post_attention_layernorm"
-    assert nx._rel_path("0.attn") == "*.attn" and nx._rel_path("lm_head") == "lm_head"
+    assert verdict.rel_path("model.layers.12.post_attention_layernorm") == "model.layers.*.post_attention_layernorm"
+    assert verdict.rel_path("0.attn") == "*.attn" and verdict.rel_path("lm_head") == "lm_head"
 
 
-def test_build_layers_aggregates_samples_and_flags(dump: nx.DumpReader) -> None:
+def test_build_layers_aggregates_samples_and_flags(dump: store.DumpReader) -> None:
     table = ThresholdTable(layers={}, options=ThresholdOptions(rel_floor=1e-3), primary_dtype="float32", key={})
     recs = [
         {"view": "isolated", "sample": 0, "key": "head", "metrics": {"rel": 1e-4, "cos": 1.0, "mad": 0.0}},
         {"view": "isolated", "sample": 1, "key": "head", "metrics": {"rel": 5e-3, "cos": 1.0, "mad": 0.0}},
         {"view": "cumulative", "sample": 0, "key": "head", "error": "boom", "stage": "run"},
     ]
-    layers = {l.key: l for l in nx._build_layers(dump, recs, table)}
+    layers = {l.key: l for l in verdict.build_layers(dump, recs, table)}
     assert layers["head"].metrics["isolated"]["rel"] == 5e-3 and layers["head"].flagged("isolated")
     assert layers["head"].errors["cumulative"] == "run: boom"
-    rows = nx._table(list(layers.values()), cap=3)
+    rows = verdict.layer_table(list(layers.values()), cap=3)
     assert len(rows) == 3 and rows[0]["index"] == 0
 
 
 def test_options() -> None:
-    o = nx.NumericsOptions.from_mapping({"margin": 4, "compare_samples": 2, "views": "isolated", "isolate": False})
+    o = parse("numerics", {"margin": 4, "compare_samples": 2, "views": "isolated", "isolate": False})
     assert o.thresholds.margin == 4 and o.compare_samples == 2 and o.views == ("isolated",) and not o.isolate
     with pytest.raises(ConfigError, match="did you mean 'margin'"):
-        nx.NumericsOptions.from_mapping({"margn": 4})
+        parse("numerics", {"margn": 4})
     for bad in ({"views": ["sideways"]}, {"compare_samples": 0}, {"isolate": "yes"}, {"chunk_mb": -1}):
         with pytest.raises(ConfigError):
-            nx.NumericsOptions.from_mapping(bad)
+            parse("numerics", bad)
 
 
 def test_compiled_capture_is_not_fooled_by_earlier_compiles(tmp_path: Path) -> None:
@@ -355,20 +357,20 @@ def test_compiled_capture_is_not_fooled_by_earlier_compiles(tmp_path: Path) -> N
     model = Toy().eval()
     with torch.no_grad():
         be.compile(model)(**_inputs())  # compiled once without any hooks
-    nx.record_reference(model, _inputs(), tmp_path / "a")
-    plan = nx.TargetPlan(model={}, backend={}, seed=0, dtype="float32", dumps=(str(tmp_path / "a"),), results="",
+    ncap.record_reference(model, _inputs(), tmp_path / "a")
+    plan = target.TargetPlan(model={}, backend={}, seed=0, dtype="float32", dumps=(str(tmp_path / "a"),), results="",
                          journal="", views=("cumulative",))
     for _ in range(2):
         recs, emit = _collect()
-        nx.compare_target(model, be, plan, emit)
+        target.compare_target(model, be, plan, emit)
         assert [r["unobserved_count"] for r in recs if "status" in r] == [0]
         assert len([r for r in recs if "metrics" in r]) == 12
     other = Toy().eval()
     with torch.no_grad():
         for p in other.parameters():
             p.add_(0.5)
-    nx.record_reference(other, _inputs(), tmp_path / "b")
+    ncap.record_reference(other, _inputs(), tmp_path / "b")
     plan_b = dataclasses.replace(plan, dumps=(str(tmp_path / "b"),))
     recs, emit = _collect()
-    nx.compare_target(other, be, plan_b, emit)
+    target.compare_target(other, be, plan_b, emit)
     assert max(r["metrics"]["rel"] for r in recs if "metrics" in r) < 1e-6  # its own weights, not the first model's

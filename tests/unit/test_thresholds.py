@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from ci_runner.errors import ConfigError, InputError
-from ci_runner.thresholds import (
+from ci_runner.options import parse
+from ci_runner.numerics.thresholds import (
     SCHEMA_VERSION,
     LayerStats,
     ThresholdOptions,
@@ -77,12 +78,12 @@ def test_exceeded_reads_each_metric_in_its_direction_and_nan_fails() -> None:
 
 
 def test_options_validation() -> None:
-    o = ThresholdOptions.from_mapping({"percentile": 95, "margin": "4", "samples": 3, "other": 1})
+    o = parse("numerics", {"percentile": 95, "margin": "4", "samples": 3}).thresholds
     assert (o.percentile, o.margin, o.samples) == (95.0, 4.0, 3)
     for bad in ({"percentile": 0}, {"percentile": 101}, {"margin": 0.5}, {"rel_floor": -1}, {"samples": 0},
                 {"samples": 1.5}, {"margin": "x"}):
         with pytest.raises(ConfigError):
-            ThresholdOptions.from_mapping(bad)
+            parse("numerics", bad)
 
 
 def test_key_and_path() -> None:

@@ -12,7 +12,7 @@ import torch
 from ci_runner.backends import resolve_backend
 from ci_runner.config import BackendSpec
 from ci_runner.results import fingerprint
-from ci_runner.weights import WeightsReport, check_tensor, check_weights, findings_for, named_tensors
+from ci_runner.numerics.weights import WeightsReport, check_tensor, check_weights, findings_for, named_tensors
 from tests.fixtures.plugin_toolbox_models import TinyNet, base
 
 

@@ -1,0 +1,255 @@
+"""The numerics hooks, on top of the one hook mechanism (`ci_runner/capture.py`).
+
+Eager passes (`capture_layer_outputs`) feed a `CallSink` every module call with its place in the call tree: the
+reference pass records them (`RecordingSink` into a `store.DumpWriter`), an eager target compares them as they
+return (`CompareSink`). Compiled passes (`capture_compiled_outputs`, `run_compiled_with_outputs`) use the
+traceable `capture.OutputHooks`, so the outputs compared are the backend's own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from ..capture import CallInfo, FlatOutput, ModuleCapture, OutputHooks, call_key
+from ..errors import DeepviewError
+from .calls import Unserializable, compared_tensors, encode_value
+from .metrics import MetricsError, compare_tensors, worst
+from .settings import DYNAMO_SETTINGS
+from .store import DumpReader, DumpWriter
+
+
+@dataclass(frozen=True, kw_only=True)
+class CallMeta:
+    """One module call: `key` is `name` for the first call of a module, `name#k` for its k-th later call."""
+
+    idx: int  # start order among all calls of the pass
+    key: str
+    name: str
+    module_class: str
+    call_index: int
+    parent: int | None  # idx of the calling module's call
+    depth: int
+
+
+class CallSink:
+    """What `capture_layer_outputs` feeds: `enter` before a module runs, `exit` with its output."""
+
+    def enter(self, meta: CallMeta, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:  # noqa: B027
+        pass
+
+    def exit(self, meta: CallMeta, output: Any) -> None:  # noqa: B027
+        pass
+
+
+class _Tracker:
+    """Turns ModuleCapture callbacks into CallMeta with the caller's call (a stack of open calls)."""
+
+    def __init__(self, sink: CallSink) -> None:
+        self.sink = sink
+        self.stack: list[CallMeta] = []
+        self.n = 0
+        self.errors: list[tuple[str, BaseException]] = []
+
+    def pre(self, info: CallInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        meta = CallMeta(idx=self.n, key=call_key(info.name, info.call_index), name=info.name,
+                        module_class=info.module_class, call_index=info.call_index,
+                        parent=self.stack[-1].idx if self.stack else None, depth=info.depth)
+        self.n += 1
+        self.stack.append(meta)
+        self.sink.enter(meta, args, kwargs)
+
+    def post(self, info: CallInfo, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        meta = self.stack.pop() if self.stack else None
+        if meta is not None:
+            self.sink.exit(meta, output)
+
+
+def capture_layer_outputs(module: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any], sink: CallSink) -> Any:
+    """Run `module(*args, **kwargs)` eagerly under no_grad with hooks on every submodule, feeding `sink`.
+
+    Returns the model's output. Sink errors are collected (`CaptureError` after the run), never break the forward.
+    """
+    tracker = _Tracker(sink)
+    with torch.no_grad(), ModuleCapture(module, pre=tracker.pre, post=tracker.post) as cap:
+        out = module(*args, **kwargs)
+    if cap.errors:
+        name, exc = cap.errors[0]
+        raise CaptureError(f"while observing module {name or '(root)'}: {type(exc).__name__}: {exc}") from exc
+    return out
+
+
+class CaptureError(DeepviewError):
+    """A hook of the numerics capture failed (writing a dump, comparing a layer)."""
+
+
+class RecordingSink(CallSink):
+    """Streams every call's inputs and output into a `DumpWriter`."""
+
+    def __init__(self, writer: DumpWriter) -> None:
+        self.writer = writer
+        self.done = 0
+
+    def enter(self, meta: CallMeta, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        rec: dict[str, Any] = {"idx": meta.idx, "key": meta.key, "name": meta.name, "module_class": meta.module_class,
+                               "call_index": meta.call_index, "parent": meta.parent, "depth": meta.depth}
+        try:
+            rec["inputs"] = {"args": [encode_value(a, self.writer.put, strict=True) for a in args],
+                             "kwargs": [[k, encode_value(v, self.writer.put, strict=True)] for k, v in kwargs.items()]}
+        except Unserializable as exc:
+            rec["inputs"] = None
+            rec["inputs_error"] = f"an input cannot be stored: {exc}"
+        self.writer.calls.append(rec)
+        assert len(self.writer.calls) == meta.idx + 1
+
+    def exit(self, meta: CallMeta, output: Any) -> None:
+        rec = self.writer.calls[meta.idx]
+        rec["output"] = encode_value(output, self.writer.put, strict=False)
+        rec["compare"] = {sub: self.writer.put(t) for sub, t in compared_tensors(output).items()}
+        rec["done"] = self.done
+        self.done += 1
+
+
+def dump_meta(ref: Any, sample: int, *, key: str | None = None) -> dict[str, Any]:
+    """What a reference dump records about itself: sample, reference, torch, and `key` (the thresholds key hash it
+    was recorded for: a dump is only reused for the same key)."""
+    meta = {"sample": sample, "reference": {"id": getattr(ref, "id", "?"), "device": getattr(ref, "device", "cpu"),
+                                            "dtype": getattr(ref, "dtype", "float32")},
+            "torch": torch.__version__}
+    if key is not None:
+        meta["key"] = key
+    return meta
+
+
+def record_reference(module: nn.Module, kwargs: Mapping[str, Any], folder: Path, *, chunk_mb: float = 64.0,
+                     meta: Mapping[str, Any] | None = None) -> Path:
+    """The reference pass: `module(**kwargs)` with every call's inputs and output streamed to `folder`."""
+    writer = DumpWriter(folder, chunk_bytes=int(chunk_mb * (1 << 20)), meta=meta)
+    capture_layer_outputs(module, (), kwargs, RecordingSink(writer))
+    return writer.close()
+
+
+def compare_call(reader: DumpReader, call: Mapping[str, Any], output: Any) -> dict[str, Any]:
+    """Worst-of metrics of a module's output against the reference's, over the tensors both sides have.
+
+    A tensor present on one side only (an auxiliary output such as collected `hidden_states`, which an isolated
+    run does not collect) is listed under `structure`, not compared; no common tensor at all, or a shape
+    mismatch, raises `MetricsError`.
+    """
+    return compare_flat(reader, call, compared_tensors(output))
+
+
+def compare_flat(reader: DumpReader, call: Mapping[str, Any], tgt: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """`compare_call` on an output already flattened to {sub-name: tensor} (see `compared_tensors`)."""
+    ref = reader.ref_tensors(call)
+    common = [k for k in ref if k in tgt]
+    if not common:
+        raise MetricsError(f"{call['key'] or '(root)'}: output structure differs: reference {sorted(ref)[:5]} "
+                           f"vs target {sorted(tgt)[:5]}")
+    out = worst(compare_tensors(ref[k], tgt[k], where=f"{call['key'] or '(root)'}[{k}]") for k in common)
+    if len(common) != len(ref) or len(common) != len(tgt):
+        out["structure"] = {"only_reference": sorted(set(ref) - set(tgt))[:10],
+                            "only_target": sorted(set(tgt) - set(ref))[:10]}
+    return out
+
+
+ResultFn = Callable[[dict[str, Any]], None]  # one comparison record, see make_record()
+
+
+def make_record(view: str, call: Mapping[str, Any], *, metrics: Mapping[str, Any] | None = None,
+            error: str | None = None, stage: str | None = None) -> dict[str, Any]:
+    rec: dict[str, Any] = {"view": view, "key": call["key"]}
+    if metrics is not None:
+        rec["metrics"] = dict(metrics)
+    if error is not None:
+        rec["error"] = error
+        rec["stage"] = stage or "run"
+    return rec
+
+
+class CompareSink(CallSink):
+    """Cumulative view, eager: each call's output is compared against the reference's when the call returns."""
+
+    def __init__(self, reader: DumpReader, on_result: ResultFn, *, journal: Callable[[str, str], None] | None = None,
+                 prefix: str = "") -> None:
+        self.reader = reader
+        self.on_result = on_result
+        self.journal = journal
+        self.prefix = prefix
+        self.seen: set[str] = set()
+
+    def enter(self, meta: CallMeta, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.journal:
+            self.journal("enter-module", self.prefix + meta.key)
+
+    def exit(self, meta: CallMeta, output: Any) -> None:
+        if self.journal:
+            self.journal("leave-module", self.prefix + meta.key)
+        call = self.reader.by_key.get(meta.key)
+        if call is None:
+            return
+        self.seen.add(meta.key)
+        if output is None and call["compare"]:  # post hooks run with always_call: the forward raised in here
+            self.on_result(make_record("cumulative", call, error="no output: the forward raised inside this module",
+                                   stage="run"))
+            return
+        try:
+            self.on_result(make_record("cumulative", call, metrics=compare_call(self.reader, call, output)))
+        except MetricsError as exc:
+            self.on_result(make_record("cumulative", call, error=exc.message, stage="compare"))
+
+
+def _capture_forward(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """What the cumulative view compiles: the model's call, in a frame of its own. Dynamo caches compiled code per
+    code object and, by default, does not guard on hooks; compiling `module` itself could reuse a graph this
+    process compiled earlier WITHOUT the capture hooks (the hooks would then silently not run)."""
+    return module(*args, **kwargs)
+
+
+def compile_for_capture(backend: Any) -> Callable[..., Any]:
+    """`backend.compile` of the cumulative view's entry point; call it as `fn(module, args, kwargs)`."""
+    return backend.compile(_capture_forward)
+
+
+def capture_compiled_outputs(module: nn.Module, fn: Callable[..., Any], args: Sequence[Any],
+                             kwargs: Mapping[str, Any], hooks: OutputHooks) -> tuple[Any, list[tuple[str, FlatOutput]]]:
+    """Run `fn = compile_for_capture(backend)` on `module` with `hooks` on its submodules; returns
+    (output, [(key, flat output)]).
+
+    The hooks only append to a list, which Dynamo traces into the graph (no graph break): the outputs are the
+    backend's own. Keys count each module's completions, so the k-th call of a module is `name#k`.
+    """
+    hooks.take()
+    with torch.no_grad(), torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):
+        out = fn(module, tuple(args), dict(kwargs))
+    return out, hooks.take()
+
+
+def compared_flat(flat: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The floating tensors of a flat output (all of them when none is floating), as `compared_tensors` picks."""
+    d = dict(flat)
+    return {k: t for k, t in d.items() if t.is_floating_point() or t.is_complex()} or d
+
+
+def run_compiled_with_outputs(module: nn.Module, backend: Any, args: Sequence[Any],
+                              kwargs: Mapping[str, Any]) -> tuple[Any, list[tuple[str, dict[str, torch.Tensor]]]]:
+    """The module compiled by `backend` and run under no_grad, with every submodule's compared output tensors:
+    (output, [(call key, {sub: tensor})]). Uses the one process-wide hook sink (`capture.OutputHooks`) with hook
+    guards on while capturing: hooks of a capture's own would be silently dropped by Dynamo when it reuses a
+    graph compiled earlier without them."""
+    with OutputHooks(module) as hooks, torch._dynamo.config.patch(**DYNAMO_SETTINGS):
+        out, keyed = capture_compiled_outputs(module, compile_for_capture(backend), args, kwargs, hooks)
+    return out, [(key, compared_flat(flat)) for key, flat in keyed]
+
+
+def run_eager_with_outputs(module: nn.Module, kwargs: Mapping[str, Any]) -> list[tuple[str, dict[str, torch.Tensor]]]:
+    """`module(**kwargs)` eagerly under no_grad with every submodule's compared output tensors, like
+    `run_compiled_with_outputs`."""
+    with OutputHooks(module) as hooks, torch.no_grad():
+        module(**kwargs)
+        keyed = hooks.take()
+    return [(key, compared_flat(flat)) for key, flat in keyed]

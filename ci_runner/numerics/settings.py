@@ -1,0 +1,36 @@
+"""Constants shared by the numerics modules, and the cell context the toolbox runs in."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Protocol
+
+import torch
+
+from ..options import NUMERICS_VIEWS
+
+VIEWS: tuple[str, ...] = NUMERICS_VIEWS
+DTYPES: Mapping[str, torch.dtype] = {
+    "float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16,
+}
+# Dynamo settings while the target runs: many module instances share one code object (Linear.forward, …), and
+# hitting the recompile limit must fail loudly rather than fall back to eager (which would hide the backend).
+DYNAMO_SETTINGS: Mapping[str, Any] = {
+    "recompile_limit": 1024,
+    "accumulated_recompile_limit": 1 << 16,
+    "fail_on_recompile_limit_hit": True,
+}
+
+
+class CellContext(Protocol):
+    """What the numerics package uses of a mode's context (`ci_runner.modes.ModeContext` provides it)."""
+
+    cell: Any
+    backend: Any
+    cell_dir: Path
+
+    def remaining(self) -> float: ...
+
+    def model(self, **kw: Any) -> Any: ...
+
+    def inputs(self, loaded: Any, **kw: Any) -> dict[str, Any]: ...

@@ -1,0 +1,206 @@
+"""The reference dump of the numerics mode: a streaming writer and a lazy reader.
+
+A dump folder holds `index.json` (every module call: key, name, class, caller, depth, its inputs and output as
+`calls` specs, the keys of its compared tensors) and safetensors chunks of at most `chunk_bytes`; only the current
+chunk is in memory while writing, and a reader keeps at most two chunk files open. Loading uses safetensors and
+JSON only, never pickle.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from ..codec import TensorDedupe
+from ..errors import InputError, UsageError
+from ..fsutil import atomic_write_json
+from .calls import Unserializable, decode_value
+
+DUMP_SCHEMA_VERSION = 1
+INDEX_NAME = "index.json"
+
+
+class DumpFolderError(UsageError):
+    """The folder given for a dump holds files that are not a dump's: it is not emptied."""
+
+
+def dump_matches(folder: Path, key: str) -> bool:
+    """Whether `folder` holds a complete reference dump recorded for `key` (the thresholds key hash: model, inputs,
+    references, samples, torch). A dump of another key, or of none, is stale and must be recorded again."""
+    try:
+        index = json.loads((Path(folder) / INDEX_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(index, dict) and index.get("schema_version") == DUMP_SCHEMA_VERSION and index.get("key") == key
+
+
+class DumpWriter:
+    """Streams tensors into safetensors chunks (at most `chunk_bytes` buffered) and writes `index.json` on close.
+
+    A tensor object seen again unchanged (its version counter did not move: a module's output passed on as the
+    next module's input) is stored once; the check holds only a weak reference, so nothing is kept alive.
+    """
+
+    index_name = INDEX_NAME
+
+    def __init__(self, folder: Path, *, chunk_bytes: int = 64 << 20, meta: Mapping[str, Any] | None = None) -> None:
+        self.folder = Path(folder)
+        self.clear_folder()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.chunk_bytes = chunk_bytes
+        self.meta = dict(meta or {})
+        self.calls: list[dict[str, Any]] = []
+        self.tensor_file: dict[str, int] = {}
+        self._buf: dict[str, torch.Tensor] = {}
+        self._buf_bytes = 0
+        self._files = 0
+        self._n = 0
+        self._seen = TensorDedupe()
+        self.bytes_written = 0
+
+    def chunk_name(self, i: int) -> str:
+        return f"chunk-{i:04d}.safetensors"
+
+    def is_own_file(self, name: str) -> bool:
+        """A file a writer of this kind writes into its folder (a previous dump's, replaced by this one)."""
+        return name == self.index_name or (name.startswith("chunk-") and name.endswith(".safetensors")) or \
+            (name.startswith(".") and name.endswith(".tmp"))
+
+    def clear_folder(self) -> None:
+        """Remove a previous dump's files from the folder; refuse a folder that holds anything else.
+
+        Only files this writer writes are ever removed: a folder given by mistake (a home, a results folder) is
+        left as it is, with `DumpFolderError` saying so."""
+        if not self.folder.exists():
+            return
+        if not self.folder.is_dir():
+            raise DumpFolderError(f"{self.folder}: exists and is not a folder",
+                                  hint="give a new or empty folder for the dump")
+        entries = list(self.folder.iterdir())
+        strangers = sorted(p.name for p in entries if not (p.is_file() and self.is_own_file(p.name)))
+        if strangers:
+            raise DumpFolderError(f"{self.folder}: not empty and not a dump (holds {', '.join(strangers[:3])}"
+                                  f"{' …' if len(strangers) > 3 else ''})",
+                                  hint="give a new or empty folder; a previous dump folder is replaced")
+        for p in entries:
+            p.unlink()
+
+    def put(self, t: torch.Tensor) -> str:
+        known = self._seen.get(t)
+        if known is not None:
+            return known
+        key = f"t{self._n}"
+        self._n += 1
+        data = t.detach()
+        if data.device.type != "cpu":
+            data = data.to("cpu")
+        data = data.contiguous().clone() if data.is_contiguous() else data.contiguous()
+        if data.is_complex():  # safetensors has no complex dtype everywhere: store (real, imag)
+            data = torch.view_as_real(data).contiguous()
+            key += "c"
+        self._buf[key] = data
+        self._buf_bytes += data.numel() * data.element_size()
+        self._seen.remember(t, key)
+        if self._buf_bytes >= self.chunk_bytes:
+            self.flush()
+        return key
+
+    def flush(self) -> None:
+        if not self._buf:
+            return
+        from safetensors.torch import save_file  # deferred: loaded only when a dump is written
+
+        save_file(self._buf, str(self.folder / self.chunk_name(self._files)))
+        for k in self._buf:
+            self.tensor_file[k] = self._files
+        self.bytes_written += self._buf_bytes
+        self._files += 1
+        self._buf = {}
+        self._buf_bytes = 0
+
+    @property
+    def files(self) -> list[str]:
+        """The chunk files written so far, in order."""
+        return [self.chunk_name(i) for i in range(self._files)]
+
+    def close(self) -> Path:
+        self.flush()
+        self._seen.clear()
+        index = {"schema_version": DUMP_SCHEMA_VERSION, **self.meta, "calls": self.calls,
+                 "files": self.files, "tensors": self.tensor_file}
+        return atomic_write_json(self.folder / self.index_name, index, indent=None)
+
+
+class DumpReader:
+    """Reads a dump lazily: one tensor at a time from its chunk (at most `MAX_OPEN` chunk files open; tensors are
+    not cached)."""
+
+    MAX_OPEN = 2
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+        try:
+            self.index = json.loads((self.folder / INDEX_NAME).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise InputError(f"{self.folder}: no index.json: not a complete numerics dump",
+                             hint="the reference pass did not finish; rerun the mode") from None
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{self.folder}/index.json: corrupt ({exc.msg})", hint="rerun the mode") from None
+        if self.index.get("schema_version") != DUMP_SCHEMA_VERSION:
+            raise InputError(f"{self.folder}: dump schema {self.index.get('schema_version')} is not {DUMP_SCHEMA_VERSION}",
+                             hint="dump it again with this version of deepview-ci")
+        self.calls: list[dict[str, Any]] = self.index["calls"]
+        self.by_key: dict[str, dict[str, Any]] = {c["key"]: c for c in self.calls}
+        self._children: dict[int | None, list[dict[str, Any]]] = {}
+        for c in self.calls:
+            self._children.setdefault(c["parent"], []).append(c)
+        self._handles: dict[int, Any] = {}
+
+    def get(self, key: str, *, clone: bool = False) -> torch.Tensor:
+        """One stored tensor. `clone=True` for tensors fed to a module: own, aligned memory, because some kernels
+        pick their code path by alignment and the isolated view must reproduce the reference bit for bit."""
+        from safetensors import safe_open  # deferred: loaded only when a dump is read
+
+        fi = self.index["tensors"][key]
+        h = self._handles.pop(fi, None)
+        if h is None:
+            h = safe_open(str(self.folder / self.index["files"][fi]), framework="pt", device="cpu")
+            while len(self._handles) >= self.MAX_OPEN:  # each open chunk is a mapping whose read pages count as
+                self._handles.pop(next(iter(self._handles)))  # resident: keep few, memory stays flat in depth
+        self._handles[fi] = h  # most recently used last
+        t = h.get_tensor(key)
+        if clone:
+            t = t.clone()
+        if key.endswith("c"):
+            t = torch.view_as_complex(t)
+        return t
+
+    def children(self, call: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """The direct sub-calls of `call`, in call order."""
+        return self._children.get(call["idx"], [])
+
+    def root(self) -> dict[str, Any]:
+        return self.calls[0]
+
+    def inputs(self, call: Mapping[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if call.get("inputs") is None:
+            raise Unserializable(call.get("inputs_error") or "inputs not stored")
+        spec = call["inputs"]
+        return (tuple(decode_value(s, self._fed) for s in spec["args"]),
+                {k: decode_value(s, self._fed) for k, s in spec["kwargs"]})
+
+    def output(self, call: Mapping[str, Any]) -> Any:
+        return decode_value(call["output"], self._fed)
+
+    def _fed(self, key: str) -> torch.Tensor:
+        return self.get(key, clone=True)
+
+    def ref_tensors(self, call: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        return {sub: self.get(k) for sub, k in call["compare"].items()}
+
+    def close(self) -> None:
+        self._handles.clear()
+

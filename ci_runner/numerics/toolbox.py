@@ -1,0 +1,120 @@
+"""The toolbox's hooks into the numerics mode: the weights check before it, batch invariance and the bisect of
+the divergent layer after it, and reference dumps made elsewhere (`deepview-ci dump --reference`) instead of the
+reference pass. Gated by the toolbox options (`options.ToolboxOptions`, part of `options.numerics`)."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from ..errors import ConfigError, InputError
+from ..models import model_fingerprint
+from ..options import ToolboxOptions
+from ..results import Finding
+from .batch_invariance import check_cell as batch_check
+from .bisect import bisect_cell
+from .dumps import INDEX_NAME, DumpInputsMismatch, input_hash, load_dump, split_inputs
+from .settings import CellContext
+from .thresholds import ThresholdTable
+from .weights import check_cell as weights_check_cell
+
+
+def reference_dumps(ctx: CellContext, tb: ToolboxOptions) -> tuple[list[Path], list[int]]:
+    """The reference dump folders the numerics mode compares against (`reference_dump`), checked against the cell.
+
+    Each must be an eager reference dump (with per-call inputs), of this model (same fingerprint), made on exactly
+    the input this cell builds for its sample (same input hash); otherwise `ConfigError`/`InputError` says which.
+    Paths are absolute or relative to the working directory. A dump of another reference than the primary (say
+    float64) is still compared (metrics are float64) against the primary's thresholds. Returns (folders, samples).
+    """
+    primary = ctx.cell.references[0]
+    folders: list[Path] = []
+    samples: list[int] = []
+    for raw in tb.reference_dump:
+        folder = Path(raw).expanduser()
+        dump = load_dump(folder)
+        side = dump.side
+        if side.get("role") != "reference" or side.get("capture") != "eager":
+            raise ConfigError(f"options.numerics.reference_dump: {folder} is a {side.get('role')} dump "
+                              f"({side.get('capture')}), not an eager reference dump",
+                              hint="dump the reference with `deepview-ci dump --reference ID` (no --backend)")
+        if not (folder / INDEX_NAME).is_file():
+            raise InputError(f"{folder / INDEX_NAME}: missing: the dump has no per-call index",
+                             hint="dump it again with this version of deepview-ci")
+        fp = (dump.manifest.get("model") or {}).get("fingerprint")
+        mine = model_fingerprint(ctx.cell.model)
+        if json.loads(json.dumps(fp, default=str)) != json.loads(json.dumps(mine, default=str)):
+            raise ConfigError(f"options.numerics.reference_dump: {folder} is a dump of another model "
+                              f"({(dump.manifest.get('model') or {}).get('id')!r}, fingerprint differs)",
+                              hint=f"dump model {ctx.cell.model.id!r} of this matrix")
+        sample = int(dump.manifest.get("sample", 0))
+        loaded = ctx.model(dtype=side.get("dtype") or primary.dtype, device="cpu")
+        tensors, other = split_inputs(ctx.inputs(loaded, sample=sample, device="cpu"))
+        if input_hash(tensors, other) != dump.input_hash:
+            raise DumpInputsMismatch(f"options.numerics.reference_dump: {folder} was made on another input than "
+                                     f"this cell's sample {sample}",
+                                     hint="dump with the same matrix inputs (seed, seq_len, batch) and --sample")
+        dump.close()
+        folders.append(folder)
+        samples.append(sample)
+    return folders, samples
+
+
+@dataclass
+class ToolboxRun:
+    """What the toolbox adds to the numerics mode's result."""
+
+    findings: list[Finding] = field(default_factory=list)
+    data: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def before_numerics(ctx: CellContext, tb: ToolboxOptions, *, isolate: bool = True) -> ToolboxRun:
+    """The weights check (when `weights_check`), run before any forward comparison."""
+    out = ToolboxRun()
+    if not tb.weights_check:
+        return out
+    t0 = time.monotonic()
+    findings, data = weights_check_cell(ctx, isolate=isolate)
+    data["seconds"] = round(time.monotonic() - t0, 3)
+    out.findings.extend(findings)
+    out.data["weights"] = data
+    if findings:
+        out.notes.append(f"weights check: {len(findings)} tensor(s) differ after the round trip to the target; "
+                         f"divergence below may come from them, not from the forward")
+    return out
+
+
+def after_numerics(ctx: CellContext, tb: ToolboxOptions, *, table: ThresholdTable, layers: Sequence[Any],
+                   verdict: Mapping[str, Any], findings: list[Finding], isolate: bool = True) -> ToolboxRun:
+    """Batch invariance (when `batch_invariance`) and the compiler-pass bisect of the divergent layer (`bisect`).
+
+    The bisect result is also attached to the divergence finding of the bisected layer (`details["bisect"]` and
+    its message)."""
+    out = ToolboxRun()
+    if tb.batch_invariance:
+        t0 = time.monotonic()
+        bf, bdata = batch_check(ctx, table=table, slots=tb.batch_slots, position=tb.batch_position, isolate=isolate)
+        bdata["seconds"] = round(time.monotonic() - t0, 3)
+        out.findings.extend(bf)
+        out.data["batch_invariance"] = bdata
+    if tb.bisect:
+        t0 = time.monotonic()
+        bres = bisect_cell(ctx, layers=layers, verdict=verdict, table=table, method=tb.bisect_method,
+                           timeout=tb.bisect_timeout, isolate=isolate)
+        if bres is not None:
+            bres["seconds"] = round(time.monotonic() - t0, 3)
+            out.data["bisect"] = bres
+            for f in findings:
+                if f.kind == "divergence" and f.module == bres.get("layer"):
+                    f.details["bisect"] = bres
+                    if bres.get("summary"):
+                        f.message += f"; bisect: {bres['summary']}"
+    return out
+
+
+
+__all__ = ["ToolboxRun", "after_numerics", "before_numerics", "reference_dumps"]
