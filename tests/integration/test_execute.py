@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from ci_runner.results import load_cell_result, load_results
+from tests.fixtures.procs import TAG_VAR, new_tag, wait_until_gone
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -55,7 +56,9 @@ def matrix(tmp_path: Path) -> Path:
 @pytest.mark.slow
 def test_faults_get_statuses_others_complete_and_the_run_resumes(tmp_path: Path, matrix: Path) -> None:
     out = tmp_path / "out"
-    proc = cli("run", str(matrix), "--out", str(out), "--jobs", "2")
+    tag = new_tag()
+    proc = cli("run", str(matrix), "--out", str(out), "--jobs", "2", env={TAG_VAR: tag})
+    assert wait_until_gone(out, tag) == []  # the timed-out and crashed cells left no process behind
     assert proc.returncode == 1, proc.stderr  # findings: some cells did not pass
     assert "Traceback" not in proc.stderr
     cells = {p.parent.name: load_cell_result(p) for p in (out / "cells").glob("*/result.json")}
@@ -99,7 +102,8 @@ def test_a_corrupt_cell_result_is_rerun_not_fatal(tmp_path: Path, matrix: Path) 
 
 def test_ctrl_c_leaves_a_consistent_folder(tmp_path: Path, matrix: Path) -> None:
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    tag = new_tag()
+    env = {**os.environ, "PYTHONPATH": str(REPO), TAG_VAR: tag}
     proc = subprocess.Popen([sys.executable, "-m", "ci_runner", "run", str(matrix), "--out", str(out),
                              "--select", "tiny@hang", "--select", "tiny@raises"], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -115,6 +119,21 @@ def test_ctrl_c_leaves_a_consistent_folder(tmp_path: Path, matrix: Path) -> None
     assert not (out / "cells" / "tiny@hang" / "result.json").exists()
     leftovers = [p for p in out.rglob("*.tmp")]
     assert leftovers == []
+    assert wait_until_gone(out, tag) == []  # the hanging cell's worker stopped with the run
+
+
+def test_a_worker_ends_itself_past_its_budget(tmp_path: Path, matrix: Path) -> None:
+    """Without its parent run to kill it, a hanging worker still stops: its own deadline (budget + grace)."""
+    out = tmp_path / "out"
+    tag = new_tag()
+    env = {**os.environ, "PYTHONPATH": str(REPO), TAG_VAR: tag}
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "ci_runner", "_worker", "--matrix", str(matrix), "--cell", "tiny@hang",
+                           "--out", str(out), "--modes", "ops", "--budget", "1"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert time.monotonic() - t0 < 60
+    assert proc.returncode != 0 and "past its budget" in proc.stderr
+    assert wait_until_gone(out, tag) == []
 
 
 @pytest.mark.parametrize(
