@@ -112,3 +112,15 @@ def test_inductor_on_cpu_is_not_flagged_on_a_tiny_llama() -> None:
     assert len(v["same_input"]["layers"]) > 20
     assert v["same_input"]["first_flagged"] is None, v["same_input"]
     assert findings_for(v, backend_id="inductor", model_id="tiny-llama") == []
+
+
+def test_slot_spread_compares_the_given_pairs() -> None:
+    """`pairs` chooses which slots are compared: slots 1 and 2 agree bit for bit while slot 0 differs."""
+    t = torch.stack([torch.zeros(3), torch.ones(3), torch.ones(3)])
+    calls = [("layer", {"": t})]
+    default = slot_spread(calls, 3, {"layer": "Linear"})
+    assert not default[0].bitwise
+    only = slot_spread(calls, 3, {"layer": "Linear"}, pairs=[(1, 2)])
+    assert only[0].bitwise and only[0].worst_slot == 2 and float(only[0].metrics["rel"]) == 0.0
+    with pytest.raises(ValueError, match="outside"):
+        slot_spread(calls, 3, {"layer": "Linear"}, pairs=[(0, 3)])

@@ -374,3 +374,48 @@ def test_compiled_capture_is_not_fooled_by_earlier_compiles(tmp_path: Path) -> N
     recs, emit = _collect()
     target.compare_target(other, be, plan_b, emit)
     assert max(r["metrics"]["rel"] for r in recs if "metrics" in r) < 1e-6  # its own weights, not the first model's
+
+
+# --------------------------------------------------------------------------------------------- issue 14 fixes
+
+def test_namedtuple_inputs_keep_their_fields() -> None:
+    """A namedtuple argument is rebuilt as a namedtuple (field access works), not as a plain tuple."""
+    import collections
+
+    Pair = collections.namedtuple("Pair", ["hidden", "scale"])
+    stored: dict[str, torch.Tensor] = {}
+
+    def put(t: torch.Tensor) -> str:
+        stored[f"t{len(stored)}"] = t
+        return f"t{len(stored) - 1}"
+
+    spec = calls.encode_value(Pair(torch.ones(2), 0.5), put, strict=True)
+    back = calls.decode_value(spec, stored.__getitem__)
+    assert back._fields == ("hidden", "scale") and back.scale == 0.5 and torch.equal(back.hidden, torch.ones(2))
+    assert calls.decode_value(calls.encode_value((1, 2), put, strict=True), stored.__getitem__) == (1, 2)
+
+
+def test_dump_writer_refuses_a_foreign_folder(tmp_path: Path) -> None:
+    """The writer removes only a previous dump's files; a folder with anything else is refused, left intact."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "thesis.tex").write_text("precious", encoding="utf-8")
+    with pytest.raises(store.DumpFolderError, match="not empty and not a dump"):
+        store.DumpWriter(home)
+    assert (home / "thesis.tex").read_text(encoding="utf-8") == "precious"
+    dump = tmp_path / "dump"
+    w = store.DumpWriter(dump)
+    w.put(torch.ones(3))
+    w.close()
+    again = store.DumpWriter(dump)  # a previous dump is replaced
+    assert again.folder == dump and not any(dump.iterdir())
+
+
+def test_reference_dump_is_reused_only_for_its_thresholds_key(tmp_path: Path) -> None:
+    """A `sample-N` dump left by an earlier run (other thresholds key) is stale: it must be recorded again."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    folder = tmp_path / "sample-0"
+    ncap.record_reference(model, {"input": torch.ones(1, 4)}, folder, meta=ncap.dump_meta(None, 0, key="old"))
+    assert store.dump_matches(folder, "old")
+    assert not store.dump_matches(folder, "new")
+    assert not store.dump_matches(tmp_path / "absent", "old")
