@@ -10,16 +10,15 @@ outcome to a JSON-lines file as soon as it has it; after an abort, segfault or h
 crashed module's outcome (named by the crash journal) and a fresh child replays the known outcomes and goes on
 with the remaining candidates.
 
-Call inputs are stored once per capture: every distinct tensor in one safetensors file, and per module and call
-a small JSON spec of the call structure (`encode_value` / `decode_value`). Strides are kept, so a module is
-replayed on inputs laid out as they were on the reference.
+Call inputs are stored once per capture with the call codec (`codec.py`, strict: only what can be rebuilt
+exactly): every distinct tensor in one safetensors file, and per module and call a small JSON spec of the call
+structure. Strides are kept, so a module is replayed on inputs laid out as they were on the reference.
 """
 
 from __future__ import annotations
 
 import faulthandler
 import json
-import math
 import os
 import sys
 import time
@@ -30,8 +29,11 @@ from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
 
 import torch
 
+from . import codec
+from .codec import TensorStore, Unstorable, check_value, decode_call
 from .fsutil import append_line, atomic_write_json
-from .isolate import child_journal
+from .isolate import child_journal, die_with_parent
+from .tree import tensors_in
 
 ROOT = ""  # the root module's qualified name
 ROOT_LABEL = "<root>"  # how the root is named in findings and reports
@@ -123,128 +125,9 @@ def _nearest_ancestor(name: str, names: set[str]) -> str:
 
 # --------------------------------------------------------------------------- call inputs
 
-class TensorStore:
-    """Distinct tensors of a capture, each saved once (tensors passed to many modules are shared)."""
-
-    def __init__(self) -> None:
-        self.tensors: dict[str, torch.Tensor] = {}
-        self._keys: dict[tuple[Any, ...], str] = {}
-
-    def add(self, t: torch.Tensor) -> str:
-        t = t.detach()
-        ident = (t.device.type, t.untyped_storage().data_ptr() if t.device.type != "meta" else id(t),
-                 t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
-        key = self._keys.get(ident)
-        if key is None:
-            key = f"t{len(self.tensors)}"
-            self._keys[ident] = key
-            # safetensors wants contiguous tensors that share no memory with another entry
-            self.tensors[key] = t.to("cpu").contiguous().clone()
-        return key
-
-    def save(self, path: Path) -> Path:
-        from safetensors.torch import save_file
-
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        save_file(self.tensors, str(tmp))
-        os.replace(tmp, path)
-        return path
-
-
-class Opaque(Exception):
-    """A call input that cannot be stored (an arbitrary object, e.g. a cache instance)."""
-
-
-def encode_value(obj: Any, store: TensorStore) -> Any:
-    """JSON spec of a call input; tensors go to `store`. Raises `Opaque` on objects it cannot rebuild."""
-    if isinstance(obj, torch.Tensor):
-        if obj.layout != torch.strided:
-            raise Opaque(f"a {obj.layout} tensor")
-        return {"tensor": store.add(obj), "stride": list(obj.stride()), "requires_grad": False}
-    if obj is None or isinstance(obj, (bool, int, str)):
-        return {"value": obj}
-    if isinstance(obj, float):
-        if math.isfinite(obj):
-            return {"value": obj}
-        return {"float": repr(obj)}
-    if isinstance(obj, torch.dtype):
-        return {"dtype": str(obj).removeprefix("torch.")}
-    if isinstance(obj, torch.device):
-        return {"device": str(obj)}
-    if isinstance(obj, torch.Size):
-        return {"size": list(obj)}
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        raise Opaque(f"a namedtuple {type(obj).__name__}")
-    if isinstance(obj, tuple):
-        return {"tuple": [encode_value(v, store) for v in obj]}
-    if isinstance(obj, list):
-        return {"list": [encode_value(v, store) for v in obj]}
-    if type(obj) is dict:
-        if not all(isinstance(k, str) for k in obj):
-            raise Opaque("a dict with non-string keys")
-        return {"dict": [[k, encode_value(v, store)] for k, v in obj.items()]}
-    raise Opaque(f"an object of type {type(obj).__module__}.{type(obj).__qualname__}")
-
-
-def decode_value(spec: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
-    """Inverse of `encode_value` (the repro templates carry a copy of this function)."""
-    if "tensor" in spec:
-        t = tensors[spec["tensor"]]
-        stride = tuple(spec.get("stride") or ())
-        if stride and stride != t.stride() and t.numel() > 0 and 0 not in stride:
-            try:
-                out = torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device)
-                out.copy_(t)
-                t = out
-            except RuntimeError:
-                pass  # overlapping layout: keep the contiguous copy
-        return t
-    if "value" in spec:
-        return spec["value"]
-    if "float" in spec:
-        return float(spec["float"])
-    if "dtype" in spec:
-        return getattr(torch, spec["dtype"])
-    if "device" in spec:
-        return torch.device(spec["device"])
-    if "size" in spec:
-        return torch.Size(spec["size"])
-    if "tuple" in spec:
-        return tuple(decode_value(v, tensors) for v in spec["tuple"])
-    if "list" in spec:
-        return [decode_value(v, tensors) for v in spec["list"]]
-    if "dict" in spec:
-        return {k: decode_value(v, tensors) for k, v in spec["dict"]}
-    raise ValueError(f"unknown call-input spec {spec!r}")
-
-
 def encode_call(args: tuple[Any, ...], kwargs: Mapping[str, Any], store: TensorStore) -> dict[str, Any]:
-    return {"args": encode_value(tuple(args), store), "kwargs": encode_value(dict(kwargs), store)}
-
-
-def decode_call(spec: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    return decode_value(spec["args"], tensors), decode_value(spec["kwargs"], tensors)
-
-
-def call_tensor_keys(spec: Any) -> list[str]:
-    """The tensor keys a call spec refers to (to write a repro's own inputs file)."""
-    out: list[str] = []
-
-    def walk(s: Any) -> None:
-        if "tensor" in s:
-            out.append(s["tensor"])
-        for k in ("tuple", "list"):
-            if k in s:
-                for v in s[k]:
-                    walk(v)
-        if "dict" in s:
-            for _, v in s["dict"]:
-                walk(v)
-
-    walk(spec["args"])
-    walk(spec["kwargs"])
-    return list(dict.fromkeys(out))
+    """A module call's inputs as the layers mode stores them: strict (replayable exactly), strides kept."""
+    return codec.encode_call(args, kwargs, store, strict=True, keep_strides=True)
 
 
 # --------------------------------------------------------------------------- capture
@@ -257,38 +140,6 @@ class RecordedCall:
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
     opaque: str | None = None  # why the call's inputs cannot be stored, if they cannot
-
-
-def _versions(obj: Any, out: list[tuple[torch.Tensor, int]]) -> None:
-    if isinstance(obj, torch.Tensor):
-        out.append((obj, obj._version))
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _versions(v, out)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _versions(v, out)
-
-
-def _check_storable(obj: Any) -> None:
-    """`encode_value` without storing anything: raises `Opaque` for inputs that cannot be rebuilt."""
-    if isinstance(obj, torch.Tensor):
-        if obj.layout != torch.strided:
-            raise Opaque(f"a {obj.layout} tensor")
-    elif obj is None or isinstance(obj, (bool, int, float, str, torch.dtype, torch.device, torch.Size)):
-        return
-    elif isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        raise Opaque(f"a namedtuple {type(obj).__name__}")
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _check_storable(v)
-    elif type(obj) is dict:
-        for k, v in obj.items():
-            if not isinstance(k, str):
-                raise Opaque("a dict with non-string keys")
-            _check_storable(v)
-    else:
-        raise Opaque(f"an object of type {type(obj).__module__}.{type(obj).__qualname__}")
 
 
 def record_calls(model: torch.nn.Module, args: tuple[Any, ...] = (), kwargs: Mapping[str, Any] | None = None, *,
@@ -313,14 +164,12 @@ def record_calls(model: torch.nn.Module, args: tuple[Any, ...] = (), kwargs: Map
             if clone:
                 a, kw = detach_tree(a), detach_tree(kw)
             else:
-                _versions(a, versions)
-                _versions(kw, versions)
+                versions.extend((t, t._version) for t in tensors_in((a, kw)))
             rec.args, rec.kwargs = a, dict(kw)
         else:
             try:
-                _check_storable(a)
-                _check_storable(kw)
-            except Opaque as exc:
+                check_value((a, dict(kw)), strict=True)
+            except Unstorable as exc:
                 rec.opaque = f"call {info.call_index} takes {exc}"
         recorded.append(rec)
 
@@ -546,29 +395,6 @@ def write_root_call(layers_dir: Path, tree: ModuleTree, kwargs: Mapping[str, Any
     atomic_write_json(layers_dir / "tree.json", tree.to_json())
 
 
-def _arm_parent_death() -> None:
-    """Die with the parent: a hung probe must not outlive a worker that was killed."""
-    try:
-        import ctypes
-        import signal
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:  # not Linux: the polling thread below still works
-        pass
-    import threading
-
-    ppid = os.getppid()
-
-    def watch() -> None:
-        while True:
-            time.sleep(0.5)
-            if os.getppid() != ppid:
-                os._exit(70)
-
-    threading.Thread(target=watch, daemon=True, name="deepview-parent-watch").start()
-
-
 _COMPILE_FRAMES = ("torch/_dynamo/convert_frame.py", "torch/_dynamo/output_graph.py",
                    "torch/_functorch/_aot_autograd/graph_compile.py")
 
@@ -606,7 +432,7 @@ def probe_child(payload: dict[str, Any]) -> dict[str, Any]:
     appending every outcome as soon as it has it. Each level's inputs are captured by one reference forward
     of the CPU model (which probing never modifies: a module is copied before it goes to a device).
     """
-    _arm_parent_death()
+    die_with_parent()
     faulthandler.enable(file=sys.stderr)
 
     from safetensors.torch import load_file

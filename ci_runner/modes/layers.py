@@ -41,12 +41,11 @@ max_restarts       64       most probing children started after crashes before t
 from __future__ import annotations
 
 import contextlib
-import difflib
 import logging
 import os
 import time
 import traceback
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
@@ -54,18 +53,16 @@ import torch
 
 from ..backends import plugin_pythonpath
 from ..config import spec_to_json
-from ..errors import ConfigError
 from ..fsutil import atomic_write_text
-from ..isolate import run_isolated
+from ..codec import TensorStore, Unstorable
+from ..isolate import Attempt, IsolatedResult, supervise
 from ..layer_search import (
     ROOT,
     ChildPlan,
     ModuleTree,
-    Opaque,
     ProbeOutcome,
     SearchResult,
     StopSearch,
-    TensorStore,
     append_outcome,
     capture_inputs,
     encode_call,
@@ -79,6 +76,8 @@ from ..layer_search import (
     write_root_call,
 )
 from ..modes import JOURNAL_NAME
+from ..options import LayersOptions
+from ..options import parse as parse_options
 from ..repro import render_template, safe_filename, verify_script, write_script
 from ..results import Finding, ModeResult, Repro, fingerprint
 
@@ -87,41 +86,6 @@ if TYPE_CHECKING:
 
 KIND = "layer_failure"
 _MIN_CHILD_S = 20.0  # no new probing child is started with less time than this left
-
-
-# --------------------------------------------------------------------------- options
-
-@dataclass(frozen=True, kw_only=True)
-class LayersOptions:
-    probe_timeout: float = 120.0
-    startup_timeout: float = 180.0
-    all_calls: bool = False
-    sample: int = 0
-    repro: bool = True
-    verify: bool = True
-    verify_timeout: float = 180.0
-    export: bool = True
-    max_restarts: int = 64
-
-    @classmethod
-    def from_mapping(cls, data: Mapping[str, Any] | None) -> "LayersOptions":
-        data = dict(data or {})
-        known = {f.name: f for f in fields(cls)}
-        kw: dict[str, Any] = {}
-        for key, value in data.items():
-            if key not in known:
-                close = difflib.get_close_matches(key, list(known), n=1)
-                raise ConfigError(f"options.layers: unknown option {key!r}",
-                                  hint=(f"did you mean {close[0]!r}? " if close else "")
-                                  + f"known: {', '.join(sorted(known))}")
-            default = known[key].default
-            ok = isinstance(value, bool) if isinstance(default, bool) else (
-                isinstance(value, (int, float)) and not isinstance(value, bool))
-            if not ok or (not isinstance(default, bool) and value < 0):
-                raise ConfigError(f"options.layers.{key}: {value!r} is not a valid value",
-                                  hint=f"use a {'boolean' if isinstance(default, bool) else 'non-negative number'}")
-            kw[key] = type(default)(value)
-        return cls(**kw)
 
 
 # --------------------------------------------------------------------------- isolated search
@@ -143,45 +107,24 @@ def _replay(tree: ModuleTree, known: Mapping[str, ProbeOutcome]) -> SearchResult
     return search(tree, probe)
 
 
-def _open_entry_since(journal: Path, offset: int) -> str | None:
-    """The innermost module entered and not left in the journal lines written after `offset`."""
-    try:
-        with open(journal, "rb") as fh:
-            fh.seek(offset)
-            text = fh.read().decode("utf-8", errors="replace")
-    except OSError:
-        return None
-    stack: list[str] = []
-    for line in text.splitlines():
-        event, _, name = line.partition("\t")
-        if event == "enter-module":
-            stack.append(name)
-        elif event == "leave-module" and name in stack:
-            while stack and stack.pop() != name:
-                pass
-    return unlabel(stack[-1]) if stack else None
-
-
 def run_search(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, layers_dir: Path, *,
                reserve_s: float = 0.0) -> SearchRun:
-    """Probe the tree in isolated children until the search is complete, the time is out or crashes pile up."""
+    """Probe the tree in isolated children (`isolate.supervise`) until the search is complete, the time is out or
+    crashes pile up. The children journal each module into the cell's journal; a dead child's open module is
+    recorded crashed/timeout and a fresh child replays the known outcomes and goes on."""
     outcomes_file = layers_dir / "probes.jsonl"
     outcomes_file.unlink(missing_ok=True)
-    journal = ctx.cell_dir / JOURNAL_NAME
-    restarts = 0
-    children = 0
-    stop: str | None = None
-    while True:
+    timeout_file = layers_dir / "child-0.timeout.txt"
+
+    def next_attempt(children: int) -> Attempt | str | None:
+        nonlocal timeout_file
         known = read_outcomes(outcomes_file)
-        replay = _replay(tree, known)
-        if replay.complete:
-            return SearchRun(result=replay, restarts=restarts, children=children, stop_reason=None)
+        if _replay(tree, known).complete:
+            return None
         budget = ctx.remaining() - reserve_s
         if budget < _MIN_CHILD_S:
-            stop = f"the cell's time ran out after {len(known)} module(s) were probed"
-            break
+            return f"the cell's time ran out after {len(known)} module(s) were probed"
         unknown = sum(1 for n, node in tree.nodes.items() if node.replayable and n not in known)
-        timeout = min(budget, opts.startup_timeout + opts.probe_timeout * max(1, unknown))
         timeout_file = layers_dir / f"child-{children}.timeout.txt"
         timeout_file.unlink(missing_ok=True)
         plan = ChildPlan(model=spec_to_json(ctx.cell.model), backend=spec_to_json(ctx.cell.backend),
@@ -189,30 +132,30 @@ def run_search(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, layers
                          outcomes_file=str(outcomes_file), timeout_file=str(timeout_file),
                          probe_timeout=opts.probe_timeout, deadline_wall=time.time() + budget - 5.0,
                          all_calls=opts.all_calls)
-        offset = journal.stat().st_size if journal.exists() else 0
-        children += 1
-        res = run_isolated("ci_runner.layer_search:probe_child", plan.__dict__, timeout=timeout, journal=journal,
-                           env={str(k): str(v) for k, v in ctx.cell.backend.env.items()})
-        timed_out = res.status == "timeout" or _nonempty(timeout_file)
-        if not _nonempty(timeout_file):
+        return Attempt(payload=plan.__dict__,
+                       timeout=min(budget, opts.startup_timeout + opts.probe_timeout * max(1, unknown)))
+
+    def drop_empty_timeout_file() -> bool:
+        hit = _nonempty(timeout_file)
+        if not hit:
             timeout_file.unlink(missing_ok=True)
-        if res.status == "ok":
-            if not (res.value or {}).get("complete", False):
-                stop = "the cell's time ran out during the search"
-                break
-            continue
-        culprit = _open_entry_since(journal, offset)
-        if res.status == "error":
-            if culprit is not None:  # should not happen: probe errors are outcomes
-                ctx.journal("leave-module", label(culprit))
-            stop = (f"the probing child failed outside any module: {res.error_type}: {first_line(res.message)}"
+        return hit
+
+    def on_ok(res: IsolatedResult) -> str | None:
+        drop_empty_timeout_file()
+        if not (res.value or {}).get("complete", False):
+            return "the cell's time ran out during the search"
+        return None
+
+    def on_crash(entry: str | None, res: IsolatedResult) -> str | None:
+        timed_out = drop_empty_timeout_file() or res.status == "timeout"
+        if res.status == "error":  # probe errors are outcomes: this failed outside any module
+            return (f"the probing child failed outside any module: {res.error_type}: {first_line(res.message)}"
                     + (f"\n{res.traceback[-2000:]}" if res.traceback else ""))
-            break
-        if culprit is None:
+        if entry is None:
             stop = f"the probing child {res.message or res.status} before it entered a module"
-            if res.stderr_tail:
-                stop += f"; stderr: {res.stderr_tail[-1500:]}"
-            break
+            return stop + (f"; stderr: {res.stderr_tail[-1500:]}" if res.stderr_tail else "")
+        culprit = unlabel(entry)
         if timed_out:
             outcome = ProbeOutcome(name=culprit, status="timeout", stage="run", error_type="Timeout",
                                    duration_s=opts.probe_timeout,
@@ -228,15 +171,18 @@ def run_search(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, layers
                                    message=f"the process died while {label(culprit)} ran: {why}",
                                    traceback=res.stderr_tail, signal=res.signal)
         append_outcome(outcomes_file, outcome)
-        ctx.journal("leave-module", label(culprit))  # keep the cell journal balanced
-        restarts += 1
-        if restarts > opts.max_restarts:
-            stop = f"gave up after {restarts} crashed probing children (max_restarts={opts.max_restarts})"
-            break
-    known = read_outcomes(outcomes_file)
-    replay = _replay(tree, known)
-    replay.complete = False
-    return SearchRun(result=replay, restarts=restarts, children=children, stop_reason=stop)
+        return None
+
+    run = supervise("ci_runner.layer_search:probe_child", journal=ctx.cell_dir / JOURNAL_NAME, kind="module",
+                    next_attempt=next_attempt, on_ok=on_ok, on_crash=on_crash, max_restarts=opts.max_restarts,
+                    env={str(k): str(v) for k, v in ctx.cell.backend.env.items()})
+    replay = _replay(tree, read_outcomes(outcomes_file))
+    if run.stop_reason is not None:
+        replay.complete = False
+    stop = run.stop_reason
+    if stop is not None and stop.startswith("gave up after"):
+        stop = f"gave up after {run.restarts} crashed probing children (max_restarts={opts.max_restarts})"
+    return SearchRun(result=replay, restarts=run.restarts, children=run.children, stop_reason=stop)
 
 
 def _nonempty(path: Path) -> bool:
@@ -256,7 +202,7 @@ def _read_tail(path: Path, limit: int = 6000) -> str:
 # --------------------------------------------------------------------------- the mode
 
 def run(ctx: "ModeContext") -> ModeResult:
-    opts = LayersOptions.from_mapping(ctx.options("layers"))
+    opts: LayersOptions = parse_options("layers", ctx.options("layers"))
     layers_dir = ctx.artifact_dir("layers")
     t0 = time.monotonic()
     loaded = ctx.model()
@@ -272,7 +218,7 @@ def run(ctx: "ModeContext") -> ModeResult:
                           data={"traceback": traceback.format_exc(limit=8)[-4000:]})
     try:
         write_root_call(layers_dir, tree, kwargs)
-    except Opaque as exc:
+    except Unstorable as exc:
         return ModeResult(status="error", reason=f"the model's own inputs cannot be stored for the probing child: "
                                                   f"they include {exc}")
     capture_info = {"modules": len(tree.nodes), "calls": sum(n.calls for n in tree.nodes.values()),

@@ -46,8 +46,6 @@ bfloat16 (5e-2, 1e-2); integers and bools exactly. `atol` scales with the larges
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
-import difflib
 import fnmatch
 import inspect
 import json
@@ -57,16 +55,15 @@ import sys
 import threading
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
 from ..backends import plugin_pythonpath
 from ..config import spec_to_json
-from ..errors import ConfigError, DeepviewError
+from ..errors import DeepviewError
 from ..fsutil import append_line, atomic_write_json
 from ..isolate import Attempt, IsolatedResult, child_journal, supervise
 from ..inventory import (
@@ -77,6 +74,8 @@ from ..inventory import (
     resolve_callable,
     take_inventory,
 )
+from ..options import OpsOptions
+from ..options import parse as parse_options
 from ..results import Finding, ModeResult, Repro, fingerprint
 from ..tree import map_tensors
 
@@ -85,10 +84,6 @@ if TYPE_CHECKING:
     from . import ModeContext
 
 MODE = "ops"
-DEFAULT_TOLERANCE: Mapping[str, tuple[float, float]] = MappingProxyType({
-    "float64": (1e-7, 1e-7), "float32": (1e-4, 1e-5), "float16": (1e-2, 1e-3), "bfloat16": (5e-2, 1e-2),
-    "complex128": (1e-7, 1e-7), "complex64": (1e-4, 1e-5),
-})
 # Outputs that are random or uninitialised: run, not compared.
 NO_COMPARE = ("*rand*", "*dropout*", "*bernoulli*", "*multinomial*", "*normal*", "*uniform*", "*exponential*",
               "*poisson*", "*empty*", "*geometric*", "*cauchy*", "*log_normal*", "*random_*")
@@ -108,66 +103,6 @@ _MAX_PROBE_ROWS = 1000  # outcomes kept in ModeResult.data["probes"] (all of the
 COULD_NOT_RUN_RE = re.compile(r"Could not run '(?P<op>[\w:.]+)' with arguments from the '(?P<backend>[^']+)' backend")
 UNSUPPORTED_RE = re.compile(r"unsupported operator (?P<op>[A-Za-z_][\w.]*\w)")
 ATEN_NAME_RE = re.compile(r"\b(?P<op>(?:aten|prims)(?:::|\.)[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)?)")
-
-
-# --------------------------------------------------------------------------------------------- options
-
-@dataclass(frozen=True, kw_only=True)
-class OpsOptions:
-    ir: str | None = None
-    probe_timeout: float = 30.0
-    batch_size: int = 256
-    workers: int = field(default_factory=lambda: 2 if (os.cpu_count() or 1) >= 2 else 1)
-    max_signatures_per_op: int = 16
-    compare: bool = True
-    tolerance: Mapping[str, tuple[float, float]] = field(default_factory=lambda: DEFAULT_TOLERANCE)
-    skip_ops: tuple[str, ...] = ()
-    verify: bool = True
-    verify_timeout: float = 60.0
-    probe: bool = True
-    via: str = "fx"
-
-    @classmethod
-    def from_mapping(cls, options: Mapping[str, Any], *, source: str = "options.ops") -> "OpsOptions":
-        known = [f.name for f in dataclasses.fields(cls)]
-        kw: dict[str, Any] = {}
-        for key, value in (options or {}).items():
-            if key not in known:
-                close = difflib.get_close_matches(str(key), known, n=1)
-                raise ConfigError(f"{source}: unknown option {key!r}",
-                                  hint=(f"did you mean {close[0]!r}? " if close else "") + f"known: {', '.join(known)}")
-            kw[key] = value
-        if "ir" in kw and kw["ir"] is not None:
-            from ..inventory import LEVELS
-
-            if kw["ir"] not in LEVELS:
-                raise ConfigError(f"{source}.ir: {kw['ir']!r} is not an IR level", hint=f"use one of: {', '.join(LEVELS)}")
-        if "via" in kw and kw["via"] not in ("fx", "dynamo"):
-            raise ConfigError(f"{source}.via: {kw['via']!r} is not fx or dynamo", hint="use fx (default) or dynamo")
-        for key in ("probe_timeout", "verify_timeout"):
-            if key in kw:
-                kw[key] = float(kw[key])
-                if kw[key] <= 0:
-                    raise ConfigError(f"{source}.{key}: must be > 0, got {kw[key]}")
-        for key in ("batch_size", "workers", "max_signatures_per_op"):
-            if key in kw:
-                kw[key] = int(kw[key])
-                if kw[key] < 1:
-                    raise ConfigError(f"{source}.{key}: must be >= 1, got {kw[key]}")
-        if "skip_ops" in kw:
-            value = kw["skip_ops"]
-            kw["skip_ops"] = (value,) if isinstance(value, str) else tuple(value)
-        if "tolerance" in kw:
-            table = dict(DEFAULT_TOLERANCE)
-            for dtype, pair in dict(kw["tolerance"]).items():
-                if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-                    raise ConfigError(f"{source}.tolerance.{dtype}: give [rtol, atol], got {pair!r}")
-                table[str(dtype).removeprefix("torch.")] = (float(pair[0]), float(pair[1]))
-            kw["tolerance"] = MappingProxyType(table)
-        return cls(**kw)
-
-    def tolerance_for(self, dtype: str) -> tuple[float, float]:
-        return tuple(self.tolerance.get(dtype, (0.0, 0.0)))  # type: ignore[return-value]
 
 
 # --------------------------------------------------------------------------------------------- synthetic inputs
@@ -938,7 +873,7 @@ def _expectation(outcome: Mapping[str, Any], op: str) -> dict[str, Any]:
 def run(ctx: "ModeContext") -> ModeResult:
     """Mode `ops` (see the module docstring)."""
     t_start = time.monotonic()
-    opts = OpsOptions.from_mapping(ctx.options(MODE), source=f"cell {ctx.cell.id}: options.ops")
+    opts: OpsOptions = parse_options(MODE, ctx.options(MODE), where=f"cell {ctx.cell.id}: options.ops")
     spec = ctx.cell.backend
     backend = ctx.backend
     level = choose_level(spec, backend.is_eager, opts.ir)

@@ -11,7 +11,8 @@ import torch
 
 from ci_runner.config import BackendSpec
 from ci_runner.inventory import encode_value
-from ci_runner.modes.ops import OpsOptions, ProbeRunner, with_ranges
+from ci_runner.modes.ops import ProbeRunner, with_ranges
+from ci_runner.options import parse as parse_options
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +25,7 @@ def _probe(i: int, op: str, *args: Any) -> dict[str, Any]:
 def _run(tmp_path: Path, spec: BackendSpec, probes: list[dict[str, Any]], **opts: Any) -> tuple[dict[str, Any], list[str]]:
     events: list[str] = []
     runner = ProbeRunner(backend_spec=spec, work_dir=tmp_path / "work",
-                         opts=OpsOptions.from_mapping({"workers": 1, **opts}), remaining=lambda: 600.0,
+                         opts=parse_options("ops", {"workers": 1, **opts}), remaining=lambda: 600.0,
                          journal=lambda event, name: events.append(event))
     return runner.run(probes), events
 
@@ -56,7 +57,7 @@ def test_a_hang_costs_one_probe_timeout(tmp_path: Path) -> None:
 
 def test_a_backend_that_cannot_be_set_up_is_reported_not_probed(tmp_path: Path) -> None:
     spec = BackendSpec(id="missing", compile="no_such_plugin_module:compile_fn")
-    runner = ProbeRunner(backend_spec=spec, work_dir=tmp_path / "w", opts=OpsOptions.from_mapping({"workers": 1}),
+    runner = ProbeRunner(backend_spec=spec, work_dir=tmp_path / "w", opts=parse_options("ops", {"workers": 1}),
                          remaining=lambda: 600.0)
     out = runner.run(PROBES[:2])
     assert {o["status"] for o in out.values()} == {"not_run"}

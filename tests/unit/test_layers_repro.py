@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from ci_runner.config import BackendSpec
-from ci_runner.layer_search import TensorStore, encode_call
+from ci_runner.codec import TensorStore
+from ci_runner.layer_search import encode_call
 from ci_runner.backends import plugin_pythonpath
 from ci_runner.modes.layers import _backend_recipe, _plugin_modules
 from ci_runner.repro import render_template, write_script

@@ -11,17 +11,16 @@ import torch
 from torch import nn
 
 from ci_runner.errors import ConfigError
+from ci_runner.codec import TensorStore, call_tensor_keys, decode_call
+from ci_runner.codec import Unstorable as Opaque
+from ci_runner.isolate import open_entry
 from ci_runner.layer_search import (
     ROOT,
     ModuleTree,
-    Opaque,
     ProbeOutcome,
     StopSearch,
-    TensorStore,
     append_outcome,
-    call_tensor_keys,
     capture_inputs,
-    decode_call,
     encode_call,
     is_compile_stage,
     minimal_failing,
@@ -29,9 +28,16 @@ from ci_runner.layer_search import (
     record_calls,
     scan_model,
     search,
+    unlabel,
     unwrap_exception,
 )
-from ci_runner.modes.layers import LayersOptions, _key_text, _open_entry_since
+from ci_runner.modes.layers import _key_text
+from ci_runner.options import parse as parse_options
+
+
+def _open_entry_since(journal: Path, offset: int) -> str | None:
+    entry = open_entry(journal, "module", since=offset)
+    return None if entry is None else unlabel(entry)
 
 
 # --------------------------------------------------------------------------- tree
@@ -336,15 +342,15 @@ def test_stage_of_backend_errors() -> None:
 
 
 def test_options_defaults_and_errors() -> None:
-    o = LayersOptions.from_mapping({"probe_timeout": 5, "all_calls": True})
+    o = parse_options("layers", {"probe_timeout": 5, "all_calls": True})
     assert o.probe_timeout == 5.0 and o.all_calls and o.verify
     with pytest.raises(ConfigError, match="probe_timout") as info:
-        LayersOptions.from_mapping({"probe_timout": 5})
+        parse_options("layers", {"probe_timout": 5})
     assert "probe_timeout" in str(info.value)
     with pytest.raises(ConfigError):
-        LayersOptions.from_mapping({"verify": "yes"})
+        parse_options("layers", {"verify": "yes"})
     with pytest.raises(ConfigError):
-        LayersOptions.from_mapping({"probe_timeout": -1})
+        parse_options("layers", {"probe_timeout": -1})
 
 
 def test_key_text_is_a_stable_prefix() -> None:

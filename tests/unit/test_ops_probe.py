@@ -12,9 +12,9 @@ import torch
 from ci_runner.config import BackendSpec, spec_from_json, spec_to_json
 from ci_runner.errors import ConfigError
 from ci_runner.inventory import encode_value
+from ci_runner.options import DEFAULT_TOLERANCE
+from ci_runner.options import parse as parse_options
 from ci_runner.modes.ops import (
-    DEFAULT_TOLERANCE,
-    OpsOptions,
     assemble,
     build_tensors,
     compare,
@@ -166,15 +166,15 @@ def test_eager_device_unsupported_op_is_the_dispatcher_error() -> None:
 
 
 def test_options_are_validated_with_suggestions() -> None:
-    opts = OpsOptions.from_mapping({"probe_timeout": 5, "tolerance": {"bfloat16": [0.1, 0.05]}, "skip_ops": "aten.view*"})
+    opts = parse_options("ops", {"probe_timeout": 5, "tolerance": {"bfloat16": [0.1, 0.05]}, "skip_ops": "aten.view*"})
     assert opts.probe_timeout == 5.0 and opts.tolerance_for("bfloat16") == (0.1, 0.05)
     assert opts.tolerance_for("float32") == DEFAULT_TOLERANCE["float32"] and opts.skip_ops == ("aten.view*",)
     with pytest.raises(ConfigError, match="did you mean 'probe_timeout'"):
-        OpsOptions.from_mapping({"probe_timeot": 3})
+        parse_options("ops", {"probe_timeot": 3})
     with pytest.raises(ConfigError, match="IR level"):
-        OpsOptions.from_mapping({"ir": "llvm"})
+        parse_options("ops", {"ir": "llvm"})
     with pytest.raises(ConfigError, match=">= 1"):
-        OpsOptions.from_mapping({"workers": 0})
+        parse_options("ops", {"workers": 0})
 
 
 def test_backend_spec_survives_the_trip_to_the_child() -> None:
