@@ -58,6 +58,10 @@ from typing import Any, Mapping, Sequence, TextIO
 
 from .errors import EXIT_FINDINGS, EXIT_OK, InputError, UsageError
 from .fsutil import atomic_write_text
+from .github.actions import AnnotationCap, in_actions
+from .log import append_step_summary
+from .report.summary import SUMMARY_LIMIT, code, md, truncate_markdown
+from .report.view import first_line
 from .results import (
     CELL_STATUSES,
     FINDING_KINDS,
@@ -65,7 +69,7 @@ from .results import (
     CellResult,
     Finding,
     Results,
-    _clean,
+    clean,
     load_results,
     read_json,
     validate,
@@ -442,7 +446,7 @@ def diff(
         if c.id in seen:
             continue
         seen.add(c.id)
-        envs[c.id] = _clean(c.env)
+        envs[c.id] = clean(c.env)
         found: dict[str, tuple[str, Finding]] = {}
         for mname, mode in c.modes.items():
             for f in mode.findings:
@@ -519,8 +523,6 @@ def diff(
 
 def render_diff_markdown(d: Diff, *, max_rows: int = 200) -> str:
     """The diff as a Markdown section for the step summary / PR comment (capped like the summary)."""
-    from .report.summary import SUMMARY_LIMIT, code, md, truncate_markdown
-
     n = d.counts()
     fails = d.exit_code(d.policy) != EXIT_OK
     head = "🔴" if n["regressed"] else ("🟡" if fails else "🟢")
@@ -546,8 +548,6 @@ def render_diff_markdown(d: Diff, *, max_rows: int = 200) -> str:
                 repro = code(path) + (" ✔" if r.get("verified") else "")
             msg = ""
             if e.finding and e.finding.get("message"):
-                from .report.view import first_line
-
                 msg = ": " + md(first_line(e.finding["message"]), 160)
             out.append(f"| {code(e.cell)} | {md(e.title())}{msg} | {md(e.reason)} | {repro} |")
         if len(entries) > max_rows:
@@ -585,8 +585,6 @@ def dumps_diff(data: Mapping[str, Any]) -> str:
 def write_diff(d: Diff, out_dir: Path, *, env: Mapping[str, str] | None = None) -> tuple[Path, Path]:
     """Write ``diff.json`` and ``diff.md`` into `out_dir` atomically; append the Markdown to
     ``GITHUB_STEP_SUMMARY`` when it is set (within the 1 MiB cap)."""
-    from .github.actions import append_step_summary
-
     out_dir = Path(out_dir)
     text = render_diff_markdown(d)
     j = atomic_write_text(out_dir / "diff.json", dumps_diff(d.to_dict()))
@@ -600,8 +598,6 @@ def annotate_regressions(d: Diff, *, env: Mapping[str, str] | None = None, strea
     """``::error`` annotations for the regressions under ``GITHUB_ACTIONS=true``, within GitHub's caps
     (10 errors per step, 50 per job); the last free slot says how many more there are. Returns the
     number of annotations written."""
-    from .github.actions import AnnotationCap, in_actions
-
     if not in_actions(env):
         return 0
     regs = d.by_category("regressed")
@@ -622,8 +618,6 @@ def annotate_regressions(d: Diff, *, env: Mapping[str, str] | None = None, strea
             break
         msg = f"{e.title()} — {e.reason}"
         if e.finding and e.finding.get("message"):
-            from .report.view import first_line
-
             msg += f"\n{first_line(e.finding['message'], 500)}"
         if e.finding and e.finding.get("repro"):
             msg += f"\nrepro: {(e.artifacts_dir + '/') if e.artifacts_dir else ''}{e.finding['repro'].get('path')}"

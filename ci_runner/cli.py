@@ -9,18 +9,31 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from . import errors
+from . import baseline, errors
+from .aggregate import aggregate, write_report_dir
+from .backends import available_backends
+from .cellrun import run_cell_inprocess
+from .config import ALL_MODES, load_matrix
+from .envinfo import env_report, format_env, tool_version
 from .errors import DeepviewError, UsageError
+from .execute import RunOptions, cell_dir, load_partial, run_cells
+from .fsutil import atomic_write_json
+from .github.actions import set_output
+from .github.issues import FilingOptions, file_issues
+from .isolate import arm_worker
+from .log import Progress
+from .matrix import dumps_compact, expand, expand_json, find_cell, select
+from .numerics.thresholds import load_table
+from .results import load_results
 
 Handler = Callable[[argparse.Namespace], int]
 
 
 def _modes_arg(text: str) -> tuple[str, ...]:
-    from .config import ALL_MODES
-
     modes = tuple(m.strip() for m in text.split(",") if m.strip())
     bad = [m for m in modes if m not in ALL_MODES]
     if bad or not modes:
@@ -40,8 +53,6 @@ _REPORT_OUTPUTS = {"results": "results", "junit": "junit", "summary": "summary",
 
 def _report_outputs(report_dir: Path, written: dict[str, Path]) -> None:
     """Step outputs for the composite action: the report folder and each report file."""
-    from .github.actions import set_output
-
     set_output("report-dir", str(report_dir))
     for key, name in _REPORT_OUTPUTS.items():
         if key in written:
@@ -49,12 +60,6 @@ def _report_outputs(report_dir: Path, written: dict[str, Path]) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .aggregate import aggregate, write_report_dir
-    from .config import load_matrix
-    from .execute import RunOptions, run_cells
-    from .log import Progress
-    from .matrix import expand, select
-
     matrix = load_matrix(args.matrix)
     cells = select(expand(matrix), args.select, args.skip)
     if not cells:
@@ -79,11 +84,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_cell(args: argparse.Namespace) -> int:
-    from .config import load_matrix
-    from .execute import RunOptions, run_cells
-    from .log import Progress
-    from .matrix import find_cell
-
     matrix = load_matrix(args.matrix)
     cell = find_cell(matrix, args.cell_id)
     progress = Progress(1)
@@ -93,14 +93,6 @@ def cmd_cell(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    import time
-
-    from .cellrun import run_cell_inprocess
-    from .config import load_matrix
-    from .execute import cell_dir, load_partial
-    from .isolate import arm_worker
-    from .matrix import find_cell
-
     arm_worker(float(args.budget))  # dies with its run, and ends itself past its budget
     deadline = time.monotonic() + float(args.budget)
     matrix = load_matrix(args.matrix)
@@ -111,26 +103,20 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_expand(args: argparse.Namespace) -> int:
-    from .config import load_matrix
-    from .github.actions import set_output as write_output
-    from .matrix import dumps_compact, expand, expand_json, select
-
     matrix = load_matrix(args.matrix)
     cells = select(expand(matrix), args.select, args.skip)
     max_jobs = args.max_jobs if args.max_jobs is not None else matrix.max_jobs
     doc = expand_json(cells, max_jobs=max_jobs, chunk_size=args.chunk_size)
     print(json.dumps(doc, indent=2))
-    write_output("count", str(doc["count"]))
-    write_output("chunks", str(doc["chunks"]))
-    write_output("matrix", dumps_compact(doc["matrix"][0]))
+    set_output("count", str(doc["count"]))
+    set_output("chunks", str(doc["chunks"]))
+    set_output("matrix", dumps_compact(doc["matrix"][0]))
     for i, m in enumerate(doc["matrix"]):
-        write_output(f"matrix-{i}", dumps_compact(m))
+        set_output(f"matrix-{i}", dumps_compact(m))
     return 0
 
 
 def cmd_aggregate(args: argparse.Namespace) -> int:
-    from .aggregate import aggregate, write_report_dir
-
     paths = [Path(p) for p in args.dirs]
     results = aggregate(paths)
     run_dir = Path(args.run_dir) if args.run_dir else (paths[0] if len(paths) == 1 and paths[0].is_dir() else None)
@@ -146,9 +132,6 @@ def cmd_aggregate(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from . import baseline
-    from .results import load_results
-
     results_path = Path(args.results)
     results = load_results(results_path)
     base = baseline.load_baseline(Path(args.baseline))
@@ -157,7 +140,6 @@ def cmd_diff(args: argparse.Namespace) -> int:
     out_dir = Path(args.out) if args.out else results_path.parent
     json_path, md_path = baseline.write_diff(d, out_dir)
     baseline.annotate_regressions(d)
-    from .github.actions import set_output
 
     set_output("diff", str(json_path))
     for category, n in d.counts().items():
@@ -168,8 +150,6 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_baseline_update(args: argparse.Namespace) -> int:
-    from . import baseline
-
     path = baseline.update_baseline(Path(args.results), Path(args.out))
     print(f"baseline written: {path}")
     return 0
@@ -180,8 +160,6 @@ def cmd_baseline_missing(args: argparse.Namespace) -> int:
 
 
 def cmd_file_issues(args: argparse.Namespace) -> int:
-    from .github.issues import FilingOptions, file_issues
-
     options = FilingOptions.from_args(args)
     report = file_issues(Path(args.diff), repo=args.repo, dry_run=Path(args.dry_run) if args.dry_run else None,
                          run_dir=Path(args.run_dir) if args.run_dir else None, artifacts_url=args.artifacts_url,
@@ -195,10 +173,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     Exit 0 when inputs, schema and every layer agree; 1 when the schema differs or a layer is flagged; 3 when a
     dump is unreadable or the inputs differ (no layer is compared then)."""
-    from .fsutil import atomic_write_json
     from .numerics.compare import compare_dumps, format_comparison  # deferred: torch
     from .numerics.dumps import load_dump  # deferred: torch
-    from .numerics.thresholds import load_table
 
     table = load_table(Path(args.thresholds)) if getattr(args, "thresholds", None) else None
     ref = load_dump(args.ref_dump)
@@ -213,7 +189,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_dump(args: argparse.Namespace) -> int:
     """`deepview-ci dump --matrix M --model ID [--backend ID] [--reference ID] [--sample N] --out DIR [--chunk-mb X]`."""
-    from .config import load_matrix
     from .numerics.dumps import dump_entry  # deferred: torch
 
     matrix = load_matrix(getattr(args, "matrix", None))
@@ -237,9 +212,6 @@ def cmd_dump(args: argparse.Namespace) -> int:
 
 
 def cmd_env(args: argparse.Namespace) -> int:
-    from .backends import available_backends
-    from .envinfo import env_report, format_env
-
     report = env_report(available_backends)
     print(json.dumps(report, indent=2, default=str) if args.json else format_env(report))
     return 0
@@ -248,8 +220,6 @@ def cmd_env(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- parser
 
 def build_parser() -> argparse.ArgumentParser:
-    from .envinfo import tool_version
-
     p = _Parser(prog="deepview-ci", description="Run PyTorch models × accelerator backends as CI: missing operators, "
                 "failing layers and numerical divergence, with repros, reports and regression diffs.")
     p.add_argument("--version", action="version", version=f"deepview-ci {tool_version()}")

@@ -9,15 +9,18 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
+from importlib.resources import as_file, files
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
+import jsonschema
 import yaml
 
 from .errors import ConfigError, OptionError
 from .options import parse as parse_options
+from .results import schema
 
 ALL_MODES: tuple[str, ...] = ("ops", "layers", "numerics")
 DEFAULT_TIMEOUT_S = 900.0
@@ -262,8 +265,6 @@ def _schema_error_message(err: Any, data: Any, positions: _Positions, source: st
 
 
 def _best_error(errors: list[Any]) -> Any:
-    import jsonschema
-
     return jsonschema.exceptions.best_match(errors)
 
 
@@ -272,8 +273,6 @@ def _best_error(errors: list[Any]) -> Any:
 def load_matrix(path: str | os.PathLike[str] | None = None) -> Matrix:
     """Load and validate a matrix file; `None` loads the bundled example."""
     if path is None:
-        from importlib.resources import as_file, files
-
         with as_file(files("ci_runner") / "data" / "example.yaml") as p:
             return _load(Path(p), Path(p).read_text(encoding="utf-8"))
     p = Path(path)
@@ -295,10 +294,6 @@ def load_matrix_text(text: str, *, path: str = "<matrix>") -> Matrix:
 
 
 def _load(path: Path, text: str) -> Matrix:
-    import jsonschema
-
-    from .results import schema
-
     source = str(path)
     data, positions = parse_yaml(text, source)
     if not isinstance(data, dict):
@@ -419,8 +414,6 @@ def raw_entry(matrix: Matrix, kind: str, entry_id: str) -> Mapping[str, Any]:
 
 def spec_to_json(spec: Any) -> dict[str, Any]:
     """A frozen spec dataclass (ModelSpec, BackendSpec, InputSpec, …) as plain JSON, for a child process."""
-    from dataclasses import fields
-
     def plain(v: Any) -> Any:
         if isinstance(v, Mapping):
             return {str(k): plain(x) for k, x in v.items()}
@@ -433,8 +426,6 @@ def spec_to_json(spec: Any) -> dict[str, Any]:
 
 def spec_from_json(cls: type, data: Mapping[str, Any]) -> Any:
     """Inverse of `spec_to_json`: lists back to tuples, mappings to read-only mappings; unknown keys ignored."""
-    from dataclasses import fields
-
     kw: dict[str, Any] = {}
     for f in fields(cls):
         if f.name not in data:

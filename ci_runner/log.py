@@ -8,6 +8,8 @@ import threading
 from dataclasses import dataclass
 from typing import Mapping, TextIO
 
+from .errors import ExecutionError
+
 STEP_SUMMARY_LIMIT = 1024 * 1024  # bytes per step summary ($GITHUB_STEP_SUMMARY), GitHub's hard limit
 STATUS_MARK = {"pass": "ok", "fail": "FAIL", "error": "ERROR", "timeout": "TIMEOUT", "crashed": "CRASHED", "skipped": "skipped"}
 
@@ -69,3 +71,63 @@ class Progress:
             self._write(body)
         else:
             self._write(line + (f"\n    {detail}" if detail else ""))
+
+
+# --------------------------------------------------------------------------- step summary
+
+
+def truncate_utf8(text: str, limit: int, *, note: str = "") -> str:
+    """Cut `text` to at most `limit` UTF-8 bytes (note included), at a line boundary when possible."""
+    data = text.encode("utf-8")
+    if len(data) <= limit:
+        return text
+    note_b = note.encode("utf-8")
+    room = limit - len(note_b)
+    if room <= 0:
+        return note_b[: max(limit, 0)].decode("utf-8", errors="ignore")
+    cut = data[:room]
+    nl = cut.rfind(b"\n")
+    if nl > 0:
+        cut = cut[: nl + 1]
+    return cut.decode("utf-8", errors="ignore") + note
+
+
+def append_step_summary(
+    text: str,
+    *,
+    env: Mapping[str, str] | None = None,
+    limit: int = STEP_SUMMARY_LIMIT,
+    pointer: str = "see the full report in the run's artifacts",
+) -> int:
+    """Append markdown to ``GITHUB_STEP_SUMMARY`` within the per-step cap; return bytes written.
+
+    GitHub drops a step summary over 1 MiB (`STEP_SUMMARY_LIMIT`).
+    What the step already wrote counts against the cap. Text that does not fit is truncated with a
+    note ending in `pointer`. Returns 0 when the variable is unset or no room is left.
+    """
+    path = (os.environ if env is None else env).get("GITHUB_STEP_SUMMARY")
+    if not path:
+        return 0
+    try:
+        used = os.path.getsize(path)
+    except FileNotFoundError:
+        used = 0
+    except OSError as exc:
+        raise ExecutionError(f"{path}: cannot read step summary: {exc.strerror}") from None
+    if not text.endswith("\n"):
+        text += "\n"
+    room = limit - used
+    note = f"\n> [!WARNING]\n> Summary truncated to GitHub's 1 MiB step-summary limit; {pointer}.\n"
+    if room < len(note.encode("utf-8")) + 64:
+        return 0
+    out = truncate_utf8(text, room, note=note)
+    data = out.encode("utf-8")
+    try:
+        with open(path, "ab") as fh:
+            fh.write(data)
+    except OSError as exc:
+        raise ExecutionError(
+            f"{path}: cannot append to the step summary: {exc.strerror}",
+            hint="GITHUB_STEP_SUMMARY must name a writable file (it is set by the runner)",
+        ) from None
+    return len(data)

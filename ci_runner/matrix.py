@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import json
 import re
@@ -81,8 +82,6 @@ def find_cell(matrix: Matrix, cid: str) -> Cell:
     for c in cells:
         if c.id == cid:
             return c
-    import difflib
-
     close = difflib.get_close_matches(cid, [c.id for c in cells], n=3)
     raise ConfigError(
         f"{matrix.path}: no cell {cid!r} in this matrix",

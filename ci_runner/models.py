@@ -29,6 +29,7 @@ import json
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ import torch
 
 from .config import InputSpec, ModelSpec
 from .errors import ModelLoadError
+from .sim import simdev
 
 TASKS: tuple[str, ...] = ("causal-lm", "base", "masked-lm", "image-classification", "image-text")
 
@@ -89,7 +91,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, default: str = "float32") -> 
 @contextlib.contextmanager
 def _quiet_transformers() -> Iterator[None]:
     """No progress bars or info chatter from transformers while loading (the CLI owns the terminal)."""
-    from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging  # deferred: transformers is heavy (seconds)
 
     level = hf_logging.get_verbosity()
     bars = hf_logging.is_progress_bar_enabled()
@@ -160,13 +162,13 @@ def _check_override_keys(spec: ModelSpec, config: Any, overrides: Mapping[str, A
 
 
 def _model_types() -> list[str]:
-    from transformers import CONFIG_MAPPING
+    from transformers import CONFIG_MAPPING  # deferred: transformers is heavy (seconds)
 
     return sorted(CONFIG_MAPPING.keys())
 
 
 def _config_for(spec: ModelSpec) -> Any:
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # deferred: transformers is heavy (seconds)
 
     model_type = spec.config or ""
     types = _model_types()
@@ -184,7 +186,7 @@ def _config_for(spec: ModelSpec) -> Any:
 
 
 def _auto_class(task: str) -> Any:
-    import transformers
+    import transformers  # deferred: transformers is heavy (seconds)
 
     names = {
         "causal-lm": "AutoModelForCausalLM", "base": "AutoModel", "masked-lm": "AutoModelForMaskedLM",
@@ -231,8 +233,6 @@ def _finish(module: torch.nn.Module, *, dtype: torch.dtype, device: str, meta: b
             module = module.to(dtype)
         if device != "cpu":
             if device.split(":")[0] == "simdev":
-                from .sim import simdev
-
                 if not simdev.is_registered():  # normally done by Backend.prepare() with the matrix's options
                     simdev.register()
             module = module.to(device)
@@ -244,7 +244,7 @@ def _tokenizer_for(folder: Path, spec: ModelSpec) -> Any | None:
     names = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "tokenizer.model", "vocab.json")
     if not any((folder / n).exists() for n in names):
         return None
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # deferred: transformers is heavy (seconds)
 
     try:
         return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=spec.trust_remote_code)
@@ -274,7 +274,7 @@ def _load_config_source(spec: ModelSpec, *, seed: int, meta: bool) -> tuple[torc
 
 def _load_pretrained(spec: ModelSpec, ref: str, *, dtype: torch.dtype, meta: bool,
                      hub_kwargs: Mapping[str, Any]) -> tuple[torch.nn.Module, Any, str]:
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # deferred: transformers is heavy (seconds)
 
     overrides, loader = _split_overrides(spec)
     config = AutoConfig.from_pretrained(ref, trust_remote_code=spec.trust_remote_code, **hub_kwargs)
@@ -314,7 +314,7 @@ def _offline() -> bool:
 def _hub_snapshot(spec: ModelSpec, hub_kwargs: Mapping[str, Any]) -> tuple[str | None, str | None]:
     """(commit, snapshot folder) of the cached config.json, without network."""
     try:
-        from huggingface_hub import try_to_load_from_cache
+        from huggingface_hub import try_to_load_from_cache  # deferred: transformers is heavy (seconds)
 
         found = try_to_load_from_cache(spec.hub or "", "config.json", cache_dir=hub_kwargs["cache_dir"],
                                        revision=hub_kwargs["revision"])
@@ -614,7 +614,7 @@ def model_fingerprint(spec: ModelSpec) -> dict[str, Any]:
         "trust_remote_code": spec.trust_remote_code,
     }
     if spec.config:
-        import transformers
+        import transformers  # deferred: transformers is heavy (seconds)
 
         fp.update(source="config", model_type=spec.config, init=f"transformers {transformers.__version__}")
     elif spec.path:
@@ -631,8 +631,6 @@ def model_fingerprint(spec: ModelSpec) -> dict[str, Any]:
                                   if p.suffix in (".safetensors", ".bin", ".pt", ".pth")),
             }
             if spec.path.startswith("pkg:"):
-                from importlib import metadata
-
                 pkg = spec.path[4:].partition("/")[0]
                 try:
                     fp["package_version"] = metadata.version(pkg)
@@ -646,7 +644,7 @@ def model_fingerprint(spec: ModelSpec) -> dict[str, Any]:
         commit, _ = _hub_snapshot(spec, _hub_kwargs(spec))
         fp["commit"] = commit
     else:
-        import transformers
+        import transformers  # deferred: transformers is heavy (seconds)
 
         fp.update(source="factory", factory=spec.factory, init=f"transformers {transformers.__version__}")
     return fp

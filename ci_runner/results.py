@@ -13,11 +13,16 @@ import hashlib
 import json
 import math
 from functools import lru_cache
+from importlib.resources import files
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterable, Literal, Mapping
 
+import fastjsonschema
+import jsonschema
+
 from .errors import InputError
+from .fsutil import atomic_write_json, atomic_write_text
 
 SCHEMA_VERSION = 1
 
@@ -92,9 +97,6 @@ def clean(obj: Any) -> Any:
     return obj
 
 
-_clean = clean  # old name, still used by other modules until they switch to `clean`
-
-
 @dataclass
 class Repro:
     path: str  # relative to the cell folder
@@ -119,7 +121,7 @@ class Finding:
     details: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        d = {name: getattr(self, name) for name in _FINDING_FIELDS}  # no deep copy: _clean builds new containers
+        d = {name: getattr(self, name) for name in _FINDING_FIELDS}  # no deep copy: clean builds new containers
         if self.repro is not None:
             d["repro"] = {"path": self.repro.path, "verified": self.repro.verified, "command": self.repro.command,
                           "note": self.repro.note}
@@ -277,8 +279,6 @@ class Results:
 
 def schema(name: str) -> dict[str, Any]:
     """Load a JSON Schema shipped in `ci_runner/schemas/`."""
-    from importlib.resources import files
-
     return json.loads((files("ci_runner") / "schemas" / name).read_text(encoding="utf-8"))
 
 
@@ -291,11 +291,7 @@ def _schema_spec(schema_name: str) -> dict[str, Any]:
 
 @lru_cache(maxsize=None)
 def _fast_validator(schema_name: str) -> Any:
-    """A compiled validator (fastjsonschema: ~50× faster on big results files), or None if unavailable."""
-    try:
-        import fastjsonschema
-    except ImportError:
-        return None
+    """A compiled validator (fastjsonschema: ~50× faster on big results files)."""
     return fastjsonschema.compile(_schema_spec(schema_name))
 
 
@@ -303,8 +299,6 @@ def validate(obj: Any, schema_name: str, *, source: str) -> None:
     """Validate against a shipped schema; raise `InputError` naming the file and JSON path.
 
     The compiled validator answers first; jsonschema runs only to word the error precisely."""
-    import jsonschema
-
     fast = _fast_validator(schema_name)
     if fast is not None:
         try:
@@ -358,8 +352,6 @@ def load_results(path: str | Path) -> Results:
 
 
 def save_cell_result(cell: CellResult, path: str | Path) -> Path:
-    from .fsutil import atomic_write_json
-
     return atomic_write_json(path, cell.to_dict())
 
 
@@ -375,8 +367,6 @@ def dumps_results(data: Mapping[str, Any]) -> str:
 
 
 def save_results(results: Results, path: str | Path) -> Path:
-    from .fsutil import atomic_write_text
-
     return atomic_write_text(path, dumps_results(results.to_dict()))
 
 

@@ -2,16 +2,14 @@
 
 Each function reads the environment from an injected mapping (``env=None`` means ``os.environ``),
 so tests and callers never need to patch globals. Outside GitHub Actions they do nothing harmful:
-`set_output` and `append_step_summary` return ``False``/``0`` when their file variable is unset.
+`set_output` returns ``False`` when its file variable is unset. The step summary (``GITHUB_STEP_SUMMARY``,
+1 MiB cap) is written by `ci_runner.log.append_step_summary`, which the reports use too.
 
-Platform limits honoured here (GitHub docs, DESIGN §6):
+Platform limits honoured here (GitHub's documentation of workflow commands and job limits):
 
 - ``GITHUB_OUTPUT``: always written in the delimiter form ``name<<DELIM`` … ``DELIM`` with a random
   delimiter that is checked not to occur in the value, so multiline values and values that look like
   ``key=value`` lines are safe.
-- ``GITHUB_STEP_SUMMARY``: at most 1 MiB per step; over that GitHub drops the summary. The cap counts
-  what the step already wrote to the file; text that does not fit is cut at a line boundary and
-  ends with a note saying so.
 - Annotations: at most 10 errors, 10 warnings (and 10 notices) per step and 50 per job. `AnnotationCap`
   enforces it; with ``RUNNER_TEMP`` set it keeps the job total in a small state file so that several
   steps of one job share the 50.
@@ -27,7 +25,6 @@ from pathlib import Path
 from typing import Mapping, TextIO
 
 from ..errors import ExecutionError
-from ..log import STEP_SUMMARY_LIMIT
 
 STEP_CAPS: dict[str, int] = {"error": 10, "warning": 10, "notice": 10}
 JOB_CAP = 50
@@ -72,65 +69,6 @@ def set_output(name: str, value: str, *, env: Mapping[str, str] | None = None) -
             hint="GITHUB_OUTPUT must name a writable file (it is set by the runner)",
         ) from None
     return True
-
-
-# --------------------------------------------------------------------------- step summary
-
-
-def truncate_utf8(text: str, limit: int, *, note: str = "") -> str:
-    """Cut `text` to at most `limit` UTF-8 bytes (note included), at a line boundary when possible."""
-    data = text.encode("utf-8")
-    if len(data) <= limit:
-        return text
-    note_b = note.encode("utf-8")
-    room = limit - len(note_b)
-    if room <= 0:
-        return note_b[: max(limit, 0)].decode("utf-8", errors="ignore")
-    cut = data[:room]
-    nl = cut.rfind(b"\n")
-    if nl > 0:
-        cut = cut[: nl + 1]
-    return cut.decode("utf-8", errors="ignore") + note
-
-
-def append_step_summary(
-    text: str,
-    *,
-    env: Mapping[str, str] | None = None,
-    limit: int = STEP_SUMMARY_LIMIT,
-    pointer: str = "see the full report in the run's artifacts",
-) -> int:
-    """Append markdown to ``GITHUB_STEP_SUMMARY`` within the per-step cap; return bytes written.
-
-    What the step already wrote counts against the cap. Text that does not fit is truncated with a
-    note ending in `pointer`. Returns 0 when the variable is unset or no room is left.
-    """
-    path = _env(env).get("GITHUB_STEP_SUMMARY")
-    if not path:
-        return 0
-    try:
-        used = os.path.getsize(path)
-    except FileNotFoundError:
-        used = 0
-    except OSError as exc:
-        raise ExecutionError(f"{path}: cannot read step summary: {exc.strerror}") from None
-    if not text.endswith("\n"):
-        text += "\n"
-    room = limit - used
-    note = f"\n> [!WARNING]\n> Summary truncated to GitHub's 1 MiB step-summary limit; {pointer}.\n"
-    if room < len(note.encode("utf-8")) + 64:
-        return 0
-    out = truncate_utf8(text, room, note=note)
-    data = out.encode("utf-8")
-    try:
-        with open(path, "ab") as fh:
-            fh.write(data)
-    except OSError as exc:
-        raise ExecutionError(
-            f"{path}: cannot append to the step summary: {exc.strerror}",
-            hint="GITHUB_STEP_SUMMARY must name a writable file (it is set by the runner)",
-        ) from None
-    return len(data)
 
 
 # --------------------------------------------------------------------------- annotations

@@ -49,10 +49,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+import jinja2
+
 from ..errors import EXIT_GITHUB, EXIT_OK, ConfigError, InputError
 from ..fsutil import atomic_write_json, atomic_write_text
+from ..log import append_step_summary
+from ..matrix import artifact_name
 from ..results import fingerprint as _hash_key
-from .actions import append_step_summary, set_output
+from ..results import load_results, read_json, validate
+from .actions import set_output
 from .client import (
     DEFAULT_API_URL,
     ApiError,
@@ -278,28 +283,9 @@ def _safe_url(url: str | None) -> str | None:
 
 
 def load_diff(path: Path) -> dict[str, Any]:
-    """Read `diff.json`; validate with `schemas/diff.schema.json` when shipped, else by required keys."""
-    from ..results import read_json
-
+    """Read `diff.json` and validate it with `schemas/diff.schema.json`."""
     data = read_json(path, what="diff file")
-    try:
-        from ..results import schema, validate
-
-        schema("diff.schema.json")
-        has_schema = True
-    except (FileNotFoundError, ModuleNotFoundError, OSError):
-        has_schema = False
-    if has_schema:
-        validate(data, "diff.schema.json", source=str(path))
-    else:
-        if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
-            raise InputError(f"{path}: not a deepview-ci diff (no 'entries' list)",
-                             hint="pass the diff.json written by `deepview-ci diff`")
-        for i, e in enumerate(data["entries"]):
-            missing = [k for k in ("category", "cell", "backend") if not isinstance(e, dict) or k not in e]
-            if missing:
-                raise InputError(f"{path}: entries/{i} lacks {', '.join(missing)}",
-                                 hint="regenerate it with `deepview-ci diff`")
+    validate(data, "diff.schema.json", source=str(path))
     if data.get("schema_version") not in (None, 1):
         raise InputError(f"{path}: diff schema_version {data.get('schema_version')!r} is not 1",
                          hint="produce it with a matching deepview-ci version")
@@ -472,8 +458,6 @@ def _entry_view(e: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _read_repro(entry: Mapping[str, Any], run_dir: Path | None) -> dict[str, Any] | None:
-    from ..matrix import artifact_name
-
     f = entry.get("finding") or {}
     repro = f.get("repro")
     if not repro or not repro.get("path"):
@@ -539,8 +523,6 @@ _JINJA: Any = None
 def _jinja() -> Any:
     global _JINJA
     if _JINJA is None:
-        import jinja2
-
         env = jinja2.Environment(
             loader=jinja2.PackageLoader("ci_runner", "templates"),
             autoescape=False,  # markdown: every value goes through one of the filters below
@@ -655,8 +637,6 @@ def _resolve_path(value: str | None, *bases: Path) -> Path | None:
 
 def _results_coverage(diff: Mapping[str, Any], diff_path: Path, run_dir: Path | None) -> dict[str, set[str]] | None:
     """cell id → modes that ran to a verdict (pass/fail), from the results file the diff names."""
-    from ..results import load_results
-
     bases = [diff_path.parent] + ([run_dir] if run_dir else [])
     path = _resolve_path(diff.get("results"), *bases)
     if path is None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..fsutil import atomic_write_bytes, atomic_write_text
+from ..log import append_step_summary
 from ..results import Results
 from .html import render_html
 from .junit import render_junit, xml_safe
@@ -36,8 +37,6 @@ def write_reports(
     ``GITHUB_STEP_SUMMARY`` is set (in `env`, default ``os.environ``), the summary is appended to
     it within GitHub's 1 MiB cap.
     """
-    from ..github.actions import append_step_summary
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     view = build_view(results, out_dir=out if run_dir is not None else None, run_dir=run_dir, diff=diff)

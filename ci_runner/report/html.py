@@ -11,6 +11,7 @@ fails loudly in a browser instead of quietly phoning home.
 
 from __future__ import annotations
 
+import hashlib
 import html
 import math
 from pathlib import Path
@@ -193,8 +194,6 @@ def findings_html(cv: CellView, limit: int = MAX_FINDINGS_PER_CELL) -> str:
 
 def _anchor(cell_id: str) -> str:
     """A unique, URL-safe element id for a cell."""
-    import hashlib
-
     safe = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in cell_id)
     return f"cell-{safe}-{hashlib.sha1(cell_id.encode('utf-8', 'surrogatepass')).hexdigest()[:6]}"
 

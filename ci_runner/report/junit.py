@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 import xml.etree.ElementTree as ET
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -60,8 +61,6 @@ def _timestamp(text: str | None) -> str | None:
     """An ISO 8601 `xs:dateTime` for `timestamp`, or None when `text` is not one."""
     if not text:
         return None
-    from datetime import datetime
-
     try:
         dt = datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:

@@ -11,6 +11,7 @@ cell, a raw HTML tag or a code fence of its own.
 
 from __future__ import annotations
 
+import html
 import re
 from pathlib import Path
 from typing import Any
@@ -43,8 +44,6 @@ def md(text: Any, limit: int | None = 300) -> str:
 
 def h(text: Any, limit: int | None = 300) -> str:
     """Text inside an HTML tag of the Markdown (``<summary>``): escaped HTML, one line."""
-    import html
-
     s = " ".join(str("" if text is None else text).split())
     if limit and len(s) > limit:
         s = s[: limit - 1] + "…"

@@ -6,6 +6,7 @@ icons, the same repro paths. Nothing here formats Markdown or HTML.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import posixpath
@@ -301,8 +302,6 @@ def _flat_env(env: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
         if isinstance(v, Mapping):
             out.update(_flat_env(v, key + "."))
         elif isinstance(v, (list, tuple)):
-            import json
-
             out[key] = json.dumps(v, sort_keys=True, ensure_ascii=False, default=str)
         elif v is not None:
             out[key] = str(v)

@@ -45,6 +45,9 @@ from .compilers import (
     TRANSFORMER_OPS,
     SimCompilerError,
     expand_patterns,
+    make_drift,
+    make_fault,
+    make_subset,
     op_matches,
     op_name,
 )
@@ -67,22 +70,16 @@ class SimBackendInfo:
 
 def _fault(kind: str) -> Callable[..., Any]:
     def factory(**options: Any) -> Any:
-        from .compilers import make_fault
-
         return make_fault(kind, **options)
 
     return factory
 
 
 def _subset(**options: Any) -> Any:
-    from .compilers import make_subset
-
     return make_subset(**options)
 
 
 def _drift(**options: Any) -> Any:
-    from .compilers import make_drift
-
     return make_drift(**options)
 
 
@@ -147,7 +144,7 @@ def make_backend(name: str, options: Mapping[str, Any] | None = None) -> Any:
 def register_with_dynamo() -> list[str]:
     """Register the torch.compile sims (default options) under their names, so `torch.compile(backend="sim-subset")`
     works in any script after this call. Idempotent; returns the names."""
-    from torch._dynamo import list_backends, register_backend
+    from torch._dynamo import list_backends, register_backend  # deferred: importing Dynamo takes seconds
 
     names = []
     existing = set(list_backends(exclude_tags=()))

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map
 
 # What the attention of the tiny Llama/Granite/Mixtral/Bamba/ViT/MiniLM models lowers to under aot_autograd on CPU
 # (transformers' default `sdpa` attention): aten._scaled_dot_product_flash_attention_for_cpu.default. The other
@@ -154,8 +155,8 @@ def _call_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
 
 
 def _aot(fw_compiler: Callable[[torch.fx.GraphModule, Sequence[Any]], Callable[..., Any]], name: str) -> Any:
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
+    from functorch.compile import make_boxed_func  # deferred: importing Dynamo/functorch takes seconds
+    from torch._dynamo.backends.common import aot_autograd  # deferred: as above
 
     def compiler(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         fn = fw_compiler(gm, example_inputs)
@@ -194,8 +195,6 @@ class _Reduced:
         self.__qualname__ = self.__name__
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from torch.utils._pytree import tree_map
-
         orig: list[torch.dtype] = []
 
         def down(x: Any) -> Any:

@@ -44,7 +44,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Callable
 
 import torch
+from torch.nn.attention import SDPBackend
 from torch.utils._pytree import tree_map
+from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
 DEVICE = "simdev"
 
@@ -180,8 +182,6 @@ def _local_scalar_dense(t: torch.Tensor) -> Any:
 
 def _fused_sdp_choice(*args: Any, **kwargs: Any) -> int:
     """simdev has no fused attention: `scaled_dot_product_attention` takes PyTorch's math path (bmm, _softmax…)."""
-    from torch.nn.attention import SDPBackend
-
     return int(SDPBackend.MATH.value)
 
 
@@ -277,8 +277,6 @@ def register(
                     f"PrivateUse1 is already registered as {current!r} in this process; simdev needs it"
                 )
             if current != DEVICE:
-                from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
-
                 _setup_privateuseone_for_python_backend(rename=DEVICE)
             _state["setup"] = True
         if _state["lib"] is not None and _state["ops"] == ops:

@@ -9,18 +9,16 @@ import pytest
 
 from ci_runner.errors import ExecutionError
 from ci_runner.github.actions import (
-    STEP_SUMMARY_LIMIT,
     AnnotationCap,
     annotate,
-    append_step_summary,
     escape_data,
     escape_property,
     format_annotation,
     format_output,
     in_actions,
     set_output,
-    truncate_utf8,
 )
+from ci_runner.log import STEP_SUMMARY_LIMIT, append_step_summary, truncate_utf8
 
 
 def parse_github_output(text: str) -> dict[str, str]:

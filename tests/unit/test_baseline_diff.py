@@ -322,12 +322,12 @@ def test_annotations_respect_an_already_used_cap_and_stay_off_outside_actions() 
 def test_fast_finding_to_dict_equals_the_deep_copy() -> None:
     from dataclasses import asdict
 
-    from ci_runner.results import _clean
+    from ci_runner.results import clean
 
     for results in (rf.sample_results(), rf.nasty_results(), rf.example_results()):
         for c in results.cells:
             for f in c.findings:
-                assert f.to_dict() == _clean(asdict(f))
+                assert f.to_dict() == clean(asdict(f))
 
 
 def test_a_crash_is_reported_even_when_new_findings_came_with_it() -> None:
