@@ -97,11 +97,13 @@ def integer(*, ge: int = 1, hint: str = "give an integer") -> Check:
     return check
 
 
-def choice(*choices: str, hint: str | None = None) -> Check:
+def choice(*choices: str, hint: str | None = None, what: str | None = None) -> Check:
+    """One of `choices`; the error says `value is not <what>` (default: one of the choices)."""
+
     def check(value: Any, where: str) -> str:
         if value not in choices:
             close = difflib.get_close_matches(str(value), list(choices), n=1)
-            raise _fail(where, f"{value!r} is not one of {', '.join(choices)}",
+            raise _fail(where, f"{value!r} is not {what or 'one of ' + ', '.join(choices)}",
                         (f"did you mean {close[0]!r}? " if close else "") + (hint or f"use one of: {', '.join(choices)}"))
         return value
 
@@ -169,7 +171,7 @@ def group(cls: type) -> Any:
 
 @dataclass(frozen=True, kw_only=True)
 class OpsOptions:
-    ir: str | None = option(None, check=choice(*IR_LEVELS, hint=f"use one of: {', '.join(IR_LEVELS)}"), nullable=True,
+    ir: str | None = option(None, check=choice(*IR_LEVELS, what="an IR level", hint=f"use one of: {', '.join(IR_LEVELS)}"), nullable=True,
                             shown="backend", help="override the IR level: `dynamo`, `aten`, `core_aten` or `dispatch`")
     probe_timeout: float = option(30.0, check=number(gt=0, hint="seconds, e.g. 30"),
                                   help="seconds per probe (the first probe of a child also pays Dynamo's warm-up)")
@@ -188,7 +190,7 @@ class OpsOptions:
     verify: bool = option(True, check=boolean, help="run each repro to verify it")
     verify_timeout: float = option(60.0, check=number(gt=0, hint="seconds, e.g. 60"), help="seconds per repro run")
     probe: bool = option(True, check=boolean, help="false: inventory only")
-    via: str = option("fx", check=choice("fx", "dynamo", hint="use fx (default) or dynamo"),
+    via: str = option("fx", check=choice("fx", "dynamo", what="fx or dynamo", hint="use fx (default) or dynamo"),
                       help="`fx`: probes hand the one-op FX graph straight to the backend's compiler function "
                            "(3x faster); `dynamo`: through `torch.compile` like the repros")
 
@@ -264,7 +266,7 @@ class ToolboxOptions:
                                   help="also the position experiment (the input in one slot among others)")
     bisect: bool = option(False, check=boolean, help="bisect the first divergent layer: inductor's `CompilerBisector` "
                                                      "(stage, subsystem, pass), else graph nodes")
-    bisect_method: str = option("auto", check=choice(*BISECT_METHODS, hint="auto picks the compiler bisector for "
+    bisect_method: str = option("auto", check=choice(*BISECT_METHODS, what="auto, compiler or nodes", hint="auto picks the compiler bisector for "
                                                      "inductor, the node bisect otherwise"),
                                 help="`auto`, `compiler` or `nodes`")
     bisect_timeout: float = option(600.0, check=number(hint="seconds, e.g. 600"), help="seconds for one bisect")
@@ -282,7 +284,7 @@ class NumericsOptions:
                                   help="input samples the target is compared on (the worst sample counts)")
     views: tuple[str, ...] = option(NUMERICS_VIEWS, check=views, shown="[cumulative, isolated]",
                                     help="which views run at all")
-    isolated: str = option("auto", check=choice("auto", "all", hint="auto: the isolated view runs when the cumulative "
+    isolated: str = option("auto", check=choice("auto", "all", what="auto or all", hint="auto: the isolated view runs when the cumulative "
                                                 "view flags or fails something"),
                            help="auto: the isolated view runs when the cumulative view flags or fails something; "
                                 "all: always")

@@ -51,7 +51,7 @@ def test_parse_returns_the_typed_dataclass_with_defaults() -> None:
     ("numerics", {"margn": 8}, "margn", "did you mean 'margin'"),
     ("ops", {"probe_timeot": 3}, "probe_timeot", "did you mean 'probe_timeout'"),
     ("layers", {"probe_timout": 3}, "probe_timout", "did you mean 'probe_timeout'"),
-    ("ops", {"ir": "llvm"}, "ir", "options.ops.ir: 'llvm'"),
+    ("ops", {"ir": "llvm"}, "ir", "options.ops.ir: 'llvm' is not an IR level"),
     ("ops", {"workers": 0}, "workers", "must be >= 1"),
     ("ops", {"probe_timeout": "soon"}, "probe_timeout", "is not a number"),
     ("ops", {"tolerance": {"bfloat16": [1]}}, "tolerance", "give [rtol, atol]"),
@@ -62,7 +62,7 @@ def test_parse_returns_the_typed_dataclass_with_defaults() -> None:
     ("numerics", {"percentile": 101}, "percentile", "must be <= 100"),
     ("numerics", {"samples": 1.5}, "samples", "not an integer"),
     ("numerics", {"batch_slots": 1}, "batch_slots", "must be >= 2"),
-    ("numerics", {"bisect_method": "magic"}, "bisect_method", "not one of auto, compiler, nodes"),
+    ("numerics", {"bisect_method": "magic"}, "bisect_method", "'magic' is not auto, compiler or nodes"),
     ("numerics", {"reference_dump": []}, "reference_dump", "not a string or a list"),
 ])
 def test_bad_options_name_the_key_and_the_fix(mode: str, mapping: dict, key: str, text: str) -> None:
