@@ -18,8 +18,8 @@ import pytest
 
 from ci_runner.cellrun import run_cell_inprocess
 from ci_runner.config import load_matrix_text
-from ci_runner.matrix import expand
 from ci_runner.isolate import open_entry
+from ci_runner.matrix import expand
 from ci_runner.modes import JOURNAL_NAME
 from ci_runner.results import CellResult, ModeResult, fingerprint, validate
 

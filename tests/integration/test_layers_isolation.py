@@ -14,9 +14,10 @@ import pytest
 
 from ci_runner.cellrun import run_cell_inprocess
 from ci_runner.config import load_matrix_text
+from ci_runner.errors import ConfigError
+from ci_runner.isolate import open_entry
 from ci_runner.layer_search import read_outcomes
 from ci_runner.matrix import expand
-from ci_runner.isolate import open_entry
 from ci_runner.modes import JOURNAL_NAME
 from ci_runner.results import ModeResult
 
@@ -91,6 +92,8 @@ def test_all_calls_probes_every_call_of_a_shared_module(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("options", ["probe_timout: 3"])
-def test_unknown_option_is_a_mode_error_naming_the_fix(tmp_path: Path, options: str) -> None:
-    mode, _ = _run(tmp_path, "raises", options)
-    assert mode.status == "error" and "did you mean 'probe_timeout'" in (mode.reason or "")
+def test_unknown_option_is_an_error_at_load_naming_the_fix(tmp_path: Path, options: str) -> None:
+    """Options are checked when the matrix loads (`options.parse`), before any cell runs."""
+    with pytest.raises(ConfigError) as info:
+        _run(tmp_path, "raises", options)
+    assert "did you mean 'probe_timeout'" in str(info.value) and "m.yaml:" in str(info.value)

@@ -12,8 +12,6 @@ import torch
 from ci_runner.config import BackendSpec, spec_from_json, spec_to_json
 from ci_runner.errors import ConfigError
 from ci_runner.inventory import encode_value
-from ci_runner.options import DEFAULT_TOLERANCE
-from ci_runner.options import parse as parse_options
 from ci_runner.modes.ops import (
     assemble,
     build_tensors,
@@ -23,6 +21,8 @@ from ci_runner.modes.ops import (
     run_probe,
     with_ranges,
 )
+from ci_runner.options import DEFAULT_TOLERANCE
+from ci_runner.options import parse as parse_options
 
 
 def _probe(op: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
