@@ -1,6 +1,6 @@
 """Model sources and deterministic input builders.
 
-Sources (one per matrix entry, DESIGN §3):
+Sources (one per matrix entry, `models:` in the matrix, `config.ModelSpec`):
 
 * `config: <model_type>` (+ `overrides`): a transformers architecture with random weights. Built in float32 under
   `torch.manual_seed(seed)` (the global RNG is restored afterwards), then cast, so the same seed gives the same

@@ -1,6 +1,6 @@
 """A small GitHub REST client on `urllib.request`: token auth, Link pagination, bounded retries.
 
-What it does about GitHub's documented behaviour (DESIGN §6, and GitHub's "Rate limits for the REST
+What it does about GitHub's documented behaviour (GitHub's "Rate limits for the REST
 API" and "Best practices" pages):
 
 - **Writes are serial and spaced.** `POST`/`PATCH`/`PUT`/`DELETE` wait until `min_write_interval`

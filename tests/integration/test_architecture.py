@@ -1,0 +1,243 @@
+"""The package's edges: the import-linter layers contract (pyproject.toml), no import cycles, no private names used
+across modules, in-function imports only to defer a heavy import (and saying so), no overlong modules."""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PKG = ROOT / "ci_runner"
+MAX_LINES = 850  # "about 800"; a longer module says in its docstring why it is one piece
+ONE_PIECE = "one piece"
+
+
+# --------------------------------------------------------------------------- the import graph, from the source
+
+@dataclass(frozen=True)
+class Import:
+    module: str  # the importing module
+    target: str  # the imported module of this package
+    name: str | None  # `from target import name`; None for `import target`
+    line: int
+    in_function: bool
+    text: str  # the source line
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+
+
+def _type_checking_lines(tree: ast.Module) -> set[int]:
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for sub in node.body:
+                lines.update(range(sub.lineno, (sub.end_lineno or sub.lineno) + 1))
+    return lines
+
+
+def imports_of(module: str, path: Path, modules: set[str]) -> Iterator[Import]:
+    """Every import of this package's modules in `module` (not those under `if TYPE_CHECKING:`)."""
+    text = path.read_text(encoding="utf-8")
+    source = text.splitlines()
+    tree = ast.parse(text)
+    skip = _type_checking_lines(tree)
+    is_pkg = path.name == "__init__.py"
+
+    def visit(node: ast.AST, in_function: bool) -> Iterator[Import]:
+        for child in ast.iter_child_nodes(node):
+            inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, (ast.Import, ast.ImportFrom)) and child.lineno not in skip:
+                line = source[child.lineno - 1]
+                if isinstance(child, ast.Import):
+                    for alias in child.names:
+                        if alias.name in modules:
+                            yield Import(module, alias.name, None, child.lineno, in_function, line)
+                else:
+                    base = _resolve(module, is_pkg, child)
+                    for alias in child.names:
+                        sub = f"{base}.{alias.name}"
+                        if sub in modules:
+                            yield Import(module, sub, None, child.lineno, in_function, line)
+                        elif base in modules:
+                            yield Import(module, base, alias.name, child.lineno, in_function, line)
+            yield from visit(child, inner)
+
+    yield from visit(tree, False)
+
+
+def _resolve(module: str, is_pkg: bool, node: ast.ImportFrom) -> str:
+    if node.level == 0:
+        return node.module or ""
+    base = module.split(".")
+    if not is_pkg:
+        base = base[:-1]
+    if node.level > 1:
+        base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def all_imports() -> list[Import]:
+    mods = _modules()
+    names = set(mods)
+    return [imp for m, p in mods.items() for imp in imports_of(m, p, names)]
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for v in sorted(edges):
+        if v not in index:
+            strong(v)
+    return out
+
+
+def _package_edges(imports: list[Import]) -> dict[str, set[str]]:
+    """module -> modules it imports; a package's `__init__` is not counted as imported by its own submodules
+    (Python runs it first anyway), and importing `pkg.sub` does not count as importing `pkg`."""
+    edges: dict[str, set[str]] = {}
+    for imp in imports:
+        if imp.target != imp.module and not imp.module.startswith(imp.target + "."):
+            edges.setdefault(imp.module, set()).add(imp.target)
+    return edges
+
+
+# --------------------------------------------------------------------------- the checks
+
+def _lint_imports() -> str:
+    exe = shutil.which("lint-imports", path=str(Path(sys.executable).parent)) or shutil.which("lint-imports")
+    if exe is None:
+        pytest.fail("lint-imports is not installed: `pip install -e .[test]` (import-linter is in the test extra)")
+    return exe
+
+
+def test_the_layers_contract_holds() -> None:
+    proc = subprocess.run([_lint_imports(), "--config", str(ROOT / "pyproject.toml"), "--no-cache"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "BROKEN" not in proc.stdout and " KEPT" in proc.stdout
+
+
+def test_the_contract_catches_a_lower_layer_importing_a_higher_one(tmp_path: Path) -> None:
+    """The check can fail: the same contract on a copy of the package where `errors` imports `cli`."""
+    shutil.copytree(PKG, tmp_path / "ci_runner", ignore=shutil.ignore_patterns("__pycache__"))
+    errors = tmp_path / "ci_runner" / "errors.py"
+    errors.write_text(errors.read_text(encoding="utf-8") + "\nfrom . import cli  # noqa\n", encoding="utf-8")
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    proc = subprocess.run([_lint_imports(), "--config", str(tmp_path / "pyproject.toml"), "--no-cache"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={"PATH": str(Path(sys.executable).parent), "PYTHONPATH": str(tmp_path)})
+    assert proc.returncode != 0 and "BROKEN" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "ci_runner.errors -> ci_runner.cli" in proc.stdout
+
+
+def test_no_import_cycles() -> None:
+    found = cycles(_package_edges(all_imports()))
+    assert not found, f"import cycles: {found}"
+
+
+def test_the_cycle_finder_finds_one() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_private_names_across_modules() -> None:
+    """`from ci_runner.x import _name` outside `x` (a private name is used only in its own module)."""
+    bad = [f"{i.module}:{i.line}: {i.text.strip()}" for i in all_imports()
+           if i.name is not None and i.name.startswith("_") and not i.name.startswith("__") and i.target != i.module]
+    bad += _private_attribute_reads()
+    assert not bad, "private names used across modules (make them public or move them):\n" + "\n".join(bad)
+
+
+def _private_attribute_reads() -> list[str]:
+    """`mod._name` where `mod` is bound to one of this package's modules by an import."""
+    mods = _modules()
+    out: list[str] = []
+    for m, path in mods.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        bound: dict[str, str] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name in mods and a.asname:
+                        bound[a.asname] = a.name
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve(m, path.name == "__init__.py", node)
+                for a in node.names:
+                    if f"{base}.{a.name}" in mods:
+                        bound[a.asname or a.name] = f"{base}.{a.name}"
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound
+                    and node.attr.startswith("_") and not node.attr.startswith("__") and bound[node.value.id] != m):
+                out.append(f"{m}:{node.lineno}: {node.value.id}.{node.attr}")
+    return out
+
+
+def test_in_function_imports_defer_a_heavy_import_and_say_so() -> None:
+    """An import of this package inside a function is allowed only to defer a heavy import (torch, transformers),
+    with a `# deferred: why` comment on its line."""
+    bad = [f"{i.module}:{i.line}: {i.text.strip()}" for i in all_imports()
+           if i.in_function and "# deferred:" not in i.text]
+    assert not bad, "in-function imports without a `# deferred: …` reason:\n" + "\n".join(bad)
+
+
+def test_modules_are_short_or_say_why_they_are_one_piece() -> None:
+    long = []
+    for m, path in _modules().items():
+        text = path.read_text(encoding="utf-8")
+        if text.count("\n") + 1 > MAX_LINES:
+            doc = ast.get_docstring(ast.parse(text)) or ""
+            if ONE_PIECE not in doc:
+                long.append(f"{m}: {text.count(chr(10)) + 1} lines")
+    assert not long, f"modules over {MAX_LINES} lines whose docstring does not say why they are {ONE_PIECE}: {long}"
+
+
+def test_docstrings_cite_only_files_in_the_repository() -> None:
+    """No "DESIGN §3" or "phase N": a reader of the repository cannot find them."""
+    import re
+
+    bad = []
+    for m, path in _modules().items():
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if re.search(r"DESIGN(\.md)? ?§|\bphase \d", line):
+                bad.append(f"{m}:{n}: {line.strip()}")
+    assert not bad, "\n".join(bad)
