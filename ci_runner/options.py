@@ -226,7 +226,7 @@ class ThresholdOptions:
     """How the numerics thresholds are derived from the reference-vs-reference spread (`ci_runner/thresholds.py`)."""
 
     percentile: float = option(99.0, check=number(gt=0, le=100, hint="e.g. 99"), nullable=True,
-                               help="percentile of the reference-vs-reference spread over samples (`thresholds.py`)")
+                               help="percentile of the reference-vs-reference spread over samples (`numerics/thresholds.py`)")
     margin: float = option(8.0, check=number(ge=1, hint="a margin multiplies the spread; use ≥ 1, e.g. 8"),
                            nullable=True, help="factor on that spread")
     rel_floor: float | None = option(None, check=number(ge=0, hint="use 0 to disable the floor"), nullable=True,
