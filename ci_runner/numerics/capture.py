@@ -15,9 +15,9 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..capture import CallInfo, FlatOutput, ModuleCapture, OutputHooks, call_key
+from ..capture import CallInfo, FlatOutput, ModuleCapture, OutputHooks, call_key, iter_tensors
+from ..codec import Unstorable, encode_call, encode_value
 from ..errors import DeepviewError
-from .calls import Unserializable, compared_tensors, encode_value
 from .metrics import MetricsError, compare_tensors, worst
 from .settings import DYNAMO_SETTINGS
 from .store import DumpReader, DumpWriter
@@ -98,9 +98,8 @@ class RecordingSink(CallSink):
         rec: dict[str, Any] = {"idx": meta.idx, "key": meta.key, "name": meta.name, "module_class": meta.module_class,
                                "call_index": meta.call_index, "parent": meta.parent, "depth": meta.depth}
         try:
-            rec["inputs"] = {"args": [encode_value(a, self.writer.put, strict=True) for a in args],
-                             "kwargs": [[k, encode_value(v, self.writer.put, strict=True)] for k, v in kwargs.items()]}
-        except Unserializable as exc:
+            rec["inputs"] = encode_call(args, kwargs, self.writer.put)
+        except Unstorable as exc:
             rec["inputs"] = None
             rec["inputs_error"] = f"an input cannot be stored: {exc}"
         self.writer.calls.append(rec)
@@ -108,7 +107,7 @@ class RecordingSink(CallSink):
 
     def exit(self, meta: CallMeta, output: Any) -> None:
         rec = self.writer.calls[meta.idx]
-        rec["output"] = encode_value(output, self.writer.put, strict=False)
+        rec["output"] = encode_value(output, self.writer.put, opaque=True)
         rec["compare"] = {sub: self.writer.put(t) for sub, t in compared_tensors(output).items()}
         rec["done"] = self.done
         self.done += 1
@@ -230,9 +229,14 @@ def capture_compiled_outputs(module: nn.Module, fn: Callable[..., Any], args: Se
 
 
 def compared_flat(flat: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The floating tensors of a flat output (all of them when none is floating), as `compared_tensors` picks."""
+    """The floating tensors of a flat output (all of them when none is floating): the tensors that are compared."""
     d = dict(flat)
     return {k: t for k, t in d.items() if t.is_floating_point() or t.is_complex()} or d
+
+
+def compared_tensors(output: Any) -> dict[str, torch.Tensor]:
+    """The compared tensors of a module output (`compared_flat` of its tensors)."""
+    return compared_flat(iter_tensors(output))
 
 
 def run_compiled_with_outputs(module: nn.Module, backend: Any, args: Sequence[Any],

@@ -1,9 +1,14 @@
 """The reference dump of the numerics mode: a streaming writer and a lazy reader.
 
 A dump folder holds `index.json` (every module call: key, name, class, caller, depth, its inputs and output as
-`calls` specs, the keys of its compared tensors) and safetensors chunks of at most `chunk_bytes`; only the current
-chunk is in memory while writing, and a reader keeps at most two chunk files open. Loading uses safetensors and
-JSON only, never pickle.
+specs of the one call codec, `ci_runner/codec.py`, the keys of its compared tensors) and safetensors chunks of at
+most `chunk_bytes`; only the current chunk is in memory while writing, and a reader keeps at most two chunk files
+open. Loading uses safetensors and JSON only, never pickle.
+
+Index schema 2 stores a call's inputs as `codec.encode_call` specs (`{"args": {"tuple": …}, "kwargs": {"dict": …}}`,
+keys `tensor`/`value`/`float`); schema 1 (written before the codec was shared) stored `{"args": [spec, …],
+"kwargs": [[name, spec], …]}` with keys `t`/`v`/`f`. The reader reads both (`upgrade_index` turns a schema-1 index
+into schema 2 when it is loaded).
 """
 
 from __future__ import annotations
@@ -14,13 +19,46 @@ from typing import Any, Mapping
 
 import torch
 
-from ..codec import TensorDedupe
+from ..codec import TensorDedupe, Unstorable, decode_call, decode_value
 from ..errors import InputError, UsageError
 from ..fsutil import atomic_write_json
-from .calls import Unserializable, decode_value
 
-DUMP_SCHEMA_VERSION = 1
+DUMP_SCHEMA_VERSION = 2
+READABLE_SCHEMA_VERSIONS = (1, 2)
 INDEX_NAME = "index.json"
+
+_V1_KEYS = {"t": "tensor", "v": "value", "f": "float"}
+
+
+def upgrade_spec(spec: Any) -> Any:
+    """A schema-1 value spec (keys `t`/`v`/`f`) in the codec's keys (`tensor`/`value`/`float`)."""
+    if not isinstance(spec, dict):
+        return spec
+    out: dict[str, Any] = {}
+    for k, v in spec.items():
+        if k in ("tuple", "list"):
+            v = [upgrade_spec(x) for x in v]
+        elif k in ("dict", "items"):
+            v = [[name, upgrade_spec(x)] for name, x in v]
+        out[_V1_KEYS.get(k, k)] = v
+    return out
+
+
+def upgrade_index(index: dict[str, Any]) -> dict[str, Any]:
+    """A schema-1 index in schema 2 (see the module docstring); a schema-2 index as it is."""
+    if index.get("schema_version") != 1:
+        return index
+    calls = []
+    for call in index.get("calls") or []:
+        call = dict(call)
+        inputs = call.get("inputs")
+        if inputs is not None:
+            call["inputs"] = {"args": {"tuple": [upgrade_spec(a) for a in inputs["args"]]},
+                              "kwargs": {"dict": [[k, upgrade_spec(v)] for k, v in inputs["kwargs"]]}}
+        if "output" in call:
+            call["output"] = upgrade_spec(call["output"])
+        calls.append(call)
+    return {**index, "schema_version": DUMP_SCHEMA_VERSION, "calls": calls}
 
 
 class DumpFolderError(UsageError):
@@ -34,7 +72,7 @@ def dump_matches(folder: Path, key: str) -> bool:
         index = json.loads((Path(folder) / INDEX_NAME).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    return isinstance(index, dict) and index.get("schema_version") == DUMP_SCHEMA_VERSION and index.get("key") == key
+    return isinstance(index, dict) and index.get("schema_version") in READABLE_SCHEMA_VERSIONS and index.get("key") == key
 
 
 class DumpWriter:
@@ -143,15 +181,18 @@ class DumpReader:
     def __init__(self, folder: Path) -> None:
         self.folder = Path(folder)
         try:
-            self.index = json.loads((self.folder / INDEX_NAME).read_text(encoding="utf-8"))
+            index = json.loads((self.folder / INDEX_NAME).read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise InputError(f"{self.folder}: no index.json: not a complete numerics dump",
                              hint="the reference pass did not finish; rerun the mode") from None
         except json.JSONDecodeError as exc:
             raise InputError(f"{self.folder}/index.json: corrupt ({exc.msg})", hint="rerun the mode") from None
-        if self.index.get("schema_version") != DUMP_SCHEMA_VERSION:
-            raise InputError(f"{self.folder}: dump schema {self.index.get('schema_version')} is not {DUMP_SCHEMA_VERSION}",
+        version = index.get("schema_version") if isinstance(index, dict) else None
+        if version not in READABLE_SCHEMA_VERSIONS:
+            raise InputError(f"{self.folder}: dump schema {version} is not "
+                             f"{' or '.join(map(str, READABLE_SCHEMA_VERSIONS))}",
                              hint="dump it again with this version of deepview-ci")
+        self.index: dict[str, Any] = upgrade_index(index)
         self.calls: list[dict[str, Any]] = self.index["calls"]
         self.by_key: dict[str, dict[str, Any]] = {c["key"]: c for c in self.calls}
         self._children: dict[int | None, list[dict[str, Any]]] = {}
@@ -187,10 +228,8 @@ class DumpReader:
 
     def inputs(self, call: Mapping[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if call.get("inputs") is None:
-            raise Unserializable(call.get("inputs_error") or "inputs not stored")
-        spec = call["inputs"]
-        return (tuple(decode_value(s, self._fed) for s in spec["args"]),
-                {k: decode_value(s, self._fed) for k, s in spec["kwargs"]})
+            raise Unstorable(call.get("inputs_error") or "inputs not stored")
+        return decode_call(call["inputs"], self._fed)
 
     def output(self, call: Mapping[str, Any]) -> Any:
         return decode_value(call["output"], self._fed)

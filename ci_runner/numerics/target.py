@@ -23,12 +23,11 @@ from ..fsutil import append_line
 from ..isolate import child_journal
 from ..models import load_model
 from ..results import clean, number
-from .calls import cast_tree
 from .capture import ResultFn
 from .settings import DYNAMO_SETTINGS, VIEWS
 from .store import DumpReader
 from .thresholds import ThresholdOptions, ThresholdTable, exceeded, load_table
-from .views import run_cumulative_view, run_isolated_view
+from .views import cast_tree, run_cumulative_view, run_isolated_view
 
 TARGET_CHILD = "ci_runner.numerics.target:target_child"
 

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from ..capture import OutputHooks, flatten_traceable
-from .calls import Unserializable, cast_tree
+from ..codec import Unstorable
+from ..tree import map_tensors
 from .capture import (
     CaptureError,
     CompareSink,
@@ -40,6 +41,20 @@ from .metrics import MetricsError, compare_tensors, worst
 from .settings import DTYPES, VIEWS
 from .store import DumpReader
 from .thresholds import LayerStats
+
+def cast_tree(obj: Any, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> Any:
+    """Floating tensors to `dtype`, every tensor to `device`, through tuples/lists/dicts/ModelOutput."""
+    dev = torch.device(device) if device is not None else None
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+            t = t.to(dtype)
+        if dev is not None and t.device != dev:
+            t = t.to(dev)
+        return t
+
+    return map_tensors(cast, obj)
+
 
 _STUB_QUEUE: list[Any] = []  # the reference's outputs of the stubbed sub-calls, in call order
 _STUB_SEEN: list[tuple[tuple[str, torch.Tensor], ...]] = []  # what the module passed to each stubbed sub-call
@@ -63,7 +78,7 @@ def _subcall_input_metrics(reader: DumpReader, kids: Sequence[Mapping[str, Any]]
     for kid, passed in zip(kids, seen):
         try:
             ref_args, ref_kwargs = reader.inputs(kid)
-        except Unserializable:
+        except Unstorable:
             continue
         acc: list[tuple[str, torch.Tensor]] = []
         flatten_traceable(ref_args, "args", acc)
@@ -148,7 +163,7 @@ def run_isolated_view(modules: Mapping[str, nn.Module], reader: DumpReader,
             continue
         try:
             args, kwargs = reader.inputs(call)
-        except Unserializable as exc:
+        except Unstorable as exc:
             on_result(make_record("isolated", call, error=f"not run: {exc}", stage="capture"))
             continue
         kids = reader.children(call)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import copy
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,8 @@ import torch
 from torch import nn
 
 from ci_runner.errors import ConfigError, InputError
-from ci_runner.numerics import calls, store, target, verdict, views
+from ci_runner import codec
+from ci_runner.numerics import store, target, verdict, views
 from ci_runner.options import parse
 from ci_runner.numerics import capture as ncap
 from ci_runner.numerics.thresholds import ThresholdOptions, ThresholdTable
@@ -123,14 +125,14 @@ def test_encode_decode_values() -> None:
     Pair = collections.namedtuple("Pair", "a b")
     value = {"t": torch.ones(2), "mo": BaseModelOutput(last_hidden_state=torch.zeros(1)), "f": math.nan,
              "dt": torch.float16, "dev": torch.device("cpu"), "s": slice(1, None), "p": Pair(1, [2, None])}
-    spec = calls.encode_value(value, put, strict=True)
-    back = calls.decode_value(spec, store.__getitem__)
+    spec = codec.encode_value(value, put)  # numerics' inputs policy: rebuilt exactly or refused
+    back = codec.decode_value(spec, store.__getitem__)
     assert isinstance(back["mo"], BaseModelOutput) and torch.equal(back["mo"].last_hidden_state, torch.zeros(1))
     assert math.isnan(back["f"]) and back["dt"] is torch.float16 and back["s"] == slice(1, None)
     assert back["p"] == (1, [2, None])
-    with pytest.raises(calls.Unserializable):
-        calls.encode_value(object(), put, strict=True)
-    assert calls.encode_value(object(), put, strict=False) == {"opaque": "object"}
+    with pytest.raises(codec.Unstorable):
+        codec.encode_value(object(), put)
+    assert codec.encode_value(object(), put, opaque=True) == {"opaque": "object"}  # outputs
 
 
 def test_corrupt_or_missing_dump_is_an_input_error(tmp_path: Path) -> None:
@@ -389,10 +391,10 @@ def test_namedtuple_inputs_keep_their_fields() -> None:
         stored[f"t{len(stored)}"] = t
         return f"t{len(stored) - 1}"
 
-    spec = calls.encode_value(Pair(torch.ones(2), 0.5), put, strict=True)
-    back = calls.decode_value(spec, stored.__getitem__)
+    spec = codec.encode_value(Pair(torch.ones(2), 0.5), put)
+    back = codec.decode_value(spec, stored.__getitem__)
     assert back._fields == ("hidden", "scale") and back.scale == 0.5 and torch.equal(back.hidden, torch.ones(2))
-    assert calls.decode_value(calls.encode_value((1, 2), put, strict=True), stored.__getitem__) == (1, 2)
+    assert codec.decode_value(codec.encode_value((1, 2), put), stored.__getitem__) == (1, 2)
 
 
 def test_dump_writer_refuses_a_foreign_folder(tmp_path: Path) -> None:
@@ -419,3 +421,59 @@ def test_reference_dump_is_reused_only_for_its_thresholds_key(tmp_path: Path) ->
     assert store.dump_matches(folder, "old")
     assert not store.dump_matches(folder, "new")
     assert not store.dump_matches(tmp_path / "absent", "old")
+
+
+def _v1_index(tmp_path: Path) -> Path:
+    """A reference dump as the schema-1 writer left it (call specs with keys t/v/f, inputs as a list and pairs)."""
+    w = store.DumpWriter(tmp_path / "v1")
+    t0, t1 = w.put(torch.arange(4.0)), w.put(torch.full((2,), 2.0))
+    w.calls.append({
+        "idx": 0, "key": "", "name": "", "module_class": "M", "call_index": 0, "parent": None, "depth": 0,
+        "inputs": {"args": [{"t": t0}, {"f": "0.5"}, {"f": "inf"}],
+                   "kwargs": [["mask", {"v": None}],
+                              ["p", {"namedtuple": "Pair", "fields": ["a", "b"], "tuple": [{"t": t1}, {"v": 3}]}],
+                              ["d", {"dict": [["x", {"list": [{"t": t0}, {"dtype": "float16"}]}]]}]]},
+        "output": {"tuple": [{"t": t1}, {"opaque": "Foo"}]}, "compare": {"0": t1}, "done": 0})
+    w.close()
+    path = tmp_path / "v1" / "index.json"
+    index = json.loads(path.read_text())
+    path.write_text(json.dumps({**index, "schema_version": 1, "key": "k1"}))
+    return tmp_path / "v1"
+
+
+def test_reader_reads_a_schema_1_dump(tmp_path: Path) -> None:
+    """Dumps written before the call codec was shared (schema 1, keys t/v/f) stay readable and reusable."""
+    folder = _v1_index(tmp_path)
+    assert store.dump_matches(folder, "k1") and not store.dump_matches(folder, "k2")
+    r = store.DumpReader(folder)
+    (x, half, inf), kw = r.inputs(r.root())
+    assert torch.equal(x, torch.arange(4.0)) and half == 0.5 and inf == math.inf
+    assert kw["mask"] is None and kw["p"]._fields == ("a", "b") and kw["p"].b == 3
+    assert torch.equal(kw["p"].a, torch.full((2,), 2.0)) and kw["d"]["x"][1] is torch.float16
+    out = r.output(r.root())
+    assert torch.equal(out[0], torch.full((2,), 2.0)) and out[1] is None
+    assert torch.equal(r.ref_tensors(r.root())["0"], torch.full((2,), 2.0))
+
+
+def test_reference_dump_is_schema_2_with_codec_specs(tmp_path: Path) -> None:
+    """A recorded call stores its inputs as `codec.encode_call` specs; the reader rebuilds them."""
+    Pair = collections.namedtuple("Pair", "a b")
+
+    class M(torch.nn.Module):
+        def forward(self, x: torch.Tensor, p: Any = None, scale: float = 1.0) -> torch.Tensor:
+            return x * p.b * scale
+
+    folder = tmp_path / "v2"
+    writer = store.DumpWriter(folder)
+    ncap.capture_layer_outputs(M(), (torch.ones(3),), {"p": Pair(torch.zeros(1), 2.0), "scale": 0.25},
+                                  ncap.RecordingSink(writer))
+    writer.close()
+    index = json.loads((folder / "index.json").read_text())
+    assert index["schema_version"] == store.DUMP_SCHEMA_VERSION == 2
+    spec = index["calls"][0]["inputs"]
+    assert set(spec) == {"args", "kwargs"} and "tensor" in spec["args"]["tuple"][0]
+    assert dict(spec["kwargs"]["dict"])["scale"] == {"value": 0.25}
+    r = store.DumpReader(folder)
+    (x,), kw = r.inputs(r.root())
+    assert torch.equal(x, torch.ones(3)) and kw["p"]._fields == ("a", "b") and kw["p"].b == 2.0 and kw["scale"] == 0.25
+    assert torch.equal(r.output(r.root()), torch.full((3,), 0.5))
