@@ -13,7 +13,9 @@ import time
 import traceback
 from pathlib import Path
 
+from .backends import resolve_backend
 from .config import Cell
+from .envinfo import base_stamp, cell_stamp
 from .errors import DeepviewError
 from .fsutil import atomic_write_json
 from .modes import ModeContext, get_mode
@@ -30,8 +32,6 @@ def _now() -> str:
 def run_cell_inprocess(cell: Cell, cell_dir: Path, *, modes: tuple[str, ...], deadline: float,
                        previous: CellResult | None = None) -> CellResult:
     """Run `modes` of `cell` in this process; returns the (partial-merged) result and writes it."""
-    from .envinfo import base_stamp, cell_stamp
-
     cell_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     result = previous or CellResult(
@@ -43,8 +43,6 @@ def run_cell_inprocess(cell: Cell, cell_dir: Path, *, modes: tuple[str, ...], de
         atomic_write_json(cell_dir / PARTIAL_NAME, result.to_dict())
 
     try:
-        from .backends import resolve_backend
-
         backend = resolve_backend(cell.backend)
         backend.prepare()
         result.env = cell_stamp(backend.device, backend.versions())

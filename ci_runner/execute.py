@@ -29,6 +29,7 @@ from .cellrun import PARTIAL_NAME, RESULT_NAME, write_final
 from .config import Cell
 from .envinfo import base_stamp
 from .errors import DeepviewError, ExecutionError, InputError
+from .fsutil import atomic_write_json
 from .log import Progress
 from .isolate import child_env, open_entry, signal_name
 from .modes import JOURNAL_NAME
@@ -212,8 +213,6 @@ def run_one(cell: Cell, opts: RunOptions, children: _Children | None = None) -> 
 
 
 def _write_partial(cdir: Path, result: CellResult) -> None:
-    from .fsutil import atomic_write_json
-
     atomic_write_json(cdir / PARTIAL_NAME, result.to_dict())
 
 

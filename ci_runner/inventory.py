@@ -45,6 +45,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
+from .capture import ModuleCapture
 from .errors import DeepviewError
 
 LEVELS: tuple[str, ...] = ("dynamo", "aten", "core_aten", "dispatch")
@@ -717,8 +718,6 @@ def trace_dispatch(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     falls back to the math path as on such devices); a real model runs as it is.
     """
     from torch.utils._python_dispatch import TorchDispatchMode
-
-    from .capture import ModuleCapture
 
     t0 = time.monotonic()
     root_class = type(model).__name__

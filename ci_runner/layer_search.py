@@ -30,9 +30,13 @@ from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
 import torch
 
 from . import codec
+from .backends import resolve_backend
+from .capture import ModuleCapture, detach_tree, iter_tensors
 from .codec import TensorStore, Unstorable, check_value, decode_call
 from .fsutil import append_line, atomic_write_json
+from .config import BackendSpec, ModelSpec, spec_from_json
 from .isolate import child_journal, die_with_parent
+from .models import load_model
 from .tree import tensors_in
 
 ROOT = ""  # the root module's qualified name
@@ -152,8 +156,6 @@ def record_calls(model: torch.nn.Module, args: tuple[Any, ...] = (), kwargs: Map
     again with `clone=True`. Without `keep`, only the call structure is recorded (names, classes, call
     counts, whether the inputs can be stored): hooks, nothing retained.
     """
-    from .capture import ModuleCapture, detach_tree
-
     recorded: list[RecordedCall] = []
     versions: list[tuple[torch.Tensor, int]] = []
     wanted = None if include is None else set(include)
@@ -418,8 +420,6 @@ def is_compile_stage(exc: BaseException) -> bool:
 
 def _materialize(out: Any) -> None:
     """Force asynchronous devices to finish (and surface their errors) by fetching the outputs."""
-    from .capture import iter_tensors
-
     for _, t in iter_tensors(out):
         if t.device.type != "cpu":
             t.to("cpu")
@@ -437,9 +437,6 @@ def probe_child(payload: dict[str, Any]) -> dict[str, Any]:
 
     from safetensors.torch import load_file
 
-    from .backends import resolve_backend
-    from .config import BackendSpec, ModelSpec, spec_from_json
-    from .models import load_model
 
     plan = ChildPlan(**payload)
     layers_dir = Path(plan.layers_dir)
@@ -555,8 +552,6 @@ class _ExecutingTracker:
             self.failed_in = ".".join(p for p in (self.prefix, info.name) if p)
 
     def __enter__(self) -> "_ExecutingTracker":
-        from .capture import ModuleCapture
-
         self.failed_in = None
         self._cap = ModuleCapture(self.module, post=self._post)
         self._cap.__enter__()

@@ -79,7 +79,7 @@ class ModeContext:
 
     def model(self, *, dtype: str | None = None, device: str = "cpu", meta: bool = False) -> "LoadedModel":
         """Load (once per dtype/device/meta) the cell's model; the same seed gives the same weights."""
-        from ..models import load_model
+        from ..models import load_model  # deferred: torch (the run's parent process imports this package)
 
         key = (dtype, device, meta)
         if key not in self._models:
@@ -87,7 +87,7 @@ class ModeContext:
         return self._models[key]
 
     def inputs(self, loaded: "LoadedModel", *, sample: int = 0, device: str = "cpu") -> dict[str, Any]:
-        from ..models import build_inputs
+        from ..models import build_inputs  # deferred: torch
 
         return build_inputs(loaded, self.cell.inputs, sample=sample, device=device)
 

@@ -12,7 +12,8 @@
    the CPU model stays the reference); a passing module's subtree is never tried.
    Each module is journalled (`enter-module`/`leave-module` in the cell's journal) and each outcome appended
    to `layers/probes.jsonl`. When the child aborts, segfaults, overruns `probe_timeout` or is OOM-killed, the
-   journal's open entry is the culprit: it is recorded as crashed/timeout and a fresh child goes on.
+   journal's open entry is the culprit: it is recorded as crashed/timeout and a fresh child goes on
+   (`isolate.supervise`).
 3. Findings: one `layer_failure` per smallest failing module (a failing module none of whose children fail
    alone), with its class, stage, error, the path from the root and how many times it is called.
 4. Repro per finding in `layers/repro/<module>/`: `module.pt2` (torch.export of the submodule),
@@ -21,21 +22,7 @@
    fallback `repro.py` rebuilds the submodule from the model source (config + qualified name) and loads the
    submodule's own weights from `weights.safetensors`; the finding says so.
 
-Options (`options: {layers: {...}}` in the matrix):
-
-=================  =======  =============================================================================
-option             default  meaning
-=================  =======  =============================================================================
-probe_timeout      120      seconds one module may take to compile and run before it counts as a hang
-startup_timeout    180      seconds a probing child may take to import, load the model and the backend
-all_calls          false    run every captured call of a module called several times (default: the first)
-sample             0        which input sample the capture runs on
-repro              true     write a repro per finding
-verify             true     run each repro in a subprocess to verify it
-verify_timeout     180      seconds a repro may take (a hang repro gets probe_timeout + 30)
-export             true     false: skip torch.export and write the model-source repro directly
-max_restarts       64       most probing children started after crashes before the search gives up
-=================  =======  =============================================================================
+Options (`options: {layers: {...}}` in the matrix) are declared in `ci_runner/options.py` (`LayersOptions`).
 """
 
 from __future__ import annotations
@@ -80,6 +67,7 @@ from ..options import LayersOptions
 from ..options import parse as parse_options
 from ..repro import render_template, safe_filename, verify_script, write_script
 from ..results import Finding, ModeResult, Repro, fingerprint
+from ..sim import is_sim
 
 if TYPE_CHECKING:
     from . import ModeContext
@@ -327,8 +315,6 @@ def _plugin_modules(spec: Any) -> list[str]:
 
 
 def _sim_name(compile_spec: str | None) -> bool:
-    from ..sim import is_sim
-
     return bool(is_sim(compile_spec))
 
 

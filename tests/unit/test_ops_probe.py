@@ -12,7 +12,7 @@ import torch
 from ci_runner.config import BackendSpec, spec_from_json, spec_to_json
 from ci_runner.errors import ConfigError
 from ci_runner.inventory import encode_value
-from ci_runner.modes.ops import (
+from ci_runner.op_probe import (
     assemble,
     build_tensors,
     compare,

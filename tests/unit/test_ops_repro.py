@@ -18,7 +18,8 @@ import torch
 
 from ci_runner.config import BackendSpec
 from ci_runner.inventory import CallSite, OpSignature, encode_value, signature_key
-from ci_runner.modes.ops import backend_recipe, render_repro, with_ranges
+from ci_runner.modes.ops import backend_recipe, render_repro
+from ci_runner.op_probe import with_ranges
 from ci_runner.repro import verify_script, write_script
 
 GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "golden" / "ops"
