@@ -33,29 +33,22 @@ Writes are serial and at least `min_interval` s apart. Anything not done because
 is written as a draft (``<drafts>/NN-<action>-<fingerprint>.md`` plus ``drafts.json``) and makes
 the exit code 6. `dry_run` writes every planned issue as a draft and calls no API at all.
 
-Untrusted text (error messages, module names, repro scripts) is never pasted raw: inline values
-become code spans, blocks become fences longer than any backtick run inside, prose is escaped, and
-``@mentions`` / ``#123`` references get a zero-width joiner so nobody is pinged or cross-linked.
+Grouping, the issue and comment bodies and the neutralising of untrusted text live in
+`ci_runner/github/render.py`.
 """
 
 from __future__ import annotations
 
 import hashlib
-import html as _html
 import json
 import re
-import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-import jinja2
-
 from ..errors import EXIT_GITHUB, EXIT_OK, ConfigError, InputError
 from ..fsutil import atomic_write_json, atomic_write_text
 from ..log import append_step_summary
-from ..matrix import artifact_name
-from ..results import fingerprint as _hash_key
 from ..results import load_results, read_json, validate
 from .actions import set_output
 from .client import (
@@ -67,24 +60,26 @@ from .client import (
     ServerUnavailable,
     redact,
 )
+from .render import (
+    NEW,
+    Group,
+    RenderContext,
+    code_span,
+    group_entries,
+    group_fingerprint,
+    group_key,
+    plain,
+    render_comment,
+    render_issue,
+)
 
 ISSUE_BODY_LIMIT = 65536  # characters; GitHub answers 422 above it
-TITLE_LIMIT = 256
-OP_KINDS = ("unsupported_op", "op_error", "op_mismatch")
-NEW = ("regressed", "new_cell")  # a finding the baseline does not know: filed
-FAILING = ("regressed", "new_cell", "persisting", "flaky")  # still failing, whether filed or not
 CATEGORIES = ("regressed", "fixed", "persisting", "flaky", "new_cell", "missing_cell")
 MODE_OF_GROUP = {"op": "ops", "layer": "layers", "divergence": "numerics"}
 _REPO_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9-]{0,38})/[A-Za-z0-9._-]{1,100}$")
 _FP_MARKER = re.compile(r"<!-- deepview-ci:fingerprint=([0-9a-f]{8,64}) -->")
 _META_MARKER = re.compile(r"<!-- deepview-ci:meta (\{.*?\}) -->")
 _EVENT_MARKER = re.compile(r"<!-- deepview-ci:event=([a-z]+) run=([A-Za-z0-9._-]+) -->")
-_ZWJ = "\u200d"
-_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
-MAX_ENTRIES = 50
-MAX_MESSAGES = 5
-MESSAGE_LIMIT = 4000
-MAX_SIGNATURES = 10
 
 
 # --------------------------------------------------------------------------- options and report
@@ -216,69 +211,6 @@ class FilingReport:
         return "\n".join(out) + "\n"
 
 
-# --------------------------------------------------------------------------- neutralising text
-
-
-def _clean(text: Any) -> str:
-    return _CONTROL.sub("", str(text)).replace("\r\n", "\n").replace("\r", "\n")
-
-
-def _break_refs(text: str) -> str:
-    """Keep `@user`, `@org/team` and `#123` / `GH-123` from pinging or cross-linking (outside code)."""
-    text = re.sub(r"(?<![A-Za-z0-9_.`/-])@(?=[A-Za-z0-9])", "@" + _ZWJ, text)
-    text = re.sub(r"(?<![A-Za-z0-9_&])#(?=\d)", "#" + _ZWJ, text)
-    return re.sub(r"\b(GH)-(?=\d)", r"\1-" + _ZWJ, text, flags=re.IGNORECASE)
-
-
-def _longest_run(text: str, char: str) -> int:
-    return max((len(m) for m in re.findall(re.escape(char) + "+", text)), default=0)
-
-
-def code_span(text: Any) -> str:
-    """An inline code span that survives any backticks inside; one line. GitHub links no mention in code."""
-    s = _clean(text).replace("\n", " ").strip() or " "
-    ticks = "`" * (_longest_run(s, "`") + 1)
-    pad = " " if s.startswith("`") or s.endswith("`") else ""
-    return f"{ticks}{pad}{s}{pad}{ticks}"
-
-
-def fenced(text: Any, info: str = "") -> str:
-    """A fenced block whose fence is longer than any backtick run in `text` (min 3)."""
-    s = _clean(text)
-    if not s.endswith("\n"):
-        s += "\n"
-    fence = "`" * max(3, _longest_run(s, "`") + 1)
-    info = re.sub(r"[^A-Za-z0-9_+-]", "", info)
-    return f"{fence}{info}\n{s}{fence}"
-
-
-def plain(text: Any) -> str:
-    """Prose from an untrusted source: markdown and HTML inert, references broken, one line."""
-    s = _clean(text).replace("\n", " ")
-    s = _html.escape(s, quote=False)
-    s = re.sub(r"([\\`*_{}\[\]()#+!|~>])", r"\\\1", s)
-    return _break_refs(s)
-
-
-def html_text(text: Any) -> str:
-    """Text inside an HTML element (`<summary>`): escaped, references broken."""
-    return _break_refs(_html.escape(_clean(text).replace("\n", " "), quote=True))
-
-
-def safe_title(text: str) -> str:
-    s = _break_refs(re.sub(r"\s+", " ", _clean(text))).strip()
-    return s if len(s) <= TITLE_LIMIT else s[: TITLE_LIMIT - 1] + "…"
-
-
-def _safe_url(url: str | None) -> str | None:
-    if not url:
-        return None
-    p = urllib.parse.urlsplit(url)
-    if p.scheme not in ("http", "https") or not p.netloc or any(c in url for c in " \n\r\t<>\"'`"):
-        return None
-    return url.replace("(", "%28").replace(")", "%29")
-
-
 # --------------------------------------------------------------------------- the diff
 
 
@@ -294,315 +226,6 @@ def load_diff(path: Path) -> dict[str, Any]:
             raise InputError(f"{path}: entries/{i} has unknown category {e.get('category')!r}",
                              hint=f"categories are {', '.join(CATEGORIES)}")
     return data
-
-
-# --------------------------------------------------------------------------- grouping
-
-
-@dataclass
-class Group:
-    """The findings that share one issue."""
-
-    kind: str  # "op" | "layer" | "divergence"
-    key: tuple[str, ...]
-    fingerprint: str
-    title: str
-    entries: list[dict[str, Any]] = field(default_factory=list)  # failing: regressed / persisting / flaky
-    fixed: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def backend(self) -> str:
-        return self.key[1]
-
-    @property
-    def regressed(self) -> bool:
-        """Some finding is new: not in the baseline (regressed, or in a cell the baseline lacks)."""
-        return any(e["category"] in NEW for e in self.entries)
-
-    @property
-    def present(self) -> bool:
-        return bool(self.entries)
-
-    def cells(self) -> list[str]:
-        return sorted({e["cell"] for e in self.entries or self.fixed})
-
-
-def group_key(backend: str, model: str, finding: Mapping[str, Any], *, layers: bool) -> tuple[str, ...] | None:
-    """The issue a finding belongs to, or None when such findings are not filed."""
-    kind = finding.get("kind")
-    if kind in OP_KINDS and finding.get("op"):
-        return ("op", backend, str(finding["op"]))
-    if not layers:
-        return None
-    if kind == "layer_failure" and finding.get("module"):
-        return ("layer", backend, model, str(finding["module"]))
-    if kind == "divergence":
-        details = finding.get("details") or {}
-        pattern = details.get("pattern") or finding.get("module_class") or finding.get("module")
-        if pattern:
-            return ("divergence", backend, str(pattern))
-    return None
-
-
-def group_fingerprint(key: Sequence[str]) -> str:
-    return _hash_key("issue", *key)
-
-
-def group_title(key: Sequence[str]) -> str:
-    kind = key[0]
-    if kind == "op":
-        text = f"[deepview-ci] {key[2]} fails on {key[1]}"
-    elif kind == "layer":
-        text = f"[deepview-ci] {key[3]} of {key[2]} fails on {key[1]}"
-    else:
-        text = f"[deepview-ci] {key[2]} layers diverge on {key[1]}"
-    return safe_title(text)
-
-
-def entry_finding(e: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    """The entry's finding; for a fixed or not re-checked one (``finding: null``), rebuilt from kind and key."""
-    if e.get("finding"):
-        return e["finding"]
-    kind, key = e.get("kind"), e.get("key")
-    if not e.get("fingerprint") or not kind or not key:
-        return None
-    if kind in OP_KINDS:
-        return {"kind": kind, "op": key}
-    return {"kind": kind, "module": key}
-
-
-def group_entries(diff: Mapping[str, Any], *, layers: bool) -> list[Group]:
-    groups: dict[tuple[str, ...], Group] = {}
-    for e in diff.get("entries", []):
-        f = entry_finding(e)
-        if not f:
-            continue  # cell-level entries (a cell got worse, appeared, vanished): not an issue of their own
-        key = group_key(e["backend"], e.get("model") or e["cell"].split("@")[0], f, layers=layers)
-        if key is None:
-            continue
-        g = groups.get(key)
-        if g is None:
-            g = groups[key] = Group(kind=key[0], key=key, fingerprint=group_fingerprint(key), title=group_title(key))
-        if e["category"] in FAILING:
-            g.entries.append(e)
-        elif e["category"] == "fixed":
-            g.fixed.append(e)
-    order = {"op": 0, "layer": 1, "divergence": 2}
-    return sorted(groups.values(), key=lambda g: (order[g.kind], g.key))
-
-
-# --------------------------------------------------------------------------- rendering
-
-
-@dataclass(frozen=True, kw_only=True)
-class RenderContext:
-    options: FilingOptions
-    run_key: str
-    run_url: str | None
-    artifacts_url: str | None
-    run_dir: Path | None
-    secret: str | None = field(default=None, repr=False)  # scrubbed from every body, should a message quote it
-
-
-def _env_text(env: Mapping[str, Any] | None) -> str:
-    if not env:
-        return ""
-    lines = []
-    for k in sorted(env):
-        v = env[k]
-        lines.append(f"{k}: {json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else v}")
-    return "\n".join(lines)
-
-
-def _signatures(details: Mapping[str, Any] | None) -> list[dict[str, Any]]:
-    """`details["signatures"]` (or `"signature"`) as {text, count, module, module_class, source}.
-
-    Items may be strings, or the ops mode's dicts: ``{"signature": "aten.x(f32[1, 3])", "count": 2,
-    "sites": [{"module": …, "module_class": …, "source": …}], …}``.
-    """
-    if not details:
-        return []
-    raw = details.get("signatures")
-    if raw is None:
-        raw = details.get("signature")
-    if raw is None:
-        return []
-    out = []
-    for item in raw if isinstance(raw, list) else [raw]:
-        if isinstance(item, Mapping):
-            sites = item.get("sites") or [{}]
-            site = sites[0] if isinstance(sites[0], Mapping) else {}
-            text = item.get("signature") or json.dumps(dict(item), sort_keys=True, separators=(",", ":"))[:400]
-            out.append({"text": str(text), "count": int(item.get("count") or 1), "module": site.get("module"),
-                        "module_class": site.get("module_class"), "source": site.get("source")})
-        else:
-            out.append({"text": str(item), "count": 1, "module": None, "module_class": None, "source": None})
-    return out
-
-
-def _entry_view(e: Mapping[str, Any]) -> dict[str, Any]:
-    f = e.get("finding") or {}
-    sigs = _signatures(f.get("details"))
-    return {
-        "model": e.get("model") or e["cell"].split("@")[0],
-        "cell": e["cell"],
-        "category": e["category"],
-        "kind": f.get("kind", ""),
-        "stage": f.get("stage", ""),
-        "module": f.get("module"),
-        "signatures": sigs[:MAX_SIGNATURES],
-        "more_signatures": max(0, len(sigs) - MAX_SIGNATURES),
-        "metrics": sorted((str(k), str(v)) for k, v in (f.get("metrics") or {}).items())[:8],
-        "threshold": sorted((str(k), str(v)) for k, v in (f.get("threshold") or {}).items())[:8],
-    }
-
-
-def _read_repro(entry: Mapping[str, Any], run_dir: Path | None) -> dict[str, Any] | None:
-    f = entry.get("finding") or {}
-    repro = f.get("repro")
-    if not repro or not repro.get("path"):
-        return None
-    rel = Path(entry.get("artifacts_dir") or f"cells/{entry['cell']}") / repro["path"]
-    text: str | None = None
-    if run_dir is not None:
-        root = run_dir.resolve()
-        target = (root / rel).resolve()
-        if root in target.parents and target.is_file():  # never read outside the run folder
-            try:
-                text = target.read_text(encoding="utf-8", errors="replace")
-            except OSError:
-                text = None
-    suffix = Path(repro["path"]).suffix
-    return {
-        "path": str(rel).replace("\\", "/"),
-        "verified": bool(repro.get("verified")),
-        "command": repro.get("command"),
-        "text": text,
-        "lang": {".py": "python", ".sh": "sh"}.get(suffix, "text"),
-        "artifact": artifact_name(entry["cell"]),
-        "truncated": False,
-        "shown": len(text or ""),
-        "total": len(text or ""),
-    }
-
-
-def _group_view(g: Group, *, max_entries: int, message_limit: int) -> dict[str, Any]:
-    ordered = sorted(g.entries, key=lambda e: (e["category"] not in NEW, e["cell"], e.get("fingerprint") or ""))
-    views = [_entry_view(e) for e in ordered]
-    messages: list[str] = []
-    for e in ordered:
-        msg = str((e.get("finding") or {}).get("message") or "").strip()
-        if msg and msg not in messages:
-            messages.append(msg)
-    shown = [m if len(m) <= message_limit else m[:message_limit] + f"\n… ({len(m) - message_limit} more characters)"
-             for m in messages[:MAX_MESSAGES]]
-    first = ordered[0] if ordered else (g.fixed[0] if g.fixed else {})
-    f = first.get("finding") or {}
-    return {
-        "kind": g.kind,
-        "backend": g.backend,
-        "op": g.key[2] if g.kind == "op" else None,
-        "model": g.key[2] if g.kind == "layer" else None,
-        "module": g.key[3] if g.kind == "layer" else None,
-        "pattern": g.key[2] if g.kind == "divergence" else None,
-        "module_class": f.get("module_class"),
-        "entries": views[:max_entries],
-        "more_entries": max(0, len(views) - max_entries),
-        "models": sorted({v["model"] for v in views}),
-        "new_models": sorted({v["model"] for v in views if v["category"] in NEW}),
-        "messages": shown,
-        "more_messages": max(0, len(messages) - MAX_MESSAGES),
-        "env": _env_text(first.get("env")),
-        "repro": None,
-    }
-
-
-_JINJA: Any = None
-
-
-def _jinja() -> Any:
-    global _JINJA
-    if _JINJA is None:
-        env = jinja2.Environment(
-            loader=jinja2.PackageLoader("ci_runner", "templates"),
-            autoescape=False,  # markdown: every value goes through one of the filters below
-            undefined=jinja2.StrictUndefined,
-            trim_blocks=True,
-            lstrip_blocks=True,
-            keep_trailing_newline=True,
-        )
-        env.filters.update(code=code_span, fence=fenced, plain=plain, html=html_text)
-        _JINJA = env
-    return _JINJA
-
-
-def _markers(fp: str, meta: Mapping[str, Any]) -> str:
-    blob = json.dumps(meta, sort_keys=True, separators=(",", ":")).replace("<", "\\u003c").replace(">", "\\u003e")
-    blob = blob.replace("--", "-\\u002d")
-    return f"<!-- deepview-ci:fingerprint={fp} -->\n<!-- deepview-ci:meta {blob} -->"
-
-
-def _tidy(text: str) -> str:
-    return re.sub(r"\n{3,}", "\n\n", text).strip() + "\n"
-
-
-def render_issue(g: Group, ctx: RenderContext) -> str:
-    """The issue body, within `body_limit` characters: the repro is cut first, then the lists."""
-    meta = {"v": 1, "kind": g.kind, "key": list(g.key), "cells": g.cells(), "run": ctx.run_key}
-    what = {"op": "operator and backend", "layer": "failing submodule, model and backend",
-            "divergence": "layer class and backend"}[g.kind]
-    links = {"run": _safe_url(ctx.run_url), "artifacts": _safe_url(ctx.artifacts_url or ctx.run_url)}
-    template = _jinja().get_template(f"issue_{g.kind}.md.j2")
-    repro = None
-    for e in sorted(g.entries, key=lambda e: (e["category"] not in NEW, e["cell"])):
-        candidate = _read_repro(e, ctx.run_dir)
-        if candidate and (repro is None or (repro["text"] is None and candidate["text"] is not None)):
-            repro = candidate
-    limit = ctx.options.body_limit
-    max_entries, message_limit = MAX_ENTRIES, MESSAGE_LIMIT
-    full = repro["text"] if repro and repro["text"] is not None else None
-    keep = len(full) if full is not None else 0
-    for _ in range(12):
-        view = _group_view(g, max_entries=max_entries, message_limit=message_limit)
-        if repro is not None:
-            r = dict(repro)
-            if full is not None and keep < len(full):
-                cut = full[:keep]
-                nl = cut.rfind("\n")
-                r["text"] = cut[: nl + 1] if nl > 0 else cut
-                r["truncated"] = True
-                r["shown"] = len(r["text"])
-            view["repro"] = r
-        body = _tidy(template.render(group=view, markers=_markers(g.fingerprint, meta), links=links,
-                                     options=ctx.options, meta={"what": what, "fingerprint": g.fingerprint}))
-        body = redact(body, ctx.secret)
-        over = len(body) - limit
-        if over <= 0:
-            return body
-        if full is not None and keep > 0:
-            keep = max(0, keep - over - 200)
-        elif max_entries > 5 or message_limit > 500:
-            max_entries, message_limit = max(5, max_entries // 2), max(500, message_limit // 2)
-        else:
-            break
-    note = "\n\n… (truncated to fit GitHub's issue size limit)\n"
-    return body[: limit - len(note)] + note
-
-
-def render_comment(g: Group, ctx: RenderContext, event: str, *, closing: bool = False) -> str:
-    links = {"run": _safe_url(ctx.run_url), "artifacts": _safe_url(ctx.artifacts_url or ctx.run_url)}
-    marker = f"<!-- deepview-ci:event={event} run={ctx.run_key} -->"
-    template = _jinja().get_template("issue_comment.md.j2")
-    max_entries, message_limit = 20, 1500
-    body = ""
-    for _ in range(6):
-        view = _group_view(g, max_entries=max_entries, message_limit=message_limit)
-        body = redact(_tidy(template.render(group=view, markers=marker, links=links, options=ctx.options, event=event,
-                                            closing=closing, cells=g.cells())), ctx.secret)
-        if len(body) <= ctx.options.body_limit:
-            return body
-        max_entries, message_limit = max(3, max_entries // 2), max(200, message_limit // 2)
-    return body[: ctx.options.body_limit - 40] + "\n… (truncated)\n"
 
 
 # --------------------------------------------------------------------------- the run
@@ -1007,22 +630,5 @@ def _publish(report: FilingReport, env: Mapping[str, str], token: str) -> None:
     append_step_summary(redact(report.markdown(), token), env=env)
 
 
-__all__ = [
-    "FilingOptions",
-    "FilingReport",
-    "Group",
-    "code_span",
-    "fenced",
-    "file_issues",
-    "group_entries",
-    "group_fingerprint",
-    "group_key",
-    "group_title",
-    "html_text",
-    "load_diff",
-    "plain",
-    "render_comment",
-    "render_issue",
-    "safe_title",
-]
+__all__ = ["FilingOptions", "FilingReport", "file_issues", "load_diff"]
 

@@ -10,16 +10,14 @@ from pathlib import Path
 import pytest
 
 from ci_runner.errors import ConfigError, InputError
-from ci_runner.github.issues import (
-    FilingOptions,
+from ci_runner.github.issues import FilingOptions, file_issues, load_diff
+from ci_runner.github.render import (
     Group,
     RenderContext,
     code_span,
     fenced,
-    file_issues,
     group_entries,
     group_fingerprint,
-    load_diff,
     plain,
     render_comment,
     render_issue,
