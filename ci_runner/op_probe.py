@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from .backends import resolve_backend
+from .backends import COULD_NOT_RUN_RE, named_op_from_error, resolve_backend
 from .config import BackendSpec, spec_from_json, spec_to_json
 from .fsutil import append_line
 from .inventory import iter_tensor_specs, resolve_callable
@@ -39,9 +39,6 @@ POSITIVE_INPUT_OPS = ("log", "log2", "log10", "log1p", "sqrt", "rsqrt", "pow", "
                       "float_power", "true_divide", "divide", "special_*", "_weight_norm*")
 _CHILD_STARTUP_S = 60.0  # importing torch, the backend and Dynamo's first compile, on a loaded 2-core machine
 _MIN_PROBES_PER_CHILD = 24
-COULD_NOT_RUN_RE = re.compile(r"Could not run '(?P<op>[\w:.]+)' with arguments from the '(?P<backend>[^']+)' backend")
-UNSUPPORTED_RE = re.compile(r"unsupported operator (?P<op>[A-Za-z_][\w.]*\w)")
-ATEN_NAME_RE = re.compile(r"\b(?P<op>(?:aten|prims)(?:::|\.)[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)?)")
 
 
 # --------------------------------------------------------------------------------------------- synthetic inputs
@@ -284,22 +281,6 @@ def float_dtype(args: Any, kwargs: Any) -> str:
 
 # --------------------------------------------------------------------------------------------- probing (child side)
 
-def parse_named_op(message: str) -> tuple[str | None, str | None]:
-    """(op overload, the phrase naming it) from a backend's error text; (None, None) when none is named."""
-    m = UNSUPPORTED_RE.search(message)
-    if m:
-        return m.group("op"), m.group(0)
-    m = COULD_NOT_RUN_RE.search(message)
-    if m:
-        name = m.group("op").replace("::", ".")
-        return (name if name.count(".") >= 2 else f"{name}.default"), m.group(0)
-    m = ATEN_NAME_RE.search(message)
-    if m:
-        name = m.group("op").replace("::", ".")
-        return (name if name.count(".") >= 2 else f"{name}.default"), m.group(0)
-    return None, None
-
-
 def packet_of(op: str) -> str:
     return op.rsplit(".", 1)[0] if op.count(".") >= 2 else op
 
@@ -329,7 +310,7 @@ def classify_failure(exc: BaseException, *, eager: bool, ref_exc: BaseException 
     if ref_exc is not None and status == "error" and type(ref_exc) is type(inner):
         status = "probe_error"  # CPU eager rejects the same synthetic inputs: the probe is invalid, not the backend
         message = f"CPU eager fails too ({type(ref_exc).__name__}: {_exc_text(ref_exc)[:300]}): {message}"
-    named, phrase = parse_named_op(message)
+    named, phrase = named_op_from_error(message)
     return {"status": status, "stage": stage, "error_type": type(inner).__name__, "message": message[:4000],
             "named_op": named, "named_text": phrase}
 
@@ -644,7 +625,7 @@ def _crash_outcome(probe: Mapping[str, Any], res: Any, probe_timeout: float) -> 
     words = _backend_lines(tail)
     if words:
         message += ": " + words
-    named, phrase = parse_named_op(words)
+    named, phrase = named_op_from_error(words)
     return {"id": probe["id"], "op": probe["op"], "status": status, "stage": "run", "error_type": error_type,
             "message": message[:4000], "named_op": named, "named_text": phrase, "metrics": {},
             "seconds": probe_timeout if status == "timeout" else None}

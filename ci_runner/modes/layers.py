@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
 
-from ..backends import plugin_pythonpath
+from ..backends import backend_recipe, plugin_pythonpath, simdev_options
 from ..config import spec_to_json
 from ..fsutil import atomic_write_text
 from ..codec import TensorStore, Unstorable
@@ -332,27 +332,18 @@ def _key_text(message: str) -> list[str]:
     return [line[:80]] if len(line) >= 8 else []
 
 
-def _backend_recipe(spec: Any) -> dict[str, Any]:
-    """How the repro script gets the backend: kind plus what the template needs for that kind."""
-    compile_spec = spec.compile
-    recipe: dict[str, Any] = {"kind": "eager", "name": None, "module": None, "attr": None,
-                              "options": dict(spec.backend_options), "compile_options": dict(spec.compile_options)}
-    if compile_spec is None:
-        return recipe
-    if ":" in compile_spec:
-        mod, attr = compile_spec.split(":", 1)
-        recipe.update(kind="callable", module=mod, attr=attr)
-    elif _sim_name(compile_spec):
-        recipe.update(kind="sim", name=compile_spec)
-    else:
-        recipe.update(kind="registered", name=compile_spec)
-    return recipe
+def template_backend(spec: Any) -> dict[str, Any]:
+    """How the layer repro template gets the backend (`backends.backend_recipe`, as the template names it):
+    kind eager | sim | callable | registered, plus what that kind needs."""
+    r = backend_recipe(spec)
+    kind = "callable" if r.kind == "plugin" else r.kind
+    return {"kind": kind, "name": r.name if kind in ("sim", "registered") else None, "module": r.module,
+            "attr": r.attr, "options": dict(r.options), "compile_options": dict(r.compile_options)}
 
 
 def _repro_context(ctx: "ModeContext", name: str, node_class: str, o: ProbeOutcome, call: dict[str, Any]) -> dict[str, Any]:
     spec = ctx.cell.backend
     versions = {str(k): str(v) for k, v in (ctx.env.get("backend") or {}).items() if k != "torch"}
-    simdev_options = spec.backend_options if spec.compile is None else spec.backend_options.get("simdev", {})
     return {
         "module": label(name), "qualified_name": name, "module_class": node_class,
         "model_id": ctx.cell.model.id, "model_source": ctx.cell.model.source, "backend_id": spec.id,
@@ -360,8 +351,8 @@ def _repro_context(ctx: "ModeContext", name: str, node_class: str, o: ProbeOutco
         "status": o.status, "torch_version": torch.__version__, "versions": versions,
         "env": {str(k): str(v) for k, v in spec.env.items()}, "imports": list(spec.imports),
         "device": spec.device, "simdev": spec.device.split(":")[0] == "simdev",
-        "simdev_options": dict(simdev_options) if isinstance(simdev_options, Mapping) else {},
-        "backend": _backend_recipe(spec), "call": call, "plugin_modules": _plugin_modules(spec),
+        "simdev_options": dict(simdev_options(spec)),
+        "backend": template_backend(spec), "call": call, "plugin_modules": _plugin_modules(spec),
     }
 
 

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
-from ..backends import plugin_pythonpath
+from ..backends import BackendRecipe, backend_recipe
 from ..config import BackendSpec
 from ..errors import DeepviewError
 from ..fsutil import atomic_write_json
@@ -65,7 +65,6 @@ from ..options import OpsOptions
 from ..options import parse as parse_options
 from ..repro import render_template, safe_filename, verify_script, write_script
 from ..results import Finding, ModeResult, Repro, fingerprint
-from ..sim import is_sim
 
 if TYPE_CHECKING:
     from . import ModeContext
@@ -80,47 +79,6 @@ _MAX_PROBE_ROWS = 1000  # outcomes kept in ModeResult.data["probes"] (all of the
 
 
 # --------------------------------------------------------------------------------------------- repro scripts
-
-@dataclass(frozen=True, kw_only=True)
-class BackendRecipe:
-    """How a standalone script rebuilds the backend: imports, setup lines, the torch.compile backend expression."""
-
-    imports: tuple[str, ...]
-    setup: tuple[str, ...]
-    backend_expr: str | None  # None for eager devices
-    device: str
-    env: Mapping[str, str]
-    compile_options: Mapping[str, Any]
-    pythonpath: tuple[str, ...]  # folders the script needs on PYTHONPATH (plugins not installed as packages)
-
-
-def backend_recipe(spec: "BackendSpec") -> BackendRecipe:
-    imports: list[str] = list(spec.imports)
-    setup: list[str] = []
-    expr: str | None = None
-    options = dict(spec.backend_options)
-    if spec.device.split(":")[0] == "simdev":  # backends.py: simdev's options sit under `simdev` when compiling
-        sim_options = options if spec.compile is None else dict(options.get("simdev") or {})
-        imports.append("ci_runner.sim.simdev")
-        setup.append(f"ci_runner.sim.simdev.register_from_options({sim_options!r})  # registers the simdev device")
-    if spec.compile is not None:
-    
-        if is_sim(spec.compile):
-            imports.append("ci_runner.sim")
-            setup.append(f"BACKEND = ci_runner.sim.make_backend({spec.compile!r}, {options!r})")
-        elif ":" in spec.compile:
-            module, _, attr = spec.compile.partition(":")
-            imports.append(module)
-            target = f"{module}.{attr}"
-            setup.append(f"BACKEND = {target}(**{options!r})" if options else f"BACKEND = {target}")
-        else:
-            setup.append(f"BACKEND = {spec.compile!r}")
-        expr = "BACKEND"
-    imports = list(dict.fromkeys(imports))
-    return BackendRecipe(imports=tuple(imports), setup=tuple(setup), backend_expr=expr, device=spec.device,
-                         env=dict(spec.env), compile_options=dict(spec.compile_options),
-                         pythonpath=tuple(plugin_pythonpath(imports)))
-
 
 def render_repro(*, op: str, kind: str, stage: str, error_type: str | None, message: str,
                  signature: OpSignature, probe: Mapping[str, Any], recipe: BackendRecipe, backend_id: str,

@@ -15,7 +15,7 @@ from ci_runner.config import BackendSpec
 from ci_runner.codec import TensorStore
 from ci_runner.layer_search import encode_call
 from ci_runner.backends import plugin_pythonpath
-from ci_runner.modes.layers import _backend_recipe, _plugin_modules
+from ci_runner.modes.layers import _plugin_modules, template_backend
 from ci_runner.repro import render_template, write_script
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,7 +26,7 @@ def _ctx(spec: BackendSpec, call: dict[str, Any], **extra: Any) -> dict[str, Any
         module="blk.attn", qualified_name="blk.attn", module_class="Attn", model_id="m", model_source="config:llama",
         backend_id=spec.id, stage="run", error_type="RuntimeError", message='boom """ \\x \nsecond line', status="fail",
         torch_version=torch.__version__, versions={}, env=dict(spec.env), imports=list(spec.imports),
-        device=spec.device, simdev=spec.device == "simdev", simdev_options={}, backend=_backend_recipe(spec),
+        device=spec.device, simdev=spec.device == "simdev", simdev_options={}, backend=template_backend(spec),
         call=call, plugin_modules=_plugin_modules(spec))
     ctx.update(extra)
     return ctx
@@ -57,14 +57,14 @@ def test_templates_render_valid_python_for_every_backend_kind(spec: BackendSpec)
 
 
 def test_backend_recipes_and_plugin_paths() -> None:
-    assert _backend_recipe(SPECS[0])["kind"] == "registered"
-    sim = _backend_recipe(SPECS[1])
+    assert template_backend(SPECS[0])["kind"] == "registered"
+    sim = template_backend(SPECS[1])
     assert (sim["kind"], sim["name"], sim["options"]) == ("sim", "sim-crash", {"op": "attention"})
-    plug = _backend_recipe(SPECS[2])
+    plug = template_backend(SPECS[2])
     assert (plug["kind"], plug["module"], plug["attr"]) == ("callable", "tests.fixtures.plugin_layers_pair", "pair_backend")
-    assert _backend_recipe(SPECS[3])["kind"] == "eager"
+    assert template_backend(SPECS[3])["kind"] == "eager"
     both = BackendSpec(id="both", compile="aot_eager", device="simdev")  # a compiler on the sim device
-    assert _backend_recipe(both)["kind"] == "registered" and _plugin_modules(both) == ["ci_runner"]
+    assert template_backend(both)["kind"] == "registered" and _plugin_modules(both) == ["ci_runner"]
     assert _plugin_modules(SPECS[2]) == ["tests.fixtures", "tests.fixtures.plugin_layers_pair"]
     assert _plugin_modules(SPECS[3]) == ["ci_runner"]
     # the checkout's root holds `tests` and `ci_runner`; torch lives in site-packages and is left out

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from ci_runner.backends import named_op_from_error as parse_named_op
 from ci_runner.config import BackendSpec, spec_from_json, spec_to_json
 from ci_runner.errors import ConfigError
 from ci_runner.inventory import encode_value
@@ -17,7 +18,6 @@ from ci_runner.op_probe import (
     build_tensors,
     compare,
     make_tensor,
-    parse_named_op,
     run_probe,
     with_ranges,
 )

@@ -18,7 +18,8 @@ import torch
 
 from ci_runner.config import BackendSpec
 from ci_runner.inventory import CallSite, OpSignature, encode_value, signature_key
-from ci_runner.modes.ops import backend_recipe, render_repro
+from ci_runner.backends import backend_recipe
+from ci_runner.modes.ops import render_repro
 from ci_runner.op_probe import with_ranges
 from ci_runner.repro import verify_script, write_script
 
