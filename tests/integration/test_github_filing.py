@@ -10,8 +10,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from ci_runner.github.issues import FilingOptions, file_issues
 from ci_runner.github.render import group_fingerprint
 from ci_runner.results import CellResult, ModeResult, Results, save_results
@@ -20,12 +18,6 @@ from tests.fixtures.fake_github import SECONDARY_MESSAGE, FakeGitHub, entry, op_
 REPO = "acme/models"
 ROOT = Path(__file__).resolve().parents[2]
 SOFTPLUS = ("op", "sim-subset", "aten.softplus.default")
-
-
-@pytest.fixture
-def gh():
-    with FakeGitHub() as server:
-        yield server
 
 
 def run(gh: FakeGitHub, diff: Path, *, run_id: str | None = "100", token: str | None = None, run_dir: Path | None = None,

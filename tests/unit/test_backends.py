@@ -37,11 +37,7 @@ def f(x: torch.Tensor) -> torch.Tensor:
 X = torch.randn(4, 4)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 
 
 def test_eager_backend_is_identity() -> None:

@@ -23,12 +23,6 @@ from tests.fixtures.fake_github import SECONDARY_MESSAGE, FakeGitHub
 FAST = ClientOptions(timeout=5, max_retries=3, backoff=0.0, max_wait=10, min_write_interval=0.0)
 
 
-@pytest.fixture
-def gh():
-    with FakeGitHub() as server:
-        yield server
-
-
 def client(gh: FakeGitHub, **kw) -> GitHubClient:
     opts = ClientOptions(**{**FAST.__dict__, **kw})
     return GitHubClient(gh.url, gh.token, opts)

@@ -11,12 +11,7 @@ import pytest
 from ci_runner.config import load_matrix_text
 from ci_runner.errors import ConfigError
 from ci_runner.matrix import artifact_name, chunk, expand, expand_json, find_cell, select
-
-
-def matrix(models: int = 2, backends: int = 2, extra: str = "") -> str:
-    ms = "\n".join(f"  - {{id: m{i}, config: llama}}" for i in range(models))
-    bs = "\n".join(f"  - {{id: b{i}, compile: inductor}}" for i in range(backends))
-    return f"version: 1\nmodels:\n{ms}\nbackends:\n{bs}\n{extra}"
+from tests.conftest import tiny_matrix_text as matrix
 
 
 def test_ids_are_model_at_backend_in_matrix_order() -> None:

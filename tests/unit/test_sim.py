@@ -20,11 +20,7 @@ EXAMPLE = load_matrix(None)
 SIMDEV_MSG = re.compile(r"Could not run 'aten::(?P<op>[\w.]+)' with arguments from the 'simdev' backend")
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
