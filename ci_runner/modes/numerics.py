@@ -26,7 +26,7 @@ import torch
 from .. import options
 from ..config import spec_to_json
 from ..fsutil import append_line
-from ..isolate import run_isolated
+from ..isolate import Attempt, IsolatedResult, Journal, supervise
 from ..models import load_model, model_fingerprint
 from ..options import NumericsOptions
 from ..results import ModeResult
@@ -46,7 +46,6 @@ from ..numerics.thresholds import LayerStats, ThresholdTable, key_hash, load_or_
 from ..numerics.toolbox import after_numerics, before_numerics, reference_dumps
 from ..numerics.verdict import build_layers, findings_for, layer_table, verdict_of, view_status
 from ..numerics.views import derive_reference_stats, runnable_reference
-from ..isolate import open_entry
 
 if TYPE_CHECKING:
     from . import ModeContext
@@ -76,48 +75,51 @@ def _run_target(ctx: "ModeContext", opts: NumericsOptions, dumps: list[Path], wo
         def emit(rec: dict[str, Any]) -> None:
             append_line(results, json.dumps(json_safe(rec), allow_nan=False))
 
-        def jour(event: str, name: str) -> None:
-            append_line(journal, f"{event}\t{name}")
-
-        compare_target(module, ctx.backend, plan, emit, journal=jour, table=table)
+        compare_target(module, ctx.backend, plan, emit, journal=Journal(journal).write, table=table)
         return read_records(results), notes
 
-    skip: dict[str, list[str]] = {}
     crashed: list[dict[str, Any]] = []
-    for attempt in range(opts.max_restarts + 1):
+    finished = False
+    tail: list[str] = []  # the failed child's traceback, after the stop reason
+
+    def next_attempt(n: int) -> Attempt | str | None:
+        if finished:
+            return None
         budget = ctx.remaining() - 5.0
         if opts.timeout is not None:
             budget = min(budget, opts.timeout)
         if budget <= 5.0:
-            notes.append("the target was not (fully) compared: the cell ran out of time")
-            break
-        records = read_records(results)
-        skip = done_keys(records, crashed)
-        payload = {**base, "skip": skip, "deadline_wall": time.time() + budget * 0.9}
-        if attempt:  # a child died: the cumulative view is incomplete or the isolated view had started
+            return "the target was not (fully) compared: the cell ran out of time"
+        payload = {**base, "skip": done_keys(read_records(results), crashed), "deadline_wall": time.time() + budget * 0.9}
+        if n:  # a child died: the cumulative view is incomplete or the isolated view had started
             payload["isolated"] = "all"
-        res = run_isolated(TARGET_CHILD, payload, timeout=budget, journal=journal,
-                           env=dict(ctx.cell.backend.env))
-        if res.status == "ok":
-            break
-        entry = parse_journal_entry(open_entry(journal))
-        what = {"crashed": f"crashed ({res.signal or res.message})", "timeout": "timed out",
-                "error": f"failed: {res.error_type}: {res.message.splitlines()[0] if res.message else ''}"}.get(res.status, res.status)
+        return Attempt(payload=payload, timeout=budget)
+
+    def on_ok(_res: IsolatedResult) -> None:
+        nonlocal finished
+        finished = True
+
+    def on_crash(item: str | None, res: IsolatedResult) -> str | None:
+        entry = parse_journal_entry(item)
+        what = res.describe()
         if res.status == "error" and entry is None:
-            notes.append(f"the target child {what}")
             if res.traceback:
-                notes.append(res.traceback[-1500:])
-            break
+                tail.append(res.traceback[-1500:])
+            return f"the target child {what}"
         if entry is None:
-            notes.append(f"the target child {what} before any module was entered")
-            break
+            return f"the target child {what} before any module was entered"
         view, s, key = entry
         crashed.append({"view": view, "sample": s, "key": key, "status": res.status, "message": what,
                         "stderr": (res.stderr_tail or "")[-1500:]})
-        append_line(journal, f"leave-module\t{view}:{s}:{key}" if key else f"leave-module\t{view}:{s}")
-        notes.append(f"the target child {what} in {view} view, sample {s}" + (f", module {key or '(root)'}" if view == "isolated" or key else ""))
-    else:
-        notes.append(f"gave up after {opts.max_restarts} restarts")
+        notes.append(f"the target child {what} in {view} view, sample {s}"
+                     + (f", module {key or '(root)'}" if view == "isolated" or key else ""))
+        return None
+
+    run = supervise(TARGET_CHILD, journal=journal, kind="module", next_attempt=next_attempt, on_crash=on_crash,
+                    on_ok=on_ok, max_restarts=opts.max_restarts, env=dict(ctx.cell.backend.env))
+    if run.stop_reason is not None:
+        notes.append(run.stop_reason)
+        notes.extend(tail)
     records = read_records(results)
     for c in crashed:
         if c["view"] == "cumulative" and not c["key"]:

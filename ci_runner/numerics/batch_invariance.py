@@ -302,14 +302,11 @@ def check_cell(ctx: CellContext, *, table: ThresholdTable | None, slots: int = 4
                "inputs": spec_to_json(ctx.cell.inputs), "seed": ctx.cell.inputs.seed, "dtype": primary.dtype,
                "slots": slots, "position": position, "sample": sample}
     if isolate:
-
         timeout = max(5.0, min(900.0, ctx.remaining() * 0.5))
         res = run_isolated("ci_runner.numerics.batch_invariance:batch_child", payload, timeout=timeout,
                            env=dict(ctx.cell.backend.env))
         if res.status != "ok":
-            why = {"crashed": f"the child crashed ({res.signal or res.message})",
-                   "timeout": f"timed out after {timeout:.0f} s",
-                   "error": f"{res.error_type}: {(res.message or '').splitlines()[0] if res.message else ''}"}.get(res.status, res.status)
+            why = f"the child {res.describe()}"
             return [], {"status": "error", "reason": f"batch invariance could not run: {why}",
                         "stderr_tail": (res.stderr_tail or "")[-1500:]}
         result = res.value

@@ -400,12 +400,9 @@ def bisect_cell(ctx: CellContext, *, layers: Sequence[Any], verdict: Mapping[str
             "view": view}
     budget = max(5.0, min(timeout, ctx.remaining() * 0.8))
     if isolate:
-
         res = run_isolated("ci_runner.numerics.bisect:bisect_child", payload, timeout=budget, env=dict(ctx.cell.backend.env))
         if res.status != "ok":
-            why = {"crashed": f"the child crashed ({res.signal or res.message})",
-                   "timeout": f"timed out after {budget:.0f} s",
-                   "error": f"{res.error_type}: {(res.message or '').splitlines()[0] if res.message else ''}"}.get(res.status, res.status)
+            why = f"the child {res.describe()}"
             return {**base, "status": "error", "summary": None, "reason": f"bisect could not run: {why}",
                     "stderr_tail": (res.stderr_tail or "")[-1500:]}
         return {**base, "status": "ok", **res.value}

@@ -274,21 +274,18 @@ def check_cell(ctx: CellContext, *, isolate: bool = True, chunk_mb: float = 256.
     if getattr(backend, "is_eager", True) and getattr(backend, "device", "cpu") == "cpu":
         return [], {"status": "skipped", "reason": "eager CPU backend: the weights are not transferred"}
     if isolate:
-    
         payload = {"model": spec_to_json(ctx.cell.model), "backend": spec_to_json(ctx.cell.backend),
                    "seed": ctx.cell.inputs.seed, "dtype": primary.dtype, "chunk_mb": chunk_mb}
         timeout = max(5.0, min(600.0, ctx.remaining() * 0.5))
         res = run_isolated("ci_runner.numerics.weights:weights_child", payload, timeout=timeout,
                            env=dict(ctx.cell.backend.env))
         if res.status != "ok":
-            why = {"crashed": f"the child crashed ({res.signal or res.message})", "timeout": f"timed out after {timeout:.0f} s",
-                   "error": f"{res.error_type}: {(res.message or '').splitlines()[0] if res.message else ''}"}.get(res.status, res.status)
+            why = f"the child {res.describe()}"
             return [], {"status": "error", "reason": f"weights check could not run: {why}",
                         "stderr_tail": (res.stderr_tail or "")[-1500:]}
         report = WeightsReport.from_json(res.value["report"])
         classes = res.value.get("classes") or {}
     else:
-
         loaded = load_model(ctx.cell.model, seed=ctx.cell.inputs.seed, dtype=primary.dtype, device="cpu")
         try:
             report = check_weights(loaded.module, backend, chunk_mb=chunk_mb)
