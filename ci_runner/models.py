@@ -38,6 +38,7 @@ import torch
 from .config import InputSpec, ModelSpec
 from .errors import ModelLoadError
 from .sim import simdev
+from .tree import map_tensors
 
 TASKS: tuple[str, ...] = ("causal-lm", "base", "masked-lm", "image-classification", "image-text")
 
@@ -544,13 +545,7 @@ def _accepts(module: torch.nn.Module, name: str) -> bool:
 
 
 def _move(obj: Any, device: str) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, Mapping):
-        return {k: _move(v, device) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_move(v, device) for v in obj)
-    return obj
+    return map_tensors(lambda t: t.to(device), obj)
 
 
 def build_inputs(model: LoadedModel, inputs: InputSpec, *, sample: int = 0, device: str = "cpu") -> dict[str, Any]:
