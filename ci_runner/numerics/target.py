@@ -22,11 +22,12 @@ from ..config import BackendSpec, ModelSpec, spec_from_json
 from ..fsutil import append_line
 from ..isolate import child_journal
 from ..models import load_model
+from ..options import ThresholdOptions
 from ..results import clean, number
 from .capture import ResultFn
 from .settings import DYNAMO_SETTINGS, VIEWS
 from .store import DumpReader
-from .thresholds import ThresholdOptions, ThresholdTable, exceeded, load_table
+from .thresholds import ThresholdTable, exceeded, load_table
 from .views import cast_tree, run_cumulative_view, run_isolated_view
 
 TARGET_CHILD = "ci_runner.numerics.target:target_child"
@@ -62,7 +63,7 @@ def compare_target(module: nn.Module, backend: Any, plan: TargetPlan, emit: Resu
     "skipped"}` record says so. Each view ends with a status record carrying its `seconds`.
     """
     if plan.isolated == "auto" and table is None and plan.thresholds:
-        table = load_table(Path(plan.thresholds), ThresholdOptions.from_mapping(plan.threshold_options))
+        table = load_table(Path(plan.thresholds), ThresholdOptions(**plan.threshold_options))
     needed = plan.isolated != "auto" or table is None
     inner = emit
 

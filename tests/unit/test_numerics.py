@@ -293,6 +293,25 @@ def test_isolated_auto_runs_only_when_the_cumulative_view_flags(tmp_path: Path) 
     assert [r["status"] for r in recs if r["view"] == "isolated" and "status" in r] == ["done"]
 
 
+
+def test_isolated_auto_reads_the_thresholds_file_of_the_plan(tmp_path: Path) -> None:
+    """In the child the table comes from the plan: its file and its threshold options (JSON, as the mode sends them)."""
+    model = Toy().eval()
+    ncap.record_reference(model, _inputs(), tmp_path / "r0")
+    opts = parse("numerics", {"margin": 4})
+    table = ThresholdTable(layers={}, options=opts.thresholds, primary_dtype="float32", key={})
+    path = tmp_path / "thresholds.json"
+    path.write_text(json.dumps(table.to_json()))
+    plan = target.TargetPlan(model={}, backend={}, seed=0, dtype="float32", dumps=(str(tmp_path / "r0"),),
+                             results="", journal="", isolated="auto", thresholds=str(path),
+                             threshold_options=json.loads(json.dumps(opts.thresholds.as_dict())))
+    torch._dynamo.reset()
+    recs, emit = _collect()
+    target.compare_target(model, _EagerBackend(), plan, emit)
+    status = [r for r in recs if r["view"] == "isolated"]
+    assert len(status) == 1 and status[0]["status"] == "skipped"
+
+
 # ------------------------------------------------------------------------------------------ verdicts
 
 def _layer(name: str, done: int, cls: str = "Linear", cum: float = 0.0, iso: float = 0.0) -> Any:
