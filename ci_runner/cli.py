@@ -23,7 +23,8 @@ from .errors import DeepviewError, UsageError
 from .execute import RunOptions, cell_dir, load_partial, run_cells
 from .fsutil import atomic_write_json
 from .github.actions import set_output
-from .github.issues import FilingOptions, file_issues
+from .github.issues import file_issues
+from .github.options import FilingOptions
 from .isolate import arm_worker
 from .log import Progress
 from .matrix import dumps_compact, expand, expand_json, find_cell, select

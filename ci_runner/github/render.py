@@ -14,16 +14,14 @@ import re
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import jinja2
 
 from ..matrix import artifact_name
 from ..results import fingerprint as _hash_key
 from .client import redact
-
-if TYPE_CHECKING:
-    from .issues import FilingOptions
+from .options import FilingOptions
 
 TITLE_LIMIT = 256
 OP_KINDS = ("unsupported_op", "op_error", "op_mismatch")

@@ -10,7 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from ci_runner.github.issues import FilingOptions, file_issues
+from ci_runner.github.issues import file_issues
+from ci_runner.github.options import FilingOptions
 from ci_runner.github.render import group_fingerprint
 from ci_runner.results import CellResult, ModeResult, Results, save_results
 from tests.fixtures.fake_github import SECONDARY_MESSAGE, FakeGitHub, entry, op_finding, write_diff

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from ci_runner.errors import ConfigError, InputError
-from ci_runner.github.issues import FilingOptions, file_issues, load_diff
+from ci_runner.github.issues import file_issues, load_diff
+from ci_runner.github.options import FilingOptions
 from ci_runner.github.render import (
     Group,
     RenderContext,
