@@ -299,13 +299,11 @@ def validate(obj: Any, schema_name: str, *, source: str) -> None:
     """Validate against a shipped schema; raise `InputError` naming the file and JSON path.
 
     The compiled validator answers first; jsonschema runs only to word the error precisely."""
-    fast = _fast_validator(schema_name)
-    if fast is not None:
-        try:
-            fast(obj)
-            return
-        except Exception:  # fastjsonschema.JsonSchemaException: reported below, with jsonschema's wording
-            pass
+    try:
+        _fast_validator(schema_name)(obj)
+        return
+    except fastjsonschema.JsonSchemaException:  # reported below, with jsonschema's wording
+        pass
     validator = jsonschema.Draft202012Validator(_schema_spec(schema_name))
     errors = sorted(validator.iter_errors(obj), key=lambda e: list(e.absolute_path))
     if errors:
