@@ -287,14 +287,16 @@ def set_pdeathsig() -> None:
 
 
 def die_with_parent() -> None:
-    """Linux: SIGKILL this process when its parent dies (PR_SET_PDEATHSIG); elsewhere, and as a backstop, a
-    thread that ends the process once it is re-parented. A child runs in its own session, so killing the
-    parent's process group would miss it, and a hung child must not outlive the process that started it."""
+    """SIGKILL this process when its parent dies: PR_SET_PDEATHSIG on Linux; elsewhere a thread that ends the
+    process once it is re-parented. A child runs in its own session, so killing the parent's process group
+    would miss it, and a hung child must not outlive the process that started it."""
     ppid = os.getppid()
     set_pdeathsig()
     expected = os.environ.get(PARENT_ENV, "")
     if expected.isdigit() and int(expected) != ppid:  # the parent died before prctl took effect
         os._exit(70)
+    if _PRCTL is not None:
+        return
 
     def watch() -> None:
         while True:

@@ -35,7 +35,7 @@ from .capture import ModuleCapture, detach_tree, iter_tensors
 from .codec import TensorStore, Unstorable, check_value, decode_call
 from .fsutil import append_line, atomic_write_json
 from .config import BackendSpec, ModelSpec, spec_from_json
-from .isolate import child_journal, die_with_parent
+from .isolate import child_journal
 from .models import load_model
 from .tree import tensors_in
 
@@ -432,7 +432,6 @@ def probe_child(payload: dict[str, Any]) -> dict[str, Any]:
     appending every outcome as soon as it has it. Each level's inputs are captured by one reference forward
     of the CPU model (which probing never modifies: a module is copied before it goes to a device).
     """
-    die_with_parent()
     faulthandler.enable(file=sys.stderr)
 
     from safetensors.torch import load_file
