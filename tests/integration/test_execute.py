@@ -3,7 +3,6 @@ the other cells complete, and the run folder resumes cleanly."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -11,6 +10,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -47,10 +47,8 @@ def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> 
 
 
 @pytest.fixture()
-def matrix(tmp_path: Path) -> Path:
-    p = tmp_path / "matrix.yaml"
-    p.write_text(MATRIX.format(timeout=120), encoding="utf-8")
-    return p
+def matrix(write_matrix: Callable[..., Path]) -> Path:
+    return write_matrix(MATRIX.format(timeout=120))
 
 
 @pytest.mark.slow

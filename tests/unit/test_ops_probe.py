@@ -13,6 +13,7 @@ from ci_runner.backends import named_op_from_error as parse_named_op
 from ci_runner.config import BackendSpec, spec_from_json, spec_to_json
 from ci_runner.errors import ConfigError
 from ci_runner.inventory import encode_value
+from ci_runner.modes.ops import run
 from ci_runner.op_probe import (
     assemble,
     build_tensors,
@@ -212,22 +213,12 @@ def test_dynamo_level_probe_reaches_a_torch_level_compiler() -> None:
         assert ok["status"] == "pass" and ok["compare"] == "ok", (via, ok)
 
 
-def test_a_model_that_does_not_trace_is_an_error_with_the_place_not_a_traceback(tmp_path: Any) -> None:
-    import time
-
-    from ci_runner.backends import resolve_backend
-    from ci_runner.config import load_matrix_text
-    from ci_runner.matrix import expand
-    from ci_runner.modes import ModeContext
-    from ci_runner.modes.ops import run
-
-    matrix = load_matrix_text("""
+def test_a_model_that_does_not_trace_is_an_error_with_the_place_not_a_traceback(mode_context: Any) -> None:
+    ctx = mode_context("""
 version: 1
 models: [{id: giant, factory: "tests.fixtures.plugin_ops_models:untraceable"}]
 backends: [{id: sim-subset, compile: sim-subset}]
-""")
-    (cell,) = expand(matrix)
-    ctx = ModeContext(cell=cell, cell_dir=tmp_path, backend=resolve_backend(cell.backend), deadline=time.monotonic() + 300)
+""", "giant", "sim-subset")
     result = run(ctx)
     assert result.status == "error" and not result.findings
     assert "tests/fixtures/plugin_ops_models.py" in result.reason and "in forward" in result.reason
