@@ -10,10 +10,13 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from . import errors
 from .errors import DeepviewError, UsageError
+
+if TYPE_CHECKING:
+    from .config import Cell
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -86,10 +89,39 @@ def cmd_cell(args: argparse.Namespace) -> int:
 
     matrix = load_matrix(args.matrix)
     cell = find_cell(matrix, args.cell_id)
+    if args.setup_failed:
+        return _record_failed_setup(cell, Path(args.setup_failed), Path(args.out))
     progress = Progress(1)
     [result] = run_cells([cell], RunOptions(matrix_path=matrix.path, out_dir=Path(args.out), force=args.force,
                                             modes=args.modes), progress)
     return errors.EXIT_OK if result.status in ("pass", "skipped") else errors.EXIT_FINDINGS
+
+
+def _record_failed_setup(cell: "Cell", folder: Path, out: Path) -> int:
+    """Write the `error` result of a cell whose setup failed, from the folder the workflow's setup step wrote."""
+    from .cellrun import RESULT_NAME
+    from .envinfo import base_stamp
+    from .execute import cell_dir
+    from .plan import setup_failed_result
+    from .results import save_cell_result
+
+    def read(name: str) -> str:
+        try:
+            return (folder / name).read_text(encoding="utf-8", errors="replace")
+        except FileNotFoundError:
+            return ""
+        except OSError as exc:
+            raise errors.InputError(f"{folder / name}: cannot read: {exc.strerror}") from None
+
+    if not folder.is_dir():
+        raise errors.InputError(f"{folder}: no such folder", hint="pass the folder holding command.txt, output.log and exit-code")
+    code = read("exit-code").strip()
+    result = setup_failed_result(cell_id=cell.id, model=cell.model.id, backend=cell.backend.id, modes=cell.modes,
+                                 command=read("command.txt"), log_text=read("output.log"),
+                                 exit_code=int(code) if code.lstrip("-").isdigit() else None, env=base_stamp())
+    path = save_cell_result(result, cell_dir(out, cell.id) / RESULT_NAME)
+    print(f"{cell.id}: error: {result.error.message.splitlines()[0] if result.error else ''}\n  result: {path}")
+    return errors.EXIT_FINDINGS
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -110,16 +142,21 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 def cmd_expand(args: argparse.Namespace) -> int:
     from .config import load_matrix
+    from .fsutil import atomic_write_text
     from .github.actions import set_output as write_output
     from .matrix import dumps_compact, expand, expand_json, select
 
     matrix = load_matrix(args.matrix)
     cells = select(expand(matrix), args.select, args.skip)
     max_jobs = args.max_jobs if args.max_jobs is not None else matrix.max_jobs
-    doc = expand_json(cells, max_jobs=max_jobs, chunk_size=args.chunk_size)
-    print(json.dumps(doc, indent=2))
+    doc = expand_json(cells, max_jobs=max_jobs, chunk_size=args.chunk_size, fork_pr=args.fork_pr)
+    text = json.dumps(doc, indent=2)
+    print(text)
+    if args.out:
+        atomic_write_text(Path(args.out), text + "\n")
     write_output("count", str(doc["count"]))
     write_output("chunks", str(doc["chunks"]))
+    write_output("skipped", str(len(doc["skipped"])))
     write_output("matrix", dumps_compact(doc["matrix"][0]))
     for i, m in enumerate(doc["matrix"]):
         write_output(f"matrix-{i}", dumps_compact(m))
@@ -128,9 +165,11 @@ def cmd_expand(args: argparse.Namespace) -> int:
 
 def cmd_aggregate(args: argparse.Namespace) -> int:
     from .aggregate import aggregate, write_report_dir
+    from .plan import load_plan, parse_chunk_results
 
     paths = [Path(p) for p in args.dirs]
-    results = aggregate(paths)
+    plan = load_plan(Path(args.plan)) if args.plan else None
+    results = aggregate(paths, plan=plan, chunk_results=parse_chunk_results(args.chunk_results))
     run_dir = Path(args.run_dir) if args.run_dir else (paths[0] if len(paths) == 1 and paths[0].is_dir() else None)
     written = write_report_dir(results, Path(args.out), run_dir=run_dir)
     _report_outputs(Path(args.out), written)
@@ -240,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     selection(sp)
     sp.add_argument("--max-jobs", type=int, default=None, help="fail past this many cells (default: defaults.max_jobs)")
     sp.add_argument("--chunk-size", type=int, default=256, help="jobs per GitHub matrix chunk (≤ 256)")
+    sp.add_argument("--out", default=None, metavar="PLAN_JSON", help="also write the printed plan here (for `aggregate --plan`)")
+    sp.add_argument("--fork-pr", action="store_true",
+                    help="plan for a pull request from a fork: cells on self-hosted runners are skipped, with the reason")
 
     sp = add("cell", cmd_cell, "Run one cell (what a CI job runs).")
     sp.add_argument("cell_id", metavar="CELL_ID")
@@ -247,6 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", required=True)
     sp.add_argument("--modes", type=_modes_arg, default=None)
     sp.add_argument("--force", action="store_true")
+    sp.add_argument("--setup-failed", default=None, metavar="DIR",
+                    help="do not run the cell: record it as `error` because its setup failed; DIR holds command.txt, "
+                         "output.log and exit-code (the reusable workflow's setup step writes them)")
 
     sp = sub.add_parser("_worker")  # internal: no help, so it is not listed
     sp.set_defaults(handler=cmd_worker)
@@ -261,6 +306,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", required=True, metavar="REPORT_DIR")
     sp.add_argument("--run-dir", default=None, help="folder the cells' artifact paths are relative to")
     sp.add_argument("--fail-on-findings", action="store_true", help="exit 1 when any cell did not pass")
+    sp.add_argument("--plan", default=None, metavar="PLAN_JSON",
+                    help="the plan `expand --out` wrote: a planned cell with no result becomes an `error` cell")
+    sp.add_argument("--chunk-results", default=None, metavar="N=RESULT,…",
+                    help="each chunk job's conclusion (e.g. 0=success,1=cancelled), quoted in cells with no result")
 
     sp = add("diff", cmd_diff, "Diff results against a baseline; exit code per --fail-on.")
     sp.add_argument("results")

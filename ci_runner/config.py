@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import os
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
@@ -21,6 +22,7 @@ from .errors import ConfigError
 ALL_MODES: tuple[str, ...] = ("ops", "layers", "numerics")
 DEFAULT_TIMEOUT_S = 900.0
 DEFAULT_MAX_JOBS = 1024  # expand refuses more cells than this unless raised in `defaults.max_jobs`
+HOSTED_LABEL = re.compile(r"^(ubuntu|windows|macos)-[A-Za-z0-9._-]+$")  # GitHub-hosted runner images
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,6 +95,16 @@ class BackendSpec:
     backend_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     ir: str = "aten"  # what the backend's compiler sees: dynamo (torch-level), aten (after aot_autograd), core_aten
     runs_on: tuple[str, ...] = ("ubuntu-latest",)
+    # how the backend's GitHub job is set up (DESIGN §9); none of these is used by a local run
+    python: str | None = None  # an existing interpreter that holds torch and the backend
+    container: Mapping[str, Any] | None = None  # {image, options, env} of the job container
+    setup: tuple[str, ...] = ()  # shell commands run before the cell
+    artifacts: tuple[str, ...] = ()  # artifacts of an earlier job, downloaded before `setup`
+
+    @property
+    def self_hosted(self) -> bool:
+        """True unless every `runs-on` label names a GitHub-hosted image (ubuntu-*, windows-*, macos-*)."""
+        return not all(HOSTED_LABEL.match(label) for label in self.runs_on)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -353,6 +365,10 @@ def _resolve(path: Path, data: dict[str, Any], positions: _Positions) -> Matrix:
                 backend_options=MappingProxyType(dict(b.get("backend_options") or {})),
                 ir=b.get("ir", "aten"),
                 runs_on=(runs_on,) if isinstance(runs_on, str) else tuple(runs_on),
+                python=b.get("python"),
+                container=_container(b.get("container")),
+                setup=tuple(b.get("setup") or ()),
+                artifacts=tuple(b.get("artifacts") or ()),
             )
         )
 
@@ -385,6 +401,16 @@ def _resolve(path: Path, data: dict[str, Any], positions: _Positions) -> Matrix:
         include=tuple(MappingProxyType(dict(s)) for s in data.get("include") or ()),
         raw=MappingProxyType(data),
     )
+
+
+def _container(value: Any) -> Mapping[str, Any] | None:
+    """The job container as GitHub's `container:` mapping: {image, options, env}, env values as strings."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = {"image": value}
+    env = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in (value.get("env") or {}).items()}
+    return MappingProxyType({"image": value["image"], "options": value.get("options", ""), "env": MappingProxyType(env)})
 
 
 def raw_entry(matrix: Matrix, kind: str, entry_id: str) -> Mapping[str, Any]:
