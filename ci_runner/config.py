@@ -352,7 +352,13 @@ def _resolve(path: Path, data: dict[str, Any], positions: _Positions) -> Matrix:
         models.append(ModelSpec(**kw))
 
     backends = []
-    for b in data["backends"]:
+    for i, b in enumerate(data["backends"]):
+        if b.get("container") and not b.get("python"):
+            pos = positions.at(("backends", i, "container")) or (0, 0)
+            raise ConfigError(
+                f"{source}:{pos[0]}:{pos[1]}: backends[{i}].container: a backend that runs in a container needs `python`",
+                hint="name the image's interpreter that holds torch, e.g. `python: python3`",
+            )
         runs_on = b.get("runs-on", "ubuntu-latest")
         backends.append(
             BackendSpec(
