@@ -360,3 +360,29 @@ def test_action_run_step_passes_arguments_as_a_list(tmp_path):
     env["DEEPVIEW_ARGS"] = ""
     proc = subprocess.run(["bash", "-e", "-c", step["run"]], env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert json.loads((tmp_path / "argv.json").read_text()) == ["baseline", "update"]
+
+
+def test_the_docs_examples_are_valid_copy_paste():
+    """Every workflow in docs/github.md calls the pipeline with inputs it declares; the vendor matrix loads."""
+    from ci_runner.config import load_matrix_text
+    from ci_runner.matrix import expand, expand_json
+
+    text = (ROOT / "docs" / "github.md").read_text(encoding="utf-8")
+    blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", text, flags=re.S)]
+    inputs = load(ROOT / ".github" / "workflows" / "deepview.yml")["on"]["workflow_call"]["inputs"]
+    callers = [b for b in blocks if isinstance(b, dict) and "jobs" in b]
+    assert len(callers) >= 4
+    for doc in callers:
+        for job in doc["jobs"].values():
+            if "deepview.yml" in str(job.get("uses", "")):
+                assert set(job["with"]) <= set(inputs), set(job["with"]) - set(inputs)
+    vendor = [b for b in callers if "build" in b["jobs"]]
+    assert len(vendor) == 2  # the PR check and the nightly, each building the compiler wheel first
+    for doc in vendor:
+        upload = [s for s in doc["jobs"]["build"]["steps"] if "upload-artifact" in str(s.get("uses", ""))]
+        assert upload[0]["with"]["name"] == "acme-compiler-wheel" and doc["jobs"]["deepview"]["needs"] == "build"
+    [matrix] = [b for b in blocks if isinstance(b, dict) and "backends" in b]
+    [entry] = [e for m in expand_json(expand(load_matrix_text(yaml.safe_dump(matrix))), max_jobs=1024)["matrix"]
+               for e in m["include"] if e["cell"] == "tiny-llama@acme"]
+    assert entry["artifacts"] == ["acme-compiler-wheel"] and entry["python"] == "python3" and entry["self-hosted"]
+    assert entry["container"]["options"].startswith("--device=") and entry["setup"][0].startswith("pip install")
