@@ -21,7 +21,7 @@ from markupsafe import Markup
 
 from ..results import Results
 from .junit import xml_safe
-from .view import CellView, LayerPoint, NumericsView, ReportView, build_view, first_line, fmt_num, icon
+from .view import CellView, LayerPoint, NumericsView, ReportView, build_view, cos_distance, first_line, fmt_num, icon
 
 MAX_FINDINGS_PER_CELL = 500
 CHART_METRICS: tuple[tuple[str, str], ...] = (("rel", "relative error"), ("cos", "1 − cosine"), ("mad", "mean abs diff"))
@@ -158,7 +158,7 @@ def layer_chart(nv: NumericsView, metric: str, *, cell_id: str, label: str, hidd
 def layer_table(nv: NumericsView) -> str:
     """The per-layer table under a cell's charts (built in code: big runs have thousands of rows)."""
     out = ['<table><thead><tr><th>#</th><th>layer</th><th>class</th><th>cum rel</th><th>iso rel</th><th>≤ rel</th>'
-           '<th>cum cos</th><th>iso cos</th><th>≥ cos</th><th>flagged</th></tr></thead><tbody>']
+           '<th>cum 1 − cos</th><th>iso 1 − cos</th><th>≤ 1 − cos</th><th>flagged</th></tr></thead><tbody>']
     for p in nv.layers:
         row_cls = ' class="s-fail"' if p.flagged_cumulative or p.flagged_isolated else ""
         c, i, t = p.cumulative, p.isolated, p.threshold
@@ -167,8 +167,8 @@ def layer_table(nv: NumericsView) -> str:
             f"<td>{_e(p.module_class)}</td>"
             f'<td class="num">{_e(fmt_num(c.get("rel")))}</td><td class="num">{_e(fmt_num(i.get("rel")))}</td>'
             f'<td class="num muted">{_e(fmt_num(t.get("rel")))}</td>'
-            f'<td class="num">{_e(fmt_num(c.get("cos")))}</td><td class="num">{_e(fmt_num(i.get("cos")))}</td>'
-            f'<td class="num muted">{_e(fmt_num(t.get("cos")))}</td>'
+            f'<td class="num">{_e(cos_distance(c.get("cos")))}</td><td class="num">{_e(cos_distance(i.get("cos")))}</td>'
+            f'<td class="num muted">{_e(cos_distance(t.get("cos")))}</td>'
             f"<td>{'cumulative ' if p.flagged_cumulative else ''}{'isolated' if p.flagged_isolated else ''}</td></tr>")
     out.append("</tbody></table>")
     return "\n".join(out)
@@ -183,7 +183,7 @@ def findings_html(cv: CellView, limit: int = MAX_FINDINGS_PER_CELL) -> str:
                 f'<span class="muted">({_e(fv.mode)}, {_e(f.stage)}{", " + _e(f.error_type) if f.error_type else ""})</span>')
         out.append(head)
         if fv.repro:
-            cmd = f" · <code>{_e(f.repro.command)}</code>" if f.repro and f.repro.command else ""
+            cmd = f" · from the cell folder: <code>{_e(fv.command)}</code>" if fv.command else ""
             out.append(f"<br>repro: <code>{_e(fv.repro)}</code> {'(verified)' if fv.verified else '(not verified)'}{cmd}")
         if fv.metrics_text:
             out.append(f"<br>{_e(fv.metrics_text)}")
@@ -210,7 +210,7 @@ def _environment() -> jinja2.Environment:
         trim_blocks=True,
         lstrip_blocks=True,
     )
-    env.filters.update(num=fmt_num, icon=icon, first_line=first_line)
+    env.filters.update(num=fmt_num, cosd=cos_distance, icon=icon, first_line=first_line)
     return env
 
 
