@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import os
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
@@ -289,8 +290,6 @@ def _schema_problems(err: Any, positions: _Positions, source: str) -> list[Schem
 def _missing_key(err: Any) -> str | None:
     if err.validator != "required":
         return None
-    import re
-
     m = re.match(r"^'(.+)' is a required property$", err.message)
     return m.group(1) if m else None
 

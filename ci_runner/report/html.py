@@ -12,6 +12,7 @@ fails loudly in a browser instead of quietly phoning home.
 from __future__ import annotations
 
 import html
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -245,8 +246,6 @@ def compact_layers(nv: NumericsView, strings: _Strings) -> list[list[Any]]:
 
 def embedded_data(data: dict[str, Any]) -> Markup:
     """JSON for a ``<script type="application/json">``: no ``<`` at all, so no ``</script>``."""
-    import json
-
     text = json.dumps(data, ensure_ascii=False, separators=(",", ":")).replace("<", "\\u003c")
     return Markup(text)
 

@@ -12,7 +12,8 @@ import posixpath
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ..results import STATUS_SEVERITY, CellResult, Finding, Results, number
 
@@ -209,7 +210,8 @@ def primary_metrics(f: Finding, view: str | None) -> tuple[str | None, dict[str,
 def format_metrics(f: Finding) -> str:
     """``rel 0.04 (threshold 0.002) · cos 0.9992 (threshold 0.9995)``, per view when nested."""
     parts = []
-    for view, m, t in metric_views(f):
+    views = metric_views(f)
+    for view, m, t in views:
         items = []
         for k, val in m.items():
             if isinstance(val, (Mapping, list)):
@@ -220,7 +222,7 @@ def format_metrics(f: Finding) -> str:
             shown_thr = cos_distance(thr) if k == "cos" else fmt_num(thr)
             items.append(shown + (f" (threshold {shown_thr})" if has_thr else ""))
         if items:
-            parts.append((f"{view}: " if view and len(metric_views(f)) > 1 else "") + " · ".join(items))
+            parts.append((f"{view}: " if view and len(views) > 1 else "") + " · ".join(items))
     return "; ".join(parts)
 
 
