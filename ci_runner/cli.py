@@ -84,7 +84,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_cell(args: argparse.Namespace) -> int:
     from .config import load_matrix
-    from .execute import RunOptions, auto_jobs, available_cores, run_cells
+    from .execute import RunOptions, run_cells
     from .log import Progress
     from .matrix import find_cell
 
