@@ -54,7 +54,7 @@ def _report_outputs(report_dir: Path, written: dict[str, Path]) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     from .aggregate import aggregate, write_report_dir
     from .config import load_matrix
-    from .execute import RunOptions, run_cells
+    from .execute import RunOptions, auto_jobs, available_cores, run_cells
     from .log import Progress
     from .matrix import expand, select
 
@@ -65,7 +65,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     progress = Progress(len(cells))
     progress.info(f"deepview-ci: {len(cells)} cell(s) from {matrix.path} → {out}")
-    results = run_cells(cells, RunOptions(matrix_path=matrix.path, out_dir=out, jobs=args.jobs, force=args.force,
+    cores = available_cores() if args.jobs == "auto" else None
+    jobs = auto_jobs(cells, cores, args.modes) if cores else int(args.jobs)
+    if cores:
+        progress.info(f"deepview-ci: --jobs auto: up to {jobs} cell(s) at once on {cores} core(s)")
+    results = run_cells(cells, RunOptions(matrix_path=matrix.path, out_dir=out, jobs=jobs, cores=cores, force=args.force,
                                           modes=args.modes), progress)
     report = aggregate([out / "cells" / r.id / "result.json" for r in results])  # this run's cells, not stale ones
     written = write_report_dir(report, out / "report", run_dir=out)
@@ -249,6 +253,18 @@ def cmd_env(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- parser
 
+def _jobs_arg(text: str) -> str | int:
+    if text == "auto":
+        return "auto"
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number or 'auto'") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .envinfo import tool_version
 
@@ -271,11 +287,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", default="out", help="output folder (default: out)")
     selection(sp)
     sp.add_argument("--modes", type=_modes_arg, default=None, help="comma list of ops,layers,numerics (default: the matrix's)")
-    sp.add_argument("--jobs", type=int, default=1, help="cells run in parallel (default 1)")
+    sp.add_argument("--jobs", type=_jobs_arg, default="auto", metavar="N|auto",
+                    help="cells run in parallel; auto (the default) shares the machine's cores: a cell takes as many "
+                         "cores as its modes use (the ops mode's probe workers, options.ops.workers; else 1), so "
+                         "cores / workers cells run at once, at least 1")
     sp.add_argument("--force", action="store_true", help="rerun cells that already finished")
 
     sp = add("expand", cmd_expand, "Print the GitHub include-matrix JSON (and write GITHUB_OUTPUT when set).")
-    sp.add_argument("matrix")
+    sp.add_argument("matrix", help="matrix YAML file")
     selection(sp)
     sp.add_argument("--max-jobs", type=int, default=None, help="fail past this many cells (default: defaults.max_jobs)")
     sp.add_argument("--chunk-size", type=int, default=256, help="jobs per GitHub matrix chunk (≤ 256)")
@@ -284,11 +303,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="plan for a pull request from a fork: cells on self-hosted runners are skipped, with the reason")
 
     sp = add("cell", cmd_cell, "Run one cell (what a CI job runs).")
-    sp.add_argument("cell_id", metavar="CELL_ID")
-    sp.add_argument("--matrix", required=True)
-    sp.add_argument("--out", required=True)
-    sp.add_argument("--modes", type=_modes_arg, default=None)
-    sp.add_argument("--force", action="store_true")
+    sp.add_argument("cell_id", metavar="CELL_ID", help="the cell to run, MODEL@BACKEND (see `deepview-ci expand`)")
+    sp.add_argument("--matrix", required=True, help="matrix YAML file")
+    sp.add_argument("--out", required=True, help="output folder; the cell writes cells/CELL_ID/ in it")
+    sp.add_argument("--modes", type=_modes_arg, default=None, help="comma list of ops,layers,numerics (default: the cell's)")
+    sp.add_argument("--force", action="store_true", help="rerun the cell even if it already finished")
     sp.add_argument("--setup-failed", default=None, metavar="DIR",
                     help="do not run the cell: record it as `error` because its setup failed; DIR holds command.txt, "
                          "output.log and exit-code (the reusable workflow's setup step writes them)")
@@ -302,8 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--budget", required=True)
 
     sp = add("aggregate", cmd_aggregate, "Merge cell results into results.json, junit.xml, summary.md, report.html.")
-    sp.add_argument("dirs", nargs="+", metavar="DIR")
-    sp.add_argument("--out", required=True, metavar="REPORT_DIR")
+    sp.add_argument("dirs", nargs="+", metavar="DIR", help="folders (or result.json files) holding the cells' results")
+    sp.add_argument("--out", required=True, metavar="REPORT_DIR", help="folder for results.json and the reports")
     sp.add_argument("--run-dir", default=None, help="folder the cells' artifact paths are relative to")
     sp.add_argument("--fail-on-findings", action="store_true", help="exit 1 when any cell did not pass")
     sp.add_argument("--plan", default=None, metavar="PLAN_JSON",
@@ -312,51 +331,54 @@ def build_parser() -> argparse.ArgumentParser:
                     help="each chunk job's conclusion (e.g. 0=success,1=cancelled), quoted in cells with no result")
 
     sp = add("diff", cmd_diff, "Diff results against a baseline; exit code per --fail-on.")
-    sp.add_argument("results")
-    sp.add_argument("--baseline", required=True)
-    sp.add_argument("--fail-on", choices=("regression", "change", "never"), default="regression")
+    sp.add_argument("results", help="results.json of the run")
+    sp.add_argument("--baseline", required=True, help="the committed baseline JSON")
+    sp.add_argument("--fail-on", choices=("regression", "change", "never"), default="regression",
+                    help="exit 1 on regressions (default), on any change, or never")
     sp.add_argument("--out", default=None, help="folder for diff.json and diff.md (default: next to RESULTS)")
-    sp.add_argument("--run-dir", default=None)
+    sp.add_argument("--run-dir", default=None, help="run folder holding cells/<id>/… (repro paths in the diff are relative to it)")
 
     sp = add("baseline", cmd_baseline_missing, "Manage the committed baseline.")
     bsub = sp.add_subparsers(dest="baseline_command", metavar="SUBCOMMAND", parser_class=_Parser)
     bu = bsub.add_parser("update", help="Write a baseline from results.json.")
     bu.set_defaults(handler=cmd_baseline_update)
-    bu.add_argument("results")
-    bu.add_argument("--out", required=True)
+    bu.add_argument("results", help="results.json to take the baseline from")
+    bu.add_argument("--out", required=True, help="baseline JSON file to write")
 
     sp = add("file-issues", cmd_file_issues, "File, comment on, reopen or close GitHub issues for a diff.")
-    sp.add_argument("diff")
+    sp.add_argument("diff", help="diff.json written by `deepview-ci diff`")
     sp.add_argument("--repo", required=True, help="OWNER/NAME")
     sp.add_argument("--dry-run", default=None, metavar="DIR", help="write the drafts to DIR, call no API")
     sp.add_argument("--run-dir", default=None, help="run folder holding cells/<id>/… (for repro scripts)")
     sp.add_argument("--artifacts-url", default=None, help="link to the run's artifacts, for truncated repros")
-    sp.add_argument("--label", default="deepview-ci")
-    sp.add_argument("--opt-out-label", default="deepview-ci:ignore")
-    sp.add_argument("--close-fixed", action=argparse.BooleanOptionalAction, default=True)
+    sp.add_argument("--label", default="deepview-ci", help="label on every issue this tool files (default: deepview-ci)")
+    sp.add_argument("--opt-out-label", default="deepview-ci:ignore",
+                    help="issues with this label are never commented on, reopened or closed (default: deepview-ci:ignore)")
+    sp.add_argument("--close-fixed", action=argparse.BooleanOptionalAction, default=True,
+                    help="close the issues of fixed findings (default: yes)")
     sp.add_argument("--layers", action="store_true", help="also file issues for failing submodules and divergent layer classes")
     sp.add_argument("--min-interval", type=float, default=1.0, help="seconds between writes (GitHub: ≥ 1)")
     sp.add_argument("--max-wait", type=float, default=300.0, help="longest rate-limit wait before keeping a draft")
 
     sp = add("dump", cmd_dump, "Dump per-layer outputs of one model on one device/backend (safetensors + manifest).")
-    sp.add_argument("--matrix", default=None)
-    sp.add_argument("--model", required=True)
+    sp.add_argument("--matrix", default=None, help="matrix YAML the model and backend come from (default: the bundled example)")
+    sp.add_argument("--model", required=True, help="model id from the matrix")
     sp.add_argument("--backend", default=None, help="backend id from the matrix (default: eager CPU reference)")
     sp.add_argument("--reference", default=None, help="reference id from the matrix")
-    sp.add_argument("--sample", type=int, default=0)
-    sp.add_argument("--out", required=True)
+    sp.add_argument("--sample", type=int, default=0, help="which input sample to run (default 0)")
+    sp.add_argument("--out", required=True, help="folder for the dump (safetensors chunks and manifest)")
     sp.add_argument("--chunk-mb", type=float, default=64.0, help="size of each safetensors chunk (bounds memory)")
 
     sp = add("compare", cmd_compare, "Compare two per-layer dumps offline (inputs, schema, then numbers).")
-    sp.add_argument("ref_dump", metavar="REF_DUMP")
-    sp.add_argument("target_dump", metavar="TARGET_DUMP")
+    sp.add_argument("ref_dump", metavar="REF_DUMP", help="the reference's dump folder")
+    sp.add_argument("target_dump", metavar="TARGET_DUMP", help="the dump folder to compare with it")
     sp.add_argument("--json", default=None, help="also write the comparison as JSON here")
     sp.add_argument("--thresholds", default=None, metavar="FILE", help="numerics thresholds file: hold each layer to its own threshold")
     sp.add_argument("--fail-on", choices=("drift", "diverged", "broken", "never"), default="diverged",
                     help="exit 1 from this severity on (default: diverged)")
 
     sp = add("env", cmd_env, "Versions, devices and available backends, for a bug report.")
-    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--json", action="store_true", help="print JSON instead of text")
     return p
 
 

@@ -239,7 +239,34 @@ def parse_yaml(text: str, source: str) -> tuple[Any, _Positions]:
 
 # --------------------------------------------------------------------------- schema errors
 
-def _schema_error_message(err: Any, data: Any, positions: _Positions, source: str) -> ConfigError:
+MAX_SCHEMA_ERRORS = 10  # problems listed at once; the rest are counted
+
+
+@dataclass(frozen=True)
+class SchemaProblem:
+    """One schema error, placed in the file: ``where`` is ``file:line:col``."""
+
+    where: str
+    pos: tuple[int, int]
+    key_path: str
+    message: str
+    hint: str | None = None
+    explains_missing: bool = False  # an unknown key that looks like a missing required one
+
+    def text(self) -> str:
+        return f"{self.where}: {self.key_path}: {self.message}"
+
+
+def _place(path: tuple[Any, ...], positions: _Positions, source: str, *, value: bool) -> tuple[str, tuple[int, int]]:
+    pos = positions.at(path, value=value)
+    return (f"{source}:{pos[0]}:{pos[1]}" if pos else source), (pos or (0, 0))
+
+
+_VALUE_CHECKS = ("enum", "const", "type", "pattern", "minimum", "maximum", "exclusiveMinimum", "minItems", "uniqueItems")
+
+
+def _schema_problems(err: Any, positions: _Positions, source: str) -> list[SchemaProblem]:
+    """The problems one jsonschema error stands for (an object with two unknown keys is two)."""
     path = tuple(err.absolute_path)
     hint: str | None = None
     message = err.message
@@ -247,11 +274,13 @@ def _schema_error_message(err: Any, data: Any, positions: _Positions, source: st
         allowed = sorted((err.schema.get("properties") or {}).keys())
         instance = err.instance if isinstance(err.instance, dict) else {}
         unknown = [k for k in instance if k not in allowed]
-        if unknown:
-            key = unknown[0]
-            path = path + (key,)
-            message = f"unknown key {key!r}"
-            hint = _choices_hint(str(key), allowed)
+        out = []
+        for key in unknown:
+            where, pos = _place(path + (key,), positions, source, value=False)
+            out.append(SchemaProblem(where, pos, _fmt_path(path + (key,)) or "(top level)", f"unknown key {key!r}",
+                                     _choices_hint(str(key), allowed)))
+        if out:
+            return out
     elif err.validator == "oneOf" and path and len(path) >= 2 and path[0] == "models":
         message = "a model needs exactly one source: one of `config`, `path`, `hub` or `factory`"
         hint = "keep one source key for this model"
@@ -265,16 +294,63 @@ def _schema_error_message(err: Any, data: Any, positions: _Positions, source: st
         hint = f"the value must match {err.validator_value}"
     elif err.validator == "type":
         hint = f"use a value of type {err.validator_value}"
-    pos = positions.at(path, value=err.validator in ("enum", "const", "type", "pattern", "minimum", "maximum", "exclusiveMinimum", "minItems", "uniqueItems"))
-    where = f"{source}:{pos[0]}:{pos[1]}" if pos else source
-    key_path = _fmt_path(path) or "(top level)"
-    return ConfigError(f"{where}: {key_path}: {message}", hint=hint)
+    where, pos = _place(path, positions, source, value=err.validator in _VALUE_CHECKS)
+    return [SchemaProblem(where, pos, _fmt_path(path) or "(top level)", message, hint)]
 
 
-def _best_error(errors: list[Any]) -> Any:
+def _missing_key(err: Any) -> str | None:
+    if err.validator != "required":
+        return None
+    m = re.match(r"^'(.+)' is a required property$", err.message)
+    return m.group(1) if m else None
+
+
+def schema_problems(errors: list[Any], positions: _Positions, source: str) -> list[SchemaProblem]:
+    """Every schema error of a document, placed and ordered: an unknown key that explains a missing
+    required key first (with its "did you mean"; the "required" error is folded into it), then by
+    position in the file."""
     import jsonschema
 
-    return jsonschema.exceptions.best_match(errors)
+    leaves = [jsonschema.exceptions.best_match([e]) for e in errors]
+    missing: dict[tuple[Any, ...], set[str]] = {}
+    for e in leaves:
+        key = _missing_key(e)
+        if key is not None:
+            missing.setdefault(tuple(e.absolute_path), set()).add(key)
+    pairs: list[tuple[SchemaProblem, Any]] = []
+    explained: set[tuple[tuple[Any, ...], str]] = set()
+    for e in leaves:
+        here = sorted(missing.get(tuple(e.absolute_path), set())) if e.validator == "additionalProperties" else []
+        for prob in _schema_problems(e, positions, source):
+            unknown = prob.message[len("unknown key "):][1:-1] if prob.message.startswith("unknown key ") else ""
+            close = difflib.get_close_matches(unknown, here, n=1) if unknown and here else []
+            if close:
+                explained.add((tuple(e.absolute_path), close[0]))
+                prob = SchemaProblem(prob.where, prob.pos, prob.key_path, prob.message,
+                                     f"did you mean {close[0]!r}? ({close[0]!r} is required)", True)
+            pairs.append((prob, e))
+    kept = [p for p, e in pairs if (tuple(e.absolute_path), _missing_key(e)) not in explained]
+    seen: set[str] = set()
+    unique: list[SchemaProblem] = []
+    for p in sorted(kept, key=lambda p: (not p.explains_missing, p.pos, p.key_path, p.message)):
+        if p.text() not in seen:
+            seen.add(p.text())
+            unique.append(p)
+    return unique
+
+
+def schema_error(problems: list[SchemaProblem], source: str) -> ConfigError:
+    """One ConfigError listing up to `MAX_SCHEMA_ERRORS` problems, each with its place and fix."""
+    if len(problems) == 1:
+        p = problems[0]
+        return ConfigError(p.text(), hint=p.hint)
+    shown = problems[:MAX_SCHEMA_ERRORS]
+    lines = [f"{source}: {len(problems)} problems in the matrix:"]
+    for p in shown:
+        lines.append(f"  {p.text()}" + (f"\n    hint: {p.hint}" if p.hint else ""))
+    if len(problems) > len(shown):
+        lines.append(f"  … and {len(problems) - len(shown)} more (fix these and run again)")
+    return ConfigError("\n".join(lines))
 
 
 # --------------------------------------------------------------------------- load
@@ -319,7 +395,7 @@ def _load(path: Path, text: str) -> Matrix:
     validator = jsonschema.Draft202012Validator(schema("matrix.schema.json"))
     errors = list(validator.iter_errors(data))
     if errors:
-        raise _schema_error_message(_best_error(errors), data, positions, source)
+        raise schema_error(schema_problems(errors, positions, source), source)
     return _resolve(path, data, positions)
 
 
