@@ -5,25 +5,31 @@ from __future__ import annotations
 import datetime as _dt
 from collections import defaultdict
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from .cellrun import RESULT_NAME
 from .envinfo import tool_version
 from .errors import InputError
 from .report import write_reports
+from .plan import PlannedCell, apply_plan
 from .results import CellResult, Results, iter_findings, load_cell_result, save_results
 
 OP_KINDS = ("unsupported_op", "op_error", "op_mismatch")
 
 
-def find_cell_results(paths: Sequence[Path]) -> list[Path]:
-    """Every `result.json` under the given folders (a run folder, an artifact folder, or a cell folder)."""
+def find_cell_results(paths: Sequence[Path], *, missing_ok: bool = False) -> list[Path]:
+    """Every `result.json` under the given folders (a run folder, an artifact folder, or a cell folder).
+
+    `missing_ok`: a folder that does not exist holds no result (with a plan, every job may have died).
+    """
     found: list[Path] = []
     for p in paths:
         if p.is_file():
             found.append(p)
         elif p.is_dir():
             found.extend(sorted(p.rglob(RESULT_NAME)))
+        elif missing_ok:
+            continue
         else:
             raise InputError(f"{p}: no such file or folder", hint="pass run folders or downloaded cell artifacts")
     return found
@@ -81,9 +87,13 @@ def layer_patterns(results: Results) -> list[dict[str, object]]:
     return out
 
 
-def aggregate(paths: Sequence[Path]) -> Results:
-    files = find_cell_results(paths)
+def aggregate(paths: Sequence[Path], *, plan: Sequence[PlannedCell] | None = None,
+              chunk_results: Mapping[int, str] | None = None) -> Results:
+    """Merge the cell results under `paths`; with a `plan`, a planned cell without a result is an `error` cell."""
+    files = find_cell_results(paths, missing_ok=plan is not None)
     cells = merge((p, load_cell_result(p)) for p in files)
+    if plan is not None:
+        cells = apply_plan(cells, plan, chunk_results)
     results = Results(cells=cells, tool_version=tool_version(),
                       generated_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
     results.ranking = op_ranking(results)

@@ -11,17 +11,17 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from . import baseline, errors
 from .aggregate import aggregate, write_report_dir
 from .backends import available_backends
-from .cellrun import run_cell_inprocess
+from .cellrun import RESULT_NAME, run_cell_inprocess
 from .config import ALL_MODES, load_matrix
-from .envinfo import env_report, format_env, tool_version
+from .envinfo import base_stamp, env_report, format_env, tool_version
 from .errors import DeepviewError, UsageError
-from .execute import RunOptions, cell_dir, load_partial, run_cells
-from .fsutil import atomic_write_json
+from .execute import RunOptions, auto_jobs, available_cores, cell_dir, load_partial, run_cells
+from .fsutil import atomic_write_json, atomic_write_text
 from .github.actions import set_output
 from .github.issues import file_issues
 from .github.options import FilingOptions
@@ -29,7 +29,11 @@ from .isolate import arm_worker
 from .log import Progress
 from .matrix import dumps_compact, expand, expand_json, find_cell, select
 from .numerics.thresholds import load_table
-from .results import load_results
+from .plan import load_plan, parse_chunk_results, setup_failed_result
+from .results import load_results, save_cell_result
+
+if TYPE_CHECKING:
+    from .config import Cell
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -68,7 +72,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     progress = Progress(len(cells))
     progress.info(f"deepview-ci: {len(cells)} cell(s) from {matrix.path} → {out}")
-    results = run_cells(cells, RunOptions(matrix_path=matrix.path, out_dir=out, jobs=args.jobs, force=args.force,
+    cores = available_cores() if args.jobs == "auto" else None
+    jobs = auto_jobs(cells, cores, args.modes) if cores else int(args.jobs)
+    if cores:
+        progress.info(f"deepview-ci: --jobs auto: up to {jobs} cell(s) at once on {cores} core(s)")
+    results = run_cells(cells, RunOptions(matrix_path=matrix.path, out_dir=out, jobs=jobs, cores=cores, force=args.force,
                                           modes=args.modes), progress)
     report = aggregate([out / "cells" / r.id / "result.json" for r in results])  # this run's cells, not stale ones
     written = write_report_dir(report, out / "report", run_dir=out)
@@ -87,10 +95,33 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_cell(args: argparse.Namespace) -> int:
     matrix = load_matrix(args.matrix)
     cell = find_cell(matrix, args.cell_id)
+    if args.setup_failed:
+        return _record_failed_setup(cell, Path(args.setup_failed), Path(args.out))
     progress = Progress(1)
     [result] = run_cells([cell], RunOptions(matrix_path=matrix.path, out_dir=Path(args.out), force=args.force,
                                             modes=args.modes), progress)
     return errors.EXIT_OK if result.status in ("pass", "skipped") else errors.EXIT_FINDINGS
+
+
+def _record_failed_setup(cell: "Cell", folder: Path, out: Path) -> int:
+    """Write the `error` result of a cell whose setup failed, from the folder the workflow's setup step wrote."""
+    def read(name: str) -> str:
+        try:
+            return (folder / name).read_text(encoding="utf-8", errors="replace")
+        except FileNotFoundError:
+            return ""
+        except OSError as exc:
+            raise errors.InputError(f"{folder / name}: cannot read: {exc.strerror}") from None
+
+    if not folder.is_dir():
+        raise errors.InputError(f"{folder}: no such folder", hint="pass the folder holding command.txt, output.log and exit-code")
+    code = read("exit-code").strip()
+    result = setup_failed_result(cell_id=cell.id, model=cell.model.id, backend=cell.backend.id, modes=cell.modes,
+                                 command=read("command.txt"), log_text=read("output.log"),
+                                 exit_code=int(code) if code.lstrip("-").isdigit() else None, env=base_stamp())
+    path = save_cell_result(result, cell_dir(out, cell.id) / RESULT_NAME)
+    print(f"{cell.id}: error: {result.error.message.splitlines()[0] if result.error else ''}\n  result: {path}")
+    return errors.EXIT_FINDINGS
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -107,10 +138,14 @@ def cmd_expand(args: argparse.Namespace) -> int:
     matrix = load_matrix(args.matrix)
     cells = select(expand(matrix), args.select, args.skip)
     max_jobs = args.max_jobs if args.max_jobs is not None else matrix.max_jobs
-    doc = expand_json(cells, max_jobs=max_jobs, chunk_size=args.chunk_size)
-    print(json.dumps(doc, indent=2))
+    doc = expand_json(cells, max_jobs=max_jobs, chunk_size=args.chunk_size, fork_pr=args.fork_pr)
+    text = json.dumps(doc, indent=2)
+    print(text)
+    if args.out:
+        atomic_write_text(Path(args.out), text + "\n")
     set_output("count", str(doc["count"]))
     set_output("chunks", str(doc["chunks"]))
+    set_output("skipped", str(len(doc["skipped"])))
     set_output("matrix", dumps_compact(doc["matrix"][0]))
     for i, m in enumerate(doc["matrix"]):
         set_output(f"matrix-{i}", dumps_compact(m))
@@ -119,7 +154,8 @@ def cmd_expand(args: argparse.Namespace) -> int:
 
 def cmd_aggregate(args: argparse.Namespace) -> int:
     paths = [Path(p) for p in args.dirs]
-    results = aggregate(paths)
+    plan = load_plan(Path(args.plan)) if args.plan else None
+    results = aggregate(paths, plan=plan, chunk_results=parse_chunk_results(args.chunk_results))
     run_dir = Path(args.run_dir) if args.run_dir else (paths[0] if len(paths) == 1 and paths[0].is_dir() else None)
     written = write_report_dir(results, Path(args.out), run_dir=run_dir)
     _report_outputs(Path(args.out), written)
@@ -220,6 +256,18 @@ def cmd_env(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- parser
 
+def _jobs_arg(text: str) -> str | int:
+    if text == "auto":
+        return "auto"
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number or 'auto'") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="deepview-ci", description="Run PyTorch models × accelerator backends as CI: missing operators, "
                 "failing layers and numerical divergence, with repros, reports and regression diffs.")
@@ -240,21 +288,30 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", default="out", help="output folder (default: out)")
     selection(sp)
     sp.add_argument("--modes", type=_modes_arg, default=None, help="comma list of ops,layers,numerics (default: the matrix's)")
-    sp.add_argument("--jobs", type=int, default=1, help="cells run in parallel (default 1)")
+    sp.add_argument("--jobs", type=_jobs_arg, default="auto", metavar="N|auto",
+                    help="cells run in parallel; auto (the default) shares the machine's cores: a cell takes as many "
+                         "cores as its modes use (the ops mode's probe workers, options.ops.workers; else 1), so "
+                         "cores / workers cells run at once, at least 1")
     sp.add_argument("--force", action="store_true", help="rerun cells that already finished")
 
     sp = add("expand", cmd_expand, "Print the GitHub include-matrix JSON (and write GITHUB_OUTPUT when set).")
-    sp.add_argument("matrix")
+    sp.add_argument("matrix", help="matrix YAML file")
     selection(sp)
     sp.add_argument("--max-jobs", type=int, default=None, help="fail past this many cells (default: defaults.max_jobs)")
     sp.add_argument("--chunk-size", type=int, default=256, help="jobs per GitHub matrix chunk (≤ 256)")
+    sp.add_argument("--out", default=None, metavar="PLAN_JSON", help="also write the printed plan here (for `aggregate --plan`)")
+    sp.add_argument("--fork-pr", action="store_true",
+                    help="plan for a pull request from a fork: cells on self-hosted runners are skipped, with the reason")
 
     sp = add("cell", cmd_cell, "Run one cell (what a CI job runs).")
-    sp.add_argument("cell_id", metavar="CELL_ID")
-    sp.add_argument("--matrix", required=True)
-    sp.add_argument("--out", required=True)
-    sp.add_argument("--modes", type=_modes_arg, default=None)
-    sp.add_argument("--force", action="store_true")
+    sp.add_argument("cell_id", metavar="CELL_ID", help="the cell to run, MODEL@BACKEND (see `deepview-ci expand`)")
+    sp.add_argument("--matrix", required=True, help="matrix YAML file")
+    sp.add_argument("--out", required=True, help="output folder; the cell writes cells/CELL_ID/ in it")
+    sp.add_argument("--modes", type=_modes_arg, default=None, help="comma list of ops,layers,numerics (default: the cell's)")
+    sp.add_argument("--force", action="store_true", help="rerun the cell even if it already finished")
+    sp.add_argument("--setup-failed", default=None, metavar="DIR",
+                    help="do not run the cell: record it as `error` because its setup failed; DIR holds command.txt, "
+                         "output.log and exit-code (the reusable workflow's setup step writes them)")
 
     sp = sub.add_parser("_worker")  # internal: no help, so it is not listed
     sp.set_defaults(handler=cmd_worker)
@@ -265,57 +322,64 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--budget", required=True)
 
     sp = add("aggregate", cmd_aggregate, "Merge cell results into results.json, junit.xml, summary.md, report.html.")
-    sp.add_argument("dirs", nargs="+", metavar="DIR")
-    sp.add_argument("--out", required=True, metavar="REPORT_DIR")
+    sp.add_argument("dirs", nargs="+", metavar="DIR", help="folders (or result.json files) holding the cells' results")
+    sp.add_argument("--out", required=True, metavar="REPORT_DIR", help="folder for results.json and the reports")
     sp.add_argument("--run-dir", default=None, help="folder the cells' artifact paths are relative to")
     sp.add_argument("--fail-on-findings", action="store_true", help="exit 1 when any cell did not pass")
+    sp.add_argument("--plan", default=None, metavar="PLAN_JSON",
+                    help="the plan `expand --out` wrote: a planned cell with no result becomes an `error` cell")
+    sp.add_argument("--chunk-results", default=None, metavar="N=RESULT,…",
+                    help="each chunk job's conclusion (e.g. 0=success,1=cancelled), quoted in cells with no result")
 
     sp = add("diff", cmd_diff, "Diff results against a baseline; exit code per --fail-on.")
-    sp.add_argument("results")
-    sp.add_argument("--baseline", required=True)
-    sp.add_argument("--fail-on", choices=("regression", "change", "never"), default="regression")
+    sp.add_argument("results", help="results.json of the run")
+    sp.add_argument("--baseline", required=True, help="the committed baseline JSON")
+    sp.add_argument("--fail-on", choices=("regression", "change", "never"), default="regression",
+                    help="exit 1 on regressions (default), on any change, or never")
     sp.add_argument("--out", default=None, help="folder for diff.json and diff.md (default: next to RESULTS)")
-    sp.add_argument("--run-dir", default=None)
+    sp.add_argument("--run-dir", default=None, help="run folder holding cells/<id>/… (repro paths in the diff are relative to it)")
 
     sp = add("baseline", cmd_baseline_missing, "Manage the committed baseline.")
     bsub = sp.add_subparsers(dest="baseline_command", metavar="SUBCOMMAND", parser_class=_Parser)
     bu = bsub.add_parser("update", help="Write a baseline from results.json.")
     bu.set_defaults(handler=cmd_baseline_update)
-    bu.add_argument("results")
-    bu.add_argument("--out", required=True)
+    bu.add_argument("results", help="results.json to take the baseline from")
+    bu.add_argument("--out", required=True, help="baseline JSON file to write")
 
     sp = add("file-issues", cmd_file_issues, "File, comment on, reopen or close GitHub issues for a diff.")
-    sp.add_argument("diff")
+    sp.add_argument("diff", help="diff.json written by `deepview-ci diff`")
     sp.add_argument("--repo", required=True, help="OWNER/NAME")
     sp.add_argument("--dry-run", default=None, metavar="DIR", help="write the drafts to DIR, call no API")
     sp.add_argument("--run-dir", default=None, help="run folder holding cells/<id>/… (for repro scripts)")
     sp.add_argument("--artifacts-url", default=None, help="link to the run's artifacts, for truncated repros")
-    sp.add_argument("--label", default="deepview-ci")
-    sp.add_argument("--opt-out-label", default="deepview-ci:ignore")
-    sp.add_argument("--close-fixed", action=argparse.BooleanOptionalAction, default=True)
+    sp.add_argument("--label", default="deepview-ci", help="label on every issue this tool files (default: deepview-ci)")
+    sp.add_argument("--opt-out-label", default="deepview-ci:ignore",
+                    help="issues with this label are never commented on, reopened or closed (default: deepview-ci:ignore)")
+    sp.add_argument("--close-fixed", action=argparse.BooleanOptionalAction, default=True,
+                    help="close the issues of fixed findings (default: yes)")
     sp.add_argument("--layers", action="store_true", help="also file issues for failing submodules and divergent layer classes")
     sp.add_argument("--min-interval", type=float, default=1.0, help="seconds between writes (GitHub: ≥ 1)")
     sp.add_argument("--max-wait", type=float, default=300.0, help="longest rate-limit wait before keeping a draft")
 
     sp = add("dump", cmd_dump, "Dump per-layer outputs of one model on one device/backend (safetensors + manifest).")
-    sp.add_argument("--matrix", default=None)
-    sp.add_argument("--model", required=True)
+    sp.add_argument("--matrix", default=None, help="matrix YAML the model and backend come from (default: the bundled example)")
+    sp.add_argument("--model", required=True, help="model id from the matrix")
     sp.add_argument("--backend", default=None, help="backend id from the matrix (default: eager CPU reference)")
     sp.add_argument("--reference", default=None, help="reference id from the matrix")
-    sp.add_argument("--sample", type=int, default=0)
-    sp.add_argument("--out", required=True)
+    sp.add_argument("--sample", type=int, default=0, help="which input sample to run (default 0)")
+    sp.add_argument("--out", required=True, help="folder for the dump (safetensors chunks and manifest)")
     sp.add_argument("--chunk-mb", type=float, default=64.0, help="size of each safetensors chunk (bounds memory)")
 
     sp = add("compare", cmd_compare, "Compare two per-layer dumps offline (inputs, schema, then numbers).")
-    sp.add_argument("ref_dump", metavar="REF_DUMP")
-    sp.add_argument("target_dump", metavar="TARGET_DUMP")
+    sp.add_argument("ref_dump", metavar="REF_DUMP", help="the reference's dump folder")
+    sp.add_argument("target_dump", metavar="TARGET_DUMP", help="the dump folder to compare with it")
     sp.add_argument("--json", default=None, help="also write the comparison as JSON here")
     sp.add_argument("--thresholds", default=None, metavar="FILE", help="numerics thresholds file: hold each layer to its own threshold")
     sp.add_argument("--fail-on", choices=("drift", "diverged", "broken", "never"), default="diverged",
                     help="exit 1 from this severity on (default: diverged)")
 
     sp = add("env", cmd_env, "Versions, devices and available backends, for a bug report.")
-    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--json", action="store_true", help="print JSON instead of text")
     return p
 
 

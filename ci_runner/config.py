@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import os
+import re
 from dataclasses import dataclass, field, fields, replace
 from importlib.resources import as_file, files
 from pathlib import Path
@@ -25,6 +26,7 @@ from .results import schema
 ALL_MODES: tuple[str, ...] = ("ops", "layers", "numerics")
 DEFAULT_TIMEOUT_S = 900.0
 DEFAULT_MAX_JOBS = 1024  # expand refuses more cells than this unless raised in `defaults.max_jobs`
+HOSTED_LABEL = re.compile(r"^(ubuntu|windows|macos)-[A-Za-z0-9._-]+$")  # GitHub-hosted runner images
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,6 +99,16 @@ class BackendSpec:
     backend_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     ir: str = "aten"  # what the backend's compiler sees: dynamo (torch-level), aten (after aot_autograd), core_aten
     runs_on: tuple[str, ...] = ("ubuntu-latest",)
+    # how the backend's GitHub job is set up (DESIGN §9); none of these is used by a local run
+    python: str | None = None  # an existing interpreter that holds torch and the backend
+    container: Mapping[str, Any] | None = None  # {image, options, env} of the job container
+    setup: tuple[str, ...] = ()  # shell commands run before the cell
+    artifacts: tuple[str, ...] = ()  # artifacts of an earlier job, downloaded before `setup`
+
+    @property
+    def self_hosted(self) -> bool:
+        """True unless every `runs-on` label names a GitHub-hosted image (ubuntu-*, windows-*, macos-*)."""
+        return not all(HOSTED_LABEL.match(label) for label in self.runs_on)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -232,7 +244,34 @@ def parse_yaml(text: str, source: str) -> tuple[Any, _Positions]:
 
 # --------------------------------------------------------------------------- schema errors
 
-def _schema_error_message(err: Any, data: Any, positions: _Positions, source: str) -> ConfigError:
+MAX_SCHEMA_ERRORS = 10  # problems listed at once; the rest are counted
+
+
+@dataclass(frozen=True)
+class SchemaProblem:
+    """One schema error, placed in the file: ``where`` is ``file:line:col``."""
+
+    where: str
+    pos: tuple[int, int]
+    key_path: str
+    message: str
+    hint: str | None = None
+    explains_missing: bool = False  # an unknown key that looks like a missing required one
+
+    def text(self) -> str:
+        return f"{self.where}: {self.key_path}: {self.message}"
+
+
+def _place(path: tuple[Any, ...], positions: _Positions, source: str, *, value: bool) -> tuple[str, tuple[int, int]]:
+    pos = positions.at(path, value=value)
+    return (f"{source}:{pos[0]}:{pos[1]}" if pos else source), (pos or (0, 0))
+
+
+_VALUE_CHECKS = ("enum", "const", "type", "pattern", "minimum", "maximum", "exclusiveMinimum", "minItems", "uniqueItems")
+
+
+def _schema_problems(err: Any, positions: _Positions, source: str) -> list[SchemaProblem]:
+    """The problems one jsonschema error stands for (an object with two unknown keys is two)."""
     path = tuple(err.absolute_path)
     hint: str | None = None
     message = err.message
@@ -240,11 +279,13 @@ def _schema_error_message(err: Any, data: Any, positions: _Positions, source: st
         allowed = sorted((err.schema.get("properties") or {}).keys())
         instance = err.instance if isinstance(err.instance, dict) else {}
         unknown = [k for k in instance if k not in allowed]
-        if unknown:
-            key = unknown[0]
-            path = path + (key,)
-            message = f"unknown key {key!r}"
-            hint = choices_hint(str(key), allowed)
+        out = []
+        for key in unknown:
+            where, pos = _place(path + (key,), positions, source, value=False)
+            out.append(SchemaProblem(where, pos, _fmt_path(path + (key,)) or "(top level)", f"unknown key {key!r}",
+                                     choices_hint(str(key), allowed)))
+        if out:
+            return out
     elif err.validator == "oneOf" and path and len(path) >= 2 and path[0] == "models":
         message = "a model needs exactly one source: one of `config`, `path`, `hub` or `factory`"
         hint = "keep one source key for this model"
@@ -258,14 +299,61 @@ def _schema_error_message(err: Any, data: Any, positions: _Positions, source: st
         hint = f"the value must match {err.validator_value}"
     elif err.validator == "type":
         hint = f"use a value of type {err.validator_value}"
-    pos = positions.at(path, value=err.validator in ("enum", "const", "type", "pattern", "minimum", "maximum", "exclusiveMinimum", "minItems", "uniqueItems"))
-    where = f"{source}:{pos[0]}:{pos[1]}" if pos else source
-    key_path = _fmt_path(path) or "(top level)"
-    return ConfigError(f"{where}: {key_path}: {message}", hint=hint)
+    where, pos = _place(path, positions, source, value=err.validator in _VALUE_CHECKS)
+    return [SchemaProblem(where, pos, _fmt_path(path) or "(top level)", message, hint)]
 
 
-def _best_error(errors: list[Any]) -> Any:
-    return jsonschema.exceptions.best_match(errors)
+def _missing_key(err: Any) -> str | None:
+    if err.validator != "required":
+        return None
+    m = re.match(r"^'(.+)' is a required property$", err.message)
+    return m.group(1) if m else None
+
+
+def schema_problems(errors: list[Any], positions: _Positions, source: str) -> list[SchemaProblem]:
+    """Every schema error of a document, placed and ordered: an unknown key that explains a missing
+    required key first (with its "did you mean"; the "required" error is folded into it), then by
+    position in the file."""
+    leaves = [jsonschema.exceptions.best_match([e]) for e in errors]
+    missing: dict[tuple[Any, ...], set[str]] = {}
+    for e in leaves:
+        key = _missing_key(e)
+        if key is not None:
+            missing.setdefault(tuple(e.absolute_path), set()).add(key)
+    pairs: list[tuple[SchemaProblem, Any]] = []
+    explained: set[tuple[tuple[Any, ...], str]] = set()
+    for e in leaves:
+        here = sorted(missing.get(tuple(e.absolute_path), set())) if e.validator == "additionalProperties" else []
+        for prob in _schema_problems(e, positions, source):
+            unknown = prob.message[len("unknown key "):][1:-1] if prob.message.startswith("unknown key ") else ""
+            close = difflib.get_close_matches(unknown, here, n=1) if unknown and here else []
+            if close:
+                explained.add((tuple(e.absolute_path), close[0]))
+                prob = SchemaProblem(prob.where, prob.pos, prob.key_path, prob.message,
+                                     f"did you mean {close[0]!r}? ({close[0]!r} is required)", True)
+            pairs.append((prob, e))
+    kept = [p for p, e in pairs if (tuple(e.absolute_path), _missing_key(e)) not in explained]
+    seen: set[str] = set()
+    unique: list[SchemaProblem] = []
+    for p in sorted(kept, key=lambda p: (not p.explains_missing, p.pos, p.key_path, p.message)):
+        if p.text() not in seen:
+            seen.add(p.text())
+            unique.append(p)
+    return unique
+
+
+def schema_error(problems: list[SchemaProblem], source: str) -> ConfigError:
+    """One ConfigError listing up to `MAX_SCHEMA_ERRORS` problems, each with its place and fix."""
+    if len(problems) == 1:
+        p = problems[0]
+        return ConfigError(p.text(), hint=p.hint)
+    shown = problems[:MAX_SCHEMA_ERRORS]
+    lines = [f"{source}: {len(problems)} problems in the matrix:"]
+    for p in shown:
+        lines.append(f"  {p.text()}" + (f"\n    hint: {p.hint}" if p.hint else ""))
+    if len(problems) > len(shown):
+        lines.append(f"  … and {len(problems) - len(shown)} more (fix these and run again)")
+    return ConfigError("\n".join(lines))
 
 
 # --------------------------------------------------------------------------- load
@@ -304,7 +392,7 @@ def _load(path: Path, text: str) -> Matrix:
     validator = jsonschema.Draft202012Validator(schema("matrix.schema.json"))
     errors = list(validator.iter_errors(data))
     if errors:
-        raise _schema_error_message(_best_error(errors), data, positions, source)
+        raise schema_error(schema_problems(errors, positions, source), source)
     return _resolve(path, data, positions)
 
 
@@ -355,7 +443,13 @@ def _resolve(path: Path, data: dict[str, Any], positions: _Positions) -> Matrix:
         models.append(ModelSpec(**kw))
 
     backends = []
-    for b in data["backends"]:
+    for i, b in enumerate(data["backends"]):
+        if b.get("container") and not b.get("python"):
+            pos = positions.at(("backends", i, "container")) or (0, 0)
+            raise ConfigError(
+                f"{source}:{pos[0]}:{pos[1]}: backends[{i}].container: a backend that runs in a container needs `python`",
+                hint="name the image's interpreter that holds torch, e.g. `python: python3`",
+            )
         runs_on = b.get("runs-on", "ubuntu-latest")
         backends.append(
             BackendSpec(
@@ -368,6 +462,10 @@ def _resolve(path: Path, data: dict[str, Any], positions: _Positions) -> Matrix:
                 backend_options=MappingProxyType(dict(b.get("backend_options") or {})),
                 ir=b.get("ir", "aten"),
                 runs_on=(runs_on,) if isinstance(runs_on, str) else tuple(runs_on),
+                python=b.get("python"),
+                container=_container(b.get("container")),
+                setup=tuple(b.get("setup") or ()),
+                artifacts=tuple(b.get("artifacts") or ()),
             )
         )
 
@@ -400,6 +498,16 @@ def _resolve(path: Path, data: dict[str, Any], positions: _Positions) -> Matrix:
         include=tuple(MappingProxyType(dict(s)) for s in data.get("include") or ()),
         raw=MappingProxyType(data),
     )
+
+
+def _container(value: Any) -> Mapping[str, Any] | None:
+    """The job container as GitHub's `container:` mapping: {image, options, env}, env values as strings."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = {"image": value}
+    env = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in (value.get("env") or {}).items()}
+    return MappingProxyType({"image": value["image"], "options": value.get("options", ""), "env": MappingProxyType(env)})
 
 
 def raw_entry(matrix: Matrix, kind: str, entry_id: str) -> Mapping[str, Any]:

@@ -23,7 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from .cellrun import PARTIAL_NAME, RESULT_NAME, write_final
 from .config import Cell
@@ -44,9 +44,55 @@ class RunOptions:
     matrix_path: Path
     out_dir: Path
     jobs: int = 1
+    cores: int | None = None  # `--jobs auto`: share this many cores, each cell taking `cell_workers` of them
     force: bool = False
     modes: tuple[str, ...] | None = None  # override the matrix's modes for every cell
     python: str = sys.executable
+
+
+def available_cores() -> int:
+    """CPU cores this process may use (its affinity mask where the OS has one)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS, Windows
+        return max(1, os.cpu_count() or 1)
+
+
+def cell_workers(cell: Cell, cores: int, modes: Sequence[str] | None = None) -> int:
+    """Cores a cell keeps busy at once: the ops mode's probe workers (``options.ops.workers``; its
+    default, as in `modes.ops.OpsOptions`, is 2 on two cores or more) when it runs ops, else 1."""
+    if "ops" not in (modes or cell.modes):
+        return 1
+    ops = cell.options.get("ops") if isinstance(cell.options, Mapping) else None
+    raw = ops.get("workers") if isinstance(ops, Mapping) else None
+    try:
+        workers = int(raw) if raw is not None else (2 if cores >= 2 else 1)
+    except (TypeError, ValueError):
+        workers = 1  # the ops mode refuses it with a clear error; here it only sizes the pool
+    return max(1, min(workers, cores))
+
+
+def auto_jobs(cells: Sequence[Cell], cores: int, modes: Sequence[str] | None = None) -> int:
+    """What ``--jobs auto`` runs at once at most: cores / the smallest per-cell workers, at least 1."""
+    return max(1, cores // min((cell_workers(c, cores, modes) for c in cells), default=1))
+
+
+class _Cores:
+    """Counts busy cores: a cell waits until its `cell_workers` cores are free."""
+
+    def __init__(self, total: int) -> None:
+        self.free = total
+        self.cond = threading.Condition()
+
+    def take(self, n: int) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.free >= n)
+            self.free -= n
+
+    def give(self, n: int) -> None:
+        with self.cond:
+            self.free += n
+            self.cond.notify_all()
 
 
 def cell_dir(out_dir: Path, cid: str) -> Path:
@@ -220,6 +266,7 @@ def run_cells(cells: Sequence[Cell], opts: RunOptions, progress: Progress | None
     """Run (or reuse) every cell; `jobs` at a time. Ctrl-C stops workers and leaves finished cells on disk."""
     if opts.jobs < 1:
         raise ExecutionError(f"--jobs must be at least 1, got {opts.jobs}")
+    cores = _Cores(opts.cores) if opts.cores else None
     progress = progress or Progress(len(cells), quiet=True)
     children = _Children()
     results: dict[str, CellResult] = {}
@@ -233,13 +280,23 @@ def run_cells(cells: Sequence[Cell], opts: RunOptions, progress: Progress | None
             todo.append(c)
 
     def work(c: Cell) -> CellResult:
-        progress.cell_started(c.id)
-        r = run_one(c, opts, children)
+        need = cell_workers(c, opts.cores, opts.modes) if opts.cores else 0
+        if cores is not None:
+            cores.take(need)
+        try:
+            if children.interrupted:  # Ctrl-C came while this cell waited for cores
+                raise KeyboardInterrupt
+            progress.cell_started(c.id)
+            r = run_one(c, opts, children)
+        finally:
+            if cores is not None:
+                cores.give(need)
         detail = r.error.message if r.error else ""
         progress.cell_finished(c.id, r.status, r.duration_s, detail)
         return r
 
-    pool = ThreadPoolExecutor(max_workers=opts.jobs) if opts.jobs > 1 else None
+    width = auto_jobs(todo, opts.cores, opts.modes) if opts.cores else opts.jobs
+    pool = ThreadPoolExecutor(max_workers=width) if width > 1 else None
     try:
         if pool is None:
             for c in todo:

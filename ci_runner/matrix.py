@@ -89,19 +89,40 @@ def find_cell(matrix: Matrix, cid: str) -> Cell:
     )
 
 
+FORK_SKIP_REASON = ("not run: a pull request from a fork does not run cells on self-hosted runners "
+                    "(the calling workflow can opt in with `allow-fork-self-hosted: true`; see docs/github.md)")
+
+
+def artifacts_pattern(names: Sequence[str]) -> str:
+    """One `actions/download-artifact` pattern for the named artifacts ("" for none)."""
+    if len(names) <= 1:
+        return names[0] if names else ""
+    return "{" + ",".join(names) + "}"
+
+
 def github_include(cells: Sequence[Cell]) -> list[dict[str, Any]]:
-    """GitHub `strategy.matrix.include` entries, one per cell."""
-    return [
-        {
+    """GitHub `strategy.matrix.include` entries, one per cell, with how its job is set up."""
+    out = []
+    for c in cells:
+        b = c.backend
+        out.append({
             "cell": c.id,
             "model": c.model.id,
-            "backend": c.backend.id,
-            "runs-on": list(c.backend.runs_on) if len(c.backend.runs_on) > 1 else c.backend.runs_on[0],
+            "backend": b.id,
+            "runs-on": list(b.runs_on) if len(b.runs_on) > 1 else b.runs_on[0],
             "timeout-minutes": max(1, int(c.timeout // 60) + 5),
             "artifact": artifact_name(c.id),
-        }
-        for c in cells
-    ]
+            "modes": list(c.modes),
+            "self-hosted": b.self_hosted,
+            "python": b.python or "",
+            # "" runs the job on the runner itself (GitHub accepts an empty `container:`)
+            "container": {"image": b.container["image"], "options": b.container["options"],
+                          "env": dict(b.container["env"])} if b.container else "",
+            "setup": list(b.setup),
+            "artifacts": list(b.artifacts),
+            "artifacts-pattern": artifacts_pattern(b.artifacts),
+        })
+    return out
 
 
 def chunk(cells: Sequence[Cell], *, max_jobs: int, chunk_size: int = GITHUB_MATRIX_LIMIT) -> list[list[Cell]]:
@@ -117,12 +138,23 @@ def chunk(cells: Sequence[Cell], *, max_jobs: int, chunk_size: int = GITHUB_MATR
     return [list(cells[i : i + chunk_size]) for i in range(0, len(cells), chunk_size)] or [[]]
 
 
-def expand_json(cells: Sequence[Cell], *, max_jobs: int, chunk_size: int = GITHUB_MATRIX_LIMIT) -> dict[str, Any]:
-    chunks = chunk(cells, max_jobs=max_jobs, chunk_size=chunk_size)
+def expand_json(cells: Sequence[Cell], *, max_jobs: int, chunk_size: int = GITHUB_MATRIX_LIMIT,
+                fork_pr: bool = False) -> dict[str, Any]:
+    """The plan: chunks of include entries to run, and the planned cells that will not run, with why.
+
+    With `fork_pr`, cells bound for self-hosted runners are planned as skipped (DESIGN §9: a fork's
+    pull request could rewrite `setup`/`container` and run anything on the vendor's machine).
+    """
+    skipped = [c for c in cells if fork_pr and c.backend.self_hosted]
+    run = [c for c in cells if not (fork_pr and c.backend.self_hosted)]
+    chunks = chunk(run, max_jobs=max_jobs, chunk_size=chunk_size)
     return {
-        "count": len(cells),
-        "chunks": len(chunks),
+        "count": len(run),
+        "chunks": len(chunks) if run else 0,
         "matrix": [{"include": github_include(ch)} for ch in chunks],
+        "skipped": [{"cell": c.id, "model": c.model.id, "backend": c.backend.id, "modes": list(c.modes),
+                     "reason": FORK_SKIP_REASON}
+                    for c in skipped],
     }
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import html
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -22,9 +23,15 @@ from markupsafe import Markup
 
 from ..results import Results
 from .junit import xml_safe
-from .view import CellView, LayerPoint, NumericsView, ReportView, build_view, first_line, fmt_num, icon
+from .view import CellView, LayerPoint, NumericsView, ReportView, build_view, cos_distance, first_line, fmt_num, icon
 
-MAX_FINDINGS_PER_CELL = 500
+# Big runs stay light: past these budgets, findings and per-layer numbers go into one JSON block
+# embedded once in the page, and a compact table is drawn from it when its <details> is opened.
+MAX_FINDINGS_PER_CELL = 200  # findings shown in full per cell …
+MAX_FULL_FINDINGS = 1000  # … while the page's budget of full findings lasts
+MAX_CHART_CELLS = 16  # cells whose charts and per-layer table are drawn in the page
+MAX_DIVERGENT_ROWS = 300  # rows of the "Divergent layers" table
+SUMMARY_CHARS = 160  # a compact row's message headline
 CHART_METRICS: tuple[tuple[str, str], ...] = (("rel", "relative error"), ("cos", "1 − cosine"), ("mad", "mean abs diff"))
 
 W, H = 760, 260
@@ -159,7 +166,7 @@ def layer_chart(nv: NumericsView, metric: str, *, cell_id: str, label: str, hidd
 def layer_table(nv: NumericsView) -> str:
     """The per-layer table under a cell's charts (built in code: big runs have thousands of rows)."""
     out = ['<table><thead><tr><th>#</th><th>layer</th><th>class</th><th>cum rel</th><th>iso rel</th><th>≤ rel</th>'
-           '<th>cum cos</th><th>iso cos</th><th>≥ cos</th><th>flagged</th></tr></thead><tbody>']
+           '<th>cum 1 − cos</th><th>iso 1 − cos</th><th>≤ 1 − cos</th><th>flagged</th></tr></thead><tbody>']
     for p in nv.layers:
         row_cls = ' class="s-fail"' if p.flagged_cumulative or p.flagged_isolated else ""
         c, i, t = p.cumulative, p.isolated, p.threshold
@@ -168,15 +175,15 @@ def layer_table(nv: NumericsView) -> str:
             f"<td>{_e(p.module_class)}</td>"
             f'<td class="num">{_e(fmt_num(c.get("rel")))}</td><td class="num">{_e(fmt_num(i.get("rel")))}</td>'
             f'<td class="num muted">{_e(fmt_num(t.get("rel")))}</td>'
-            f'<td class="num">{_e(fmt_num(c.get("cos")))}</td><td class="num">{_e(fmt_num(i.get("cos")))}</td>'
-            f'<td class="num muted">{_e(fmt_num(t.get("cos")))}</td>'
+            f'<td class="num">{_e(cos_distance(c.get("cos")))}</td><td class="num">{_e(cos_distance(i.get("cos")))}</td>'
+            f'<td class="num muted">{_e(cos_distance(t.get("cos")))}</td>'
             f"<td>{'cumulative ' if p.flagged_cumulative else ''}{'isolated' if p.flagged_isolated else ''}</td></tr>")
     out.append("</tbody></table>")
     return "\n".join(out)
 
 
 def findings_html(cv: CellView, limit: int = MAX_FINDINGS_PER_CELL) -> str:
-    """A cell's findings, each with its message, metrics against thresholds and repro."""
+    """A cell's first `limit` findings, each with its message, metrics against thresholds and repro."""
     out: list[str] = []
     for fv in cv.findings[:limit]:
         f = fv.finding
@@ -184,12 +191,64 @@ def findings_html(cv: CellView, limit: int = MAX_FINDINGS_PER_CELL) -> str:
                 f'<span class="muted">({_e(fv.mode)}, {_e(f.stage)}{", " + _e(f.error_type) if f.error_type else ""})</span>')
         out.append(head)
         if fv.repro:
-            cmd = f" · <code>{_e(f.repro.command)}</code>" if f.repro and f.repro.command else ""
+            cmd = f" · from the cell folder: <code>{_e(fv.command)}</code>" if fv.command else ""
             out.append(f"<br>repro: <code>{_e(fv.repro)}</code> {'(verified)' if fv.verified else '(not verified)'}{cmd}")
         if fv.metrics_text:
             out.append(f"<br>{_e(fv.metrics_text)}")
         out.append(f"<pre>{_e(f.message)}</pre>\n</div>")
     return "\n".join(out)
+
+
+class _Strings:
+    """A string table: each distinct string is stored once in the embedded data."""
+
+    def __init__(self) -> None:
+        self.index: dict[str, int] = {}
+        self.items: list[str] = []
+
+    def __call__(self, text: str | None) -> int:
+        key = text or ""
+        i = self.index.get(key)
+        if i is None:
+            i = self.index[key] = len(self.items)
+            self.items.append(key)
+        return i
+
+
+def compact_findings(cv: CellView, start: int, strings: _Strings) -> list[list[int]]:
+    """Findings from `start` on as rows of string-table indexes: kind, title, mode, headline,
+    repro (as the report folder reaches it, with "✔" when verified), metrics."""
+    rows = []
+    for fv in cv.findings[start:]:
+        summary = fv.summary if len(fv.summary) <= SUMMARY_CHARS else fv.summary[: SUMMARY_CHARS - 1] + "…"
+        repro = (fv.repro + (" ✔" if fv.verified else "")) if fv.repro else ""
+        rows.append([strings(fv.finding.kind), strings(fv.title), strings(fv.mode), strings(summary),
+                     strings(repro), strings(fv.metrics_text)])
+    return rows
+
+
+def compact_layers(nv: NumericsView, strings: _Strings) -> list[list[Any]]:
+    """Per-layer rows: index, then string-table indexes of name, class, cum rel, iso rel, ≤ rel,
+    cum/iso/≤ 1 − cos and flagged."""
+    def n(x: Any) -> int:
+        return strings(fmt_num(x))
+
+    def cd(x: Any) -> int:
+        return strings(cos_distance(x))
+
+    rows = []
+    for p in nv.layers:
+        c, i, t = p.cumulative, p.isolated, p.threshold
+        flagged = ("cumulative " if p.flagged_cumulative else "") + ("isolated" if p.flagged_isolated else "")
+        rows.append([p.index, strings(p.label), strings(p.module_class), n(c.get("rel")), n(i.get("rel")), n(t.get("rel")),
+                     cd(c.get("cos")), cd(i.get("cos")), cd(t.get("cos")), strings(flagged.strip())])
+    return rows
+
+
+def embedded_data(data: dict[str, Any]) -> Markup:
+    """JSON for a ``<script type="application/json">``: no ``<`` at all, so no ``</script>``."""
+    text = json.dumps(data, ensure_ascii=False, separators=(",", ":")).replace("<", "\\u003c")
+    return Markup(text)
 
 
 def _anchor(cell_id: str) -> str:
@@ -209,7 +268,7 @@ def _environment() -> jinja2.Environment:
         trim_blocks=True,
         lstrip_blocks=True,
     )
-    env.filters.update(num=fmt_num, icon=icon, first_line=first_line)
+    env.filters.update(num=fmt_num, cosd=cos_distance, icon=icon, first_line=first_line)
     return env
 
 
@@ -227,15 +286,30 @@ def render_html(
     v = view or build_view(results, out_dir=out_dir, run_dir=run_dir, diff=diff)
     charts: dict[str, list[tuple[str, str, Markup]]] = {}
     blocks: dict[str, dict[str, Markup]] = {}
+    lazy: dict[str, dict[str, Any]] = {}  # anchor → compact rows drawn on demand
+    strings = _Strings()
+    full_left, chart_cells = MAX_FULL_FINDINGS, 0
     for cv in v.cells:
-        blocks[cv.id] = {"findings": Markup(findings_html(cv)), "layers": Markup("")}
+        shown = max(0, min(len(cv.findings), MAX_FINDINGS_PER_CELL, full_left))
+        full_left -= shown
+        blocks[cv.id] = {"findings": Markup(findings_html(cv, shown)), "layers": Markup("")}
+        entry: dict[str, Any] = {}
+        if shown < len(cv.findings):
+            entry["findings"] = compact_findings(cv, shown, strings)
         if cv.numerics and cv.numerics.layers:
-            charts[cv.id] = [(m, label, Markup(layer_chart(cv.numerics, m, cell_id=cv.id, label=label, hidden=i > 0)))
-                             for i, (m, label) in enumerate(CHART_METRICS)]
-            blocks[cv.id]["layers"] = Markup(layer_table(cv.numerics))
+            if chart_cells < MAX_CHART_CELLS:
+                chart_cells += 1
+                charts[cv.id] = [(m, label, Markup(layer_chart(cv.numerics, m, cell_id=cv.id, label=label, hidden=i > 0)))
+                                 for i, (m, label) in enumerate(CHART_METRICS)]
+                blocks[cv.id]["layers"] = Markup(layer_table(cv.numerics))
+            else:
+                entry["layers"] = compact_layers(cv.numerics, strings)
+        if entry:
+            lazy[_anchor(cv.id)] = entry
+    data = embedded_data({"strings": strings.items, "cells": lazy}) if lazy else None
     # Illegal characters become visible escapes in one pass over the page (ASCII escapes: the same
     # as escaping every value, far faster than a filter on each).
     return xml_safe(_ENV.get_template("report.html.j2").render(
-        v=v, diff=v.diff, charts=charts, blocks=blocks, max_findings=MAX_FINDINGS_PER_CELL,
-        anchor=_anchor,
+        v=v, diff=v.diff, charts=charts, blocks=blocks, lazy=lazy, data=data, max_chart_cells=MAX_CHART_CELLS,
+        max_divergent=MAX_DIVERGENT_ROWS, anchor=_anchor,
     ))

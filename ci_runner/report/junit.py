@@ -1,16 +1,27 @@
-"""`junit.xml`: one ``<testsuite>`` per cell, test cases per mode, per finding and per crash.
+"""`junit.xml`, shaped for the tools that read it: Jenkins (junit and xunit plugins, the latter
+validating against its ``junit-10.xsd``), EnricoMi/publish-unit-test-result-action (junitparser),
+dorny/test-reporter, mikepenz/action-junit-report and junit2html.
 
-Built with ElementTree, never string templates. The layout, read by the common GitHub reporters
-(EnricoMi/publish-unit-test-result-action, dorny/test-reporter, mikepenz/action-junit-report):
+Built with ElementTree, never string templates. The mapping (README, "junit.xml"):
 
-- ``<testsuites name="deepview-ci">`` with totals;
-- per cell ``<testsuite name="<model>@<backend>">`` with ``<properties>``: model, backend, status,
-  artifacts folder and the flattened env stamp (``env.torch``, ``env.device``, …);
-- ``<testcase classname="<cell>" name="mode ops">``: ``<failure>`` when the mode found something,
-  ``<error>`` when it errored, timed out or crashed, ``<skipped>`` with the reason;
-- ``<testcase classname="<cell>.<mode>" name="<kind> <op|module>" file="<repro>">`` per finding,
-  each a ``<failure>`` whose body holds the message, the metrics and the repro path;
-- ``<testcase classname="<cell>" name="cell">`` with ``<error>`` when the cell process itself died.
+- ``<testsuites name="deepview-ci">`` with ``tests``/``failures``/``errors``/``time`` totals;
+- one ``<testsuite name="<cell id>">`` per cell, with ``<properties>`` (model, backend, status,
+  duration_s, artifacts_dir and the flattened env stamp ``env.torch``, ``env.device``, …);
+- every test case of a cell has ``classname`` = the cell id with each ``.`` written ``·``
+  (`classname`), so Jenkins, which splits a classname at its last dot, shows one cell as one class;
+- per finding one ``<testcase name="<mode>: <kind> <op|module>">`` with a ``<failure>`` whose
+  message is the finding's own headline and whose body holds the metrics and the repro;
+- per mode without findings one ``<testcase name="<mode>">``: passed, ``<error>`` (error, timeout,
+  crashed), ``<skipped>`` or, for a failed mode with no finding, ``<failure>``;
+- a cell error (crash, timeout, setup failure) is told on the mode it hit; only a cell with no such
+  mode gets a ``<testcase name="cell">`` of its own.
+
+So tests = findings + modes without findings (+ a ``cell`` case), failures = findings (+ failed modes
+without findings), errors = modes that errored, timed out or crashed (+ cell errors no mode carries),
+skipped = skipped modes and skipped cells. `junit_counts` computes these for summary.md.
+
+No ``file`` attribute (Jenkins' schema has none, and mikepenz would glob an unrelated file): repro
+paths are in the failure body. Case times never overlap: a suite's time is the sum of its cases'.
 
 Characters that XML 1.0 cannot carry (NUL, most C0 controls, lone surrogates, U+FFFE/U+FFFF)
 become visible ``\\xNN`` escapes.
@@ -20,12 +31,13 @@ from __future__ import annotations
 
 import re
 import xml.etree.ElementTree as ET
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Mapping
 
 from ..fsutil import atomic_write_bytes
-from ..results import Results
+from ..results import CellError, Results
 from .view import CellView, FindingView, ReportView, build_view, first_line
 
 _ILLEGAL_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
@@ -72,7 +84,7 @@ def _time(seconds: float) -> str:
     return f"{max(0.0, float(seconds or 0.0)):.3f}"
 
 
-def _finding_body(fv: FindingView) -> str:
+def _finding_body(fv: FindingView, cell_dir: str) -> str:
     f = fv.finding
     lines = [f.message.rstrip(), ""]
     lines.append(f"kind: {f.kind}   stage: {f.stage}   fingerprint: {f.fingerprint}")
@@ -86,110 +98,176 @@ def _finding_body(fv: FindingView) -> str:
         lines.append(f"metrics: {fv.metrics_text}")
     if fv.repro:
         lines.append(f"repro: {fv.repro} ({'verified' if fv.verified else 'not verified'})")
-        if f.repro and f.repro.command:
-            lines.append(f"run: {f.repro.command}")
+        if fv.command:
+            lines.append(f"run it from the cell folder {cell_dir}: {fv.command}")
     return "\n".join(lines)
 
 
-class _Suite:
-    def __init__(self, el: ET.Element) -> None:
-        self.el = el
-        self.tests = self.failures = self.errors = self.skipped = 0
-        self.names: set[tuple[str, str]] = set()
-
-    def case(self, classname: str, name: str, time: float = 0.0, file: str | None = None) -> ET.Element:
-        base, n = name, 2
-        while (classname, name) in self.names:  # reporters merge same-named cases: keep them apart
-            name, n = f"{base} #{n}", n + 1
-        self.names.add((classname, name))
-        self.tests += 1
-        return _sub(self.el, "testcase", {"classname": classname, "name": name, "time": _time(time), "file": file})
-
-    def fail(self, case: ET.Element, tag: str, message: str, type_: str | None, body: str | None) -> None:
-        if tag == "failure":
-            self.failures += 1
-        elif tag == "error":
-            self.errors += 1
-        else:
-            self.skipped += 1
-        _sub(case, tag, {"message": _clip(message, MESSAGE_LIMIT), "type": type_}, body)
+CLASS_DOT = "·"  # stands for "." in classnames: Jenkins splits a classname at its last dot
+ERROR_STATUSES = ("error", "timeout", "crashed")
 
 
-def _cell_suite(root: ET.Element, cv: CellView) -> _Suite:
+def classname(cell_id: str) -> str:
+    """The classname of a cell's cases: its id with dots written ``·`` (``qwen2.5@x`` → ``qwen2·5@x``)."""
+    return cell_id.replace(".", CLASS_DOT)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One ``<testcase>``: `outcome` is None (passed), ``failure``, ``error`` or ``skipped``."""
+
+    name: str
+    time: float = 0.0
+    outcome: str | None = None
+    message: str = ""
+    type: str | None = None
+    body: str | None = None
+    out: str | None = None  # system-out
+
+
+def _error_body(e: CellError) -> str:
+    body = [e.message]
+    if e.exit_code is not None:
+        body.append(f"exit code: {e.exit_code}")
+    if e.signal:
+        body.append(f"signal: {e.signal}")
+    if e.last_module:
+        body.append(f"last module entered: {e.last_module}")
+    if e.stderr_tail:
+        body += ["", "stderr (tail):", e.stderr_tail]
+    return "\n".join(body)
+
+
+def _error_carrier(cv: CellView) -> str | None:
+    """The mode that tells the cell's error: the one whose reason is that error, else the first that
+    crashed, timed out or errored."""
+    e = cv.cell.error
+    if e is None:
+        return None
+    bad = [m for m, st in cv.modes.items() if st in ERROR_STATUSES]
+    same = [m for m in bad if (cv.cell.modes[m].reason or "") == e.message]
+    return (same or [m for m in bad if cv.modes[m] == e.type] or bad or [None])[0]
+
+
+def cell_cases(cv: CellView, *, detail: bool = True) -> list[Case]:
+    """The test cases of one cell, in execution order (see the module docstring for the mapping).
+
+    Without `detail`, bodies are left out (enough for counting)."""
     c = cv.cell
-    attrs = {"name": c.id, "tests": "0", "failures": "0", "errors": "0", "skipped": "0", "time": _time(c.duration_s)}
-    if _timestamp(c.started_at):
-        attrs["timestamp"] = _timestamp(c.started_at)
-    if cv.env.get("hostname"):
-        attrs["hostname"] = cv.env["hostname"]
-    suite = _Suite(_sub(root, "testsuite", attrs))
-    props = _sub(suite.el, "properties")
+    modes = {m: st for m, st in cv.modes.items() if st is not None}
+    rest = max(0.0, (c.duration_s or 0.0) - sum(c.modes[m].duration_s or 0.0 for m in modes))
+    carrier = _error_carrier(cv)
+    by_mode: dict[str, list[FindingView]] = {}
+    for fv in cv.findings:
+        by_mode.setdefault(fv.mode, []).append(fv)
+    cell_dir = c.artifacts_dir or f"cells/{c.id}"
+    cases: list[Case] = []
+    e = c.error
+    if e is not None and carrier is None:
+        cases.append(Case("cell", rest, "error", first_line(e.message, 400) or f"cell {c.status}", e.type,
+                          _error_body(e) if detail else None))
+        rest = 0.0
+    elif not modes:
+        if c.status == "skipped":
+            cases.append(Case("cell", rest, "skipped", "cell skipped"))
+        elif c.status != "pass":
+            cases.append(Case("cell", rest, "error", f"cell {c.status} without mode results", c.status))
+        else:
+            cases.append(Case("cell", rest))
+        rest = 0.0
+    for mname, status in modes.items():
+        mode = c.modes[mname]
+        t = (mode.duration_s or 0.0) + (rest if mname == carrier else 0.0)
+        verdict = None
+        if mname == "numerics" and cv.numerics and cv.numerics.verdict.get("text"):
+            verdict = str(cv.numerics.verdict["text"])
+        mine = by_mode.get(mname, [])
+        if status in ERROR_STATUSES:
+            if mname == carrier and e is not None:
+                msg = first_line(e.message, 400)
+                body = (_error_body(e) if detail else None)
+                cases.append(Case(mname, t, "error", msg, e.type, body, verdict))
+            else:
+                msg = first_line(mode.reason or "", 400) or f"{mname} {status}"
+                cases.append(Case(mname, t, "error", msg, status, mode.reason or None, verdict))
+            t, verdict = 0.0, None
+        elif status == "skipped":
+            cases.append(Case(mname, t, "skipped", first_line(mode.reason or "", 400) or f"{mname} skipped"))
+            t = 0.0
+        elif not mine:
+            if status == "fail":
+                cases.append(Case(mname, t, "failure", first_line(mode.reason or "", 400) or f"{mname} failed",
+                                  "fail", mode.reason or None, verdict))
+            else:
+                cases.append(Case(mname, t, out=verdict))
+            continue
+        for fv in mine:
+            f = fv.finding
+            cases.append(Case(f"{mname}: {f.kind} {fv.title}", t, "failure", fv.summary or f.kind,
+                              f.error_type or f.kind, _finding_body(fv, cell_dir) if detail else None, verdict))
+            t, verdict = 0.0, None
+    return cases
+
+
+def junit_counts(view: ReportView) -> dict[str, int]:
+    """``tests``, ``failures``, ``errors`` and ``skipped`` as junit.xml states them."""
+    out = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    for cv in view.cells:
+        for case in cell_cases(cv, detail=False):
+            out["tests"] += 1
+            if case.outcome == "failure":
+                out["failures"] += 1
+            elif case.outcome == "error":
+                out["errors"] += 1
+            elif case.outcome == "skipped":
+                out["skipped"] += 1
+    return out
+
+
+def _cell_suite(root: ET.Element, cv: CellView) -> dict[str, Any]:
+    c = cv.cell
+    cases = cell_cases(cv)
+    counts = {"tests": len(cases), "failures": 0, "errors": 0, "skipped": 0}
+    for case in cases:
+        if case.outcome:
+            counts[{"failure": "failures", "error": "errors", "skipped": "skipped"}[case.outcome]] += 1
+    times = [_time(case.time) for case in cases]
+    total = sum(float(t) for t in times)
+    attrs: dict[str, Any] = {"name": c.id, **{k: str(v) for k, v in counts.items()}, "time": _time(total)}
+    attrs["timestamp"] = _timestamp(c.started_at)
+    attrs["hostname"] = cv.env.get("hostname")
+    suite = _sub(root, "testsuite", attrs)
+    props = _sub(suite, "properties")
     fixed = [("model", c.model), ("backend", c.backend), ("status", c.status), ("device", cv.env.get("device")),
-             ("artifacts_dir", c.artifacts_dir)]
+             ("duration_s", f"{c.duration_s or 0.0:.3f}"), ("artifacts_dir", c.artifacts_dir)]
     for k, v in fixed + [(f"env.{k}", v) for k, v in cv.env.items()]:
         if v is not None:
             _sub(props, "property", {"name": k, "value": v})
-
-    if c.error is not None:
-        e = c.error
-        case = suite.case(c.id, "cell", c.duration_s)
-        body = [e.message]
-        if e.exit_code is not None:
-            body.append(f"exit code: {e.exit_code}")
-        if e.signal:
-            body.append(f"signal: {e.signal}")
-        if e.last_module:
-            body.append(f"last module entered: {e.last_module}")
-        if e.stderr_tail:
-            body += ["", "stderr (tail):", e.stderr_tail]
-        suite.fail(case, "error", f"cell {c.status}: {first_line(e.message, 400)}", e.type, "\n".join(body))
-    elif not c.modes:
-        case = suite.case(c.id, "cell", c.duration_s)
-        if c.status == "skipped":
-            suite.fail(case, "skipped", "cell skipped", None, None)
-        elif c.status != "pass":
-            suite.fail(case, "error", f"cell {c.status} without mode results", c.status, None)
-
-    for mname, status in cv.modes.items():
-        if status is None:
-            continue
-        mode = c.modes[mname]
-        case = suite.case(c.id, f"mode {mname}", mode.duration_s)
-        mine = [f for f in cv.findings if f.mode == mname]
-        if status == "fail":
-            listing = "\n".join(f"- {f.finding.kind} {f.title}: {f.summary}" for f in mine)
-            suite.fail(case, "failure", f"{mname}: {len(mine)} finding(s)" + (f"; first: {mine[0].title}" if mine else ""),
-                       "findings", listing or (mode.reason or None))
-        elif status in ("error", "timeout", "crashed"):
-            suite.fail(case, "error", f"{mname} {status}" + (f": {first_line(mode.reason)}" if mode.reason else ""),
-                       status, mode.reason)
-        elif status == "skipped":
-            suite.fail(case, "skipped", mode.reason or f"{mname} skipped", None, None)
-        if mname == "numerics" and cv.numerics and cv.numerics.verdict.get("text"):
-            _sub(case, "system-out", None, str(cv.numerics.verdict["text"]))
-
-    for fv in cv.findings:
-        f = fv.finding
-        case = suite.case(f"{c.id}.{fv.mode}", f"{f.kind} {fv.title}", 0.0, fv.repro)
-        suite.fail(case, "failure", fv.summary or f.kind, f.error_type or f.kind, _finding_body(fv))
-
-    for key, val in (("tests", suite.tests), ("failures", suite.failures), ("errors", suite.errors), ("skipped", suite.skipped)):
-        suite.el.set(key, str(val))
-    return suite
+    cls = classname(c.id)
+    seen: set[str] = set()
+    for case, t in zip(cases, times):
+        name, n = case.name, 2
+        while name in seen:  # reporters merge same-named cases: keep them apart
+            name, n = f"{case.name} #{n}", n + 1
+        seen.add(name)
+        el = ET.SubElement(suite, "testcase", {"classname": cls, "name": name, "time": t})
+        if case.outcome:
+            _sub(el, case.outcome, {"message": _clip(case.message, MESSAGE_LIMIT), "type": case.type}, case.body)
+        if case.out:
+            _sub(el, "system-out", None, case.out)
+    return {**counts, "time": total}
 
 
 def build_junit(view: ReportView, *, name: str = "deepview-ci") -> ET.ElementTree:
     root = ET.Element("testsuites", {"name": name})
-    totals = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    totals = {"tests": 0, "failures": 0, "errors": 0}
     time = 0.0
     for cv in sorted(view.cells, key=lambda c: c.id):
         s = _cell_suite(root, cv)
-        totals["tests"] += s.tests
-        totals["failures"] += s.failures
-        totals["errors"] += s.errors
-        totals["skipped"] += s.skipped
-        time += cv.cell.duration_s or 0.0
-    for k, v in totals.items():
+        for k in totals:
+            totals[k] += s[k]
+        time += s["time"]
+    for k, v in totals.items():  # Jenkins' schema has no `skipped` here: readers sum the suites'
         root.set(k, str(v))
     root.set("time", _time(time))
     return ET.ElementTree(root)

@@ -20,8 +20,8 @@ import jinja2
 
 from ..log import STEP_SUMMARY_LIMIT
 from ..results import Results
-from .junit import xml_safe
-from .view import ReportView, build_view, first_line, fmt_num, icon
+from .junit import junit_counts, xml_safe
+from .view import ReportView, build_view, cos_distance, first_line, fmt_num, icon
 
 # The file stays this far under GitHub's limit, so that appending it after a few lines another
 # step wrote still fits.
@@ -118,7 +118,7 @@ def _environment() -> jinja2.Environment:
         lstrip_blocks=True,
         keep_trailing_newline=True,
     )
-    env.filters.update(md=md, h=h, code=code, block=block, num=fmt_num, icon=icon, first_line=first_line)
+    env.filters.update(md=md, h=h, code=code, block=block, num=fmt_num, cosd=cos_distance, icon=icon, first_line=first_line)
     return env
 
 
@@ -148,7 +148,7 @@ def render_summary(
     stopped = False
     budget = limit + 256 * 1024
     for chunk in _ENV.get_template("summary.md.j2").generate(
-        v=v, max_rows=MAX_ROWS, max_details=MAX_DETAILS_FINDINGS, diff=v.diff,
+        v=v, max_rows=MAX_ROWS, max_details=MAX_DETAILS_FINDINGS, diff=v.diff, junit=junit_counts(v),
     ):
         chunks.append(chunk)
         size += len(chunk)

@@ -10,9 +10,11 @@ import json
 import math
 import os
 import posixpath
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ..results import STATUS_SEVERITY, CellResult, Finding, Results, number
 
@@ -126,6 +128,42 @@ def repro_path(cell: CellResult, finding: Finding, *, out_dir: Path | None, run_
     return posixpath.normpath(posixpath.join(base, rel))
 
 
+def repro_command(finding: Finding) -> str | None:
+    """The repro command as run from the cell folder (or the downloaded cell artifact).
+
+    Repro scripts find their data next to themselves, so ``python <path relative to the cell>``
+    works from there. A recorded command may name folders of the machine that ran it (a plugin's
+    checkout on ``PYTHONPATH``); those become ``<your checkout>``, never an absolute path.
+    """
+    r = finding.repro
+    if r is None or not r.path:
+        return None
+    path = r.path.replace("\\", "/")
+    if posixpath.isabs(path):
+        path = posixpath.basename(path)
+    cmd = f"python {shlex.quote(path)}"
+    if r.command and "PYTHONPATH=" in r.command:
+        cmd = f"PYTHONPATH=<your checkout> {cmd}"
+    return cmd
+
+
+def cos_distance(value: Any) -> str:
+    """A cosine shown as its distance from 1 (``1 − cos``), readable where cos itself is 0.99999…"""
+    x = as_float(value)
+    if x is None:
+        return "–"
+    if math.isnan(x):
+        return "NaN"
+    return fmt_num(1.0 - x) if x != 1.0 else "0"
+
+
+def format_threshold(metric: str, threshold: Any) -> str:
+    """``rel ≤ 0.002``; a cosine threshold as ``1 − cos ≤ 5.8e-11``."""
+    if metric == "cos":
+        return f"1 − cos ≤ {cos_distance(threshold)}"
+    return f"{metric} ≤ {fmt_num(threshold)}"
+
+
 @dataclass
 class FindingView:
     cell: str
@@ -141,6 +179,7 @@ class FindingView:
     # the metrics to show in one table row: (view, metrics, threshold); see `metric_views`
     primary: tuple[str | None, dict[str, Any], dict[str, Any]] = (None, {}, {})
     metrics_text: str = ""
+    command: str | None = None  # how to run the repro from the cell folder (see `repro_command`)
 
 
 VIEWS: tuple[str, ...] = ("cumulative", "isolated")
@@ -172,15 +211,19 @@ def primary_metrics(f: Finding, view: str | None) -> tuple[str | None, dict[str,
 def format_metrics(f: Finding) -> str:
     """``rel 0.04 (threshold 0.002) · cos 0.9992 (threshold 0.9995)``, per view when nested."""
     parts = []
-    for view, m, t in metric_views(f):
+    views = metric_views(f)
+    for view, m, t in views:
         items = []
         for k, val in m.items():
             if isinstance(val, (Mapping, list)):
                 continue
             thr = t.get(k)
-            items.append(f"{k} {fmt_num(val)}" + (f" (threshold {fmt_num(thr)})" if thr is not None and not isinstance(thr, (Mapping, list)) else ""))
+            shown = f"1 − cos {cos_distance(val)}" if k == "cos" else f"{k} {fmt_num(val)}"
+            has_thr = thr is not None and not isinstance(thr, (Mapping, list))
+            shown_thr = cos_distance(thr) if k == "cos" else fmt_num(thr)
+            items.append(shown + (f" (threshold {shown_thr})" if has_thr else ""))
         if items:
-            parts.append((f"{view}: " if view and len(metric_views(f)) > 1 else "") + " · ".join(items))
+            parts.append((f"{view}: " if view and len(views) > 1 else "") + " · ".join(items))
     return "; ".join(parts)
 
 
@@ -232,6 +275,17 @@ class CellView:
     @property
     def bad(self) -> bool:
         return self.cell.status in BAD_STATUSES
+
+    @property
+    def first(self) -> str | None:
+        """The first finding in execution order: the verdict's first divergent layer when the
+        numerics mode found one and nothing ran into trouble before it, else the first finding."""
+        if not self.findings:
+            return None
+        head = self.findings[0]
+        if head.mode == "numerics" and self.numerics and self.numerics.verdict.get("first_divergent"):
+            return str(self.numerics.verdict["first_divergent"])
+        return head.title
 
 
 @dataclass
@@ -331,14 +385,23 @@ def build_view(results: Results, *, out_dir: Path | None = None, run_dir: Path |
                     view=fview,
                     primary=primary_metrics(f, fview) if f.kind == "divergence" else (None, {}, {}),
                     metrics_text=format_metrics(f) if f.metrics else "",
+                    command=repro_command(f),
                 ))
+        nv = _numerics(c)
+        if nv is not None and nv.layers:
+            # the numerics mode lists findings worst first; every report shows execution order
+            order = {}
+            for p in nv.layers:
+                order.setdefault(p.name, p.index)
+            fviews.sort(key=lambda fv: (modes.index(fv.mode), order.get(fv.finding.module or "", len(order))
+                                        if fv.finding.kind == "divergence" else -1))
         cells.append(CellView(
             cell=c,
             modes={m: (c.modes[m].status if m in c.modes else None) for m in modes},
             reasons={m: c.modes[m].reason or "" for m in modes if m in c.modes and c.modes[m].reason},
             findings=fviews,
             env=_flat_env(c.env),
-            numerics=_numerics(c),
+            numerics=nv,
         ))
     cells.sort(key=lambda cv: (0 if cv.bad else 1, -STATUS_SEVERITY.get(cv.status, 3), cv.id))
     allf = [f for cv in cells for f in cv.findings]

