@@ -99,7 +99,7 @@ class BackendSpec:
     backend_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     ir: str = "aten"  # what the backend's compiler sees: dynamo (torch-level), aten (after aot_autograd), core_aten
     runs_on: tuple[str, ...] = ("ubuntu-latest",)
-    # how the backend's GitHub job is set up (DESIGN §9); none of these is used by a local run
+    # how the backend's GitHub job is set up; none of these is used by a local run
     python: str | None = None  # an existing interpreter that holds torch and the backend
     container: Mapping[str, Any] | None = None  # {image, options, env} of the job container
     setup: tuple[str, ...] = ()  # shell commands run before the cell

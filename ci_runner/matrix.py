@@ -142,7 +142,7 @@ def expand_json(cells: Sequence[Cell], *, max_jobs: int, chunk_size: int = GITHU
                 fork_pr: bool = False) -> dict[str, Any]:
     """The plan: chunks of include entries to run, and the planned cells that will not run, with why.
 
-    With `fork_pr`, cells bound for self-hosted runners are planned as skipped (DESIGN §9: a fork's
+    With `fork_pr`, cells bound for self-hosted runners are planned as skipped (a fork's
     pull request could rewrite `setup`/`container` and run anything on the vendor's machine).
     """
     skipped = [c for c in cells if fork_pr and c.backend.self_hosted]
