@@ -492,13 +492,16 @@ def capture_fd2() -> Iterator[list[str]]:
 
 _DIAG_RE = re.compile(r"(\berror:|failed to legalize|not supported|unsupported|cannot|could not|Exception|Error\b)",
                       re.IGNORECASE)
-_DIAG_NOISE_RE = re.compile(r"^(Traceback|  File |\s*\^+\s*$|During handling|The above exception|warnings\.warn)")
+_DIAG_NOISE_RE = re.compile(r"^(Traceback|File |\s*[\^~]+\s*$|During handling|The above exception|warnings\.warn|raise |"
+                             r"return |Set TORCH_LOGS|\[\d+/\d+\]\s*$)")
+_LOG_PREFIX_RE = re.compile(r"^[EWIDV]\d{4} [\d:.]+ \d+ \S+\] (\[[^\]]*\] )?")  # torch's own log lines
 
 
 def compiler_diagnostics(text: str, op: str | None = None, *, limit: int = 6) -> list[str]:
     """The lines of a compiler's output that name the failing op or pass: MLIR-style `error:` lines first, then
     lines naming the op, then other lines that read as a diagnostic (Python traceback lines left out)."""
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not _DIAG_NOISE_RE.match(ln)]
+    lines = [_LOG_PREFIX_RE.sub("", ln.strip()).strip() for ln in text.splitlines()]
+    lines = [ln for ln in lines if ln and not _DIAG_NOISE_RE.match(ln)]
     bare = (op or "").split(".")[1] if op and op.count(".") >= 2 else (op or "")
     picked: list[str] = []
     for keep in (lambda ln: "error:" in ln,
@@ -609,7 +612,8 @@ def run_probe(backend: Any, probe: Mapping[str, Any], *, compare_results: bool,
                     a, k = assemble(args, kwargs, ts, device)
                     return select_outputs(op(*a, **k), outputs)
 
-                compiled_fn, record = backend.compile_recorded(fn)
+                recorded = getattr(backend, "compile_recorded", None)  # a `backends.Backend`; else plain compile
+                compiled_fn, record = recorded(fn) if callable(recorded) else (backend.compile(fn), None)
                 value = compiled_fn(*tensors)
             value = map_tensors(lambda t: t.detach().to("cpu"), value)
     except Exception as exc:

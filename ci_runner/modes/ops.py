@@ -181,6 +181,16 @@ def attributed_op(probe_op: str, outcome: Mapping[str, Any]) -> str:
     return probe_op
 
 
+_VOLATILE_RE = re.compile(r"0x[0-9a-fA-F]+|\bs\d+\b|\bu\d+\b|/tmp\S*|\bpid \d+|\d{4,}")
+
+
+def _stable_prefix(line: str) -> str:
+    """The part of an error line before its first volatile token (symbol ids `s96`, addresses, temp paths, PIDs,
+    long counters), which changes from run to run: a repro must print that part to count as the same failure."""
+    m = _VOLATILE_RE.search(line)
+    return line[: m.start()] if m else line
+
+
 def _expectation(outcome: Mapping[str, Any], op: str) -> dict[str, Any]:
     """What a verified repro must print: the backend's phrase naming the op, and the error type."""
     status = outcome["status"]
@@ -193,7 +203,7 @@ def _expectation(outcome: Mapping[str, Any], op: str) -> dict[str, Any]:
         text = [phrase]
     else:
         first = (outcome.get("message") or "").strip().splitlines()
-        text = [re.sub(r"0x[0-9a-fA-F]+", "", first[0])[:80].strip()] if first else []
+        text = [_stable_prefix(first[0])[:80].strip()] if first else []
         text = [t for t in text if t]
     return {"expect_text": text, "expect_error_type": outcome.get("error_type"), "expect_signal": False}
 
