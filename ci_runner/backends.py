@@ -30,6 +30,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.util
+import logging
 import os
 import re
 import sysconfig
@@ -262,6 +263,22 @@ class Backend:
             return fn
         return _torch().compile(fn, backend=self._compiler, **dict(self.spec.compile_options))
 
+    def compile_recorded(self, fn: Callable[..., Any]) -> tuple[Callable[..., Any], "CompileRecord | None"]:
+        """`compile(fn)` with the backend wrapped in a `CompileRecord` (graphs it was given, nodes, executions);
+        the record is None when eager. The wrapper keeps the backend's name, so error texts read the same."""
+        self.prepare()
+        if self._compiler is None:
+            return fn, None
+        torch = _torch()
+        options = dict(self.spec.compile_options)
+        inner: Any = self._compiler
+        if inner == "inductor":  # torch.compile special-cases the name: build what it would build
+            inner = torch._TorchCompileInductorWrapper(options.pop("mode", None), options.pop("options", None),
+                                                       options.get("dynamic"))
+        name = self._compiler if isinstance(self._compiler, str) else getattr(self._compiler, "__name__", "backend")
+        record = CompileRecord(inner, str(name))
+        return torch.compile(fn, backend=record, **options), record
+
     def to_device(self, obj: Any) -> Any:
         """Move a module, tensor or nested dict/list/tuple of them to the backend's device."""
         from .tree import map_tensors  # deferred: imports torch
@@ -354,6 +371,176 @@ def _device_description(dev: str) -> str:
         except Exception:
             return "CUDA"
     return "PrivateUse1 device registered by a plugin" if dev == torch._C._get_privateuse1_backend_name() else dev
+
+
+# --------------------------------------------------------------------------- did the backend run?
+# A `pass` means something only when the backend compiled and executed the code. Three generic sources of
+# evidence, and one per backend that falls back silently:
+# * `CompileRecord`: a wrapper around the torch.compile backend; the graphs it was given (node counts) and how
+#   often each compiled callable ran;
+# * `DynamoCounters`: `torch._dynamo.utils.counters` diffed around a call: frames total vs ok (an error Dynamo
+#   suppressed, a skipped frame), graph breaks (code between graphs runs in eager), aot_autograd not_ok;
+# * `FallbackWatch`: the backend's own fallbacks (OpenVINO: see `OPENVINO_FACTS`).
+
+class CompileRecord:
+    """A torch.compile backend that forwards to `inner` and records each graph it is given and its executions."""
+
+    def __init__(self, inner: Any, name: str) -> None:
+        self.inner = inner
+        self.__name__ = name  # torch.compile's errors say backend='<name>'
+        self.graphs: list[dict[str, Any]] = []  # {"nodes": call nodes, "calls": executions}
+
+    def __call__(self, gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
+        from torch._dynamo.backends.registry import lookup_backend  # deferred: imports torch
+
+        rec = {"nodes": sum(1 for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")),
+               "calls": 0}
+        self.graphs.append(rec)
+        compiled = lookup_backend(self.inner)(gm, example_inputs, **kwargs)
+        if not callable(compiled):
+            return compiled
+
+        def run(*args: Any) -> Any:
+            out = compiled(*args)
+            rec["calls"] += 1
+            return out
+
+        if getattr(compiled, "_boxed_call", False):  # aot_autograd's calling convention: Dynamo passes a list
+            run._boxed_call = True  # type: ignore[attr-defined]
+        return run
+
+    def summary(self) -> dict[str, int]:
+        return {"graphs": len(self.graphs), "nodes": sum(g["nodes"] for g in self.graphs),
+                "graphs_executed": sum(1 for g in self.graphs if g["calls"] > 0)}
+
+    def not_ran(self) -> str | None:
+        """Why the backend did not run the code (None when every graph it was given executed)."""
+        if not self.graphs:
+            return "the backend was given no graph (Dynamo ran everything in eager)"
+        idle = sum(1 for g in self.graphs if g["calls"] == 0)
+        if idle:
+            return f"{idle} of {len(self.graphs)} compiled graph(s) never executed"
+        return None
+
+
+class DynamoCounters:
+    """`with DynamoCounters() as c:` … `c.fallback()`: what Dynamo ran in eager instead of the backend."""
+
+    def __enter__(self) -> "DynamoCounters":
+        self.before = self._snapshot()
+        self.after = self.before
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.after = self._snapshot()
+
+    @staticmethod
+    def _snapshot() -> dict[str, dict[str, int]]:
+        from torch._dynamo.utils import counters  # deferred: imports torch
+
+        return {k: {kk: int(vv) for kk, vv in v.items()} for k, v in counters.items()}
+
+    def delta(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for cat, now in self.after.items():
+            old = self.before.get(cat, {})
+            d = {k: v - old.get(k, 0) for k, v in now.items() if v - old.get(k, 0)}
+            if d:
+                out[cat] = d
+        return out
+
+    def fallback(self) -> str | None:
+        d = self.delta()
+        frames = d.get("frames", {})
+        if frames.get("total", 0) > frames.get("ok", 0):
+            return (f"Dynamo fell back to eager for {frames['total'] - frames.get('ok', 0)} frame(s) "
+                    f"(an error it suppressed, or a skipped frame)")
+        breaks = d.get("graph_break", {})
+        if breaks:
+            return f"{sum(breaks.values())} graph break(s): {', '.join(list(breaks)[:2])}"[:300]
+        if d.get("aot_autograd", {}).get("not_ok"):
+            return "aot_autograd failed on a graph (it ran in eager)"
+        return None
+
+
+# OpenVINO's torch.compile backend (`openvino`, from the `openvino` package) falls back silently, logging at DEBUG
+# only: (1) any exception in its compiler hands the graph to Inductor ("Failed in OpenVINO execution");
+# (2) a failure at run time switches that partition to PyTorch eager for good (`perm_fallback`, "Falling back to
+# native PyTorch"); (3) its partitioner leaves unsupported ops, and any single-node partition unless
+# `options: {testing: true}`, in eager. Its default (non-aot) path re-traces the graph with make_fx inside
+# Dynamo, which breaks Dynamo's guard building (`sources must not be empty for symbol sN`); `aot_autograd: true`
+# avoids it. On CPUs with bf16 support it computes in bf16 unless `config: {INFERENCE_PRECISION_HINT: f32}`.
+# The recipe that makes its findings mean something (README, "Backend recipes"):
+OPENVINO_RECIPE: Mapping[str, Any] = {"options": {"aot_autograd": True, "testing": True,
+                                                  "config": {"INFERENCE_PRECISION_HINT": "f32"}}}
+_OV = "openvino.frontend.pytorch.torchdynamo"
+
+
+class FallbackWatch:
+    """Backend-specific evidence that a compile ran elsewhere than on the backend; `with FallbackWatch(name):`,
+    then `reason()` (None: no fallback seen) and `facts()`. Generic backends have none."""
+
+    def __init__(self, compile_name: str | None) -> None:
+        self.name = compile_name
+        self.messages: list[str] = []
+        self._handler: Any = None
+        self._saved: list[tuple[Any, int, bool]] = []
+        self._facts: dict[str, Any] = {}
+
+    def __enter__(self) -> "FallbackWatch":
+        if self.name != "openvino":
+            return self
+        try:
+            execute = importlib.import_module(f"{_OV}.execute")
+        except ImportError:
+            return self
+        execute.clear_caches()
+        watch = self
+
+        class _Keep(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                watch.messages.append(record.getMessage()[:400])
+
+        self._handler = _Keep(logging.DEBUG)
+        for name in (f"{_OV}.backend", f"{_OV}.execute"):
+            lg = logging.getLogger(name)
+            self._saved.append((lg, lg.level, lg.propagate))
+            lg.setLevel(logging.DEBUG)
+            lg.propagate = False
+            lg.addHandler(self._handler)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._handler is None:
+            return
+        for lg, level, propagate in self._saved:
+            lg.removeHandler(self._handler)
+            lg.setLevel(level)
+            lg.propagate = propagate
+        execute = importlib.import_module(f"{_OV}.execute")
+        mods = [m for gm in execute.partitioned_modules.values() for m in gm.modules()
+                if isinstance(m, execute.OpenVINOGraphModule)]
+        self._facts = {"openvino_partitions": len(mods), "perm_fallback": sum(bool(m.perm_fallback) for m in mods),
+                       "openvino_executions": sum(m.startswith("OpenVINO graph execution successful")
+                                                  for m in self.messages)}
+        self._handler = None
+
+    def facts(self) -> dict[str, Any]:
+        return dict(self._facts)
+
+    def reason(self) -> str | None:
+        if self.name != "openvino" or not self._facts:
+            return None
+        failed = [m for m in self.messages if m.startswith("Failed in OpenVINO execution")]
+        if failed:
+            return "OpenVINO failed and handed the graph to Inductor: " + failed[0]
+        eager = [m for m in self.messages if "Falling back to native PyTorch" in m]
+        if self._facts["perm_fallback"] or eager:
+            return "OpenVINO's execution failed and the graph ran in PyTorch eager: " + (eager or ["(no message)"])[0]
+        if self._facts["openvino_partitions"] == 0 or self._facts["openvino_executions"] == 0:
+            return ("OpenVINO ran no partition: it leaves unsupported ops and single-node graphs in PyTorch eager "
+                    "(compile_options: {options: {testing: true}} makes it compile single nodes)")
+        return None
 
 
 # --------------------------------------------------------------------------- backend facts

@@ -84,7 +84,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     counts = report.counts()
     progress.info(
         f"deepview-ci: {counts['pass']} pass, {counts['fail']} fail, {counts['error']} error, {counts['crashed']} crashed, "
-        f"{counts['timeout']} timeout, {counts['skipped']} skipped; {counts['findings']} finding(s)"
+        f"{counts['timeout']} timeout, {counts['skipped']} skipped"
+        f"{', ' + str(counts['inconclusive']) + ' inconclusive' if counts.get('inconclusive') else ''}; "
+        f"{counts['findings']} finding(s)"
     )
     for name, path in written.items():
         progress.info(f"  {name}: {path}")

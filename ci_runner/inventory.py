@@ -197,8 +197,50 @@ def describe_value(enc: Any) -> str:
     return repr(enc)
 
 
-def signature_key(op: str, args: Any, kwargs: Any) -> str:
-    return json.dumps([op, args, kwargs], sort_keys=True, separators=(",", ":"))
+def signature_key(op: str, args: Any, kwargs: Any, outputs: Sequence[int] | None = None) -> str:
+    """The identity of a signature: op, encoded arguments and, when the graph uses only some outputs, which."""
+    parts: list[Any] = [op, args, kwargs]
+    if outputs is not None:
+        parts.append({"outputs": list(outputs)})
+    return json.dumps(parts, sort_keys=True, separators=(",", ":"))
+
+
+def used_outputs(node: torch.fx.Node) -> list[int] | None:
+    """The output indices of a multi-output node that its graph reads (`getitem` users); None when the value is
+    used whole (or is a single tensor). Dead outputs are not part of what the model asks of the backend: IREE, for
+    one, compiles attention returning output 0 but not its logsumexp."""
+    import operator
+
+    val = node.meta.get("val", node.meta.get("example_value"))
+    if not isinstance(val, (tuple, list)):
+        return None
+    idx: set[int] = set()
+    for user in node.users:
+        if user.op == "call_function" and user.target is operator.getitem and isinstance(user.args[1], int):
+            idx.add(int(user.args[1]))
+        else:
+            return None
+    return sorted(idx)
+
+
+def op_imports(op: Any) -> tuple[str, ...]:
+    """The module that registered a custom (non-aten/prims) op, which a fresh process must import before the op
+    resolves: `transformers.integrations.moe` for `transformers::grouped_mm_fallback`. Empty for built-in ops."""
+    if not isinstance(op, torch._ops.OpOverload):
+        return ()
+    ns = op.namespace
+    if ns in ("aten", "prims", "prim", "quantized", "_quantized", "rngprims"):
+        return ()
+    try:
+        from torch._library.custom_ops import OPDEFS
+    except ImportError:  # pragma: no cover - torch without custom ops
+        return ()
+    opdef = OPDEFS.get(f"{ns}::{op._opname}")
+    init = getattr(opdef, "_init_fn", None)
+    module = getattr(init, "__module__", None)
+    if isinstance(module, str) and module and module != "__main__":
+        return (module,)
+    return ()
 
 
 # --------------------------------------------------------------------------------------------- model
@@ -225,11 +267,14 @@ class OpSignature:
     order: int = 0  # position of its first call in the trace
     sites: list[CallSite] = field(default_factory=list)
     site_count: int = 0  # distinct sites seen (sites keeps the first MAX_SITES)
+    outputs: list[int] | None = None  # output indices the graph uses (multi-output ops); None: all of them
+    imports: tuple[str, ...] = ()  # modules to import before the op resolves (what registered a custom op)
 
     def describe(self) -> str:
         parts = [describe_value(a) for a in self.args]
         parts += [f"{k}={describe_value(v)}" for k, v in self.kwargs.items()]
-        return f"{self.op}({', '.join(parts)})"
+        used = "" if self.outputs is None else f"[{', '.join(str(i) for i in self.outputs)}]"
+        return f"{self.op}({', '.join(parts)}){used}"
 
     @property
     def probeable(self) -> bool:
@@ -237,14 +282,18 @@ class OpSignature:
 
     def to_dict(self) -> dict[str, Any]:
         return {"op": self.op, "args": self.args, "kwargs": self.kwargs, "count": self.count, "order": self.order,
-                "site_count": self.site_count, "sites": [s.to_dict() for s in self.sites], "text": self.describe()}
+                "site_count": self.site_count, "sites": [s.to_dict() for s in self.sites], "text": self.describe(),
+                "outputs": self.outputs, "imports": list(self.imports)}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "OpSignature":
         args, kwargs = list(d["args"]), dict(d["kwargs"])
-        return cls(op=d["op"], args=args, kwargs=kwargs, key=signature_key(d["op"], args, kwargs),
+        outputs = d.get("outputs")
+        outputs = None if outputs is None else [int(i) for i in outputs]
+        return cls(op=d["op"], args=args, kwargs=kwargs, key=signature_key(d["op"], args, kwargs, outputs),
                    count=int(d.get("count", 0)), order=int(d.get("order", 0)),
-                   site_count=int(d.get("site_count", 0)), sites=[CallSite(**s) for s in d.get("sites", [])])
+                   site_count=int(d.get("site_count", 0)), sites=[CallSite(**s) for s in d.get("sites", [])],
+                   outputs=outputs, imports=tuple(d.get("imports", ())))
 
 
 @dataclass
@@ -309,11 +358,13 @@ class _Builder:
         self.by_key: dict[str, OpSignature] = {}
         self.total = 0
 
-    def add(self, op: str, args: list[Any], kwargs: dict[str, Any], site: CallSite) -> None:
-        key = signature_key(op, args, kwargs)
+    def add(self, op: str, args: list[Any], kwargs: dict[str, Any], site: CallSite, *,
+            outputs: list[int] | None = None, imports: tuple[str, ...] = ()) -> None:
+        key = signature_key(op, args, kwargs, outputs)
         sig = self.by_key.get(key)
         if sig is None:
-            sig = self.by_key[key] = OpSignature(op=op, args=args, kwargs=kwargs, key=key, order=self.total)
+            sig = self.by_key[key] = OpSignature(op=op, args=args, kwargs=kwargs, key=key, order=self.total,
+                                                 outputs=outputs, imports=imports)
         sig.count += 1
         self.total += 1
         if site not in sig.sites:
@@ -437,7 +488,8 @@ def add_aten_graph(builder: _Builder, gm: torch.fx.GraphModule, root_class: str,
             if name in SKIP_OPS:
                 continue
             args, kwargs = _encode_node_args(node, "val")
-            builder.add(name, args, kwargs, site_from_node(node, root_class))
+            builder.add(name, args, kwargs, site_from_node(node, root_class), outputs=used_outputs(node),
+                        imports=op_imports(target))
     if skipped_hops:
         notes.append("higher-order ops not probed (their bodies are): " + ", ".join(sorted(skipped_hops)))
 
@@ -743,7 +795,8 @@ def trace_dispatch(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
             if name not in SKIP_OPS and not name.startswith("prim."):
                 module, cls = stack[-1] if stack else ("", root_class)
                 builder.add(name, [encode_value(x) for x in a], {k: encode_value(v) for k, v in kw.items()},
-                            CallSite(module=module, module_class=cls if module else root_class, source=src()))
+                            CallSite(module=module, module_class=cls if module else root_class, source=src()),
+                            imports=op_imports(func))
             return out
 
     def pre(info: Any, a: Any, kw: Any) -> None:
@@ -805,4 +858,5 @@ __all__ = [
     "LEVELS", "CallSite", "OpSignature", "Inventory", "InventoryError", "take_inventory", "trace_export",
     "trace_aot", "trace_dynamo", "trace_dispatch", "encode_value", "describe_value", "iter_tensor_specs",
     "dtype_from_name", "dtype_name", "resolve_callable", "cia_decompositions", "load_inventory",
+    "used_outputs", "op_imports", "signature_key",
 ]

@@ -10,19 +10,31 @@ scripts (`templates/repro_op.py.j2`), so a repro rebuilds and judges the values 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import fnmatch
+import importlib
 import json
+import os
 import re
+import sys
+import tempfile
 import threading
 import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from .backends import COULD_NOT_RUN_RE, named_op_from_error, resolve_backend
+from .backends import (
+    COULD_NOT_RUN_RE,
+    CompileRecord,
+    DynamoCounters,
+    FallbackWatch,
+    named_op_from_error,
+    resolve_backend,
+)
 from .config import BackendSpec, spec_from_json, spec_to_json
 from .fsutil import append_line
 from .inventory import iter_tensor_specs, resolve_callable
@@ -62,17 +74,53 @@ def make_tensor(shape, stride, dtype, low, high, seed):  # type: ignore[no-untyp
     return t
 
 
-def compare(expected, actual, rtol, atol):  # type: ignore[no-untyped-def]
+def compare(expected, actual, rtol, atol, op=None, inputs=None, outputs=None):  # type: ignore[no-untyped-def]
     """None when `actual` matches `expected` (CPU eager) within tolerance, else what differs.
 
     Floats: |a - e| <= atol * max(1, max|e|) + rtol * |e| elementwise, NaN where CPU has NaN; ints and bools exact.
+    Op contracts (`op`, its CPU `inputs` and the op `outputs` returned, None = all): the indices of sort, topk,
+    kthvalue, mode, cummax/cummin, min/max/median.dim and argsort/argmax/argmin promise only to select the right
+    values; with ties any valid order is right, so they are checked by the values they select from the input.
     """
     from torch.utils import _pytree as pytree
 
     exp_leaves, act_leaves = pytree.tree_leaves(expected), pytree.tree_leaves(actual)
     if len(exp_leaves) != len(act_leaves):
         return f"{len(act_leaves)} outputs instead of {len(exp_leaves)}"
+    index_leaves, x, dim = set(), None, None
+    parts = str(op or "").replace("torch.Tensor.", "aten.").replace("torch.", "aten.").split(".")
+    name, overload = (parts[1] if len(parts) > 1 else ""), (parts[2] if len(parts) > 2 else "default")
+    with_indices = {"sort": 1, "topk": 2, "kthvalue": 2, "mode": 1, "cummax": 1, "cummin": 1}
+    dim_only = {"min": 1, "max": 1, "median": 1, "nanmedian": 1}
+    arg_ops = {"argsort": 1, "argmax": 1, "argmin": 1}
+    inputs = list(inputs or [])
+    if inputs and isinstance(inputs[0], torch.Tensor) and (
+            name in with_indices or name in arg_ops or (name in dim_only and overload == "dim")):
+        pos = {**with_indices, **dim_only, **arg_ops}[name]
+        x = inputs[0]
+        dim = inputs[pos] if len(inputs) > pos and isinstance(inputs[pos], int) else (None if name in ("argmax", "argmin") else -1)
+        produced = list(outputs) if outputs is not None else list(range(len(exp_leaves)))
+        index_leaves = {j for j, k in enumerate(produced) if (k == 0 if name in arg_ops else k == 1)}
     for i, (e, a) in enumerate(zip(exp_leaves, act_leaves)):
+        if i in index_leaves and isinstance(e, torch.Tensor) and isinstance(a, torch.Tensor):
+            a = a.detach().to("cpu")
+            if tuple(a.shape) != tuple(e.shape):
+                return f"output {i}: shape {tuple(a.shape)} instead of {tuple(e.shape)}"
+            src, ei, ai = x, e.long(), a.long()
+            if dim is None:
+                src, ei, ai = x.reshape(-1), ei.reshape(-1), ai.reshape(-1)
+                d = 0
+            else:
+                d = dim % max(x.dim(), 1)
+                if ei.dim() < x.dim():  # keepdim=False reductions
+                    ei, ai = ei.unsqueeze(d), ai.unsqueeze(d)
+            if bool(((ai < 0) | (ai >= max(src.shape[d] if src.dim() else 1, 1))).any()):
+                return f"output {i}: indices out of range"
+            picked_e, picked_a = torch.gather(src, d, ei), torch.gather(src, d, ai)
+            if not torch.equal(picked_e, picked_a) and not bool((torch.isnan(picked_e) & torch.isnan(picked_a)).all()):
+                bad = int((picked_e != picked_a).sum())
+                return f"output {i}: the indices select other values than CPU eager's ({bad} of {e.numel()})"
+            continue
         if isinstance(e, torch.Tensor) != isinstance(a, torch.Tensor):
             return f"output {i}: {type(a).__name__} instead of {type(e).__name__}"
         if not isinstance(e, torch.Tensor):
@@ -130,6 +178,47 @@ def mismatch_metrics(expected: Any, actual: Any) -> dict[str, Any]:
         max_rel = max(max_rel, float((d / ed.abs()[finite].clamp_min(1e-12)).max()))
         numel += e.numel()
     return {"max_abs": max_abs, "max_rel": max_rel, "numel": numel}
+
+
+# Ops that write through indices: when an index repeats, which write wins is unspecified.
+_ORDERED_WRITES = {"scatter": 2, "scatter_": 2, "index_copy": 2, "index_copy_": 2, "index_put": 1, "index_put_": 1,
+                   "_unsafe_index_put": 1, "_index_put_impl_": 1}
+
+
+def no_compare_reason(op: str, inputs: Sequence[Any], kwargs: Mapping[str, Any]) -> str | None:
+    """Why this call's result has nothing deterministic to compare with CPU eager (None: compare it).
+
+    Random or uninitialised outputs (`NO_COMPARE`); writes through repeated indices (scatter without a reduce,
+    index_copy, index_put without accumulate), where the surviving write is unspecified."""
+    if matches_any(op, NO_COMPARE):
+        return "no deterministic result (random or uninitialised output)"
+    parts = op.split(".")
+    name = parts[1] if len(parts) == 3 and not op.startswith("torch.") else parts[-1]
+    pos = _ORDERED_WRITES.get(name)
+    if pos is None or len(inputs) <= pos or kwargs.get("reduce") or "reduce" in op:
+        return None
+    if name.startswith(("index_put", "_unsafe_index_put", "_index_put_impl")):
+        accumulate = inputs[3] if len(inputs) > 3 else kwargs.get("accumulate", False)
+        idx = [t for t in (inputs[pos] or []) if isinstance(t, torch.Tensor)]
+        if accumulate or not idx:
+            return None
+        try:
+            flat = torch.stack([t.long().reshape(-1) for t in torch.broadcast_tensors(*idx)], dim=1)
+        except RuntimeError:
+            return None
+        repeated = flat.shape[0] != torch.unique(flat, dim=0).shape[0]
+    else:
+        index, dim = inputs[pos], inputs[1]
+        if not isinstance(index, torch.Tensor) or not isinstance(dim, int) or index.numel() < 2:
+            return None
+        if index.dim() == 0:
+            return None
+        srt = index.sort(dim=dim % index.dim()).values
+        repeated = bool((srt.narrow(dim % index.dim(), 1, srt.shape[dim % index.dim()] - 1) ==
+                         srt.narrow(dim % index.dim(), 0, srt.shape[dim % index.dim()] - 1)).any())
+    if repeated:
+        return "writes through repeated indices: which write survives is unspecified"
+    return None
 
 
 def matches_any(name: str, patterns: Iterable[str]) -> bool:
@@ -331,24 +420,39 @@ def _fx_compiler(backend: Any) -> Callable[..., Any] | None:
     return compiler if callable(compiler) else None
 
 
-def one_op_graph(op: Any, args: Any, kwargs: Any, n_tensors: int, device: str, ref_value: Any) -> torch.fx.GraphModule:
+def select_outputs(value: Any, outputs: Sequence[int] | None) -> Any:
+    """The op's outputs the model's graph uses: all when `outputs` is None, one index → that value itself."""
+    if outputs is None or not isinstance(value, (tuple, list)):
+        return value
+    if len(outputs) == 1:
+        return value[outputs[0]]
+    return tuple(value[i] for i in outputs)
+
+
+def one_op_graph(op: Any, args: Any, kwargs: Any, n_tensors: int, device: str, ref_value: Any,
+                 outputs: Sequence[int] | None = None) -> torch.fx.GraphModule:
     """The FX graph Dynamo would build for `op(*args, **kwargs)`: placeholders for the tensors, one call, outputs
-    flattened into a tuple (multi-output ops get `getitem` nodes, sized from the CPU result)."""
+    flattened into a tuple (multi-output ops get `getitem` nodes for the outputs used, sized from the CPU result,
+    which is already `select_outputs`-ed)."""
     import operator
 
     graph = torch.fx.Graph()
     placeholders = [graph.placeholder(f"arg{i}") for i in range(n_tensors)]
     a, k = assemble(args, kwargs, placeholders, device)
     node = graph.call_function(op, tuple(a), k)
-    if isinstance(ref_value, torch.Tensor):
-        outputs: tuple[Any, ...] = (node,)
+    if outputs is not None and len(outputs) == 1 and isinstance(ref_value, torch.Tensor):
+        outs: tuple[Any, ...] = (graph.call_function(operator.getitem, (node, outputs[0])),)
+        shape = "single"
+    elif isinstance(ref_value, torch.Tensor):
+        outs = (node,)
         shape = "single"
     elif isinstance(ref_value, (list, tuple)) and all(isinstance(v, torch.Tensor) for v in ref_value):
-        outputs = tuple(graph.call_function(operator.getitem, (node, i)) for i in range(len(ref_value)))
+        indices = list(outputs) if outputs is not None else list(range(len(ref_value)))
+        outs = tuple(graph.call_function(operator.getitem, (node, i)) for i in indices)
         shape = "tuple" if isinstance(ref_value, tuple) else "list"
     else:
         raise _NoGraph()  # scalars, None, nested or unknown outputs: let Dynamo build the graph
-    graph.output(outputs)
+    graph.output(outs)
     gm = torch.fx.GraphModule(torch.nn.Module(), graph)
     gm.meta["deepview_output"] = shape
     return gm
@@ -361,13 +465,77 @@ def _unpack(out: Any, gm: torch.fx.GraphModule) -> Any:
     return tuple(out) if shape == "tuple" else list(out)
 
 
+# --------------------------------------------------------------------------------------------- the compiler's words
+
+@contextlib.contextmanager
+def capture_fd2() -> Iterator[list[str]]:
+    """`with capture_fd2() as got:` … `got[0]` is everything written to file descriptor 2 inside the block.
+
+    Native compilers write their diagnostics there, past `sys.stderr` (IREE prints "failed to legalize operation
+    …" from C++). The text is also passed on to the real stderr afterwards, so nothing is hidden."""
+    got = [""]
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield got
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            got[0] = tmp.read().decode("utf-8", "replace")
+            if got[0]:
+                os.write(2, got[0][-20000:].encode("utf-8", "replace"))
+
+
+_DIAG_RE = re.compile(r"(\berror:|failed to legalize|not supported|unsupported|cannot|could not|Exception|Error\b)",
+                      re.IGNORECASE)
+_DIAG_NOISE_RE = re.compile(r"^(Traceback|File |\s*[\^~]+\s*$|During handling|The above exception|warnings\.warn|raise |"
+                             r"return |Set TORCH_LOGS|\[\d+/\d+\]\s*$)")
+_LOG_PREFIX_RE = re.compile(r"^[EWIDV]\d{4} [\d:.]+ \d+ \S+\] (\[[^\]]*\] )?")  # torch's own log lines
+
+
+def compiler_diagnostics(text: str, op: str | None = None, *, limit: int = 6) -> list[str]:
+    """The lines of a compiler's output that name the failing op or pass: MLIR-style `error:` lines first, then
+    lines naming the op, then other lines that read as a diagnostic (Python traceback lines left out)."""
+    lines = [_LOG_PREFIX_RE.sub("", ln.strip()).strip() for ln in text.splitlines()]
+    lines = [ln for ln in lines if ln and not _DIAG_NOISE_RE.match(ln)]
+    bare = (op or "").split(".")[1] if op and op.count(".") >= 2 else (op or "")
+    picked: list[str] = []
+    for keep in (lambda ln: "error:" in ln,
+                 lambda ln: bool(bare) and bare in ln and bool(_DIAG_RE.search(ln)),
+                 lambda ln: bool(_DIAG_RE.search(ln)) and "Warning" not in ln):
+        for ln in lines:
+            if keep(ln) and ln[:500] not in picked:
+                picked.append(ln[:500])
+    return picked[:limit]
+
+
+def exception_chain(exc: BaseException, limit: int = 6) -> list[str]:
+    """`Type: first line` of an exception and its causes / contexts, outermost first."""
+    out: list[str] = []
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen and len(out) < limit:
+        seen.add(id(cur))
+        first = (str(cur).strip().splitlines() or [""])[0]
+        out.append(f"{type(cur).__name__}: {first}"[:500])
+        cur = cur.__cause__ or cur.__context__
+    return out
+
+
 def run_probe(backend: Any, probe: Mapping[str, Any], *, compare_results: bool,
-              tolerance: tuple[float, float], via: str = "fx") -> dict[str, Any]:
+              tolerance: tuple[float, float], via: str = "dynamo") -> dict[str, Any]:
     """Run one probe on `backend` (compile or eager) and against CPU eager; the outcome as a JSON-able dict.
 
-    `via="fx"` hands the one-op FX graph straight to the backend's compiler function (what torch.compile would
-    hand it, without Dynamo's tracing: about 3x faster); `via="dynamo"` goes through `backend.compile(fn)`.
-    The repro scripts always go through torch.compile, so verification cross-checks the fx path.
+    `via="dynamo"` (default) goes through `torch.compile` as the user's code does; `via="fx"` hands the one-op FX
+    graph straight to the backend's compiler function (faster, but it skips Dynamo and what fails there).
+    The probe returns only the op outputs the model's graph uses (`probe["outputs"]`). A compile backend's run
+    counts only when it compiled and executed the op (`CompileRecord`, `DynamoCounters`, `FallbackWatch`); else
+    the outcome is `inconclusive`. What the compiler wrote to fd 2 and the exception chain are kept, reduced to
+    the lines that name the op or the failing pass (`diagnostics`).
     """
     t0 = time.monotonic()
     out: dict[str, Any] = {"id": probe["id"], "op": probe["op"], "status": "pass", "stage": None,
@@ -379,18 +547,29 @@ def run_probe(backend: Any, probe: Mapping[str, Any], *, compare_results: bool,
         return out
 
     args, kwargs, seed = probe["args"], probe["kwargs"], int(probe["seed"])
+    outputs = probe.get("outputs")
+    for module in probe.get("imports") or ():
+        try:
+            importlib.import_module(module)
+        except Exception as exc:
+            return done(status="probe_error", stage="trace", error_type=type(exc).__name__,
+                        message=f"importing {module} (which registers {probe['op']}) failed: {exc}"[:2000])
     try:
         op = resolve_callable(probe["op"])
     except Exception as exc:
-        return done(status="probe_error", stage="trace", error_type=type(exc).__name__, message=str(exc)[:2000])
+        hint = "" if probe.get("imports") else " (no module that registers it was recorded)"
+        return done(status="probe_error", stage="trace", error_type=type(exc).__name__,
+                    message=f"cannot resolve {probe['op']}{hint}: {exc}"[:2000])
     eager = bool(getattr(backend, "is_eager", False))
     device = str(getattr(backend, "device", "cpu"))
 
     ref_value: Any = None
     ref_exc: BaseException | None = None
+    ref_inputs: list[Any] = []
     try:
         ref_args, ref_kwargs = assemble(args, kwargs, build_tensors(args, kwargs, seed), "cpu")
-        ref_value = op(*ref_args, **ref_kwargs)
+        ref_inputs = list(ref_args)
+        ref_value = select_outputs(op(*ref_args, **ref_kwargs), outputs)
     except Exception as exc:
         ref_exc = exc
 
@@ -405,47 +584,95 @@ def run_probe(backend: Any, probe: Mapping[str, Any], *, compare_results: bool,
     graph = None
     if compiler is not None:
         try:
-            graph = one_op_graph(op, args, kwargs, len(tensors), device, ref_value if ref_exc is None else None)
+            graph = one_op_graph(op, args, kwargs, len(tensors), device, ref_value if ref_exc is None else None,
+                                 outputs)
         except _NoGraph:
             graph = None
+    compile_name = getattr(getattr(backend, "spec", None), "compile", None)
+    record: Any = None
+    counters = DynamoCounters()
+    watch = FallbackWatch(None if eager else compile_name)
+    err = [""]
     try:
-        if eager:
-            a, k = assemble(args, kwargs, tensors, device)
-            value = op(*a, **k)
-        elif graph is not None:
-            try:
-                compiled = compiler(graph, list(tensors))
-            except Exception as exc:  # the backend's compiler refused the one-op graph
-                info = classify_failure(exc, eager=False, ref_exc=None)
-                info.update(status="unsupported", stage="compile")
-                if ref_exc is not None:  # CPU eager rejects these inputs too: an invalid probe, not a verdict
-                    info.update(status="probe_error", message=f"CPU eager fails too ({type(ref_exc).__name__}: "
-                                f"{_exc_text(ref_exc)[:300]}): {info['message']}"[:4000])
-                return done(**info)
-            value = _unpack(compiled(*tensors), graph)
-        else:
-            torch._dynamo.reset()  # a fresh cache: no recompile limit, no reuse between probes
+        with capture_fd2() as err, watch, counters:
+            if eager:
+                a, k = assemble(args, kwargs, tensors, device)
+                value = select_outputs(op(*a, **k), outputs)
+            elif graph is not None:
+                record = CompileRecord(compiler, str(compile_name))
+                try:
+                    compiled = record(graph, list(tensors))
+                except Exception as exc:  # the backend's compiler refused the one-op graph
+                    raise _CompilerRefused(exc) from exc
+                value = _unpack(compiled(*tensors), graph)
+            else:
+                torch._dynamo.reset()  # a fresh cache: no recompile limit, no reuse between probes
 
-            def fn(*ts: torch.Tensor) -> Any:
-                a, k = assemble(args, kwargs, ts, device)
-                return op(*a, **k)
+                def fn(*ts: torch.Tensor) -> Any:
+                    a, k = assemble(args, kwargs, ts, device)
+                    return select_outputs(op(*a, **k), outputs)
 
-            value = backend.compile(fn)(*tensors)
-        value = map_tensors(lambda t: t.detach().to("cpu"), value)
+                recorded = getattr(backend, "compile_recorded", None)  # a `backends.Backend`; else plain compile
+                compiled_fn, record = recorded(fn) if callable(recorded) else (backend.compile(fn), None)
+                value = compiled_fn(*tensors)
+            value = map_tensors(lambda t: t.detach().to("cpu"), value)
     except Exception as exc:
-        return done(**classify_failure(exc, eager=eager, ref_exc=ref_exc))
+        refused = isinstance(exc, _CompilerRefused)
+        inner = exc.__cause__ if refused and exc.__cause__ is not None else exc
+        info = classify_failure(inner, eager=eager, ref_exc=ref_exc)
+        if refused:
+            info.update(status="unsupported", stage="compile")
+            if ref_exc is not None:  # CPU eager rejects these inputs too: an invalid probe, not a verdict
+                info.update(status="probe_error", message=f"CPU eager fails too ({type(ref_exc).__name__}: "
+                            f"{_exc_text(ref_exc)[:300]}): {info['message']}"[:4000])
+        elif info["status"] == "probe_error" and ref_exc is None and record is not None and record.graphs:
+            info.update(status="error", stage="compile")  # Dynamo failed after the backend had the graph
+        chain = exception_chain(inner)
+        words = compiler_diagnostics(err[0] + "\n" + "\n".join(chain[1:]), probe["op"])
+        first = (info["message"].splitlines() or [""])[0]
+        words = [w for w in words if w not in first and not (first and first in w)]
+        if words:
+            info["message"] = (info["message"] + "\n" + "\n".join(words))[:4000]
+            if not info.get("named_text"):
+                info["named_op"], info["named_text"] = named_op_from_error("\n".join(words))
+        info["diagnostics"] = {"compiler": words, "exception_chain": chain}
+        return done(**info, ran=_ran(record, counters, watch))
+    ran = _ran(record, counters, watch)
+    if not eager:
+        why = (record.not_ran() if record is not None else None) or counters.fallback() or watch.reason()
+        if why:
+            return done(status="inconclusive", stage="run", error_type=None, ran=ran,
+                        message=f"{probe['op']} did not run on the backend: {why}"[:2000])
 
     if ref_exc is not None:
-        return done(compare=f"skipped: CPU eager failed ({type(ref_exc).__name__})")
-    if not compare_results or matches_any(probe["op"], NO_COMPARE):
-        return done(compare="skipped")
+        return done(compare=f"skipped: CPU eager failed ({type(ref_exc).__name__})", ran=ran)
+    reason = no_compare_reason(probe["op"], ref_inputs, kwargs) if compare_results else "options.ops.compare is false"
+    if reason:
+        return done(compare=f"skipped: {reason}", ran=ran)
     rtol, atol = tolerance
-    problem = compare(ref_value, value, rtol, atol)
+    problem = compare(ref_value, value, rtol, atol, probe["op"], ref_inputs, outputs)
     if problem is None:
-        return done(compare="ok")
-    return done(status="mismatch", stage="compare", error_type="OpMismatch", compare="mismatch",
+        return done(compare="ok", ran=ran)
+    return done(status="mismatch", stage="compare", error_type="OpMismatch", compare="mismatch", ran=ran,
                 message=f"{probe['op']} differs from CPU eager: {problem}",
                 metrics=mismatch_metrics(ref_value, value))
+
+
+class _CompilerRefused(Exception):
+    """The backend's compiler function raised on the one-op graph (the fx path)."""
+
+
+def _ran(record: Any, counters: DynamoCounters, watch: FallbackWatch) -> dict[str, Any]:
+    """What the backend compiled and executed for one probe (`ModeResult.data["backend_ran"]` sums these)."""
+    out: dict[str, Any] = dict(record.summary()) if record is not None else {}
+    d = counters.delta()
+    if d.get("graph_break"):
+        out["graph_breaks"] = sum(d["graph_break"].values())
+    frames = d.get("frames", {})
+    if frames.get("total", 0) > frames.get("ok", 0):
+        out["frames_in_eager"] = frames["total"] - frames.get("ok", 0)
+    out.update(watch.facts())
+    return out
 
 
 def probe_batch(payload: Mapping[str, Any]) -> dict[str, Any]:
@@ -468,7 +695,7 @@ def probe_batch(payload: Mapping[str, Any]) -> dict[str, Any]:
         faulthandler.dump_traceback_later(timeout, exit=True)
         try:
             outcome = run_probe(backend, probe, compare_results=compare_results, tolerance=tuple(probe["tolerance"]),
-                                via=str(payload.get("via", "fx")))
+                                via=str(payload.get("via", "dynamo")))
         finally:
             faulthandler.cancel_dump_traceback_later()
         append_line(results, json.dumps(outcome, default=str))

@@ -190,9 +190,12 @@ class OpsOptions:
     verify: bool = option(True, check=boolean, help="run each repro to verify it")
     verify_timeout: float = option(60.0, check=number(gt=0, hint="seconds, e.g. 60"), help="seconds per repro run")
     probe: bool = option(True, check=boolean, help="false: inventory only")
-    via: str = option("fx", check=choice("fx", "dynamo", what="fx or dynamo", hint="use fx (default) or dynamo"),
-                      help="`fx`: probes hand the one-op FX graph straight to the backend's compiler function "
-                           "(3x faster); `dynamo`: through `torch.compile` like the repros")
+    via: str = option("dynamo", check=choice("fx", "dynamo", what="fx or dynamo", hint="use dynamo (default) or fx"),
+                      help="`dynamo`: probes go through `torch.compile`, the path a user's code takes; `fx`: the "
+                           "one-op FX graph goes straight to the backend's compiler function (faster, but it skips "
+                           "Dynamo and what fails there)")
+    only_ops: tuple[str, ...] = option((), check=strings(hint="fnmatch patterns, e.g. [aten.histc*, transformers.*]"),
+                                  shown="[]", help="fnmatch patterns of the ops to probe (empty: all of them)")
 
     def tolerance_for(self, dtype: str) -> tuple[float, float]:
         return tuple(self.tolerance.get(dtype, (0.0, 0.0)))  # type: ignore[return-value]

@@ -26,8 +26,9 @@ from .fsutil import atomic_write_json, atomic_write_text
 
 SCHEMA_VERSION = 1
 
-CellStatus = Literal["pass", "fail", "error", "timeout", "crashed", "skipped"]
-CELL_STATUSES: tuple[str, ...] = ("pass", "fail", "error", "timeout", "crashed", "skipped")
+CellStatus = Literal["pass", "fail", "error", "timeout", "crashed", "skipped", "inconclusive"]
+# inconclusive: nothing failed, but the backend did not run everything (a probe ran in eager): never a pass
+CELL_STATUSES: tuple[str, ...] = ("pass", "fail", "error", "timeout", "crashed", "skipped", "inconclusive")
 FINDING_KINDS: tuple[str, ...] = (
     "unsupported_op",
     "op_error",
@@ -36,14 +37,16 @@ FINDING_KINDS: tuple[str, ...] = (
     "divergence",
     "weights_mismatch",
     "batch_variance",
+    "probe_error",
 )
 STAGES: tuple[str, ...] = ("trace", "compile", "run", "compare")
 # Worst first: used to fold mode statuses into a cell status and to rank "got worse".
 STATUS_SEVERITY: dict[str, int] = {
-    "crashed": 5,
-    "timeout": 4,
-    "error": 3,
-    "fail": 2,
+    "crashed": 6,
+    "timeout": 5,
+    "error": 4,
+    "fail": 3,
+    "inconclusive": 2,
     "pass": 1,
     "skipped": 0,
 }

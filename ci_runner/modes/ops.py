@@ -71,8 +71,8 @@ if TYPE_CHECKING:
 
 MODE = "ops"
 KIND_OF_STATUS = {"unsupported": "unsupported_op", "error": "op_error", "crashed": "op_error",
-                  "timeout": "op_error", "mismatch": "op_mismatch"}
-SEVERITY = {"unsupported": 5, "crashed": 4, "timeout": 3, "error": 2, "mismatch": 1}
+                  "timeout": "op_error", "mismatch": "op_mismatch", "probe_error": "probe_error"}
+SEVERITY = {"unsupported": 5, "crashed": 4, "timeout": 3, "error": 2, "mismatch": 1, "probe_error": 0}
 FAILED = tuple(KIND_OF_STATUS)
 _CPU_FALLBACK_MAX_BYTES = 4 * 2**30  # a model whose meta trace fails is retried on CPU (real weights) up to this size
 _MAX_PROBE_ROWS = 1000  # outcomes kept in ModeResult.data["probes"] (all of them are in ops/probes.json)
@@ -87,6 +87,7 @@ def render_repro(*, op: str, kind: str, stage: str, error_type: str | None, mess
     """The repro script's text (see `templates/repro_op.py.j2`)."""
 
     tensor_lines, tensor_names, call_args = call_source(probe["args"], probe["kwargs"])
+    positional_args = call_source(probe["args"], {})[2]
     site = signature.sites[0] if signature.sites else None
     backend_versions = env_stamp.get("backend") or {}
     return render_template(
@@ -98,7 +99,9 @@ def render_repro(*, op: str, kind: str, stage: str, error_type: str | None, mess
         torch_version=env_stamp.get("torch") or torch.__version__, transformers_version=env_stamp.get("transformers") or "?",
         python_version=env_stamp.get("python") or sys.version.split()[0],
         backend_versions=", ".join(f"{k} {v}" for k, v in sorted(dict(backend_versions).items())) or "-",
-        device=recipe.device, eager=recipe.backend_expr is None, env=dict(recipe.env), imports=list(recipe.imports),
+        device=recipe.device, eager=recipe.backend_expr is None, env=dict(recipe.env),
+        imports=list(dict.fromkeys([*recipe.imports, *signature.imports])), outputs=signature.outputs,
+        positional_args=positional_args,
         setup=list(recipe.setup), backend_expr=recipe.backend_expr or "None", compile_options=dict(recipe.compile_options),
         op_expr=op_expression(signature.op), seed=int(probe["seed"]), compare=compare_results and kind == "op_mismatch",
         rtol=tolerance[0], atol=tolerance[1], make_tensor_source=_plain_source(make_tensor),
@@ -143,6 +146,8 @@ def build_probes(inventory: Inventory, opts: OpsOptions) -> tuple[list[dict[str,
         reason = None
         if opts.skip_ops and matches_any(sig.op, opts.skip_ops):
             reason = "skipped by options.ops.skip_ops"
+        elif opts.only_ops and not matches_any(sig.op, opts.only_ops):
+            reason = "not in options.ops.only_ops"
         elif not sig.probeable:
             reason = "an argument cannot be rebuilt synthetically"
         elif per_op.get(sig.op, 0) >= opts.max_signatures_per_op:
@@ -153,6 +158,7 @@ def build_probes(inventory: Inventory, opts: OpsOptions) -> tuple[list[dict[str,
         per_op[sig.op] = per_op.get(sig.op, 0) + 1
         args, kwargs = with_ranges(sig.op, sig.args, sig.kwargs)
         probes.append({"id": f"p{len(probes):04d}", "op": sig.op, "key": sig.key, "args": args, "kwargs": kwargs,
+                       "outputs": sig.outputs, "imports": list(sig.imports),
                        "seed": probe_seed(sig.key), "tolerance": list(opts.tolerance_for(float_dtype(args, kwargs)))})
     return probes, left_out
 
@@ -175,6 +181,16 @@ def attributed_op(probe_op: str, outcome: Mapping[str, Any]) -> str:
     return probe_op
 
 
+_VOLATILE_RE = re.compile(r"0x[0-9a-fA-F]+|\bs\d+\b|\bu\d+\b|/tmp\S*|\bpid \d+|\d{4,}")
+
+
+def _stable_prefix(line: str) -> str:
+    """The part of an error line before its first volatile token (symbol ids `s96`, addresses, temp paths, PIDs,
+    long counters), which changes from run to run: a repro must print that part to count as the same failure."""
+    m = _VOLATILE_RE.search(line)
+    return line[: m.start()] if m else line
+
+
 def _expectation(outcome: Mapping[str, Any], op: str) -> dict[str, Any]:
     """What a verified repro must print: the backend's phrase naming the op, and the error type."""
     status = outcome["status"]
@@ -187,7 +203,7 @@ def _expectation(outcome: Mapping[str, Any], op: str) -> dict[str, Any]:
         text = [phrase]
     else:
         first = (outcome.get("message") or "").strip().splitlines()
-        text = [re.sub(r"0x[0-9a-fA-F]+", "", first[0])[:80].strip()] if first else []
+        text = [_stable_prefix(first[0])[:80].strip()] if first else []
         text = [t for t in text if t]
     return {"expect_text": text, "expect_error_type": outcome.get("error_type"), "expect_signal": False}
 
@@ -234,8 +250,8 @@ def run(ctx: "ModeContext") -> ModeResult:
         sig = by_key[p["key"]]
         rows.append({"id": p["id"], "op": p["op"], "signature": sig.describe()[:300], "status": o["status"],
                      "stage": o.get("stage"), "error_type": o.get("error_type"), "seconds": o.get("seconds"),
-                     "message": (o.get("message") or "")[:500], "compare": o.get("compare")})
-        if o["status"] in FAILED:
+                     "message": (o.get("message") or "")[:500], "compare": o.get("compare"), "ran": o.get("ran")})
+        if _is_finding(o):
             op = attributed_op(p["op"], o)
             failures.setdefault(op, []).append(_Failure(op=op, signature=sig, probe=p, outcome=o))
     atomic_write_json(ops_dir / "probes.json", {"probes": rows, "left_out": left_out})
@@ -247,6 +263,7 @@ def run(ctx: "ModeContext") -> ModeResult:
     data["probes"] = [r if r["status"] != "pass" else {k: r[k] for k in ("id", "op", "signature", "status", "seconds")}
                       for r in rows[:_MAX_PROBE_ROWS]]
     data["probe_counts"] = {**counts, "total": len(rows), "left_out": len(left_out), "seconds": round(probe_seconds, 3)}
+    data["backend_ran"] = backend_ran(rows, compiles=not backend.is_eager)
     if len(rows) > _MAX_PROBE_ROWS:
         data["probes_truncated"] = True
     if left_out:
@@ -260,16 +277,51 @@ def run(ctx: "ModeContext") -> ModeResult:
     t0 = time.monotonic()
     _verify_all(ctx, findings, opts)
     timings["verify_s"] = round(time.monotonic() - t0, 3)
-    data["repros"] = {"total": len(findings), "verified": sum(1 for f, _ in findings if f.repro and f.repro.verified)}
+    data["repros"] = {"total": sum(1 for f, _ in findings if f.repro),
+                      "verified": sum(1 for f, _ in findings if f.repro and f.repro.verified)}
     result_findings = [f for f, _ in findings]
     status = "fail" if result_findings else "pass"
     reason = None
+    if counts.get("inconclusive"):
+        unran = sorted({r["op"] for r in rows if r["status"] == "inconclusive"})
+        note = (f"{counts['inconclusive']} probe(s) the backend never ran (inconclusive, not passed): "
+                f"{', '.join(unran[:8])}{' …' if len(unran) > 8 else ''}")
+        reason = note
+        if not result_findings:
+            status = "inconclusive"
     if runner.setup_error and not result_findings:
         status, reason = "error", f"the probe process could not set up the backend: {runner.setup_error}"
     elif counts.get("not_run"):
-        reason = f"{counts['not_run']} probe(s) not run (time ran out or the probe process failed)"
+        reason = "; ".join(filter(None, [reason, f"{counts['not_run']} probe(s) not run (time ran out or the probe "
+                                                  "process failed)"]))
     return ModeResult(status=status, findings=result_findings, reason=reason, data=data,
                       duration_s=time.monotonic() - t_start)
+
+
+def _is_finding(outcome: Mapping[str, Any]) -> bool:
+    """Failures become findings; so does a probe that could not be built (its op did not resolve, its module did
+    not import, Dynamo could not trace it), but not one whose synthetic inputs CPU eager rejects as well."""
+    if outcome["status"] == "probe_error":
+        return not str(outcome.get("message") or "").startswith("CPU eager fails too")
+    return outcome["status"] in FAILED
+
+
+def backend_ran(rows: list[Mapping[str, Any]], *, compiles: bool) -> dict[str, Any]:
+    """What the backend compiled and executed over all probes (`ModeResult.data["backend_ran"]`)."""
+    if not compiles:
+        return {"eager": True, "probes": len(rows)}
+    total: dict[str, Any] = {"probes_compiled": 0, "probes_executed": 0, "graphs": 0, "nodes": 0,
+                             "graphs_executed": 0, "inconclusive": 0}
+    for r in rows:
+        ran = r.get("ran") or {}
+        total["probes_compiled"] += 1 if ran.get("graphs") else 0
+        total["probes_executed"] += 1 if ran.get("graphs_executed") else 0
+        for key in ("graphs", "nodes", "graphs_executed", "graph_breaks", "frames_in_eager", "openvino_partitions",
+                    "openvino_executions", "perm_fallback"):
+            if ran.get(key):
+                total[key] = total.get(key, 0) + int(ran[key])
+        total["inconclusive"] += 1 if r["status"] == "inconclusive" else 0
+    return total
 
 
 def _take_inventory(ctx: "ModeContext", level: str) -> Inventory:
@@ -336,6 +388,22 @@ def _findings(ctx: "ModeContext", failures: Mapping[str, list[_Failure]], invent
         } for f in items]
         message = lead.outcome.get("message") or ""
         error_type = lead.outcome.get("error_type")
+        diagnostics = lead.outcome.get("diagnostics") or {}
+        details = {"signatures": signatures, "signature_count": len(items),
+                   "calls": sum(f.signature.count for f in items), "modules": list(modules)[:20],
+                   "module_count": len(modules), "source": site.source if site else None, "ir": level,
+                   "named_op": lead.outcome.get("named_op"), "probed_op": lead.probe["op"],
+                   "compiler_diagnostics": list(diagnostics.get("compiler") or []),
+                   "exception_chain": list(diagnostics.get("exception_chain") or []),
+                   "outputs": lead.signature.outputs, "imports": list(lead.signature.imports),
+                   "backend_ran": lead.outcome.get("ran") or {}}
+        if kind == "probe_error":  # the probe itself could not be built: nothing a repro could show
+            out.append((Finding(kind=kind, stage=lead.outcome.get("stage") or "trace",
+                                message=f"the probe of {op} could not be built: {error_type}: {message}"[:2000],
+                                fingerprint=fingerprint(kind, spec.id, op), op=op,
+                                module=site.module if site else None, module_class=site.module_class if site else None,
+                                error_type=error_type, details=details), {}))
+            continue
         file_name = f"repro_{safe_filename(op)}.py"
         script = ops_dir / file_name
         command = f"python {file_name}"
@@ -356,10 +424,7 @@ def _findings(ctx: "ModeContext", failures: Mapping[str, list[_Failure]], invent
             module=site.module if site else None, module_class=site.module_class if site else None,
             error_type=error_type, metrics=metrics, threshold=threshold,
             repro=Repro(path=f"{MODE}/{file_name}", verified=False, command=command, note="not verified"),
-            details={"signatures": signatures, "signature_count": len(items), "calls": sum(f.signature.count for f in items),
-                     "modules": list(modules)[:20], "module_count": len(modules),
-                     "source": site.source if site else None, "ir": level,
-                     "named_op": lead.outcome.get("named_op"), "probed_op": lead.probe["op"]},
+            details=details,
         )
         out.append((finding, {"script": script, "recipe": recipe, **_expectation(lead.outcome, op),
                               "status": status, "error_type": error_type,
@@ -388,6 +453,7 @@ def _same_fault(how: Mapping[str, Any], exit_code: int | None, output: str, note
 def _verify_all(ctx: "ModeContext", findings: list[tuple[Finding, dict[str, Any]]], opts: OpsOptions) -> None:
     """Run each repro in a fresh process; `verified` when it fails with the same error type and op text."""
 
+    findings = [item for item in findings if item[0].repro is not None]
     if not findings:
         return
     if not opts.verify:

@@ -194,6 +194,10 @@ def cell_cases(cv: CellView, *, detail: bool = True) -> list[Case]:
         elif status == "skipped":
             cases.append(Case(mname, t, "skipped", first_line(mode.reason or "", 400) or f"{mname} skipped"))
             t = 0.0
+        elif status == "inconclusive" and not mine:  # the backend did not run everything: never a pass
+            cases.append(Case(mname, t, "skipped", "inconclusive: " + (first_line(mode.reason or "", 400) or
+                                                                      "the backend did not run everything")))
+            t = 0.0
         elif not mine:
             if status == "fail":
                 cases.append(Case(mname, t, "failure", first_line(mode.reason or "", 400) or f"{mname} failed",

@@ -26,6 +26,7 @@ ICONS: dict[str, str] = {
     "timeout": "⚠️",
     "crashed": "⚠️",
     "skipped": "➖",
+    "inconclusive": "❔",  # nothing failed, but the backend did not run everything: not a pass
 }
 BAD_STATUSES = frozenset({"fail", "error", "timeout", "crashed"})
 METRIC_KEYS: tuple[str, ...] = ("rel", "cos", "mad", "max_abs", "sqnr_db")

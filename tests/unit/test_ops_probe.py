@@ -224,3 +224,39 @@ backends: [{id: sim-subset, compile: sim-subset}]
     assert "tests/fixtures/plugin_ops_models.py" in result.reason and "in forward" in result.reason
     assert "not retried with real weights on CPU" in result.reason
     assert "Traceback" not in result.reason
+
+
+def test_sort_like_indices_are_checked_by_the_values_they_select() -> None:
+    x = torch.tensor([3, 1, 3, 2, 1])
+    ref = torch.sort(x)
+    other = (ref.values.clone(), torch.tensor([4, 1, 3, 2, 0]))  # a valid order among equal keys
+    assert compare(tuple(ref), other, 0, 0, "aten.sort.default", [x], None) is None
+    wrong = (ref.values.clone(), torch.tensor([0, 1, 3, 2, 4]))  # selects 3 where 1 belongs
+    assert "select" in compare(tuple(ref), wrong, 0, 0, "aten.sort.default", [x], None)
+    # only the indices used (outputs=[1]); without the contract these differ element-wise
+    assert compare(ref.indices, other[1], 0, 0, "aten.sort.default", [x], [1]) is None
+    y = torch.tensor([[1.0, 5.0, 5.0]])
+    assert compare(torch.tensor([1]), torch.tensor([2]), 0, 0, "aten.argmax.default", [y, 1], None) is None
+    assert compare(torch.tensor([1]), torch.tensor([2]), 0, 0, "aten.add.Tensor", [y], None) is not None
+
+
+def test_no_compare_for_random_outputs_and_repeated_index_writes() -> None:
+    from ci_runner.op_probe import no_compare_reason
+
+    assert "random" in no_compare_reason("aten.rand.default", [], {})
+    base, src = torch.zeros(4), torch.arange(4.0)
+    assert "repeated" in no_compare_reason("aten.scatter.src", [base, 0, torch.tensor([0, 0, 1, 2]), src], {})
+    assert no_compare_reason("aten.scatter.src", [base, 0, torch.tensor([3, 0, 1, 2]), src], {}) is None
+    assert "repeated" in no_compare_reason("aten.index_put.default", [base, [torch.tensor([1, 1])], src[:2]], {})
+    assert no_compare_reason("aten.index_put.default", [base, [torch.tensor([1, 1])], src[:2], True], {}) is None
+
+
+def test_only_the_used_outputs_are_probed_and_unbuildable_probes_are_probe_errors() -> None:
+    x = torch.empty(2, 8)
+    probe = _probe("aten.topk.default", x, 3)
+    probe["outputs"] = [0]
+    out = run_probe(SimBackend("sim-drift", op="none"), probe, compare_results=True, tolerance=(1e-4, 1e-5))
+    assert out["status"] == "pass", out
+    bad = dict(probe, op="nosuchns.nosuchop.default", imports=["no_such_module_xyz"])
+    out = run_probe(SimBackend("sim-drift", op="none"), bad, compare_results=True, tolerance=(1e-4, 1e-5))
+    assert out["status"] == "probe_error" and "no_such_module_xyz" in out["message"]
