@@ -516,7 +516,9 @@ def _attach_culprit(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, n
             return _verify(ctx, opts, script, probe)
 
         rctx = _repro_context(ctx, name, tree.nodes[name].module_class, o, {})
+        t_repro = time.monotonic()
         repro = write_repro(result, context=rctx, verify=verify)
+        details["repro_seconds"] = round(time.monotonic() - t_repro, 3)
         repro["path"] = str(Path(repro["path"]).relative_to(ctx.cell_dir))
         repro["command"] = f"cd {Path(repro['path']).parent} && python repro.py"
         details["repro"] = repro
