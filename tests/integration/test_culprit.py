@@ -124,14 +124,30 @@ def test_eager_device_names_rsqrt_in_norms_and_softmax_in_attention(tmp_path: Pa
 @pytest.mark.parametrize("backend, status, probe_timeout", [("sim-abort", "crashed", 60), ("sim-hang", "timeout", 8)])
 def test_hard_fault_culprit_is_found_and_the_search_goes_on(tmp_path: Path, backend: str, status: str,
                                                             probe_timeout: int) -> None:
-    # all_singles is off: the hinted op is not known from a hard fault, so the probes walk the graph in order
-    # and every op before the attention passes in the same child; the faulting probe kills only its child
-    mode, _, cdir = _run(tmp_path, "tiny-llama", backend, options=f"probe_timeout: {probe_timeout}")
-    c = _culprits(mode)["model.layers.0.self_attn"]
-    assert c["found"] and c["ops"] == [SDPA] and c["status"] == status, c
-    assert c["probes"] > 1 and c["restarts"] == 1
-    assert c["repro"]["verified"], c["repro"]
-    assert open_entry(cdir / JOURNAL_NAME, "culprit") is None
+    """The engine alone, without hints: the probes walk the graph in order, every op before the attention
+    passes in the first child, the attention kills (or hangs) it; a fresh child keeps those outcomes."""
+    from ci_runner.config import spec_to_json
+    from ci_runner.culprit import find_culprit, read_results
+    from ci_runner.layer_search import scan_model, write_root_call
+    from ci_runner.models import build_inputs, load_model
+
+    matrix = load_matrix_text(_matrix(1, "probe_timeout: 60"), path=str(tmp_path / "matrix.yaml"))
+    cell = next(c for c in expand(matrix) if c.model.id == "tiny-llama" and c.backend.id == backend)
+    loaded = load_model(cell.model, seed=0)
+    kwargs = build_inputs(loaded, cell.inputs, sample=0)
+    layers_dir = tmp_path / "layers"
+    layers_dir.mkdir()
+    write_root_call(layers_dir, scan_model(loaded.module, kwargs), kwargs)
+    journal = tmp_path / "journal.log"
+    r = find_culprit(model=spec_to_json(cell.model), backend=spec_to_json(cell.backend), seed=0,
+                     layers_dir=layers_dir, module="model.layers.0.self_attn", out_dir=tmp_path / "culprit",
+                     journal=journal, probe_timeout=probe_timeout, startup_timeout=60, budget_s=300)
+    assert r.found and r.kind == "single" and r.ops == [SDPA] and r.status == status, r
+    assert r.restarts == 1 and r.probes > 10  # the passing probes before the fault were kept, not redone
+    known = read_results(tmp_path / "culprit" / "probes.jsonl")
+    assert [k for k, o in known.items() if o.status != "pass"] == [f"{r.node_range[0]}:{r.node_range[1]}"]  # type: ignore[index]
+    assert open_entry(journal, "culprit") is None
+    assert (tmp_path / "culprit" / "graph.py").exists() and (tmp_path / "culprit" / "inputs.safetensors").exists()
 
 
 def test_iree_turbine_names_histc_in_mixtral_experts(tmp_path: Path) -> None:
