@@ -366,7 +366,15 @@ def single_order(steps: Sequence[Step], hints: Sequence[str]) -> list[int]:
     """Probe order of the single nodes: ops the layer's error names first, then graph order."""
     probe = [s.index for s in steps if s.probe]
     hinted = [i for i in probe if any(_op_matches(steps[i].op, h) for h in hints)]
-    return hinted + [i for i in probe if i not in hinted]
+    # then ops whose name holds the named op's (`_safe_softmax` runs `_softmax` on a device)
+    bare = {h.split(".")[1].strip("_") for h in hints if h.count(".") >= 1 and h.split(".")[1].strip("_")}
+    related = [i for i in probe if i not in hinted and any(b in _bare(steps[i].op) for b in bare)]
+    return hinted + related + [i for i in probe if i not in hinted and i not in related]
+
+
+def _bare(op: str) -> str:
+    parts = op.split(".")
+    return parts[1] if len(parts) >= 3 else op
 
 
 def _op_matches(op: str, hint: str) -> bool:
