@@ -52,7 +52,7 @@ def _matrix(layers: int, options: str) -> str:
           - {{id: sim-abort, compile: sim-abort}}
           - {{id: sim-hang, compile: sim-hang}}
           - {{id: simdev, device: simdev}}
-          - {{id: turbine, compile: turbine_cpu, import: [iree.turbine.dynamo.backends.cpu]}}
+          - {{id: turbine, compile: turbine_cpu}}  # registered by iree-turbine (entry point)
         """)
 
 
