@@ -222,6 +222,10 @@ class LayersOptions:
                           help="false: skip torch.export and write the model-source repro directly")
     max_restarts: int = option(64, check=_COUNT,
                                help="most probing children started after crashes before the search gives up")
+    culprit: bool = option(True, check=boolean,
+                           help="search each failing submodule's graph for the op (or smallest op range) that fails")
+    culprit_budget: float = option(300.0, check=_SECONDS,
+                                   help="seconds the culprit search may take per finding")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -4,7 +4,8 @@ What is filed (from `diff.json`, see `load_diff`):
 
 - **operators**: `unsupported_op` / `op_error` / `op_mismatch` findings → one issue per
   (backend, op), listing every model it blocks with the signatures from `finding.details`;
-- with `--layers`: `layer_failure` → one per (backend, model, module); `divergence` → one per
+- with `--layers`: `layer_failure` → one per (backend, culprit op) when the culprit search found one op failing
+  alone (`details.culprit`), listing every layer and model it breaks; else one per (backend, model, module); `divergence` → one per
   (backend, layer class or pattern).
 
 Every issue body starts with a hidden marker ``<!-- deepview-ci:fingerprint=<fp> -->``; the
@@ -74,7 +75,7 @@ from .render import (
 )
 
 CATEGORIES = ("regressed", "fixed", "persisting", "flaky", "new_cell", "missing_cell")
-MODE_OF_GROUP = {"op": "ops", "layer": "layers", "divergence": "numerics"}
+MODE_OF_GROUP = {"op": "ops", "culprit": "layers", "layer": "layers", "divergence": "numerics"}
 _REPO_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9-]{0,38})/[A-Za-z0-9._-]{1,100}$")
 _FP_MARKER = re.compile(r"<!-- deepview-ci:fingerprint=([0-9a-f]{8,64}) -->")
 _META_MARKER = re.compile(r"<!-- deepview-ci:meta (\{.*?\}) -->")

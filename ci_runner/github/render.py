@@ -105,7 +105,7 @@ def _safe_url(url: str | None) -> str | None:
 class Group:
     """The findings that share one issue."""
 
-    kind: str  # "op" | "layer" | "divergence"
+    kind: str  # "op" | "culprit" | "layer" | "divergence"
     key: tuple[str, ...]
     fingerprint: str
     title: str
@@ -137,12 +137,25 @@ def group_key(backend: str, model: str, finding: Mapping[str, Any], *, layers: b
     if not layers:
         return None
     if kind == "layer_failure" and finding.get("module"):
+        op = culprit_op(finding)
+        if op is not None:  # one issue per failing op and backend, listing every layer and model it breaks
+            return ("culprit", backend, op)
         return ("layer", backend, model, str(finding["module"]))
     if kind == "divergence":
         details = finding.get("details") or {}
         pattern = details.get("pattern") or finding.get("module_class") or finding.get("module")
         if pattern:
             return ("divergence", backend, str(pattern))
+    return None
+
+
+def culprit_op(finding: Mapping[str, Any]) -> str | None:
+    """The op a layer finding's culprit search found failing alone (`details.culprit`), else None (a node range
+    or no culprit: those stay grouped per submodule)."""
+    c = (finding.get("details") or {}).get("culprit") or {}
+    ops = c.get("ops") or []
+    if c.get("found") and c.get("kind") == "single" and len(ops) == 1:
+        return str(ops[0])
     return None
 
 
@@ -154,6 +167,8 @@ def group_title(key: Sequence[str]) -> str:
     kind = key[0]
     if kind == "op":
         text = f"[deepview-ci] {key[2]} fails on {key[1]}"
+    elif kind == "culprit":
+        text = f"[deepview-ci] {key[2]} fails on {key[1]} inside model layers"
     elif kind == "layer":
         text = f"[deepview-ci] {key[3]} of {key[2]} fails on {key[1]}"
     else:
@@ -189,7 +204,7 @@ def group_entries(diff: Mapping[str, Any], *, layers: bool) -> list[Group]:
             g.entries.append(e)
         elif e["category"] == "fixed":
             g.fixed.append(e)
-    order = {"op": 0, "layer": 1, "divergence": 2}
+    order = {"op": 0, "culprit": 1, "layer": 2, "divergence": 3}
     return sorted(groups.values(), key=lambda g: (order[g.kind], g.key))
 
 
@@ -259,9 +274,30 @@ def _entry_view(e: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _read_repro(entry: Mapping[str, Any], run_dir: Path | None) -> dict[str, Any] | None:
+def _culprit_view(f: Mapping[str, Any]) -> dict[str, Any] | None:
+    """What the issue shows first for a layer finding with a culprit: op(s), nodes, real inputs, source, error."""
+    c = (f.get("details") or {}).get("culprit") or {}
+    if not c.get("found"):
+        return None
+    inputs = c.get("inputs") or []
+    sources = c.get("sources") or []
+    node_ops = c.get("node_ops") or c.get("ops") or []
+    nodes = [{"name": n, "op": node_ops[i] if i < len(node_ops) else "",
+              "inputs": ", ".join(inputs[i]) if i < len(inputs) else "",
+              "source": sources[i] if i < len(sources) else None} for i, n in enumerate((c.get("nodes") or [])[:12])]
+    return {"kind": c.get("kind"), "ops": list(c.get("ops") or []), "nodes": nodes,
+            "more_nodes": max(0, len(c.get("nodes") or []) - 12), "status": c.get("status"),
+            "error": " ".join(x for x in (f"{c.get('error_type')}:" if c.get("error_type") else "",
+                                           str(c.get("message") or "")) if x),
+            "note": c.get("note") or "", "ops_mode_note": c.get("ops_mode_note"),
+            "verified": bool((c.get("repro") or {}).get("verified")), "level": c.get("level")}
+
+
+def _read_repro(entry: Mapping[str, Any], run_dir: Path | None, *, culprit: bool = False) -> dict[str, Any] | None:
     f = entry.get("finding") or {}
     repro = f.get("repro")
+    if culprit:  # the culprit's own repro (the op alone), else the layer's
+        repro = ((f.get("details") or {}).get("culprit") or {}).get("repro") or repro
     if not repro or not repro.get("path"):
         return None
     rel = Path(entry.get("artifacts_dir") or f"cells/{entry['cell']}") / repro["path"]
@@ -303,7 +339,7 @@ def _group_view(g: Group, *, max_entries: int, message_limit: int) -> dict[str, 
     return {
         "kind": g.kind,
         "backend": g.backend,
-        "op": g.key[2] if g.kind == "op" else None,
+        "op": g.key[2] if g.kind in ("op", "culprit") else None,
         "model": g.key[2] if g.kind == "layer" else None,
         "module": g.key[3] if g.kind == "layer" else None,
         "pattern": g.key[2] if g.kind == "divergence" else None,
@@ -316,6 +352,8 @@ def _group_view(g: Group, *, max_entries: int, message_limit: int) -> dict[str, 
         "more_messages": max(0, len(messages) - MAX_MESSAGES),
         "env": _env_text(first.get("env")),
         "repro": None,
+        "culprit": _culprit_view(f),
+        "layers": sorted({(v["model"], str(v["module"])) for v in views if v.get("module")}),
     }
 
 
@@ -351,13 +389,14 @@ def _tidy(text: str) -> str:
 def render_issue(g: Group, ctx: RenderContext) -> str:
     """The issue body, within `body_limit` characters: the repro is cut first, then the lists."""
     meta = {"v": 1, "kind": g.kind, "key": list(g.key), "cells": g.cells(), "run": ctx.run_key}
-    what = {"op": "operator and backend", "layer": "failing submodule, model and backend",
+    what = {"op": "operator and backend", "culprit": "operator (found inside failing layers) and backend",
+            "layer": "failing submodule, model and backend",
             "divergence": "layer class and backend"}[g.kind]
     links = {"run": _safe_url(ctx.run_url), "artifacts": _safe_url(ctx.artifacts_url or ctx.run_url)}
     template = _jinja().get_template(f"issue_{g.kind}.md.j2")
     repro = None
     for e in sorted(g.entries, key=lambda e: (e["category"] not in NEW, e["cell"])):
-        candidate = _read_repro(e, ctx.run_dir)
+        candidate = _read_repro(e, ctx.run_dir, culprit=g.kind == "culprit")
         if candidate and (repro is None or (repro["text"] is None and candidate["text"] is not None)):
             repro = candidate
     limit = ctx.options.body_limit

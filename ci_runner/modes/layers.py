@@ -40,6 +40,7 @@ import torch
 
 from ..backends import backend_recipe, plugin_pythonpath, simdev_options
 from ..config import spec_to_json
+from ..culprit import CulpritResult, find_culprit, hints_from_error, ops_cross_check, write_repro
 from ..fsutil import atomic_write_text
 from ..codec import TensorStore, Unstorable
 from ..isolate import Attempt, IsolatedResult, supervise
@@ -242,6 +243,13 @@ def run(ctx: "ModeContext") -> ModeResult:
             except Exception as exc:  # a repro problem must not lose the finding
                 finding.repro = Repro(path=str((layers_dir / "repro").relative_to(ctx.cell_dir)), verified=False,
                                       note=f"repro generation failed: {type(exc).__name__}: {first_line(str(exc))}")
+    if opts.culprit:
+        for name, finding in zip(result.minimal, findings):
+            try:
+                _attach_culprit(ctx, opts, tree, name, result.outcomes[name], finding, layers_dir)
+            except Exception as exc:  # a culprit problem must not lose the finding
+                finding.details["culprit"] = {"found": False, "kind": "error",
+                                              "note": f"{type(exc).__name__}: {first_line(str(exc))}"}
     data["minimal"] = [label(n) for n in result.minimal]
     reason = None
     if not result.complete:
@@ -481,3 +489,45 @@ def _write_source_repro(ctx: "ModeContext", loaded: Any, sub: torch.nn.Module, n
     script = rdir / "repro.py"
     write_script(script, render_template("repro_layer_source.py.j2", **rctx, source=source))
     return script
+
+
+# --------------------------------------------------------------------------- the culprit inside a finding
+
+def _attach_culprit(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, name: str, o: ProbeOutcome,
+                    finding: Finding, layers_dir: Path) -> None:
+    """Search the failing submodule's graph for the op(s) that fail (`culprit.find_culprit`), write and verify
+    their repro, and put the answer in `finding.details["culprit"]`."""
+    budget = min(opts.culprit_budget, ctx.remaining() - 10.0)
+    if budget < 30.0:
+        finding.details["culprit"] = {"found": False, "kind": "skipped", "note": "no time left for the culprit search"}
+        return
+    out_dir = layers_dir / "repro" / safe_filename(label(name)) / "culprit"
+    result = find_culprit(model=spec_to_json(ctx.cell.model), backend=spec_to_json(ctx.cell.backend),
+                          seed=ctx.cell.inputs.seed, layers_dir=layers_dir, module=name, out_dir=out_dir,
+                          journal=ctx.cell_dir / JOURNAL_NAME, probe_timeout=opts.probe_timeout,
+                          startup_timeout=opts.startup_timeout, budget_s=budget,
+                          hints=hints_from_error(o.message, o.traceback), max_restarts=opts.max_restarts,
+                          env={str(k): str(v) for k, v in ctx.cell.backend.env.items()})
+    details = result.to_details()
+    if result.found:
+        def verify(script: Path, r: CulpritResult) -> Any:
+            probe = ProbeOutcome(name=name, status=r.status or "fail", stage=r.stage, error_type=r.error_type,
+                                 message=r.message)
+            return _verify(ctx, opts, script, probe)
+
+        rctx = _repro_context(ctx, name, tree.nodes[name].module_class, o, {})
+        t_repro = time.monotonic()
+        repro = write_repro(result, context=rctx, verify=verify)
+        details["repro_seconds"] = round(time.monotonic() - t_repro, 3)
+        repro["path"] = str(Path(repro["path"]).relative_to(ctx.cell_dir))
+        repro["command"] = f"cd {Path(repro['path']).parent} && python repro.py"
+        details["repro"] = repro
+        previous_ops = ctx.previous.get("ops")
+        if previous_ops is not None:
+            seen = ops_cross_check(previous_ops.data.get("probes") or [], result.ops)
+            if seen:
+                details["ops_mode"] = seen
+                if any(v == "pass" for v in seen.values()):
+                    details["ops_mode_note"] = ("the ops mode passed this op with synthetic inputs: the failure "
+                                                "depends on the real shapes or values")
+    finding.details["culprit"] = details

@@ -16,7 +16,7 @@ from pathlib import Path
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..results import STATUS_SEVERITY, CellResult, Finding, Results, number
+from ..results import STATUS_SEVERITY, CellResult, Finding, Repro, Results, number
 
 MODE_ORDER: tuple[str, ...] = ("ops", "layers", "numerics")
 ICONS: dict[str, str] = {
@@ -181,6 +181,9 @@ class FindingView:
     primary: tuple[str | None, dict[str, Any], dict[str, Any]] = (None, {}, {})
     metrics_text: str = ""
     command: str | None = None  # how to run the repro from the cell folder (see `repro_command`)
+    culprit: str | None = None  # layer failures: the op(s) the culprit search found (`culprit_text`)
+    culprit_repro: str | None = None  # the culprit's own repro, as `repro` is the layer's
+    culprit_verified: bool = False
 
 
 VIEWS: tuple[str, ...] = ("cumulative", "isolated")
@@ -368,6 +371,29 @@ def mode_names(results: Results) -> list[str]:
     return [m for m in MODE_ORDER if m in seen] + sorted(seen - set(MODE_ORDER)) or list(MODE_ORDER)
 
 
+def culprit_text(f: Finding) -> str | None:
+    """`aten.histc.default fails alone` / `4 nodes fail together (aten.mm.default, aten.neg.default)` for a
+    layer failure whose culprit search found something (`details.culprit`), else None."""
+    c = f.details.get("culprit") if isinstance(f.details, Mapping) else None
+    if not isinstance(c, Mapping) or not c.get("found") or not c.get("ops"):
+        return None
+    ops = [str(o) for o in c["ops"]]
+    if c.get("kind") == "single":
+        return f"{ops[0]} fails alone"
+    return f"{len(c.get('nodes') or ops)} nodes fail together, no op alone ({', '.join(ops)})"
+
+
+def culprit_repro_path(cell: CellResult, f: Finding, *, out_dir: Path | None, run_dir: Path | None,
+                       base: str | None) -> tuple[str | None, bool]:
+    c = f.details.get("culprit") if isinstance(f.details, Mapping) else None
+    r = c.get("repro") if isinstance(c, Mapping) else None
+    if not isinstance(r, Mapping) or not r.get("path"):
+        return None, False
+    as_finding = Finding(kind=f.kind, stage=f.stage, message=f.message, fingerprint=f.fingerprint,
+                         repro=Repro(path=str(r["path"]), verified=bool(r.get("verified"))))
+    return repro_path(cell, as_finding, out_dir=out_dir, run_dir=run_dir, base=base), bool(r.get("verified"))
+
+
 def build_view(results: Results, *, out_dir: Path | None = None, run_dir: Path | None = None, diff: Any = None) -> ReportView:
     """Order: failing cells first (worst status first), then by id; findings in mode order."""
     modes = mode_names(results)
@@ -378,6 +404,7 @@ def build_view(results: Results, *, out_dir: Path | None = None, run_dir: Path |
         for mname in [m for m in modes if m in c.modes]:
             for f in c.modes[mname].findings:
                 fview = str(f.details.get("view")) if isinstance(f.details, Mapping) and f.details.get("view") else None
+                c_repro, c_ok = culprit_repro_path(c, f, out_dir=out_dir, run_dir=run_dir, base=base)
                 fviews.append(FindingView(
                     cell=c.id, model=c.model, backend=c.backend, mode=mname, finding=f,
                     title=f.op or f.module or f.kind, summary=first_line(f.message),
@@ -387,6 +414,7 @@ def build_view(results: Results, *, out_dir: Path | None = None, run_dir: Path |
                     primary=primary_metrics(f, fview) if f.kind == "divergence" else (None, {}, {}),
                     metrics_text=format_metrics(f) if f.metrics else "",
                     command=repro_command(f),
+                    culprit=culprit_text(f), culprit_repro=c_repro, culprit_verified=c_ok,
                 ))
         nv = _numerics(c)
         if nv is not None and nv.layers:

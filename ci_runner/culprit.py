@@ -1,0 +1,771 @@
+"""From a failing submodule to the failing operator(s): the culprit search inside a layer finding.
+
+After the layers mode has found a smallest failing submodule, this takes its graph at the level the backend
+sees and finds the operator (or the smallest contiguous range of operators) that still fails alone:
+
+1. Graph. The submodule is traced on the reference (CPU) on its captured call: the forward graph
+   `aot_autograd` hands a compiler (ATen overloads, parameters as inputs, true source lines); when Dynamo
+   breaks that graph, `torch.export(strict=False)` (as the layer repro). `capture_graph`.
+2. Reference intermediates: the graph runs once in `torch.fx.Interpreter` on the captured inputs; every
+   node's value is kept (real shapes, dtypes, strides and values).
+3. Single ops first: each op node is compiled and run alone on the target (`Backend.compile`, or eagerly on an
+   eager device) on its real inputs. Ops the layer's error names go first; the first node that fails alone
+   is the culprit.
+4. Then ranges: when no single node fails alone, the whole graph is probed, and the smallest failing
+   contiguous range is found by delta debugging over the node list (shrink the end, then the start).
+5. Every probe (a node or a range) is one small graph (`subgraph` + `graph_source`) run in an isolated child
+   (`isolate.supervise`): each probe is journalled (`enter-culprit`/`leave-culprit`), each outcome appended
+   to `probes.jsonl`; an abort, a segfault or a hang (over `probe_timeout`) kills only that child, the
+   journal names the probe in flight, and a fresh child replays the known outcomes and goes on.
+6. The culprit's repro: `graph.py` (the node or range as a small `torch.nn.Module`), `inputs.safetensors` with
+   the real inputs (call codec, strides kept) and `repro.py` (`templates/repro_culprit.py.j2`), verified in
+   a subprocess like the other repros.
+
+The search is a pure function of the probe outcomes (`search`), as the layer search is.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+
+from .backends import named_op_from_error, resolve_backend
+from .codec import TensorStore, decode_call, encode_call
+from .config import BackendSpec, ModelSpec, spec_from_json
+from .tree import map_tensors
+from .fsutil import append_line, atomic_write_json, atomic_write_text
+from .isolate import Attempt, IsolatedResult, child_journal, supervise
+from .layer_search import capture_inputs, is_compile_stage, unwrap_exception
+from .models import load_model
+from .repro import Verification, render_template, write_script
+
+__all__ = [
+    "KIND", "Step", "CapturedGraph", "ProbeResult", "CulpritResult", "CulpritPlan", "capture_graph", "graph_steps",
+    "subgraph", "graph_source", "run_graph", "search", "range_key", "parse_key", "culprit_child", "find_culprit",
+    "read_results", "describe_value", "ops_cross_check",
+]
+
+KIND = "culprit"  # the journal's entry kind: enter-culprit / leave-culprit
+FAILED = ("fail", "crashed", "timeout")
+# Nodes that compute nothing a backend lowers: never probed alone (still part of ranges).
+_NO_KERNEL = ("aten._assert_tensor_metadata.default", "aten._assert_scalar.default",
+              "aten.sym_constrain_range_for_size.default", "aten._assert_async.msg",
+              "aten.sym_size.int", "aten.sym_stride.int", "aten.sym_numel.default")
+
+
+# --------------------------------------------------------------------------- the graph
+
+@dataclass(frozen=True, kw_only=True)
+class Step:
+    """One op node of the graph, in graph order (its `getitem` users travel with it)."""
+
+    index: int
+    node: str  # the FX node's name
+    op: str  # `aten.histc.default`
+    source: str | None  # the innermost user frame of the node's stack trace
+    inputs: list[str]  # the real inputs, described: `float32[1, 4, 16, 16] stride=[…]`, `4`
+    probe: bool  # probed alone (an op with a kernel)
+
+
+@dataclass
+class CapturedGraph:
+    gm: torch.fx.GraphModule
+    values: dict[torch.fx.Node, Any]  # every node's reference value
+    level: str  # aot | export
+    note: str = ""
+
+
+def _op_name(target: Any) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return f"higher_order.{target.name()}"
+    mod = getattr(target, "__module__", None) or ""
+    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or repr(target)
+    return f"{mod}.{name}" if mod and mod not in ("builtins", "_operator", "operator") else str(name)
+
+
+class _Recorder(torch.fx.Interpreter):
+    """Runs a graph on the reference kernels and keeps every node's value (cloned when the graph mutates)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, clone: bool) -> None:
+        super().__init__(gm, garbage_collect_values=False)
+        self.clone = clone
+        self.values: dict[torch.fx.Node, Any] = {}
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        out = super().run_node(n)
+        if self.clone:
+            self.values[n] = map_tensors(lambda t: t.detach().clone(), out)
+        else:
+            self.values[n] = out
+        return out
+
+
+def _mutates(gm: torch.fx.GraphModule) -> bool:
+    return any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
+               for n in gm.graph.nodes)
+
+
+def _record(gm: torch.fx.GraphModule, flat: Sequence[Any]) -> dict[torch.fx.Node, Any]:
+    rec = _Recorder(gm, clone=_mutates(gm))
+    with torch.no_grad():
+        rec.run(*flat)
+    return rec.values
+
+
+def capture_graph(module: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], *,
+                  eager_device: bool = False) -> CapturedGraph:
+    """`module`'s graph on its call, at the level the backend sees, with every node's reference value.
+
+    `eager_device`: the target runs ops eagerly (no compiler); fused attention is traced through its math
+    path, as PyTorch dispatches it on a device without a fused kernel."""
+    if eager_device:
+        from torch.nn.attention import SDPBackend, sdpa_kernel  # deferred: torch
+
+        with sdpa_kernel([SDPBackend.MATH]):
+            return capture_graph(module, args, kwargs)
+    import torch._dynamo
+    from functorch.compile import make_boxed_func  # deferred: functorch is heavy
+    from torch._dynamo.backends.common import aot_autograd
+
+    got: list[tuple[torch.fx.GraphModule, dict[torch.fx.Node, Any]]] = []
+
+    def recorder(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        def run(*flat: Any) -> Any:
+            got.append((gm, _record(gm, flat)))
+            return gm(*flat)
+        return make_boxed_func(run)
+
+    kw = dict(kwargs)
+    note = ""
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            torch.compile(lambda *xs: module(*xs, **kw), backend=aot_autograd(fw_compiler=recorder),
+                          dynamic=False)(*args)
+        if len(got) == 1:
+            gm, values = got[0]
+            return CapturedGraph(gm=gm, values=values, level="aot")
+        note = f"Dynamo split the module into {len(got)} graphs"
+    except Exception as exc:
+        note = f"the aot_autograd trace failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})"
+    finally:
+        torch._dynamo.reset()
+    from torch.utils import _pytree as pytree  # deferred: torch
+
+    with torch.no_grad():
+        ep = torch.export.export(module, tuple(args), kw, strict=False)
+    gm = ep.module()
+    values = _record(gm, pytree.tree_leaves((tuple(args), kw)))
+    return CapturedGraph(gm=gm, values=values, level="export", note=note + "; traced with torch.export instead")
+
+
+def describe_value(v: Any) -> str:
+    """`float32[1, 16, 64]` (with `stride=[…]` when not contiguous) for a tensor; repr for the rest."""
+    if isinstance(v, torch.Tensor):
+        s = f"{str(v.dtype).replace('torch.', '')}{list(v.shape)}"
+        if v.device.type != "cpu":
+            s += f" on {v.device}"
+        return s if v.is_contiguous() or v.dim() < 2 else f"{s} stride={list(v.stride())}"
+    if isinstance(v, (list, tuple)):
+        inner = ", ".join(describe_value(x) for x in v)
+        return f"[{inner}]" if isinstance(v, list) else f"({inner})"
+    text = repr(v)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _source_line(node: torch.fx.Node) -> str | None:
+    st = node.meta.get("stack_trace") or ""
+    frames = [line.strip() for line in st.splitlines() if line.strip().startswith("File ")]
+    if not frames:
+        return None
+    frame = frames[-1]
+    for marker in ("site-packages/", "dist-packages/"):
+        if marker in frame:
+            head, _, rest = frame.partition(marker)
+            frame = 'File "' + rest if head.startswith('File "') else frame
+    return frame
+
+
+def _arg_nodes(node: torch.fx.Node) -> list[Any]:
+    out: list[Any] = []
+    torch.fx.node.map_aggregate((node.args, node.kwargs), lambda a: out.append(a) or a)  # type: ignore[func-returns-value]
+    return out
+
+
+def graph_steps(cg: CapturedGraph) -> tuple[list[Step], list[torch.fx.Node]]:
+    """The op nodes in graph order (getitem nodes travel with their producer), described."""
+    import operator
+
+    steps: list[Step] = []
+    nodes: list[torch.fx.Node] = []
+    for n in cg.gm.graph.nodes:
+        if n.op != "call_function" or n.target is operator.getitem:
+            continue
+        op = _op_name(n.target)
+        ins: list[str] = []
+        for a in n.args:
+            ins.append(describe_value(cg.values.get(a)) if isinstance(a, torch.fx.Node) else
+                       describe_value(torch.fx.node.map_arg(a, lambda x: cg.values.get(x))))
+        for k, a in n.kwargs.items():
+            val = cg.values.get(a) if isinstance(a, torch.fx.Node) else torch.fx.node.map_arg(a, lambda x: cg.values.get(x))
+            ins.append(f"{k}={describe_value(val)}")
+        probe = isinstance(n.target, torch._ops.OpOverload) and op not in _NO_KERNEL
+        steps.append(Step(index=len(steps), node=n.name, op=op, source=_source_line(n), inputs=ins, probe=probe))
+        nodes.append(n)
+    return steps, nodes
+
+
+# --------------------------------------------------------------------------- one probe: a small graph
+
+class Unprobeable(Exception):
+    """A node range whose inputs cannot be given to a small graph (a non-tensor value computed in the graph)."""
+
+
+def subgraph(cg: CapturedGraph, nodes: Sequence[torch.fx.Node]) -> tuple[torch.fx.Graph, list[tuple[str, torch.Tensor]]]:
+    """The nodes (a contiguous range of steps, plus their getitem users) as a graph of their own: every value
+    from outside becomes an input (tensors) or a constant (plain values); its outputs are the values used
+    after the range (or, when none is, its last values)."""
+    import operator
+
+    inc: list[torch.fx.Node] = []
+    chosen = set(nodes)
+    for n in cg.gm.graph.nodes:
+        if n in chosen or (n.op == "call_function" and n.target is operator.getitem and n.args[0] in chosen):
+            inc.append(n)
+    members = set(inc)
+    g = torch.fx.Graph()
+    inputs: list[tuple[str, torch.Tensor]] = []
+    env: dict[torch.fx.Node, Any] = {}
+    # the inputs first: placeholders lead the graph
+    for n in inc:
+        for a in _arg_nodes(n):
+            if not isinstance(a, torch.fx.Node) or a in members or a in env:
+                continue
+            val = cg.values.get(a)
+            if isinstance(val, torch.Tensor):
+                env[a] = g.placeholder(a.name)
+                env[a].meta["val"] = val
+                inputs.append((env[a].name, val))
+            elif val is None or isinstance(val, (bool, int, float, str, torch.dtype, torch.device)):
+                env[a] = val  # a constant in the small graph
+            else:
+                raise Unprobeable(f"{a.name} is a {type(val).__name__} computed in the graph")
+    for n in inc:
+        env[n] = g.node_copy(n, lambda a: env[a])
+    tensor_valued = [n for n in inc if isinstance(cg.values.get(n), torch.Tensor)]
+    outs = [n for n in tensor_valued if any(u not in members for u in n.users)]
+    if not outs:
+        outs = [n for n in tensor_valued if not n.users] or tensor_valued[-1:]
+    g.output(tuple(env[n] for n in outs))
+    g.lint()
+    return g, inputs
+
+
+def graph_source(graph: torch.fx.Graph, *, title: str, lines: Iterable[str] = ()) -> str:
+    """A Python module defining `class Graph(torch.nn.Module)` whose forward is `graph`."""
+    from torch.fx.graph import _custom_builtins  # deferred: torch
+
+    code = graph.python_code(root_module="self")
+    head = [f'"""{title}"""', "# generated by deepview-ci (culprit search); the inputs are in inputs.safetensors"]
+    head += [f"# {line}" for line in lines]
+    imports = []
+    for name in code.globals:
+        builtin = _custom_builtins.get(name)
+        if builtin is not None:
+            imports.append(builtin.import_str)
+        elif name != "torch":
+            raise Unprobeable(f"the graph needs {name!r}, which a standalone file cannot import")
+    body = "\n".join("    " + line if line.strip() else "" for line in code.src.strip("\n").splitlines())
+    return "\n".join(head + sorted(set(imports) | {"import torch"}) +
+                     ["", "", "class Graph(torch.nn.Module):", body, ""])
+
+
+def load_graph(source: str, filename: str = "graph.py") -> torch.nn.Module:
+    ns: dict[str, Any] = {"__name__": "deepview_culprit_graph"}
+    exec(compile(source, filename, "exec"), ns)
+    return ns["Graph"]()
+
+
+def run_graph(source: str, inputs: Sequence[torch.Tensor], backend: Any) -> None:
+    """Compile (or, on an eager device, just run) the small graph on the target and fetch its outputs."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    module = backend.to_device(load_graph(source))
+    fn = backend.compile(module)
+    with torch.no_grad():
+        out = fn(*backend.to_device(list(inputs)))
+    for t in out if isinstance(out, (tuple, list)) else (out,):
+        if isinstance(t, torch.Tensor) and t.device.type != "cpu":
+            t.to("cpu")
+
+
+# --------------------------------------------------------------------------- the search (pure)
+
+def range_key(start: int, end: int) -> str:
+    return f"{start}:{end}"
+
+
+def parse_key(key: str) -> tuple[int, int]:
+    a, _, b = key.partition(":")
+    return int(a), int(b)
+
+
+@dataclass(kw_only=True)
+class ProbeResult:
+    """What happened when one node range was compiled and run alone on the target."""
+
+    key: str  # `start:end` over the steps
+    status: str  # pass | fail | crashed | timeout | skipped
+    stage: str | None = None
+    error_type: str | None = None
+    message: str = ""
+    traceback: str = ""
+    signal: str | None = None
+    duration_s: float = 0.0
+
+    @property
+    def failed(self) -> bool:
+        return self.status in FAILED
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "ProbeResult":
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+class StopSearch(Exception):
+    """A probe ends the search early (out of time, or a replay reached an unknown probe)."""
+
+
+@dataclass
+class SearchState:
+    """The search's answer: a failing single node, or the smallest failing range, or neither."""
+
+    kind: str  # single | range | none | incomplete
+    key: str | None = None
+    probed: list[str] = field(default_factory=list)
+    note: str = ""
+
+
+def single_order(steps: Sequence[Step], hints: Sequence[str]) -> list[int]:
+    """Probe order of the single nodes: ops the layer's error names first, then graph order."""
+    probe = [s.index for s in steps if s.probe]
+    hinted = [i for i in probe if any(_op_matches(steps[i].op, h) for h in hints)]
+    # then ops whose name holds the named op's (`_safe_softmax` runs `_softmax` on a device)
+    bare = {h.split(".")[1].strip("_") for h in hints if h.count(".") >= 1 and h.split(".")[1].strip("_")}
+    related = [i for i in probe if i not in hinted and any(b in _bare(steps[i].op) for b in bare)]
+    return hinted + related + [i for i in probe if i not in hinted and i not in related]
+
+
+def _bare(op: str) -> str:
+    parts = op.split(".")
+    return parts[1] if len(parts) >= 3 else op
+
+
+def _op_matches(op: str, hint: str) -> bool:
+    parts = op.split(".")
+    packet = ".".join(parts[:2]) if len(parts) >= 3 else op
+    return hint in (op, packet) or (len(parts) >= 3 and hint == parts[1])
+
+
+def search(n: int, singles: Sequence[int], probe: Callable[[str], ProbeResult], *,
+           all_singles: bool = False) -> SearchState:
+    """Singles first (in `singles` order; stop at the first failing one unless `all_singles`); else the whole
+    graph, then the smallest failing contiguous range: the shortest failing prefix, then its latest failing
+    start (each by bisection; every range it reports was itself probed and failed)."""
+    state = SearchState(kind="none")
+
+    def p(key: str) -> ProbeResult:
+        state.probed.append(key)
+        return probe(key)
+
+    try:
+        failing = []
+        for i in singles:
+            if p(range_key(i, i + 1)).failed:
+                failing.append(i)
+                if not all_singles:
+                    break
+        if failing:
+            state.kind, state.key = "single", range_key(failing[0], failing[0] + 1)
+            return state
+        if n == 0:
+            state.note = "the graph has no op nodes"
+            return state
+        whole = p(range_key(0, n))
+        if not whole.failed:
+            state.note = ("no single op fails alone, and the whole graph passes alone at this level: the failure "
+                          "needs more than the module's ops (its Python code, guards or the model around it)")
+            return state
+        lo, hi = 1, n  # the shortest failing prefix [0, e)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if p(range_key(0, mid)).failed:
+                hi = mid
+            else:
+                lo = mid + 1
+        end = lo
+        lo, hi = 0, end - 1  # the latest start s with [s, end) failing
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if p(range_key(mid, end)).failed:
+                lo = mid
+            else:
+                hi = mid - 1
+        state.kind, state.key = "range", range_key(lo, end)
+        state.note = "no single op fails alone"
+        return state
+    except StopSearch:
+        state.kind = "incomplete"
+        return state
+
+
+# --------------------------------------------------------------------------- outcomes on disk
+
+def read_results(path: Path) -> dict[str, ProbeResult]:
+    """Probe outcomes appended so far (the last line for a key wins; a torn last line is ignored)."""
+    out: dict[str, ProbeResult] = {}
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return out
+    for line in text.splitlines():
+        try:
+            r = ProbeResult.from_json(json.loads(line))
+        except (ValueError, TypeError):
+            continue
+        out[r.key] = r
+    return out
+
+
+def _append(path: Path, r: ProbeResult) -> None:
+    append_line(path, json.dumps(r.to_json(), ensure_ascii=False))
+
+
+# --------------------------------------------------------------------------- the probing child
+
+@dataclass(frozen=True, kw_only=True)
+class CulpritPlan:
+    """What a culprit child needs; JSON through `run_isolated`."""
+
+    model: dict[str, Any]
+    backend: dict[str, Any]
+    seed: int
+    layers_dir: str  # holds root_call.json and root_inputs.safetensors (the layers mode's)
+    module: str  # qualified name of the failing submodule ("" = the whole model)
+    out_dir: str  # probes.jsonl, graph.json, and the culprit's files
+    probe_timeout: float
+    deadline_wall: float
+    hints: list[str] = field(default_factory=list)
+    all_singles: bool = False
+
+
+def _load_module_call(plan: CulpritPlan) -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any], Any]:
+    from safetensors.torch import load_file  # deferred: heavy
+
+
+    layers_dir = Path(plan.layers_dir)
+    root = json.loads((layers_dir / "root_call.json").read_text(encoding="utf-8"))
+    root_args, root_kwargs = decode_call(root, load_file(str(layers_dir / "root_inputs.safetensors")))
+    loaded = load_model(spec_from_json(ModelSpec, plan.model), seed=plan.seed)
+    model = loaded.module
+    if plan.module == "":
+        return model, tuple(root_args), dict(root_kwargs), loaded
+    calls = capture_inputs(model, root_args, root_kwargs, [plan.module]).get(plan.module)
+    if not calls:
+        raise RuntimeError(f"{plan.module} did not run in the reference forward")
+    args, kwargs = calls[0]
+    return model.get_submodule(plan.module), tuple(args), dict(kwargs), loaded
+
+
+def culprit_child(payload: dict[str, Any]) -> dict[str, Any]:
+    """Entry point of a culprit child (`ci_runner.culprit:culprit_child`): trace the module, replay the known
+    probe outcomes, probe the rest (journalled, appended as they come), and, when the search is done, write
+    the culprit's graph and inputs."""
+    faulthandler.enable(file=sys.stderr)
+    plan = CulpritPlan(**payload)
+    out_dir = Path(plan.out_dir)
+    outcomes_file = out_dir / "probes.jsonl"
+    known = read_results(outcomes_file)
+    t0 = time.monotonic()
+    sub, args, kwargs, _ = _load_module_call(plan)
+    backend = resolve_backend(spec_from_json(BackendSpec, plan.backend))
+    backend.prepare()
+    cg = capture_graph(sub, args, kwargs, eager_device=backend.is_eager)
+    steps, nodes = graph_steps(cg)
+    atomic_write_json(out_dir / "graph.json", {"level": cg.level, "note": cg.note, "steps": [asdict(s) for s in steps],
+                                               "seconds": round(time.monotonic() - t0, 3)})
+    timeout_fh = open(out_dir / "timeout.txt", "a", encoding="utf-8")
+    probed = 0
+
+    def probe(key: str) -> ProbeResult:
+        nonlocal probed
+        if key in known:
+            return known[key]
+        if time.time() >= plan.deadline_wall:
+            raise StopSearch()
+        s, e = parse_key(key)
+        r = _probe(key, cg, nodes[s:e], backend, timeout=max(1.0, min(plan.probe_timeout, plan.deadline_wall - time.time())),
+                   timeout_fh=timeout_fh)
+        _append(outcomes_file, r)
+        known[key] = r
+        probed += 1
+        return r
+
+    try:
+        state = search(len(steps), single_order(steps, plan.hints), probe, all_singles=plan.all_singles)
+    finally:
+        timeout_fh.close()
+    if state.key is not None:
+        s, e = parse_key(state.key)
+        _write_culprit(out_dir, cg, steps[s:e], nodes[s:e])
+    return {"kind": state.kind, "key": state.key, "note": state.note, "probed": probed, "probes": state.probed,
+            "level": cg.level}
+
+
+def _probe(key: str, cg: CapturedGraph, nodes: Sequence[torch.fx.Node], backend: Any, *, timeout: float,
+           timeout_fh: Any) -> ProbeResult:
+    t0 = time.monotonic()
+    try:
+        g, inputs = subgraph(cg, nodes)
+        source = graph_source(g, title=key)
+    except Unprobeable as exc:
+        return ProbeResult(key=key, status="skipped", message=str(exc))
+    child_journal(f"enter-{KIND}", key)
+    faulthandler.dump_traceback_later(timeout, exit=True, file=timeout_fh)
+    try:
+        run_graph(source, [t for _, t in inputs], backend)
+        r = ProbeResult(key=key, status="pass", duration_s=time.monotonic() - t0)
+    except Exception as exc:  # the backend's error is the finding
+        inner = unwrap_exception(exc)
+        stage = "compile" if (not backend.is_eager and is_compile_stage(exc)) else "run"
+        r = ProbeResult(key=key, status="fail", stage=stage, error_type=type(inner).__name__,
+                        message=str(inner)[:4000] or type(inner).__name__,
+                        traceback=traceback.format_exc(limit=20)[-4000:], duration_s=time.monotonic() - t0)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        child_journal(f"leave-{KIND}", key)
+    return r
+
+
+def _write_culprit(out_dir: Path, cg: CapturedGraph, steps: Sequence[Step], nodes: Sequence[torch.fx.Node]) -> None:
+    """The culprit's small graph (`graph.py`), its real inputs (`inputs.safetensors`) and `call.json`."""
+    g, inputs = subgraph(cg, nodes)
+    ops = list(dict.fromkeys(s.op for s in steps))
+    lines = [f"{s.node}: {s.op}({', '.join(s.inputs)})" + (f"  <- {s.source}" if s.source else "") for s in steps]
+    atomic_write_text(out_dir / "graph.py", graph_source(g, title=f"the culprit: {', '.join(ops)}", lines=lines))
+    store = TensorStore()
+    call = encode_call(tuple(t for _, t in inputs), {}, store)
+    store.save(out_dir / "inputs.safetensors")
+    atomic_write_json(out_dir / "call.json", {"call": call, "inputs": [n for n, _ in inputs]})
+
+
+# --------------------------------------------------------------------------- the parent side
+
+@dataclass(frozen=True, kw_only=True)
+class CulpritResult:
+    """The search's answer for one layer finding; `to_details()` is the finding's `details.culprit`."""
+
+    found: bool
+    kind: str  # single | range | none | incomplete | error
+    ops: list[str] = field(default_factory=list)
+    nodes: list[str] = field(default_factory=list)
+    node_ops: list[str] = field(default_factory=list)  # per node: its op
+    node_range: list[int] | None = None  # [start, end) over the op nodes
+    graph_nodes: int = 0
+    level: str | None = None
+    inputs: list[list[str]] = field(default_factory=list)  # per node: its real inputs, described
+    sources: list[str | None] = field(default_factory=list)
+    status: str | None = None  # the culprit probe's outcome: fail | crashed | timeout
+    stage: str | None = None
+    error_type: str | None = None
+    message: str = ""
+    note: str = ""
+    probes: int = 0
+    restarts: int = 0
+    seconds: float = 0.0
+    out_dir: str | None = None  # where graph.py / inputs.safetensors are (absolute, for the caller)
+
+    def to_details(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("out_dir")
+        return d
+
+
+def find_culprit(*, model: Mapping[str, Any], backend: Mapping[str, Any], seed: int, layers_dir: Path, module: str,
+                 out_dir: Path, journal: Path, probe_timeout: float, startup_timeout: float, budget_s: float,
+                 hints: Sequence[str] = (), env: Mapping[str, str] | None = None, max_restarts: int = 16,
+                 all_singles: bool = False) -> CulpritResult:
+    """Run the culprit search for `module` in isolated children until it is done, out of time or out of
+    restarts. A child that dies in a probe has that probe recorded crashed (or timeout) and a fresh child
+    goes on."""
+    t0 = time.monotonic()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    outcomes_file = out_dir / "probes.jsonl"
+    outcomes_file.unlink(missing_ok=True)
+    timeout_file = out_dir / "timeout.txt"
+    deadline = time.monotonic() + budget_s
+    answer: dict[str, Any] = {}
+
+    def next_attempt(children: int) -> Attempt | str | None:
+        if answer:
+            return None
+        left = deadline - time.monotonic()
+        if left < min(20.0, budget_s / 2):
+            return "the time for the culprit search ran out"
+        timeout_file.unlink(missing_ok=True)
+        plan = CulpritPlan(model=dict(model), backend=dict(backend), seed=seed, layers_dir=str(layers_dir),
+                           module=module, out_dir=str(out_dir), probe_timeout=probe_timeout,
+                           deadline_wall=time.time() + left - 5.0, hints=list(hints), all_singles=all_singles)
+        return Attempt(payload=asdict(plan), timeout=left)
+
+    def on_ok(res: IsolatedResult) -> str | None:
+        answer.update(res.value or {})
+        return None
+
+    def on_crash(entry: str | None, res: IsolatedResult) -> str | None:
+        if res.status == "error":
+            return f"the culprit child failed outside any probe: {res.error_type}: {_first_line(res.message)}"
+        if entry is None:
+            return f"the culprit child {res.message or res.status} before it probed anything"
+        hung = res.status == "timeout" or _nonempty(timeout_file)
+        if hung:
+            r = ProbeResult(key=entry, status="timeout", stage="run", error_type="Timeout", duration_s=probe_timeout,
+                            message=f"no result within {probe_timeout:g}s (probe_timeout); the child was killed",
+                            traceback=_tail(timeout_file) or res.stderr_tail[-3000:])
+        else:
+            why = res.signal or (f"exit code {res.exit_code}" if res.exit_code is not None else res.status)
+            r = ProbeResult(key=entry, status="crashed", stage="run", error_type=res.signal or "Crash",
+                            message=f"the process died ({why}) while the probe ran", signal=res.signal,
+                            traceback=res.stderr_tail[-3000:])
+        _append(outcomes_file, r)
+        return None
+
+    run = supervise("ci_runner.culprit:culprit_child", journal=journal, kind=KIND, next_attempt=next_attempt,
+                    on_ok=on_ok, on_crash=on_crash, max_restarts=max_restarts, env=env)
+    seconds = round(time.monotonic() - t0, 3)
+    known = read_results(outcomes_file)
+    graph = _read_json(out_dir / "graph.json")
+    steps = [Step(**s) for s in graph.get("steps", [])]
+    common = {"graph_nodes": len(steps), "level": graph.get("level"), "probes": len(known),
+              "restarts": run.restarts, "seconds": seconds, "out_dir": str(out_dir)}
+    if not answer:
+        return CulpritResult(found=False, kind="error" if run.stop_reason else "incomplete",
+                             note=run.stop_reason or "the search did not finish", **common)
+    key = answer.get("key")
+    if not key or answer.get("kind") not in ("single", "range"):
+        return CulpritResult(found=False, kind=str(answer.get("kind")), note=str(answer.get("note") or ""), **common)
+    s, e = parse_key(key)
+    r = known.get(key)
+    chosen = steps[s:e]
+    note = str(answer.get("note") or "")
+    if graph.get("note"):
+        note = "; ".join(x for x in (note, str(graph["note"])) if x)
+    return CulpritResult(found=True, kind=str(answer["kind"]), ops=list(dict.fromkeys(st.op for st in chosen)),
+                         nodes=[st.node for st in chosen], node_ops=[st.op for st in chosen], node_range=[s, e], inputs=[st.inputs for st in chosen],
+                         sources=[st.source for st in chosen], status=r.status if r else None,
+                         stage=r.stage if r else None, error_type=r.error_type if r else None,
+                         message=_first_line(r.message, 400) if r else "", note=note, **common)
+
+
+def write_repro(result: CulpritResult, *, context: Mapping[str, Any],
+                verify: Callable[[Path, CulpritResult], Verification | None]) -> dict[str, Any]:
+    """Write `repro.py` next to the culprit's `graph.py` and `inputs.safetensors` (`templates/repro_culprit.py.j2`,
+    `context`: the layer repro's template context) and verify it (`verify(script, result)`: the same failure
+    as the culprit's probe, None when verification is off). Returns the `details.culprit.repro` entry (absolute
+    path)."""
+    assert result.out_dir is not None
+    rdir = Path(result.out_dir)
+    call = _read_json(rdir / "call.json").get("call")
+    if call is None or not (rdir / "graph.py").exists():
+        return {"path": str(rdir), "verified": False, "note": "the culprit's graph was not written"}
+    what = (f"{result.ops[0]} fails alone" if result.kind == "single" else
+            f"nodes {result.nodes[0]}..{result.nodes[-1]} ({len(result.nodes)} ops: {', '.join(result.ops)}) fail together; "
+            f"no single op fails alone")
+    node_lines = [f"{n}: {op_in}" for n, op_in in zip(result.nodes, _node_calls(result))]
+    ctx = {**context, "call": call, "culprit_what": what, "layer": context.get("module"), "level": result.level,
+           "node_lines": node_lines, "status": result.status or "fail", "stage": result.stage or "run",
+           "error_type": result.error_type or "", "message": _first_line(result.message, 200)}
+    script = write_script(rdir / "repro.py", render_template("repro_culprit.py.j2", **ctx))
+    ver = verify(script, result)
+    note = "not verified" if ver is None else ver.note
+    return {"path": str(script), "verified": bool(ver and ver.verified), "note": note,
+            "command": "python repro.py"}
+
+
+def _node_calls(result: CulpritResult) -> list[str]:
+    out = []
+    for i, inputs in enumerate(result.inputs):
+        src = result.sources[i] if i < len(result.sources) else None
+        op = result.node_ops[i] if i < len(result.node_ops) else ""
+        out.append(f"{op}({', '.join(inputs)})" + (f" <- {src}" if src else ""))
+    return out
+
+
+def hints_from_error(message: str, traceback_text: str = "") -> list[str]:
+    """Op names the layer's error text mentions (probed first)."""
+    out: list[str] = []
+    for text in (message, traceback_text):
+        op, _ = named_op_from_error(text or "")
+        if op:
+            out.append(op)
+            out.append(".".join(op.split(".")[:2]))
+    return list(dict.fromkeys(out))
+
+
+def ops_cross_check(ops_probes: Iterable[Mapping[str, Any]], culprit_ops: Sequence[str]) -> dict[str, str]:
+    """For each culprit op the same cell's ops mode probed: its status there (`pass` with synthetic inputs is
+    the signal that the failure depends on the real shapes or values)."""
+    out: dict[str, str] = {}
+    for row in ops_probes:
+        op = str(row.get("op") or "")
+        if op in culprit_ops:
+            status = str(row.get("status") or "")
+            if out.get(op) in (None, "pass"):
+                out[op] = status
+    return out
+
+
+def _first_line(text: str, limit: int = 300) -> str:
+    for line in str(text).splitlines():
+        if line.strip():
+            return line.strip()[:limit]
+    return ""
+
+
+def _nonempty(path: Path) -> bool:
+    try:
+        return path.stat().st_size > 0
+    except OSError:
+        return False
+
+
+def _tail(path: Path, limit: int = 4000) -> str:
+    try:
+        return path.read_text(encoding="utf-8", errors="replace")[-limit:]
+    except OSError:
+        return ""
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+

@@ -1,0 +1,164 @@
+"""The culprit search inside a layer finding (issue 16): real tiny models, real backends, isolated children.
+
+Each test runs the layers mode the way a cell worker does (`cellrun.run_cell_inprocess`); the culprit search,
+its children, journal and repro verification are all real.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ci_runner.cellrun import run_cell_inprocess
+from ci_runner.config import load_matrix_text
+from ci_runner.isolate import open_entry
+from ci_runner.matrix import expand
+from ci_runner.modes import JOURNAL_NAME
+from ci_runner.results import CellResult, ModeResult, validate
+
+REPO = Path(__file__).resolve().parents[2]
+SDPA = "aten._scaled_dot_product_flash_attention_for_cpu.default"
+
+pytestmark = pytest.mark.slow  # probing children and compiles: tens of seconds each on 2 cores
+
+_DECODER = ("{hidden_size: 16, intermediate_size: 32, num_hidden_layers: %d, num_attention_heads: 2, "
+            "num_key_value_heads: 1, vocab_size: 64}")
+
+
+def _matrix(layers: int, options: str) -> str:
+    dec = _DECODER % layers
+    return textwrap.dedent(f"""\
+        version: 1
+        defaults:
+          modes: [layers]
+          timeout: 900
+          inputs: {{batch: 1, seq_len: 8, samples: 1, seed: 0}}
+          options: {{layers: {{{options}}}}}
+        models:
+          - {{id: tiny-llama, config: llama, overrides: {dec}}}
+          - {{id: tiny-mixtral, config: mixtral, overrides: {{hidden_size: 16, intermediate_size: 32,
+              num_hidden_layers: 1, num_attention_heads: 2, num_key_value_heads: 1, vocab_size: 64,
+              num_local_experts: 4, num_experts_per_tok: 2}}}}
+        backends:
+          - {{id: pair, compile: "tests.fixtures.plugin_layers_pair:pair_backend"}}
+          - {{id: sim-crash, compile: sim-crash}}
+          - {{id: sim-abort, compile: sim-abort}}
+          - {{id: sim-hang, compile: sim-hang}}
+          - {{id: simdev, device: simdev}}
+          - {{id: turbine, compile: turbine_cpu}}  # registered by iree-turbine (entry point)
+        """)
+
+
+def _run(tmp_path: Path, model: str, backend: str, *, layers: int = 1,
+         options: str = "probe_timeout: 60") -> tuple[ModeResult, CellResult, Path]:
+    matrix = load_matrix_text(_matrix(layers, options), path=str(tmp_path / "matrix.yaml"))
+    cell = next(c for c in expand(matrix) if c.model.id == model and c.backend.id == backend)
+    cdir = tmp_path / "cells" / cell.id
+    result = run_cell_inprocess(cell, cdir, modes=("layers",), deadline=time.monotonic() + cell.timeout)
+    validate(result.to_dict(), "cell.schema.json", source="culprit test")
+    return result.modes["layers"], result, cdir
+
+
+def _culprits(mode: ModeResult) -> dict[str, dict[str, Any]]:
+    return {str(f.module): f.details["culprit"] for f in mode.findings}
+
+
+def _by_hand(cdir: Path, culprit: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+    """The culprit repro from its folder, in a clean interpreter (deepview-ci only as the sim plugin)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONSAFEPATH"] = "1"
+    env["PYTHONPATH"] = str(REPO)
+    rdir = cdir / Path(culprit["repro"]["path"]).parent
+    return subprocess.run([sys.executable, "repro.py"], cwd=rdir, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_sim_crash_names_the_attention_op_with_real_shapes(tmp_path: Path) -> None:
+    mode, _, cdir = _run(tmp_path, "tiny-llama", "sim-crash", layers=2)
+    assert mode.status == "fail", mode.reason
+    culprits = _culprits(mode)
+    assert list(culprits) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    for c in culprits.values():
+        assert c["found"] and c["kind"] == "single" and c["ops"] == [SDPA], c
+        assert c["level"] == "aot" and c["status"] == "fail" and c["stage"] == "run"
+        # real shapes and strides of the layer's own intermediates (batch 1, 2 heads, 8 tokens, head dim 8)
+        assert c["inputs"][0][:3] == ["float32[1, 2, 8, 8] stride=[128, 8, 16, 1]",
+                                      "float32[1, 1, 8, 8]", "float32[1, 1, 8, 8]"], c["inputs"]
+        assert "sdpa_attention.py" in (c["sources"][0] or "")
+        assert c["repro"]["verified"], c["repro"]
+        assert c["probes"] == 1  # the op the layer's error names is probed first
+    rdir = cdir / Path(culprits["model.layers.0.self_attn"]["repro"]["path"]).parent
+    assert {p.name for p in rdir.iterdir()} >= {"graph.py", "inputs.safetensors", "repro.py"}
+    proc = _by_hand(cdir, culprits["model.layers.0.self_attn"])
+    assert proc.returncode == 1 and "[sim-crash]" in proc.stderr, proc.stdout + proc.stderr
+    assert open_entry(cdir / JOURNAL_NAME, "culprit") is None
+
+
+def test_fusion_only_gives_the_smallest_range_holding_both_ops(tmp_path: Path) -> None:
+    mode, _, cdir = _run(tmp_path, "tiny-llama", "pair")
+    c = _culprits(mode)["model.layers.0.self_attn"]
+    assert c["found"] and c["kind"] == "range", c
+    assert "no single op fails alone" in c["note"]
+    ops = c["node_ops"]
+    assert "aten.mm.default" in ops and "aten.neg.default" in ops
+    # smallest: it starts at an mm and ends at a neg (or the other way round), with neither end removable
+    assert {ops[0], ops[-1]} == {"aten.mm.default", "aten.neg.default"}, ops
+    assert c["error_type"] == "IndexError" and c["repro"]["verified"], c["repro"]
+
+
+def test_eager_device_names_rsqrt_in_norms_and_softmax_in_attention(tmp_path: Path) -> None:
+    mode, _, _ = _run(tmp_path, "tiny-llama", "simdev")
+    culprits = _culprits(mode)
+    assert culprits["model.layers.0.input_layernorm"]["ops"] == ["aten.rsqrt.default"]
+    assert culprits["model.norm"]["ops"] == ["aten.rsqrt.default"]
+    # the attention's math path (what an eager device runs): _safe_softmax, which runs _softmax on the device
+    attn = culprits["model.layers.0.self_attn"]
+    assert attn["ops"] == ["aten._safe_softmax.default"] and "aten::_softmax" in attn["message"], attn
+    assert attn["probes"] == 1  # the layer's error names _softmax: the softmax node goes first
+    assert all(c["repro"]["verified"] for c in culprits.values()), culprits
+
+
+@pytest.mark.parametrize("backend, status, probe_timeout", [("sim-abort", "crashed", 60), ("sim-hang", "timeout", 8)])
+def test_hard_fault_culprit_is_found_and_the_search_goes_on(tmp_path: Path, backend: str, status: str,
+                                                            probe_timeout: int) -> None:
+    """The engine alone, without hints: the probes walk the graph in order, every op before the attention
+    passes in the first child, the attention kills (or hangs) it; a fresh child keeps those outcomes."""
+    from ci_runner.config import spec_to_json
+    from ci_runner.culprit import find_culprit, read_results
+    from ci_runner.layer_search import scan_model, write_root_call
+    from ci_runner.models import build_inputs, load_model
+
+    matrix = load_matrix_text(_matrix(1, "probe_timeout: 60"), path=str(tmp_path / "matrix.yaml"))
+    cell = next(c for c in expand(matrix) if c.model.id == "tiny-llama" and c.backend.id == backend)
+    loaded = load_model(cell.model, seed=0)
+    kwargs = build_inputs(loaded, cell.inputs, sample=0)
+    layers_dir = tmp_path / "layers"
+    layers_dir.mkdir()
+    write_root_call(layers_dir, scan_model(loaded.module, kwargs), kwargs)
+    journal = tmp_path / "journal.log"
+    r = find_culprit(model=spec_to_json(cell.model), backend=spec_to_json(cell.backend), seed=0,
+                     layers_dir=layers_dir, module="model.layers.0.self_attn", out_dir=tmp_path / "culprit",
+                     journal=journal, probe_timeout=probe_timeout, startup_timeout=60, budget_s=300)
+    assert r.found and r.kind == "single" and r.ops == [SDPA] and r.status == status, r
+    assert r.restarts == 1 and r.probes > 10  # the passing probes before the fault were kept, not redone
+    known = read_results(tmp_path / "culprit" / "probes.jsonl")
+    assert [k for k, o in known.items() if o.status != "pass"] == [f"{r.node_range[0]}:{r.node_range[1]}"]  # type: ignore[index]
+    assert open_entry(journal, "culprit") is None
+    assert (tmp_path / "culprit" / "graph.py").exists() and (tmp_path / "culprit" / "inputs.safetensors").exists()
+
+
+def test_iree_turbine_names_histc_in_mixtral_experts(tmp_path: Path) -> None:
+    pytest.importorskip("iree.turbine")
+    mode, _, _ = _run(tmp_path, "tiny-mixtral", "turbine")
+    culprits = _culprits(mode)
+    experts = [m for m in culprits if m.endswith("mlp.experts")]
+    assert experts, list(culprits)
+    for m in experts:
+        assert culprits[m]["ops"] == ["aten.histc.default"], culprits[m]
+        assert culprits[m]["repro"]["verified"], culprits[m]["repro"]
