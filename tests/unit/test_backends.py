@@ -199,5 +199,8 @@ def test_nightly_matrix_backends_resolve() -> None:
     from ci_runner.config import load_matrix
 
     nightly = load_matrix(Path(__file__).resolve().parents[2] / "matrix" / "nightly.yaml")
-    kinds = {resolve_backend(spec).kind for spec in nightly.backends}
-    assert kinds == {"registered", "sim", "eager"}
+    from ci_runner.torchcompat import available
+
+    simdev_ok = available("simdev")  # before torch 2.10 simdev cannot be set up (its cells are skipped)
+    kinds = {resolve_backend(spec).kind for spec in nightly.backends if simdev_ok or spec.device != "simdev"}
+    assert kinds == ({"registered", "sim", "eager"} if simdev_ok else {"registered", "sim"})
