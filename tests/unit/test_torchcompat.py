@@ -88,7 +88,9 @@ def test_simdev_is_not_offered_as_a_device_without_the_api(monkeypatch: pytest.M
     from ci_runner.sim import simdev
 
     _absent(monkeypatch, "simdev")
-    assert "simdev" not in available_devices() and not simdev.supported()
+    assert not simdev.supported()
+    if not simdev.is_registered():  # once registered (an earlier test in this process), the device does exist
+        assert "simdev" not in available_devices()
     (entry,) = [b for b in available_backends() if b["name"] == "simdev"]
     assert "unavailable here: simdev (a PrivateUse1 device registered from Python) needs torch \u2265 2.10" \
         in entry["description"]
