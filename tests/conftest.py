@@ -18,7 +18,7 @@ from ci_runner.config import Matrix, load_matrix, load_matrix_text
 from ci_runner.matrix import expand
 from tests.fixtures.fake_github import FakeGitHub
 
-# The `oldtorch` subset (`pytest -m oldtorch`, README "Supported torch", `.ci/run` stage 2): the fast tests of these
+# The `oldtorch` subset (`pytest -m oldtorch`, README "Supported torch"; not in `.ci/run`): the fast tests of these
 # files (config, matrix, backends, the sims, capture, ops inventory and probing, layer search, numerics, bisect), the
 # feature-detection tests and one CLI cell per mode of the bundled example (those two files mark themselves).
 OLDTORCH_FILES = frozenset({
