@@ -81,7 +81,7 @@ def measure(depth: int, args: argparse.Namespace) -> dict[str, float]:
         f64 = load_model(spec, seed=0, dtype="float64").module
         primary = Reference(id="cpu-fp32", device="cpu", dtype="float32")
         second = Reference(id="cpu-fp64", device="cpu", dtype="float64")
-        with torch._dynamo.config.patch(**settings.DYNAMO_SETTINGS):
+        with torch._dynamo.config.patch(**settings.dynamo_settings()):
             stats = views.derive_reference_stats(model, primary, [(second, f64)],
                                               lambda s: build_inputs(loaded, inputs, sample=s), 2, work / "derive",
                                               chunk_mb=args.chunk_mb)

@@ -43,6 +43,7 @@ from typing import Any
 from .config import BackendSpec
 from .envinfo import tool_version
 from .errors import BackendError
+from .torchcompat import available, skip_reason
 
 # `unsupported operator aten.softplus.default` (the sims' and many vendor compilers' wording)
 UNSUPPORTED_RE = re.compile(r"unsupported operator (?P<op>[A-Za-z_](?:[\w.]*\w)?)")
@@ -107,7 +108,7 @@ def available_devices() -> list[str]:
     priv = torch._C._get_privateuse1_backend_name()
     if priv != "privateuseone" and priv not in out:
         out.append(priv)
-    if "simdev" not in out and priv == "privateuseone":
+    if "simdev" not in out and priv == "privateuseone" and available("simdev"):
         out.append("simdev")
     return out
 
@@ -352,8 +353,9 @@ def available_backends() -> list[dict[str, str]]:
         out.append({"name": name, "kind": "torch.compile",
                     "description": _KNOWN_DESCRIPTIONS.get(name, "registered torch.compile backend")})
     for name, info in _sim_registry().items():
+        unusable = f" (unavailable here: {skip_reason('simdev')})" if name == "simdev" and not available("simdev") else ""
         out.append({"name": name, "kind": "sim" if info.factory is not None else "sim device",
-                    "description": f"self-test: {info.reproduces}"})
+                    "description": f"self-test: {info.reproduces}{unusable}"})
     for dev in available_devices():
         if dev == "simdev":
             continue  # listed with the sims

@@ -16,7 +16,7 @@ from pathlib import Path
 from .backends import resolve_backend
 from .config import Cell
 from .envinfo import base_stamp, cell_stamp
-from .errors import DeepviewError
+from .errors import DeepviewError, TorchTooOldError
 from .fsutil import atomic_write_json
 from .modes import ModeContext, get_mode
 from .results import CellError, CellResult, ModeResult, save_cell_result
@@ -46,6 +46,10 @@ def run_cell_inprocess(cell: Cell, cell_dir: Path, *, modes: tuple[str, ...], de
         backend = resolve_backend(cell.backend)
         backend.prepare()
         result.env = cell_stamp(backend.device, backend.versions())
+    except TorchTooOldError as exc:  # the backend needs a newer torch: each mode is skipped, with the reason
+        for name in modes:
+            result.modes[name] = ModeResult(status="skipped", reason=f"backend setup: {exc.message}")
+        return _finish(result, cell_dir, started)
     except Exception as exc:  # a DeepviewError, or a plugin import raising anything
         text = str(exc) if isinstance(exc, DeepviewError) else f"{type(exc).__name__}: {exc}"
         for name in modes:
@@ -65,6 +69,8 @@ def run_cell_inprocess(cell: Cell, cell_dir: Path, *, modes: tuple[str, ...], de
         t0 = time.monotonic()
         try:
             mode_result = fn(ctx)
+        except TorchTooOldError as exc:
+            mode_result = ModeResult(status="skipped", reason=exc.message)
         except DeepviewError as exc:
             mode_result = ModeResult(status="error", reason=str(exc))
         except Exception as exc:

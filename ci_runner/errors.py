@@ -85,6 +85,14 @@ class BackendError(EnvironmentSetupError):
     """A backend spec cannot be resolved (unknown compiler, device or plugin)."""
 
 
+class TorchTooOldError(EnvironmentSetupError):
+    """A feature needs a newer torch than the installed one; in a cell, its mode is `skipped` with this reason."""
+
+    def __init__(self, message: str, *, needs: str) -> None:
+        super().__init__(message, hint=f"install torch>={needs} to use it")
+        self.needs = needs
+
+
 class ExecutionError(DeepviewError):
     """The runner itself failed."""
 

@@ -47,6 +47,7 @@ from torch import nn
 
 from .capture import ModuleCapture
 from .errors import DeepviewError
+from .torchcompat import require
 
 LEVELS: tuple[str, ...] = ("dynamo", "aten", "core_aten", "dispatch")
 MAX_SITES = 8  # call sites kept per signature
@@ -600,6 +601,7 @@ def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 
 def cia_decompositions() -> Any:
     """The decomposition table holding only the CompositeImplicitAutograd ops (what aot_autograd applies)."""
+    require("cia_ops")
     from torch._export.utils import _collect_all_valid_cia_ops
     from torch.export import default_decompositions
 

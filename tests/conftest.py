@@ -18,6 +18,33 @@ from ci_runner.config import Matrix, load_matrix, load_matrix_text
 from ci_runner.matrix import expand
 from tests.fixtures.fake_github import FakeGitHub
 
+# The `oldtorch` subset (`pytest -m oldtorch`, README "Supported torch"; not in `.ci/run`): the fast tests of these
+# files (config, matrix, backends, the sims, capture, ops inventory and probing, layer search, numerics, bisect), the
+# feature-detection tests and one CLI cell per mode of the bundled example (those two files mark themselves).
+OLDTORCH_FILES = frozenset({
+    "tests/unit/test_config.py", "tests/unit/test_matrix.py", "tests/unit/test_options.py",
+    "tests/unit/test_backends.py", "tests/unit/test_sim.py", "tests/unit/test_capture.py", "tests/unit/test_tree.py",
+    "tests/unit/test_inventory.py", "tests/unit/test_ops_probe.py", "tests/unit/test_layers_search.py",
+    "tests/unit/test_numerics.py", "tests/unit/test_bisect.py",
+})
+# Tests of those files that fail on torch 2.7.1 for reasons in torch, not yet handled (README "Supported torch").
+OLDTORCH_DIFFERS = frozenset({
+    # 2.7's aot_autograd capture of a meta model fails; the inventory falls back to torch.export
+    "tests/unit/test_inventory.py::test_aten_inventory_from_a_meta_model_matches_what_aot_autograd_hands_a_backend",
+    # 2.7's export with the CIA-only decompositions keeps select/unbind that aot_autograd decomposes
+    "tests/unit/test_inventory.py::test_export_fallback_gives_the_same_ops_here",
+    # 2.7's Dynamo wraps the fixture backend's IndexError in BackendCompilerFailed
+    "tests/unit/test_layers_search.py::test_stage_of_backend_errors",
+})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        if (path in OLDTORCH_FILES and item.get_closest_marker("slow") is None
+                and item.nodeid.split("[", 1)[0] not in OLDTORCH_DIFFERS):
+            item.add_marker(pytest.mark.oldtorch)
+
 
 def tiny_matrix_text(models: int = 2, backends: int = 2, extra: str = "") -> str:
     """A matrix of `models` tiny Llamas (m0, m1, …) × `backends` inductor backends (b0, b1, …)."""

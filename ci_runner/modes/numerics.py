@@ -31,7 +31,7 @@ from ..models import load_model, model_fingerprint
 from ..options import NumericsOptions
 from ..results import ModeResult
 from ..numerics.capture import dump_meta, record_reference
-from ..numerics.settings import DTYPES, DYNAMO_SETTINGS, VIEWS
+from ..numerics.settings import DTYPES, VIEWS, dynamo_settings
 from ..numerics.store import DumpReader, dump_matches
 from ..numerics.target import (
     TARGET_CHILD,
@@ -166,7 +166,7 @@ def derive_for_cell(ctx: "ModeContext", opts: NumericsOptions, dump_root: Path,
         def sample_inputs(s: int) -> Mapping[str, Any]:
             return ctx.inputs(loaded, sample=s, device=primary.device)
 
-        with torch._dynamo.config.patch(**DYNAMO_SETTINGS):
+        with torch._dynamo.config.patch(**dynamo_settings()):
             return derive_reference_stats(loaded.module, primary, secondaries, sample_inputs, samples, dump_root,
                                           keep=keep, chunk_mb=opts.chunk_mb, views=opts.views, dump_key=dump_key)
 

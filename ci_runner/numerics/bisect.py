@@ -44,8 +44,9 @@ from ..isolate import run_isolated
 from ..models import build_inputs, load_model
 from ..results import clean, number
 from ..sim.compilers import op_name
+from ..torchcompat import available, require, skip_reason
 from .metrics import compare_tensors, public, worst
-from .settings import DYNAMO_SETTINGS, CellContext
+from .settings import CellContext, dynamo_settings
 from .thresholds import ThresholdTable, exceeded
 
 if TYPE_CHECKING:
@@ -109,7 +110,8 @@ def is_inductor_family(backend: "Backend") -> bool:
 def compiler_bisect(layer: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any], *,
                     threshold: Mapping[str, float], compile_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """`CompilerBisector.do_bisect` on `layer` compiled alone; good = within `threshold` of its eager output."""
-    from torch._inductor.compiler_bisector import CompilerBisector
+    require("compiler_bisector")
+    from torch._inductor.compiler_bisector import CompilerBisector  # deferred: private, probed just above
 
     opts = dict(compile_options or {})
     generic = {k: v for k, v in opts.items() if k in ("dynamic", "fullgraph")}
@@ -289,7 +291,7 @@ def node_bisect(layer: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
         try:
             prefix = _prefix_module(gm, cut, live)
             torch._dynamo.reset()
-            with torch._dynamo.config.patch(**DYNAMO_SETTINGS), torch.no_grad():
+            with torch._dynamo.config.patch(**dynamo_settings()), torch.no_grad():
                 vals = on_target(prefix)(*flat)
                 given = {n: (v.to("cpu") if isinstance(v, torch.Tensor) else v) for n, v in zip(live, vals)}
                 out = _Hybrid(gm, given, cut).run(*flat)
@@ -387,6 +389,11 @@ def bisect_cell(ctx: CellContext, *, layers: Sequence[Any], verdict: Mapping[str
     if chosen is None:
         return None
     layer, view = chosen
+    base = {"layer": layer.name, "module_class": layer.module_class, "call_index": int(layer.call_index),
+            "view": view}
+    use = method if method != "auto" else ("compiler" if is_inductor_family(ctx.backend) else "nodes")
+    if use == "compiler" and not available("compiler_bisector"):
+        return {**base, "status": "skipped", "summary": None, "reason": skip_reason("compiler_bisector")}
     threshold = dict(layer.threshold.get(view) or {})
     if not threshold and table is not None:
         threshold = dict(table.get(layer.key, view)[0])
@@ -396,8 +403,6 @@ def bisect_cell(ctx: CellContext, *, layers: Sequence[Any], verdict: Mapping[str
                "dtype": ctx.cell.references[0].dtype, "sample": 0, "layer": layer.name,
                "call_index": int(layer.call_index), "threshold": {k: float(number(v)) for k, v in threshold.items()},
                "method": method}
-    base = {"layer": layer.name, "module_class": layer.module_class, "call_index": int(layer.call_index),
-            "view": view}
     budget = max(5.0, min(timeout, ctx.remaining() * 0.8))
     if isolate:
         res = run_isolated("ci_runner.numerics.bisect:bisect_child", payload, timeout=budget, env=dict(ctx.cell.backend.env))

@@ -19,7 +19,7 @@ from ..capture import CallInfo, FlatOutput, ModuleCapture, OutputHooks, call_key
 from ..codec import Unstorable, encode_call, encode_value
 from ..errors import DeepviewError
 from .metrics import MetricsError, compare_tensors, worst
-from .settings import DYNAMO_SETTINGS
+from .settings import dynamo_settings
 from .store import DumpReader, DumpWriter
 
 
@@ -245,7 +245,7 @@ def run_compiled_with_outputs(module: nn.Module, backend: Any, args: Sequence[An
     (output, [(call key, {sub: tensor})]). Uses the one process-wide hook sink (`capture.OutputHooks`) with hook
     guards on while capturing: hooks of a capture's own would be silently dropped by Dynamo when it reuses a
     graph compiled earlier without them."""
-    with OutputHooks(module) as hooks, torch._dynamo.config.patch(**DYNAMO_SETTINGS):
+    with OutputHooks(module) as hooks, torch._dynamo.config.patch(**dynamo_settings()):
         out, keyed = capture_compiled_outputs(module, compile_for_capture(backend), args, kwargs, hooks)
     return out, [(key, compared_flat(flat)) for key, flat in keyed]
 

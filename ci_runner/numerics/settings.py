@@ -8,6 +8,7 @@ from typing import Any, Mapping, Protocol
 import torch
 
 from ..options import NUMERICS_VIEWS
+from ..torchcompat import dynamo_config
 
 VIEWS: tuple[str, ...] = NUMERICS_VIEWS
 DTYPES: Mapping[str, torch.dtype] = {
@@ -20,6 +21,11 @@ DYNAMO_SETTINGS: Mapping[str, Any] = {
     "accumulated_recompile_limit": 1 << 16,
     "fail_on_recompile_limit_hit": True,
 }
+
+
+def dynamo_settings() -> dict[str, Any]:
+    """DYNAMO_SETTINGS under the key names this torch's Dynamo config knows (for `config.patch(**…)`)."""
+    return dynamo_config(DYNAMO_SETTINGS)
 
 
 class CellContext(Protocol):

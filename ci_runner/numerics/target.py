@@ -25,7 +25,7 @@ from ..models import load_model
 from ..options import ThresholdOptions
 from ..results import clean, number
 from .capture import ResultFn
-from .settings import DYNAMO_SETTINGS, VIEWS
+from .settings import VIEWS, dynamo_settings
 from .store import DumpReader
 from .thresholds import ThresholdTable, exceeded, load_table
 from .views import cast_tree, run_cumulative_view, run_isolated_view
@@ -87,7 +87,7 @@ def compare_target(module: nn.Module, backend: Any, plan: TargetPlan, emit: Resu
     def to_dev(x: Any) -> Any:
         return cast_tree(x, device=device)
 
-    with torch._dynamo.config.patch(**DYNAMO_SETTINGS):
+    with torch._dynamo.config.patch(**dynamo_settings()):
         if "cumulative" in plan.views:
             run_cumulative_view(module, backend, readers, plan.skip, emit, to_dev, journal)
         if "isolated" in plan.views and not needed:

@@ -38,7 +38,7 @@ from ..isolate import run_isolated
 from ..models import load_model
 from ..results import Finding, clean, fingerprint, number
 from .metrics import compare_tensors, public
-from .settings import DYNAMO_SETTINGS, CellContext
+from .settings import CellContext, dynamo_settings
 
 if TYPE_CHECKING:
     from ..backends import Backend
@@ -205,7 +205,7 @@ def check_weights(module: nn.Module, backend: "Backend", *, chunk_mb: float = 25
     if device != "cpu":
         originals = {name: t.detach().clone() for name, _k, t in items}
         target = backend.to_device(copy.deepcopy(module))
-    with torch._dynamo.config.patch(**DYNAMO_SETTINGS), torch.no_grad():
+    with torch._dynamo.config.patch(**dynamo_settings()), torch.no_grad():
         for group in _groups(items, chunk_bytes):
             names = [name for name, _k, _t in group]
             fn = backend.compile(_Reader(target, names))

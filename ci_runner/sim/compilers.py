@@ -38,6 +38,9 @@ ATTENTION_OPS: tuple[str, ...] = (
     "aten._scaled_dot_product_fused_attention_overrideable.*",
     "aten._scaled_dot_product_attention_math.*",
     "aten.scaled_dot_product_attention.*",
+    # SDPA's math path inlined before the compiler sees it (only SDPA calls `_safe_softmax`): torch 2.7 lowers a
+    # lone Llama attention layer (GQA, explicit mask) to it on CPU, where torch 2.13 takes the flash kernel.
+    "aten._safe_softmax.*",
 )
 # RMSNorm (Llama, Granite, Mixtral, Bamba) computes `x * rsqrt(mean(x²) + eps)`; LayerNorm (ViT, BERT) lowers to
 # native_layer_norm; torch's own nn.RMSNorm may lower to _fused_rms_norm.

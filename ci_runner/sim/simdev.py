@@ -44,9 +44,11 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Callable
 
 import torch
+import torch.utils.backend_registration
 from torch.nn.attention import SDPBackend
 from torch.utils._pytree import tree_map
-from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+from ..torchcompat import available, require
 
 DEVICE = "simdev"
 
@@ -249,6 +251,11 @@ def op_set(
     return frozenset(n for n in chosen if not _matches(n, denied))
 
 
+def supported() -> bool:
+    """Whether this torch can set up simdev (torch ≥ 2.10)."""
+    return available("simdev")
+
+
 def is_registered() -> bool:
     return bool(_state["setup"])
 
@@ -265,9 +272,11 @@ def register(
 ) -> frozenset[str]:
     """Set up the `simdev` device (idempotent) and (re)register its kernels; returns the op set.
 
-    Raises RuntimeError if PrivateUse1 is already taken by another backend name in this process, and ValueError
-    for an op name that is not an ATen overload.
+    Raises RuntimeError if PrivateUse1 is already taken by another backend name in this process, ValueError
+    for an op name that is not an ATen overload, and TorchTooOldError on a torch that cannot register a device
+    from Python (before 2.10: `ci_runner.torchcompat`).
     """
+    require("simdev")
     ops = op_set(allow, extra_allow, deny)
     with _lock:
         current = torch._C._get_privateuse1_backend_name()
@@ -277,7 +286,7 @@ def register(
                     f"PrivateUse1 is already registered as {current!r} in this process; simdev needs it"
                 )
             if current != DEVICE:
-                _setup_privateuseone_for_python_backend(rename=DEVICE)
+                torch.utils.backend_registration._setup_privateuseone_for_python_backend(rename=DEVICE)
             _state["setup"] = True
         if _state["lib"] is not None and _state["ops"] == ops:
             return ops

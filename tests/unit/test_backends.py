@@ -19,6 +19,7 @@ from ci_runner.backends import (
 )
 from ci_runner.config import BackendSpec, load_matrix_text
 from ci_runner.errors import BackendError
+from ci_runner.torchcompat import available, skip_reason
 
 
 def bspec(**kw: Any) -> BackendSpec:
@@ -127,6 +128,8 @@ def test_sim_backend_resolves_with_options() -> None:
 def test_bad_backend_spec_fails_listing_what_is_available(spec: BackendSpec, message: str, hint: str | None) -> None:
     if spec.device == "cuda" and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
+    if spec.device == "simdev" and not available("simdev"):
+        pytest.skip(skip_reason("simdev"))  # before torch 2.10 simdev cannot be set up at all (TorchTooOldError)
     with pytest.raises(BackendError) as info:
         resolve_backend(spec)
     err = info.value
@@ -199,5 +202,6 @@ def test_nightly_matrix_backends_resolve() -> None:
     from ci_runner.config import load_matrix
 
     nightly = load_matrix(Path(__file__).resolve().parents[2] / "matrix" / "nightly.yaml")
-    kinds = {resolve_backend(spec).kind for spec in nightly.backends}
-    assert kinds == {"registered", "sim", "eager"}
+    simdev_ok = available("simdev")  # before torch 2.10 simdev cannot be set up (its cells are skipped)
+    kinds = {resolve_backend(spec).kind for spec in nightly.backends if simdev_ok or spec.device != "simdev"}
+    assert kinds == ({"registered", "sim", "eager"} if simdev_ok else {"registered", "sim"})

@@ -148,7 +148,10 @@ def test_invalid_synthetic_inputs_are_not_blamed_on_the_backend(via: str) -> Non
 
 def test_eager_device_unsupported_op_is_the_dispatcher_error() -> None:
     from ci_runner.sim import simdev
+    from ci_runner.torchcompat import skip_reason
 
+    if not simdev.supported():
+        pytest.skip(skip_reason("simdev"))
     simdev.register()
 
     class Eager:

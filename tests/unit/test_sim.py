@@ -216,6 +216,10 @@ def test_hang_with_seconds_returns_an_error_after_waiting() -> None:
 
 @pytest.fixture
 def dev():
+    if not simdev.supported():
+        from ci_runner.torchcompat import skip_reason
+
+        pytest.skip(skip_reason("simdev"))
     ops = simdev.register()
     yield ops
     simdev.register()  # leave the default op set for whoever runs next

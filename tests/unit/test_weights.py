@@ -12,6 +12,7 @@ import torch
 from ci_runner.backends import resolve_backend
 from ci_runner.config import BackendSpec
 from ci_runner.results import fingerprint
+from ci_runner.torchcompat import available, skip_reason
 from ci_runner.numerics.weights import WeightsReport, check_tensor, check_weights, findings_for, named_tensors
 from tests.fixtures.plugin_toolbox_models import TinyNet, base
 
@@ -93,5 +94,7 @@ def test_a_correct_compiler_returns_every_weight_byte_equal() -> None:
 def test_eager_cpu_transfers_nothing_and_a_device_round_trips_each_tensor() -> None:
     model = TinyNet()
     assert check_weights(model, resolve_backend(BackendSpec(id="cpu"))).method == "none"
+    if not available("simdev"):
+        pytest.skip(skip_reason("simdev"))
     report = check_weights(model, resolve_backend(BackendSpec(id="dev", device="simdev")))
     assert report.method == "device" and len(report.tensors) == 10 and not report.mismatched

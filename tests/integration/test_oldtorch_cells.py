@@ -1,0 +1,54 @@
+"""One cell per mode of the bundled example, through the command line, on whatever torch runs the tests.
+
+Part of the `oldtorch` subset (README "Supported torch"): on the oldest supported torch it shows that each mode
+still finds what it finds on the newest, and that simdev, which needs torch ≥ 2.10, is `skipped` with its reason.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ci_runner.torchcompat import FEATURES, available
+
+pytestmark = [pytest.mark.oldtorch, pytest.mark.slow]
+
+CELLS = ("tiny-llama@sim-subset", "tiny-llama@sim-crash", "tiny-llama@sim-drift", "tiny-llama@simdev")
+
+
+def test_one_cell_per_mode_of_the_bundled_example(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "ci_runner", "run", "--out", str(out), "--jobs", "2"]
+    for cell in CELLS:
+        argv += ["--select", cell]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]  # findings: exit 1
+    cells = {c["id"]: c for c in json.loads((out / "report" / "results.json").read_text(encoding="utf-8"))["cells"]}
+    assert set(cells) == set(CELLS)
+
+    # ops: every Llama operator is in sim-subset's transformer allowlist
+    ops = cells["tiny-llama@sim-subset"]["modes"]
+    assert set(ops) == {"ops"} and ops["ops"]["status"] == "pass", ops
+    # layers: sim-crash fails on attention, found in each decoder layer's self-attention
+    layers = cells["tiny-llama@sim-crash"]["modes"]["layers"]
+    assert layers["status"] == "fail"
+    assert {f["module"] for f in layers["findings"]} == {"model.layers.0.self_attn", "model.layers.1.self_attn"}
+    assert all("[sim-crash]" in f["message"] for f in layers["findings"])
+    # numerics: sim-drift's reduced-precision rsqrt makes every RMSNorm diverge
+    num = cells["tiny-llama@sim-drift"]["modes"]["numerics"]
+    assert num["status"] == "fail"
+    assert {f["module"] for f in num["findings"] if f["kind"] == "divergence"} >= {
+        "model.layers.0.input_layernorm", "model.layers.1.input_layernorm", "model.norm"}
+    # a device registered from Python: runs on torch ≥ 2.10, else every mode is skipped with the release it needs
+    dev = cells["tiny-llama@simdev"]
+    if available("simdev"):
+        assert dev["status"] == "fail" and dev["modes"]["ops"]["status"] == "fail"
+    else:
+        assert dev["status"] == "skipped" and dev["modes"]
+        for mode in dev["modes"].values():
+            assert mode["status"] == "skipped"
+            assert f"needs torch \u2265 {FEATURES['simdev'].needs}" in mode["reason"]
