@@ -43,24 +43,19 @@ from ..backends import BackendRecipe, backend_recipe
 from ..config import BackendSpec
 from ..errors import DeepviewError
 from ..fsutil import atomic_write_json
-from ..inventory import (
-    Inventory,
-    InventoryError,
-    OpSignature,
-    take_inventory,
-)
+from ..inventory import InventoryError, take_inventory
+from ..op_compare import compare, matches_any
 from ..op_probe import (
     ProbeRunner,
     call_source,
-    compare,
     float_dtype,
     make_tensor,
-    matches_any,
     not_run_outcome,
     op_expression,
     probe_seed,
     with_ranges,
 )
+from ..op_signature import Inventory, OpSignature
 from ..options import OpsOptions
 from ..options import parse as parse_options
 from ..repro import render_template, safe_filename, verify_script, write_script

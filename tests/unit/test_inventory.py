@@ -10,14 +10,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ci_runner.inventory import (
-    Inventory,
     InventoryError,
-    describe_value,
-    encode_value,
     normalize_module_path,
     source_from_stack_trace,
     take_inventory,
 )
+from ci_runner.op_signature import Inventory, describe_value, encode_value
 
 
 class Mixer(nn.Module):

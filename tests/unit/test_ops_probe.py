@@ -12,16 +12,16 @@ import torch
 from ci_runner.backends import named_op_from_error as parse_named_op
 from ci_runner.config import BackendSpec, spec_from_json, spec_to_json
 from ci_runner.errors import ConfigError
-from ci_runner.inventory import encode_value
 from ci_runner.modes.ops import run
+from ci_runner.op_compare import compare
 from ci_runner.op_probe import (
     assemble,
     build_tensors,
-    compare,
     make_tensor,
     run_probe,
     with_ranges,
 )
+from ci_runner.op_signature import encode_value
 from ci_runner.options import DEFAULT_TOLERANCE
 from ci_runner.options import parse as parse_options
 
@@ -244,7 +244,7 @@ def test_sort_like_indices_are_checked_by_the_values_they_select() -> None:
 
 
 def test_no_compare_for_random_outputs_and_repeated_index_writes() -> None:
-    from ci_runner.op_probe import no_compare_reason
+    from ci_runner.op_compare import no_compare_reason
 
     assert "random" in no_compare_reason("aten.rand.default", [], {})
     base, src = torch.zeros(4), torch.arange(4.0)

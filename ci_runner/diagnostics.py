@@ -1,0 +1,70 @@
+"""A compiler's own words about a failure: what it wrote to file descriptor 2 and the exception chain, reduced to
+the lines that name the failing op or pass."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+import tempfile
+from typing import Iterator
+
+
+@contextlib.contextmanager
+def capture_fd2() -> Iterator[list[str]]:
+    """`with capture_fd2() as got:` … `got[0]` is everything written to file descriptor 2 inside the block.
+
+    Native compilers write their diagnostics there, past `sys.stderr` (IREE prints "failed to legalize operation
+    …" from C++). The text is also passed on to the real stderr afterwards, so nothing is hidden."""
+    got = [""]
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield got
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            got[0] = tmp.read().decode("utf-8", "replace")
+            if got[0]:
+                os.write(2, got[0][-20000:].encode("utf-8", "replace"))
+
+
+_DIAG_RE = re.compile(r"(\berror:|failed to legalize|not supported|unsupported|cannot|could not|Exception|Error\b)",
+                      re.IGNORECASE)
+_DIAG_NOISE_RE = re.compile(r"^(Traceback|File |\s*[\^~]+\s*$|During handling|The above exception|warnings\.warn|raise |"
+                             r"return |Set TORCH_LOGS|\[\d+/\d+\]\s*$)")
+_LOG_PREFIX_RE = re.compile(r"^[EWIDV]\d{4} [\d:.]+ \d+ \S+\] (\[[^\]]*\] )?")  # torch's own log lines
+
+
+def compiler_diagnostics(text: str, op: str | None = None, *, limit: int = 6) -> list[str]:
+    """The lines of a compiler's output that name the failing op or pass: MLIR-style `error:` lines first, then
+    lines naming the op, then other lines that read as a diagnostic (Python traceback lines left out)."""
+    lines = [_LOG_PREFIX_RE.sub("", ln.strip()).strip() for ln in text.splitlines()]
+    lines = [ln for ln in lines if ln and not _DIAG_NOISE_RE.match(ln)]
+    bare = (op or "").split(".")[1] if op and op.count(".") >= 2 else (op or "")
+    picked: list[str] = []
+    for keep in (lambda ln: "error:" in ln,
+                 lambda ln: bool(bare) and bare in ln and bool(_DIAG_RE.search(ln)),
+                 lambda ln: bool(_DIAG_RE.search(ln)) and "Warning" not in ln):
+        for ln in lines:
+            if keep(ln) and ln[:500] not in picked:
+                picked.append(ln[:500])
+    return picked[:limit]
+
+
+def exception_chain(exc: BaseException, limit: int = 6) -> list[str]:
+    """`Type: first line` of an exception and its causes / contexts, outermost first."""
+    out: list[str] = []
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen and len(out) < limit:
+        seen.add(id(cur))
+        first = (str(cur).strip().splitlines() or [""])[0]
+        out.append(f"{type(cur).__name__}: {first}"[:500])
+        cur = cur.__cause__ or cur.__context__
+    return out
