@@ -1,6 +1,6 @@
 """Issue 13: volatile-token normalisation, repro verification across changing symbols, root causes, honest
-own-code wording, names that resolve and caches off (the fast parts; real compilers: tests/integration/
-test_real_compilers.py)."""
+own-code wording, names that resolve and caches off (the fast parts; with real compilers:
+tests/integration/test_real_compilers_layers.py)."""
 
 from __future__ import annotations
 
