@@ -68,6 +68,7 @@ from ..options import LayersOptions
 from ..options import parse as parse_options
 from ..repro import render_template, safe_filename, verify_script, write_script
 from ..results import Finding, ModeResult, Repro, fingerprint
+from ..rootcause import annotate
 from ..sim import is_sim
 
 if TYPE_CHECKING:
@@ -245,6 +246,7 @@ def run(ctx: "ModeContext") -> ModeResult:
             except Exception as exc:  # a repro problem must not lose the finding
                 finding.repro = Repro(path=str((layers_dir / "repro").relative_to(ctx.cell_dir)), verified=False,
                                       note=f"repro generation failed: {type(exc).__name__}: {first_line(str(exc))}")
+    annotate(findings)  # details.signature: the root-cause group (rootcause.py)
     data["minimal"] = [label(n) for n in result.minimal]
     reason = None
     if not result.complete:

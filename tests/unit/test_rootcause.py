@@ -236,3 +236,20 @@ def test_caches_off_in_every_nested_config() -> None:
     handle.remove()
     assert seen.get("past_key_values") is None  # no cache object: the decoder layer can be stored and replayed
     assert "model.language_model.layers.0.self_attn" in module_names(model)
+
+
+@pytest.mark.slow  # traces tiny LLaVA with Dynamo + AOT autograd: ~20 s
+def test_every_ops_call_site_of_tiny_llava_resolves_on_the_users_model() -> None:
+    """LLaVA graph-breaks into 7 graphs; frames that start inside the vision tower name their modules from there
+    (`encoder.layers.0`): the inventory names them by their full path on the model the user built."""
+    from ci_runner.config import load_matrix
+    from ci_runner.inventory import take_inventory
+    from ci_runner.models import build_inputs, load_model
+
+    matrix = load_matrix(None)  # the bundled example's tiny-llava
+    loaded = load_model(matrix.model("tiny-llava"), seed=0)
+    inv = take_inventory(loaded.module, (), build_inputs(loaded, matrix.inputs), level="aten")
+    sites = {site.module for s in inv.signatures for site in s.sites}
+    assert inv.graphs > 1 and any(m.startswith("model.vision_tower.") for m in sites), sorted(sites)[:5]
+    for name in sites:
+        loaded.module.get_submodule(name)  # raises AttributeError for a name that does not resolve
