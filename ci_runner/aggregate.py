@@ -12,6 +12,7 @@ from .envinfo import tool_version
 from .errors import InputError
 from .report import write_reports
 from .plan import PlannedCell, apply_plan
+from .rootcause import root_causes
 from .results import CellResult, Results, iter_findings, load_cell_result, save_results
 
 OP_KINDS = ("unsupported_op", "op_error", "op_mismatch")
@@ -98,6 +99,7 @@ def aggregate(paths: Sequence[Path], *, plan: Sequence[PlannedCell] | None = Non
                       generated_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
     results.ranking = op_ranking(results)
     results.patterns = layer_patterns(results)
+    results.root_causes = root_causes(results)  # also puts details.signature on every finding
     return results
 
 

@@ -37,6 +37,7 @@ import re
 import sys
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -47,6 +48,7 @@ from .capture import ModuleCapture
 from .errors import DeepviewError
 from .op_signature import CallSite, Inventory, OpSignature, encode_value, iter_tensor_specs, signature_key
 from .torchcompat import require
+from .models import module_names, resolve_module_name
 
 LEVELS: tuple[str, ...] = ("dynamo", "aten", "core_aten", "dispatch")
 MAX_SITES = 8  # call sites kept per signature
@@ -584,11 +586,29 @@ def take_inventory(model: nn.Module, args: Sequence[Any] = (), kwargs: Mapping[s
             failures.append(f"{what} failed at {where_failed(exc)}: {type(exc).__name__}: {_first_line(str(exc))}")
             continue
         inv.notes[:0] = [f"fallback after: {f}" for f in failures]
+        resolve_sites(inv, model)
         return inv
     raise InventoryError(
         f"the model could not be traced for its op inventory (level {level}): " + "; ".join(failures),
         hint="fix the trace error at that source line, or choose another `ir` level for this backend",
     )
+
+
+def resolve_sites(inv: Inventory, model: nn.Module) -> None:
+    """Make every call site's module a name `model.get_submodule` resolves (`models.resolve_module_name`): no
+    tracer prefixes (`L.args.0.`), and the full path for a frame that started inside a nested model."""
+    names = module_names(model)
+    memo: dict[tuple[str, str], str] = {}
+    for sig in inv.signatures:
+        fixed = []
+        for site in sig.sites:
+            key = (site.module, site.module_class)
+            if key not in memo:
+                memo[key] = site.module if not site.module else (
+                    resolve_module_name(site.module, names, site.module_class) or site.module)
+            fixed.append(site if memo[key] == site.module else replace(site, module=memo[key]))
+        sig.sites = fixed
+
 
 
 __all__ = [

@@ -316,6 +316,26 @@ def minimal_failing(tree: ModuleTree, outcomes: Mapping[str, ProbeOutcome]) -> l
     return [n for n in tree.nodes if (o := outcomes.get(n)) is not None and o.failed and not failing_below(n)]
 
 
+OWN_SUFFIX = "#own"  # outcome name of a module probed with its child modules run eagerly
+
+
+def own_name(name: str) -> str:
+    """The outcome name of `name`'s own-code probe: the module compiled with its child modules run eagerly."""
+    return label(name) + OWN_SUFFIX
+
+
+def own_code_candidates(tree: ModuleTree, outcomes: Mapping[str, ProbeOutcome]) -> list[str]:
+    """Smallest failing modules whose child modules all pass alone: it is open whether the module fails in its
+    own code or needs its children together, which an own-code probe decides."""
+    out = []
+    for name in minimal_failing(tree, outcomes):
+        kids = tree.children(name)
+        if (outcomes[name].status == "fail" and kids
+                and all(c in outcomes and outcomes[c].status == "pass" for c in kids)):
+            out.append(name)
+    return out
+
+
 def read_outcomes(path: Path) -> dict[str, ProbeOutcome]:
     """Outcomes appended so far (the last line for a name wins; a torn last line is ignored)."""
     out: dict[str, ProbeOutcome] = {}
@@ -477,6 +497,18 @@ def probe_child(payload: dict[str, Any]) -> dict[str, Any]:
 
     try:
         result = search(tree, probe, prefetch)
+        if result.complete and not backend.is_eager:  # eager devices name the running module instead
+            own = [n for n in own_code_candidates(tree, result.outcomes) if own_name(n) not in known]
+            if own and time.time() < plan.deadline_wall:
+                calls = capture_inputs(model, root_args, root_kwargs, own, all_calls=False)
+            for name in own:
+                if time.time() >= plan.deadline_wall:
+                    break
+                outcome = _probe_one(name, model=model, backend=backend, calls=calls.get(name, []), all_calls=False,
+                                     timeout=max(1.0, min(plan.probe_timeout, plan.deadline_wall - time.time())),
+                                     timeout_fh=timeout_fh, eager_children=tree.children(name))
+                append_outcome(outcomes_file, outcome)
+                known[outcome.name] = outcome
     finally:
         timeout_fh.close()
     return {"complete": result.complete, "probed": probed}
@@ -494,10 +526,14 @@ def _target_copy(sub: torch.nn.Module, backend: Any) -> torch.nn.Module:
 
 
 def _probe_one(name: str, *, model: torch.nn.Module, backend: Any, calls: list[tuple[tuple[Any, ...], dict[str, Any]]],
-               all_calls: bool, timeout: float, timeout_fh: Any) -> ProbeOutcome:
+               all_calls: bool, timeout: float, timeout_fh: Any, eager_children: Sequence[str] = ()) -> ProbeOutcome:
+    """Compile `name` alone on the backend and run it on its captured inputs. With `eager_children` (qualified
+    names of its child modules) those run eagerly (`torch._dynamo.disable`), so only the module's own code is
+    compiled: the outcome is then named `own_name(name)`."""
     import torch._dynamo
 
-    child_journal("enter-module", label(name))
+    outcome_name = own_name(name) if eager_children else name
+    child_journal("enter-module", label(outcome_name))
     faulthandler.dump_traceback_later(timeout, exit=True, file=timeout_fh)
     t0 = time.monotonic()
     tracker: _ExecutingTracker | None = None
@@ -507,6 +543,9 @@ def _probe_one(name: str, *, model: torch.nn.Module, backend: Any, calls: list[t
             raise RuntimeError(f"{label(name)} did not run in the reference forward: no inputs to replay")
         torch._dynamo.reset()
         sub = _target_copy(model if name == ROOT else model.get_submodule(name), backend)
+        for child in eager_children:
+            kid = sub.get_submodule(child[len(name) + 1:] if name else child)
+            kid.forward = torch._dynamo.disable(kid.forward)  # type: ignore[method-assign]
         fn = backend.compile(sub)
         if backend.is_eager:
             tracker = _ExecutingTracker(sub, name)
@@ -521,19 +560,28 @@ def _probe_one(name: str, *, model: torch.nn.Module, backend: Any, calls: list[t
                     out = fn(*args, **kwargs)
                 _materialize(out)
             del out
-        outcome = ProbeOutcome(name=name, status="pass", duration_s=time.monotonic() - t0, calls_tried=tried)
+        outcome = ProbeOutcome(name=outcome_name, status="pass", duration_s=time.monotonic() - t0, calls_tried=tried)
     except Exception as exc:  # the backend's error is the finding
         inner = unwrap_exception(exc)
         stage = "compile" if (not backend.is_eager and is_compile_stage(exc)) else "run"
-        outcome = ProbeOutcome(name=name, status="fail", stage=stage, error_type=type(inner).__name__,
+        outcome = ProbeOutcome(name=outcome_name, status="fail", stage=stage, error_type=type(inner).__name__,
                                message=str(inner)[:4000] or type(inner).__name__,
-                               traceback=traceback.format_exc(limit=30)[-6000:],
+                               traceback=root_traceback(exc, inner),
                                executing=tracker.failed_in if tracker is not None else None,
                                duration_s=time.monotonic() - t0, calls_tried=tried)
     finally:
         faulthandler.cancel_dump_traceback_later()
-        child_journal("leave-module", label(name))
+        child_journal("leave-module", label(outcome_name))
     return outcome
+
+
+def root_traceback(exc: BaseException, inner: BaseException, *, frames: int = 40, limit: int = 6000) -> str:
+    """The traceback of the error the backend raised (`inner`), its innermost `frames` frames: where it was
+    raised, which `rootcause.raised_in` reads; then the last line of the wrapper Dynamo raised, if any."""
+    text = "".join(traceback.format_exception(type(inner), inner, inner.__traceback__, limit=-frames, chain=False))
+    if inner is not exc:
+        text += f"\n(raised to the caller as {type(exc).__name__})\n"
+    return text[-limit:]
 
 
 class _ExecutingTracker:

@@ -454,9 +454,63 @@ def load_model(spec: ModelSpec, *, seed: int = 0, dtype: str | torch.dtype | Non
     if task not in TASKS:
         raise _err(spec, f"unknown task {task!r}", hint=f"use one of {', '.join(TASKS)}")
     module = _finish(module, dtype=dt, device=device, meta=meta)
+    disable_caches(module)
     return LoadedModel(spec=spec, module=module, task=task, config=config, tokenizer=tokenizer, revision=revision,
                        dtype=dt, device="meta" if meta else device, meta=meta, example_inputs=example_inputs,
                        source_dir=source_dir)
+
+
+def _cache_off(config: Any, seen: set[int]) -> None:
+    if config is None or id(config) in seen or isinstance(config, (str, int, float, bool, list, tuple)):
+        return
+    seen.add(id(config))
+    if hasattr(config, "use_cache"):
+        with contextlib.suppress(AttributeError, TypeError, ValueError):
+            config.use_cache = False
+    subs = list(getattr(config, "sub_configs", None) or {})
+    subs += [k for k in ("text_config", "vision_config", "audio_config", "decoder", "encoder") if k not in subs]
+    for key in subs:
+        _cache_off(getattr(config, key, None), seen)
+
+
+def disable_caches(module: torch.nn.Module) -> None:
+    """Turn the KV cache off in every config the model and its submodules carry (and their sub-configs).
+
+    `use_cache=False` in the inputs reaches only a forward that names it: a decoder reached through `**kwargs`
+    (multimodal wrappers such as Llava) would still build a cache object, and its layers, called with that
+    object, could not be stored and replayed alone. With the cache off in its own config it builds none."""
+    seen: set[int] = set()
+    for m in module.modules():
+        _cache_off(getattr(m, "config", None), seen)
+        gen = getattr(m, "generation_config", None)
+        if gen is not None and hasattr(gen, "use_cache"):
+            with contextlib.suppress(AttributeError, TypeError, ValueError):
+                gen.use_cache = False
+
+
+def module_names(model: torch.nn.Module) -> dict[str, str]:
+    """Every qualified submodule name of `model` (shared modules under each of their names) → its class name."""
+    return {name: type(m).__name__ for name, m in model.named_modules(remove_duplicate=False)}
+
+
+def resolve_module_name(candidate: str, names: Mapping[str, str], module_class: str | None = None) -> str | None:
+    """The qualified name in `names` (`module_names(model)`) that a tracer's module path means, or None.
+
+    Tracer paths can carry a prefix (`L.args.0.model.layers.0`: the module reached through a frame's arguments)
+    or lack one (`encoder.layers.0.self_attn`: a frame that started inside `model.vision_tower` after a graph
+    break). The longest tail of `candidate` that is a whole-component suffix of known names decides; among
+    several matches those of `module_class` win, then the first in the model's order."""
+    if candidate in names:
+        return candidate
+    parts = [p for p in candidate.split(".") if p]
+    for i in range(len(parts)):
+        tail = ".".join(parts[i:])
+        hits = [n for n in names if n == tail or n.endswith("." + tail)]
+        if module_class:
+            hits = [n for n in hits if names[n] == module_class] or hits
+        if hits:
+            return hits[0]
+    return None
 
 
 def sample_length(inputs: InputSpec, sample: int) -> int:

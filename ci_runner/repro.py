@@ -2,7 +2,9 @@
 
 A repro exits non-zero while the failure is there and 0 once it is fixed, so it can live on as a
 regression test. `verify_script` runs it in a fresh process (with the backend's env) and calls it
-verified only when it fails the same way: same error type and the same key text (op or module).
+verified only when it fails the same way: same error type and the same key text (op or module), compared
+after the volatile tokens of both (symbol ids like ``s96``, addresses, temporary paths, PIDs, counters) are
+normalised by `rootcause.normalize_text`, so a compiler whose message names a fresh symbol each run verifies.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import jinja2
 
 from .fsutil import atomic_write_text
 from .isolate import set_pdeathsig
+from .rootcause import normalize_text
 
 
 @lru_cache(maxsize=1)
@@ -68,7 +71,8 @@ class Verification:
 def verify_script(script: Path, *, expect_text: Sequence[str], expect_error_type: str | None = None,
                   timeout: float = 60.0, env: Mapping[str, str] | None = None,
                   expect_signal: bool = False) -> Verification:
-    """Run `script` alone; verified when it fails and its output names the same error type and text.
+    """Run `script` alone; verified when it fails and its output names the same error type and text
+    (both sides normalised by `rootcause.normalize_text`: `s96` and `s47` match).
 
     With `expect_signal`, a death by signal (abort, segfault) also counts as reproducing the failure.
     The child gets a clean PYTHONPATH-free environment plus `env`, so it cannot lean on the caller's imports
@@ -91,7 +95,8 @@ def verify_script(script: Path, *, expect_text: Sequence[str], expect_error_type
     if proc.returncode < 0:
         return Verification(verified=expect_signal, exit_code=proc.returncode, output_tail=tail,
                             note=f"killed by signal {-proc.returncode}")
-    missing = [t for t in expect_text if t not in out]
+    norm_out = normalize_text(out)
+    missing = [t for t in expect_text if normalize_text(t) not in norm_out]
     if expect_error_type and expect_error_type not in out:
         missing.append(expect_error_type)
     if missing:

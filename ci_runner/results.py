@@ -244,6 +244,7 @@ class Results:
     generated_at: str | None = None
     ranking: list[dict[str, Any]] = field(default_factory=list)  # failing ops ranked by models blocked
     patterns: list[dict[str, Any]] = field(default_factory=list)  # cross-model layer-class patterns
+    root_causes: list[dict[str, Any]] = field(default_factory=list)  # findings grouped by error signature
 
     def cell(self, cell_id: str) -> CellResult | None:
         return next((c for c in self.cells if c.id == cell_id), None)
@@ -265,6 +266,7 @@ class Results:
             "cells": [c.to_dict() for c in sorted(self.cells, key=lambda c: c.id)],
             "ranking": clean(self.ranking),
             "patterns": clean(self.patterns),
+            "root_causes": clean(self.root_causes),
         }
 
     @classmethod
@@ -275,6 +277,7 @@ class Results:
             generated_at=data.get("generated_at"),
             ranking=list(data.get("ranking") or []),
             patterns=list(data.get("patterns") or []),
+            root_causes=list(data.get("root_causes") or []),
         )
 
 
@@ -358,9 +361,10 @@ def save_cell_result(cell: CellResult, path: str | Path) -> Path:
 
 def dumps_results(data: Mapping[str, Any]) -> str:
     """results.json text: one cell per line, so big runs write fast and diffs stay line-oriented."""
-    head = {k: v for k, v in data.items() if k not in ("cells", "ranking", "patterns")}
+    listed = ("root_causes", "cells", "ranking", "patterns")
+    head = {k: v for k, v in data.items() if k not in listed}
     parts = [json.dumps(head, ensure_ascii=False, allow_nan=False)[:-1]]
-    for key in ("cells", "ranking", "patterns"):
+    for key in listed:
         items = data.get(key) or []
         body = ",\n".join(json.dumps(item, ensure_ascii=False, allow_nan=False) for item in items)
         parts.append(f', "{key}": [\n{body}\n]' if items else f', "{key}": []')

@@ -56,6 +56,7 @@ from ..layer_search import (
     encode_call,
     first_line,
     label,
+    own_name,
     read_outcomes,
     scan_model,
     search,
@@ -68,6 +69,7 @@ from ..options import LayersOptions
 from ..options import parse as parse_options
 from ..repro import render_template, safe_filename, verify_script, write_script
 from ..results import Finding, ModeResult, Repro, fingerprint
+from ..rootcause import annotate
 from ..sim import is_sim
 
 if TYPE_CHECKING:
@@ -233,7 +235,9 @@ def run(ctx: "ModeContext") -> ModeResult:
     if whole.status == "pass":
         return ModeResult(status="pass", data=data, duration_s=time.monotonic() - t0)
 
-    findings = [_finding(ctx, tree, result, name, all_calls=opts.all_calls) for name in result.minimal]
+    known = read_outcomes(layers_dir / "probes.jsonl")  # with the own-code probes (`own_name`)
+    findings = [_finding(ctx, tree, result, name, all_calls=opts.all_calls, own=known.get(own_name(name)))
+                for name in result.minimal]
     if opts.repro and result.minimal:
         captured = capture_inputs(model, (), kwargs, result.minimal)
         for name, finding in zip(result.minimal, findings):
@@ -250,6 +254,7 @@ def run(ctx: "ModeContext") -> ModeResult:
             except Exception as exc:  # a culprit problem must not lose the finding
                 finding.details["culprit"] = {"found": False, "kind": "error",
                                               "note": f"{type(exc).__name__}: {first_line(str(exc))}"}
+    annotate(findings)  # details.signature: the root-cause group (rootcause.py)
     data["minimal"] = [label(n) for n in result.minimal]
     reason = None
     if not result.complete:
@@ -276,7 +281,35 @@ def _candidate_row(tree: ModuleTree, o: ProbeOutcome) -> dict[str, Any]:
     return row
 
 
-def _finding(ctx: "ModeContext", tree: ModuleTree, result: SearchResult, name: str, *, all_calls: bool) -> Finding:
+def _children_words(n: int) -> str:
+    return f"{n} child module" + ("" if n == 1 else "s")
+
+
+def own_code_words(name: str, o: ProbeOutcome, children: list[str], tried: Mapping[str, str],
+                   own: ProbeOutcome | None) -> tuple[str, str | None]:
+    """What is shown about a smallest failing module that has child modules: (words to append, verdict).
+
+    verdict: "own_code" (shown: it fails with its child modules run eagerly, or an eager device was running the
+    module itself, outside any child, when it raised), "needs_children" (shown: its own code passes with the
+    child modules run eagerly, and each child module passes alone), "open" (not shown either way) or None."""
+    if not children or o.status != "fail":
+        return "", None
+    all_pass = len(tried) == len(children) and all(st == "pass" for st in tried.values())
+    if o.executing == name or (own is not None and own.failed):
+        how = ("it was running its own code, outside its child modules, when it failed" if o.executing == name
+               else f"with its {_children_words(len(children))} run eagerly it still fails")
+        return f" (it fails in its own code: {how})", "own_code"
+    if not all_pass:
+        return "", None
+    if own is not None and own.status == "pass":
+        return (f" (each of its {_children_words(len(children))} passes alone and its own code passes with them "
+                f"run eagerly: the failure needs them together)"), "needs_children"
+    return (f" (each of its {_children_words(len(children))} passes alone; not shown whether it fails in its own "
+            f"code or needs them together)"), "open"
+
+
+def _finding(ctx: "ModeContext", tree: ModuleTree, result: SearchResult, name: str, *, all_calls: bool,
+             own: ProbeOutcome | None = None) -> Finding:
     o = result.outcomes[name]
     node = tree.nodes[name]
     children = tree.children(name)
@@ -288,8 +321,8 @@ def _finding(ctx: "ModeContext", tree: ModuleTree, result: SearchResult, name: s
         what = f"{where} hung: no result within the probe timeout"
     else:
         what = f"{where} fails alone at {o.stage}: {o.error_type}: {first_line(o.message, 240)}"
-    if children and all(s == "pass" for s in tried_children.values()) and len(tried_children) == len(children):
-        what += f" (each of its {len(children)} children passes alone: the failure needs them together)"
+    words, verdict = own_code_words(name, o, children, tried_children, own)
+    what += words
     details: dict[str, Any] = {
         "status": o.status,
         "path": [label(p) for p in tree.path(name)],
@@ -299,6 +332,10 @@ def _finding(ctx: "ModeContext", tree: ModuleTree, result: SearchResult, name: s
         "message_full": o.message[:4000],
         "traceback_tail": o.traceback[-3000:],
     }
+    if verdict is not None:
+        details["own_code"] = verdict
+    if own is not None and own.failed:
+        details["own_code_error"] = f"{own.error_type}: {first_line(own.message, 240)}"
     if o.signal:
         details["signal"] = o.signal
     if o.executing:

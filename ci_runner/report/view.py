@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..results import STATUS_SEVERITY, CellResult, Finding, Repro, Results, number
+from ..rootcause import root_causes
 
 MODE_ORDER: tuple[str, ...] = ("ops", "layers", "numerics")
 ICONS: dict[str, str] = {
@@ -307,6 +308,7 @@ class ReportView:
     generated_at: str | None
     regressions: list[Any] = field(default_factory=list)  # diff entries, when a diff was given
     diff: Any = None
+    root_causes: list[dict[str, Any]] = field(default_factory=list)  # results.root_causes (rootcause.py)
 
     @property
     def failing(self) -> list[CellView]:
@@ -450,4 +452,6 @@ def build_view(results: Results, *, out_dir: Path | None = None, run_dir: Path |
     )
     if diff is not None:
         view.regressions = [e for e in diff.entries if e.category == "regressed"]
+    causes = results.root_causes if results.root_causes or not allf else root_causes(results)
+    view.root_causes = [dict(r) for r in causes if isinstance(r, Mapping)]
     return view

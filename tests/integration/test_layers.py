@@ -102,7 +102,9 @@ def test_two_operator_backend_names_self_attn_while_each_child_compiles(tmp_path
     assert f.kind == "layer_failure" and f.stage == "compile" and f.error_type == "IndexError"
     assert f.module_class == "LlamaAttention"
     assert f.details["path"] == ["<root>", "model", "model.layers.0", "model.layers.0.self_attn"]
-    assert "each of its 4 children passes alone" in f.message
+    # shown, not assumed: the own-code probe (children run eagerly) passes, so the failure needs them together
+    assert "each of its 4 child modules passes alone and its own code passes with them run eagerly" in f.message
+    assert f.details["own_code"] == "needs_children"
     assert f.fingerprint == fingerprint("layer_failure", "pair", "tiny-llama", "model.layers.0.self_attn")
     # a verified repro: the exported submodule, its inputs and a script
     assert f.repro is not None and f.repro.verified, f.repro

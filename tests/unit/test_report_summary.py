@@ -170,7 +170,8 @@ def test_markdown_renders_as_tables_and_details() -> None:
     """Rendered by a CommonMark+tables parser, the tables keep their shape."""
     markdown_it = pytest.importorskip("markdown_it")
     html = markdown_it.MarkdownIt("commonmark", {"html": True}).enable("table").render(render_summary(rf.nasty_results()))
-    assert html.count("<table>") == 1
+    assert html.count("<table>") == 2  # root causes, then cells × modes
+    assert html.index("Root causes") < html.index("Cells × modes")
     assert "<b>&amp;</b>" not in html.replace("<code>", "").split("<pre>")[0]
     one_cell = CellResult(id="a@b", model="a", backend="b", status="fail", modes={"ops": ModeResult(
         status="fail", findings=[Finding(kind="op_error", stage="run", op="x|y", message="m|n", fingerprint="ab" * 10)])})

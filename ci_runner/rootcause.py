@@ -1,0 +1,267 @@
+"""Root causes: findings grouped by their normalised error signature, and the volatile-token rule.
+
+One compiler bug often surfaces as many findings (every module of a model fails on the same guard error). A
+finding's signature is a short hash of
+
+* its error type (or, for a numerical finding without an error, its kind),
+* its error message's first line with the volatile parts normalised (`normalize_text`),
+* where it was raised: the package of the innermost frame of the root exception's traceback
+  (`raised_in`: the backend's package, ``torch._dynamo``/``torch._inductor``/``torch.fx``/…, or the model's).
+
+The volatile-token rule (`normalize_text`), used for signatures and for repro verification:
+
+===================  ===========================================  ============
+what                 example                                      becomes
+===================  ===========================================  ============
+symbolic-shape ids   ``s96``, ``u3`` (sympy symbols)              ``s<N>``
+addresses            ``0x7f3a2c``                                 ``0x<ADDR>``
+temporary paths      ``/tmp/tmpab12cd/x.py``                      ``<TMP>``
+process ids          ``pid 4242``, ``pid=4242``                   ``pid <N>``
+counters             ``getitem_12``, ``__compiled_fn_7``, ``[0/3]``  ``getitem_<N>``, ``[<N>/<N>]``
+long hex hashes      ``3f9c0a…`` (≥ 12 hex digits)                ``<HASH>``
+===================  ===========================================  ============
+
+Everything else (op names, shapes, dtypes, line numbers of the raising frame) is kept: it is what tells
+two causes apart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+from .results import Finding, Results
+
+# ---------------------------------------------------------------------------- the volatile-token rule
+
+_RULES: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"0x[0-9a-fA-F]+"), "0x<ADDR>"),
+    (re.compile(r"\b(pid|process|PID)([ =:#]+)\d+\b"), r"\1 <N>"),
+    (re.compile(r"\b[0-9a-f]{12,}\b"), "<HASH>"),
+    (re.compile(r"\b[su]\d+\b"), "s<N>"),
+    (re.compile(r"(?<=[A-Za-z_])_\d+\b"), "_<N>"),
+    (re.compile(r"\[\d+/\d+\]"), "[<N>/<N>]"),
+)
+
+
+_PATH_RE = re.compile(r"(?<![\w.])(?:[A-Za-z]:)?[\\/][^\s'\"()\[\],:]+")
+_TMP_PART_RE = re.compile(r"[\\/](?:tmp|temp)[^\\/]*[\\/]|[\\/]var[\\/]folders[\\/]|^(?:[A-Za-z]:)?[\\/]tmp$", re.IGNORECASE)
+
+
+def _tmp_path(m: re.Match[str]) -> str:
+    return "<TMP>" if _TMP_PART_RE.search(m.group(0)) else m.group(0)
+
+
+def normalize_text(text: str) -> str:
+    """`text` with its volatile tokens replaced by placeholders (the rule in the module docstring)."""
+    out = _PATH_RE.sub(_tmp_path, str(text))
+    for pattern, repl in _RULES:
+        out = pattern.sub(repl, out)
+    return out
+
+
+def first_line(text: str, limit: int = 300) -> str:
+    for line in str(text or "").splitlines():
+        if line.strip():
+            return line.strip()[:limit]
+    return ""
+
+
+# ---------------------------------------------------------------------------- where it was raised
+
+_FRAME_RE = re.compile(r'File "([^"]+)", line (\d+),? in (\S+)')
+_CHAIN_RE = re.compile(r"\n\s*(?:The above exception was the direct cause of the following exception:"
+                       r"|During handling of the above exception, another exception occurred:)\s*\n")
+# packages never named as "where it was raised": helpers that torch or a backend calls into
+_HELPERS = ("sympy", "numpy", "typing_extensions", "contextlib", "functools", "importlib", "threading", "copy",
+            "abc", "collections", "inspect", "traceback", "_pytest", "pluggy")
+_TORCH_PARTS = (("/torch/_dynamo/", "torch._dynamo"), ("/torch/_inductor/", "torch._inductor"),
+                ("/torch/fx/", "torch.fx"), ("/torch/_functorch/", "torch._functorch"),
+                ("/torch/export/", "torch.export"), ("/torch/_export/", "torch.export"),
+                ("/torch/_subclasses/", "torch._subclasses"), ("/torch/nn/", "torch.nn"))
+_MODEL_PACKAGES = ("transformers", "diffusers", "timm", "torchvision")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Frame:
+    path: str
+    line: int
+    function: str
+
+    @property
+    def short(self) -> str:
+        return f"{short_path(self.path)}:{self.line} in {self.function}"
+
+
+def short_path(path: str) -> str:
+    p = path.replace("\\", "/")
+    for marker in ("/site-packages/", "/dist-packages/"):
+        if marker in p:
+            return p.rsplit(marker, 1)[1]
+    for marker in ("/ci_runner/", "/torch/", "/transformers/"):
+        if marker in p:
+            return marker.strip("/") + "/" + p.rsplit(marker, 1)[1]
+    return p.rsplit("/", 2)[-2] + "/" + p.rsplit("/", 1)[-1] if p.count("/") >= 2 else p
+
+
+def package_of(path: str) -> str:
+    """The package a source file belongs to: ``torch._dynamo``, ``openvino``, ``transformers``, ``ci_runner.sim``,
+    or ``model`` for a file outside any installed package (the user's own code)."""
+    p = "/" + path.replace("\\", "/").lstrip("/")
+    for marker, name in _TORCH_PARTS:
+        if marker in p:
+            return name
+    if "/ci_runner/sim/" in p:
+        return "ci_runner.sim"
+    if "/ci_runner/" in p:
+        return "ci_runner"
+    for marker in ("/site-packages/", "/dist-packages/"):
+        if marker in p:
+            top = p.rsplit(marker, 1)[1].split("/", 1)[0]
+            return top[:-3] if top.endswith(".py") else top
+    if "/torch/" in p:
+        return "torch"
+    if re.search(r"/lib/python3\.\d+/", p):
+        return re.split(r"/lib/python3\.\d+/", p, maxsplit=1)[1].split("/", 1)[0].removesuffix(".py")
+    return "model"
+
+
+def role_of(package: str) -> str:
+    """backend | torch | model | deepview-ci, for the reader: who has to fix it."""
+    if package == "torch" or package.startswith("torch."):
+        return "torch"
+    if package == "ci_runner":
+        return "deepview-ci"
+    if package == "model" or package in _MODEL_PACKAGES:
+        return "model"
+    return "backend"  # the backend's plugin package (ci_runner.sim for the self-test backends)
+
+
+def frames(traceback_text: str) -> list[Frame]:
+    """The frames of the root exception (the first section of a chained traceback), outermost first."""
+    for section in _CHAIN_RE.split(traceback_text or ""):
+        found = [Frame(path=m.group(1), line=int(m.group(2)), function=m.group(3))
+                 for m in _FRAME_RE.finditer(section)]
+        if found:
+            return found
+    return []
+
+
+@dataclass(frozen=True, kw_only=True)
+class RaisedIn:
+    package: str  # "torch.fx", "openvino", "transformers", "model", "" (unknown)
+    role: str  # backend | torch | model | deepview-ci | unknown
+    frame: str  # "torch/fx/experimental/symbolic_shapes.py:6557 in produce_guards_verbose"
+    backend_frame: str  # the innermost frame in a non-torch, non-model package, when the raiser is elsewhere
+
+    def words(self) -> str:
+        if not self.package:
+            return "unknown (no traceback)"
+        text = f"{self.package} ({self.role}) at {self.frame}"
+        if self.backend_frame:
+            text += f"; the deepest backend frame: {self.backend_frame}"
+        return text
+
+
+def raised_in(traceback_text: str) -> RaisedIn:
+    """Where the root exception of `traceback_text` was raised: its innermost frame outside helper packages."""
+    fr = frames(traceback_text)
+    meaningful = [f for f in fr if package_of(f.path) not in _HELPERS]
+    if not meaningful:
+        return RaisedIn(package="", role="unknown", frame="", backend_frame="")
+    inner = meaningful[-1]
+    pkg = package_of(inner.path)
+    role = role_of(pkg)
+    backend = ""
+    if role != "backend":
+        deeper = [f for f in meaningful if role_of(package_of(f.path)) == "backend"]
+        backend = deeper[-1].short if deeper else ""
+    return RaisedIn(package=pkg, role=role, frame=inner.short, backend_frame=backend)
+
+
+# ---------------------------------------------------------------------------- signatures
+
+def _error_text(f: Finding) -> str:
+    return str(f.details.get("message_full") or f.details.get("error_message") or f.message or "")
+
+
+def _traceback_text(f: Finding) -> str:
+    for key in ("traceback", "traceback_tail"):
+        value = f.details.get(key)
+        if isinstance(value, str) and value:
+            return value
+    return ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Signature:
+    id: str
+    error_type: str
+    message: str  # normalised first line
+    raised: RaisedIn
+
+
+def signature(f: Finding) -> Signature:
+    """The finding's normalised error signature. Findings without an error (numerical ones) are keyed by kind
+    and by what they are about (op or module class): each such group is its own cause."""
+    if f.error_type:
+        etype = f.error_type
+        msg = normalize_text(first_line(_error_text(f), 240))
+        raised = raised_in(_traceback_text(f))
+        key = (etype, msg, raised.package)
+    else:
+        etype = f.kind
+        msg = f"{f.kind} in {f.op or f.module_class or f.module or '?'}"
+        raised = RaisedIn(package="", role="unknown", frame="", backend_frame="")
+        key = (etype, msg, "")
+    digest = hashlib.sha256("\x1f".join(key).encode("utf-8")).hexdigest()[:12]
+    return Signature(id=digest, error_type=etype, message=msg, raised=raised)
+
+
+def annotate(findings: Iterable[Finding]) -> None:
+    """Put each finding's signature id into ``details["signature"]`` (and where it was raised, when known)."""
+    for f in findings:
+        _annotate_one(f)
+
+
+def _annotate_one(f: Finding) -> Signature:
+    sig = signature(f)
+    f.details["signature"] = sig.id
+    if sig.raised.package and "raised_in" not in f.details:
+        f.details["raised_in"] = sig.raised.words()
+    return sig
+
+
+def root_causes(results: Results) -> list[dict[str, Any]]:
+    """The distinct root causes of `results`, most findings first: ``[{signature, count, cells, raised_in,
+    role, frame, error_type, message, example}]``. Also annotates every finding (`annotate`)."""
+    groups: dict[str, dict[str, Any]] = {}
+    for cell in results.cells:
+        for mode_name, mode in cell.modes.items():
+            for f in mode.findings:
+                sig = _annotate_one(f)
+                g = groups.get(sig.id)
+                if g is None:
+                    g = groups[sig.id] = {
+                        "signature": sig.id, "count": 0, "cells": [], "raised_in": sig.raised.words(),
+                        "role": sig.raised.role, "frame": sig.raised.frame, "error_type": sig.error_type,
+                        "message": sig.message, "kinds": [],
+                        "example": {"cell": cell.id, "mode": mode_name, "kind": f.kind, "module": f.module,
+                                    "op": f.op, "message": first_line(f.message, 300)},
+                    }
+                g["count"] += 1
+                if cell.id not in g["cells"]:
+                    g["cells"].append(cell.id)
+                if f.kind not in g["kinds"]:
+                    g["kinds"].append(f.kind)
+    out = list(groups.values())
+    out.sort(key=lambda g: (-len(g["cells"]), -g["count"], g["signature"]))
+    return out
+
+
+def example_of(cause: Mapping[str, Any]) -> str:
+    ex = cause.get("example") or {}
+    what = ex.get("module") or ex.get("op") or ""
+    return f"{ex.get('cell', '?')} {ex.get('mode', '')}" + (f" ({what})" if what else "")
