@@ -16,7 +16,9 @@ sees and finds the operator (or the smallest contiguous range of operators) that
 5. Every probe (a node or a range) is one small graph (`subgraph` + `graph_source`) run in an isolated child
    (`isolate.supervise`): each probe is journalled (`enter-culprit`/`leave-culprit`), each outcome appended
    to `probes.jsonl`; an abort, a segfault or a hang (over `probe_timeout`) kills only that child, the
-   journal names the probe in flight, and a fresh child replays the known outcomes and goes on.
+   journal names the probe in flight (`<module>@<start>:<end>`), and a fresh child replays the known outcomes
+   and goes on. One child serves all of a cell's findings in turn (`find_culprits`): the model, its inputs
+   (one reference forward) and the backend are loaded once; a finished target leaves `answer.json`.
 6. The culprit's repro: `graph.py` (the node or range as a small `torch.nn.Module`), `inputs.safetensors` with
    the real inputs (call codec, strides kept) and `repro.py` (`templates/repro_culprit.py.j2`), verified in
    a subprocess like the other repros.
@@ -41,20 +43,22 @@ from .backends import named_op_from_error, resolve_backend
 from .codec import TensorStore, decode_call, encode_call
 from .config import BackendSpec, ModelSpec, spec_from_json
 from .tree import map_tensors
-from .fsutil import append_line, atomic_write_json, atomic_write_text
+from .fsutil import atomic_write_json, atomic_write_text
 from .isolate import Attempt, IsolatedResult, child_journal, supervise
 from .layer_search import capture_inputs, is_compile_stage, unwrap_exception
 from .models import load_model
+from .culprit_search import (ProbeResult, Step, StopSearch, append_result, parse_key, read_results,
+                             search, single_order)
 from .repro import Verification, render_template, write_script
 
 __all__ = [
-    "KIND", "Step", "CapturedGraph", "ProbeResult", "CulpritResult", "CulpritPlan", "capture_graph", "graph_steps",
-    "subgraph", "graph_source", "run_graph", "search", "range_key", "parse_key", "culprit_child", "find_culprit",
-    "read_results", "describe_value", "ops_cross_check",
+    "KIND", "ANSWER", "CapturedGraph", "CulpritResult", "CulpritTarget", "CulpritPlan",
+    "capture_graph", "graph_steps", "subgraph", "graph_source", "run_graph",
+    "entry_name", "parse_entry", "culprit_child", "find_culprit", "find_culprits", "describe_value",
+    "ops_cross_check",
 ]
 
 KIND = "culprit"  # the journal's entry kind: enter-culprit / leave-culprit
-FAILED = ("fail", "crashed", "timeout")
 # Nodes that compute nothing a backend lowers: never probed alone (still part of ranges).
 _NO_KERNEL = ("aten._assert_tensor_metadata.default", "aten._assert_scalar.default",
               "aten.sym_constrain_range_for_size.default", "aten._assert_async.msg",
@@ -62,18 +66,6 @@ _NO_KERNEL = ("aten._assert_tensor_metadata.default", "aten._assert_scalar.defau
 
 
 # --------------------------------------------------------------------------- the graph
-
-@dataclass(frozen=True, kw_only=True)
-class Step:
-    """One op node of the graph, in graph order (its `getitem` users travel with it)."""
-
-    index: int
-    node: str  # the FX node's name
-    op: str  # `aten.histc.default`
-    source: str | None  # the innermost user frame of the node's stack trace
-    inputs: list[str]  # the real inputs, described: `float32[1, 4, 16, 16] stride=[…]`, `4`
-    probe: bool  # probed alone (an op with a kernel)
-
 
 @dataclass
 class CapturedGraph:
@@ -310,242 +302,142 @@ def run_graph(source: str, inputs: Sequence[torch.Tensor], backend: Any) -> None
             t.to("cpu")
 
 
-# --------------------------------------------------------------------------- the search (pure)
-
-def range_key(start: int, end: int) -> str:
-    return f"{start}:{end}"
-
-
-def parse_key(key: str) -> tuple[int, int]:
-    a, _, b = key.partition(":")
-    return int(a), int(b)
-
-
-@dataclass(kw_only=True)
-class ProbeResult:
-    """What happened when one node range was compiled and run alone on the target."""
-
-    key: str  # `start:end` over the steps
-    status: str  # pass | fail | crashed | timeout | skipped
-    stage: str | None = None
-    error_type: str | None = None
-    message: str = ""
-    traceback: str = ""
-    signal: str | None = None
-    duration_s: float = 0.0
-
-    @property
-    def failed(self) -> bool:
-        return self.status in FAILED
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "ProbeResult":
-        known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in data.items() if k in known})
-
-
-class StopSearch(Exception):
-    """A probe ends the search early (out of time, or a replay reached an unknown probe)."""
-
-
-@dataclass
-class SearchState:
-    """The search's answer: a failing single node, or the smallest failing range, or neither."""
-
-    kind: str  # single | range | none | incomplete
-    key: str | None = None
-    probed: list[str] = field(default_factory=list)
-    note: str = ""
-
-
-def single_order(steps: Sequence[Step], hints: Sequence[str]) -> list[int]:
-    """Probe order of the single nodes: ops the layer's error names first, then graph order."""
-    probe = [s.index for s in steps if s.probe]
-    hinted = [i for i in probe if any(_op_matches(steps[i].op, h) for h in hints)]
-    # then ops whose name holds the named op's (`_safe_softmax` runs `_softmax` on a device)
-    bare = {h.split(".")[1].strip("_") for h in hints if h.count(".") >= 1 and h.split(".")[1].strip("_")}
-    related = [i for i in probe if i not in hinted and any(b in _bare(steps[i].op) for b in bare)]
-    return hinted + related + [i for i in probe if i not in hinted and i not in related]
-
-
-def _bare(op: str) -> str:
-    parts = op.split(".")
-    return parts[1] if len(parts) >= 3 else op
-
-
-def _op_matches(op: str, hint: str) -> bool:
-    parts = op.split(".")
-    packet = ".".join(parts[:2]) if len(parts) >= 3 else op
-    return hint in (op, packet) or (len(parts) >= 3 and hint == parts[1])
-
-
-def search(n: int, singles: Sequence[int], probe: Callable[[str], ProbeResult], *,
-           all_singles: bool = False) -> SearchState:
-    """Singles first (in `singles` order; stop at the first failing one unless `all_singles`); else the whole
-    graph, then the smallest failing contiguous range: the shortest failing prefix, then its latest failing
-    start (each by bisection; every range it reports was itself probed and failed)."""
-    state = SearchState(kind="none")
-
-    def p(key: str) -> ProbeResult:
-        state.probed.append(key)
-        return probe(key)
-
-    try:
-        failing = []
-        for i in singles:
-            if p(range_key(i, i + 1)).failed:
-                failing.append(i)
-                if not all_singles:
-                    break
-        if failing:
-            state.kind, state.key = "single", range_key(failing[0], failing[0] + 1)
-            return state
-        if n == 0:
-            state.note = "the graph has no op nodes"
-            return state
-        whole = p(range_key(0, n))
-        if not whole.failed:
-            state.note = ("no single op fails alone, and the whole graph passes alone at this level: the failure "
-                          "needs more than the module's ops (its Python code, guards or the model around it)")
-            return state
-        lo, hi = 1, n  # the shortest failing prefix [0, e)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if p(range_key(0, mid)).failed:
-                hi = mid
-            else:
-                lo = mid + 1
-        end = lo
-        lo, hi = 0, end - 1  # the latest start s with [s, end) failing
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if p(range_key(mid, end)).failed:
-                lo = mid
-            else:
-                hi = mid - 1
-        state.kind, state.key = "range", range_key(lo, end)
-        state.note = "no single op fails alone"
-        return state
-    except StopSearch:
-        state.kind = "incomplete"
-        return state
-
-
-# --------------------------------------------------------------------------- outcomes on disk
-
-def read_results(path: Path) -> dict[str, ProbeResult]:
-    """Probe outcomes appended so far (the last line for a key wins; a torn last line is ignored)."""
-    out: dict[str, ProbeResult] = {}
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return out
-    for line in text.splitlines():
-        try:
-            r = ProbeResult.from_json(json.loads(line))
-        except (ValueError, TypeError):
-            continue
-        out[r.key] = r
-    return out
-
-
-def _append(path: Path, r: ProbeResult) -> None:
-    append_line(path, json.dumps(r.to_json(), ensure_ascii=False))
-
-
 # --------------------------------------------------------------------------- the probing child
 
 @dataclass(frozen=True, kw_only=True)
+class CulpritTarget:
+    """One layer finding to search: its submodule, its folder (probes.jsonl, graph.json, answer.json and the
+    culprit's files) and the op names its error mentions (probed first)."""
+
+    module: str  # qualified name of the failing submodule ("" = the whole model)
+    out_dir: str
+    hints: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
 class CulpritPlan:
-    """What a culprit child needs; JSON through `run_isolated`."""
+    """What a culprit child needs; JSON through `run_isolated`. One child serves every finding of a cell: the
+    model, its inputs and the backend are loaded once."""
 
     model: dict[str, Any]
     backend: dict[str, Any]
     seed: int
     layers_dir: str  # holds root_call.json and root_inputs.safetensors (the layers mode's)
-    module: str  # qualified name of the failing submodule ("" = the whole model)
-    out_dir: str  # probes.jsonl, graph.json, and the culprit's files
+    targets: list[dict[str, Any]]  # CulpritTarget, in order
+    timeout_file: str  # where faulthandler writes the stacks of a probe that overran probe_timeout
     probe_timeout: float
     deadline_wall: float
-    hints: list[str] = field(default_factory=list)
+    target_budget_s: float  # the most one target's search may take in this child
     all_singles: bool = False
 
 
-def _load_module_call(plan: CulpritPlan) -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any], Any]:
-    from safetensors.torch import load_file  # deferred: heavy
+ANSWER = "answer.json"  # a target's finished search (written by the child, read by the parent)
 
+
+def _module_calls(plan: CulpritPlan, modules: Sequence[str]) -> dict[str, tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any]]]:
+    """Each module with its first call's inputs, from one load of the model and one reference forward."""
+    from safetensors.torch import load_file  # deferred: heavy
 
     layers_dir = Path(plan.layers_dir)
     root = json.loads((layers_dir / "root_call.json").read_text(encoding="utf-8"))
     root_args, root_kwargs = decode_call(root, load_file(str(layers_dir / "root_inputs.safetensors")))
-    loaded = load_model(spec_from_json(ModelSpec, plan.model), seed=plan.seed)
-    model = loaded.module
-    if plan.module == "":
-        return model, tuple(root_args), dict(root_kwargs), loaded
-    calls = capture_inputs(model, root_args, root_kwargs, [plan.module]).get(plan.module)
-    if not calls:
-        raise RuntimeError(f"{plan.module} did not run in the reference forward")
-    args, kwargs = calls[0]
-    return model.get_submodule(plan.module), tuple(args), dict(kwargs), loaded
+    model = load_model(spec_from_json(ModelSpec, plan.model), seed=plan.seed).module
+    out: dict[str, tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any]]] = {}
+    subs = [m for m in modules if m != ""]
+    calls = capture_inputs(model, root_args, root_kwargs, subs) if subs else {}
+    for m in modules:
+        if m == "":
+            out[m] = (model, tuple(root_args), dict(root_kwargs))
+            continue
+        got = calls.get(m)
+        if not got:
+            raise RuntimeError(f"{m} did not run in the reference forward")
+        args, kwargs = got[0]
+        out[m] = (model.get_submodule(m), tuple(args), dict(kwargs))
+    return out
+
+
+def entry_name(module: str, key: str) -> str:
+    """The journal entry of one probe: `<module>@<start>:<end>`."""
+    return f"{module}@{key}"
+
+
+def parse_entry(entry: str) -> tuple[str, str]:
+    module, _, key = entry.rpartition("@")
+    return module, key
 
 
 def culprit_child(payload: dict[str, Any]) -> dict[str, Any]:
-    """Entry point of a culprit child (`ci_runner.culprit:culprit_child`): trace the module, replay the known
-    probe outcomes, probe the rest (journalled, appended as they come), and, when the search is done, write
-    the culprit's graph and inputs."""
+    """Entry point of a culprit child (`ci_runner.culprit:culprit_child`): load the model, its inputs and the
+    backend once, then for each target not yet answered: trace its module, replay the known probe outcomes,
+    probe the rest (journalled, appended as they come) and, when its search is done, write the culprit's graph
+    and inputs and the target's `answer.json`."""
     faulthandler.enable(file=sys.stderr)
     plan = CulpritPlan(**payload)
-    out_dir = Path(plan.out_dir)
+    targets = [CulpritTarget(**t) for t in plan.targets]
+    todo = [t for t in targets if not (Path(t.out_dir) / ANSWER).exists()]
+    if not todo:
+        return {"answered": 0}
+    calls = _module_calls(plan, [t.module for t in todo])
+    backend = resolve_backend(spec_from_json(BackendSpec, plan.backend))
+    backend.prepare()
+    with open(plan.timeout_file, "a", encoding="utf-8") as timeout_fh:
+        for t in todo:
+            sub, args, kwargs = calls[t.module]
+            try:
+                _search_target(plan, t, sub, args, kwargs, backend, timeout_fh)
+            except Exception as exc:  # outside any probe (the trace, the culprit's files): this target only
+                atomic_write_json(Path(t.out_dir) / ANSWER, {
+                    "kind": "error", "key": None,
+                    "note": f"the culprit child failed outside any probe: {type(exc).__name__}: {_first_line(str(exc))}"})
+    return {"answered": len(todo)}
+
+
+def _search_target(plan: CulpritPlan, target: CulpritTarget, sub: torch.nn.Module, args: tuple[Any, ...],
+                   kwargs: dict[str, Any], backend: Any, timeout_fh: Any) -> None:
+    out_dir = Path(target.out_dir)
     outcomes_file = out_dir / "probes.jsonl"
     known = read_results(outcomes_file)
     t0 = time.monotonic()
-    sub, args, kwargs, _ = _load_module_call(plan)
-    backend = resolve_backend(spec_from_json(BackendSpec, plan.backend))
-    backend.prepare()
+    deadline = min(plan.deadline_wall, time.time() + plan.target_budget_s)
     cg = capture_graph(sub, args, kwargs, eager_device=backend.is_eager)
     steps, nodes = graph_steps(cg)
     atomic_write_json(out_dir / "graph.json", {"level": cg.level, "note": cg.note, "steps": [asdict(s) for s in steps],
                                                "seconds": round(time.monotonic() - t0, 3)})
-    timeout_fh = open(out_dir / "timeout.txt", "a", encoding="utf-8")
     probed = 0
 
     def probe(key: str) -> ProbeResult:
         nonlocal probed
         if key in known:
             return known[key]
-        if time.time() >= plan.deadline_wall:
+        if time.time() >= deadline:
             raise StopSearch()
         s, e = parse_key(key)
-        r = _probe(key, cg, nodes[s:e], backend, timeout=max(1.0, min(plan.probe_timeout, plan.deadline_wall - time.time())),
-                   timeout_fh=timeout_fh)
-        _append(outcomes_file, r)
+        r = _probe(entry_name(target.module, key), key, cg, nodes[s:e], backend,
+                   timeout=max(1.0, min(plan.probe_timeout, deadline - time.time())), timeout_fh=timeout_fh)
+        append_result(outcomes_file, r)
         known[key] = r
         probed += 1
         return r
 
-    try:
-        state = search(len(steps), single_order(steps, plan.hints), probe, all_singles=plan.all_singles)
-    finally:
-        timeout_fh.close()
+    state = search(len(steps), single_order(steps, target.hints), probe, all_singles=plan.all_singles)
     if state.key is not None:
         s, e = parse_key(state.key)
         _write_culprit(out_dir, cg, steps[s:e], nodes[s:e])
-    return {"kind": state.kind, "key": state.key, "note": state.note, "probed": probed, "probes": state.probed,
-            "level": cg.level}
+    atomic_write_json(out_dir / ANSWER, {"kind": state.kind, "key": state.key, "note": state.note, "probed": probed,
+                                         "probes": state.probed, "level": cg.level,
+                                         "own_seconds": round(time.monotonic() - t0, 3)})
 
 
-def _probe(key: str, cg: CapturedGraph, nodes: Sequence[torch.fx.Node], backend: Any, *, timeout: float,
-           timeout_fh: Any) -> ProbeResult:
+def _probe(entry: str, key: str, cg: CapturedGraph, nodes: Sequence[torch.fx.Node], backend: Any, *,
+           timeout: float, timeout_fh: Any) -> ProbeResult:
     t0 = time.monotonic()
     try:
         g, inputs = subgraph(cg, nodes)
         source = graph_source(g, title=key)
     except Unprobeable as exc:
         return ProbeResult(key=key, status="skipped", message=str(exc))
-    child_journal(f"enter-{KIND}", key)
+    child_journal(f"enter-{KIND}", entry)
     faulthandler.dump_traceback_later(timeout, exit=True, file=timeout_fh)
     try:
         run_graph(source, [t for _, t in inputs], backend)
@@ -558,7 +450,7 @@ def _probe(key: str, cg: CapturedGraph, nodes: Sequence[torch.fx.Node], backend:
                         traceback=traceback.format_exc(limit=20)[-4000:], duration_s=time.monotonic() - t0)
     finally:
         faulthandler.cancel_dump_traceback_later()
-        child_journal(f"leave-{KIND}", key)
+        child_journal(f"leave-{KIND}", entry)
     return r
 
 
@@ -610,55 +502,84 @@ def find_culprit(*, model: Mapping[str, Any], backend: Mapping[str, Any], seed: 
                  out_dir: Path, journal: Path, probe_timeout: float, startup_timeout: float, budget_s: float,
                  hints: Sequence[str] = (), env: Mapping[str, str] | None = None, max_restarts: int = 16,
                  all_singles: bool = False) -> CulpritResult:
-    """Run the culprit search for `module` in isolated children until it is done, out of time or out of
-    restarts. A child that dies in a probe has that probe recorded crashed (or timeout) and a fresh child
-    goes on."""
+    """The culprit search for one module (`find_culprits` with one target)."""
+    target = CulpritTarget(module=module, out_dir=str(out_dir), hints=list(hints))
+    return find_culprits(model=model, backend=backend, seed=seed, layers_dir=layers_dir, targets=[target],
+                         journal=journal, probe_timeout=probe_timeout, startup_timeout=startup_timeout,
+                         budget_s=budget_s, env=env, max_restarts=max_restarts, all_singles=all_singles)[0]
+
+
+def find_culprits(*, model: Mapping[str, Any], backend: Mapping[str, Any], seed: int, layers_dir: Path,
+                  targets: Sequence[CulpritTarget], journal: Path, probe_timeout: float, startup_timeout: float,
+                  budget_s: float, env: Mapping[str, str] | None = None, max_restarts: int = 16,
+                  all_singles: bool = False) -> list[CulpritResult]:
+    """Run the culprit searches of `targets` (a cell's findings) in isolated children until each is done, out of
+    time or out of restarts: one child serves them all, in order, so the model, its inputs and the backend are
+    loaded once. A child that dies in a probe has that probe recorded crashed (or timeout) in its target's
+    `probes.jsonl` and a fresh child goes on where it stopped. `budget_s` is per target; each result's
+    `seconds` is its own search plus an equal share of the children's fixed costs (start, model, backend)."""
     t0 = time.monotonic()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    outcomes_file = out_dir / "probes.jsonl"
-    outcomes_file.unlink(missing_ok=True)
-    timeout_file = out_dir / "timeout.txt"
-    deadline = time.monotonic() + budget_s
-    answer: dict[str, Any] = {}
+    if not targets:
+        return []
+    by_module = {t.module: t for t in targets}
+    for t in targets:
+        d = Path(t.out_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        for name in ("probes.jsonl", ANSWER, "graph.json"):
+            (d / name).unlink(missing_ok=True)
+    timeout_file = Path(targets[0].out_dir) / "timeout.txt"
+    total = budget_s * len(targets)
+    deadline = time.monotonic() + total
+
+    def unanswered() -> int:
+        return sum(1 for t in targets if not (Path(t.out_dir) / ANSWER).exists())
 
     def next_attempt(children: int) -> Attempt | str | None:
-        if answer:
+        if not unanswered():
             return None
         left = deadline - time.monotonic()
         if left < min(20.0, budget_s / 2):
             return "the time for the culprit search ran out"
         timeout_file.unlink(missing_ok=True)
         plan = CulpritPlan(model=dict(model), backend=dict(backend), seed=seed, layers_dir=str(layers_dir),
-                           module=module, out_dir=str(out_dir), probe_timeout=probe_timeout,
-                           deadline_wall=time.time() + left - 5.0, hints=list(hints), all_singles=all_singles)
+                           targets=[asdict(t) for t in targets], timeout_file=str(timeout_file),
+                           probe_timeout=probe_timeout, deadline_wall=time.time() + left - 5.0,
+                           target_budget_s=budget_s, all_singles=all_singles)
         return Attempt(payload=asdict(plan), timeout=left)
-
-    def on_ok(res: IsolatedResult) -> str | None:
-        answer.update(res.value or {})
-        return None
 
     def on_crash(entry: str | None, res: IsolatedResult) -> str | None:
         if res.status == "error":
             return f"the culprit child failed outside any probe: {res.error_type}: {_first_line(res.message)}"
         if entry is None:
             return f"the culprit child {res.message or res.status} before it probed anything"
+        module, key = parse_entry(entry)
+        target = by_module.get(module, targets[0])
         hung = res.status == "timeout" or _nonempty(timeout_file)
         if hung:
-            r = ProbeResult(key=entry, status="timeout", stage="run", error_type="Timeout", duration_s=probe_timeout,
+            r = ProbeResult(key=key, status="timeout", stage="run", error_type="Timeout", duration_s=probe_timeout,
                             message=f"no result within {probe_timeout:g}s (probe_timeout); the child was killed",
                             traceback=_tail(timeout_file) or res.stderr_tail[-3000:])
         else:
             why = res.signal or (f"exit code {res.exit_code}" if res.exit_code is not None else res.status)
-            r = ProbeResult(key=entry, status="crashed", stage="run", error_type=res.signal or "Crash",
+            r = ProbeResult(key=key, status="crashed", stage="run", error_type=res.signal or "Crash",
                             message=f"the process died ({why}) while the probe ran", signal=res.signal,
                             traceback=res.stderr_tail[-3000:])
-        _append(outcomes_file, r)
+        append_result(Path(target.out_dir) / "probes.jsonl", r)
         return None
 
     run = supervise("ci_runner.culprit:culprit_child", journal=journal, kind=KIND, next_attempt=next_attempt,
-                    on_ok=on_ok, on_crash=on_crash, max_restarts=max_restarts, env=env)
-    seconds = round(time.monotonic() - t0, 3)
-    known = read_results(outcomes_file)
+                    on_crash=on_crash, max_restarts=max_restarts, env=env)
+    wall = time.monotonic() - t0
+    answers = [_read_json(Path(t.out_dir) / ANSWER) for t in targets]
+    own = [float(a.get("own_seconds") or 0.0) for a in answers]
+    shared = max(0.0, wall - sum(own)) / len(targets)
+    return [_result(t, a, run, round(o + shared, 3)) for t, a, o in zip(targets, answers, own)]
+
+
+def _result(target: CulpritTarget, answer: Mapping[str, Any], run: Any, seconds: float) -> CulpritResult:
+    """One target's `CulpritResult` from its folder (answer.json, graph.json, probes.jsonl)."""
+    out_dir = Path(target.out_dir)
+    known = read_results(out_dir / "probes.jsonl")
     graph = _read_json(out_dir / "graph.json")
     steps = [Step(**s) for s in graph.get("steps", [])]
     common = {"graph_nodes": len(steps), "level": graph.get("level"), "probes": len(known),
@@ -676,9 +597,10 @@ def find_culprit(*, model: Mapping[str, Any], backend: Mapping[str, Any], seed: 
     if graph.get("note"):
         note = "; ".join(x for x in (note, str(graph["note"])) if x)
     return CulpritResult(found=True, kind=str(answer["kind"]), ops=list(dict.fromkeys(st.op for st in chosen)),
-                         nodes=[st.node for st in chosen], node_ops=[st.op for st in chosen], node_range=[s, e], inputs=[st.inputs for st in chosen],
-                         sources=[st.source for st in chosen], status=r.status if r else None,
-                         stage=r.stage if r else None, error_type=r.error_type if r else None,
+                         nodes=[st.node for st in chosen], node_ops=[st.op for st in chosen], node_range=[s, e],
+                         inputs=[st.inputs for st in chosen], sources=[st.source for st in chosen],
+                         status=r.status if r else None, stage=r.stage if r else None,
+                         error_type=r.error_type if r else None,
                          message=_first_line(r.message, 400) if r else "", note=note, **common)
 
 

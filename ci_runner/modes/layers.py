@@ -40,7 +40,7 @@ import torch
 
 from ..backends import backend_recipe, plugin_pythonpath, simdev_options
 from ..config import spec_to_json
-from ..culprit import CulpritResult, find_culprit, hints_from_error, ops_cross_check, write_repro
+from ..culprit import CulpritResult, CulpritTarget, find_culprits, hints_from_error, ops_cross_check, write_repro
 from ..fsutil import atomic_write_text
 from ..codec import TensorStore, Unstorable
 from ..isolate import Attempt, IsolatedResult, supervise
@@ -247,13 +247,13 @@ def run(ctx: "ModeContext") -> ModeResult:
             except Exception as exc:  # a repro problem must not lose the finding
                 finding.repro = Repro(path=str((layers_dir / "repro").relative_to(ctx.cell_dir)), verified=False,
                                       note=f"repro generation failed: {type(exc).__name__}: {first_line(str(exc))}")
-    if opts.culprit:
-        for name, finding in zip(result.minimal, findings):
-            try:
-                _attach_culprit(ctx, opts, tree, name, result.outcomes[name], finding, layers_dir)
-            except Exception as exc:  # a culprit problem must not lose the finding
-                finding.details["culprit"] = {"found": False, "kind": "error",
-                                              "note": f"{type(exc).__name__}: {first_line(str(exc))}"}
+    if opts.culprit and result.minimal:
+        try:
+            _attach_culprits(ctx, opts, tree, result, findings, layers_dir)
+        except Exception as exc:  # a culprit problem must not lose the findings
+            for finding in findings:
+                finding.details.setdefault("culprit", {"found": False, "kind": "error",
+                                                       "note": f"{type(exc).__name__}: {first_line(str(exc))}"})
     annotate(findings)  # details.signature: the root-cause group (rootcause.py)
     data["minimal"] = [label(n) for n in result.minimal]
     reason = None
@@ -530,21 +530,36 @@ def _write_source_repro(ctx: "ModeContext", loaded: Any, sub: torch.nn.Module, n
 
 # --------------------------------------------------------------------------- the culprit inside a finding
 
-def _attach_culprit(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, name: str, o: ProbeOutcome,
-                    finding: Finding, layers_dir: Path) -> None:
-    """Search the failing submodule's graph for the op(s) that fail (`culprit.find_culprit`), write and verify
-    their repro, and put the answer in `finding.details["culprit"]`."""
-    budget = min(opts.culprit_budget, ctx.remaining() - 10.0)
+def _attach_culprits(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, result: SearchResult,
+                     findings: list[Finding], layers_dir: Path) -> None:
+    """Search each failing submodule's graph for the op(s) that fail (`culprit.find_culprits`: one child for
+    all of them), write and verify their repros, and put each answer in `finding.details["culprit"]`."""
+    budget = min(opts.culprit_budget, (ctx.remaining() - 10.0) / len(findings))
     if budget < 30.0:
-        finding.details["culprit"] = {"found": False, "kind": "skipped", "note": "no time left for the culprit search"}
+        for finding in findings:
+            finding.details["culprit"] = {"found": False, "kind": "skipped",
+                                          "note": "no time left for the culprit search"}
         return
-    out_dir = layers_dir / "repro" / safe_filename(label(name)) / "culprit"
-    result = find_culprit(model=spec_to_json(ctx.cell.model), backend=spec_to_json(ctx.cell.backend),
-                          seed=ctx.cell.inputs.seed, layers_dir=layers_dir, module=name, out_dir=out_dir,
-                          journal=ctx.cell_dir / JOURNAL_NAME, probe_timeout=opts.probe_timeout,
-                          startup_timeout=opts.startup_timeout, budget_s=budget,
-                          hints=hints_from_error(o.message, o.traceback), max_restarts=opts.max_restarts,
-                          env={str(k): str(v) for k, v in ctx.cell.backend.env.items()})
+    names = list(result.minimal)
+    targets = [CulpritTarget(module=name, out_dir=str(layers_dir / "repro" / safe_filename(label(name)) / "culprit"),
+                             hints=hints_from_error(result.outcomes[name].message, result.outcomes[name].traceback))
+               for name in names]
+    answers = find_culprits(model=spec_to_json(ctx.cell.model), backend=spec_to_json(ctx.cell.backend),
+                            seed=ctx.cell.inputs.seed, layers_dir=layers_dir, targets=targets,
+                            journal=ctx.cell_dir / JOURNAL_NAME, probe_timeout=opts.probe_timeout,
+                            startup_timeout=opts.startup_timeout, budget_s=budget, max_restarts=opts.max_restarts,
+                            env={str(k): str(v) for k, v in ctx.cell.backend.env.items()})
+    for name, finding, answer in zip(names, findings, answers):
+        try:
+            _attach_culprit(ctx, opts, tree, name, result.outcomes[name], finding, answer)
+        except Exception as exc:  # a culprit problem must not lose the finding
+            finding.details["culprit"] = {"found": False, "kind": "error",
+                                          "note": f"{type(exc).__name__}: {first_line(str(exc))}"}
+
+
+def _attach_culprit(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, name: str, o: ProbeOutcome,
+                    finding: Finding, result: CulpritResult) -> None:
+    """Write and verify the culprit's repro and put the answer in `finding.details["culprit"]`."""
     details = result.to_details()
     if result.found:
         def verify(script: Path, r: CulpritResult) -> Any:

@@ -12,7 +12,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
@@ -46,6 +46,7 @@ def _matrix(layers: int, options: str) -> str:
           - {{id: tiny-mixtral, config: mixtral, overrides: {{hidden_size: 16, intermediate_size: 32,
               num_hidden_layers: 1, num_attention_heads: 2, num_key_value_heads: 1, vocab_size: 64,
               num_local_experts: 4, num_experts_per_tok: 2}}}}
+          - {{id: rotary, factory: "tests.fixtures.plugin_layers_models:rotary_net"}}
         backends:
           - {{id: pair, compile: "tests.fixtures.plugin_layers_pair:pair_backend"}}
           - {{id: sim-crash, compile: sim-crash}}
@@ -56,14 +57,28 @@ def _matrix(layers: int, options: str) -> str:
         """)
 
 
-def _run(tmp_path: Path, model: str, backend: str, *, layers: int = 1,
-         options: str = "probe_timeout: 60") -> tuple[ModeResult, CellResult, Path]:
-    matrix = load_matrix_text(_matrix(layers, options), path=str(tmp_path / "matrix.yaml"))
-    cell = next(c for c in expand(matrix) if c.model.id == model and c.backend.id == backend)
-    cdir = tmp_path / "cells" / cell.id
-    result = run_cell_inprocess(cell, cdir, modes=("layers",), deadline=time.monotonic() + cell.timeout)
-    validate(result.to_dict(), "cell.schema.json", source="culprit test")
-    return result.modes["layers"], result, cdir
+_Run = tuple[ModeResult, CellResult, Path]
+
+
+@pytest.fixture(scope="module")
+def run_cell(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., _Run]:
+    """`run_cell(model, backend, layers=1, options=...)`: the cell's layers mode, run once per module and shared
+    by every test that looks at the same cell."""
+    done: dict[tuple[str, str, int, str], _Run] = {}
+
+    def run(model: str, backend: str, *, layers: int = 1, options: str = "probe_timeout: 60") -> _Run:
+        key = (model, backend, layers, options)
+        if key not in done:
+            tmp_path = tmp_path_factory.mktemp(f"{model}-{backend}")
+            matrix = load_matrix_text(_matrix(layers, options), path=str(tmp_path / "matrix.yaml"))
+            cell = next(c for c in expand(matrix) if c.model.id == model and c.backend.id == backend)
+            cdir = tmp_path / "cells" / cell.id
+            result = run_cell_inprocess(cell, cdir, modes=("layers",), deadline=time.monotonic() + cell.timeout)
+            validate(result.to_dict(), "cell.schema.json", source="culprit test")
+            done[key] = (result.modes["layers"], result, cdir)
+        return done[key]
+
+    return run
 
 
 def _culprits(mode: ModeResult) -> dict[str, dict[str, Any]]:
@@ -79,8 +94,8 @@ def _by_hand(cdir: Path, culprit: dict[str, Any]) -> subprocess.CompletedProcess
     return subprocess.run([sys.executable, "repro.py"], cwd=rdir, env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_sim_crash_names_the_attention_op_with_real_shapes(tmp_path: Path) -> None:
-    mode, _, cdir = _run(tmp_path, "tiny-llama", "sim-crash", layers=2)
+def test_sim_crash_names_the_attention_op_with_real_shapes(run_cell: Callable[..., _Run]) -> None:
+    mode, _, cdir = run_cell("tiny-llama", "sim-crash", layers=2)
     assert mode.status == "fail", mode.reason
     culprits = _culprits(mode)
     assert list(culprits) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
@@ -100,9 +115,12 @@ def test_sim_crash_names_the_attention_op_with_real_shapes(tmp_path: Path) -> No
     assert open_entry(cdir / JOURNAL_NAME, "culprit") is None
 
 
-def test_fusion_only_gives_the_smallest_range_holding_both_ops(tmp_path: Path) -> None:
-    mode, _, cdir = _run(tmp_path, "tiny-llama", "pair")
-    c = _culprits(mode)["model.layers.0.self_attn"]
+def test_fusion_only_gives_the_smallest_range_holding_both_ops(run_cell: Callable[..., _Run]) -> None:
+    """A tiny module where `aten.mm` (its projection) and `aten.neg` (its rotate-half) meet: every op passes
+    alone, the module fails; the range search must find the mm..neg range."""
+    mode, _, _ = run_cell("rotary", "pair")
+    assert [str(f.module) for f in mode.findings] == ["rot"], mode.findings
+    c = _culprits(mode)["rot"]
     assert c["found"] and c["kind"] == "range", c
     assert "no single op fails alone" in c["note"]
     ops = c["node_ops"]
@@ -112,8 +130,8 @@ def test_fusion_only_gives_the_smallest_range_holding_both_ops(tmp_path: Path) -
     assert c["error_type"] == "IndexError" and c["repro"]["verified"], c["repro"]
 
 
-def test_eager_device_names_rsqrt_in_norms_and_softmax_in_attention(tmp_path: Path) -> None:
-    mode, _, _ = _run(tmp_path, "tiny-llama", "simdev")
+def test_eager_device_names_rsqrt_in_norms_and_softmax_in_attention(run_cell: Callable[..., _Run]) -> None:
+    mode, _, _ = run_cell("tiny-llama", "simdev")
     culprits = _culprits(mode)
     assert culprits["model.layers.0.input_layernorm"]["ops"] == ["aten.rsqrt.default"]
     assert culprits["model.norm"]["ops"] == ["aten.rsqrt.default"]
@@ -130,7 +148,8 @@ def test_hard_fault_culprit_is_found_and_the_search_goes_on(tmp_path: Path, back
     """The engine alone, without hints: the probes walk the graph in order, every op before the attention
     passes in the first child, the attention kills (or hangs) it; a fresh child keeps those outcomes."""
     from ci_runner.config import spec_to_json
-    from ci_runner.culprit import find_culprit, read_results
+    from ci_runner.culprit import find_culprit
+    from ci_runner.culprit_search import read_results
     from ci_runner.layer_search import scan_model, write_root_call
     from ci_runner.models import build_inputs, load_model
 
@@ -153,9 +172,9 @@ def test_hard_fault_culprit_is_found_and_the_search_goes_on(tmp_path: Path, back
     assert (tmp_path / "culprit" / "graph.py").exists() and (tmp_path / "culprit" / "inputs.safetensors").exists()
 
 
-def test_iree_turbine_names_histc_in_mixtral_experts(tmp_path: Path) -> None:
+def test_iree_turbine_names_histc_in_mixtral_experts(run_cell: Callable[..., _Run]) -> None:
     pytest.importorskip("iree.turbine")
-    mode, _, _ = _run(tmp_path, "tiny-mixtral", "turbine")
+    mode, _, _ = run_cell("tiny-mixtral", "turbine")
     culprits = _culprits(mode)
     experts = [m for m in culprits if m.endswith("mlp.experts")]
     assert experts, list(culprits)

@@ -5,19 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ci_runner.culprit import (
-    ProbeResult,
-    Step,
-    StopSearch,
-    capture_graph,
-    graph_source,
-    graph_steps,
-    load_graph,
-    parse_key,
-    search,
-    single_order,
-    subgraph,
-)
+from ci_runner.culprit import capture_graph, entry_name, graph_source, graph_steps, load_graph, parse_entry, subgraph
+from ci_runner.culprit_search import ProbeResult, Step, StopSearch, parse_key, search, single_order
 
 
 def _probe(fails):
@@ -93,3 +82,11 @@ def test_small_graphs_rebuild_each_node_and_range_on_its_real_inputs() -> None:
         torch.testing.assert_close(out[-1], want)
     # the whole module's result, rebuilt from the recorded inputs of the full range
     torch.testing.assert_close(cg.values[nodes[-1]], block(x, scale=0.5).detach())
+
+
+def test_journal_entries_name_the_module_and_the_range() -> None:
+    """One child serves every finding of a cell: a dead child's open entry must say whose probe it was."""
+    assert parse_entry(entry_name("model.layers.1.self_attn", "3:4")) == ("model.layers.1.self_attn", "3:4")
+    assert parse_entry(entry_name("", "0:12")) == ("", "0:12")  # the whole model
+    assert parse_entry(entry_name("model.layers.0.self_attn", "0:12")) != parse_entry(
+        entry_name("model.layers.1.self_attn", "0:12"))

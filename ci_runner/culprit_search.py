@@ -1,0 +1,175 @@
+"""The culprit search as a pure function of probe outcomes, and the outcomes file (`probes.jsonl`).
+
+`search` decides which node range to probe next from what is known so far (single ops first, in
+`single_order`, then the smallest failing contiguous range); `culprit.py` runs the probes in isolated
+children and feeds their outcomes back. Being pure, a fresh child can replay the known outcomes after a crash.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from .fsutil import append_line
+
+FAILED = ("fail", "crashed", "timeout")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Step:
+    """One op node of the graph, in graph order (its `getitem` users travel with it)."""
+
+    index: int
+    node: str  # the FX node's name
+    op: str  # `aten.histc.default`
+    source: str | None  # the innermost user frame of the node's stack trace
+    inputs: list[str]  # the real inputs, described: `float32[1, 4, 16, 16] stride=[…]`, `4`
+    probe: bool  # probed alone (an op with a kernel)
+
+
+# --------------------------------------------------------------------------- the search (pure)
+
+def range_key(start: int, end: int) -> str:
+    return f"{start}:{end}"
+
+
+def parse_key(key: str) -> tuple[int, int]:
+    a, _, b = key.partition(":")
+    return int(a), int(b)
+
+
+@dataclass(kw_only=True)
+class ProbeResult:
+    """What happened when one node range was compiled and run alone on the target."""
+
+    key: str  # `start:end` over the steps
+    status: str  # pass | fail | crashed | timeout | skipped
+    stage: str | None = None
+    error_type: str | None = None
+    message: str = ""
+    traceback: str = ""
+    signal: str | None = None
+    duration_s: float = 0.0
+
+    @property
+    def failed(self) -> bool:
+        return self.status in FAILED
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "ProbeResult":
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+class StopSearch(Exception):
+    """A probe ends the search early (out of time, or a replay reached an unknown probe)."""
+
+
+@dataclass
+class SearchState:
+    """The search's answer: a failing single node, or the smallest failing range, or neither."""
+
+    kind: str  # single | range | none | incomplete
+    key: str | None = None
+    probed: list[str] = field(default_factory=list)
+    note: str = ""
+
+
+def single_order(steps: Sequence[Step], hints: Sequence[str]) -> list[int]:
+    """Probe order of the single nodes: ops the layer's error names first, then graph order."""
+    probe = [s.index for s in steps if s.probe]
+    hinted = [i for i in probe if any(_op_matches(steps[i].op, h) for h in hints)]
+    # then ops whose name holds the named op's (`_safe_softmax` runs `_softmax` on a device)
+    bare = {h.split(".")[1].strip("_") for h in hints if h.count(".") >= 1 and h.split(".")[1].strip("_")}
+    related = [i for i in probe if i not in hinted and any(b in _bare(steps[i].op) for b in bare)]
+    return hinted + related + [i for i in probe if i not in hinted and i not in related]
+
+
+def _bare(op: str) -> str:
+    parts = op.split(".")
+    return parts[1] if len(parts) >= 3 else op
+
+
+def _op_matches(op: str, hint: str) -> bool:
+    parts = op.split(".")
+    packet = ".".join(parts[:2]) if len(parts) >= 3 else op
+    return hint in (op, packet) or (len(parts) >= 3 and hint == parts[1])
+
+
+def search(n: int, singles: Sequence[int], probe: Callable[[str], ProbeResult], *,
+           all_singles: bool = False) -> SearchState:
+    """Singles first (in `singles` order; stop at the first failing one unless `all_singles`); else the whole
+    graph, then the smallest failing contiguous range: the shortest failing prefix, then its latest failing
+    start (each by bisection; every range it reports was itself probed and failed)."""
+    state = SearchState(kind="none")
+
+    def p(key: str) -> ProbeResult:
+        state.probed.append(key)
+        return probe(key)
+
+    try:
+        failing = []
+        for i in singles:
+            if p(range_key(i, i + 1)).failed:
+                failing.append(i)
+                if not all_singles:
+                    break
+        if failing:
+            state.kind, state.key = "single", range_key(failing[0], failing[0] + 1)
+            return state
+        if n == 0:
+            state.note = "the graph has no op nodes"
+            return state
+        whole = p(range_key(0, n))
+        if not whole.failed:
+            state.note = ("no single op fails alone, and the whole graph passes alone at this level: the failure "
+                          "needs more than the module's ops (its Python code, guards or the model around it)")
+            return state
+        lo, hi = 1, n  # the shortest failing prefix [0, e)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if p(range_key(0, mid)).failed:
+                hi = mid
+            else:
+                lo = mid + 1
+        end = lo
+        lo, hi = 0, end - 1  # the latest start s with [s, end) failing
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if p(range_key(mid, end)).failed:
+                lo = mid
+            else:
+                hi = mid - 1
+        state.kind, state.key = "range", range_key(lo, end)
+        state.note = "no single op fails alone"
+        return state
+    except StopSearch:
+        state.kind = "incomplete"
+        return state
+
+
+# --------------------------------------------------------------------------- outcomes on disk
+
+def read_results(path: Path) -> dict[str, ProbeResult]:
+    """Probe outcomes appended so far (the last line for a key wins; a torn last line is ignored)."""
+    out: dict[str, ProbeResult] = {}
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return out
+    for line in text.splitlines():
+        try:
+            r = ProbeResult.from_json(json.loads(line))
+        except (ValueError, TypeError):
+            continue
+        out[r.key] = r
+    return out
+
+
+def append_result(path: Path, r: ProbeResult) -> None:
+    append_line(path, json.dumps(r.to_json(), ensure_ascii=False))
