@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import stat
 import sys
 import tempfile
 from typing import Iterator
@@ -16,9 +17,29 @@ def capture_fd2() -> Iterator[list[str]]:
     """`with capture_fd2() as got:` … `got[0]` is everything written to file descriptor 2 inside the block.
 
     Native compilers write their diagnostics there, past `sys.stderr` (IREE prints "failed to legalize operation
-    …" from C++). The text is also passed on to the real stderr afterwards, so nothing is hidden."""
+    …" from C++). When fd 2 is a regular file (an isolated child's stderr.log), the text stays where it is written
+    and is read back from the file afterwards, so a child that aborts or hangs inside the block still leaves its
+    last words for the parent; otherwise fd 2 is redirected to a temporary file for the block and the text is
+    passed on to the real stderr afterwards. Nothing is hidden either way."""
     got = [""]
     sys.stderr.flush()
+    try:
+        regular = stat.S_ISREG(os.fstat(2).st_mode)
+        start = os.lseek(2, 0, os.SEEK_CUR) if regular else 0
+    except OSError:
+        regular = False
+    if regular:
+        try:
+            yield got
+        finally:
+            sys.stderr.flush()
+            try:
+                with open("/proc/self/fd/2", "rb") as f:
+                    f.seek(start)
+                    got[0] = f.read().decode("utf-8", "replace")
+            except OSError:
+                got[0] = ""
+        return
     saved = os.dup(2)
     with tempfile.TemporaryFile(mode="w+b") as tmp:
         os.dup2(tmp.fileno(), 2)
