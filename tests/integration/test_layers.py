@@ -32,7 +32,11 @@ _DECODER = ("{hidden_size: 16, intermediate_size: 32, num_hidden_layers: %d, num
 
 
 def _matrix(layers: int, options: str) -> str:
+    """The test matrix; the culprit search inside each finding is off unless asked for (tests/integration/
+    test_culprit.py covers it): these tests are about the layer search itself, and stay fast."""
     dec = _DECODER % layers
+    if "culprit" not in options:
+        options = f"{options}, culprit: false"
     return textwrap.dedent(f"""\
         version: 1
         defaults:

@@ -38,7 +38,8 @@ MATRIX = textwrap.dedent("""\
 
 
 def _run(tmp_path: Path, backend: str, options: str) -> tuple[ModeResult, Path]:
-    matrix = load_matrix_text(MATRIX.format(options=options), path=str(tmp_path / "m.yaml"))
+    # the culprit search is covered by tests/integration/test_culprit.py: off here, to keep these tests fast
+    matrix = load_matrix_text(MATRIX.format(options=f"{options}, culprit: false"), path=str(tmp_path / "m.yaml"))
     cell = next(c for c in expand(matrix) if c.backend.id == backend)
     cdir = tmp_path / cell.id
     result = run_cell_inprocess(cell, cdir, modes=("layers",), deadline=time.monotonic() + 600)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from ci_runner.torchcompat import FEATURES, available
 
@@ -20,9 +21,17 @@ pytestmark = [pytest.mark.oldtorch, pytest.mark.slow]
 CELLS = ("tiny-llama@sim-subset", "tiny-llama@sim-crash", "tiny-llama@sim-drift", "tiny-llama@simdev")
 
 
+EXAMPLE = Path(__file__).resolve().parents[2] / "ci_runner" / "data" / "example.yaml"
+
+
 def test_one_cell_per_mode_of_the_bundled_example(tmp_path: Path) -> None:
+    # the bundled example with the layers mode's culprit search off (tests/integration/test_culprit.py covers it)
+    doc = yaml.safe_load(EXAMPLE.read_text(encoding="utf-8"))
+    doc["defaults"].setdefault("options", {}).setdefault("layers", {})["culprit"] = False
+    matrix = tmp_path / "example.yaml"
+    matrix.write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
     out = tmp_path / "out"
-    argv = [sys.executable, "-m", "ci_runner", "run", "--out", str(out), "--jobs", "2"]
+    argv = [sys.executable, "-m", "ci_runner", "run", str(matrix), "--out", str(out), "--jobs", "2"]
     for cell in CELLS:
         argv += ["--select", cell]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=900)
