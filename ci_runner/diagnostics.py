@@ -8,19 +8,23 @@ import os
 import re
 import sys
 import tempfile
+from pathlib import Path
 from typing import Iterator
 
 
 @contextlib.contextmanager
-def capture_fd2() -> Iterator[list[str]]:
+def capture_fd2(path: str | Path | None = None) -> Iterator[list[str]]:
     """`with capture_fd2() as got:` … `got[0]` is everything written to file descriptor 2 inside the block.
 
     Native compilers write their diagnostics there, past `sys.stderr` (IREE prints "failed to legalize operation
-    …" from C++). The text is also passed on to the real stderr afterwards, so nothing is hidden."""
+    …" from C++). The text is also passed on to the real stderr afterwards, so nothing is hidden. With `path`,
+    the text goes to that file (truncated first) and stays there: when the process dies inside the block (a
+    segfault's report is written to fd 2 too), the parent reads it from there."""
     got = [""]
     sys.stderr.flush()
     saved = os.dup(2)
-    with tempfile.TemporaryFile(mode="w+b") as tmp:
+    opened = open(path, "w+b") if path is not None else tempfile.TemporaryFile(mode="w+b")
+    with opened as tmp:
         os.dup2(tmp.fileno(), 2)
         try:
             yield got
@@ -68,3 +72,12 @@ def exception_chain(exc: BaseException, limit: int = 6) -> list[str]:
         out.append(f"{type(cur).__name__}: {first}"[:500])
         cur = cur.__cause__ or cur.__context__
     return out
+
+
+def compiler_words(fd2_text: str, exc: BaseException, message: str, op: str | None = None) -> tuple[list[str], list[str]]:
+    """(the compiler's diagnostic lines not already in `message`'s first line, the exception chain) for a failure
+    `exc` whose compile/run wrote `fd2_text` to fd 2."""
+    chain = exception_chain(exc)
+    words = compiler_diagnostics(fd2_text + "\n" + "\n".join(chain[1:]), op)
+    first = (message.splitlines() or [""])[0]
+    return [w for w in words if w not in first and not (first and first in w)], chain
