@@ -451,18 +451,62 @@ class DynamoCounters:
                 out[cat] = d
         return out
 
-    def fallback(self) -> str | None:
+    def fallback(self, expected_break: str = "") -> str | None:
+        """Why code ran in eager instead of the backend (None: it did not); graph breaks whose reason contains
+        `expected_break` (when given) are intended and not counted."""
         d = self.delta()
         frames = d.get("frames", {})
         if frames.get("total", 0) > frames.get("ok", 0):
             return (f"Dynamo fell back to eager for {frames['total'] - frames.get('ok', 0)} frame(s) "
                     f"(an error it suppressed, or a skipped frame)")
-        breaks = d.get("graph_break", {})
+        breaks = {k: v for k, v in d.get("graph_break", {}).items() if not (expected_break and expected_break in k)}
         if breaks:
             return f"{sum(breaks.values())} graph break(s): {', '.join(list(breaks)[:2])}"[:300]
         if d.get("aot_autograd", {}).get("not_ok"):
             return "aot_autograd failed on a graph (it ran in eager)"
         return None
+
+
+def ran_facts(record: CompileRecord | None, counters: DynamoCounters, watch: FallbackWatch) -> dict[str, Any]:
+    """What the backend compiled and executed for one probe (the row's `ran`; `backend_ran` sums these)."""
+    out: dict[str, Any] = dict(record.summary()) if record is not None else {}
+    d = counters.delta()
+    if d.get("graph_break"):
+        out["graph_breaks"] = sum(d["graph_break"].values())
+    frames = d.get("frames", {})
+    if frames.get("total", 0) > frames.get("ok", 0):
+        out["frames_in_eager"] = frames["total"] - frames.get("ok", 0)
+    out.update(watch.facts())
+    return out
+
+
+def not_ran_reason(record: CompileRecord | None, counters: DynamoCounters, watch: FallbackWatch, *,
+                   expected_break: str = "") -> str | None:
+    """Why a compile that raised nothing did not run on the backend (None: it did): no graph given or executed,
+    Dynamo fell back to eager or broke the graph (except the breaks `expected_break` names), the backend's own
+    silent fallback."""
+    return ((record.not_ran() if record is not None else None) or counters.fallback(expected_break)
+            or watch.reason())
+
+
+def backend_ran(rows: list[Mapping[str, Any]], *, compiles: bool) -> dict[str, Any]:
+    """What the backend compiled and executed over all probes of a mode (`ModeResult.data["backend_ran"]`): rows
+    with `status` and `ran` (`CompileRecord.summary` plus `DynamoCounters` / `FallbackWatch` facts); ops probes or
+    layers module probes."""
+    if not compiles:
+        return {"eager": True, "probes": len(rows)}
+    total: dict[str, Any] = {"probes_compiled": 0, "probes_executed": 0, "graphs": 0, "nodes": 0,
+                             "graphs_executed": 0, "inconclusive": 0}
+    for r in rows:
+        ran = r.get("ran") or {}
+        total["probes_compiled"] += 1 if ran.get("graphs") else 0
+        total["probes_executed"] += 1 if ran.get("graphs_executed") else 0
+        for key in ("graphs", "nodes", "graphs_executed", "graph_breaks", "frames_in_eager", "openvino_partitions",
+                    "openvino_executions", "perm_fallback"):
+            if ran.get(key):
+                total[key] = total.get(key, 0) + int(ran[key])
+        total["inconclusive"] += 1 if r["status"] == "inconclusive" else 0
+    return total
 
 
 # OpenVINO's torch.compile backend (`openvino`, from the `openvino` package) falls back silently, logging at DEBUG

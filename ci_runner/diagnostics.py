@@ -9,18 +9,20 @@ import re
 import stat
 import sys
 import tempfile
+from pathlib import Path
 from typing import Iterator
 
 
 @contextlib.contextmanager
-def capture_fd2() -> Iterator[list[str]]:
+def capture_fd2(path: str | Path | None = None) -> Iterator[list[str]]:
     """`with capture_fd2() as got:` … `got[0]` is everything written to file descriptor 2 inside the block.
 
     Native compilers write their diagnostics there, past `sys.stderr` (IREE prints "failed to legalize operation
-    …" from C++). When fd 2 is a regular file (an isolated child's stderr.log), the text stays where it is written
-    and is read back from the file afterwards, so a child that aborts or hangs inside the block still leaves its
-    last words for the parent; otherwise fd 2 is redirected to a temporary file for the block and the text is
-    passed on to the real stderr afterwards. Nothing is hidden either way."""
+    …" from C++). Without `path`, when fd 2 is a regular file (an isolated child's stderr.log), the text stays
+    where it is written and is read back afterwards, so a child that aborts or hangs inside the block still leaves
+    its last words in the log its parent reads; otherwise fd 2 goes to a temporary file for the block and the text
+    is passed on to the real stderr afterwards. With `path`, the text goes to that file (truncated first) and
+    stays there for the parent to read, and is passed on too. Nothing is hidden either way."""
     got = [""]
     sys.stderr.flush()
     try:
@@ -28,7 +30,7 @@ def capture_fd2() -> Iterator[list[str]]:
         start = os.lseek(2, 0, os.SEEK_CUR) if regular else 0
     except OSError:
         regular = False
-    if regular:
+    if regular and path is None:
         try:
             yield got
         finally:
@@ -41,7 +43,8 @@ def capture_fd2() -> Iterator[list[str]]:
                 got[0] = ""
         return
     saved = os.dup(2)
-    with tempfile.TemporaryFile(mode="w+b") as tmp:
+    opened = open(path, "w+b") if path is not None else tempfile.TemporaryFile(mode="w+b")
+    with opened as tmp:
         os.dup2(tmp.fileno(), 2)
         try:
             yield got
@@ -89,3 +92,12 @@ def exception_chain(exc: BaseException, limit: int = 6) -> list[str]:
         out.append(f"{type(cur).__name__}: {first}"[:500])
         cur = cur.__cause__ or cur.__context__
     return out
+
+
+def compiler_words(fd2_text: str, exc: BaseException, message: str, op: str | None = None) -> tuple[list[str], list[str]]:
+    """(the compiler's diagnostic lines not already in `message`'s first line, the exception chain) for a failure
+    `exc` whose compile/run wrote `fd2_text` to fd 2."""
+    chain = exception_chain(exc)
+    words = compiler_diagnostics(fd2_text + "\n" + "\n".join(chain[1:]), op)
+    first = (message.splitlines() or [""])[0]
+    return [w for w in words if w not in first and not (first and first in w)], chain

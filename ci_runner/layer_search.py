@@ -30,9 +30,10 @@ from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
 import torch
 
 from . import codec
-from .backends import resolve_backend
+from .backends import DynamoCounters, FallbackWatch, not_ran_reason, ran_facts, resolve_backend
 from .capture import ModuleCapture, detach_tree, iter_tensors
 from .codec import TensorStore, Unstorable, check_value, decode_call
+from .diagnostics import capture_fd2, compiler_words
 from .fsutil import append_line, atomic_write_json
 from .config import BackendSpec, ModelSpec, spec_from_json
 from .isolate import child_journal
@@ -41,7 +42,7 @@ from .tree import tensors_in
 
 ROOT = ""  # the root module's qualified name
 ROOT_LABEL = "<root>"  # how the root is named in findings and reports
-FAILED_STATUSES = ("fail", "crashed", "timeout")
+FAILED_STATUSES = ("fail", "crashed", "timeout")  # `inconclusive` is not failing: the search treats it as a pass
 
 
 def label(name: str) -> str:
@@ -223,7 +224,7 @@ class ProbeOutcome:
     """What happened when one module was compiled and run alone on its captured inputs."""
 
     name: str
-    status: str  # pass | fail | crashed | timeout | skipped
+    status: str  # pass | fail | crashed | timeout | skipped | inconclusive (passed, but the backend never ran it)
     stage: str | None = None  # compile | run (for failures)
     error_type: str | None = None
     message: str = ""
@@ -232,6 +233,8 @@ class ProbeOutcome:
     signal: str | None = None
     duration_s: float = 0.0
     calls_tried: int = 0
+    ran: dict[str, Any] = field(default_factory=dict)  # what the backend compiled and executed (`ran_facts`)
+    diagnostics: list[str] = field(default_factory=list)  # the compiler's own lines (fd 2, exception chain)
 
     @property
     def failed(self) -> bool:
@@ -325,13 +328,14 @@ def own_name(name: str) -> str:
 
 
 def own_code_candidates(tree: ModuleTree, outcomes: Mapping[str, ProbeOutcome]) -> list[str]:
-    """Smallest failing modules whose child modules all pass alone: it is open whether the module fails in its
-    own code or needs its children together, which an own-code probe decides."""
+    """Smallest failing modules whose child modules all pass alone (or are inconclusive: raised nothing, but the
+    backend never ran them): it is open whether the module fails in its own code or needs its children together,
+    which an own-code probe decides."""
     out = []
     for name in minimal_failing(tree, outcomes):
         kids = tree.children(name)
         if (outcomes[name].status == "fail" and kids
-                and all(c in outcomes and outcomes[c].status == "pass" for c in kids)):
+                and all(c in outcomes and outcomes[c].status in ("pass", "inconclusive") for c in kids)):
             out.append(name)
     return out
 
@@ -406,6 +410,7 @@ class ChildPlan:
     probe_timeout: float
     deadline_wall: float  # time.time() after which no new module is started
     all_calls: bool = False
+    fd2_file: str | None = None  # each module's fd 2 goes here while it compiles and runs (read after a crash)
 
 
 def write_root_call(layers_dir: Path, tree: ModuleTree, kwargs: Mapping[str, Any]) -> None:
@@ -489,7 +494,7 @@ def probe_child(payload: dict[str, Any]) -> dict[str, Any]:
         outcome = _probe_one(name, model=model, backend=backend, calls=inputs.pop(name, []),
                              all_calls=plan.all_calls,
                              timeout=max(1.0, min(plan.probe_timeout, plan.deadline_wall - time.time())),
-                             timeout_fh=timeout_fh)
+                             timeout_fh=timeout_fh, fd2_file=plan.fd2_file)
         append_outcome(outcomes_file, outcome)
         known[name] = outcome
         probed += 1
@@ -506,7 +511,8 @@ def probe_child(payload: dict[str, Any]) -> dict[str, Any]:
                     break
                 outcome = _probe_one(name, model=model, backend=backend, calls=calls.get(name, []), all_calls=False,
                                      timeout=max(1.0, min(plan.probe_timeout, plan.deadline_wall - time.time())),
-                                     timeout_fh=timeout_fh, eager_children=tree.children(name))
+                                     timeout_fh=timeout_fh, eager_children=tree.children(name),
+                                 fd2_file=plan.fd2_file)
                 append_outcome(outcomes_file, outcome)
                 known[outcome.name] = outcome
     finally:
@@ -526,10 +532,16 @@ def _target_copy(sub: torch.nn.Module, backend: Any) -> torch.nn.Module:
 
 
 def _probe_one(name: str, *, model: torch.nn.Module, backend: Any, calls: list[tuple[tuple[Any, ...], dict[str, Any]]],
-               all_calls: bool, timeout: float, timeout_fh: Any, eager_children: Sequence[str] = ()) -> ProbeOutcome:
+               all_calls: bool, timeout: float, timeout_fh: Any, eager_children: Sequence[str] = (),
+               fd2_file: str | None = None) -> ProbeOutcome:
     """Compile `name` alone on the backend and run it on its captured inputs. With `eager_children` (qualified
     names of its child modules) those run eagerly (`torch._dynamo.disable`), so only the module's own code is
-    compiled: the outcome is then named `own_name(name)`."""
+    compiled: the outcome is then named `own_name(name)`.
+
+    As the ops mode's probes: the compile goes through `Backend.compile_recorded` (graphs and nodes the backend
+    was given, executions), with `DynamoCounters` and `FallbackWatch` around it; a module that raised nothing but
+    the backend never ran is `inconclusive`, not `pass`. What the compiler wrote to fd 2 (to `fd2_file`, which
+    outlives a crash) and the exception chain are reduced to its own diagnostic lines (`diagnostics`)."""
     import torch._dynamo
 
     outcome_name = own_name(name) if eager_children else name
@@ -538,37 +550,57 @@ def _probe_one(name: str, *, model: torch.nn.Module, backend: Any, calls: list[t
     t0 = time.monotonic()
     tracker: _ExecutingTracker | None = None
     tried = 0
+    record: Any = None
+    counters = DynamoCounters()
+    watch = FallbackWatch(None if backend.is_eager else backend.spec.compile)
+    err = [""]
     try:
-        if not calls:
-            raise RuntimeError(f"{label(name)} did not run in the reference forward: no inputs to replay")
-        torch._dynamo.reset()
-        sub = _target_copy(model if name == ROOT else model.get_submodule(name), backend)
-        for child in eager_children:
-            kid = sub.get_submodule(child[len(name) + 1:] if name else child)
-            kid.forward = torch._dynamo.disable(kid.forward)  # type: ignore[method-assign]
-        fn = backend.compile(sub)
-        if backend.is_eager:
-            tracker = _ExecutingTracker(sub, name)
-        for args, kwargs in (calls if all_calls else calls[:1]):
-            args, kwargs = backend.to_device(args), backend.to_device(kwargs)
-            tried += 1
-            with torch.no_grad():
-                if tracker is not None:
-                    with tracker:
+        with capture_fd2(fd2_file) as err, watch, counters:
+            if not calls:
+                raise RuntimeError(f"{label(name)} did not run in the reference forward: no inputs to replay")
+            torch._dynamo.reset()
+            sub = _target_copy(model if name == ROOT else model.get_submodule(name), backend)
+            for child in eager_children:
+                kid = sub.get_submodule(child[len(name) + 1:] if name else child)
+                kid.forward = torch._dynamo.disable(kid.forward)  # type: ignore[method-assign]
+            fn, record = backend.compile_recorded(sub)
+            if backend.is_eager:
+                tracker = _ExecutingTracker(sub, name)
+            for args, kwargs in (calls if all_calls else calls[:1]):
+                args, kwargs = backend.to_device(args), backend.to_device(kwargs)
+                tried += 1
+                with torch.no_grad():
+                    if tracker is not None:
+                        with tracker:
+                            out = fn(*args, **kwargs)
+                    else:
                         out = fn(*args, **kwargs)
-                else:
-                    out = fn(*args, **kwargs)
-                _materialize(out)
-            del out
-        outcome = ProbeOutcome(name=outcome_name, status="pass", duration_s=time.monotonic() - t0, calls_tried=tried)
+                    _materialize(out)
+                del out
+        ran = {} if backend.is_eager else ran_facts(record, counters, watch)
+        # an own-code probe breaks the graph at each child it runs eagerly, on purpose
+        why = None if backend.is_eager else not_ran_reason(record, counters, watch, expected_break=(
+            "torch.compiler.disable()" if eager_children else ""))
+        if why:
+            outcome = ProbeOutcome(name=outcome_name, status="inconclusive", duration_s=time.monotonic() - t0,
+                                   calls_tried=tried, ran=ran,
+                                   message=f"{label(outcome_name)} raised nothing but did not run on the backend: "
+                                           f"{why}"[:2000])
+        else:
+            outcome = ProbeOutcome(name=outcome_name, status="pass", duration_s=time.monotonic() - t0,
+                                   calls_tried=tried, ran=ran)
     except Exception as exc:  # the backend's error is the finding
         inner = unwrap_exception(exc)
         stage = "compile" if (not backend.is_eager and is_compile_stage(exc)) else "run"
+        message = str(inner)[:4000] or type(inner).__name__
+        words, _ = compiler_words(err[0], inner, message)
+        if words:  # the compiler's own lines after the error's first line (verification keys on the first)
+            message = (message + "\n" + "\n".join(words))[:6000]
         outcome = ProbeOutcome(name=outcome_name, status="fail", stage=stage, error_type=type(inner).__name__,
-                               message=str(inner)[:4000] or type(inner).__name__,
-                               traceback=root_traceback(exc, inner),
+                               message=message, traceback=root_traceback(exc, inner),
                                executing=tracker.failed_in if tracker is not None else None,
-                               duration_s=time.monotonic() - t0, calls_tried=tried)
+                               duration_s=time.monotonic() - t0, calls_tried=tried,
+                               ran={} if backend.is_eager else ran_facts(record, counters, watch), diagnostics=words)
     finally:
         faulthandler.cancel_dump_traceback_later()
         child_journal("leave-module", label(outcome_name))

@@ -29,10 +29,12 @@ from .backends import (
     DynamoCounters,
     FallbackWatch,
     named_op_from_error,
+    not_ran_reason,
+    ran_facts,
     resolve_backend,
 )
 from .config import BackendSpec, spec_from_json, spec_to_json
-from .diagnostics import capture_fd2, compiler_diagnostics, exception_chain
+from .diagnostics import capture_fd2, compiler_words
 from .fsutil import append_line
 from .isolate import Attempt, IsolatedResult, child_journal, supervise
 from .op_compare import compare, matches_any, mismatch_metrics, no_compare_reason
@@ -408,19 +410,16 @@ def run_probe(backend: Any, probe: Mapping[str, Any], *, compare_results: bool,
                             f"{_exc_text(ref_exc)[:300]}): {info['message']}"[:4000])
         elif info["status"] == "probe_error" and ref_exc is None and record is not None and record.graphs:
             info.update(status="error", stage="compile")  # Dynamo failed after the backend had the graph
-        chain = exception_chain(inner)
-        words = compiler_diagnostics(err[0] + "\n" + "\n".join(chain[1:]), probe["op"])
-        first = (info["message"].splitlines() or [""])[0]
-        words = [w for w in words if w not in first and not (first and first in w)]
+        words, chain = compiler_words(err[0], inner, info["message"], probe["op"])
         if words:
             info["message"] = (info["message"] + "\n" + "\n".join(words))[:4000]
             if not info.get("named_text"):
                 info["named_op"], info["named_text"] = named_op_from_error("\n".join(words))
         info["diagnostics"] = {"compiler": words, "exception_chain": chain}
-        return done(**info, ran=_ran(record, counters, watch))
-    ran = _ran(record, counters, watch)
+        return done(**info, ran=ran_facts(record, counters, watch))
+    ran = ran_facts(record, counters, watch)
     if not eager:
-        why = (record.not_ran() if record is not None else None) or counters.fallback() or watch.reason()
+        why = not_ran_reason(record, counters, watch)
         if why:
             return done(status="inconclusive", stage="run", error_type=None, ran=ran,
                         message=f"{probe['op']} did not run on the backend: {why}"[:2000])
@@ -441,19 +440,6 @@ def run_probe(backend: Any, probe: Mapping[str, Any], *, compare_results: bool,
 
 class _CompilerRefused(Exception):
     """The backend's compiler function raised on the one-op graph (the fx path)."""
-
-
-def _ran(record: Any, counters: DynamoCounters, watch: FallbackWatch) -> dict[str, Any]:
-    """What the backend compiled and executed for one probe (`ModeResult.data["backend_ran"]` sums these)."""
-    out: dict[str, Any] = dict(record.summary()) if record is not None else {}
-    d = counters.delta()
-    if d.get("graph_break"):
-        out["graph_breaks"] = sum(d["graph_break"].values())
-    frames = d.get("frames", {})
-    if frames.get("total", 0) > frames.get("ok", 0):
-        out["frames_in_eager"] = frames["total"] - frames.get("ok", 0)
-    out.update(watch.facts())
-    return out
 
 
 def probe_batch(payload: Mapping[str, Any]) -> dict[str, Any]:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
 
-from ..backends import backend_recipe, plugin_pythonpath, simdev_options
+from ..backends import backend_ran, backend_recipe, plugin_pythonpath, simdev_options
 from ..config import spec_to_json
 from ..culprit import CulpritResult, CulpritTarget, find_culprits, hints_from_error, ops_cross_check, write_repro
 from ..fsutil import atomic_write_text
@@ -106,9 +106,10 @@ def run_search(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, layers
     outcomes_file = layers_dir / "probes.jsonl"
     outcomes_file.unlink(missing_ok=True)
     timeout_file = layers_dir / "child-0.timeout.txt"
+    fd2_file = layers_dir / "child-0.fd2.txt"
 
     def next_attempt(children: int) -> Attempt | str | None:
-        nonlocal timeout_file
+        nonlocal timeout_file, fd2_file
         known = read_outcomes(outcomes_file)
         if _replay(tree, known).complete:
             return None
@@ -118,11 +119,12 @@ def run_search(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, layers
         unknown = sum(1 for n, node in tree.nodes.items() if node.replayable and n not in known)
         timeout_file = layers_dir / f"child-{children}.timeout.txt"
         timeout_file.unlink(missing_ok=True)
+        fd2_file = layers_dir / f"child-{children}.fd2.txt"
         plan = ChildPlan(model=spec_to_json(ctx.cell.model), backend=spec_to_json(ctx.cell.backend),
                          seed=ctx.cell.inputs.seed, dtype=None, layers_dir=str(layers_dir),
                          outcomes_file=str(outcomes_file), timeout_file=str(timeout_file),
                          probe_timeout=opts.probe_timeout, deadline_wall=time.time() + budget - 5.0,
-                         all_calls=opts.all_calls)
+                         all_calls=opts.all_calls, fd2_file=str(fd2_file))
         return Attempt(payload=plan.__dict__,
                        timeout=min(budget, opts.startup_timeout + opts.probe_timeout * max(1, unknown)))
 
@@ -132,14 +134,22 @@ def run_search(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, layers
             timeout_file.unlink(missing_ok=True)
         return hit
 
+    def crashed_fd2() -> str:
+        """What the dead child's last module wrote to fd 2 (a segfault's report lands there too)."""
+        text = _read_tail(fd2_file)
+        fd2_file.unlink(missing_ok=True)
+        return f"\n--- fd 2 while the module ran ---\n{text}" if text.strip() else ""
+
     def on_ok(res: IsolatedResult) -> str | None:
         drop_empty_timeout_file()
+        fd2_file.unlink(missing_ok=True)
         if not (res.value or {}).get("complete", False):
             return "the cell's time ran out during the search"
         return None
 
     def on_crash(entry: str | None, res: IsolatedResult) -> str | None:
         timed_out = drop_empty_timeout_file() or res.status == "timeout"
+        fd2 = crashed_fd2()
         if res.status == "error":  # probe errors are outcomes: this failed outside any module
             return (f"the probing child failed outside any module: {res.error_type}: {first_line(res.message)}"
                     + (f"\n{res.traceback[-2000:]}" if res.traceback else ""))
@@ -152,7 +162,7 @@ def run_search(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, layers
                                    duration_s=opts.probe_timeout,
                                    message=f"{label(culprit)} did not finish within {opts.probe_timeout:g}s "
                                            f"(probe_timeout); the probing child was killed",
-                                   traceback=_read_tail(timeout_file) or res.stderr_tail)
+                                   traceback=(_read_tail(timeout_file) or res.stderr_tail) + fd2)
         else:
             sig = res.signal or (f"exit code {res.exit_code}" if res.exit_code is not None else "unknown")
             why = res.message or sig
@@ -160,7 +170,7 @@ def run_search(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, layers
                 why += " (SIGKILL from outside: often the kernel's out-of-memory killer)"
             outcome = ProbeOutcome(name=culprit, status="crashed", stage="run", error_type=res.signal or "Crash",
                                    message=f"the process died while {label(culprit)} ran: {why}",
-                                   traceback=res.stderr_tail, signal=res.signal)
+                                   traceback=res.stderr_tail + fd2, signal=res.signal)
         append_outcome(outcomes_file, outcome)
         return None
 
@@ -226,14 +236,21 @@ def run(ctx: "ModeContext") -> ModeResult:
                    "children": srun.children, "restarts": srun.restarts, "stop_reason": srun.stop_reason},
         "candidates": [_candidate_row(tree, o) for o in result.outcomes.values()],
     }
+    probed = [o for o in read_outcomes(layers_dir / "probes.jsonl").values() if o.status != "skipped"]
+    data["backend_ran"] = backend_ran([{"status": o.status, "ran": o.ran} for o in probed],
+                                      compiles=ctx.cell.backend.compile is not None)
+    unran = [label(o.name) for o in probed if o.status == "inconclusive"]
+    note = (f"{len(unran)} module probe(s) the backend never ran (inconclusive, not passed): "
+            f"{', '.join(unran[:8])}{' …' if len(unran) > 8 else ''}") if unran else None
     whole = result.whole_model
     if whole is None:
         status = "timeout" if srun.stop_reason and "time ran out" in srun.stop_reason else "error"
         return ModeResult(status=status, reason=srun.stop_reason or "the whole model was not probed", data=data,
                           duration_s=time.monotonic() - t0)
     data["whole_model"] = _candidate_row(tree, whole)
-    if whole.status == "pass":
-        return ModeResult(status="pass", data=data, duration_s=time.monotonic() - t0)
+    if not whole.failed:
+        return ModeResult(status="inconclusive" if unran else "pass", reason=note, data=data,
+                          duration_s=time.monotonic() - t0)
 
     known = read_outcomes(layers_dir / "probes.jsonl")  # with the own-code probes (`own_name`)
     findings = [_finding(ctx, tree, result, name, all_calls=opts.all_calls, own=known.get(own_name(name)))
@@ -259,6 +276,7 @@ def run(ctx: "ModeContext") -> ModeResult:
     reason = None
     if not result.complete:
         reason = f"search incomplete: {srun.stop_reason}; the modules named may not be the smallest failing ones"
+    reason = "; ".join(filter(None, [reason, note])) or None
     return ModeResult(status="fail", findings=findings, reason=reason, data=data, duration_s=time.monotonic() - t0)
 
 
@@ -276,8 +294,10 @@ def _candidate_row(tree: ModuleTree, o: ProbeOutcome) -> dict[str, Any]:
         row.update(stage=o.stage, error_type=o.error_type, message=first_line(o.message))
         if o.executing:
             row["executing"] = label(o.executing)
-    elif o.status == "skipped":
+    elif o.status in ("skipped", "inconclusive"):
         row["message"] = o.message
+    if o.ran:
+        row["ran"] = dict(o.ran)
     return row
 
 
@@ -323,6 +343,8 @@ def _finding(ctx: "ModeContext", tree: ModuleTree, result: SearchResult, name: s
         what = f"{where} fails alone at {o.stage}: {o.error_type}: {first_line(o.message, 240)}"
     words, verdict = own_code_words(name, o, children, tried_children, own)
     what += words
+    if o.diagnostics:  # the compiler's own words (IREE's "failed to legalize …" from fd 2)
+        what += "\ncompiler: " + "\ncompiler: ".join(o.diagnostics)
     details: dict[str, Any] = {
         "status": o.status,
         "path": [label(p) for p in tree.path(name)],
@@ -331,6 +353,8 @@ def _finding(ctx: "ModeContext", tree: ModuleTree, result: SearchResult, name: s
         "children": {label(c): s for c, s in tried_children.items()},
         "message_full": o.message[:4000],
         "traceback_tail": o.traceback[-3000:],
+        "compiler_diagnostics": list(o.diagnostics),
+        "backend_ran": dict(o.ran),
     }
     if verdict is not None:
         details["own_code"] = verdict

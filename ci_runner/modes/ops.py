@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
-from ..backends import BackendRecipe, backend_recipe
+from ..backends import BackendRecipe, backend_ran, backend_recipe
 from ..config import BackendSpec
 from ..errors import DeepviewError
 from ..fsutil import atomic_write_json
@@ -299,24 +299,6 @@ def _is_finding(outcome: Mapping[str, Any]) -> bool:
     if outcome["status"] == "probe_error":
         return not str(outcome.get("message") or "").startswith("CPU eager fails too")
     return outcome["status"] in FAILED
-
-
-def backend_ran(rows: list[Mapping[str, Any]], *, compiles: bool) -> dict[str, Any]:
-    """What the backend compiled and executed over all probes (`ModeResult.data["backend_ran"]`)."""
-    if not compiles:
-        return {"eager": True, "probes": len(rows)}
-    total: dict[str, Any] = {"probes_compiled": 0, "probes_executed": 0, "graphs": 0, "nodes": 0,
-                             "graphs_executed": 0, "inconclusive": 0}
-    for r in rows:
-        ran = r.get("ran") or {}
-        total["probes_compiled"] += 1 if ran.get("graphs") else 0
-        total["probes_executed"] += 1 if ran.get("graphs_executed") else 0
-        for key in ("graphs", "nodes", "graphs_executed", "graph_breaks", "frames_in_eager", "openvino_partitions",
-                    "openvino_executions", "perm_fallback"):
-            if ran.get(key):
-                total[key] = total.get(key, 0) + int(ran[key])
-        total["inconclusive"] += 1 if r["status"] == "inconclusive" else 0
-    return total
 
 
 def _take_inventory(ctx: "ModeContext", level: str) -> Inventory:

@@ -48,6 +48,7 @@ def _matrix(layers: int, options: str) -> str:
           - {{id: tiny-llama, config: llama, overrides: {dec}}}
           - {{id: tiny-granite, config: granite, overrides: {dec}}}
           - {{id: gated, factory: "tests.fixtures.plugin_layers_models:gated"}}
+          - {{id: disabled, factory: "tests.fixtures.plugin_layers_models:disabled"}}
         backends:
           - {{id: pair, compile: "tests.fixtures.plugin_layers_pair:pair_backend"}}
           - {{id: fault-raise, compile: "tests.fixtures.plugin_layers_fault:raise_backend"}}
@@ -210,3 +211,14 @@ def test_a_backend_that_runs_the_model_passes_after_one_probe(tmp_path: Path) ->
     assert mode.status == "pass" and mode.findings == []
     assert mode.data["search"]["probed"] == 1 and mode.data["whole_model"]["status"] == "pass"
     assert not (cdir / "layers" / "repro").exists()
+
+
+def test_a_model_the_backend_never_ran_is_inconclusive_not_pass(tmp_path: Path) -> None:
+    """Issue 13: the model raised nothing on the backend, but Dynamo never handed it a graph: not a pass."""
+    mode, cell, _ = _run(tmp_path, "disabled", "aot")
+    assert mode.status == "inconclusive" and mode.findings == [], (mode.status, mode.reason)
+    assert cell.status == "inconclusive", cell.status
+    assert "1 module probe(s) the backend never ran" in (mode.reason or "") and "<root>" in mode.reason, mode.reason
+    assert mode.data["backend_ran"]["inconclusive"] == 1 and mode.data["backend_ran"]["probes_executed"] == 0
+    row = _rows(mode)["<root>"]
+    assert row["status"] == "inconclusive" and "no graph" in row["message"], row

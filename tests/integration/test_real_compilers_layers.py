@@ -104,5 +104,13 @@ def test_iree_histc_in_a_modules_own_code_is_said_so(tmp_path: Path) -> None:
     assert f.details["own_code"] == "own_code"
     assert "fails in its own code" in f.message and "1 child module run eagerly" in f.message
     assert f.repro is not None and f.repro.verified, f.repro
+    # the compiler's own words: IREE writes "failed to legalize operation 'torch.aten.histc'" from native code to
+    # fd 2; the finding's message and details keep it (the error itself says only "See diagnostics.")
+    assert "failed to legalize" in f.message, f.message
+    assert any("failed to legalize" in w and "histc" in w for w in f.details["compiler_diagnostics"]), f.details
+    # a pass means the backend ran: the passing child was compiled and executed by IREE
+    assert rows and mode.data["backend_ran"]["probes_executed"] >= 1, mode.data["backend_ran"]
+    ran = {r["module"]: r.get("ran") or {} for r in mode.data["candidates"]}
+    assert ran["router.proj"].get("graphs_executed", 0) >= 1, ran
     causes = root_causes(Results(cells=[result]))
     assert len(causes) == 1 and causes[0]["role"] == "backend" and causes[0]["raised_in"].startswith("iree"), causes
