@@ -68,6 +68,16 @@ SKIP_OPS: frozenset[str] = frozenset({
     "aten.sym_numel.default",
     "aten.sym_storage_offset.default",
 })
+# Runtime checks and `.item()` in a graph: `torch._check_tensor_all` (transformers' `torch_compilable_check`, e.g.
+# Llava's image-token count) and the scalar it reads. Under torch.compile's default Dynamo config
+# (capture_scalar_outputs=False) they run in eager at a graph break, so a compiler is never handed them: a one-op
+# probe would be a false alarm (tiny Llava on IREE: `aten._is_all_true` "failed to legalize", while the whole model
+# compiles and runs on IREE). Left out of the graph-level inventories only; an eager device does run them.
+EAGER_AT_GRAPH_BREAK: frozenset[str] = frozenset({
+    "aten._is_all_true.default",
+    "aten._is_any_true.default",
+    "aten._local_scalar_dense.default",
+})
 
 
 class InventoryError(DeepviewError):
@@ -250,7 +260,7 @@ def add_aten_graph(builder: _Builder, gm: torch.fx.GraphModule, root_class: str,
                     skipped_hops.add(str(target.name()))
                 continue
             name = str(target)
-            if name in SKIP_OPS:
+            if name in SKIP_OPS or name in EAGER_AT_GRAPH_BREAK:
                 continue
             args, kwargs = _encode_node_args(node, "val")
             builder.add(name, args, kwargs, site_from_node(node, root_class), outputs=used_outputs(node),

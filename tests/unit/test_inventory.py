@@ -241,3 +241,22 @@ def test_untraceable_model_gives_the_error_and_where_it_happened() -> None:
 def test_unknown_level_is_rejected() -> None:
     with pytest.raises(InventoryError, match="unknown IR level"):
         take_inventory(_meta_tiny(), (IDS,), level="tosa")
+
+
+class _Checked(nn.Module):
+    """A runtime check as transformers writes it (`torch_compilable_check` → `torch._check_tensor_all`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch._check_tensor_all((x > -1e9).all())
+        return x.relu()
+
+
+def test_runtime_checks_are_not_probed_at_graph_level_but_are_on_an_eager_device() -> None:
+    """Dynamo runs `_check_tensor_all`'s ops in eager at a graph break, so a compiler never sees them (a one-op probe
+    of `aten._is_all_true` was a false alarm on IREE); an eager device does run them."""
+    x = torch.randn(4)
+    aten = {s.op for s in take_inventory(_Checked(), (x,), level="aten", device="cpu").signatures}
+    assert "aten.relu.default" in aten
+    assert not aten & {"aten._is_all_true.default", "aten._local_scalar_dense.default"}, aten
+    eager = {s.op for s in take_inventory(_Checked(), (x,), level="dispatch", device="cpu").signatures}
+    assert "aten._is_all_true.default" in eager or "aten._local_scalar_dense.default" in eager, eager
