@@ -7,12 +7,11 @@ children and feeds their outcomes back. Being pure, a fresh child can replay the
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from .fsutil import append_line
+from .fsutil import append_record, read_records
 
 FAILED = ("fail", "crashed", "timeout")
 
@@ -157,19 +156,8 @@ def search(n: int, singles: Sequence[int], probe: Callable[[str], ProbeResult], 
 
 def read_results(path: Path) -> dict[str, ProbeResult]:
     """Probe outcomes appended so far (the last line for a key wins; a torn last line is ignored)."""
-    out: dict[str, ProbeResult] = {}
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return out
-    for line in text.splitlines():
-        try:
-            r = ProbeResult.from_json(json.loads(line))
-        except (ValueError, TypeError):
-            continue
-        out[r.key] = r
-    return out
+    return read_records(path, ProbeResult.from_json, lambda r: r.key)
 
 
 def append_result(path: Path, r: ProbeResult) -> None:
-    append_line(path, json.dumps(r.to_json(), ensure_ascii=False))
+    append_record(path, r.to_json())

@@ -6,7 +6,9 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
@@ -46,3 +48,25 @@ def append_line(path: str | os.PathLike[str], line: str) -> None:
         fh.write(line.rstrip("\n") + "\n")
         fh.flush()
         os.fsync(fh.fileno())
+
+
+def append_record(path: str | os.PathLike[str], record: Any) -> None:
+    """Append one JSON record to an append-only `.jsonl` log (fsynced: it must survive the writer's crash)."""
+    append_line(path, json.dumps(record, ensure_ascii=False))
+
+
+def read_records(path: str | os.PathLike[str], parse: Callable[[Any], T], key: Callable[[T], str]) -> dict[str, T]:
+    """The records of an append-only `.jsonl` log by key: the last line for a key wins, and a torn last line (the
+    writer died mid-write) or a line `parse` rejects with ValueError/TypeError is skipped. No file: empty."""
+    out: dict[str, T] = {}
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return out
+    for line in text.splitlines():
+        try:
+            rec = parse(json.loads(line))
+        except (ValueError, TypeError):
+            continue
+        out[key(rec)] = rec
+    return out

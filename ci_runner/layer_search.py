@@ -34,7 +34,7 @@ from .backends import DynamoCounters, FallbackWatch, not_ran_reason, ran_facts, 
 from .capture import ModuleCapture, detach_tree, iter_tensors
 from .codec import TensorStore, Unstorable, check_value, decode_call
 from .diagnostics import capture_fd2, compiler_words
-from .fsutil import append_line, atomic_write_json
+from .fsutil import append_record, atomic_write_json, read_records
 from .config import BackendSpec, ModelSpec, spec_from_json
 from .isolate import child_journal
 from .models import load_model
@@ -342,22 +342,11 @@ def own_code_candidates(tree: ModuleTree, outcomes: Mapping[str, ProbeOutcome]) 
 
 def read_outcomes(path: Path) -> dict[str, ProbeOutcome]:
     """Outcomes appended so far (the last line for a name wins; a torn last line is ignored)."""
-    out: dict[str, ProbeOutcome] = {}
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return out
-    for line in text.splitlines():
-        try:
-            o = ProbeOutcome.from_json(json.loads(line))
-        except (ValueError, TypeError):
-            continue
-        out[o.name] = o
-    return out
+    return read_records(path, ProbeOutcome.from_json, lambda o: o.name)
 
 
 def append_outcome(path: Path, outcome: ProbeOutcome) -> None:
-    append_line(path, json.dumps(outcome.to_json(), ensure_ascii=False))
+    append_record(path, outcome.to_json())
 
 
 # --------------------------------------------------------------------------- errors
