@@ -140,6 +140,12 @@ class IsolatedResult:
             return f"failed: {self.error_type}: {first}"
         return "finished"
 
+    def failure(self, what: str, tail: int = 1500) -> dict[str, str]:
+        """The `reason` and `stderr_tail` of a tool's result when its child did not finish:
+        {"reason": "<what> could not run: the child crashed (SIGSEGV)", "stderr_tail": "…"}."""
+        return {"reason": f"{what} could not run: the child {self.describe()}",
+                "stderr_tail": (self.stderr_tail or "")[-tail:]}
+
 
 def signal_name(returncode: int | None) -> str | None:
     """`SIGSEGV` for a process that died by a signal (negative return code), else None."""

@@ -306,9 +306,7 @@ def check_cell(ctx: CellContext, *, table: ThresholdTable | None, slots: int = 4
         res = run_isolated("ci_runner.numerics.batch_invariance:batch_child", payload, timeout=timeout,
                            env=dict(ctx.cell.backend.env))
         if res.status != "ok":
-            why = f"the child {res.describe()}"
-            return [], {"status": "error", "reason": f"batch invariance could not run: {why}",
-                        "stderr_tail": (res.stderr_tail or "")[-1500:]}
+            return [], {"status": "error", **res.failure("batch invariance")}
         result = res.value
     else:
         try:

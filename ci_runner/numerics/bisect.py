@@ -407,9 +407,7 @@ def bisect_cell(ctx: CellContext, *, layers: Sequence[Any], verdict: Mapping[str
     if isolate:
         res = run_isolated("ci_runner.numerics.bisect:bisect_child", payload, timeout=budget, env=dict(ctx.cell.backend.env))
         if res.status != "ok":
-            why = f"the child {res.describe()}"
-            return {**base, "status": "error", "summary": None, "reason": f"bisect could not run: {why}",
-                    "stderr_tail": (res.stderr_tail or "")[-1500:]}
+            return {**base, "status": "error", "summary": None, **res.failure("bisect")}
         return {**base, "status": "ok", **res.value}
     try:
         return {**base, "status": "ok", **bisect_child(payload)}

@@ -280,9 +280,7 @@ def check_cell(ctx: CellContext, *, isolate: bool = True, chunk_mb: float = 256.
         res = run_isolated("ci_runner.numerics.weights:weights_child", payload, timeout=timeout,
                            env=dict(ctx.cell.backend.env))
         if res.status != "ok":
-            why = f"the child {res.describe()}"
-            return [], {"status": "error", "reason": f"weights check could not run: {why}",
-                        "stderr_tail": (res.stderr_tail or "")[-1500:]}
+            return [], {"status": "error", **res.failure("weights check")}
         report = WeightsReport.from_json(res.value["report"])
         classes = res.value.get("classes") or {}
     else:
