@@ -27,7 +27,7 @@ def main() -> int:
     ap.add_argument("--backend", default="sim-crash")
     args = ap.parse_args()
 
-    from ci_runner.cellrun import run_cell_inprocess
+    from ci_runner.run.cellrun import run_cell_inprocess
     from ci_runner.config import load_matrix
     from ci_runner.matrix import expand
 

@@ -36,8 +36,8 @@ def main() -> int:
         torch.set_num_threads(args.threads)
 
     from ci_runner.config import InputSpec, ModelSpec
-    from ci_runner.layer_search import capture_inputs, record_calls, scan_model
-    from ci_runner.models import build_inputs, load_model
+    from ci_runner.modes.layers.search import capture_inputs, record_calls, scan_model
+    from ci_runner.engine.models import build_inputs, load_model
 
     spec = ModelSpec(id="bench-llama", config="llama", overrides={
         "hidden_size": args.hidden, "intermediate_size": 4 * args.hidden, "num_hidden_layers": args.layers,

@@ -53,9 +53,9 @@ def _reset_hwm() -> bool:
 def measure(depth: int, args: argparse.Namespace) -> dict[str, float]:
     import torch
 
-    from ci_runner.backends import resolve_backend
+    from ci_runner.engine.backends import resolve_backend
     from ci_runner.config import BackendSpec, InputSpec, ModelSpec, Reference
-    from ci_runner.models import build_inputs, load_model
+    from ci_runner.engine.models import build_inputs, load_model
     from ci_runner.numerics import settings, views
     from ci_runner.numerics.target import TargetPlan, compare_target
     from ci_runner.numerics import capture as ncap

@@ -20,9 +20,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ci_runner.baseline import diff, load_baseline, update_baseline, write_diff  # noqa: E402
+from ci_runner.results.baseline import diff, load_baseline, update_baseline, write_diff  # noqa: E402
 from ci_runner.report import write_reports  # noqa: E402
-from ci_runner.results import load_results, save_results  # noqa: E402
+from ci_runner.results.model import load_results, save_results  # noqa: E402
 from tests.fixtures.results_factory import big_results, unsupported_op  # noqa: E402
 
 

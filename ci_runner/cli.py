@@ -13,24 +13,25 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from . import baseline, errors
-from .aggregate import aggregate, write_report_dir
-from .backends import available_backends
-from .cellrun import RESULT_NAME, run_cell_inprocess
+from .results import baseline
+from . import errors
+from .run.aggregate import aggregate, write_report_dir
+from .engine.backends import available_backends
+from .run.cellrun import RESULT_NAME, run_cell_inprocess
 from .config import ALL_MODES, load_matrix
-from .envinfo import base_stamp, env_report, format_env, tool_version
+from .engine.envinfo import base_stamp, env_report, format_env, tool_version
 from .errors import DeepviewError, UsageError
-from .execute import RunOptions, auto_jobs, available_cores, cell_dir, load_partial, run_cells
+from .run.execute import RunOptions, auto_jobs, available_cores, cell_dir, load_partial, run_cells
 from .fsutil import atomic_write_json, atomic_write_text
 from .github.actions import set_output
 from .github.issues import file_issues
 from .github.options import FilingOptions
-from .isolate import arm_worker
+from .engine.isolate import arm_worker
 from .log import Progress
 from .matrix import dumps_compact, expand, expand_json, find_cell, select
 from .numerics.thresholds import load_table
 from .plan import load_plan, parse_chunk_results, setup_failed_result
-from .results import load_results, save_cell_result
+from .results.model import load_results, save_cell_result
 
 if TYPE_CHECKING:
     from .config import Cell

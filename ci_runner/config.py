@@ -21,7 +21,7 @@ import yaml
 
 from .errors import ConfigError, OptionError
 from .options import parse as parse_options
-from .results import schema
+from .results.model import schema
 
 ALL_MODES: tuple[str, ...] = ("ops", "layers", "numerics")
 DEFAULT_TIMEOUT_S = 900.0

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from .errors import InputError
-from .results import CellError, CellResult, ModeResult, read_json
+from .results.model import CellError, CellResult, ModeResult, read_json
 
 NO_RESULT = "no result: its job ended before writing one"
 TAIL_CHARS = 4000

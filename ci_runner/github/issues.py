@@ -50,7 +50,7 @@ from typing import Any, Mapping, Sequence
 from ..errors import EXIT_GITHUB, EXIT_OK, ConfigError, InputError
 from ..fsutil import atomic_write_json, atomic_write_text
 from ..log import append_step_summary
-from ..results import load_results, read_json, validate
+from ..results.model import load_results, read_json, validate
 from .actions import set_output
 from .client import (
     DEFAULT_API_URL,

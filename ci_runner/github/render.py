@@ -19,7 +19,7 @@ from typing import Any, Mapping, Sequence
 import jinja2
 
 from ..matrix import artifact_name
-from ..results import fingerprint as _hash_key
+from ..results.model import fingerprint as _hash_key
 from .client import redact
 from .options import FilingOptions
 

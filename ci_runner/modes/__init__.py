@@ -14,21 +14,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from ..isolate import Journal
-from ..results import ModeResult
+from ..engine.isolate import Journal
+from ..results.model import ModeResult
 
 if TYPE_CHECKING:
-    from ..backends import Backend
+    from ..engine.backends import Backend
     from ..config import Cell
-    from ..models import LoadedModel
+    from ..engine.models import LoadedModel
 
 ModeFn = Callable[["ModeContext"], ModeResult]
 
 # name -> "module:function"; the order here is the canonical run order.
 MODE_REGISTRY: dict[str, str] = {
-    "ops": "ci_runner.modes.ops:run",
-    "layers": "ci_runner.modes.layers:run",
-    "numerics": "ci_runner.modes.numerics:run",
+    "ops": "ci_runner.modes.ops.mode:run",
+    "layers": "ci_runner.modes.layers.mode:run",
+    "numerics": "ci_runner.modes.numerics.mode:run",
 }
 
 
@@ -79,7 +79,7 @@ class ModeContext:
 
     def model(self, *, dtype: str | None = None, device: str = "cpu", meta: bool = False) -> "LoadedModel":
         """Load (once per dtype/device/meta) the cell's model; the same seed gives the same weights."""
-        from ..models import load_model  # deferred: torch (the run's parent process imports this package)
+        from ..engine.models import load_model
 
         key = (dtype, device, meta)
         if key not in self._models:
@@ -87,7 +87,7 @@ class ModeContext:
         return self._models[key]
 
     def inputs(self, loaded: "LoadedModel", *, sample: int = 0, device: str = "cpu") -> dict[str, Any]:
-        from ..models import build_inputs  # deferred: torch
+        from ..engine.models import build_inputs
 
         return build_inputs(loaded, self.cell.inputs, sample=sample, device=device)
 

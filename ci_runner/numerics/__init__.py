@@ -1,6 +1,6 @@
 """The numerics package: per-layer divergence of a target against trusted references, and its toolbox.
 
-The numerics mode (`ci_runner/modes/numerics.py`) is a thin layer over these modules; none of them imports a
+The numerics mode (`ci_runner/modes/numerics/mode.py`) is a thin layer over these modules; none of them imports a
 mode. Method: `docs/numerics.md`.
 
 ==================  =================================================================================

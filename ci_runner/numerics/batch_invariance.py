@@ -29,20 +29,20 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..backends import resolve_backend
+from ..engine.backends import resolve_backend
 from ..config import BackendSpec, InputSpec, ModelSpec, spec_from_json, spec_to_json
-from ..isolate import run_isolated
-from ..models import build_inputs, load_model
+from ..engine.isolate import run_isolated
+from ..engine.models import build_inputs, load_model
 from ..options import ThresholdOptions
-from ..tree import map_tensors
-from ..results import Finding, clean, fingerprint, number
+from ..engine.tree import map_tensors
+from ..results.model import Finding, clean, fingerprint, number
 from .capture import run_compiled_with_outputs, run_eager_with_outputs
 from .metrics import compare_tensors, public, worst
 from .settings import CellContext
 from .thresholds import ThresholdTable, exceeded
 
 if TYPE_CHECKING:
-    from ..backends import Backend
+    from ..engine.backends import Backend
 
 _SAME_KEYS = ("attention_mask", "token_type_ids", "position_ids", "cache_position", "pixel_mask", "image_sizes")
 

@@ -37,20 +37,20 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..backends import resolve_backend
-from ..capture import ModuleCapture, iter_tensors
+from ..engine.backends import resolve_backend
+from ..engine.capture import ModuleCapture, iter_tensors
 from ..config import BackendSpec, InputSpec, ModelSpec, spec_from_json, spec_to_json
-from ..isolate import run_isolated
-from ..models import build_inputs, load_model
-from ..results import clean, number
+from ..engine.isolate import run_isolated
+from ..engine.models import build_inputs, load_model
+from ..results.model import clean, number
 from ..sim.compilers import op_name
-from ..torchcompat import available, require, skip_reason
+from ..engine.torchcompat import available, require, skip_reason
 from .metrics import compare_tensors, public, worst
 from .settings import CellContext, dynamo_settings
 from .thresholds import ThresholdTable, exceeded
 
 if TYPE_CHECKING:
-    from ..backends import Backend
+    from ..engine.backends import Backend
 
 INDUCTOR_FAMILY = ("inductor",)
 

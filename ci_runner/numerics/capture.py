@@ -1,4 +1,4 @@
-"""The numerics hooks, on top of the one hook mechanism (`ci_runner/capture.py`).
+"""The numerics hooks, on top of the one hook mechanism (`ci_runner/engine/capture.py`).
 
 Eager passes (`capture_layer_outputs`) feed a `CallSink` every module call with its place in the call tree: the
 reference pass records them (`RecordingSink` into a `store.DumpWriter`), an eager target compares them as they
@@ -15,8 +15,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..capture import CallInfo, FlatOutput, ModuleCapture, OutputHooks, call_key, iter_tensors
-from ..codec import Unstorable, encode_call, encode_value
+from ..engine.capture import CallInfo, FlatOutput, ModuleCapture, OutputHooks, call_key, iter_tensors
+from ..engine.codec import Unstorable, encode_call, encode_value
 from ..errors import DeepviewError
 from .metrics import MetricsError, compare_tensors, worst
 from .settings import dynamo_settings

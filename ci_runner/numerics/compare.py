@@ -10,7 +10,7 @@ from typing import Any, Sequence
 import torch
 
 from ..errors import UsageError
-from ..results import clean
+from ..results.model import clean
 from .dumps import Dump, DumpInputsMismatch, dtype_name, tensor_bytes
 from .metrics import MetricsError, compare_tensors, flag_for, public, severity
 from .thresholds import ThresholdTable, exceeded

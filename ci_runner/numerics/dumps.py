@@ -59,19 +59,19 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 from torch import nn
 
-from ..capture import iter_tensors
+from ..engine.capture import iter_tensors
 from ..config import choices_hint, raw_entry
-from ..envinfo import cell_stamp
-from ..backends import resolve_backend
+from ..engine.envinfo import cell_stamp
+from ..engine.backends import resolve_backend
 from ..errors import ConfigError, InputError, UsageError
 from ..fsutil import atomic_write_json
-from ..models import build_inputs, load_model, model_fingerprint
-from ..tree import map_tensors
+from ..engine.models import build_inputs, load_model, model_fingerprint
+from ..engine.tree import map_tensors
 from .capture import RecordingSink, capture_layer_outputs, run_compiled_with_outputs
 from .store import DumpWriter
 
 if TYPE_CHECKING:
-    from ..backends import Backend
+    from ..engine.backends import Backend
     from ..config import InputSpec, Matrix, ModelSpec, Reference
 
 DUMP_FORMAT = "deepview-ci-dump"

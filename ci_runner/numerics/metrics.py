@@ -42,7 +42,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from ..capture import iter_tensors
+from ..engine.capture import iter_tensors
 from ..errors import DeepviewError
 
 METRIC_KEYS: tuple[str, ...] = ("rel", "cos", "mad", "max_abs", "sqnr_db")

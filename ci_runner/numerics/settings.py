@@ -8,7 +8,7 @@ from typing import Any, Mapping, Protocol
 import torch
 
 from ..options import NUMERICS_VIEWS
-from ..torchcompat import dynamo_config
+from ..engine.torchcompat import dynamo_config
 
 VIEWS: tuple[str, ...] = NUMERICS_VIEWS
 DTYPES: Mapping[str, torch.dtype] = {

@@ -1,7 +1,7 @@
 """The reference dump of the numerics mode: a streaming writer and a lazy reader.
 
 A dump folder holds `index.json` (every module call: key, name, class, caller, depth, its inputs and output as
-specs of the one call codec, `ci_runner/codec.py`, the keys of its compared tensors) and safetensors chunks of at
+specs of the one call codec, `ci_runner/engine/codec.py`, the keys of its compared tensors) and safetensors chunks of at
 most `chunk_bytes`; only the current chunk is in memory while writing, and a reader keeps at most two chunk files
 open. Loading uses safetensors and JSON only, never pickle.
 
@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ..codec import TensorDedupe, Unstorable, decode_call, decode_value
+from ..engine.codec import TensorDedupe, Unstorable, decode_call, decode_value
 from ..errors import InputError, UsageError
 from ..fsutil import atomic_write_json
 

@@ -1,7 +1,7 @@
 """The target child: both views of the target against the reference dumps, records appended to a file.
 
 `TargetPlan` is the JSON payload of the child (`target_child`, started by the numerics mode through
-`ci_runner.isolate`); `compare_target` also runs in-process (`isolate: false`). Records are JSON lines
+`ci_runner.engine.isolate`); `compare_target` also runs in-process (`isolate: false`). Records are JSON lines
 (`read_records`); after a crash the mode starts a fresh child that skips what is done (`done_keys`) and the
 module the journal names (`parse_journal_entry`).
 """
@@ -17,13 +17,13 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..backends import resolve_backend
+from ..engine.backends import resolve_backend
 from ..config import BackendSpec, ModelSpec, spec_from_json
 from ..fsutil import append_line
-from ..isolate import child_journal
-from ..models import load_model
+from ..engine.isolate import child_journal
+from ..engine.models import load_model
 from ..options import ThresholdOptions
-from ..results import clean, number
+from ..results.model import clean, number
 from .capture import ResultFn
 from .settings import VIEWS, dynamo_settings
 from .store import DumpReader

@@ -57,8 +57,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from ..errors import InputError
 from ..fsutil import atomic_write_json
-from ..options import NUMERICS_VIEWS as VIEWS
-from ..options import ThresholdOptions
+from ..options import NUMERICS_VIEWS as VIEWS, ThresholdOptions
 
 SCHEMA_VERSION = 1
 METHOD_VERSION = 1  # bump when the derivation (what is measured, how) changes: old files are then re-derived

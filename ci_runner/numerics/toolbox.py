@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ..errors import ConfigError, InputError
-from ..models import model_fingerprint
+from ..engine.models import model_fingerprint
 from ..options import ToolboxOptions
-from ..results import Finding
+from ..results.model import Finding
 from .batch_invariance import check_cell as batch_check
 from .bisect import bisect_cell
 from .dumps import INDEX_NAME, DumpInputsMismatch, input_hash, load_dump, split_inputs

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ..results import Finding, fingerprint
+from ..results.model import Finding, fingerprint
 from .metrics import public, severity, worst
 from .settings import VIEWS
 from .store import DumpReader

@@ -20,9 +20,9 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..capture import OutputHooks, flatten_traceable
-from ..codec import Unstorable
-from ..tree import map_tensors
+from ..engine.capture import OutputHooks, flatten_traceable
+from ..engine.codec import Unstorable
+from ..engine.tree import map_tensors
 from .capture import (
     CaptureError,
     CompareSink,

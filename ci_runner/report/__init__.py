@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from ..fsutil import atomic_write_bytes, atomic_write_text
 from ..log import append_step_summary
-from ..results import Results
+from ..results.model import Results
 from .html import render_html
 from .junit import render_junit, xml_safe
 from .summary import SUMMARY_LIMIT, render_summary, truncate_markdown

@@ -21,7 +21,7 @@ from typing import Any
 import jinja2
 from markupsafe import Markup
 
-from ..results import Results
+from ..results.model import Results
 from .junit import xml_safe
 from .view import CellView, LayerPoint, NumericsView, ReportView, build_view, cos_distance, first_line, fmt_num, icon
 

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..fsutil import atomic_write_bytes
-from ..results import CellError, Results
+from ..results.model import CellError, Results
 from .view import CellView, FindingView, ReportView, build_view, first_line
 
 _ILLEGAL_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")

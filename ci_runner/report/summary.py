@@ -19,7 +19,7 @@ from typing import Any
 import jinja2
 
 from ..log import STEP_SUMMARY_LIMIT
-from ..results import Results
+from ..results.model import Results
 from .junit import junit_counts, xml_safe
 from .view import ReportView, build_view, cos_distance, first_line, fmt_num, icon
 

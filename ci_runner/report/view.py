@@ -16,8 +16,8 @@ from pathlib import Path
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..results import STATUS_SEVERITY, CellResult, Finding, Repro, Results, number
-from ..rootcause import root_causes
+from ..results.model import STATUS_SEVERITY, CellResult, Finding, Repro, Results, number
+from ..results.rootcause import root_causes
 
 MODE_ORDER: tuple[str, ...] = ("ops", "layers", "numerics")
 ICONS: dict[str, str] = {

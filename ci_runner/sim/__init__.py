@@ -27,7 +27,7 @@ A chosen op that never appears in a graph means the backend behaves like `aot_ea
 
 All torch.compile sims are `aot_autograd` backends: they see ATen overloads (the matrix's `ir: aten`), the same
 names `torch.export` + the ops inventory record. The op an error names (sim-subset's `unsupported operator X`,
-simdev's `Could not run 'aten::X'`) is parsed by `ci_runner/backends.py` (`unsupported_op_from_error`).
+simdev's `Could not run 'aten::X'`) is parsed by `ci_runner/engine/backends.py` (`unsupported_op_from_error`).
 """
 
 from __future__ import annotations

@@ -16,12 +16,12 @@ from typing import Any, Callable
 
 import pytest
 
-from ci_runner.cellrun import run_cell_inprocess
+from ci_runner.run.cellrun import run_cell_inprocess
 from ci_runner.config import load_matrix_text
-from ci_runner.isolate import open_entry
+from ci_runner.engine.isolate import open_entry
 from ci_runner.matrix import expand
 from ci_runner.modes import JOURNAL_NAME
-from ci_runner.results import CellResult, ModeResult, validate
+from ci_runner.results.model import CellResult, ModeResult, validate
 
 REPO = Path(__file__).resolve().parents[2]
 SDPA = "aten._scaled_dot_product_flash_attention_for_cpu.default"
@@ -148,10 +148,10 @@ def test_hard_fault_culprit_is_found_and_the_search_goes_on(tmp_path: Path, back
     """The engine alone, without hints: the probes walk the graph in order, every op before the attention
     passes in the first child, the attention kills (or hangs) it; a fresh child keeps those outcomes."""
     from ci_runner.config import spec_to_json
-    from ci_runner.culprit import find_culprit
-    from ci_runner.culprit_search import read_results
-    from ci_runner.layer_search import scan_model, write_root_call
-    from ci_runner.models import build_inputs, load_model
+    from ci_runner.modes.layers.culprit import find_culprit
+    from ci_runner.modes.layers.culprit_search import read_results
+    from ci_runner.modes.layers.search import scan_model, write_root_call
+    from ci_runner.engine.models import build_inputs, load_model
 
     matrix = load_matrix_text(_matrix(1, "probe_timeout: 60"), path=str(tmp_path / "matrix.yaml"))
     cell = next(c for c in expand(matrix) if c.model.id == "tiny-llama" and c.backend.id == backend)

@@ -14,7 +14,7 @@ from typing import Callable
 
 import pytest
 
-from ci_runner.results import load_cell_result, load_results
+from ci_runner.results.model import load_cell_result, load_results
 from tests.fixtures.procs import TAG_VAR, new_tag, wait_until_gone
 
 REPO = Path(__file__).resolve().parents[2]

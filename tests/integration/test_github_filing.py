@@ -13,7 +13,7 @@ from pathlib import Path
 from ci_runner.github.issues import file_issues
 from ci_runner.github.options import FilingOptions
 from ci_runner.github.render import group_fingerprint
-from ci_runner.results import CellResult, ModeResult, Results, save_results
+from ci_runner.results.model import CellResult, ModeResult, Results, save_results
 from tests.fixtures.fake_github import SECONDARY_MESSAGE, FakeGitHub, entry, op_finding, write_diff
 
 REPO = "acme/models"
@@ -198,7 +198,7 @@ def test_findings_of_a_new_cell_are_filed_and_known_ones_are_not(gh, tmp_path):
 
 
 def test_layers_are_filed_only_when_asked(gh, tmp_path):
-    from ci_runner.results import fingerprint
+    from ci_runner.results.model import fingerprint
 
     lf = {"kind": "layer_failure", "stage": "compile", "message": "boom", "fingerprint": fingerprint("layer_failure", "sim-crash", "m.attn"),
           "op": None, "module": "model.layers.0.self_attn", "module_class": "LlamaAttention", "repro": None, "details": {}}

@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 
-from ci_runner.cellrun import run_cell_inprocess
+from ci_runner.run.cellrun import run_cell_inprocess
 from ci_runner.config import load_matrix_text
-from ci_runner.isolate import open_entry
+from ci_runner.engine.isolate import open_entry
 from ci_runner.matrix import expand
 from ci_runner.modes import JOURNAL_NAME
-from ci_runner.results import CellResult, ModeResult, fingerprint, validate
+from ci_runner.results.model import CellResult, ModeResult, fingerprint, validate
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from ci_runner.cellrun import run_cell_inprocess
+from ci_runner.run.cellrun import run_cell_inprocess
 from ci_runner.config import load_matrix_text
 from ci_runner.errors import ConfigError
-from ci_runner.isolate import open_entry
-from ci_runner.layer_search import read_outcomes
+from ci_runner.engine.isolate import open_entry
+from ci_runner.modes.layers.search import read_outcomes
 from ci_runner.matrix import expand
 from ci_runner.modes import JOURNAL_NAME
-from ci_runner.results import ModeResult
+from ci_runner.results.model import ModeResult
 
 MATRIX = textwrap.dedent("""\
     version: 1

@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 
-from ci_runner.aggregate import layer_patterns
-from ci_runner.backends import resolve_backend
+from ci_runner.run.aggregate import layer_patterns
+from ci_runner.engine.backends import resolve_backend
 from ci_runner.config import load_matrix, load_matrix_text
 from ci_runner.matrix import expand
 from ci_runner.modes import ModeContext
-from ci_runner.modes.numerics import run
-from ci_runner.results import CellResult, Results
+from ci_runner.modes.numerics.mode import run
+from ci_runner.results.model import CellResult, Results
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "ci_runner" / "data" / "example.yaml"
 TINY = ("hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4, "
@@ -269,7 +269,7 @@ def test_references_see_the_same_weights_in_both_dtypes(model: str) -> None:
     """The thresholds rest on it: float32 and float64 references built from one seed hold identical parameters."""
     import torch
 
-    from ci_runner.models import load_model
+    from ci_runner.engine.models import load_model
 
     spec = load_matrix_text(MATRIX).model(model)
     a = dict(load_model(spec, seed=0, dtype="float32").module.named_parameters())

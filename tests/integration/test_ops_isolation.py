@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from ci_runner.config import BackendSpec
-from ci_runner.op_probe import ProbeRunner, with_ranges
-from ci_runner.op_signature import encode_value
+from ci_runner.modes.ops.probe import ProbeRunner, with_ranges
+from ci_runner.modes.ops.signature import encode_value
 from ci_runner.options import parse as parse_options
 
 pytestmark = pytest.mark.slow

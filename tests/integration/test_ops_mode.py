@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from ci_runner.config import load_matrix_text
-from ci_runner.isolate import run_isolated
-from ci_runner.results import load_results
+from ci_runner.engine.isolate import run_isolated
+from ci_runner.results.model import load_results
 
 pytestmark = pytest.mark.slow
 
@@ -78,7 +78,7 @@ def _finding_ops(mode: dict[str, Any]) -> set[str]:
 
 
 def _real_model(model_id: str) -> tuple[torch.nn.Module, dict[str, Any]]:
-    from ci_runner.models import build_inputs, load_model
+    from ci_runner.engine.models import build_inputs, load_model
 
     matrix = load_matrix_text(MATRIX)
     loaded = load_model(matrix.model(model_id), seed=0)

@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 
-from ci_runner.cellrun import run_cell_inprocess
+from ci_runner.run.cellrun import run_cell_inprocess
 from ci_runner.config import load_matrix_text
 from ci_runner.matrix import expand
-from ci_runner.models import load_model
-from ci_runner.results import CellResult, ModeResult, Results, iter_findings, validate
-from ci_runner.rootcause import root_causes
+from ci_runner.engine.models import load_model
+from ci_runner.results.model import CellResult, ModeResult, Results, iter_findings, validate
+from ci_runner.results.rootcause import root_causes
 
 pytestmark = pytest.mark.slow  # real compilers on 2 shared cores: about one to three minutes each
 

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from ci_runner.report import write_reports
-from ci_runner.results import Results, load_results
+from ci_runner.results.model import Results, load_results
 from tests.fixtures.results_factory import example_results
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "chrome")

@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from ci_runner.cellrun import run_cell_inprocess, write_final
+from ci_runner.run.cellrun import run_cell_inprocess, write_final
 from ci_runner.config import load_matrix_text
 from ci_runner.matrix import find_cell
-from ci_runner.results import CellResult, fingerprint, load_cell_result
+from ci_runner.results.model import CellResult, fingerprint, load_cell_result
 
 MATRIX = textwrap.dedent(
     """\

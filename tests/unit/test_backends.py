@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from ci_runner.backends import (
+from ci_runner.engine.backends import (
     Backend,
     available_backends,
     available_devices,
@@ -19,7 +19,7 @@ from ci_runner.backends import (
 )
 from ci_runner.config import BackendSpec, load_matrix_text
 from ci_runner.errors import BackendError
-from ci_runner.torchcompat import available, skip_reason
+from ci_runner.engine.torchcompat import available, skip_reason
 
 
 def bspec(**kw: Any) -> BackendSpec:

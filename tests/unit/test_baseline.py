@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ci_runner.baseline import (
+from ci_runner.results.baseline import (
     Baseline,
     diff,
     dumps_baseline,
@@ -17,7 +17,7 @@ from ci_runner.baseline import (
     update_baseline,
 )
 from ci_runner.errors import EXIT_INPUT, InputError
-from ci_runner.results import Results, save_results
+from ci_runner.results.model import Results, save_results
 from tests.fixtures import results_factory as rf
 
 
@@ -152,8 +152,8 @@ def test_fast_check_never_accepts_what_the_schema_rejects() -> None:
 
     import jsonschema
 
-    from ci_runner.baseline import _surely_valid
-    from ci_runner.results import schema
+    from ci_runner.results.baseline import _surely_valid
+    from ci_runner.results.model import schema
 
     validator = jsonschema.Draft202012Validator(schema("baseline.schema.json"))
     good = make_baseline(rf.sample_results())

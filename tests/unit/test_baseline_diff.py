@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ci_runner.baseline import (
+from ci_runner.results.baseline import (
     CATEGORIES,
     Baseline,
     Diff,
@@ -22,7 +22,7 @@ from ci_runner.baseline import (
 )
 from ci_runner.errors import EXIT_FINDINGS, UsageError
 from ci_runner.github.actions import AnnotationCap
-from ci_runner.results import Results, load_results, save_results, validate
+from ci_runner.results.model import Results, load_results, save_results, validate
 from tests.fixtures import results_factory as rf
 
 
@@ -322,7 +322,7 @@ def test_annotations_respect_an_already_used_cap_and_stay_off_outside_actions() 
 def test_fast_finding_to_dict_equals_the_deep_copy() -> None:
     from dataclasses import asdict
 
-    from ci_runner.results import clean
+    from ci_runner.results.model import clean
 
     for results in (rf.sample_results(), rf.nasty_results(), rf.example_results()):
         for c in results.cells:

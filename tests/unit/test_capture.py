@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from ci_runner.capture import ModuleCapture, iter_tensors, primary_tensor
+from ci_runner.engine.capture import ModuleCapture, iter_tensors, primary_tensor
 
 
 class Shared(nn.Module):

@@ -97,7 +97,7 @@ def test_jobs_defaults_to_auto_and_says_so() -> None:
 
 def test_auto_jobs_is_cores_over_a_cells_own_workers() -> None:
     from ci_runner.config import load_matrix_text
-    from ci_runner.execute import auto_jobs, cell_workers
+    from ci_runner.run.execute import auto_jobs, cell_workers
     from ci_runner.matrix import expand
 
     matrix = load_matrix_text(

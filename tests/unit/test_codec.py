@@ -1,4 +1,4 @@
-"""The one call codec (`ci_runner.codec`): round trips, the strict policy the layers mode needs, dedupe."""
+"""The one call codec (`ci_runner.engine.codec`): round trips, the strict policy the layers mode needs, dedupe."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ci_runner.codec import (
+from ci_runner.engine.codec import (
     TensorDedupe,
     TensorStore,
     Unstorable,

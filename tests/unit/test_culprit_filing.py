@@ -7,7 +7,7 @@ from typing import Any
 
 from ci_runner.github.options import FilingOptions
 from ci_runner.github.render import RenderContext, group_entries, render_issue
-from ci_runner.results import fingerprint
+from ci_runner.results.model import fingerprint
 from tests.fixtures.fake_github import entry
 
 SDPA = "aten._scaled_dot_product_flash_attention_for_cpu.default"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ci_runner.culprit import capture_graph, entry_name, graph_source, graph_steps, load_graph, parse_entry, subgraph
-from ci_runner.culprit_search import ProbeResult, Step, StopSearch, parse_key, search, single_order
+from ci_runner.modes.layers.culprit import capture_graph, entry_name, graph_source, graph_steps, load_graph, parse_entry, subgraph
+from ci_runner.modes.layers.culprit_search import ProbeResult, Step, StopSearch, parse_key, search, single_order
 
 
 def _probe(fails):

@@ -9,17 +9,17 @@ from types import MappingProxyType
 
 import pytest
 
-import ci_runner.aggregate as aggregate
+import ci_runner.run.aggregate as aggregate
 import ci_runner.github.issues as issues
-from ci_runner.backends import (
+from ci_runner.engine.backends import (
     backend_recipe,
     named_op_from_error,
     simdev_options,
     unsupported_op_from_error,
 )
 from ci_runner.config import BackendSpec
-from ci_runner.envinfo import env_report
-from ci_runner.results import Results
+from ci_runner.engine.envinfo import env_report
+from ci_runner.results.model import Results
 
 
 @pytest.mark.parametrize(("module", "broken"), [

@@ -35,7 +35,7 @@ def ctx(tmp_path: Path | None = None, **kw) -> RenderContext:
 
 
 def layer_finding(module: str, backend: str) -> dict:
-    from ci_runner.results import fingerprint
+    from ci_runner.results.model import fingerprint
 
     return {"kind": "layer_failure", "stage": "compile", "message": "InternalTorchDynamoError: boom",
             "fingerprint": fingerprint("layer_failure", backend, module), "op": None, "module": module,
@@ -44,7 +44,7 @@ def layer_finding(module: str, backend: str) -> dict:
 
 
 def divergence_finding(module: str, cls: str, backend: str, pattern: str | None = None) -> dict:
-    from ci_runner.results import fingerprint
+    from ci_runner.results.model import fingerprint
 
     return {"kind": "divergence", "stage": "compare", "message": f"first divergent layer {module}",
             "fingerprint": fingerprint("divergence", backend, module), "op": None, "module": module,

@@ -9,13 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ci_runner.inventory import (
+from ci_runner.modes.ops.inventory import (
     InventoryError,
     normalize_module_path,
     source_from_stack_trace,
     take_inventory,
 )
-from ci_runner.op_signature import Inventory, describe_value, encode_value
+from ci_runner.modes.ops.signature import Inventory, describe_value, encode_value
 
 
 class Mixer(nn.Module):
@@ -141,7 +141,7 @@ def test_signatures_carry_shapes_dtypes_strides_owner_and_source() -> None:
 
 
 def test_export_fallback_gives_the_same_ops_here() -> None:
-    from ci_runner.inventory import trace_export
+    from ci_runner.modes.ops.inventory import trace_export
 
     aot = take_inventory(_meta_tiny(), (IDS,), level="aten", device="cpu")
     exp = trace_export(_meta_tiny(), (IDS,), {}, level="aten", device="cpu")

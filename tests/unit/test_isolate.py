@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ci_runner.isolate import open_entry, run_isolated
+from ci_runner.engine.isolate import open_entry, run_isolated
 
 @pytest.mark.parametrize(
     ("action", "status", "check"),
@@ -40,7 +40,7 @@ def test_a_hung_child_dies_with_its_parent(tmp_path: Path) -> None:
     pidfile = tmp_path / "child.pid"
     script = (
         "import sys; sys.path.insert(0, %r)\n"
-        "from ci_runner.isolate import run_isolated\n"
+        "from ci_runner.engine.isolate import run_isolated\n"
         "run_isolated('tests.fixtures.iso_targets:hang_and_report', {'pidfile': %r}, timeout=600)\n"
     ) % (str(Path(__file__).resolve().parents[2]), str(pidfile))
     parent = subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[2])
@@ -62,7 +62,7 @@ def test_a_hung_child_dies_with_its_parent(tmp_path: Path) -> None:
 
 
 def test_describe_says_what_happened_to_the_child() -> None:
-    from ci_runner.isolate import IsolatedResult
+    from ci_runner.engine.isolate import IsolatedResult
 
     assert IsolatedResult(status="crashed", signal="SIGSEGV").describe() == "crashed (SIGSEGV)"
     assert IsolatedResult(status="crashed", message="child process exited with code 7").describe() == \
@@ -73,7 +73,7 @@ def test_describe_says_what_happened_to_the_child() -> None:
 
 
 def test_journal_open_entry_counts_only_lines_since_an_offset(tmp_path: Path) -> None:
-    from ci_runner.isolate import Journal
+    from ci_runner.engine.isolate import Journal
 
     j = Journal(tmp_path / "j.log")
     j.enter("item", "a")
@@ -88,7 +88,7 @@ def test_journal_open_entry_counts_only_lines_since_an_offset(tmp_path: Path) ->
 
 
 def _supervise_items(tmp_path: Path, items: list[str], fail: dict[str, str], **kw: object):
-    from ci_runner.isolate import Attempt, supervise
+    from ci_runner.engine.isolate import Attempt, supervise
 
     out = tmp_path / "done.jsonl"
     crashed: dict[str, str] = {}
@@ -132,7 +132,7 @@ def test_supervise_gives_up_after_max_restarts(tmp_path: Path) -> None:
 
 
 def test_supervise_stops_when_a_child_dies_outside_any_item(tmp_path: Path) -> None:
-    from ci_runner.isolate import Attempt, supervise
+    from ci_runner.engine.isolate import Attempt, supervise
 
     calls: list[str | None] = []
 

@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from ci_runner.errors import ConfigError
-from ci_runner.codec import TensorStore, call_tensor_keys, decode_call
-from ci_runner.codec import Unstorable as Opaque
-from ci_runner.isolate import open_entry
-from ci_runner.layer_search import (
+from ci_runner.engine.codec import TensorStore, call_tensor_keys, decode_call
+from ci_runner.engine.codec import Unstorable as Opaque
+from ci_runner.engine.isolate import open_entry
+from ci_runner.modes.layers.search import (
     ROOT,
     ModuleTree,
     ProbeOutcome,
@@ -31,7 +31,7 @@ from ci_runner.layer_search import (
     unlabel,
     unwrap_exception,
 )
-from ci_runner.modes.layers import _key_text
+from ci_runner.modes.layers.mode import _key_text
 from ci_runner.options import parse as parse_options
 
 

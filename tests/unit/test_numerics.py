@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ci_runner.errors import ConfigError, InputError
-from ci_runner import codec
+from ci_runner.engine import codec
 from ci_runner.numerics import store, target, verdict, views
 from ci_runner.options import parse
 from ci_runner.numerics import capture as ncap

@@ -9,19 +9,19 @@ from typing import Any
 import pytest
 import torch
 
-from ci_runner.backends import named_op_from_error as parse_named_op
+from ci_runner.engine.backends import named_op_from_error as parse_named_op
 from ci_runner.config import BackendSpec, spec_from_json, spec_to_json
 from ci_runner.errors import ConfigError
-from ci_runner.modes.ops import run
-from ci_runner.op_compare import compare
-from ci_runner.op_probe import (
+from ci_runner.modes.ops.mode import run
+from ci_runner.modes.ops.compare import compare
+from ci_runner.modes.ops.probe import (
     assemble,
     build_tensors,
     make_tensor,
     run_probe,
     with_ranges,
 )
-from ci_runner.op_signature import encode_value
+from ci_runner.modes.ops.signature import encode_value
 from ci_runner.options import DEFAULT_TOLERANCE
 from ci_runner.options import parse as parse_options
 
@@ -148,7 +148,7 @@ def test_invalid_synthetic_inputs_are_not_blamed_on_the_backend(via: str) -> Non
 
 def test_eager_device_unsupported_op_is_the_dispatcher_error() -> None:
     from ci_runner.sim import simdev
-    from ci_runner.torchcompat import skip_reason
+    from ci_runner.engine.torchcompat import skip_reason
 
     if not simdev.supported():
         pytest.skip(skip_reason("simdev"))
@@ -244,7 +244,7 @@ def test_sort_like_indices_are_checked_by_the_values_they_select() -> None:
 
 
 def test_no_compare_for_random_outputs_and_repeated_index_writes() -> None:
-    from ci_runner.op_compare import no_compare_reason
+    from ci_runner.modes.ops.compare import no_compare_reason
 
     assert "random" in no_compare_reason("aten.rand.default", [], {})
     base, src = torch.zeros(4), torch.arange(4.0)

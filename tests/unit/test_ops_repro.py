@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from ci_runner.config import BackendSpec
-from ci_runner.backends import backend_recipe
-from ci_runner.modes.ops import render_repro
-from ci_runner.op_probe import with_ranges
-from ci_runner.op_signature import CallSite, OpSignature, encode_value, signature_key
-from ci_runner.repro import verify_script, write_script
+from ci_runner.engine.backends import backend_recipe
+from ci_runner.modes.ops.mode import render_repro
+from ci_runner.modes.ops.probe import with_ranges
+from ci_runner.modes.ops.signature import CallSite, OpSignature, encode_value, signature_key
+from ci_runner.engine.repro import verify_script, write_script
 
 GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "golden" / "ops"
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ import pytest
 from ci_runner.report import write_reports
 from ci_runner.report.junit import junit_counts
 from ci_runner.report.view import build_view, cos_distance, repro_command
-from ci_runner.results import CellError, CellResult, Finding, ModeResult, Repro, Results, fingerprint
+from ci_runner.results.model import CellError, CellResult, Finding, ModeResult, Repro, Results, fingerprint
 from tests.fixtures import results_factory as rf
 from tests.fixtures.junit import JENKINS_XSD_PATH, check_junit, schema
 

@@ -9,7 +9,7 @@ from lxml import etree
 
 from ci_runner.report.html import layer_chart, render_html
 from ci_runner.report.view import LayerPoint, NumericsView, build_view
-from ci_runner.results import ModeResult, Results
+from ci_runner.results.model import ModeResult, Results
 from tests.fixtures import results_factory as rf
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -98,7 +98,7 @@ def test_no_numerics_no_charts_no_crash() -> None:
 
 def test_metric_views_flat_and_nested() -> None:
     from ci_runner.report.view import format_metrics, metric_views, primary_metrics
-    from ci_runner.results import Finding
+    from ci_runner.results.model import Finding
 
     flat = Finding(kind="divergence", stage="compare", message="m", fingerprint="ab" * 10,
                    metrics={"rel": 0.5, "cos": 0.9}, threshold={"rel": 0.1}, details={"view": "cumulative"})

@@ -8,7 +8,7 @@ import pytest
 
 from ci_runner.report import write_reports
 from ci_runner.report.junit import render_junit, xml_safe
-from ci_runner.results import CellError, CellResult, Finding, ModeResult, Repro, Results, fingerprint
+from ci_runner.results.model import CellError, CellResult, Finding, ModeResult, Repro, Results, fingerprint
 from tests.fixtures import results_factory as rf
 from tests.fixtures.junit import check_junit
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from ci_runner.baseline import Baseline, diff, make_baseline
+from ci_runner.results.baseline import Baseline, diff, make_baseline
 from ci_runner.report import write_reports
 from ci_runner.report.summary import SUMMARY_LIMIT, block, code, md, render_summary, truncate_markdown
-from ci_runner.results import CellResult, Finding, ModeResult, Results
+from ci_runner.results.model import CellResult, Finding, ModeResult, Results
 from tests.fixtures import results_factory as rf
 
 

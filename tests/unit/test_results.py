@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ci_runner.errors import InputError
-from ci_runner.results import (
+from ci_runner.results.model import (
     CellError, CellResult, Finding, ModeResult, Repro, Results, fingerprint, load_cell_result, load_results,
     number, save_cell_result, save_results, validate,
 )
@@ -99,7 +99,7 @@ def test_missing_results_file(tmp_path: Path) -> None:
 def test_the_fast_validator_rejects_what_the_schema_rejects(mutate) -> None:
     import jsonschema
 
-    from ci_runner.results import _fast_validator, schema
+    from ci_runner.results.model import _fast_validator, schema
 
     d = Results(cells=[make_cell()]).to_dict()
     validate(d, "results.schema.json", source="ok")

@@ -11,20 +11,20 @@ import pytest
 import torch
 from torch import nn
 
-from ci_runner.aggregate import write_report_dir
-from ci_runner.backends import resolve_backend
+from ci_runner.run.aggregate import write_report_dir
+from ci_runner.engine.backends import resolve_backend
 from ci_runner.config import BackendSpec
-from ci_runner.layer_search import ROOT, ModuleTree, ProbeOutcome, _probe_one, own_code_candidates, own_name
-from ci_runner.models import disable_caches, module_names, resolve_module_name
-from ci_runner.modes.layers import own_code_words
-from ci_runner.repro import verify_script, write_script
-from ci_runner.results import CellResult, Finding, ModeResult, Results, load_results
-from ci_runner.rootcause import normalize_text, package_of, raised_in, root_causes, signature
+from ci_runner.modes.layers.search import ROOT, ModuleTree, ProbeOutcome, _probe_one, own_code_candidates, own_name
+from ci_runner.engine.models import disable_caches, module_names, resolve_module_name
+from ci_runner.modes.layers.mode import own_code_words
+from ci_runner.engine.repro import verify_script, write_script
+from ci_runner.results.model import CellResult, Finding, ModeResult, Results, load_results
+from ci_runner.results.rootcause import normalize_text, package_of, raised_in, root_causes, signature
 
 # the text of OpenVINO's guard failure on the default (non-aot_autograd) path, as torch 2.13 raises it
 OV_TB = textwrap.dedent('''\
     Traceback (most recent call last):
-      File "/v/lib/python3.12/site-packages/ci_runner/layer_search.py", line 520, in _probe_one
+      File "/v/lib/python3.12/site-packages/ci_runner/modes/layers/search.py", line 520, in _probe_one
         out = fn(*args, **kwargs)
       File "/v/lib/python3.12/site-packages/torch/_dynamo/guards.py", line 3286, in SHAPE_ENV
         code_parts, verbose_code_parts = output_graph.shape_env.produce_guards_verbose(
@@ -243,8 +243,8 @@ def test_every_ops_call_site_of_tiny_llava_resolves_on_the_users_model() -> None
     """LLaVA graph-breaks into 7 graphs; frames that start inside the vision tower name their modules from there
     (`encoder.layers.0`): the inventory names them by their full path on the model the user built."""
     from ci_runner.config import load_matrix
-    from ci_runner.inventory import take_inventory
-    from ci_runner.models import build_inputs, load_model
+    from ci_runner.modes.ops.inventory import take_inventory
+    from ci_runner.engine.models import build_inputs, load_model
 
     matrix = load_matrix(None)  # the bundled example's tiny-llava
     loaded = load_model(matrix.model("tiny-llava"), seed=0)

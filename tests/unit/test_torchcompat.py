@@ -1,4 +1,4 @@
-"""Feature detection of private or newer torch APIs (`ci_runner.torchcompat`).
+"""Feature detection of private or newer torch APIs (`ci_runner.engine.torchcompat`).
 
 On a new torch every feature is present, so each test stands in an old torch by replacing the feature's probe, and
 checks that the feature then reports `skipped` (or refuses) with "needs torch ≥ X", never an Import/AttributeError.
@@ -12,10 +12,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from ci_runner import torchcompat
+from ci_runner.engine import torchcompat
 from ci_runner.config import load_matrix
 from ci_runner.errors import EnvironmentSetupError, TorchTooOldError
-from ci_runner.torchcompat import FEATURES
+from ci_runner.engine.torchcompat import FEATURES
 
 pytestmark = pytest.mark.oldtorch
 
@@ -70,7 +70,7 @@ def test_dynamo_keys_fall_back_to_their_names_before_2_7(monkeypatch: pytest.Mon
 
 def test_simdev_cell_on_a_torch_without_python_devices_is_skipped_with_the_release_it_needs(
         tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ci_runner.cellrun import run_cell_inprocess
+    from ci_runner.run.cellrun import run_cell_inprocess
     from ci_runner.matrix import expand, select
 
     _absent(monkeypatch, "simdev")
@@ -84,7 +84,7 @@ def test_simdev_cell_on_a_torch_without_python_devices_is_skipped_with_the_relea
 
 
 def test_simdev_is_not_offered_as_a_device_without_the_api(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ci_runner.backends import available_backends, available_devices
+    from ci_runner.engine.backends import available_backends, available_devices
     from ci_runner.sim import simdev
 
     _absent(monkeypatch, "simdev")
@@ -101,9 +101,9 @@ def test_simdev_is_not_offered_as_a_device_without_the_api(monkeypatch: pytest.M
 def test_a_mode_that_needs_a_newer_torch_is_skipped_and_the_next_mode_runs(
         tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A TorchTooOldError out of a mode makes that mode `skipped` (not `error`); the cell goes on."""
-    import ci_runner.cellrun as cellrun
+    import ci_runner.run.cellrun as cellrun
     from ci_runner.matrix import expand, select
-    from ci_runner.results import ModeResult
+    from ci_runner.results.model import ModeResult
 
     def needs_new(ctx):  # type: ignore[no-untyped-def]
         torchcompat.require("cia_ops")
@@ -121,7 +121,7 @@ def test_a_mode_that_needs_a_newer_torch_is_skipped_and_the_next_mode_runs(
 
 
 def test_the_export_inventory_at_aten_level_needs_the_cia_list(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ci_runner.inventory import cia_decompositions, trace_export
+    from ci_runner.modes.ops.inventory import cia_decompositions, trace_export
 
     model, x = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU()), torch.randn(2, 4)
     assert cia_decompositions()
@@ -134,7 +134,7 @@ def test_the_export_inventory_at_aten_level_needs_the_cia_list(monkeypatch: pyte
 def test_compiler_bisect_is_skipped_with_the_release_it_needs(monkeypatch: pytest.MonkeyPatch) -> None:
     from types import SimpleNamespace
 
-    from ci_runner.backends import resolve_backend
+    from ci_runner.engine.backends import resolve_backend
     from ci_runner.config import BackendSpec
     from ci_runner.numerics.bisect import bisect_cell, compiler_bisect
 

@@ -1,4 +1,4 @@
-"""The one tensor-tree mapper (`ci_runner.tree`): every structure the modes hand it keeps its shape and type."""
+"""The one tensor-tree mapper (`ci_runner.engine.tree`): every structure the modes hand it keeps its shape and type."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from ci_runner.tree import map_tensors, tensors_in
+from ci_runner.engine.tree import map_tensors, tensors_in
 
 Pair = collections.namedtuple("Pair", "a b")
 

@@ -13,7 +13,7 @@ from ci_runner.config import load_matrix_text
 from ci_runner.errors import ConfigError, InputError
 from ci_runner.matrix import FORK_SKIP_REASON, expand, expand_json
 from ci_runner.plan import NO_RESULT, apply_plan, load_plan, parse_chunk_results
-from ci_runner.results import CellResult, ModeResult, load_cell_result, load_results, save_cell_result
+from ci_runner.results.model import CellResult, ModeResult, load_cell_result, load_results, save_cell_result
 
 VENDOR = """
 version: 1

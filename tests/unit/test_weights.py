@@ -9,10 +9,10 @@ from types import MappingProxyType
 import pytest
 import torch
 
-from ci_runner.backends import resolve_backend
+from ci_runner.engine.backends import resolve_backend
 from ci_runner.config import BackendSpec
-from ci_runner.results import fingerprint
-from ci_runner.torchcompat import available, skip_reason
+from ci_runner.results.model import fingerprint
+from ci_runner.engine.torchcompat import available, skip_reason
 from ci_runner.numerics.weights import WeightsReport, check_tensor, check_weights, findings_for, named_tensors
 from tests.fixtures.plugin_toolbox_models import TinyNet, base
 

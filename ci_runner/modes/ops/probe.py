@@ -23,24 +23,15 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from .backends import (
-    COULD_NOT_RUN_RE,
-    CompileRecord,
-    DynamoCounters,
-    FallbackWatch,
-    named_op_from_error,
-    not_ran_reason,
-    ran_facts,
-    resolve_backend,
-)
-from .config import BackendSpec, spec_from_json, spec_to_json
-from .diagnostics import capture_fd2, compiler_words
-from .fsutil import append_line
-from .isolate import Attempt, IsolatedResult, child_journal, supervise
-from .op_compare import compare, matches_any, mismatch_metrics, no_compare_reason
-from .op_signature import iter_tensor_specs, resolve_callable
-from .options import OpsOptions
-from .tree import map_tensors
+from ...engine.backends import COULD_NOT_RUN_RE, CompileRecord, DynamoCounters, FallbackWatch, named_op_from_error, not_ran_reason, ran_facts, resolve_backend
+from ...config import BackendSpec, spec_from_json, spec_to_json
+from ...engine.diagnostics import capture_fd2, compiler_words
+from ...fsutil import append_line
+from ...engine.isolate import Attempt, IsolatedResult, child_journal, supervise
+from .compare import compare, matches_any, mismatch_metrics, no_compare_reason
+from .signature import iter_tensor_specs, resolve_callable
+from ...options import OpsOptions
+from ...engine.tree import map_tensors
 
 # Ops whose floating inputs must be positive to stay in their domain (log, sqrt, pow with fractional exponents …).
 POSITIVE_INPUT_OPS = ("log", "log2", "log10", "log1p", "sqrt", "rsqrt", "pow", "reciprocal", "div", "lgamma",
@@ -571,7 +562,7 @@ class ProbeRunner:
             pending = [p for p in left if p is not culprit] + pending
             return None
 
-        supervise("ci_runner.op_probe:probe_batch", journal=journal_path, kind="probe", next_attempt=next_attempt,
+        supervise("ci_runner.modes.ops.probe:probe_batch", journal=journal_path, kind="probe", next_attempt=next_attempt,
                   on_ok=on_ok, on_crash=on_crash, env=env)
         return results
 

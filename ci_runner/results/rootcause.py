@@ -32,7 +32,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from .results import Finding, Results
+from .model import Finding, Results
 
 # ---------------------------------------------------------------------------- the volatile-token rule
 

@@ -38,42 +38,22 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
 
-from ..backends import backend_ran, backend_recipe, plugin_pythonpath, simdev_options
-from ..config import spec_to_json
-from ..culprit import CulpritResult, CulpritTarget, find_culprits, hints_from_error, ops_cross_check, write_repro
-from ..fsutil import atomic_write_text
-from ..codec import TensorStore, Unstorable
-from ..isolate import Attempt, IsolatedResult, supervise
-from ..layer_search import (
-    ROOT,
-    ChildPlan,
-    ModuleTree,
-    ProbeOutcome,
-    SearchResult,
-    StopSearch,
-    append_outcome,
-    capture_inputs,
-    encode_call,
-    first_line,
-    label,
-    own_name,
-    read_outcomes,
-    scan_model,
-    search,
-    unlabel,
-    unwrap_exception,
-    write_root_call,
-)
-from ..modes import JOURNAL_NAME
-from ..options import LayersOptions
-from ..options import parse as parse_options
-from ..repro import render_template, safe_filename, verify_script, write_script
-from ..results import Finding, ModeResult, Repro, fingerprint
-from ..rootcause import annotate
-from ..sim import is_sim
+from ...engine.backends import backend_ran, backend_recipe, plugin_pythonpath, simdev_options
+from ...config import spec_to_json
+from .culprit import CulpritResult, CulpritTarget, find_culprits, hints_from_error, ops_cross_check, write_repro
+from ...fsutil import atomic_write_text
+from ...engine.codec import TensorStore, Unstorable
+from ...engine.isolate import Attempt, IsolatedResult, supervise
+from .search import ROOT, ChildPlan, ModuleTree, ProbeOutcome, SearchResult, StopSearch, append_outcome, capture_inputs, encode_call, first_line, label, own_name, read_outcomes, scan_model, search, unlabel, unwrap_exception, write_root_call
+from .. import JOURNAL_NAME
+from ...options import LayersOptions, parse as parse_options
+from ...engine.repro import render_template, safe_filename, verify_script, write_script
+from ...results.model import Finding, ModeResult, Repro, fingerprint
+from ...results.rootcause import annotate
+from ...sim import is_sim
 
 if TYPE_CHECKING:
-    from . import ModeContext
+    from .. import ModeContext
 
 KIND = "layer_failure"
 _MIN_CHILD_S = 20.0  # no new probing child is started with less time than this left
@@ -174,7 +154,7 @@ def run_search(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, layers
         append_outcome(outcomes_file, outcome)
         return None
 
-    run = supervise("ci_runner.layer_search:probe_child", journal=ctx.cell_dir / JOURNAL_NAME, kind="module",
+    run = supervise("ci_runner.modes.layers.search:probe_child", journal=ctx.cell_dir / JOURNAL_NAME, kind="module",
                     next_attempt=next_attempt, on_ok=on_ok, on_crash=on_crash, max_restarts=opts.max_restarts,
                     env={str(k): str(v) for k, v in ctx.cell.backend.env.items()})
     replay = _replay(tree, read_outcomes(outcomes_file))

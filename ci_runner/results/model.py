@@ -21,8 +21,8 @@ from typing import Any, Iterable, Literal, Mapping
 import fastjsonschema
 import jsonschema
 
-from .errors import InputError
-from .fsutil import atomic_write_json, atomic_write_text
+from ..errors import InputError
+from ..fsutil import atomic_write_json, atomic_write_text
 
 SCHEMA_VERSION = 1
 

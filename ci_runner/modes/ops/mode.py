@@ -1,12 +1,12 @@
 """Mode `ops`: every operator the backend cannot handle, in one run, each with a verified repro script.
 
-1. **Inventory** (`ci_runner.inventory`): the model's ops per overload and input signature, traced at the IR level
+1. **Inventory** (`ci_runner.modes.ops.inventory`): the model's ops per overload and input signature, traced at the IR level
    the backend's compiler sees (`BackendSpec.ir`, default `aten`; eager devices always use the dispatcher level),
    from a meta-device model when the model source allows it (no weights, no device).
 2. **Probing**: each distinct (op, signature) runs alone on the target, on synthetic inputs with the recorded
    shapes, dtypes and strides: a one-op function through `backend.compile` (compile backends) or the op called
    on device tensors (eager backends), and, when it runs, compared with CPU eager within the dtype's tolerance.
-   Probes run in isolated child processes, many per child (`ci_runner/op_probe.py` on `isolate.supervise`);
+   Probes run in isolated child processes, many per child (`ci_runner/modes/ops/probe.py` on `isolate.supervise`);
    each is journalled (`enter-probe`/`leave-probe`) and has its own timeout (`faulthandler`), so an abort, a
    segfault or a hang costs that probe only: the parent records it and starts a new child for the rest.
 3. **Classification**: a compile-time failure (`BackendCompilerFailed`) or PyTorch's dispatcher error
@@ -39,30 +39,20 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
-from ..backends import BackendRecipe, backend_ran, backend_recipe
-from ..config import BackendSpec
-from ..errors import DeepviewError
-from ..fsutil import atomic_write_json
-from ..inventory import InventoryError, take_inventory
-from ..op_compare import compare, matches_any
-from ..op_probe import (
-    ProbeRunner,
-    call_source,
-    float_dtype,
-    make_tensor,
-    not_run_outcome,
-    op_expression,
-    probe_seed,
-    with_ranges,
-)
-from ..op_signature import Inventory, OpSignature
-from ..options import OpsOptions
-from ..options import parse as parse_options
-from ..repro import render_template, safe_filename, verify_script, write_script
-from ..results import Finding, ModeResult, Repro, fingerprint
+from ...engine.backends import BackendRecipe, backend_ran, backend_recipe
+from ...config import BackendSpec
+from ...errors import DeepviewError
+from ...fsutil import atomic_write_json
+from .inventory import InventoryError, take_inventory
+from .compare import compare, matches_any
+from .probe import ProbeRunner, call_source, float_dtype, make_tensor, not_run_outcome, op_expression, probe_seed, with_ranges
+from .signature import Inventory, OpSignature
+from ...options import OpsOptions, parse as parse_options
+from ...engine.repro import render_template, safe_filename, verify_script, write_script
+from ...results.model import Finding, ModeResult, Repro, fingerprint
 
 if TYPE_CHECKING:
-    from . import ModeContext
+    from .. import ModeContext
 
 MODE = "ops"
 KIND_OF_STATUS = {"unsupported": "unsupported_op", "error": "op_error", "crashed": "op_error",

@@ -26,14 +26,14 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from .cellrun import PARTIAL_NAME, RESULT_NAME, write_final
-from .config import Cell
-from .envinfo import base_stamp
-from .errors import DeepviewError, ExecutionError, InputError
-from .fsutil import atomic_write_json
-from .log import Progress
-from .isolate import child_env, open_entry, signal_name
-from .modes import JOURNAL_NAME
-from .results import CellError, CellResult, ModeResult, load_cell_result, read_json
+from ..config import Cell
+from ..engine.envinfo import base_stamp
+from ..errors import DeepviewError, ExecutionError, InputError
+from ..fsutil import atomic_write_json
+from ..log import Progress
+from ..engine.isolate import child_env, open_entry, signal_name
+from ..modes import JOURNAL_NAME
+from ..results.model import CellError, CellResult, ModeResult, load_cell_result, read_json
 
 STDERR_TAIL_CHARS = 4000
 _KILL_GRACE_S = 2.0

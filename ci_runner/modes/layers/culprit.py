@@ -39,17 +39,16 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from .backends import named_op_from_error, resolve_backend
-from .codec import TensorStore, decode_call, encode_call
-from .config import BackendSpec, ModelSpec, spec_from_json
-from .tree import map_tensors
-from .fsutil import atomic_write_json, atomic_write_text
-from .isolate import Attempt, IsolatedResult, child_journal, supervise
-from .layer_search import capture_inputs, is_compile_stage, unwrap_exception
-from .models import load_model
-from .culprit_search import (ProbeResult, Step, StopSearch, append_result, parse_key, read_results,
-                             search, single_order)
-from .repro import Verification, render_template, write_script
+from ...engine.backends import named_op_from_error, resolve_backend
+from ...engine.codec import TensorStore, decode_call, encode_call
+from ...config import BackendSpec, ModelSpec, spec_from_json
+from ...engine.tree import map_tensors
+from ...fsutil import atomic_write_json, atomic_write_text
+from ...engine.isolate import Attempt, IsolatedResult, child_journal, supervise
+from .search import capture_inputs, is_compile_stage, unwrap_exception
+from ...engine.models import load_model
+from .culprit_search import ProbeResult, Step, StopSearch, append_result, parse_key, read_results, search, single_order
+from ...engine.repro import Verification, render_template, write_script
 
 __all__ = [
     "KIND", "ANSWER", "CapturedGraph", "CulpritResult", "CulpritTarget", "CulpritPlan",
@@ -368,7 +367,7 @@ def parse_entry(entry: str) -> tuple[str, str]:
 
 
 def culprit_child(payload: dict[str, Any]) -> dict[str, Any]:
-    """Entry point of a culprit child (`ci_runner.culprit:culprit_child`): load the model, its inputs and the
+    """Entry point of a culprit child (`ci_runner.modes.layers.culprit:culprit_child`): load the model, its inputs and the
     backend once, then for each target not yet answered: trace its module, replay the known probe outcomes,
     probe the rest (journalled, appended as they come) and, when its search is done, write the culprit's graph
     and inputs and the target's `answer.json`."""
@@ -567,7 +566,7 @@ def find_culprits(*, model: Mapping[str, Any], backend: Mapping[str, Any], seed:
         append_result(Path(target.out_dir) / "probes.jsonl", r)
         return None
 
-    run = supervise("ci_runner.culprit:culprit_child", journal=journal, kind=KIND, next_attempt=next_attempt,
+    run = supervise("ci_runner.modes.layers.culprit:culprit_child", journal=journal, kind=KIND, next_attempt=next_attempt,
                     on_crash=on_crash, max_restarts=max_restarts, env=env)
     wall = time.monotonic() - t0
     answers = [_read_json(Path(t.out_dir) / ANSWER) for t in targets]

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import TorchTooOldError
+from ..errors import TorchTooOldError
 
 OLDEST_TORCH = "2.7"
 

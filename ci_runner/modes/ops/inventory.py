@@ -44,11 +44,11 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from .capture import ModuleCapture
-from .errors import DeepviewError
-from .op_signature import CallSite, Inventory, OpSignature, encode_value, iter_tensor_specs, signature_key
-from .torchcompat import require
-from .models import module_names, resolve_module_name
+from ...engine.capture import ModuleCapture
+from ...errors import DeepviewError
+from .signature import CallSite, Inventory, OpSignature, encode_value, iter_tensor_specs, signature_key
+from ...engine.torchcompat import require
+from ...engine.models import module_names, resolve_module_name
 
 LEVELS: tuple[str, ...] = ("dynamo", "aten", "core_aten", "dispatch")
 MAX_SITES = 8  # call sites kept per signature
@@ -78,6 +78,9 @@ EAGER_AT_GRAPH_BREAK: frozenset[str] = frozenset({
     "aten._is_any_true.default",
     "aten._local_scalar_dense.default",
 })
+
+# frames inside deepview-ci itself are not the model's source (this file lies in ci_runner/modes/ops/)
+PACKAGE_DIR = str(Path(__file__).parents[2])
 
 
 class InventoryError(DeepviewError):
@@ -331,7 +334,7 @@ def where_failed(exc: BaseException) -> str:
     """The innermost frame of a traceback outside torch: `file.py:123 in fn`, or the innermost at all."""
     frames = traceback.extract_tb(exc.__traceback__)
     torch_dir = str(Path(torch.__file__).parent)
-    mine = str(Path(__file__).parent)
+    mine = PACKAGE_DIR
     for fr in reversed(frames):
         if not fr.filename.startswith(torch_dir) and not fr.filename.startswith(mine):
             return f"{short_path(fr.filename)}:{fr.lineno} in {fr.name}"
@@ -533,7 +536,7 @@ def trace_dispatch(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     model, args, kwargs, device, fake_mode = _traceable(model, args, kwargs, device)
     builder = _Builder()
     stack: list[tuple[str, str]] = []
-    skip_dirs = (str(Path(torch.__file__).parent), str(Path(__file__).parent))
+    skip_dirs = (str(Path(torch.__file__).parent), PACKAGE_DIR)
 
     def src() -> str | None:
         f = sys._getframe(2)

@@ -8,12 +8,12 @@ from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 from .cellrun import RESULT_NAME
-from .envinfo import tool_version
-from .errors import InputError
-from .report import write_reports
-from .plan import PlannedCell, apply_plan
-from .rootcause import root_causes
-from .results import CellResult, Results, iter_findings, load_cell_result, save_results
+from ..engine.envinfo import tool_version
+from ..errors import InputError
+from ..report import write_reports
+from ..plan import PlannedCell, apply_plan
+from ..results.rootcause import root_causes
+from ..results.model import CellResult, Results, iter_findings, load_cell_result, save_results
 
 OP_KINDS = ("unsupported_op", "op_error", "op_mismatch")
 

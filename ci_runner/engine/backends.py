@@ -40,9 +40,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from .config import BackendSpec
+from ..config import BackendSpec
 from .envinfo import tool_version
-from .errors import BackendError
+from ..errors import BackendError
 from .torchcompat import available, skip_reason
 
 # `unsupported operator aten.softplus.default` (the sims' and many vendor compilers' wording)
@@ -163,7 +163,7 @@ class Backend:
         torch = _torch()
         dev_type = self.device.split(":")[0]
         if dev_type == "simdev":
-            from .sim import simdev  # deferred: imports torch
+            from ..sim import simdev  # deferred: imports torch
 
             try:
                 simdev.register_from_options(simdev_options(self.spec))
@@ -201,7 +201,7 @@ class Backend:
                                hint=_choices(bad[0], sorted(_COMPILE_KEYS)) + " (torch.compile's arguments)")
         options = dict(self.spec.backend_options)
         if _is_sim(name):
-            from . import sim  # deferred: imports torch
+            from .. import sim  # deferred: imports torch
 
             try:
                 return sim.make_backend(name, options)
@@ -282,7 +282,7 @@ class Backend:
 
     def to_device(self, obj: Any) -> Any:
         """Move a module, tensor or nested dict/list/tuple of them to the backend's device."""
-        from .tree import map_tensors  # deferred: imports torch
+        from .tree import map_tensors
 
         self.prepare()
         return map_tensors(lambda x: x.to(self.device), obj, modules=True)
@@ -324,7 +324,7 @@ def _module_version(name: str, mod: Any) -> str | None:
 
 
 def _sim_registry() -> Mapping[str, Any]:
-    from .sim import SIM_BACKENDS  # deferred: ci_runner.sim imports torch; loading a matrix must not
+    from ..sim import SIM_BACKENDS  # deferred: ci_runner.sim imports torch; loading a matrix must not
 
     return SIM_BACKENDS
 

@@ -23,17 +23,17 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import torch
 
-from .. import options
-from ..config import spec_to_json
-from ..fsutil import append_line
-from ..isolate import Attempt, IsolatedResult, Journal, supervise
-from ..models import load_model, model_fingerprint
-from ..options import NumericsOptions
-from ..results import ModeResult
-from ..numerics.capture import dump_meta, record_reference
-from ..numerics.settings import DTYPES, VIEWS, dynamo_settings
-from ..numerics.store import DumpReader, dump_matches
-from ..numerics.target import (
+from ... import options
+from ...config import spec_to_json
+from ...fsutil import append_line
+from ...engine.isolate import Attempt, IsolatedResult, Journal, supervise
+from ...engine.models import load_model, model_fingerprint
+from ...options import NumericsOptions
+from ...results.model import ModeResult
+from ...numerics.capture import dump_meta, record_reference
+from ...numerics.settings import DTYPES, VIEWS, dynamo_settings
+from ...numerics.store import DumpReader, dump_matches
+from ...numerics.target import (
     TARGET_CHILD,
     TargetPlan,
     compare_target,
@@ -42,13 +42,13 @@ from ..numerics.target import (
     parse_journal_entry,
     read_records,
 )
-from ..numerics.thresholds import LayerStats, ThresholdTable, key_hash, load_or_derive, threshold_key, threshold_path
-from ..numerics.toolbox import after_numerics, before_numerics, reference_dumps
-from ..numerics.verdict import build_layers, findings_for, layer_table, verdict_of, view_status
-from ..numerics.views import derive_reference_stats, runnable_reference
+from ...numerics.thresholds import LayerStats, ThresholdTable, key_hash, load_or_derive, threshold_key, threshold_path
+from ...numerics.toolbox import after_numerics, before_numerics, reference_dumps
+from ...numerics.verdict import build_layers, findings_for, layer_table, verdict_of, view_status
+from ...numerics.views import derive_reference_stats, runnable_reference
 
 if TYPE_CHECKING:
-    from . import ModeContext
+    from .. import ModeContext
 
 
 def _run_target(ctx: "ModeContext", opts: NumericsOptions, dumps: list[Path], work: Path,

@@ -29,16 +29,16 @@ from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
 
 import torch
 
-from . import codec
-from .backends import DynamoCounters, FallbackWatch, not_ran_reason, ran_facts, resolve_backend
-from .capture import ModuleCapture, detach_tree, iter_tensors
-from .codec import TensorStore, Unstorable, check_value, decode_call
-from .diagnostics import capture_fd2, compiler_words
-from .fsutil import append_record, atomic_write_json, read_records
-from .config import BackendSpec, ModelSpec, spec_from_json
-from .isolate import child_journal
-from .models import load_model
-from .tree import tensors_in
+from ...engine import codec
+from ...engine.backends import DynamoCounters, FallbackWatch, not_ran_reason, ran_facts, resolve_backend
+from ...engine.capture import ModuleCapture, detach_tree, iter_tensors
+from ...engine.codec import TensorStore, Unstorable, check_value, decode_call
+from ...engine.diagnostics import capture_fd2, compiler_words
+from ...fsutil import append_record, atomic_write_json, read_records
+from ...config import BackendSpec, ModelSpec, spec_from_json
+from ...engine.isolate import child_journal
+from ...engine.models import load_model
+from ...engine.tree import tensors_in
 
 ROOT = ""  # the root module's qualified name
 ROOT_LABEL = "<root>"  # how the root is named in findings and reports
@@ -440,7 +440,7 @@ def _materialize(out: Any) -> None:
 
 
 def probe_child(payload: dict[str, Any]) -> dict[str, Any]:
-    """Entry point of a probing child (`run_isolated("ci_runner.layer_search:probe_child", …)`).
+    """Entry point of a probing child (`run_isolated("ci_runner.modes.layers.search:probe_child", …)`).
 
     Loads the model and the backend, replays the outcomes already known, and probes the rest of the search,
     appending every outcome as soon as it has it. Each level's inputs are captured by one reference forward

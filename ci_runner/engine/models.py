@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
-from .config import InputSpec, ModelSpec
-from .errors import ModelLoadError
-from .sim import simdev
+from ..config import InputSpec, ModelSpec
+from ..errors import ModelLoadError
+from ..sim import simdev
 from .tree import map_tensors
 
 TASKS: tuple[str, ...] = ("causal-lm", "base", "masked-lm", "image-classification", "image-text")

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from .fsutil import append_record, read_records
+from ...fsutil import append_record, read_records
 
 FAILED = ("fail", "crashed", "timeout")
 

@@ -56,24 +56,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence, TextIO
 
-from .errors import EXIT_FINDINGS, EXIT_OK, InputError, UsageError
-from .fsutil import atomic_write_text
-from .github.actions import AnnotationCap, in_actions
-from .log import append_step_summary
-from .report.summary import SUMMARY_LIMIT, code, md, truncate_markdown
-from .report.view import first_line
-from .results import (
-    CELL_STATUSES,
-    FINDING_KINDS,
-    STATUS_SEVERITY,
-    CellResult,
-    Finding,
-    Results,
-    clean,
-    load_results,
-    read_json,
-    validate,
-)
+from ..errors import EXIT_FINDINGS, EXIT_OK, InputError, UsageError
+from ..fsutil import atomic_write_text
+from ..github.actions import AnnotationCap, in_actions
+from ..log import append_step_summary
+from ..report.summary import SUMMARY_LIMIT, code, md, truncate_markdown
+from ..report.view import first_line
+from .model import CELL_STATUSES, FINDING_KINDS, STATUS_SEVERITY, CellResult, Finding, Results, clean, load_results, read_json, validate
 
 BASELINE_SCHEMA_VERSION = 1
 DIFF_SCHEMA_VERSION = 1

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from .fsutil import append_line, atomic_write_json
+from ..fsutil import append_line, atomic_write_json
 
 __all__ = [
     "IsolatedResult", "Journal", "Attempt", "SupervisedRun", "child_journal", "open_entry", "run_isolated",
@@ -180,7 +180,7 @@ def run_isolated(target: str, payload: Mapping[str, Any], *, timeout: float, jou
         if journal is not None:
             cenv[JOURNAL_ENV] = str(journal)
         with open(stderr_path, "wb") as err:
-            proc = subprocess.Popen([sys.executable, "-m", "ci_runner.isolate", str(payload_path), str(result_path)],
+            proc = subprocess.Popen([sys.executable, "-m", "ci_runner.engine.isolate", str(payload_path), str(result_path)],
                                     stdout=err, stderr=err, stdin=subprocess.DEVNULL, env=cenv,
                                     cwd=str(cwd) if cwd else None, start_new_session=True)
             try:

@@ -7,7 +7,7 @@ import sys
 from importlib import metadata
 from typing import Any, Callable
 
-from . import __version__
+from .. import __version__
 
 
 def _version(dist: str) -> str | None:

@@ -20,9 +20,9 @@ from typing import Any, Mapping, Sequence
 
 import jinja2
 
-from .fsutil import atomic_write_text
+from ..fsutil import atomic_write_text
 from .isolate import set_pdeathsig
-from .rootcause import normalize_text
+from ..results.rootcause import normalize_text
 
 
 @lru_cache(maxsize=1)

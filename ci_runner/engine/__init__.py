@@ -1,0 +1,1 @@
+"""The engine every mode shares, each concept once: child processes (isolate), hooks (capture), the call codec and tree mapper, a compiler's words (diagnostics), torch feature detection, models and inputs, backends, repro verification."""

@@ -1,0 +1,1 @@
+"""The ops mode: every operator the backend lacks. `inventory` (the tracers), `signature` (the record), `probe` (one-op compile-and-run in isolated children), `compare` (against CPU eager), `mode` (the run)."""
