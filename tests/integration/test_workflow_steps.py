@@ -146,3 +146,27 @@ def test_only_a_diff_that_ran_on_a_whole_run_lets_issues_be_filed(tmp_path: Path
                                                                    file_issues: str) -> None:
     got_rc, out, _ = run_policy(tmp_path, **env)
     assert (got_rc, out) == (rc, {"outcome": outcome, "file-issues": file_issues})
+
+
+def test_a_failed_install_of_deepview_ci_is_recorded_by_the_shell_and_fails_the_job_after_the_upload(tmp_path: Path) -> None:
+    job = load(CELLS)["jobs"]["cell"]
+    names = [s.get("name") for s in job["steps"]]
+    record_step = next(s for s in job["steps"] if s.get("name") == "Record a failed install as the cell's result")
+    assert record_step["if"] == "steps.install.outcome == 'failure'"
+    assert names.index("Upload the cell's results and repros") < names.index("Fail the job when the cell could not be set up")
+    out = tmp_path / "github_output"
+    out.write_text("")
+    env = {"PATH": "/usr/bin:/bin", "GITHUB_OUTPUT": str(out), "DEEPVIEW_CELL": "tiny@acme", "CELL_PYTHON": "python3",
+           "GITHUB_SERVER_URL": "https://github.com", "GITHUB_REPOSITORY": "acme/compiler", "GITHUB_RUN_ID": "4242"}
+    proc = subprocess.run([BASH, "-e", "-c", record_step["run"]], env=env, capture_output=True, text=True, timeout=60,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    plan = tmp_path / "plan.json"
+    (tmp_path / "m.yaml").write_text("version: 1\nmodels: [{id: tiny, config: llama}]\n"
+                                     "backends: [{id: acme, runs-on: [self-hosted, acme], python: python3}]\n")
+    assert cli.main(["expand", str(tmp_path / "m.yaml"), "--out", str(plan)]) == 0
+    assert cli.main(["aggregate", str(tmp_path / "deepview-run"), "--out", str(tmp_path / "report"), "--plan", str(plan)]) == 0
+    [cell] = load_results(tmp_path / "report" / "results.json").cells
+    assert cell.status == "error" and cell.error is not None and cell.error.type == "setup_failed"
+    assert cell.error.message.startswith("setup failed: `install deepview-ci into python3")
+    assert "https://github.com/acme/compiler/actions/runs/4242" in cell.error.stderr_tail
