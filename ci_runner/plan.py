@@ -87,7 +87,7 @@ def _planned_result(p: PlannedCell, *, status: str, message: str, error_type: st
     )
 
 
-Evidence = Callable[[PlannedCell], "CellResult | None"]
+Evidence = Callable[[PlannedCell], CellResult | None]  # what a job left behind, as a result
 
 
 def apply_plan(cells: Sequence[CellResult], plan: Sequence[PlannedCell],

@@ -152,6 +152,12 @@ def test_install_into_the_existing_environment_leaves_torch_alone(runner: Runner
     version = subprocess.run([runner.installed_python, "-m", "ci_runner", "--version"], capture_output=True, text=True,
                              cwd=runner.root, timeout=120)
     assert version.returncode == 0 and version.stdout.startswith("deepview-ci ")
+    # the cell job installs in one step and runs the cell in the next: the second call of the action installs nothing
+    again = runner.run(step_script(ACTION, "install")["run"],
+                       runner.env(DEEPVIEW_EXISTING_PYTHON=runner.entry["python"], DEEPVIEW_PYTHON="",  # type: ignore[attr-defined]
+                                  DEEPVIEW_PYTHON_VERSION="", DEEPVIEW_PIP_ARGS="--no-index", DEEPVIEW_EXTRAS=""))
+    assert again.returncode == 0 and "already installed" in again.stdout and "pinning" not in again.stdout, again.stdout
+    assert runner.outputs().strip() == f"python={runner.installed_python}"
     where = subprocess.run([runner.installed_python, "-c", "import ci_runner; print(ci_runner.__file__)"], capture_output=True,
                            text=True, cwd=runner.root, timeout=60).stdout
     assert where.startswith(str(runner.venv))  # installed into the vendor environment, not reached from the test venv
