@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from ci_runner.engine.backends import (
+from ci_runner.backends import (
     Backend,
     available_backends,
     available_devices,

@@ -114,7 +114,7 @@ def test_dump_layout_streams_chunks_and_records_every_call(tmp_path: Path) -> No
 
 
 def test_compiled_dump_observes_the_backends_own_outputs(tmp_path: Path) -> None:
-    from ci_runner.engine.backends import resolve_backend
+    from ci_runner.backends import resolve_backend
     from ci_runner.config import BackendSpec
     from types import MappingProxyType
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from ci_runner.engine.backends import resolve_backend
+from ci_runner.backends import resolve_backend
 from ci_runner.config import BackendSpec
 from ci_runner.modes.layers.search import ROOT, ModuleTree, ProbeOutcome, _probe_one, own_code_candidates, search
 

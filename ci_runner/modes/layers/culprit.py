@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from ...engine.backends import named_op_from_error, resolve_backend
+from ...backends import named_op_from_error, resolve_backend
 from ...engine.codec import TensorStore, decode_call, encode_call
 from ...config import BackendSpec, ModelSpec, spec_from_json
 from ...engine.tree import map_tensors

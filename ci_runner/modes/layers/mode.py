@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
 
-from ...engine.backends import backend_ran, backend_recipe, plugin_pythonpath, simdev_options
+from ...backends import backend_ran, backend_recipe, is_self_test, plugin_pythonpath, simdev_options
 from ...config import spec_to_json
 from .culprit import CulpritResult, CulpritTarget, find_culprits, hints_from_error, ops_cross_check, write_repro
 from ...fsutil import atomic_write_text
@@ -50,7 +50,6 @@ from ...options import LayersOptions, parse as parse_options
 from ...engine.repro import render_template, safe_filename, verify_script, write_script
 from ...results.model import Finding, ModeResult, Repro, fingerprint
 from ...results.rootcause import annotate
-from ...sim import is_sim
 
 if TYPE_CHECKING:
     from .. import ModeContext
@@ -358,17 +357,9 @@ def _plugin_modules(spec: Any) -> list[str]:
     mods = list(spec.imports)
     if spec.compile and ":" in spec.compile:
         mods.append(spec.compile.split(":", 1)[0])
-    if _is_sim_backend(spec):
+    if is_self_test(spec):
         mods.append("ci_runner")
     return list(dict.fromkeys(mods))
-
-
-def _sim_name(compile_spec: str | None) -> bool:
-    return bool(is_sim(compile_spec))
-
-
-def _is_sim_backend(spec: Any) -> bool:
-    return _sim_name(spec.compile) or spec.device.split(":")[0] == "simdev"
 
 
 def _key_text(message: str) -> list[str]:

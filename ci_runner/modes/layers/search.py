@@ -30,7 +30,7 @@ from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
 import torch
 
 from ...engine import codec
-from ...engine.backends import DynamoCounters, FallbackWatch, not_ran_reason, ran_facts, resolve_backend
+from ...backends import DynamoCounters, FallbackWatch, not_ran_reason, ran_facts, resolve_backend
 from ...engine.capture import ModuleCapture, detach_tree, iter_tensors
 from ...engine.codec import TensorStore, Unstorable, check_value, decode_call
 from ...engine.diagnostics import capture_fd2, compiler_words
