@@ -213,8 +213,13 @@ class ChunkFiles:
                              hint="the manifest and the chunk files disagree; dump it again") from None
         return torch.view_as_complex(t) if key.endswith("c") else t
 
+    @property
+    def open_count(self) -> int:
+        """How many chunk files are open now (at most `max_open`)."""
+        return len(self._handles)
+
     def close(self) -> None:
-        self._chunks.close()
+        self._handles.clear()
 
 
 class DumpReader:

@@ -44,7 +44,8 @@ from .culprit import CulpritResult, CulpritTarget, find_culprits, hints_from_err
 from ...fsutil import atomic_write_text
 from ...engine.codec import TensorStore, Unstorable
 from ...engine.isolate import Attempt, IsolatedResult, supervise
-from .search import ROOT, ChildPlan, ModuleTree, ProbeOutcome, SearchResult, StopSearch, append_outcome, capture_inputs, encode_call, first_line, label, own_name, read_outcomes, scan_model, search, unlabel, unwrap_exception, write_root_call
+from ...engine.outcome import ProbeOutcome, append_outcome, read_outcomes
+from .search import ROOT, ChildPlan, ModuleTree, SearchResult, StopSearch, capture_inputs, encode_call, first_line, label, own_name, scan_model, search, unlabel, unwrap_exception, write_root_call
 from .. import JOURNAL_NAME
 from ...options import LayersOptions, parse as parse_options
 from ...engine.repro import render_template, safe_filename, verify_script, write_script
