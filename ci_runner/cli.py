@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from .results import baseline
 from . import errors
 from .run.aggregate import aggregate, write_report_dir
-from .engine.backends import available_backends
+from .backends import available_backends
 from .run.cellrun import RESULT_NAME, run_cell_inprocess
 from .config import ALL_MODES, load_matrix
 from .engine.envinfo import base_stamp, env_report, format_env, tool_version

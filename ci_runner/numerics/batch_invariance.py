@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..engine.backends import resolve_backend
+from ..backends import resolve_backend
 from ..config import BackendSpec, InputSpec, ModelSpec, spec_from_json, spec_to_json
 from ..engine.isolate import run_isolated
 from ..engine.models import build_inputs, load_model
@@ -42,7 +42,7 @@ from .settings import CellContext
 from .thresholds import ThresholdTable, exceeded
 
 if TYPE_CHECKING:
-    from ..engine.backends import Backend
+    from ..backends import Backend
 
 _SAME_KEYS = ("attention_mask", "token_type_ids", "position_ids", "cache_position", "pixel_mask", "image_sizes")
 

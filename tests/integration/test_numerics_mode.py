@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from ci_runner.run.aggregate import layer_patterns
-from ci_runner.engine.backends import resolve_backend
+from ci_runner.backends import resolve_backend
 from ci_runner.config import load_matrix, load_matrix_text
 from ci_runner.matrix import expand
 from ci_runner.modes import ModeContext

@@ -14,17 +14,15 @@ from ci_runner.errors import ConfigError
 from ci_runner.engine.codec import TensorStore, call_tensor_keys, decode_call
 from ci_runner.engine.codec import Unstorable as Opaque
 from ci_runner.engine.isolate import open_entry
+from ci_runner.engine.outcome import ProbeOutcome, append_outcome, read_outcomes
 from ci_runner.modes.layers.search import (
     ROOT,
     ModuleTree,
-    ProbeOutcome,
     StopSearch,
-    append_outcome,
     capture_inputs,
     encode_call,
     is_compile_stage,
     minimal_failing,
-    read_outcomes,
     record_calls,
     scan_model,
     search,

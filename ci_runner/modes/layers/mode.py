@@ -38,19 +38,19 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
 
-from ...engine.backends import backend_ran, backend_recipe, plugin_pythonpath, simdev_options
+from ...backends import backend_ran, backend_recipe, is_self_test, plugin_pythonpath, simdev_options
 from ...config import spec_to_json
 from .culprit import CulpritResult, CulpritTarget, find_culprits, hints_from_error, ops_cross_check, write_repro
 from ...fsutil import atomic_write_text
 from ...engine.codec import TensorStore, Unstorable
 from ...engine.isolate import Attempt, IsolatedResult, supervise
-from .search import ROOT, ChildPlan, ModuleTree, ProbeOutcome, SearchResult, StopSearch, append_outcome, capture_inputs, encode_call, first_line, label, own_name, read_outcomes, scan_model, search, unlabel, unwrap_exception, write_root_call
+from ...engine.outcome import ProbeOutcome, append_outcome, read_outcomes
+from .search import ROOT, ChildPlan, ModuleTree, SearchResult, StopSearch, capture_inputs, encode_call, first_line, label, own_name, scan_model, search, unlabel, unwrap_exception, write_root_call
 from .. import JOURNAL_NAME
 from ...options import LayersOptions, parse as parse_options
 from ...engine.repro import render_template, safe_filename, verify_script, write_script
 from ...results.model import Finding, ModeResult, Repro, fingerprint
 from ...results.rootcause import annotate
-from ...sim import is_sim
 
 if TYPE_CHECKING:
     from .. import ModeContext
@@ -358,17 +358,9 @@ def _plugin_modules(spec: Any) -> list[str]:
     mods = list(spec.imports)
     if spec.compile and ":" in spec.compile:
         mods.append(spec.compile.split(":", 1)[0])
-    if _is_sim_backend(spec):
+    if is_self_test(spec):
         mods.append("ci_runner")
     return list(dict.fromkeys(mods))
-
-
-def _sim_name(compile_spec: str | None) -> bool:
-    return bool(is_sim(compile_spec))
-
-
-def _is_sim_backend(spec: Any) -> bool:
-    return _sim_name(spec.compile) or spec.device.split(":")[0] == "simdev"
 
 
 def _key_text(message: str) -> list[str]:
