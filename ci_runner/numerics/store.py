@@ -219,6 +219,10 @@ class DumpReader:
             t = torch.view_as_complex(t)
         return t
 
+    def mutated_names(self) -> set[str]:
+        """The modules with a call whose output the model changed in place after the hook (see `RecordingSink`)."""
+        return {c["name"] for c in self.calls if c.get("mutated_later")}
+
     def children(self, call: Mapping[str, Any]) -> list[dict[str, Any]]:
         """The direct sub-calls of `call`, in call order."""
         return self._children.get(call["idx"], [])

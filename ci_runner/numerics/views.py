@@ -67,7 +67,7 @@ def _stub_forward(*args: Any, **kwargs: Any) -> Any:
     acc: list[tuple[str, torch.Tensor]] = []
     flatten_traceable(args, "args", acc)
     flatten_traceable(kwargs, "kwargs", acc)
-    _STUB_SEEN.append(tuple(acc))
+    _STUB_SEEN.append(tuple((k, t.clone()) for k, t in acc))  # copies: the module may change them in place later
     return _STUB_QUEUE.pop(0)
 
 
@@ -218,7 +218,8 @@ def run_cumulative_view(module: nn.Module, backend: Any, readers: Sequence[DumpR
                 to_dev: Callable[[Any], Any], journal: Callable[[str, str], None] | None) -> None:
     eager = bool(getattr(backend, "is_eager", False))
     skipped = set(skip)
-    appender = None if eager else OutputHooks(module)
+    mutated = set().union(*(r.mutated_names() for r in readers)) if readers else set()
+    appender = None if eager else OutputHooks(module, clone=mutated)  # the in-place rule: copy what is changed later
     fn = None
     try:
         for s, reader in enumerate(readers):
