@@ -18,7 +18,7 @@ from torch import nn
 from ..engine.capture import CallInfo, FlatOutput, ModuleCapture, OutputHooks, VersionWatch, call_key, iter_tensors
 from ..engine.codec import Unstorable, encode_call, encode_value
 from ..errors import DeepviewError
-from .metrics import MetricsError, compare_tensors, worst
+from .metrics import MetricsError, compare_any_row_order, worst
 from .settings import dynamo_settings
 from .store import DumpReader, DumpWriter
 
@@ -166,7 +166,10 @@ def compare_flat(reader: DumpReader, call: Mapping[str, Any], tgt: Mapping[str, 
     if not common:
         raise MetricsError(f"{call['key'] or '(root)'}: output structure differs: reference {sorted(ref)[:5]} "
                            f"vs target {sorted(tgt)[:5]}")
-    out = worst(compare_tensors(ref[k], tgt[k], where=f"{call['key'] or '(root)'}[{k}]") for k in common)
+    each = [compare_any_row_order(ref[k], tgt[k], where=f"{call['key'] or '(root)'}[{k}]") for k in common]
+    out = worst(each)
+    if any(m.get("reordered") for m in each):
+        out["reordered"] = True  # the same rows in another order (see `compare_any_row_order`)
     if len(common) != len(ref) or len(common) != len(tgt):
         out["structure"] = {"only_reference": sorted(set(ref) - set(tgt))[:10],
                             "only_target": sorted(set(tgt) - set(ref))[:10]}
@@ -197,6 +200,7 @@ class CompareSink(CallSink):
         self.journal = journal
         self.prefix = prefix
         self.seen: set[str] = set()
+        self.counts: dict[str, int] = {}  # calls per module name in this run
 
     def enter(self, meta: CallMeta, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self.journal:
@@ -205,6 +209,7 @@ class CompareSink(CallSink):
     def exit(self, meta: CallMeta, output: Any) -> None:
         if self.journal:
             self.journal("leave-module", self.prefix + meta.key)
+        self.counts[meta.name] = self.counts.get(meta.name, 0) + 1
         call = self.reader.by_key.get(meta.key)
         if call is None:
             return
