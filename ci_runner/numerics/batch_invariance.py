@@ -37,7 +37,7 @@ from ..options import ThresholdOptions
 from ..engine.tree import map_tensors
 from ..results.model import Finding, clean, fingerprint, number
 from .capture import run_compiled_with_outputs, run_eager_with_outputs
-from .metrics import compare_tensors, public, worst
+from .metrics import compare_tensors, cos_text, public, worst
 from .settings import CellContext
 from .thresholds import ThresholdTable, exceeded
 
@@ -261,7 +261,7 @@ def findings_for(verdict: Mapping[str, Any], *, backend_id: str, model_id: str) 
             what = (f"the same input among {slots - 1} other inputs gives another output in slot "
                     f"{row['worst_slot']} than in slot 0")
         msg = (f"batch variance: {what} from {module or '(root)'} ({row['module_class']}) on: rel "
-               f"{float(m['rel']):.2e}, cos {float(m['cos']):.6f} (threshold rel {float(thr['rel']):.2e}); "
+               f"{float(m['rel']):.2e}, {cos_text(m['cos'])} (threshold rel {float(thr['rel']):.2e}); "
                f"{v['flagged']} layer(s) over threshold; first layer whose slots are not bit-identical: "
                f"{v['first_nonbitwise'] or '(root)'}")
         out.append(Finding(

@@ -233,7 +233,9 @@ def dump_model(module: nn.Module, kwargs: Mapping[str, Any], out: Path, *, side:
         module = backend.to_device(module) if backend is not None else module.to(device)
         kwargs = map_tensors(lambda t: t.to(device), kwargs)
     if not compiled:
-        capture_layer_outputs(module, (), kwargs, RecordingSink(writer))
+        sink = RecordingSink(writer)
+        capture_layer_outputs(module, (), kwargs, sink)
+        sink.finish()
     else:
         assert backend is not None
         _dump_compiled(module, backend, kwargs, writer)

@@ -256,6 +256,10 @@ class DumpReader:
         t = self._chunks.tensor(self.index["files"][self.index["tensors"][key]], key)
         return t.clone() if clone else t
 
+    def mutated_names(self) -> set[str]:
+        """The modules with a call whose output the model changed in place after the hook (see `RecordingSink`)."""
+        return {c["name"] for c in self.calls if c.get("mutated_later")}
+
     def children(self, call: Mapping[str, Any]) -> list[dict[str, Any]]:
         """The direct sub-calls of `call`, in call order."""
         return self._children.get(call["idx"], [])
