@@ -17,8 +17,9 @@ from .results import baseline
 from . import errors
 from .run.aggregate import aggregate, write_report_dir
 from .engine.backends import available_backends
-from .run.cellrun import RESULT_NAME, run_cell_inprocess
-from .config import ALL_MODES, load_matrix
+from .run.cellrun import run_cell_inprocess
+from .config import load_matrix
+from .registry import mode_names
 from .engine.envinfo import base_stamp, env_report, format_env, tool_version
 from .errors import DeepviewError, UsageError
 from .run.execute import RunOptions, auto_jobs, available_cores, cell_dir, load_partial, run_cells
@@ -31,7 +32,7 @@ from .log import Progress
 from .matrix import dumps_compact, expand, expand_json, find_cell, select
 from .numerics.thresholds import load_table
 from .plan import load_plan, parse_chunk_results, setup_failed_result
-from .results.model import load_results, save_cell_result
+from .results.model import RESULT_NAME, load_results, save_cell_result
 
 if TYPE_CHECKING:
     from .config import Cell
@@ -41,9 +42,9 @@ Handler = Callable[[argparse.Namespace], int]
 
 def _modes_arg(text: str) -> tuple[str, ...]:
     modes = tuple(m.strip() for m in text.split(",") if m.strip())
-    bad = [m for m in modes if m not in ALL_MODES]
+    bad = [m for m in modes if m not in mode_names()]
     if bad or not modes:
-        raise argparse.ArgumentTypeError(f"unknown mode(s) {', '.join(bad) or '(none)'}; choose from {', '.join(ALL_MODES)}")
+        raise argparse.ArgumentTypeError(f"unknown mode(s) {', '.join(bad) or '(none)'}; choose from {', '.join(mode_names())}")
     return modes
 
 
@@ -79,7 +80,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         progress.info(f"deepview-ci: --jobs auto: up to {jobs} cell(s) at once on {cores} core(s)")
     results = run_cells(cells, RunOptions(matrix_path=matrix.path, out_dir=out, jobs=jobs, cores=cores, force=args.force,
                                           modes=args.modes), progress)
-    report = aggregate([out / "cells" / r.id / "result.json" for r in results])  # this run's cells, not stale ones
+    report = aggregate([cell_dir(out, r.id) / RESULT_NAME for r in results])  # this run's cells, not stale ones
     written = write_report_dir(report, out / "report", run_dir=out)
     _report_outputs(out / "report", written)
     counts = report.counts()

@@ -20,10 +20,9 @@ import jsonschema
 import yaml
 
 from .errors import ConfigError, OptionError
-from .options import parse as parse_options
+from .registry import mode_names, parse_options
 from .results.model import schema
 
-ALL_MODES: tuple[str, ...] = ("ops", "layers", "numerics")
 DEFAULT_TIMEOUT_S = 900.0
 DEFAULT_MAX_JOBS = 1024  # expand refuses more cells than this unless raised in `defaults.max_jobs`
 HOSTED_LABEL = re.compile(r"^(ubuntu|windows|macos)-[A-Za-z0-9._-]+$")  # GitHub-hosted runner images
@@ -486,7 +485,7 @@ def _resolve(path: Path, data: dict[str, Any], positions: _Positions) -> Matrix:
     return Matrix(
         path=path,
         version=data["version"],
-        modes=tuple(defaults.get("modes", ALL_MODES)),
+        modes=tuple(defaults.get("modes", mode_names())),
         timeout=float(defaults.get("timeout", DEFAULT_TIMEOUT_S)),
         inputs=InputSpec().merged(defaults.get("inputs")),
         options=MappingProxyType({k: MappingProxyType(dict(v)) for k, v in (defaults.get("options") or {}).items()}),

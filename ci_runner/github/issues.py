@@ -60,6 +60,7 @@ from .client import (
     ServerUnavailable,
     redact,
 )
+from ..registry import mode_of_group
 from .options import FilingOptions
 from .render import (
     NEW,
@@ -75,7 +76,6 @@ from .render import (
 )
 
 CATEGORIES = ("regressed", "fixed", "persisting", "flaky", "new_cell", "missing_cell")
-MODE_OF_GROUP = {"op": "ops", "culprit": "layers", "layer": "layers", "divergence": "numerics"}
 _REPO_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9-]{0,38})/[A-Za-z0-9._-]{1,100}$")
 _FP_MARKER = re.compile(r"<!-- deepview-ci:fingerprint=([0-9a-f]{8,64}) -->")
 _META_MARKER = re.compile(r"<!-- deepview-ci:meta (\{.*?\}) -->")
@@ -386,7 +386,7 @@ class _Filer:
                     continue
                 key = tuple(str(k) for k in issue.meta["key"])
                 cells = [str(c) for c in issue.meta.get("cells") or []]
-                mode = MODE_OF_GROUP.get(key[0])
+                mode = mode_of_group().get(key[0])
                 if not cells or mode is None or group_fingerprint(key) != fp:
                     continue
                 if all(mode in coverage.get(c, set()) for c in cells):

@@ -62,7 +62,8 @@ from ..github.actions import AnnotationCap, in_actions
 from ..log import append_step_summary
 from ..report.summary import SUMMARY_LIMIT, code, md, truncate_markdown
 from ..report.view import first_line
-from .model import CELL_STATUSES, FINDING_KINDS, STATUS_SEVERITY, CellResult, Finding, Results, clean, load_results, read_json, validate
+from ..registry import kind_names
+from .model import CELL_STATUSES, STATUS_SEVERITY, CellResult, Finding, Results, clean, load_results, read_json, validate
 
 BASELINE_SCHEMA_VERSION = 1
 DIFF_SCHEMA_VERSION = 1
@@ -244,7 +245,7 @@ def _surely_valid(data: Any) -> bool:
             return False
         if not all(type(v) is str and v in statuses for v in c["modes"].values()):
             return False
-    kinds = set(FINDING_KINDS)
+    kinds = set(kind_names())
     for f in findings:
         if type(f) is not dict or not _FIND_REQ <= f.keys() <= _FIND_KEYS:
             return False

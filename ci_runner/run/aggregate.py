@@ -7,15 +7,13 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from .cellrun import RESULT_NAME
 from ..engine.envinfo import tool_version
 from ..errors import InputError
 from ..report import write_reports
 from ..plan import PlannedCell, apply_plan
+from ..registry import SECTION_OPS, FindingKind, kinds_in
 from ..results.rootcause import root_causes
-from ..results.model import CellResult, Results, iter_findings, load_cell_result, save_results
-
-OP_KINDS = ("unsupported_op", "op_error", "op_mismatch")
+from ..results.model import RESULT_NAME, CellResult, Results, iter_findings, load_cell_result, save_results
 
 
 def find_cell_results(paths: Sequence[Path], *, missing_ok: bool = False) -> list[Path]:
@@ -57,8 +55,9 @@ def op_ranking(results: Results) -> list[dict[str, object]]:
     models: dict[str, set[str]] = defaultdict(set)
     backends: dict[str, set[str]] = defaultdict(set)
     kinds: dict[str, set[str]] = defaultdict(set)
+    op_kinds = kinds_in(SECTION_OPS)
     for cell, _mode, f in iter_findings(results):
-        if f.kind in OP_KINDS and f.op:
+        if f.kind in op_kinds and f.op:
             models[f.op].add(cell.model)
             backends[f.op].add(cell.backend)
             kinds[f.op].add(f.kind)
@@ -74,7 +73,7 @@ def layer_patterns(results: Results) -> list[dict[str, object]]:
     """Divergent module classes / relative paths seen in more than one model or layer (a shared root cause)."""
     by_class: dict[tuple[str, str], set[tuple[str, str]]] = defaultdict(set)
     for cell, _mode, f in iter_findings(results):
-        if f.kind == "divergence" and f.module:
+        if f.kind == FindingKind.DIVERGENCE and f.module:
             if f.module_class:
                 by_class[("module_class", f.module_class)].add((cell.model, f.module))
             rel = f.module.rsplit(".", 1)[-1]

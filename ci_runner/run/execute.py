@@ -25,15 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from .cellrun import PARTIAL_NAME, RESULT_NAME, write_final
+from .cellrun import write_final
 from ..config import Cell
 from ..engine.envinfo import base_stamp
 from ..errors import DeepviewError, ExecutionError, InputError
 from ..fsutil import atomic_write_json
 from ..log import Progress
 from ..engine.isolate import child_env, open_entry, signal_name
-from ..modes import JOURNAL_NAME
-from ..results.model import CellError, CellResult, ModeResult, load_cell_result, read_json
+from ..results.model import JOURNAL_NAME, PARTIAL_NAME, RESULT_NAME, STDERR_NAME, CellError, CellResult, ModeResult, load_cell_result, read_json
 
 STDERR_TAIL_CHARS = 4000
 _KILL_GRACE_S = 2.0
@@ -183,7 +182,7 @@ def run_one(cell: Cell, opts: RunOptions, children: _Children | None = None) -> 
     deadline = started + cell.timeout
     error: CellError | None = None
     remaining = list(modes)
-    stderr_path = cdir / "stderr.log"
+    stderr_path = cdir / STDERR_NAME
     stderr_path.unlink(missing_ok=True)
 
     while remaining:

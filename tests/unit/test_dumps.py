@@ -26,7 +26,8 @@ from ci_runner.numerics.dumps import (
     split_inputs,
 )
 from ci_runner.errors import ConfigError, InputError, UsageError
-from ci_runner.options import ToolboxOptions, parse
+from ci_runner.options import ToolboxOptions
+from ci_runner.registry import parse_options as parse
 from tests.fixtures.plugin_toolbox_models import TinyNet, base
 
 MATRIX = """

@@ -32,7 +32,7 @@ from ci_runner.modes.layers.search import (
     unwrap_exception,
 )
 from ci_runner.modes.layers.mode import _key_text
-from ci_runner.options import parse as parse_options
+from ci_runner.registry import parse_options
 
 
 def _open_entry_since(journal: Path, offset: int) -> str | None:

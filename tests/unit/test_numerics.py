@@ -17,7 +17,7 @@ from torch import nn
 from ci_runner.errors import ConfigError, InputError
 from ci_runner.engine import codec
 from ci_runner.numerics import store, target, verdict, views
-from ci_runner.options import parse
+from ci_runner.registry import parse_options as parse
 from ci_runner.numerics import capture as ncap
 from ci_runner.numerics.thresholds import ThresholdOptions, ThresholdTable
 

@@ -18,10 +18,9 @@ from ci_runner.options import (
     OpsOptions,
     ThresholdOptions,
     ToolboxOptions,
-    known_keys,
     markdown_table,
-    parse,
 )
+from ci_runner.registry import known_keys, parse_options as parse
 
 ROOT = Path(__file__).resolve().parents[2]
 MATRIX = """version: 1

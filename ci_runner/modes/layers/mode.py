@@ -45,17 +45,17 @@ from ...fsutil import atomic_write_text
 from ...engine.codec import TensorStore, Unstorable
 from ...engine.isolate import Attempt, IsolatedResult, supervise
 from .search import ROOT, ChildPlan, ModuleTree, ProbeOutcome, SearchResult, StopSearch, append_outcome, capture_inputs, encode_call, first_line, label, own_name, read_outcomes, scan_model, search, unlabel, unwrap_exception, write_root_call
-from .. import JOURNAL_NAME
-from ...options import LayersOptions, parse as parse_options
+from ...options import LayersOptions
+from ...registry import FindingKind, parse_options
 from ...engine.repro import render_template, safe_filename, verify_script, write_script
-from ...results.model import Finding, ModeResult, Repro, fingerprint
+from ...results.model import JOURNAL_NAME, Finding, ModeResult, Repro, fingerprint
 from ...results.rootcause import annotate
 from ...sim import is_sim
 
 if TYPE_CHECKING:
     from .. import ModeContext
 
-KIND = "layer_failure"
+KIND = FindingKind.LAYER_FAILURE
 _MIN_CHILD_S = 20.0  # no new probing child is started with less time than this left
 
 

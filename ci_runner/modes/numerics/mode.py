@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import torch
 
-from ... import options
+from ...registry import parse_options
 from ...config import spec_to_json
 from ...fsutil import append_line
 from ...engine.isolate import Attempt, IsolatedResult, Journal, supervise
@@ -177,7 +177,7 @@ def derive_for_cell(ctx: "ModeContext", opts: NumericsOptions, dump_root: Path,
 def run(ctx: "ModeContext") -> ModeResult:
     """The numerics mode (see the module docstring)."""
     t0 = time.monotonic()
-    opts: NumericsOptions = options.parse("numerics", ctx.options("numerics"))
+    opts: NumericsOptions = parse_options("numerics", ctx.options("numerics"))
     toolbox = opts.toolbox  # weights/batch/bisect/reference dumps
     refs = ctx.cell.references
     if len(refs) < 2:

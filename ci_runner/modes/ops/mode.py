@@ -47,7 +47,8 @@ from .inventory import InventoryError, take_inventory
 from .compare import compare, matches_any
 from .probe import ProbeRunner, call_source, float_dtype, make_tensor, not_run_outcome, op_expression, probe_seed, with_ranges
 from .signature import Inventory, OpSignature
-from ...options import OpsOptions, parse as parse_options
+from ...options import OpsOptions
+from ...registry import FindingKind, parse_options
 from ...engine.repro import render_template, safe_filename, verify_script, write_script
 from ...results.model import Finding, ModeResult, Repro, fingerprint
 
@@ -55,8 +56,8 @@ if TYPE_CHECKING:
     from .. import ModeContext
 
 MODE = "ops"
-KIND_OF_STATUS = {"unsupported": "unsupported_op", "error": "op_error", "crashed": "op_error",
-                  "timeout": "op_error", "mismatch": "op_mismatch", "probe_error": "probe_error"}
+KIND_OF_STATUS = {"unsupported": FindingKind.UNSUPPORTED_OP, "error": FindingKind.OP_ERROR, "crashed": FindingKind.OP_ERROR,
+                  "timeout": FindingKind.OP_ERROR, "mismatch": FindingKind.OP_MISMATCH, "probe_error": FindingKind.PROBE_ERROR}
 SEVERITY = {"unsupported": 5, "crashed": 4, "timeout": 3, "error": 2, "mismatch": 1, "probe_error": 0}
 FAILED = tuple(KIND_OF_STATUS)
 _CPU_FALLBACK_MAX_BYTES = 4 * 2**30  # a model whose meta trace fails is retried on CPU (real weights) up to this size
@@ -88,7 +89,7 @@ def render_repro(*, op: str, kind: str, stage: str, error_type: str | None, mess
         imports=list(dict.fromkeys([*recipe.imports, *signature.imports])), outputs=signature.outputs,
         positional_args=positional_args,
         setup=list(recipe.setup), backend_expr=recipe.backend_expr or "None", compile_options=dict(recipe.compile_options),
-        op_expr=op_expression(signature.op), seed=int(probe["seed"]), compare=compare_results and kind == "op_mismatch",
+        op_expr=op_expression(signature.op), seed=int(probe["seed"]), compare=compare_results and kind == FindingKind.OP_MISMATCH,
         rtol=tolerance[0], atol=tolerance[1], make_tensor_source=_plain_source(make_tensor),
         compare_source=_plain_source(compare), tensor_lines=tensor_lines, tensor_names=tensor_names,
         call_args=call_args, command=command, crash=crash,
@@ -364,7 +365,7 @@ def _findings(ctx: "ModeContext", failures: Mapping[str, list[_Failure]], invent
                    "exception_chain": list(diagnostics.get("exception_chain") or []),
                    "outputs": lead.signature.outputs, "imports": list(lead.signature.imports),
                    "backend_ran": lead.outcome.get("ran") or {}}
-        if kind == "probe_error":  # the probe itself could not be built: nothing a repro could show
+        if kind == FindingKind.PROBE_ERROR:  # the probe itself could not be built: nothing a repro could show
             out.append((Finding(kind=kind, stage=lead.outcome.get("stage") or "trace",
                                 message=f"the probe of {op} could not be built: {error_type}: {message}"[:2000],
                                 fingerprint=fingerprint(kind, spec.id, op), op=op,
@@ -383,7 +384,7 @@ def _findings(ctx: "ModeContext", failures: Mapping[str, list[_Failure]], invent
                             command=command, crash=status in ("crashed", "timeout"))
         write_script(script, text)
         metrics = dict(lead.outcome.get("metrics") or {})
-        threshold = {"rtol": lead.probe["tolerance"][0], "atol": lead.probe["tolerance"][1]} if kind == "op_mismatch" else {}
+        threshold = {"rtol": lead.probe["tolerance"][0], "atol": lead.probe["tolerance"][1]} if kind == FindingKind.OP_MISMATCH else {}
         finding = Finding(
             kind=kind, stage=lead.outcome.get("stage") or "run",
             message=(f"{error_type}: {message}" if error_type and not message.startswith(str(error_type)) else message)[:2000],
