@@ -272,25 +272,40 @@ def _jobs_arg(text: str) -> str | int:
     return n
 
 
+AddCommand = Callable[..., argparse.ArgumentParser]  # (name, handler, help text or None for an unlisted command)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="deepview-ci", description="Run PyTorch models × accelerator backends as CI: missing operators, "
                 "failing layers and numerical divergence, with repros, reports and regression diffs.")
     p.add_argument("--version", action="version", version=f"deepview-ci {tool_version()}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
-    def add(name: str, handler: Handler, help_text: str, **kw: object) -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, help=help_text, description=help_text, **kw)  # type: ignore[arg-type]
+    def add(name: str, handler: Handler, help_text: str | None, **kw: object) -> argparse.ArgumentParser:
+        if help_text is None:
+            sp = sub.add_parser(name, **kw)  # type: ignore[arg-type]
+        else:
+            sp = sub.add_parser(name, help=help_text, description=help_text, **kw)  # type: ignore[arg-type]
         sp.set_defaults(handler=handler)
         return sp
 
-    def selection(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--select", action="append", default=[], metavar="GLOB", help="only cells whose id matches (repeatable)")
-        sp.add_argument("--skip", action="append", default=[], metavar="GLOB", help="drop cells whose id matches (repeatable)")
+    _run_commands(add)
+    _report_commands(add)
+    _dump_commands(add)
+    return p
 
+
+def _selection(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--select", action="append", default=[], metavar="GLOB", help="only cells whose id matches (repeatable)")
+    sp.add_argument("--skip", action="append", default=[], metavar="GLOB", help="drop cells whose id matches (repeatable)")
+
+
+def _run_commands(add: AddCommand) -> None:
+    """run, expand, cell and the internal _worker."""
     sp = add("run", cmd_run, "Run the whole matrix locally and write the report.")
     sp.add_argument("matrix", nargs="?", default=None, help="matrix YAML (default: the bundled example)")
     sp.add_argument("--out", default="out", help="output folder (default: out)")
-    selection(sp)
+    _selection(sp)
     sp.add_argument("--modes", type=_modes_arg, default=None, help="comma list of ops,layers,numerics (default: the matrix's)")
     sp.add_argument("--jobs", type=_jobs_arg, default="auto", metavar="N|auto",
                     help="cells run in parallel; auto (the default) shares the machine's cores: a cell takes as many "
@@ -300,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = add("expand", cmd_expand, "Print the GitHub include-matrix JSON (and write GITHUB_OUTPUT when set).")
     sp.add_argument("matrix", help="matrix YAML file")
-    selection(sp)
+    _selection(sp)
     sp.add_argument("--max-jobs", type=int, default=None, help="fail past this many cells (default: defaults.max_jobs)")
     sp.add_argument("--chunk-size", type=int, default=256, help="jobs per GitHub matrix chunk (≤ 256)")
     sp.add_argument("--out", default=None, metavar="PLAN_JSON", help="also write the printed plan here (for `aggregate --plan`)")
@@ -317,14 +332,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="do not run the cell: record it as `error` because its setup failed; DIR holds command.txt, "
                          "output.log and exit-code (the reusable workflow's setup step writes them)")
 
-    sp = sub.add_parser("_worker")  # internal: no help, so it is not listed
-    sp.set_defaults(handler=cmd_worker)
+    sp = add("_worker", cmd_worker, None)  # internal: no help, so it is not listed
     sp.add_argument("--matrix", required=True)
     sp.add_argument("--cell", required=True)
     sp.add_argument("--out", required=True)
     sp.add_argument("--modes", required=True)
     sp.add_argument("--budget", required=True)
 
+
+def _report_commands(add: AddCommand) -> None:
+    """aggregate, diff, baseline update and file-issues."""
     sp = add("aggregate", cmd_aggregate, "Merge cell results into results.json, junit.xml, summary.md, report.html.")
     sp.add_argument("dirs", nargs="+", metavar="DIR", help="folders (or result.json files) holding the cells' results")
     sp.add_argument("--out", required=True, metavar="REPORT_DIR", help="folder for results.json and the reports")
@@ -365,6 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--min-interval", type=float, default=1.0, help="seconds between writes (GitHub: ≥ 1)")
     sp.add_argument("--max-wait", type=float, default=300.0, help="longest rate-limit wait before keeping a draft")
 
+
+def _dump_commands(add: AddCommand) -> None:
+    """dump, compare and env."""
     sp = add("dump", cmd_dump, "Dump per-layer outputs of one model on one device/backend (safetensors + manifest).")
     sp.add_argument("--matrix", default=None, help="matrix YAML the model and backend come from (default: the bundled example)")
     sp.add_argument("--model", required=True, help="model id from the matrix")
@@ -384,7 +404,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = add("env", cmd_env, "Versions, devices and available backends, for a bug report.")
     sp.add_argument("--json", action="store_true", help="print JSON instead of text")
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:

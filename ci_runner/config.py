@@ -386,7 +386,7 @@ def _load(path: Path, text: str) -> Matrix:
     if not isinstance(data, dict):
         raise ConfigError(
             f"{source}:1:1: the matrix must be a mapping with `version`, `models` and `backends`",
-            hint="start from matrix/example.yaml",
+            hint="start from the bundled example, ci_runner/data/example.yaml",
         )
     validator = jsonschema.Draft202012Validator(schema("matrix.schema.json"))
     errors = list(validator.iter_errors(data))

@@ -70,7 +70,7 @@ class ModeContext:
 
     def model(self, *, dtype: str | None = None, device: str = "cpu", meta: bool = False) -> "LoadedModel":
         """Load (once per dtype/device/meta) the cell's model; the same seed gives the same weights."""
-        from ..engine.models import load_model
+        from ..engine.models import load_model  # deferred: models imports torch
 
         key = (dtype, device, meta)
         if key not in self._models:
@@ -78,7 +78,7 @@ class ModeContext:
         return self._models[key]
 
     def inputs(self, loaded: "LoadedModel", *, sample: int = 0, device: str = "cpu") -> dict[str, Any]:
-        from ..engine.models import build_inputs
+        from ..engine.models import build_inputs  # deferred: models imports torch
 
         return build_inputs(loaded, self.cell.inputs, sample=sample, device=device)
 
