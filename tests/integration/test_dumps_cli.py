@@ -4,9 +4,6 @@ settings (as on two machines), then compared offline; plus the schema and input 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -14,8 +11,8 @@ import pytest
 
 from ci_runner import errors
 from ci_runner.cli import main
+from tests.fixtures.cli import run_cli as cli
 
-REPO = Path(__file__).resolve().parents[2]
 
 MATRIX = textwrap.dedent(
     """\
@@ -39,12 +36,6 @@ MATRIX = textwrap.dedent(
         env: {OMP_NUM_THREADS: "1"}
     """
 )
-
-
-def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-    return subprocess.run([sys.executable, "-m", "ci_runner", *args], cwd=REPO, env=full_env, capture_output=True,
-                          text=True, timeout=300)
 
 
 @pytest.fixture()

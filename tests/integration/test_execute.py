@@ -16,8 +16,9 @@ import pytest
 
 from ci_runner.results.model import load_cell_result, load_results
 from tests.fixtures.procs import TAG_VAR, new_tag, wait_until_gone
+from tests.fixtures.cli import run_cli as cli
+from tests.fixtures.paths import ROOT
 
-REPO = Path(__file__).resolve().parents[2]
 
 MATRIX = textwrap.dedent(
     """\
@@ -38,12 +39,6 @@ MATRIX = textwrap.dedent(
       - {{id: hang, compile: "tests.fixtures.faults:backend", import: [tests.fixtures.faults], env: {{DEEPVIEW_TEST_FAULT: hang}}, timeout: 6}}
     """
 )
-
-
-def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-    return subprocess.run([sys.executable, "-m", "ci_runner", *args], cwd=REPO, env=full_env, capture_output=True,
-                          text=True, timeout=timeout)
 
 
 @pytest.fixture()
@@ -101,9 +96,9 @@ def test_a_corrupt_cell_result_is_rerun_not_fatal(tmp_path: Path, matrix: Path) 
 def test_ctrl_c_leaves_a_consistent_folder(tmp_path: Path, matrix: Path) -> None:
     out = tmp_path / "out"
     tag = new_tag()
-    env = {**os.environ, "PYTHONPATH": str(REPO), TAG_VAR: tag}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), TAG_VAR: tag}
     proc = subprocess.Popen([sys.executable, "-m", "ci_runner", "run", str(matrix), "--out", str(out),
-                             "--select", "tiny@hang", "--select", "tiny@raises"], cwd=REPO, env=env,
+                             "--select", "tiny@hang", "--select", "tiny@raises"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not (out / "cells" / "tiny@raises" / "result.json").exists():
@@ -124,10 +119,10 @@ def test_a_worker_ends_itself_past_its_budget(tmp_path: Path, matrix: Path) -> N
     """Without its parent run to kill it, a hanging worker still stops: its own deadline (budget + grace)."""
     out = tmp_path / "out"
     tag = new_tag()
-    env = {**os.environ, "PYTHONPATH": str(REPO), TAG_VAR: tag}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), TAG_VAR: tag}
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "ci_runner", "_worker", "--matrix", str(matrix), "--cell", "tiny@hang",
-                           "--out", str(out), "--modes", "ops", "--budget", "1"], cwd=REPO, env=env,
+                           "--out", str(out), "--modes", "ops", "--budget", "1"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert time.monotonic() - t0 < 60
     assert proc.returncode != 0 and "past its budget" in proc.stderr

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.fake_github import FakeGitHub
+from tests.fixtures.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
-REPO = "acme/models"
+GH_REPO = "acme/models"
 
 MATRIX = """\
 version: 1
@@ -52,7 +52,7 @@ class Step:
         self.n = 0
         self.env = {**os.environ, "PYTHONPATH": str(ROOT), "GITHUB_ACTIONS": "true", "GITHUB_TOKEN": gh.token,
                     "GITHUB_API_URL": gh.url, "GITHUB_STEP_SUMMARY": str(self.summary), "GITHUB_RUN_ID": "4242",
-                    "GITHUB_SERVER_URL": "https://github.com", "GITHUB_REPOSITORY": REPO,
+                    "GITHUB_SERVER_URL": "https://github.com", "GITHUB_REPOSITORY": GH_REPO,
                     "RUNNER_TEMP": str(tmp / "runner-temp")}
         (tmp / "runner-temp").mkdir()
 
@@ -91,7 +91,7 @@ def parse_outputs(text: str) -> dict[str, str]:
 def test_expand_cells_aggregate_diff_file_issues(tmp_path):
     (tmp_path / "matrix.yaml").write_text(MATRIX)
     (tmp_path / "baseline.json").write_text(json.dumps(BASELINE))
-    with FakeGitHub(repos=(REPO,)) as gh:
+    with FakeGitHub(repos=(GH_REPO,)) as gh:
         step = Step(tmp_path, gh)
 
         # plan
@@ -130,7 +130,7 @@ def test_expand_cells_aggregate_diff_file_issues(tmp_path):
         assert "::error" in proc.stdout
 
         # the issues job
-        proc, out = step("file-issues", "deepview-run/report/diff.json", "--repo", REPO, "--run-dir", "deepview-run",
+        proc, out = step("file-issues", "deepview-run/report/diff.json", "--repo", GH_REPO, "--run-dir", "deepview-run",
                          "--min-interval", "0")
         assert out["created"] == str(len(gh.issues())) and int(out["created"]) >= 1
         assert out["drafts"] == "0"
@@ -142,7 +142,7 @@ def test_expand_cells_aggregate_diff_file_issues(tmp_path):
 
         # the job rerun: nothing new
         writes = len(gh.writes())
-        _, out = step("file-issues", "deepview-run/report/diff.json", "--repo", REPO, "--run-dir", "deepview-run",
+        _, out = step("file-issues", "deepview-run/report/diff.json", "--repo", GH_REPO, "--run-dir", "deepview-run",
                       "--min-interval", "0")
         assert out["created"] == "0" and out["commented"] == "0" and len(gh.writes()) == writes
         assert gh.token not in step.summary.read_text()

@@ -25,6 +25,8 @@ from ci_runner.modes.ops.signature import encode_value
 from ci_runner.options import DEFAULT_TOLERANCE
 from ci_runner.registry import parse_options
 
+pytestmark = pytest.mark.oldtorch  # the old-torch subset (tests/fixtures/oldtorch.py)
+
 
 def _probe(op: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
     enc_args = [encode_value(a) for a in args]

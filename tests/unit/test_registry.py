@@ -88,6 +88,7 @@ def test_every_status_has_a_log_mark() -> None:
     assert set(STATUS_MARK) == set(CELL_STATUSES)
 
 
+@pytest.mark.subprocess
 def test_the_registry_imports_no_torch() -> None:
     code = "import sys, ci_runner.registry, ci_runner.config, ci_runner.modes; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)

@@ -161,6 +161,7 @@ def _derive_in_process(path: str, marker: str, barrier_file: str) -> None:
     load_or_derive(Path(path), key, ThresholdOptions(), "float32", derive)
 
 
+@pytest.mark.subprocess
 def test_parallel_cells_derive_once(tmp_path: Path) -> None:
     key = threshold_key(model_fingerprint=FP, inputs=INPUTS, references=REFS, samples=2)
     path = threshold_path(tmp_path, "tiny", key)
