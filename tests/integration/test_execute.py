@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Callable
@@ -15,35 +14,32 @@ from typing import Callable
 import pytest
 
 from ci_runner.results.model import load_cell_result, load_results
-from tests.fixtures.procs import TAG_VAR, new_tag, wait_until_gone
 from tests.fixtures.cli import run_cli as cli
+from tests.fixtures.matrices import matrix_text
 from tests.fixtures.paths import ROOT
+from tests.fixtures.procs import TAG_VAR, new_tag, wait_until_gone
 
 
-MATRIX = textwrap.dedent(
-    """\
-    version: 1
-    defaults:
-      modes: [ops]
-      timeout: {timeout}
-    models:
-      - id: tiny
-        config: llama
-        overrides: {{hidden_size: 16, intermediate_size: 32, num_hidden_layers: 1, num_attention_heads: 2, num_key_value_heads: 1, vocab_size: 64}}
-    backends:
-      - {{id: ok, compile: "tests.fixtures.faults:backend", import: [tests.fixtures.faults]}}
-      - {{id: abort, compile: "tests.fixtures.faults:backend", import: [tests.fixtures.faults], env: {{DEEPVIEW_TEST_FAULT: abort}}}}
-      - {{id: segv, compile: "tests.fixtures.faults:backend", import: [tests.fixtures.faults], env: {{DEEPVIEW_TEST_FAULT: segv}}}}
-      - {{id: kill, compile: "tests.fixtures.faults:backend", import: [tests.fixtures.faults], env: {{DEEPVIEW_TEST_FAULT: kill}}}}
-      - {{id: raises, compile: "tests.fixtures.faults:backend", import: [tests.fixtures.faults], env: {{DEEPVIEW_TEST_FAULT: raise}}}}
-      - {{id: hang, compile: "tests.fixtures.faults:backend", import: [tests.fixtures.faults], env: {{DEEPVIEW_TEST_FAULT: hang}}, timeout: 6}}
-    """
-)
+FAULTS = {"compile": "tests.fixtures.faults:backend", "import": ["tests.fixtures.faults"]}
+
+
+def faults_matrix(timeout: float) -> str:
+    """A tiny Llama on the fault-injecting backend: ok, and one backend per way a cell can die."""
+    faults = [{"id": f, **FAULTS, "env": {"DEEPVIEW_TEST_FAULT": e}} for f, e in
+              (("abort", "abort"), ("segv", "segv"), ("kill", "kill"), ("raises", "raise"), ("hang", "hang"))]
+    faults[-1]["timeout"] = 6
+    return matrix_text(
+        modes=["ops"], timeout=timeout,
+        models=[{"id": "tiny", "config": "llama",
+                 "overrides": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                               "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 64}}],
+        backends=[{"id": "ok", **FAULTS}, *faults],
+    )
 
 
 @pytest.fixture()
 def matrix(write_matrix: Callable[..., Path]) -> Path:
-    return write_matrix(MATRIX.format(timeout=120))
+    return write_matrix(faults_matrix(120))
 
 
 @pytest.mark.slow

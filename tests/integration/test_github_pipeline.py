@@ -14,24 +14,18 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.fake_github import FakeGitHub
+from tests.fixtures.matrices import matrix_text
 from tests.fixtures.paths import ROOT
 
 GH_REPO = "acme/models"
 
-MATRIX = """\
-version: 1
-defaults:
-  modes: [ops]
-  timeout: 600
-  inputs: {batch: 1, seq_len: 8, samples: 1, seed: 0}
-models:
-  - id: tiny-vit
-    config: vit
-    overrides: {hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, num_attention_heads: 2,
-                image_size: 16, patch_size: 8, num_labels: 4}
-backends:
-  - {id: sim-subset, compile: sim-subset, device: cpu}
-"""
+MATRIX = matrix_text(
+    modes=["ops"], timeout=600, inputs={"batch": 1, "seq_len": 8, "samples": 1, "seed": 0},
+    models=[{"id": "tiny-vit", "config": "vit",
+             "overrides": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+                           "image_size": 16, "patch_size": 8, "num_labels": 4}}],
+    backends=[{"id": "sim-subset", "compile": "sim-subset", "device": "cpu"}],
+)
 
 # the cell passed before: the convolution finding is a regression
 BASELINE = {
