@@ -506,6 +506,8 @@ def backend_ran(rows: list[Mapping[str, Any]], *, compiles: bool) -> dict[str, A
             if ran.get(key):
                 total[key] = total.get(key, 0) + int(ran[key])
         total["inconclusive"] += 1 if r["status"] == "inconclusive" else 0
+        if ran.get("eager_ops"):  # ops the backend's partitioner left to PyTorch eager
+            total["eager_ops"] = sorted(set(total.get("eager_ops") or ()) | set(ran["eager_ops"]))
     return total
 
 
@@ -569,6 +571,9 @@ class FallbackWatch:
         self._facts = {"openvino_partitions": len(mods), "perm_fallback": sum(bool(m.perm_fallback) for m in mods),
                        "openvino_executions": sum(m.startswith("OpenVINO graph execution successful")
                                                   for m in self.messages)}
+        eager = {str(n.target) if hasattr(n.target, "_schema") else getattr(n.target, "__name__", str(n.target))
+                 for gm in execute.partitioned_modules.values() for n in gm.graph.nodes if n.op == "call_function"}
+        self._facts.update({"eager_ops": sorted(eager - {"getitem"})} if mods and eager - {"getitem"} else {})
         self._handler = None
 
     def facts(self) -> dict[str, Any]:

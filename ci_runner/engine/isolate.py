@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from .failure import tail
 from ..fsutil import append_line, atomic_write_json
 
 __all__ = [
@@ -188,28 +189,20 @@ def run_isolated(target: str, payload: Mapping[str, Any], *, timeout: float, jou
             except subprocess.TimeoutExpired:
                 _kill_session(proc)
                 return IsolatedResult(status="timeout", message=f"timed out after {timeout:g}s",
-                                      stderr_tail=_tail(stderr_path), timeout=timeout)
+                                      stderr_tail=tail(stderr_path), timeout=timeout)
             except BaseException:
                 _kill_session(proc)
                 raise
-        tail = _tail(stderr_path)
+        stderr_tail = tail(stderr_path)
         if result_path.exists():
             data = json.loads(result_path.read_text(encoding="utf-8"))
             return IsolatedResult(status=data["status"], value=data.get("value"), error_type=data.get("error_type"),
                                   message=data.get("message", ""), traceback=data.get("traceback", ""),
-                                  exit_code=proc.returncode, stderr_tail=tail, timeout=timeout)
+                                  exit_code=proc.returncode, stderr_tail=stderr_tail, timeout=timeout)
         sig = signal_name(proc.returncode)
         what = f"killed by {sig}" if sig else f"exited with code {proc.returncode}"
         return IsolatedResult(status="crashed", message=f"child process {what}", exit_code=proc.returncode,
-                              signal=sig, stderr_tail=tail, timeout=timeout)
-
-
-def _tail(path: Path, limit: int = 4000) -> str:
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return ""
-    return data[-limit:].decode("utf-8", errors="replace")
+                              signal=sig, stderr_tail=stderr_tail, timeout=timeout)
 
 
 # --------------------------------------------------------------------------- the restart-after-crash loop

@@ -31,6 +31,7 @@ from ..engine.envinfo import base_stamp
 from ..errors import DeepviewError, ExecutionError, InputError
 from ..fsutil import atomic_write_json
 from ..log import Progress
+from ..engine.failure import tail
 from ..engine.isolate import child_env, open_entry, signal_name
 from ..modes import JOURNAL_NAME
 from ..results.model import CellError, CellResult, ModeResult, load_cell_result, read_json
@@ -108,17 +109,6 @@ def existing_result(out_dir: Path, cid: str) -> CellResult | None:
         return load_cell_result(path)
     except DeepviewError:
         return None
-
-
-def _tail(path: Path, limit: int = STDERR_TAIL_CHARS) -> str:
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            size = fh.tell()
-            fh.seek(max(0, size - limit))
-            return fh.read().decode("utf-8", errors="replace")
-    except OSError:
-        return ""
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
@@ -232,7 +222,7 @@ def run_one(cell: Cell, opts: RunOptions, children: _Children | None = None) -> 
         where = f" while running module {last_module!r}" if last_module else ""
         error = CellError(type=status, message=f"{what} during mode {running!r}{where}",
                           exit_code=None if timed_out else proc.returncode, signal=sig,
-                          stderr_tail=_tail(stderr_path), last_module=last_module)
+                          stderr_tail=tail(stderr_path, STDERR_TAIL_CHARS), last_module=last_module)
         result = partial or CellResult(id=cell.id, model=cell.model.id, backend=cell.backend.id, status=status,
                                        env=base_stamp(), artifacts_dir=f"cells/{cell.id}")
         result.modes[running] = ModeResult(status=status, reason=error.message,

@@ -22,15 +22,14 @@ from ci_runner.modes.layers.search import (
     append_outcome,
     capture_inputs,
     encode_call,
-    is_compile_stage,
     minimal_failing,
     read_outcomes,
     record_calls,
     scan_model,
     search,
     unlabel,
-    unwrap_exception,
 )
+from ci_runner.engine.failure import is_compile_stage, unwrap
 from ci_runner.modes.layers.mode import _key_text
 from ci_runner.options import parse as parse_options
 
@@ -328,7 +327,7 @@ def test_stage_of_backend_errors() -> None:
     with pytest.raises(IndexError) as info:
         torch.compile(M(), backend=pair_backend)(x)
     assert is_compile_stage(info.value)
-    assert isinstance(unwrap_exception(info.value), IndexError)
+    assert isinstance(unwrap(info.value), IndexError)
 
     class A(nn.Module):
         def forward(self, q: torch.Tensor) -> torch.Tensor:
