@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from .failure import tail
+from .failure import first_line, tail
 from ..fsutil import append_line, atomic_write_json
 
 __all__ = [
@@ -137,8 +137,7 @@ class IsolatedResult:
         if self.status == "timeout":
             return f"timed out after {self.timeout:.0f} s" if self.timeout is not None else "timed out"
         if self.status == "error":
-            first = self.message.splitlines()[0] if self.message else ""
-            return f"failed: {self.error_type}: {first}"
+            return f"failed: {self.error_type}: {first_line(self.message, 10_000)}"
         return "finished"
 
     def failure(self, what: str, tail: int = 1500) -> dict[str, str]:
