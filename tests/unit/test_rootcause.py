@@ -332,3 +332,13 @@ def test_a_layers_pass_says_what_ran_in_eager() -> None:
     assert _with_eager_ops(None, {}) is None
     text = _with_eager_ops(None, {"eager_ops": ["aten.histc.default", "aten.floor_divide.default"]})
     assert text is not None and "2 op(s) ran in PyTorch eager" in text and "aten.histc.default" in text
+
+
+def test_the_summary_shows_what_a_pass_did_not_cover() -> None:
+    from ci_runner.report.summary import render_summary
+
+    reason = "the backend ran only part of the model: 1 op(s) ran in PyTorch eager (its partitioner left them out)"
+    cell = CellResult(id="router@openvino", model="router", backend="openvino", status="pass",
+                      modes={"layers": ModeResult(status="pass", reason=reason)})
+    text = render_summary(Results(cells=[cell]))
+    assert f"- `router@openvino` layers pass: {reason}" in text
