@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from .results import baseline
 from . import errors
 from .run.aggregate import aggregate, write_report_dir
-from .engine.backends import available_backends
+from .backends import available_backends
 from .run.cellrun import RESULT_NAME, run_cell_inprocess
 from .config import ALL_MODES, load_matrix
 from .engine.envinfo import base_stamp, env_report, format_env, tool_version
@@ -28,9 +28,9 @@ from .github.issues import file_issues
 from .github.options import FilingOptions
 from .engine.isolate import arm_worker
 from .log import Progress
-from .matrix import dumps_compact, expand, expand_json, find_cell, select
+from .matrix import expand, expand_json, find_cell, select
 from .numerics.thresholds import load_table
-from .plan import load_plan, parse_chunk_results, setup_failed_result
+from .plan import check_output_size, collect_attempts, load_plan, parse_chunk_results, plan_outputs, read_setup_record
 from .results.model import load_results, save_cell_result
 
 if TYPE_CHECKING:
@@ -45,6 +45,16 @@ def _modes_arg(text: str) -> tuple[str, ...]:
     if bad or not modes:
         raise argparse.ArgumentTypeError(f"unknown mode(s) {', '.join(bad) or '(none)'}; choose from {', '.join(ALL_MODES)}")
     return modes
+
+
+def _minutes_arg(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of minutes (0 or more)")
+    return value
 
 
 class _Parser(argparse.ArgumentParser):
@@ -108,20 +118,8 @@ def cmd_cell(args: argparse.Namespace) -> int:
 
 def _record_failed_setup(cell: "Cell", folder: Path, out: Path) -> int:
     """Write the `error` result of a cell whose setup failed, from the folder the workflow's setup step wrote."""
-    def read(name: str) -> str:
-        try:
-            return (folder / name).read_text(encoding="utf-8", errors="replace")
-        except FileNotFoundError:
-            return ""
-        except OSError as exc:
-            raise errors.InputError(f"{folder / name}: cannot read: {exc.strerror}") from None
-
-    if not folder.is_dir():
-        raise errors.InputError(f"{folder}: no such folder", hint="pass the folder holding command.txt, output.log and exit-code")
-    code = read("exit-code").strip()
-    result = setup_failed_result(cell_id=cell.id, model=cell.model.id, backend=cell.backend.id, modes=cell.modes,
-                                 command=read("command.txt"), log_text=read("output.log"),
-                                 exit_code=int(code) if code.lstrip("-").isdigit() else None, env=base_stamp())
+    result = read_setup_record(folder, cell_id=cell.id, model=cell.model.id, backend=cell.backend.id, modes=cell.modes,
+                               env=base_stamp())
     path = save_cell_result(result, cell_dir(out, cell.id) / RESULT_NAME)
     print(f"{cell.id}: error: {result.error.message.splitlines()[0] if result.error else ''}\n  result: {path}")
     return errors.EXIT_FINDINGS
@@ -141,17 +139,16 @@ def cmd_expand(args: argparse.Namespace) -> int:
     matrix = load_matrix(args.matrix)
     cells = select(expand(matrix), args.select, args.skip)
     max_jobs = args.max_jobs if args.max_jobs is not None else matrix.max_jobs
-    doc = expand_json(cells, max_jobs=max_jobs, chunk_size=args.chunk_size, fork_pr=args.fork_pr)
+    doc = expand_json(cells, max_jobs=max_jobs, chunk_size=args.chunk_size, fork_pr=args.fork_pr,
+                      setup_minutes=args.setup_minutes, margin_minutes=args.margin_minutes)
+    outputs = plan_outputs(doc)
+    check_output_size(outputs)  # before anything is written: GitHub would fail the job past 1 MB of outputs
     text = json.dumps(doc, indent=2)
     print(text)
     if args.out:
         atomic_write_text(Path(args.out), text + "\n")
-    set_output("count", str(doc["count"]))
-    set_output("chunks", str(doc["chunks"]))
-    set_output("skipped", str(len(doc["skipped"])))
-    set_output("matrix", dumps_compact(doc["matrix"][0]))
-    for i, m in enumerate(doc["matrix"]):
-        set_output(f"matrix-{i}", dumps_compact(m))
+    for name, value in outputs.items():
+        set_output(name, value)
     return 0
 
 
@@ -163,11 +160,21 @@ def cmd_aggregate(args: argparse.Namespace) -> int:
     written = write_report_dir(results, Path(args.out), run_dir=run_dir)
     _report_outputs(Path(args.out), written)
     c = results.counts()
-    print(f"aggregated {c['total']} cell(s), {c['findings']} finding(s)")
+    missing = sum(1 for cell in results.cells if cell.error is not None and cell.error.type == "no_result")
+    set_output("no-result", str(missing))  # planned cells whose job left nothing: the run is partial
+    print(f"aggregated {c['total']} cell(s), {c['findings']} finding(s)" + (f", {missing} without a result" if missing else ""))
     for name, path in written.items():
         print(f"  {name}: {path}")
     if args.fail_on_findings and any(cell.status not in ("pass", "skipped") for cell in results.cells):
         return errors.EXIT_FINDINGS
+    return 0
+
+
+def cmd_collect(args: argparse.Namespace) -> int:
+    attempts = collect_attempts(Path(args.artifacts), Path(args.out))
+    reruns = sum(1 for a in attempts.values() if a > 1)
+    print(f"collected {len(attempts)} cell(s) from {args.artifacts} into {args.out}"
+          + (f", {reruns} of them from a re-run (the newest attempt kept)" if reruns else ""))
     return 0
 
 
@@ -271,6 +278,21 @@ def _jobs_arg(text: str) -> str | int:
     return n
 
 
+def _add_expand(sp: argparse.ArgumentParser, selection: Callable[[argparse.ArgumentParser], None]) -> None:
+    sp.add_argument("matrix", help="matrix YAML file")
+    selection(sp)
+    sp.add_argument("--max-jobs", type=int, default=None, help="fail past this many cells (default: defaults.max_jobs)")
+    sp.add_argument("--chunk-size", type=int, default=256, help="jobs per GitHub matrix chunk (≤ 256)")
+    sp.add_argument("--out", default=None, metavar="PLAN_JSON", help="also write the printed plan here (for `aggregate --plan`)")
+    sp.add_argument("--fork-pr", action="store_true",
+                    help="plan for a pull request from a fork: cells on self-hosted runners are skipped, with the reason")
+    sp.add_argument("--setup-minutes", type=_minutes_arg, default=30, metavar="MIN",
+                    help="a cell job's time before its cell starts (container pull, checkout, setup, installing "
+                         "deepview-ci); the job's limit is this + the cell's timeout + --margin-minutes (default 30)")
+    sp.add_argument("--margin-minutes", type=_minutes_arg, default=5, metavar="MIN",
+                    help="time left in a cell job after its cell step, for the upload (default 5)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="deepview-ci", description="Run PyTorch models × accelerator backends as CI: missing operators, "
                 "failing layers and numerical divergence, with repros, reports and regression diffs.")
@@ -297,14 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "cores / workers cells run at once, at least 1")
     sp.add_argument("--force", action="store_true", help="rerun cells that already finished")
 
-    sp = add("expand", cmd_expand, "Print the GitHub include-matrix JSON (and write GITHUB_OUTPUT when set).")
-    sp.add_argument("matrix", help="matrix YAML file")
-    selection(sp)
-    sp.add_argument("--max-jobs", type=int, default=None, help="fail past this many cells (default: defaults.max_jobs)")
-    sp.add_argument("--chunk-size", type=int, default=256, help="jobs per GitHub matrix chunk (≤ 256)")
-    sp.add_argument("--out", default=None, metavar="PLAN_JSON", help="also write the printed plan here (for `aggregate --plan`)")
-    sp.add_argument("--fork-pr", action="store_true",
-                    help="plan for a pull request from a fork: cells on self-hosted runners are skipped, with the reason")
+    _add_expand(add("expand", cmd_expand, "Print the GitHub plan JSON (and write GITHUB_OUTPUT when set)."), selection)
 
     sp = add("cell", cmd_cell, "Run one cell (what a CI job runs).")
     sp.add_argument("cell_id", metavar="CELL_ID", help="the cell to run, MODEL@BACKEND (see `deepview-ci expand`)")
@@ -332,7 +347,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--plan", default=None, metavar="PLAN_JSON",
                     help="the plan `expand --out` wrote: a planned cell with no result becomes an `error` cell")
     sp.add_argument("--chunk-results", default=None, metavar="N=RESULT,…",
-                    help="each chunk job's conclusion (e.g. 0=success,1=cancelled), quoted in cells with no result")
+                    help="each chunk job's conclusion (e.g. 0=success,1=cancelled, or *=failure for all), quoted in "
+                         "cells with no result")
+
+    sp = add("collect", cmd_collect, "Copy each cell's newest attempt from downloaded artifacts into a run folder.")
+    sp.add_argument("artifacts", metavar="ARTIFACTS_DIR", help="one folder per downloaded cell artifact (NAME-attempt-N)")
+    sp.add_argument("--out", required=True, metavar="RUN_DIR", help="the run folder: cells/<id>/ of each newest attempt")
 
     sp = add("diff", cmd_diff, "Diff results against a baseline; exit code per --fail-on.")
     sp.add_argument("results", help="results.json of the run")

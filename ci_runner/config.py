@@ -26,7 +26,9 @@ from .results.model import schema
 ALL_MODES: tuple[str, ...] = ("ops", "layers", "numerics")
 DEFAULT_TIMEOUT_S = 900.0
 DEFAULT_MAX_JOBS = 1024  # expand refuses more cells than this unless raised in `defaults.max_jobs`
-HOSTED_LABEL = re.compile(r"^(ubuntu|windows|macos)-[A-Za-z0-9._-]+$")  # GitHub-hosted runner images
+# The labels of GitHub's standard hosted images, exactly (a self-hosted runner labelled `ubuntu-gpu` is not one)
+HOSTED_LABEL = re.compile(r"^(ubuntu-(latest|\d\d\.04)(-arm)?|windows-(latest|\d{4}|11-arm)"
+                          r"|macos-(latest|\d\d)(-large|-xlarge|-intel)?)$")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,7 +109,7 @@ class BackendSpec:
 
     @property
     def self_hosted(self) -> bool:
-        """True unless every `runs-on` label names a GitHub-hosted image (ubuntu-*, windows-*, macos-*)."""
+        """True unless every `runs-on` label names a standard GitHub-hosted image (ubuntu-24.04, windows-latest, …)."""
         return not all(HOSTED_LABEL.match(label) for label in self.runs_on)
 
 

@@ -77,7 +77,7 @@ def mode_context(tmp_path: Path) -> Callable[..., Any]:
 
     `matrix` is matrix text, a path to a matrix file or a loaded `Matrix`; `options` replace the cell's
     `options` (a mapping of mode -> options); the backend is resolved for real."""
-    from ci_runner.engine.backends import resolve_backend  # deferred: resolving a backend imports torch
+    from ci_runner.backends import resolve_backend  # deferred: resolving a backend imports torch
     from ci_runner.modes import ModeContext  # deferred: as above
 
     def make(matrix: str | Path | Matrix, model: str, backend: str, *,

@@ -10,7 +10,8 @@ the same way:
   re-raises some errors unwrapped, so the traceback decides when the type does not;
 * `raised_traceback`: the traceback of the unwrapped error, its innermost frames, which
   `results.rootcause.raised_in` reads to name the frame it was raised in;
-* `first_line`, `headline`, `error_text`, `tail`: the words shown for a failure.
+* `first_line`, `headline`, `error_text`: the words shown for a failure (a child's stderr tail:
+  `isolate.file_tail`).
 
 `unwrap` and `compile_frames_in` use the standard library only: the repro templates embed their source
 (`REPRO_SOURCES`), so a repro classifies its failure exactly as the mode that found it.
@@ -18,14 +19,12 @@ the same way:
 
 from __future__ import annotations
 
-import os
 import traceback
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator
 
 __all__ = ["Failure", "REPRO_FUNCTIONS", "chain", "classify", "compile_frames_in", "error_text", "first_line",
-           "headline", "is_compile_stage", "raised_traceback", "stage_of", "tail", "unwrap"]
+           "headline", "is_compile_stage", "raised_traceback", "stage_of", "unwrap"]
 
 
 def unwrap(exc):  # type: ignore[no-untyped-def]
@@ -141,14 +140,3 @@ def headline(text: str, limit: int = 240) -> str:
     if len(lines) > 1 and line.endswith(":") and len(line) < 80:
         line = f"{line} {lines[1]}"
     return line if len(line) <= limit else line[: limit - 1] + "…"
-
-
-def tail(path: Path, limit: int = 4000) -> str:
-    """The last `limit` bytes of a file (a child's stderr, a faulthandler dump), decoded; "" when unreadable."""
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            fh.seek(max(0, fh.tell() - limit))
-            return fh.read().decode("utf-8", errors="replace")
-    except OSError:
-        return ""

@@ -18,7 +18,7 @@ from ..engine.isolate import Journal
 from ..results.model import ModeResult
 
 if TYPE_CHECKING:
-    from ..engine.backends import Backend
+    from ..backends import Backend
     from ..config import Cell
     from ..engine.models import LoadedModel
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..engine.backends import resolve_backend
+from ..backends import resolve_backend
 from ..config import BackendSpec, ModelSpec, spec_from_json, spec_to_json
 from ..engine.isolate import run_isolated
 from ..engine.models import load_model
@@ -41,7 +41,7 @@ from .metrics import compare_tensors, public
 from .settings import CellContext, dynamo_settings
 
 if TYPE_CHECKING:
-    from ..engine.backends import Backend
+    from ..backends import Backend
 
 MAX_FINDINGS = 50
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

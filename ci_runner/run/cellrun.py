@@ -13,7 +13,7 @@ import time
 import traceback
 from pathlib import Path
 
-from ..engine.backends import resolve_backend
+from ..backends import resolve_backend
 from ..config import Cell
 from ..engine.envinfo import base_stamp, cell_stamp
 from ..errors import DeepviewError, TorchTooOldError

@@ -149,7 +149,7 @@ def test_hard_fault_culprit_is_found_and_the_search_goes_on(tmp_path: Path, back
     passes in the first child, the attention kills (or hangs) it; a fresh child keeps those outcomes."""
     from ci_runner.config import spec_to_json
     from ci_runner.modes.layers.culprit import find_culprit
-    from ci_runner.modes.layers.culprit_search import read_results
+    from ci_runner.engine.outcome import read_outcomes
     from ci_runner.modes.layers.search import scan_model, write_root_call
     from ci_runner.engine.models import build_inputs, load_model
 
@@ -166,7 +166,7 @@ def test_hard_fault_culprit_is_found_and_the_search_goes_on(tmp_path: Path, back
                      journal=journal, probe_timeout=probe_timeout, startup_timeout=60, budget_s=300)
     assert r.found and r.kind == "single" and r.ops == [SDPA] and r.status == status, r
     assert r.restarts == 1 and r.probes > 10  # the passing probes before the fault were kept, not redone
-    known = read_results(tmp_path / "culprit" / "probes.jsonl")
+    known = read_outcomes(tmp_path / "culprit" / "probes.jsonl")
     assert [k for k, o in known.items() if o.status != "pass"] == [f"{r.node_range[0]}:{r.node_range[1]}"]  # type: ignore[index]
     assert open_entry(journal, "culprit") is None
     assert (tmp_path / "culprit" / "graph.py").exists() and (tmp_path / "culprit" / "inputs.safetensors").exists()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -97,14 +96,16 @@ def test_expand_cells_aggregate_diff_file_issues(tmp_path):
         # plan
         proc, out = step("expand", "matrix.yaml", "--max-jobs", "256")
         assert out["count"] == "1" and out["chunks"] == "1"
-        include = json.loads(out["matrix"])["include"]
+        include = json.loads(out["matrix-0"])["include"]
+        assert "matrix" not in out and json.loads(out["chunk-ids"]) == [0]
         assert [c["cell"] for c in include] == ["tiny-vit@sim-subset"]
         assert json.loads(proc.stdout)["count"] == 1
 
-        # one job per cell, each writing its own artifact folder
+        # one job per cell, each uploading its own artifact, named per run attempt
         for c in include:
-            proc, _ = step("cell", c["cell"], "--matrix", "matrix.yaml", "--out", f"artifacts/{c['artifact']}", ok=(0, 1))
-            result = json.loads((tmp_path / "artifacts" / c["artifact"] / "cells" / c["cell"] / "result.json").read_text())
+            art = f"artifacts/{c['artifact']}-attempt-1"
+            proc, _ = step("cell", c["cell"], "--matrix", "matrix.yaml", "--out", art, ok=(0, 1))
+            result = json.loads((tmp_path / art / "cells" / c["cell"] / "result.json").read_text())
             ops = result["modes"]["ops"]
             if ops["status"] == "skipped" and "not available" in (ops.get("reason") or ""):
                 pytest.skip("the ops mode is not in this tree yet: " + ops["reason"])
@@ -112,10 +113,9 @@ def test_expand_cells_aggregate_diff_file_issues(tmp_path):
             conv = [f for f in ops["findings"] if f.get("op", "").startswith("aten.convolution")]
             assert conv, ops["findings"]
 
-        # the report job: download-artifact with merge-multiple puts every cell under one folder
+        # the report job: download-artifact puts each artifact in its own folder; `collect` keeps each cell's newest
         run = tmp_path / "deepview-run"
-        for art in (tmp_path / "artifacts").iterdir():
-            shutil.copytree(art, run, dirs_exist_ok=True)
+        step("collect", "artifacts", "--out", "deepview-run")
         _, out = step("aggregate", "deepview-run", "--out", "deepview-run/report", "--run-dir", "deepview-run")
         for name in ("results.json", "junit.xml", "summary.md", "report.html"):
             assert (run / "report" / name).stat().st_size > 0

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from ci_runner.run.aggregate import layer_patterns
-from ci_runner.engine.backends import resolve_backend
+from ci_runner.backends import resolve_backend
 from ci_runner.config import load_matrix, load_matrix_text
 from ci_runner.matrix import expand
 from ci_runner.modes import ModeContext
@@ -142,8 +142,12 @@ def test_backend_crash_loses_only_the_crashing_module(tmp_path: Path, shared_thr
     ctx = _ctx(tmp_path, "tiny-llama", "segv-silu", options={"thresholds_dir": str(shared_thresholds)})
     res = run(ctx)
     data = res.data
-    assert res.status == "pass", res.reason  # nothing diverged among what could run
-    assert "partial" in (res.reason or "") and "cumulative view did not run" in res.reason
+    assert res.status == "inconclusive", res.reason  # nothing diverged among what could run: not a pass
+    total = res.data["layers_total"]
+    cov = res.data["coverage"]
+    assert cov["total"] == total and cov["views"]["cumulative"] == 0 and 0 < cov["compared"] < total
+    assert res.reason.startswith(f"{cov['compared']} of {total} layers compared")
+    assert "the cumulative view did not run" in res.reason
     assert any("crashed" in e["error"] for e in data["cumulative_errors"])
     errs = {e["key"]: e for e in data["errors"]}
     assert {"model.layers.0.mlp.act_fn", "model.layers.1.mlp.act_fn"} <= set(errs)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from ci_runner.engine.backends import resolve_backend
+from ci_runner.backends import resolve_backend
 from ci_runner.numerics.bisect import (
     BisectError,
     _cut,

@@ -1,9 +1,7 @@
-"""The one failure classifier (`ci_runner/engine/failure.py`): stage, unwrap, words, tail, raising frame; and
+"""The one failure classifier (`ci_runner/engine/failure.py`): stage, unwrap, words, raising frame; and
 the repro scripts embed the same functions."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch
@@ -55,14 +53,11 @@ def test_unwrap_follows_dynamo_causes_only() -> None:
     assert failure.unwrap(plain) is plain  # not Dynamo's wrapper: the error itself
 
 
-def test_words_and_tail(tmp_path: Path) -> None:
+def test_words() -> None:
     assert failure.first_line("\n  \n  first  \nsecond", 3) == "fir"
     assert failure.headline("backend='x' raised:\nIndexError: boom") == "backend='x' raised: IndexError: boom"
     assert failure.headline("a" * 20, 10) == "a" * 9 + "…"
     assert failure.error_text(ValueError()) == "ValueError"
-    p = tmp_path / "err.log"
-    p.write_bytes(b"x" * 10 + "é".encode())
-    assert failure.tail(p, 4) == "xxé" and failure.tail(tmp_path / "missing") == ""
 
 
 def test_repro_scripts_embed_the_classifier_itself() -> None:

@@ -14,7 +14,7 @@ import torch
 from ci_runner.config import BackendSpec
 from ci_runner.engine.codec import TensorStore
 from ci_runner.modes.layers.search import encode_call
-from ci_runner.engine.backends import plugin_pythonpath
+from ci_runner.backends import plugin_pythonpath
 from ci_runner.modes.layers.mode import _plugin_modules, template_backend
 from ci_runner.engine.repro import render_template, write_script
 

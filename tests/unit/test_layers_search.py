@@ -14,16 +14,14 @@ from ci_runner.errors import ConfigError
 from ci_runner.engine.codec import TensorStore, call_tensor_keys, decode_call
 from ci_runner.engine.codec import Unstorable as Opaque
 from ci_runner.engine.isolate import open_entry
+from ci_runner.engine.outcome import ProbeOutcome, append_outcome, read_outcomes
 from ci_runner.modes.layers.search import (
     ROOT,
     ModuleTree,
-    ProbeOutcome,
     StopSearch,
-    append_outcome,
     capture_inputs,
     encode_call,
     minimal_failing,
-    read_outcomes,
     record_calls,
     scan_model,
     search,

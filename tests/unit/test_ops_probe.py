@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from ci_runner.engine.backends import named_op_from_error as parse_named_op
+from ci_runner.backends import named_op_from_error as parse_named_op
 from ci_runner.config import BackendSpec, spec_from_json, spec_to_json
 from ci_runner.errors import ConfigError
 from ci_runner.modes.ops.mode import run

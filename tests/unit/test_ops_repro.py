@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ci_runner.config import BackendSpec
-from ci_runner.engine.backends import backend_recipe
+from ci_runner.backends import backend_recipe
 from ci_runner.modes.ops.mode import render_repro
 from ci_runner.modes.ops.probe import with_ranges
 from ci_runner.modes.ops.signature import CallSite, OpSignature, encode_value, signature_key

@@ -11,8 +11,8 @@ import torch
 import ci_runner.sim as sim
 from ci_runner.config import BackendSpec, load_matrix
 from ci_runner.engine.models import build_inputs, load_model
-from ci_runner.engine.backends import COULD_NOT_RUN_RE, UNSUPPORTED_RE
-from ci_runner.engine.backends import unsupported_op_from_error as parse_unsupported_op
+from ci_runner.backends import COULD_NOT_RUN_RE, UNSUPPORTED_RE
+from ci_runner.backends import unsupported_op_from_error as parse_unsupported_op
 from ci_runner.sim import SIM_BACKENDS, SimCompilerError, make_backend
 from ci_runner.sim import simdev
 
@@ -273,7 +273,7 @@ def test_simdev_with_all_ops_allowed_matches_cpu(dev, llama) -> None:
 
 
 def test_simdev_options_and_backend_resolution(dev) -> None:
-    from ci_runner.engine.backends import resolve_backend
+    from ci_runner.backends import resolve_backend
 
     ops = simdev.register(deny=["mm", "addmm"])
     assert "rsqrt" in ops and "mm" not in ops  # an explicit deny replaces the default one

@@ -38,20 +38,20 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
 
-from ...engine.backends import backend_ran, backend_recipe, plugin_pythonpath, simdev_options
+from ...backends import backend_ran, backend_recipe, is_self_test, plugin_pythonpath, simdev_options
 from ...config import spec_to_json
 from .culprit import CulpritResult, CulpritTarget, find_culprits, hints_from_error, ops_cross_check, write_repro
 from ...fsutil import atomic_write_text
 from ...engine.codec import TensorStore, Unstorable
-from ...engine.failure import first_line, tail, unwrap
-from ...engine.isolate import Attempt, IsolatedResult, supervise
-from .search import ROOT, ChildPlan, ModuleTree, ProbeOutcome, SearchResult, StopSearch, append_outcome, capture_inputs, encode_call, label, own_name, read_outcomes, scan_model, search, unlabel, write_root_call
+from ...engine.failure import first_line, unwrap
+from ...engine.isolate import Attempt, IsolatedResult, file_tail, supervise
+from ...engine.outcome import ProbeOutcome, append_outcome, read_outcomes
+from .search import ROOT, ChildPlan, ModuleTree, SearchResult, StopSearch, capture_inputs, encode_call, label, own_name, scan_model, search, unlabel, write_root_call
 from .. import JOURNAL_NAME
 from ...options import LayersOptions, parse as parse_options
 from ...engine.repro import render_template, safe_filename, verify_script, write_script
 from ...results.model import Finding, ModeResult, Repro, fingerprint
 from ...results.rootcause import annotate
-from ...sim import is_sim
 
 if TYPE_CHECKING:
     from .. import ModeContext
@@ -117,7 +117,7 @@ def run_search(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, layers
 
     def crashed_fd2() -> str:
         """What the dead child's last module wrote to fd 2 (a segfault's report lands there too)."""
-        text = tail(fd2_file, 6000)
+        text = file_tail(fd2_file, 6000)
         fd2_file.unlink(missing_ok=True)
         return f"\n--- fd 2 while the module ran ---\n{text}" if text.strip() else ""
 
@@ -143,7 +143,7 @@ def run_search(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, layers
                                    duration_s=opts.probe_timeout,
                                    message=f"{label(culprit)} did not finish within {opts.probe_timeout:g}s "
                                            f"(probe_timeout); the probing child was killed",
-                                   traceback=(tail(timeout_file, 6000) or res.stderr_tail) + fd2)
+                                   traceback=(file_tail(timeout_file, 6000) or res.stderr_tail) + fd2)
         else:
             sig = res.signal or (f"exit code {res.exit_code}" if res.exit_code is not None else "unknown")
             why = res.message or sig
@@ -362,17 +362,9 @@ def _plugin_modules(spec: Any) -> list[str]:
     mods = list(spec.imports)
     if spec.compile and ":" in spec.compile:
         mods.append(spec.compile.split(":", 1)[0])
-    if _is_sim_backend(spec):
+    if is_self_test(spec):
         mods.append("ci_runner")
     return list(dict.fromkeys(mods))
-
-
-def _sim_name(compile_spec: str | None) -> bool:
-    return bool(is_sim(compile_spec))
-
-
-def _is_sim_backend(spec: Any) -> bool:
-    return _sim_name(spec.compile) or spec.device.split(":")[0] == "simdev"
 
 
 def _key_text(message: str) -> list[str]:

@@ -7,9 +7,11 @@ verdict) is described in `docs/numerics.md`; the work is done by the `ci_runner/
 only orchestrates it: options (`options.NumericsOptions`), thresholds for the cell, the reference pass, the
 target in child processes (a fresh child after a crash, skipping the module that crashed), the result.
 
-Status: `fail` with findings; `pass` when nothing exceeds its threshold (`reason` says "partial: …" when some
-layers or a view could not be compared, e.g. the backend crashed in them: the layers mode reports those);
-`error` when nothing at all could be compared, or fewer than two references are configured.
+Status: `fail` with findings; `pass` when every layer was compared in every view that ran and none exceeds its
+threshold; `inconclusive` when nothing exceeds its threshold but only part of the model was compared (a view did
+not run, the backend failed in some layers, the paths were not comparable): the reason says "N of M layers
+compared" and why, `data["coverage"]` holds the counts; `error` when nothing at all could be compared, or fewer
+than two references are configured.
 """
 
 from __future__ import annotations
@@ -44,7 +46,15 @@ from ...numerics.target import (
 )
 from ...numerics.thresholds import LayerStats, ThresholdTable, key_hash, load_or_derive, threshold_key, threshold_path
 from ...numerics.toolbox import after_numerics, before_numerics, reference_dumps
-from ...numerics.verdict import build_layers, findings_for, layer_table, verdict_of, view_status
+from ...numerics.verdict import (
+    build_layers,
+    coverage,
+    coverage_text,
+    findings_for,
+    layer_table,
+    verdict_of,
+    view_status,
+)
 from ...numerics.views import derive_reference_stats, runnable_reference
 
 if TYPE_CHECKING:
@@ -275,16 +285,44 @@ def run(ctx: "ModeContext") -> ModeResult:
         why = cum_errors[0]["error"] if cum_errors else (notes[-1] if notes else "no comparison could run")
         return ModeResult(status="error", reason=f"the target could not be compared: {why}", findings=findings,
                           data=data, duration_s=duration)
-    reason = None
-    partial = []
-    if not cum_ran:
-        partial.append("cumulative view did not run" + (f" ({cum_errors[0]['error'][:300]})" if cum_errors else ""))
-    if "isolated" in opts.views and not iso_ran and not iso_skipped:
-        partial.append("isolated view did not run")
-    if errors:
-        partial.append(f"{len(errors)} layer(s) could not be compared")
-    if partial:
-        reason = "partial: " + "; ".join(partial)
-    return ModeResult(status="fail" if findings else "pass", findings=findings, reason=reason, data=data,
-                      duration_s=duration)
+    return _result(findings, data, duration, cum_errors=cum_errors, layers=layers,
+                   expected=[v for v in opts.views if not (v == "isolated" and iso_skipped)])
 
+
+def _result(findings: list[Any], data: dict[str, Any], duration: float, *, cum_errors: list[dict[str, Any]],
+            layers: list[Any], expected: list[str]) -> ModeResult:
+    """A pass means compared: with no finding, a mode that compared only part of the model (a view did not run,
+    the backend failed in layers, layers compared in no view) is `inconclusive`, saying "N of M layers compared"
+    and why. A layer whose paths differ in one view (stage `paths`) but compared in the other is said, not held
+    against the pass."""
+    cov = coverage(layers, expected)
+    data["coverage"] = cov
+    why = []
+    if "cumulative" in expected and not cov["views"].get("cumulative"):
+        why.append("the cumulative view did not run" + (f" ({cum_errors[0]['error'][:300]})" if cum_errors else ""))
+    if "isolated" in expected and not cov["views"].get("isolated"):
+        why.append("the isolated view did not run")
+    by_key = {l.key: l for l in layers}
+
+    def first_error(keys: list[str], paths: bool) -> str:
+        layer = by_key[keys[0]]
+        view, err = next((v, e) for v, e in layer.errors.items() if e.startswith("paths:") == paths)
+        return f"first {layer.key or '(root)'} ({view} view: {err[:240]})"
+
+    if cov["failed_count"]:
+        why.append(f"{cov['failed_count']} layer(s) could not be compared in a view, {first_error(cov['failed'], False)}")
+    if cov["missing"] and not why:
+        missing = [k for k in cov["missing"] if k in by_key]
+        paths = [k for k in missing if any(e.startswith("paths:") for e in by_key[k].errors.values())]
+        why.append(f"not comparable, {first_error(paths, True)}" if paths else
+                   f"not observed: {', '.join(k or '(root)' for k in missing[:5])}")
+    said = []
+    if cov["not_comparable_count"] and not why:
+        said.append(f"{cov['not_comparable_count']} layer(s) compared in one view only, the other's paths differ: "
+                    f"{first_error(cov['not_comparable'], True)}")
+    if not why:
+        return ModeResult(status="fail" if findings else "pass", findings=findings, data=data, duration_s=duration,
+                          reason="; ".join(said) or None)
+    reason = f"{coverage_text(cov)}: " + "; ".join(why)  # with findings too: what the findings stand on
+    return ModeResult(status="fail" if findings else "inconclusive", findings=findings, reason=reason, data=data,
+                      duration_s=duration)

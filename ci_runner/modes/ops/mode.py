@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
-from ...engine.backends import BackendRecipe, backend_ran, backend_recipe
+from ...backends import BackendRecipe, backend_ran, backend_recipe
 from ...config import BackendSpec
 from ...errors import DeepviewError
 from ...fsutil import atomic_write_json
