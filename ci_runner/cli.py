@@ -17,8 +17,9 @@ from .results import baseline
 from . import errors
 from .run.aggregate import aggregate, write_report_dir
 from .backends import available_backends
-from .run.cellrun import RESULT_NAME, run_cell_inprocess
-from .config import ALL_MODES, load_matrix
+from .run.cellrun import run_cell_inprocess
+from .config import load_matrix
+from .registry import mode_names
 from .engine.envinfo import base_stamp, env_report, format_env, tool_version
 from .errors import DeepviewError, UsageError
 from .run.execute import RunOptions, auto_jobs, available_cores, cell_dir, load_partial, run_cells
@@ -31,7 +32,7 @@ from .log import Progress
 from .matrix import expand, expand_json, find_cell, select
 from .numerics.thresholds import load_table
 from .plan import check_output_size, collect_attempts, load_plan, parse_chunk_results, plan_outputs, read_setup_record
-from .results.model import load_results, save_cell_result
+from .results.model import RESULT_NAME, load_results, save_cell_result
 
 if TYPE_CHECKING:
     from .config import Cell
@@ -41,9 +42,9 @@ Handler = Callable[[argparse.Namespace], int]
 
 def _modes_arg(text: str) -> tuple[str, ...]:
     modes = tuple(m.strip() for m in text.split(",") if m.strip())
-    bad = [m for m in modes if m not in ALL_MODES]
+    bad = [m for m in modes if m not in mode_names()]
     if bad or not modes:
-        raise argparse.ArgumentTypeError(f"unknown mode(s) {', '.join(bad) or '(none)'}; choose from {', '.join(ALL_MODES)}")
+        raise argparse.ArgumentTypeError(f"unknown mode(s) {', '.join(bad) or '(none)'}; choose from {', '.join(mode_names())}")
     return modes
 
 
@@ -89,7 +90,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         progress.info(f"deepview-ci: --jobs auto: up to {jobs} cell(s) at once on {cores} core(s)")
     results = run_cells(cells, RunOptions(matrix_path=matrix.path, out_dir=out, jobs=jobs, cores=cores, force=args.force,
                                           modes=args.modes), progress)
-    report = aggregate([out / "cells" / r.id / "result.json" for r in results])  # this run's cells, not stale ones
+    report = aggregate([cell_dir(out, r.id) / RESULT_NAME for r in results])  # this run's cells, not stale ones
     written = write_report_dir(report, out / "report", run_dir=out)
     _report_outputs(out / "report", written)
     counts = report.counts()
@@ -293,25 +294,40 @@ def _add_expand(sp: argparse.ArgumentParser, selection: Callable[[argparse.Argum
                     help="time left in a cell job after its cell step, for the upload (default 5)")
 
 
+AddCommand = Callable[..., argparse.ArgumentParser]  # (name, handler, help text or None for an unlisted command)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="deepview-ci", description="Run PyTorch models × accelerator backends as CI: missing operators, "
                 "failing layers and numerical divergence, with repros, reports and regression diffs.")
     p.add_argument("--version", action="version", version=f"deepview-ci {tool_version()}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
-    def add(name: str, handler: Handler, help_text: str, **kw: object) -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, help=help_text, description=help_text, **kw)  # type: ignore[arg-type]
+    def add(name: str, handler: Handler, help_text: str | None, **kw: object) -> argparse.ArgumentParser:
+        if help_text is None:
+            sp = sub.add_parser(name, **kw)  # type: ignore[arg-type]
+        else:
+            sp = sub.add_parser(name, help=help_text, description=help_text, **kw)  # type: ignore[arg-type]
         sp.set_defaults(handler=handler)
         return sp
 
-    def selection(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--select", action="append", default=[], metavar="GLOB", help="only cells whose id matches (repeatable)")
-        sp.add_argument("--skip", action="append", default=[], metavar="GLOB", help="drop cells whose id matches (repeatable)")
+    _run_commands(add)
+    _report_commands(add)
+    _dump_commands(add)
+    return p
 
+
+def _selection(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--select", action="append", default=[], metavar="GLOB", help="only cells whose id matches (repeatable)")
+    sp.add_argument("--skip", action="append", default=[], metavar="GLOB", help="drop cells whose id matches (repeatable)")
+
+
+def _run_commands(add: AddCommand) -> None:
+    """run, expand, cell and the internal _worker."""
     sp = add("run", cmd_run, "Run the whole matrix locally and write the report.")
     sp.add_argument("matrix", nargs="?", default=None, help="matrix YAML (default: the bundled example)")
     sp.add_argument("--out", default="out", help="output folder (default: out)")
-    selection(sp)
+    _selection(sp)
     sp.add_argument("--modes", type=_modes_arg, default=None, help="comma list of ops,layers,numerics (default: the matrix's)")
     sp.add_argument("--jobs", type=_jobs_arg, default="auto", metavar="N|auto",
                     help="cells run in parallel; auto (the default) shares the machine's cores: a cell takes as many "
@@ -319,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "cores / workers cells run at once, at least 1")
     sp.add_argument("--force", action="store_true", help="rerun cells that already finished")
 
-    _add_expand(add("expand", cmd_expand, "Print the GitHub plan JSON (and write GITHUB_OUTPUT when set)."), selection)
+    _add_expand(add("expand", cmd_expand, "Print the GitHub plan JSON (and write GITHUB_OUTPUT when set)."), _selection)
 
     sp = add("cell", cmd_cell, "Run one cell (what a CI job runs).")
     sp.add_argument("cell_id", metavar="CELL_ID", help="the cell to run, MODEL@BACKEND (see `deepview-ci expand`)")
@@ -331,14 +347,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="do not run the cell: record it as `error` because its setup failed; DIR holds command.txt, "
                          "output.log and exit-code (the reusable workflow's setup step writes them)")
 
-    sp = sub.add_parser("_worker")  # internal: no help, so it is not listed
-    sp.set_defaults(handler=cmd_worker)
+    sp = add("_worker", cmd_worker, None)  # internal: no help, so it is not listed
     sp.add_argument("--matrix", required=True)
     sp.add_argument("--cell", required=True)
     sp.add_argument("--out", required=True)
     sp.add_argument("--modes", required=True)
     sp.add_argument("--budget", required=True)
 
+
+def _report_commands(add: AddCommand) -> None:
+    """aggregate, diff, baseline update and file-issues."""
     sp = add("aggregate", cmd_aggregate, "Merge cell results into results.json, junit.xml, summary.md, report.html.")
     sp.add_argument("dirs", nargs="+", metavar="DIR", help="folders (or result.json files) holding the cells' results")
     sp.add_argument("--out", required=True, metavar="REPORT_DIR", help="folder for results.json and the reports")
@@ -384,6 +402,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--min-interval", type=float, default=1.0, help="seconds between writes (GitHub: ≥ 1)")
     sp.add_argument("--max-wait", type=float, default=300.0, help="longest rate-limit wait before keeping a draft")
 
+
+def _dump_commands(add: AddCommand) -> None:
+    """dump, compare and env."""
     sp = add("dump", cmd_dump, "Dump per-layer outputs of one model on one device/backend (safetensors + manifest).")
     sp.add_argument("--matrix", default=None, help="matrix YAML the model and backend come from (default: the bundled example)")
     sp.add_argument("--model", required=True, help="model id from the matrix")
@@ -403,7 +424,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = add("env", cmd_env, "Versions, devices and available backends, for a bug report.")
     sp.add_argument("--json", action="store_true", help="print JSON instead of text")
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:

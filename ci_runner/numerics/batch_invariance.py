@@ -21,6 +21,7 @@ Only tensors whose first dimension is the batch are compared (a rotary table sha
 """
 
 from __future__ import annotations
+from ..registry import FindingKind
 
 import math
 from dataclasses import dataclass
@@ -265,8 +266,8 @@ def findings_for(verdict: Mapping[str, Any], *, backend_id: str, model_id: str) 
                f"{v['flagged']} layer(s) over threshold; first layer whose slots are not bit-identical: "
                f"{v['first_nonbitwise'] or '(root)'}")
         out.append(Finding(
-            kind="batch_variance", stage="compare", message=msg,
-            fingerprint=fingerprint("batch_variance", backend_id, model_id, module),
+            kind=FindingKind.BATCH_VARIANCE, stage="compare", message=msg,
+            fingerprint=fingerprint(FindingKind.BATCH_VARIANCE, backend_id, model_id, module),
             module=module, module_class=row["module_class"], metrics=dict(m), threshold=dict(thr),
             details={"experiment": exp, "slots": slots, "worst_slot": row["worst_slot"], "call": row["key"],
                      "flagged_layers": v["flagged"], "first_nonbitwise": v["first_nonbitwise"],

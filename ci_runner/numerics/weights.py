@@ -23,6 +23,7 @@ by one group's copies.
 """
 
 from __future__ import annotations
+from ..registry import FindingKind
 
 import copy
 import math
@@ -237,10 +238,10 @@ def findings_for(report: WeightsReport, *, backend_id: str, model_id: str,
             what = (f"{t.equal_share:.1%} of its {math.prod(t.shape)} elements are byte-equal, max abs error "
                     f"{t.max_abs:.3g}" + (f" (rel {float(t.metrics['rel']):.2e})" if "rel" in t.metrics else ""))
         out.append(Finding(
-            kind="weights_mismatch", stage="compare",
+            kind=FindingKind.WEIGHTS_MISMATCH, stage="compare",
             message=f"weights: {t.kind} {t.name} {list(t.shape)} {t.dtype} changed on the round trip to the "
                     f"target ({report.method}): {what}",
-            fingerprint=fingerprint("weights_mismatch", backend_id, model_id, t.name),
+            fingerprint=fingerprint(FindingKind.WEIGHTS_MISMATCH, backend_id, model_id, t.name),
             module=owner, module_class=cls, metrics=dict(t.metrics),
             details={"tensor": t.name, "kind": t.kind, "shape": list(t.shape), "dtype": t.dtype,
                      "byte_equal": False, "equal_share": t.equal_share, "method": report.method,

@@ -7,18 +7,15 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from .cellrun import PARTIAL_NAME, RESULT_NAME
 from ..engine.envinfo import tool_version
 from ..engine.isolate import open_entry
 from ..errors import InputError
-from ..modes import JOURNAL_NAME
 from ..report import write_reports
 from ..plan import NO_RESULT, SETUP_RECORD, TAIL_CHARS, Evidence, PlannedCell, apply_plan, read_setup_record
+from ..registry import SECTION_OPS, FindingKind, kinds_in
 from ..results.rootcause import cause_row, root_causes, shared_causes, signature
-from ..results.model import (CellError, CellResult, ModeResult, Results, iter_findings, load_cell_result, read_json,
-                             save_results)
-
-OP_KINDS = ("unsupported_op", "op_error", "op_mismatch")
+from ..results.model import (JOURNAL_NAME, PARTIAL_NAME, RESULT_NAME, STDERR_NAME, CellError, CellResult, ModeResult,
+                             Results, iter_findings, load_cell_result, read_json, save_results)
 
 
 def find_cell_results(paths: Sequence[Path], *, missing_ok: bool = False) -> list[Path]:
@@ -59,7 +56,7 @@ def op_ranking(results: Results) -> list[dict[str, object]]:
     """Failing operators ranked by how many models each one blocks; an op that fails only through an error shared
     by several ops (raised in torch, e.g. Dynamo's guard building) counts under that cause (`rootcause.shared_causes`),
     as one row with `op` None, `cause`, `error_type`, `message`, `raised_in` and the `ops` it failed."""
-    found = [(cell, f) for cell, _mode, f in iter_findings(results) if f.kind in OP_KINDS and f.op]
+    found = [(cell, f) for cell, _mode, f in iter_findings(results) if f.kind in kinds_in(SECTION_OPS) and f.op]
     shared = shared_causes(f for _, f in found)
     rows: dict[str, dict[str, Any]] = {}
     for cell, f in found:
@@ -88,7 +85,7 @@ def layer_patterns(results: Results) -> list[dict[str, object]]:
     """Divergent module classes / relative paths seen in more than one model or layer (a shared root cause)."""
     by_class: dict[tuple[str, str], set[tuple[str, str]]] = defaultdict(set)
     for cell, _mode, f in iter_findings(results):
-        if f.kind == "divergence" and f.module:
+        if f.kind == FindingKind.DIVERGENCE and f.module:
             if f.module_class:
                 by_class[("module_class", f.module_class)].add((cell.model, f.module))
             rel = f.module.rsplit(".", 1)[-1]
@@ -148,7 +145,7 @@ def _killed_while_running(p: PlannedCell, cdir: Path, running: str) -> CellResul
             result.modes[m] = ModeResult(status="timeout", reason=message if m == running else "not run: the job ended first",
                                          data={"last_module": module} if module and m == running else {})
     try:
-        tail = (cdir / "stderr.log").read_text(encoding="utf-8", errors="replace")[-TAIL_CHARS:]
+        tail = (cdir / STDERR_NAME).read_text(encoding="utf-8", errors="replace")[-TAIL_CHARS:]
     except OSError:
         tail = ""
     result.error = CellError(type="timeout", message=message, stderr_tail=tail, last_module=module)

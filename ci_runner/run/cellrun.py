@@ -19,10 +19,7 @@ from ..engine.envinfo import base_stamp, cell_stamp
 from ..errors import DeepviewError, TorchTooOldError
 from ..fsutil import atomic_write_json
 from ..modes import ModeContext, get_mode
-from ..results.model import CellError, CellResult, ModeResult, save_cell_result
-
-PARTIAL_NAME = "result.partial.json"
-RESULT_NAME = "result.json"
+from ..results.model import PARTIAL_NAME, RESULT_NAME, CellError, CellResult, ModeResult, save_cell_result
 
 
 def _now() -> str:

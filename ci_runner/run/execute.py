@@ -23,18 +23,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from .cellrun import PARTIAL_NAME, RESULT_NAME, write_final
+from .cellrun import write_final
 from ..config import Cell
 from ..engine.envinfo import base_stamp
 from ..errors import DeepviewError, ExecutionError, InputError
 from ..fsutil import atomic_write_json
 from ..log import Progress
 from ..engine.isolate import ChildExit, LiveChildren, child_env, file_tail, open_entry, run_process
-from ..modes import JOURNAL_NAME
-from ..results.model import CellError, CellResult, ModeResult, load_cell_result, read_json
+from ..results.model import JOURNAL_NAME, PARTIAL_NAME, RESULT_NAME, STDERR_NAME, CellError, CellResult, ModeResult, load_cell_result, read_json
 
 STDERR_TAIL_CHARS = 4000
-STDERR_NAME = "stderr.log"  # the worker's stdout and stderr
 _KILL_GRACE_S = 2.0
 
 

@@ -20,10 +20,10 @@ from ci_runner.run.cellrun import run_cell_inprocess
 from ci_runner.config import load_matrix_text
 from ci_runner.engine.isolate import open_entry
 from ci_runner.matrix import expand
-from ci_runner.modes import JOURNAL_NAME
+from ci_runner.results.model import JOURNAL_NAME
 from ci_runner.results.model import CellResult, ModeResult, validate
+from tests.fixtures.paths import ROOT
 
-REPO = Path(__file__).resolve().parents[2]
 SDPA = "aten._scaled_dot_product_flash_attention_for_cpu.default"
 
 pytestmark = pytest.mark.slow  # probing children and compiles: tens of seconds each on 2 cores
@@ -89,7 +89,7 @@ def _by_hand(cdir: Path, culprit: dict[str, Any]) -> subprocess.CompletedProcess
     """The culprit repro from its folder, in a clean interpreter (deepview-ci only as the sim plugin)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONSAFEPATH"] = "1"
-    env["PYTHONPATH"] = str(REPO)
+    env["PYTHONPATH"] = str(ROOT)
     rdir = cdir / Path(culprit["repro"]["path"]).parent
     return subprocess.run([sys.executable, "repro.py"], cwd=rdir, env=env, capture_output=True, text=True, timeout=300)
 

@@ -13,24 +13,18 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.fake_github import FakeGitHub
+from tests.fixtures.matrices import matrix_text
+from tests.fixtures.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
-REPO = "acme/models"
+GH_REPO = "acme/models"
 
-MATRIX = """\
-version: 1
-defaults:
-  modes: [ops]
-  timeout: 600
-  inputs: {batch: 1, seq_len: 8, samples: 1, seed: 0}
-models:
-  - id: tiny-vit
-    config: vit
-    overrides: {hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, num_attention_heads: 2,
-                image_size: 16, patch_size: 8, num_labels: 4}
-backends:
-  - {id: sim-subset, compile: sim-subset, device: cpu}
-"""
+MATRIX = matrix_text(
+    modes=["ops"], timeout=600, inputs={"batch": 1, "seq_len": 8, "samples": 1, "seed": 0},
+    models=[{"id": "tiny-vit", "config": "vit",
+             "overrides": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+                           "image_size": 16, "patch_size": 8, "num_labels": 4}}],
+    backends=[{"id": "sim-subset", "compile": "sim-subset", "device": "cpu"}],
+)
 
 # the cell passed before: the convolution finding is a regression
 BASELINE = {
@@ -51,7 +45,7 @@ class Step:
         self.n = 0
         self.env = {**os.environ, "PYTHONPATH": str(ROOT), "GITHUB_ACTIONS": "true", "GITHUB_TOKEN": gh.token,
                     "GITHUB_API_URL": gh.url, "GITHUB_STEP_SUMMARY": str(self.summary), "GITHUB_RUN_ID": "4242",
-                    "GITHUB_SERVER_URL": "https://github.com", "GITHUB_REPOSITORY": REPO,
+                    "GITHUB_SERVER_URL": "https://github.com", "GITHUB_REPOSITORY": GH_REPO,
                     "RUNNER_TEMP": str(tmp / "runner-temp")}
         (tmp / "runner-temp").mkdir()
 
@@ -90,7 +84,7 @@ def parse_outputs(text: str) -> dict[str, str]:
 def test_expand_cells_aggregate_diff_file_issues(tmp_path):
     (tmp_path / "matrix.yaml").write_text(MATRIX)
     (tmp_path / "baseline.json").write_text(json.dumps(BASELINE))
-    with FakeGitHub(repos=(REPO,)) as gh:
+    with FakeGitHub(repos=(GH_REPO,)) as gh:
         step = Step(tmp_path, gh)
 
         # plan
@@ -130,7 +124,7 @@ def test_expand_cells_aggregate_diff_file_issues(tmp_path):
         assert "::error" in proc.stdout
 
         # the issues job
-        proc, out = step("file-issues", "deepview-run/report/diff.json", "--repo", REPO, "--run-dir", "deepview-run",
+        proc, out = step("file-issues", "deepview-run/report/diff.json", "--repo", GH_REPO, "--run-dir", "deepview-run",
                          "--min-interval", "0")
         assert out["created"] == str(len(gh.issues())) and int(out["created"]) >= 1
         assert out["drafts"] == "0"
@@ -142,7 +136,7 @@ def test_expand_cells_aggregate_diff_file_issues(tmp_path):
 
         # the job rerun: nothing new
         writes = len(gh.writes())
-        _, out = step("file-issues", "deepview-run/report/diff.json", "--repo", REPO, "--run-dir", "deepview-run",
+        _, out = step("file-issues", "deepview-run/report/diff.json", "--repo", GH_REPO, "--run-dir", "deepview-run",
                       "--min-interval", "0")
         assert out["created"] == "0" and out["commented"] == "0" and len(gh.writes()) == writes
         assert gh.token not in step.summary.read_text()

@@ -25,10 +25,10 @@ from typing import Any
 
 import pytest
 import yaml
+from tests.fixtures.paths import ROOT
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
 VENDOR_REPO = ROOT / "tests" / "fixtures" / "vendor_repo"
 CELL = "tiny-softplus@acme"
 

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tests.fixtures.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = sorted((ROOT / ".github" / "workflows").glob("*.yml"))
 ACTION = ROOT / "action.yml"
 PINNED = re.compile(r"^[\w.-]+/[\w.-]+(/[\w./-]+)?@[0-9a-f]{40}$")

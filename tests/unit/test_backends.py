@@ -20,6 +20,7 @@ from ci_runner.backends import (
 from ci_runner.config import BackendSpec, load_matrix_text
 from ci_runner.errors import BackendError
 from ci_runner.engine.torchcompat import available, skip_reason
+from tests.fixtures.paths import ROOT
 
 
 def bspec(**kw: Any) -> BackendSpec:
@@ -38,7 +39,7 @@ def f(x: torch.Tensor) -> torch.Tensor:
 X = torch.randn(4, 4)
 
 
-pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
+pytestmark = [pytest.mark.oldtorch, pytest.mark.usefixtures("fresh_dynamo")]  # tests/conftest.py
 
 
 def test_eager_backend_is_identity() -> None:
@@ -201,7 +202,7 @@ def test_nightly_matrix_backends_resolve() -> None:
 
     from ci_runner.config import load_matrix
 
-    nightly = load_matrix(Path(__file__).resolve().parents[2] / "matrix" / "nightly.yaml")
+    nightly = load_matrix(ROOT / "matrix" / "nightly.yaml")
     simdev_ok = available("simdev")  # before torch 2.10 simdev cannot be set up (its cells are skipped)
     kinds = {resolve_backend(spec).kind for spec in nightly.backends if simdev_ok or spec.device != "simdev"}
     assert kinds == ({"registered", "sim", "eager"} if simdev_ok else {"registered", "sim"})

@@ -26,20 +26,20 @@ from ci_runner.numerics.dumps import (
     split_inputs,
 )
 from ci_runner.errors import ConfigError, InputError, UsageError
-from ci_runner.options import ToolboxOptions, parse
+from ci_runner.options import ToolboxOptions
+from ci_runner.registry import parse_options as parse
+from tests.fixtures.matrices import matrix_text
 from tests.fixtures.plugin_toolbox_models import TinyNet, base
 
-MATRIX = """
-version: 1
-defaults: {inputs: {samples: 2}}
-models:
-  - {id: net, factory: "tests.fixtures.plugin_toolbox_models:base"}
-  - {id: net-renamed, factory: "tests.fixtures.plugin_toolbox_models:renamed"}
-  - {id: net-reshaped, factory: "tests.fixtures.plugin_toolbox_models:reshaped"}
-backends:
-  - {id: eager, device: cpu}
-  - {id: gelu-off, compile: "tests.fixtures.plugin_toolbox_perturb:make", backend_options: {op: aten.gelu.default, scale: 0.05}}
-"""
+MATRIX = matrix_text(
+    inputs={"samples": 2},
+    models=[{"id": "net", "factory": "tests.fixtures.plugin_toolbox_models:base"},
+            {"id": "net-renamed", "factory": "tests.fixtures.plugin_toolbox_models:renamed"},
+            {"id": "net-reshaped", "factory": "tests.fixtures.plugin_toolbox_models:reshaped"}],
+    backends=[{"id": "eager", "device": "cpu"},
+              {"id": "gelu-off", "compile": "tests.fixtures.plugin_toolbox_perturb:make",
+               "backend_options": {"op": "aten.gelu.default", "scale": 0.05}}],
+)
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,9 @@ from pathlib import Path
 import pytest
 
 from ci_runner.engine.isolate import open_entry, run_isolated
+from tests.fixtures.paths import ROOT
+
+pytestmark = pytest.mark.subprocess  # every test here starts child processes (the child engine)
 
 @pytest.mark.parametrize(
     ("action", "status", "check"),
@@ -42,8 +45,8 @@ def test_a_hung_child_dies_with_its_parent(tmp_path: Path) -> None:
         "import sys; sys.path.insert(0, %r)\n"
         "from ci_runner.engine.isolate import run_isolated\n"
         "run_isolated('tests.fixtures.iso_targets:hang_and_report', {'pidfile': %r}, timeout=600)\n"
-    ) % (str(Path(__file__).resolve().parents[2]), str(pidfile))
-    parent = subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[2])
+    ) % (str(ROOT), str(pidfile))
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT)
     deadline = time.monotonic() + 60
     while not pidfile.exists() and time.monotonic() < deadline:
         time.sleep(0.1)

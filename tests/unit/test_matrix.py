@@ -11,7 +11,9 @@ import pytest
 from ci_runner.config import load_matrix_text
 from ci_runner.errors import ConfigError
 from ci_runner.matrix import ATTEMPT_SEP, artifact_cell, artifact_name, chunk, expand, expand_json, find_cell, select
-from tests.conftest import tiny_matrix_text as matrix
+from tests.fixtures.matrices import tiny_matrix_text as matrix
+
+pytestmark = pytest.mark.oldtorch  # the old-torch subset (tests/fixtures/oldtorch.py)
 
 
 def test_ids_are_model_at_backend_in_matrix_order() -> None:

@@ -23,7 +23,9 @@ from ci_runner.modes.ops.probe import (
 )
 from ci_runner.modes.ops.signature import encode_value
 from ci_runner.options import DEFAULT_TOLERANCE
-from ci_runner.options import parse as parse_options
+from ci_runner.registry import parse_options
+
+pytestmark = pytest.mark.oldtorch  # the old-torch subset (tests/fixtures/oldtorch.py)
 
 
 def _probe(op: str, *args: Any, **kwargs: Any) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from ci_runner.engine import torchcompat
 from ci_runner.config import load_matrix
 from ci_runner.errors import EnvironmentSetupError, TorchTooOldError
 from ci_runner.engine.torchcompat import FEATURES
+from tests.fixtures.paths import ROOT
 
 pytestmark = pytest.mark.oldtorch
 
@@ -39,9 +40,7 @@ def test_each_probe_agrees_with_the_release_it_names(key: str) -> None:
 
 
 def test_the_declared_oldest_torch_is_what_pyproject_requires() -> None:
-    from pathlib import Path
-
-    text = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text(encoding="utf-8")
+    text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
     assert f'"torch>={torchcompat.OLDEST_TORCH}"' in text
     assert _release(torch.__version__) >= _release(torchcompat.OLDEST_TORCH)
 

@@ -47,16 +47,16 @@ from ...engine.failure import first_line, unwrap
 from ...engine.isolate import Attempt, IsolatedResult, file_tail, supervise
 from ...engine.outcome import ProbeOutcome, append_outcome, read_outcomes
 from .search import ROOT, ChildPlan, ModuleTree, SearchResult, StopSearch, capture_inputs, encode_call, label, own_name, scan_model, search, unlabel, write_root_call
-from .. import JOURNAL_NAME
-from ...options import LayersOptions, parse as parse_options
+from ...options import LayersOptions
+from ...registry import FindingKind, parse_options
 from ...engine.repro import render_template, safe_filename, verify_script, write_script
-from ...results.model import Finding, ModeResult, Repro, fingerprint
+from ...results.model import JOURNAL_NAME, Finding, ModeResult, Repro, fingerprint
 from ...results.rootcause import annotate
 
 if TYPE_CHECKING:
     from .. import ModeContext
 
-KIND = "layer_failure"
+KIND = FindingKind.LAYER_FAILURE
 _MIN_CHILD_S = 20.0  # no new probing child is started with less time than this left
 
 
@@ -137,22 +137,9 @@ def run_search(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, layers
         if entry is None:
             stop = f"the probing child {res.message or res.status} before it entered a module"
             return stop + (f"; stderr: {res.stderr_tail[-1500:]}" if res.stderr_tail else "")
-        culprit = unlabel(entry)
-        if timed_out:
-            outcome = ProbeOutcome(name=culprit, status="timeout", stage="run", error_type="Timeout",
-                                   duration_s=opts.probe_timeout,
-                                   message=f"{label(culprit)} did not finish within {opts.probe_timeout:g}s "
-                                           f"(probe_timeout); the probing child was killed",
-                                   traceback=(file_tail(timeout_file, 6000) or res.stderr_tail) + fd2)
-        else:
-            sig = res.signal or (f"exit code {res.exit_code}" if res.exit_code is not None else "unknown")
-            why = res.message or sig
-            if res.signal == "SIGKILL":
-                why += " (SIGKILL from outside: often the kernel's out-of-memory killer)"
-            outcome = ProbeOutcome(name=culprit, status="crashed", stage="run", error_type=res.signal or "Crash",
-                                   message=f"the process died while {label(culprit)} ran: {why}",
-                                   traceback=res.stderr_tail + fd2, signal=res.signal)
-        append_outcome(outcomes_file, outcome)
+        stack = (file_tail(timeout_file, 6000) or res.stderr_tail) if timed_out else res.stderr_tail
+        append_outcome(outcomes_file, _dead_child_outcome(unlabel(entry), res, timed_out=timed_out,
+                                                          probe_timeout=opts.probe_timeout, traceback=stack + fd2))
         return None
 
     run = supervise("ci_runner.modes.layers.search:probe_child", journal=ctx.cell_dir / JOURNAL_NAME, kind="module",
@@ -165,6 +152,23 @@ def run_search(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, layers
     if stop is not None and stop.startswith("gave up after"):
         stop = f"gave up after {run.restarts} crashed probing children (max_restarts={opts.max_restarts})"
     return SearchRun(result=replay, restarts=run.restarts, children=run.children, stop_reason=stop)
+
+
+def _dead_child_outcome(culprit: str, res: IsolatedResult, *, timed_out: bool, probe_timeout: float,
+                        traceback: str) -> ProbeOutcome:
+    """The outcome of the module a probing child died in: timeout (its watchdog fired) or crashed."""
+    if timed_out:
+        return ProbeOutcome(name=culprit, status="timeout", stage="run", error_type="Timeout", duration_s=probe_timeout,
+                            message=f"{label(culprit)} did not finish within {probe_timeout:g}s "
+                                    f"(probe_timeout); the probing child was killed",
+                            traceback=traceback)
+    sig = res.signal or (f"exit code {res.exit_code}" if res.exit_code is not None else "unknown")
+    why = res.message or sig
+    if res.signal == "SIGKILL":
+        why += " (SIGKILL from outside: often the kernel's out-of-memory killer)"
+    return ProbeOutcome(name=culprit, status="crashed", stage="run", error_type=res.signal or "Crash",
+                        message=f"the process died while {label(culprit)} ran: {why}",
+                        traceback=traceback, signal=res.signal)
 
 
 def _nonempty(path: Path) -> bool:
