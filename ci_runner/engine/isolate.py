@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from .failure import first_line
 from ..fsutil import append_line, atomic_write_json
 
 __all__ = [
@@ -143,8 +144,7 @@ class IsolatedResult:
         if self.status == "timeout":
             return f"timed out after {self.timeout:.0f} s" if self.timeout is not None else "timed out"
         if self.status == "error":
-            first = self.message.splitlines()[0] if self.message else ""
-            return f"failed: {self.error_type}: {first}"
+            return f"failed: {self.error_type}: {first_line(self.message, 10_000)}"
         return "finished"
 
     def failure(self, what: str, tail: int = 1500) -> dict[str, str]:

@@ -10,6 +10,7 @@ normalised by `rootcause.normalize_text`, so a compiler whose message names a fr
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import sys
@@ -17,10 +18,11 @@ import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jinja2
 
+from .failure import REPRO_FUNCTIONS
 from ..fsutil import atomic_write_text
 from .isolate import run_process
 from ..results.rootcause import normalize_text
@@ -48,11 +50,28 @@ def comment(text: Any) -> str:
     return re.sub(r"[\r\n]+", " ", str(text))
 
 
+def plain_source(fn: Callable[..., Any]) -> str:
+    """A function's source for a standalone script, without this package's type-checker comments.
+
+    Read once, then cached: `inspect` reads the file on disk, which may have changed under a long-running process.
+    """
+    key = f"{fn.__module__}.{fn.__qualname__}"
+    source = _SOURCES.get(key)
+    if source is None:
+        source = _SOURCES[key] = re.sub(r"  # type: ignore\[[^\]]*\]", "", inspect.getsource(fn))
+    return source
+
+
+_SOURCES: dict[str, str] = {}
+# the one failure classifier, as every repro script embeds it (`{{ failure_source }}`: unwrap, stage_of, …)
+FAILURE_SOURCE = "\n\n".join(plain_source(fn) for fn in REPRO_FUNCTIONS)
+
+
 def render_template(name: str, **context: Any) -> str:
     env = _env()
     env.filters.setdefault("pyrepr", pyrepr)
     env.filters.setdefault("comment", comment)
-    return env.get_template(name).render(**context)
+    return env.get_template(name).render(failure_source=FAILURE_SOURCE, **context)
 
 
 def write_script(path: Path, text: str) -> Path:

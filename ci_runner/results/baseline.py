@@ -61,7 +61,7 @@ from ..fsutil import atomic_write_text
 from ..github.actions import AnnotationCap, in_actions
 from ..log import append_step_summary
 from ..report.summary import SUMMARY_LIMIT, code, md, truncate_markdown
-from ..report.view import first_line
+from ..engine.failure import headline
 from ..registry import kind_names
 from .model import CELL_STATUSES, STATUS_SEVERITY, CellResult, Finding, Results, clean, load_results, read_json, validate
 
@@ -554,7 +554,7 @@ def render_diff_markdown(d: Diff, *, max_rows: int = 200) -> str:
                 repro = code(path) + (" ✔" if r.get("verified") else "")
             msg = ""
             if e.finding and e.finding.get("message"):
-                msg = ": " + md(first_line(e.finding["message"]), 160)
+                msg = ": " + md(headline(e.finding["message"]), 160)
             out.append(f"| {code(e.cell)} | {md(e.title())}{msg} | {md(e.reason)} | {repro} |")
         if len(entries) > max_rows:
             out.extend(["", f"… and {len(entries) - max_rows} more (see `diff.json`)."])
@@ -624,7 +624,7 @@ def annotate_regressions(d: Diff, *, env: Mapping[str, str] | None = None, strea
             break
         msg = f"{e.title()} — {e.reason}"
         if e.finding and e.finding.get("message"):
-            msg += f"\n{first_line(e.finding['message'], 500)}"
+            msg += f"\n{headline(e.finding['message'], 500)}"
         if e.finding and e.finding.get("repro"):
             msg += f"\nrepro: {(e.artifacts_dir + '/') if e.artifacts_dir else ''}{e.finding['repro'].get('path')}"
         if cap.annotate("error", msg, title=f"deepview-ci regression in {e.cell}", stream=stream):
