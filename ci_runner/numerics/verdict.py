@@ -7,6 +7,7 @@ cumulative error grows past thresholds with no layer wrong on its own).
 """
 
 from __future__ import annotations
+from ..registry import FindingKind
 
 import math
 import re
@@ -170,8 +171,8 @@ def findings_for(layers: list[Layer], verdict: Mapping[str, Any], *, backend_id:
         if name == verdict.get("first_divergent"):
             msg += "; first divergent layer"
         findings.append(Finding(
-            kind="divergence", stage="compare", message=msg,
-            fingerprint=fingerprint("divergence", backend_id, model_id, name),
+            kind=FindingKind.DIVERGENCE, stage="compare", message=msg,
+            fingerprint=fingerprint(FindingKind.DIVERGENCE, backend_id, model_id, name),
             module=name, module_class=worst_l.module_class,
             metrics={v: public(worst_l.metrics[v]) for v in VIEWS if worst_l.metrics.get(v)},
             threshold={v: dict(worst_l.threshold[v]) for v in VIEWS if v in worst_l.threshold},

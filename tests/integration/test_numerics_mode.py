@@ -12,14 +12,15 @@ from typing import Any
 import pytest
 
 from ci_runner.run.aggregate import layer_patterns
-from ci_runner.engine.backends import resolve_backend
+from ci_runner.backends import resolve_backend
 from ci_runner.config import load_matrix, load_matrix_text
 from ci_runner.matrix import expand
 from ci_runner.modes import ModeContext
 from ci_runner.modes.numerics.mode import run
 from ci_runner.results.model import CellResult, Results
+from tests.fixtures.paths import EXAMPLE
+from tests.fixtures.paths import ROOT
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "ci_runner" / "data" / "example.yaml"
 TINY = ("hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4, "
         "num_key_value_heads: 2, vocab_size: 128")
 
@@ -251,7 +252,7 @@ backends:
   - {{id: aot_eager, compile: aot_eager}}
 """)
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "ci_runner", "run", str(matrix), "--out", str(out), "--jobs", "2"],
                           capture_output=True, text=True, env=env, timeout=1100)
     assert proc.returncode in (0, 1), proc.stderr[-3000:]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ci_runner.config import load_matrix_text
-from ci_runner.engine.backends import resolve_backend
+from ci_runner.backends import resolve_backend
 from ci_runner.matrix import expand
 from ci_runner.modes import ModeContext
 from ci_runner.modes.numerics.mode import run

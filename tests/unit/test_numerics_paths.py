@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ci_runner.config import BackendSpec
-from ci_runner.engine.backends import resolve_backend
+from ci_runner.backends import resolve_backend
 from ci_runner.engine.capture import OutputHooks, VersionWatch
 from ci_runner.numerics.capture import capture_compiled_outputs, compile_for_capture, record_reference
 from ci_runner.numerics.metrics import compare_any_row_order, compare_tensors, cos_text
