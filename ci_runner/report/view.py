@@ -247,7 +247,8 @@ class LayerPoint:
 class NumericsView:
     layers: list[LayerPoint]
     verdict: dict[str, Any]
-    total: int = 0  # layers the mode compared; more than `layers` when it kept only part of the table
+    total: int = 0  # the model's layers (module calls); more than `layers` when it kept only part of the table
+    compared: int | None = None  # layers compared in at least one view (`data["coverage"]`), when fewer than total
 
     @property
     def flagged(self) -> list[LayerPoint]:
@@ -344,8 +345,11 @@ def _numerics(cell: CellResult) -> NumericsView | None:
         ))
     verdict = mode.data.get("verdict")
     total = mode.data.get("layers_total")
-    return NumericsView(layers=points, verdict=dict(verdict) if isinstance(verdict, Mapping) else {},
-                        total=total if isinstance(total, int) and total >= len(points) else len(points))
+    cov = mode.data.get("coverage")
+    compared = cov.get("compared") if isinstance(cov, Mapping) else None
+    n = total if isinstance(total, int) and total >= len(points) else len(points)
+    return NumericsView(layers=points, verdict=dict(verdict) if isinstance(verdict, Mapping) else {}, total=n,
+                        compared=compared if isinstance(compared, int) and compared < n else None)
 
 
 def _flat_env(env: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
