@@ -21,8 +21,8 @@ import torch
 from ci_runner.config import load_matrix_text
 from ci_runner.engine.isolate import run_isolated
 from ci_runner.results.model import load_results
-from tests.fixtures.paths import ROOT
 from tests.fixtures.matrices import matrix_text
+from tests.fixtures.paths import ROOT
 
 pytestmark = pytest.mark.slow
 
