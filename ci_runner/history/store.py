@@ -1,0 +1,213 @@
+"""The history folder: immutable per-run record files, merged when read into one SQLite database.
+
+Layout of ``--store DIR``::
+
+    DIR/history.sqlite          the database (`db`): every folded run, old ones compacted to weeks
+    DIR/runs/<date>_<id>.json.gz one immutable record per run not yet folded (`records`)
+
+`add_run` writes this run's record file first (a unique name, written atomically), then folds every pending
+record into the database inside one SQLite write transaction and removes the folded files. Two writers at
+once each write their own file; the second to get the lock folds what the first did not, so neither run is
+lost. A reader (`load_history(write=False)`) never writes: it merges the pending files into an in-memory
+copy of the database.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+from ..errors import InputError
+from ..results.model import Results
+from . import db
+from .records import RunMeta, read_record, record_of, write_record
+
+DB_NAME = "history.sqlite"
+RUNS_DIR = "runs"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunRow:
+    seq: int
+    run_id: str
+    date: str
+    trigger: str
+    commit: str
+    tool_version: str
+    generated_at: str
+    kind: str  # run | weekly
+    nights: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class FindingDef:
+    id: int
+    cell: str
+    fingerprint: str
+    kind: str
+    mode: str
+    op: str
+    module: str
+    signature: str
+
+    @property
+    def key(self) -> str:
+        return self.op or self.module
+
+
+@dataclass(frozen=True, kw_only=True)
+class CellRun:
+    status: str
+    duration_s: float
+    env: int
+    modes: Mapping[str, str]
+
+
+@dataclass
+class History:
+    """A loaded history: runs oldest first, and what each run saw. Layer figures are read on demand."""
+
+    runs: list[RunRow] = field(default_factory=list)
+    cells: dict[str, tuple[str, str]] = field(default_factory=dict)  # cell id → (model, backend)
+    cell_runs: dict[int, dict[str, CellRun]] = field(default_factory=dict)  # run seq → cell id → what it did
+    envs: dict[int, dict[str, Any]] = field(default_factory=dict)
+    findings: dict[int, FindingDef] = field(default_factory=dict)
+    present: dict[int, frozenset[int]] = field(default_factory=dict)  # run seq → finding ids
+    conn: sqlite3.Connection | None = None
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+    def run_by_id(self, run_id: str) -> RunRow | None:
+        return next((r for r in self.runs if r.run_id == run_id), None)
+
+    def layer_series(self, cell: str) -> Iterator[tuple[RunRow, list[str], list[float | None], list[float | None]]]:
+        """Per run (oldest first) with a numerics table for `cell`: layer names, thresholds and worst figures,
+        flattened per layer as (rel, 1 − cos, mad)."""
+        assert self.conn is not None
+        seqs = {r.seq: r for r in self.runs}
+        sets: dict[int, tuple[list[str], list[float | None]]] = {}
+        rows = self.conn.execute("SELECT lf.run, lf.layer_set, lf.figures FROM layer_figures lf JOIN cells c "
+                                 "ON c.id = lf.cell WHERE c.cell = ?", (cell,)).fetchall()
+        for seq, lsid, blob in sorted(rows, key=lambda r: (seqs[r[0]].date, seqs[r[0]].run_id) if r[0] in seqs else ("", "")):
+            if seq not in seqs:
+                continue
+            if lsid not in sets:
+                names, thr = self.conn.execute("SELECT names, thresholds FROM layer_sets WHERE id = ?", (lsid,)).fetchone()
+                sets[lsid] = (json.loads(names), db.dequantize(thr))
+            names, thr = sets[lsid]
+            yield seqs[seq], names, thr, db.dequantize(blob)
+
+
+def _pending(store: Path) -> list[Path]:
+    return sorted((store / RUNS_DIR).glob("*.json.gz")) if (store / RUNS_DIR).is_dir() else []
+
+
+def _read_pending(paths: list[Path]) -> list[tuple[Path, dict[str, Any]]]:
+    out = []
+    for p in paths:
+        try:
+            out.append((p, read_record(p)))
+        except InputError:
+            if p.exists():
+                raise
+            # another writer folded and removed it after we listed it: it is in the database now
+    return out
+
+
+def check_store(store: Path) -> Path:
+    store = Path(store)
+    if store.exists() and not store.is_dir():
+        raise InputError(f"{store}: --store must be a folder (it holds {DB_NAME} and {RUNS_DIR}/)",
+                         hint="give the history folder, not a file in it")
+    return store
+
+
+def fold_pending(store: Path, conn: sqlite3.Connection | None = None,
+                 known: Mapping[Path, dict[str, Any]] | None = None) -> list[str]:
+    """Fold every pending record file into the database and remove the folded files; the run ids added.
+    `known`: records already in memory by path (the one just written), not read back."""
+    store = check_store(store)
+    own = conn is None
+    conn = conn or db.open_for_write(store / DB_NAME)
+    try:
+        paths = _pending(store)
+        records = [(p, known[p]) for p in paths if known and p in known]
+        records += _read_pending([p for p in paths if not known or p not in known])
+        added = db.fold(conn, records)
+        for path, rec in records:
+            if db.has_run(conn, rec["run"]["run_id"]):
+                path.unlink(missing_ok=True)
+        return added
+    finally:
+        if own:
+            conn.close()
+
+
+def add_run(store: Path, results: Results, meta: RunMeta) -> tuple[Path, bool]:
+    """Add one run: its record file, then a fold. Returns the record's path and whether the run was new."""
+    store = check_store(store)
+    store.mkdir(parents=True, exist_ok=True)
+    conn = db.open_for_write(store / DB_NAME)  # refuses a foreign or newer database before anything is written
+    try:
+        if db.has_run(conn, meta.run_id):
+            return store / RUNS_DIR / f"{meta.date}_{meta.run_id}.json.gz", False
+        record = record_of(results, meta)
+        path = write_record(record, store / RUNS_DIR)
+        added = fold_pending(store, conn, {path: record})
+        return path, meta.run_id in added or db.has_run(conn, meta.run_id)
+    finally:
+        conn.close()
+
+
+def load_history(store: Path, *, current: Results | None = None, current_meta: RunMeta | None = None) -> History:
+    """Read the history (database plus pending records, merged in memory; nothing on disk is written).
+
+    With `current`, that run is merged in as the newest night unless the history already holds it (same
+    ``generated_at``): `aggregate --history` reports on a run before it is added."""
+    store = check_store(store)
+    if not store.is_dir():
+        raise InputError(f"{store}: no history folder", hint="create it with `deepview-ci history add RESULTS --store DIR`")
+    dbpath = store / DB_NAME
+    conn = db.memory_copy(dbpath if dbpath.exists() else None)
+    db.fold(conn, _read_pending(_pending(store)))
+    if current is not None and current_meta is not None:
+        known = {r[0] for r in conn.execute("SELECT generated_at FROM runs") if r[0]}
+        if not current.generated_at or current.generated_at not in known:
+            db.fold(conn, [(Path("-"), record_of(current, current_meta))])
+    return read_all(conn)
+
+
+def read_all(conn: sqlite3.Connection) -> History:
+    h = History(conn=conn)
+    rows = conn.execute("SELECT seq, run_id, date, trigger, commit_sha, tool_version, generated_at, kind, nights "
+                        "FROM runs ORDER BY date, run_id").fetchall()
+    h.runs = [RunRow(seq=r[0], run_id=r[1], date=r[2], trigger=r[3] or "", commit=r[4] or "", tool_version=r[5] or "",
+                     generated_at=r[6] or "", kind=r[7], nights=r[8]) for r in rows]
+    names = {}
+    for cid, cell, model, backend in conn.execute("SELECT id, cell, model, backend FROM cells"):
+        names[cid] = cell
+        h.cells[cell] = (model, backend)
+    h.envs = {i: json.loads(t) for i, t in conn.execute("SELECT id, json FROM envs")}
+    for run, cell, status, dur, env, modes in conn.execute("SELECT run, cell, status, duration_s, env, modes FROM cell_runs"):
+        mm = dict(p.split("=", 1) for p in modes.split(",") if "=" in p) if modes else {}
+        h.cell_runs.setdefault(run, {})[names[cell]] = CellRun(status=status, duration_s=dur or 0.0, env=env, modes=mm)
+    for fid, cell, fp, kind, mode, op, module, sig in conn.execute(
+            "SELECT id, cell, fingerprint, kind, mode, op, module, signature FROM findings"):
+        h.findings[fid] = FindingDef(id=fid, cell=names[cell], fingerprint=fp, kind=kind or "", mode=mode or "",
+                                     op=op or "", module=module or "", signature=sig or "")
+    blobs: dict[bytes, frozenset[int]] = {}
+    for run, blob in conn.execute("SELECT run, ids FROM run_findings"):
+        if blob not in blobs:
+            blobs[blob] = db.unpack_ids(blob)
+        h.present[run] = blobs[blob]
+    return h
+
+
+def size_on_disk(store: Path) -> int:
+    return sum(p.stat().st_size for p in Path(store).rglob("*") if p.is_file())
