@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as _dt
 from collections import defaultdict
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from .cellrun import RESULT_NAME
 from ..engine.envinfo import tool_version
@@ -103,9 +103,10 @@ def aggregate(paths: Sequence[Path], *, plan: Sequence[PlannedCell] | None = Non
     return results
 
 
-def write_report_dir(results: Results, report_dir: Path, *, run_dir: Path | None = None) -> dict[str, Path]:
-    """results.json, junit.xml, summary.md and report.html."""
+def write_report_dir(results: Results, report_dir: Path, *, run_dir: Path | None = None,
+                     trends: Any = None) -> dict[str, Path]:
+    """results.json, junit.xml, summary.md and report.html (with the history's `trends` when given)."""
     report_dir.mkdir(parents=True, exist_ok=True)
     written = {"results": save_results(results, report_dir / "results.json")}
-    written.update(write_reports(results, report_dir, run_dir=run_dir))
+    written.update(write_reports(results, report_dir, run_dir=run_dir, trends=trends))
     return written

@@ -1,0 +1,321 @@
+"""What the nights say together: since when a finding fails, flaky versus drifting, burn-downs, times.
+
+Policies (`TrendOptions`, defaults documented in the README):
+
+- **flaky**: a finding that came and went at least ``flaky_flips`` times (default 2) over the last
+  ``flaky_window`` nights (default 10) its cell ran, while the cell's environment stamp stayed the same. A
+  flaky finding is reported as `flaky`, never `regressed`, and files no issue.
+- **drifting**: a layer figure (rel, 1 − cos or mad; the worst of both views) that rose on each of the last
+  ``drift_nights`` nights (default 5; a dip within the 0.3 % storage step counts as flat) with a log-linear
+  slope of at least ``drift_min_slope`` per night (default 3 %), while still under its threshold. It is a
+  warning before the layer crosses; the estimate of nights left assumes the same slope.
+- **since**: a finding's current streak: the first night of the unbroken run of nights up to now that
+  show it, how many nights that is (a compacted week counts its nights), and the environment it first
+  failed in (backend version, and the run's commit).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from .store import FindingDef, History, RunRow
+
+BAD = frozenset({"fail", "error", "timeout", "crashed"})
+FIGURE_NAMES = ("rel", "1 − cos", "mad")
+QUANT_STEP = 2.0 ** (1 / 256) - 1  # the database's storage step (relative)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrendOptions:
+    flaky_window: int = 10
+    flaky_flips: int = 2
+    drift_nights: int = 5
+    drift_min_slope: float = 0.03
+    max_points: int = 120  # nights drawn in charts and burn-downs (the newest)
+    chart_cells: int = 16  # cells with a per-layer chart
+    chart_layers: int = 3  # worst layers per chart
+
+
+@dataclass(frozen=True, kw_only=True)
+class Since:
+    cell: str
+    fingerprint: str
+    kind: str
+    key: str
+    date: str  # first night of the current streak
+    nights: int
+    first_at: str  # backend version / commit of that night
+    first_seen: str  # first night ever
+    last_seen: str
+
+    def words(self) -> str:
+        at = f", first at {self.first_at}" if self.first_at else ""
+        return f"failing since {self.date} ({self.nights} night{'s' if self.nights != 1 else ''}{at})"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Flaky:
+    cell: str
+    fingerprint: str
+    kind: str
+    key: str
+    flips: int
+    window: int
+    present: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class Drifting:
+    cell: str
+    layer: str
+    figure: str
+    slope: float  # relative rise per night (0.1 = +10 %)
+    value: float
+    threshold: float | None
+    nights: int
+    crosses_in: int | None  # nights until the threshold at this slope
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"cell": self.cell, "layer": self.layer, "figure": self.figure, "slope": round(self.slope, 6),
+                "value": self.value, "threshold": self.threshold, "nights": self.nights, "crosses_in": self.crosses_in,
+                "trend": self.words()}
+
+    def words(self) -> str:
+        thr = f" of threshold {self.threshold:.3g}" if self.threshold else ""
+        eta = f"; crosses in ~{self.crosses_in} nights" if self.crosses_in is not None else ""
+        return (f"drifting: {self.figure} rising {self.slope * 100:+.1f}%/night over {self.nights} nights "
+                f"(now {self.value:.3g}{thr}{eta})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Burndown:
+    backend: str
+    unsupported: list[int]  # distinct unsupported ops, one point per night
+    blocked: list[int]  # models with a failing cell on this backend
+
+    def ago(self, series: Sequence[int], nights: int) -> int | None:
+        return series[-1 - nights] if len(series) > nights else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerTrend:
+    cell: str
+    figure: str
+    layers: list[tuple[str, list[float | None], float | None]]  # name, value per night (None: not measured), threshold
+
+
+@dataclass
+class Trends:
+    dates: list[str] = field(default_factory=list)  # the charted nights, oldest first
+    nights: int = 0  # nights in the whole history
+    since: dict[tuple[str, str], Since] = field(default_factory=dict)
+    flaky: list[Flaky] = field(default_factory=list)
+    drifting: list[Drifting] = field(default_factory=list)
+    burndown: list[Burndown] = field(default_factory=list)
+    cell_times: dict[str, list[float | None]] = field(default_factory=dict)
+    layer_trends: list[LayerTrend] = field(default_factory=list)
+    gone: list[Since] = field(default_factory=list)  # findings seen before and not in the newest night
+
+    def flaky_map(self) -> dict[tuple[str, str], str]:
+        """(cell, fingerprint) → why it is flaky, for `baseline.diff(history_flaky=…)`."""
+        return {(f.cell, f.fingerprint): f"flaky: came and went {f.flips} times in the last {f.window} nights "
+                                         "with the same environment (history)" for f in self.flaky}
+
+    def drifting_for(self, cell: str) -> list[Drifting]:
+        return [d for d in self.drifting if d.cell == cell]
+
+
+def env_label(env: Mapping[str, Any], commit: str = "") -> str:
+    """A short name of the compiler a night ran: backend versions, else torch; plus the run's commit."""
+    parts: list[str] = []
+    b = env.get("backend")
+    if isinstance(b, Mapping) and b:
+        parts += [f"{k} {v}" for k, v in sorted(b.items())]
+    elif env.get("backend_version"):
+        parts.append(f"{b or 'backend'} {env['backend_version']}")
+    for key in ("backend_commit", "compiler_commit"):
+        if env.get(key):
+            parts.append(f"{key.split('_')[0]} commit {str(env[key])[:10]}")
+    if not parts and env.get("torch"):
+        parts.append(f"torch {env['torch']}")
+    if commit:
+        parts.append(f"commit {commit[:7]}")
+    return ", ".join(parts)
+
+
+def _ran(h: History, run: RunRow, cell: str) -> bool:
+    return cell in h.cell_runs.get(run.seq, {})
+
+
+def since_table(h: History) -> tuple[dict[tuple[str, str], Since], list[Since]]:
+    """The current streak of every finding in the newest night, and the findings gone from it."""
+    if not h.runs:
+        return {}, []
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for i, r in enumerate(h.runs):
+        for fid in h.present.get(r.seq, ()):
+            first.setdefault(fid, i)
+            last[fid] = i
+    newest = len(h.runs) - 1
+    alive = set(h.present.get(h.runs[-1].seq, ()))
+    start: dict[int, int] = {}
+    i = newest
+    while alive and i > 0:
+        prev = h.present.get(h.runs[i - 1].seq, frozenset())
+        for fid in alive - prev:
+            start[fid] = i
+        alive &= prev
+        i -= 1
+    for fid in alive:
+        start[fid] = 0
+    out: dict[tuple[str, str], Since] = {}
+    for fid, s in start.items():
+        out[(h.findings[fid].cell, h.findings[fid].fingerprint)] = _since(h, h.findings[fid], s, newest, first[fid], newest)
+    gone = [_since(h, h.findings[fid], first[fid], last[fid], first[fid], last[fid])
+            for fid in last if last[fid] < newest]
+    gone.sort(key=lambda g: (g.last_seen, g.cell, g.key), reverse=True)
+    return out, gone
+
+
+def _since(h: History, f: FindingDef, s: int, e: int, first: int, last: int) -> Since:
+    run = h.runs[s]
+    cr = h.cell_runs.get(run.seq, {}).get(f.cell)
+    label = env_label(h.envs.get(cr.env, {}) if cr else {}, run.commit)
+    return Since(cell=f.cell, fingerprint=f.fingerprint, kind=f.kind, key=f.key, date=run.date,
+                 nights=sum(r.nights for r in h.runs[s:e + 1]), first_at=label,
+                 first_seen=h.runs[first].date, last_seen=h.runs[last].date)
+
+
+def flaky_findings(h: History, opts: TrendOptions) -> list[Flaky]:
+    """Findings that came and went over the last nights while their cell's environment did not change."""
+    recent = [r for r in h.runs if r.kind == "run"][-opts.flaky_window:]
+    candidates: set[int] = set()
+    for r in recent:
+        candidates |= h.present.get(r.seq, frozenset())
+    out: list[Flaky] = []
+    for fid in candidates:
+        f = h.findings[fid]
+        nights = [r for r in recent if _ran(h, r, f.cell)]
+        if len({h.cell_runs[r.seq][f.cell].env for r in nights}) > 1:
+            continue  # the compiler changed: a change, not a flake
+        seq = [fid in h.present.get(r.seq, ()) for r in nights]
+        flips = sum(a != b for a, b in zip(seq, seq[1:]))
+        if flips >= opts.flaky_flips:
+            out.append(Flaky(cell=f.cell, fingerprint=f.fingerprint, kind=f.kind, key=f.key, flips=flips,
+                             window=len(nights), present=bool(seq and seq[-1])))
+    return sorted(out, key=lambda x: (x.cell, x.key, x.fingerprint))
+
+
+def _slope(values: Sequence[float]) -> float:
+    """Least-squares slope of ln(value) per night."""
+    ys = [math.log(v) for v in values]
+    n = len(ys)
+    mx, my = (n - 1) / 2, sum(ys) / n
+    den = sum((i - mx) ** 2 for i in range(n))
+    return sum((i - mx) * (y - my) for i, y in enumerate(ys)) / den if den else 0.0
+
+
+def drifting_layers(h: History, opts: TrendOptions, cells: Sequence[str]) -> tuple[list[Drifting], list[LayerTrend]]:
+    """Layer figures rising steadily under their threshold; and the worst layers' series for the charts."""
+    drifting: list[Drifting] = []
+    charts: list[LayerTrend] = []
+    seqs = {r.seq: i for i, r in enumerate(h.runs[-opts.max_points:])}
+    nightly = {r.seq for r in h.runs if r.kind == "run"}
+    for cell in cells:
+        series = [s for s in h.layer_series(cell) if s[0].seq in seqs]
+        if not series:
+            continue
+        names, thr = series[-1][1], series[-1][2]
+        recent = [s for s in series if s[0].seq in nightly and s[1] == names][-(opts.drift_nights + 1):]
+        for li, name in enumerate(names):
+            for k, figure in enumerate(FIGURE_NAMES):
+                d = _drift(cell, name, figure, [s[3][3 * li + k] for s in recent], thr[3 * li + k], opts)
+                if d is not None:
+                    drifting.append(d)
+        if len(charts) < opts.chart_cells:
+            charts.append(_chart(cell, series, seqs, opts))
+    return drifting, charts
+
+
+def _drift(cell: str, layer: str, figure: str, vals: list[float | None], threshold: float | None,
+           opts: TrendOptions) -> Drifting | None:
+    if len(vals) < opts.drift_nights + 1 or any(v is None or not math.isfinite(v) or v <= 0 for v in vals):
+        return None
+    xs = [float(v) for v in vals if v is not None]
+    if any(b < a * (1 - QUANT_STEP) for a, b in zip(xs, xs[1:])) or sum(b > a for a, b in zip(xs, xs[1:])) < len(xs) - 2:
+        return None
+    slope = math.exp(_slope(xs)) - 1
+    if slope < opts.drift_min_slope:
+        return None
+    if threshold is not None and math.isfinite(threshold) and xs[-1] >= threshold:
+        return None  # crossed: it is a divergence finding now
+    eta = None
+    if threshold and math.isfinite(threshold) and threshold > 0:
+        eta = math.ceil(math.log(threshold / xs[-1]) / math.log1p(slope))
+    return Drifting(cell=cell, layer=layer, figure=figure, slope=slope, value=xs[-1], threshold=threshold,
+                    nights=len(xs) - 1, crosses_in=eta)
+
+
+def _chart(cell: str, series: list[Any], seqs: Mapping[int, int], opts: TrendOptions) -> LayerTrend:
+    names, thr, last = series[-1][1], series[-1][2], series[-1][3]
+
+    def ratio(i: int) -> float:
+        v, t = last[3 * i], thr[3 * i]
+        if v is None or not math.isfinite(v):
+            return math.inf
+        return v / t if t else v
+
+    worst = sorted(range(len(names)), key=ratio, reverse=True)[:opts.chart_layers]
+    layers = []
+    for i in worst:
+        vals: list[float | None] = [None] * len(seqs)
+        for run, nm, _, fig in series:
+            if nm == names:
+                vals[seqs[run.seq]] = fig[3 * i]
+        layers.append((names[i], vals, thr[3 * i]))
+    return LayerTrend(cell=cell, figure="rel", layers=layers)
+
+
+def burndowns(h: History, opts: TrendOptions) -> list[Burndown]:
+    """Per backend and night: distinct unsupported ops, and models with a failing cell."""
+    runs = h.runs[-opts.max_points:]
+    unsupported = {fid: (h.cells[f.cell][1], f.op) for fid, f in h.findings.items() if f.kind == "unsupported_op" and f.op}
+    ufids = frozenset(unsupported)
+    backends = sorted({b for _, b in h.cells.values()})
+    out = {b: Burndown(backend=b, unsupported=[], blocked=[]) for b in backends}
+    for r in runs:
+        ops: dict[str, set[str]] = {b: set() for b in backends}
+        for fid in h.present.get(r.seq, frozenset()) & ufids:
+            b, op = unsupported[fid]
+            ops[b].add(op)
+        blocked: dict[str, set[str]] = {b: set() for b in backends}
+        for cell, cr in h.cell_runs.get(r.seq, {}).items():
+            if cr.status in BAD:
+                model, b = h.cells[cell]
+                blocked[b].add(model)
+        for b in backends:
+            out[b].unsupported.append(len(ops[b]))
+            out[b].blocked.append(len(blocked[b]))
+    return [out[b] for b in backends]
+
+
+def compute(h: History, opts: TrendOptions | None = None) -> Trends:
+    """Every trend of the history; the newest night is the run being reported."""
+    opts = opts or TrendOptions()
+    t = Trends(nights=sum(r.nights for r in h.runs))
+    if not h.runs:
+        return t
+    runs = h.runs[-opts.max_points:]
+    t.dates = [r.date for r in runs]
+    t.since, t.gone = since_table(h)
+    t.flaky = flaky_findings(h, opts)
+    newest = h.cell_runs.get(h.runs[-1].seq, {})
+    t.drifting, t.layer_trends = drifting_layers(h, opts, sorted(newest))
+    t.burndown = burndowns(h, opts)
+    for cell in sorted(newest):
+        t.cell_times[cell] = [h.cell_runs.get(r.seq, {}).get(cell).duration_s if _ran(h, r, cell) else None  # type: ignore[union-attr]
+                              for r in runs]
+    return t
