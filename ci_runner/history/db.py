@@ -138,11 +138,19 @@ def connect(path: Path, *, create: bool) -> sqlite3.Connection:
     return conn
 
 
+def _version(conn: sqlite3.Connection) -> int:
+    if conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='meta'").fetchone() is None:
+        return 0
+    row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    return int(row[0]) if row else 0
+
+
 def migrate(conn: sqlite3.Connection, version: int) -> None:
-    """Apply the migration steps after `version`, in one transaction."""
+    """Apply the migration steps after the database's version, in one write transaction (the version is read
+    again inside it: two writers creating one history at once apply each step once)."""
     conn.execute("BEGIN IMMEDIATE")
     try:
-        for v in range(version + 1, DB_VERSION + 1):
+        for v in range(max(version, _version(conn)) + 1, DB_VERSION + 1):
             for stmt in MIGRATIONS[v]:
                 conn.execute(stmt)
         conn.execute("INSERT OR REPLACE INTO meta VALUES('kind', ?)", (DB_KIND,))

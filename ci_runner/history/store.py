@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -94,7 +94,7 @@ class History:
         sets: dict[int, tuple[list[str], list[float | None]]] = {}
         rows = self.conn.execute("SELECT lf.run, lf.layer_set, lf.figures FROM layer_figures lf JOIN cells c "
                                  "ON c.id = lf.cell WHERE c.cell = ?", (cell,)).fetchall()
-        for seq, lsid, blob in sorted(rows, key=lambda r: (seqs[r[0]].date, seqs[r[0]].run_id) if r[0] in seqs else ("", "")):
+        for seq, lsid, blob in sorted(rows, key=lambda r: (seqs[r[0]].date, r[0]) if r[0] in seqs else ("", 0)):
             if seq not in seqs:
                 continue
             if lsid not in sets:
@@ -149,6 +149,20 @@ def fold_pending(store: Path, conn: sqlite3.Connection | None = None,
             conn.close()
 
 
+def holds_run(store: Path, run_id: str) -> bool:
+    """Whether the history already has this run (folded, or as a pending record file)."""
+    store = check_store(store)
+    if any(p.name.endswith(f"_{run_id}.json.gz") for p in _pending(store)):
+        return True
+    if not (store / DB_NAME).exists():
+        return False
+    conn = db.connect(store / DB_NAME, create=False)
+    try:
+        return db.has_run(conn, run_id)
+    finally:
+        conn.close()
+
+
 def add_run(store: Path, results: Results, meta: RunMeta) -> tuple[Path, bool]:
     """Add one run: its record file, then a fold. Returns the record's path and whether the run was new."""
     store = check_store(store)
@@ -179,14 +193,16 @@ def load_history(store: Path, *, current: Results | None = None, current_meta: R
     if current is not None and current_meta is not None:
         known = {r[0] for r in conn.execute("SELECT generated_at FROM runs") if r[0]}
         if not current.generated_at or current.generated_at not in known:
-            db.fold(conn, [(Path("-"), record_of(current, current_meta))])
+            newest = conn.execute("SELECT MAX(date) FROM runs").fetchone()[0] or current_meta.date
+            meta = replace(current_meta, date=max(newest, current_meta.date))  # tonight is the newest night
+            db.fold(conn, [(Path("-"), record_of(current, meta))])
     return read_all(conn)
 
 
 def read_all(conn: sqlite3.Connection) -> History:
     h = History(conn=conn)
     rows = conn.execute("SELECT seq, run_id, date, trigger, commit_sha, tool_version, generated_at, kind, nights "
-                        "FROM runs ORDER BY date, run_id").fetchall()
+                        "FROM runs ORDER BY date, seq").fetchall()
     h.runs = [RunRow(seq=r[0], run_id=r[1], date=r[2], trigger=r[3] or "", commit=r[4] or "", tool_version=r[5] or "",
                      generated_at=r[6] or "", kind=r[7], nights=r[8]) for r in rows]
     names = {}
