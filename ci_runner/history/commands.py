@@ -12,7 +12,9 @@ from ..errors import UsageError
 from ..results.baseline import load_baseline
 from ..results.model import Results, load_results
 from .compact import DEFAULT_KEEP, compact, export_csv
+from .gitpush import PushOptions, push_run
 from .propose import ProposeOptions, propose, write_proposal
+from .pullrequest import open_pr
 from .records import RunMeta, check_date, run_meta
 from .store import add_run, load_history, size_on_disk
 from .trends import TrendOptions, Trends, compute
@@ -105,8 +107,6 @@ def cmd_history_compact(args: argparse.Namespace) -> int:
 
 
 def cmd_history_push(args: argparse.Namespace) -> int:
-    from .gitpush import PushOptions, push_run  # deferred: only this command runs git
-
     results = load_results(Path(args.results))
     meta = run_meta(results, run_id=args.run_id, date=args.date, env=os.environ)
     opts = PushOptions(remote=args.remote, branch=args.branch, repo_dir=Path(args.repo), retries=args.retries,
@@ -132,9 +132,7 @@ def cmd_baseline_propose(args: argparse.Namespace) -> int:
     print(prop.markdown())
     print(f"proposed baseline: {out}\nsummary: {summary}")
     if args.pr:
-        from .pullrequest import open_pr  # deferred: the GitHub client
-
-        print(open_pr(args, out, prop.markdown()))
+        print(open_pr(args, out, prop.markdown(), os.environ))
     return 0
 
 
