@@ -8,8 +8,10 @@ Tables (schema version 1):
 - ``cells(id, cell, model, backend)``, ``envs(id, hash, json)``: each distinct cell and env stamp once.
 - ``cell_runs(run, cell, status, duration_s, env, modes)``: a cell's status, time, stamp and mode statuses
   (``ops=fail,layers=pass``) in a run.
-- ``findings(id, cell, fingerprint, kind, mode, op, module, signature)``: each distinct finding once;
-  ``run_findings(run, ids)``: the finding ids present in a run, a zlib'd sorted uint32 array.
+- ``findings(id, cell, fingerprint, kind, mode, op, module, signature, first_seen, last_seen, streak_from)``:
+  each distinct finding once, with the first and last night it was seen and the first night of its current
+  streak (kept up to date on every insert, so reading them needs no walk over the nights);
+  ``run_findings(run, ids)``: the finding ids present in a run, a zlib'd delta-encoded uint32 array.
 - ``layer_sets(id, hash, names, thresholds)`` and ``layer_figures(run, cell, layer_set, figures)``:
   per-layer worst rel, 1 − cos and mad, log-quantised to int16 (0.3 % steps; see `quantize`).
 
@@ -45,7 +47,8 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         "CREATE TABLE cell_runs(run INTEGER NOT NULL, cell INTEGER NOT NULL, status TEXT NOT NULL, duration_s REAL,"
         " env INTEGER, modes TEXT, PRIMARY KEY(run, cell)) WITHOUT ROWID",
         "CREATE TABLE findings(id INTEGER PRIMARY KEY, cell INTEGER NOT NULL, fingerprint TEXT NOT NULL, kind TEXT,"
-        " mode TEXT, op TEXT, module TEXT, signature TEXT, UNIQUE(cell, fingerprint))",
+        " mode TEXT, op TEXT, module TEXT, signature TEXT, first_seen TEXT, last_seen TEXT, streak_from TEXT,"
+        " UNIQUE(cell, fingerprint))",
         "CREATE TABLE run_findings(run INTEGER PRIMARY KEY, ids BLOB NOT NULL)",
         "CREATE TABLE layer_sets(id INTEGER PRIMARY KEY, hash TEXT NOT NULL UNIQUE, names TEXT NOT NULL,"
         " thresholds BLOB NOT NULL)",
@@ -210,6 +213,7 @@ def insert_record(conn: sqlite3.Connection, record: Mapping[str, Any], *, kind: 
                                           "VALUES(?, ?, ?, ?, ?, ?, ?)", (*key, fkind, mode, op, module, sig)).lastrowid)
         present.append(known[key])
     conn.execute("INSERT INTO run_findings VALUES(?, ?)", (seq, pack_ids(present)))
+    _mark_seen(conn, seq, run["date"], present)
     for ci, names, thresholds, worst in record["layers"]:
         names_text = json.dumps(names)
         thr = quantize(x for row in thresholds for x in row)
@@ -218,6 +222,41 @@ def insert_record(conn: sqlite3.Connection, record: Mapping[str, Any], *, kind: 
         conn.execute("INSERT INTO layer_figures VALUES(?, ?, ?, ?)",
                      (seq, cell_ids[ci], lsid, quantize(x for row in worst for x in row)))
     return True
+
+
+_IDS = "SELECT value FROM json_each(?)"
+
+
+def _mark_seen(conn: sqlite3.Connection, seq: int, day: str, present: list[int]) -> None:
+    """Update first/last seen and the current streaks for a new run: incrementally when it is the newest night
+    (the usual case), else by a walk over every night (a run added late)."""
+    ids = json.dumps(present)
+    conn.execute("UPDATE findings SET first_seen = CASE WHEN first_seen IS NULL OR first_seen > ?1 THEN ?1 ELSE first_seen END,"
+                 " last_seen = CASE WHEN last_seen IS NULL OR last_seen < ?1 THEN ?1 ELSE last_seen END"
+                 f" WHERE id IN ({_IDS.replace('?', '?2')})", (day, ids))
+    prev = conn.execute("SELECT seq, date FROM runs WHERE seq != ? ORDER BY date DESC, seq DESC LIMIT 1", (seq,)).fetchone()
+    if prev is not None and prev[1] > day:
+        recompute_streaks(conn)
+        return
+    before: frozenset[int] = frozenset()
+    if prev is not None:
+        row = conn.execute("SELECT ids FROM run_findings WHERE run = ?", (prev[0],)).fetchone()
+        before = unpack_ids(row[0]) if row else frozenset()
+    conn.execute(f"UPDATE findings SET streak_from = ? WHERE id IN ({_IDS})", (day, json.dumps([i for i in present if i not in before])))
+
+
+def recompute_streaks(conn: sqlite3.Connection) -> None:
+    """Every finding's current streak from a walk over the nights, oldest first."""
+    start: dict[int, str] = {}
+    before: frozenset[int] = frozenset()
+    for seq, day in conn.execute("SELECT seq, date FROM runs ORDER BY date, seq").fetchall():
+        row = conn.execute("SELECT ids FROM run_findings WHERE run = ?", (seq,)).fetchone()
+        now = unpack_ids(row[0]) if row else frozenset()
+        for fid in now - before:
+            start[fid] = day
+        before = now
+    conn.execute("UPDATE findings SET streak_from = NULL")
+    conn.executemany("UPDATE findings SET streak_from = ? WHERE id = ?", [(d, i) for i, d in start.items()])
 
 
 def open_for_write(path: Path) -> sqlite3.Connection:

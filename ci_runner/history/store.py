@@ -18,7 +18,7 @@ import json
 import sqlite3
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, NamedTuple
 
 from ..errors import InputError
 from ..results.model import Results
@@ -42,8 +42,7 @@ class RunRow:
     nights: int
 
 
-@dataclass(frozen=True, kw_only=True)
-class FindingDef:
+class FindingDef(NamedTuple):
     id: int
     cell: str
     fingerprint: str
@@ -52,18 +51,43 @@ class FindingDef:
     op: str
     module: str
     signature: str
+    first_seen: str
+    last_seen: str
+    streak_from: str  # first night of the current streak ("" when not seen on the newest night it could be)
 
     @property
     def key(self) -> str:
         return self.op or self.module
 
 
-@dataclass(frozen=True, kw_only=True)
-class CellRun:
+class CellRun(NamedTuple):
     status: str
     duration_s: float
     env: int
     modes: Mapping[str, str]
+
+
+class LazySets(Mapping[int, frozenset[int]]):
+    """Run seq → finding ids, decoded from the database's blobs on first use (a year is 365 of them)."""
+
+    def __init__(self, blobs: dict[int, bytes]) -> None:
+        self._blobs = blobs
+        self._sets: dict[int, frozenset[int]] = {}
+        self._by_blob: dict[bytes, frozenset[int]] = {}
+
+    def __getitem__(self, seq: int) -> frozenset[int]:
+        if seq not in self._sets:
+            blob = self._blobs[seq]
+            if blob not in self._by_blob:
+                self._by_blob[blob] = db.unpack_ids(blob)
+            self._sets[seq] = self._by_blob[blob]
+        return self._sets[seq]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._blobs)
+
+    def __len__(self) -> int:
+        return len(self._blobs)
 
 
 @dataclass
@@ -75,8 +99,9 @@ class History:
     cell_runs: dict[int, dict[str, CellRun]] = field(default_factory=dict)  # run seq → cell id → what it did
     envs: dict[int, dict[str, Any]] = field(default_factory=dict)
     findings: dict[int, FindingDef] = field(default_factory=dict)
-    present: dict[int, frozenset[int]] = field(default_factory=dict)  # run seq → finding ids
+    present: Mapping[int, frozenset[int]] = field(default_factory=dict)  # run seq → finding ids
     conn: sqlite3.Connection | None = None
+    _sets: dict[int, tuple[list[str], list[float | None]]] = field(default_factory=dict, repr=False)
 
     def close(self) -> None:
         if self.conn is not None:
@@ -86,22 +111,36 @@ class History:
     def run_by_id(self, run_id: str) -> RunRow | None:
         return next((r for r in self.runs if r.run_id == run_id), None)
 
-    def layer_series(self, cell: str) -> Iterator[tuple[RunRow, list[str], list[float | None], list[float | None]]]:
+    def layer_series(self, cell: str) -> list[tuple[RunRow, list[str], list[float | None], list[float | None]]]:
         """Per run (oldest first) with a numerics table for `cell`: layer names, thresholds and worst figures,
         flattened per layer as (rel, 1 − cos, mad)."""
         assert self.conn is not None
-        seqs = {r.seq: r for r in self.runs}
-        sets: dict[int, tuple[list[str], list[float | None]]] = {}
         rows = self.conn.execute("SELECT lf.run, lf.layer_set, lf.figures FROM layer_figures lf JOIN cells c "
                                  "ON c.id = lf.cell WHERE c.cell = ?", (cell,)).fetchall()
-        for seq, lsid, blob in sorted(rows, key=lambda r: (seqs[r[0]].date, r[0]) if r[0] in seqs else ("", 0)):
-            if seq not in seqs:
-                continue
-            if lsid not in sets:
+        return self._decode(rows)
+
+    def figures_at(self, runs: list[RunRow]) -> dict[str, list[tuple[RunRow, list[str], list[float | None], list[float | None]]]]:
+        """Every cell's layer figures in `runs` only (cell → per run, oldest first)."""
+        assert self.conn is not None
+        marks = ",".join("?" * len(runs))
+        out: dict[str, list[Any]] = {}
+        for cell, run, lsid, blob in self.conn.execute(
+                "SELECT c.cell, lf.run, lf.layer_set, lf.figures FROM layer_figures lf JOIN cells c ON c.id = lf.cell "
+                f"WHERE lf.run IN ({marks})", [r.seq for r in runs]):
+            out.setdefault(cell, []).append((run, lsid, blob))
+        return {cell: self._decode(rows) for cell, rows in out.items()}
+
+    def _decode(self, rows: list[Any]) -> list[tuple[RunRow, list[str], list[float | None], list[float | None]]]:
+        assert self.conn is not None
+        order = {r.seq: i for i, r in enumerate(self.runs)}
+        out = []
+        for seq, lsid, blob in sorted((r for r in rows if r[0] in order), key=lambda r: order[r[0]]):
+            if lsid not in self._sets:
                 names, thr = self.conn.execute("SELECT names, thresholds FROM layer_sets WHERE id = ?", (lsid,)).fetchone()
-                sets[lsid] = (json.loads(names), db.dequantize(thr))
-            names, thr = sets[lsid]
-            yield seqs[seq], names, thr, db.dequantize(blob)
+                self._sets[lsid] = (json.loads(names), db.dequantize(thr))
+            names, thr = self._sets[lsid]
+            out.append((self.runs[order[seq]], names, thr, db.dequantize(blob)))
+        return out
 
 
 def _pending(store: Path) -> list[Path]:
@@ -210,18 +249,16 @@ def read_all(conn: sqlite3.Connection) -> History:
         names[cid] = cell
         h.cells[cell] = (model, backend)
     h.envs = {i: json.loads(t) for i, t in conn.execute("SELECT id, json FROM envs")}
+    parsed: dict[str, dict[str, str]] = {}  # the same few mode strings repeat on every row
     for run, cell, status, dur, env, modes in conn.execute("SELECT run, cell, status, duration_s, env, modes FROM cell_runs"):
-        mm = dict(p.split("=", 1) for p in modes.split(",") if "=" in p) if modes else {}
-        h.cell_runs.setdefault(run, {})[names[cell]] = CellRun(status=status, duration_s=dur or 0.0, env=env, modes=mm)
-    for fid, cell, fp, kind, mode, op, module, sig in conn.execute(
-            "SELECT id, cell, fingerprint, kind, mode, op, module, signature FROM findings"):
-        h.findings[fid] = FindingDef(id=fid, cell=names[cell], fingerprint=fp, kind=kind or "", mode=mode or "",
-                                     op=op or "", module=module or "", signature=sig or "")
-    blobs: dict[bytes, frozenset[int]] = {}
-    for run, blob in conn.execute("SELECT run, ids FROM run_findings"):
-        if blob not in blobs:
-            blobs[blob] = db.unpack_ids(blob)
-        h.present[run] = blobs[blob]
+        mm = parsed.get(modes or "")
+        if mm is None:
+            mm = parsed[modes or ""] = dict(p.split("=", 1) for p in (modes or "").split(",") if "=" in p)
+        h.cell_runs.setdefault(run, {})[names[cell]] = CellRun(status, dur or 0.0, env, mm)
+    for row in conn.execute("SELECT id, cell, fingerprint, kind, mode, op, module, signature, first_seen, last_seen,"
+                            " streak_from FROM findings"):
+        h.findings[row[0]] = FindingDef(row[0], names[row[1]], row[2], *(x or "" for x in row[3:]))
+    h.present = LazySets(dict(conn.execute("SELECT run, ids FROM run_findings").fetchall()))
     return h
 
 

@@ -16,11 +16,13 @@ Policies (`TrendOptions`, defaults documented in the README):
 
 from __future__ import annotations
 
+import heapq
 import math
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from .store import FindingDef, History, RunRow
+from .store import History
 
 BAD = frozenset({"fail", "error", "timeout", "crashed"})
 FIGURE_NAMES = ("rel", "1 − cos", "mad")
@@ -145,67 +147,54 @@ def env_label(env: Mapping[str, Any], commit: str = "") -> str:
     return ", ".join(parts)
 
 
-def _ran(h: History, run: RunRow, cell: str) -> bool:
-    return cell in h.cell_runs.get(run.seq, {})
-
-
-def since_table(h: History) -> tuple[dict[tuple[str, str], Since], list[Since]]:
-    """The current streak of every finding in the newest night, and the findings gone from it."""
+def since_table(h: History, max_gone: int = 300) -> tuple[dict[tuple[str, str], Since], list[Since]]:
+    """The current streak of every finding in the newest night, and the findings gone from it (the most
+    recently seen first). Read from the database's first/last-seen and streak columns: no walk over the nights."""
     if not h.runs:
         return {}, []
-    first: dict[int, int] = {}
-    last: dict[int, int] = {}
-    for i, r in enumerate(h.runs):
-        for fid in h.present.get(r.seq, ()):
-            first.setdefault(fid, i)
-            last[fid] = i
-    newest = len(h.runs) - 1
-    alive = set(h.present.get(h.runs[-1].seq, ()))
-    start: dict[int, int] = {}
-    i = newest
-    while alive and i > 0:
-        prev = h.present.get(h.runs[i - 1].seq, frozenset())
-        for fid in alive - prev:
-            start[fid] = i
-        alive &= prev
-        i -= 1
-    for fid in alive:
-        start[fid] = 0
+    dates = [r.date for r in h.runs]
+    tail = [0] * (len(h.runs) + 1)  # nights from run i to the newest
+    for i in range(len(h.runs) - 1, -1, -1):
+        tail[i] = tail[i + 1] + h.runs[i].nights
+    now = h.present.get(h.runs[-1].seq, frozenset())
     out: dict[tuple[str, str], Since] = {}
-    for fid, s in start.items():
-        out[(h.findings[fid].cell, h.findings[fid].fingerprint)] = _since(h, h.findings[fid], s, newest, first[fid], newest)
-    gone = [_since(h, h.findings[fid], first[fid], last[fid], first[fid], last[fid])
-            for fid in last if last[fid] < newest]
-    gone.sort(key=lambda g: (g.last_seen, g.cell, g.key), reverse=True)
-    return out, gone
-
-
-def _since(h: History, f: FindingDef, s: int, e: int, first: int, last: int) -> Since:
-    run = h.runs[s]
-    cr = h.cell_runs.get(run.seq, {}).get(f.cell)
-    label = env_label(h.envs.get(cr.env, {}) if cr else {}, run.commit)
-    return Since(cell=f.cell, fingerprint=f.fingerprint, kind=f.kind, key=f.key, date=run.date,
-                 nights=sum(r.nights for r in h.runs[s:e + 1]), first_at=label,
-                 first_seen=h.runs[first].date, last_seen=h.runs[last].date)
+    for fid in now:
+        f = h.findings[fid]
+        i = min(bisect_left(dates, f.streak_from or f.first_seen), len(dates) - 1)
+        run = h.runs[i]
+        cr = h.cell_runs.get(run.seq, {}).get(f.cell)
+        out[(f.cell, f.fingerprint)] = Since(
+            cell=f.cell, fingerprint=f.fingerprint, kind=f.kind, key=f.key, date=run.date, nights=tail[i],
+            first_at=env_label(h.envs.get(cr.env, {}) if cr else {}, run.commit), first_seen=f.first_seen,
+            last_seen=f.last_seen)
+    gone = heapq.nlargest(max_gone, (f for fid, f in h.findings.items() if fid not in now and f.last_seen),
+                          key=lambda f: (f.last_seen, f.cell, f.key))
+    return out, [Since(cell=f.cell, fingerprint=f.fingerprint, kind=f.kind, key=f.key, date=f.first_seen, nights=0,
+                       first_at="", first_seen=f.first_seen, last_seen=f.last_seen) for f in gone]
 
 
 def flaky_findings(h: History, opts: TrendOptions) -> list[Flaky]:
     """Findings that came and went over the last nights while their cell's environment did not change."""
     recent = [r for r in h.runs if r.kind == "run"][-opts.flaky_window:]
-    candidates: set[int] = set()
-    for r in recent:
-        candidates |= h.present.get(r.seq, frozenset())
-    out: list[Flaky] = []
+    sets = [h.present.get(r.seq, frozenset()) for r in recent]
+    if not sets:
+        return []
+    candidates = frozenset().union(*sets) - frozenset.intersection(*sets)  # present every night: no flip
+    by_cell: dict[str, list[int]] = {}
     for fid in candidates:
-        f = h.findings[fid]
-        nights = [r for r in recent if _ran(h, r, f.cell)]
-        if len({h.cell_runs[r.seq][f.cell].env for r in nights}) > 1:
+        by_cell.setdefault(h.findings[fid].cell, []).append(fid)
+    out: list[Flaky] = []
+    for cell, fids in by_cell.items():
+        nights = [i for i, r in enumerate(recent) if cell in h.cell_runs.get(r.seq, {})]
+        if len({h.cell_runs[recent[i].seq][cell].env for i in nights}) > 1:
             continue  # the compiler changed: a change, not a flake
-        seq = [fid in h.present.get(r.seq, ()) for r in nights]
-        flips = sum(a != b for a, b in zip(seq, seq[1:]))
-        if flips >= opts.flaky_flips:
-            out.append(Flaky(cell=f.cell, fingerprint=f.fingerprint, kind=f.kind, key=f.key, flips=flips,
-                             window=len(nights), present=bool(seq and seq[-1])))
+        for fid in fids:
+            seq = [fid in sets[i] for i in nights]
+            flips = sum(a != b for a, b in zip(seq, seq[1:]))
+            if flips >= opts.flaky_flips:
+                f = h.findings[fid]
+                out.append(Flaky(cell=f.cell, fingerprint=f.fingerprint, kind=f.kind, key=f.key, flips=flips,
+                                 window=len(nights), present=bool(seq and seq[-1])))
     return sorted(out, key=lambda x: (x.cell, x.key, x.fingerprint))
 
 
@@ -219,24 +208,26 @@ def _slope(values: Sequence[float]) -> float:
 
 
 def drifting_layers(h: History, opts: TrendOptions, cells: Sequence[str]) -> tuple[list[Drifting], list[LayerTrend]]:
-    """Layer figures rising steadily under their threshold; and the worst layers' series for the charts."""
+    """Layer figures rising steadily under their threshold (read from the last nights only); and the worst
+    layers' series for the charts (cells with drifting layers first)."""
     drifting: list[Drifting] = []
-    charts: list[LayerTrend] = []
-    seqs = {r.seq: i for i, r in enumerate(h.runs[-opts.max_points:])}
-    nightly = {r.seq for r in h.runs if r.kind == "run"}
+    recent = [r for r in h.runs if r.kind == "run"][-(opts.drift_nights + 1):]
+    figures = h.figures_at(recent) if recent else {}
     for cell in cells:
-        series = [s for s in h.layer_series(cell) if s[0].seq in seqs]
+        series = figures.get(cell) or []
         if not series:
             continue
         names, thr = series[-1][1], series[-1][2]
-        recent = [s for s in series if s[0].seq in nightly and s[1] == names][-(opts.drift_nights + 1):]
+        same = [s for s in series if s[1] == names]
         for li, name in enumerate(names):
             for k, figure in enumerate(FIGURE_NAMES):
-                d = _drift(cell, name, figure, [s[3][3 * li + k] for s in recent], thr[3 * li + k], opts)
+                d = _drift(cell, name, figure, [s[3][3 * li + k] for s in same], thr[3 * li + k], opts)
                 if d is not None:
                     drifting.append(d)
-        if len(charts) < opts.chart_cells:
-            charts.append(_chart(cell, series, seqs, opts))
+    seqs = {r.seq: i for i, r in enumerate(h.runs[-opts.max_points:])}
+    shown = sorted((c for c in cells if c in figures), key=lambda c: (not any(d.cell == c for d in drifting), c))
+    charts = [_chart(cell, [s for s in h.layer_series(cell) if s[0].seq in seqs], seqs, opts)
+              for cell in shown[:opts.chart_cells]]
     return drifting, charts
 
 
@@ -316,6 +307,5 @@ def compute(h: History, opts: TrendOptions | None = None) -> Trends:
     t.drifting, t.layer_trends = drifting_layers(h, opts, sorted(newest))
     t.burndown = burndowns(h, opts)
     for cell in sorted(newest):
-        t.cell_times[cell] = [h.cell_runs.get(r.seq, {}).get(cell).duration_s if _ran(h, r, cell) else None  # type: ignore[union-attr]
-                              for r in runs]
+        t.cell_times[cell] = [cr.duration_s if (cr := h.cell_runs.get(r.seq, {}).get(cell)) else None for r in runs]
     return t
