@@ -10,12 +10,13 @@ The branch (default ``deepview-history``) holds a history folder at its root: ``
 3. commits and pushes. When another run pushed first (the push is rejected), it fetches again and redoes
    step 2 on the new tip, up to ``retries`` times: a run is added to what is there, never written over it.
 
-Git runs with the clone's own credentials (in Actions, those ``actions/checkout`` configured); the token
-needs ``contents: write`` for this step only.
+Git runs with the clone's own credentials, or with ``GITHUB_TOKEN`` when it is set (the reusable workflow
+passes the job token so that no checkout persists it); the token needs ``contents: write`` for this step only.
 """
 
 from __future__ import annotations
 
+import base64
 import os
 import random
 import re
@@ -64,11 +65,21 @@ def _git(args: list[str], cwd: Path, env: Mapping[str, str], *, check: bool = Tr
     return proc
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
+def git_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """git's environment: a commit identity when none is set, no prompts, and, when ``GITHUB_TOKEN`` is set
+    (the action's `github-token`), an auth header for the server given to git through its environment (never
+    on a command line, never written to the clone's config)."""
+    env = dict(os.environ if base is None else base)
     for k, v in IDENTITY.items():
         env.setdefault(k, v)
     env["GIT_TERMINAL_PROMPT"] = "0"
+    token = (env.get("GITHUB_TOKEN") or "").strip()
+    if token:
+        server = env.get("GITHUB_SERVER_URL", "https://github.com").rstrip("/")
+        n = int(env.get("GIT_CONFIG_COUNT", "0") or 0)
+        basic = base64.b64encode(f"x-access-token:{token}".encode()).decode("ascii")
+        env.update({"GIT_CONFIG_COUNT": str(n + 1), f"GIT_CONFIG_KEY_{n}": f"http.{server}/.extraheader",
+                    f"GIT_CONFIG_VALUE_{n}": f"AUTHORIZATION: basic {basic}"})
     return env
 
 
@@ -117,7 +128,7 @@ def push_run(results: Results, meta: RunMeta, opts: PushOptions) -> str:
     repo = Path(opts.repo_dir)
     if opts.retries < 1 or opts.compact_every < 1 or opts.keep < 1:
         raise UsageError("history push: --retries, --compact-every and --keep must be at least 1")
-    env = _env()
+    env = git_env()
     if _git(["rev-parse", "--git-dir"], repo, env, check=False).returncode != 0:
         raise UsageError(f"--repo {repo}: not a git clone", hint="run inside the repository's checkout, or pass --repo")
     record = record_of(results, meta)

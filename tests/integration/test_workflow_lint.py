@@ -156,7 +156,7 @@ def test_permissions_are_explicit(path):
     if not reusable:
         assert doc.get("permissions") == {}, f"{path.name}: start from no permissions and grant per job"
     for name, job in doc["jobs"].items():
-        if reusable and name == "issues":
+        if reusable and name in ("issues", "history"):
             assert "permissions" not in job  # inherits the caller's grant; see the workflow's comment
             continue
         assert "permissions" in job, f"{path.name}: job {name} has no permissions block"
@@ -172,7 +172,7 @@ def test_reusable_pipeline_shape():
     doc = load(ROOT / ".github" / "workflows" / "deepview.yml")
     jobs = doc["jobs"]
     chunk_jobs = [f"cells-{i}" for i in range(MAX_CHUNKS)]
-    assert list(jobs) == ["plan", *chunk_jobs, "report", "issues"]
+    assert list(jobs) == ["plan", *chunk_jobs, "report", "issues", "history"]
     for i, name in enumerate(chunk_jobs):
         job = jobs[name]
         assert job["runs-on"] == "${{ matrix.runs-on }}" and job["container"] == "${{ matrix.container }}"
@@ -182,6 +182,11 @@ def test_reusable_pipeline_shape():
     commands = [s["with"]["command"] for s in jobs["report"]["steps"] if s.get("uses") == "./.deepview-ci"]
     assert commands == ["aggregate", "diff"]
     assert "inputs.file-issues" in jobs["issues"]["if"]
+    # the run history: the report only reads it; the `history` job alone writes, and only when asked to
+    assert all("--history deepview-history" in s["with"]["args"] for s in jobs["report"]["steps"]
+               if s.get("uses") == "./.deepview-ci")
+    assert "inputs.history-write" in jobs["history"]["if"]
+    assert [s["with"]["command"] for s in jobs["history"]["steps"] if s.get("uses") == "./.deepview-ci"] == ["history push"]
 
 
 def test_every_chunk_reaches_a_cell_job_and_the_report():

@@ -118,3 +118,12 @@ def test_the_baseline_pull_request_is_opened_then_updated() -> None:
         assert gh.file_at("acme/models", "deepview-ci/baseline-update", "baselines/nightly.json") == b'{"a": 2}\n'
         assert gh.file_at("acme/models", "main", "baselines/nightly.json") is None  # main is never touched
         assert all(r.auth in ("bearer", "token") for r in gh.requests)
+
+
+def test_the_token_reaches_git_through_its_environment_only() -> None:
+    from ci_runner.history.gitpush import git_env
+
+    env = git_env({"GITHUB_TOKEN": "ghs_secret123", "GITHUB_SERVER_URL": "https://github.example.com", "PATH": "/bin"})
+    assert env["GIT_CONFIG_COUNT"] == "1" and env["GIT_CONFIG_KEY_0"] == "http.https://github.example.com/.extraheader"
+    assert env["GIT_CONFIG_VALUE_0"].startswith("AUTHORIZATION: basic ") and "ghs_secret123" not in env["GIT_CONFIG_VALUE_0"]
+    assert "GIT_CONFIG_COUNT" not in git_env({"PATH": "/bin"})
