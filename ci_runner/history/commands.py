@@ -146,7 +146,7 @@ def register(sub: Any, add: Callable[..., argparse.ArgumentParser], parser_class
 
     p = hs.add_parser("add", help="Add one run's results.json to the history.")
     p.set_defaults(handler=cmd_history_add)
-    p.add_argument("results", metavar="RESULTS.json")
+    p.add_argument("results", metavar="RESULTS.json", help="results.json of the run (from `run` or `aggregate`)")
     store(p)
     _run_identity(p)
     p.add_argument("--trigger", default=None, help="what started the run (default: GITHUB_EVENT_NAME, else local)")
@@ -164,7 +164,7 @@ def register(sub: Any, add: Callable[..., argparse.ArgumentParser], parser_class
     p.add_argument("--keep", type=int, default=DEFAULT_KEEP, help=f"nightly runs kept in full (default {DEFAULT_KEEP})")
     p = hs.add_parser("push", help="Add this run to the history on a git branch, and push it (retries, never forces).")
     p.set_defaults(handler=cmd_history_push)
-    p.add_argument("results", metavar="RESULTS.json")
+    p.add_argument("results", metavar="RESULTS.json", help="results.json of the run to add to the branch's history")
     _run_identity(p)
     p.add_argument("--branch", default="deepview-history", help="branch holding the history (default deepview-history)")
     p.add_argument("--remote", default="origin", help="remote to fetch from and push to (default origin)")

@@ -19,11 +19,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..fsutil import atomic_write_text
-from ..results.baseline import Baseline, BaselineCell, dumps_baseline
+from ..results.baseline import VERDICT, Baseline, BaselineCell, dumps_baseline
 from ..results.model import STATUS_SEVERITY
 from .store import History, RunRow
-
-VERDICT = frozenset({"pass", "fail"})
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -27,7 +27,7 @@ from typing import Any, Mapping
 
 from ..errors import InputError, UsageError
 from ..fsutil import atomic_write_bytes
-from ..results.model import CellResult, Results, clean
+from ..results.model import CellResult, Results, clean, encode_number
 from ..results.rootcause import signature
 
 RECORD_KIND = "deepview-ci-history-run"
@@ -92,10 +92,8 @@ def _fig(v: Any, flip: bool) -> float | str | None:
         return None
     if type(v) is str:
         return v if v in ("nan", "inf", "-inf") else None
-    v = float(v)
-    if flip:
-        v = 1.0 - v
-    return v if math.isfinite(v) else ("nan" if math.isnan(v) else "inf" if v > 0 else "-inf")
+    v = 1.0 - float(v) if flip else float(v)
+    return v if math.isfinite(v) else encode_number(v)
 
 
 def _worst(layer: Mapping[str, Any]) -> list[float | str | None]:

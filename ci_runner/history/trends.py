@@ -22,9 +22,9 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from ..results.baseline import BAD
 from .store import History
 
-BAD = frozenset({"fail", "error", "timeout", "crashed"})
 FIGURE_NAMES = ("rel", "1 − cos", "mad")
 QUANT_STEP = 2.0 ** (1 / 256) - 1  # the database's storage step (relative)
 
