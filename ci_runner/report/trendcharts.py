@@ -50,10 +50,11 @@ def line_chart(title: str, dates: Sequence[str], series: Sequence[tuple[str, Seq
     out = [f'<svg class="trend" data-kind="{_e(kind)}" data-points="{n}" xmlns="http://www.w3.org/2000/svg" '
            f'viewBox="0 0 {W} {H}" width="{W}" height="{H}" role="img"><title>{_e(title)}</title>',
            f'<rect class="plot" x="{ML}" y="{MT}" width="{pw}" height="{ph}"/>']
-    for k in range(5):
-        val = lo + (hi - lo) * k / 4
-        yy = MT + ph - ph * k / 4
-        label = f"1e{val:.0f}" if log and val == int(val) else (f"{10 ** val:.2g}" if log else f"{val:.3g}")
+    ticks = [lo + k for k in range(int(hi - lo) + 1)][:: max(1, math.ceil((hi - lo) / 6))] if log else \
+        [lo + (hi - lo) * k / 4 for k in range(5)]
+    for val in ticks:
+        yy = MT + ph - (val - lo) / (hi - lo) * ph
+        label = f"1e{val:.0f}" if log else f"{val:.3g}"
         out.append(f'<line class="grid" x1="{ML}" x2="{ML + pw}" y1="{yy:.1f}" y2="{yy:.1f}"/>'
                    f'<text class="tick" x="{ML - 6}" y="{yy + 4:.1f}" text-anchor="end">{label}</text>')
     for i in sorted({0, n - 1, *range(0, n, max(1, math.ceil(n / 6)))}):
@@ -105,9 +106,10 @@ def trends_html(t: Any) -> str:
         out.append("<h3>Per-layer error over time</h3>")
     for lt in t.layer_trends:
         thr = next((th for _, _, th in lt.layers if th), None)
+        out.append(f"<p><code>{_e(lt.cell)}</code>: its worst layers' {_e(lt.figure)} per night, threshold dashed</p>")
         out.append(line_chart(f"{lt.cell}: worst layers' {lt.figure} per night (threshold dashed)", t.dates,
                               [(name, vals) for name, vals, _ in lt.layers], kind="layers", log=True, threshold=thr,
-                              ylabel=f"{lt.cell} {lt.figure}"))
+                              ylabel=lt.figure))
     slow = sorted(t.cell_times.items(), key=lambda kv: -(kv[1][-1] or 0.0))[:MAX_TIME_CELLS]
     if slow:
         out.append("<h3>Cell time over time</h3>")
