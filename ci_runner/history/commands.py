@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import UsageError
+from ..github.client import ClientOptions
 from ..results.baseline import load_baseline
 from ..results.model import Results, load_results
 from .compact import DEFAULT_KEEP, compact, export_csv
@@ -50,7 +52,9 @@ def trends_for(args: argparse.Namespace, results: Results) -> Trends | None:
     if not getattr(args, "history", None):
         return None
     meta = run_meta(results, run_id="current", date=None, env=os.environ)
-    h = load_history(Path(args.history), current=results, current_meta=meta)
+    if not Path(args.history).exists():
+        print(f"deepview-ci: no history at {args.history} yet; trends start with this run", file=sys.stderr)
+    h = load_history(Path(args.history), current=results, current_meta=meta, missing_ok=True)
     try:
         return compute(h, trend_options(args))
     finally:
@@ -132,7 +136,7 @@ def cmd_baseline_propose(args: argparse.Namespace) -> int:
     print(prop.markdown())
     print(f"proposed baseline: {out}\nsummary: {summary}")
     if args.pr:
-        print(open_pr(args, out, prop.markdown(), os.environ))
+        print(open_pr(args, out, prop.markdown(), os.environ, ClientOptions(min_write_interval=args.min_interval)))
     return 0
 
 
@@ -190,6 +194,7 @@ def register_propose(bsub: Any) -> None:
     p.add_argument("--path", default=None, metavar="PATH", help="with --pr: the baseline's path in the repository (default --baseline)")
     p.add_argument("--base", default=None, help="with --pr: the branch to propose into (default: the repository's default)")
     p.add_argument("--pr-branch", default="deepview-ci/baseline-update", help="with --pr: the proposal's branch")
+    p.add_argument("--min-interval", type=float, default=1.0, help="with --pr: seconds between writes (GitHub: ≥ 1)")
 
 
 def _run_identity(p: argparse.ArgumentParser) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import ConfigError
-from ..github.client import DEFAULT_API_URL, GitHubClient, NotFound
+from ..github.client import DEFAULT_API_URL, ClientOptions, GitHubClient, NotFound
 
 TITLE = "deepview-ci: baseline update proposed from the run history"
 
@@ -56,7 +56,7 @@ def propose_pr(client: GitHubClient, repo: str, *, path: str, content: bytes, bo
     return f"opened pull request #{pr['number']}: {pr.get('html_url', '')}"
 
 
-def open_pr(args: Any, out: Path, summary: str, env: Mapping[str, str]) -> str:
+def open_pr(args: Any, out: Path, summary: str, env: Mapping[str, str], options: ClientOptions | None = None) -> str:
     """The `--pr` step of `baseline propose`: token and API from the environment, like `file-issues`."""
     repo = args.repo or env.get("GITHUB_REPOSITORY", "")
     if "/" not in repo:
@@ -65,7 +65,7 @@ def open_pr(args: Any, out: Path, summary: str, env: Mapping[str, str]) -> str:
     if not token:
         raise ConfigError("baseline propose --pr: GITHUB_TOKEN is not set",
                           hint="give the step a token with `contents: write` and `pull-requests: write`")
-    client = GitHubClient(env.get("GITHUB_API_URL") or DEFAULT_API_URL, token)
+    client = GitHubClient(env.get("GITHUB_API_URL") or DEFAULT_API_URL, token, options or ClientOptions())
     path = Path(args.path or args.baseline).as_posix().removeprefix("./").lstrip("/")
     return propose_pr(client, repo, path=path, content=Path(out).read_bytes(), body=summary, branch=args.pr_branch,
                       base=args.base)

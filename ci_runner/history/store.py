@@ -218,13 +218,15 @@ def add_run(store: Path, results: Results, meta: RunMeta) -> tuple[Path, bool]:
         conn.close()
 
 
-def load_history(store: Path, *, current: Results | None = None, current_meta: RunMeta | None = None) -> History:
+def load_history(store: Path, *, current: Results | None = None, current_meta: RunMeta | None = None,
+                 missing_ok: bool = False) -> History:
     """Read the history (database plus pending records, merged in memory; nothing on disk is written).
 
     With `current`, that run is merged in as the newest night unless the history already holds it (same
-    ``generated_at``): `aggregate --history` reports on a run before it is added."""
+    ``generated_at``): `aggregate --history` reports on a run before it is added. `missing_ok`: no folder yet
+    (the first night) reads as an empty history."""
     store = check_store(store)
-    if not store.is_dir():
+    if not store.is_dir() and not missing_ok:
         raise InputError(f"{store}: no history folder", hint="create it with `deepview-ci history add RESULTS --store DIR`")
     dbpath = store / DB_NAME
     conn = db.memory_copy(dbpath if dbpath.exists() else None)

@@ -141,6 +141,24 @@ def test_baseline_propose_at_night_42_drops_the_fixed_op(nights: dict[int, Path]
     assert "remove finding" in summary and FAILING_OP in summary and "fixed for 3 nights in a row" in summary
 
 
+def test_propose_opens_a_pull_request_through_the_api(nights: dict[int, Path], tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.fixtures.fake_github import FakeGitHub
+
+    base = tmp_path / "baseline.json"
+    base.write_text(dumps_baseline(make_baseline(night_results(39))), encoding="utf-8")
+    with FakeGitHub() as gh:
+        monkeypatch.setenv("GITHUB_TOKEN", gh.token)
+        monkeypatch.setenv("GITHUB_API_URL", gh.url)
+        assert main(["baseline", "propose", "--history", str(nights[42]), "--baseline", str(base), "--out",
+                     str(tmp_path / "p.json"), "--pr", "--repo", "acme/models", "--path", "deepview/baseline.json",
+                     "--min-interval", "0"]) == 0
+        [pr] = gh.pulls()
+        assert "fixed for 3 nights in a row" in pr["body"] and pr["head"]["ref"] == "deepview-ci/baseline-update"
+        assert gh.file_at("acme/models", "deepview-ci/baseline-update", "deepview/baseline.json") == \
+            (tmp_path / "p.json").read_bytes()
+
+
 def test_a_new_cell_passing_three_nights_is_proposed(nights: dict[int, Path], tmp_path: Path) -> None:
     base = tmp_path / "baseline.json"
     base.write_text(dumps_baseline(make_baseline(night_results(29))), encoding="utf-8")
@@ -256,6 +274,14 @@ def test_a_newer_history_is_refused_and_left_untouched(tmp_path: Path, capsys: p
     con.close()
     code, err = _cli(["history", "show", "--store", str(store)], capsys)
     assert code == EXIT_INPUT and "newer than this deepview-ci reads" in err
+
+
+def test_the_first_night_reads_an_empty_history(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The history branch does not exist yet: the report says so and starts the trends with this run."""
+    assert main(["aggregate", str(_cells_dir(1, tmp_path / "run")), "--out", str(tmp_path / "rep"),
+                 "--history", str(tmp_path / "none")]) == 0
+    assert "no history at" in capsys.readouterr().err and not (tmp_path / "none").exists()
+    assert "History: 1 night(s)" in (tmp_path / "rep" / "summary.md").read_text(encoding="utf-8")
 
 
 def _cells_dir(night: int, run: Path) -> Path:
