@@ -8,8 +8,9 @@ Tables (schema version 1):
 - ``cells(id, cell, model, backend)``, ``envs(id, hash, json)``: each distinct cell and env stamp once.
 - ``cell_runs(run, cell, status, duration_s, env, modes)``: a cell's status, time, stamp and mode statuses
   (``ops=fail,layers=pass``) in a run.
+- ``strings(id, text)``: the kinds, modes, ops, modules and signatures the findings name, each once.
 - ``findings(id, cell, fingerprint, kind, mode, op, module, signature, first_seen, last_seen, streak_from)``:
-  each distinct finding once, with the first and last night it was seen and the first night of its current
+  each distinct finding once (its texts as ``strings`` ids), with the first and last night it was seen and the first night of its current
   streak (kept up to date on every insert, so reading them needs no walk over the nights);
   ``run_findings(run, ids)``: the finding ids present in a run, a zlib'd delta-encoded uint32 array.
 - ``layer_sets(id, hash, names, thresholds)`` and ``layer_figures(run, cell, layer_set, figures)``:
@@ -46,9 +47,10 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         "CREATE TABLE envs(id INTEGER PRIMARY KEY, hash TEXT NOT NULL UNIQUE, json TEXT NOT NULL)",
         "CREATE TABLE cell_runs(run INTEGER NOT NULL, cell INTEGER NOT NULL, status TEXT NOT NULL, duration_s REAL,"
         " env INTEGER, modes TEXT, PRIMARY KEY(run, cell)) WITHOUT ROWID",
-        "CREATE TABLE findings(id INTEGER PRIMARY KEY, cell INTEGER NOT NULL, fingerprint TEXT NOT NULL, kind TEXT,"
-        " mode TEXT, op TEXT, module TEXT, signature TEXT, first_seen TEXT, last_seen TEXT, streak_from TEXT,"
-        " UNIQUE(cell, fingerprint))",
+        "CREATE TABLE strings(id INTEGER PRIMARY KEY, text TEXT NOT NULL UNIQUE)",
+        "CREATE TABLE findings(id INTEGER PRIMARY KEY, cell INTEGER NOT NULL, fingerprint TEXT NOT NULL, kind INTEGER,"
+        " mode INTEGER, op INTEGER, module INTEGER, signature INTEGER, first_seen TEXT, last_seen TEXT,"
+        " streak_from TEXT, UNIQUE(cell, fingerprint))",
         "CREATE TABLE run_findings(run INTEGER PRIMARY KEY, ids BLOB NOT NULL)",
         "CREATE TABLE layer_sets(id INTEGER PRIMARY KEY, hash TEXT NOT NULL UNIQUE, names TEXT NOT NULL,"
         " thresholds BLOB NOT NULL)",
@@ -166,8 +168,9 @@ def migrate(conn: sqlite3.Connection, version: int) -> None:
 
 def _id(conn: sqlite3.Connection, cache: dict[Any, int], table: str, key_cols: Sequence[str], key: tuple[Any, ...],
         extra: Mapping[str, Any] | None = None) -> int:
-    if key in cache:
-        return cache[key]
+    ck = (table, *key)
+    if ck in cache:
+        return cache[ck]
     where = " AND ".join(f"{c} = ?" for c in key_cols)
     row = conn.execute(f"SELECT id FROM {table} WHERE {where}", key).fetchone()
     if row is None:
@@ -175,8 +178,8 @@ def _id(conn: sqlite3.Connection, cache: dict[Any, int], table: str, key_cols: S
         vals = list(key) + list((extra or {}).values())
         cur = conn.execute(f"INSERT INTO {table}({', '.join(cols)}) VALUES({', '.join('?' * len(cols))})", vals)
         row = (cur.lastrowid,)
-    cache[key] = int(row[0])
-    return cache[key]
+    cache[ck] = int(row[0])
+    return cache[ck]
 
 
 def has_run(conn: sqlite3.Connection, run_id: str) -> bool:
@@ -209,8 +212,9 @@ def insert_record(conn: sqlite3.Connection, record: Mapping[str, Any], *, kind: 
     for ci, fp, fkind, mode, op, module, sig in record["findings"]:
         key = (cell_ids[ci], fp)
         if key not in known:
+            texts = [_id(conn, cache, "strings", ("text",), (t or "",)) for t in (fkind, mode, op, module, sig)]
             known[key] = int(conn.execute("INSERT INTO findings(cell, fingerprint, kind, mode, op, module, signature) "
-                                          "VALUES(?, ?, ?, ?, ?, ?, ?)", (*key, fkind, mode, op, module, sig)).lastrowid)
+                                          "VALUES(?, ?, ?, ?, ?, ?, ?)", (*key, *texts)).lastrowid)
         present.append(known[key])
     conn.execute("INSERT INTO run_findings VALUES(?, ?)", (seq, pack_ids(present)))
     _mark_seen(conn, seq, run["date"], present)

@@ -257,9 +257,12 @@ def read_all(conn: sqlite3.Connection) -> History:
         if mm is None:
             mm = parsed[modes or ""] = dict(p.split("=", 1) for p in (modes or "").split(",") if "=" in p)
         h.cell_runs.setdefault(run, {})[names[cell]] = CellRun(status, dur or 0.0, env, mm)
-    for row in conn.execute("SELECT id, cell, fingerprint, kind, mode, op, module, signature, first_seen, last_seen,"
-                            " streak_from FROM findings"):
-        h.findings[row[0]] = FindingDef(row[0], names[row[1]], row[2], *(x or "" for x in row[3:]))
+    texts = dict(conn.execute("SELECT id, text FROM strings").fetchall())
+    texts[None] = ""
+    for fid, cell, fp, kind, mode, op, module, sig, first, last, streak in conn.execute(
+            "SELECT id, cell, fingerprint, kind, mode, op, module, signature, first_seen, last_seen, streak_from FROM findings"):
+        h.findings[fid] = FindingDef(fid, names[cell], fp, texts[kind], texts[mode], texts[op], texts[module], texts[sig],
+                                     first or "", last or "", streak or "")
     h.present = LazySets(dict(conn.execute("SELECT run, ids FROM run_findings").fetchall()))
     return h
 
