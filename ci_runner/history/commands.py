@@ -54,9 +54,10 @@ def trends_for(args: argparse.Namespace, results: Results) -> Trends | None:
     meta = run_meta(results, run_id="current", date=None, env=os.environ)
     if not Path(args.history).exists():
         print(f"deepview-ci: no history at {args.history} yet; trends start with this run", file=sys.stderr)
-    h = load_history(Path(args.history), current=results, current_meta=meta, missing_ok=True)
+    opts = trend_options(args)
+    h = load_history(Path(args.history), current=results, current_meta=meta, missing_ok=True, window=opts.max_points)
     try:
-        return compute(h, trend_options(args))
+        return compute(h, opts)
     finally:
         h.close()
 

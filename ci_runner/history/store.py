@@ -219,12 +219,13 @@ def add_run(store: Path, results: Results, meta: RunMeta) -> tuple[Path, bool]:
 
 
 def load_history(store: Path, *, current: Results | None = None, current_meta: RunMeta | None = None,
-                 missing_ok: bool = False) -> History:
+                 missing_ok: bool = False, window: int | None = None) -> History:
     """Read the history (database plus pending records, merged in memory; nothing on disk is written).
 
     With `current`, that run is merged in as the newest night unless the history already holds it (same
     ``generated_at``): `aggregate --history` reports on a run before it is added. `missing_ok`: no folder yet
-    (the first night) reads as an empty history."""
+    (the first night) reads as an empty history. `window`: only the findings seen in the newest `window` runs are
+    loaded (what the reports draw); None loads all (export)."""
     store = check_store(store)
     if not store.is_dir() and not missing_ok:
         raise InputError(f"{store}: no history folder", hint="create it with `deepview-ci history add RESULTS --store DIR`")
@@ -237,10 +238,11 @@ def load_history(store: Path, *, current: Results | None = None, current_meta: R
             newest = conn.execute("SELECT MAX(date) FROM runs").fetchone()[0] or current_meta.date
             meta = replace(current_meta, date=max(newest, current_meta.date))  # tonight is the newest night
             db.fold(conn, [(Path("-"), record_of(current, meta))])
-    return read_all(conn)
+    return read_all(conn, window=window)
 
 
-def read_all(conn: sqlite3.Connection) -> History:
+def read_all(conn: sqlite3.Connection, *, window: int | None = None) -> History:
+    """The history in `conn`; with `window`, only the findings last seen in its newest `window` runs."""
     h = History(conn=conn)
     rows = conn.execute("SELECT seq, run_id, date, trigger, commit_sha, tool_version, generated_at, kind, nights "
                         "FROM runs ORDER BY date, seq").fetchall()
@@ -259,8 +261,10 @@ def read_all(conn: sqlite3.Connection) -> History:
         h.cell_runs.setdefault(run, {})[names[cell]] = CellRun(status, dur or 0.0, env, mm)
     texts = dict(conn.execute("SELECT id, text FROM strings").fetchall())
     texts[None] = ""
+    since = h.runs[-window].date if window and len(h.runs) > window else ""
     for fid, cell, fp, kind, mode, op, module, sig, first, last, streak in conn.execute(
-            "SELECT id, cell, fingerprint, kind, mode, op, module, signature, first_seen, last_seen, streak_from FROM findings"):
+            "SELECT id, cell, fingerprint, kind, mode, op, module, signature, first_seen, last_seen, streak_from FROM findings"
+            " WHERE last_seen >= ?", (since,)):
         h.findings[fid] = FindingDef(fid, names[cell], fp, texts[kind], texts[mode], texts[op], texts[module], texts[sig],
                                      first or "", last or "", streak or "")
     h.present = LazySets(dict(conn.execute("SELECT run, ids FROM run_findings").fetchall()))

@@ -159,7 +159,7 @@ def since_table(h: History, max_gone: int = 300) -> tuple[dict[tuple[str, str], 
     now = h.present.get(h.runs[-1].seq, frozenset())
     out: dict[tuple[str, str], Since] = {}
     for fid in now:
-        f = h.findings[fid]
+        f = h.findings[fid]  # seen tonight: always loaded
         i = min(bisect_left(dates, f.streak_from or f.first_seen), len(dates) - 1)
         run = h.runs[i]
         cr = h.cell_runs.get(run.seq, {}).get(f.cell)
@@ -182,7 +182,8 @@ def flaky_findings(h: History, opts: TrendOptions) -> list[Flaky]:
     candidates = frozenset().union(*sets) - frozenset.intersection(*sets)  # present every night: no flip
     by_cell: dict[str, list[int]] = {}
     for fid in candidates:
-        by_cell.setdefault(h.findings[fid].cell, []).append(fid)
+        if fid in h.findings:
+            by_cell.setdefault(h.findings[fid].cell, []).append(fid)
     out: list[Flaky] = []
     for cell, fids in by_cell.items():
         nights = [i for i, r in enumerate(recent) if cell in h.cell_runs.get(r.seq, {})]
