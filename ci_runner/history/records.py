@@ -74,8 +74,8 @@ def run_meta(results: Results, *, run_id: str | None, date: str | None, env: Map
     when = date or (results.generated_at or "")[:10] or _dt.datetime.now(_dt.timezone.utc).date().isoformat()
     if not run_id:
         gh = env.get("GITHUB_RUN_ID")
-        run_id = f"{gh}-{env.get('GITHUB_RUN_ATTEMPT', '1')}" if gh else \
-            "local-" + hashlib.sha256(json.dumps(results.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
+        ident = "\x1f".join([results.generated_at or "", results.tool_version, *sorted(c.id for c in results.cells)])
+        run_id = f"{gh}-{env.get('GITHUB_RUN_ATTEMPT', '1')}" if gh else "local-" + hashlib.sha256(ident.encode()).hexdigest()[:12]
     return RunMeta(run_id=check_run_id(run_id), date=check_date(when), trigger=env.get("GITHUB_EVENT_NAME", "local"),
                    commit=env.get("GITHUB_SHA", ""), tool_version=results.tool_version,
                    generated_at=results.generated_at or "")

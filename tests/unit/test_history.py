@@ -324,3 +324,17 @@ def test_two_processes_adding_at_once_lose_no_run(tmp_path: Path) -> None:
     h.close()
     assert ids == sorted(f"night-{n:02d}" for n in [*range(1, 7), *range(31, 37)])
     assert not list((tmp_path / "h" / "runs").glob("*.json.gz")), "every record file was folded"
+
+
+def test_adding_the_same_run_twice_keeps_one(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    results = tmp_path / "results.json"
+    save_results(night_results(3), results)
+    args = ["history", "add", str(results), "--store", str(tmp_path / "h"), "--run-id", "n3", "--date", date_of(3)]
+    assert main(args) == 0 and main(args) == 0
+    out = capsys.readouterr().out
+    assert "added run n3" in out and "already holds run n3" in out
+    assert main(["history", "add", str(results), "--store", str(tmp_path / "h"), "--date", "2031-02-30"]) == 2
+    assert "not a date" in capsys.readouterr().err
+    h = load_history(tmp_path / "h")
+    assert [r.run_id for r in h.runs] == ["n3"] and len(h.present[h.runs[0].seq]) == 1
+    h.close()
