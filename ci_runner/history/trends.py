@@ -158,15 +158,18 @@ def since_table(h: History, max_gone: int = 300) -> tuple[dict[tuple[str, str], 
         tail[i] = tail[i + 1] + h.runs[i].nights
     now = h.present.get(h.runs[-1].seq, frozenset())
     out: dict[tuple[str, str], Since] = {}
+    labels: dict[tuple[int | None, str], str] = {}
     for fid in now:
         f = h.findings[fid]  # seen tonight: always loaded
         i = min(bisect_left(dates, f.streak_from or f.first_seen), len(dates) - 1)
         run = h.runs[i]
         cr = h.cell_runs.get(run.seq, {}).get(f.cell)
+        lk = (cr.env if cr else None, run.commit)
+        if lk not in labels:
+            labels[lk] = env_label(h.envs.get(cr.env, {}) if cr else {}, run.commit)
         out[(f.cell, f.fingerprint)] = Since(
             cell=f.cell, fingerprint=f.fingerprint, kind=f.kind, key=f.key, date=run.date, nights=tail[i],
-            first_at=env_label(h.envs.get(cr.env, {}) if cr else {}, run.commit), first_seen=f.first_seen,
-            last_seen=f.last_seen)
+            first_at=labels[lk], first_seen=f.first_seen, last_seen=f.last_seen)
     gone = heapq.nlargest(max_gone, (f for fid, f in h.findings.items() if fid not in now and f.last_seen),
                           key=lambda f: (f.last_seen, f.cell, f.key))
     return out, [Since(cell=f.cell, fingerprint=f.fingerprint, kind=f.kind, key=f.key, date=f.first_seen, nights=0,
