@@ -19,6 +19,7 @@ from __future__ import annotations
 import heapq
 import math
 from bisect import bisect_left
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -275,24 +276,34 @@ def _chart(cell: str, series: list[Any], seqs: Mapping[int, int], opts: TrendOpt
 
 
 def burndowns(h: History, opts: TrendOptions) -> list[Burndown]:
-    """Per backend and night: distinct unsupported ops, and models with a failing cell."""
+    """Per backend and night: distinct unsupported ops, and models with a failing cell. The op counts follow
+    the findings that came and went from one night to the next (a few), not every finding every night."""
     runs = h.runs[-opts.max_points:]
     unsupported = {fid: (h.cells[f.cell][1], f.op) for fid, f in h.findings.items() if f.kind == "unsupported_op" and f.op}
     ufids = frozenset(unsupported)
     backends = sorted({b for _, b in h.cells.values()})
     out = {b: Burndown(backend=b, unsupported=[], blocked=[]) for b in backends}
+    holders: Counter[tuple[str, str]] = Counter()  # (backend, op) → findings of it present tonight
+    distinct: Counter[str] = Counter()  # backend → ops with at least one
+    prev: frozenset[int] = frozenset()
     for r in runs:
-        ops: dict[str, set[str]] = {b: set() for b in backends}
-        for fid in h.present.get(r.seq, frozenset()) & ufids:
-            b, op = unsupported[fid]
-            ops[b].add(op)
+        cur = h.present.get(r.seq, frozenset()) & ufids
+        for fid in cur - prev:
+            holders[unsupported[fid]] += 1
+            if holders[unsupported[fid]] == 1:
+                distinct[unsupported[fid][0]] += 1
+        for fid in prev - cur:
+            holders[unsupported[fid]] -= 1
+            if holders[unsupported[fid]] == 0:
+                distinct[unsupported[fid][0]] -= 1
+        prev = cur
         blocked: dict[str, set[str]] = {b: set() for b in backends}
         for cell, cr in h.cell_runs.get(r.seq, {}).items():
             if cr.status in BAD:
                 model, b = h.cells[cell]
                 blocked[b].add(model)
         for b in backends:
-            out[b].unsupported.append(len(ops[b]))
+            out[b].unsupported.append(distinct[b])
             out[b].blocked.append(len(blocked[b]))
     return [out[b] for b in backends]
 
