@@ -53,7 +53,7 @@ def _reset_hwm() -> bool:
 def measure(depth: int, args: argparse.Namespace) -> dict[str, float]:
     import torch
 
-    from ci_runner.engine.backends import resolve_backend
+    from ci_runner.backends import resolve_backend
     from ci_runner.config import BackendSpec, InputSpec, ModelSpec, Reference
     from ci_runner.engine.models import build_inputs, load_model
     from ci_runner.numerics import settings, views

@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from .results import baseline
 from . import errors
 from .run.aggregate import aggregate, write_report_dir
-from .engine.backends import available_backends
-from .run.cellrun import RESULT_NAME, run_cell_inprocess
-from .config import ALL_MODES, load_matrix
+from .backends import available_backends
+from .run.cellrun import run_cell_inprocess
+from .config import load_matrix
+from .registry import mode_names
 from .engine.envinfo import base_stamp, env_report, format_env, tool_version
 from .errors import DeepviewError, UsageError
 from .run.execute import RunOptions, auto_jobs, available_cores, cell_dir, load_partial, run_cells
@@ -29,10 +30,10 @@ from .github.options import FilingOptions
 from .history import commands as history_cli
 from .engine.isolate import arm_worker
 from .log import Progress
-from .matrix import dumps_compact, expand, expand_json, find_cell, select
+from .matrix import expand, expand_json, find_cell, select
 from .numerics.thresholds import load_table
-from .plan import load_plan, parse_chunk_results, setup_failed_result
-from .results.model import load_results, save_cell_result
+from .plan import check_output_size, collect_attempts, load_plan, parse_chunk_results, plan_outputs, read_setup_record
+from .results.model import RESULT_NAME, load_results, save_cell_result
 
 if TYPE_CHECKING:
     from .config import Cell
@@ -42,10 +43,20 @@ Handler = Callable[[argparse.Namespace], int]
 
 def _modes_arg(text: str) -> tuple[str, ...]:
     modes = tuple(m.strip() for m in text.split(",") if m.strip())
-    bad = [m for m in modes if m not in ALL_MODES]
+    bad = [m for m in modes if m not in mode_names()]
     if bad or not modes:
-        raise argparse.ArgumentTypeError(f"unknown mode(s) {', '.join(bad) or '(none)'}; choose from {', '.join(ALL_MODES)}")
+        raise argparse.ArgumentTypeError(f"unknown mode(s) {', '.join(bad) or '(none)'}; choose from {', '.join(mode_names())}")
     return modes
+
+
+def _minutes_arg(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of minutes (0 or more)")
+    return value
 
 
 class _Parser(argparse.ArgumentParser):
@@ -80,7 +91,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         progress.info(f"deepview-ci: --jobs auto: up to {jobs} cell(s) at once on {cores} core(s)")
     results = run_cells(cells, RunOptions(matrix_path=matrix.path, out_dir=out, jobs=jobs, cores=cores, force=args.force,
                                           modes=args.modes), progress)
-    report = aggregate([out / "cells" / r.id / "result.json" for r in results])  # this run's cells, not stale ones
+    report = aggregate([cell_dir(out, r.id) / RESULT_NAME for r in results])  # this run's cells, not stale ones
     written = write_report_dir(report, out / "report", run_dir=out)
     _report_outputs(out / "report", written)
     counts = report.counts()
@@ -109,20 +120,8 @@ def cmd_cell(args: argparse.Namespace) -> int:
 
 def _record_failed_setup(cell: "Cell", folder: Path, out: Path) -> int:
     """Write the `error` result of a cell whose setup failed, from the folder the workflow's setup step wrote."""
-    def read(name: str) -> str:
-        try:
-            return (folder / name).read_text(encoding="utf-8", errors="replace")
-        except FileNotFoundError:
-            return ""
-        except OSError as exc:
-            raise errors.InputError(f"{folder / name}: cannot read: {exc.strerror}") from None
-
-    if not folder.is_dir():
-        raise errors.InputError(f"{folder}: no such folder", hint="pass the folder holding command.txt, output.log and exit-code")
-    code = read("exit-code").strip()
-    result = setup_failed_result(cell_id=cell.id, model=cell.model.id, backend=cell.backend.id, modes=cell.modes,
-                                 command=read("command.txt"), log_text=read("output.log"),
-                                 exit_code=int(code) if code.lstrip("-").isdigit() else None, env=base_stamp())
+    result = read_setup_record(folder, cell_id=cell.id, model=cell.model.id, backend=cell.backend.id, modes=cell.modes,
+                               env=base_stamp())
     path = save_cell_result(result, cell_dir(out, cell.id) / RESULT_NAME)
     print(f"{cell.id}: error: {result.error.message.splitlines()[0] if result.error else ''}\n  result: {path}")
     return errors.EXIT_FINDINGS
@@ -142,17 +141,16 @@ def cmd_expand(args: argparse.Namespace) -> int:
     matrix = load_matrix(args.matrix)
     cells = select(expand(matrix), args.select, args.skip)
     max_jobs = args.max_jobs if args.max_jobs is not None else matrix.max_jobs
-    doc = expand_json(cells, max_jobs=max_jobs, chunk_size=args.chunk_size, fork_pr=args.fork_pr)
+    doc = expand_json(cells, max_jobs=max_jobs, chunk_size=args.chunk_size, fork_pr=args.fork_pr,
+                      setup_minutes=args.setup_minutes, margin_minutes=args.margin_minutes)
+    outputs = plan_outputs(doc)
+    check_output_size(outputs)  # before anything is written: GitHub would fail the job past 1 MB of outputs
     text = json.dumps(doc, indent=2)
     print(text)
     if args.out:
         atomic_write_text(Path(args.out), text + "\n")
-    set_output("count", str(doc["count"]))
-    set_output("chunks", str(doc["chunks"]))
-    set_output("skipped", str(len(doc["skipped"])))
-    set_output("matrix", dumps_compact(doc["matrix"][0]))
-    for i, m in enumerate(doc["matrix"]):
-        set_output(f"matrix-{i}", dumps_compact(m))
+    for name, value in outputs.items():
+        set_output(name, value)
     return 0
 
 
@@ -165,11 +163,21 @@ def cmd_aggregate(args: argparse.Namespace) -> int:
     written = write_report_dir(results, Path(args.out), run_dir=run_dir, trends=trends)
     _report_outputs(Path(args.out), written)
     c = results.counts()
-    print(f"aggregated {c['total']} cell(s), {c['findings']} finding(s)")
+    missing = sum(1 for cell in results.cells if cell.error is not None and cell.error.type == "no_result")
+    set_output("no-result", str(missing))  # planned cells whose job left nothing: the run is partial
+    print(f"aggregated {c['total']} cell(s), {c['findings']} finding(s)" + (f", {missing} without a result" if missing else ""))
     for name, path in written.items():
         print(f"  {name}: {path}")
     if args.fail_on_findings and any(cell.status not in ("pass", "skipped") for cell in results.cells):
         return errors.EXIT_FINDINGS
+    return 0
+
+
+def cmd_collect(args: argparse.Namespace) -> int:
+    attempts = collect_attempts(Path(args.artifacts), Path(args.out))
+    reruns = sum(1 for a in attempts.values() if a > 1)
+    print(f"collected {len(attempts)} cell(s) from {args.artifacts} into {args.out}"
+          + (f", {reruns} of them from a re-run (the newest attempt kept)" if reruns else ""))
     return 0
 
 
@@ -277,33 +285,7 @@ def _jobs_arg(text: str) -> str | int:
     return n
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="deepview-ci", description="Run PyTorch models × accelerator backends as CI: missing operators, "
-                "failing layers and numerical divergence, with repros, reports and regression diffs.")
-    p.add_argument("--version", action="version", version=f"deepview-ci {tool_version()}")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-
-    def add(name: str, handler: Handler, help_text: str, **kw: object) -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, help=help_text, description=help_text, **kw)  # type: ignore[arg-type]
-        sp.set_defaults(handler=handler)
-        return sp
-
-    def selection(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--select", action="append", default=[], metavar="GLOB", help="only cells whose id matches (repeatable)")
-        sp.add_argument("--skip", action="append", default=[], metavar="GLOB", help="drop cells whose id matches (repeatable)")
-
-    sp = add("run", cmd_run, "Run the whole matrix locally and write the report.")
-    sp.add_argument("matrix", nargs="?", default=None, help="matrix YAML (default: the bundled example)")
-    sp.add_argument("--out", default="out", help="output folder (default: out)")
-    selection(sp)
-    sp.add_argument("--modes", type=_modes_arg, default=None, help="comma list of ops,layers,numerics (default: the matrix's)")
-    sp.add_argument("--jobs", type=_jobs_arg, default="auto", metavar="N|auto",
-                    help="cells run in parallel; auto (the default) shares the machine's cores: a cell takes as many "
-                         "cores as its modes use (the ops mode's probe workers, options.ops.workers; else 1), so "
-                         "cores / workers cells run at once, at least 1")
-    sp.add_argument("--force", action="store_true", help="rerun cells that already finished")
-
-    sp = add("expand", cmd_expand, "Print the GitHub include-matrix JSON (and write GITHUB_OUTPUT when set).")
+def _add_expand(sp: argparse.ArgumentParser, selection: Callable[[argparse.ArgumentParser], None]) -> None:
     sp.add_argument("matrix", help="matrix YAML file")
     selection(sp)
     sp.add_argument("--max-jobs", type=int, default=None, help="fail past this many cells (default: defaults.max_jobs)")
@@ -311,6 +293,55 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", default=None, metavar="PLAN_JSON", help="also write the printed plan here (for `aggregate --plan`)")
     sp.add_argument("--fork-pr", action="store_true",
                     help="plan for a pull request from a fork: cells on self-hosted runners are skipped, with the reason")
+    sp.add_argument("--setup-minutes", type=_minutes_arg, default=30, metavar="MIN",
+                    help="a cell job's time before its cell starts (container pull, checkout, setup, installing "
+                         "deepview-ci); the job's limit is this + the cell's timeout + --margin-minutes (default 30)")
+    sp.add_argument("--margin-minutes", type=_minutes_arg, default=5, metavar="MIN",
+                    help="time left in a cell job after its cell step, for the upload (default 5)")
+
+
+AddCommand = Callable[..., argparse.ArgumentParser]  # (name, handler, help text or None for an unlisted command)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="deepview-ci", description="Run PyTorch models × accelerator backends as CI: missing operators, "
+                "failing layers and numerical divergence, with repros, reports and regression diffs.")
+    p.add_argument("--version", action="version", version=f"deepview-ci {tool_version()}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    def add(name: str, handler: Handler, help_text: str | None, **kw: object) -> argparse.ArgumentParser:
+        if help_text is None:
+            sp = sub.add_parser(name, **kw)  # type: ignore[arg-type]
+        else:
+            sp = sub.add_parser(name, help=help_text, description=help_text, **kw)  # type: ignore[arg-type]
+        sp.set_defaults(handler=handler)
+        return sp
+
+    _run_commands(add)
+    _report_commands(add)
+    _dump_commands(add)
+    return p
+
+
+def _selection(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--select", action="append", default=[], metavar="GLOB", help="only cells whose id matches (repeatable)")
+    sp.add_argument("--skip", action="append", default=[], metavar="GLOB", help="drop cells whose id matches (repeatable)")
+
+
+def _run_commands(add: AddCommand) -> None:
+    """run, expand, cell and the internal _worker."""
+    sp = add("run", cmd_run, "Run the whole matrix locally and write the report.")
+    sp.add_argument("matrix", nargs="?", default=None, help="matrix YAML (default: the bundled example)")
+    sp.add_argument("--out", default="out", help="output folder (default: out)")
+    _selection(sp)
+    sp.add_argument("--modes", type=_modes_arg, default=None, help="comma list of ops,layers,numerics (default: the matrix's)")
+    sp.add_argument("--jobs", type=_jobs_arg, default="auto", metavar="N|auto",
+                    help="cells run in parallel; auto (the default) shares the machine's cores: a cell takes as many "
+                         "cores as its modes use (the ops mode's probe workers, options.ops.workers; else 1), so "
+                         "cores / workers cells run at once, at least 1")
+    sp.add_argument("--force", action="store_true", help="rerun cells that already finished")
+
+    _add_expand(add("expand", cmd_expand, "Print the GitHub plan JSON (and write GITHUB_OUTPUT when set)."), _selection)
 
     sp = add("cell", cmd_cell, "Run one cell (what a CI job runs).")
     sp.add_argument("cell_id", metavar="CELL_ID", help="the cell to run, MODEL@BACKEND (see `deepview-ci expand`)")
@@ -322,14 +353,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="do not run the cell: record it as `error` because its setup failed; DIR holds command.txt, "
                          "output.log and exit-code (the reusable workflow's setup step writes them)")
 
-    sp = sub.add_parser("_worker")  # internal: no help, so it is not listed
-    sp.set_defaults(handler=cmd_worker)
+    sp = add("_worker", cmd_worker, None)  # internal: no help, so it is not listed
     sp.add_argument("--matrix", required=True)
     sp.add_argument("--cell", required=True)
     sp.add_argument("--out", required=True)
     sp.add_argument("--modes", required=True)
     sp.add_argument("--budget", required=True)
 
+
+def _report_commands(add: AddCommand) -> None:
+    """aggregate, diff, baseline update and file-issues."""
     sp = add("aggregate", cmd_aggregate, "Merge cell results into results.json, junit.xml, summary.md, report.html.")
     sp.add_argument("dirs", nargs="+", metavar="DIR", help="folders (or result.json files) holding the cells' results")
     sp.add_argument("--out", required=True, metavar="REPORT_DIR", help="folder for results.json and the reports")
@@ -338,8 +371,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--plan", default=None, metavar="PLAN_JSON",
                     help="the plan `expand --out` wrote: a planned cell with no result becomes an `error` cell")
     sp.add_argument("--chunk-results", default=None, metavar="N=RESULT,…",
-                    help="each chunk job's conclusion (e.g. 0=success,1=cancelled), quoted in cells with no result")
+                    help="each chunk job's conclusion (e.g. 0=success,1=cancelled, or *=failure for all), quoted in "
+                         "cells with no result")
     history_cli.add_trend_options(sp)
+
+    sp = add("collect", cmd_collect, "Copy each cell's newest attempt from downloaded artifacts into a run folder.")
+    sp.add_argument("artifacts", metavar="ARTIFACTS_DIR", help="one folder per downloaded cell artifact (NAME-attempt-N)")
+    sp.add_argument("--out", required=True, metavar="RUN_DIR", help="the run folder: cells/<id>/ of each newest attempt")
 
     sp = add("diff", cmd_diff, "Diff results against a baseline; exit code per --fail-on.")
     sp.add_argument("results", help="results.json of the run")
@@ -357,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     bu.add_argument("results", help="results.json to take the baseline from")
     bu.add_argument("--out", required=True, help="baseline JSON file to write")
     history_cli.register_propose(bsub)
-    history_cli.register(sub, add, _Parser)
+    history_cli.register(add, _Parser)
 
     sp = add("file-issues", cmd_file_issues, "File, comment on, reopen or close GitHub issues for a diff.")
     sp.add_argument("diff", help="diff.json written by `deepview-ci diff`")
@@ -374,6 +412,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--min-interval", type=float, default=1.0, help="seconds between writes (GitHub: ≥ 1)")
     sp.add_argument("--max-wait", type=float, default=300.0, help="longest rate-limit wait before keeping a draft")
 
+
+def _dump_commands(add: AddCommand) -> None:
+    """dump, compare and env."""
     sp = add("dump", cmd_dump, "Dump per-layer outputs of one model on one device/backend (safetensors + manifest).")
     sp.add_argument("--matrix", default=None, help="matrix YAML the model and backend come from (default: the bundled example)")
     sp.add_argument("--model", required=True, help="model id from the matrix")
@@ -393,7 +434,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = add("env", cmd_env, "Versions, devices and available backends, for a bug report.")
     sp.add_argument("--json", action="store_true", help="print JSON instead of text")
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -20,13 +20,14 @@ import jsonschema
 import yaml
 
 from .errors import ConfigError, OptionError
-from .options import parse as parse_options
+from .registry import mode_names, parse_options
 from .results.model import schema
 
-ALL_MODES: tuple[str, ...] = ("ops", "layers", "numerics")
 DEFAULT_TIMEOUT_S = 900.0
 DEFAULT_MAX_JOBS = 1024  # expand refuses more cells than this unless raised in `defaults.max_jobs`
-HOSTED_LABEL = re.compile(r"^(ubuntu|windows|macos)-[A-Za-z0-9._-]+$")  # GitHub-hosted runner images
+# The labels of GitHub's standard hosted images, exactly (a self-hosted runner labelled `ubuntu-gpu` is not one)
+HOSTED_LABEL = re.compile(r"^(ubuntu-(latest|\d\d\.04)(-arm)?|windows-(latest|\d{4}|11-arm)"
+                          r"|macos-(latest|\d\d)(-large|-xlarge|-intel)?)$")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,7 +108,7 @@ class BackendSpec:
 
     @property
     def self_hosted(self) -> bool:
-        """True unless every `runs-on` label names a GitHub-hosted image (ubuntu-*, windows-*, macos-*)."""
+        """True unless every `runs-on` label names a standard GitHub-hosted image (ubuntu-24.04, windows-latest, …)."""
         return not all(HOSTED_LABEL.match(label) for label in self.runs_on)
 
 
@@ -387,7 +388,7 @@ def _load(path: Path, text: str) -> Matrix:
     if not isinstance(data, dict):
         raise ConfigError(
             f"{source}:1:1: the matrix must be a mapping with `version`, `models` and `backends`",
-            hint="start from matrix/example.yaml",
+            hint="start from the bundled example, ci_runner/data/example.yaml",
         )
     validator = jsonschema.Draft202012Validator(schema("matrix.schema.json"))
     errors = list(validator.iter_errors(data))
@@ -486,7 +487,7 @@ def _resolve(path: Path, data: dict[str, Any], positions: _Positions) -> Matrix:
     return Matrix(
         path=path,
         version=data["version"],
-        modes=tuple(defaults.get("modes", ALL_MODES)),
+        modes=tuple(defaults.get("modes", mode_names())),
         timeout=float(defaults.get("timeout", DEFAULT_TIMEOUT_S)),
         inputs=InputSpec().merged(defaults.get("inputs")),
         options=MappingProxyType({k: MappingProxyType(dict(v)) for k, v in (defaults.get("options") or {}).items()}),

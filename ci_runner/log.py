@@ -11,7 +11,8 @@ from typing import Mapping, TextIO
 from .errors import ExecutionError
 
 STEP_SUMMARY_LIMIT = 1024 * 1024  # bytes per step summary ($GITHUB_STEP_SUMMARY), GitHub's hard limit
-STATUS_MARK = {"pass": "ok", "fail": "FAIL", "error": "ERROR", "timeout": "TIMEOUT", "crashed": "CRASHED", "skipped": "skipped"}
+STATUS_MARK = {"pass": "ok", "fail": "FAIL", "error": "ERROR", "timeout": "TIMEOUT", "crashed": "CRASHED", "skipped": "skipped",
+               "inconclusive": "INCONCLUSIVE"}
 
 
 @dataclass(frozen=True, kw_only=True)

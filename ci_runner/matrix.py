@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import base64
 import difflib
 import fnmatch
 import json
+import math
 import re
+import urllib.parse
 from types import MappingProxyType
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -13,7 +16,9 @@ from .config import Cell, Matrix, raw_entry
 from .errors import ConfigError
 
 GITHUB_MATRIX_LIMIT = 256
-_UNSAFE_ARTIFACT = re.compile(r'[":<>|*?\\/\r\n]')
+ARTIFACT_PREFIX = "deepview-cell-"
+ATTEMPT_SEP = "-attempt-"  # the workflow appends `-attempt-${{ github.run_attempt }}` to a cell's artifact name
+_KEEP = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789.-")
 
 
 def cell_id(model_id: str, backend_id: str) -> str:
@@ -21,8 +26,24 @@ def cell_id(model_id: str, backend_id: str) -> str:
 
 
 def artifact_name(cid: str) -> str:
-    """A GitHub artifact name for a cell: no `" : < > | * ? \\ /`."""
-    return "deepview-cell-" + _UNSAFE_ARTIFACT.sub("_", cid.replace("@", "__"))
+    """The GitHub artifact name of a cell: letters, digits, `.` and `-` kept, every other character `_XX`
+    (its UTF-8 bytes in hex; `_` itself is `_5f`). A prefix code, so two cell ids never share a name."""
+    return ARTIFACT_PREFIX + "".join(ch if ch in _KEEP else "".join(f"_{b:02x}" for b in ch.encode()) for ch in cid)
+
+
+def artifact_cell(name: str) -> tuple[str, int] | None:
+    """(cell id, attempt) of a folder named `<artifact_name(cell)>-attempt-N`, or None for any other name."""
+    base, sep, attempt = name.rpartition(ATTEMPT_SEP)
+    if not sep or not attempt.isdigit() or not base.startswith(ARTIFACT_PREFIX):
+        return None
+    escaped = base[len(ARTIFACT_PREFIX):]
+    if not re.fullmatch(r"(?:[A-Za-z0-9.-]|_[0-9a-f]{2})*", escaped):
+        return None
+    raw = re.sub(r"_([0-9a-f]{2})", lambda m: f"%{m.group(1)}", escaped)
+    try:
+        return urllib.parse.unquote(raw, errors="strict"), int(attempt)
+    except UnicodeDecodeError:
+        return None
 
 
 def _matches(sel: Mapping[str, str], model_id: str, backend_id: str) -> bool:
@@ -100,29 +121,44 @@ def artifacts_pattern(names: Sequence[str]) -> str:
     return "{" + ",".join(names) + "}"
 
 
-def github_include(cells: Sequence[Cell]) -> list[dict[str, Any]]:
-    """GitHub `strategy.matrix.include` entries, one per cell, with how its job is set up."""
-    out = []
+def github_backends(cells: Sequence[Cell]) -> list[dict[str, Any]]:
+    """Each backend's job settings, once (the plan's backend table; a cell entry names its row by index).
+
+    `setup` travels as one line of base64 per command, so the job's shell decodes it without Python
+    (the cell's own interpreter may be what the failing setup broke)."""
+    out: list[dict[str, Any]] = []
+    seen: set[str] = set()
     for c in cells:
         b = c.backend
+        if b.id in seen:
+            continue
+        seen.add(b.id)
         out.append({
-            "cell": c.id,
-            "model": c.model.id,
             "backend": b.id,
             "runs-on": list(b.runs_on) if len(b.runs_on) > 1 else b.runs_on[0],
-            "timeout-minutes": max(1, int(c.timeout // 60) + 5),
-            "artifact": artifact_name(c.id),
-            "modes": list(c.modes),
             "self-hosted": b.self_hosted,
             "python": b.python or "",
             # "" runs the job on the runner itself (GitHub accepts an empty `container:`)
             "container": {"image": b.container["image"], "options": b.container["options"],
                           "env": dict(b.container["env"])} if b.container else "",
-            "setup": list(b.setup),
-            "artifacts": list(b.artifacts),
+            "setup": "\n".join(base64.b64encode(cmd.encode()).decode() for cmd in b.setup),
             "artifacts-pattern": artifacts_pattern(b.artifacts),
         })
     return out
+
+
+def cell_minutes(c: Cell) -> int:
+    """The step limit of running the cell: its own timeout (which normally fires first) plus 2 minutes."""
+    return max(1, math.ceil(c.timeout / 60)) + 2
+
+
+def github_include(cells: Sequence[Cell], backends: Sequence[Mapping[str, Any]], *, setup_minutes: int,
+                   margin_minutes: int) -> list[dict[str, Any]]:
+    """GitHub `strategy.matrix.include` entries, one per cell: its id, artifact name, backend row and time limits
+    (`minutes` for the cell step; `job-minutes` = `setup_minutes` + `minutes` + `margin_minutes` for the job)."""
+    row = {b["backend"]: i for i, b in enumerate(backends)}
+    return [{"cell": c.id, "artifact": artifact_name(c.id), "b": row[c.backend.id], "minutes": cell_minutes(c),
+             "job-minutes": setup_minutes + cell_minutes(c) + margin_minutes} for c in cells]
 
 
 def chunk(cells: Sequence[Cell], *, max_jobs: int, chunk_size: int = GITHUB_MATRIX_LIMIT) -> list[list[Cell]]:
@@ -139,8 +175,8 @@ def chunk(cells: Sequence[Cell], *, max_jobs: int, chunk_size: int = GITHUB_MATR
 
 
 def expand_json(cells: Sequence[Cell], *, max_jobs: int, chunk_size: int = GITHUB_MATRIX_LIMIT,
-                fork_pr: bool = False) -> dict[str, Any]:
-    """The plan: chunks of include entries to run, and the planned cells that will not run, with why.
+                fork_pr: bool = False, setup_minutes: int = 30, margin_minutes: int = 5) -> dict[str, Any]:
+    """The plan: the backend table, chunks of include entries to run, and the planned cells that will not run.
 
     With `fork_pr`, cells bound for self-hosted runners are planned as skipped (a fork's
     pull request could rewrite `setup`/`container` and run anything on the vendor's machine).
@@ -148,10 +184,14 @@ def expand_json(cells: Sequence[Cell], *, max_jobs: int, chunk_size: int = GITHU
     skipped = [c for c in cells if fork_pr and c.backend.self_hosted]
     run = [c for c in cells if not (fork_pr and c.backend.self_hosted)]
     chunks = chunk(run, max_jobs=max_jobs, chunk_size=chunk_size)
+    backends = github_backends(run)
     return {
         "count": len(run),
         "chunks": len(chunks) if run else 0,
-        "matrix": [{"include": github_include(ch)} for ch in chunks],
+        "backends": backends,
+        "matrix": [{"include": github_include(ch, backends, setup_minutes=setup_minutes, margin_minutes=margin_minutes)}
+                   for ch in chunks],
+        "cells": [{"cell": c.id, "model": c.model.id, "backend": c.backend.id, "modes": list(c.modes)} for c in run],
         "skipped": [{"cell": c.id, "model": c.model.id, "backend": c.backend.id, "modes": list(c.modes),
                      "reason": FORK_SKIP_REASON}
                     for c in skipped],

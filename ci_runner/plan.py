@@ -4,19 +4,28 @@ A planned cell whose job wrote no result becomes an `error` cell ("no result: it
 one"), with its chunk job's conclusion where known; a cell planned as skipped (a fork's pull request and a
 self-hosted runner) becomes a `skipped` cell with the reason. A cell whose `setup` commands failed is
 recorded by `setup_failed_result` as an `error` cell naming the command and the tail of its output.
+
+Also the GitHub side of the plan: the step outputs `expand` writes (`plan_outputs`), kept under GitHub's
+1 MB per job (`check_output_size`), and the newest attempt of each cell's artifact (`collect_attempts`).
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
-from .errors import InputError
+from .errors import ConfigError, InputError
+from .matrix import artifact_cell, dumps_compact
 from .results.model import CellError, CellResult, ModeResult, read_json
 
 NO_RESULT = "no result: its job ended before writing one"
 TAIL_CHARS = 4000
+SETUP_RECORD = "setup-failed"  # cells/<id>/setup-failed/{command.txt,exit-code,output.log}, written by the job's shell
+# GitHub caps a job's outputs at 1 MB, counted as UTF-16; deepview-ci stops at 900 kB (2 bytes a code unit)
+OUTPUT_LIMIT_UNITS = 450_000
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,9 +42,11 @@ def load_plan(path: Path) -> list[PlannedCell]:
     """The cells of a plan file (what `deepview-ci expand --out PLAN.json` wrote)."""
     doc = read_json(path, what="plan")
     try:
+        chunk_of = {e["cell"]: i for i, m in enumerate(doc["matrix"]) for e in m["include"]}
         planned = [
-            PlannedCell(cell=e["cell"], model=e["model"], backend=e["backend"], modes=tuple(e.get("modes") or ()), chunk=i)
-            for i, m in enumerate(doc["matrix"]) for e in m["include"]
+            PlannedCell(cell=e["cell"], model=e["model"], backend=e["backend"], modes=tuple(e.get("modes") or ()),
+                        chunk=chunk_of[e["cell"]])
+            for e in doc["cells"]
         ]
         planned += [
             PlannedCell(cell=e["cell"], model=e["model"], backend=e["backend"], modes=tuple(e.get("modes") or ()),
@@ -43,21 +54,25 @@ def load_plan(path: Path) -> list[PlannedCell]:
             for e in doc.get("skipped") or ()
         ]
     except (KeyError, TypeError, AttributeError) as exc:
-        raise InputError(f"{path}: not a plan written by `deepview-ci expand` (missing {exc})",
+        raise InputError(f"{path}: not a plan written by this version of `deepview-ci expand` (missing {exc})",
                          hint="pass the file `deepview-ci expand MATRIX --out PLAN.json` wrote") from None
     return planned
 
 
 def parse_chunk_results(text: str | None) -> dict[int, str]:
-    """`0=success,1=cancelled` (the chunk jobs' `needs.<job>.result`) → {0: "success", 1: "cancelled"}."""
+    """`0=success,1=cancelled` (the chunk jobs' `needs.<job>.result`) → {0: "success", 1: "cancelled"};
+    `*=failure` (one result for every chunk, when the chunks run as one matrix job) → {-1: "failure"}."""
     out: dict[int, str] = {}
     for part in (text or "").split(","):
         part = part.strip()
         if not part:
             continue
         key, sep, value = part.partition("=")
-        if not sep or not key.strip().isdigit():
-            raise InputError(f"--chunk-results: {part!r} is not CHUNK=RESULT", hint="e.g. --chunk-results 0=success,1=failure")
+        if sep and key.strip() == "*":
+            key = "-1"
+        if not sep or not key.strip().lstrip("-").isdigit():
+            raise InputError(f"--chunk-results: {part!r} is not CHUNK=RESULT",
+                             hint="e.g. --chunk-results 0=success,1=failure, or '*=failure' for every chunk")
         if value.strip():
             out[int(key)] = value.strip()
     return out
@@ -72,11 +87,18 @@ def _planned_result(p: PlannedCell, *, status: str, message: str, error_type: st
     )
 
 
+Evidence = Callable[[PlannedCell], CellResult | None]  # what a job left behind, as a result
+
+
 def apply_plan(cells: Sequence[CellResult], plan: Sequence[PlannedCell],
-               chunk_results: Mapping[int, str] | None = None) -> list[CellResult]:
-    """`cells` plus one result for every planned cell that has none; unplanned cells are kept as they are."""
+               chunk_results: Mapping[int, str] | None = None, evidence: Evidence | None = None) -> list[CellResult]:
+    """`cells` plus one result for every planned cell that has none; unplanned cells are kept as they are.
+
+    `evidence(p)` may rebuild a result from what the cell's job left behind (a setup record, a journal);
+    otherwise the cell is `error` ("no result"), with its chunk job's conclusion where known."""
     have = {c.id for c in cells}
     added: list[CellResult] = []
+    results = chunk_results or {}
     for p in plan:
         if p.cell in have:
             continue
@@ -84,7 +106,11 @@ def apply_plan(cells: Sequence[CellResult], plan: Sequence[PlannedCell],
         if p.skip_reason is not None:
             added.append(_planned_result(p, status="skipped", message=p.skip_reason, error_type="skipped"))
             continue
-        conclusion = (chunk_results or {}).get(p.chunk) if p.chunk is not None else None
+        found = evidence(p) if evidence is not None else None
+        if found is not None:
+            added.append(found)
+            continue
+        conclusion = results.get(p.chunk, results.get(-1)) if p.chunk is not None else None
         message = NO_RESULT + (f" (the cell jobs of chunk {p.chunk} concluded: {conclusion})" if conclusion else "")
         added.append(_planned_result(p, status="error", message=message, error_type="no_result"))
     return sorted([*cells, *added], key=lambda c: c.id)
@@ -102,3 +128,82 @@ def setup_failed_result(*, cell_id: str, model: str, backend: str, modes: Sequen
         error=CellError(type="setup_failed", message=message + "\n" + command.strip(), exit_code=exit_code,
                         stderr_tail=log_text[-TAIL_CHARS:]),
     )
+
+
+def read_setup_record(folder: Path, *, cell_id: str, model: str, backend: str, modes: Sequence[str],
+                      env: Mapping[str, Any]) -> CellResult:
+    """The `error` result of a failed setup, from the plain files the job's shell wrote (no deepview-ci needed there):
+    `command.txt`, `exit-code` and `output.log`."""
+    def read(name: str) -> str:
+        try:
+            return (folder / name).read_text(encoding="utf-8", errors="replace")
+        except FileNotFoundError:
+            return ""
+        except OSError as exc:
+            raise InputError(f"{folder / name}: cannot read: {exc.strerror}") from None
+
+    if not folder.is_dir():
+        raise InputError(f"{folder}: no such folder", hint="pass the folder holding command.txt, output.log and exit-code")
+    code = read("exit-code").strip()
+    return setup_failed_result(cell_id=cell_id, model=model, backend=backend, modes=modes, command=read("command.txt"),
+                               log_text=read("output.log"), exit_code=int(code) if code.lstrip("-").isdigit() else None,
+                               env=env)
+
+
+# --------------------------------------------------------------------------- GitHub: outputs and attempts
+
+
+def utf16_units(text: str) -> int:
+    """Length as GitHub sizes job outputs: UTF-16 code units (a character outside the BMP counts 2)."""
+    return len(text.encode("utf-16-le")) // 2
+
+
+def plan_outputs(doc: Mapping[str, Any]) -> dict[str, str]:
+    """The step outputs `expand` writes: counts, the backend table once, the chunk indices and one matrix per chunk."""
+    out = {
+        "count": str(doc["count"]),
+        "chunks": str(doc["chunks"]),
+        "chunk-ids": json.dumps(list(range(doc["chunks"]))),
+        "skipped-cells": str(len(doc["skipped"])),
+        "backends": dumps_compact(doc["backends"]),
+    }
+    for i, m in enumerate(doc["matrix"] if doc["chunks"] else ()):
+        out[f"matrix-{i}"] = dumps_compact(m)
+    return out
+
+
+def check_output_size(outputs: Mapping[str, str], *, limit: int = OUTPUT_LIMIT_UNITS) -> int:
+    """The outputs' size as GitHub counts it (names and values, UTF-16 code units); past `limit`, a ConfigError
+    saying how many cells would fit."""
+    total = sum(utf16_units(k) + utf16_units(v) for k, v in outputs.items())
+    if total <= limit:
+        return total
+    cells = sum(len(json.loads(v)["include"]) for k, v in outputs.items() if k.startswith("matrix-"))
+    fit = cells * limit // total  # entries and backend rows both shrink with a narrower matrix
+    raise ConfigError(
+        f"the plan's job outputs would be {total:,} UTF-16 code units ({2 * total / 1000:,.0f} kB as GitHub counts them), "
+        f"past deepview-ci's limit of {limit:,} ({2 * limit // 1000} kB; GitHub fails a job whose outputs pass 1 MB); "
+        f"about {fit} of these {cells} cells fit",
+        hint="narrow the matrix (the `select` input: --select/--skip, or exclude in the matrix), shorten long model or "
+             "backend ids, or split the matrix over two workflow calls (docs/github.md, Limits)")
+
+
+def collect_attempts(artifacts: Path, run_dir: Path) -> dict[str, int]:
+    """Copy each cell's newest attempt (`<artifact>-attempt-N` folders, one per downloaded artifact) into
+    `run_dir`, replacing that cell's folder there; returns {cell: attempt}. Other folders are left alone."""
+    newest: dict[str, tuple[int, Path]] = {}
+    for folder in sorted(artifacts.iterdir()) if artifacts.is_dir() else ():
+        parsed = artifact_cell(folder.name) if folder.is_dir() else None
+        if parsed is None:
+            continue
+        cid, attempt = parsed
+        if cid not in newest or attempt > newest[cid][0]:
+            newest[cid] = (attempt, folder)
+    for cid, (_attempt, folder) in sorted(newest.items()):
+        target = run_dir / "cells" / cid
+        if target.exists():
+            shutil.rmtree(target)
+        source = folder / "cells" / cid
+        if source.is_dir():
+            shutil.copytree(source, target)
+    return {cid: attempt for cid, (attempt, _f) in newest.items()}

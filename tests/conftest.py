@@ -6,6 +6,7 @@ is a local HTTP server speaking the REST API (`tests/fixtures/fake_github.py`).
 
 from __future__ import annotations
 
+import subprocess
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
@@ -16,41 +17,9 @@ import pytest
 
 from ci_runner.config import Matrix, load_matrix, load_matrix_text
 from ci_runner.matrix import expand
+from tests.fixtures.cli import run_cli
 from tests.fixtures.fake_github import FakeGitHub
-
-# The `oldtorch` subset (`pytest -m oldtorch`, README "Supported torch"; not in `.ci/run`): the fast tests of these
-# files (config, matrix, backends, the sims, capture, ops inventory and probing, layer search, numerics, bisect), the
-# feature-detection tests and one CLI cell per mode of the bundled example (those two files mark themselves).
-OLDTORCH_FILES = frozenset({
-    "tests/unit/test_config.py", "tests/unit/test_matrix.py", "tests/unit/test_options.py",
-    "tests/unit/test_backends.py", "tests/unit/test_sim.py", "tests/unit/test_capture.py", "tests/unit/test_tree.py",
-    "tests/unit/test_inventory.py", "tests/unit/test_ops_probe.py", "tests/unit/test_layers_search.py",
-    "tests/unit/test_numerics.py", "tests/unit/test_bisect.py",
-})
-# Tests of those files that fail on torch 2.7.1 for reasons in torch, not yet handled (README "Supported torch").
-OLDTORCH_DIFFERS = frozenset({
-    # 2.7's aot_autograd capture of a meta model fails; the inventory falls back to torch.export
-    "tests/unit/test_inventory.py::test_aten_inventory_from_a_meta_model_matches_what_aot_autograd_hands_a_backend",
-    # 2.7's export with the CIA-only decompositions keeps select/unbind that aot_autograd decomposes
-    "tests/unit/test_inventory.py::test_export_fallback_gives_the_same_ops_here",
-    # 2.7's Dynamo wraps the fixture backend's IndexError in BackendCompilerFailed
-    "tests/unit/test_layers_search.py::test_stage_of_backend_errors",
-})
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        path = item.nodeid.split("::", 1)[0]
-        if (path in OLDTORCH_FILES and item.get_closest_marker("slow") is None
-                and item.nodeid.split("[", 1)[0] not in OLDTORCH_DIFFERS):
-            item.add_marker(pytest.mark.oldtorch)
-
-
-def tiny_matrix_text(models: int = 2, backends: int = 2, extra: str = "") -> str:
-    """A matrix of `models` tiny Llamas (m0, m1, …) × `backends` inductor backends (b0, b1, …)."""
-    ms = "\n".join(f"  - {{id: m{i}, config: llama}}" for i in range(models))
-    bs = "\n".join(f"  - {{id: b{i}, compile: inductor}}" for i in range(backends))
-    return f"version: 1\nmodels:\n{ms}\nbackends:\n{bs}\n{extra}"
+from tests.fixtures.matrices import matrix_text
 
 
 @pytest.fixture(scope="session")
@@ -61,14 +30,22 @@ def example_matrix() -> Matrix:
 
 @pytest.fixture
 def write_matrix(tmp_path: Path) -> Callable[..., Path]:
-    """`write_matrix(text, name="matrix.yaml") -> Path`: the matrix text as a file in this test's folder."""
+    """`write_matrix(text=None, name="matrix.yaml", **parts) -> Path`: a matrix file in this test's folder, from its
+    text or built from `parts` (`tests/fixtures/matrices.py`: `matrix_text(models=…, backends=…, modes=…, …)`)."""
 
-    def write(text: str, name: str = "matrix.yaml") -> Path:
+    def write(text: str | None = None, name: str = "matrix.yaml", **parts: Any) -> Path:
         path = tmp_path / name
-        path.write_text(text, encoding="utf-8")
+        path.write_text(text if text is not None else matrix_text(**parts), encoding="utf-8")
         return path
 
     return write
+
+
+@pytest.fixture
+def cli() -> Callable[..., subprocess.CompletedProcess[str]]:
+    """`cli(*args, env=None, timeout=300) -> CompletedProcess`: `deepview-ci ARGS…` in a child process
+    (`tests/fixtures/cli.py`)."""
+    return run_cli
 
 
 @pytest.fixture
@@ -77,7 +54,7 @@ def mode_context(tmp_path: Path) -> Callable[..., Any]:
 
     `matrix` is matrix text, a path to a matrix file or a loaded `Matrix`; `options` replace the cell's
     `options` (a mapping of mode -> options); the backend is resolved for real."""
-    from ci_runner.engine.backends import resolve_backend  # deferred: resolving a backend imports torch
+    from ci_runner.backends import resolve_backend  # deferred: resolving a backend imports torch
     from ci_runner.modes import ModeContext  # deferred: as above
 
     def make(matrix: str | Path | Matrix, model: str, backend: str, *,
@@ -101,12 +78,13 @@ def mode_context(tmp_path: Path) -> Callable[..., Any]:
 
 
 @pytest.fixture
-def fresh_dynamo() -> Iterator[None]:
-    """Dynamo's caches reset before and after the test (compiled graphs of one test never serve another)."""
+def fresh_dynamo() -> Iterator[Callable[[], None]]:
+    """Dynamo's caches reset before and after the test (compiled graphs of one test never serve another); the
+    fixture's value resets them again mid-test (`fresh_dynamo()` between two compiles of the same code)."""
     import torch  # deferred: only the tests that compile need torch here
 
     torch._dynamo.reset()
-    yield
+    yield torch._dynamo.reset
     torch._dynamo.reset()
 
 

@@ -9,13 +9,19 @@ Two ways to use it, one per kind of run:
 * **compiled** (`OutputHooks`): forward hooks that only append `(name, flat output tensors)` to one process-wide
   list. Dynamo traces such hooks into the compiled graph without a graph break, so the tensors are the backend's
   own outputs (fusions and all). The same hooks work eagerly too.
+
+**In-place rule.** A capture holds what the module returned, not what later code made of it: ResNet's basic layer
+does `hidden_state += residual` on its BatchNorm's output after the hook ran. Eager captures copy at the hook
+(`detach_tree`, the dump writer); a kept reference is checked with `VersionWatch` (version counters). Compiled
+hooks cannot read version counters while Dynamo traces them, so `OutputHooks(clone=…)` copies inside the graph the
+outputs of the modules named (those an eager pass saw changed in place later: `VersionWatch.moved`), or all.
 """
 
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Collection, Iterator
 
 import torch
 from torch import nn
@@ -151,6 +157,43 @@ class ModuleCapture:
         return out
 
 
+class VersionWatch:
+    """Which captured tensors are changed in place after their hook: (key, weak reference, version) per tensor.
+
+    Only weak references are held, so an intermediate is freed as usual and its check with it: call `check()`
+    from every hook (a tensor changed in place is usually passed on to the next module while still alive, and a
+    view keeps its base alive through `_base`), and `moved()` once after the forward."""
+
+    def __init__(self) -> None:
+        self._watched: list[tuple[str, Any, int]] = []
+        self._moved: set[str] = set()
+
+    def watch(self, key: str, tensors: Any) -> None:
+        for t in tensors:
+            try:
+                self._watched.append((key, weakref.ref(t), t._version))
+            except (TypeError, RuntimeError):  # a tensor kind without weak references or version counter
+                continue
+
+    def check(self) -> None:
+        """Drop the freed tensors, note the moved ones (each is then no longer watched)."""
+        keep = []
+        for key, ref, version in self._watched:
+            t = ref()
+            if t is None:
+                continue
+            if t._version != version:
+                self._moved.add(key)
+            else:
+                keep.append((key, ref, version))
+        self._watched = keep
+
+    def moved(self) -> set[str]:
+        self.check()
+        out, self._moved, self._watched = self._moved, set(), []
+        return out
+
+
 def iter_tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
     """Flatten tensors out of tensors/tuples/lists/dicts/ModelOutput, with stable sub-names; caches skipped."""
     if isinstance(obj, torch.Tensor):
@@ -200,20 +243,23 @@ FlatOutput = tuple[tuple[str, torch.Tensor], ...]
 # (`skip_nnmodule_hook_guards`): a graph traced with an earlier set of hooks is reused for a same-shaped model and
 # replays ITS appends. Appending to this one list, never replaced, keeps that replay pointed at the current capture.
 _OUTPUT_SINK: list[tuple[str, FlatOutput]] = []
-_OUTPUT_HOOKS: dict[str, Callable[..., None]] = {}
+_OUTPUT_HOOKS: dict[tuple[str, bool], Callable[..., None]] = {}
 
 
-def _output_hook(name: str) -> Callable[..., None]:
-    """The hook for module `name`: one function object per name for the whole process, so that guards on hooks
-    (`skip_nnmodule_hook_guards=False` while capturing) hold from one capture to the next."""
-    hook = _OUTPUT_HOOKS.get(name)
+def _output_hook(name: str, clone: bool) -> Callable[..., None]:
+    """The hook for module `name`: one function object per (name, clone) for the whole process, so that guards on
+    hooks (`skip_nnmodule_hook_guards=False` while capturing) hold from one capture to the next. With `clone` the
+    tensors are copied at the hook (in the graph, when compiled): later in-place updates do not reach them."""
+    hook = _OUTPUT_HOOKS.get((name, clone))
     if hook is None:
         def hook(mod: nn.Module, args: Any, output: Any) -> None:
             acc: list[tuple[str, torch.Tensor]] = []
             flatten_traceable(output, "", acc)  # now: the model may mutate a returned ModelOutput later
+            if clone:
+                acc = [(k, t.clone()) for k, t in acc]
             _OUTPUT_SINK.append((name, tuple(acc)))
 
-        _OUTPUT_HOOKS[name] = hook
+        _OUTPUT_HOOKS[(name, clone)] = hook
     return hook
 
 
@@ -223,12 +269,17 @@ class OutputHooks:
     Use as a context manager (the hooks are always removed), or call `remove()`. The output is flattened inside
     the hook (the sub-names of `iter_tensors`, caches skipped) because a model may mutate a returned ModelOutput
     afterwards. `take()` returns and clears what was recorded; only one capture runs at a time per process.
+
+    `clone`: the modules whose output tensors are copied at the hook (True: all; see the in-place rule in the
+    module docstring). Copying costs one extra tensor per captured output, so compiled captures copy only the
+    outputs an eager pass saw changed in place later, when such a pass exists.
     """
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, *, clone: bool | Collection[str] = ()) -> None:
         self.records = _OUTPUT_SINK
         self.records.clear()
-        self.handles = [sub.register_forward_hook(_output_hook(name)) for name, sub in module.named_modules()]
+        self.handles = [sub.register_forward_hook(_output_hook(name, clone is True or (clone is not False and name in clone)))
+                        for name, sub in module.named_modules()]
 
     def __enter__(self) -> "OutputHooks":
         return self

@@ -1,7 +1,12 @@
 """The child-process engine: run work in fresh child processes that may abort, segfault or hang.
 
-Pieces (every mode and the numerics toolbox use these, nothing else starts a Python child):
+Pieces (every mode, the cell runner, repro verification and the numerics toolbox use these; nothing else
+starts a child process):
 
+- `run_process(cmd, …)`: the one start site. A child in its own session, output to files, killed with its whole
+  session by the one kill function (`kill_session`) past its time or when the wait is interrupted; `LiveChildren`
+  lets Ctrl-C end every child at once; a foreign command (a repro script) gets a launcher that makes it die
+  with this process. The outcome is a `ChildExit` (return code, timed out, signal).
 - `run_isolated(target, payload, timeout=…)`: one child runs ``"module:function"`` on a JSON payload and
   returns a JSON value; the outcome is an `IsolatedResult` (ok | error | crashed | timeout), never an exception.
   `IsolatedResult.describe()` is the one sentence for what happened to the child.
@@ -17,6 +22,7 @@ Pieces (every mode and the numerics toolbox use these, nothing else starts a Pyt
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib
 import json
@@ -30,13 +36,14 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from ..fsutil import append_line, atomic_write_json
 
 __all__ = [
     "IsolatedResult", "Journal", "Attempt", "SupervisedRun", "child_journal", "open_entry", "run_isolated",
-    "supervise", "child_env", "set_pdeathsig", "die_with_parent", "arm_worker", "signal_name", "JOURNAL_ENV", "PARENT_ENV",
+    "run_process", "ChildExit", "LiveChildren", "kill_session", "file_tail", "supervise", "child_env",
+    "set_pdeathsig", "die_with_parent", "arm_worker", "signal_name", "JOURNAL_ENV", "PARENT_ENV",
 ]
 
 JOURNAL_ENV = "DEEPVIEW_CI_JOURNAL"
@@ -157,13 +164,131 @@ def signal_name(returncode: int | None) -> str | None:
         return f"signal {-returncode}"
 
 
-def _kill_session(proc: subprocess.Popen[bytes]) -> None:
+# --------------------------------------------------------------------------- the one start site
+
+# A child that is not a Python entry point of this package (a repro script) cannot call `die_with_parent`
+# itself: this stdlib-only launcher sets PR_SET_PDEATHSIG, checks the parent is still the one that started it,
+# then execs the real command (the death signal survives exec). No `preexec_fn`: that runs Python code between
+# fork and exec, which is unsafe in a threaded process (repro verification runs from a thread pool).
+_LAUNCH = (
+    "import ctypes, os, signal, sys\n"
+    "try:\n"
+    "    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)\n"
+    "except (OSError, AttributeError):\n"
+    "    pass\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    os._exit(70)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChildExit:
+    """How a process started by `run_process` ended."""
+
+    returncode: int | None  # the exit status (negative: the signal), as Popen reports it
+    timed_out: bool  # it ran past its time and was killed
+
+    @property
+    def signal(self) -> str | None:
+        """The signal that ended it on its own (`SIGSEGV`), None when it exited or was killed for time."""
+        return None if self.timed_out else signal_name(self.returncode)
+
+    def ended(self) -> str:
+        """"killed by SIGSEGV" or "exited with code 3" (what a crash text says about the process)."""
+        sig = signal_name(self.returncode)
+        return f"killed by {sig}" if sig else f"exited with code {self.returncode}"
+
+
+def kill_session(proc: subprocess.Popen[bytes], *, grace: float = 0.0) -> None:
+    """The one kill: end a child and everything in its session (it leads one): SIGTERM and `grace` seconds to
+    exit when `grace` > 0, then SIGKILL; waits for it. A child already gone is fine."""
+    if grace > 0:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            proc.wait()
+            return
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            pass
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
     proc.wait()
 
+
+class LiveChildren:
+    """The children `run_process` is waiting for, so that Ctrl-C (`kill_all`) can end them all at once."""
+
+    def __init__(self) -> None:
+        self._procs: set[subprocess.Popen[bytes]] = set()
+        self._lock = threading.Lock()
+        self.interrupted = False
+
+    def add(self, p: subprocess.Popen[bytes]) -> None:
+        with self._lock:
+            self._procs.add(p)
+
+    def discard(self, p: subprocess.Popen[bytes]) -> None:
+        with self._lock:
+            self._procs.discard(p)
+
+    def kill_all(self, *, grace: float = 0.0) -> None:
+        self.interrupted = True
+        with self._lock:
+            procs = list(self._procs)
+        for p in procs:
+            kill_session(p, grace=grace)
+
+
+def run_process(cmd: Sequence[str], *, timeout: float, stdout: Path, stderr: Path | None = None,
+                env: Mapping[str, str], cwd: Path | None = None, grace: float = 0.0, foreign: bool = False,
+                append: bool = False, live: LiveChildren | None = None) -> ChildExit:
+    """Run `cmd` in a fresh session to its end or `timeout` seconds, then `kill_session(grace=…)`: the one place
+    this package starts a child process. Output goes to the file `stdout` (and `stderr`, else the same file;
+    appended with `append`). `foreign`: the command is not this package's entry point, so the `_LAUNCH` wrapper
+    makes it die with this process (ours call `die_with_parent` themselves). Any exception while waiting
+    (Ctrl-C) kills the child before it propagates."""
+    argv = [sys.executable, "-c", _LAUNCH, str(os.getpid()), *cmd] if foreign else list(cmd)
+    mode = "ab" if append else "wb"
+    with contextlib.ExitStack() as files:
+        out_fh = files.enter_context(open(stdout, mode))
+        err_fh = files.enter_context(open(stderr, mode)) if stderr is not None else out_fh
+        proc = subprocess.Popen(argv, stdout=out_fh, stderr=err_fh,
+                                stdin=subprocess.DEVNULL, env=dict(env), cwd=str(cwd) if cwd else None,
+                                start_new_session=True)
+        if live is not None:
+            live.add(proc)
+        try:
+            proc.wait(timeout=max(0.1, timeout))
+        except subprocess.TimeoutExpired:
+            kill_session(proc, grace=grace)
+            return ChildExit(returncode=proc.returncode, timed_out=True)
+        except BaseException:
+            kill_session(proc, grace=grace)
+            raise
+        finally:
+            if live is not None:
+                live.discard(proc)
+    return ChildExit(returncode=proc.returncode, timed_out=False)
+
+
+def file_tail(path: Path, limit: int = 4000) -> str:
+    """The last `limit` bytes of a file as text ("" when it cannot be read)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - limit))
+            return fh.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+# --------------------------------------------------------------------------- one child running a target
 
 def run_isolated(target: str, payload: Mapping[str, Any], *, timeout: float, journal: Path | None = None,
                  env: Mapping[str, str] | None = None, cwd: Path | None = None) -> IsolatedResult:
@@ -179,37 +304,19 @@ def run_isolated(target: str, payload: Mapping[str, Any], *, timeout: float, jou
         cenv["PYTHONUNBUFFERED"] = "1"
         if journal is not None:
             cenv[JOURNAL_ENV] = str(journal)
-        with open(stderr_path, "wb") as err:
-            proc = subprocess.Popen([sys.executable, "-m", "ci_runner.engine.isolate", str(payload_path), str(result_path)],
-                                    stdout=err, stderr=err, stdin=subprocess.DEVNULL, env=cenv,
-                                    cwd=str(cwd) if cwd else None, start_new_session=True)
-            try:
-                proc.wait(timeout=max(0.1, timeout))
-            except subprocess.TimeoutExpired:
-                _kill_session(proc)
-                return IsolatedResult(status="timeout", message=f"timed out after {timeout:g}s",
-                                      stderr_tail=_tail(stderr_path), timeout=timeout)
-            except BaseException:
-                _kill_session(proc)
-                raise
-        tail = _tail(stderr_path)
+        end = run_process([sys.executable, "-m", "ci_runner.engine.isolate", str(payload_path), str(result_path)],
+                          timeout=timeout, stdout=stderr_path, env=cenv, cwd=cwd)
+        tail = file_tail(stderr_path)
+        if end.timed_out:
+            return IsolatedResult(status="timeout", message=f"timed out after {timeout:g}s", stderr_tail=tail,
+                                  timeout=timeout)
         if result_path.exists():
             data = json.loads(result_path.read_text(encoding="utf-8"))
             return IsolatedResult(status=data["status"], value=data.get("value"), error_type=data.get("error_type"),
                                   message=data.get("message", ""), traceback=data.get("traceback", ""),
-                                  exit_code=proc.returncode, stderr_tail=tail, timeout=timeout)
-        sig = signal_name(proc.returncode)
-        what = f"killed by {sig}" if sig else f"exited with code {proc.returncode}"
-        return IsolatedResult(status="crashed", message=f"child process {what}", exit_code=proc.returncode,
-                              signal=sig, stderr_tail=tail, timeout=timeout)
-
-
-def _tail(path: Path, limit: int = 4000) -> str:
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return ""
-    return data[-limit:].decode("utf-8", errors="replace")
+                                  exit_code=end.returncode, stderr_tail=tail, timeout=timeout)
+        return IsolatedResult(status="crashed", message=f"child process {end.ended()}", exit_code=end.returncode,
+                              signal=end.signal, stderr_tail=tail, timeout=timeout)
 
 
 # --------------------------------------------------------------------------- the restart-after-crash loop
@@ -286,8 +393,8 @@ def child_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 def set_pdeathsig() -> None:
-    """Linux: have the kernel SIGKILL this process when its parent dies. Also usable as a `preexec_fn` for a
-    child that is not a Python entry point of this package (a repro script being verified)."""
+    """Linux: have the kernel SIGKILL this process when its parent dies (a foreign child gets the same from
+    `run_process(foreign=True)`'s launcher)."""
     if _PRCTL is not None:
         _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 

@@ -1,7 +1,8 @@
 """Repro scripts: rendered from Jinja2 templates in `ci_runner/templates/`, then run to verify them.
 
 A repro exits non-zero while the failure is there and 0 once it is fixed, so it can live on as a
-regression test. `verify_script` runs it in a fresh process (with the backend's env) and calls it
+regression test. `verify_script` runs it in a fresh process (`isolate.run_process`: its own session, dying
+with the caller; safe to call from several threads at once) with the backend's env, and calls it
 verified only when it fails the same way: same error type and the same key text (op or module), compared
 after the volatile tokens of both (symbol ids like ``s96``, addresses, temporary paths, PIDs, counters) are
 normalised by `rootcause.normalize_text`, so a compiler whose message names a fresh symbol each run verifies.
@@ -11,8 +12,8 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -21,7 +22,7 @@ from typing import Any, Mapping, Sequence
 import jinja2
 
 from ..fsutil import atomic_write_text
-from .isolate import set_pdeathsig
+from .isolate import run_process
 from ..results.rootcause import normalize_text
 
 
@@ -80,29 +81,28 @@ def verify_script(script: Path, *, expect_text: Sequence[str], expect_error_type
     """
     child_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
     child_env.update(env or {})
-    try:
-        proc = subprocess.run([sys.executable, str(script.name)], cwd=script.parent, env=child_env,
-                              stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout,
-                              preexec_fn=set_pdeathsig)  # dies with the worker
-    except subprocess.TimeoutExpired as exc:
-        out = ((exc.stdout or b"") + (exc.stderr or b"")).decode("utf-8", "replace")[-4000:]
-        return Verification(verified=expect_signal, exit_code=None, output_tail=out,
-                            note=f"timed out after {timeout:g}s" + (" (hang reproduced)" if expect_signal else ""))
-    out = (proc.stdout + proc.stderr).decode("utf-8", "replace")
+    with tempfile.TemporaryDirectory(prefix="deepview-repro-") as tmp:
+        out_path, err_path = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        end = run_process([sys.executable, str(script.name)], timeout=timeout, stdout=out_path, stderr=err_path,
+                          env=child_env, cwd=script.parent, foreign=True)  # foreign: it dies with the worker
+        out = (out_path.read_bytes() + err_path.read_bytes()).decode("utf-8", "replace")
     tail = out[-4000:]
-    if proc.returncode == 0:
+    if end.timed_out:
+        return Verification(verified=expect_signal, exit_code=None, output_tail=tail,
+                            note=f"timed out after {timeout:g}s" + (" (hang reproduced)" if expect_signal else ""))
+    if end.returncode == 0:
         return Verification(verified=False, exit_code=0, output_tail=tail, note="the repro passed: the failure did not reproduce")
-    if proc.returncode < 0:
-        return Verification(verified=expect_signal, exit_code=proc.returncode, output_tail=tail,
-                            note=f"killed by signal {-proc.returncode}")
+    if end.returncode is not None and end.returncode < 0:
+        return Verification(verified=expect_signal, exit_code=end.returncode, output_tail=tail,
+                            note=f"killed by signal {-end.returncode}")
     norm_out = normalize_text(out)
     missing = [t for t in expect_text if normalize_text(t) not in norm_out]
     if expect_error_type and expect_error_type not in out:
         missing.append(expect_error_type)
     if missing:
-        return Verification(verified=False, exit_code=proc.returncode, output_tail=tail,
+        return Verification(verified=False, exit_code=end.returncode, output_tail=tail,
                             note=f"failed differently: output lacks {', '.join(repr(m) for m in missing)}")
-    return Verification(verified=True, exit_code=proc.returncode, output_tail=tail, note="reproduces the same failure")
+    return Verification(verified=True, exit_code=end.returncode, output_tail=tail, note="reproduces the same failure")
 
 
 def safe_filename(text: str, limit: int = 120) -> str:

@@ -60,6 +60,7 @@ from .client import (
     ServerUnavailable,
     redact,
 )
+from ..registry import mode_of_group
 from .options import FilingOptions
 from .render import (
     NEW,
@@ -75,7 +76,6 @@ from .render import (
 )
 
 CATEGORIES = ("regressed", "fixed", "persisting", "flaky", "new_cell", "missing_cell")
-MODE_OF_GROUP = {"op": "ops", "culprit": "layers", "layer": "layers", "divergence": "numerics"}
 _REPO_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9-]{0,38})/[A-Za-z0-9._-]{1,100}$")
 _FP_MARKER = re.compile(r"<!-- deepview-ci:fingerprint=([0-9a-f]{8,64}) -->")
 _META_MARKER = re.compile(r"<!-- deepview-ci:meta (\{.*?\}) -->")
@@ -386,7 +386,7 @@ class _Filer:
                     continue
                 key = tuple(str(k) for k in issue.meta["key"])
                 cells = [str(c) for c in issue.meta.get("cells") or []]
-                mode = MODE_OF_GROUP.get(key[0])
+                mode = mode_of_group().get(key[0])
                 if not cells or mode is None or group_fingerprint(key) != fp:
                     continue
                 if all(mode in coverage.get(c, set()) for c in cells):
@@ -502,34 +502,50 @@ def file_issues(diff_path: Path, *, repo: str, dry_run: Path | None, run_dir: Pa
                         secret=token or None)
     groups = group_entries(diff, layers=options.layers)
     report = FilingReport(repo=repo, dry_run=dry_run is not None)
+    _note_unfiled(report, diff, options)
     labels = [options.label, *options.extra_labels]
+    if dry_run is not None:
+        _draft_all(groups, ctx, _Drafts(Path(dry_run), repo, report), options, labels)
+    else:
+        drafts = _Drafts(options.drafts_dir or diff_path.parent / "issue-drafts", repo, report)
+        filer = _Filer(GitHubClient(env.get("GITHUB_API_URL") or DEFAULT_API_URL, token, options.client_options()),
+                       repo, options, ctx, report)
+        actions = _plan(filer, diff, diff_path, groups, drafts, labels, token)
+        _execute(filer, actions, drafts, labels, token)
+        drafts.flush()
+    _publish(report, env, token)
+    return report
+
+
+def _note_unfiled(report: FilingReport, diff: Mapping[str, Any], options: FilingOptions) -> None:
+    """Say how many new findings are of kinds not filed as issues."""
     ignored = sum(1 for e in diff.get("entries", []) if e.get("finding") and e["category"] in NEW
                   and group_key(e["backend"], e.get("model") or "", e["finding"], layers=options.layers) is None)
     if ignored:
         report.notes.append(f"{ignored} finding(s) of kinds not filed as issues"
                             + ("" if options.layers else " (layer failures and divergences need --layers)"))
 
-    if dry_run is not None:
-        drafts = _Drafts(Path(dry_run), repo, report)
-        for g in groups:
-            if g.regressed:
-                drafts.keep(_Action("create", g, body=render_issue(g, ctx)), "dry run", labels)
-            elif g.fixed and not g.present:
-                drafts.keep(_Action("close", g, comment=render_comment(g, ctx, "fixed", closing=options.close_fixed)),
-                            "dry run: applies if an open issue exists", labels)
-        drafts.flush()
-        _publish(report, env, token)
-        return report
 
-    drafts = _Drafts(options.drafts_dir or diff_path.parent / "issue-drafts", repo, report)
-    client = GitHubClient(env.get("GITHUB_API_URL") or DEFAULT_API_URL, token, options.client_options())
-    filer = _Filer(client, repo, options, ctx, report)
-    actions: list[_Action] = []
+def _draft_all(groups: list[Group], ctx: RenderContext, drafts: "_Drafts", options: FilingOptions, labels: list[str]) -> None:
+    """--dry-run: every issue that would be created, and every close that applies if the issue is open."""
+    for g in groups:
+        if g.regressed:
+            drafts.keep(_Action("create", g, body=render_issue(g, ctx)), "dry run", labels)
+        elif g.fixed and not g.present:
+            drafts.keep(_Action("close", g, comment=render_comment(g, ctx, "fixed", closing=options.close_fixed)),
+                        "dry run: applies if an open issue exists", labels)
+    drafts.flush()
+
+
+def _plan(filer: "_Filer", diff: Mapping[str, Any], diff_path: Path, groups: list[Group], drafts: "_Drafts",
+          labels: list[str], token: str) -> list[_Action]:
+    """The actions against the repository's existing issues; when they cannot be listed, every new issue is drafted."""
+    report, ctx = filer.report, filer.ctx
     present = {g.fingerprint for g in group_entries(diff, layers=True) if g.present}
     try:
         existing = filer.existing()
-        coverage = _results_coverage(diff, diff_path, run_dir) if existing else None
-        actions = filer.plan(groups, existing, coverage, present)
+        coverage = _results_coverage(diff, diff_path, ctx.run_dir) if existing else None
+        return filer.plan(groups, existing, coverage, present)
     except ApiError as exc:
         report.api_failures += 1
         report.stopped = redact(str(exc), token)
@@ -538,7 +554,12 @@ def file_issues(diff_path: Path, *, repo: str, dry_run: Path | None, run_dir: Pa
                 drafts.keep(_Action("file", g, body=render_issue(g, ctx)),
                             "not filed: could not list existing issues; create it, or comment on the issue with this fingerprint",
                             labels)
-        actions = []
+        return []
+
+
+def _execute(filer: "_Filer", actions: list[_Action], drafts: "_Drafts", labels: list[str], token: str) -> None:
+    """Do the actions in order; after a fatal API error the rest are drafted."""
+    report = filer.report
     if any(a.action == "create" for a in actions):
         try:
             filer.ensure_labels()
@@ -560,9 +581,6 @@ def file_issues(diff_path: Path, *, repo: str, dry_run: Path | None, run_dir: Pa
             drafts.keep(a, redact(exc.message, token), labels)
             if exc.fatal:
                 report.stopped = redact(str(exc), token)
-    drafts.flush()
-    _publish(report, env, token)
-    return report
 
 
 def _publish(report: FilingReport, env: Mapping[str, str], token: str) -> None:

@@ -19,12 +19,12 @@ from typing import Any, Mapping, Sequence
 import jinja2
 
 from ..matrix import artifact_name
+from ..registry import group_order, kind_spec
 from ..results.model import fingerprint as _hash_key
 from .client import redact
 from .options import FilingOptions
 
 TITLE_LIMIT = 256
-OP_KINDS = ("unsupported_op", "op_error", "op_mismatch")
 NEW = ("regressed", "new_cell")  # a finding the baseline does not know: filed
 FAILING = ("regressed", "new_cell", "persisting", "flaky")  # still failing, whether filed or not
 _ZWJ = "\u200d"
@@ -105,7 +105,7 @@ def _safe_url(url: str | None) -> str | None:
 class Group:
     """The findings that share one issue."""
 
-    kind: str  # "op" | "culprit" | "layer" | "divergence"
+    kind: str  # the issue group (`registry.py`): "op" | "culprit" | "layer" | "divergence" | a plug-in mode's
     key: tuple[str, ...]
     fingerprint: str
     title: str
@@ -130,23 +130,29 @@ class Group:
 
 
 def group_key(backend: str, model: str, finding: Mapping[str, Any], *, layers: bool) -> tuple[str, ...] | None:
-    """The issue a finding belongs to, or None when such findings are not filed."""
-    kind = finding.get("kind")
-    if kind in OP_KINDS and finding.get("op"):
-        return ("op", backend, str(finding["op"]))
+    """The issue a finding belongs to, or None when such findings are not filed.
+
+    The kind's issue group comes from the mode registry; only op issues are filed unless `layers` is set."""
+    spec = kind_spec(str(finding.get("kind")))
+    if spec is None or spec.issue_group is None:
+        return None
+    group, value = spec.issue_group, finding.get(spec.key)
+    if group == "op":
+        return ("op", backend, str(value)) if value else None
     if not layers:
         return None
-    if kind == "layer_failure" and finding.get("module"):
+    if group == "layer":
+        if not value:
+            return None
         op = culprit_op(finding)
         if op is not None:  # one issue per failing op and backend, listing every layer and model it breaks
             return ("culprit", backend, op)
-        return ("layer", backend, model, str(finding["module"]))
-    if kind == "divergence":
+        return ("layer", backend, model, str(value))
+    if group == "divergence":
         details = finding.get("details") or {}
         pattern = details.get("pattern") or finding.get("module_class") or finding.get("module")
-        if pattern:
-            return ("divergence", backend, str(pattern))
-    return None
+        return ("divergence", backend, str(pattern)) if pattern else None
+    return (group, backend, str(value)) if value else None  # a plug-in mode's group: one issue per key and backend
 
 
 def culprit_op(finding: Mapping[str, Any]) -> str | None:
@@ -171,8 +177,10 @@ def group_title(key: Sequence[str]) -> str:
         text = f"[deepview-ci] {key[2]} fails on {key[1]} inside model layers"
     elif kind == "layer":
         text = f"[deepview-ci] {key[3]} of {key[2]} fails on {key[1]}"
-    else:
+    elif kind == "divergence":
         text = f"[deepview-ci] {key[2]} layers diverge on {key[1]}"
+    else:  # a plug-in mode's group
+        text = f"[deepview-ci] {kind}: {key[2]} fails on {key[1]}"
     return safe_title(text)
 
 
@@ -183,9 +191,8 @@ def entry_finding(e: Mapping[str, Any]) -> Mapping[str, Any] | None:
     kind, key = e.get("kind"), e.get("key")
     if not e.get("fingerprint") or not kind or not key:
         return None
-    if kind in OP_KINDS:
-        return {"kind": kind, "op": key}
-    return {"kind": kind, "module": key}
+    spec = kind_spec(str(kind))
+    return {"kind": kind, spec.key if spec else "module": key}
 
 
 def group_entries(diff: Mapping[str, Any], *, layers: bool) -> list[Group]:
@@ -204,8 +211,8 @@ def group_entries(diff: Mapping[str, Any], *, layers: bool) -> list[Group]:
             g.entries.append(e)
         elif e["category"] == "fixed":
             g.fixed.append(e)
-    order = {"op": 0, "culprit": 1, "layer": 2, "divergence": 3}
-    return sorted(groups.values(), key=lambda g: (order[g.kind], g.key))
+    order = group_order()
+    return sorted(groups.values(), key=lambda g: (order.get(g.kind, len(order)), g.key))
 
 
 # --------------------------------------------------------------------------- rendering

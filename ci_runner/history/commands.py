@@ -141,7 +141,7 @@ def cmd_baseline_propose(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: Any, add: Callable[..., argparse.ArgumentParser], parser_class: type) -> None:
+def register(add: Callable[..., argparse.ArgumentParser], parser_class: type) -> None:
     """The `history` command and its subcommands."""
     sp = add("history", _missing, "Keep the run history: add runs, list, export, compact, push to a branch.")
     hs = sp.add_subparsers(dest="history_command", metavar="SUBCOMMAND", parser_class=parser_class)

@@ -1,6 +1,7 @@
-"""Mode registry and the context a mode runs in.
+"""The context a mode runs in, and a mode's run function from the registry.
 
-A mode is a function `run(ctx: ModeContext) -> ModeResult` in `ci_runner/modes/<name>.py`.
+A mode is a function `run(ctx: ModeContext) -> ModeResult`, registered once in `ci_runner/registry.py`
+(`ModeSpec.run`: ``"module:function"``; the built-in ones are `ci_runner/modes/<name>/mode.py:run`).
 The cell runs the selected modes in the matrix's order; a later mode still runs when an earlier
 one failed (it works on what can run). A mode whose module is absent is reported as skipped with
 that reason: nothing fakes a result.
@@ -15,29 +16,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from ..engine.isolate import Journal
-from ..results.model import ModeResult
+from ..registry import mode_spec
+from ..results.model import JOURNAL_NAME, ModeResult
 
 if TYPE_CHECKING:
-    from ..engine.backends import Backend
+    from ..backends import Backend
     from ..config import Cell
     from ..engine.models import LoadedModel
 
 ModeFn = Callable[["ModeContext"], ModeResult]
 
-# name -> "module:function"; the order here is the canonical run order.
-MODE_REGISTRY: dict[str, str] = {
-    "ops": "ci_runner.modes.ops.mode:run",
-    "layers": "ci_runner.modes.layers.mode:run",
-    "numerics": "ci_runner.modes.numerics.mode:run",
-}
-
-
 def get_mode(name: str) -> ModeFn | None:
     """The mode's function, or None when this installation does not have that mode."""
-    target = MODE_REGISTRY.get(name)
-    if target is None:
+    spec = mode_spec(name)
+    if spec is None:
         return None
-    module_name, fn_name = target.split(":")
+    module_name, fn_name = spec.run.split(":")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
@@ -45,9 +39,6 @@ def get_mode(name: str) -> ModeFn | None:
             return None
         raise
     return getattr(module, fn_name, None)
-
-
-JOURNAL_NAME = "journal.log"
 
 
 @dataclass
@@ -79,7 +70,7 @@ class ModeContext:
 
     def model(self, *, dtype: str | None = None, device: str = "cpu", meta: bool = False) -> "LoadedModel":
         """Load (once per dtype/device/meta) the cell's model; the same seed gives the same weights."""
-        from ..engine.models import load_model
+        from ..engine.models import load_model  # deferred: models imports torch
 
         key = (dtype, device, meta)
         if key not in self._models:
@@ -87,7 +78,7 @@ class ModeContext:
         return self._models[key]
 
     def inputs(self, loaded: "LoadedModel", *, sample: int = 0, device: str = "cpu") -> dict[str, Any]:
-        from ..engine.models import build_inputs
+        from ..engine.models import build_inputs  # deferred: models imports torch
 
         return build_inputs(loaded, self.cell.inputs, sample=sample, device=device)
 

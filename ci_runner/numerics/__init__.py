@@ -9,7 +9,8 @@ module              concern
 `settings`          views, dtypes, Dynamo settings, the cell context the toolbox needs
 `metrics`           per-tensor comparison metrics (float64) and severities
 `thresholds`        data-derived per-layer thresholds (derive, store, reuse)
-`store`             the reference dump: streaming writer and lazy reader (`index.json` + chunks)
+`store`             the reference dump: streaming writer and lazy reader (`index.json` + chunks); `ChunkFiles`,
+                    the one chunk-file reader (also under `dumps.Dump`)
 `capture`           the numerics hooks: record a reference pass, compare calls as they return, compiled capture
 `views`             the isolated view (a module fed the reference's inputs) and the cumulative view
 `target`            the target child: plan, both views against the dumps, its records

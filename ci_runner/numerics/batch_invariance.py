@@ -21,6 +21,7 @@ Only tensors whose first dimension is the batch are compared (a rotary table sha
 """
 
 from __future__ import annotations
+from ..registry import FindingKind
 
 import math
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..engine.backends import resolve_backend
+from ..backends import resolve_backend
 from ..config import BackendSpec, InputSpec, ModelSpec, spec_from_json, spec_to_json
 from ..engine.isolate import run_isolated
 from ..engine.models import build_inputs, load_model
@@ -37,12 +38,12 @@ from ..options import ThresholdOptions
 from ..engine.tree import map_tensors
 from ..results.model import Finding, clean, fingerprint, number
 from .capture import run_compiled_with_outputs, run_eager_with_outputs
-from .metrics import compare_tensors, public, worst
+from .metrics import compare_tensors, cos_text, public, worst
 from .settings import CellContext
 from .thresholds import ThresholdTable, exceeded
 
 if TYPE_CHECKING:
-    from ..engine.backends import Backend
+    from ..backends import Backend
 
 _SAME_KEYS = ("attention_mask", "token_type_ids", "position_ids", "cache_position", "pixel_mask", "image_sizes")
 
@@ -261,12 +262,12 @@ def findings_for(verdict: Mapping[str, Any], *, backend_id: str, model_id: str) 
             what = (f"the same input among {slots - 1} other inputs gives another output in slot "
                     f"{row['worst_slot']} than in slot 0")
         msg = (f"batch variance: {what} from {module or '(root)'} ({row['module_class']}) on: rel "
-               f"{float(m['rel']):.2e}, cos {float(m['cos']):.6f} (threshold rel {float(thr['rel']):.2e}); "
+               f"{float(m['rel']):.2e}, {cos_text(m['cos'])} (threshold rel {float(thr['rel']):.2e}); "
                f"{v['flagged']} layer(s) over threshold; first layer whose slots are not bit-identical: "
                f"{v['first_nonbitwise'] or '(root)'}")
         out.append(Finding(
-            kind="batch_variance", stage="compare", message=msg,
-            fingerprint=fingerprint("batch_variance", backend_id, model_id, module),
+            kind=FindingKind.BATCH_VARIANCE, stage="compare", message=msg,
+            fingerprint=fingerprint(FindingKind.BATCH_VARIANCE, backend_id, model_id, module),
             module=module, module_class=row["module_class"], metrics=dict(m), threshold=dict(thr),
             details={"experiment": exp, "slots": slots, "worst_slot": row["worst_slot"], "call": row["key"],
                      "flagged_layers": v["flagged"], "first_nonbitwise": v["first_nonbitwise"],

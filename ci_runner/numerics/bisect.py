@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..engine.backends import resolve_backend
+from ..backends import resolve_backend
 from ..engine.capture import ModuleCapture, iter_tensors
 from ..config import BackendSpec, InputSpec, ModelSpec, spec_from_json, spec_to_json
 from ..engine.isolate import run_isolated
@@ -50,7 +50,7 @@ from .settings import CellContext, dynamo_settings
 from .thresholds import ThresholdTable, exceeded
 
 if TYPE_CHECKING:
-    from ..engine.backends import Backend
+    from ..backends import Backend
 
 INDUCTOR_FAMILY = ("inductor",)
 

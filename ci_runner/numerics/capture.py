@@ -10,15 +10,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from ..engine.capture import CallInfo, FlatOutput, ModuleCapture, OutputHooks, call_key, iter_tensors
+from ..engine.capture import CallInfo, FlatOutput, ModuleCapture, OutputHooks, VersionWatch, call_key, iter_tensors
 from ..engine.codec import Unstorable, encode_call, encode_value
 from ..errors import DeepviewError
-from .metrics import MetricsError, compare_tensors, worst
+from .metrics import MetricsError, compare_any_row_order, worst
 from .settings import dynamo_settings
 from .store import DumpReader, DumpWriter
 
@@ -88,15 +88,20 @@ class CaptureError(DeepviewError):
 
 
 class RecordingSink(CallSink):
-    """Streams every call's inputs and output into a `DumpWriter`."""
+    """Streams every call's inputs and output into a `DumpWriter` (copies made at the hook).
+
+    `finish()` after the forward marks the calls whose output the model changed in place later
+    (`"mutated_later": true` in the index): a compiled target copies those at its hook (`OutputHooks(clone=…)`)."""
 
     def __init__(self, writer: DumpWriter) -> None:
         self.writer = writer
         self.done = 0
+        self.watch = VersionWatch()
 
     def enter(self, meta: CallMeta, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         rec: dict[str, Any] = {"idx": meta.idx, "key": meta.key, "name": meta.name, "module_class": meta.module_class,
                                "call_index": meta.call_index, "parent": meta.parent, "depth": meta.depth}
+        self.watch.check()
         try:
             rec["inputs"] = encode_call(args, kwargs, self.writer.put)
         except Unstorable as exc:
@@ -106,11 +111,21 @@ class RecordingSink(CallSink):
         assert len(self.writer.calls) == meta.idx + 1
 
     def exit(self, meta: CallMeta, output: Any) -> None:
+        self.watch.check()
         rec = self.writer.calls[meta.idx]
         rec["output"] = encode_value(output, self.writer.put, opaque=True)
-        rec["compare"] = {sub: self.writer.put(t) for sub, t in compared_tensors(output).items()}
+        tensors = compared_tensors(output)
+        rec["compare"] = {sub: self.writer.put(t) for sub, t in tensors.items()}
         rec["done"] = self.done
         self.done += 1
+        self.watch.watch(str(meta.idx), tensors.values())
+
+    def finish(self) -> int:
+        """Mark the calls whose output was changed in place after their hook; returns how many."""
+        moved = self.watch.moved()
+        for idx in moved:
+            self.writer.calls[int(idx)]["mutated_later"] = True
+        return len(moved)
 
 
 def dump_meta(ref: Any, sample: int, *, key: str | None = None) -> dict[str, Any]:
@@ -128,7 +143,9 @@ def record_reference(module: nn.Module, kwargs: Mapping[str, Any], folder: Path,
                      meta: Mapping[str, Any] | None = None) -> Path:
     """The reference pass: `module(**kwargs)` with every call's inputs and output streamed to `folder`."""
     writer = DumpWriter(folder, chunk_bytes=int(chunk_mb * (1 << 20)), meta=meta)
-    capture_layer_outputs(module, (), kwargs, RecordingSink(writer))
+    sink = RecordingSink(writer)
+    capture_layer_outputs(module, (), kwargs, sink)
+    sink.finish()
     return writer.close()
 
 
@@ -149,7 +166,10 @@ def compare_flat(reader: DumpReader, call: Mapping[str, Any], tgt: Mapping[str, 
     if not common:
         raise MetricsError(f"{call['key'] or '(root)'}: output structure differs: reference {sorted(ref)[:5]} "
                            f"vs target {sorted(tgt)[:5]}")
-    out = worst(compare_tensors(ref[k], tgt[k], where=f"{call['key'] or '(root)'}[{k}]") for k in common)
+    each = [compare_any_row_order(ref[k], tgt[k], where=f"{call['key'] or '(root)'}[{k}]") for k in common]
+    out = worst(each)
+    if any(m.get("reordered") for m in each):
+        out["reordered"] = True  # the same rows in another order (see `compare_any_row_order`)
     if len(common) != len(ref) or len(common) != len(tgt):
         out["structure"] = {"only_reference": sorted(set(ref) - set(tgt))[:10],
                             "only_target": sorted(set(tgt) - set(ref))[:10]}
@@ -180,6 +200,7 @@ class CompareSink(CallSink):
         self.journal = journal
         self.prefix = prefix
         self.seen: set[str] = set()
+        self.counts: dict[str, int] = {}  # calls per module name in this run
 
     def enter(self, meta: CallMeta, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self.journal:
@@ -188,6 +209,7 @@ class CompareSink(CallSink):
     def exit(self, meta: CallMeta, output: Any) -> None:
         if self.journal:
             self.journal("leave-module", self.prefix + meta.key)
+        self.counts[meta.name] = self.counts.get(meta.name, 0) + 1
         call = self.reader.by_key.get(meta.key)
         if call is None:
             return
@@ -239,21 +261,23 @@ def compared_tensors(output: Any) -> dict[str, torch.Tensor]:
     return compared_flat(iter_tensors(output))
 
 
-def run_compiled_with_outputs(module: nn.Module, backend: Any, args: Sequence[Any],
-                              kwargs: Mapping[str, Any]) -> tuple[Any, list[tuple[str, dict[str, torch.Tensor]]]]:
+def run_compiled_with_outputs(module: nn.Module, backend: Any, args: Sequence[Any], kwargs: Mapping[str, Any], *,
+                              clone: bool | Collection[str] = True) -> tuple[Any, list[tuple[str, dict[str, torch.Tensor]]]]:
     """The module compiled by `backend` and run under no_grad, with every submodule's compared output tensors:
     (output, [(call key, {sub: tensor})]). Uses the one process-wide hook sink (`capture.OutputHooks`) with hook
     guards on while capturing: hooks of a capture's own would be silently dropped by Dynamo when it reuses a
-    graph compiled earlier without them."""
-    with OutputHooks(module) as hooks, torch._dynamo.config.patch(**dynamo_settings()):
+    graph compiled earlier without them. `clone`: the modules whose outputs are copied at the hook (default all:
+    with no eager pass to say which outputs are changed in place later, every one is)."""
+    with OutputHooks(module, clone=clone) as hooks, torch._dynamo.config.patch(**dynamo_settings()):
         out, keyed = capture_compiled_outputs(module, compile_for_capture(backend), args, kwargs, hooks)
     return out, [(key, compared_flat(flat)) for key, flat in keyed]
 
 
 def run_eager_with_outputs(module: nn.Module, kwargs: Mapping[str, Any]) -> list[tuple[str, dict[str, torch.Tensor]]]:
     """`module(**kwargs)` eagerly under no_grad with every submodule's compared output tensors, like
-    `run_compiled_with_outputs`."""
-    with OutputHooks(module) as hooks, torch.no_grad():
+    `run_compiled_with_outputs`; every output is copied at its hook (eagerly, a copy only outlives the original:
+    the hook's reference kept that alive anyway)."""
+    with OutputHooks(module, clone=True) as hooks, torch.no_grad():
         module(**kwargs)
         keyed = hooks.take()
     return [(key, compared_flat(flat)) for key, flat in keyed]

@@ -12,7 +12,7 @@ import torch
 from ..errors import UsageError
 from ..results.model import clean
 from .dumps import Dump, DumpInputsMismatch, dtype_name, tensor_bytes
-from .metrics import MetricsError, compare_tensors, flag_for, public, severity
+from .metrics import MetricsError, compare_tensors, cos_text, flag_for, public, severity
 from .thresholds import ThresholdTable, exceeded
 
 SEVERITY_RANK = {"exact": 0, "close": 1, "drift": 2, "diverged": 3, "broken": 4}
@@ -227,6 +227,13 @@ def _num(v: Any, fmt: str) -> str:
     return text.rjust(int(width)) if width else text
 
 
+def _one_minus(cos: Any) -> Any:
+    try:
+        return 1.0 - float(cos)
+    except (TypeError, ValueError):
+        return cos
+
+
 def format_comparison(cmp: Comparison, *, max_list: int = 20) -> str:
     """The comparison as text: inputs, schema diff, the per-layer table, the verdict."""
     lines = [f"reference: {cmp.reference['folder']} ({cmp.reference['label']})",
@@ -259,7 +266,7 @@ def format_comparison(cmp: Comparison, *, max_list: int = 20) -> str:
                                for a, b in dtypes))
     width = max([len(r["name"]) for r in cmp.rows] + [5])
     width = min(width, 72)
-    head = f"{'layer':<{width}}  {'shape':<16} {'rel':>9} {'cos':>10} {'max_abs':>9} {'sqnr_db':>8}  flag"
+    head = f"{'layer':<{width}}  {'shape':<16} {'rel':>9} {'1 − cos':>9} {'max_abs':>9} {'sqnr_db':>8}  flag"
     if cmp.thresholds:
         head += "  over threshold"
     lines.append(head)
@@ -270,7 +277,7 @@ def format_comparison(cmp: Comparison, *, max_list: int = 20) -> str:
             lines.append(f"{name:<{width}}  {shape:<16} {r['error']}")
             continue
         m = r["metrics"]
-        line = (f"{name:<{width}}  {shape:<16} {_num(m['rel'], '9.2e')} {_num(m['cos'], '10.6f')} "
+        line = (f"{name:<{width}}  {shape:<16} {_num(m['rel'], '9.2e')} {_num(_one_minus(m['cos']), '9.2e')} "
                 f"{_num(m['max_abs'], '9.2e')} {_num(m['sqnr_db'], '8.1f')}  {r['flag']:<4}")
         if cmp.thresholds:
             line += "  " + (",".join(r.get("exceeded") or []) or "-")
@@ -279,7 +286,7 @@ def format_comparison(cmp: Comparison, *, max_list: int = 20) -> str:
         r = next(x for x in cmp.rows if x["name"] == cmp.first_divergent)
         m = r["metrics"]
         lines.append(f"first divergent layer: {r['name']} ({r['module_class']}): rel {_num(m['rel'], '.2e')}, "
-                     f"cos {_num(m['cos'], '.6f')} ({r['severity']}); {len(cmp.flagged)} entr"
+                     f"{cos_text(m['cos'])} ({r['severity']}); {len(cmp.flagged)} entr"
                      f"{'y' if len(cmp.flagged) == 1 else 'ies'} flagged")
     else:
         lines.append(f"no layer flagged (fail-on {cmp.fail_on}{', with thresholds' if cmp.thresholds else ''})")

@@ -62,16 +62,16 @@ from torch import nn
 from ..engine.capture import iter_tensors
 from ..config import choices_hint, raw_entry
 from ..engine.envinfo import cell_stamp
-from ..engine.backends import resolve_backend
+from ..backends import resolve_backend
 from ..errors import ConfigError, InputError, UsageError
 from ..fsutil import atomic_write_json
 from ..engine.models import build_inputs, load_model, model_fingerprint
 from ..engine.tree import map_tensors
 from .capture import RecordingSink, capture_layer_outputs, run_compiled_with_outputs
-from .store import DumpWriter
+from .store import ChunkFiles, DumpWriter
 
 if TYPE_CHECKING:
-    from ..engine.backends import Backend
+    from ..backends import Backend
     from ..config import InputSpec, Matrix, ModelSpec, Reference
 
 DUMP_FORMAT = "deepview-ci-dump"
@@ -233,7 +233,9 @@ def dump_model(module: nn.Module, kwargs: Mapping[str, Any], out: Path, *, side:
         module = backend.to_device(module) if backend is not None else module.to(device)
         kwargs = map_tensors(lambda t: t.to(device), kwargs)
     if not compiled:
-        capture_layer_outputs(module, (), kwargs, RecordingSink(writer))
+        sink = RecordingSink(writer)
+        capture_layer_outputs(module, (), kwargs, sink)
+        sink.finish()
     else:
         assert backend is not None
         _dump_compiled(module, backend, kwargs, writer)
@@ -373,7 +375,7 @@ class Dump:
         self.manifest = dict(manifest)
         self.entries = entries
         self.by_name = {e.name: e for e in entries}
-        self._handles: dict[str, Any] = {}
+        self._chunks = ChunkFiles(folder, listed_in=MANIFEST_NAME, max_open=self.max_open)
 
     @property
     def side(self) -> dict[str, Any]:
@@ -391,36 +393,8 @@ class Dump:
                 f"{s.get('dtype', '?')} ({s.get('capture', '?')}), host {env.get('host', '?')}, "
                 f"torch {env.get('torch', '?')}")
 
-    def _open(self, file: str) -> Any:
-        from safetensors import safe_open  # deferred: loads safetensors only when a dump is read
-
-        h = self._handles.get(file)
-        if h is not None:
-            self._handles[file] = self._handles.pop(file)  # most recently used last
-        else:
-            while len(self._handles) >= self.max_open:  # drop the least recently used chunk (and its mapping)
-                self._handles.pop(next(iter(self._handles)))
-            path = self.folder / file
-            try:
-                h = safe_open(str(path), framework="pt", device="cpu")
-            except FileNotFoundError:
-                raise InputError(f"{path}: missing (listed in {self.folder / MANIFEST_NAME})",
-                                 hint="copy the whole dump folder; every layers-*.safetensors file belongs to it") from None
-            except Exception as exc:  # safetensors' SafetensorError, a truncated header, …
-                raise InputError(f"{path}: not a readable safetensors file: {exc}",
-                                 hint="the dump is corrupt or was cut short; dump it again") from None
-            self._handles[file] = h
-        return h
-
     def tensor(self, entry: Entry) -> torch.Tensor:
-        h = self._open(entry.file)
-        try:
-            t = h.get_tensor(entry.tensor)
-        except Exception as exc:
-            raise InputError(f"{self.folder / entry.file}: no tensor {entry.tensor!r} for entry {entry.name!r} ({exc})",
-                             hint="the manifest and the chunk files disagree; dump it again") from None
-        if entry.tensor.endswith("c"):
-            t = torch.view_as_complex(t)
+        t = self._chunks.tensor(entry.file, entry.tensor, what=f"entry {entry.name!r}")
         if tuple(t.shape) != entry.shape:
             raise InputError(f"{self.folder / entry.file}: tensor {entry.tensor!r} ({entry.name}) has shape "
                              f"{list(t.shape)}, the manifest says {list(entry.shape)}",
@@ -450,7 +424,7 @@ class Dump:
         return dict((self.manifest.get("input") or {}).get("kwargs") or {})
 
     def close(self) -> None:
-        self._handles.clear()
+        self._chunks.close()
 
 
 _ENTRY_KEYS = ("name", "module", "module_class", "call_index", "key", "sub", "shape", "dtype", "file", "tensor", "order")

@@ -228,3 +228,54 @@ def flag_for(metrics: Mapping[str, Any]) -> str:
 def public(metrics: Mapping[str, Any]) -> dict[str, Any]:
     """Only the five contract keys (`METRIC_KEYS`) of a metrics dict, for report tables."""
     return {k: metrics[k] for k in METRIC_KEYS if k in metrics}
+
+
+def cos_text(cos: Any) -> str:
+    """A cosine as `1 − cos 3.02e-07` (readable where cos itself prints as 1.000000)."""
+    try:
+        x = float(cos)
+    except (TypeError, ValueError):
+        return "1 − cos n/a"
+    if math.isnan(x):
+        return "1 − cos NaN"
+    return f"1 − cos {1.0 - x:.2e}"
+
+
+REORDER_FROM = 1e-3  # an error this large (rel) is checked for being the same rows in another order
+REORDER_GAIN = 100.0  # … and is taken as a row order only when reordering shrinks it this much
+
+
+def reorder_rows(ref: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor | None:
+    """`tgt` (float64) with its rows (dim 0) put in `ref`'s order, both sorted by a fixed random projection of
+    each row; None for tensors without several rows, or with non-finite values."""
+    if ref.dim() < 2 or ref.shape[0] < 2 or tuple(ref.shape) != tuple(tgt.shape) or ref.is_complex() \
+            or tgt.is_complex() or not (ref.is_floating_point() and tgt.is_floating_point()):
+        return None
+    n = ref.shape[0]
+    a = ref.detach().to("cpu", torch.float64).reshape(n, -1)
+    b = tgt.detach().to("cpu", torch.float64).reshape(n, -1)
+    if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+        return None
+    v = torch.randn(a.shape[1], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    ia, ib = torch.argsort(a @ v), torch.argsort(b @ v)
+    out = torch.empty_like(b)
+    out[ia] = b[ib]
+    return out.reshape(tgt.shape)
+
+
+def compare_any_row_order(ref: torch.Tensor, tgt: torch.Tensor, *, where: str = "") -> dict[str, Any]:
+    """`compare_tensors`, but a target holding the reference's rows in another order (an unstable sort of routed
+    tokens: MoE experts group their rows by expert, and ties may come out in any order) is compared row by row
+    in the reference's order, with `"reordered": True` in the metrics. A tensor whose error reordering does not
+    shrink `REORDER_GAIN`-fold is compared as it is."""
+    m = compare_tensors(ref, tgt, where=where)
+    rel = float(m["rel"])
+    if not (rel >= REORDER_FROM) or math.isinf(rel):
+        return m
+    moved = reorder_rows(ref, tgt)
+    if moved is None:
+        return m
+    r = compare_tensors(ref, moved, where=where)
+    if float(r["rel"]) * REORDER_GAIN <= rel:
+        return {**r, "reordered": True}
+    return m

@@ -16,10 +16,15 @@ DTYPES: Mapping[str, torch.dtype] = {
 }
 # Dynamo settings while the target runs: many module instances share one code object (Linear.forward, …), and
 # hitting the recompile limit must fail loudly rather than fall back to eager (which would hide the backend).
+# Every module is compiled for its own static shapes, as a whole-model compile does: without that, the second
+# Linear of another shape recompiles Linear.forward with symbolic sizes (automatic dynamic shapes), another code
+# path than the model's own compile and one some backends cannot run (IREE passes the sizes as plain ints:
+# "'int' object has no attribute 'data'" on every later Linear of tiny Qwen2-MoE).
 DYNAMO_SETTINGS: Mapping[str, Any] = {
     "recompile_limit": 1024,
     "accumulated_recompile_limit": 1 << 16,
     "fail_on_recompile_limit_hit": True,
+    "automatic_dynamic_shapes": False,
 }
 
 

@@ -172,9 +172,59 @@ class DumpWriter:
         return atomic_write_json(self.folder / self.index_name, index, indent=None)
 
 
+class ChunkFiles:
+    """The one way a dump's safetensors chunk files are read (the numerics mode's `DumpReader` and the toolbox's
+    `dumps.Dump`): at most `max_open` files open at once, the least recently used dropped first. Each open chunk is
+    a mapping whose read pages count as resident: keep few, and memory stays flat however deep the model is.
+    Tensors are not cached; a key ending in ``c`` is a complex tensor stored as real pairs."""
+
+    def __init__(self, folder: Path, *, listed_in: str, max_open: int = 2) -> None:
+        self.folder = Path(folder)
+        self.listed_in = listed_in  # the index or manifest file that lists the chunks (for error texts)
+        self.max_open = max_open
+        self._handles: dict[str, Any] = {}
+
+    def _open(self, file: str) -> Any:
+        from safetensors import safe_open  # deferred: loads safetensors only when a dump is read
+
+        h = self._handles.pop(file, None)
+        if h is None:
+            while len(self._handles) >= self.max_open:  # drop the least recently used chunk (and its mapping)
+                self._handles.pop(next(iter(self._handles)))
+            path = self.folder / file
+            try:
+                h = safe_open(str(path), framework="pt", device="cpu")
+            except FileNotFoundError:
+                raise InputError(f"{path}: missing (listed in {self.folder / self.listed_in})",
+                                 hint="copy the whole dump folder; every chunk file belongs to it") from None
+            except Exception as exc:  # safetensors' SafetensorError, a truncated header, …
+                raise InputError(f"{path}: not a readable safetensors file: {exc}",
+                                 hint="the dump is corrupt or was cut short; dump it again") from None
+        self._handles[file] = h  # most recently used last
+        return h
+
+    def tensor(self, file: str, key: str, *, what: str = "") -> torch.Tensor:
+        """Tensor `key` of chunk `file` (`what` names it in the error when the chunk lacks it)."""
+        h = self._open(file)
+        try:
+            t = h.get_tensor(key)
+        except Exception as exc:
+            raise InputError(f"{self.folder / file}: no tensor {key!r}{f' for {what}' if what else ''} ({exc})",
+                             hint="the manifest and the chunk files disagree; dump it again") from None
+        return torch.view_as_complex(t) if key.endswith("c") else t
+
+    @property
+    def open_count(self) -> int:
+        """How many chunk files are open now (at most `max_open`)."""
+        return len(self._handles)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
 class DumpReader:
-    """Reads a dump lazily: one tensor at a time from its chunk (at most `MAX_OPEN` chunk files open; tensors are
-    not cached)."""
+    """Reads a dump lazily: one tensor at a time from its chunk (`ChunkFiles`: at most `MAX_OPEN` chunk files open;
+    tensors are not cached)."""
 
     MAX_OPEN = 2
 
@@ -198,26 +248,17 @@ class DumpReader:
         self._children: dict[int | None, list[dict[str, Any]]] = {}
         for c in self.calls:
             self._children.setdefault(c["parent"], []).append(c)
-        self._handles: dict[int, Any] = {}
+        self._chunks = ChunkFiles(self.folder, listed_in=INDEX_NAME, max_open=self.MAX_OPEN)
 
     def get(self, key: str, *, clone: bool = False) -> torch.Tensor:
         """One stored tensor. `clone=True` for tensors fed to a module: own, aligned memory, because some kernels
         pick their code path by alignment and the isolated view must reproduce the reference bit for bit."""
-        from safetensors import safe_open  # deferred: loaded only when a dump is read
+        t = self._chunks.tensor(self.index["files"][self.index["tensors"][key]], key)
+        return t.clone() if clone else t
 
-        fi = self.index["tensors"][key]
-        h = self._handles.pop(fi, None)
-        if h is None:
-            h = safe_open(str(self.folder / self.index["files"][fi]), framework="pt", device="cpu")
-            while len(self._handles) >= self.MAX_OPEN:  # each open chunk is a mapping whose read pages count as
-                self._handles.pop(next(iter(self._handles)))  # resident: keep few, memory stays flat in depth
-        self._handles[fi] = h  # most recently used last
-        t = h.get_tensor(key)
-        if clone:
-            t = t.clone()
-        if key.endswith("c"):
-            t = torch.view_as_complex(t)
-        return t
+    def mutated_names(self) -> set[str]:
+        """The modules with a call whose output the model changed in place after the hook (see `RecordingSink`)."""
+        return {c["name"] for c in self.calls if c.get("mutated_later")}
 
     def children(self, call: Mapping[str, Any]) -> list[dict[str, Any]]:
         """The direct sub-calls of `call`, in call order."""
@@ -241,5 +282,5 @@ class DumpReader:
         return {sub: self.get(k) for sub, k in call["compare"].items()}
 
     def close(self) -> None:
-        self._handles.clear()
+        self._chunks.close()
 

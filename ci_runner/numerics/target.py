@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..engine.backends import resolve_backend
+from ..backends import resolve_backend
 from ..config import BackendSpec, ModelSpec, spec_from_json
 from ..fsutil import append_line
 from ..engine.isolate import child_journal

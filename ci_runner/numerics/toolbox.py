@@ -3,6 +3,7 @@ the divergent layer after it, and reference dumps made elsewhere (`deepview-ci d
 reference pass. Gated by the toolbox options (`options.ToolboxOptions`, part of `options.numerics`)."""
 
 from __future__ import annotations
+from ..registry import FindingKind
 
 import json
 import time
@@ -109,7 +110,7 @@ def after_numerics(ctx: CellContext, tb: ToolboxOptions, *, table: ThresholdTabl
             bres["seconds"] = round(time.monotonic() - t0, 3)
             out.data["bisect"] = bres
             for f in findings:
-                if f.kind == "divergence" and f.module == bres.get("layer"):
+                if f.kind == FindingKind.DIVERGENCE and f.module == bres.get("layer"):
                     f.details["bisect"] = bres
                     if bres.get("summary"):
                         f.message += f"; bisect: {bres['summary']}"

@@ -7,6 +7,7 @@ cumulative error grows past thresholds with no layer wrong on its own).
 """
 
 from __future__ import annotations
+from ..registry import FindingKind
 
 import math
 import re
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ..results.model import Finding, fingerprint
-from .metrics import public, severity, worst
+from .metrics import cos_text, public, severity, worst
 from .settings import VIEWS
 from .store import DumpReader
 from .thresholds import ThresholdTable, exceeded
@@ -56,11 +57,16 @@ def build_layers(reader: DumpReader, records: list[dict[str, Any]], table: Thres
     layers = {c["key"]: Layer(key=c["key"], name=c["name"], module_class=c["module_class"],
                                call_index=c["call_index"], idx=c["idx"], done=c.get("done", c["idx"]), depth=c["depth"])
               for c in reader.calls}
+    # a call whose paths differ (stage `paths`: the run called the module another number of times, or its
+    # sub-modules otherwise) is not compared in that view, whatever numbers were taken before that was known
+    differ = {(r["view"], r["key"]) for r in records if r.get("stage") == "paths" and r.get("key") is not None}
     for r in records:
         key = r.get("key")
         if key is None or key not in layers:
             continue
         layer = layers[key]
+        if "metrics" in r and (r["view"], key) in differ:
+            continue
         if "metrics" in r:
             prev = layer.metrics.get(r["view"])
             merge_metrics(layer, r["view"], r["metrics"])
@@ -125,7 +131,7 @@ def verdict_of(layers: list[Layer], *, isolated_ran: bool) -> dict[str, Any]:
 def _fmt(m: Mapping[str, Any] | None) -> str:
     if not m:
         return "n/a"
-    return f"rel {float(m['rel']):.2e}, cos {float(m['cos']):.6f}"
+    return f"rel {float(m['rel']):.2e}, {cos_text(m['cos'])}"
 
 
 def findings_for(layers: list[Layer], verdict: Mapping[str, Any], *, backend_id: str, model_id: str,
@@ -152,17 +158,18 @@ def findings_for(layers: list[Layer], verdict: Mapping[str, Any], *, backend_id:
         if why == "isolated":
             where = f" in what it passes to {worst_l.via}" if worst_l.via else ""
             msg = (f"{name or '(root)'} ({worst_l.module_class}) diverges on its own{where}: {_fmt(m)} against "
-                   f"threshold rel {thr.get('rel', math.nan):.2e} / cos {thr.get('cos', math.nan):.6f} (isolated "
+                   f"threshold rel {thr.get('rel', math.nan):.2e} / {cos_text(thr.get('cos', math.nan))} (isolated "
                    f"view, {sev})")
         else:
             msg = (f"accumulated drift first exceeds the threshold at {name or '(root)'} ({worst_l.module_class}): "
-                   f"{_fmt(m)} against rel {thr.get('rel', math.nan):.2e} (cumulative view, {sev}); "
+                   f"{_fmt(m)} against threshold rel {thr.get('rel', math.nan):.2e} / {cos_text(thr.get('cos', math.nan))} "
+                   f"(cumulative view, {sev}); "
                    f"{downstream} layer(s) over threshold downstream, none wrong on its own")
         if name == verdict.get("first_divergent"):
             msg += "; first divergent layer"
         findings.append(Finding(
-            kind="divergence", stage="compare", message=msg,
-            fingerprint=fingerprint("divergence", backend_id, model_id, name),
+            kind=FindingKind.DIVERGENCE, stage="compare", message=msg,
+            fingerprint=fingerprint(FindingKind.DIVERGENCE, backend_id, model_id, name),
             module=name, module_class=worst_l.module_class,
             metrics={v: public(worst_l.metrics[v]) for v in VIEWS if worst_l.metrics.get(v)},
             threshold={v: dict(worst_l.threshold[v]) for v in VIEWS if v in worst_l.threshold},
@@ -209,3 +216,23 @@ def view_status(layers: list[Layer], view: str, *, errors: bool, wanted: bool) -
     if compared == 0:
         return "error" if failed else "not run"
     return "partial" if failed or compared < len(layers) else "ran"
+
+
+def coverage(layers: list[Layer], views: list[str]) -> dict[str, Any]:
+    """How much of the model was compared: `{"compared": N, "total": M, "views": {view: n}, "missing": [first keys
+    compared in no view], "failed": [first keys where the backend failed in a view], "not_comparable": [first keys
+    whose paths differ in a view]}`. A layer counts as compared when a view in `views` (those that should have
+    run) measured it."""
+    per_view = {v: sum(1 for l in layers if l.metrics.get(v) is not None) for v in views}
+    missing = [l.key for l in layers if all(l.metrics.get(v) is None for v in views)]
+    paths = [l for l in layers if any(e.startswith("paths:") for e in l.errors.values())]
+    failed = [l for l in layers if any(not e.startswith("paths:") for v, e in l.errors.items() if v in views)]
+    return {"compared": len(layers) - len(missing), "total": len(layers), "views": per_view, "missing": missing[:20],
+            "failed": [l.key for l in failed][:20], "failed_count": len(failed),
+            "not_comparable": [l.key for l in paths][:20], "not_comparable_count": len(paths)}
+
+
+def coverage_text(cov: Mapping[str, Any]) -> str:
+    """`20 of 42 layers compared (cumulative view 0 of 42, isolated view 20 of 42)`."""
+    views = ", ".join(f"{v} view {n} of {cov['total']}" for v, n in cov["views"].items())
+    return f"{cov['compared']} of {cov['total']} layers compared" + (f" ({views})" if views else "")

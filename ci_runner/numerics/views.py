@@ -37,7 +37,7 @@ from .capture import (
     make_record,
     record_reference,
 )
-from .metrics import MetricsError, compare_tensors, worst
+from .metrics import MetricsError, compare_any_row_order, worst
 from .settings import DTYPES, VIEWS
 from .store import DumpReader
 from .thresholds import LayerStats
@@ -67,13 +67,27 @@ def _stub_forward(*args: Any, **kwargs: Any) -> Any:
     acc: list[tuple[str, torch.Tensor]] = []
     flatten_traceable(args, "args", acc)
     flatten_traceable(kwargs, "kwargs", acc)
-    _STUB_SEEN.append(tuple(acc))
+    _STUB_SEEN.append(tuple((k, t.clone()) for k, t in acc))  # copies: the module may change them in place later
     return _STUB_QUEUE.pop(0)
+
+
+class PathMismatch(Exception):
+    """The module ran another code path than the reference's: it calls its sub-modules a different number of
+    times, or with other input shapes. Its numbers are not comparable; the record says why (stage `paths`)."""
+
+
+def _shapes(flat: Iterable[tuple[str, torch.Tensor]]) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(t.shape) for k, t in flat}
 
 
 def _subcall_input_metrics(reader: DumpReader, kids: Sequence[Mapping[str, Any]],
                            seen: Sequence[tuple[tuple[str, torch.Tensor], ...]]) -> list[tuple[str, dict[str, Any]]]:
-    """Metrics of what the module passed to each stubbed sub-call against what the reference passed."""
+    """Metrics of what the module passed to each stubbed sub-call against what the reference passed.
+
+    The calls are checked, not assumed, to match: as many as the reference's, each with the same input tensors
+    and shapes; `PathMismatch` otherwise (the stubs would hand one path's outputs to another path's calls)."""
+    if len(seen) != len(kids):
+        raise PathMismatch(f"the module made {len(seen)} sub-module call(s) where the reference made {len(kids)}")
     out = []
     for kid, passed in zip(kids, seen):
         try:
@@ -85,9 +99,20 @@ def _subcall_input_metrics(reader: DumpReader, kids: Sequence[Mapping[str, Any]]
         flatten_traceable(ref_kwargs, "kwargs", acc)
         ref = dict(acc)
         tgt = dict(passed)
-        common = [k for k in ref if k in tgt and ref[k].shape == tgt[k].shape]
-        if common:
-            out.append((kid["key"], worst(compare_tensors(ref[k], tgt[k]) for k in common)))
+        common = [k for k in ref if k in tgt]  # an input on one side only (a mask materialized when compiling,
+        differ = {k: (tuple(tgt[k].shape), tuple(ref[k].shape))  # None eagerly) is no other path by itself
+                  for k in common if tuple(ref[k].shape) != tuple(tgt[k].shape)}
+        if differ or (ref and not common):
+            raise PathMismatch(f"it passes {kid['key'] or '(root)'} inputs of other shapes than the reference's "
+                               f"(target, reference: {differ or (sorted(tgt), sorted(ref))})")
+        each = {k: compare_any_row_order(ref[k], tgt[k]) for k in common}
+        moved = [k for k, m in each.items() if m.get("reordered")]
+        if moved:
+            raise PathMismatch(f"it passes {kid['key'] or '(root)'} the reference's rows in another order ({moved[0]}; "
+                               f"e.g. an unstable sort of routed tokens): the reference's outputs cannot stand in "
+                               f"for that sub-call")
+        if each:
+            out.append((kid["key"], worst(each.values())))
     return out
 
 
@@ -184,7 +209,6 @@ def run_isolated_view(modules: Mapping[str, nn.Module], reader: DumpReader,
             stage = "run"
             with torch.no_grad():
                 out = fn(*args, **kwargs)
-            left = len(_STUB_QUEUE)
             seen = list(_STUB_SEEN)
             _STUB_SEEN.clear()
             stage = "compare"
@@ -198,12 +222,17 @@ def run_isolated_view(modules: Mapping[str, nn.Module], reader: DumpReader,
             rec = make_record("isolated", call, metrics=metrics)
             if via is not None:
                 rec["via"] = via  # the worst difference is in what this module passes to that sub-call
-            if left:
-                rec["note"] = f"{left} stubbed sub-call(s) not consumed"
+        except PathMismatch as exc:
+            rec = make_record("isolated", call, error=f"not comparable: {exc}", stage="paths")
         except MetricsError as exc:
             rec = make_record("isolated", call, error=exc.message, stage="compare")
         except Exception as exc:
-            rec = make_record("isolated", call, error=short_error(exc), stage="compile" if is_compile_error(exc) else stage)
+            if stage == "run" and len(_STUB_SEEN) > len(kids):  # a sub-call beyond the reference's: no stub left
+                rec = make_record("isolated", call, stage="paths", error="not comparable: the module made more "
+                                  f"sub-module calls than the reference's {len(kids)}")
+            else:
+                rec = make_record("isolated", call, error=short_error(exc),
+                                  stage="compile" if is_compile_error(exc) else stage)
         finally:
             _STUB_QUEUE.clear()
             _STUB_SEEN.clear()
@@ -214,11 +243,28 @@ def run_isolated_view(modules: Mapping[str, nn.Module], reader: DumpReader,
 
 
 
+def _name_counts(keys: Iterable[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for key in keys:
+        name = key.partition("#")[0]
+        out[name] = out.get(name, 0) + 1
+    return out
+
+
+def calls_differ(reader: DumpReader, counts: Mapping[str, int]) -> dict[str, str]:
+    """The modules the run called another number of times than the reference (`{name: why}`): their calls cannot
+    be matched one to one (a loop over experts against one grouped call), so none of them is compared."""
+    ref = _name_counts(c["key"] for c in reader.calls)
+    return {name: f"called {counts.get(name, 0)} time(s) in this run, {n} in the reference (another code path)"
+            for name, n in ref.items() if counts.get(name, 0) not in (0, n)}
+
+
 def run_cumulative_view(module: nn.Module, backend: Any, readers: Sequence[DumpReader], skip: Iterable[str], emit: ResultFn,
                 to_dev: Callable[[Any], Any], journal: Callable[[str, str], None] | None) -> None:
     eager = bool(getattr(backend, "is_eager", False))
     skipped = set(skip)
-    appender = None if eager else OutputHooks(module)
+    mutated = set().union(*(r.mutated_names() for r in readers)) if readers else set()
+    appender = None if eager else OutputHooks(module, clone=mutated)  # the in-place rule: copy what is changed later
     fn = None
     try:
         for s, reader in enumerate(readers):
@@ -236,6 +282,7 @@ def run_cumulative_view(module: nn.Module, backend: Any, readers: Sequence[DumpR
                     sink = CompareSink(reader, lambda r, s=s: emit({**r, "sample": s}), journal=journal, prefix=tag + ":")
                     capture_layer_outputs(module, args, kwargs, sink)
                     seen = sink.seen
+                    differ = calls_differ(reader, sink.counts)  # checked after: the records were emitted live
                 else:
                     assert appender is not None
                     if fn is None:
@@ -244,11 +291,12 @@ def run_cumulative_view(module: nn.Module, backend: Any, readers: Sequence[DumpR
                     if not records and reader.calls:
                         raise CaptureError("the compiled model ran but none of the capture hooks did")
                     seen = set()
+                    differ = calls_differ(reader, _name_counts(k for k, _ in records))
                     records.reverse()
                     while records:
                         key, out = records.pop()  # drop each output once compared
                         call = reader.by_key.get(key)
-                        if call is None:
+                        if call is None or call["name"] in differ:
                             continue
                         seen.add(key)
                         flat = compared_flat(out)
@@ -257,6 +305,11 @@ def run_cumulative_view(module: nn.Module, backend: Any, readers: Sequence[DumpR
                         except MetricsError as exc:
                             emit({**make_record("cumulative", call, error=exc.message, stage="compare"), "sample": s})
                         del out, flat
+                for c in reader.calls:  # a module called another number of times: which call is which is unknown
+                    if c["name"] in differ:
+                        seen.add(c["key"])
+                        emit({**make_record("cumulative", c, error=f"not comparable: {differ[c['name']]}",
+                                            stage="paths"), "sample": s})
                 missing = [c["key"] for c in reader.calls if c["key"] not in seen]
                 emit({"view": "cumulative", "sample": s, "status": "ok", "unobserved": missing[:50],
                       "unobserved_count": len(missing), "seconds": round(time.monotonic() - t0, 4)})
@@ -300,7 +353,13 @@ def derive_reference_stats(primary: nn.Module, primary_ref: Any, secondaries: Se
 
             if "cumulative" in views:
                 args, kwargs = reader.inputs(reader.root())
-                capture_layer_outputs(module, cast(args), cast(kwargs), CompareSink(reader, add))
+                taken: list[dict[str, Any]] = []
+                sink = CompareSink(reader, taken.append)
+                capture_layer_outputs(module, cast(args), cast(kwargs), sink)
+                differ = calls_differ(reader, sink.counts)  # another path: no statistics from its calls
+                for rec in taken:
+                    if reader.by_key[rec["key"]]["name"] not in differ:
+                        add(rec)
             if "isolated" in views:
                 run_isolated_view(dict(module.named_modules()), reader, lambda _n, m: m, add, cast=cast)
         reader.close()
@@ -310,17 +369,48 @@ def derive_reference_stats(primary: nn.Module, primary_ref: Any, secondaries: Se
 
 
 def runnable_reference(module: nn.Module, dtype: str) -> list[str]:
-    """Adjust a reference model so that it can run in `dtype`; returns what was changed (for the notes).
+    """Adjust a reference model so that it can run in `dtype` on the same code path as the other runs; returns
+    what was changed (for the notes).
 
-    transformers' MoE experts default to `torch._grouped_mm`, which has no float64 kernel: a float64 reference of a
-    Mixtral-style model switches to the `eager` experts (a loop over experts, the same math).
+    transformers' MoE experts default to `torch._grouped_mm`, which has no float64 kernel. A float64 reference keeps
+    the grouped-mm path (one call of the activation over all routed rows, as the float32 reference and a compiled
+    target make) and computes its grouped matmul with transformers' own fallback kernel (`_float64_grouped_mm`).
+    Switching it to the `eager` experts instead (a loop over experts) would call the activation once per expert:
+    calls that cannot be matched with the other runs' (the numerics then say "not comparable", see
+    `calls_differ`). That switch is the last resort, for a transformers without the fallback.
     """
-    changed = []
+    changed: list[str] = []
     config = getattr(module, "config", None)
-    if dtype == "float64" and config is not None and getattr(config, "_experts_implementation", None) not in (None, "eager"):
-        try:
-            config._experts_implementation = "eager"
-            changed.append("experts_implementation=eager (grouped_mm has no float64 kernel)")
-        except (AttributeError, ValueError, TypeError):
-            pass
+    impl = getattr(config, "_experts_implementation", None) if config is not None else None
+    if dtype != "float64" or impl in (None, "eager"):
+        return changed
+    if impl == "grouped_mm" and _float64_grouped_mm():
+        return ["grouped_mm experts compute float64 with transformers' fallback kernel (same path, no float64 kernel)"]
+    try:
+        config._experts_implementation = "eager"
+        changed.append("experts_implementation=eager (grouped_mm has no float64 kernel)")
+    except (AttributeError, ValueError, TypeError):
+        pass
     return changed
+
+
+def _float64_grouped_mm() -> bool:
+    """Make transformers' grouped-mm experts use its own fallback kernel for float64 weights (where
+    `torch._grouped_mm` raises "Expected mat_a to be Float32, BFloat16 or Float16"); other dtypes are untouched.
+    Installed once per process; False when this transformers has no such dispatch."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        return False
+    check = getattr(moe, "_can_use_grouped_mm", None)
+    if check is None or not hasattr(torch.ops.transformers, "grouped_mm_fallback"):
+        return False
+    if getattr(check, "_deepview_float64", False):
+        return True
+
+    def can_use(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> bool:
+        return weight.dtype != torch.float64 and check(input, weight, offs)
+
+    can_use._deepview_float64 = True  # type: ignore[attr-defined]
+    moe._can_use_grouped_mm = can_use
+    return True

@@ -23,6 +23,7 @@ by one group's copies.
 """
 
 from __future__ import annotations
+from ..registry import FindingKind
 
 import copy
 import math
@@ -32,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..engine.backends import resolve_backend
+from ..backends import resolve_backend
 from ..config import BackendSpec, ModelSpec, spec_from_json, spec_to_json
 from ..engine.isolate import run_isolated
 from ..engine.models import load_model
@@ -41,7 +42,7 @@ from .metrics import compare_tensors, public
 from .settings import CellContext, dynamo_settings
 
 if TYPE_CHECKING:
-    from ..engine.backends import Backend
+    from ..backends import Backend
 
 MAX_FINDINGS = 50
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -237,10 +238,10 @@ def findings_for(report: WeightsReport, *, backend_id: str, model_id: str,
             what = (f"{t.equal_share:.1%} of its {math.prod(t.shape)} elements are byte-equal, max abs error "
                     f"{t.max_abs:.3g}" + (f" (rel {float(t.metrics['rel']):.2e})" if "rel" in t.metrics else ""))
         out.append(Finding(
-            kind="weights_mismatch", stage="compare",
+            kind=FindingKind.WEIGHTS_MISMATCH, stage="compare",
             message=f"weights: {t.kind} {t.name} {list(t.shape)} {t.dtype} changed on the round trip to the "
                     f"target ({report.method}): {what}",
-            fingerprint=fingerprint("weights_mismatch", backend_id, model_id, t.name),
+            fingerprint=fingerprint(FindingKind.WEIGHTS_MISMATCH, backend_id, model_id, t.name),
             module=owner, module_class=cls, metrics=dict(t.metrics),
             details={"tensor": t.name, "kind": t.kind, "shape": list(t.shape), "dtype": t.dtype,
                      "byte_equal": False, "equal_share": t.equal_share, "method": report.method,

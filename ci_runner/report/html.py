@@ -15,6 +15,8 @@ import hashlib
 import html
 import json
 import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +61,41 @@ def _e(text: Any) -> str:
     return html.escape("" if text is None else str(text), quote=True)
 
 
+@dataclass(frozen=True)
+class _Scale:
+    """A chart's plot area: `n` layers along x, decades `lo`..`hi` of a log scale along y."""
+
+    n: int
+    lo: int
+    hi: int
+
+    @property
+    def pw(self) -> float:
+        return W - ML - MR
+
+    @property
+    def ph(self) -> float:
+        return H - MT - MB
+
+    @property
+    def step(self) -> float:
+        return self.pw / max(self.n, 1)
+
+    def x(self, i: int) -> float:
+        return ML + (i + 0.5) * self.step
+
+    def y(self, v: float | None) -> tuple[float, str]:
+        """Plot position and the kind of point: value, zero (at the floor) or nonfinite (at the top)."""
+        if v is None:
+            return (MT + self.ph, "none")
+        if math.isnan(v) or math.isinf(v):
+            return (MT, "nonfinite")
+        if v <= 0:
+            return (MT + self.ph, "zero")
+        t = (math.log10(v) - self.lo) / (self.hi - self.lo)
+        return (MT + self.ph - max(0.0, min(1.0, t)) * self.ph, "value")
+
+
 def layer_chart(nv: NumericsView, metric: str, *, cell_id: str, label: str, hidden: bool = False) -> str:
     """An SVG chart of every layer's `metric` (cumulative and isolated) against its threshold."""
     pts = nv.layers
@@ -73,31 +110,27 @@ def layer_chart(nv: NumericsView, metric: str, *, cell_id: str, label: str, hidd
     hi = math.ceil(math.log10(max(finite))) if finite else 0
     if hi - lo < 2:
         lo, hi = lo - 1, hi + 1
-    pw, ph = W - ML - MR, H - MT - MB
-    step = pw / max(n, 1)
-
-    def x(i: int) -> float:
-        return ML + (i + 0.5) * step
-
-    def y(v: float | None) -> tuple[float, str]:
-        """Plot position and the kind of point: value, zero (at the floor) or nonfinite (at the top)."""
-        if v is None:
-            return (MT + ph, "none")
-        if math.isnan(v) or math.isinf(v):
-            return (MT, "nonfinite")
-        if v <= 0:
-            return (MT + ph, "zero")
-        t = (math.log10(v) - lo) / (hi - lo)
-        return (MT + ph - max(0.0, min(1.0, t)) * ph, "value")
-
+    sc = _Scale(n=n, lo=lo, hi=hi)
     first = nv.verdict.get("first_divergent")
     flagged = sum(1 for p in pts if p.flagged_cumulative or p.flagged_isolated)
     out: list[str] = [
         f'<svg class="chart{" hidden" if hidden else ""}" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {W} {H}" width="{W}" height="{H}" '
         f'role="img" data-cell="{_e(cell_id)}" data-metric="{metric}" data-layers="{n}" data-flagged="{flagged}">',
         f"<title>{_e(cell_id)}: per-layer {_e(label)} against threshold ({n} layers, {flagged} flagged)</title>",
-        f'<rect class="plot" x="{ML}" y="{MT}" width="{pw:.1f}" height="{ph}"/>',
+        f'<rect class="plot" x="{ML}" y="{MT}" width="{sc.pw:.1f}" height="{sc.ph}"/>',
     ]
+    out += _chart_axes(sc, pts, label)
+    out += _chart_first(sc, pts, first)
+    out += _chart_lines(sc, series, thr, thr_iso)
+    out += _chart_points(sc, pts, series, thr, thr_iso)
+    out.append("</svg>")
+    return "".join(out)
+
+
+def _chart_axes(sc: _Scale, pts: Sequence[LayerPoint], label: str) -> list[str]:
+    """Grid lines and decade ticks, layer-index ticks and the two axis titles."""
+    out: list[str] = []
+    lo, hi, ph, pw, n = sc.lo, sc.hi, sc.ph, sc.pw, sc.n
     every = max(1, math.ceil((hi - lo) / 8))
     for dec in range(lo, hi + 1, every):
         yy = MT + ph - (dec - lo) / (hi - lo) * ph
@@ -105,19 +138,31 @@ def layer_chart(nv: NumericsView, metric: str, *, cell_id: str, label: str, hidd
         out.append(f'<text class="tick" x="{ML - 6}" y="{yy + 4:.1f}" text-anchor="end">1e{dec}</text>')
     xticks = max(1, math.ceil(n / 12))
     for i in range(0, n, xticks):
-        out.append(f'<text class="tick" x="{x(i):.1f}" y="{MT + ph + 14}" text-anchor="middle">{pts[i].index}</text>')
+        out.append(f'<text class="tick" x="{sc.x(i):.1f}" y="{MT + ph + 14}" text-anchor="middle">{pts[i].index}</text>')
     out.append(f'<text class="axis" x="{ML + pw / 2:.1f}" y="{H - 6}" text-anchor="middle">layer (execution order)</text>')
     out.append(f'<text class="axis" transform="translate(14 {MT + ph / 2:.1f}) rotate(-90)" text-anchor="middle">{_e(label)}</text>')
-    if first:
-        for i, p in enumerate(pts):
-            if p.name == first:
-                out.append(f'<line class="first" x1="{x(i):.1f}" x2="{x(i):.1f}" y1="{MT}" y2="{MT + ph}"/>')
-                anchor = "end" if i > n / 2 else "start"
-                dx = -4 if anchor == "end" else 4
-                out.append(f'<text class="firstlabel" x="{x(i) + dx:.1f}" y="{MT + 12}" text-anchor="{anchor}">'
-                           f"first divergent: {_e(first)}</text>")
-                break
-    # thresholds as step lines, broken where a layer has none (the isolated one only when it differs)
+    return out
+
+
+def _chart_first(sc: _Scale, pts: Sequence[LayerPoint], first: Any) -> list[str]:
+    """The vertical marker of the first divergent layer, if any."""
+    if not first:
+        return []
+    for i, p in enumerate(pts):
+        if p.name == first:
+            anchor = "end" if i > sc.n / 2 else "start"
+            dx = -4 if anchor == "end" else 4
+            return [f'<line class="first" x1="{sc.x(i):.1f}" x2="{sc.x(i):.1f}" y1="{MT}" y2="{MT + sc.ph}"/>',
+                    f'<text class="firstlabel" x="{sc.x(i) + dx:.1f}" y="{MT + 12}" text-anchor="{anchor}">'
+                    f"first divergent: {_e(first)}</text>"]
+    return []
+
+
+def _chart_lines(sc: _Scale, series: Mapping[str, list[float | None]], thr: list[float | None],
+                 thr_iso: list[float | None]) -> list[str]:
+    """Thresholds as step lines, broken where a layer has none (the isolated one only when it differs), then one
+    polyline per view."""
+    out: list[str] = []
     for values, cls in ((thr, "thr"), (thr_iso, "thr thr-iso")):
         d: list[str] = []
         pen = False
@@ -125,43 +170,43 @@ def layer_chart(nv: NumericsView, metric: str, *, cell_id: str, label: str, hidd
             if t is None or t <= 0:
                 pen = False
                 continue
-            yy, _ = y(t)
-            x0, x1 = ML + i * step, ML + (i + 1) * step
+            yy, _ = sc.y(t)
+            x0, x1 = ML + i * sc.step, ML + (i + 1) * sc.step
             d.append(f"{'L' if pen else 'M'}{x0:.1f} {yy:.1f}H{x1:.1f}")
             pen = True
         if d:
             out.append(f'<path class="{cls}" d="{"".join(d)}"/>')
     for view, cls in (("cumulative", "cum"), ("isolated", "iso")):
-        coords = []
-        for i, v in enumerate(series[view]):
-            if v is None:
-                continue
-            yy, _ = y(v)
-            coords.append(f"{x(i):.1f},{yy:.1f}")
+        coords = [f"{sc.x(i):.1f},{sc.y(v)[0]:.1f}" for i, v in enumerate(series[view]) if v is not None]
         if coords:
             out.append(f'<polyline class="line {cls}" data-view="{view}" points="{" ".join(coords)}"/>')
+    return out
+
+
+def _chart_points(sc: _Scale, pts: Sequence[LayerPoint], series: Mapping[str, list[float | None]],
+                  thr: list[float | None], thr_iso: list[float | None]) -> list[str]:
+    """Per layer: nonfinite and flag marks, and a hover area whose title lists the values."""
+    out: list[str] = []
     for i, p in enumerate(pts):
         for view, flag, shape in (("cumulative", p.flagged_cumulative, "circle"), ("isolated", p.flagged_isolated, "diamond")):
-            v = series[view][i]
-            yy, kind = y(v)
+            yy, kind = sc.y(series[view][i])
             if kind == "nonfinite":
-                out.append(f'<path class="nonfinite" d="M{x(i):.1f} {MT - 1}l-5 9h10z"/>')
+                out.append(f'<path class="nonfinite" d="M{sc.x(i):.1f} {MT - 1}l-5 9h10z"/>')
             if not flag:
                 continue
             if shape == "circle":
-                out.append(f'<circle class="flag flag-cum" cx="{x(i):.1f}" cy="{yy:.1f}" r="4.5"/>')
+                out.append(f'<circle class="flag flag-cum" cx="{sc.x(i):.1f}" cy="{yy:.1f}" r="4.5"/>')
             else:
-                out.append(f'<path class="flag flag-iso" d="M{x(i):.1f} {yy - 5:.1f}l5 5l-5 5l-5 -5z"/>')
+                out.append(f'<path class="flag flag-iso" d="M{sc.x(i):.1f} {yy - 5:.1f}l5 5l-5 5l-5 -5z"/>')
         tip = [f"#{p.index} {p.label} ({p.module_class})" if p.module_class else f"#{p.index} {p.label}"]
         for view in ("cumulative", "isolated"):
             tip.append(f"{view}: {fmt_num(series[view][i])}")
         tip.append(f"threshold: {fmt_num(thr[i])}" + (f" (isolated {fmt_num(thr_iso[i])})" if thr_iso and thr_iso[i] != thr[i] else ""))
         if p.flagged_cumulative or p.flagged_isolated:
             tip.append("flagged: " + ", ".join(v for v, f in (("cumulative", p.flagged_cumulative), ("isolated", p.flagged_isolated)) if f))
-        out.append(f'<rect class="hit" x="{ML + i * step:.1f}" y="{MT}" width="{step:.2f}" height="{ph}">'
+        out.append(f'<rect class="hit" x="{ML + i * sc.step:.1f}" y="{MT}" width="{sc.step:.2f}" height="{sc.ph}">'
                    f"<title>{_e(chr(10).join(tip))}</title></rect>")
-    out.append("</svg>")
-    return "".join(out)
+    return out
 
 
 def layer_table(nv: NumericsView) -> str:

@@ -16,10 +16,11 @@ from pathlib import Path
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..registry import SECTION_DIVERGENT, SECTION_LAYERS, SECTION_OPS, SECTION_OTHER, FindingKind, kinds_in
+from ..registry import mode_names as registered_modes
 from ..results.model import STATUS_SEVERITY, CellResult, Finding, Repro, Results, number
 from ..results.rootcause import root_causes
 
-MODE_ORDER: tuple[str, ...] = ("ops", "layers", "numerics")
 ICONS: dict[str, str] = {
     "pass": "✅",
     "fail": "❌",
@@ -369,8 +370,9 @@ def _flat_env(env: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
 
 
 def mode_names(results: Results) -> list[str]:
+    order = registered_modes()
     seen = {m for c in results.cells for m in c.modes}
-    return [m for m in MODE_ORDER if m in seen] + sorted(seen - set(MODE_ORDER)) or list(MODE_ORDER)
+    return [m for m in order if m in seen] + sorted(seen - set(order)) or list(order)
 
 
 def culprit_text(f: Finding) -> str | None:
@@ -413,7 +415,7 @@ def build_view(results: Results, *, out_dir: Path | None = None, run_dir: Path |
                     repro=repro_path(c, f, out_dir=out_dir, run_dir=run_dir, base=base),
                     verified=bool(f.repro and f.repro.verified),
                     view=fview,
-                    primary=primary_metrics(f, fview) if f.kind == "divergence" else (None, {}, {}),
+                    primary=primary_metrics(f, fview) if f.kind == FindingKind.DIVERGENCE else (None, {}, {}),
                     metrics_text=format_metrics(f) if f.metrics else "",
                     command=repro_command(f),
                     culprit=culprit_text(f), culprit_repro=c_repro, culprit_verified=c_ok,
@@ -425,7 +427,7 @@ def build_view(results: Results, *, out_dir: Path | None = None, run_dir: Path |
             for p in nv.layers:
                 order.setdefault(p.name, p.index)
             fviews.sort(key=lambda fv: (modes.index(fv.mode), order.get(fv.finding.module or "", len(order))
-                                        if fv.finding.kind == "divergence" else -1))
+                                        if fv.finding.kind == FindingKind.DIVERGENCE else -1))
         cells.append(CellView(
             cell=c,
             modes={m: (c.modes[m].status if m in c.modes else None) for m in modes},
@@ -441,10 +443,10 @@ def build_view(results: Results, *, out_dir: Path | None = None, run_dir: Path |
         modes=modes,
         counts=results.counts(),
         ranking=[r for r in results.ranking if isinstance(r, Mapping)],
-        submodules=[f for f in allf if f.finding.kind == "layer_failure"],
-        divergent=[f for f in allf if f.finding.kind == "divergence"],
-        op_findings=[f for f in allf if f.finding.kind in ("unsupported_op", "op_error", "op_mismatch")],
-        other=[f for f in allf if f.finding.kind in ("weights_mismatch", "batch_variance")],
+        submodules=[f for f in allf if f.finding.kind in kinds_in(SECTION_LAYERS)],
+        divergent=[f for f in allf if f.finding.kind in kinds_in(SECTION_DIVERGENT)],
+        op_findings=[f for f in allf if f.finding.kind in kinds_in(SECTION_OPS)],
+        other=[f for f in allf if f.finding.kind in kinds_in(SECTION_OTHER)],
         verdicts=[(cv, cv.numerics.verdict) for cv in cells if cv.numerics and cv.numerics.verdict.get("first_divergent")],
         tool_version=results.tool_version,
         generated_at=results.generated_at,

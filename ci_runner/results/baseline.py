@@ -65,7 +65,8 @@ from ..github.actions import AnnotationCap, in_actions
 from ..log import append_step_summary
 from ..report.summary import SUMMARY_LIMIT, code, md, truncate_markdown
 from ..report.view import first_line
-from .model import CELL_STATUSES, FINDING_KINDS, STATUS_SEVERITY, CellResult, Finding, Results, clean, load_results, read_json, validate
+from ..registry import kind_names
+from .model import CELL_STATUSES, STATUS_SEVERITY, CellResult, Finding, Results, clean, load_results, read_json, validate
 
 BASELINE_SCHEMA_VERSION = 1
 DIFF_SCHEMA_VERSION = 1
@@ -247,7 +248,7 @@ def _surely_valid(data: Any) -> bool:
             return False
         if not all(type(v) is str and v in statuses for v in c["modes"].values()):
             return False
-    kinds = set(FINDING_KINDS)
+    kinds = set(kind_names())
     for f in findings:
         if type(f) is not dict or not _FIND_REQ <= f.keys() <= _FIND_KEYS:
             return False
@@ -403,6 +404,31 @@ def _str(p: Any) -> str | None:
     return None if p is None else str(p)
 
 
+@dataclass
+class _DiffBuilder:
+    """The diff being built, and one cleaned copy of each cell's env (shared by its entries)."""
+
+    d: Diff
+    envs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    history_flaky: dict[tuple[str, str], str] = field(default_factory=dict)  # (cell, fingerprint) → why
+
+    def entry(self, category: str, c: CellResult | None, bc: BaselineCell | None, reason: str, *,
+              fp: str | None = None, f: Finding | None = None, mode: str | None = None,
+              kind: str | None = None, key: str | None = None) -> None:
+        src = c or bc
+        assert src is not None
+        if category == "flaky" and fp is not None and (src.id, fp) in self.history_flaky:
+            reason = self.history_flaky[(src.id, fp)]
+        self.d.entries.append(DiffEntry(
+            category=category, cell=src.id, model=src.model, backend=src.backend, fingerprint=fp,
+            finding=f.to_dict() if f is not None else None,
+            status=c.status if c else None, baseline_status=bc.status if bc else None,
+            artifacts_dir=c.artifacts_dir if c else None, env=self.envs[src.id] if c else {},
+            reason=reason, mode=mode, kind=kind if kind is not None else (f.kind if f else None),
+            key=key if key is not None else (finding_key(f) if f else None),
+        ))
+
+
 def diff(
     results: Results,
     baseline: Baseline,
@@ -419,105 +445,98 @@ def diff(
     `history_flaky` ((cell, fingerprint) → why, from the run history) makes those findings `flaky` whether
     they came or went; `drifting` (layers rising under their threshold) is carried into ``diff.json``."""
     check_policy(policy)
-    d = Diff(results_path=_str(results_path), baseline_path=_str(baseline_path or baseline.path),
-             run_dir=_str(run_dir), policy=policy, drifting=[dict(x) for x in drifting])
-    hist = dict(history_flaky or {})
+    b = _DiffBuilder(Diff(results_path=_str(results_path), baseline_path=_str(baseline_path or baseline.path),
+                          run_dir=_str(run_dir), policy=policy, drifting=[dict(x) for x in drifting]),
+                     history_flaky=dict(history_flaky or {}))
     by_cell: dict[str, dict[str, BaselineFinding]] = {}
     for (cid, fp), bf in baseline.findings.items():
         by_cell.setdefault(cid, {})[fp] = bf
-
-    def entry(category: str, c: CellResult | None, bc: BaselineCell | None, reason: str, *,
-              fp: str | None = None, f: Finding | None = None, mode: str | None = None,
-              kind: str | None = None, key: str | None = None) -> None:
-        src = c or bc
-        assert src is not None
-        if category == "flaky" and fp is not None and (src.id, fp) in hist:
-            reason = hist[(src.id, fp)]
-        d.entries.append(DiffEntry(
-            category=category, cell=src.id, model=src.model, backend=src.backend, fingerprint=fp,
-            finding=f.to_dict() if f is not None else None,
-            status=c.status if c else None, baseline_status=bc.status if bc else None,
-            artifacts_dir=c.artifacts_dir if c else None, env=envs[src.id] if c else {},
-            reason=reason, mode=mode, kind=kind if kind is not None else (f.kind if f else None),
-            key=key if key is not None else (finding_key(f) if f else None),
-        ))
-
     seen: set[str] = set()
-    envs: dict[str, dict[str, Any]] = {}  # one cleaned copy per cell, shared by its entries
     for c in results.cells:
         if c.id in seen:
             continue
         seen.add(c.id)
-        envs[c.id] = clean(c.env)
+        b.envs[c.id] = clean(c.env)
         found: dict[str, tuple[str, Finding]] = {}
         for mname, mode in c.modes.items():
             for f in mode.findings:
                 found.setdefault(f.fingerprint, (mname, f))
         bc = baseline.cells.get(c.id)
         if bc is None:
-            entry("new_cell", c, None, f"cell not in the baseline ({c.status}, {len(found)} finding(s))")
+            b.entry("new_cell", c, None, f"cell not in the baseline ({c.status}, {len(found)} finding(s))")
             for fp, (mname, f) in sorted(found.items()):
-                entry("new_cell", c, None, "finding in a cell not in the baseline", fp=fp, f=f, mode=mname)
+                b.entry("new_cell", c, None, "finding in a cell not in the baseline", fp=fp, f=f, mode=mname)
             continue
-        base = by_cell.get(c.id, {})
-        cell_flaky = bc.flaky or cell_is_flaky(c)
-        shaky = flaky_fingerprints(c) | {fp for fp, bf in base.items() if bf.flaky} | {fp for cid, fp in hist if cid == c.id}
-        regressed_modes: set[str] = set()
-        fixed_modes: set[str] = set()
-        for fp, (mname, f) in sorted(found.items()):
-            if fp in base:
-                if fp in shaky:
-                    entry("flaky", c, bc, "present; marked flaky", fp=fp, f=f, mode=mname)
-                else:
-                    entry("persisting", c, bc, "in the baseline", fp=fp, f=f, mode=mname)
-            elif cell_flaky or fp in shaky:
-                entry("flaky", c, bc, "new finding in a cell whose reruns disagree" if cell_flaky else
-                      "new finding that not every rerun shows", fp=fp, f=f, mode=mname)
-            else:
-                was = bc.modes.get(mname)
-                why = "new finding" + (f" (mode {mname} was {was} in the baseline)" if was not in VERDICT and was else "")
-                entry("regressed", c, bc, why, fp=fp, f=f, mode=mname)
-                regressed_modes.add(mname)
-        for fp, bf in sorted(base.items()):
-            if fp in found:
-                continue
-            now = c.modes[bf.mode].status if bf.mode in c.modes else None
-            if now not in VERDICT:
-                entry("persisting", c, bc, f"not re-checked: mode {bf.mode} {'did not run' if now is None else now} in this run",
-                      fp=fp, mode=bf.mode, kind=bf.kind, key=bf.key)
-            elif cell_flaky or fp in shaky:
-                entry("flaky", c, bc, "gone this run; marked flaky", fp=fp, mode=bf.mode, kind=bf.kind, key=bf.key)
-            else:
-                entry("fixed", c, bc, "finding gone", fp=fp, mode=bf.mode, kind=bf.kind, key=bf.key)
-                fixed_modes.add(bf.mode)
-        # Status changes that no finding explains.
-        modes = sorted(set(c.modes) | set(bc.modes))
-        worse = [m for m in modes if _worse(c.modes[m].status if m in c.modes else None, bc.modes.get(m))]
-        better = [m for m in modes if _better(c.modes[m].status if m in c.modes else None, bc.modes.get(m))]
-        # New findings explain a move to "fail", never an error, timeout or crash (and the reverse).
-        mode_now = {m: (c.modes[m].status if m in c.modes else None) for m in modes}
-        unexplained_worse = [m for m in worse if not (mode_now[m] == "fail" and m in regressed_modes)]
-        unexplained_better = [m for m in better if not (bc.modes.get(m) == "fail" and m in fixed_modes)]
-        cell_worse = _worse(c.status, bc.status) and not (c.status == "fail" and regressed_modes)
-        cell_better = _better(c.status, bc.status) and not (bc.status == "fail" and fixed_modes)
-
-        def change(ms: list[str]) -> str:
-            parts = [] if c.status == bc.status else [f"status {bc.status} → {c.status}"]
-            parts += [f"mode {m}: {bc.modes.get(m, 'not run')} → {c.modes[m].status if m in c.modes else 'not run'}" for m in ms]
-            return "; ".join(parts) or f"status {bc.status} → {c.status}"
-
-        if unexplained_worse or cell_worse:
-            entry("flaky" if cell_flaky else "regressed", c, bc,
-                  change(unexplained_worse) + ("; reruns disagree" if cell_flaky else ""))
-        elif unexplained_better or cell_better:
-            entry("flaky" if cell_flaky else "fixed", c, bc,
-                  change(unexplained_better) + ("; reruns disagree" if cell_flaky else ""))
+        _diff_cell(b, c, bc, found, by_cell.get(c.id, {}))
     for cid, bc in sorted(baseline.cells.items()):
         if cid not in seen:
             n = len(by_cell.get(cid, {}))
-            entry("missing_cell", None, bc, f"cell in the baseline ({bc.status}, {n} finding(s)) but not in the results")
-    d.entries.sort(key=DiffEntry.sort_key)
-    return d
+            b.entry("missing_cell", None, bc, f"cell in the baseline ({bc.status}, {n} finding(s)) but not in the results")
+    b.d.entries.sort(key=DiffEntry.sort_key)
+    return b.d
+
+
+def _diff_cell(b: _DiffBuilder, c: CellResult, bc: BaselineCell, found: dict[str, tuple[str, Finding]],
+               base: dict[str, BaselineFinding]) -> None:
+    """A cell the baseline has: its findings present and gone, then status changes no finding explains."""
+    cell_flaky = bc.flaky or cell_is_flaky(c)
+    shaky = flaky_fingerprints(c) | {fp for fp, bf in base.items() if bf.flaky} | \
+        {fp for cid, fp in b.history_flaky if cid == c.id}
+    regressed_modes: set[str] = set()
+    fixed_modes: set[str] = set()
+    for fp, (mname, f) in sorted(found.items()):
+        if fp in base:
+            if fp in shaky:
+                b.entry("flaky", c, bc, "present; marked flaky", fp=fp, f=f, mode=mname)
+            else:
+                b.entry("persisting", c, bc, "in the baseline", fp=fp, f=f, mode=mname)
+        elif cell_flaky or fp in shaky:
+            b.entry("flaky", c, bc, "new finding in a cell whose reruns disagree" if cell_flaky else
+                    "new finding that not every rerun shows", fp=fp, f=f, mode=mname)
+        else:
+            was = bc.modes.get(mname)
+            why = "new finding" + (f" (mode {mname} was {was} in the baseline)" if was not in VERDICT and was else "")
+            b.entry("regressed", c, bc, why, fp=fp, f=f, mode=mname)
+            regressed_modes.add(mname)
+    for fp, bf in sorted(base.items()):
+        if fp in found:
+            continue
+        now = c.modes[bf.mode].status if bf.mode in c.modes else None
+        if now not in VERDICT:
+            b.entry("persisting", c, bc, f"not re-checked: mode {bf.mode} {'did not run' if now is None else now} in this run",
+                    fp=fp, mode=bf.mode, kind=bf.kind, key=bf.key)
+        elif cell_flaky or fp in shaky:
+            b.entry("flaky", c, bc, "gone this run; marked flaky", fp=fp, mode=bf.mode, kind=bf.kind, key=bf.key)
+        else:
+            b.entry("fixed", c, bc, "finding gone", fp=fp, mode=bf.mode, kind=bf.kind, key=bf.key)
+            fixed_modes.add(bf.mode)
+    _diff_status(b, c, bc, cell_flaky=cell_flaky, regressed_modes=regressed_modes, fixed_modes=fixed_modes)
+
+
+def _diff_status(b: _DiffBuilder, c: CellResult, bc: BaselineCell, *, cell_flaky: bool, regressed_modes: set[str],
+                 fixed_modes: set[str]) -> None:
+    """Status changes that no finding explains: new findings explain a move to "fail", never an error, timeout or
+    crash (and the reverse)."""
+    modes = sorted(set(c.modes) | set(bc.modes))
+    worse = [m for m in modes if _worse(c.modes[m].status if m in c.modes else None, bc.modes.get(m))]
+    better = [m for m in modes if _better(c.modes[m].status if m in c.modes else None, bc.modes.get(m))]
+    mode_now = {m: (c.modes[m].status if m in c.modes else None) for m in modes}
+    unexplained_worse = [m for m in worse if not (mode_now[m] == "fail" and m in regressed_modes)]
+    unexplained_better = [m for m in better if not (bc.modes.get(m) == "fail" and m in fixed_modes)]
+    cell_worse = _worse(c.status, bc.status) and not (c.status == "fail" and regressed_modes)
+    cell_better = _better(c.status, bc.status) and not (bc.status == "fail" and fixed_modes)
+
+    def change(ms: list[str]) -> str:
+        parts = [] if c.status == bc.status else [f"status {bc.status} → {c.status}"]
+        parts += [f"mode {m}: {bc.modes.get(m, 'not run')} → {c.modes[m].status if m in c.modes else 'not run'}" for m in ms]
+        return "; ".join(parts) or f"status {bc.status} → {c.status}"
+
+    if unexplained_worse or cell_worse:
+        b.entry("flaky" if cell_flaky else "regressed", c, bc,
+                change(unexplained_worse) + ("; reruns disagree" if cell_flaky else ""))
+    elif unexplained_better or cell_better:
+        b.entry("flaky" if cell_flaky else "fixed", c, bc,
+                change(unexplained_better) + ("; reruns disagree" if cell_flaky else ""))
 
 
 # --------------------------------------------------------------------------- outputs

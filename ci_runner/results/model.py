@@ -23,22 +23,19 @@ import jsonschema
 
 from ..errors import InputError
 from ..fsutil import atomic_write_json, atomic_write_text
+from ..registry import apply_to_schema, kind_names, mode_names
 
 SCHEMA_VERSION = 1
+
+# The cell folder (`DIR/cells/<cell-id>/`), its file names in one place; each mode's artifacts go in `<mode>/`.
+RESULT_NAME = "result.json"  # the finished cell's `CellResult` (what `aggregate` reads)
+PARTIAL_NAME = "result.partial.json"  # written after each mode, so a hard crash loses nothing already diagnosed
+JOURNAL_NAME = "journal.log"  # enter/leave events (fsync'd), read by the parent after a hard crash
+STDERR_NAME = "stderr.log"  # the cell worker's stderr
 
 CellStatus = Literal["pass", "fail", "error", "timeout", "crashed", "skipped", "inconclusive"]
 # inconclusive: nothing failed, but the backend did not run everything (a probe ran in eager): never a pass
 CELL_STATUSES: tuple[str, ...] = ("pass", "fail", "error", "timeout", "crashed", "skipped", "inconclusive")
-FINDING_KINDS: tuple[str, ...] = (
-    "unsupported_op",
-    "op_error",
-    "op_mismatch",
-    "layer_failure",
-    "divergence",
-    "weights_mismatch",
-    "batch_variance",
-    "probe_error",
-)
 STAGES: tuple[str, ...] = ("trace", "compile", "run", "compare")
 # Worst first: used to fold mode statuses into a cell status and to rank "got worse".
 STATUS_SEVERITY: dict[str, int] = {
@@ -283,9 +280,14 @@ class Results:
 
 # --------------------------------------------------------------------------- schema + I/O
 
-def schema(name: str) -> dict[str, Any]:
-    """Load a JSON Schema shipped in `ci_runner/schemas/`."""
+def schema_file(name: str) -> dict[str, Any]:
+    """A JSON Schema shipped in `ci_runner/schemas/`, as the file holds it."""
     return json.loads((files("ci_runner") / "schemas" / name).read_text(encoding="utf-8"))
+
+
+def schema(name: str) -> dict[str, Any]:
+    """A JSON Schema shipped in `ci_runner/schemas/`, with the mode registry's mode names and finding kinds."""
+    return apply_to_schema(schema_file(name))
 
 
 def _schema_spec(schema_name: str) -> dict[str, Any]:
@@ -296,8 +298,8 @@ def _schema_spec(schema_name: str) -> dict[str, Any]:
 
 
 @lru_cache(maxsize=None)
-def _fast_validator(schema_name: str) -> Any:
-    """A compiled validator (fastjsonschema: ~50× faster on big results files)."""
+def _fast_validator(schema_name: str, registry: tuple[tuple[str, ...], tuple[str, ...]]) -> Any:
+    """A compiled validator (fastjsonschema: ~50× faster on big results files), one per registry state."""
     return fastjsonschema.compile(_schema_spec(schema_name))
 
 
@@ -306,7 +308,7 @@ def validate(obj: Any, schema_name: str, *, source: str) -> None:
 
     The compiled validator answers first; jsonschema runs only to word the error precisely."""
     try:
-        _fast_validator(schema_name)(obj)
+        _fast_validator(schema_name, (mode_names(), kind_names()))(obj)
         return
     except fastjsonschema.JsonSchemaException:  # reported below, with jsonschema's wording
         pass

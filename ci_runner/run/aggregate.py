@@ -7,15 +7,15 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from .cellrun import RESULT_NAME
 from ..engine.envinfo import tool_version
+from ..engine.isolate import open_entry
 from ..errors import InputError
 from ..report import write_reports
-from ..plan import PlannedCell, apply_plan
+from ..plan import NO_RESULT, SETUP_RECORD, TAIL_CHARS, Evidence, PlannedCell, apply_plan, read_setup_record
+from ..registry import SECTION_OPS, FindingKind, kinds_in
 from ..results.rootcause import root_causes
-from ..results.model import CellResult, Results, iter_findings, load_cell_result, save_results
-
-OP_KINDS = ("unsupported_op", "op_error", "op_mismatch")
+from ..results.model import (JOURNAL_NAME, PARTIAL_NAME, RESULT_NAME, STDERR_NAME, CellError, CellResult, ModeResult,
+                             Results, iter_findings, load_cell_result, read_json, save_results)
 
 
 def find_cell_results(paths: Sequence[Path], *, missing_ok: bool = False) -> list[Path]:
@@ -57,8 +57,9 @@ def op_ranking(results: Results) -> list[dict[str, object]]:
     models: dict[str, set[str]] = defaultdict(set)
     backends: dict[str, set[str]] = defaultdict(set)
     kinds: dict[str, set[str]] = defaultdict(set)
+    op_kinds = kinds_in(SECTION_OPS)
     for cell, _mode, f in iter_findings(results):
-        if f.kind in OP_KINDS and f.op:
+        if f.kind in op_kinds and f.op:
             models[f.op].add(cell.model)
             backends[f.op].add(cell.backend)
             kinds[f.op].add(f.kind)
@@ -74,7 +75,7 @@ def layer_patterns(results: Results) -> list[dict[str, object]]:
     """Divergent module classes / relative paths seen in more than one model or layer (a shared root cause)."""
     by_class: dict[tuple[str, str], set[tuple[str, str]]] = defaultdict(set)
     for cell, _mode, f in iter_findings(results):
-        if f.kind == "divergence" and f.module:
+        if f.kind == FindingKind.DIVERGENCE and f.module:
             if f.module_class:
                 by_class[("module_class", f.module_class)].add((cell.model, f.module))
             rel = f.module.rsplit(".", 1)[-1]
@@ -94,13 +95,52 @@ def aggregate(paths: Sequence[Path], *, plan: Sequence[PlannedCell] | None = Non
     files = find_cell_results(paths, missing_ok=plan is not None)
     cells = merge((p, load_cell_result(p)) for p in files)
     if plan is not None:
-        cells = apply_plan(cells, plan, chunk_results)
+        cells = apply_plan(cells, plan, chunk_results, evidence=left_behind(paths))
     results = Results(cells=cells, tool_version=tool_version(),
                       generated_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
     results.ranking = op_ranking(results)
     results.patterns = layer_patterns(results)
     results.root_causes = root_causes(results)  # also puts details.signature on every finding
     return results
+
+
+def left_behind(paths: Sequence[Path]) -> Evidence:
+    """What a planned cell's job left in its folder when it wrote no result: the shell's record of a failed
+    `setup` (an `error` cell with the command, exit code and output), or a journal with a mode still open
+    (the job was killed while the cell ran: `timeout`, finished modes kept)."""
+    def find(p: PlannedCell) -> CellResult | None:
+        for root in paths:
+            cdir = root / "cells" / p.cell
+            if (cdir / SETUP_RECORD).is_dir():
+                return read_setup_record(cdir / SETUP_RECORD, cell_id=p.cell, model=p.model, backend=p.backend,
+                                         modes=p.modes, env={"planned": True})
+            running = open_entry(cdir / JOURNAL_NAME, "mode")
+            if running:
+                return _killed_while_running(p, cdir, running)
+        return None
+    return find
+
+
+def _killed_while_running(p: PlannedCell, cdir: Path, running: str) -> CellResult:
+    module = open_entry(cdir / JOURNAL_NAME, "module")
+    message = (f"{NO_RESULT}: its job was ended (the job's time limit, or a lost runner) during mode {running!r}"
+               + (f" while running module {module!r}" if module else "") + "; the cell's journal shows it was running")
+    try:
+        result = CellResult.from_dict(read_json(cdir / PARTIAL_NAME, what="partial cell result"))
+    except (InputError, KeyError, TypeError):
+        result = CellResult(id=p.cell, model=p.model, backend=p.backend, status="timeout", env={"planned": True},
+                            artifacts_dir=f"cells/{p.cell}")
+    for m in p.modes or (running,):
+        if m not in result.modes:
+            result.modes[m] = ModeResult(status="timeout", reason=message if m == running else "not run: the job ended first",
+                                         data={"last_module": module} if module and m == running else {})
+    try:
+        tail = (cdir / STDERR_NAME).read_text(encoding="utf-8", errors="replace")[-TAIL_CHARS:]
+    except OSError:
+        tail = ""
+    result.error = CellError(type="timeout", message=message, stderr_tail=tail, last_module=module)
+    result.status = "timeout"
+    return result
 
 
 def write_report_dir(results: Results, report_dir: Path, *, run_dir: Path | None = None,

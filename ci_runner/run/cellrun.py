@@ -13,16 +13,13 @@ import time
 import traceback
 from pathlib import Path
 
-from ..engine.backends import resolve_backend
+from ..backends import resolve_backend
 from ..config import Cell
 from ..engine.envinfo import base_stamp, cell_stamp
 from ..errors import DeepviewError, TorchTooOldError
 from ..fsutil import atomic_write_json
 from ..modes import ModeContext, get_mode
-from ..results.model import CellError, CellResult, ModeResult, save_cell_result
-
-PARTIAL_NAME = "result.partial.json"
-RESULT_NAME = "result.json"
+from ..results.model import PARTIAL_NAME, RESULT_NAME, CellError, CellResult, ModeResult, save_cell_result
 
 
 def _now() -> str:

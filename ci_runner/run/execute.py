@@ -15,8 +15,6 @@ journal is kept, and a fresh worker continues with the remaining modes while tim
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -25,15 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from .cellrun import PARTIAL_NAME, RESULT_NAME, write_final
+from .cellrun import write_final
 from ..config import Cell
 from ..engine.envinfo import base_stamp
 from ..errors import DeepviewError, ExecutionError, InputError
 from ..fsutil import atomic_write_json
 from ..log import Progress
-from ..engine.isolate import child_env, open_entry, signal_name
-from ..modes import JOURNAL_NAME
-from ..results.model import CellError, CellResult, ModeResult, load_cell_result, read_json
+from ..engine.isolate import ChildExit, LiveChildren, child_env, file_tail, open_entry, run_process
+from ..results.model import JOURNAL_NAME, PARTIAL_NAME, RESULT_NAME, STDERR_NAME, CellError, CellResult, ModeResult, load_cell_result, read_json
 
 STDERR_TAIL_CHARS = 4000
 _KILL_GRACE_S = 2.0
@@ -110,56 +107,6 @@ def existing_result(out_dir: Path, cid: str) -> CellResult | None:
         return None
 
 
-def _tail(path: Path, limit: int = STDERR_TAIL_CHARS) -> str:
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            size = fh.tell()
-            fh.seek(max(0, size - limit))
-            return fh.read().decode("utf-8", errors="replace")
-    except OSError:
-        return ""
-
-
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except (ProcessLookupError, PermissionError):
-        return
-    try:
-        proc.wait(timeout=_KILL_GRACE_S)
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        proc.wait()
-
-
-class _Children:
-    """Live worker processes, so Ctrl-C can stop them all."""
-
-    def __init__(self) -> None:
-        self._procs: set[subprocess.Popen[bytes]] = set()
-        self._lock = threading.Lock()
-        self.interrupted = False
-
-    def add(self, p: subprocess.Popen[bytes]) -> None:
-        with self._lock:
-            self._procs.add(p)
-
-    def discard(self, p: subprocess.Popen[bytes]) -> None:
-        with self._lock:
-            self._procs.discard(p)
-
-    def kill_all(self) -> None:
-        self.interrupted = True
-        with self._lock:
-            procs = list(self._procs)
-        for p in procs:
-            _kill_group(p)
-
-
 def load_partial(cdir: Path) -> CellResult | None:
     """The cell's result so far (written after each mode), or None when there is none or it is unreadable."""
     path = cdir / PARTIAL_NAME
@@ -171,77 +118,74 @@ def load_partial(cdir: Path) -> CellResult | None:
         return None
 
 
-def run_one(cell: Cell, opts: RunOptions, children: _Children | None = None) -> CellResult:
+def run_one(cell: Cell, opts: RunOptions, children: LiveChildren | None = None) -> CellResult:
     """Run one cell to a final, written result, restarting the worker after a crash."""
-    children = children or _Children()
+    children = children or LiveChildren()
     cdir = cell_dir(opts.out_dir, cell.id)
     cdir.mkdir(parents=True, exist_ok=True)
-    for stale in (PARTIAL_NAME, JOURNAL_NAME):
+    for stale in (PARTIAL_NAME, JOURNAL_NAME, STDERR_NAME):
         (cdir / stale).unlink(missing_ok=True)
     modes = tuple(opts.modes or cell.modes)
     started = time.monotonic()
     deadline = started + cell.timeout
     error: CellError | None = None
     remaining = list(modes)
-    stderr_path = cdir / "stderr.log"
-    stderr_path.unlink(missing_ok=True)
-
     while remaining:
         budget = deadline - time.monotonic()
         if budget <= 0:
             break
-        cmd = [
-            opts.python, "-m", "ci_runner", "_worker",
-            "--matrix", str(opts.matrix_path), "--cell", cell.id, "--out", str(opts.out_dir),
-            "--modes", ",".join(remaining), "--budget", f"{budget:.3f}",
-        ]
-        env = child_env()  # the worker dies with this process (`isolate.arm_worker`)
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        with open(stderr_path, "ab") as err_fh:
-            proc = subprocess.Popen(cmd, stdout=err_fh, stderr=err_fh, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, env=env)
-            children.add(proc)
-            timed_out = False
-            try:
-                proc.wait(timeout=budget)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                _kill_group(proc)
-            except BaseException:  # Ctrl-C (or any error) here: the worker must not outlive this wait
-                _kill_group(proc)
-                raise
-            finally:
-                children.discard(proc)
+        end = _run_worker(cell, opts, remaining, budget, cdir, children)
         if children.interrupted:
             raise KeyboardInterrupt
         partial = load_partial(cdir)
         done = set(partial.modes) if partial else set()
-        if not timed_out and proc.returncode == 0 and all(m in done for m in remaining):
+        if not end.timed_out and end.returncode == 0 and all(m in done for m in remaining):
             break  # an earlier crash in this cell (if any) stays in `error`
-        # the worker died (or hung): blame the mode that was open, keep what was finished
-        running = open_entry(cdir / JOURNAL_NAME, "mode") or next((m for m in remaining if m not in done), remaining[0])
-        last_module = open_entry(cdir / JOURNAL_NAME, "module")
-        sig = signal_name(proc.returncode) if not timed_out else None
-        status = "timeout" if timed_out else "crashed"
-        if timed_out:
-            what = f"cell timed out after {cell.timeout:g}s"
-        elif sig:
-            what = f"worker process killed by {sig}"
-        else:
-            what = f"worker process exited with code {proc.returncode}"
-        where = f" while running module {last_module!r}" if last_module else ""
-        error = CellError(type=status, message=f"{what} during mode {running!r}{where}",
-                          exit_code=None if timed_out else proc.returncode, signal=sig,
-                          stderr_tail=_tail(stderr_path), last_module=last_module)
-        result = partial or CellResult(id=cell.id, model=cell.model.id, backend=cell.backend.id, status=status,
-                                       env=base_stamp(), artifacts_dir=f"cells/{cell.id}")
-        result.modes[running] = ModeResult(status=status, reason=error.message,
-                                           data={"last_module": last_module} if last_module else {})
-        _write_partial(cdir, result)
+        error, result = _record_death(cell, cdir, end, partial, remaining, done)
         remaining = [m for m in remaining if m not in result.modes]
-        if timed_out:
+        if end.timed_out:
             break
+    return _finish(cell, cdir, modes, error, started, deadline)
 
+
+def _run_worker(cell: Cell, opts: RunOptions, remaining: Sequence[str], budget: float, cdir: Path,
+                children: LiveChildren) -> ChildExit:
+    """One worker process for the `remaining` modes of the cell, killed (with its session) at `budget`."""
+    cmd = [
+        opts.python, "-m", "ci_runner", "_worker",
+        "--matrix", str(opts.matrix_path), "--cell", cell.id, "--out", str(opts.out_dir),
+        "--modes", ",".join(remaining), "--budget", f"{budget:.3f}",
+    ]
+    env = child_env()  # the worker dies with this process (`isolate.arm_worker`)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return run_process(cmd, timeout=budget, stdout=cdir / STDERR_NAME, env=env, grace=_KILL_GRACE_S, append=True,
+                       live=children)
+
+
+def _record_death(cell: Cell, cdir: Path, end: ChildExit, partial: CellResult | None, remaining: Sequence[str],
+                  done: set[str]) -> tuple[CellError, CellResult]:
+    """The worker died (or hung): blame the mode that was open (the journal's), keep what was finished, write
+    the partial result; returns the cell's error and that result."""
+    journal = cdir / JOURNAL_NAME
+    running = open_entry(journal, "mode") or next((m for m in remaining if m not in done), remaining[0])
+    last_module = open_entry(journal, "module")
+    status = "timeout" if end.timed_out else "crashed"
+    what = f"cell timed out after {cell.timeout:g}s" if end.timed_out else f"worker process {end.ended()}"
+    where = f" while running module {last_module!r}" if last_module else ""
+    error = CellError(type=status, message=f"{what} during mode {running!r}{where}",
+                      exit_code=None if end.timed_out else end.returncode, signal=end.signal,
+                      stderr_tail=file_tail(cdir / STDERR_NAME, STDERR_TAIL_CHARS), last_module=last_module)
+    result = partial or CellResult(id=cell.id, model=cell.model.id, backend=cell.backend.id, status=status,
+                                   env=base_stamp(), artifacts_dir=f"cells/{cell.id}")
+    result.modes[running] = ModeResult(status=status, reason=error.message,
+                                       data={"last_module": last_module} if last_module else {})
+    _write_partial(cdir, result)
+    return error, result
+
+
+def _finish(cell: Cell, cdir: Path, modes: Sequence[str], error: CellError | None, started: float,
+            deadline: float) -> CellResult:
+    """The cell's final result: what the workers wrote, modes never reached marked, the crash kept; written."""
     result = load_partial(cdir) or CellResult(id=cell.id, model=cell.model.id, backend=cell.backend.id,
                                                 status="skipped", env=base_stamp(), artifacts_dir=f"cells/{cell.id}")
     for m in modes:
@@ -268,7 +212,7 @@ def run_cells(cells: Sequence[Cell], opts: RunOptions, progress: Progress | None
         raise ExecutionError(f"--jobs must be at least 1, got {opts.jobs}")
     cores = _Cores(opts.cores) if opts.cores else None
     progress = progress or Progress(len(cells), quiet=True)
-    children = _Children()
+    children = LiveChildren()
     results: dict[str, CellResult] = {}
     todo: list[Cell] = []
     for c in cells:
@@ -305,7 +249,7 @@ def run_cells(cells: Sequence[Cell], opts: RunOptions, progress: Progress | None
             for r in pool.map(work, todo):
                 results[r.id] = r
     except KeyboardInterrupt:
-        children.kill_all()
+        children.kill_all(grace=_KILL_GRACE_S)
         raise
     finally:
         if pool is not None:

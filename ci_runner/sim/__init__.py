@@ -27,7 +27,7 @@ A chosen op that never appears in a graph means the backend behaves like `aot_ea
 
 All torch.compile sims are `aot_autograd` backends: they see ATen overloads (the matrix's `ir: aten`), the same
 names `torch.export` + the ops inventory record. The op an error names (sim-subset's `unsupported operator X`,
-simdev's `Could not run 'aten::X'`) is parsed by `ci_runner/engine/backends.py` (`unsupported_op_from_error`).
+simdev's `Could not run 'aten::X'`) is parsed by `ci_runner/backends/errortext.py` (`unsupported_op_from_error`).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from .compilers import (
 
 __all__ = [
     "ALIASES", "ATTENTION_OPS", "NORM_OPS", "SIM_BACKENDS", "SimBackendInfo", "SimCompilerError",
-    "TRANSFORMER_OPS", "expand_patterns", "is_sim", "make_backend", "op_matches", "op_name",
+    "TRANSFORMER_OPS", "expand_patterns", "make_backend", "op_matches", "op_name",
     "register_with_dynamo", "table_markdown",
 ]
 
@@ -118,10 +118,6 @@ SIM_BACKENDS: Mapping[str, SimBackendInfo] = MappingProxyType({
         options=MappingProxyType({"allow": "the op set (replaces the default)", "extra_allow": "ops added",
                                   "deny": "ops removed (default rsqrt, _softmax)"})),
 })
-
-
-def is_sim(name: str | None) -> bool:
-    return name in SIM_BACKENDS
 
 
 def make_backend(name: str, options: Mapping[str, Any] | None = None) -> Any:

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from tests.fixtures.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "ci_runner"
 MAX_LINES = 850  # "about 800"; a longer module says in its docstring why it is one piece
 ONE_PIECE = "one piece"
@@ -231,6 +231,45 @@ def test_modules_are_short_or_say_why_they_are_one_piece() -> None:
     assert not long, f"modules over {MAX_LINES} lines whose docstring does not say why they are {ONE_PIECE}: {long}"
 
 
+MAX_FUNCTION_LINES = 80  # one screen; a longer function says in its docstring why it is one piece
+# Being split by issue 23's other half (one child engine, one wire format): remove each entry when it lands.
+SPLIT_PENDING = frozenset({"ci_runner.modes.ops.probe.run_probe", "ci_runner.run.execute.run_one"})
+
+
+def long_functions(path: Path, module: str, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """`module.qualname(lines)` of each function in `path` over `limit` lines whose docstring does not say why it is
+    one piece."""
+    out: list[str] = []
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}.{child.name}"
+                if not isinstance(child, ast.ClassDef):
+                    lines = (child.end_lineno or child.lineno) - child.lineno + 1
+                    if lines > limit and ONE_PIECE not in (ast.get_docstring(child) or ""):
+                        out.append(f"{name}({lines})")
+                visit(child, name)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")), module)
+    return out
+
+
+def test_functions_fit_one_screen_or_say_why() -> None:
+    long = [f for module, path in _modules().items() for f in long_functions(path, module)
+            if f.split("(")[0] not in SPLIT_PENDING]
+    assert not long, (f"functions over {MAX_FUNCTION_LINES} lines whose docstring does not say why they are "
+                      f"{ONE_PIECE}: {long}; split them along their steps")
+
+
+def test_the_function_length_check_finds_a_long_one(tmp_path: Path) -> None:
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    path = tmp_path / "m.py"
+    path.write_text(f"class C:\n    def f(self):\n    {body.replace(chr(10), chr(10) + '    ')}\n\n"
+                    f"def g():\n    \"\"\"Kept {ONE_PIECE}: a table.\"\"\"\n{body}\n", encoding="utf-8")
+    assert long_functions(path, "m") == [f"m.C.f({MAX_FUNCTION_LINES + 1})"]
+
+
 def test_docstrings_cite_only_files_in_the_repository() -> None:
     """No "DESIGN §3" or "phase N": a reader of the repository cannot find them."""
     import re
@@ -241,3 +280,82 @@ def test_docstrings_cite_only_files_in_the_repository() -> None:
             if re.search(r"DESIGN(\.md)? ?§|\bphase \d", line):
                 bad.append(f"{m}:{n}: {line.strip()}")
     assert not bad, "\n".join(bad)
+
+
+# --------------------------------------------------------------------------- the tests' own layout
+
+SPAWNS = ("subprocess.run", "subprocess.Popen", "subprocess.check_output", "run_cli", "cli", "run_isolated", "supervise",
+          "isolate.run_isolated", "isolate.supervise")
+
+
+def _marks(decorators: list[ast.expr]) -> set[str]:
+    text = " ".join(ast.unparse(d) for d in decorators)
+    return {m for m in ("slow", "subprocess") if f"mark.{m}" in text}
+
+
+def unmarked_spawning_tests(path: Path) -> list[str]:
+    """Tests in `path` that start a child process (directly, or through a helper of the same file) without a
+    `slow` or `subprocess` mark (on the test or on the module's `pytestmark`)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    module_marks: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets):
+            module_marks |= _marks([node.value])
+    funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+
+    def spawns(fn: ast.FunctionDef, seen: set[str]) -> bool:
+        calls = {ast.unparse(n.func) for n in ast.walk(fn) if isinstance(n, ast.Call)}
+        if any(c in SPAWNS or c.startswith("multiprocessing.") or c.endswith(".Process") for c in calls) \
+                or any(a.arg == "cli" for a in fn.args.args):
+            return True
+        called = {n.func.id for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+        return any(spawns(funcs[c], seen | {c}) for c in called if c in funcs and c not in seen)
+
+    return [f"{path.name}::{name}" for name, fn in funcs.items()
+            if name.startswith("test_") and not (module_marks | _marks(fn.decorator_list)) and spawns(fn, {name})]
+
+
+def test_unit_tests_that_start_processes_are_marked() -> None:
+    """`tests/unit` is for tests in this process; one that starts a child says so (`subprocess` or `slow`)."""
+    bad = [t for p in sorted((ROOT / "tests" / "unit").glob("test_*.py")) for t in unmarked_spawning_tests(p)]
+    assert not bad, f"unit tests that start child processes without @pytest.mark.subprocess (or slow): {bad}"
+
+
+def test_the_spawn_check_sees_a_helper(tmp_path: Path) -> None:
+    path = tmp_path / "test_x.py"
+    path.write_text("import subprocess\nimport pytest\n\ndef _go():\n    subprocess.run(['true'])\n\n"
+                    "def test_a():\n    _go()\n\n@pytest.mark.subprocess\ndef test_b():\n    _go()\n\n"
+                    "def test_c():\n    pass\n", encoding="utf-8")
+    assert unmarked_spawning_tests(path) == ["test_x.py::test_a"]
+
+
+# --------------------------------------------------------------------------- the README's tree
+
+def readme_tree() -> set[str]:
+    """The paths the README's layout tree names (its first code block after `## Layout`; two spaces per level)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = text.split("## Layout", 1)[1].split("```\n", 2)[1]
+    paths: set[str] = set()
+    stack: list[str] = []
+    for line in block.splitlines():
+        indent = len(line) - len(line.lstrip(" "))
+        name = line.strip().split(" ", 1)[0]
+        if indent % 2 or indent > 8 or not name or not (name.endswith("/") or "." in name):
+            continue  # a continuation of the role text
+        stack = stack[: indent // 2] + [name.rstrip("/")]
+        paths.add("/".join(stack))
+    return paths
+
+
+def test_the_readme_tree_matches_the_repository() -> None:
+    tree = readme_tree()
+    missing = sorted(p for p in tree if not (ROOT / p).exists())
+    assert not missing, f"README's layout names what does not exist: {missing}"
+    skip = {"__pycache__", "vendor_repo", "golden", "junit"}
+    wanted = {p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name not in skip}
+    wanted |= {f"ci_runner/{p.relative_to(PKG).as_posix()}" for p in PKG.rglob("*")
+               if p.is_dir() and p.name not in skip}
+    wanted |= {f"ci_runner/{p.name}" for p in PKG.glob("*.py") if p.name not in ("__init__.py", "__main__.py")}
+    wanted |= {"tests/unit", "tests/integration", "tests/fixtures", "tests/conftest.py"}
+    absent = sorted(wanted - tree)
+    assert not absent, f"README's layout tree lacks: {absent}"

@@ -20,10 +20,10 @@ from ci_runner.run.cellrun import run_cell_inprocess
 from ci_runner.config import load_matrix_text
 from ci_runner.engine.isolate import open_entry
 from ci_runner.matrix import expand
-from ci_runner.modes import JOURNAL_NAME
+from ci_runner.results.model import JOURNAL_NAME
 from ci_runner.results.model import CellResult, ModeResult, validate
+from tests.fixtures.paths import ROOT
 
-REPO = Path(__file__).resolve().parents[2]
 SDPA = "aten._scaled_dot_product_flash_attention_for_cpu.default"
 
 pytestmark = pytest.mark.slow  # probing children and compiles: tens of seconds each on 2 cores
@@ -89,7 +89,7 @@ def _by_hand(cdir: Path, culprit: dict[str, Any]) -> subprocess.CompletedProcess
     """The culprit repro from its folder, in a clean interpreter (deepview-ci only as the sim plugin)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONSAFEPATH"] = "1"
-    env["PYTHONPATH"] = str(REPO)
+    env["PYTHONPATH"] = str(ROOT)
     rdir = cdir / Path(culprit["repro"]["path"]).parent
     return subprocess.run([sys.executable, "repro.py"], cwd=rdir, env=env, capture_output=True, text=True, timeout=300)
 
@@ -149,7 +149,7 @@ def test_hard_fault_culprit_is_found_and_the_search_goes_on(tmp_path: Path, back
     passes in the first child, the attention kills (or hangs) it; a fresh child keeps those outcomes."""
     from ci_runner.config import spec_to_json
     from ci_runner.modes.layers.culprit import find_culprit
-    from ci_runner.modes.layers.culprit_search import read_results
+    from ci_runner.engine.outcome import read_outcomes
     from ci_runner.modes.layers.search import scan_model, write_root_call
     from ci_runner.engine.models import build_inputs, load_model
 
@@ -166,7 +166,7 @@ def test_hard_fault_culprit_is_found_and_the_search_goes_on(tmp_path: Path, back
                      journal=journal, probe_timeout=probe_timeout, startup_timeout=60, budget_s=300)
     assert r.found and r.kind == "single" and r.ops == [SDPA] and r.status == status, r
     assert r.restarts == 1 and r.probes > 10  # the passing probes before the fault were kept, not redone
-    known = read_results(tmp_path / "culprit" / "probes.jsonl")
+    known = read_outcomes(tmp_path / "culprit" / "probes.jsonl")
     assert [k for k, o in known.items() if o.status != "pass"] == [f"{r.node_range[0]}:{r.node_range[1]}"]  # type: ignore[index]
     assert open_entry(journal, "culprit") is None
     assert (tmp_path / "culprit" / "graph.py").exists() and (tmp_path / "culprit" / "inputs.safetensors").exists()

@@ -4,47 +4,27 @@ settings (as on two machines), then compared offline; plus the schema and input 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
 from ci_runner import errors
 from ci_runner.cli import main
+from tests.fixtures.cli import run_cli as cli
+from tests.fixtures.matrices import REFERENCES, matrix_text
 
-REPO = Path(__file__).resolve().parents[2]
 
-MATRIX = textwrap.dedent(
-    """\
-    version: 1
-    defaults:
-      inputs: {seq_len: 8, samples: 2}
-    references:
-      - {id: cpu-fp32, device: cpu, dtype: float32}
-      - {id: cpu-fp64, device: cpu, dtype: float64}
-    models:
-      - id: tiny-llama
-        config: llama
-        overrides: {hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 128}
-      - {id: net, factory: "tests.fixtures.plugin_toolbox_models:base"}
-      - {id: net-reshaped, factory: "tests.fixtures.plugin_toolbox_models:reshaped"}
-    backends:
-      - {id: eager, device: cpu}
-      - id: silu-off
-        compile: "tests.fixtures.plugin_toolbox_perturb:make"
-        backend_options: {op: aten.silu.default, scale: 0.2}
-        env: {OMP_NUM_THREADS: "1"}
-    """
+MATRIX = matrix_text(
+    inputs={"seq_len": 8, "samples": 2}, references=REFERENCES,
+    models=[{"id": "tiny-llama", "config": "llama",
+             "overrides": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128}},
+            {"id": "net", "factory": "tests.fixtures.plugin_toolbox_models:base"},
+            {"id": "net-reshaped", "factory": "tests.fixtures.plugin_toolbox_models:reshaped"}],
+    backends=[{"id": "eager", "device": "cpu"},
+              {"id": "silu-off", "compile": "tests.fixtures.plugin_toolbox_perturb:make",
+               "backend_options": {"op": "aten.silu.default", "scale": 0.2}, "env": {"OMP_NUM_THREADS": "1"}}],
 )
-
-
-def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-    return subprocess.run([sys.executable, "-m", "ci_runner", *args], cwd=REPO, env=full_env, capture_output=True,
-                          text=True, timeout=300)
 
 
 @pytest.fixture()

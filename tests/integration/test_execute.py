@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Callable
@@ -15,40 +14,32 @@ from typing import Callable
 import pytest
 
 from ci_runner.results.model import load_cell_result, load_results
+from tests.fixtures.cli import run_cli as cli
+from tests.fixtures.matrices import matrix_text
+from tests.fixtures.paths import ROOT
 from tests.fixtures.procs import TAG_VAR, new_tag, wait_until_gone
 
-REPO = Path(__file__).resolve().parents[2]
 
-MATRIX = textwrap.dedent(
-    """\
-    version: 1
-    defaults:
-      modes: [ops]
-      timeout: {timeout}
-    models:
-      - id: tiny
-        config: llama
-        overrides: {{hidden_size: 16, intermediate_size: 32, num_hidden_layers: 1, num_attention_heads: 2, num_key_value_heads: 1, vocab_size: 64}}
-    backends:
-      - {{id: ok, compile: "tests.fixtures.faults:backend", import: [tests.fixtures.faults]}}
-      - {{id: abort, compile: "tests.fixtures.faults:backend", import: [tests.fixtures.faults], env: {{DEEPVIEW_TEST_FAULT: abort}}}}
-      - {{id: segv, compile: "tests.fixtures.faults:backend", import: [tests.fixtures.faults], env: {{DEEPVIEW_TEST_FAULT: segv}}}}
-      - {{id: kill, compile: "tests.fixtures.faults:backend", import: [tests.fixtures.faults], env: {{DEEPVIEW_TEST_FAULT: kill}}}}
-      - {{id: raises, compile: "tests.fixtures.faults:backend", import: [tests.fixtures.faults], env: {{DEEPVIEW_TEST_FAULT: raise}}}}
-      - {{id: hang, compile: "tests.fixtures.faults:backend", import: [tests.fixtures.faults], env: {{DEEPVIEW_TEST_FAULT: hang}}, timeout: 6}}
-    """
-)
+FAULTS = {"compile": "tests.fixtures.faults:backend", "import": ["tests.fixtures.faults"]}
 
 
-def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-    return subprocess.run([sys.executable, "-m", "ci_runner", *args], cwd=REPO, env=full_env, capture_output=True,
-                          text=True, timeout=timeout)
+def faults_matrix(timeout: float) -> str:
+    """A tiny Llama on the fault-injecting backend: ok, and one backend per way a cell can die."""
+    faults = [{"id": f, **FAULTS, "env": {"DEEPVIEW_TEST_FAULT": e}} for f, e in
+              (("abort", "abort"), ("segv", "segv"), ("kill", "kill"), ("raises", "raise"), ("hang", "hang"))]
+    faults[-1]["timeout"] = 6
+    return matrix_text(
+        modes=["ops"], timeout=timeout,
+        models=[{"id": "tiny", "config": "llama",
+                 "overrides": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                               "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 64}}],
+        backends=[{"id": "ok", **FAULTS}, *faults],
+    )
 
 
 @pytest.fixture()
 def matrix(write_matrix: Callable[..., Path]) -> Path:
-    return write_matrix(MATRIX.format(timeout=120))
+    return write_matrix(faults_matrix(120))
 
 
 @pytest.mark.slow
@@ -101,9 +92,9 @@ def test_a_corrupt_cell_result_is_rerun_not_fatal(tmp_path: Path, matrix: Path) 
 def test_ctrl_c_leaves_a_consistent_folder(tmp_path: Path, matrix: Path) -> None:
     out = tmp_path / "out"
     tag = new_tag()
-    env = {**os.environ, "PYTHONPATH": str(REPO), TAG_VAR: tag}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), TAG_VAR: tag}
     proc = subprocess.Popen([sys.executable, "-m", "ci_runner", "run", str(matrix), "--out", str(out),
-                             "--select", "tiny@hang", "--select", "tiny@raises"], cwd=REPO, env=env,
+                             "--select", "tiny@hang", "--select", "tiny@raises"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not (out / "cells" / "tiny@raises" / "result.json").exists():
@@ -124,10 +115,10 @@ def test_a_worker_ends_itself_past_its_budget(tmp_path: Path, matrix: Path) -> N
     """Without its parent run to kill it, a hanging worker still stops: its own deadline (budget + grace)."""
     out = tmp_path / "out"
     tag = new_tag()
-    env = {**os.environ, "PYTHONPATH": str(REPO), TAG_VAR: tag}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), TAG_VAR: tag}
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "ci_runner", "_worker", "--matrix", str(matrix), "--cell", "tiny@hang",
-                           "--out", str(out), "--modes", "ops", "--budget", "1"], cwd=REPO, env=env,
+                           "--out", str(out), "--modes", "ops", "--budget", "1"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert time.monotonic() - t0 < 60
     assert proc.returncode != 0 and "past its budget" in proc.stderr

@@ -15,9 +15,9 @@ from ci_runner.github.options import FilingOptions
 from ci_runner.github.render import group_fingerprint
 from ci_runner.results.model import CellResult, ModeResult, Results, save_results
 from tests.fixtures.fake_github import SECONDARY_MESSAGE, FakeGitHub, entry, op_finding, write_diff
+from tests.fixtures.paths import ROOT
 
-REPO = "acme/models"
-ROOT = Path(__file__).resolve().parents[2]
+GH_REPO = "acme/models"
 SOFTPLUS = ("op", "sim-subset", "aten.softplus.default")
 
 
@@ -25,9 +25,9 @@ def run(gh: FakeGitHub, diff: Path, *, run_id: str | None = "100", token: str | 
         **opts):
     env = {"GITHUB_TOKEN": token or gh.token, "GITHUB_API_URL": gh.url}
     if run_id:
-        env.update(GITHUB_RUN_ID=run_id, GITHUB_SERVER_URL="https://github.com", GITHUB_REPOSITORY=REPO)
+        env.update(GITHUB_RUN_ID=run_id, GITHUB_SERVER_URL="https://github.com", GITHUB_REPOSITORY=GH_REPO)
     options = FilingOptions(**{"min_interval": 0.0, "backoff": 0.0, "max_wait": 5.0, **opts})
-    return file_issues(diff, repo=REPO, dry_run=None, run_dir=run_dir, artifacts_url=None, options=options, env=env)
+    return file_issues(diff, repo=GH_REPO, dry_run=None, run_dir=run_dir, artifacts_url=None, options=options, env=env)
 
 
 def softplus_diff(tmp_path: Path, category: str = "regressed", models=("tiny-bamba", "tiny-llama"), name="diff.json") -> Path:
@@ -160,7 +160,7 @@ def test_opt_out_label_is_respected(gh, tmp_path):
     d = softplus_diff(tmp_path)
     run(gh, d, run_id="100")
     issue = gh.issues()[0]
-    issue["labels"].append(gh.add_label(REPO, "deepview-ci:ignore"))
+    issue["labels"].append(gh.add_label(GH_REPO, "deepview-ci:ignore"))
     issue["state"] = "closed"
     writes = len(gh.writes())
     r = run(gh, d, run_id="101")
@@ -172,12 +172,12 @@ def test_opt_out_label_is_respected(gh, tmp_path):
 
 def test_dedupe_pages_through_every_labelled_issue_and_skips_prs(gh, tmp_path):
     fp = group_fingerprint(SOFTPLUS)
-    gh.add_issue(REPO, title="old", body=f"<!-- deepview-ci:fingerprint={fp} -->\nfiled long ago", labels=("deepview-ci",))
-    gh.add_issue(REPO, title="a PR quoting it", body=f"<!-- deepview-ci:fingerprint={fp} -->", labels=("deepview-ci",),
+    gh.add_issue(GH_REPO, title="old", body=f"<!-- deepview-ci:fingerprint={fp} -->\nfiled long ago", labels=("deepview-ci",))
+    gh.add_issue(GH_REPO, title="a PR quoting it", body=f"<!-- deepview-ci:fingerprint={fp} -->", labels=("deepview-ci",),
                  pull_request=True)
-    gh.add_issue(REPO, title="prefix only", body=f"<!-- deepview-ci:fingerprint={fp}00 -->", labels=("deepview-ci",))
+    gh.add_issue(GH_REPO, title="prefix only", body=f"<!-- deepview-ci:fingerprint={fp}00 -->", labels=("deepview-ci",))
     for i in range(230):  # newest first: the real one ends up on the last page
-        gh.add_issue(REPO, title=f"other {i}", body=f"<!-- deepview-ci:fingerprint={i:020x} -->", labels=("deepview-ci",))
+        gh.add_issue(GH_REPO, title=f"other {i}", body=f"<!-- deepview-ci:fingerprint={i:020x} -->", labels=("deepview-ci",))
     r = run(gh, softplus_diff(tmp_path), run_id="200")
     assert (r.created, r.commented) == (0, 1)
     assert gh.issues()[0]["comments"] == 1
@@ -333,8 +333,8 @@ def test_cli_outputs_and_no_token_anywhere(gh, tmp_path):
     out, summary = tmp_path / "gh_output", tmp_path / "gh_summary"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "GITHUB_TOKEN": token, "GITHUB_API_URL": gh.url,
            "GITHUB_OUTPUT": str(out), "GITHUB_STEP_SUMMARY": str(summary), "GITHUB_RUN_ID": "101",
-           "GITHUB_SERVER_URL": "https://github.com", "GITHUB_REPOSITORY": REPO, "GITHUB_ACTIONS": "true"}
-    proc = subprocess.run([sys.executable, "-m", "ci_runner", "file-issues", str(d2), "--repo", REPO, "--min-interval", "0",
+           "GITHUB_SERVER_URL": "https://github.com", "GITHUB_REPOSITORY": GH_REPO, "GITHUB_ACTIONS": "true"}
+    proc = subprocess.run([sys.executable, "-m", "ci_runner", "file-issues", str(d2), "--repo", GH_REPO, "--min-interval", "0",
                            "--max-wait", "5"], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 6, proc.stderr
     assert "stopped" in proc.stdout and "draft" in proc.stdout

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,24 +13,18 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.fake_github import FakeGitHub
+from tests.fixtures.matrices import matrix_text
+from tests.fixtures.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
-REPO = "acme/models"
+GH_REPO = "acme/models"
 
-MATRIX = """\
-version: 1
-defaults:
-  modes: [ops]
-  timeout: 600
-  inputs: {batch: 1, seq_len: 8, samples: 1, seed: 0}
-models:
-  - id: tiny-vit
-    config: vit
-    overrides: {hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, num_attention_heads: 2,
-                image_size: 16, patch_size: 8, num_labels: 4}
-backends:
-  - {id: sim-subset, compile: sim-subset, device: cpu}
-"""
+MATRIX = matrix_text(
+    modes=["ops"], timeout=600, inputs={"batch": 1, "seq_len": 8, "samples": 1, "seed": 0},
+    models=[{"id": "tiny-vit", "config": "vit",
+             "overrides": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+                           "image_size": 16, "patch_size": 8, "num_labels": 4}}],
+    backends=[{"id": "sim-subset", "compile": "sim-subset", "device": "cpu"}],
+)
 
 # the cell passed before: the convolution finding is a regression
 BASELINE = {
@@ -52,7 +45,7 @@ class Step:
         self.n = 0
         self.env = {**os.environ, "PYTHONPATH": str(ROOT), "GITHUB_ACTIONS": "true", "GITHUB_TOKEN": gh.token,
                     "GITHUB_API_URL": gh.url, "GITHUB_STEP_SUMMARY": str(self.summary), "GITHUB_RUN_ID": "4242",
-                    "GITHUB_SERVER_URL": "https://github.com", "GITHUB_REPOSITORY": REPO,
+                    "GITHUB_SERVER_URL": "https://github.com", "GITHUB_REPOSITORY": GH_REPO,
                     "RUNNER_TEMP": str(tmp / "runner-temp")}
         (tmp / "runner-temp").mkdir()
 
@@ -91,20 +84,22 @@ def parse_outputs(text: str) -> dict[str, str]:
 def test_expand_cells_aggregate_diff_file_issues(tmp_path):
     (tmp_path / "matrix.yaml").write_text(MATRIX)
     (tmp_path / "baseline.json").write_text(json.dumps(BASELINE))
-    with FakeGitHub(repos=(REPO,)) as gh:
+    with FakeGitHub(repos=(GH_REPO,)) as gh:
         step = Step(tmp_path, gh)
 
         # plan
         proc, out = step("expand", "matrix.yaml", "--max-jobs", "256")
         assert out["count"] == "1" and out["chunks"] == "1"
-        include = json.loads(out["matrix"])["include"]
+        include = json.loads(out["matrix-0"])["include"]
+        assert "matrix" not in out and json.loads(out["chunk-ids"]) == [0]
         assert [c["cell"] for c in include] == ["tiny-vit@sim-subset"]
         assert json.loads(proc.stdout)["count"] == 1
 
-        # one job per cell, each writing its own artifact folder
+        # one job per cell, each uploading its own artifact, named per run attempt
         for c in include:
-            proc, _ = step("cell", c["cell"], "--matrix", "matrix.yaml", "--out", f"artifacts/{c['artifact']}", ok=(0, 1))
-            result = json.loads((tmp_path / "artifacts" / c["artifact"] / "cells" / c["cell"] / "result.json").read_text())
+            art = f"artifacts/{c['artifact']}-attempt-1"
+            proc, _ = step("cell", c["cell"], "--matrix", "matrix.yaml", "--out", art, ok=(0, 1))
+            result = json.loads((tmp_path / art / "cells" / c["cell"] / "result.json").read_text())
             ops = result["modes"]["ops"]
             if ops["status"] == "skipped" and "not available" in (ops.get("reason") or ""):
                 pytest.skip("the ops mode is not in this tree yet: " + ops["reason"])
@@ -112,10 +107,9 @@ def test_expand_cells_aggregate_diff_file_issues(tmp_path):
             conv = [f for f in ops["findings"] if f.get("op", "").startswith("aten.convolution")]
             assert conv, ops["findings"]
 
-        # the report job: download-artifact with merge-multiple puts every cell under one folder
+        # the report job: download-artifact puts each artifact in its own folder; `collect` keeps each cell's newest
         run = tmp_path / "deepview-run"
-        for art in (tmp_path / "artifacts").iterdir():
-            shutil.copytree(art, run, dirs_exist_ok=True)
+        step("collect", "artifacts", "--out", "deepview-run")
         _, out = step("aggregate", "deepview-run", "--out", "deepview-run/report", "--run-dir", "deepview-run")
         for name in ("results.json", "junit.xml", "summary.md", "report.html"):
             assert (run / "report" / name).stat().st_size > 0
@@ -130,7 +124,7 @@ def test_expand_cells_aggregate_diff_file_issues(tmp_path):
         assert "::error" in proc.stdout
 
         # the issues job
-        proc, out = step("file-issues", "deepview-run/report/diff.json", "--repo", REPO, "--run-dir", "deepview-run",
+        proc, out = step("file-issues", "deepview-run/report/diff.json", "--repo", GH_REPO, "--run-dir", "deepview-run",
                          "--min-interval", "0")
         assert out["created"] == str(len(gh.issues())) and int(out["created"]) >= 1
         assert out["drafts"] == "0"
@@ -142,7 +136,7 @@ def test_expand_cells_aggregate_diff_file_issues(tmp_path):
 
         # the job rerun: nothing new
         writes = len(gh.writes())
-        _, out = step("file-issues", "deepview-run/report/diff.json", "--repo", REPO, "--run-dir", "deepview-run",
+        _, out = step("file-issues", "deepview-run/report/diff.json", "--repo", GH_REPO, "--run-dir", "deepview-run",
                       "--min-interval", "0")
         assert out["created"] == "0" and out["commented"] == "0" and len(gh.writes()) == writes
         assert gh.token not in step.summary.read_text()

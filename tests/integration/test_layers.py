@@ -20,10 +20,10 @@ from ci_runner.run.cellrun import run_cell_inprocess
 from ci_runner.config import load_matrix_text
 from ci_runner.engine.isolate import open_entry
 from ci_runner.matrix import expand
-from ci_runner.modes import JOURNAL_NAME
+from ci_runner.results.model import JOURNAL_NAME
 from ci_runner.results.model import CellResult, ModeResult, fingerprint, validate
+from tests.fixtures.paths import ROOT
 
-REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow  # each test starts probing children and compiles: tens of seconds on 2 cores
 
@@ -122,7 +122,7 @@ def test_two_operator_backend_names_self_attn_while_each_child_compiles(tmp_path
     (plugin_root / "tests" / "__init__.py").write_text("")
     (plugin_root / "tests" / "fixtures" / "__init__.py").write_text("")
     (plugin_root / "tests" / "fixtures" / "plugin_layers_pair.py").write_text(
-        (REPO / "tests" / "fixtures" / "plugin_layers_pair.py").read_text())
+        (ROOT / "tests" / "fixtures" / "plugin_layers_pair.py").read_text())
     proc = _run_by_hand(rdir, plugin_root)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "REPRO FAILED" in proc.stderr and "IndexError" in proc.stderr
@@ -148,7 +148,7 @@ def test_sim_crash_names_each_attention_module_and_nothing_else(tmp_path: Path, 
     assert rows["model.layers.1.self_attn.q_proj"]["status"] == "pass"
     if model == "tiny-granite":
         rdir = cdir / Path(mode.findings[1].repro.path).parent  # type: ignore[union-attr]
-        proc = _run_by_hand(rdir, REPO)  # the sim backends live in ci_runner: that is the plugin here
+        proc = _run_by_hand(rdir, ROOT)  # the sim backends live in ci_runner: that is the plugin here
         assert proc.returncode == 1 and "[sim-crash]" in proc.stderr, proc.stdout + proc.stderr
 
 
@@ -202,7 +202,7 @@ def test_export_failure_falls_back_to_a_model_source_repro(tmp_path: Path) -> No
     assert "torch.export failed" in (f.repro.note or "") and "fallback" in (f.repro.note or "")
     rdir = cdir / Path(f.repro.path).parent
     assert not (rdir / "module.pt2").exists() and (rdir / "weights.safetensors").exists()
-    proc = _run_by_hand(rdir, REPO)
+    proc = _run_by_hand(rdir, ROOT)
     assert proc.returncode == 1 and "fault-plugin" in proc.stderr, proc.stdout + proc.stderr
 
 

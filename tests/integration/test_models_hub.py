@@ -14,8 +14,8 @@ import torch
 from ci_runner.config import InputSpec, ModelSpec
 from ci_runner.errors import ModelLoadError
 from ci_runner.engine.models import build_inputs, load_model, model_fingerprint
+from tests.fixtures.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 SHA = "0123456789abcdef0123456789abcdef01234567"
 OLD_SHA = "fedcba9876543210fedcba9876543210fedcba98"
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,

@@ -15,13 +15,13 @@ import pytest
 import yaml
 
 from ci_runner.engine.torchcompat import FEATURES, available
+from tests.fixtures.paths import EXAMPLE
 
 pytestmark = [pytest.mark.oldtorch, pytest.mark.slow]
 
 CELLS = ("tiny-llama@sim-subset", "tiny-llama@sim-crash", "tiny-llama@sim-drift", "tiny-llama@simdev")
 
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "ci_runner" / "data" / "example.yaml"
 
 
 def test_one_cell_per_mode_of_the_bundled_example(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ import torch
 from ci_runner.config import BackendSpec
 from ci_runner.modes.ops.probe import ProbeRunner, with_ranges
 from ci_runner.modes.ops.signature import encode_value
-from ci_runner.options import parse as parse_options
+from ci_runner.registry import parse_options
 
 pytestmark = pytest.mark.slow
 

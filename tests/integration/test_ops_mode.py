@@ -7,6 +7,7 @@ way when run by hand; and the cross-model ranking must count models per op.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import json
 import os
 import subprocess
@@ -20,10 +21,10 @@ import torch
 from ci_runner.config import load_matrix_text
 from ci_runner.engine.isolate import run_isolated
 from ci_runner.results.model import load_results
+from tests.fixtures.paths import ROOT
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
 MATRIX = """
 version: 1
 defaults:
@@ -85,7 +86,7 @@ def _real_model(model_id: str) -> tuple[torch.nn.Module, dict[str, Any]]:
     return loaded.module, build_inputs(loaded, matrix.inputs, sample=0)
 
 
-def _aot_graph_ops(model_id: str) -> set[str]:
+def _aot_graph_ops(model_id: str, *, reset: Callable[[], None]) -> set[str]:
     """Every op overload an aot_autograd backend receives when torch.compile compiles the real CPU model."""
     from torch._dynamo.backends.common import aot_autograd
 
@@ -97,18 +98,18 @@ def _aot_graph_ops(model_id: str) -> set[str]:
                     if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload))
         return gm
 
-    torch._dynamo.reset()
+    reset()
     with torch.no_grad():
         torch.compile(model, backend=aot_autograd(fw_compiler=record), dynamic=False)(**kwargs)
-    torch._dynamo.reset()
+    reset()
     return seen
 
 
-def test_sim_subset_reports_exactly_the_ops_outside_its_allowlist(run_dir: Path) -> None:
+def test_sim_subset_reports_exactly_the_ops_outside_its_allowlist(run_dir: Path, fresh_dynamo: Callable[[], None]) -> None:
     from ci_runner.sim import TRANSFORMER_OPS, expand_patterns, op_matches
 
     allow = expand_patterns(TRANSFORMER_OPS)
-    truth = {op for op in _aot_graph_ops("tiny-bamba") if not op_matches(op, allow)}
+    truth = {op for op in _aot_graph_ops("tiny-bamba", reset=fresh_dynamo) if not op_matches(op, allow)}
     assert truth  # tiny Bamba's state-space mixer needs ops a transformer-only compiler lacks
     mode = _cell(run_dir, "tiny-bamba@sim-subset")
     assert mode["status"] == "fail"
@@ -129,11 +130,11 @@ def test_tiny_llama_passes_on_sim_subset(run_dir: Path) -> None:
     assert mode["status"] == "pass" and mode["findings"] == []
 
 
-def test_vendor_plugin_failing_on_first_op_reports_all_of_them(run_dir: Path) -> None:
+def test_vendor_plugin_failing_on_first_op_reports_all_of_them(run_dir: Path, fresh_dynamo: Callable[[], None]) -> None:
     from tests.fixtures.plugin_ops_vendor import DENY
 
     for model_id in ("tiny-bamba", "tiny-llama"):
-        truth = {op for op in _aot_graph_ops(model_id) if op.split(".")[1] in DENY}
+        truth = {op for op in _aot_graph_ops(model_id, reset=fresh_dynamo) if op.split(".")[1] in DENY}
         mode = _cell(run_dir, f"{model_id}@vendor")
         assert _finding_ops(mode) == truth, model_id
         for f in mode["findings"]:

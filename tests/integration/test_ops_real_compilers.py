@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tests.fixtures.paths import ROOT
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("openvino")
 pytest.importorskip("iree.turbine")
 
-ROOT = Path(__file__).resolve().parents[2]
 MATRIX = """
 version: 1
 defaults:

@@ -12,6 +12,7 @@ Order matters: the cell without its setup runs before the setup installs the plu
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -24,10 +25,10 @@ from typing import Any
 
 import pytest
 import yaml
+from tests.fixtures.paths import ROOT
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
 VENDOR_REPO = ROOT / "tests" / "fixtures" / "vendor_repo"
 CELL = "tiny-softplus@acme"
 
@@ -104,7 +105,7 @@ class Runner:
 
 
 ACTION = ROOT / "action.yml"
-WORKFLOW = ROOT / ".github" / "workflows" / "deepview.yml"
+CELLS = ROOT / ".github" / "workflows" / "deepview-cells.yml"  # the cell job, called once per chunk
 
 
 def torch_state(python: Path) -> dict[str, str]:
@@ -123,7 +124,9 @@ def runner(tmp_path_factory: pytest.TempPathFactory) -> Runner:
     # the matrix entry the workflow hands this cell's job (python, setup) comes from `expand`
     plan = subprocess.run([sys.executable, "-m", "ci_runner", "expand", "deepview/matrix.yaml"], cwd=r.workspace,
                           capture_output=True, text=True, check=True, timeout=120).stdout
-    [entry] = json.loads(plan)["matrix"][0]["include"]
+    doc = json.loads(plan)
+    [cell] = doc["matrix"][0]["include"]
+    entry = doc["backends"][cell["b"]]  # the backend's job settings: the plan's backend table, one row per backend
     r.entry = entry  # type: ignore[attr-defined]
     install = step_script(ACTION, "install")
     proc = r.run(install["run"], r.env(DEEPVIEW_EXISTING_PYTHON=entry["python"], DEEPVIEW_PYTHON="", DEEPVIEW_PYTHON_VERSION="",
@@ -149,6 +152,12 @@ def test_install_into_the_existing_environment_leaves_torch_alone(runner: Runner
     version = subprocess.run([runner.installed_python, "-m", "ci_runner", "--version"], capture_output=True, text=True,
                              cwd=runner.root, timeout=120)
     assert version.returncode == 0 and version.stdout.startswith("deepview-ci ")
+    # the cell job installs in one step and runs the cell in the next: the second call of the action installs nothing
+    again = runner.run(step_script(ACTION, "install")["run"],
+                       runner.env(DEEPVIEW_EXISTING_PYTHON=runner.entry["python"], DEEPVIEW_PYTHON="",  # type: ignore[attr-defined]
+                                  DEEPVIEW_PYTHON_VERSION="", DEEPVIEW_PIP_ARGS="--no-index", DEEPVIEW_EXTRAS=""))
+    assert again.returncode == 0 and "already installed" in again.stdout and "pinning" not in again.stdout, again.stdout
+    assert runner.outputs().strip() == f"python={runner.installed_python}"
     where = subprocess.run([runner.installed_python, "-c", "import ci_runner; print(ci_runner.__file__)"], capture_output=True,
                            text=True, cwd=runner.root, timeout=60).stdout
     assert where.startswith(str(runner.venv))  # installed into the vendor environment, not reached from the test venv
@@ -166,12 +175,13 @@ def test_without_its_setup_the_cell_is_an_error_naming_the_missing_module(runner
 
 
 def test_setup_makes_the_plugin_importable_and_the_cell_reports_the_injected_op_failure(runner: Runner) -> None:
-    setup = step_script(WORKFLOW, "setup", job="cells-0")
+    setup = step_script(CELLS, "setup", job="cell")
     entry = runner.entry  # type: ignore[attr-defined]
-    assert entry["setup"] == ["pip install ./compiler"] and entry["container"]["image"].startswith("ghcr.io/acme/")
-    proc = runner.run(setup["run"], runner.env(DEEPVIEW_SETUP=json.dumps(entry["setup"]), DEEPVIEW_CELL_PYTHON=entry["python"]))
+    assert base64.b64decode(entry["setup"]).decode() == "pip install ./compiler"
+    assert entry["container"]["image"].startswith("ghcr.io/acme/")
+    proc = runner.run(setup["run"], runner.env(DEEPVIEW_SETUP=entry["setup"], DEEPVIEW_CELL=CELL))
     assert proc.returncode == 0 and runner.outputs().strip() == "failed=false", proc.stdout + proc.stderr
-    assert "Successfully installed acme-compiler-1.4.0" in (runner.workspace / ".deepview-setup" / "output.log").read_text()
+    assert "Successfully installed acme-compiler-1.4.0" in proc.stdout
     where = subprocess.run([str(runner.python), "-c", "import acme_compiler; print(acme_compiler.__file__)"],
                            capture_output=True, text=True, timeout=60, cwd=runner.root)
     assert where.returncode == 0 and where.stdout.startswith(str(runner.venv)), where.stderr

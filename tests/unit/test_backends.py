@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from ci_runner.engine.backends import (
+from ci_runner.backends import (
     Backend,
     available_backends,
     available_devices,
@@ -20,6 +20,7 @@ from ci_runner.engine.backends import (
 from ci_runner.config import BackendSpec, load_matrix_text
 from ci_runner.errors import BackendError
 from ci_runner.engine.torchcompat import available, skip_reason
+from tests.fixtures.paths import ROOT
 
 
 def bspec(**kw: Any) -> BackendSpec:
@@ -38,7 +39,7 @@ def f(x: torch.Tensor) -> torch.Tensor:
 X = torch.randn(4, 4)
 
 
-pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
+pytestmark = [pytest.mark.oldtorch, pytest.mark.usefixtures("fresh_dynamo")]  # tests/conftest.py
 
 
 def test_eager_backend_is_identity() -> None:
@@ -201,7 +202,41 @@ def test_nightly_matrix_backends_resolve() -> None:
 
     from ci_runner.config import load_matrix
 
-    nightly = load_matrix(Path(__file__).resolve().parents[2] / "matrix" / "nightly.yaml")
+    nightly = load_matrix(ROOT / "matrix" / "nightly.yaml")
     simdev_ok = available("simdev")  # before torch 2.10 simdev cannot be set up (its cells are skipped)
     kinds = {resolve_backend(spec).kind for spec in nightly.backends if simdev_ok or spec.device != "simdev"}
     assert kinds == ({"registered", "sim", "eager"} if simdev_ok else {"registered", "sim"})
+
+
+def test_one_resolution_order_drives_the_adapter_the_recipe_and_the_self_test_answer() -> None:
+    """`resolution(spec)` is written once: `Backend.kind`, `backend_recipe` and `is_self_test` all read it."""
+    from ci_runner.backends import backend_recipe, is_self_test, resolution
+
+    cases = {
+        "eager": (bspec(), False),
+        "sim": (bspec(compile="sim-subset"), True),
+        "plugin": (bspec(compile="tests.fixtures.plugin_ops_vendor:make"), False),
+        "registered": (bspec(compile="aot_eager"), False),
+    }
+    for kind, (spec, self_test) in cases.items():
+        r = resolution(spec)
+        assert r.kind == kind and backend_recipe(spec).kind == kind, kind
+        assert is_self_test(spec) is self_test and r.self_test is self_test, kind
+    on_simdev = bspec(device="simdev", backend_options={"deny": ["rsqrt"]})
+    assert resolution(on_simdev).simdev == {"deny": ["rsqrt"]} and is_self_test(on_simdev)
+    recipe = backend_recipe(on_simdev)
+    assert recipe.imports[-1] == "ci_runner.sim.simdev" and "register_from_options" in recipe.setup[0]
+    plugin = resolution(bspec(compile="pkg.mod:make"))
+    assert (plugin.module, plugin.attr) == ("pkg.mod", "make")
+
+
+def test_vendor_knowledge_lives_in_its_module_and_generic_backends_have_none() -> None:
+    from ci_runner.backends import FallbackWatch, backend_ran, openvino
+    from ci_runner.backends.vendor import watch_for
+
+    with FallbackWatch("inductor") as w:
+        pass
+    assert w.facts() == {} and w.reason() is None
+    assert watch_for("inductor") is None and isinstance(watch_for(openvino.NAME), openvino.Watch)
+    rows = [{"status": "pass", "ran": {"graphs": 1, "openvino_partitions": 2}}]
+    assert backend_ran(rows, compiles=True)["openvino_partitions"] == 2

@@ -8,7 +8,7 @@ from types import MappingProxyType
 import pytest
 import torch
 
-from ci_runner.engine.backends import resolve_backend
+from ci_runner.backends import resolve_backend
 from ci_runner.numerics.batch_invariance import (
     batch_experiment,
     batched,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from ci_runner.engine.backends import resolve_backend
+from ci_runner.backends import resolve_backend
 from ci_runner.numerics.bisect import (
     BisectError,
     _cut,
@@ -24,6 +25,8 @@ from ci_runner.numerics.bisect import (
 )
 from ci_runner.config import BackendSpec
 from tests.fixtures.plugin_toolbox_models import base
+
+pytestmark = pytest.mark.oldtorch  # the old-torch subset (tests/fixtures/oldtorch.py)
 
 TIGHT = {"rel": 7.6e-6, "cos": 1 - 5.8e-11}
 GELU_OFF = BackendSpec(id="gelu-off", compile="tests.fixtures.plugin_toolbox_perturb:make",
@@ -115,13 +118,12 @@ def test_choose_layer_prefers_the_first_layer_wrong_on_its_own() -> None:
 
 
 @pytest.fixture
-def wrong_eps_pass():  # type: ignore[no-untyped-def]
+def wrong_eps_pass(fresh_dynamo: Callable[[], None]):  # type: ignore[no-untyped-def]
     from tests.fixtures import plugin_toolbox_inductor
 
     plugin_toolbox_inductor.install()
     yield plugin_toolbox_inductor
-    plugin_toolbox_inductor.uninstall()
-    torch._dynamo.reset()
+    plugin_toolbox_inductor.uninstall()  # fresh_dynamo then drops the graphs compiled with it
 
 
 @pytest.mark.slow

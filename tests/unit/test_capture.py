@@ -8,6 +8,8 @@ from torch import nn
 
 from ci_runner.engine.capture import ModuleCapture, iter_tensors, primary_tensor
 
+pytestmark = pytest.mark.oldtorch  # the old-torch subset (tests/fixtures/oldtorch.py)
+
 
 class Shared(nn.Module):
     def __init__(self) -> None:

@@ -12,6 +12,9 @@ from hypothesis import strategies as st
 
 from ci_runner.config import DEFAULT_REFERENCES, load_matrix, load_matrix_text
 from ci_runner.errors import ConfigError
+from tests.fixtures.cli import run_cli
+
+pytestmark = pytest.mark.oldtorch  # the old-torch subset (tests/fixtures/oldtorch.py)
 
 GOOD = textwrap.dedent(
     """\
@@ -138,12 +141,13 @@ def _expand_error(tmp_path: Path, text: str) -> str:
 
     path = tmp_path / "matrix.yaml"
     path.write_text(textwrap.dedent(text))
-    proc = subprocess.run([sys.executable, "-m", "ci_runner", "expand", str(path)], capture_output=True, text=True, timeout=120)
+    proc = run_cli("expand", str(path), timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     return proc.stderr
 
 
+@pytest.mark.subprocess
 def test_a_misspelt_required_key_is_named_with_its_suggestion(tmp_path: Path) -> None:
     err = _expand_error(tmp_path, """\
         version: 1
@@ -158,6 +162,7 @@ def test_a_misspelt_required_key_is_named_with_its_suggestion(tmp_path: Path) ->
     assert "required property" not in err  # the unknown key explains it; no second, misleading error
 
 
+@pytest.mark.subprocess
 def test_every_schema_error_is_listed_at_once_unknown_required_key_first(tmp_path: Path) -> None:
     err = _expand_error(tmp_path, """\
         version: 1

@@ -6,16 +6,17 @@ from __future__ import annotations
 import torch
 
 from ci_runner.modes.layers.culprit import capture_graph, entry_name, graph_source, graph_steps, load_graph, parse_entry, subgraph
-from ci_runner.modes.layers.culprit_search import ProbeResult, Step, StopSearch, parse_key, search, single_order
+from ci_runner.engine.outcome import ProbeOutcome
+from ci_runner.modes.layers.culprit_search import Step, StopSearch, parse_key, search, single_order
 
 
 def _probe(fails):
     seen = []
 
-    def probe(key: str) -> ProbeResult:
+    def probe(key: str) -> ProbeOutcome:
         seen.append(key)
         s, e = parse_key(key)
-        return ProbeResult(key=key, status="fail" if fails(set(range(s, e))) else "pass")
+        return ProbeOutcome(name=key, status="fail" if fails(set(range(s, e))) else "pass")
     return probe, seen
 
 
@@ -39,7 +40,7 @@ def test_whole_graph_passing_says_so_and_replay_stops_cleanly() -> None:
     st = search(4, [0, 1, 2, 3], probe)
     assert st.kind == "none" and "whole graph passes" in st.note
 
-    def stop(key: str) -> ProbeResult:
+    def stop(key: str) -> ProbeOutcome:
         raise StopSearch()
     assert search(4, [0, 1], stop).kind == "incomplete"
 

@@ -26,20 +26,20 @@ from ci_runner.numerics.dumps import (
     split_inputs,
 )
 from ci_runner.errors import ConfigError, InputError, UsageError
-from ci_runner.options import ToolboxOptions, parse
+from ci_runner.options import ToolboxOptions
+from ci_runner.registry import parse_options as parse
+from tests.fixtures.matrices import matrix_text
 from tests.fixtures.plugin_toolbox_models import TinyNet, base
 
-MATRIX = """
-version: 1
-defaults: {inputs: {samples: 2}}
-models:
-  - {id: net, factory: "tests.fixtures.plugin_toolbox_models:base"}
-  - {id: net-renamed, factory: "tests.fixtures.plugin_toolbox_models:renamed"}
-  - {id: net-reshaped, factory: "tests.fixtures.plugin_toolbox_models:reshaped"}
-backends:
-  - {id: eager, device: cpu}
-  - {id: gelu-off, compile: "tests.fixtures.plugin_toolbox_perturb:make", backend_options: {op: aten.gelu.default, scale: 0.05}}
-"""
+MATRIX = matrix_text(
+    inputs={"samples": 2},
+    models=[{"id": "net", "factory": "tests.fixtures.plugin_toolbox_models:base"},
+            {"id": "net-renamed", "factory": "tests.fixtures.plugin_toolbox_models:renamed"},
+            {"id": "net-reshaped", "factory": "tests.fixtures.plugin_toolbox_models:reshaped"}],
+    backends=[{"id": "eager", "device": "cpu"},
+              {"id": "gelu-off", "compile": "tests.fixtures.plugin_toolbox_perturb:make",
+               "backend_options": {"op": "aten.gelu.default", "scale": 0.05}}],
+)
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +114,7 @@ def test_dump_layout_streams_chunks_and_records_every_call(tmp_path: Path) -> No
 
 
 def test_compiled_dump_observes_the_backends_own_outputs(tmp_path: Path) -> None:
-    from ci_runner.engine.backends import resolve_backend
+    from ci_runner.backends import resolve_backend
     from ci_runner.config import BackendSpec
     from types import MappingProxyType
 
@@ -315,3 +315,23 @@ def test_tiny_net_fixture_is_deterministic() -> None:
     b, ib = base(seed=3)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     assert torch.equal(ia(1)["x"], ib(1)["x"]) and isinstance(a, TinyNet)
+
+
+def test_one_chunk_reader_keeps_at_most_two_files_open_and_names_a_missing_tensor(tmp_path: Path) -> None:
+    """`store.ChunkFiles` is the chunk reader of both dump formats (`DumpReader`, `dumps.Dump`): least recently
+    used files are dropped, complex tensors come back complex, a chunk without the tensor is an InputError."""
+    from safetensors.torch import save_file
+
+    from ci_runner.numerics.store import ChunkFiles
+
+    for i in range(3):
+        save_file({f"t{i}": torch.full((2,), float(i)), f"z{i}c": torch.ones(2, 2)}, str(tmp_path / f"c{i}.safetensors"))
+    chunks = ChunkFiles(tmp_path, listed_in="index.json", max_open=2)
+    for i in (0, 1, 2, 0):
+        assert torch.equal(chunks.tensor(f"c{i}.safetensors", f"t{i}"), torch.full((2,), float(i)))
+        assert chunks.open_count <= 2
+    assert chunks.tensor("c1.safetensors", "z1c").dtype == torch.complex64
+    with pytest.raises(InputError, match=r"c2.safetensors: no tensor 't0' for entry 'x'"):
+        chunks.tensor("c2.safetensors", "t0", what="entry 'x'")
+    with pytest.raises(InputError, match=r"c9.safetensors: missing \(listed in .*index.json\)"):
+        chunks.tensor("c9.safetensors", "t0")

@@ -11,7 +11,7 @@ import pytest
 
 import ci_runner.run.aggregate as aggregate
 import ci_runner.github.issues as issues
-from ci_runner.engine.backends import (
+from ci_runner.backends import (
     backend_recipe,
     named_op_from_error,
     simdev_options,

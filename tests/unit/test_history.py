@@ -310,6 +310,7 @@ def _writer(store: str, first: int, barrier: Any) -> None:
         add_run(Path(store), night_results(night), meta_of(night))
 
 
+@pytest.mark.subprocess
 def test_two_processes_adding_at_once_lose_no_run(tmp_path: Path) -> None:
     ctx = mp.get_context("fork")
     barrier = ctx.Barrier(2)

@@ -45,6 +45,7 @@ def branch_store(bare: Path, tmp: Path) -> Path:
     return out
 
 
+@pytest.mark.subprocess
 def test_push_adds_runs_and_compacts_on_the_branch(origin: tuple[Path, Path], tmp_path: Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     bare, clone = origin
@@ -70,6 +71,7 @@ def test_push_adds_runs_and_compacts_on_the_branch(origin: tuple[Path, Path], tm
     assert git(clone, "status", "--porcelain") == ""
 
 
+@pytest.mark.subprocess
 def test_a_push_that_loses_the_race_refetches_and_keeps_both_runs(origin: tuple[Path, Path], tmp_path: Path) -> None:
     """Another run pushes in the gap between our fetch and our push (a pre-push hook does it): our push is
     rejected, and the retry adds our run on top of theirs; nothing is forced or lost."""

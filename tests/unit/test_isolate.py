@@ -7,6 +7,9 @@ from pathlib import Path
 import pytest
 
 from ci_runner.engine.isolate import open_entry, run_isolated
+from tests.fixtures.paths import ROOT
+
+pytestmark = pytest.mark.subprocess  # every test here starts child processes (the child engine)
 
 @pytest.mark.parametrize(
     ("action", "status", "check"),
@@ -42,8 +45,8 @@ def test_a_hung_child_dies_with_its_parent(tmp_path: Path) -> None:
         "import sys; sys.path.insert(0, %r)\n"
         "from ci_runner.engine.isolate import run_isolated\n"
         "run_isolated('tests.fixtures.iso_targets:hang_and_report', {'pidfile': %r}, timeout=600)\n"
-    ) % (str(Path(__file__).resolve().parents[2]), str(pidfile))
-    parent = subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[2])
+    ) % (str(ROOT), str(pidfile))
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT)
     deadline = time.monotonic() + 60
     while not pidfile.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -143,3 +146,61 @@ def test_supervise_stops_when_a_child_dies_outside_any_item(tmp_path: Path) -> N
     run = supervise("tests.fixtures.iso_targets:no_such_function", journal=tmp_path / "j.log", kind="item",
                     next_attempt=lambda n: Attempt(payload={}, timeout=30), on_crash=on_crash)
     assert calls == [None] and run.stop_reason == "stop" and run.last is not None and run.last.status == "error"
+
+
+def test_verify_script_runs_from_threads_and_each_outcome_is_named(tmp_path: Path) -> None:
+    """Repro verification runs in parallel (a thread pool): the one start site, no `preexec_fn`; a failing
+    script verifies, a passing one does not, a hung one is killed at its timeout."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ci_runner.engine.repro import verify_script
+
+    bodies = {"fails": "raise RuntimeError('unsupported operator aten.x.default')\n", "passes": "print('ok')\n",
+              "hangs": "import time\ntime.sleep(60)\n"}
+    scripts = {}
+    for name, body in bodies.items():
+        scripts[name] = tmp_path / f"{name}.py"
+        scripts[name].write_text(body)
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        futs = {n: pool.submit(verify_script, s, expect_text=["unsupported operator aten.x.default"],
+                               expect_error_type="RuntimeError", timeout=3 if n == "hangs" else 60)
+                for n, s in scripts.items()}
+        got = {n: f.result() for n, f in futs.items()}
+    assert got["fails"].verified and got["fails"].exit_code == 1, got["fails"]
+    assert not got["passes"].verified and got["passes"].exit_code == 0
+    assert not got["hangs"].verified and got["hangs"].exit_code is None and "timed out" in got["hangs"].note
+
+
+def test_a_foreign_child_dies_with_the_process_that_started_it(tmp_path: Path) -> None:
+    """`run_process(foreign=True)` (a repro script, which cannot call `die_with_parent`): killing the starter
+    kills the script too."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pidfile = tmp_path / "child.pid"
+    hang = tmp_path / "hang.py"
+    hang.write_text(f"import os, time\nopen({str(pidfile)!r}, 'w').write(str(os.getpid()))\ntime.sleep(600)\n")
+    starter = (
+        "import os, sys; sys.path.insert(0, %r)\nfrom pathlib import Path\n"
+        "from ci_runner.engine.isolate import run_process\n"
+        "run_process([sys.executable, %r], timeout=600, stdout=Path(%r), env=dict(os.environ), foreign=True)\n"
+    ) % (str(Path(__file__).resolve().parents[2]), str(hang), str(tmp_path / "out.log"))
+    parent = subprocess.Popen([sys.executable, "-c", starter])
+    deadline = time.monotonic() + 60
+    while not (pidfile.exists() and pidfile.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    child = int(pidfile.read_text())
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    for _ in range(100):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(child, signal.SIGKILL)
+        raise AssertionError("the foreign child outlived the process that started it")

@@ -11,9 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from ci_runner.engine.backends import resolve_backend
+from ci_runner.backends import resolve_backend
 from ci_runner.config import BackendSpec
-from ci_runner.modes.layers.search import ROOT, ModuleTree, ProbeOutcome, _probe_one, own_code_candidates, search
+from ci_runner.engine.outcome import ProbeOutcome
+from ci_runner.modes.layers.search import ROOT, ModuleTree, _probe_one, own_code_candidates, search
 
 
 def refusing_backend(gm: Any, example_inputs: Any) -> Any:

@@ -14,11 +14,11 @@ import torch
 from ci_runner.config import BackendSpec
 from ci_runner.engine.codec import TensorStore
 from ci_runner.modes.layers.search import encode_call
-from ci_runner.engine.backends import plugin_pythonpath
+from ci_runner.backends import plugin_pythonpath
 from ci_runner.modes.layers.mode import _plugin_modules, template_backend
 from ci_runner.engine.repro import render_template, write_script
+from tests.fixtures.paths import ROOT
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _ctx(spec: BackendSpec, call: dict[str, Any], **extra: Any) -> dict[str, Any]:
@@ -68,7 +68,7 @@ def test_backend_recipes_and_plugin_paths() -> None:
     assert _plugin_modules(SPECS[2]) == ["tests.fixtures", "tests.fixtures.plugin_layers_pair"]
     assert _plugin_modules(SPECS[3]) == ["ci_runner"]
     # the checkout's root holds `tests` and `ci_runner`; torch lives in site-packages and is left out
-    assert plugin_pythonpath(["tests.fixtures", "ci_runner", "torch"]) == [str(REPO)]
+    assert plugin_pythonpath(["tests.fixtures", "ci_runner", "torch"]) == [str(ROOT)]
 
 
 @pytest.mark.slow
@@ -84,7 +84,7 @@ def test_exported_module_repro_runs_alone_and_exits_by_verdict(tmp_path: Path) -
     ep = torch.export.export(mod, (x,), {"scale": 0.5}, strict=False)
     torch.export.save(ep, str(tmp_path / "module.pt2"))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["PYTHONPATH"] = str(REPO)
+    env["PYTHONPATH"] = str(ROOT)
     for compile_spec, want in (("tests.fixtures.plugin_layers_fault:raise_backend", 1), ("aot_eager", 0)):
         spec = BackendSpec(id="b", compile=compile_spec)
         write_script(tmp_path / "repro.py", render_template("repro_layer.py.j2", **_ctx(spec, call)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import json
 import math
 from pathlib import Path
@@ -14,17 +15,15 @@ from ci_runner.errors import ConfigError
 from ci_runner.engine.codec import TensorStore, call_tensor_keys, decode_call
 from ci_runner.engine.codec import Unstorable as Opaque
 from ci_runner.engine.isolate import open_entry
+from ci_runner.engine.outcome import ProbeOutcome, append_outcome, read_outcomes
 from ci_runner.modes.layers.search import (
     ROOT,
     ModuleTree,
-    ProbeOutcome,
     StopSearch,
-    append_outcome,
     capture_inputs,
     encode_call,
     is_compile_stage,
     minimal_failing,
-    read_outcomes,
     record_calls,
     scan_model,
     search,
@@ -32,7 +31,10 @@ from ci_runner.modes.layers.search import (
     unwrap_exception,
 )
 from ci_runner.modes.layers.mode import _key_text
-from ci_runner.options import parse as parse_options
+from ci_runner.registry import parse_options
+from tests.fixtures.oldtorch import differs_on_oldest
+
+pytestmark = pytest.mark.oldtorch  # the old-torch subset (tests/fixtures/oldtorch.py)
 
 
 def _open_entry_since(journal: Path, offset: int) -> str | None:
@@ -309,7 +311,8 @@ def test_search_prefetches_each_level_once() -> None:
 
 # --------------------------------------------------------------------------- errors and options
 
-def test_stage_of_backend_errors() -> None:
+@differs_on_oldest("2.7's Dynamo wraps the fixture backend's IndexError in BackendCompilerFailed")
+def test_stage_of_backend_errors(fresh_dynamo: Callable[[], None]) -> None:
     import torch._dynamo
 
     from tests.fixtures.plugin_layers_fault import raise_backend
@@ -324,7 +327,7 @@ def test_stage_of_backend_errors() -> None:
             return -self.lin(x)
 
     x = torch.randn(2, 4)
-    torch._dynamo.reset()
+    fresh_dynamo()
     with pytest.raises(IndexError) as info:
         torch.compile(M(), backend=pair_backend)(x)
     assert is_compile_stage(info.value)
@@ -334,11 +337,11 @@ def test_stage_of_backend_errors() -> None:
         def forward(self, q: torch.Tensor) -> torch.Tensor:
             return torch.nn.functional.scaled_dot_product_attention(q, q, q)
 
-    torch._dynamo.reset()
+    fresh_dynamo()
     with pytest.raises(RuntimeError, match="fault-plugin") as info2:
         torch.compile(A(), backend=raise_backend)(torch.randn(1, 2, 4, 8))
     assert not is_compile_stage(info2.value)
-    torch._dynamo.reset()
+    fresh_dynamo()
 
 
 def test_options_defaults_and_errors() -> None:

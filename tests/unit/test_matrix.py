@@ -10,8 +10,10 @@ import pytest
 
 from ci_runner.config import load_matrix_text
 from ci_runner.errors import ConfigError
-from ci_runner.matrix import artifact_name, chunk, expand, expand_json, find_cell, select
-from tests.conftest import tiny_matrix_text as matrix
+from ci_runner.matrix import ATTEMPT_SEP, artifact_cell, artifact_name, chunk, expand, expand_json, find_cell, select
+from tests.fixtures.matrices import tiny_matrix_text as matrix
+
+pytestmark = pytest.mark.oldtorch  # the old-torch subset (tests/fixtures/oldtorch.py)
 
 
 def test_ids_are_model_at_backend_in_matrix_order() -> None:
@@ -59,14 +61,34 @@ def test_chunking_at_256_and_failing_loudly_past_the_limit() -> None:
         chunk(cells, max_jobs=1000, chunk_size=300)
 
 
-def test_include_entries_carry_runs_on_and_safe_artifact_names() -> None:
+def test_the_backend_table_carries_runs_on_and_entries_carry_safe_artifact_names() -> None:
     text = matrix(1, 0) + "  - {id: v, compile: 'pkg.mod:fn', runs-on: [self-hosted, card]}\n  - {id: c, compile: inductor}\n"
     doc = expand_json(expand(load_matrix_text(text)), max_jobs=10)
     inc = doc["matrix"][0]["include"]
-    assert inc[0]["runs-on"] == ["self-hosted", "card"] and inc[1]["runs-on"] == "ubuntu-latest"
+    backends = doc["backends"]
+    assert [b["backend"] for b in backends] == ["v", "c"]
+    assert backends[inc[0]["b"]]["runs-on"] == ["self-hosted", "card"] and backends[inc[1]["b"]]["runs-on"] == "ubuntu-latest"
     for entry in inc:
+        assert set(entry) == {"cell", "artifact", "b", "minutes", "job-minutes"}
         assert not set('":<>|*?\\/') & set(entry["artifact"])
-    assert artifact_name("a/b@c:d") == "deepview-cell-a_b__c_d"
+    assert artifact_name("a/b@c:d") == "deepview-cell-a_2fb_40c_3ad"
+
+
+@pytest.mark.parametrize("a, b", [("a__b@c", "a@b__c"), ("a_b@c", "a@b_c"), ("x_40y@z", "x@y@z"), ("m@b", "m@b_")])
+def test_two_cell_ids_that_used_to_escape_alike_get_different_artifact_names(a: str, b: str) -> None:
+    assert artifact_name(a) != artifact_name(b)
+    for cid in (a, b):  # and the name gives the id back (a prefix code: `_` always starts an escape)
+        assert artifact_cell(artifact_name(cid) + ATTEMPT_SEP + "2") == (cid, 2)
+
+
+def test_artifact_names_are_injective_over_many_ids() -> None:
+    alphabet = "ab_@.-"  # the characters of the old collisions, plus the ones kept as they are
+    ids = {"".join(alphabet[(n // len(alphabet) ** k) % len(alphabet)] for k in range(5)) for n in range(len(alphabet) ** 5)}
+    names = {artifact_name(i) for i in ids}
+    assert len(names) == len(ids) == 6 ** 5
+    assert all(artifact_cell(artifact_name(i) + "-attempt-1") == (i, 1) for i in ids)
+    assert artifact_cell("deepview-cell-a_zz-attempt-1") is None and artifact_cell("deepview-plan") is None
+    assert artifact_cell("deepview-cell-m0_40b0-attempt-x") is None
 
 
 def test_find_cell_suggests_close_ids() -> None:

@@ -19,6 +19,7 @@ from ci_runner.engine.models import (
     model_fingerprint,
     sample_length,
 )
+from tests.fixtures.paths import ROOT
 
 EXAMPLE = load_matrix(None)
 TINY_LLAMA = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -268,7 +269,7 @@ def test_loaded_model_is_frozen() -> None:
 
 
 def test_nightly_matrix_models_build() -> None:
-    nightly = load_matrix(__import__("pathlib").Path(__file__).resolve().parents[2] / "matrix" / "nightly.yaml")
+    nightly = load_matrix(ROOT / "matrix" / "nightly.yaml")
     for m in nightly.models:
         loaded = load_model(m, meta=m.path is None)  # meta: config validity without the weights' cost
         assert loaded.task in ("causal-lm", "image-classification", "image-text", "base"), m.id

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import collections
 import dataclasses
 import copy
@@ -17,9 +18,11 @@ from torch import nn
 from ci_runner.errors import ConfigError, InputError
 from ci_runner.engine import codec
 from ci_runner.numerics import store, target, verdict, views
-from ci_runner.options import parse
+from ci_runner.registry import parse_options as parse
 from ci_runner.numerics import capture as ncap
 from ci_runner.numerics.thresholds import ThresholdOptions, ThresholdTable
+
+pytestmark = pytest.mark.oldtorch  # the old-torch subset (tests/fixtures/oldtorch.py)
 
 
 class Block(nn.Module):
@@ -239,13 +242,13 @@ class _CompiledBackend(_EagerBackend):
 
 
 @pytest.mark.parametrize("backend", [_EagerBackend(), _CompiledBackend()], ids=["eager", "aot_eager"])
-def test_compare_target_both_views(tmp_path: Path, backend: Any) -> None:
+def test_compare_target_both_views(fresh_dynamo: Callable[[], None], tmp_path: Path, backend: Any) -> None:
     model = Toy().eval()
     ncap.record_reference(model, _inputs(), tmp_path / "r0")
     plan = target.TargetPlan(model={}, backend={}, seed=0, dtype="float32", dumps=(str(tmp_path / "r0"),),
                          results="", journal="")
     recs, emit = _collect()
-    torch._dynamo.reset()
+    fresh_dynamo()
     target.compare_target(model, backend, plan, emit)
     cum = {r["key"]: r for r in recs if r["view"] == "cumulative" and "key" in r}
     iso = {r["key"]: r for r in recs if r["view"] == "isolated" and "key" in r}
@@ -256,7 +259,7 @@ def test_compare_target_both_views(tmp_path: Path, backend: Any) -> None:
     assert not any(m._forward_hooks for m in model.modules())  # the capture hooks are gone
 
 
-def test_compiled_cumulative_view_sees_the_backends_own_values(tmp_path: Path) -> None:
+def test_compiled_cumulative_view_sees_the_backends_own_values(fresh_dynamo: Callable[[], None], tmp_path: Path) -> None:
     from tests.fixtures.plugin_numerics_perturb import make
 
     model = Toy().eval()
@@ -264,7 +267,7 @@ def test_compiled_cumulative_view_sees_the_backends_own_values(tmp_path: Path) -
     plan = target.TargetPlan(model={}, backend={}, seed=0, dtype="float32", dumps=(str(tmp_path / "r0"),),
                          results="", journal="", views=("cumulative", "isolated"))
     recs, emit = _collect()
-    torch._dynamo.reset()
+    fresh_dynamo()
     target.compare_target(model, _CompiledBackend(make(op="aten.tanh.default", scale=1e-2)), plan, emit)
     cum_off = {r["key"] for r in recs if r["view"] == "cumulative" and r.get("metrics", {}).get("rel", 0) > 1e-4}
     iso = {r["key"]: r for r in recs if r["view"] == "isolated" and "key" in r}
@@ -274,7 +277,7 @@ def test_compiled_cumulative_view_sees_the_backends_own_values(tmp_path: Path) -
     assert cum_off == {"shared#1", "head", ""}  # what runs after it in the compiled graph
 
 
-def test_isolated_auto_runs_only_when_the_cumulative_view_flags(tmp_path: Path) -> None:
+def test_isolated_auto_runs_only_when_the_cumulative_view_flags(fresh_dynamo: Callable[[], None], tmp_path: Path) -> None:
     from tests.fixtures.plugin_numerics_perturb import make
 
     model = Toy().eval()
@@ -282,7 +285,7 @@ def test_isolated_auto_runs_only_when_the_cumulative_view_flags(tmp_path: Path) 
     table = ThresholdTable(layers={}, options=ThresholdOptions(), primary_dtype="float32", key={})
     plan = target.TargetPlan(model={}, backend={}, seed=0, dtype="float32", dumps=(str(tmp_path / "r0"),),
                          results="", journal="", isolated="auto")
-    torch._dynamo.reset()
+    fresh_dynamo()
     recs, emit = _collect()
     target.compare_target(model, _EagerBackend(), plan, emit, table=table)
     status = [r for r in recs if r["view"] == "isolated"]
@@ -294,7 +297,7 @@ def test_isolated_auto_runs_only_when_the_cumulative_view_flags(tmp_path: Path) 
 
 
 
-def test_isolated_auto_reads_the_thresholds_file_of_the_plan(tmp_path: Path) -> None:
+def test_isolated_auto_reads_the_thresholds_file_of_the_plan(fresh_dynamo: Callable[[], None], tmp_path: Path) -> None:
     """In the child the table comes from the plan: its file and its threshold options (JSON, as the mode sends them)."""
     model = Toy().eval()
     ncap.record_reference(model, _inputs(), tmp_path / "r0")
@@ -305,7 +308,7 @@ def test_isolated_auto_reads_the_thresholds_file_of_the_plan(tmp_path: Path) -> 
     plan = target.TargetPlan(model={}, backend={}, seed=0, dtype="float32", dumps=(str(tmp_path / "r0"),),
                              results="", journal="", isolated="auto", thresholds=str(path),
                              threshold_options=json.loads(json.dumps(opts.thresholds.as_dict())))
-    torch._dynamo.reset()
+    fresh_dynamo()
     recs, emit = _collect()
     target.compare_target(model, _EagerBackend(), plan, emit)
     status = [r for r in recs if r["view"] == "isolated"]
@@ -370,10 +373,10 @@ def test_options() -> None:
             parse("numerics", bad)
 
 
-def test_compiled_capture_is_not_fooled_by_earlier_compiles(tmp_path: Path) -> None:
+def test_compiled_capture_is_not_fooled_by_earlier_compiles(fresh_dynamo: Callable[[], None], tmp_path: Path) -> None:
     """Dynamo caches per code object and does not guard on hooks by default: a model compiled earlier without the
     capture hooks (a plain target run), or another instance of the same architecture, must still be observed."""
-    torch._dynamo.reset()
+    fresh_dynamo()
     be = _CompiledBackend()
     model = Toy().eval()
     with torch.no_grad():

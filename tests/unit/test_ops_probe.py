@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from ci_runner.engine.backends import named_op_from_error as parse_named_op
+from ci_runner.backends import named_op_from_error as parse_named_op
 from ci_runner.config import BackendSpec, spec_from_json, spec_to_json
 from ci_runner.errors import ConfigError
 from ci_runner.modes.ops.mode import run
@@ -23,7 +23,9 @@ from ci_runner.modes.ops.probe import (
 )
 from ci_runner.modes.ops.signature import encode_value
 from ci_runner.options import DEFAULT_TOLERANCE
-from ci_runner.options import parse as parse_options
+from ci_runner.registry import parse_options
+
+pytestmark = pytest.mark.oldtorch  # the old-torch subset (tests/fixtures/oldtorch.py)
 
 
 def _probe(op: str, *args: Any, **kwargs: Any) -> dict[str, Any]:

@@ -17,14 +17,14 @@ import pytest
 import torch
 
 from ci_runner.config import BackendSpec
-from ci_runner.engine.backends import backend_recipe
+from ci_runner.backends import backend_recipe
 from ci_runner.modes.ops.mode import render_repro
 from ci_runner.modes.ops.probe import with_ranges
 from ci_runner.modes.ops.signature import CallSite, OpSignature, encode_value, signature_key
 from ci_runner.engine.repro import verify_script, write_script
+from tests.fixtures.paths import ROOT
 
-GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "golden" / "ops"
-ROOT = Path(__file__).resolve().parents[2]
+GOLDEN = ROOT / "tests" / "fixtures" / "golden" / "ops"
 ENV_STAMP = {"torch": "2.13.0+cpu", "transformers": "5.24.0", "python": "3.11.7",
              "backend": {"backend": "sim-subset", "deepview-ci": "0.1.0"}}
 

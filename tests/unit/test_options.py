@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,12 +16,14 @@ from ci_runner.options import (
     OpsOptions,
     ThresholdOptions,
     ToolboxOptions,
-    known_keys,
     markdown_table,
-    parse,
 )
+from ci_runner.registry import known_keys, parse_options as parse
+from tests.fixtures.paths import ROOT
+from tests.fixtures.cli import run_cli
 
-ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.oldtorch  # the old-torch subset (tests/fixtures/oldtorch.py)
+
 MATRIX = """version: 1
 defaults:
   options: {OPTIONS}
@@ -99,11 +99,11 @@ def test_model_and_backend_options_are_checked_too() -> None:
         load_matrix_text(text, path="m.yaml")
 
 
+@pytest.mark.subprocess
 def test_expand_exits_2_naming_file_line_and_the_fix(tmp_path: Path) -> None:
     matrix = tmp_path / "m.yaml"
     matrix.write_text(MATRIX.replace("{OPTIONS}", "{numerics: {margn: 8}}"), encoding="utf-8")
-    proc = subprocess.run([sys.executable, "-m", "ci_runner", "expand", str(matrix)], capture_output=True,
-                          text=True, timeout=120)
+    proc = run_cli("expand", str(matrix), timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert f"{matrix}:3:24:" in proc.stderr and "did you mean 'margin'" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -12,9 +12,10 @@ import torch
 from torch import nn
 
 from ci_runner.run.aggregate import write_report_dir
-from ci_runner.engine.backends import resolve_backend
+from ci_runner.backends import resolve_backend
 from ci_runner.config import BackendSpec
-from ci_runner.modes.layers.search import ROOT, ModuleTree, ProbeOutcome, _probe_one, own_code_candidates, own_name
+from ci_runner.engine.outcome import ProbeOutcome
+from ci_runner.modes.layers.search import ROOT, ModuleTree, _probe_one, own_code_candidates, own_name
 from ci_runner.engine.models import disable_caches, module_names, resolve_module_name
 from ci_runner.modes.layers.mode import own_code_words
 from ci_runner.engine.repro import verify_script, write_script

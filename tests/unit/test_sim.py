@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import re
 from types import MappingProxyType
 
@@ -11,8 +12,8 @@ import torch
 import ci_runner.sim as sim
 from ci_runner.config import BackendSpec, load_matrix
 from ci_runner.engine.models import build_inputs, load_model
-from ci_runner.engine.backends import COULD_NOT_RUN_RE, UNSUPPORTED_RE
-from ci_runner.engine.backends import unsupported_op_from_error as parse_unsupported_op
+from ci_runner.backends import COULD_NOT_RUN_RE, UNSUPPORTED_RE
+from ci_runner.backends import unsupported_op_from_error as parse_unsupported_op
 from ci_runner.sim import SIM_BACKENDS, SimCompilerError, make_backend
 from ci_runner.sim import simdev
 
@@ -20,7 +21,7 @@ EXAMPLE = load_matrix(None)
 SIMDEV_MSG = re.compile(r"Could not run 'aten::(?P<op>[\w.]+)' with arguments from the 'simdev' backend")
 
 
-pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
+pytestmark = [pytest.mark.oldtorch, pytest.mark.usefixtures("fresh_dynamo")]  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
@@ -93,15 +94,15 @@ def test_subset_raises_at_compile_time_on_the_first_unsupported_op() -> None:
     assert parse_unsupported_op(str(err)) == "aten.softplus.default"
 
 
-def test_subset_allowlist_options() -> None:
+def test_subset_allowlist_options(fresh_dynamo: Callable[[], None]) -> None:
     x = torch.randn(4, 4)
     # extra_allow the first one: now the second is reported
     err = _compiled_error(make_backend("sim-subset", {"extra_allow": ["softplus"]}), softplus_then_cumsum, x)
     assert "unsupported operator aten.cumsum.default" in str(err)
-    torch._dynamo.reset()
+    fresh_dynamo()
     out = torch.compile(softplus_then_cumsum, backend=make_backend("sim-subset", {"extra_allow": ["aten.softplus.*", "cumsum"]}))(x)
     torch.testing.assert_close(out, softplus_then_cumsum(x))
-    torch._dynamo.reset()
+    fresh_dynamo()
     # allow replaces the default: mm is no longer in it
     err = _compiled_error(make_backend("sim-subset", {"allow": ["softplus", "cumsum"]}), softplus_then_cumsum, x)
     assert "unsupported operator aten.mm.default" in str(err)
@@ -148,16 +149,16 @@ def test_drift_makes_norm_modules_drift_deterministically(norm: str) -> None:
     assert 1e-4 < _rel(out1, ref) < 2e-2  # bfloat16-sized error, far above float32 noise
 
 
-def test_drift_leaves_other_ops_alone_and_takes_op_and_dtype() -> None:
+def test_drift_leaves_other_ops_alone_and_takes_op_and_dtype(fresh_dynamo: Callable[[], None]) -> None:
     torch.manual_seed(0)
     mlp = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16)).eval()
     x = torch.randn(4, 16)
     with torch.no_grad():
         ref = mlp(x)
         torch.testing.assert_close(torch.compile(mlp, backend=make_backend("sim-drift"))(x), ref)
-        torch._dynamo.reset()
+        fresh_dynamo()
         fp16 = torch.compile(mlp, backend=make_backend("sim-drift", {"op": ["gelu"], "dtype": "float16"}))(x)
-        torch._dynamo.reset()
+        fresh_dynamo()
         bf16 = torch.compile(mlp, backend=make_backend("sim-drift", {"op": "aten.gelu.default"}))(x)
     assert 0 < _rel(fp16, ref) < _rel(bf16, ref)  # float16 keeps more mantissa than bfloat16
 
@@ -192,11 +193,11 @@ def test_crash_on_tiny_llama_names_the_attention_op(llama) -> None:
         torch.compile(loaded.module, backend=make_backend("sim-crash"))(**kw)
 
 
-def test_crash_spares_graphs_without_the_op_and_takes_op() -> None:
+def test_crash_spares_graphs_without_the_op_and_takes_op(fresh_dynamo: Callable[[], None]) -> None:
     x = torch.randn(4, 4)
     fn = lambda x: torch.relu(x @ x) + 1  # noqa: E731
     torch.testing.assert_close(torch.compile(fn, backend=make_backend("sim-crash"))(x), fn(x))
-    torch._dynamo.reset()
+    fresh_dynamo()
     with pytest.raises(RuntimeError, match=r"while executing aten\.relu\.default \(node relu\)"):
         torch.compile(fn, backend=make_backend("sim-crash", {"op": "relu"}))(x)
 
@@ -273,7 +274,7 @@ def test_simdev_with_all_ops_allowed_matches_cpu(dev, llama) -> None:
 
 
 def test_simdev_options_and_backend_resolution(dev) -> None:
-    from ci_runner.engine.backends import resolve_backend
+    from ci_runner.backends import resolve_backend
 
     ops = simdev.register(deny=["mm", "addmm"])
     assert "rsqrt" in ops and "mm" not in ops  # an explicit deny replaces the default one

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
+from tests.fixtures.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import sys, torch

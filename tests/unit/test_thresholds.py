@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ci_runner.errors import ConfigError, InputError
-from ci_runner.options import parse
+from ci_runner.registry import parse_options as parse
 from ci_runner.numerics.thresholds import (
     SCHEMA_VERSION,
     LayerStats,
@@ -161,6 +161,7 @@ def _derive_in_process(path: str, marker: str, barrier_file: str) -> None:
     load_or_derive(Path(path), key, ThresholdOptions(), "float32", derive)
 
 
+@pytest.mark.subprocess
 def test_parallel_cells_derive_once(tmp_path: Path) -> None:
     key = threshold_key(model_fingerprint=FP, inputs=INPUTS, references=REFS, samples=2)
     path = threshold_path(tmp_path, "tiny", key)

@@ -16,6 +16,7 @@ from ci_runner.engine import torchcompat
 from ci_runner.config import load_matrix
 from ci_runner.errors import EnvironmentSetupError, TorchTooOldError
 from ci_runner.engine.torchcompat import FEATURES
+from tests.fixtures.paths import ROOT
 
 pytestmark = pytest.mark.oldtorch
 
@@ -39,9 +40,7 @@ def test_each_probe_agrees_with_the_release_it_names(key: str) -> None:
 
 
 def test_the_declared_oldest_torch_is_what_pyproject_requires() -> None:
-    from pathlib import Path
-
-    text = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text(encoding="utf-8")
+    text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
     assert f'"torch>={torchcompat.OLDEST_TORCH}"' in text
     assert _release(torch.__version__) >= _release(torchcompat.OLDEST_TORCH)
 
@@ -84,7 +83,7 @@ def test_simdev_cell_on_a_torch_without_python_devices_is_skipped_with_the_relea
 
 
 def test_simdev_is_not_offered_as_a_device_without_the_api(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ci_runner.engine.backends import available_backends, available_devices
+    from ci_runner.backends import available_backends, available_devices
     from ci_runner.sim import simdev
 
     _absent(monkeypatch, "simdev")
@@ -134,7 +133,7 @@ def test_the_export_inventory_at_aten_level_needs_the_cia_list(monkeypatch: pyte
 def test_compiler_bisect_is_skipped_with_the_release_it_needs(monkeypatch: pytest.MonkeyPatch) -> None:
     from types import SimpleNamespace
 
-    from ci_runner.engine.backends import resolve_backend
+    from ci_runner.backends import resolve_backend
     from ci_runner.config import BackendSpec
     from ci_runner.numerics.bisect import bisect_cell, compiler_bisect
 

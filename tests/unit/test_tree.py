@@ -5,10 +5,13 @@ from __future__ import annotations
 import collections
 from collections import OrderedDict
 
+import pytest
 import torch
 from torch import nn
 
 from ci_runner.engine.tree import map_tensors, tensors_in
+
+pytestmark = pytest.mark.oldtorch  # the old-torch subset (tests/fixtures/oldtorch.py)
 
 Pair = collections.namedtuple("Pair", "a b")
 

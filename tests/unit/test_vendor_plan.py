@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 from ci_runner import cli
 from ci_runner.config import load_matrix_text
 from ci_runner.errors import ConfigError, InputError
-from ci_runner.matrix import FORK_SKIP_REASON, expand, expand_json
+from ci_runner.matrix import FORK_SKIP_REASON, artifact_name, expand, expand_json
 from ci_runner.plan import NO_RESULT, apply_plan, load_plan, parse_chunk_results
 from ci_runner.results.model import CellResult, ModeResult, load_cell_result, load_results, save_cell_result
 
@@ -41,34 +42,48 @@ def vendor_matrix(n_models: int) -> str:
     return VENDOR.format(models="\n".join(f"  - {{id: m{i:03d}, factory: 'pkg.models:m{i}'}}" for i in range(n_models)))
 
 
-def test_600_cells_with_containers_give_3_chunks_carrying_the_job_setup() -> None:
+def test_600_cells_with_containers_give_3_chunks_and_one_backend_table() -> None:
     cells = expand(load_matrix_text(vendor_matrix(200)))
     doc = expand_json(cells, max_jobs=1024)
     assert doc["count"] == 600 and doc["chunks"] == 3 and doc["skipped"] == []
     assert [len(m["include"]) for m in doc["matrix"]] == [256, 256, 88]
     entries = [e for m in doc["matrix"] for e in m["include"]]
-    acme = [e for e in entries if e["backend"] == "acme"]
-    assert len(acme) == 200 and {e["cell"] for e in entries} == {c.id for c in cells}
-    for e in acme:
-        assert e["container"] == {"image": "ghcr.io/acme/pytorch@sha256:0123", "options": "--device=/dev/acme0 --shm-size=16g",
-                                  "env": {"ACME_LOG": "1", "FAST": "true"}}
-        assert e["python"] == "/opt/acme/venv/bin/python" and e["self-hosted"] is True
-        assert e["setup"] == ["pip install acme-compiler-wheel/*.whl", "acme-smi --check"]
-        assert e["artifacts"] == ["acme-compiler-wheel", "acme-runtime"]
-        assert e["artifacts-pattern"] == "{acme-compiler-wheel,acme-runtime}"
-    hosted = next(e for e in entries if e["backend"] == "acme-hosted")
+    assert {e["cell"] for e in entries} == {c.id for c in cells} == {c["cell"] for c in doc["cells"]}
+    table = {b["backend"]: b for b in doc["backends"]}
+    assert list(table) == ["acme", "acme-hosted", "inductor"]  # each backend once, however many cells use it
+    acme = table["acme"]
+    assert acme["container"] == {"image": "ghcr.io/acme/pytorch@sha256:0123", "options": "--device=/dev/acme0 --shm-size=16g",
+                                 "env": {"ACME_LOG": "1", "FAST": "true"}}
+    assert acme["python"] == "/opt/acme/venv/bin/python" and acme["self-hosted"] is True
+    setup = [base64.b64decode(line).decode() for line in acme["setup"].split("\n")]
+    assert setup == ["pip install acme-compiler-wheel/*.whl", "acme-smi --check"]
+    assert acme["artifacts-pattern"] == "{acme-compiler-wheel,acme-runtime}"
+    hosted = table["acme-hosted"]
     assert hosted["container"] == "" and hosted["python"] == "" and hosted["self-hosted"] is False
     assert hosted["artifacts-pattern"] == "acme-compiler-wheel"
-    plain = next(e for e in entries if e["backend"] == "inductor")
-    assert plain["setup"] == [] and plain["artifacts"] == [] and plain["artifacts-pattern"] == ""
+    plain = table["inductor"]
+    assert plain["setup"] == "" and plain["artifacts-pattern"] == ""
+    for e in entries:  # a cell entry: its id, artifact name, backend row and time limits, nothing repeated
+        assert doc["backends"][e["b"]]["backend"] == e["cell"].split("@")[1]
+        assert e["artifact"] == artifact_name(e["cell"])
+        assert e["minutes"] == 15 + 2 and e["job-minutes"] == 30 + 17 + 5  # the default timeout, 900 s
     with pytest.raises(ConfigError, match="600 cells, more than the limit of 512"):
         expand_json(cells, max_jobs=512)
+
+
+def test_time_limits_are_the_cells_timeout_then_setup_and_margin() -> None:
+    text = vendor_matrix(1).replace("defaults: {modes: [ops]}", "defaults: {modes: [ops], timeout: 1801}")
+    doc = expand_json(expand(load_matrix_text(text)), max_jobs=10, setup_minutes=45, margin_minutes=3)
+    [entry, *_] = doc["matrix"][0]["include"]
+    assert entry["minutes"] == 31 + 2  # the cell's own 1801 s, rounded up, + 2: its own timeout fires first
+    assert entry["job-minutes"] == 45 + 33 + 3
 
 
 def test_fork_pull_request_plans_self_hosted_cells_as_skipped() -> None:
     cells = expand(load_matrix_text(vendor_matrix(2)))
     doc = expand_json(cells, max_jobs=1024, fork_pr=True)
     ran = {e["cell"] for m in doc["matrix"] for e in m["include"]}
+    assert [b["backend"] for b in doc["backends"]] == ["acme-hosted", "inductor"]  # no row for a backend that never runs
     assert ran == {"m000@acme-hosted", "m000@inductor", "m001@acme-hosted", "m001@inductor"}  # hosted unaffected
     assert [(s["cell"], s["reason"]) for s in doc["skipped"]] == [("m000@acme", FORK_SKIP_REASON), ("m001@acme", FORK_SKIP_REASON)]
     assert "fork" in FORK_SKIP_REASON and "allow-fork-self-hosted" in FORK_SKIP_REASON
@@ -79,6 +94,9 @@ def test_fork_pull_request_plans_self_hosted_cells_as_skipped() -> None:
 @pytest.mark.parametrize("labels, self_hosted", [
     ("ubuntu-latest", False), ("[ubuntu-24.04]", False), ("macos-14", False), ("windows-2022", False),
     ("[self-hosted, acme-card]", True), ("acme-card", True), ("[ubuntu-latest, gpu]", True),
+    ("ubuntu-24.04-arm", False), ("macos-15-xlarge", False), ("windows-11-arm", False),
+    # labels a vendor may give its own machines: only the exact names GitHub hosts count as GitHub-hosted
+    ("ubuntu-gpu", True), ("ubuntu-latest-acme", True), ("macos-m2-lab", True), ("windows-acme", True),
 ])
 def test_self_hosted_means_any_label_that_is_not_a_github_hosted_image(labels: str, self_hosted: bool) -> None:
     m = load_matrix_text(f"version: 1\nmodels: [{{id: a, config: llama}}]\nbackends: [{{id: b, runs-on: {labels}}}]\n")
@@ -182,11 +200,12 @@ def test_fork_skipped_cells_come_back_as_skipped_with_the_reason(tmp_path: Path)
 def test_bad_plan_and_chunk_results_are_input_errors(tmp_path: Path) -> None:
     bad = tmp_path / "plan.json"
     bad.write_text('{"count": 1}')
-    with pytest.raises(InputError, match="not a plan written by `deepview-ci expand`"):
+    with pytest.raises(InputError, match="not a plan written by this version of `deepview-ci expand`"):
         load_plan(bad)
     with pytest.raises(InputError, match="CHUNK=RESULT"):
         parse_chunk_results("0=success,x")
     assert parse_chunk_results("0=success,1=,2=cancelled") == {0: "success", 2: "cancelled"}
+    assert parse_chunk_results("*=failure") == {-1: "failure"}  # the chunks as one matrix job: one result for all
 
 
 def test_a_failed_setup_is_an_error_cell_naming_the_command_and_its_output(tmp_path: Path) -> None:

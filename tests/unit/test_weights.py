@@ -9,7 +9,7 @@ from types import MappingProxyType
 import pytest
 import torch
 
-from ci_runner.engine.backends import resolve_backend
+from ci_runner.backends import resolve_backend
 from ci_runner.config import BackendSpec
 from ci_runner.results.model import fingerprint
 from ci_runner.engine.torchcompat import available, skip_reason

@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from ...engine.backends import named_op_from_error, resolve_backend
+from ...backends import named_op_from_error, resolve_backend
 from ...engine.codec import TensorStore, decode_call, encode_call
 from ...config import BackendSpec, ModelSpec, spec_from_json
 from ...engine.tree import map_tensors
@@ -47,7 +47,8 @@ from ...fsutil import atomic_write_json, atomic_write_text
 from ...engine.isolate import Attempt, IsolatedResult, child_journal, supervise
 from .search import capture_inputs, is_compile_stage, unwrap_exception
 from ...engine.models import load_model
-from .culprit_search import ProbeResult, Step, StopSearch, append_result, parse_key, read_results, search, single_order
+from ...engine.outcome import ProbeOutcome, append_outcome, read_outcomes
+from .culprit_search import Step, StopSearch, parse_key, search, single_order
 from ...engine.repro import Verification, render_template, write_script
 
 __all__ = [
@@ -396,7 +397,7 @@ def _search_target(plan: CulpritPlan, target: CulpritTarget, sub: torch.nn.Modul
                    kwargs: dict[str, Any], backend: Any, timeout_fh: Any) -> None:
     out_dir = Path(target.out_dir)
     outcomes_file = out_dir / "probes.jsonl"
-    known = read_results(outcomes_file)
+    known = read_outcomes(outcomes_file)
     t0 = time.monotonic()
     deadline = min(plan.deadline_wall, time.time() + plan.target_budget_s)
     cg = capture_graph(sub, args, kwargs, eager_device=backend.is_eager)
@@ -405,7 +406,7 @@ def _search_target(plan: CulpritPlan, target: CulpritTarget, sub: torch.nn.Modul
                                                "seconds": round(time.monotonic() - t0, 3)})
     probed = 0
 
-    def probe(key: str) -> ProbeResult:
+    def probe(key: str) -> ProbeOutcome:
         nonlocal probed
         if key in known:
             return known[key]
@@ -414,7 +415,7 @@ def _search_target(plan: CulpritPlan, target: CulpritTarget, sub: torch.nn.Modul
         s, e = parse_key(key)
         r = _probe(entry_name(target.module, key), key, cg, nodes[s:e], backend,
                    timeout=max(1.0, min(plan.probe_timeout, deadline - time.time())), timeout_fh=timeout_fh)
-        append_result(outcomes_file, r)
+        append_outcome(outcomes_file, r)
         known[key] = r
         probed += 1
         return r
@@ -429,22 +430,22 @@ def _search_target(plan: CulpritPlan, target: CulpritTarget, sub: torch.nn.Modul
 
 
 def _probe(entry: str, key: str, cg: CapturedGraph, nodes: Sequence[torch.fx.Node], backend: Any, *,
-           timeout: float, timeout_fh: Any) -> ProbeResult:
+           timeout: float, timeout_fh: Any) -> ProbeOutcome:
     t0 = time.monotonic()
     try:
         g, inputs = subgraph(cg, nodes)
         source = graph_source(g, title=key)
     except Unprobeable as exc:
-        return ProbeResult(key=key, status="skipped", message=str(exc))
+        return ProbeOutcome(name=key, status="skipped", message=str(exc))
     child_journal(f"enter-{KIND}", entry)
     faulthandler.dump_traceback_later(timeout, exit=True, file=timeout_fh)
     try:
         run_graph(source, [t for _, t in inputs], backend)
-        r = ProbeResult(key=key, status="pass", duration_s=time.monotonic() - t0)
+        r = ProbeOutcome(name=key, status="pass", duration_s=time.monotonic() - t0)
     except Exception as exc:  # the backend's error is the finding
         inner = unwrap_exception(exc)
         stage = "compile" if (not backend.is_eager and is_compile_stage(exc)) else "run"
-        r = ProbeResult(key=key, status="fail", stage=stage, error_type=type(inner).__name__,
+        r = ProbeOutcome(name=key, status="fail", stage=stage, error_type=type(inner).__name__,
                         message=str(inner)[:4000] or type(inner).__name__,
                         traceback=traceback.format_exc(limit=20)[-4000:], duration_s=time.monotonic() - t0)
     finally:
@@ -555,15 +556,15 @@ def find_culprits(*, model: Mapping[str, Any], backend: Mapping[str, Any], seed:
         target = by_module.get(module, targets[0])
         hung = res.status == "timeout" or _nonempty(timeout_file)
         if hung:
-            r = ProbeResult(key=key, status="timeout", stage="run", error_type="Timeout", duration_s=probe_timeout,
+            r = ProbeOutcome(name=key, status="timeout", stage="run", error_type="Timeout", duration_s=probe_timeout,
                             message=f"no result within {probe_timeout:g}s (probe_timeout); the child was killed",
                             traceback=_tail(timeout_file) or res.stderr_tail[-3000:])
         else:
             why = res.signal or (f"exit code {res.exit_code}" if res.exit_code is not None else res.status)
-            r = ProbeResult(key=key, status="crashed", stage="run", error_type=res.signal or "Crash",
+            r = ProbeOutcome(name=key, status="crashed", stage="run", error_type=res.signal or "Crash",
                             message=f"the process died ({why}) while the probe ran", signal=res.signal,
                             traceback=res.stderr_tail[-3000:])
-        append_result(Path(target.out_dir) / "probes.jsonl", r)
+        append_outcome(Path(target.out_dir) / "probes.jsonl", r)
         return None
 
     run = supervise("ci_runner.modes.layers.culprit:culprit_child", journal=journal, kind=KIND, next_attempt=next_attempt,
@@ -578,7 +579,7 @@ def find_culprits(*, model: Mapping[str, Any], backend: Mapping[str, Any], seed:
 def _result(target: CulpritTarget, answer: Mapping[str, Any], run: Any, seconds: float) -> CulpritResult:
     """One target's `CulpritResult` from its folder (answer.json, graph.json, probes.jsonl)."""
     out_dir = Path(target.out_dir)
-    known = read_results(out_dir / "probes.jsonl")
+    known = read_outcomes(out_dir / "probes.jsonl")
     graph = _read_json(out_dir / "graph.json")
     steps = [Step(**s) for s in graph.get("steps", [])]
     common = {"graph_nodes": len(steps), "level": graph.get("level"), "probes": len(known),

@@ -1,4 +1,4 @@
-"""The culprit search as a pure function of probe outcomes, and the outcomes file (`probes.jsonl`).
+"""The culprit search as a pure function of probe outcomes (`engine.outcome.ProbeOutcome`, named by range key).
 
 `search` decides which node range to probe next from what is known so far (single ops first, in
 `single_order`, then the smallest failing contiguous range); `culprit.py` runs the probes in isolated
@@ -7,13 +7,11 @@ children and feeds their outcomes back. Being pure, a fresh child can replay the
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
-from ...fsutil import append_record, read_records
+from ...engine.outcome import ProbeOutcome
 
-FAILED = ("fail", "crashed", "timeout")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,32 +35,6 @@ def range_key(start: int, end: int) -> str:
 def parse_key(key: str) -> tuple[int, int]:
     a, _, b = key.partition(":")
     return int(a), int(b)
-
-
-@dataclass(kw_only=True)
-class ProbeResult:
-    """What happened when one node range was compiled and run alone on the target."""
-
-    key: str  # `start:end` over the steps
-    status: str  # pass | fail | crashed | timeout | skipped
-    stage: str | None = None
-    error_type: str | None = None
-    message: str = ""
-    traceback: str = ""
-    signal: str | None = None
-    duration_s: float = 0.0
-
-    @property
-    def failed(self) -> bool:
-        return self.status in FAILED
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "ProbeResult":
-        known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in data.items() if k in known})
 
 
 class StopSearch(Exception):
@@ -100,14 +72,14 @@ def _op_matches(op: str, hint: str) -> bool:
     return hint in (op, packet) or (len(parts) >= 3 and hint == parts[1])
 
 
-def search(n: int, singles: Sequence[int], probe: Callable[[str], ProbeResult], *,
+def search(n: int, singles: Sequence[int], probe: Callable[[str], ProbeOutcome], *,
            all_singles: bool = False) -> SearchState:
     """Singles first (in `singles` order; stop at the first failing one unless `all_singles`); else the whole
     graph, then the smallest failing contiguous range: the shortest failing prefix, then its latest failing
     start (each by bisection; every range it reports was itself probed and failed)."""
     state = SearchState(kind="none")
 
-    def p(key: str) -> ProbeResult:
+    def p(key: str) -> ProbeOutcome:
         state.probed.append(key)
         return probe(key)
 
@@ -150,14 +122,3 @@ def search(n: int, singles: Sequence[int], probe: Callable[[str], ProbeResult], 
     except StopSearch:
         state.kind = "incomplete"
         return state
-
-
-# --------------------------------------------------------------------------- outcomes on disk
-
-def read_results(path: Path) -> dict[str, ProbeResult]:
-    """Probe outcomes appended so far (the last line for a key wins; a torn last line is ignored)."""
-    return read_records(path, ProbeResult.from_json, lambda r: r.key)
-
-
-def append_result(path: Path, r: ProbeResult) -> None:
-    append_record(path, r.to_json())

@@ -38,24 +38,24 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
 
-from ...engine.backends import backend_ran, backend_recipe, plugin_pythonpath, simdev_options
+from ...backends import backend_ran, backend_recipe, is_self_test, plugin_pythonpath, simdev_options
 from ...config import spec_to_json
 from .culprit import CulpritResult, CulpritTarget, find_culprits, hints_from_error, ops_cross_check, write_repro
 from ...fsutil import atomic_write_text
 from ...engine.codec import TensorStore, Unstorable
 from ...engine.isolate import Attempt, IsolatedResult, supervise
-from .search import ROOT, ChildPlan, ModuleTree, ProbeOutcome, SearchResult, StopSearch, append_outcome, capture_inputs, encode_call, first_line, label, own_name, read_outcomes, scan_model, search, unlabel, unwrap_exception, write_root_call
-from .. import JOURNAL_NAME
-from ...options import LayersOptions, parse as parse_options
+from ...engine.outcome import ProbeOutcome, append_outcome, read_outcomes
+from .search import ROOT, ChildPlan, ModuleTree, SearchResult, StopSearch, capture_inputs, encode_call, first_line, label, own_name, scan_model, search, unlabel, unwrap_exception, write_root_call
+from ...options import LayersOptions
+from ...registry import FindingKind, parse_options
 from ...engine.repro import render_template, safe_filename, verify_script, write_script
-from ...results.model import Finding, ModeResult, Repro, fingerprint
+from ...results.model import JOURNAL_NAME, Finding, ModeResult, Repro, fingerprint
 from ...results.rootcause import annotate
-from ...sim import is_sim
 
 if TYPE_CHECKING:
     from .. import ModeContext
 
-KIND = "layer_failure"
+KIND = FindingKind.LAYER_FAILURE
 _MIN_CHILD_S = 20.0  # no new probing child is started with less time than this left
 
 
@@ -136,22 +136,9 @@ def run_search(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, layers
         if entry is None:
             stop = f"the probing child {res.message or res.status} before it entered a module"
             return stop + (f"; stderr: {res.stderr_tail[-1500:]}" if res.stderr_tail else "")
-        culprit = unlabel(entry)
-        if timed_out:
-            outcome = ProbeOutcome(name=culprit, status="timeout", stage="run", error_type="Timeout",
-                                   duration_s=opts.probe_timeout,
-                                   message=f"{label(culprit)} did not finish within {opts.probe_timeout:g}s "
-                                           f"(probe_timeout); the probing child was killed",
-                                   traceback=(_read_tail(timeout_file) or res.stderr_tail) + fd2)
-        else:
-            sig = res.signal or (f"exit code {res.exit_code}" if res.exit_code is not None else "unknown")
-            why = res.message or sig
-            if res.signal == "SIGKILL":
-                why += " (SIGKILL from outside: often the kernel's out-of-memory killer)"
-            outcome = ProbeOutcome(name=culprit, status="crashed", stage="run", error_type=res.signal or "Crash",
-                                   message=f"the process died while {label(culprit)} ran: {why}",
-                                   traceback=res.stderr_tail + fd2, signal=res.signal)
-        append_outcome(outcomes_file, outcome)
+        stack = (_read_tail(timeout_file) or res.stderr_tail) if timed_out else res.stderr_tail
+        append_outcome(outcomes_file, _dead_child_outcome(unlabel(entry), res, timed_out=timed_out,
+                                                          probe_timeout=opts.probe_timeout, traceback=stack + fd2))
         return None
 
     run = supervise("ci_runner.modes.layers.search:probe_child", journal=ctx.cell_dir / JOURNAL_NAME, kind="module",
@@ -164,6 +151,23 @@ def run_search(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, layers
     if stop is not None and stop.startswith("gave up after"):
         stop = f"gave up after {run.restarts} crashed probing children (max_restarts={opts.max_restarts})"
     return SearchRun(result=replay, restarts=run.restarts, children=run.children, stop_reason=stop)
+
+
+def _dead_child_outcome(culprit: str, res: IsolatedResult, *, timed_out: bool, probe_timeout: float,
+                        traceback: str) -> ProbeOutcome:
+    """The outcome of the module a probing child died in: timeout (its watchdog fired) or crashed."""
+    if timed_out:
+        return ProbeOutcome(name=culprit, status="timeout", stage="run", error_type="Timeout", duration_s=probe_timeout,
+                            message=f"{label(culprit)} did not finish within {probe_timeout:g}s "
+                                    f"(probe_timeout); the probing child was killed",
+                            traceback=traceback)
+    sig = res.signal or (f"exit code {res.exit_code}" if res.exit_code is not None else "unknown")
+    why = res.message or sig
+    if res.signal == "SIGKILL":
+        why += " (SIGKILL from outside: often the kernel's out-of-memory killer)"
+    return ProbeOutcome(name=culprit, status="crashed", stage="run", error_type=res.signal or "Crash",
+                        message=f"the process died while {label(culprit)} ran: {why}",
+                        traceback=traceback, signal=res.signal)
 
 
 def _nonempty(path: Path) -> bool:
@@ -358,17 +362,9 @@ def _plugin_modules(spec: Any) -> list[str]:
     mods = list(spec.imports)
     if spec.compile and ":" in spec.compile:
         mods.append(spec.compile.split(":", 1)[0])
-    if _is_sim_backend(spec):
+    if is_self_test(spec):
         mods.append("ci_runner")
     return list(dict.fromkeys(mods))
-
-
-def _sim_name(compile_spec: str | None) -> bool:
-    return bool(is_sim(compile_spec))
-
-
-def _is_sim_backend(spec: Any) -> bool:
-    return _sim_name(spec.compile) or spec.device.split(":")[0] == "simdev"
 
 
 def _key_text(message: str) -> list[str]:

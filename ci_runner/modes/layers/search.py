@@ -30,19 +30,19 @@ from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
 import torch
 
 from ...engine import codec
-from ...engine.backends import DynamoCounters, FallbackWatch, not_ran_reason, ran_facts, resolve_backend
+from ...backends import DynamoCounters, FallbackWatch, not_ran_reason, ran_facts, resolve_backend
 from ...engine.capture import ModuleCapture, detach_tree, iter_tensors
 from ...engine.codec import TensorStore, Unstorable, check_value, decode_call
 from ...engine.diagnostics import capture_fd2, compiler_words
-from ...fsutil import append_record, atomic_write_json, read_records
+from ...fsutil import atomic_write_json
 from ...config import BackendSpec, ModelSpec, spec_from_json
 from ...engine.isolate import child_journal
 from ...engine.models import load_model
+from ...engine.outcome import ProbeOutcome, append_outcome, read_outcomes
 from ...engine.tree import tensors_in
 
 ROOT = ""  # the root module's qualified name
 ROOT_LABEL = "<root>"  # how the root is named in findings and reports
-FAILED_STATUSES = ("fail", "crashed", "timeout")  # `inconclusive` is not failing: the search treats it as a pass
 
 
 def label(name: str) -> str:
@@ -219,36 +219,6 @@ def capture_inputs(model: torch.nn.Module, args: tuple[Any, ...], kwargs: Mappin
 
 # --------------------------------------------------------------------------- outcomes and the search
 
-@dataclass(kw_only=True)
-class ProbeOutcome:
-    """What happened when one module was compiled and run alone on its captured inputs."""
-
-    name: str
-    status: str  # pass | fail | crashed | timeout | skipped | inconclusive (passed, but the backend never ran it)
-    stage: str | None = None  # compile | run (for failures)
-    error_type: str | None = None
-    message: str = ""
-    traceback: str = ""
-    executing: str | None = None  # eager devices: the innermost submodule running when it failed
-    signal: str | None = None
-    duration_s: float = 0.0
-    calls_tried: int = 0
-    ran: dict[str, Any] = field(default_factory=dict)  # what the backend compiled and executed (`ran_facts`)
-    diagnostics: list[str] = field(default_factory=list)  # the compiler's own lines (fd 2, exception chain)
-
-    @property
-    def failed(self) -> bool:
-        return self.status in FAILED_STATUSES
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "ProbeOutcome":
-        known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in data.items() if k in known})
-
-
 @dataclass
 class SearchResult:
     outcomes: dict[str, ProbeOutcome]  # in the order tried
@@ -338,15 +308,6 @@ def own_code_candidates(tree: ModuleTree, outcomes: Mapping[str, ProbeOutcome]) 
                 and all(c in outcomes and outcomes[c].status in ("pass", "inconclusive") for c in kids)):
             out.append(name)
     return out
-
-
-def read_outcomes(path: Path) -> dict[str, ProbeOutcome]:
-    """Outcomes appended so far (the last line for a name wins; a torn last line is ignored)."""
-    return read_records(path, ProbeOutcome.from_json, lambda o: o.name)
-
-
-def append_outcome(path: Path, outcome: ProbeOutcome) -> None:
-    append_record(path, outcome.to_json())
 
 
 # --------------------------------------------------------------------------- errors

@@ -7,9 +7,11 @@ verdict) is described in `docs/numerics.md`; the work is done by the `ci_runner/
 only orchestrates it: options (`options.NumericsOptions`), thresholds for the cell, the reference pass, the
 target in child processes (a fresh child after a crash, skipping the module that crashed), the result.
 
-Status: `fail` with findings; `pass` when nothing exceeds its threshold (`reason` says "partial: …" when some
-layers or a view could not be compared, e.g. the backend crashed in them: the layers mode reports those);
-`error` when nothing at all could be compared, or fewer than two references are configured.
+Status: `fail` with findings; `pass` when every layer was compared in every view that ran and none exceeds its
+threshold; `inconclusive` when nothing exceeds its threshold but only part of the model was compared (a view did
+not run, the backend failed in some layers, the paths were not comparable): the reason says "N of M layers
+compared" and why, `data["coverage"]` holds the counts; `error` when nothing at all could be compared, or fewer
+than two references are configured.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import torch
 
-from ... import options
+from ...registry import parse_options
 from ...config import spec_to_json
 from ...fsutil import append_line
 from ...engine.isolate import Attempt, IsolatedResult, Journal, supervise
@@ -44,7 +46,15 @@ from ...numerics.target import (
 )
 from ...numerics.thresholds import LayerStats, ThresholdTable, key_hash, load_or_derive, threshold_key, threshold_path
 from ...numerics.toolbox import after_numerics, before_numerics, reference_dumps
-from ...numerics.verdict import build_layers, findings_for, layer_table, verdict_of, view_status
+from ...numerics.verdict import (
+    build_layers,
+    coverage,
+    coverage_text,
+    findings_for,
+    layer_table,
+    verdict_of,
+    view_status,
+)
 from ...numerics.views import derive_reference_stats, runnable_reference
 
 if TYPE_CHECKING:
@@ -66,17 +76,7 @@ def _run_target(ctx: "ModeContext", opts: NumericsOptions, dumps: list[Path], wo
                 views=opts.views, isolated=opts.isolated, thresholds=str(table.path) if table.path else None,
                 threshold_options=opts.thresholds.as_dict())
     if not opts.isolate:
-        loaded = ctx.model(dtype=primary.dtype, device="cpu")
-        module = loaded.module
-        if ctx.backend.device != "cpu":  # moving would move the reference model too: use a copy
-            module = load_model(ctx.cell.model, seed=ctx.cell.inputs.seed, dtype=primary.dtype, device="cpu").module
-        plan = TargetPlan(**base, deadline_wall=time.time() + ctx.remaining() * 0.9)
-
-        def emit(rec: dict[str, Any]) -> None:
-            append_line(results, json.dumps(json_safe(rec), allow_nan=False))
-
-        compare_target(module, ctx.backend, plan, emit, journal=Journal(journal).write, table=table)
-        return read_records(results), notes
+        return _run_target_here(ctx, base, results, journal, table), notes
 
     crashed: list[dict[str, Any]] = []
     finished = False
@@ -120,18 +120,35 @@ def _run_target(ctx: "ModeContext", opts: NumericsOptions, dumps: list[Path], wo
     if run.stop_reason is not None:
         notes.append(run.stop_reason)
         notes.extend(tail)
-    records = read_records(results)
-    for c in crashed:
-        if c["view"] == "cumulative" and not c["key"]:
-            records.append({"view": "cumulative", "sample": c["sample"], "status": "error", "stage": "run",
-                            "error": f"the whole-model run {c['message']}"})
-        elif c["view"] == "cumulative":
-            records.append({"view": "cumulative", "sample": c["sample"], "status": "error", "stage": "run",
-                            "error": f"the whole-model run {c['message']} in module {c['key'] or '(root)'}"})
-        else:
-            records.append({"view": "isolated", "sample": c["sample"], "key": c["key"], "stage": "run",
-                            "error": f"{c['message']}", "crash": c["status"]})
-    return records, notes
+    return read_records(results) + [_crash_record(c) for c in crashed], notes
+
+
+def _run_target_here(ctx: "ModeContext", base: dict[str, Any], results: Path, journal: Path,
+                     table: ThresholdTable) -> list[dict[str, Any]]:
+    """`isolate: false`: compare the target in this process (faster, not crash-safe)."""
+    primary = ctx.cell.references[0]
+    module = ctx.model(dtype=primary.dtype, device="cpu").module
+    if ctx.backend.device != "cpu":  # moving would move the reference model too: use a copy
+        module = load_model(ctx.cell.model, seed=ctx.cell.inputs.seed, dtype=primary.dtype, device="cpu").module
+    plan = TargetPlan(**base, deadline_wall=time.time() + ctx.remaining() * 0.9)
+
+    def emit(rec: dict[str, Any]) -> None:
+        append_line(results, json.dumps(json_safe(rec), allow_nan=False))
+
+    compare_target(module, ctx.backend, plan, emit, journal=Journal(journal).write, table=table)
+    return read_records(results)
+
+
+def _crash_record(c: dict[str, Any]) -> dict[str, Any]:
+    """The record of a view/sample/module whose target child died (`c`: what `on_crash` noted)."""
+    if c["view"] == "cumulative" and not c["key"]:
+        return {"view": "cumulative", "sample": c["sample"], "status": "error", "stage": "run",
+                "error": f"the whole-model run {c['message']}"}
+    if c["view"] == "cumulative":
+        return {"view": "cumulative", "sample": c["sample"], "status": "error", "stage": "run",
+                "error": f"the whole-model run {c['message']} in module {c['key'] or '(root)'}"}
+    return {"view": "isolated", "sample": c["sample"], "key": c["key"], "stage": "run",
+            "error": f"{c['message']}", "crash": c["status"]}
 
 
 
@@ -177,22 +194,18 @@ def derive_for_cell(ctx: "ModeContext", opts: NumericsOptions, dump_root: Path,
 def run(ctx: "ModeContext") -> ModeResult:
     """The numerics mode (see the module docstring)."""
     t0 = time.monotonic()
-    opts: NumericsOptions = options.parse("numerics", ctx.options("numerics"))
+    opts: NumericsOptions = parse_options("numerics", ctx.options("numerics"))
     toolbox = opts.toolbox  # weights/batch/bisect/reference dumps
     refs = ctx.cell.references
-    if len(refs) < 2:
-        return ModeResult(status="error", reason="numerics needs at least two references to derive thresholds from "
-                                                 "(the matrix lists one); add e.g. {id: cpu-fp64, device: cpu, dtype: float64}")
-    primary = refs[0]
-    if primary.dtype not in DTYPES:
-        return ModeResult(status="error", reason=f"primary reference dtype {primary.dtype!r} is not one of {list(DTYPES)}")
+    bad_refs = _references_problem(refs)
+    if bad_refs is not None:
+        return ModeResult(status="error", reason=bad_refs)
     work = ctx.artifact_dir("numerics")
     dump_root = work / "ref"
     compare = list(range(opts.compare_samples))
     timings: dict[str, float] = {}
-    notes: list[str] = []
     pre = before_numerics(ctx, toolbox, isolate=opts.isolate)  # the weights check, before any forward
-    notes.extend(pre.notes)
+    notes: list[str] = list(pre.notes)
 
     t = time.monotonic()
     table, how, dump_key = derive_for_cell(ctx, opts, dump_root, keep=compare)
@@ -200,33 +213,17 @@ def run(ctx: "ModeContext") -> ModeResult:
     notes.append(f"thresholds {how}")
 
     t = time.monotonic()
-    loaded = ctx.model(dtype=primary.dtype, device=primary.device)
-    dumps = []
-    if toolbox.reference_dump:  # dumped elsewhere (`deepview-ci dump --reference`): replaces the reference pass
-        dumps, compare = reference_dumps(ctx, toolbox)
-        notes.append(f"reference pass replaced by dump(s) {', '.join(str(d) for d in dumps)}")
-    for s in compare if not toolbox.reference_dump else ():
-        folder = dump_root / f"sample-{s}"
-        if table.reused or not dump_matches(folder, dump_key):  # derived now: derive() left it on disk
-            record_reference(loaded.module, ctx.inputs(loaded, sample=s, device=primary.device), folder,
-                             chunk_mb=opts.chunk_mb, meta=dump_meta(primary, s, key=dump_key))
-        dumps.append(folder)
+    dumps, compare = _reference_pass(ctx, opts, table, dump_root, dump_key, compare, notes)
     timings["reference_s"] = round(time.monotonic() - t, 3)
     t = time.monotonic()
     records, target_notes = _run_target(ctx, opts, dumps, work, table)
     notes.extend(target_notes)
     timings["target_s"] = round(time.monotonic() - t, 3)
 
-    iso_status = [r for r in records if r.get("view") == "isolated" and "status" in r]
-    timings["target_cumulative_s"] = round(sum(float(r.get("seconds", 0.0)) for r in records
-                                               if r.get("view") == "cumulative" and "status" in r), 3)
-    timings["target_isolated_s"] = round(sum(float(r.get("seconds", 0.0)) for r in iso_status), 3)
-    iso_skipped = next((r.get("reason") for r in iso_status if r["status"] == "skipped"), None)
+    iso_skipped, cum_errors = _view_runs(records, timings)
     reader = DumpReader(dumps[0])
     layers = build_layers(reader, records, table)
     reader.close()
-    cumulative_status = [r for r in records if r.get("view") == "cumulative" and "status" in r]
-    cum_errors = [r for r in cumulative_status if r["status"] == "error"]
     iso_ran = any(l.metrics.get("isolated") for l in layers)
     cum_ran = any(l.metrics.get("cumulative") for l in layers)
     verdict = verdict_of(layers, isolated_ran=iso_ran)
@@ -240,10 +237,7 @@ def run(ctx: "ModeContext") -> ModeResult:
         "layers": layer_table(layers, opts.max_layers),
         "layers_total": len(layers),
         "verdict": verdict,
-        "thresholds": {"file": str(table.path) if table.path else None, "reused": table.reused,
-                       "key_hash": table.path.stem.rsplit("-", 1)[-1] if table.path else None,
-                       "references": [r.id for r in refs], "options": opts.thresholds.as_dict(),
-                       "derive_seconds": table.derive_seconds},
+        "thresholds": _thresholds_data(table, refs, opts),
         "views": {view: view_status(layers, view, errors=bool(cum_errors) if view == "cumulative" else False,
                                      wanted=view in opts.views) for view in VIEWS},
         "isolated": opts.isolated,
@@ -254,15 +248,8 @@ def run(ctx: "ModeContext") -> ModeResult:
     if iso_skipped:
         data["views"]["isolated"] = "skipped"
         notes.append(f"isolated view skipped: {iso_skipped}")
-    if len(layers) > opts.max_layers:
-        data["layers_truncated"] = f"{len(layers) - opts.max_layers} more layers not listed (max_layers={opts.max_layers})"
-    if cum_errors:
-        data["cumulative_errors"] = [{"sample": r["sample"], "stage": r.get("stage"), "error": r["error"]} for r in cum_errors]
-    if errors:
-        data["errors"] = errors[:200]
-        data["errors_total"] = len(errors)
-    if total_findings > len(findings):
-        data["findings_truncated"] = total_findings - len(findings)
+    _note_truncations(data, layers=len(layers), max_layers=opts.max_layers, cum_errors=cum_errors, errors=errors,
+                      findings=(total_findings, len(findings)))
     findings = pre.findings + findings + post.findings
     data.update({**pre.data, **post.data})
     notes.extend(post.notes)
@@ -275,16 +262,106 @@ def run(ctx: "ModeContext") -> ModeResult:
         why = cum_errors[0]["error"] if cum_errors else (notes[-1] if notes else "no comparison could run")
         return ModeResult(status="error", reason=f"the target could not be compared: {why}", findings=findings,
                           data=data, duration_s=duration)
-    reason = None
-    partial = []
-    if not cum_ran:
-        partial.append("cumulative view did not run" + (f" ({cum_errors[0]['error'][:300]})" if cum_errors else ""))
-    if "isolated" in opts.views and not iso_ran and not iso_skipped:
-        partial.append("isolated view did not run")
-    if errors:
-        partial.append(f"{len(errors)} layer(s) could not be compared")
-    if partial:
-        reason = "partial: " + "; ".join(partial)
-    return ModeResult(status="fail" if findings else "pass", findings=findings, reason=reason, data=data,
-                      duration_s=duration)
+    return _result(findings, data, duration, cum_errors=cum_errors, layers=layers,
+                   expected=[v for v in opts.views if not (v == "isolated" and iso_skipped)])
 
+
+def _references_problem(refs: Any) -> str | None:
+    """Why the matrix's references cannot drive the mode, or None."""
+    if len(refs) < 2:
+        return ("numerics needs at least two references to derive thresholds from "
+                "(the matrix lists one); add e.g. {id: cpu-fp64, device: cpu, dtype: float64}")
+    if refs[0].dtype not in DTYPES:
+        return f"primary reference dtype {refs[0].dtype!r} is not one of {list(DTYPES)}"
+    return None
+
+
+def _thresholds_data(table: ThresholdTable, refs: Any, opts: NumericsOptions) -> dict[str, Any]:
+    return {"file": str(table.path) if table.path else None, "reused": table.reused,
+            "key_hash": table.path.stem.rsplit("-", 1)[-1] if table.path else None,
+            "references": [r.id for r in refs], "options": opts.thresholds.as_dict(),
+            "derive_seconds": table.derive_seconds}
+
+
+def _view_runs(records: list[dict[str, Any]], timings: dict[str, float]) -> tuple[str | None, list[dict[str, Any]]]:
+    """From the target's records: the views' seconds (into `timings`), why the isolated view was skipped (None: it
+    was not) and the whole-model runs that failed."""
+    iso_status = [r for r in records if r.get("view") == "isolated" and "status" in r]
+    cumulative_status = [r for r in records if r.get("view") == "cumulative" and "status" in r]
+    timings["target_cumulative_s"] = round(sum(float(r.get("seconds", 0.0)) for r in cumulative_status), 3)
+    timings["target_isolated_s"] = round(sum(float(r.get("seconds", 0.0)) for r in iso_status), 3)
+    iso_skipped = next((r.get("reason") for r in iso_status if r["status"] == "skipped"), None)
+    return iso_skipped, [r for r in cumulative_status if r["status"] == "error"]
+
+
+def _reference_pass(ctx: "ModeContext", opts: NumericsOptions, table: ThresholdTable, dump_root: Path, dump_key: Any,
+                    compare: list[int], notes: list[str]) -> tuple[list[Path], list[int]]:
+    """The primary reference's dumps of the compared samples (recorded now unless derive() left them on disk, or
+    given as `toolbox.reference_dump`); (dump folders, samples compared)."""
+    primary = ctx.cell.references[0]
+    if opts.toolbox.reference_dump:  # dumped elsewhere (`deepview-ci dump --reference`): replaces the reference pass
+        dumps, compare = reference_dumps(ctx, opts.toolbox)
+        notes.append(f"reference pass replaced by dump(s) {', '.join(str(d) for d in dumps)}")
+        return dumps, compare
+    loaded = ctx.model(dtype=primary.dtype, device=primary.device)
+    dumps = []
+    for s in compare:
+        folder = dump_root / f"sample-{s}"
+        if table.reused or not dump_matches(folder, dump_key):  # derived now: derive() left it on disk
+            record_reference(loaded.module, ctx.inputs(loaded, sample=s, device=primary.device), folder,
+                             chunk_mb=opts.chunk_mb, meta=dump_meta(primary, s, key=dump_key))
+        dumps.append(folder)
+    return dumps, compare
+
+
+def _note_truncations(data: dict[str, Any], *, layers: int, max_layers: int, cum_errors: list[dict[str, Any]],
+                      errors: list[dict[str, Any]], findings: tuple[int, int]) -> None:
+    """What `data` leaves out or could not compare: truncated layer and finding lists, whole-model errors."""
+    if layers > max_layers:
+        data["layers_truncated"] = f"{layers - max_layers} more layers not listed (max_layers={max_layers})"
+    if cum_errors:
+        data["cumulative_errors"] = [{"sample": r["sample"], "stage": r.get("stage"), "error": r["error"]} for r in cum_errors]
+    if errors:
+        data["errors"] = errors[:200]
+        data["errors_total"] = len(errors)
+    if findings[0] > findings[1]:
+        data["findings_truncated"] = findings[0] - findings[1]
+
+
+def _result(findings: list[Any], data: dict[str, Any], duration: float, *, cum_errors: list[dict[str, Any]],
+            layers: list[Any], expected: list[str]) -> ModeResult:
+    """A pass means compared: with no finding, a mode that compared only part of the model (a view did not run,
+    the backend failed in layers, layers compared in no view) is `inconclusive`, saying "N of M layers compared"
+    and why. A layer whose paths differ in one view (stage `paths`) but compared in the other is said, not held
+    against the pass."""
+    cov = coverage(layers, expected)
+    data["coverage"] = cov
+    why = []
+    if "cumulative" in expected and not cov["views"].get("cumulative"):
+        why.append("the cumulative view did not run" + (f" ({cum_errors[0]['error'][:300]})" if cum_errors else ""))
+    if "isolated" in expected and not cov["views"].get("isolated"):
+        why.append("the isolated view did not run")
+    by_key = {l.key: l for l in layers}
+
+    def first_error(keys: list[str], paths: bool) -> str:
+        layer = by_key[keys[0]]
+        view, err = next((v, e) for v, e in layer.errors.items() if e.startswith("paths:") == paths)
+        return f"first {layer.key or '(root)'} ({view} view: {err[:240]})"
+
+    if cov["failed_count"]:
+        why.append(f"{cov['failed_count']} layer(s) could not be compared in a view, {first_error(cov['failed'], False)}")
+    if cov["missing"] and not why:
+        missing = [k for k in cov["missing"] if k in by_key]
+        paths = [k for k in missing if any(e.startswith("paths:") for e in by_key[k].errors.values())]
+        why.append(f"not comparable, {first_error(paths, True)}" if paths else
+                   f"not observed: {', '.join(k or '(root)' for k in missing[:5])}")
+    said = []
+    if cov["not_comparable_count"] and not why:
+        said.append(f"{cov['not_comparable_count']} layer(s) compared in one view only, the other's paths differ: "
+                    f"{first_error(cov['not_comparable'], True)}")
+    if not why:
+        return ModeResult(status="fail" if findings else "pass", findings=findings, data=data, duration_s=duration,
+                          reason="; ".join(said) or None)
+    reason = f"{coverage_text(cov)}: " + "; ".join(why)  # with findings too: what the findings stand on
+    return ModeResult(status="fail" if findings else "inconclusive", findings=findings, reason=reason, data=data,
+                      duration_s=duration)

@@ -39,15 +39,16 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
-from ...engine.backends import BackendRecipe, backend_ran, backend_recipe
+from ...backends import BackendRecipe, backend_ran, backend_recipe
 from ...config import BackendSpec
 from ...errors import DeepviewError
 from ...fsutil import atomic_write_json
 from .inventory import InventoryError, take_inventory
-from .compare import compare, matches_any
+from .compare import SCRIPT_FUNCTIONS, matches_any
 from .probe import ProbeRunner, call_source, float_dtype, make_tensor, not_run_outcome, op_expression, probe_seed, with_ranges
 from .signature import Inventory, OpSignature
-from ...options import OpsOptions, parse as parse_options
+from ...options import OpsOptions
+from ...registry import FindingKind, parse_options
 from ...engine.repro import render_template, safe_filename, verify_script, write_script
 from ...results.model import Finding, ModeResult, Repro, fingerprint
 
@@ -55,8 +56,8 @@ if TYPE_CHECKING:
     from .. import ModeContext
 
 MODE = "ops"
-KIND_OF_STATUS = {"unsupported": "unsupported_op", "error": "op_error", "crashed": "op_error",
-                  "timeout": "op_error", "mismatch": "op_mismatch", "probe_error": "probe_error"}
+KIND_OF_STATUS = {"unsupported": FindingKind.UNSUPPORTED_OP, "error": FindingKind.OP_ERROR, "crashed": FindingKind.OP_ERROR,
+                  "timeout": FindingKind.OP_ERROR, "mismatch": FindingKind.OP_MISMATCH, "probe_error": FindingKind.PROBE_ERROR}
 SEVERITY = {"unsupported": 5, "crashed": 4, "timeout": 3, "error": 2, "mismatch": 1, "probe_error": 0}
 FAILED = tuple(KIND_OF_STATUS)
 _CPU_FALLBACK_MAX_BYTES = 4 * 2**30  # a model whose meta trace fails is retried on CPU (real weights) up to this size
@@ -88,9 +89,9 @@ def render_repro(*, op: str, kind: str, stage: str, error_type: str | None, mess
         imports=list(dict.fromkeys([*recipe.imports, *signature.imports])), outputs=signature.outputs,
         positional_args=positional_args,
         setup=list(recipe.setup), backend_expr=recipe.backend_expr or "None", compile_options=dict(recipe.compile_options),
-        op_expr=op_expression(signature.op), seed=int(probe["seed"]), compare=compare_results and kind == "op_mismatch",
+        op_expr=op_expression(signature.op), seed=int(probe["seed"]), compare=compare_results and kind == FindingKind.OP_MISMATCH,
         rtol=tolerance[0], atol=tolerance[1], make_tensor_source=_plain_source(make_tensor),
-        compare_source=_plain_source(compare), tensor_lines=tensor_lines, tensor_names=tensor_names,
+        compare_source="\n\n".join(_plain_source(f) for f in SCRIPT_FUNCTIONS), tensor_lines=tensor_lines, tensor_names=tensor_names,
         call_args=call_args, command=command, crash=crash,
     )
 
@@ -110,7 +111,8 @@ def _plain_source(fn: Callable[..., Any]) -> str:
 
 _SOURCES: dict[str, str] = {}
 _plain_source(make_tensor)
-_plain_source(compare)
+for _fn in SCRIPT_FUNCTIONS:
+    _plain_source(_fn)
 
 
 def choose_level(spec: "BackendSpec", is_eager: bool, override: str | None) -> str:
@@ -228,17 +230,7 @@ def run(ctx: "ModeContext") -> ModeResult:
     timings["probe_s"] = round(probe_seconds, 3)
     _cleanup(ops_dir / "work")
 
-    rows = []
-    failures: dict[str, list[_Failure]] = {}
-    for p in probes:
-        o = outcomes.get(p["id"]) or not_run_outcome(p, "no outcome recorded")
-        sig = by_key[p["key"]]
-        rows.append({"id": p["id"], "op": p["op"], "signature": sig.describe()[:300], "status": o["status"],
-                     "stage": o.get("stage"), "error_type": o.get("error_type"), "seconds": o.get("seconds"),
-                     "message": (o.get("message") or "")[:500], "compare": o.get("compare"), "ran": o.get("ran")})
-        if _is_finding(o):
-            op = attributed_op(p["op"], o)
-            failures.setdefault(op, []).append(_Failure(op=op, signature=sig, probe=p, outcome=o))
+    rows, failures = _probe_rows(probes, outcomes, by_key)
     atomic_write_json(ops_dir / "probes.json", {"probes": rows, "left_out": left_out})
 
     counts: dict[str, int] = {}
@@ -265,22 +257,46 @@ def run(ctx: "ModeContext") -> ModeResult:
     data["repros"] = {"total": sum(1 for f, _ in findings if f.repro),
                       "verified": sum(1 for f, _ in findings if f.repro and f.repro.verified)}
     result_findings = [f for f, _ in findings]
-    status = "fail" if result_findings else "pass"
+    status, reason = _status(rows, counts, has_findings=bool(result_findings), setup_error=runner.setup_error)
+    return ModeResult(status=status, findings=result_findings, reason=reason, data=data,
+                      duration_s=time.monotonic() - t_start)
+
+
+def _probe_rows(probes: list[dict[str, Any]], outcomes: Mapping[str, Any], by_key: Mapping[str, Any]
+                ) -> tuple[list[dict[str, Any]], dict[str, list[_Failure]]]:
+    """One table row per probe, and the failing probes by the op they are attributed to."""
+    rows = []
+    failures: dict[str, list[_Failure]] = {}
+    for p in probes:
+        o = outcomes.get(p["id"]) or not_run_outcome(p, "no outcome recorded")
+        sig = by_key[p["key"]]
+        rows.append({"id": p["id"], "op": p["op"], "signature": sig.describe()[:300], "status": o["status"],
+                     "stage": o.get("stage"), "error_type": o.get("error_type"), "seconds": o.get("seconds"),
+                     "message": (o.get("message") or "")[:500], "compare": o.get("compare"), "ran": o.get("ran")})
+        if _is_finding(o):
+            op = attributed_op(p["op"], o)
+            failures.setdefault(op, []).append(_Failure(op=op, signature=sig, probe=p, outcome=o))
+    return rows, failures
+
+
+def _status(rows: list[dict[str, Any]], counts: Mapping[str, int], *, has_findings: bool,
+            setup_error: str | None) -> tuple[str, str | None]:
+    """The mode's status and reason: fail with findings; inconclusive when nothing failed but some probe never ran
+    on the backend; error when the probe process could not set up the backend."""
+    status = "fail" if has_findings else "pass"
     reason = None
     if counts.get("inconclusive"):
         unran = sorted({r["op"] for r in rows if r["status"] == "inconclusive"})
-        note = (f"{counts['inconclusive']} probe(s) the backend never ran (inconclusive, not passed): "
-                f"{', '.join(unran[:8])}{' …' if len(unran) > 8 else ''}")
-        reason = note
-        if not result_findings:
+        reason = (f"{counts['inconclusive']} probe(s) the backend never ran (inconclusive, not passed): "
+                  f"{', '.join(unran[:8])}{' …' if len(unran) > 8 else ''}")
+        if not has_findings:
             status = "inconclusive"
-    if runner.setup_error and not result_findings:
-        status, reason = "error", f"the probe process could not set up the backend: {runner.setup_error}"
+    if setup_error and not has_findings:
+        status, reason = "error", f"the probe process could not set up the backend: {setup_error}"
     elif counts.get("not_run"):
         reason = "; ".join(filter(None, [reason, f"{counts['not_run']} probe(s) not run (time ran out or the probe "
                                                   "process failed)"]))
-    return ModeResult(status=status, findings=result_findings, reason=reason, data=data,
-                      duration_s=time.monotonic() - t_start)
+    return status, reason
 
 
 def _is_finding(outcome: Mapping[str, Any]) -> bool:
@@ -364,7 +380,7 @@ def _findings(ctx: "ModeContext", failures: Mapping[str, list[_Failure]], invent
                    "exception_chain": list(diagnostics.get("exception_chain") or []),
                    "outputs": lead.signature.outputs, "imports": list(lead.signature.imports),
                    "backend_ran": lead.outcome.get("ran") or {}}
-        if kind == "probe_error":  # the probe itself could not be built: nothing a repro could show
+        if kind == FindingKind.PROBE_ERROR:  # the probe itself could not be built: nothing a repro could show
             out.append((Finding(kind=kind, stage=lead.outcome.get("stage") or "trace",
                                 message=f"the probe of {op} could not be built: {error_type}: {message}"[:2000],
                                 fingerprint=fingerprint(kind, spec.id, op), op=op,
@@ -383,7 +399,7 @@ def _findings(ctx: "ModeContext", failures: Mapping[str, list[_Failure]], invent
                             command=command, crash=status in ("crashed", "timeout"))
         write_script(script, text)
         metrics = dict(lead.outcome.get("metrics") or {})
-        threshold = {"rtol": lead.probe["tolerance"][0], "atol": lead.probe["tolerance"][1]} if kind == "op_mismatch" else {}
+        threshold = {"rtol": lead.probe["tolerance"][0], "atol": lead.probe["tolerance"][1]} if kind == FindingKind.OP_MISMATCH else {}
         finding = Finding(
             kind=kind, stage=lead.outcome.get("stage") or "run",
             message=(f"{error_type}: {message}" if error_type and not message.startswith(str(error_type)) else message)[:2000],

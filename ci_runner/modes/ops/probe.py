@@ -17,13 +17,13 @@ import re
 import threading
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from ...engine.backends import COULD_NOT_RUN_RE, CompileRecord, DynamoCounters, FallbackWatch, named_op_from_error, not_ran_reason, ran_facts, resolve_backend
+from ...backends import COULD_NOT_RUN_RE, CompileRecord, DynamoCounters, FallbackWatch, named_op_from_error, not_ran_reason, ran_facts, resolve_backend
 from ...config import BackendSpec, spec_from_json, spec_to_json
 from ...engine.diagnostics import capture_fd2, compiler_words
 from ...fsutil import append_line
@@ -310,6 +310,8 @@ def run_probe(backend: Any, probe: Mapping[str, Any], *, compare_results: bool,
     counts only when it compiled and executed the op (`CompileRecord`, `DynamoCounters`, `FallbackWatch`); else
     the outcome is `inconclusive`. What the compiler wrote to fd 2 and the exception chain are kept, reduced to
     the lines that name the op or the failing pass (`diagnostics`).
+    Steps: resolve the op, run it on CPU eager (the reference), move the inputs, run it on the target
+    (`_run_on_target`), classify a failure (`_target_failure`), check the backend ran it, compare (`_judge`).
     """
     t0 = time.monotonic()
     out: dict[str, Any] = {"id": probe["id"], "op": probe["op"], "status": "pass", "stage": None,
@@ -320,113 +322,168 @@ def run_probe(backend: Any, probe: Mapping[str, Any], *, compare_results: bool,
         out["seconds"] = round(time.monotonic() - t0, 4)
         return out
 
-    args, kwargs, seed = probe["args"], probe["kwargs"], int(probe["seed"])
-    outputs = probe.get("outputs")
-    for module in probe.get("imports") or ():
-        try:
-            importlib.import_module(module)
-        except Exception as exc:
-            return done(status="probe_error", stage="trace", error_type=type(exc).__name__,
-                        message=f"importing {module} (which registers {probe['op']}) failed: {exc}"[:2000])
-    try:
-        op = resolve_callable(probe["op"])
-    except Exception as exc:
-        hint = "" if probe.get("imports") else " (no module that registers it was recorded)"
-        return done(status="probe_error", stage="trace", error_type=type(exc).__name__,
-                    message=f"cannot resolve {probe['op']}{hint}: {exc}"[:2000])
+    op = _resolve_op(probe)
+    if isinstance(op, dict):
+        return done(**op)
     eager = bool(getattr(backend, "is_eager", False))
     device = str(getattr(backend, "device", "cpu"))
-
-    ref_value: Any = None
-    ref_exc: BaseException | None = None
-    ref_inputs: list[Any] = []
+    ref = _reference(op, probe)
     try:
-        ref_args, ref_kwargs = assemble(args, kwargs, build_tensors(args, kwargs, seed), "cpu")
-        ref_inputs = list(ref_args)
-        ref_value = select_outputs(op(*ref_args, **ref_kwargs), outputs)
-    except Exception as exc:
-        ref_exc = exc
-
-    try:
-        tensors = [backend.to_device(t) for t in build_tensors(args, kwargs, seed)]
+        tensors = [backend.to_device(t) for t in build_tensors(probe["args"], probe["kwargs"], int(probe["seed"]))]
     except Exception as exc:
         info = classify_failure(exc, eager=True, ref_exc=None)
         info["message"] = f"moving the inputs to {device} failed: {info['message']}"[:4000]
         return done(**info)
-
-    compiler = None if eager or via != "fx" else _fx_compiler(backend)
-    graph = None
-    if compiler is not None:
-        try:
-            graph = one_op_graph(op, args, kwargs, len(tensors), device, ref_value if ref_exc is None else None,
-                                 outputs)
-        except _NoGraph:
-            graph = None
     compile_name = getattr(getattr(backend, "spec", None), "compile", None)
-    record: Any = None
-    counters = DynamoCounters()
-    watch = FallbackWatch(None if eager else compile_name)
-    err = [""]
+    run = _TargetRun(counters=DynamoCounters(), watch=FallbackWatch(None if eager else compile_name))
+    if not eager and via == "fx":
+        _fx_path(backend, op, probe, tensors, ref, run, device=device)
     try:
-        with capture_fd2() as err, watch, counters:
-            if eager:
-                a, k = assemble(args, kwargs, tensors, device)
-                value = select_outputs(op(*a, **k), outputs)
-            elif graph is not None:
-                record = CompileRecord(compiler, str(compile_name))
-                try:
-                    compiled = record(graph, list(tensors))
-                except Exception as exc:  # the backend's compiler refused the one-op graph
-                    raise _CompilerRefused(exc) from exc
-                value = _unpack(compiled(*tensors), graph)
-            else:
-                torch._dynamo.reset()  # a fresh cache: no recompile limit, no reuse between probes
-
-                def fn(*ts: torch.Tensor) -> Any:
-                    a, k = assemble(args, kwargs, ts, device)
-                    return select_outputs(op(*a, **k), outputs)
-
-                recorded = getattr(backend, "compile_recorded", None)  # a `backends.Backend`; else plain compile
-                compiled_fn, record = recorded(fn) if callable(recorded) else (backend.compile(fn), None)
-                value = compiled_fn(*tensors)
-            value = map_tensors(lambda t: t.detach().to("cpu"), value)
+        value = _run_on_target(backend, op, probe, tensors, run, eager=eager, device=device)
     except Exception as exc:
-        refused = isinstance(exc, _CompilerRefused)
-        inner = exc.__cause__ if refused and exc.__cause__ is not None else exc
-        info = classify_failure(inner, eager=eager, ref_exc=ref_exc)
-        if refused:
-            info.update(status="unsupported", stage="compile")
-            if ref_exc is not None:  # CPU eager rejects these inputs too: an invalid probe, not a verdict
-                info.update(status="probe_error", message=f"CPU eager fails too ({type(ref_exc).__name__}: "
-                            f"{_exc_text(ref_exc)[:300]}): {info['message']}"[:4000])
-        elif info["status"] == "probe_error" and ref_exc is None and record is not None and record.graphs:
-            info.update(status="error", stage="compile")  # Dynamo failed after the backend had the graph
-        words, chain = compiler_words(err[0], inner, info["message"], probe["op"])
-        if words:
-            info["message"] = (info["message"] + "\n" + "\n".join(words))[:4000]
-            if not info.get("named_text"):
-                info["named_op"], info["named_text"] = named_op_from_error("\n".join(words))
-        info["diagnostics"] = {"compiler": words, "exception_chain": chain}
-        return done(**info, ran=ran_facts(record, counters, watch))
-    ran = ran_facts(record, counters, watch)
+        info = _target_failure(exc, run, eager=eager, ref_exc=ref.exc, op_name=probe["op"])
+        return done(**info, ran=ran_facts(run.record, run.counters, run.watch))
+    ran = ran_facts(run.record, run.counters, run.watch)
     if not eager:
-        why = not_ran_reason(record, counters, watch)
+        why = not_ran_reason(run.record, run.counters, run.watch)
         if why:
             return done(status="inconclusive", stage="run", error_type=None, ran=ran,
                         message=f"{probe['op']} did not run on the backend: {why}"[:2000])
+    return done(**_judge(probe, ref, value, compare_results=compare_results, tolerance=tolerance), ran=ran)
 
-    if ref_exc is not None:
-        return done(compare=f"skipped: CPU eager failed ({type(ref_exc).__name__})", ran=ran)
-    reason = no_compare_reason(probe["op"], ref_inputs, kwargs) if compare_results else "options.ops.compare is false"
+
+def _resolve_op(probe: Mapping[str, Any]) -> Any:
+    """The op's callable, after importing the modules that register it; a `probe_error` outcome when it fails."""
+    for module in probe.get("imports") or ():
+        try:
+            importlib.import_module(module)
+        except Exception as exc:
+            return {"status": "probe_error", "stage": "trace", "error_type": type(exc).__name__,
+                    "message": f"importing {module} (which registers {probe['op']}) failed: {exc}"[:2000]}
+    try:
+        return resolve_callable(probe["op"])
+    except Exception as exc:
+        hint = "" if probe.get("imports") else " (no module that registers it was recorded)"
+        return {"status": "probe_error", "stage": "trace", "error_type": type(exc).__name__,
+                "message": f"cannot resolve {probe['op']}{hint}: {exc}"[:2000]}
+
+
+@dataclass
+class _Reference:
+    """The op on CPU eager: its (selected) outputs and inputs, or the exception it raised."""
+
+    value: Any = None
+    exc: BaseException | None = None
+    inputs: list[Any] = field(default_factory=list)
+
+
+def _reference(op: Any, probe: Mapping[str, Any]) -> _Reference:
+    ref = _Reference()
+    args, kwargs = probe["args"], probe["kwargs"]
+    try:
+        ref_args, ref_kwargs = assemble(args, kwargs, build_tensors(args, kwargs, int(probe["seed"])), "cpu")
+        ref.inputs = list(ref_args)
+        ref.value = select_outputs(op(*ref_args, **ref_kwargs), probe.get("outputs"))
+    except Exception as exc:
+        ref.exc = exc
+    return ref
+
+
+@dataclass
+class _TargetRun:
+    """What one run on the target left behind, also when it raised: the evidence that the backend ran it and
+    what the compiler wrote to fd 2."""
+
+    counters: DynamoCounters
+    watch: FallbackWatch
+    record: Any = None  # a `CompileRecord` once a compile path made one
+    err: list[str] = field(default_factory=lambda: [""])
+    compiler: Any = None  # the fx path: the backend's compiler function …
+    graph: Any = None  # … and the one-op graph handed to it (None: go through torch.compile)
+
+
+def _fx_path(backend: Any, op: Any, probe: Mapping[str, Any], tensors: list[Any], ref: _Reference, run: _TargetRun,
+             *, device: str) -> None:
+    """`via="fx"`: the backend's compiler function and the one-op graph for it, when the backend and the op's
+    outputs allow one (else the probe goes through torch.compile)."""
+    run.compiler = _fx_compiler(backend)
+    if run.compiler is not None:
+        try:
+            run.graph = one_op_graph(op, probe["args"], probe["kwargs"], len(tensors), device,
+                                     ref.value if ref.exc is None else None, probe.get("outputs"))
+        except _NoGraph:
+            run.graph = None
+
+
+def _run_on_target(backend: Any, op: Any, probe: Mapping[str, Any], tensors: list[Any], run: _TargetRun, *,
+                   eager: bool, device: str) -> Any:
+    """The op on the backend by one of three paths, outputs moved to CPU: eager on its device; the one-op FX graph
+    handed to its compiler function (`run.graph`, the fx path); `torch.compile` (Dynamo)."""
+    args, kwargs, outputs = probe["args"], probe["kwargs"], probe.get("outputs")
+    graph = run.graph
+    compile_name = getattr(getattr(backend, "spec", None), "compile", None)
+    with capture_fd2() as run.err, run.watch, run.counters:
+        if eager:
+            a, k = assemble(args, kwargs, tensors, device)
+            value = select_outputs(op(*a, **k), outputs)
+        elif graph is not None:
+            run.record = CompileRecord(run.compiler, str(compile_name))
+            try:
+                compiled = run.record(graph, list(tensors))
+            except Exception as exc:  # the backend's compiler refused the one-op graph
+                raise _CompilerRefused(exc) from exc
+            value = _unpack(compiled(*tensors), graph)
+        else:
+            torch._dynamo.reset()  # a fresh cache: no recompile limit, no reuse between probes
+
+            def fn(*ts: torch.Tensor) -> Any:
+                a, k = assemble(args, kwargs, ts, device)
+                return select_outputs(op(*a, **k), outputs)
+
+            recorded = getattr(backend, "compile_recorded", None)  # a `backends.Backend`; else plain compile
+            compiled_fn, run.record = recorded(fn) if callable(recorded) else (backend.compile(fn), None)
+            value = compiled_fn(*tensors)
+        return map_tensors(lambda t: t.detach().to("cpu"), value)
+
+
+def _target_failure(exc: BaseException, run: _TargetRun, *, eager: bool, ref_exc: BaseException | None,
+                    op_name: str) -> dict[str, Any]:
+    """The outcome fields of a run on the target that raised, with the compiler's own words."""
+    refused = isinstance(exc, _CompilerRefused)
+    inner = exc.__cause__ if refused and exc.__cause__ is not None else exc
+    info = classify_failure(inner, eager=eager, ref_exc=ref_exc)
+    if refused:
+        info.update(status="unsupported", stage="compile")
+        if ref_exc is not None:  # CPU eager rejects these inputs too: an invalid probe, not a verdict
+            info.update(status="probe_error", message=f"CPU eager fails too ({type(ref_exc).__name__}: "
+                        f"{_exc_text(ref_exc)[:300]}): {info['message']}"[:4000])
+    elif info["status"] == "probe_error" and ref_exc is None and run.record is not None and run.record.graphs:
+        info.update(status="error", stage="compile")  # Dynamo failed after the backend had the graph
+    words, chain = compiler_words(run.err[0], inner, info["message"], op_name)
+    if words:
+        info["message"] = (info["message"] + "\n" + "\n".join(words))[:4000]
+        if not info.get("named_text"):
+            info["named_op"], info["named_text"] = named_op_from_error("\n".join(words))
+    info["diagnostics"] = {"compiler": words, "exception_chain": chain}
+    return info
+
+
+def _judge(probe: Mapping[str, Any], ref: _Reference, value: Any, *, compare_results: bool,
+           tolerance: tuple[float, float]) -> dict[str, Any]:
+    """The comparison with CPU eager: ok, skipped (with why) or a mismatch with its metrics."""
+    op_name = probe["op"]
+    if ref.exc is not None:
+        return {"compare": f"skipped: CPU eager failed ({type(ref.exc).__name__})"}
+    reason = (no_compare_reason(op_name, ref.inputs, probe["kwargs"]) if compare_results
+              else "options.ops.compare is false")
     if reason:
-        return done(compare=f"skipped: {reason}", ran=ran)
+        return {"compare": f"skipped: {reason}"}
     rtol, atol = tolerance
-    problem = compare(ref_value, value, rtol, atol, probe["op"], ref_inputs, outputs)
+    problem = compare(ref.value, value, rtol, atol, op_name, ref.inputs, probe.get("outputs"))
     if problem is None:
-        return done(compare="ok", ran=ran)
-    return done(status="mismatch", stage="compare", error_type="OpMismatch", compare="mismatch", ran=ran,
-                message=f"{probe['op']} differs from CPU eager: {problem}",
-                metrics=mismatch_metrics(ref_value, value))
+        return {"compare": "ok"}
+    return {"status": "mismatch", "stage": "compare", "error_type": "OpMismatch", "compare": "mismatch",
+            "message": f"{op_name} differs from CPU eager: {problem}", "metrics": mismatch_metrics(ref.value, value)}
 
 
 class _CompilerRefused(Exception):

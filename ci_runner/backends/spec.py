@@ -19,10 +19,8 @@ simdev (`allow`/`extra_allow`/`deny`); with both, simdev's options sit under `ba
 (`simdev_options`).
 Every failure is a `BackendError` that lists what is available.
 
-The other facts about backends live here too, so that every mode and every repro agrees on them:
-`backend_recipe` (how a standalone script rebuilds the backend), and the error-text patterns that name an
-unsupported op (`UNSUPPORTED_RE`, `COULD_NOT_RUN_RE`, `ATEN_NAME_RE`; `unsupported_op_from_error`,
-`named_op_from_error`).
+That order is written once, in `resolution(spec)`: `Backend.prepare` carries it out in this process and
+`backend_recipe` writes it out for a standalone script (a repro), so the two cannot drift apart.
 """
 
 from __future__ import annotations
@@ -30,9 +28,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.util
-import logging
 import os
-import re
 import sysconfig
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -41,16 +37,10 @@ from pathlib import Path
 from typing import Any
 
 from ..config import BackendSpec
-from .envinfo import tool_version
+from ..engine.envinfo import tool_version
+from ..engine.torchcompat import available, skip_reason
 from ..errors import BackendError
-from .torchcompat import available, skip_reason
-
-# `unsupported operator aten.softplus.default` (the sims' and many vendor compilers' wording)
-UNSUPPORTED_RE = re.compile(r"unsupported operator (?P<op>[A-Za-z_](?:[\w.]*\w)?)")
-# PyTorch's dispatcher error for an eager device without the kernel (simdev, real PrivateUse1 plugins)
-COULD_NOT_RUN_RE = re.compile(r"Could not run '(?P<op>[\w:.]+)' with arguments from the '(?P<backend>[^']+)' backend")
-# any ATen/prims name in an error text (`aten::softplus`, `aten.rsqrt.default`): the last resort
-ATEN_NAME_RE = re.compile(r"\b(?P<op>(?:aten|prims)(?:::|\.)[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)?)")
+from .ran import CompileRecord
 
 # Short descriptions of the usual torch.compile backends, for `deepview-ci env`.
 _KNOWN_DESCRIPTIONS: Mapping[str, str] = {
@@ -120,8 +110,8 @@ class Backend:
         self.spec = spec
         self.device: str = spec.device
         self.is_eager: bool = spec.compile is None
-        self.kind: str = "eager" if spec.compile is None else ("sim" if _is_sim(spec.compile) else
-                                                               "plugin" if ":" in spec.compile else "registered")
+        self.resolution = resolution(spec)
+        self.kind: str = self.resolution.kind
         self._prepared = False
         self._compiler: Callable[..., Any] | str | None = None
         self._imported: dict[str, Any] = {}
@@ -140,9 +130,10 @@ class Backend:
         """Apply `env`, import the plugins, register devices, resolve the compiler. Idempotent."""
         if self._prepared:
             return
-        for key, value in self.spec.env.items():
+        r = self.resolution  # its steps, in its order
+        for key, value in r.env.items():
             os.environ[key] = value
-        for name in self.spec.imports:
+        for name in r.imports:
             self._imported[name] = self._import(name, "import")
         self._setup_device()
         self._compiler = self._resolve_compiler()
@@ -162,11 +153,11 @@ class Backend:
     def _setup_device(self) -> None:
         torch = _torch()
         dev_type = self.device.split(":")[0]
-        if dev_type == "simdev":
+        if self.resolution.simdev is not None:
             from ..sim import simdev  # deferred: imports torch
 
             try:
-                simdev.register_from_options(simdev_options(self.spec))
+                simdev.register_from_options(self.resolution.simdev)
             except (RuntimeError, ValueError) as exc:
                 raise BackendError(f"backend {self.spec.id!r}: cannot set up device simdev: {exc}",
                                    hint="check backend_options (allow/extra_allow/deny); simdev needs PrivateUse1 "
@@ -192,6 +183,7 @@ class Backend:
                                     f"with the device (`runs-on`)")
 
     def _resolve_compiler(self) -> Callable[..., Any] | str | None:
+        r = self.resolution
         name = self.spec.compile
         if name is None:
             return None
@@ -199,8 +191,8 @@ class Backend:
         if bad:
             raise BackendError(f"backend {self.spec.id!r}: unknown compile_options key {bad[0]!r}",
                                hint=_choices(bad[0], sorted(_COMPILE_KEYS)) + " (torch.compile's arguments)")
-        options = dict(self.spec.backend_options)
-        if _is_sim(name):
+        options = dict(r.options)
+        if r.kind == "sim":
             from .. import sim  # deferred: imports torch
 
             try:
@@ -208,7 +200,7 @@ class Backend:
             except (ValueError, TypeError) as exc:
                 raise BackendError(f"backend {self.spec.id!r}: {exc}",
                                    hint="see the sim backends' options in ci_runner/sim/__init__.py (README)") from None
-        if ":" in name:
+        if r.kind == "plugin":
             return self._plugin_compiler(name, options)
         registered = registered_compile_backends()
         if name not in registered and name not in _all_dynamo_names():
@@ -282,7 +274,7 @@ class Backend:
 
     def to_device(self, obj: Any) -> Any:
         """Move a module, tensor or nested dict/list/tuple of them to the backend's device."""
-        from .tree import map_tensors
+        from ..engine.tree import map_tensors  # deferred: imports torch
 
         self.prepare()
         return map_tensors(lambda x: x.to(self.device), obj, modules=True)
@@ -291,7 +283,7 @@ class Backend:
         """Versions for the env stamp: torch, the compile backend and every plugin module."""
         torch = _torch()
         out: dict[str, str] = {"torch": torch.__version__, "backend": self.spec.compile or f"eager:{self.device}"}
-        if _is_sim(self.spec.compile) or self.device.startswith("simdev"):
+        if self.resolution.self_test:
             out["deepview-ci"] = tool_version()
         if self.spec.compile == "inductor":
             try:
@@ -329,8 +321,47 @@ def _sim_registry() -> Mapping[str, Any]:
     return SIM_BACKENDS
 
 
-def _is_sim(name: str | None) -> bool:
-    return name is not None and name in _sim_registry()
+@dataclass(frozen=True, kw_only=True)
+class Resolution:
+    """The one resolution order of a backend spec, as data: `Backend.prepare` carries it out, `backend_recipe`
+    writes it out for a standalone script. Steps: `env`, `imports`, the device (`simdev` registered with these
+    options when not None; otherwise a device torch knows), then the compiler by `kind`."""
+
+    env: Mapping[str, str]
+    imports: tuple[str, ...]  # the spec's `import:` list, imported in order
+    simdev: Mapping[str, Any] | None  # simdev's options when the device is simdev, else None
+    kind: str  # how `compile` resolves: eager (none) | sim | plugin (`module:callable`) | registered (a name)
+    module: str | None  # plugin: the module of `module:callable`
+    attr: str | None  # plugin: the callable's (dotted) name in it
+    options: Mapping[str, Any]  # backend_options (the compiler's, or simdev's when eager on simdev)
+
+    @property
+    def self_test(self) -> bool:
+        """A self-test backend (a sim compiler or the simdev device): the one answer every mode uses."""
+        return self.kind == "sim" or self.simdev is not None
+
+
+def resolution(spec: BackendSpec) -> Resolution:
+    """How `spec` resolves (see the module docstring); imports nothing but `ci_runner.sim` for a sim name."""
+    name = spec.compile
+    kind, module, attr = "eager", None, None
+    if name is not None:
+        if name in _sim_registry():
+            kind = "sim"
+        elif ":" in name:
+            kind = "plugin"
+            module, _, attr = name.partition(":")
+        else:
+            kind = "registered"
+    on_simdev = spec.device.split(":")[0] == "simdev"
+    return Resolution(env=dict(spec.env), imports=tuple(spec.imports),
+                      simdev=dict(simdev_options(spec)) if on_simdev else None, kind=kind, module=module, attr=attr,
+                      options=dict(spec.backend_options))
+
+
+def is_self_test(spec: BackendSpec) -> bool:
+    """Does `spec` name a self-test backend (a sim compiler, or eager/compiled on simdev)?"""
+    return resolution(spec).self_test
 
 
 def resolve_backend(spec: BackendSpec) -> Backend:
@@ -375,220 +406,6 @@ def _device_description(dev: str) -> str:
     return "PrivateUse1 device registered by a plugin" if dev == torch._C._get_privateuse1_backend_name() else dev
 
 
-# --------------------------------------------------------------------------- did the backend run?
-# A `pass` means something only when the backend compiled and executed the code. Three generic sources of
-# evidence, and one per backend that falls back silently:
-# * `CompileRecord`: a wrapper around the torch.compile backend; the graphs it was given (node counts) and how
-#   often each compiled callable ran;
-# * `DynamoCounters`: `torch._dynamo.utils.counters` diffed around a call: frames total vs ok (an error Dynamo
-#   suppressed, a skipped frame), graph breaks (code between graphs runs in eager), aot_autograd not_ok;
-# * `FallbackWatch`: the backend's own fallbacks (OpenVINO: see `OPENVINO_FACTS`).
-
-class CompileRecord:
-    """A torch.compile backend that forwards to `inner` and records each graph it is given and its executions."""
-
-    def __init__(self, inner: Any, name: str) -> None:
-        self.inner = inner
-        self.__name__ = name  # torch.compile's errors say backend='<name>'
-        self.graphs: list[dict[str, Any]] = []  # {"nodes": call nodes, "calls": executions}
-
-    def __call__(self, gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
-        from torch._dynamo.backends.registry import lookup_backend  # deferred: imports torch
-
-        rec = {"nodes": sum(1 for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")),
-               "calls": 0}
-        self.graphs.append(rec)
-        compiled = lookup_backend(self.inner)(gm, example_inputs, **kwargs)
-        if not callable(compiled):
-            return compiled
-
-        def run(*args: Any) -> Any:
-            out = compiled(*args)
-            rec["calls"] += 1
-            return out
-
-        if getattr(compiled, "_boxed_call", False):  # aot_autograd's calling convention: Dynamo passes a list
-            run._boxed_call = True  # type: ignore[attr-defined]
-        return run
-
-    def summary(self) -> dict[str, int]:
-        return {"graphs": len(self.graphs), "nodes": sum(g["nodes"] for g in self.graphs),
-                "graphs_executed": sum(1 for g in self.graphs if g["calls"] > 0)}
-
-    def not_ran(self) -> str | None:
-        """Why the backend did not run the code (None when every graph it was given executed)."""
-        if not self.graphs:
-            return "the backend was given no graph (Dynamo ran everything in eager)"
-        idle = sum(1 for g in self.graphs if g["calls"] == 0)
-        if idle:
-            return f"{idle} of {len(self.graphs)} compiled graph(s) never executed"
-        return None
-
-
-class DynamoCounters:
-    """`with DynamoCounters() as c:` … `c.fallback()`: what Dynamo ran in eager instead of the backend."""
-
-    def __enter__(self) -> "DynamoCounters":
-        self.before = self._snapshot()
-        self.after = self.before
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.after = self._snapshot()
-
-    @staticmethod
-    def _snapshot() -> dict[str, dict[str, int]]:
-        from torch._dynamo.utils import counters  # deferred: imports torch
-
-        return {k: {kk: int(vv) for kk, vv in v.items()} for k, v in counters.items()}
-
-    def delta(self) -> dict[str, dict[str, int]]:
-        out: dict[str, dict[str, int]] = {}
-        for cat, now in self.after.items():
-            old = self.before.get(cat, {})
-            d = {k: v - old.get(k, 0) for k, v in now.items() if v - old.get(k, 0)}
-            if d:
-                out[cat] = d
-        return out
-
-    def fallback(self, expected_break: str = "") -> str | None:
-        """Why code ran in eager instead of the backend (None: it did not); graph breaks whose reason contains
-        `expected_break` (when given) are intended and not counted."""
-        d = self.delta()
-        frames = d.get("frames", {})
-        if frames.get("total", 0) > frames.get("ok", 0):
-            return (f"Dynamo fell back to eager for {frames['total'] - frames.get('ok', 0)} frame(s) "
-                    f"(an error it suppressed, or a skipped frame)")
-        breaks = {k: v for k, v in d.get("graph_break", {}).items() if not (expected_break and expected_break in k)}
-        if breaks:
-            return f"{sum(breaks.values())} graph break(s): {', '.join(list(breaks)[:2])}"[:300]
-        if d.get("aot_autograd", {}).get("not_ok"):
-            return "aot_autograd failed on a graph (it ran in eager)"
-        return None
-
-
-def ran_facts(record: CompileRecord | None, counters: DynamoCounters, watch: FallbackWatch) -> dict[str, Any]:
-    """What the backend compiled and executed for one probe (the row's `ran`; `backend_ran` sums these)."""
-    out: dict[str, Any] = dict(record.summary()) if record is not None else {}
-    d = counters.delta()
-    if d.get("graph_break"):
-        out["graph_breaks"] = sum(d["graph_break"].values())
-    frames = d.get("frames", {})
-    if frames.get("total", 0) > frames.get("ok", 0):
-        out["frames_in_eager"] = frames["total"] - frames.get("ok", 0)
-    out.update(watch.facts())
-    return out
-
-
-def not_ran_reason(record: CompileRecord | None, counters: DynamoCounters, watch: FallbackWatch, *,
-                   expected_break: str = "") -> str | None:
-    """Why a compile that raised nothing did not run on the backend (None: it did): no graph given or executed,
-    Dynamo fell back to eager or broke the graph (except the breaks `expected_break` names), the backend's own
-    silent fallback."""
-    return ((record.not_ran() if record is not None else None) or counters.fallback(expected_break)
-            or watch.reason())
-
-
-def backend_ran(rows: list[Mapping[str, Any]], *, compiles: bool) -> dict[str, Any]:
-    """What the backend compiled and executed over all probes of a mode (`ModeResult.data["backend_ran"]`): rows
-    with `status` and `ran` (`CompileRecord.summary` plus `DynamoCounters` / `FallbackWatch` facts); ops probes or
-    layers module probes."""
-    if not compiles:
-        return {"eager": True, "probes": len(rows)}
-    total: dict[str, Any] = {"probes_compiled": 0, "probes_executed": 0, "graphs": 0, "nodes": 0,
-                             "graphs_executed": 0, "inconclusive": 0}
-    for r in rows:
-        ran = r.get("ran") or {}
-        total["probes_compiled"] += 1 if ran.get("graphs") else 0
-        total["probes_executed"] += 1 if ran.get("graphs_executed") else 0
-        for key in ("graphs", "nodes", "graphs_executed", "graph_breaks", "frames_in_eager", "openvino_partitions",
-                    "openvino_executions", "perm_fallback"):
-            if ran.get(key):
-                total[key] = total.get(key, 0) + int(ran[key])
-        total["inconclusive"] += 1 if r["status"] == "inconclusive" else 0
-    return total
-
-
-# OpenVINO's torch.compile backend (`openvino`, from the `openvino` package) falls back silently, logging at DEBUG
-# only: (1) any exception in its compiler hands the graph to Inductor ("Failed in OpenVINO execution");
-# (2) a failure at run time switches that partition to PyTorch eager for good (`perm_fallback`, "Falling back to
-# native PyTorch"); (3) its partitioner leaves unsupported ops, and any single-node partition unless
-# `options: {testing: true}`, in eager. Its default (non-aot) path re-traces the graph with make_fx inside
-# Dynamo, which breaks Dynamo's guard building (`sources must not be empty for symbol sN`); `aot_autograd: true`
-# avoids it. On CPUs with bf16 support it computes in bf16 unless `config: {INFERENCE_PRECISION_HINT: f32}`.
-# The recipe that makes its findings mean something (README, "Backend recipes"):
-OPENVINO_RECIPE: Mapping[str, Any] = {"options": {"aot_autograd": True, "testing": True,
-                                                  "config": {"INFERENCE_PRECISION_HINT": "f32"}}}
-_OV = "openvino.frontend.pytorch.torchdynamo"
-
-
-class FallbackWatch:
-    """Backend-specific evidence that a compile ran elsewhere than on the backend; `with FallbackWatch(name):`,
-    then `reason()` (None: no fallback seen) and `facts()`. Generic backends have none."""
-
-    def __init__(self, compile_name: str | None) -> None:
-        self.name = compile_name
-        self.messages: list[str] = []
-        self._handler: Any = None
-        self._saved: list[tuple[Any, int, bool]] = []
-        self._facts: dict[str, Any] = {}
-
-    def __enter__(self) -> "FallbackWatch":
-        if self.name != "openvino":
-            return self
-        try:
-            execute = importlib.import_module(f"{_OV}.execute")
-        except ImportError:
-            return self
-        execute.clear_caches()
-        watch = self
-
-        class _Keep(logging.Handler):
-            def emit(self, record: logging.LogRecord) -> None:
-                watch.messages.append(record.getMessage()[:400])
-
-        self._handler = _Keep(logging.DEBUG)
-        for name in (f"{_OV}.backend", f"{_OV}.execute"):
-            lg = logging.getLogger(name)
-            self._saved.append((lg, lg.level, lg.propagate))
-            lg.setLevel(logging.DEBUG)
-            lg.propagate = False
-            lg.addHandler(self._handler)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._handler is None:
-            return
-        for lg, level, propagate in self._saved:
-            lg.removeHandler(self._handler)
-            lg.setLevel(level)
-            lg.propagate = propagate
-        execute = importlib.import_module(f"{_OV}.execute")
-        mods = [m for gm in execute.partitioned_modules.values() for m in gm.modules()
-                if isinstance(m, execute.OpenVINOGraphModule)]
-        self._facts = {"openvino_partitions": len(mods), "perm_fallback": sum(bool(m.perm_fallback) for m in mods),
-                       "openvino_executions": sum(m.startswith("OpenVINO graph execution successful")
-                                                  for m in self.messages)}
-        self._handler = None
-
-    def facts(self) -> dict[str, Any]:
-        return dict(self._facts)
-
-    def reason(self) -> str | None:
-        if self.name != "openvino" or not self._facts:
-            return None
-        failed = [m for m in self.messages if m.startswith("Failed in OpenVINO execution")]
-        if failed:
-            return "OpenVINO failed and handed the graph to Inductor: " + failed[0]
-        eager = [m for m in self.messages if "Falling back to native PyTorch" in m]
-        if self._facts["perm_fallback"] or eager:
-            return "OpenVINO's execution failed and the graph ran in PyTorch eager: " + (eager or ["(no message)"])[0]
-        if self._facts["openvino_partitions"] == 0 or self._facts["openvino_executions"] == 0:
-            return ("OpenVINO ran no partition: it leaves unsupported ops and single-node graphs in PyTorch eager "
-                    "(compile_options: {options: {testing: true}} makes it compile single nodes)")
-        return None
-
-
 # --------------------------------------------------------------------------- backend facts
 
 def simdev_options(spec: BackendSpec) -> Mapping[str, Any]:
@@ -621,65 +438,29 @@ class BackendRecipe:
 
 
 def backend_recipe(spec: BackendSpec) -> BackendRecipe:
-    """The recipe for `spec`; the same resolution order as `Backend.prepare` (imports, simdev, compiler)."""
-    imports: list[str] = list(spec.imports)
+    """The recipe for `spec`: its `resolution`, written as imports and setup lines (imports, simdev, compiler)."""
+    r = resolution(spec)
+    imports: list[str] = list(r.imports)
     setup: list[str] = []
-    expr: str | None = None
-    options = dict(spec.backend_options)
-    kind, module, attr = "eager", None, None
-    sim_opts: dict[str, Any] | None = None
-    if spec.device.split(":")[0] == "simdev":
-        sim_opts = dict(simdev_options(spec))
+    options = dict(r.options)
+    if r.simdev is not None:
         imports.append("ci_runner.sim.simdev")
-        setup.append(f"ci_runner.sim.simdev.register_from_options({sim_opts!r})  # registers the simdev device")
-    if spec.compile is not None:
-        if _is_sim(spec.compile):
-            kind = "sim"
-            imports.append("ci_runner.sim")
-            setup.append(f"BACKEND = ci_runner.sim.make_backend({spec.compile!r}, {options!r})")
-        elif ":" in spec.compile:
-            kind = "plugin"
-            module, _, attr = spec.compile.partition(":")
-            imports.append(module)
-            target = f"{module}.{attr}"
-            setup.append(f"BACKEND = {target}(**{options!r})" if options else f"BACKEND = {target}")
-        else:
-            kind = "registered"
-            setup.append(f"BACKEND = {spec.compile!r}")
-        expr = "BACKEND"
+        setup.append(f"ci_runner.sim.simdev.register_from_options({dict(r.simdev)!r})  # registers the simdev device")
+    if r.kind == "sim":
+        imports.append("ci_runner.sim")
+        setup.append(f"BACKEND = ci_runner.sim.make_backend({spec.compile!r}, {options!r})")
+    elif r.kind == "plugin":
+        imports.append(str(r.module))
+        target = f"{r.module}.{r.attr}"
+        setup.append(f"BACKEND = {target}(**{options!r})" if options else f"BACKEND = {target}")
+    elif r.kind == "registered":
+        setup.append(f"BACKEND = {spec.compile!r}")
     imports = list(dict.fromkeys(imports))
-    return BackendRecipe(kind=kind, name=spec.compile, module=module, attr=attr, options=options,
-                         simdev_options=sim_opts, imports=tuple(imports), setup=tuple(setup), backend_expr=expr,
+    return BackendRecipe(kind=r.kind, name=spec.compile, module=r.module, attr=r.attr, options=options,
+                         simdev_options=dict(r.simdev) if r.simdev is not None else None, imports=tuple(imports),
+                         setup=tuple(setup), backend_expr=None if r.kind == "eager" else "BACKEND",
                          device=spec.device, env=dict(spec.env), compile_options=dict(spec.compile_options),
                          pythonpath=tuple(plugin_pythonpath(imports)))
-
-
-def unsupported_op_from_error(text: str) -> str | None:
-    """The overload (`aten.rsqrt.out`) an error text says is unsupported (the sims' `unsupported operator X` or
-    PyTorch's `Could not run 'aten::X'` format), else None."""
-    m = UNSUPPORTED_RE.search(text)
-    if m:
-        return m.group("op")
-    m = COULD_NOT_RUN_RE.search(text)
-    if m:
-        return _overload(m.group("op"))
-    return None
-
-
-def named_op_from_error(text: str) -> tuple[str | None, str | None]:
-    """(op overload, the phrase naming it) from a backend's error text, also from any ATen name in it;
-    (None, None) when none is named."""
-    for pattern in (UNSUPPORTED_RE, COULD_NOT_RUN_RE, ATEN_NAME_RE):
-        m = pattern.search(text)
-        if m:
-            op = m.group("op")
-            return (op if pattern is UNSUPPORTED_RE else _overload(op)), m.group(0)
-    return None, None
-
-
-def _overload(name: str) -> str:
-    name = name.replace("::", ".")
-    return name if name.count(".") >= 2 else f"{name}.default"
 
 
 def plugin_pythonpath(modules: Iterable[str]) -> list[str]:

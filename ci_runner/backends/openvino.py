@@ -1,0 +1,90 @@
+"""What this tool knows about OpenVINO's torch.compile backend (`compile: openvino`, from the `openvino` package).
+
+It falls back silently, logging at DEBUG only: (1) any exception in its compiler hands the graph to Inductor
+("Failed in OpenVINO execution"); (2) a failure at run time switches that partition to PyTorch eager for good
+(`perm_fallback`, "Falling back to native PyTorch"); (3) its partitioner leaves unsupported ops, and any
+single-node partition unless `options: {testing: true}`, in eager. Its default (non-aot) path re-traces the graph
+with make_fx inside Dynamo, which breaks Dynamo's guard building (`sources must not be empty for symbol sN`);
+`aot_autograd: true` avoids it. On CPUs with bf16 support it computes in bf16 unless
+`config: {INFERENCE_PRECISION_HINT: f32}`.
+
+`Watch` is its `vendor.VendorWatch`: it listens to those DEBUG logs and counts the partitions around one compile.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Any, Mapping
+
+__all__ = ["NAME", "RECIPE", "FACT_KEYS", "Watch"]
+
+NAME = "openvino"  # the matrix's `compile:` for this backend
+# The recipe that makes its findings mean something (README, "Backend recipes"):
+RECIPE: Mapping[str, Any] = {"options": {"aot_autograd": True, "testing": True,
+                                         "config": {"INFERENCE_PRECISION_HINT": "f32"}}}
+FACT_KEYS = ("openvino_partitions", "openvino_executions", "perm_fallback")  # what `Watch.facts` counts
+_OV = "openvino.frontend.pytorch.torchdynamo"
+
+
+class Watch:
+    """Around one compile and run: OpenVINO's own log lines and partitions (`facts`), and why its work ran
+    elsewhere (`reason`). Does nothing when the `openvino` package is not installed."""
+
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+        self._handler: logging.Handler | None = None
+        self._saved: list[tuple[logging.Logger, int, bool]] = []
+        self._facts: dict[str, Any] = {}
+
+    def start(self) -> None:
+        try:
+            execute = importlib.import_module(f"{_OV}.execute")
+        except ImportError:
+            return
+        execute.clear_caches()
+        watch = self
+
+        class _Keep(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                watch.messages.append(record.getMessage()[:400])
+
+        self._handler = _Keep(logging.DEBUG)
+        for name in (f"{_OV}.backend", f"{_OV}.execute"):
+            lg = logging.getLogger(name)
+            self._saved.append((lg, lg.level, lg.propagate))
+            lg.setLevel(logging.DEBUG)
+            lg.propagate = False
+            lg.addHandler(self._handler)
+
+    def stop(self) -> None:
+        if self._handler is None:
+            return
+        for lg, level, propagate in self._saved:
+            lg.removeHandler(self._handler)
+            lg.setLevel(level)
+            lg.propagate = propagate
+        execute = importlib.import_module(f"{_OV}.execute")
+        mods = [m for gm in execute.partitioned_modules.values() for m in gm.modules()
+                if isinstance(m, execute.OpenVINOGraphModule)]
+        self._facts = {"openvino_partitions": len(mods), "perm_fallback": sum(bool(m.perm_fallback) for m in mods),
+                       "openvino_executions": sum(m.startswith("OpenVINO graph execution successful")
+                                                  for m in self.messages)}
+        self._handler = None
+
+    def facts(self) -> dict[str, Any]:
+        return dict(self._facts)
+
+    def reason(self) -> str | None:
+        if not self._facts:
+            return None
+        failed = [m for m in self.messages if m.startswith("Failed in OpenVINO execution")]
+        if failed:
+            return "OpenVINO failed and handed the graph to Inductor: " + failed[0]
+        eager = [m for m in self.messages if "Falling back to native PyTorch" in m]
+        if self._facts["perm_fallback"] or eager:
+            return "OpenVINO's execution failed and the graph ran in PyTorch eager: " + (eager or ["(no message)"])[0]
+        if self._facts["openvino_partitions"] == 0 or self._facts["openvino_executions"] == 0:
+            return ("OpenVINO ran no partition: it leaves unsupported ops and single-node graphs in PyTorch eager "
+                    "(compile_options: {options: {testing: true}} makes it compile single nodes)")
+        return None

@@ -1,0 +1,166 @@
+"""Did the backend run the code? A `pass` means something only when the backend compiled and executed it.
+
+Three generic sources of evidence, and one per backend that falls back silently:
+
+* `CompileRecord`: a wrapper around the torch.compile backend; the graphs it was given (node counts) and how
+  often each compiled callable ran;
+* `DynamoCounters`: `torch._dynamo.utils.counters` diffed around a call: frames total vs ok (an error Dynamo
+  suppressed, a skipped frame), graph breaks (code between graphs runs in eager), aot_autograd not_ok;
+* `FallbackWatch`: the backend's own fallbacks, from its vendor module (`vendor.watch_for`; OpenVINO today).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from .vendor import VendorWatch, vendor_fact_keys, watch_for
+
+__all__ = ["CompileRecord", "DynamoCounters", "FallbackWatch", "ran_facts", "not_ran_reason", "backend_ran"]
+
+
+class CompileRecord:
+    """A torch.compile backend that forwards to `inner` and records each graph it is given and its executions."""
+
+    def __init__(self, inner: Any, name: str) -> None:
+        self.inner = inner
+        self.__name__ = name  # torch.compile's errors say backend='<name>'
+        self.graphs: list[dict[str, Any]] = []  # {"nodes": call nodes, "calls": executions}
+
+    def __call__(self, gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
+        from torch._dynamo.backends.registry import lookup_backend  # deferred: imports torch
+
+        rec = {"nodes": sum(1 for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")),
+               "calls": 0}
+        self.graphs.append(rec)
+        compiled = lookup_backend(self.inner)(gm, example_inputs, **kwargs)
+        if not callable(compiled):
+            return compiled
+
+        def run(*args: Any) -> Any:
+            out = compiled(*args)
+            rec["calls"] += 1
+            return out
+
+        if getattr(compiled, "_boxed_call", False):  # aot_autograd's calling convention: Dynamo passes a list
+            run._boxed_call = True  # type: ignore[attr-defined]
+        return run
+
+    def summary(self) -> dict[str, int]:
+        return {"graphs": len(self.graphs), "nodes": sum(g["nodes"] for g in self.graphs),
+                "graphs_executed": sum(1 for g in self.graphs if g["calls"] > 0)}
+
+    def not_ran(self) -> str | None:
+        """Why the backend did not run the code (None when every graph it was given executed)."""
+        if not self.graphs:
+            return "the backend was given no graph (Dynamo ran everything in eager)"
+        idle = sum(1 for g in self.graphs if g["calls"] == 0)
+        if idle:
+            return f"{idle} of {len(self.graphs)} compiled graph(s) never executed"
+        return None
+
+
+class DynamoCounters:
+    """`with DynamoCounters() as c:` … `c.fallback()`: what Dynamo ran in eager instead of the backend."""
+
+    def __enter__(self) -> "DynamoCounters":
+        self.before = self._snapshot()
+        self.after = self.before
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.after = self._snapshot()
+
+    @staticmethod
+    def _snapshot() -> dict[str, dict[str, int]]:
+        from torch._dynamo.utils import counters  # deferred: imports torch
+
+        return {k: {kk: int(vv) for kk, vv in v.items()} for k, v in counters.items()}
+
+    def delta(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for cat, now in self.after.items():
+            old = self.before.get(cat, {})
+            d = {k: v - old.get(k, 0) for k, v in now.items() if v - old.get(k, 0)}
+            if d:
+                out[cat] = d
+        return out
+
+    def fallback(self, expected_break: str = "") -> str | None:
+        """Why code ran in eager instead of the backend (None: it did not); graph breaks whose reason contains
+        `expected_break` (when given) are intended and not counted."""
+        d = self.delta()
+        frames = d.get("frames", {})
+        if frames.get("total", 0) > frames.get("ok", 0):
+            return (f"Dynamo fell back to eager for {frames['total'] - frames.get('ok', 0)} frame(s) "
+                    f"(an error it suppressed, or a skipped frame)")
+        breaks = {k: v for k, v in d.get("graph_break", {}).items() if not (expected_break and expected_break in k)}
+        if breaks:
+            return f"{sum(breaks.values())} graph break(s): {', '.join(list(breaks)[:2])}"[:300]
+        if d.get("aot_autograd", {}).get("not_ok"):
+            return "aot_autograd failed on a graph (it ran in eager)"
+        return None
+
+
+class FallbackWatch:
+    """Backend-specific evidence that a compile ran elsewhere than on the backend; `with FallbackWatch(name):`,
+    then `reason()` (None: no fallback seen) and `facts()`. Backends without a vendor module have none."""
+
+    def __init__(self, compile_name: str | None) -> None:
+        self.name = compile_name
+        self._vendor: VendorWatch | None = watch_for(compile_name)
+
+    def __enter__(self) -> "FallbackWatch":
+        if self._vendor is not None:
+            self._vendor.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._vendor is not None:
+            self._vendor.stop()
+
+    def facts(self) -> dict[str, Any]:
+        return self._vendor.facts() if self._vendor is not None else {}
+
+    def reason(self) -> str | None:
+        return self._vendor.reason() if self._vendor is not None else None
+
+
+def ran_facts(record: CompileRecord | None, counters: DynamoCounters, watch: FallbackWatch) -> dict[str, Any]:
+    """What the backend compiled and executed for one probe (the row's `ran`; `backend_ran` sums these)."""
+    out: dict[str, Any] = dict(record.summary()) if record is not None else {}
+    d = counters.delta()
+    if d.get("graph_break"):
+        out["graph_breaks"] = sum(d["graph_break"].values())
+    frames = d.get("frames", {})
+    if frames.get("total", 0) > frames.get("ok", 0):
+        out["frames_in_eager"] = frames["total"] - frames.get("ok", 0)
+    out.update(watch.facts())
+    return out
+
+
+def not_ran_reason(record: CompileRecord | None, counters: DynamoCounters, watch: FallbackWatch, *,
+                   expected_break: str = "") -> str | None:
+    """Why a compile that raised nothing did not run on the backend (None: it did): no graph given or executed,
+    Dynamo fell back to eager or broke the graph (except the breaks `expected_break` names), the backend's own
+    silent fallback."""
+    return ((record.not_ran() if record is not None else None) or counters.fallback(expected_break)
+            or watch.reason())
+
+
+def backend_ran(rows: list[Mapping[str, Any]], *, compiles: bool) -> dict[str, Any]:
+    """What the backend compiled and executed over all probes of a mode (`ModeResult.data["backend_ran"]`): rows
+    with `status` and `ran` (`CompileRecord.summary` plus `DynamoCounters` / `FallbackWatch` facts); ops probes or
+    layers module probes."""
+    if not compiles:
+        return {"eager": True, "probes": len(rows)}
+    total: dict[str, Any] = {"probes_compiled": 0, "probes_executed": 0, "graphs": 0, "nodes": 0,
+                             "graphs_executed": 0, "inconclusive": 0}
+    for r in rows:
+        ran = r.get("ran") or {}
+        total["probes_compiled"] += 1 if ran.get("graphs") else 0
+        total["probes_executed"] += 1 if ran.get("graphs_executed") else 0
+        for key in ("graphs", "nodes", "graphs_executed", "graph_breaks", "frames_in_eager", *vendor_fact_keys()):
+            if ran.get(key):
+                total[key] = total.get(key, 0) + int(ran[key])
+        total["inconclusive"] += 1 if r["status"] == "inconclusive" else 0
+    return total
