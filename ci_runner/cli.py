@@ -27,6 +27,7 @@ from .fsutil import atomic_write_json, atomic_write_text
 from .github.actions import set_output
 from .github.issues import file_issues
 from .github.options import FilingOptions
+from .history import commands as history_cli
 from .engine.isolate import arm_worker
 from .log import Progress
 from .matrix import expand, expand_json, find_cell, select
@@ -158,7 +159,8 @@ def cmd_aggregate(args: argparse.Namespace) -> int:
     plan = load_plan(Path(args.plan)) if args.plan else None
     results = aggregate(paths, plan=plan, chunk_results=parse_chunk_results(args.chunk_results))
     run_dir = Path(args.run_dir) if args.run_dir else (paths[0] if len(paths) == 1 and paths[0].is_dir() else None)
-    written = write_report_dir(results, Path(args.out), run_dir=run_dir)
+    trends = history_cli.trends_for(args, results)
+    written = write_report_dir(results, Path(args.out), run_dir=run_dir, trends=trends)
     _report_outputs(Path(args.out), written)
     c = results.counts()
     missing = sum(1 for cell in results.cells if cell.error is not None and cell.error.type == "no_result")
@@ -183,8 +185,11 @@ def cmd_diff(args: argparse.Namespace) -> int:
     results_path = Path(args.results)
     results = load_results(results_path)
     base = baseline.load_baseline(Path(args.baseline))
+    trends = history_cli.trends_for(args, results)
     d = baseline.diff(results, base, results_path=results_path, baseline_path=Path(args.baseline),
-                      run_dir=Path(args.run_dir) if args.run_dir else None, policy=args.fail_on)
+                      run_dir=Path(args.run_dir) if args.run_dir else None, policy=args.fail_on,
+                      history_flaky=trends.flaky_map() if trends else None,
+                      drifting=[x.to_dict() for x in trends.drifting] if trends else ())
     out_dir = Path(args.out) if args.out else results_path.parent
     json_path, md_path = baseline.write_diff(d, out_dir)
     baseline.annotate_regressions(d)
@@ -204,7 +209,8 @@ def cmd_baseline_update(args: argparse.Namespace) -> int:
 
 
 def cmd_baseline_missing(args: argparse.Namespace) -> int:
-    raise UsageError("baseline: missing subcommand", hint="use `deepview-ci baseline update RESULTS --out BASELINE`")
+    raise UsageError("baseline: missing subcommand", hint="use `deepview-ci baseline update RESULTS --out BASELINE` or "
+                     "`deepview-ci baseline propose --history DIR --baseline FILE --out FILE`")
 
 
 def cmd_file_issues(args: argparse.Namespace) -> int:
@@ -367,6 +373,7 @@ def _report_commands(add: AddCommand) -> None:
     sp.add_argument("--chunk-results", default=None, metavar="N=RESULT,…",
                     help="each chunk job's conclusion (e.g. 0=success,1=cancelled, or *=failure for all), quoted in "
                          "cells with no result")
+    history_cli.add_trend_options(sp)
 
     sp = add("collect", cmd_collect, "Copy each cell's newest attempt from downloaded artifacts into a run folder.")
     sp.add_argument("artifacts", metavar="ARTIFACTS_DIR", help="one folder per downloaded cell artifact (NAME-attempt-N)")
@@ -379,6 +386,7 @@ def _report_commands(add: AddCommand) -> None:
                     help="exit 1 on regressions (default), on any change, or never")
     sp.add_argument("--out", default=None, help="folder for diff.json and diff.md (default: next to RESULTS)")
     sp.add_argument("--run-dir", default=None, help="run folder holding cells/<id>/… (repro paths in the diff are relative to it)")
+    history_cli.add_trend_options(sp)
 
     sp = add("baseline", cmd_baseline_missing, "Manage the committed baseline.")
     bsub = sp.add_subparsers(dest="baseline_command", metavar="SUBCOMMAND", parser_class=_Parser)
@@ -386,6 +394,8 @@ def _report_commands(add: AddCommand) -> None:
     bu.set_defaults(handler=cmd_baseline_update)
     bu.add_argument("results", help="results.json to take the baseline from")
     bu.add_argument("--out", required=True, help="baseline JSON file to write")
+    history_cli.register_propose(bsub)
+    history_cli.register(add, _Parser)
 
     sp = add("file-issues", cmd_file_issues, "File, comment on, reopen or close GitHub issues for a diff.")
     sp.add_argument("diff", help="diff.json written by `deepview-ci diff`")

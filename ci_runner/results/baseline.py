@@ -40,6 +40,9 @@ in some attempts' lists but not in all of them. In a flaky cell, findings that c
   (skipped, error, timeout, crash): it was not re-checked, so it is kept, with that reason, never
   counted as fixed.
 - ``flaky``: see above.
+- With ``diff --history DIR``, a finding the run history calls flaky (it came and went over the last nights
+  with an unchanged environment; `history.trends`) is ``flaky`` too, with the flip count as its reason, and
+  ``diff.json`` gets a ``drifting`` list: layers whose error rises night after night under the threshold.
 - ``new_cell`` / ``missing_cell``: a cell only in the results (one cell entry plus one entry per
   finding, so issues can be filed for them) / only in the baseline (one cell entry).
 
@@ -342,6 +345,7 @@ class Diff:
     baseline_path: str | None = None
     run_dir: str | None = None
     policy: str = "regression"
+    drifting: list[dict[str, Any]] = field(default_factory=list)  # from the run history: layers rising under threshold
 
     def counts(self) -> dict[str, int]:
         out = {c: 0 for c in CATEGORIES}
@@ -371,6 +375,7 @@ class Diff:
             "baseline": self.baseline_path,
             "run_dir": self.run_dir,
             "counts": self.counts(),
+            **({"drifting": self.drifting} if self.drifting else {}),
             "entries": [e.to_dict() for e in self.entries],
         }
 
@@ -405,12 +410,15 @@ class _DiffBuilder:
 
     d: Diff
     envs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    history_flaky: dict[tuple[str, str], str] = field(default_factory=dict)  # (cell, fingerprint) → why
 
     def entry(self, category: str, c: CellResult | None, bc: BaselineCell | None, reason: str, *,
               fp: str | None = None, f: Finding | None = None, mode: str | None = None,
               kind: str | None = None, key: str | None = None) -> None:
         src = c or bc
         assert src is not None
+        if category == "flaky" and fp is not None and (src.id, fp) in self.history_flaky:
+            reason = self.history_flaky[(src.id, fp)]
         self.d.entries.append(DiffEntry(
             category=category, cell=src.id, model=src.model, backend=src.backend, fingerprint=fp,
             finding=f.to_dict() if f is not None else None,
@@ -429,11 +437,17 @@ def diff(
     baseline_path: Path | str | None = None,
     run_dir: Path | str | None = None,
     policy: str = "regression",
+    history_flaky: Mapping[tuple[str, str], str] | None = None,
+    drifting: Sequence[Mapping[str, Any]] = (),
 ) -> Diff:
-    """Classify every finding and cell of `results` against `baseline` (see the module docstring)."""
+    """Classify every finding and cell of `results` against `baseline` (see the module docstring).
+
+    `history_flaky` ((cell, fingerprint) → why, from the run history) makes those findings `flaky` whether
+    they came or went; `drifting` (layers rising under their threshold) is carried into ``diff.json``."""
     check_policy(policy)
     b = _DiffBuilder(Diff(results_path=_str(results_path), baseline_path=_str(baseline_path or baseline.path),
-                          run_dir=_str(run_dir), policy=policy))
+                          run_dir=_str(run_dir), policy=policy, drifting=[dict(x) for x in drifting]),
+                     history_flaky=dict(history_flaky or {}))
     by_cell: dict[str, dict[str, BaselineFinding]] = {}
     for (cid, fp), bf in baseline.findings.items():
         by_cell.setdefault(cid, {})[fp] = bf
@@ -466,7 +480,8 @@ def _diff_cell(b: _DiffBuilder, c: CellResult, bc: BaselineCell, found: dict[str
                base: dict[str, BaselineFinding]) -> None:
     """A cell the baseline has: its findings present and gone, then status changes no finding explains."""
     cell_flaky = bc.flaky or cell_is_flaky(c)
-    shaky = flaky_fingerprints(c) | {fp for fp, bf in base.items() if bf.flaky}
+    shaky = flaky_fingerprints(c) | {fp for fp, bf in base.items() if bf.flaky} | \
+        {fp for cid, fp in b.history_flaky if cid == c.id}
     regressed_modes: set[str] = set()
     fixed_modes: set[str] = set()
     for fp, (mname, f) in sorted(found.items()):
@@ -567,6 +582,11 @@ def render_diff_markdown(d: Diff, *, max_rows: int = 200) -> str:
     table(d.by_category("new_cell"), "🆕 New cells")
     table(d.by_category("missing_cell"), "❔ Missing cells")
     table(d.by_category("flaky"), "🎲 Flaky", folded=True)
+    if d.drifting:
+        out.extend([f"#### 📈 Drifting ({len(d.drifting)}): rising night after night, still under the threshold", "",
+                    "| cell | layer | trend |", "|---|---|---|"])
+        out.extend(f"| {code(x.get('cell'))} | {code(x.get('layer'))} | {md(x.get('trend'))} |" for x in d.drifting[:max_rows])
+        out.append("")
     table(d.by_category("persisting"), "Persisting", folded=True)
     if n["fixed"] and d.policy != "change":
         out.extend(["Fixed findings: refresh the baseline with `deepview-ci baseline update RESULTS --out BASELINE`.", ""])

@@ -153,9 +153,10 @@ def _killed_while_running(p: PlannedCell, cdir: Path, running: str) -> CellResul
     return result
 
 
-def write_report_dir(results: Results, report_dir: Path, *, run_dir: Path | None = None) -> dict[str, Path]:
-    """results.json, junit.xml, summary.md and report.html."""
+def write_report_dir(results: Results, report_dir: Path, *, run_dir: Path | None = None,
+                     trends: Any = None) -> dict[str, Path]:
+    """results.json, junit.xml, summary.md and report.html (with the history's `trends` when given)."""
     report_dir.mkdir(parents=True, exist_ok=True)
     written = {"results": save_results(results, report_dir / "results.json")}
-    written.update(write_reports(results, report_dir, run_dir=run_dir))
+    written.update(write_reports(results, report_dir, run_dir=run_dir, trends=trends))
     return written
