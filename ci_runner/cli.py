@@ -251,6 +251,26 @@ def cmd_dump(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bisect_commits(args: argparse.Namespace) -> int:
+    """`deepview-ci bisect-commits --repo DIR --good REF --bad REF --setup CMD… --python PY (--repro PATH | --finding R:FP)…`."""
+    from .commits.bisect import Request, bisect_targets, target_of_finding, target_of_repro, write_report
+    from .commits.walk import Budget
+
+    targets = [target_of_repro(Path(p)) for p in args.repro or ()] + [target_of_finding(s) for s in args.finding or ()]
+    if not targets:
+        raise UsageError("bisect-commits needs --repro PATH or --finding RESULTS.json:FINGERPRINT")
+    budget = Budget(max_steps=args.max_steps, step_timeout=args.step_timeout, total_timeout=args.total_timeout)
+    kw = {"cache": Path(args.cache)} if args.cache else {}
+    found = bisect_targets(Request(repo=Path(args.repo), good=args.good, bad=args.bad, setup=tuple(args.setup or ()),
+                                   python=args.python, budget=budget, **kw), targets)
+    for b in found:
+        reuse = " (reused)" if b.reused else ""
+        print(f"{b.line()}{reuse}  [{b.signature}: {len(b.findings)} finding(s), {b.repro_runs} repro run(s)]")
+    if args.out:
+        write_report(Path(args.out), found)
+    return errors.EXIT_OK if all(b.first_bad for b in found) else errors.EXIT_FINDINGS
+
+
 def cmd_env(args: argparse.Namespace) -> int:
     report = env_report(available_backends)
     print(json.dumps(report, indent=2, default=str) if args.json else format_env(report))
@@ -380,6 +400,22 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--thresholds", default=None, metavar="FILE", help="numerics thresholds file: hold each layer to its own threshold")
     sp.add_argument("--fail-on", choices=("drift", "diverged", "broken", "never"), default="diverged",
                     help="exit 1 from this severity on (default: diverged)")
+
+    sp = add("bisect-commits", cmd_bisect_commits, "Find the backend commit that broke a finding's repro (git bisect).")
+    sp.add_argument("--repo", required=True, metavar="DIR", help="the backend's source repository (a local git checkout; never modified)")
+    sp.add_argument("--good", required=True, metavar="REF", help="a commit where the repro passes")
+    sp.add_argument("--bad", required=True, metavar="REF", help="a commit where it fails")
+    sp.add_argument("--setup", action="append", metavar="CMD",
+                    help="shell command that builds and installs the backend at a commit (repeatable); runs in a scratch "
+                         "clone with PY's folder first on PATH; $DEEPVIEW_BISECT_PREFIX is a per-commit, cached install folder")
+    sp.add_argument("--python", required=True, metavar="PY", help="the interpreter setup installs into and the repro runs with")
+    sp.add_argument("--repro", action="append", metavar="PATH", help="a repro script inside a run folder (repeatable)")
+    sp.add_argument("--finding", action="append", metavar="RESULTS.json:FINGERPRINT", help="a finding with a repro (repeatable)")
+    sp.add_argument("--out", default=None, metavar="FILE", help="write first_bad and every step's log as JSON")
+    sp.add_argument("--max-steps", type=int, default=30, help="most commits tried per bisection (default 30)")
+    sp.add_argument("--step-timeout", type=float, default=600.0, help="seconds for each setup command and repro run (default 600)")
+    sp.add_argument("--total-timeout", type=float, default=3600.0, help="seconds per bisection (default 3600)")
+    sp.add_argument("--cache", default=None, metavar="DIR", help="setup results and answers kept across runs (default ~/.cache/deepview-ci/bisect)")
 
     sp = add("env", cmd_env, "Versions, devices and available backends, for a bug report.")
     sp.add_argument("--json", action="store_true", help="print JSON instead of text")
