@@ -1,0 +1,103 @@
+"""Issue 22, the fast parts: the bisection walk, the scratch clone and the environment stamp's source commit."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ci_runner.commits.scratch import RepoState, candidates, checkout, scratch_clone
+from ci_runner.commits.walk import Budget, next_probe, walk
+from ci_runner.engine.envinfo import backend_commit, plugin_modules
+from ci_runner.errors import UsageError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def history(first_bad: int, skips: frozenset[int] = frozenset()):
+    asked: list[int] = []
+
+    def classify(i: int) -> str:
+        asked.append(i)
+        return "skip" if i in skips else ("bad" if i >= first_bad else "good")
+    return classify, asked
+
+
+@pytest.mark.parametrize("first_bad", [0, 1, 12, 20, 38])
+def test_walk_names_the_first_bad_commit_in_log2_steps(first_bad: int) -> None:
+    classify, asked = history(first_bad)
+    r = walk(39, classify, Budget())
+    assert r.first_bad == first_bad and r.stopped == ""
+    assert len(asked) <= 6 and len(set(asked)) == len(asked)  # ⌈log2 39⌉, never the same commit twice
+
+
+def test_a_skipped_commit_is_stepped_around() -> None:
+    classify, asked = history(12, skips=frozenset({18}))
+    r = walk(39, classify, Budget())
+    assert r.first_bad == 12 and asked[0] == 18 and asked[1] in (17, 19)
+
+
+def test_skips_around_the_answer_give_the_smallest_range() -> None:
+    classify, _ = history(12, skips=frozenset({10, 11, 12}))
+    r = walk(39, classify, Budget())
+    assert r.first_bad is None and r.range == (10, 13) and "skipped" in r.stopped  # 12 or 13 after 9 good, 13 bad
+    assert next_probe(9, 13, {10, 11, 12}) is None
+
+
+def test_the_step_budget_stops_the_walk_with_the_open_range() -> None:
+    classify, asked = history(30)
+    r = walk(39, classify, Budget(max_steps=2))
+    assert len(asked) == 2 and r.first_bad is None and "step budget" in r.stopped
+    assert r.range[0] <= 30 <= r.range[1]
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True).stdout.strip()
+
+
+@pytest.fixture
+def small_repo(tmp_path: Path) -> Path:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    script = ["git init -q -b main .", "git config user.email a@b.c", "git config user.name A", "git config commit.gpgsign false"]
+    for i in range(4):
+        script += [f"echo {i} > f.txt", "git add f.txt", f"git commit -q -m c{i}"]
+    script += ["git checkout -q -b topic HEAD~1", "echo local > f.txt", "echo new > untracked.txt"]
+    subprocess.run(["bash", "-c", " && ".join(script)], cwd=repo, check=True, capture_output=True)
+    return repo
+
+
+def test_scratch_clone_never_touches_the_users_checkout_and_goes_away_on_interrupt(small_repo: Path, tmp_path: Path) -> None:
+    before = RepoState.of(small_repo)
+    assert before.branch == "refs/heads/topic" and "untracked.txt" in before.status and not before.bisecting
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    with pytest.raises(KeyboardInterrupt):
+        with scratch_clone(small_repo, parent=scratch) as tree:
+            checkout(tree, git(small_repo, "rev-parse", "main~3"))
+            assert (tree / "f.txt").read_text() == "0\n"
+            raise KeyboardInterrupt
+    assert list(scratch.iterdir()) == []
+    assert RepoState.of(small_repo) == before
+
+
+def test_candidates_are_the_ancestry_path_oldest_first_and_bad_refs_are_usage_errors(small_repo: Path) -> None:
+    main = git(small_repo, "rev-list", "--reverse", "main").split()
+    assert candidates(small_repo, main[0], main[3]) == main[1:]
+    with pytest.raises(UsageError, match="not an older ancestor"):
+        candidates(small_repo, main[3], main[0])
+
+
+def test_the_stamp_names_the_commit_of_a_plugin_imported_from_a_checkout(small_repo: Path, tmp_path: Path) -> None:
+    (small_repo / "myplugin.py").write_text("__version__ = '1.0'\n")
+    code = ("from ci_runner.engine.envinfo import source_stamp; import json; "
+            "print(json.dumps(source_stamp('myplugin')))")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{small_repo}"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, timeout=60).stdout
+    head = git(small_repo, "rev-parse", "HEAD")
+    assert f'"commit": "{head}"' in out and '"from": "checkout"' in out
+    assert backend_commit({"backend_source": {"myplugin": {"commit": head}}}) == head and backend_commit({}) is None
+    assert plugin_modules("tinyc.sub:compile_fn", ["tinyc", "extra.ops"]) == ["tinyc", "extra"]
