@@ -18,13 +18,16 @@ from . import errors
 from .run.aggregate import aggregate, write_report_dir
 from .engine.backends import available_backends
 from .run.cellrun import RESULT_NAME, run_cell_inprocess
+from .commits.bisect import Bisection, Request, bisect_targets, target_of_finding, target_of_repro, write_report
+from .commits.pipeline import BISECT_NAME, bisect_regressions
+from .commits.walk import Budget
 from .config import ALL_MODES, load_matrix
 from .engine.envinfo import base_stamp, env_report, format_env, tool_version
 from .errors import DeepviewError, UsageError
 from .run.execute import RunOptions, auto_jobs, available_cores, cell_dir, load_partial, run_cells
 from .fsutil import atomic_write_json, atomic_write_text
 from .github.actions import set_output
-from .github.issues import file_issues
+from .github.issues import file_issues, load_diff
 from .github.options import FilingOptions
 from .engine.isolate import arm_worker
 from .log import Progress
@@ -203,7 +206,7 @@ def cmd_file_issues(args: argparse.Namespace) -> int:
     options = FilingOptions.from_args(args)
     report = file_issues(Path(args.diff), repo=args.repo, dry_run=Path(args.dry_run) if args.dry_run else None,
                          run_dir=Path(args.run_dir) if args.run_dir else None, artifacts_url=args.artifacts_url,
-                         options=options, env=os.environ)
+                         options=options, env=os.environ, bisect=Path(args.bisect) if args.bisect else None)
     print(report.summary())
     return report.exit_code
 
@@ -253,9 +256,6 @@ def cmd_dump(args: argparse.Namespace) -> int:
 
 def cmd_bisect_commits(args: argparse.Namespace) -> int:
     """`deepview-ci bisect-commits --repo DIR --good REF --bad REF --setup CMD… --python PY (--repro PATH | --finding R:FP)…`."""
-    from .commits.bisect import Request, bisect_targets, target_of_finding, target_of_repro, write_report
-    from .commits.walk import Budget
-
     targets = [target_of_repro(Path(p)) for p in args.repro or ()] + [target_of_finding(s) for s in args.finding or ()]
     if not targets:
         raise UsageError("bisect-commits needs --repro PATH or --finding RESULTS.json:FINGERPRINT")
@@ -269,6 +269,25 @@ def cmd_bisect_commits(args: argparse.Namespace) -> int:
     if args.out:
         write_report(Path(args.out), found)
     return errors.EXIT_OK if all(b.first_bad for b in found) else errors.EXIT_FINDINGS
+
+
+def cmd_bisect_regressions(args: argparse.Namespace) -> int:
+    """`deepview-ci bisect-regressions DIFF --matrix M --baseline B [--run-dir D] [--out FILE]`: always exit 0 on good input."""
+    diff_path = Path(args.diff)
+    diff = load_diff(diff_path)
+    base = baseline.load_baseline(Path(args.baseline))
+    run_dir = Path(args.run_dir or diff.get("run_dir") or diff_path.parent)
+    if not run_dir.is_absolute() and not run_dir.exists():
+        run_dir = diff_path.parent / run_dir
+    out = Path(args.out) if args.out else diff_path.parent / BISECT_NAME
+    report = bisect_regressions(diff, load_matrix(args.matrix), base.cells, run_dir=run_dir, out=out,
+                                cache=Path(args.cache) if args.cache else None)
+    for b in report["bisections"]:
+        print(f"{b['backend']}: {Bisection.from_dict(b).line()}  [{len(b['findings'])} finding(s)]")
+    for note in report["notes"]:
+        print(f"note: {note}")
+    print(f"bisections written: {out}")
+    return errors.EXIT_OK
 
 
 def cmd_env(args: argparse.Namespace) -> int:
@@ -383,6 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--layers", action="store_true", help="also file issues for failing submodules and divergent layer classes")
     sp.add_argument("--min-interval", type=float, default=1.0, help="seconds between writes (GitHub: ≥ 1)")
     sp.add_argument("--max-wait", type=float, default=300.0, help="longest rate-limit wait before keeping a draft")
+    sp.add_argument("--bisect", default=None, metavar="FILE",
+                    help="bisections from `bisect-regressions` to quote in the issues (default: bisect.json next to DIFF)")
 
     sp = add("dump", cmd_dump, "Dump per-layer outputs of one model on one device/backend (safetensors + manifest).")
     sp.add_argument("--matrix", default=None, help="matrix YAML the model and backend come from (default: the bundled example)")
@@ -416,6 +437,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--step-timeout", type=float, default=600.0, help="seconds for each setup command and repro run (default 600)")
     sp.add_argument("--total-timeout", type=float, default=3600.0, help="seconds per bisection (default 3600)")
     sp.add_argument("--cache", default=None, metavar="DIR", help="setup results and answers kept across runs (default ~/.cache/deepview-ci/bisect)")
+
+    sp = add("bisect-regressions", cmd_bisect_regressions,
+             "Bisect each regressed finding between the baseline's and this run's backend commits (matrix `source`).")
+    sp.add_argument("diff", help="diff.json written by `deepview-ci diff`")
+    sp.add_argument("--matrix", required=True, help="the matrix: backends with a `source` are bisected")
+    sp.add_argument("--baseline", required=True, help="the baseline the diff was made against (its cells' backend_commit)")
+    sp.add_argument("--run-dir", default=None, help="run folder holding cells/<id>/… (default: the diff's)")
+    sp.add_argument("--out", default=None, help="bisect.json to write (default: next to DIFF, where file-issues reads it)")
+    sp.add_argument("--cache", default=None, metavar="DIR", help="setup results and answers kept across runs")
 
     sp = add("env", cmd_env, "Versions, devices and available backends, for a bug report.")
     sp.add_argument("--json", action="store_true", help="print JSON instead of text")

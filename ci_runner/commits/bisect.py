@@ -91,15 +91,20 @@ def target_of_finding(spec: str) -> Target:
 
 
 def _target(path: Path, cell: CellResult, f: Finding) -> Target:
+    return target_in_cell(f, _cell_folder(path, cell), cell.id)
+
+
+def target_in_cell(f: Finding, folder: Path, cell_id: str) -> Target:
+    """Finding `f` of the cell in `folder` with its repro: the culprit's (the failing op(s) alone) when verified."""
     if f.repro is None:
-        raise InputError(f"{path}: finding {f.fingerprint} of {cell.id} has no repro", hint="only ops and layers findings have repros")
-    script = _cell_folder(path, cell) / f.repro.path
+        raise InputError(f"finding {f.fingerprint} of {cell_id} has no repro", hint="only ops and layers findings have repros")
+    script = folder / f.repro.path
     culprit = f.details.get("culprit") if isinstance(f.details.get("culprit"), dict) else None
     if culprit and isinstance(culprit.get("repro"), dict) and culprit["repro"].get("verified"):
-        script = _cell_folder(path, cell) / culprit["repro"]["path"]  # the smallest verified repro: the failing op(s) alone
+        script = folder / culprit["repro"]["path"]
     if not script.is_file():
         raise InputError(f"{script}: the repro of finding {f.fingerprint} is missing", hint="bisect from the run folder that made it")
-    return Target(finding=f, repro=script, label=f"{cell.id} {f.fingerprint}")
+    return Target(finding=f, repro=script, label=f"{cell_id} {f.fingerprint}")
 
 
 def target_of_repro(repro: Path) -> Target:

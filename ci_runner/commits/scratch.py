@@ -12,26 +12,30 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from ..engine.isolate import CommandResult, run_command
 from ..errors import ExecutionError, InputError, UsageError
 
 GIT_TIMEOUT = 120.0
 
 
-def git(repo: Path, *args: str, check: bool = True, timeout: float = GIT_TIMEOUT) -> str:
-    """`git -C repo args…`'s stdout (stripped); with `check`, a failing git is an InputError naming the command."""
+def git_run(repo: Path, *args: str, timeout: float = GIT_TIMEOUT) -> CommandResult:
+    """`git -C repo args…` through the child engine (`isolate.run_command`)."""
     try:
-        proc = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=timeout,
-                              stdin=subprocess.DEVNULL, env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
+        return run_command(["git", "-C", str(repo), *args], timeout=timeout, env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
     except FileNotFoundError as exc:
         raise ExecutionError("git is not installed", hint="install git; bisect-commits walks a git history") from exc
-    if check and proc.returncode != 0:
+
+
+def git(repo: Path, *args: str, check: bool = True, timeout: float = GIT_TIMEOUT) -> str:
+    """`git -C repo args…`'s stdout (stripped); with `check`, a failing git is an InputError naming the command."""
+    proc = git_run(repo, *args, timeout=timeout)
+    if check and not proc.ok:
         raise InputError(f"{repo}: git {' '.join(args)} failed: {proc.stderr.strip() or proc.stdout.strip()}",
                          hint="check --repo (a local git checkout) and the refs given")
     return proc.stdout.strip()
@@ -122,9 +126,7 @@ def commit_info(repo: Path, commit: str) -> CommitInfo:
 
 def candidates(repo: Path, good: str, bad: str) -> list[str]:
     """The commits that may be the first bad one, oldest first, `bad` last: ``git rev-list --ancestry-path``."""
-    ancestor = subprocess.run(["git", "-C", str(repo), "merge-base", "--is-ancestor", good, bad], capture_output=True,
-                              stdin=subprocess.DEVNULL, timeout=GIT_TIMEOUT)
-    if ancestor.returncode != 0 or good == bad:
+    if not git_run(repo, "merge-base", "--is-ancestor", good, bad).ok or good == bad:
         raise UsageError(f"--good {good[:12]} is not an older ancestor of --bad {bad[:12]}",
                          hint="give a good commit older than the bad one, on its history")
     out = git(repo, "rev-list", "--ancestry-path", "--topo-order", "--reverse", f"{good}..{bad}")

@@ -24,14 +24,12 @@ import hashlib
 import json
 import os
 import shutil
-import signal
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..engine.isolate import set_pdeathsig
+from ..engine.isolate import run_command
 from ..engine.repro import verify_script
 from ..fsutil import atomic_write_json
 from ..results.model import Finding
@@ -99,23 +97,14 @@ def _tail(text: str, limit: int = LOG_LIMIT) -> str:
     return text if len(text) <= limit else "…" + text[-limit:]
 
 
-def _run_command(command: str, *, cwd: Path, env: dict[str, str], timeout: float) -> tuple[bool, str]:
-    """One setup command in bash; its own session, killed whole on timeout."""
-    proc = subprocess.Popen(["bash", "-c", command], cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=set_pdeathsig)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        return False, f"$ {command}\n{out.decode('utf-8', 'replace')}\n(timed out after {timeout:g}s)\n"
-    except BaseException:  # Ctrl-C: take the build down with us
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        raise
-    text = f"$ {command}\n{out.decode('utf-8', 'replace')}"
-    if proc.returncode != 0:
-        return False, text + f"(exit {proc.returncode})\n"
+def _run_setup(command: str, *, cwd: Path, env: dict[str, str], timeout: float) -> tuple[bool, str]:
+    """One setup command in bash (`isolate.run_command`: own session, killed whole on timeout or Ctrl-C)."""
+    r = run_command(["bash", "-c", command], cwd=cwd, env=env, timeout=timeout, merge_stderr=True)
+    text = f"$ {command}\n{r.stdout}"
+    if r.returncode is None:
+        return False, text + f"(timed out after {timeout:g}s)\n"
+    if r.returncode != 0:
+        return False, text + f"(exit {r.returncode})\n"
     return True, text
 
 
@@ -142,7 +131,7 @@ def prepare(setup: Setup, tree: Path, commit: str) -> Prepared:
     env.pop("PYTHONPATH", None)
     log, ok = "", True
     for command in setup.commands:
-        ok, text = _run_command(command, cwd=tree, env=env, timeout=setup.timeout)
+        ok, text = _run_setup(command, cwd=tree, env=env, timeout=setup.timeout)
         log += text
         if not ok:
             break

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import platform
-import subprocess
+import re
 import sys
 import sysconfig
 from importlib import metadata, util
@@ -50,13 +50,34 @@ def devices() -> dict[str, Any]:
 
 
 def _git_head(folder: Path) -> str | None:
-    try:
-        out = subprocess.run(["git", "-C", str(folder), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30,
-                             stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    head = out.stdout.strip()
-    return head if out.returncode == 0 and len(head) >= 40 else None
+    """The commit checked out in the git work tree holding `folder`, read from its files (no git process)."""
+    for top in (folder, *folder.parents):
+        dot = top / ".git"
+        if dot.is_file():  # a linked worktree or submodule: "gitdir: PATH"
+            text = dot.read_text(encoding="utf-8", errors="replace").strip()
+            dot = (top / text[len("gitdir:"):].strip()) if text.startswith("gitdir:") else dot
+        if dot.is_dir():
+            return _read_head(dot)
+    return None
+
+
+def _read_head(git_dir: Path) -> str | None:
+    head = (git_dir / "HEAD").read_text(encoding="utf-8", errors="replace").strip()
+    if not head.startswith("ref:"):
+        return head if re.fullmatch(r"[0-9a-f]{40,64}", head) else None
+    ref = head[4:].strip()
+    common = git_dir / (git_dir / "commondir").read_text().strip() if (git_dir / "commondir").is_file() else git_dir
+    for base in (git_dir, common):
+        loose = base / ref
+        if loose.is_file():
+            return loose.read_text(encoding="utf-8", errors="replace").strip() or None
+    packed = common / "packed-refs"
+    if packed.is_file():
+        for line in packed.read_text(encoding="utf-8", errors="replace").splitlines():
+            sha, _, name = line.partition(" ")
+            if name.strip() == ref:
+                return sha
+    return None
 
 
 def _installed_roots() -> set[Path]:
@@ -127,15 +148,6 @@ def _safe_source(module: str) -> dict[str, Any] | None:
         return source_stamp(module)
     except (ImportError, ValueError, OSError, KeyError):  # a stamp never fails the cell
         return None
-
-
-def backend_commit(env: Any) -> str | None:
-    """The backend's source commit in a cell's env stamp (the first plugin that names one), or None."""
-    sources = env.get("backend_source") if isinstance(env, dict) else None
-    for src in (sources or {}).values():
-        if isinstance(src, dict) and src.get("commit"):
-            return str(src["commit"])
-    return None
 
 
 def env_report(list_backends: Callable[[], list[dict[str, str]]]) -> dict[str, Any]:

@@ -11,6 +11,8 @@ Pieces (every mode and the numerics toolbox use these, nothing else starts a Pyt
 - `supervise(...)`: the restart-after-crash loop. It runs children until the work is done: when one dies, the
   journal names the item in flight, the caller records it crashed/timeout (`Supervised.on_crash`), and a fresh
   child goes on with the rest.
+- `run_command(argv, timeout=…)`: a child that is not Python of this package (git, a build's shell command), with
+  the same session, timeout and die-with-parent rules.
 - Process hygiene: every child dies with its parent (`die_with_parent`), and a cell worker ends itself past
   its budget (`arm_worker`), so an interrupted or killed run leaves no process behind.
 """
@@ -30,12 +32,12 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from ..fsutil import append_line, atomic_write_json
 
 __all__ = [
-    "IsolatedResult", "Journal", "Attempt", "SupervisedRun", "child_journal", "open_entry", "run_isolated",
+    "IsolatedResult", "CommandResult", "run_command", "Journal", "Attempt", "SupervisedRun", "child_journal", "open_entry", "run_isolated",
     "supervise", "child_env", "set_pdeathsig", "die_with_parent", "arm_worker", "signal_name", "JOURNAL_ENV", "PARENT_ENV",
 ]
 
@@ -202,6 +204,39 @@ def run_isolated(target: str, payload: Mapping[str, Any], *, timeout: float, jou
         what = f"killed by {sig}" if sig else f"exited with code {proc.returncode}"
         return IsolatedResult(status="crashed", message=f"child process {what}", exit_code=proc.returncode,
                               signal=sig, stderr_tail=tail, timeout=timeout)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommandResult:
+    returncode: int | None  # None: killed at the timeout
+    stdout: str
+    stderr: str
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+
+def run_command(argv: Sequence[str], *, timeout: float, cwd: Path | None = None, env: Mapping[str, str] | None = None,
+                merge_stderr: bool = False) -> CommandResult:
+    """A child that is not a Python entry point of this package (git, a build's shell command): its own session, it
+    dies with this process, and the whole session is killed at `timeout` or on Ctrl-C. Never raises for its exit."""
+    proc = subprocess.Popen(list(argv), cwd=str(cwd) if cwd else None, env=dict(env) if env is not None else None,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
+                            start_new_session=True, preexec_fn=set_pdeathsig)
+    try:
+        out, err = proc.communicate(timeout=max(0.1, timeout))
+    except subprocess.TimeoutExpired:
+        _kill_session(proc)
+        out, err = proc.communicate()
+        return CommandResult(returncode=None, stdout=(out or b"").decode("utf-8", "replace"),
+                             stderr=(err or b"").decode("utf-8", "replace"))
+    except BaseException:
+        _kill_session(proc)
+        raise
+    return CommandResult(returncode=proc.returncode, stdout=(out or b"").decode("utf-8", "replace"),
+                         stderr=(err or b"").decode("utf-8", "replace"))
 
 
 def _tail(path: Path, limit: int = 4000) -> str:

@@ -11,7 +11,8 @@ import pytest
 
 from ci_runner.commits.scratch import RepoState, candidates, checkout, scratch_clone
 from ci_runner.commits.walk import Budget, next_probe, walk
-from ci_runner.engine.envinfo import backend_commit, plugin_modules
+from ci_runner.engine.envinfo import plugin_modules
+from ci_runner.results.model import backend_commit
 from ci_runner.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[2]
