@@ -182,6 +182,12 @@ def _walk_one(req: Request, setup: Setup, tree: Path, target: Target, good: str,
         return step.verdict
 
     result: WalkResult = walk(len(commits), classify, req.budget)
+    last = len(commits) - 1
+    if result.first_bad == last and last not in result.tried:  # every other commit was good: is the bad ref bad?
+        verdict = classify(last)
+        if verdict != "bad":
+            result = WalkResult(first_bad=None, low=result.low, high=last, tried=result.tried + [last],
+                                stopped=f"the bad ref does not fail like the finding (its step: {verdict})")
     low, high = result.range
     in_range = [commit_info(req.repo, c).to_dict() for c in commits[low:high + 1]]
     first = commit_info(req.repo, commits[result.first_bad]).to_dict() if result.first_bad is not None else None

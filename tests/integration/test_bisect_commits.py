@@ -127,3 +127,50 @@ def test_ctrl_c_in_the_middle_leaves_the_repository_as_it_was(world: dict[str, o
     assert proc.returncode == 130, err
     assert RepoState.of(repo.path) == before and not before.bisecting
     assert list(tmp.iterdir()) == []  # the scratch clone is gone
+
+
+def test_the_nightly_bisects_a_regression_and_the_filed_issue_names_the_commit(world: dict[str, object], tmp_path: Path) -> None:
+    """aggregate's results (the cells' env stamps name the plugin's commit) → diff against a baseline taken at the
+    first commit → bisect-regressions → file-issues against the fake GitHub."""
+    from tests.fixtures.fake_github import FakeGitHub
+
+    repo: BisectRepo = world["repo"]  # type: ignore[assignment]
+    run: Path = world["run"]  # type: ignore[assignment]
+    results = run / "report" / "results.json"
+    stamps = {c["id"]: c["env"]["backend_source"]["tinyc"] for c in json.loads(results.read_text())["cells"]}
+    assert {s["commit"] for s in stamps.values()} == {repo.at(COMMITS - 1)} and stamps[CELL_A]["from"] == "checkout"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def step(*args: str, ok: tuple[int, ...] = (0,), extra: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run([sys.executable, "-m", "ci_runner", *args], capture_output=True, text=True, timeout=900,
+                              env={**env, **(extra or {})}, cwd=tmp_path)
+        assert proc.returncode in ok, f"{args[0]}: {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+        return proc
+
+    # the last good nightly, at commit 0: both cells passed (its baseline, as `baseline update` wrote it then)
+    step("baseline", "update", str(results), "--out", "now.json")
+    base = json.loads((tmp_path / "now.json").read_text())
+    for c in base["cells"]:
+        c.update(status="pass", modes={m: "pass" for m in c["modes"]}, backend_commit=repo.at(0))
+    base["findings"] = []
+    (tmp_path / "baseline.json").write_text(json.dumps(base))
+    matrix = (RUN / "matrix.yaml").read_text().replace(
+        'import: [tinyc]}', 'import: [tinyc], source: {repo: "%s", setup: %s, python: "%s"}}'
+        % (repo.path, json.dumps(SETUP), sys.executable))
+    (tmp_path / "matrix.yaml").write_text(matrix)
+    step("diff", str(results), "--baseline", "baseline.json", "--run-dir", str(run), "--out", "report", ok=(1,))
+    proc = step("bisect-regressions", "report/diff.json", "--matrix", "matrix.yaml", "--baseline", "baseline.json",
+                "--run-dir", str(run), "--cache", str(world["cache"]))
+    drop = repo.at(DROP_AT)
+    assert f"tinyc: first bad commit: {drop} softplus: drop the lowering" in proc.stdout, proc.stdout
+    report = json.loads((tmp_path / "report" / "bisect.json").read_text())
+    ops = {f"{c['id']} {f['fingerprint']}" for c in json.loads(results.read_text())["cells"] for f in c["modes"]["ops"]["findings"]}
+    assert all(b["first_bad"]["commit"] == drop for b in report["bisections"])
+    assert any(ops <= set(b["findings"]) for b in report["bisections"])  # both cells' ops findings: one bisection
+
+    with FakeGitHub(repos=("acme/tinyc",)) as gh:
+        step("file-issues", "report/diff.json", "--repo", "acme/tinyc", "--run-dir", str(run), "--min-interval", "0",
+             extra={"GITHUB_TOKEN": gh.token, "GITHUB_API_URL": gh.url})
+        issue = next(i for i in gh.issues() if "aten.softplus" in i["title"])
+    assert f"First failing at `{drop}` softplus: drop the lowering" in issue["body"], issue["body"]
+    assert "Step log:" in issue["body"] and "**skip**" in issue["body"] and repo.at(BREAK_AT) in issue["body"]

@@ -102,3 +102,35 @@ def test_the_stamp_names_the_commit_of_a_plugin_imported_from_a_checkout(small_r
     assert f'"commit": "{head}"' in out and '"from": "checkout"' in out
     assert backend_commit({"backend_source": {"myplugin": {"commit": head}}}) == head and backend_commit({}) is None
     assert plugin_modules("tinyc.sub:compile_fn", ["tinyc", "extra.ops"]) == ["tinyc", "extra"]
+
+
+def test_the_issue_quotes_the_bisection_of_its_finding_with_untrusted_text_neutralised() -> None:
+    from ci_runner.commits.pipeline import bisections_by_finding
+    from ci_runner.github.options import FilingOptions
+    from ci_runner.github.render import RenderContext, group_entries, render_issue
+    from tests.fixtures.fake_github import entry, op_finding
+
+    f = op_finding("aten.softplus.default", "tinyc", message="TinycLoweringError: no lowering for 'aten::softplus'")
+    e = entry("regressed", "tiny", "tinyc", f)
+    [g] = group_entries({"entries": [e]}, layers=False)
+    step = {"commit": "c" * 40, "verdict": "skip", "seconds": 0.4, "log": "setup failed ``` <img src=x> @octocat", "repro_ran": False}
+    exact = {"signature": "d02d14ec498c", "good": "a" * 40, "bad": "b" * 40, "stopped": "", "repro_runs": 5,
+             "first_bad": {"commit": "f" * 40, "subject": "softplus: drop it @octocat", "author": "Dev <d@x>", "date": "2026-01-01"},
+             "range": [], "steps": [step], "findings": [f"{e['cell']} {e['fingerprint']}"]}
+    ctx = RenderContext(options=FilingOptions(), run_key="gh-1", run_url=None, artifacts_url=None, run_dir=None,
+                        bisections=bisections_by_finding({"bisections": [exact]}))
+    body = render_issue(g, ctx)
+    assert f"First failing at `{'f' * 40}` softplus: drop it" in body and "Step log: 1 step(s), 5 repro run(s)" in body
+    import re
+
+    fence = re.search(r"\n(`{4,})\n(setup failed.*?)\n\1\n", body, re.S)  # the log: in a fence longer than its backticks
+    assert fence and "<img src=x>" in fence.group(2)
+    outside = body.replace(fence.group(0), "")
+    assert "<img" not in outside and "@octocat" not in outside  # the subject's mention is broken
+    ranged = {**exact, "first_bad": None, "stopped": "every commit left in the range was skipped",
+              "range": [{"commit": "1" * 40, "subject": "one"}, {"commit": "2" * 40, "subject": "two"}]}
+    body = render_issue(g, RenderContext(options=FilingOptions(), run_key="gh-1", run_url=None, artifacts_url=None,
+                                         run_dir=None, bisections=bisections_by_finding({"bisections": [ranged]})))
+    assert "The first failing commit is one of 2 (every commit left in the range was skipped)" in body and "two" in body
+    assert "First failing at" not in render_issue(g, RenderContext(options=FilingOptions(), run_key="gh-1", run_url=None,
+                                                                    artifacts_url=None, run_dir=None))
