@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,8 +97,6 @@ def scratch_clone(repo: Path, *, parent: Path | None = None) -> Iterator[Path]:
 
 
 def _main_thread() -> bool:
-    import threading  # deferred: only for the check
-
     return threading.current_thread() is threading.main_thread()
 
 
