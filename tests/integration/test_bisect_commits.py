@@ -176,6 +176,6 @@ def test_the_nightly_bisects_a_regression_and_the_filed_issue_names_the_commit(w
     with FakeGitHub(repos=("acme/tinyc",)) as gh:
         step("file-issues", "report/diff.json", "--repo", "acme/tinyc", "--run-dir", str(run), "--min-interval", "0",
              extra={"GITHUB_TOKEN": gh.token, "GITHUB_API_URL": gh.url})
-        issue = next(i for i in gh.issues() if "aten.softplus" in i["title"])
+        issue = next(i for i in gh.issues("acme/tinyc") if "aten.softplus" in i["title"])
     assert f"First failing at `{drop}` softplus: drop the lowering" in issue["body"], issue["body"]
     assert "Step log:" in issue["body"] and "**skip**" in issue["body"] and repo.at(BREAK_AT) in issue["body"]
