@@ -310,6 +310,34 @@ def _jobs_arg(text: str) -> str | int:
     return n
 
 
+def _bisect_parsers(add: Callable[..., argparse.ArgumentParser]) -> None:
+    """`bisect-commits` and `bisect-regressions` (issue 22)."""
+    sp = add("bisect-commits", cmd_bisect_commits, "Find the backend commit that broke a finding's repro (git bisect).")
+    sp.add_argument("--repo", required=True, metavar="DIR", help="the backend's source repository (a local git checkout; never modified)")
+    sp.add_argument("--good", required=True, metavar="REF", help="a commit where the repro passes")
+    sp.add_argument("--bad", required=True, metavar="REF", help="a commit where it fails")
+    sp.add_argument("--setup", action="append", metavar="CMD",
+                    help="shell command that builds and installs the backend at a commit (repeatable); runs in a scratch "
+                         "clone with PY's folder first on PATH; $DEEPVIEW_BISECT_PREFIX is a per-commit, cached install folder")
+    sp.add_argument("--python", required=True, metavar="PY", help="the interpreter setup installs into and the repro runs with")
+    sp.add_argument("--repro", action="append", metavar="PATH", help="a repro script inside a run folder (repeatable)")
+    sp.add_argument("--finding", action="append", metavar="RESULTS.json:FINGERPRINT", help="a finding with a repro (repeatable)")
+    sp.add_argument("--out", default=None, metavar="FILE", help="write first_bad and every step's log as JSON")
+    sp.add_argument("--max-steps", type=int, default=30, help="most commits tried per bisection (default 30)")
+    sp.add_argument("--step-timeout", type=float, default=600.0, help="seconds for each setup command and repro run (default 600)")
+    sp.add_argument("--total-timeout", type=float, default=3600.0, help="seconds per bisection (default 3600)")
+    sp.add_argument("--cache", default=None, metavar="DIR", help="setup results and answers kept across runs (default ~/.cache/deepview-ci/bisect)")
+
+    sp = add("bisect-regressions", cmd_bisect_regressions,
+             "Bisect each regressed finding between the baseline's and this run's backend commits (matrix `source`).")
+    sp.add_argument("diff", help="diff.json written by `deepview-ci diff`")
+    sp.add_argument("--matrix", required=True, help="the matrix: backends with a `source` are bisected")
+    sp.add_argument("--baseline", required=True, help="the baseline the diff was made against (its cells' backend_commit)")
+    sp.add_argument("--run-dir", default=None, help="run folder holding cells/<id>/… (default: the diff's)")
+    sp.add_argument("--out", default=None, help="bisect.json to write (default: next to DIFF, where file-issues reads it)")
+    sp.add_argument("--cache", default=None, metavar="DIR", help="setup results and answers kept across runs")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="deepview-ci", description="Run PyTorch models × accelerator backends as CI: missing operators, "
                 "failing layers and numerical divergence, with repros, reports and regression diffs.")
@@ -422,30 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--fail-on", choices=("drift", "diverged", "broken", "never"), default="diverged",
                     help="exit 1 from this severity on (default: diverged)")
 
-    sp = add("bisect-commits", cmd_bisect_commits, "Find the backend commit that broke a finding's repro (git bisect).")
-    sp.add_argument("--repo", required=True, metavar="DIR", help="the backend's source repository (a local git checkout; never modified)")
-    sp.add_argument("--good", required=True, metavar="REF", help="a commit where the repro passes")
-    sp.add_argument("--bad", required=True, metavar="REF", help="a commit where it fails")
-    sp.add_argument("--setup", action="append", metavar="CMD",
-                    help="shell command that builds and installs the backend at a commit (repeatable); runs in a scratch "
-                         "clone with PY's folder first on PATH; $DEEPVIEW_BISECT_PREFIX is a per-commit, cached install folder")
-    sp.add_argument("--python", required=True, metavar="PY", help="the interpreter setup installs into and the repro runs with")
-    sp.add_argument("--repro", action="append", metavar="PATH", help="a repro script inside a run folder (repeatable)")
-    sp.add_argument("--finding", action="append", metavar="RESULTS.json:FINGERPRINT", help="a finding with a repro (repeatable)")
-    sp.add_argument("--out", default=None, metavar="FILE", help="write first_bad and every step's log as JSON")
-    sp.add_argument("--max-steps", type=int, default=30, help="most commits tried per bisection (default 30)")
-    sp.add_argument("--step-timeout", type=float, default=600.0, help="seconds for each setup command and repro run (default 600)")
-    sp.add_argument("--total-timeout", type=float, default=3600.0, help="seconds per bisection (default 3600)")
-    sp.add_argument("--cache", default=None, metavar="DIR", help="setup results and answers kept across runs (default ~/.cache/deepview-ci/bisect)")
-
-    sp = add("bisect-regressions", cmd_bisect_regressions,
-             "Bisect each regressed finding between the baseline's and this run's backend commits (matrix `source`).")
-    sp.add_argument("diff", help="diff.json written by `deepview-ci diff`")
-    sp.add_argument("--matrix", required=True, help="the matrix: backends with a `source` are bisected")
-    sp.add_argument("--baseline", required=True, help="the baseline the diff was made against (its cells' backend_commit)")
-    sp.add_argument("--run-dir", default=None, help="run folder holding cells/<id>/… (default: the diff's)")
-    sp.add_argument("--out", default=None, help="bisect.json to write (default: next to DIFF, where file-issues reads it)")
-    sp.add_argument("--cache", default=None, metavar="DIR", help="setup results and answers kept across runs")
+    _bisect_parsers(add)
 
     sp = add("env", cmd_env, "Versions, devices and available backends, for a bug report.")
     sp.add_argument("--json", action="store_true", help="print JSON instead of text")
