@@ -200,7 +200,7 @@ def bisect_targets(req: Request, targets: Sequence[Target]) -> list[Bisection]:
     checked unchanged afterwards, also when interrupted."""
     repo = check_repo(req.repo)
     req = Request(repo=repo, good=req.good, bad=req.bad, setup=req.setup, python=find_python(req.python),
-                  budget=req.budget, cache=req.cache)
+                  budget=req.budget, cache=req.cache.resolve())  # setup runs elsewhere: no relative paths
     good, bad = resolve(repo, req.good), resolve(repo, req.bad)
     setup = Setup(commands=req.setup, python=req.python, cache=req.cache / Setup.key(req.setup, req.python),
                   timeout=req.budget.step_timeout)
