@@ -179,3 +179,18 @@ def test_the_nightly_bisects_a_regression_and_the_filed_issue_names_the_commit(w
         issue = next(i for i in gh.issues("acme/tinyc") if "aten.softplus" in i["title"])
     assert f"First failing at `{drop}` softplus: drop the lowering" in issue["body"], issue["body"]
     assert "Step log:" in issue["body"] and "**skip**" in issue["body"] and repo.at(BREAK_AT) in issue["body"]
+
+
+def test_the_stamp_names_the_commit_pip_installed_from_git(world: dict[str, object], tmp_path: Path) -> None:
+    """PEP 610: `pip install git+file://…@<commit>` records vcs_info.commit_id; the cell's stamp reads it."""
+    repo: BisectRepo = world["repo"]  # type: ignore[assignment]
+    target = tmp_path / "site"
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+                          "--target", str(target), f"git+file://{repo.path}@{repo.at(5)}"], capture_output=True, text=True, timeout=300)
+    assert pip.returncode == 0, pip.stderr
+    code = "import json; from ci_runner.engine.envinfo import source_stamp; print(json.dumps(source_stamp('tinyc')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
+                         env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{target}"}).stdout
+    stamp = json.loads(out)
+    assert stamp == {"module": "tinyc", "package": "tinyc", "version": "0.1.0", "commit": repo.at(5),
+                     "url": f"file://{repo.path}", "from": "vcs"}

@@ -134,3 +134,17 @@ def test_the_issue_quotes_the_bisection_of_its_finding_with_untrusted_text_neutr
     assert "The first failing commit is one of 2 (every commit left in the range was skipped)" in body and "two" in body
     assert "First failing at" not in render_issue(g, RenderContext(options=FilingOptions(), run_key="gh-1", run_url=None,
                                                                     artifacts_url=None, run_dir=None))
+
+
+def test_run_command_kills_the_whole_session_at_its_timeout(tmp_path: Path) -> None:
+    import time
+
+    from ci_runner.engine.isolate import run_command
+
+    marker = tmp_path / "late"
+    t0 = time.monotonic()
+    r = run_command(["bash", "-c", f"(sleep 2; touch {marker}) & echo started; sleep 30"], timeout=0.5, merge_stderr=True)
+    assert r.returncode is None and "started" in r.stdout and time.monotonic() - t0 < 10
+    time.sleep(2.5)
+    assert not marker.exists()  # the background grandchild died with the session
+    assert run_command(["bash", "-c", "echo out; echo err >&2; exit 3"], timeout=30).stderr == "err\n"
