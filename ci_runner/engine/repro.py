@@ -90,19 +90,20 @@ class Verification:
 
 def verify_script(script: Path, *, expect_text: Sequence[str], expect_error_type: str | None = None,
                   timeout: float = 60.0, env: Mapping[str, str] | None = None,
-                  expect_signal: bool = False) -> Verification:
+                  expect_signal: bool = False, python: str | None = None) -> Verification:
     """Run `script` alone; verified when it fails and its output names the same error type and text
     (both sides normalised by `rootcause.normalize_text`: `s96` and `s47` match).
 
     With `expect_signal`, a death by signal (abort, segfault) also counts as reproducing the failure.
     The child gets a clean PYTHONPATH-free environment plus `env`, so it cannot lean on the caller's imports
-    beyond the installed packages (and the backend plugin's folder, which `env` may add).
+    beyond the installed packages (and the backend plugin's folder, which `env` may add). `python` runs it with
+    another interpreter (default: this one), e.g. the one `bisect-commits` installs each commit into.
     """
     child_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
     child_env.update(env or {})
     with tempfile.TemporaryDirectory(prefix="deepview-repro-") as tmp:
         out_path, err_path = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        end = run_process([sys.executable, str(script.name)], timeout=timeout, stdout=out_path, stderr=err_path,
+        end = run_process([python or sys.executable, str(script.name)], timeout=timeout, stdout=out_path, stderr=err_path,
                           env=child_env, cwd=script.parent, foreign=True)  # foreign: it dies with the worker
         out = (out_path.read_bytes() + err_path.read_bytes()).decode("utf-8", "replace")
     tail = out[-4000:]
