@@ -7,10 +7,12 @@ which overwrites it (`normal_`). A 0.5B Qwen2 shape took 36 s on 2 cores, 29 s o
 Under `fast_init()`, a construction-time init (`torch.nn.init.*` while modules are built) of a floating CPU tensor of
 at least `BIG` elements is deferred. A later init of the same tensor (transformers' `_init_weights`, or a direct
 write) supersedes it; the deferred ones still pending when the build ends run then, with torch's own function, on
-the tensors the model still holds (a tied-away `lm_head.weight` is skipped). Every value is still drawn by torch's
-own init functions from the seeded global RNG, so the distributions are exactly transformers', and the same seed
-gives the same weights. Smaller tensors are initialised as before, so a tiny config's weights are bit-identical to
-a plain `from_config` under the same seed (the bundled example's numbers do not move).
+the tensors the model still holds (a tied-away `lm_head.weight` is skipped). transformers' own `normal_` (>= 5,
+through its `TORCH_INIT_FUNCTIONS` table) fills such a tensor on every intra-op thread (`parallel_normal_`:
+fixed chunks, each with a generator seeded from one draw of the seeded global RNG). The distributions are exactly
+transformers', and the same seed gives the same weights on any number of threads. Smaller tensors are initialised
+as before, so a tiny config's weights are bit-identical to a plain `from_config` under the same seed (the bundled
+example's numbers do not move).
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
 import torch
 
 BIG = 1 << 20  # elements: smaller tensors take the construction-time init at once, as without fast_init
+CHUNK = 1 << 22  # elements per generator in `parallel_normal_`
 _RANDOM = ("uniform_", "normal_", "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_",
            "trunc_normal_", "orthogonal_", "sparse_")
 _TORCH_MODULES = ("torch.nn.init", "torch.nn.modules.activation", "torch.nn.modules.transformer",
@@ -73,6 +77,34 @@ def _deferring(pending: dict[int, Deferred], active: list[bool], fn: Callable[..
     return init_fn
 
 
+def parallel_normal_(tensor: torch.Tensor, mean: float = 0.0, std: float = 1.0) -> torch.Tensor:
+    """`tensor.normal_(mean, std)` on all intra-op threads: fixed chunks of `CHUNK` elements, chunk i drawn from its
+    own generator seeded `base + i`, `base` drawn from the global RNG. The values depend on the seed only, not on
+    the number of threads."""
+    base = int(torch.randint(0, 2**62, (1,)).item())
+    flat = tensor.detach().view(-1)
+    n = flat.numel()
+
+    def fill(i: int) -> None:
+        gen = torch.Generator().manual_seed(base + i)
+        flat[i * CHUNK: (i + 1) * CHUNK].normal_(mean, std, generator=gen)
+
+    chunks = range(-(-n // CHUNK))
+    with torch.no_grad(), ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads())) as pool:
+        list(pool.map(fill, chunks))  # torch releases the GIL while it draws
+    return tensor
+
+
+def _drawing(active: list[bool], fn: Callable[..., Any]) -> Callable[..., Any]:
+    """transformers' `normal_` (its table entry): big tensors drawn by `parallel_normal_` while `active[0]`."""
+    def normal_(tensor: torch.Tensor, mean: float = 0.0, std: float = 1.0, generator: Any = None) -> Any:
+        if active[0] and generator is None and _big(tensor):
+            return parallel_normal_(tensor, float(mean), float(std))
+        return fn(tensor, mean=mean, std=std, generator=generator)
+
+    return normal_
+
+
 def _finish(pending: dict[int, Deferred], module: torch.nn.Module) -> None:
     """Run the deferred inits of the tensors `module` still holds that nothing has written since."""
     held = {id(t) for t in module.parameters()} | {id(t) for t in module.buffers()}
@@ -86,7 +118,7 @@ def _finish(pending: dict[int, Deferred], module: torch.nn.Module) -> None:
 def fast_init() -> Iterator[Callable[[torch.nn.Module], None]]:
     """Build a model inside, then call the yielded `finish(model)` on it before leaving: it runs the construction-
     time inits nothing superseded. The torch init functions are restored on every exit path."""
-    _import_transformers_init()
+    table = _transformers_table()
     pending: dict[int, Deferred] = {}
     active = [True]
     originals = {name: getattr(torch.nn.init, name) for name in dir(torch.nn.init)
@@ -99,15 +131,26 @@ def fast_init() -> Iterator[Callable[[torch.nn.Module], None]]:
                 if mod is not None and getattr(mod, name, None) is fn:
                     saved.append((mod, name, fn))
                     setattr(mod, name, _deferring(pending, active, fn, name in _RANDOM))
+        if table is not None and "normal_" in table:
+            saved.append((table, "normal_", table["normal_"]))
+            table["normal_"] = _drawing(active, table["normal_"])
         yield lambda module: _finish(pending, module)
     finally:
         active[0] = False
         for mod, name, fn in reversed(saved):
-            setattr(mod, name, fn)
+            if isinstance(mod, dict):
+                mod[name] = fn
+            else:
+                setattr(mod, name, fn)
 
 
-def _import_transformers_init() -> None:
-    """transformers >= 5 records the torch init functions in a table when `transformers.initialization` is first
-    imported: import it before they are patched, so it never records the deferring copies."""
-    with contextlib.suppress(ImportError):
-        import transformers.initialization  # noqa: F401  (deferred: transformers is heavy, seconds)
+def _transformers_table() -> dict[str, Any] | None:
+    """transformers >= 5: the table through which its init functions call torch's (`TORCH_INIT_FUNCTIONS`),
+    recorded when `transformers.initialization` is first imported: imported here before the torch functions are
+    patched, so it never records the deferring copies. None for older transformers (they call torch directly)."""
+    try:
+        from transformers import initialization  # deferred: transformers is heavy (seconds)
+    except ImportError:
+        return None
+    table = getattr(initialization, "TORCH_INIT_FUNCTIONS", None)
+    return table if isinstance(table, dict) else None

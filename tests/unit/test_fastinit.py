@@ -110,3 +110,20 @@ def test_torch_init_functions_are_restored_even_on_error() -> None:
     import torch.nn.modules.linear as linear_mod
 
     assert linear_mod.init.kaiming_uniform_ is before["kaiming_uniform_"]
+
+
+def test_parallel_normal_depends_on_the_seed_not_on_the_threads() -> None:
+    def draw(threads: int) -> torch.Tensor:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            torch.manual_seed(11)
+            return fastinit.parallel_normal_(torch.empty(fastinit.CHUNK * 2 + 5), 0.0, 0.02)
+        finally:
+            torch.set_num_threads(before)
+
+    one, two = draw(1), draw(2)
+    assert torch.equal(one, two)
+    assert abs(float(one.std()) - 0.02) < 0.0005 and abs(float(one.mean())) < 0.0005
+    head, tail = one[: fastinit.CHUNK], one[fastinit.CHUNK: 2 * fastinit.CHUNK]
+    assert not torch.equal(head, tail)  # every chunk its own stream
