@@ -44,7 +44,7 @@ from .culprit import CulpritResult, CulpritTarget, find_culprits, hints_from_err
 from ...fsutil import atomic_write_text
 from ...engine.codec import TensorStore, Unstorable
 from ...engine.isolate import Attempt, IsolatedResult, supervise
-from .search import ROOT, ChildPlan, ModuleTree, ProbeOutcome, SearchResult, StopSearch, append_outcome, capture_inputs, encode_call, first_line, label, own_name, read_outcomes, scan_model, search, unlabel, unwrap_exception, write_root_call
+from .search import ROOT, ChildPlan, ModuleTree, ProbeOutcome, SearchResult, StopSearch, append_outcome, capture_inputs, encode_call, first_line, label, own_name, read_outcomes, scan_model, search, twin_plan, unlabel, unwrap_exception, write_root_call
 from .. import JOURNAL_NAME
 from ...options import LayersOptions, parse as parse_options
 from ...engine.repro import render_template, safe_filename, verify_script, write_script
@@ -212,7 +212,8 @@ def run(ctx: "ModeContext") -> ModeResult:
     data: dict[str, Any] = {
         "capture": capture_info,
         "search": {"complete": result.complete,
-                   "probed": sum(1 for o in result.outcomes.values() if o.status != "skipped"),
+                   "probed": sum(1 for o in result.outcomes.values() if o.status != "skipped" and not o.inferred_from),
+                   "inferred": sum(1 for o in result.outcomes.values() if o.inferred_from),
                    "children": srun.children, "restarts": srun.restarts, "stop_reason": srun.stop_reason},
         "candidates": [_candidate_row(tree, o) for o in result.outcomes.values()],
     }
@@ -233,8 +234,9 @@ def run(ctx: "ModeContext") -> ModeResult:
                           duration_s=time.monotonic() - t0)
 
     known = read_outcomes(layers_dir / "probes.jsonl")  # with the own-code probes (`own_name`)
-    findings = [_finding(ctx, tree, result, name, all_calls=opts.all_calls, own=known.get(own_name(name)))
-                for name in result.minimal]
+    _, twin_of = twin_plan(tree, result.minimal, result.outcomes)  # a twin's own code is its first's
+    findings = [_finding(ctx, tree, result, name, all_calls=opts.all_calls,
+                         own=known.get(own_name(twin_of.get(name, name)))) for name in result.minimal]
     if opts.repro and result.minimal:
         captured = capture_inputs(model, (), kwargs, result.minimal)
         for name, finding in zip(result.minimal, findings):
@@ -278,6 +280,8 @@ def _candidate_row(tree: ModuleTree, o: ProbeOutcome) -> dict[str, Any]:
         row["message"] = o.message
     if o.ran:
         row["ran"] = dict(o.ran)
+    if o.inferred_from is not None:
+        row["inferred_from"] = label(o.inferred_from)
     return row
 
 

@@ -39,6 +39,7 @@ from ...config import BackendSpec, ModelSpec, spec_from_json
 from ...engine.isolate import child_journal
 from ...engine.models import load_model
 from ...engine.tree import tensors_in
+from ...results.rootcause import error_signature
 
 ROOT = ""  # the root module's qualified name
 ROOT_LABEL = "<root>"  # how the root is named in findings and reports
@@ -235,10 +236,19 @@ class ProbeOutcome:
     calls_tried: int = 0
     ran: dict[str, Any] = field(default_factory=dict)  # what the backend compiled and executed (`ran_facts`)
     diagnostics: list[str] = field(default_factory=list)  # the compiler's own lines (fd 2, exception chain)
+    inferred_from: str | None = None  # not probed: the outcome of this twin module (same place in a twin parent)
 
     @property
     def failed(self) -> bool:
         return self.status in FAILED_STATUSES
+
+    @property
+    def cause(self) -> str:
+        """What the failure is, for grouping twins: the root-cause signature of its error (`rootcause`), or its
+        status and error type for a crash or a hang; "" for an outcome that did not fail."""
+        if self.status == "fail":
+            return error_signature(self.error_type or "", self.message, self.traceback).id
+        return f"{self.status}:{self.error_type}" if self.failed else ""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -265,41 +275,110 @@ class StopSearch(Exception):
 
 
 def search(tree: ModuleTree, probe: Callable[[str], ProbeOutcome],
-           prefetch: Callable[[list[str]], None] | None = None) -> SearchResult:
+           prefetch: Callable[[list[str]], None] | None = None, *, twins: bool = True) -> SearchResult:
     """Top-down, breadth-first: the whole model, then the children of every failing module, level by level.
 
     A module that cannot be replayed (opaque inputs) is not run; the search looks through it to its children.
-    `prefetch`, when given, is told each level's modules before they are probed (to capture their inputs in
-    one reference forward).
+    `prefetch`, when given, is told the modules about to be probed (to capture their inputs in one reference
+    forward). With `twins`, the cost follows root causes, not layers: failing parents of one level that share
+    a module class, a cause (`ProbeOutcome.cause`) and their children's names and classes are twins; only the
+    first one's children are all probed. A twin probes just the children that failed in the first one; when each
+    fails with the same cause, its other children take the first one's outcomes (`inferred_from`), else they are
+    probed too.
     """
     outcomes: dict[str, ProbeOutcome] = {}
     complete = True
+    order = {name: i for i, name in enumerate(tree.nodes)}
     try:
         first = probe(tree.root)
         outcomes[tree.root] = first
         frontier = [tree.root] if first.failed else []
         while frontier:
-            nxt: list[str] = []
-            if prefetch is not None:
-                level = [c for p in frontier for c in tree.children(p) if tree.nodes[c].replayable]
-                if level:
-                    prefetch(level)
-            for parent in frontier:
-                for child in tree.children(parent):
-                    node = tree.nodes[child]
-                    if not node.replayable:
-                        outcomes[child] = ProbeOutcome(name=child, status="skipped",
-                                                       message=f"inputs cannot be replayed: {node.why_not}")
-                        nxt.append(child)  # look through it
-                        continue
-                    res = probe(child)
-                    outcomes[child] = res
-                    if res.failed:
-                        nxt.append(child)
-            frontier = nxt
+            firsts, twin_of = twin_plan(tree, frontier, outcomes) if twins else (frontier, {})
+            nxt = _probe_children(tree, firsts, probe, prefetch, outcomes)
+            nxt += _probe_twins(tree, twin_of, probe, prefetch, outcomes)
+            frontier = sorted(nxt, key=lambda n: order[n])
     except StopSearch:
         complete = False
     return SearchResult(outcomes=outcomes, minimal=minimal_failing(tree, outcomes), complete=complete)
+
+
+def _shape(tree: ModuleTree, parent: str) -> tuple[tuple[str, str], ...]:
+    return tuple((c[len(parent) + 1:], tree.nodes[c].module_class) for c in tree.children(parent))
+
+
+def twin_plan(tree: ModuleTree, names: Sequence[str], outcomes: Mapping[str, ProbeOutcome]) -> tuple[list[str], dict[str, str]]:
+    """`names` split into the first of each twin group (same class, cause and children's shape) and the rest,
+    each mapped to its group's first."""
+    firsts: list[str] = []
+    twin_of: dict[str, str] = {}
+    seen: dict[tuple[Any, ...], str] = {}
+    for name in names:
+        o = outcomes.get(name)
+        if name == ROOT or o is None or not o.failed or not tree.children(name):
+            firsts.append(name)
+            continue
+        key = (tree.nodes[name].module_class, o.cause, _shape(tree, name))
+        if key in seen:
+            twin_of[name] = seen[key]
+        else:
+            seen[key] = name
+            firsts.append(name)
+    return firsts, twin_of
+
+
+def _probe_children(tree: ModuleTree, parents: Sequence[str], probe: Callable[[str], ProbeOutcome],
+                    prefetch: Callable[[list[str]], None] | None, outcomes: dict[str, ProbeOutcome],
+                    only: Collection[str] | None = None) -> list[str]:
+    """Probe the children of `parents` (those in `only`, when given); the failing and skipped ones are returned."""
+    kids = [c for p in parents for c in tree.children(p) if only is None or c in only]
+    if prefetch is not None:
+        level = [c for c in kids if tree.nodes[c].replayable and c not in outcomes]
+        if level:
+            prefetch(level)
+    nxt: list[str] = []
+    for child in kids:
+        node = tree.nodes[child]
+        if not node.replayable:
+            outcomes[child] = ProbeOutcome(name=child, status="skipped",
+                                           message=f"inputs cannot be replayed: {node.why_not}")
+            nxt.append(child)  # look through it
+            continue
+        res = probe(child)
+        outcomes[child] = res
+        if res.failed:
+            nxt.append(child)
+    return nxt
+
+
+def _probe_twins(tree: ModuleTree, twin_of: Mapping[str, str], probe: Callable[[str], ProbeOutcome],
+                 prefetch: Callable[[list[str]], None] | None, outcomes: dict[str, ProbeOutcome]) -> list[str]:
+    def counterpart(child: str, parent: str) -> str:
+        return twin_of[parent] + child[len(parent):]
+
+    confirm = {c for p in twin_of for c in tree.children(p)
+               if (o := outcomes.get(counterpart(c, p))) is None or o.failed or o.status == "skipped"}
+    nxt = _probe_children(tree, list(twin_of), probe, prefetch, outcomes, only=confirm)
+    def same(child: str, parent: str) -> bool:
+        mine, theirs = outcomes.get(child), outcomes.get(counterpart(child, parent))
+        return mine is not None and theirs is not None and mine.cause == theirs.cause
+
+    unlike = [p for p in twin_of if not all(same(c, p) for c in tree.children(p) if c in confirm)]
+    rest = {c for p in unlike for c in tree.children(p) if c not in confirm}
+    nxt += _probe_children(tree, unlike, probe, prefetch, outcomes, only=rest)
+    for parent in twin_of:
+        if parent in unlike:
+            continue
+        for child in tree.children(parent):
+            if child in confirm:
+                continue
+            twin = counterpart(child, parent)
+            o = outcomes[twin]
+            outcomes[child] = ProbeOutcome(
+                name=child, status=o.status, ran=dict(o.ran), inferred_from=twin,
+                message=f"not probed: {label(parent)} fails like its twin {label(twin_of[parent])} (same class, "
+                        f"same cause, same children), so it takes the outcome of {label(twin)}")
+    return nxt
 
 
 def minimal_failing(tree: ModuleTree, outcomes: Mapping[str, ProbeOutcome]) -> list[str]:
@@ -492,7 +571,8 @@ def probe_child(payload: dict[str, Any]) -> dict[str, Any]:
     try:
         result = search(tree, probe, prefetch)
         if result.complete and not backend.is_eager:  # eager devices name the running module instead
-            own = [n for n in own_code_candidates(tree, result.outcomes) if own_name(n) not in known]
+            firsts, _ = twin_plan(tree, own_code_candidates(tree, result.outcomes), result.outcomes)
+            own = [n for n in firsts if own_name(n) not in known]  # a twin takes its first's (mode.py)
             if own and time.time() < plan.deadline_wall:
                 calls = capture_inputs(model, root_args, root_kwargs, own, all_calls=False)
             for name in own:
