@@ -244,8 +244,7 @@ class ProbeOutcome:
 
     @property
     def cause(self) -> str:
-        """What the failure is, for grouping twins: the root-cause signature of its error (`rootcause`), or its
-        status and error type for a crash or a hang; "" for an outcome that did not fail."""
+        """The failure's root-cause signature (`rootcause`); status and error type for a crash or hang; "" if none."""
         if self.status == "fail":
             return error_signature(self.error_type or "", self.message, self.traceback).id
         return f"{self.status}:{self.error_type}" if self.failed else ""
@@ -279,20 +278,15 @@ def search(tree: ModuleTree, probe: Callable[[str], ProbeOutcome],
     """Top-down, breadth-first: the whole model, then the children of every failing module, level by level.
 
     A module that cannot be replayed (opaque inputs) is not run; the search looks through it to its children.
-    `prefetch`, when given, is told the modules about to be probed (to capture their inputs in one reference
-    forward). With `twins`, the cost follows root causes, not layers: failing parents of one level that share
-    a module class, a cause (`ProbeOutcome.cause`) and their children's names and classes are twins; only the
-    first one's children are all probed. A twin probes just the children that failed in the first one; when each
-    fails with the same cause, its other children take the first one's outcomes (`inferred_from`), else they are
-    probed too.
-    """
+    `prefetch` is told the modules about to be probed (their inputs are captured in one reference forward).
+    `twins`: failing parents of a level with the same class, cause and children (`twin_plan`) are searched once;
+    a twin probes only the children that failed in the first and, when each fails with the same cause, its
+    other children take the first's outcomes (`inferred_from`); else they are probed too."""
     outcomes: dict[str, ProbeOutcome] = {}
-    complete = True
-    order = {name: i for i, name in enumerate(tree.nodes)}
+    complete, order = True, {name: i for i, name in enumerate(tree.nodes)}
     try:
-        first = probe(tree.root)
-        outcomes[tree.root] = first
-        frontier = [tree.root] if first.failed else []
+        outcomes[tree.root] = probe(tree.root)
+        frontier = [tree.root] if outcomes[tree.root].failed else []
         while frontier:
             firsts, twin_of = twin_plan(tree, frontier, outcomes) if twins else (frontier, {})
             nxt = _probe_children(tree, firsts, probe, prefetch, outcomes)
@@ -301,10 +295,6 @@ def search(tree: ModuleTree, probe: Callable[[str], ProbeOutcome],
     except StopSearch:
         complete = False
     return SearchResult(outcomes=outcomes, minimal=minimal_failing(tree, outcomes), complete=complete)
-
-
-def _shape(tree: ModuleTree, parent: str) -> tuple[tuple[str, str], ...]:
-    return tuple((c[len(parent) + 1:], tree.nodes[c].module_class) for c in tree.children(parent))
 
 
 def twin_plan(tree: ModuleTree, names: Sequence[str], outcomes: Mapping[str, ProbeOutcome]) -> tuple[list[str], dict[str, str]]:
@@ -318,7 +308,8 @@ def twin_plan(tree: ModuleTree, names: Sequence[str], outcomes: Mapping[str, Pro
         if name == ROOT or o is None or not o.failed or not tree.children(name):
             firsts.append(name)
             continue
-        key = (tree.nodes[name].module_class, o.cause, _shape(tree, name))
+        shape = tuple((c[len(name) + 1:], tree.nodes[c].module_class) for c in tree.children(name))
+        key = (tree.nodes[name].module_class, o.cause, shape)
         if key in seen:
             twin_of[name] = seen[key]
         else:
@@ -359,9 +350,8 @@ def _probe_twins(tree: ModuleTree, twin_of: Mapping[str, str], probe: Callable[[
     confirm = {c for p in twin_of for c in tree.children(p)
                if (o := outcomes.get(counterpart(c, p))) is None or o.failed or o.status == "skipped"}
     nxt = _probe_children(tree, list(twin_of), probe, prefetch, outcomes, only=confirm)
-    def same(child: str, parent: str) -> bool:
-        mine, theirs = outcomes.get(child), outcomes.get(counterpart(child, parent))
-        return mine is not None and theirs is not None and mine.cause == theirs.cause
+    def same(c: str, p: str) -> bool:
+        return (o := outcomes.get(c)) is not None and (t := outcomes.get(counterpart(c, p))) is not None and o.cause == t.cause
 
     unlike = [p for p in twin_of if not all(same(c, p) for c in tree.children(p) if c in confirm)]
     rest = {c for p in unlike for c in tree.children(p) if c not in confirm}
@@ -528,7 +518,6 @@ def probe_child(payload: dict[str, Any]) -> dict[str, Any]:
     faulthandler.enable(file=sys.stderr)
 
     from safetensors.torch import load_file
-
 
     plan = ChildPlan(**payload)
     layers_dir = Path(plan.layers_dir)
