@@ -664,7 +664,7 @@ def model_fingerprint(spec: ModelSpec) -> dict[str, Any]:
     if spec.config:
         import transformers  # deferred: transformers is heavy (seconds)
 
-        fp.update(source="config", model_type=spec.config, init=f"transformers {transformers.__version__}")
+        fp.update(source="config", model_type=spec.config, init=f"transformers {transformers.__version__}; fastinit 1")
     elif spec.path:
         fp["source"] = "path"
         fp["path"] = spec.path if spec.path.startswith("pkg:") else Path(spec.path).name

@@ -427,3 +427,25 @@ def test_key_text_is_a_stable_prefix() -> None:
         "[sim-subset] unsupported operator aten.neg.default"]
     assert _key_text("list index out of range\n\nSet TORCHDYNAMO_VERBOSE=1") == ["list index out of range"]
     assert _key_text("x") == []
+
+
+def test_cause_groups_split_by_class_cause_and_input_signature() -> None:
+    from ci_runner.modes.layers.groups import call_signature, cause_families, cause_groups
+    from ci_runner.modes.layers.search import SearchResult
+
+    tree = _layers_tree(4)
+    boom = dict(status="fail", stage="run", error_type="RuntimeError", message="boom at 0x7f00aa")
+    outcomes = {f"m.l{i}.attn": ProbeOutcome(name=f"m.l{i}.attn", **boom) for i in range(4)}
+    outcomes["m.l3.attn"] = ProbeOutcome(name="m.l3.attn", **{**boom, "message": "another error"})
+    result = SearchResult(outcomes=outcomes, minimal=list(outcomes), complete=True)
+    x = torch.zeros(1, 4, 8)
+    calls = {n: [((x,), {"mask": None, "pos": (x, x)})] for n in outcomes}
+    calls["m.l2.attn"] = [((torch.zeros(1, 5, 8),), {"mask": None, "pos": (x, x)})]  # other shapes
+    groups = cause_groups(tree, result, calls)
+    assert groups == {"m.l0.attn": "m.l0.attn", "m.l1.attn": "m.l0.attn", "m.l2.attn": "m.l2.attn",
+                      "m.l3.attn": "m.l3.attn"}
+    # l2 differs only in its inputs: same family as l0 (its culprit op is probed first); l3 is another cause
+    assert cause_families(tree, result, ["m.l0.attn", "m.l2.attn", "m.l3.attn"]) == {
+        "m.l0.attn": "m.l0.attn", "m.l2.attn": "m.l0.attn", "m.l3.attn": "m.l3.attn"}
+    sig = call_signature((x.transpose(1, 2),), {"obj": object()})
+    assert sig == "(float32[1, 8, 4]@[32, 1, 8]){obj=object}"  # strides kept, no address
