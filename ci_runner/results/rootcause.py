@@ -203,21 +203,26 @@ class Signature:
     raised: RaisedIn
 
 
+def error_signature(error_type: str, message: str, traceback_text: str = "") -> Signature:
+    """The normalised signature of one error (its type, first line and raising package): what `signature` gives
+    a finding with that error, for outcomes that are not findings yet (the layers mode groups its probes by it)."""
+    msg = normalize_text(first_line(message, 240))
+    raised = raised_in(traceback_text)
+    key = (error_type, msg, raised.package)
+    digest = hashlib.sha256("\x1f".join(key).encode("utf-8")).hexdigest()[:12]
+    return Signature(id=digest, error_type=error_type, message=msg, raised=raised)
+
+
 def signature(f: Finding) -> Signature:
     """The finding's normalised error signature. Findings without an error (numerical ones) are keyed by kind
     and by what they are about (op or module class): each such group is its own cause."""
     if f.error_type:
-        etype = f.error_type
-        msg = normalize_text(first_line(_without_type(_error_text(f), etype), 240))
-        raised = raised_in(_traceback_text(f))
-        key = (etype, msg, raised.package)
-    else:
-        etype = f.kind
-        msg = f"{f.kind} in {f.op or f.module_class or f.module or '?'}"
-        raised = RaisedIn(package="", role="unknown", frame="", backend_frame="")
-        key = (etype, msg, "")
-    digest = hashlib.sha256("\x1f".join(key).encode("utf-8")).hexdigest()[:12]
-    return Signature(id=digest, error_type=etype, message=msg, raised=raised)
+        return error_signature(f.error_type, _without_type(_error_text(f), f.error_type), _traceback_text(f))
+    etype = f.kind
+    msg = f"{f.kind} in {f.op or f.module_class or f.module or '?'}"
+    digest = hashlib.sha256("\x1f".join((etype, msg, "")).encode("utf-8")).hexdigest()[:12]
+    return Signature(id=digest, error_type=etype, message=msg,
+                     raised=RaisedIn(package="", role="unknown", frame="", backend_frame=""))
 
 
 def annotate(findings: Iterable[Finding]) -> None:

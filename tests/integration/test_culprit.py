@@ -100,6 +100,10 @@ def test_sim_crash_names_the_attention_op_with_real_shapes(run_cell: Callable[..
         assert "sdpa_attention.py" in (c["sources"][0] or "")
         assert c["repro"]["verified"], c["repro"]
         assert c["probes"] == 1  # the op the layer's error names is probed first
+    # one cause group (same class, error signature and inputs): one search, its answer carried by the twin
+    assert culprits["model.layers.1.self_attn"]["shared_with"] == "model.layers.0.self_attn"
+    assert culprits["model.layers.1.self_attn"]["repro"] == culprits["model.layers.0.self_attn"]["repro"]
+    assert not (cdir / "layers" / "repro" / "model.layers.1.self_attn" / "culprit").exists()
     rdir = cdir / Path(culprits["model.layers.0.self_attn"]["repro"]["path"]).parent
     assert {p.name for p in rdir.iterdir()} >= {"graph.py", "inputs.safetensors", "repro.py"}
     proc = _by_hand(cdir, culprits["model.layers.0.self_attn"])

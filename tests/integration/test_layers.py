@@ -138,6 +138,13 @@ def test_sim_crash_names_each_attention_module_and_nothing_else(tmp_path: Path, 
     rows = _rows(mode)
     assert rows["model.layers.0.mlp"]["status"] == "pass"
     assert rows["model.layers.1.self_attn.q_proj"]["status"] == "pass"
+    # layer 1 is layer 0's twin: only its failing child is probed, the rest take layer 0's outcomes
+    assert rows["model.layers.1.mlp"]["inferred_from"] == "model.layers.0.mlp"
+    assert "inferred_from" not in rows["model.layers.1.self_attn"]
+    # one cause group: one repro, verified once, named by both findings
+    assert mode.data["groups"] == {"model.layers.0.self_attn": _modules(mode)}
+    assert mode.findings[1].repro.path == mode.findings[0].repro.path  # type: ignore[union-attr]
+    assert "shared with model.layers.0.self_attn" in (mode.findings[1].repro.note or "")  # type: ignore[union-attr]
     if model == "tiny-granite":
         rdir = cdir / Path(mode.findings[1].repro.path).parent  # type: ignore[union-attr]
         proc = _run_by_hand(rdir, ROOT)  # the sim backends live in ci_runner: that is the plugin here

@@ -39,6 +39,7 @@ from ...engine.isolate import child_journal
 from ...engine.models import load_model
 from ...engine.outcome import ProbeOutcome, append_outcome, read_outcomes
 from ...engine.tree import tensors_in
+from ...results.rootcause import error_signature
 
 ROOT = ""  # the root module's qualified name
 ROOT_LABEL = "<root>"  # how the root is named in findings and reports
@@ -234,41 +235,101 @@ class StopSearch(Exception):
 
 
 def search(tree: ModuleTree, probe: Callable[[str], ProbeOutcome],
-           prefetch: Callable[[list[str]], None] | None = None) -> SearchResult:
+           prefetch: Callable[[list[str]], None] | None = None, *, twins: bool = True) -> SearchResult:
     """Top-down, breadth-first: the whole model, then the children of every failing module, level by level.
 
     A module that cannot be replayed (opaque inputs) is not run; the search looks through it to its children.
-    `prefetch`, when given, is told each level's modules before they are probed (to capture their inputs in
-    one reference forward).
-    """
+    `prefetch` is told the modules about to be probed (their inputs are captured in one reference forward).
+    `twins`: failing parents of a level with the same class, cause and children (`twin_plan`) are searched once;
+    a twin probes only the children that failed in the first and, when each fails with the same cause, its
+    other children take the first's outcomes (`inferred_from`); else they are probed too."""
     outcomes: dict[str, ProbeOutcome] = {}
-    complete = True
+    complete, order = True, {name: i for i, name in enumerate(tree.nodes)}
     try:
-        first = probe(tree.root)
-        outcomes[tree.root] = first
-        frontier = [tree.root] if first.failed else []
+        outcomes[tree.root] = probe(tree.root)
+        frontier = [tree.root] if outcomes[tree.root].failed else []
         while frontier:
-            nxt: list[str] = []
-            if prefetch is not None:
-                level = [c for p in frontier for c in tree.children(p) if tree.nodes[c].replayable]
-                if level:
-                    prefetch(level)
-            for parent in frontier:
-                for child in tree.children(parent):
-                    node = tree.nodes[child]
-                    if not node.replayable:
-                        outcomes[child] = ProbeOutcome(name=child, status="skipped",
-                                                       message=f"inputs cannot be replayed: {node.why_not}")
-                        nxt.append(child)  # look through it
-                        continue
-                    res = probe(child)
-                    outcomes[child] = res
-                    if res.failed:
-                        nxt.append(child)
-            frontier = nxt
+            firsts, twin_of = twin_plan(tree, frontier, outcomes) if twins else (frontier, {})
+            nxt = _probe_children(tree, firsts, probe, prefetch, outcomes)
+            nxt += _probe_twins(tree, twin_of, probe, prefetch, outcomes)
+            frontier = sorted(nxt, key=lambda n: order[n])
     except StopSearch:
         complete = False
     return SearchResult(outcomes=outcomes, minimal=minimal_failing(tree, outcomes), complete=complete)
+
+
+def twin_plan(tree: ModuleTree, names: Sequence[str], outcomes: Mapping[str, ProbeOutcome]) -> tuple[list[str], dict[str, str]]:
+    """`names` split into the first of each twin group (same class, cause and children's shape) and the rest,
+    each mapped to its group's first."""
+    firsts: list[str] = []
+    twin_of: dict[str, str] = {}
+    seen: dict[tuple[Any, ...], str] = {}
+    for name in names:
+        o = outcomes.get(name)
+        if name == ROOT or o is None or not o.failed or not tree.children(name):
+            firsts.append(name)
+            continue
+        shape = tuple((c[len(name) + 1:], tree.nodes[c].module_class) for c in tree.children(name))
+        key = (tree.nodes[name].module_class, o.cause, shape)
+        if key in seen:
+            twin_of[name] = seen[key]
+        else:
+            seen[key] = name
+            firsts.append(name)
+    return firsts, twin_of
+
+
+def _probe_children(tree: ModuleTree, parents: Sequence[str], probe: Callable[[str], ProbeOutcome],
+                    prefetch: Callable[[list[str]], None] | None, outcomes: dict[str, ProbeOutcome],
+                    only: Collection[str] | None = None) -> list[str]:
+    """Probe the children of `parents` (those in `only`, when given); the failing and skipped ones are returned."""
+    kids = [c for p in parents for c in tree.children(p) if only is None or c in only]
+    if prefetch is not None:
+        level = [c for c in kids if tree.nodes[c].replayable and c not in outcomes]
+        if level:
+            prefetch(level)
+    nxt: list[str] = []
+    for child in kids:
+        node = tree.nodes[child]
+        if not node.replayable:
+            outcomes[child] = ProbeOutcome(name=child, status="skipped",
+                                           message=f"inputs cannot be replayed: {node.why_not}")
+            nxt.append(child)  # look through it
+            continue
+        res = probe(child)
+        outcomes[child] = res
+        if res.failed:
+            nxt.append(child)
+    return nxt
+
+
+def _probe_twins(tree: ModuleTree, twin_of: Mapping[str, str], probe: Callable[[str], ProbeOutcome],
+                 prefetch: Callable[[list[str]], None] | None, outcomes: dict[str, ProbeOutcome]) -> list[str]:
+    def counterpart(child: str, parent: str) -> str:
+        return twin_of[parent] + child[len(parent):]
+
+    confirm = {c for p in twin_of for c in tree.children(p)
+               if (o := outcomes.get(counterpart(c, p))) is None or o.failed or o.status == "skipped"}
+    nxt = _probe_children(tree, list(twin_of), probe, prefetch, outcomes, only=confirm)
+    def same(c: str, p: str) -> bool:
+        return (o := outcomes.get(c)) is not None and (t := outcomes.get(counterpart(c, p))) is not None and o.cause == t.cause
+
+    unlike = [p for p in twin_of if not all(same(c, p) for c in tree.children(p) if c in confirm)]
+    rest = {c for p in unlike for c in tree.children(p) if c not in confirm}
+    nxt += _probe_children(tree, unlike, probe, prefetch, outcomes, only=rest)
+    for parent in twin_of:
+        if parent in unlike:
+            continue
+        for child in tree.children(parent):
+            if child in confirm:
+                continue
+            twin = counterpart(child, parent)
+            o = outcomes[twin]
+            outcomes[child] = ProbeOutcome(
+                name=child, status=o.status, ran=dict(o.ran), inferred_from=twin,
+                message=f"not probed: {label(parent)} fails like its twin {label(twin_of[parent])} (same class, "
+                        f"same cause, same children), so it takes the outcome of {label(twin)}")
+    return nxt
 
 
 def minimal_failing(tree: ModuleTree, outcomes: Mapping[str, ProbeOutcome]) -> list[str]:
@@ -357,7 +418,6 @@ def probe_child(payload: dict[str, Any]) -> dict[str, Any]:
 
     from safetensors.torch import load_file
 
-
     plan = ChildPlan(**payload)
     layers_dir = Path(plan.layers_dir)
     tree = ModuleTree.from_json(json.loads((layers_dir / "tree.json").read_text(encoding="utf-8")))
@@ -399,7 +459,8 @@ def probe_child(payload: dict[str, Any]) -> dict[str, Any]:
     try:
         result = search(tree, probe, prefetch)
         if result.complete and not backend.is_eager:  # eager devices name the running module instead
-            own = [n for n in own_code_candidates(tree, result.outcomes) if own_name(n) not in known]
+            firsts, _ = twin_plan(tree, own_code_candidates(tree, result.outcomes), result.outcomes)
+            own = [n for n in firsts if own_name(n) not in known]  # a twin takes its first's (mode.py)
             if own and time.time() < plan.deadline_wall:
                 calls = capture_inputs(model, root_args, root_kwargs, own, all_calls=False)
             for name in own:
