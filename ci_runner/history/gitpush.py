@@ -21,13 +21,13 @@ import os
 import random
 import re
 import shutil
-import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
+from ..engine.isolate import CommandResult, run_command
 from ..errors import ExecutionError, UsageError
 from ..results.model import Results
 from .compact import compact
@@ -56,8 +56,9 @@ class _Rejected(Exception):
     pass
 
 
-def _git(args: list[str], cwd: Path, env: Mapping[str, str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(["git", *args], cwd=cwd, env=dict(env), input="", capture_output=True, text=True, timeout=300)
+def _git(args: list[str], cwd: Path, env: Mapping[str, str], *, check: bool = True) -> CommandResult:
+    """git through the one child engine (its own session, killed at the timeout or on Ctrl-C)."""
+    proc = run_command(["git", *args], cwd=cwd, env=env, timeout=300)
     if check and proc.returncode != 0:
         err = _CREDS.sub(r"\1***@", (proc.stderr or proc.stdout).strip())
         raise ExecutionError(f"git {args[0]} failed (exit {proc.returncode}): {err[-800:]}",

@@ -42,6 +42,7 @@ class Layer:
     threshold_source: dict[str, str] = field(default_factory=dict)
     exceeded: dict[str, list[str]] = field(default_factory=dict)
     via: str | None = None  # isolated view: the sub-call whose inputs (computed by this layer) differ most
+    reordered: list[str] = field(default_factory=list)  # views that compared its rows in the reference's order
 
     def flagged(self, view: str) -> bool:
         return bool(self.exceeded.get(view))
@@ -68,6 +69,8 @@ def build_layers(reader: DumpReader, records: list[dict[str, Any]], table: Thres
         if "metrics" in r and (r["view"], key) in differ:
             continue
         if "metrics" in r:
+            if r["metrics"].get("reordered") and r["view"] not in layer.reordered:
+                layer.reordered.append(r["view"])
             prev = layer.metrics.get(r["view"])
             merge_metrics(layer, r["view"], r["metrics"])
             if r["view"] == "isolated" and (prev is None or float(r["metrics"]["rel"]) >= float(prev["rel"])):
@@ -199,6 +202,8 @@ def layer_table(layers: list[Layer], cap: int) -> list[dict[str, Any]]:
         }
         if l.via:
             row["isolated_via"] = l.via
+        if l.reordered:
+            row["reordered_rows"] = list(l.reordered)  # the same rows in another order (`compare_any_row_order`)
         if l.errors:
             row["errors"] = dict(l.errors)
         if "fallback" in l.threshold_source.values():

@@ -25,8 +25,9 @@ from markupsafe import Markup
 
 from ..results.model import Results
 from .junit import xml_safe
+from ..engine.failure import headline
 from .trendcharts import trends_html
-from .view import CellView, LayerPoint, NumericsView, ReportView, build_view, cos_distance, first_line, fmt_num, icon
+from .view import CellView, LayerPoint, NumericsView, ReportView, build_view, cos_distance, fmt_num, icon
 
 # Big runs stay light: past these budgets, findings and per-layer numbers go into one JSON block
 # embedded once in the page, and a compact table is drawn from it when its <details> is opened.
@@ -314,7 +315,7 @@ def _environment() -> jinja2.Environment:
         trim_blocks=True,
         lstrip_blocks=True,
     )
-    env.filters.update(num=fmt_num, cosd=cos_distance, icon=icon, first_line=first_line)
+    env.filters.update(num=fmt_num, cosd=cos_distance, icon=icon, first_line=headline)
     return env
 
 

@@ -21,8 +21,9 @@ import jinja2
 from ..log import STEP_SUMMARY_LIMIT
 from ..results.model import Results
 from .junit import junit_counts, xml_safe
+from ..engine.failure import headline
 from .trendcharts import burndown_line
-from .view import ReportView, build_view, cos_distance, first_line, fmt_num, icon
+from .view import ReportView, build_view, cos_distance, fmt_num, icon
 
 # The file stays this far under GitHub's limit, so that appending it after a few lines another
 # step wrote still fits.
@@ -119,7 +120,7 @@ def _environment() -> jinja2.Environment:
         lstrip_blocks=True,
         keep_trailing_newline=True,
     )
-    env.filters.update(md=md, h=h, code=code, block=block, num=fmt_num, cosd=cos_distance, icon=icon, first_line=first_line)
+    env.filters.update(md=md, h=h, code=code, block=block, num=fmt_num, cosd=cos_distance, icon=icon, first_line=headline)
     env.globals["burndown_line"] = burndown_line
     return env
 

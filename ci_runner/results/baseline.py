@@ -64,9 +64,9 @@ from ..fsutil import atomic_write_text
 from ..github.actions import AnnotationCap, in_actions
 from ..log import append_step_summary
 from ..report.summary import SUMMARY_LIMIT, code, md, truncate_markdown
-from ..report.view import first_line
+from ..engine.failure import headline
 from ..registry import kind_names
-from .model import CELL_STATUSES, STATUS_SEVERITY, CellResult, Finding, Results, clean, load_results, read_json, validate
+from .model import CELL_STATUSES, STATUS_SEVERITY, CellResult, Finding, Results, backend_commit, clean, load_results, read_json, validate
 
 BASELINE_SCHEMA_VERSION = 1
 DIFF_SCHEMA_VERSION = 1
@@ -88,12 +88,15 @@ class BaselineCell:
     status: str
     modes: Mapping[str, str]
     flaky: bool = False
+    backend_commit: str | None = None  # the backend's source commit in the run it was taken from (env stamp)
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"id": self.id, "model": self.model, "backend": self.backend, "status": self.status,
                              "modes": dict(sorted(self.modes.items()))}
         if self.flaky:
             d["flaky"] = True
+        if self.backend_commit:
+            d["backend_commit"] = self.backend_commit
         return d
 
 
@@ -140,7 +143,8 @@ class Baseline:
                 raise InputError(f"{where}: cell {c['id']!r} is listed twice",
                                  hint="remove the duplicate entry, or regenerate with `deepview-ci baseline update`")
             b.cells[c["id"]] = BaselineCell(id=c["id"], model=c["model"], backend=c["backend"], status=c["status"],
-                                            modes=dict(c.get("modes") or {}), flaky=bool(c.get("flaky", False)))
+                                            modes=dict(c.get("modes") or {}), flaky=bool(c.get("flaky", False)),
+                                            backend_commit=c.get("backend_commit"))
         for f in data.get("findings", []):
             key = (f["cell"], f["fingerprint"])
             if key in b.findings:
@@ -194,7 +198,8 @@ def _baseline_of(results: Results) -> Baseline:
     b = Baseline()
     for c in results.cells:
         b.cells[c.id] = BaselineCell(id=c.id, model=c.model, backend=c.backend, status=c.status,
-                                     modes={m: r.status for m, r in c.modes.items()}, flaky=cell_is_flaky(c))
+                                     modes={m: r.status for m, r in c.modes.items()}, flaky=cell_is_flaky(c),
+                                     backend_commit=backend_commit(c.env))
         shaky = flaky_fingerprints(c)
         for mname, mode in c.modes.items():
             for f in mode.findings:
@@ -222,7 +227,9 @@ def dumps_baseline(data: Mapping[str, Any]) -> str:
 
 _ID = re.compile(r"[^@\s]+@[^@\s]+")
 _FP = re.compile(r"[0-9a-f]{8,64}")
-_CELL_REQ, _CELL_KEYS = {"id", "model", "backend", "status", "modes"}, {"id", "model", "backend", "status", "modes", "flaky"}
+_COMMIT = re.compile(r"[0-9a-f]{7,64}")
+_CELL_REQ, _CELL_KEYS = {"id", "model", "backend", "status", "modes"}, {"id", "model", "backend", "status", "modes", "flaky",
+                                                                                  "backend_commit"}
 _FIND_REQ, _FIND_KEYS = {"cell", "fingerprint", "kind", "mode"}, {"cell", "fingerprint", "kind", "mode", "key", "flaky"}
 
 
@@ -244,7 +251,8 @@ def _surely_valid(data: Any) -> bool:
             return False
         if not (type(c["id"]) is str and _ID.fullmatch(c["id"]) and type(c["model"]) is str and c["model"]
                 and type(c["backend"]) is str and c["backend"] and type(c["status"]) is str and c["status"] in statuses
-                and type(c["modes"]) is dict and type(c.get("flaky", False)) is bool):
+                and type(c["modes"]) is dict and type(c.get("flaky", False)) is bool
+                and _COMMIT.fullmatch(str(c.get("backend_commit", "0000000")))):
             return False
         if not all(type(v) is str and v in statuses for v in c["modes"].values()):
             return False
@@ -569,7 +577,7 @@ def render_diff_markdown(d: Diff, *, max_rows: int = 200) -> str:
                 repro = code(path) + (" ✔" if r.get("verified") else "")
             msg = ""
             if e.finding and e.finding.get("message"):
-                msg = ": " + md(first_line(e.finding["message"]), 160)
+                msg = ": " + md(headline(e.finding["message"]), 160)
             out.append(f"| {code(e.cell)} | {md(e.title())}{msg} | {md(e.reason)} | {repro} |")
         if len(entries) > max_rows:
             out.extend(["", f"… and {len(entries) - max_rows} more (see `diff.json`)."])
@@ -644,7 +652,7 @@ def annotate_regressions(d: Diff, *, env: Mapping[str, str] | None = None, strea
             break
         msg = f"{e.title()} — {e.reason}"
         if e.finding and e.finding.get("message"):
-            msg += f"\n{first_line(e.finding['message'], 500)}"
+            msg += f"\n{headline(e.finding['message'], 500)}"
         if e.finding and e.finding.get("repro"):
             msg += f"\nrepro: {(e.artifacts_dir + '/') if e.artifacts_dir else ''}{e.finding['repro'].get('path')}"
         if cap.annotate("error", msg, title=f"deepview-ci regression in {e.cell}", stream=stream):

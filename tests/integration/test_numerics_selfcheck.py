@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from pathlib import Path
 
 import pytest
 
@@ -97,7 +96,8 @@ def _assert_clean(res: ModeResult) -> None:
     assert res.data["views"] == {"cumulative": "ran", "isolated": "ran"} and not cov["not_comparable_count"], cov
 
 
-@pytest.mark.parametrize("model", ["tiny-resnet", pytest.param("tiny-qwen2moe", marks=pytest.mark.slow)])
+@pytest.mark.slow  # ~30 s and ~2 min on 2 cores; the mechanisms have fast tests in tests/unit/test_numerics_paths.py
+@pytest.mark.parametrize("model", ["tiny-resnet", "tiny-qwen2moe"])
 def test_aot_eager_finds_nothing_on_in_place_cnn_and_moe(numerics_cell, model: str, fresh_dynamo: None) -> None:
     """The two false alarms of issue 25: ResNet's in-place residual, Qwen2-MoE's float64 loop path."""
     _assert_clean(numerics_cell(model, "aot_eager"))

@@ -22,14 +22,13 @@ from ci_runner.modes.layers.search import (
     StopSearch,
     capture_inputs,
     encode_call,
-    is_compile_stage,
     minimal_failing,
     record_calls,
     scan_model,
     search,
     unlabel,
-    unwrap_exception,
 )
+from ci_runner.engine.failure import is_compile_stage, unwrap
 from ci_runner.modes.layers.mode import _key_text
 from ci_runner.registry import parse_options
 from tests.fixtures.oldtorch import differs_on_oldest
@@ -331,7 +330,7 @@ def test_stage_of_backend_errors(fresh_dynamo: Callable[[], None]) -> None:
     with pytest.raises(IndexError) as info:
         torch.compile(M(), backend=pair_backend)(x)
     assert is_compile_stage(info.value)
-    assert isinstance(unwrap_exception(info.value), IndexError)
+    assert isinstance(unwrap(info.value), IndexError)
 
     class A(nn.Module):
         def forward(self, q: torch.Tensor) -> torch.Tensor:

@@ -113,3 +113,15 @@ def test_metric_views_flat_and_nested() -> None:
     odd = Finding(kind="op_mismatch", stage="compare", message="m", fingerprint="ab" * 10,
                   metrics={"max_abs": 0.01, "shape": [2, 3], "numel": 16})
     assert format_metrics(odd) == "max_abs 0.01 · numel 16"
+
+
+def test_an_inconclusive_numerics_cell_says_how_many_layers_were_compared() -> None:
+    """Issue 25: an IREE cell that compared 20 of 42 layers must not read "42 layers, 0 flagged"."""
+    results = rf.sample_results()
+    cell = results.cell("tiny-llama@sim-drift")
+    mode = cell.modes["numerics"]
+    n = len(mode.data["layers"])
+    mode.data["coverage"] = {"compared": n - 3, "total": n, "views": {"cumulative": 0, "isolated": n - 3}}
+    assert f"{n} layers, only {n - 3} compared, " in render_html(results)
+    mode.data["coverage"]["compared"] = n
+    assert " compared, " not in render_html(results).split('id="cells-detail"')[1]

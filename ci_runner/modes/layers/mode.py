@@ -43,9 +43,10 @@ from ...config import spec_to_json
 from .culprit import CulpritResult, CulpritTarget, find_culprits, hints_from_error, ops_cross_check, write_repro
 from ...fsutil import atomic_write_text
 from ...engine.codec import TensorStore, Unstorable
-from ...engine.isolate import Attempt, IsolatedResult, supervise
+from ...engine.failure import first_line, unwrap
+from ...engine.isolate import Attempt, IsolatedResult, file_tail, supervise
 from ...engine.outcome import ProbeOutcome, append_outcome, read_outcomes
-from .search import ROOT, ChildPlan, ModuleTree, SearchResult, StopSearch, capture_inputs, encode_call, first_line, label, own_name, scan_model, search, unlabel, unwrap_exception, write_root_call
+from .search import ROOT, ChildPlan, ModuleTree, SearchResult, StopSearch, capture_inputs, encode_call, label, own_name, scan_model, search, unlabel, write_root_call
 from ...options import LayersOptions
 from ...registry import FindingKind, parse_options
 from ...engine.repro import render_template, safe_filename, verify_script, write_script
@@ -116,7 +117,7 @@ def run_search(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, layers
 
     def crashed_fd2() -> str:
         """What the dead child's last module wrote to fd 2 (a segfault's report lands there too)."""
-        text = _read_tail(fd2_file)
+        text = file_tail(fd2_file, 6000)
         fd2_file.unlink(missing_ok=True)
         return f"\n--- fd 2 while the module ran ---\n{text}" if text.strip() else ""
 
@@ -136,7 +137,7 @@ def run_search(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, layers
         if entry is None:
             stop = f"the probing child {res.message or res.status} before it entered a module"
             return stop + (f"; stderr: {res.stderr_tail[-1500:]}" if res.stderr_tail else "")
-        stack = (_read_tail(timeout_file) or res.stderr_tail) if timed_out else res.stderr_tail
+        stack = (file_tail(timeout_file, 6000) or res.stderr_tail) if timed_out else res.stderr_tail
         append_outcome(outcomes_file, _dead_child_outcome(unlabel(entry), res, timed_out=timed_out,
                                                           probe_timeout=opts.probe_timeout, traceback=stack + fd2))
         return None
@@ -175,13 +176,6 @@ def _nonempty(path: Path) -> bool:
         return path.stat().st_size > 0
     except OSError:
         return False
-
-
-def _read_tail(path: Path, limit: int = 6000) -> str:
-    try:
-        return path.read_text(encoding="utf-8", errors="replace")[-limit:]
-    except OSError:
-        return ""
 
 
 # --------------------------------------------------------------------------- the mode
@@ -225,7 +219,7 @@ def run(ctx: "ModeContext") -> ModeResult:
                                       compiles=ctx.cell.backend.compile is not None)
     unran = [label(o.name) for o in probed if o.status == "inconclusive"]
     note = (f"{len(unran)} module probe(s) the backend never ran (inconclusive, not passed): "
-            f"{', '.join(unran[:8])}{' …' if len(unran) > 8 else ''}") if unran else None
+            f"{', '.join(unran[:8])}{f' … and {len(unran) - 8} more' if len(unran) > 8 else ''}") if unran else None
     whole = result.whole_model
     if whole is None:
         status = "timeout" if srun.stop_reason and "time ran out" in srun.stop_reason else "error"
@@ -233,8 +227,8 @@ def run(ctx: "ModeContext") -> ModeResult:
                           duration_s=time.monotonic() - t0)
     data["whole_model"] = _candidate_row(tree, whole)
     if not whole.failed:
-        return ModeResult(status="inconclusive" if unran else "pass", reason=note, data=data,
-                          duration_s=time.monotonic() - t0)
+        return ModeResult(status="inconclusive" if unran else "pass", reason=_with_eager_ops(note, whole.ran),
+                          data=data, duration_s=time.monotonic() - t0)
 
     known = read_outcomes(layers_dir / "probes.jsonl")  # with the own-code probes (`own_name`)
     findings = [_finding(ctx, tree, result, name, all_calls=opts.all_calls, own=known.get(own_name(name)))
@@ -310,6 +304,16 @@ def own_code_words(name: str, o: ProbeOutcome, children: list[str], tried: Mappi
                 f"run eagerly: the failure needs them together)"), "needs_children"
     return (f" (each of its {_children_words(len(children))} passes alone; not shown whether it fails in its own "
             f"code or needs them together)"), "open"
+
+
+def _with_eager_ops(note: str | None, ran: Mapping[str, Any]) -> str | None:
+    """A pass where the backend ran only part of the model says what ran in PyTorch eager instead."""
+    eager = [str(op) for op in ran.get("eager_ops") or ()]
+    if not eager:
+        return note
+    words = (f"the backend ran only part of the model: {len(eager)} op(s) ran in PyTorch eager "
+             f"(its partitioner left them out): {', '.join(eager[:12])}{' …' if len(eager) > 12 else ''}")
+    return f"{note}; {words}" if note else words
 
 
 def _finding(ctx: "ModeContext", tree: ModuleTree, result: SearchResult, name: str, *, all_calls: bool,
@@ -428,7 +432,7 @@ def _repro_for(ctx: "ModeContext", opts: LayersOptions, loaded: Any, tree: Modul
             os.replace(tmp, rdir / "module.pt2")
             pt2_ok = True
         except Exception as exc:
-            inner = unwrap_exception(exc)
+            inner = unwrap(exc)
             notes.append(f"torch.export failed ({type(inner).__name__}: {first_line(str(inner), 200)})")
     else:
         notes.append("export disabled (options.layers.export: false)")

@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import faulthandler
 import json
-import os
 import sys
 import time
-import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
@@ -34,6 +32,7 @@ from ...backends import DynamoCounters, FallbackWatch, not_ran_reason, ran_facts
 from ...engine.capture import ModuleCapture, detach_tree, iter_tensors
 from ...engine.codec import TensorStore, Unstorable, check_value, decode_call
 from ...engine.diagnostics import capture_fd2, compiler_words
+from ...engine.failure import is_compile_stage, raised_traceback, unwrap
 from ...fsutil import atomic_write_json
 from ...config import BackendSpec, ModelSpec, spec_from_json
 from ...engine.isolate import child_journal
@@ -310,38 +309,6 @@ def own_code_candidates(tree: ModuleTree, outcomes: Mapping[str, ProbeOutcome]) 
     return out
 
 
-# --------------------------------------------------------------------------- errors
-
-def unwrap_exception(exc: BaseException) -> BaseException:
-    """The error the backend raised, not Dynamo's wrapper around it."""
-    seen = 0
-    while seen < 8:
-        seen += 1
-        inner = getattr(exc, "inner_exception", None)  # BackendCompilerFailed
-        if isinstance(inner, BaseException):
-            exc = inner
-            continue
-        mod = type(exc).__module__ or ""
-        if mod.startswith("torch._dynamo") and isinstance(exc.__cause__, BaseException):
-            exc = exc.__cause__  # InternalTorchDynamoError and friends
-            continue
-        break
-    return exc
-
-
-def _is_compile_error(exc: BaseException) -> bool:
-    try:
-        from torch._dynamo.exc import TorchDynamoException
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(exc, TorchDynamoException)
-
-
-def first_line(text: str, limit: int = 300) -> str:
-    for line in str(text).splitlines():
-        if line.strip():
-            return line.strip()[:limit]
-    return ""
 
 
 # --------------------------------------------------------------------------- the probing child
@@ -370,27 +337,6 @@ def write_root_call(layers_dir: Path, tree: ModuleTree, kwargs: Mapping[str, Any
     store.save(layers_dir / "root_inputs.safetensors")
     atomic_write_json(layers_dir / "root_call.json", spec)
     atomic_write_json(layers_dir / "tree.json", tree.to_json())
-
-
-_COMPILE_FRAMES = ("torch/_dynamo/convert_frame.py", "torch/_dynamo/output_graph.py",
-                   "torch/_functorch/_aot_autograd/graph_compile.py")
-
-
-def is_compile_stage(exc: BaseException) -> bool:
-    """Whether `exc` came from compiling (Dynamo tracing or the backend's compiler), not from running the result.
-
-    Dynamo re-raises some backend errors unwrapped, so the traceback decides: a compile error passes through
-    Dynamo's frame conversion; a run-time error comes from the compiled code's runtime wrappers.
-    """
-    if _is_compile_error(exc):
-        return True
-    tb = exc.__traceback__
-    while tb is not None:
-        fname = tb.tb_frame.f_code.co_filename.replace(os.sep, "/")
-        if fname.endswith(_COMPILE_FRAMES):
-            return True
-        tb = tb.tb_next
-    return False
 
 
 def _materialize(out: Any) -> None:
@@ -540,14 +486,14 @@ def _probe_one(name: str, *, model: torch.nn.Module, backend: Any, calls: list[t
             outcome = ProbeOutcome(name=outcome_name, status="pass", duration_s=time.monotonic() - t0,
                                    calls_tried=tried, ran=ran)
     except Exception as exc:  # the backend's error is the finding
-        inner = unwrap_exception(exc)
+        inner = unwrap(exc)
         stage = "compile" if (not backend.is_eager and is_compile_stage(exc)) else "run"
         message = str(inner)[:4000] or type(inner).__name__
         words, _ = compiler_words(err[0], inner, message)
         if words:  # the compiler's own lines after the error's first line (verification keys on the first)
             message = (message + "\n" + "\n".join(words))[:6000]
         outcome = ProbeOutcome(name=outcome_name, status="fail", stage=stage, error_type=type(inner).__name__,
-                               message=message, traceback=root_traceback(exc, inner),
+                               message=message, traceback=raised_traceback(exc, inner),
                                executing=tracker.failed_in if tracker is not None else None,
                                duration_s=time.monotonic() - t0, calls_tried=tried,
                                ran={} if backend.is_eager else ran_facts(record, counters, watch), diagnostics=words)
@@ -555,15 +501,6 @@ def _probe_one(name: str, *, model: torch.nn.Module, backend: Any, calls: list[t
         faulthandler.cancel_dump_traceback_later()
         child_journal("leave-module", label(outcome_name))
     return outcome
-
-
-def root_traceback(exc: BaseException, inner: BaseException, *, frames: int = 40, limit: int = 6000) -> str:
-    """The traceback of the error the backend raised (`inner`), its innermost `frames` frames: where it was
-    raised, which `rootcause.raised_in` reads; then the last line of the wrapper Dynamo raised, if any."""
-    text = "".join(traceback.format_exception(type(inner), inner, inner.__traceback__, limit=-frames, chain=False))
-    if inner is not exc:
-        text += f"\n(raised to the caller as {type(exc).__name__})\n"
-    return text[-limit:]
 
 
 class _ExecutingTracker:
