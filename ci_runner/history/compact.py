@@ -29,7 +29,7 @@ from typing import Any
 from ..fsutil import atomic_write_text
 from ..results.model import STATUS_SEVERITY
 from . import db
-from .store import DB_NAME, History, check_store, fold_pending, read_all
+from .store import DB_NAME, History, check_store, fold_pending
 
 DEFAULT_KEEP = 90
 
@@ -151,9 +151,3 @@ def export_csv(history: History, out: Path) -> dict[str, Path]:
                 rows["layers"].append((run.run_id, run.date, cell, name, *(_num(x) for x in fig[3 * i:3 * i + 3]),
                                        *(_num(x) for x in thr[3 * i:3 * i + 3])))
     return {k: atomic_write_text(out / f"{k}.csv", _csv(v, COLUMNS[k])) for k, v in rows.items()}
-
-
-def load(store: Path) -> History:
-    """The history as stored (no pending merge needed by callers that just folded)."""
-    conn = db.memory_copy(check_store(store) / DB_NAME)
-    return read_all(conn)

@@ -108,9 +108,6 @@ class History:
             self.conn.close()
             self.conn = None
 
-    def run_by_id(self, run_id: str) -> RunRow | None:
-        return next((r for r in self.runs if r.run_id == run_id), None)
-
     def layer_series(self, cell: str) -> list[tuple[RunRow, list[str], list[float | None], list[float | None]]]:
         """Per run (oldest first) with a numerics table for `cell`: layer names, thresholds and worst figures,
         flattened per layer as (rel, 1 − cos, mad)."""

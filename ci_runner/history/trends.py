@@ -98,9 +98,6 @@ class Burndown:
     unsupported: list[int]  # distinct unsupported ops, one point per night
     blocked: list[int]  # models with a failing cell on this backend
 
-    def ago(self, series: Sequence[int], nights: int) -> int | None:
-        return series[-1 - nights] if len(series) > nights else None
-
 
 @dataclass(frozen=True, kw_only=True)
 class LayerTrend:
@@ -125,9 +122,6 @@ class Trends:
         """(cell, fingerprint) → why it is flaky, for `baseline.diff(history_flaky=…)`."""
         return {(f.cell, f.fingerprint): f"flaky: came and went {f.flips} times in the last {f.window} nights "
                                          "with the same environment (history)" for f in self.flaky}
-
-    def drifting_for(self, cell: str) -> list[Drifting]:
-        return [d for d in self.drifting if d.cell == cell]
 
 
 def env_label(env: Mapping[str, Any], commit: str = "") -> str:
