@@ -356,3 +356,18 @@ def test_the_readme_tree_matches_the_repository() -> None:
     wanted |= {"tests/unit", "tests/integration", "tests/fixtures", "tests/conftest.py"}
     absent = sorted(wanted - tree)
     assert not absent, f"README's layout tree lacks: {absent}"
+
+
+def test_no_test_imports_the_conftest_or_defines_the_root_again() -> None:
+    """Shared helpers live in `tests/fixtures/` (the repository root: `tests/fixtures/paths.py`); conftest.py only
+    declares fixtures, and pytest loads it."""
+    import re
+
+    bad = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        if re.search(r"^\s*(from tests(\.\w+)* import conftest|from tests\.conftest import|import tests\.conftest)", text, re.M):
+            bad.append(f"{path.relative_to(ROOT)} imports the conftest")
+        if path.name != "paths.py" and re.search(r"^(ROOT|REPO) = Path\(__file__\)", text, re.M):
+            bad.append(f"{path.relative_to(ROOT)} defines ROOT/REPO again")
+    assert not bad, bad

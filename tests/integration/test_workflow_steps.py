@@ -21,8 +21,8 @@ import yaml
 
 from ci_runner import cli
 from ci_runner.results.model import load_results
+from tests.fixtures.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 WORKFLOW = ROOT / ".github" / "workflows" / "deepview.yml"
 CELLS = ROOT / ".github" / "workflows" / "deepview-cells.yml"
 BASH = shutil.which("bash")
