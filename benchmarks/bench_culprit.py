@@ -45,6 +45,8 @@ def main() -> int:
         c = f.details.get("culprit") or {}
         verify_s = float(c.get("repro_seconds") or 0.0)  # writing and verifying the culprit's repro
         secs = float(c.get("seconds") or 0.0) + verify_s
+        if "shared_with" in c:  # one search per cause group: a twin carries its first's answer, at no cost
+            secs = 0.0
         culprit_total += secs
         rows.append({"finding": f.module, "culprit": c.get("ops"), "kind": c.get("kind"), "probes": c.get("probes"),
                      "verified": (c.get("repro") or {}).get("verified"), "culprit_s": round(secs, 2)})

@@ -20,13 +20,17 @@ from .backends import available_backends
 from .run.cellrun import run_cell_inprocess
 from .config import load_matrix
 from .registry import mode_names
+from .commits.bisect import Bisection, Request, bisect_targets, target_of_finding, target_of_repro, write_report
+from .commits.pipeline import BISECT_NAME, bisect_regressions
+from .commits.walk import Budget
 from .engine.envinfo import base_stamp, env_report, format_env, tool_version
 from .errors import DeepviewError, UsageError
 from .run.execute import RunOptions, auto_jobs, available_cores, cell_dir, load_partial, run_cells
 from .fsutil import atomic_write_json, atomic_write_text
 from .github.actions import set_output
-from .github.issues import file_issues
+from .github.issues import file_issues, load_diff
 from .github.options import FilingOptions
+from .history import commands as history_cli
 from .engine.isolate import arm_worker
 from .log import Progress
 from .matrix import expand, expand_json, find_cell, select
@@ -158,7 +162,8 @@ def cmd_aggregate(args: argparse.Namespace) -> int:
     plan = load_plan(Path(args.plan)) if args.plan else None
     results = aggregate(paths, plan=plan, chunk_results=parse_chunk_results(args.chunk_results))
     run_dir = Path(args.run_dir) if args.run_dir else (paths[0] if len(paths) == 1 and paths[0].is_dir() else None)
-    written = write_report_dir(results, Path(args.out), run_dir=run_dir)
+    trends = history_cli.trends_for(args, results)
+    written = write_report_dir(results, Path(args.out), run_dir=run_dir, trends=trends)
     _report_outputs(Path(args.out), written)
     c = results.counts()
     missing = sum(1 for cell in results.cells if cell.error is not None and cell.error.type == "no_result")
@@ -183,8 +188,11 @@ def cmd_diff(args: argparse.Namespace) -> int:
     results_path = Path(args.results)
     results = load_results(results_path)
     base = baseline.load_baseline(Path(args.baseline))
+    trends = history_cli.trends_for(args, results)
     d = baseline.diff(results, base, results_path=results_path, baseline_path=Path(args.baseline),
-                      run_dir=Path(args.run_dir) if args.run_dir else None, policy=args.fail_on)
+                      run_dir=Path(args.run_dir) if args.run_dir else None, policy=args.fail_on,
+                      history_flaky=trends.flaky_map() if trends else None,
+                      drifting=[x.to_dict() for x in trends.drifting] if trends else ())
     out_dir = Path(args.out) if args.out else results_path.parent
     json_path, md_path = baseline.write_diff(d, out_dir)
     baseline.annotate_regressions(d)
@@ -204,14 +212,15 @@ def cmd_baseline_update(args: argparse.Namespace) -> int:
 
 
 def cmd_baseline_missing(args: argparse.Namespace) -> int:
-    raise UsageError("baseline: missing subcommand", hint="use `deepview-ci baseline update RESULTS --out BASELINE`")
+    raise UsageError("baseline: missing subcommand", hint="use `deepview-ci baseline update RESULTS --out BASELINE` or "
+                     "`deepview-ci baseline propose --history DIR --baseline FILE --out FILE`")
 
 
 def cmd_file_issues(args: argparse.Namespace) -> int:
     options = FilingOptions.from_args(args)
     report = file_issues(Path(args.diff), repo=args.repo, dry_run=Path(args.dry_run) if args.dry_run else None,
                          run_dir=Path(args.run_dir) if args.run_dir else None, artifacts_url=args.artifacts_url,
-                         options=options, env=os.environ)
+                         options=options, env=os.environ, bisect=Path(args.bisect) if args.bisect else None)
     print(report.summary())
     return report.exit_code
 
@@ -259,6 +268,42 @@ def cmd_dump(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bisect_commits(args: argparse.Namespace) -> int:
+    """`deepview-ci bisect-commits --repo DIR --good REF --bad REF --setup CMD… --python PY (--repro PATH | --finding R:FP)…`."""
+    targets = [target_of_repro(Path(p)) for p in args.repro or ()] + [target_of_finding(s) for s in args.finding or ()]
+    if not targets:
+        raise UsageError("bisect-commits needs --repro PATH or --finding RESULTS.json:FINGERPRINT")
+    budget = Budget(max_steps=args.max_steps, step_timeout=args.step_timeout, total_timeout=args.total_timeout)
+    kw = {"cache": Path(args.cache)} if args.cache else {}
+    found = bisect_targets(Request(repo=Path(args.repo), good=args.good, bad=args.bad, setup=tuple(args.setup or ()),
+                                   python=args.python, budget=budget, **kw), targets)
+    for b in found:
+        reuse = " (reused)" if b.reused else ""
+        print(f"{b.line()}{reuse}  [{b.signature}: {len(b.findings)} finding(s), {b.repro_runs} repro run(s)]")
+    if args.out:
+        write_report(Path(args.out), found)
+    return errors.EXIT_OK if all(b.first_bad for b in found) else errors.EXIT_FINDINGS
+
+
+def cmd_bisect_regressions(args: argparse.Namespace) -> int:
+    """`deepview-ci bisect-regressions DIFF --matrix M --baseline B [--run-dir D] [--out FILE]`: always exit 0 on good input."""
+    diff_path = Path(args.diff)
+    diff = load_diff(diff_path)
+    base = baseline.load_baseline(Path(args.baseline))
+    run_dir = Path(args.run_dir or diff.get("run_dir") or diff_path.parent)
+    if not run_dir.is_absolute() and not run_dir.exists():
+        run_dir = diff_path.parent / run_dir
+    out = Path(args.out) if args.out else diff_path.parent / BISECT_NAME
+    report = bisect_regressions(diff, load_matrix(args.matrix), base.cells, run_dir=run_dir, out=out,
+                                cache=Path(args.cache) if args.cache else None)
+    for b in report["bisections"]:
+        print(f"{b['backend']}: {Bisection.from_dict(b).line()}  [{len(b['findings'])} finding(s)]")
+    for note in report["notes"]:
+        print(f"note: {note}")
+    print(f"bisections written: {out}")
+    return errors.EXIT_OK
+
+
 def cmd_env(args: argparse.Namespace) -> int:
     report = env_report(available_backends)
     print(json.dumps(report, indent=2, default=str) if args.json else format_env(report))
@@ -277,6 +322,34 @@ def _jobs_arg(text: str) -> str | int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
     return n
+
+
+def _bisect_parsers(add: Callable[..., argparse.ArgumentParser]) -> None:
+    """`bisect-commits` and `bisect-regressions` (issue 22)."""
+    sp = add("bisect-commits", cmd_bisect_commits, "Find the backend commit that broke a finding's repro (git bisect).")
+    sp.add_argument("--repo", required=True, metavar="DIR", help="the backend's source repository (a local git checkout; never modified)")
+    sp.add_argument("--good", required=True, metavar="REF", help="a commit where the repro passes")
+    sp.add_argument("--bad", required=True, metavar="REF", help="a commit where it fails")
+    sp.add_argument("--setup", action="append", metavar="CMD",
+                    help="shell command that builds and installs the backend at a commit (repeatable); runs in a scratch "
+                         "clone with PY's folder first on PATH; $DEEPVIEW_BISECT_PREFIX is a per-commit, cached install folder")
+    sp.add_argument("--python", required=True, metavar="PY", help="the interpreter setup installs into and the repro runs with")
+    sp.add_argument("--repro", action="append", metavar="PATH", help="a repro script inside a run folder (repeatable)")
+    sp.add_argument("--finding", action="append", metavar="RESULTS.json:FINGERPRINT", help="a finding with a repro (repeatable)")
+    sp.add_argument("--out", default=None, metavar="FILE", help="write first_bad and every step's log as JSON")
+    sp.add_argument("--max-steps", type=int, default=30, help="most commits tried per bisection (default 30)")
+    sp.add_argument("--step-timeout", type=float, default=600.0, help="seconds for each setup command and repro run (default 600)")
+    sp.add_argument("--total-timeout", type=float, default=3600.0, help="seconds per bisection (default 3600)")
+    sp.add_argument("--cache", default=None, metavar="DIR", help="setup results and answers kept across runs (default ~/.cache/deepview-ci/bisect)")
+
+    sp = add("bisect-regressions", cmd_bisect_regressions,
+             "Bisect each regressed finding between the baseline's and this run's backend commits (matrix `source`).")
+    sp.add_argument("diff", help="diff.json written by `deepview-ci diff`")
+    sp.add_argument("--matrix", required=True, help="the matrix: backends with a `source` are bisected")
+    sp.add_argument("--baseline", required=True, help="the baseline the diff was made against (its cells' backend_commit)")
+    sp.add_argument("--run-dir", default=None, help="run folder holding cells/<id>/… (default: the diff's)")
+    sp.add_argument("--out", default=None, help="bisect.json to write (default: next to DIFF, where file-issues reads it)")
+    sp.add_argument("--cache", default=None, metavar="DIR", help="setup results and answers kept across runs")
 
 
 def _add_expand(sp: argparse.ArgumentParser, selection: Callable[[argparse.ArgumentParser], None]) -> None:
@@ -367,6 +440,7 @@ def _report_commands(add: AddCommand) -> None:
     sp.add_argument("--chunk-results", default=None, metavar="N=RESULT,…",
                     help="each chunk job's conclusion (e.g. 0=success,1=cancelled, or *=failure for all), quoted in "
                          "cells with no result")
+    history_cli.add_trend_options(sp)
 
     sp = add("collect", cmd_collect, "Copy each cell's newest attempt from downloaded artifacts into a run folder.")
     sp.add_argument("artifacts", metavar="ARTIFACTS_DIR", help="one folder per downloaded cell artifact (NAME-attempt-N)")
@@ -379,6 +453,7 @@ def _report_commands(add: AddCommand) -> None:
                     help="exit 1 on regressions (default), on any change, or never")
     sp.add_argument("--out", default=None, help="folder for diff.json and diff.md (default: next to RESULTS)")
     sp.add_argument("--run-dir", default=None, help="run folder holding cells/<id>/… (repro paths in the diff are relative to it)")
+    history_cli.add_trend_options(sp)
 
     sp = add("baseline", cmd_baseline_missing, "Manage the committed baseline.")
     bsub = sp.add_subparsers(dest="baseline_command", metavar="SUBCOMMAND", parser_class=_Parser)
@@ -386,6 +461,8 @@ def _report_commands(add: AddCommand) -> None:
     bu.set_defaults(handler=cmd_baseline_update)
     bu.add_argument("results", help="results.json to take the baseline from")
     bu.add_argument("--out", required=True, help="baseline JSON file to write")
+    history_cli.register_propose(bsub)
+    history_cli.register(add, _Parser)
 
     sp = add("file-issues", cmd_file_issues, "File, comment on, reopen or close GitHub issues for a diff.")
     sp.add_argument("diff", help="diff.json written by `deepview-ci diff`")
@@ -401,6 +478,8 @@ def _report_commands(add: AddCommand) -> None:
     sp.add_argument("--layers", action="store_true", help="also file issues for failing submodules and divergent layer classes")
     sp.add_argument("--min-interval", type=float, default=1.0, help="seconds between writes (GitHub: ≥ 1)")
     sp.add_argument("--max-wait", type=float, default=300.0, help="longest rate-limit wait before keeping a draft")
+    sp.add_argument("--bisect", default=None, metavar="FILE",
+                    help="bisections from `bisect-regressions` to quote in the issues (default: bisect.json next to DIFF)")
 
 
 def _dump_commands(add: AddCommand) -> None:
@@ -421,6 +500,8 @@ def _dump_commands(add: AddCommand) -> None:
     sp.add_argument("--thresholds", default=None, metavar="FILE", help="numerics thresholds file: hold each layer to its own threshold")
     sp.add_argument("--fail-on", choices=("drift", "diverged", "broken", "never"), default="diverged",
                     help="exit 1 from this severity on (default: diverged)")
+
+    _bisect_parsers(add)
 
     sp = add("env", cmd_env, "Versions, devices and available backends, for a bug report.")
     sp.add_argument("--json", action="store_true", help="print JSON instead of text")

@@ -105,6 +105,7 @@ class BackendSpec:
     container: Mapping[str, Any] | None = None  # {image, options, env} of the job container
     setup: tuple[str, ...] = ()  # shell commands run before the cell
     artifacts: tuple[str, ...] = ()  # artifacts of an earlier job, downloaded before `setup`
+    source: Mapping[str, Any] | None = None  # {repo (absolute), setup, python?, max_steps?, …}: what bisect-commits walks
 
     @property
     def self_hosted(self) -> bool:
@@ -467,6 +468,7 @@ def _resolve(path: Path, data: dict[str, Any], positions: _Positions) -> Matrix:
                 container=_container(b.get("container")),
                 setup=tuple(b.get("setup") or ()),
                 artifacts=tuple(b.get("artifacts") or ()),
+                source=_source(b.get("source"), base),
             )
         )
 
@@ -509,6 +511,15 @@ def _container(value: Any) -> Mapping[str, Any] | None:
         value = {"image": value}
     env = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in (value.get("env") or {}).items()}
     return MappingProxyType({"image": value["image"], "options": value.get("options", ""), "env": MappingProxyType(env)})
+
+
+def _source(value: Any, base: Path) -> Mapping[str, Any] | None:
+    """A backend's `source`, its repo made absolute against the matrix file's folder."""
+    if not value:
+        return None
+    repo = Path(os.path.expanduser(value["repo"]))
+    return MappingProxyType({**value, "repo": str(repo if repo.is_absolute() else (base / repo).resolve()),
+                             "setup": tuple(value["setup"])})
 
 
 def raw_entry(matrix: Matrix, kind: str, entry_id: str) -> Mapping[str, Any]:

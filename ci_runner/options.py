@@ -225,7 +225,9 @@ class LayersOptions:
     culprit: bool = option(True, check=boolean,
                            help="search each failing submodule's graph for the op (or smallest op range) that fails")
     culprit_budget: float = option(300.0, check=_SECONDS,
-                                   help="seconds the culprit search may take per finding")
+                                   help="seconds the culprit search may take per cause group")
+    verify_workers: int = option(2, check=integer(ge=1, hint="e.g. 2"),
+                                 help="repro verifications run at once (each a fresh process; one per cause group)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -70,6 +70,11 @@ class Watch:
         self._facts = {"openvino_partitions": len(mods), "perm_fallback": sum(bool(m.perm_fallback) for m in mods),
                        "openvino_executions": sum(m.startswith("OpenVINO graph execution successful")
                                                   for m in self.messages)}
+        # the partitioner's leftovers: ops outside its fused partitions run in PyTorch eager, silently
+        eager = {str(n.target) if hasattr(n.target, "_schema") else getattr(n.target, "__name__", str(n.target))
+                 for gm in execute.partitioned_modules.values() for n in gm.graph.nodes if n.op == "call_function"}
+        if mods and eager - {"getitem"}:
+            self._facts["eager_ops"] = sorted(eager - {"getitem"})
         self._handler = None
 
     def facts(self) -> dict[str, Any]:

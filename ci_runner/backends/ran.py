@@ -163,4 +163,6 @@ def backend_ran(rows: list[Mapping[str, Any]], *, compiles: bool) -> dict[str, A
             if ran.get(key):
                 total[key] = total.get(key, 0) + int(ran[key])
         total["inconclusive"] += 1 if r["status"] == "inconclusive" else 0
+        if ran.get("eager_ops"):  # ops the backend's partitioner left to PyTorch eager (a vendor watch's fact)
+            total["eager_ops"] = sorted(set(total.get("eager_ops") or ()) | set(ran["eager_ops"]))
     return total

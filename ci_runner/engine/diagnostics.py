@@ -12,6 +12,8 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from .failure import chain, first_line
+
 
 @contextlib.contextmanager
 def capture_fd2(path: str | Path | None = None) -> Iterator[list[str]]:
@@ -83,21 +85,13 @@ def compiler_diagnostics(text: str, op: str | None = None, *, limit: int = 6) ->
 
 def exception_chain(exc: BaseException, limit: int = 6) -> list[str]:
     """`Type: first line` of an exception and its causes / contexts, outermost first."""
-    out: list[str] = []
-    seen: set[int] = set()
-    cur: BaseException | None = exc
-    while cur is not None and id(cur) not in seen and len(out) < limit:
-        seen.add(id(cur))
-        first = (str(cur).strip().splitlines() or [""])[0]
-        out.append(f"{type(cur).__name__}: {first}"[:500])
-        cur = cur.__cause__ or cur.__context__
-    return out
+    return [f"{type(e).__name__}: {first_line(str(e), 500)}"[:500] for e in chain(exc)][:limit]
 
 
 def compiler_words(fd2_text: str, exc: BaseException, message: str, op: str | None = None) -> tuple[list[str], list[str]]:
     """(the compiler's diagnostic lines not already in `message`'s first line, the exception chain) for a failure
     `exc` whose compile/run wrote `fd2_text` to fd 2."""
-    chain = exception_chain(exc)
-    words = compiler_diagnostics(fd2_text + "\n" + "\n".join(chain[1:]), op)
+    links = exception_chain(exc)
+    words = compiler_diagnostics(fd2_text + "\n" + "\n".join(links[1:]), op)
     first = (message.splitlines() or [""])[0]
-    return [w for w in words if w not in first and not (first and first in w)], chain
+    return [w for w in words if w not in first and not (first and first in w)], links

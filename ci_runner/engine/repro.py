@@ -10,6 +10,7 @@ normalised by `rootcause.normalize_text`, so a compiler whose message names a fr
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import sys
@@ -17,10 +18,11 @@ import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jinja2
 
+from .failure import REPRO_FUNCTIONS
 from ..fsutil import atomic_write_text
 from .isolate import run_process
 from ..results.rootcause import normalize_text
@@ -48,11 +50,28 @@ def comment(text: Any) -> str:
     return re.sub(r"[\r\n]+", " ", str(text))
 
 
+def plain_source(fn: Callable[..., Any]) -> str:
+    """A function's source for a standalone script, without this package's type-checker comments.
+
+    Read once, then cached: `inspect` reads the file on disk, which may have changed under a long-running process.
+    """
+    key = f"{fn.__module__}.{fn.__qualname__}"
+    source = _SOURCES.get(key)
+    if source is None:
+        source = _SOURCES[key] = re.sub(r"  # type: ignore\[[^\]]*\]", "", inspect.getsource(fn))
+    return source
+
+
+_SOURCES: dict[str, str] = {}
+# the one failure classifier, as every repro script embeds it (`{{ failure_source }}`: unwrap, stage_of, …)
+FAILURE_SOURCE = "\n\n".join(plain_source(fn) for fn in REPRO_FUNCTIONS)
+
+
 def render_template(name: str, **context: Any) -> str:
     env = _env()
     env.filters.setdefault("pyrepr", pyrepr)
     env.filters.setdefault("comment", comment)
-    return env.get_template(name).render(**context)
+    return env.get_template(name).render(failure_source=FAILURE_SOURCE, **context)
 
 
 def write_script(path: Path, text: str) -> Path:
@@ -71,19 +90,20 @@ class Verification:
 
 def verify_script(script: Path, *, expect_text: Sequence[str], expect_error_type: str | None = None,
                   timeout: float = 60.0, env: Mapping[str, str] | None = None,
-                  expect_signal: bool = False) -> Verification:
+                  expect_signal: bool = False, python: str | None = None) -> Verification:
     """Run `script` alone; verified when it fails and its output names the same error type and text
     (both sides normalised by `rootcause.normalize_text`: `s96` and `s47` match).
 
     With `expect_signal`, a death by signal (abort, segfault) also counts as reproducing the failure.
     The child gets a clean PYTHONPATH-free environment plus `env`, so it cannot lean on the caller's imports
-    beyond the installed packages (and the backend plugin's folder, which `env` may add).
+    beyond the installed packages (and the backend plugin's folder, which `env` may add). `python` runs it with
+    another interpreter (default: this one), e.g. the one `bisect-commits` installs each commit into.
     """
     child_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
     child_env.update(env or {})
     with tempfile.TemporaryDirectory(prefix="deepview-repro-") as tmp:
         out_path, err_path = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        end = run_process([sys.executable, str(script.name)], timeout=timeout, stdout=out_path, stderr=err_path,
+        end = run_process([python or sys.executable, str(script.name)], timeout=timeout, stdout=out_path, stderr=err_path,
                           env=child_env, cwd=script.parent, foreign=True)  # foreign: it dies with the worker
         out = (out_path.read_bytes() + err_path.read_bytes()).decode("utf-8", "replace")
     tail = out[-4000:]

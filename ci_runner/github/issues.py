@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from ..commits.pipeline import BISECT_NAME, bisections_by_finding
 from ..errors import EXIT_GITHUB, EXIT_OK, ConfigError, InputError
 from ..fsutil import atomic_write_json, atomic_write_text
 from ..log import append_step_summary
@@ -478,12 +479,12 @@ class _Drafts:
 
 
 def file_issues(diff_path: Path, *, repo: str, dry_run: Path | None, run_dir: Path | None,
-                artifacts_url: str | None, options: FilingOptions, env: Mapping[str, str]) -> FilingReport:
+                artifacts_url: str | None, options: FilingOptions, env: Mapping[str, str], bisect: Path | None = None) -> FilingReport:
     """File, comment on, reopen or close issues for `diff_path`; see the module docstring.
 
     Raises `ConfigError` (exit 2) for a malformed repo or a missing token without `dry_run`, and
     `InputError` (exit 3) for an unreadable diff. API failures do not raise: the report says what
-    stopped and why, the drafts are on disk, and `exit_code` is 6.
+    stopped and why, the drafts are on disk, and `exit_code` is 6. Bisections (`bisect`, default bisect.json by the diff) go in.
     """
     if not _REPO_RE.match(repo or ""):
         raise ConfigError(f"--repo {repo!r} is not OWNER/NAME", hint="e.g. --repo acme/models (in Actions: ${{ github.repository }})")
@@ -499,7 +500,7 @@ def file_issues(diff_path: Path, *, repo: str, dry_run: Path | None, run_dir: Pa
     run_url = run_url_from(env)
     ctx = RenderContext(options=options, run_key=run_key_from(env, diff_path), run_url=run_url,
                         artifacts_url=artifacts_url or (run_url + "#artifacts" if run_url else None), run_dir=run_dir,
-                        secret=token or None)
+                        secret=token or None, bisections=_bisections(bisect or diff_path.parent / BISECT_NAME))
     groups = group_entries(diff, layers=options.layers)
     report = FilingReport(repo=repo, dry_run=dry_run is not None)
     _note_unfiled(report, diff, options)
@@ -581,6 +582,12 @@ def _execute(filer: "_Filer", actions: list[_Action], drafts: "_Drafts", labels:
             drafts.keep(a, redact(exc.message, token), labels)
             if exc.fatal:
                 report.stopped = redact(str(exc), token)
+
+
+def _bisections(path: Path) -> dict[tuple[str, str], dict[str, Any]]:
+    if not path.is_file():
+        return {}
+    return bisections_by_finding(read_json(path, what="bisect file"))
 
 
 def _publish(report: FilingReport, env: Mapping[str, str], token: str) -> None:

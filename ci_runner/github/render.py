@@ -33,6 +33,7 @@ MAX_ENTRIES = 50
 MAX_MESSAGES = 5
 MESSAGE_LIMIT = 4000
 MAX_SIGNATURES = 10
+LOG_TAIL = 1200  # characters of each bisection step's log in an issue
 
 
 # --------------------------------------------------------------------------- neutralising text
@@ -226,6 +227,7 @@ class RenderContext:
     artifacts_url: str | None
     run_dir: Path | None
     secret: str | None = field(default=None, repr=False)  # scrubbed from every body, should a message quote it
+    bisections: Mapping[tuple[str, str], Mapping[str, Any]] = field(default_factory=dict)  # (cell, fp) → bisect.json's
 
 
 def _env_text(env: Mapping[str, Any] | None) -> str:
@@ -360,11 +362,24 @@ def _group_view(g: Group, *, max_entries: int, message_limit: int) -> dict[str, 
         "env": _env_text(first.get("env")),
         "repro": None,
         "culprit": _culprit_view(f),
+        "bisect": None,
         "layers": sorted({(v["model"], str(v["module"])) for v in views if v.get("module")}),
     }
 
 
 _JINJA: Any = None
+
+
+def _bisect_view(g: Group, ctx: RenderContext) -> dict[str, Any] | None:
+    """The bisection of the group's first new finding that has one (`deepview-ci bisect-regressions`), logs cut short."""
+    for e in sorted(g.entries, key=lambda e: (e["category"] not in NEW, e["cell"])):
+        b = ctx.bisections.get((e["cell"], str(e.get("fingerprint"))))
+        if b:
+            steps = [{**s, "log": ("…" + s["log"][-LOG_TAIL:]) if len(s.get("log") or "") > LOG_TAIL else s.get("log") or ""}
+                     for s in b.get("steps", [])]
+            return {**b, "good": str(b.get("good", ""))[:12], "bad": str(b.get("bad", ""))[:12], "steps": steps,
+                    "repro_runs": b.get("repro_runs", 0), "stopped": b.get("stopped", ""), "range": b.get("range", [])}
+    return None
 
 
 def _jinja() -> Any:
@@ -412,6 +427,7 @@ def render_issue(g: Group, ctx: RenderContext) -> str:
     keep = len(full) if full is not None else 0
     for _ in range(12):
         view = _group_view(g, max_entries=max_entries, message_limit=message_limit)
+        view["bisect"] = _bisect_view(g, ctx)
         if repro is not None:
             r = dict(repro)
             if full is not None and keep < len(full):

@@ -15,13 +15,14 @@ import math
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from ..engine.capture import OutputHooks, flatten_traceable
 from ..engine.codec import Unstorable
+from ..engine.failure import is_compile_stage
 from ..engine.tree import map_tensors
 from .capture import (
     CaptureError,
@@ -132,22 +133,6 @@ def _remove_stubs(saved: list[tuple[nn.Module, Any]]) -> None:
             m.forward = prev  # type: ignore[method-assign]
 
 
-def is_compile_error(exc: BaseException) -> bool:
-    """Whether `exc` (or an exception in its chain) comes from compiling rather than running."""
-    names = {type(e).__name__ for e in _chain(exc)}
-    return bool(names & {"BackendCompilerFailed", "SimCompilerError", "Unsupported", "InternalTorchDynamoError"}) \
-        or "backend='" in str(exc) and "raised" in str(exc)
-
-
-def _chain(exc: BaseException) -> Iterator[BaseException]:
-    seen = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        yield e
-        e = e.__cause__ or e.__context__
-
-
 def short_error(exc: BaseException, limit: int = 400) -> str:
     """`Type: first line` of an exception; a first line that only announces the cause (Dynamo's `backend='x'
     raised:`) is followed by the next line, which holds it."""
@@ -232,7 +217,7 @@ def run_isolated_view(modules: Mapping[str, nn.Module], reader: DumpReader,
                                   f"sub-module calls than the reference's {len(kids)}")
             else:
                 rec = make_record("isolated", call, error=short_error(exc),
-                                  stage="compile" if is_compile_error(exc) else stage)
+                                  stage="compile" if is_compile_stage(exc) else stage)
         finally:
             _STUB_QUEUE.clear()
             _STUB_SEEN.clear()
@@ -315,7 +300,7 @@ def run_cumulative_view(module: nn.Module, backend: Any, readers: Sequence[DumpR
                       "unobserved_count": len(missing), "seconds": round(time.monotonic() - t0, 4)})
             except Exception as exc:
                 emit({"view": "cumulative", "sample": s, "status": "error", "error": short_error(exc, 2000),
-                      "stage": "compile" if is_compile_error(exc) else "run"})
+                      "stage": "compile" if is_compile_stage(exc) else "run"})
             if journal:
                 journal("leave-module", tag)
     finally:

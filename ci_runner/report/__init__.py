@@ -29,21 +29,23 @@ def write_reports(
     run_dir: Path | None = None,
     diff: Any = None,
     env: Mapping[str, str] | None = None,
+    trends: Any = None,
 ) -> dict[str, Path]:
     """Write junit.xml, summary.md and report.html into `out_dir`; return their paths.
 
     Repro paths are shown relative to `out_dir` when `run_dir` (the folder holding ``cells/``) is
     given. With `diff` (a `baseline.Diff`), regressions lead the summary and the page. When
     ``GITHUB_STEP_SUMMARY`` is set (in `env`, default ``os.environ``), the summary is appended to
-    it within GitHub's 1 MiB cap.
+    it within GitHub's 1 MiB cap. With `trends` (``history.trends.Trends``), the summary and the page carry
+    the history: since when each finding fails, flaky and drifting findings, burn-downs and charts.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     view = build_view(results, out_dir=out if run_dir is not None else None, run_dir=run_dir, diff=diff)
     paths = {
         "junit": atomic_write_bytes(out / "junit.xml", render_junit(results, view=view)),
-        "summary": atomic_write_text(out / "summary.md", summary := render_summary(results, view=view)),
-        "html": atomic_write_text(out / "report.html", render_html(results, view=view)),
+        "summary": atomic_write_text(out / "summary.md", summary := render_summary(results, view=view, trends=trends)),
+        "html": atomic_write_text(out / "report.html", render_html(results, view=view, trends=trends)),
     }
     append_step_summary(summary, env=env, pointer="the full report is `report.html` in the run's report artifact")
     return paths

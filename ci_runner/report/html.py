@@ -25,7 +25,9 @@ from markupsafe import Markup
 
 from ..results.model import Results
 from .junit import xml_safe
-from .view import CellView, LayerPoint, NumericsView, ReportView, build_view, cos_distance, first_line, fmt_num, icon
+from ..engine.failure import headline
+from .trendcharts import trends_html
+from .view import CellView, LayerPoint, NumericsView, ReportView, build_view, cos_distance, fmt_num, icon
 
 # Big runs stay light: past these budgets, findings and per-layer numbers go into one JSON block
 # embedded once in the page, and a compact table is drawn from it when its <details> is opened.
@@ -313,7 +315,7 @@ def _environment() -> jinja2.Environment:
         trim_blocks=True,
         lstrip_blocks=True,
     )
-    env.filters.update(num=fmt_num, cosd=cos_distance, icon=icon, first_line=first_line)
+    env.filters.update(num=fmt_num, cosd=cos_distance, icon=icon, first_line=headline)
     return env
 
 
@@ -324,7 +326,9 @@ def render_html(
     run_dir: Path | None = None,
     view: ReportView | None = None,
     diff: Any = None,
+    trends: Any = None,
 ) -> str:
+    """The page; `trends` (history.trends.Trends) adds the history section."""
     global _ENV
     if _ENV is None:
         _ENV = _environment()
@@ -357,4 +361,5 @@ def render_html(
     return xml_safe(_ENV.get_template("report.html.j2").render(
         v=v, diff=v.diff, charts=charts, blocks=blocks, lazy=lazy, data=data, max_chart_cells=MAX_CHART_CELLS,
         max_divergent=MAX_DIVERGENT_ROWS, anchor=_anchor,
+        trends_html=Markup(trends_html(trends)) if trends is not None and trends.dates else None,
     ))

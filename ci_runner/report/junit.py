@@ -38,7 +38,8 @@ from typing import Any, Mapping
 
 from ..fsutil import atomic_write_bytes
 from ..results.model import CellError, Results
-from .view import CellView, FindingView, ReportView, build_view, first_line
+from ..engine.failure import headline
+from .view import CellView, FindingView, ReportView, build_view
 
 _ILLEGAL_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
 MESSAGE_LIMIT = 1000  # characters in a `message` attribute; the full text goes in the body
@@ -164,7 +165,7 @@ def cell_cases(cv: CellView, *, detail: bool = True) -> list[Case]:
     cases: list[Case] = []
     e = c.error
     if e is not None and carrier is None:
-        cases.append(Case("cell", rest, "error", first_line(e.message, 400) or f"cell {c.status}", e.type,
+        cases.append(Case("cell", rest, "error", headline(e.message, 400) or f"cell {c.status}", e.type,
                           _error_body(e) if detail else None))
         rest = 0.0
     elif not modes:
@@ -184,23 +185,23 @@ def cell_cases(cv: CellView, *, detail: bool = True) -> list[Case]:
         mine = by_mode.get(mname, [])
         if status in ERROR_STATUSES:
             if mname == carrier and e is not None:
-                msg = first_line(e.message, 400)
+                msg = headline(e.message, 400)
                 body = (_error_body(e) if detail else None)
                 cases.append(Case(mname, t, "error", msg, e.type, body, verdict))
             else:
-                msg = first_line(mode.reason or "", 400) or f"{mname} {status}"
+                msg = headline(mode.reason or "", 400) or f"{mname} {status}"
                 cases.append(Case(mname, t, "error", msg, status, mode.reason or None, verdict))
             t, verdict = 0.0, None
         elif status == "skipped":
-            cases.append(Case(mname, t, "skipped", first_line(mode.reason or "", 400) or f"{mname} skipped"))
+            cases.append(Case(mname, t, "skipped", headline(mode.reason or "", 400) or f"{mname} skipped"))
             t = 0.0
         elif status == "inconclusive" and not mine:  # the backend did not run everything: never a pass
-            cases.append(Case(mname, t, "skipped", "inconclusive: " + (first_line(mode.reason or "", 400) or
+            cases.append(Case(mname, t, "skipped", "inconclusive: " + (headline(mode.reason or "", 400) or
                                                                       "the backend did not run everything")))
             t = 0.0
         elif not mine:
             if status == "fail":
-                cases.append(Case(mname, t, "failure", first_line(mode.reason or "", 400) or f"{mname} failed",
+                cases.append(Case(mname, t, "failure", headline(mode.reason or "", 400) or f"{mname} failed",
                                   "fail", mode.reason or None, verdict))
             else:
                 cases.append(Case(mname, t, out=verdict))

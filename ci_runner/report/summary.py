@@ -21,7 +21,9 @@ import jinja2
 from ..log import STEP_SUMMARY_LIMIT
 from ..results.model import Results
 from .junit import junit_counts, xml_safe
-from .view import ReportView, build_view, cos_distance, first_line, fmt_num, icon
+from ..engine.failure import headline
+from .trendcharts import burndown_line
+from .view import ReportView, build_view, cos_distance, fmt_num, icon
 
 # The file stays this far under GitHub's limit, so that appending it after a few lines another
 # step wrote still fits.
@@ -118,7 +120,8 @@ def _environment() -> jinja2.Environment:
         lstrip_blocks=True,
         keep_trailing_newline=True,
     )
-    env.filters.update(md=md, h=h, code=code, block=block, num=fmt_num, cosd=cos_distance, icon=icon, first_line=first_line)
+    env.filters.update(md=md, h=h, code=code, block=block, num=fmt_num, cosd=cos_distance, icon=icon, first_line=headline)
+    env.globals["burndown_line"] = burndown_line
     return env
 
 
@@ -134,8 +137,9 @@ def render_summary(
     diff: Any = None,
     limit: int = SUMMARY_LIMIT,
     pointer: str = DEFAULT_POINTER,
+    trends: Any = None,
 ) -> str:
-    """The summary Markdown, at most `limit` UTF-8 bytes."""
+    """The summary Markdown, at most `limit` UTF-8 bytes. `trends` (history.trends.Trends) adds the history."""
     global _ENV
     if _ENV is None:
         _ENV = _environment()
@@ -148,7 +152,7 @@ def render_summary(
     stopped = False
     budget = limit + 256 * 1024
     for chunk in _ENV.get_template("summary.md.j2").generate(
-        v=v, max_rows=MAX_ROWS, max_details=MAX_DETAILS_FINDINGS, diff=v.diff, junit=junit_counts(v),
+        v=v, max_rows=MAX_ROWS, max_details=MAX_DETAILS_FINDINGS, diff=v.diff, junit=junit_counts(v), trends=trends,
     ):
         chunks.append(chunk)
         size += len(chunk)

@@ -19,6 +19,7 @@ from typing import Any
 from ..registry import SECTION_DIVERGENT, SECTION_LAYERS, SECTION_OPS, SECTION_OTHER, FindingKind, kinds_in
 from ..registry import mode_names as registered_modes
 from ..results.model import STATUS_SEVERITY, CellResult, Finding, Repro, Results, number
+from ..engine.failure import headline
 from ..results.rootcause import root_causes
 
 ICONS: dict[str, str] = {
@@ -84,15 +85,6 @@ def as_float(value: Any) -> float | None:
         return number(value)
     except (TypeError, ValueError):
         return None
-
-
-def first_line(text: str, limit: int = 240) -> str:
-    """The headline of a message; a lead-in such as ``backend='x' raised:`` is joined to the next line."""
-    lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
-    line = lines[0] if lines else ""
-    if len(lines) > 1 and line.endswith(":") and len(line) < 80:
-        line = f"{line} {lines[1]}"
-    return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
 def cell_base(cell: CellResult, *, out_dir: Path | None, run_dir: Path | None) -> str:
@@ -186,6 +178,7 @@ class FindingView:
     culprit: str | None = None  # layer failures: the op(s) the culprit search found (`culprit_text`)
     culprit_repro: str | None = None  # the culprit's own repro, as `repro` is the layer's
     culprit_verified: bool = False
+    culprit_label: str = "culprit"  # or "culprit (repro did not reproduce)" / "culprit (not verified)"
 
 
 VIEWS: tuple[str, ...] = ("cumulative", "isolated")
@@ -391,6 +384,17 @@ def culprit_text(f: Finding) -> str | None:
     return f"{len(c.get('nodes') or ops)} nodes fail together, no op alone ({', '.join(ops)})"
 
 
+def culprit_label(f: Finding) -> str:
+    """``culprit`` when its repro reproduced the layer's failure; else says why it is not shown to be one."""
+    c = f.details.get("culprit") if isinstance(f.details, Mapping) else None
+    r = c.get("repro") if isinstance(c, Mapping) else None
+    if isinstance(r, Mapping) and r.get("verified"):
+        return "culprit"
+    note = str(r.get("note") or "") if isinstance(r, Mapping) else ""
+    ran = note.startswith(("the repro passed", "failed differently", "killed by", "timed out"))
+    return "culprit (repro did not reproduce)" if ran else "culprit (not verified)"
+
+
 def culprit_repro_path(cell: CellResult, f: Finding, *, out_dir: Path | None, run_dir: Path | None,
                        base: str | None) -> tuple[str | None, bool]:
     c = f.details.get("culprit") if isinstance(f.details, Mapping) else None
@@ -415,7 +419,7 @@ def build_view(results: Results, *, out_dir: Path | None = None, run_dir: Path |
                 c_repro, c_ok = culprit_repro_path(c, f, out_dir=out_dir, run_dir=run_dir, base=base)
                 fviews.append(FindingView(
                     cell=c.id, model=c.model, backend=c.backend, mode=mname, finding=f,
-                    title=f.op or f.module or f.kind, summary=first_line(f.message),
+                    title=f.op or f.module or f.kind, summary=headline(f.message),
                     repro=repro_path(c, f, out_dir=out_dir, run_dir=run_dir, base=base),
                     verified=bool(f.repro and f.repro.verified),
                     view=fview,
@@ -423,6 +427,7 @@ def build_view(results: Results, *, out_dir: Path | None = None, run_dir: Path |
                     metrics_text=format_metrics(f) if f.metrics else "",
                     command=repro_command(f),
                     culprit=culprit_text(f), culprit_repro=c_repro, culprit_verified=c_ok,
+                    culprit_label=culprit_label(f),
                 ))
         nv = _numerics(c)
         if nv is not None and nv.layers:

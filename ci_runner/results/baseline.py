@@ -40,6 +40,9 @@ in some attempts' lists but not in all of them. In a flaky cell, findings that c
   (skipped, error, timeout, crash): it was not re-checked, so it is kept, with that reason, never
   counted as fixed.
 - ``flaky``: see above.
+- With ``diff --history DIR``, a finding the run history calls flaky (it came and went over the last nights
+  with an unchanged environment; `history.trends`) is ``flaky`` too, with the flip count as its reason, and
+  ``diff.json`` gets a ``drifting`` list: layers whose error rises night after night under the threshold.
 - ``new_cell`` / ``missing_cell``: a cell only in the results (one cell entry plus one entry per
   finding, so issues can be filed for them) / only in the baseline (one cell entry).
 
@@ -61,9 +64,9 @@ from ..fsutil import atomic_write_text
 from ..github.actions import AnnotationCap, in_actions
 from ..log import append_step_summary
 from ..report.summary import SUMMARY_LIMIT, code, md, truncate_markdown
-from ..report.view import first_line
+from ..engine.failure import headline
 from ..registry import kind_names
-from .model import CELL_STATUSES, STATUS_SEVERITY, CellResult, Finding, Results, clean, load_results, read_json, validate
+from .model import CELL_STATUSES, STATUS_SEVERITY, CellResult, Finding, Results, backend_commit, clean, load_results, read_json, validate
 
 BASELINE_SCHEMA_VERSION = 1
 DIFF_SCHEMA_VERSION = 1
@@ -85,12 +88,15 @@ class BaselineCell:
     status: str
     modes: Mapping[str, str]
     flaky: bool = False
+    backend_commit: str | None = None  # the backend's source commit in the run it was taken from (env stamp)
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"id": self.id, "model": self.model, "backend": self.backend, "status": self.status,
                              "modes": dict(sorted(self.modes.items()))}
         if self.flaky:
             d["flaky"] = True
+        if self.backend_commit:
+            d["backend_commit"] = self.backend_commit
         return d
 
 
@@ -137,7 +143,8 @@ class Baseline:
                 raise InputError(f"{where}: cell {c['id']!r} is listed twice",
                                  hint="remove the duplicate entry, or regenerate with `deepview-ci baseline update`")
             b.cells[c["id"]] = BaselineCell(id=c["id"], model=c["model"], backend=c["backend"], status=c["status"],
-                                            modes=dict(c.get("modes") or {}), flaky=bool(c.get("flaky", False)))
+                                            modes=dict(c.get("modes") or {}), flaky=bool(c.get("flaky", False)),
+                                            backend_commit=c.get("backend_commit"))
         for f in data.get("findings", []):
             key = (f["cell"], f["fingerprint"])
             if key in b.findings:
@@ -191,7 +198,8 @@ def _baseline_of(results: Results) -> Baseline:
     b = Baseline()
     for c in results.cells:
         b.cells[c.id] = BaselineCell(id=c.id, model=c.model, backend=c.backend, status=c.status,
-                                     modes={m: r.status for m, r in c.modes.items()}, flaky=cell_is_flaky(c))
+                                     modes={m: r.status for m, r in c.modes.items()}, flaky=cell_is_flaky(c),
+                                     backend_commit=backend_commit(c.env))
         shaky = flaky_fingerprints(c)
         for mname, mode in c.modes.items():
             for f in mode.findings:
@@ -219,7 +227,9 @@ def dumps_baseline(data: Mapping[str, Any]) -> str:
 
 _ID = re.compile(r"[^@\s]+@[^@\s]+")
 _FP = re.compile(r"[0-9a-f]{8,64}")
-_CELL_REQ, _CELL_KEYS = {"id", "model", "backend", "status", "modes"}, {"id", "model", "backend", "status", "modes", "flaky"}
+_COMMIT = re.compile(r"[0-9a-f]{7,64}")
+_CELL_REQ, _CELL_KEYS = {"id", "model", "backend", "status", "modes"}, {"id", "model", "backend", "status", "modes", "flaky",
+                                                                                  "backend_commit"}
 _FIND_REQ, _FIND_KEYS = {"cell", "fingerprint", "kind", "mode"}, {"cell", "fingerprint", "kind", "mode", "key", "flaky"}
 
 
@@ -241,7 +251,8 @@ def _surely_valid(data: Any) -> bool:
             return False
         if not (type(c["id"]) is str and _ID.fullmatch(c["id"]) and type(c["model"]) is str and c["model"]
                 and type(c["backend"]) is str and c["backend"] and type(c["status"]) is str and c["status"] in statuses
-                and type(c["modes"]) is dict and type(c.get("flaky", False)) is bool):
+                and type(c["modes"]) is dict and type(c.get("flaky", False)) is bool
+                and _COMMIT.fullmatch(str(c.get("backend_commit", "0000000")))):
             return False
         if not all(type(v) is str and v in statuses for v in c["modes"].values()):
             return False
@@ -342,6 +353,7 @@ class Diff:
     baseline_path: str | None = None
     run_dir: str | None = None
     policy: str = "regression"
+    drifting: list[dict[str, Any]] = field(default_factory=list)  # from the run history: layers rising under threshold
 
     def counts(self) -> dict[str, int]:
         out = {c: 0 for c in CATEGORIES}
@@ -371,6 +383,7 @@ class Diff:
             "baseline": self.baseline_path,
             "run_dir": self.run_dir,
             "counts": self.counts(),
+            **({"drifting": self.drifting} if self.drifting else {}),
             "entries": [e.to_dict() for e in self.entries],
         }
 
@@ -405,12 +418,15 @@ class _DiffBuilder:
 
     d: Diff
     envs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    history_flaky: dict[tuple[str, str], str] = field(default_factory=dict)  # (cell, fingerprint) → why
 
     def entry(self, category: str, c: CellResult | None, bc: BaselineCell | None, reason: str, *,
               fp: str | None = None, f: Finding | None = None, mode: str | None = None,
               kind: str | None = None, key: str | None = None) -> None:
         src = c or bc
         assert src is not None
+        if category == "flaky" and fp is not None and (src.id, fp) in self.history_flaky:
+            reason = self.history_flaky[(src.id, fp)]
         self.d.entries.append(DiffEntry(
             category=category, cell=src.id, model=src.model, backend=src.backend, fingerprint=fp,
             finding=f.to_dict() if f is not None else None,
@@ -429,11 +445,17 @@ def diff(
     baseline_path: Path | str | None = None,
     run_dir: Path | str | None = None,
     policy: str = "regression",
+    history_flaky: Mapping[tuple[str, str], str] | None = None,
+    drifting: Sequence[Mapping[str, Any]] = (),
 ) -> Diff:
-    """Classify every finding and cell of `results` against `baseline` (see the module docstring)."""
+    """Classify every finding and cell of `results` against `baseline` (see the module docstring).
+
+    `history_flaky` ((cell, fingerprint) → why, from the run history) makes those findings `flaky` whether
+    they came or went; `drifting` (layers rising under their threshold) is carried into ``diff.json``."""
     check_policy(policy)
     b = _DiffBuilder(Diff(results_path=_str(results_path), baseline_path=_str(baseline_path or baseline.path),
-                          run_dir=_str(run_dir), policy=policy))
+                          run_dir=_str(run_dir), policy=policy, drifting=[dict(x) for x in drifting]),
+                     history_flaky=dict(history_flaky or {}))
     by_cell: dict[str, dict[str, BaselineFinding]] = {}
     for (cid, fp), bf in baseline.findings.items():
         by_cell.setdefault(cid, {})[fp] = bf
@@ -466,7 +488,8 @@ def _diff_cell(b: _DiffBuilder, c: CellResult, bc: BaselineCell, found: dict[str
                base: dict[str, BaselineFinding]) -> None:
     """A cell the baseline has: its findings present and gone, then status changes no finding explains."""
     cell_flaky = bc.flaky or cell_is_flaky(c)
-    shaky = flaky_fingerprints(c) | {fp for fp, bf in base.items() if bf.flaky}
+    shaky = flaky_fingerprints(c) | {fp for fp, bf in base.items() if bf.flaky} | \
+        {fp for cid, fp in b.history_flaky if cid == c.id}
     regressed_modes: set[str] = set()
     fixed_modes: set[str] = set()
     for fp, (mname, f) in sorted(found.items()):
@@ -554,7 +577,7 @@ def render_diff_markdown(d: Diff, *, max_rows: int = 200) -> str:
                 repro = code(path) + (" ✔" if r.get("verified") else "")
             msg = ""
             if e.finding and e.finding.get("message"):
-                msg = ": " + md(first_line(e.finding["message"]), 160)
+                msg = ": " + md(headline(e.finding["message"]), 160)
             out.append(f"| {code(e.cell)} | {md(e.title())}{msg} | {md(e.reason)} | {repro} |")
         if len(entries) > max_rows:
             out.extend(["", f"… and {len(entries) - max_rows} more (see `diff.json`)."])
@@ -567,6 +590,11 @@ def render_diff_markdown(d: Diff, *, max_rows: int = 200) -> str:
     table(d.by_category("new_cell"), "🆕 New cells")
     table(d.by_category("missing_cell"), "❔ Missing cells")
     table(d.by_category("flaky"), "🎲 Flaky", folded=True)
+    if d.drifting:
+        out.extend([f"#### 📈 Drifting ({len(d.drifting)}): rising night after night, still under the threshold", "",
+                    "| cell | layer | trend |", "|---|---|---|"])
+        out.extend(f"| {code(x.get('cell'))} | {code(x.get('layer'))} | {md(x.get('trend'))} |" for x in d.drifting[:max_rows])
+        out.append("")
     table(d.by_category("persisting"), "Persisting", folded=True)
     if n["fixed"] and d.policy != "change":
         out.extend(["Fixed findings: refresh the baseline with `deepview-ci baseline update RESULTS --out BASELINE`.", ""])
@@ -624,7 +652,7 @@ def annotate_regressions(d: Diff, *, env: Mapping[str, str] | None = None, strea
             break
         msg = f"{e.title()} — {e.reason}"
         if e.finding and e.finding.get("message"):
-            msg += f"\n{first_line(e.finding['message'], 500)}"
+            msg += f"\n{headline(e.finding['message'], 500)}"
         if e.finding and e.finding.get("repro"):
             msg += f"\nrepro: {(e.artifacts_dir + '/') if e.artifacts_dir else ''}{e.finding['repro'].get('path')}"
         if cap.annotate("error", msg, title=f"deepview-ci regression in {e.cell}", stream=stream):

@@ -97,6 +97,15 @@ def clean(obj: Any) -> Any:
     return obj
 
 
+def backend_commit(env: Any) -> str | None:
+    """The backend's source commit in a cell's env stamp (the first plugin that names one), or None."""
+    sources = env.get("backend_source") if isinstance(env, dict) else None
+    for src in (sources or {}).values():
+        if isinstance(src, dict) and src.get("commit"):
+            return str(src["commit"])
+    return None
+
+
 @dataclass
 class Repro:
     path: str  # relative to the cell folder

@@ -32,6 +32,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
+from ..engine.failure import first_line
 from .model import Finding, Results
 
 # ---------------------------------------------------------------------------- the volatile-token rule
@@ -60,13 +61,6 @@ def normalize_text(text: str) -> str:
     for pattern, repl in _RULES:
         out = pattern.sub(repl, out)
     return out
-
-
-def first_line(text: str, limit: int = 300) -> str:
-    for line in str(text or "").splitlines():
-        if line.strip():
-            return line.strip()[:limit]
-    return ""
 
 
 # ---------------------------------------------------------------------------- where it was raised
@@ -187,6 +181,12 @@ def _error_text(f: Finding) -> str:
     return str(f.details.get("message_full") or f.details.get("error_message") or f.message or "")
 
 
+def _without_type(text: str, error_type: str) -> str:
+    """`text` without a leading ``Type: `` (ops messages carry it, layers messages do not): one cause, one key."""
+    text = text.lstrip()
+    return text[len(error_type) + 2:] if text.startswith(f"{error_type}: ") else text
+
+
 def _traceback_text(f: Finding) -> str:
     for key in ("traceback", "traceback_tail"):
         value = f.details.get(key)
@@ -203,21 +203,26 @@ class Signature:
     raised: RaisedIn
 
 
+def error_signature(error_type: str, message: str, traceback_text: str = "") -> Signature:
+    """The normalised signature of one error (its type, first line and raising package): what `signature` gives
+    a finding with that error, for outcomes that are not findings yet (the layers mode groups its probes by it)."""
+    msg = normalize_text(first_line(message, 240))
+    raised = raised_in(traceback_text)
+    key = (error_type, msg, raised.package)
+    digest = hashlib.sha256("\x1f".join(key).encode("utf-8")).hexdigest()[:12]
+    return Signature(id=digest, error_type=error_type, message=msg, raised=raised)
+
+
 def signature(f: Finding) -> Signature:
     """The finding's normalised error signature. Findings without an error (numerical ones) are keyed by kind
     and by what they are about (op or module class): each such group is its own cause."""
     if f.error_type:
-        etype = f.error_type
-        msg = normalize_text(first_line(_error_text(f), 240))
-        raised = raised_in(_traceback_text(f))
-        key = (etype, msg, raised.package)
-    else:
-        etype = f.kind
-        msg = f"{f.kind} in {f.op or f.module_class or f.module or '?'}"
-        raised = RaisedIn(package="", role="unknown", frame="", backend_frame="")
-        key = (etype, msg, "")
-    digest = hashlib.sha256("\x1f".join(key).encode("utf-8")).hexdigest()[:12]
-    return Signature(id=digest, error_type=etype, message=msg, raised=raised)
+        return error_signature(f.error_type, _without_type(_error_text(f), f.error_type), _traceback_text(f))
+    etype = f.kind
+    msg = f"{f.kind} in {f.op or f.module_class or f.module or '?'}"
+    digest = hashlib.sha256("\x1f".join((etype, msg, "")).encode("utf-8")).hexdigest()[:12]
+    return Signature(id=digest, error_type=etype, message=msg,
+                     raised=RaisedIn(package="", role="unknown", frame="", backend_frame=""))
 
 
 def annotate(findings: Iterable[Finding]) -> None:
@@ -265,3 +270,27 @@ def example_of(cause: Mapping[str, Any]) -> str:
     ex = cause.get("example") or {}
     what = ex.get("module") or ex.get("op") or ""
     return f"{ex.get('cell', '?')} {ex.get('mode', '')}" + (f" ({what})" if what else "")
+
+
+# ---------------------------------------------------------------------------- the ops ranking ranks causes
+
+def shared_causes(findings: Iterable[Finding]) -> dict[str, Signature]:
+    """The signatures of op findings that are not about an operator: one error raised in torch (Dynamo, FX,
+    guard building) that fails two or more different ops. Those ops are listed under the cause in the ranking,
+    not as missing operators."""
+    ops: dict[str, set[str]] = {}
+    sigs: dict[str, Signature] = {}
+    for f in findings:
+        if not (f.op and f.error_type):
+            continue
+        sig = signature(f)
+        if sig.raised.role == "torch":
+            ops.setdefault(sig.id, set()).add(f.op)
+            sigs[sig.id] = sig
+    return {sid: sigs[sid] for sid, names in ops.items() if len(names) > 1}
+
+
+def cause_row(sig: Signature) -> dict[str, Any]:
+    """The fields a ranking row for a shared cause carries besides its counts (`op` is None: no operator)."""
+    return {"op": None, "cause": sig.id, "error_type": sig.error_type, "message": sig.message,
+            "raised_in": sig.raised.words(), "ops": []}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as _dt
 from collections import defaultdict
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from ..engine.envinfo import tool_version
 from ..engine.isolate import open_entry
@@ -13,7 +13,7 @@ from ..errors import InputError
 from ..report import write_reports
 from ..plan import NO_RESULT, SETUP_RECORD, TAIL_CHARS, Evidence, PlannedCell, apply_plan, read_setup_record
 from ..registry import SECTION_OPS, FindingKind, kinds_in
-from ..results.rootcause import root_causes
+from ..results.rootcause import cause_row, root_causes, shared_causes, signature
 from ..results.model import (JOURNAL_NAME, PARTIAL_NAME, RESULT_NAME, STDERR_NAME, CellError, CellResult, ModeResult,
                              Results, iter_findings, load_cell_result, read_json, save_results)
 
@@ -53,21 +53,31 @@ def merge(cells: Iterable[tuple[Path, CellResult]]) -> list[CellResult]:
 
 
 def op_ranking(results: Results) -> list[dict[str, object]]:
-    """Failing operators ranked by how many models each one blocks."""
-    models: dict[str, set[str]] = defaultdict(set)
-    backends: dict[str, set[str]] = defaultdict(set)
-    kinds: dict[str, set[str]] = defaultdict(set)
-    op_kinds = kinds_in(SECTION_OPS)
-    for cell, _mode, f in iter_findings(results):
-        if f.kind in op_kinds and f.op:
-            models[f.op].add(cell.model)
-            backends[f.op].add(cell.backend)
-            kinds[f.op].add(f.kind)
-    ranking = [
-        {"op": op, "count": len(ms), "models": sorted(ms), "backends": sorted(backends[op]), "kinds": sorted(kinds[op])}
-        for op, ms in models.items()
-    ]
-    ranking.sort(key=lambda r: (-int(r["count"]), str(r["op"])))  # type: ignore[call-overload]
+    """Failing operators ranked by how many models each one blocks; an op that fails only through an error shared
+    by several ops (raised in torch, e.g. Dynamo's guard building) counts under that cause (`rootcause.shared_causes`),
+    as one row with `op` None, `cause`, `error_type`, `message`, `raised_in` and the `ops` it failed."""
+    found = [(cell, f) for cell, _mode, f in iter_findings(results) if f.kind in kinds_in(SECTION_OPS) and f.op]
+    shared = shared_causes(f for _, f in found)
+    rows: dict[str, dict[str, Any]] = {}
+    for cell, f in found:
+        sig = signature(f) if shared and f.error_type else None
+        key = sig.id if sig is not None and sig.id in shared else f"op:{f.op}"
+        row = rows.get(key)
+        if row is None:
+            row = rows[key] = {**(cause_row(shared[key]) if key in shared else {"op": f.op}),
+                               "models": set(), "backends": set(), "kinds": set()}
+        row["models"].add(cell.model)
+        row["backends"].add(cell.backend)
+        row["kinds"].add(f.kind)
+        if key in shared and f.op not in row["ops"]:
+            row["ops"].append(f.op)
+    ranking = [{**r, "count": len(r["models"]), "models": sorted(r["models"]), "backends": sorted(r["backends"]),
+                "kinds": sorted(r["kinds"])} for r in rows.values()]
+    for r in ranking:
+        if r.get("ops"):
+            r["ops"] = sorted(r["ops"])
+    ranking.sort(key=lambda r: (-int(r["count"]), r["op"] is not None, -len(r.get("ops") or ()),
+                                str(r["op"] or r["cause"])))
     return ranking
 
 
@@ -143,9 +153,10 @@ def _killed_while_running(p: PlannedCell, cdir: Path, running: str) -> CellResul
     return result
 
 
-def write_report_dir(results: Results, report_dir: Path, *, run_dir: Path | None = None) -> dict[str, Path]:
-    """results.json, junit.xml, summary.md and report.html."""
+def write_report_dir(results: Results, report_dir: Path, *, run_dir: Path | None = None,
+                     trends: Any = None) -> dict[str, Path]:
+    """results.json, junit.xml, summary.md and report.html (with the history's `trends` when given)."""
     report_dir.mkdir(parents=True, exist_ok=True)
     written = {"results": save_results(results, report_dir / "results.json")}
-    written.update(write_reports(results, report_dir, run_dir=run_dir))
+    written.update(write_reports(results, report_dir, run_dir=run_dir, trends=trends))
     return written

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..backends import resolve_backend
 from ..config import Cell
-from ..engine.envinfo import base_stamp, cell_stamp
+from ..engine.envinfo import base_stamp, cell_stamp, plugin_modules
 from ..errors import DeepviewError, TorchTooOldError
 from ..fsutil import atomic_write_json
 from ..modes import ModeContext, get_mode
@@ -42,7 +42,8 @@ def run_cell_inprocess(cell: Cell, cell_dir: Path, *, modes: tuple[str, ...], de
     try:
         backend = resolve_backend(cell.backend)
         backend.prepare()
-        result.env = cell_stamp(backend.device, backend.versions())
+        result.env = cell_stamp(backend.device, backend.versions(),
+                                plugins=plugin_modules(cell.backend.compile, cell.backend.imports))
     except TorchTooOldError as exc:  # the backend needs a newer torch: each mode is skipped, with the reason
         for name in modes:
             result.modes[name] = ModeResult(status="skipped", reason=f"backend setup: {exc.message}")

@@ -232,8 +232,6 @@ def test_modules_are_short_or_say_why_they_are_one_piece() -> None:
 
 
 MAX_FUNCTION_LINES = 80  # one screen; a longer function says in its docstring why it is one piece
-# Being split by issue 23's other half (one child engine, one wire format): remove each entry when it lands.
-SPLIT_PENDING = frozenset({"ci_runner.modes.ops.probe.run_probe", "ci_runner.run.execute.run_one"})
 
 
 def long_functions(path: Path, module: str, limit: int = MAX_FUNCTION_LINES) -> list[str]:
@@ -256,8 +254,7 @@ def long_functions(path: Path, module: str, limit: int = MAX_FUNCTION_LINES) -> 
 
 
 def test_functions_fit_one_screen_or_say_why() -> None:
-    long = [f for module, path in _modules().items() for f in long_functions(path, module)
-            if f.split("(")[0] not in SPLIT_PENDING]
+    long = [f for module, path in _modules().items() for f in long_functions(path, module)]
     assert not long, (f"functions over {MAX_FUNCTION_LINES} lines whose docstring does not say why they are "
                       f"{ONE_PIECE}: {long}; split them along their steps")
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+import yaml
 
 from ci_runner.run.cellrun import run_cell_inprocess
 from ci_runner.config import load_matrix_text
@@ -22,39 +22,31 @@ from ci_runner.engine.isolate import open_entry
 from ci_runner.matrix import expand
 from ci_runner.results.model import JOURNAL_NAME
 from ci_runner.results.model import CellResult, ModeResult, validate
+from tests.fixtures.matrices import matrix_text
 from tests.fixtures.paths import ROOT
 
 SDPA = "aten._scaled_dot_product_flash_attention_for_cpu.default"
 
 pytestmark = pytest.mark.slow  # probing children and compiles: tens of seconds each on 2 cores
 
-_DECODER = ("{hidden_size: 16, intermediate_size: 32, num_hidden_layers: %d, num_attention_heads: 2, "
-            "num_key_value_heads: 1, vocab_size: 64}")
+_DECODER = {"hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "vocab_size": 64}
 
 
 def _matrix(layers: int, options: str) -> str:
-    dec = _DECODER % layers
-    return textwrap.dedent(f"""\
-        version: 1
-        defaults:
-          modes: [layers]
-          timeout: 900
-          inputs: {{batch: 1, seq_len: 8, samples: 1, seed: 0}}
-          options: {{layers: {{{options}}}}}
-        models:
-          - {{id: tiny-llama, config: llama, overrides: {dec}}}
-          - {{id: tiny-mixtral, config: mixtral, overrides: {{hidden_size: 16, intermediate_size: 32,
-              num_hidden_layers: 1, num_attention_heads: 2, num_key_value_heads: 1, vocab_size: 64,
-              num_local_experts: 4, num_experts_per_tok: 2}}}}
-          - {{id: rotary, factory: "tests.fixtures.plugin_layers_models:rotary_net"}}
-        backends:
-          - {{id: pair, compile: "tests.fixtures.plugin_layers_pair:pair_backend"}}
-          - {{id: sim-crash, compile: sim-crash}}
-          - {{id: sim-abort, compile: sim-abort}}
-          - {{id: sim-hang, compile: sim-hang}}
-          - {{id: simdev, device: simdev}}
-          - {{id: turbine, compile: turbine_cpu}}  # registered by iree-turbine (entry point)
-        """)
+    """The test matrix (`options`: the `options.layers` mapping's YAML body)."""
+    mixtral = {**_DECODER, "num_hidden_layers": 1, "num_local_experts": 4, "num_experts_per_tok": 2}
+    return matrix_text(
+        modes=["layers"], timeout=900, inputs={"batch": 1, "seq_len": 8, "samples": 1, "seed": 0},
+        options={"layers": yaml.safe_load("{" + options + "}")},
+        models=[{"id": "tiny-llama", "config": "llama", "overrides": {**_DECODER, "num_hidden_layers": layers}},
+                {"id": "tiny-mixtral", "config": "mixtral", "overrides": mixtral},
+                {"id": "rotary", "factory": "tests.fixtures.plugin_layers_models:rotary_net"}],
+        backends=[{"id": "pair", "compile": "tests.fixtures.plugin_layers_pair:pair_backend"},
+                  *({"id": f"sim-{s}", "compile": f"sim-{s}"} for s in ("crash", "abort", "hang")),
+                  {"id": "simdev", "device": "simdev"},
+                  {"id": "turbine", "compile": "turbine_cpu"}],  # registered by iree-turbine (entry point)
+    )
 
 
 _Run = tuple[ModeResult, CellResult, Path]
@@ -108,6 +100,10 @@ def test_sim_crash_names_the_attention_op_with_real_shapes(run_cell: Callable[..
         assert "sdpa_attention.py" in (c["sources"][0] or "")
         assert c["repro"]["verified"], c["repro"]
         assert c["probes"] == 1  # the op the layer's error names is probed first
+    # one cause group (same class, error signature and inputs): one search, its answer carried by the twin
+    assert culprits["model.layers.1.self_attn"]["shared_with"] == "model.layers.0.self_attn"
+    assert culprits["model.layers.1.self_attn"]["repro"] == culprits["model.layers.0.self_attn"]["repro"]
+    assert not (cdir / "layers" / "repro" / "model.layers.1.self_attn" / "culprit").exists()
     rdir = cdir / Path(culprits["model.layers.0.self_attn"]["repro"]["path"]).parent
     assert {p.name for p in rdir.iterdir()} >= {"graph.py", "inputs.safetensors", "repro.py"}
     proc = _by_hand(cdir, culprits["model.layers.0.self_attn"])

@@ -13,8 +13,6 @@ The whole example is `benchmarks/bench_example.py` (it runs it and diffs it the 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -23,7 +21,8 @@ import pytest
 from ci_runner.registry import kind_spec
 from ci_runner.results.baseline import diff, load_baseline
 from ci_runner.results.model import CellResult, Finding, ModeResult, Results
-from tests.fixtures.paths import BASELINE_EXAMPLE, EXAMPLE, ROOT
+from tests.fixtures.cli import run_cli
+from tests.fixtures.paths import BASELINE_EXAMPLE, EXAMPLE
 
 CELL = "tiny-vit@sim-subset"  # ops mode, one unsupported op: about 30 s on 2 cores
 
@@ -66,8 +65,7 @@ def _changed(entries: list[dict[str, Any]]) -> list[str]:
 
 
 def _diff_cli(rpath: Path, bpath: Path, out: Path) -> tuple[int, list[str]]:
-    proc = subprocess.run([sys.executable, "-m", "ci_runner", "diff", str(rpath), "--baseline", str(bpath),
-                           "--fail-on", "change", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = run_cli("diff", str(rpath), "--baseline", str(bpath), "--fail-on", "change", "--out", str(out), timeout=120)
     assert proc.returncode in (0, 1), proc.stderr[-2000:]
     return proc.returncode, _changed(json.loads((out / "diff.json").read_text(encoding="utf-8"))["entries"])
 
@@ -114,10 +112,9 @@ def test_each_kind_of_change_fails_the_guard(change: str, tmp_path: Path) -> Non
 
 
 @pytest.mark.slow
-def test_a_real_cell_of_the_bundled_example_matches_the_baseline(tmp_path: Path) -> None:
+def test_a_real_cell_of_the_bundled_example_matches_the_baseline(tmp_path: Path, cli: Callable[..., Any]) -> None:
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "ci_runner", "run", "--out", str(out), "--select", CELL],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)  # no MATRIX: the bundled example
+    proc = cli("run", "--out", str(out), "--select", CELL, timeout=600)  # no MATRIX: the bundled example
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]  # a finding: exit 1
     assert EXAMPLE.is_file()
     sliced = tmp_path / "baseline.json"

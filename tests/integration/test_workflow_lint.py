@@ -178,7 +178,7 @@ def test_permissions_are_explicit(path):
     if not reusable:
         assert doc.get("permissions") == {}, f"{path.name}: start from no permissions and grant per job"
     for name, job in doc["jobs"].items():
-        if reusable and name == "issues":
+        if reusable and name in ("issues", "history"):
             assert "permissions" not in job  # inherits the caller's grant; see the workflow's comment
             continue
         assert "permissions" in job, f"{path.name}: job {name} has no permissions block"
@@ -194,7 +194,7 @@ CELLS = ROOT / ".github" / "workflows" / "deepview-cells.yml"
 def test_reusable_pipeline_shape():
     doc = load(ROOT / ".github" / "workflows" / "deepview.yml")
     jobs = doc["jobs"]
-    assert list(jobs) == ["plan", "cells", "report", "issues"]
+    assert list(jobs) == ["plan", "cells", "report", "issues", "history"]
     cells = jobs["cells"]
     assert cells["uses"] == "./.github/workflows/deepview-cells.yml" and "steps" not in cells
     assert cells["strategy"]["matrix"]["chunk"] == "${{ fromJSON(needs.plan.outputs.chunk-ids) }}"
@@ -214,6 +214,11 @@ def test_reusable_pipeline_shape():
     commands = [s["with"]["command"] for s in jobs["report"]["steps"] if s.get("uses") == "./.deepview-ci"]
     assert commands == ["collect", "aggregate", "diff"]
     assert "inputs.file-issues" in jobs["issues"]["if"]
+    # the run history: the report only reads it; the `history` job alone writes, and only when asked to
+    assert all("--history deepview-history" in s["with"]["args"] for s in jobs["report"]["steps"]
+               if s.get("uses") == "./.deepview-ci" and s["with"]["command"] in ("aggregate", "diff"))
+    assert "inputs.history-write" in jobs["history"]["if"] and "no-result == '0'" in jobs["history"]["if"]
+    assert [s["with"]["command"] for s in jobs["history"]["steps"] if s.get("uses") == "./.deepview-ci"] == ["history push"]
 
 
 def test_no_job_runs_after_a_cancel_and_issues_need_a_whole_run_whose_diff_ran():

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from ci_runner.matrix import artifact_name
 from ci_runner.errors import ConfigError, InputError
 from ci_runner.github.issues import file_issues, load_diff
 from ci_runner.github.options import FilingOptions
@@ -173,7 +174,7 @@ def test_oversized_repro_is_truncated_with_a_link(tmp_path):
     assert 60000 < len(body) <= 65536
     assert "Truncated to fit GitHub's issue size limit" in body
     assert "https://github.com/acme/models/actions/runs/42" in body
-    assert "deepview-cell-tiny-bamba__sim-subset" in body
+    assert artifact_name("tiny-bamba@sim-subset") in body  # the cell's escaped artifact name
     assert body.count("<details>") == body.count("</details>") == 1
     m = re.search(r"\n(`{3,})python\n", body)
     close = body.index("\n" + m.group(1) + "\n", m.end())

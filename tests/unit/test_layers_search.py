@@ -22,14 +22,13 @@ from ci_runner.modes.layers.search import (
     StopSearch,
     capture_inputs,
     encode_call,
-    is_compile_stage,
     minimal_failing,
     record_calls,
     scan_model,
     search,
     unlabel,
-    unwrap_exception,
 )
+from ci_runner.engine.failure import is_compile_stage, unwrap
 from ci_runner.modes.layers.mode import _key_text
 from ci_runner.registry import parse_options
 from tests.fixtures.oldtorch import differs_on_oldest
@@ -147,6 +146,75 @@ def test_replay_from_the_outcomes_file_continues_where_a_crash_stopped(tmp_path:
     assert log == ["m.b", "m.a.x"]
     assert res.minimal == ["m.a"]
     assert minimal_failing(tree, res.outcomes) == ["m.a"]
+
+
+def _layers_tree(n: int) -> ModuleTree:
+    """A decoder of `n` twin layers: classes by role, as in a real model."""
+    names = ["m"] + [f"m.l{i}{part}" for i in range(n) for part in ("", ".attn", ".attn.q", ".attn.k", ".mlp", ".mlp.up")]
+    role = {"m": "Model", "attn": "Attn", "q": "Linear", "k": "Linear", "mlp": "Mlp", "up": "Linear"}
+    return ModuleTree.build((name, role.get(name.rsplit(".", 1)[-1], "Layer") if name else "Top", 1, True, None)
+                            for name in (ROOT, *names))
+
+
+def _failing_prober(failing: dict[str, str], log: list[str], message: str = "attention failed"):
+    def probe(name: str) -> ProbeOutcome:
+        log.append(name)
+        if name in failing:
+            return ProbeOutcome(name=name, status="fail", stage="run", error_type="RuntimeError",
+                                message=failing[name])
+        return ProbeOutcome(name=name, status="pass")
+
+    return probe
+
+
+def test_twin_layers_cost_one_descent_and_every_layer_is_still_listed() -> None:
+    n = 6
+    tree = _layers_tree(n)
+    failing = {ROOT: "boom", "m": "boom", **{f"m.l{i}": "boom" for i in range(n)},
+               **{f"m.l{i}.attn": "boom" for i in range(n)}}
+    log: list[str] = []
+    res = search(tree, _failing_prober(failing, log))
+    assert res.minimal == [f"m.l{i}.attn" for i in range(n)]
+    # the first layer is searched fully; each twin probes only the child that failed in the first
+    assert {"m.l0.mlp", "m.l0.attn.q", "m.l0.attn.k"} <= set(log)
+    for i in range(1, n):
+        assert f"m.l{i}.attn" in log and f"m.l{i}.mlp" not in log and f"m.l{i}.attn.q" not in log
+        assert res.outcomes[f"m.l{i}.mlp"].inferred_from == "m.l0.mlp"
+        assert res.outcomes[f"m.l{i}.attn.q"].status == "pass"
+    assert len(log) == 2 + n + 2 + (n - 1) + 2  # root, m, the layers, l0's children, twins' attn, l0.attn's children
+    # without twins every child of every failing module is probed
+    full: list[str] = []
+    assert search(tree, _failing_prober(failing, full), twins=False).minimal == res.minimal
+    assert len(full) == 2 + n + 2 * n + 2 * n
+
+
+def test_a_twin_that_fails_differently_is_searched_fully() -> None:
+    tree = _layers_tree(3)
+    failing = {ROOT: "boom", "m": "boom", "m.l0": "boom", "m.l1": "boom", "m.l2": "boom", "m.l0.attn": "boom",
+               "m.l1.attn": "other error", "m.l2.mlp": "boom"}
+    log: list[str] = []
+    res = search(tree, _failing_prober(failing, log))
+    # l1's attn fails with another cause: its other children are probed; l2's attn passes: l2 is searched too
+    assert "m.l1.mlp" in log and "m.l2.mlp" in log
+    assert res.minimal == ["m.l0.attn", "m.l1.attn", "m.l2.mlp"]
+    assert all(o.inferred_from is None for o in res.outcomes.values())
+
+
+def test_twins_replay_from_known_outcomes_alone() -> None:
+    tree = _layers_tree(4)
+    failing = {ROOT: "boom", "m": "boom", **{f"m.l{i}": "boom" for i in range(4)},
+               **{f"m.l{i}.attn": "boom" for i in range(4)}}
+    log: list[str] = []
+    first = search(tree, _failing_prober(failing, log))
+    probed = {n: first.outcomes[n] for n in log}
+
+    def replay(name: str) -> ProbeOutcome:
+        if name in probed:
+            return probed[name]
+        raise StopSearch()
+
+    again = search(tree, replay)
+    assert again.complete and again.minimal == first.minimal
 
 
 def test_open_journal_entry_since_an_offset(tmp_path: Path) -> None:
@@ -331,7 +399,7 @@ def test_stage_of_backend_errors(fresh_dynamo: Callable[[], None]) -> None:
     with pytest.raises(IndexError) as info:
         torch.compile(M(), backend=pair_backend)(x)
     assert is_compile_stage(info.value)
-    assert isinstance(unwrap_exception(info.value), IndexError)
+    assert isinstance(unwrap(info.value), IndexError)
 
     class A(nn.Module):
         def forward(self, q: torch.Tensor) -> torch.Tensor:
@@ -361,3 +429,25 @@ def test_key_text_is_a_stable_prefix() -> None:
         "[sim-subset] unsupported operator aten.neg.default"]
     assert _key_text("list index out of range\n\nSet TORCHDYNAMO_VERBOSE=1") == ["list index out of range"]
     assert _key_text("x") == []
+
+
+def test_cause_groups_split_by_class_cause_and_input_signature() -> None:
+    from ci_runner.modes.layers.groups import call_signature, cause_families, cause_groups
+    from ci_runner.modes.layers.search import SearchResult
+
+    tree = _layers_tree(4)
+    boom = dict(status="fail", stage="run", error_type="RuntimeError", message="boom at 0x7f00aa")
+    outcomes = {f"m.l{i}.attn": ProbeOutcome(name=f"m.l{i}.attn", **boom) for i in range(4)}
+    outcomes["m.l3.attn"] = ProbeOutcome(name="m.l3.attn", **{**boom, "message": "another error"})
+    result = SearchResult(outcomes=outcomes, minimal=list(outcomes), complete=True)
+    x = torch.zeros(1, 4, 8)
+    calls = {n: [((x,), {"mask": None, "pos": (x, x)})] for n in outcomes}
+    calls["m.l2.attn"] = [((torch.zeros(1, 5, 8),), {"mask": None, "pos": (x, x)})]  # other shapes
+    groups = cause_groups(tree, result, calls)
+    assert groups == {"m.l0.attn": "m.l0.attn", "m.l1.attn": "m.l0.attn", "m.l2.attn": "m.l2.attn",
+                      "m.l3.attn": "m.l3.attn"}
+    # l2 differs only in its inputs: same family as l0 (its culprit op is probed first); l3 is another cause
+    assert cause_families(tree, result, ["m.l0.attn", "m.l2.attn", "m.l3.attn"]) == {
+        "m.l0.attn": "m.l0.attn", "m.l2.attn": "m.l0.attn", "m.l3.attn": "m.l3.attn"}
+    sig = call_signature((x.transpose(1, 2),), {"obj": object()})
+    assert sig == "(float32[1, 8, 4]@[32, 1, 8]){obj=object}"  # strides kept, no address

@@ -254,3 +254,92 @@ def test_every_ops_call_site_of_tiny_llava_resolves_on_the_users_model() -> None
     assert inv.graphs > 1 and any(m.startswith("model.vision_tower.") for m in sites), sorted(sites)[:5]
     for name in sites:
         loaded.module.get_submodule(name)  # raises AttributeError for a name that does not resolve
+
+
+# --------------------------------------------------------------------------- issue 25: one cause across modes
+
+def _op_finding(op: str, sym: str, *, tb: str = OV_TB) -> Finding:
+    """An ops finding as the ops mode now writes it: `Type: message`, the raising traceback in details."""
+    return Finding(kind="op_error", stage="compile", op=op, error_type="AssertionError", fingerprint="ef" * 10,
+                   message=f"AssertionError: sources must not be empty for symbol {sym}\nError while creating guard:",
+                   details={"traceback_tail": tb % sym})
+
+
+def test_ops_and_layers_findings_of_one_error_share_one_root_cause() -> None:
+    ops = [_op_finding(op, f"s{i}") for i, op in enumerate(["aten.neg.default", "aten.cat.default"])]
+    layers = [_layer_finding("model.layers.0.mlp.experts.act_fn", "s96")]
+    cell = CellResult(id="tiny-mixtral@openvino", model="tiny-mixtral", backend="openvino", status="fail", modes={
+        "ops": ModeResult(status="fail", findings=ops), "layers": ModeResult(status="fail", findings=layers)})
+    causes = root_causes(Results(cells=[cell]))
+    assert len(causes) == 1 and causes[0]["count"] == 3 and set(causes[0]["kinds"]) == {"op_error", "layer_failure"}
+    assert causes[0]["message"] == "sources must not be empty for symbol s<N>"  # the type is not repeated
+    for f in ops + layers:
+        assert "symbolic_shapes.py:6557 in produce_guards_verbose" in f.details["raised_in"]
+
+
+def test_the_ops_ranking_lists_a_shared_torch_error_as_one_cause() -> None:
+    from ci_runner.run.aggregate import op_ranking
+
+    backend_tb = OV_TB.replace("torch/fx/experimental/symbolic_shapes.py", "openvino/frontend/convert.py")
+    own = Finding(kind="unsupported_op", stage="compile", op="aten.histc.default", error_type="RuntimeError",
+                  message="RuntimeError: histc not supported", fingerprint="12" * 10,
+                  details={"traceback_tail": backend_tb % "x"})
+    cells = [CellResult(id=f"{m}@openvino", model=m, backend="openvino", status="fail", modes={"ops": ModeResult(
+        status="fail", findings=[_op_finding("aten.neg.default", "s1"), _op_finding("aten.cat.default", "s2"), own])})
+        for m in ("tiny-mixtral", "tiny-llama")]
+    # the same backend error on two ops is still about the ops (raised by the backend, not torch)
+    cells[1].modes["ops"].findings.append(Finding(
+        kind="unsupported_op", stage="compile", op="aten.sort.default", error_type="RuntimeError",
+        message="RuntimeError: histc not supported", fingerprint="34" * 10, details={"traceback_tail": backend_tb % "x"}))
+    rows = op_ranking(Results(cells=cells))
+    cause = rows[0]
+    assert cause["op"] is None and cause["ops"] == ["aten.cat.default", "aten.neg.default"] and cause["count"] == 2
+    assert cause["error_type"] == "AssertionError" and "symbolic_shapes.py" in cause["raised_in"]
+    assert [r["op"] for r in rows[1:]] == ["aten.histc.default", "aten.sort.default"]
+    from ci_runner.report.summary import render_summary
+
+    text = render_summary(Results(cells=cells, ranking=rows))
+    assert "cause, not an operator: `AssertionError`: sources must not be empty" in text
+    assert "| `aten.neg.default` |" not in text
+
+
+def test_culprit_cross_check_agrees_with_the_ops_finding() -> None:
+    from ci_runner.modes.layers.culprit import ops_cross_check
+
+    rows = [{"op": "aten.view.default", "status": "inconclusive"}, {"op": "aten.view.default", "status": "error"},
+            {"op": "aten.view.default", "status": "pass"}, {"op": "aten.silu.default", "status": "pass"},
+            {"op": "aten.mm.default", "status": "unsupported"}]
+    assert ops_cross_check(rows, ["aten.view.default", "aten.silu.default"]) == {
+        "aten.view.default": "error", "aten.silu.default": "pass"}
+
+
+def test_culprit_label_says_when_its_repro_did_not_reproduce() -> None:
+    from ci_runner.report.view import culprit_label
+
+    def f(repro: dict[str, object]) -> Finding:
+        return Finding(kind="layer_failure", stage="compile", message="m", fingerprint="56" * 10,
+                       details={"culprit": {"found": True, "kind": "single", "ops": ["aten.silu.default"],
+                                            "repro": repro}})
+
+    assert culprit_label(f({"path": "r.py", "verified": True})) == "culprit"
+    assert culprit_label(f({"path": "r.py", "verified": False, "note": "the repro passed: the failure did not "
+                            "reproduce"})) == "culprit (repro did not reproduce)"
+    assert culprit_label(f({"path": "r.py", "verified": False, "note": "not verified"})) == "culprit (not verified)"
+
+
+def test_a_layers_pass_says_what_ran_in_eager() -> None:
+    from ci_runner.modes.layers.mode import _with_eager_ops
+
+    assert _with_eager_ops(None, {}) is None
+    text = _with_eager_ops(None, {"eager_ops": ["aten.histc.default", "aten.floor_divide.default"]})
+    assert text is not None and "2 op(s) ran in PyTorch eager" in text and "aten.histc.default" in text
+
+
+def test_the_summary_shows_what_a_pass_did_not_cover() -> None:
+    from ci_runner.report.summary import render_summary
+
+    reason = "the backend ran only part of the model: 1 op(s) ran in PyTorch eager (its partitioner left them out)"
+    cell = CellResult(id="router@openvino", model="router", backend="openvino", status="pass",
+                      modes={"layers": ModeResult(status="pass", reason=reason)})
+    text = render_summary(Results(cells=[cell]))
+    assert f"- `router@openvino` layers pass: {reason}" in text

@@ -62,7 +62,8 @@ def test_dynamo_keys_fall_back_to_their_names_before_2_7(monkeypatch: pytest.Mon
     assert dynamo_settings() == dict(DYNAMO_SETTINGS)
     _absent(monkeypatch, "recompile_limit")
     old = dynamo_settings()
-    assert old == {"cache_size_limit": 1024, "accumulated_cache_size_limit": 1 << 16, "fail_on_cache_limit_hit": True}
+    assert old == {"cache_size_limit": 1024, "accumulated_cache_size_limit": 1 << 16, "fail_on_cache_limit_hit": True,
+                   "automatic_dynamic_shapes": False}  # not renamed: passed through
     with torch._dynamo.config.patch(**old):  # the old names are real keys (aliases on this torch)
         assert torch._dynamo.config.cache_size_limit == 1024
 

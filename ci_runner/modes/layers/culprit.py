@@ -32,7 +32,6 @@ import faulthandler
 import json
 import sys
 import time
-import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -44,8 +43,9 @@ from ...engine.codec import TensorStore, decode_call, encode_call
 from ...config import BackendSpec, ModelSpec, spec_from_json
 from ...engine.tree import map_tensors
 from ...fsutil import atomic_write_json, atomic_write_text
+from ...engine.failure import first_line, is_compile_stage, raised_traceback, unwrap
 from ...engine.isolate import Attempt, IsolatedResult, child_journal, supervise
-from .search import capture_inputs, is_compile_stage, unwrap_exception
+from .search import capture_inputs
 from ...engine.models import load_model
 from ...engine.outcome import ProbeOutcome, append_outcome, read_outcomes
 from .culprit_search import Step, StopSearch, parse_key, search, single_order
@@ -389,7 +389,7 @@ def culprit_child(payload: dict[str, Any]) -> dict[str, Any]:
             except Exception as exc:  # outside any probe (the trace, the culprit's files): this target only
                 atomic_write_json(Path(t.out_dir) / ANSWER, {
                     "kind": "error", "key": None,
-                    "note": f"the culprit child failed outside any probe: {type(exc).__name__}: {_first_line(str(exc))}"})
+                    "note": f"the culprit child failed outside any probe: {type(exc).__name__}: {first_line(str(exc))}"})
     return {"answered": len(todo)}
 
 
@@ -443,11 +443,11 @@ def _probe(entry: str, key: str, cg: CapturedGraph, nodes: Sequence[torch.fx.Nod
         run_graph(source, [t for _, t in inputs], backend)
         r = ProbeOutcome(name=key, status="pass", duration_s=time.monotonic() - t0)
     except Exception as exc:  # the backend's error is the finding
-        inner = unwrap_exception(exc)
+        inner = unwrap(exc)
         stage = "compile" if (not backend.is_eager and is_compile_stage(exc)) else "run"
         r = ProbeOutcome(name=key, status="fail", stage=stage, error_type=type(inner).__name__,
                         message=str(inner)[:4000] or type(inner).__name__,
-                        traceback=traceback.format_exc(limit=20)[-4000:], duration_s=time.monotonic() - t0)
+                        traceback=raised_traceback(exc, inner)[-4000:], duration_s=time.monotonic() - t0)
     finally:
         faulthandler.cancel_dump_traceback_later()
         child_journal(f"leave-{KIND}", entry)
@@ -549,7 +549,7 @@ def find_culprits(*, model: Mapping[str, Any], backend: Mapping[str, Any], seed:
 
     def on_crash(entry: str | None, res: IsolatedResult) -> str | None:
         if res.status == "error":
-            return f"the culprit child failed outside any probe: {res.error_type}: {_first_line(res.message)}"
+            return f"the culprit child failed outside any probe: {res.error_type}: {first_line(res.message)}"
         if entry is None:
             return f"the culprit child {res.message or res.status} before it probed anything"
         module, key = parse_entry(entry)
@@ -558,7 +558,7 @@ def find_culprits(*, model: Mapping[str, Any], backend: Mapping[str, Any], seed:
         if hung:
             r = ProbeOutcome(name=key, status="timeout", stage="run", error_type="Timeout", duration_s=probe_timeout,
                             message=f"no result within {probe_timeout:g}s (probe_timeout); the child was killed",
-                            traceback=_tail(timeout_file) or res.stderr_tail[-3000:])
+                            traceback=file_tail(timeout_file) or res.stderr_tail[-3000:])
         else:
             why = res.signal or (f"exit code {res.exit_code}" if res.exit_code is not None else res.status)
             r = ProbeOutcome(name=key, status="crashed", stage="run", error_type=res.signal or "Crash",
@@ -601,7 +601,7 @@ def _result(target: CulpritTarget, answer: Mapping[str, Any], run: Any, seconds:
                          inputs=[st.inputs for st in chosen], sources=[st.source for st in chosen],
                          status=r.status if r else None, stage=r.stage if r else None,
                          error_type=r.error_type if r else None,
-                         message=_first_line(r.message, 400) if r else "", note=note, **common)
+                         message=first_line(r.message, 400) if r else "", note=note, **common)
 
 
 def write_repro(result: CulpritResult, *, context: Mapping[str, Any],
@@ -621,7 +621,7 @@ def write_repro(result: CulpritResult, *, context: Mapping[str, Any],
     node_lines = [f"{n}: {op_in}" for n, op_in in zip(result.nodes, _node_calls(result))]
     ctx = {**context, "call": call, "culprit_what": what, "layer": context.get("module"), "level": result.level,
            "node_lines": node_lines, "status": result.status or "fail", "stage": result.stage or "run",
-           "error_type": result.error_type or "", "message": _first_line(result.message, 200)}
+           "error_type": result.error_type or "", "message": first_line(result.message, 200)}
     script = write_script(rdir / "repro.py", render_template("repro_culprit.py.j2", **ctx))
     ver = verify(script, result)
     note = "not verified" if ver is None else ver.note
@@ -649,24 +649,23 @@ def hints_from_error(message: str, traceback_text: str = "") -> list[str]:
     return list(dict.fromkeys(out))
 
 
+# the ops mode's statuses, the one its finding reports first (its severity order), then inconclusive, then pass
+_OPS_STATUS_ORDER = ("unsupported", "crashed", "timeout", "error", "mismatch", "probe_error", "inconclusive", "pass")
+
+
 def ops_cross_check(ops_probes: Iterable[Mapping[str, Any]], culprit_ops: Sequence[str]) -> dict[str, str]:
-    """For each culprit op the same cell's ops mode probed: its status there (`pass` with synthetic inputs is
-    the signal that the failure depends on the real shapes or values)."""
+    """For each culprit op the same cell's ops mode probed: its status there, the one the ops mode's finding for
+    that op reports when it has one (the most severe over the op's signatures). `pass` alone is the signal that
+    the failure depends on the real shapes or values."""
     out: dict[str, str] = {}
     for row in ops_probes:
         op = str(row.get("op") or "")
-        if op in culprit_ops:
-            status = str(row.get("status") or "")
-            if out.get(op) in (None, "pass"):
-                out[op] = status
+        status = str(row.get("status") or "")
+        if op not in culprit_ops or status not in _OPS_STATUS_ORDER:
+            continue
+        if op not in out or _OPS_STATUS_ORDER.index(status) < _OPS_STATUS_ORDER.index(out[op]):
+            out[op] = status
     return out
-
-
-def _first_line(text: str, limit: int = 300) -> str:
-    for line in str(text).splitlines():
-        if line.strip():
-            return line.strip()[:limit]
-    return ""
 
 
 def _nonempty(path: Path) -> bool:
@@ -674,13 +673,6 @@ def _nonempty(path: Path) -> bool:
         return path.stat().st_size > 0
     except OSError:
         return False
-
-
-def _tail(path: Path, limit: int = 4000) -> str:
-    try:
-        return path.read_text(encoding="utf-8", errors="replace")[-limit:]
-    except OSError:
-        return ""
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -41,11 +41,13 @@ import torch
 from ...backends import backend_ran, backend_recipe, is_self_test, plugin_pythonpath, simdev_options
 from ...config import spec_to_json
 from .culprit import CulpritResult, CulpritTarget, find_culprits, hints_from_error, ops_cross_check, write_repro
+from .groups import IN_PROCESS, cause_families, cause_groups, run_parallel
 from ...fsutil import atomic_write_text
 from ...engine.codec import TensorStore, Unstorable
-from ...engine.isolate import Attempt, IsolatedResult, supervise
+from ...engine.failure import first_line, unwrap
+from ...engine.isolate import Attempt, IsolatedResult, file_tail, supervise
 from ...engine.outcome import ProbeOutcome, append_outcome, read_outcomes
-from .search import ROOT, ChildPlan, ModuleTree, SearchResult, StopSearch, capture_inputs, encode_call, first_line, label, own_name, scan_model, search, unlabel, unwrap_exception, write_root_call
+from .search import ROOT, ChildPlan, ModuleTree, SearchResult, StopSearch, capture_inputs, encode_call, label, own_name, scan_model, search, twin_plan, unlabel, write_root_call
 from ...options import LayersOptions
 from ...registry import FindingKind, parse_options
 from ...engine.repro import render_template, safe_filename, verify_script, write_script
@@ -116,7 +118,7 @@ def run_search(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, layers
 
     def crashed_fd2() -> str:
         """What the dead child's last module wrote to fd 2 (a segfault's report lands there too)."""
-        text = _read_tail(fd2_file)
+        text = file_tail(fd2_file, 6000)
         fd2_file.unlink(missing_ok=True)
         return f"\n--- fd 2 while the module ran ---\n{text}" if text.strip() else ""
 
@@ -136,7 +138,7 @@ def run_search(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, layers
         if entry is None:
             stop = f"the probing child {res.message or res.status} before it entered a module"
             return stop + (f"; stderr: {res.stderr_tail[-1500:]}" if res.stderr_tail else "")
-        stack = (_read_tail(timeout_file) or res.stderr_tail) if timed_out else res.stderr_tail
+        stack = (file_tail(timeout_file, 6000) or res.stderr_tail) if timed_out else res.stderr_tail
         append_outcome(outcomes_file, _dead_child_outcome(unlabel(entry), res, timed_out=timed_out,
                                                           probe_timeout=opts.probe_timeout, traceback=stack + fd2))
         return None
@@ -177,13 +179,6 @@ def _nonempty(path: Path) -> bool:
         return False
 
 
-def _read_tail(path: Path, limit: int = 6000) -> str:
-    try:
-        return path.read_text(encoding="utf-8", errors="replace")[-limit:]
-    except OSError:
-        return ""
-
-
 # --------------------------------------------------------------------------- the mode
 
 def run(ctx: "ModeContext") -> ModeResult:
@@ -216,7 +211,8 @@ def run(ctx: "ModeContext") -> ModeResult:
     data: dict[str, Any] = {
         "capture": capture_info,
         "search": {"complete": result.complete,
-                   "probed": sum(1 for o in result.outcomes.values() if o.status != "skipped"),
+                   "probed": sum(1 for o in result.outcomes.values() if o.status != "skipped" and not o.inferred_from),
+                   "inferred": sum(1 for o in result.outcomes.values() if o.inferred_from),
                    "children": srun.children, "restarts": srun.restarts, "stop_reason": srun.stop_reason},
         "candidates": [_candidate_row(tree, o) for o in result.outcomes.values()],
     }
@@ -225,7 +221,7 @@ def run(ctx: "ModeContext") -> ModeResult:
                                       compiles=ctx.cell.backend.compile is not None)
     unran = [label(o.name) for o in probed if o.status == "inconclusive"]
     note = (f"{len(unran)} module probe(s) the backend never ran (inconclusive, not passed): "
-            f"{', '.join(unran[:8])}{' …' if len(unran) > 8 else ''}") if unran else None
+            f"{', '.join(unran[:8])}{f' … and {len(unran) - 8} more' if len(unran) > 8 else ''}") if unran else None
     whole = result.whole_model
     if whole is None:
         status = "timeout" if srun.stop_reason and "time ran out" in srun.stop_reason else "error"
@@ -233,28 +229,16 @@ def run(ctx: "ModeContext") -> ModeResult:
                           duration_s=time.monotonic() - t0)
     data["whole_model"] = _candidate_row(tree, whole)
     if not whole.failed:
-        return ModeResult(status="inconclusive" if unran else "pass", reason=note, data=data,
-                          duration_s=time.monotonic() - t0)
+        return ModeResult(status="inconclusive" if unran else "pass", reason=_with_eager_ops(note, whole.ran),
+                          data=data, duration_s=time.monotonic() - t0)
 
     known = read_outcomes(layers_dir / "probes.jsonl")  # with the own-code probes (`own_name`)
-    findings = [_finding(ctx, tree, result, name, all_calls=opts.all_calls, own=known.get(own_name(name)))
-                for name in result.minimal]
-    if opts.repro and result.minimal:
-        captured = capture_inputs(model, (), kwargs, result.minimal)
-        for name, finding in zip(result.minimal, findings):
-            try:
-                finding.repro = _repro_for(ctx, opts, loaded, tree, name, result.outcomes[name],
-                                           captured.get(name, []), layers_dir)
-            except Exception as exc:  # a repro problem must not lose the finding
-                finding.repro = Repro(path=str((layers_dir / "repro").relative_to(ctx.cell_dir)), verified=False,
-                                      note=f"repro generation failed: {type(exc).__name__}: {first_line(str(exc))}")
-    if opts.culprit and result.minimal:
-        try:
-            _attach_culprits(ctx, opts, tree, result, findings, layers_dir)
-        except Exception as exc:  # a culprit problem must not lose the findings
-            for finding in findings:
-                finding.details.setdefault("culprit", {"found": False, "kind": "error",
-                                                       "note": f"{type(exc).__name__}: {first_line(str(exc))}"})
+    _, twin_of = twin_plan(tree, result.minimal, result.outcomes)  # a twin's own code is its first's
+    findings = [_finding(ctx, tree, result, name, all_calls=opts.all_calls,
+                         own=known.get(own_name(twin_of.get(name, name)))) for name in result.minimal]
+    if result.minimal and (opts.repro or opts.culprit):
+        _explain(ctx, opts, loaded, tree, result, findings, capture_inputs(model, (), kwargs, result.minimal),
+                 layers_dir, data)
     annotate(findings)  # details.signature: the root-cause group (rootcause.py)
     data["minimal"] = [label(n) for n in result.minimal]
     reason = None
@@ -262,6 +246,43 @@ def run(ctx: "ModeContext") -> ModeResult:
         reason = f"search incomplete: {srun.stop_reason}; the modules named may not be the smallest failing ones"
     reason = "; ".join(filter(None, [reason, note])) or None
     return ModeResult(status="fail", findings=findings, reason=reason, data=data, duration_s=time.monotonic() - t0)
+
+
+def _explain(ctx: "ModeContext", opts: LayersOptions, loaded: Any, tree: ModuleTree, result: SearchResult,
+             findings: list[Finding], captured: Mapping[str, list[Any]], layers_dir: Path,
+             data: dict[str, Any]) -> None:
+    """Repros and culprits, once per cause group (`groups.py`); every finding names its group."""
+    group_of = cause_groups(tree, result, captured)
+    leaders = [n for n in result.minimal if group_of[n] == n]
+    data["groups"] = {label(lead): [label(n) for n in result.minimal if group_of[n] == lead] for lead in leaders}
+    by_name = dict(zip(result.minimal, findings))
+    for name, finding in by_name.items():
+        finding.details["cause_group"] = {"first": label(group_of[name]), "size": len(data["groups"][label(group_of[name])])}
+    if opts.repro:
+        def one(name: str) -> Repro:
+            try:
+                return _repro_for(ctx, opts, loaded, tree, name, result.outcomes[name], captured.get(name, []), layers_dir)
+            except Exception as exc:  # a repro problem must not lose the finding
+                return Repro(path=str((layers_dir / "repro").relative_to(ctx.cell_dir)), verified=False,
+                             note=f"repro generation failed: {type(exc).__name__}: {first_line(str(exc))}")
+
+        repros = dict(zip(leaders, run_parallel(one, leaders, opts.verify_workers)))
+        for name, finding in by_name.items():
+            finding.repro = repros[group_of[name]] if group_of[name] == name else _shared_repro(
+                repros[group_of[name]], group_of[name])
+    if opts.culprit:
+        try:
+            _attach_culprits(ctx, opts, tree, result, by_name, group_of, layers_dir)
+        except Exception as exc:  # a culprit problem must not lose the findings
+            for finding in findings:
+                finding.details.setdefault("culprit", {"found": False, "kind": "error",
+                                                       "note": f"{type(exc).__name__}: {first_line(str(exc))}"})
+
+
+def _shared_repro(repro: Repro, first: str) -> Repro:
+    return Repro(path=repro.path, verified=repro.verified, command=repro.command,
+                 note=f"shared with {label(first)} (same module class, cause and input signature: one repro per group, "
+                      f"verified once); {repro.note or ''}".rstrip("; "))
 
 
 def _repro_reserve(opts: LayersOptions, remaining: float) -> float:
@@ -282,6 +303,8 @@ def _candidate_row(tree: ModuleTree, o: ProbeOutcome) -> dict[str, Any]:
         row["message"] = o.message
     if o.ran:
         row["ran"] = dict(o.ran)
+    if o.inferred_from is not None:
+        row["inferred_from"] = label(o.inferred_from)
     return row
 
 
@@ -310,6 +333,16 @@ def own_code_words(name: str, o: ProbeOutcome, children: list[str], tried: Mappi
                 f"run eagerly: the failure needs them together)"), "needs_children"
     return (f" (each of its {_children_words(len(children))} passes alone; not shown whether it fails in its own "
             f"code or needs them together)"), "open"
+
+
+def _with_eager_ops(note: str | None, ran: Mapping[str, Any]) -> str | None:
+    """A pass where the backend ran only part of the model says what ran in PyTorch eager instead."""
+    eager = [str(op) for op in ran.get("eager_ops") or ()]
+    if not eager:
+        return note
+    words = (f"the backend ran only part of the model: {len(eager)} op(s) ran in PyTorch eager "
+             f"(its partitioner left them out): {', '.join(eager[:12])}{' …' if len(eager) > 12 else ''}")
+    return f"{note}; {words}" if note else words
 
 
 def _finding(ctx: "ModeContext", tree: ModuleTree, result: SearchResult, name: str, *, all_calls: bool,
@@ -421,14 +454,14 @@ def _repro_for(ctx: "ModeContext", opts: LayersOptions, loaded: Any, tree: Modul
     ver = None
     if opts.export:
         try:
-            with torch.no_grad(), _quiet_torch_logs():
+            with IN_PROCESS, torch.no_grad(), _quiet_torch_logs():
                 ep = torch.export.export(sub, args, kwargs, strict=False)
             tmp = rdir / ".module.tmp.pt2"
             torch.export.save(ep, str(tmp))
             os.replace(tmp, rdir / "module.pt2")
             pt2_ok = True
         except Exception as exc:
-            inner = unwrap_exception(exc)
+            inner = unwrap(exc)
             notes.append(f"torch.export failed ({type(inner).__name__}: {first_line(str(inner), 200)})")
     else:
         notes.append("export disabled (options.layers.export: false)")
@@ -442,7 +475,8 @@ def _repro_for(ctx: "ModeContext", opts: LayersOptions, loaded: Any, tree: Modul
         notes.append(f"the exported-module repro did not reproduce it ({ver.note})")
         os.replace(script, rdir / "repro_pt2.py")
 
-    source = _write_source_repro(ctx, loaded, sub, name, rdir, rctx)
+    with IN_PROCESS:
+        source = _write_source_repro(ctx, loaded, sub, name, rdir, rctx)
     if source is None:
         if pt2_ok:
             os.replace(rdir / "repro_pt2.py", script)
@@ -531,30 +565,54 @@ def _write_source_repro(ctx: "ModeContext", loaded: Any, sub: torch.nn.Module, n
 # --------------------------------------------------------------------------- the culprit inside a finding
 
 def _attach_culprits(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, result: SearchResult,
-                     findings: list[Finding], layers_dir: Path) -> None:
-    """Search each failing submodule's graph for the op(s) that fail (`culprit.find_culprits`: one child for
-    all of them), write and verify their repros, and put each answer in `finding.details["culprit"]`."""
-    budget = min(opts.culprit_budget, (ctx.remaining() - 10.0) / len(findings))
+                     by_name: Mapping[str, Finding], group_of: Mapping[str, str], layers_dir: Path) -> None:
+    """Search one failing submodule's graph per cause group for the op(s) that fail (`culprit.find_culprits`: one
+    child for all of them; groups that differ from an earlier one in their inputs only probe its culprit op first),
+    write and verify their repros (at once, up to `verify_workers`), and put each answer in
+    `finding.details["culprit"]`; the other members of a group carry their first's answer (`shared_with`)."""
+    leaders = [n for n in by_name if group_of[n] == n]
+    budget = min(opts.culprit_budget, (ctx.remaining() - 10.0) / len(leaders))
     if budget < 30.0:
-        for finding in findings:
+        for finding in by_name.values():
             finding.details["culprit"] = {"found": False, "kind": "skipped",
                                           "note": "no time left for the culprit search"}
         return
-    names = list(result.minimal)
-    targets = [CulpritTarget(module=name, out_dir=str(layers_dir / "repro" / safe_filename(label(name)) / "culprit"),
-                             hints=hints_from_error(result.outcomes[name].message, result.outcomes[name].traceback))
-               for name in names]
-    answers = find_culprits(model=spec_to_json(ctx.cell.model), backend=spec_to_json(ctx.cell.backend),
-                            seed=ctx.cell.inputs.seed, layers_dir=layers_dir, targets=targets,
-                            journal=ctx.cell_dir / JOURNAL_NAME, probe_timeout=opts.probe_timeout,
-                            startup_timeout=opts.startup_timeout, budget_s=budget, max_restarts=opts.max_restarts,
-                            env={str(k): str(v) for k, v in ctx.cell.backend.env.items()})
-    for name, finding, answer in zip(names, findings, answers):
+    family = cause_families(tree, result, leaders)
+    answers: dict[str, CulpritResult] = {}
+    for wave in ([n for n in leaders if family[n] == n], [n for n in leaders if family[n] != n]):
+        if not wave:
+            continue
+        targets = [CulpritTarget(module=name, out_dir=str(layers_dir / "repro" / safe_filename(label(name)) / "culprit"),
+                                 hints=_culprit_hints(result, name, answers.get(family[name])))
+                   for name in wave]
+        found = find_culprits(model=spec_to_json(ctx.cell.model), backend=spec_to_json(ctx.cell.backend),
+                              seed=ctx.cell.inputs.seed, layers_dir=layers_dir, targets=targets,
+                              journal=ctx.cell_dir / JOURNAL_NAME, probe_timeout=opts.probe_timeout,
+                              startup_timeout=opts.startup_timeout, budget_s=budget, max_restarts=opts.max_restarts,
+                              env={str(k): str(v) for k, v in ctx.cell.backend.env.items()})
+        answers.update(zip(wave, found))
+
+    def attach(name: str) -> None:
         try:
-            _attach_culprit(ctx, opts, tree, name, result.outcomes[name], finding, answer)
+            _attach_culprit(ctx, opts, tree, name, result.outcomes[name], by_name[name], answers[name])
         except Exception as exc:  # a culprit problem must not lose the finding
-            finding.details["culprit"] = {"found": False, "kind": "error",
-                                          "note": f"{type(exc).__name__}: {first_line(str(exc))}"}
+            by_name[name].details["culprit"] = {"found": False, "kind": "error",
+                                                "note": f"{type(exc).__name__}: {first_line(str(exc))}"}
+
+    run_parallel(attach, leaders, opts.verify_workers)
+    for name, finding in by_name.items():
+        if group_of[name] != name:
+            shared = dict(by_name[group_of[name]].details.get("culprit") or {})
+            shared["shared_with"] = label(group_of[name])
+            finding.details["culprit"] = shared
+
+
+def _culprit_hints(result: SearchResult, name: str, earlier: CulpritResult | None) -> list[str]:
+    o = result.outcomes[name]
+    hints = hints_from_error(o.message, o.traceback)
+    if earlier is not None and earlier.found:
+        hints = list(dict.fromkeys(list(earlier.ops) + hints))
+    return hints
 
 
 def _attach_culprit(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, name: str, o: ProbeOutcome,

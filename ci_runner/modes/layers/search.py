@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import faulthandler
 import json
-import os
 import sys
 import time
-import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
@@ -34,12 +32,14 @@ from ...backends import DynamoCounters, FallbackWatch, not_ran_reason, ran_facts
 from ...engine.capture import ModuleCapture, detach_tree, iter_tensors
 from ...engine.codec import TensorStore, Unstorable, check_value, decode_call
 from ...engine.diagnostics import capture_fd2, compiler_words
+from ...engine.failure import is_compile_stage, raised_traceback, unwrap
 from ...fsutil import atomic_write_json
 from ...config import BackendSpec, ModelSpec, spec_from_json
 from ...engine.isolate import child_journal
 from ...engine.models import load_model
 from ...engine.outcome import ProbeOutcome, append_outcome, read_outcomes
 from ...engine.tree import tensors_in
+from ...results.rootcause import error_signature
 
 ROOT = ""  # the root module's qualified name
 ROOT_LABEL = "<root>"  # how the root is named in findings and reports
@@ -235,41 +235,101 @@ class StopSearch(Exception):
 
 
 def search(tree: ModuleTree, probe: Callable[[str], ProbeOutcome],
-           prefetch: Callable[[list[str]], None] | None = None) -> SearchResult:
+           prefetch: Callable[[list[str]], None] | None = None, *, twins: bool = True) -> SearchResult:
     """Top-down, breadth-first: the whole model, then the children of every failing module, level by level.
 
     A module that cannot be replayed (opaque inputs) is not run; the search looks through it to its children.
-    `prefetch`, when given, is told each level's modules before they are probed (to capture their inputs in
-    one reference forward).
-    """
+    `prefetch` is told the modules about to be probed (their inputs are captured in one reference forward).
+    `twins`: failing parents of a level with the same class, cause and children (`twin_plan`) are searched once;
+    a twin probes only the children that failed in the first and, when each fails with the same cause, its
+    other children take the first's outcomes (`inferred_from`); else they are probed too."""
     outcomes: dict[str, ProbeOutcome] = {}
-    complete = True
+    complete, order = True, {name: i for i, name in enumerate(tree.nodes)}
     try:
-        first = probe(tree.root)
-        outcomes[tree.root] = first
-        frontier = [tree.root] if first.failed else []
+        outcomes[tree.root] = probe(tree.root)
+        frontier = [tree.root] if outcomes[tree.root].failed else []
         while frontier:
-            nxt: list[str] = []
-            if prefetch is not None:
-                level = [c for p in frontier for c in tree.children(p) if tree.nodes[c].replayable]
-                if level:
-                    prefetch(level)
-            for parent in frontier:
-                for child in tree.children(parent):
-                    node = tree.nodes[child]
-                    if not node.replayable:
-                        outcomes[child] = ProbeOutcome(name=child, status="skipped",
-                                                       message=f"inputs cannot be replayed: {node.why_not}")
-                        nxt.append(child)  # look through it
-                        continue
-                    res = probe(child)
-                    outcomes[child] = res
-                    if res.failed:
-                        nxt.append(child)
-            frontier = nxt
+            firsts, twin_of = twin_plan(tree, frontier, outcomes) if twins else (frontier, {})
+            nxt = _probe_children(tree, firsts, probe, prefetch, outcomes)
+            nxt += _probe_twins(tree, twin_of, probe, prefetch, outcomes)
+            frontier = sorted(nxt, key=lambda n: order[n])
     except StopSearch:
         complete = False
     return SearchResult(outcomes=outcomes, minimal=minimal_failing(tree, outcomes), complete=complete)
+
+
+def twin_plan(tree: ModuleTree, names: Sequence[str], outcomes: Mapping[str, ProbeOutcome]) -> tuple[list[str], dict[str, str]]:
+    """`names` split into the first of each twin group (same class, cause and children's shape) and the rest,
+    each mapped to its group's first."""
+    firsts: list[str] = []
+    twin_of: dict[str, str] = {}
+    seen: dict[tuple[Any, ...], str] = {}
+    for name in names:
+        o = outcomes.get(name)
+        if name == ROOT or o is None or not o.failed or not tree.children(name):
+            firsts.append(name)
+            continue
+        shape = tuple((c[len(name) + 1:], tree.nodes[c].module_class) for c in tree.children(name))
+        key = (tree.nodes[name].module_class, o.cause, shape)
+        if key in seen:
+            twin_of[name] = seen[key]
+        else:
+            seen[key] = name
+            firsts.append(name)
+    return firsts, twin_of
+
+
+def _probe_children(tree: ModuleTree, parents: Sequence[str], probe: Callable[[str], ProbeOutcome],
+                    prefetch: Callable[[list[str]], None] | None, outcomes: dict[str, ProbeOutcome],
+                    only: Collection[str] | None = None) -> list[str]:
+    """Probe the children of `parents` (those in `only`, when given); the failing and skipped ones are returned."""
+    kids = [c for p in parents for c in tree.children(p) if only is None or c in only]
+    if prefetch is not None:
+        level = [c for c in kids if tree.nodes[c].replayable and c not in outcomes]
+        if level:
+            prefetch(level)
+    nxt: list[str] = []
+    for child in kids:
+        node = tree.nodes[child]
+        if not node.replayable:
+            outcomes[child] = ProbeOutcome(name=child, status="skipped",
+                                           message=f"inputs cannot be replayed: {node.why_not}")
+            nxt.append(child)  # look through it
+            continue
+        res = probe(child)
+        outcomes[child] = res
+        if res.failed:
+            nxt.append(child)
+    return nxt
+
+
+def _probe_twins(tree: ModuleTree, twin_of: Mapping[str, str], probe: Callable[[str], ProbeOutcome],
+                 prefetch: Callable[[list[str]], None] | None, outcomes: dict[str, ProbeOutcome]) -> list[str]:
+    def counterpart(child: str, parent: str) -> str:
+        return twin_of[parent] + child[len(parent):]
+
+    confirm = {c for p in twin_of for c in tree.children(p)
+               if (o := outcomes.get(counterpart(c, p))) is None or o.failed or o.status == "skipped"}
+    nxt = _probe_children(tree, list(twin_of), probe, prefetch, outcomes, only=confirm)
+    def same(c: str, p: str) -> bool:
+        return (o := outcomes.get(c)) is not None and (t := outcomes.get(counterpart(c, p))) is not None and o.cause == t.cause
+
+    unlike = [p for p in twin_of if not all(same(c, p) for c in tree.children(p) if c in confirm)]
+    rest = {c for p in unlike for c in tree.children(p) if c not in confirm}
+    nxt += _probe_children(tree, unlike, probe, prefetch, outcomes, only=rest)
+    for parent in twin_of:
+        if parent in unlike:
+            continue
+        for child in tree.children(parent):
+            if child in confirm:
+                continue
+            twin = counterpart(child, parent)
+            o = outcomes[twin]
+            outcomes[child] = ProbeOutcome(
+                name=child, status=o.status, ran=dict(o.ran), inferred_from=twin,
+                message=f"not probed: {label(parent)} fails like its twin {label(twin_of[parent])} (same class, "
+                        f"same cause, same children), so it takes the outcome of {label(twin)}")
+    return nxt
 
 
 def minimal_failing(tree: ModuleTree, outcomes: Mapping[str, ProbeOutcome]) -> list[str]:
@@ -310,38 +370,6 @@ def own_code_candidates(tree: ModuleTree, outcomes: Mapping[str, ProbeOutcome]) 
     return out
 
 
-# --------------------------------------------------------------------------- errors
-
-def unwrap_exception(exc: BaseException) -> BaseException:
-    """The error the backend raised, not Dynamo's wrapper around it."""
-    seen = 0
-    while seen < 8:
-        seen += 1
-        inner = getattr(exc, "inner_exception", None)  # BackendCompilerFailed
-        if isinstance(inner, BaseException):
-            exc = inner
-            continue
-        mod = type(exc).__module__ or ""
-        if mod.startswith("torch._dynamo") and isinstance(exc.__cause__, BaseException):
-            exc = exc.__cause__  # InternalTorchDynamoError and friends
-            continue
-        break
-    return exc
-
-
-def _is_compile_error(exc: BaseException) -> bool:
-    try:
-        from torch._dynamo.exc import TorchDynamoException
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(exc, TorchDynamoException)
-
-
-def first_line(text: str, limit: int = 300) -> str:
-    for line in str(text).splitlines():
-        if line.strip():
-            return line.strip()[:limit]
-    return ""
 
 
 # --------------------------------------------------------------------------- the probing child
@@ -372,27 +400,6 @@ def write_root_call(layers_dir: Path, tree: ModuleTree, kwargs: Mapping[str, Any
     atomic_write_json(layers_dir / "tree.json", tree.to_json())
 
 
-_COMPILE_FRAMES = ("torch/_dynamo/convert_frame.py", "torch/_dynamo/output_graph.py",
-                   "torch/_functorch/_aot_autograd/graph_compile.py")
-
-
-def is_compile_stage(exc: BaseException) -> bool:
-    """Whether `exc` came from compiling (Dynamo tracing or the backend's compiler), not from running the result.
-
-    Dynamo re-raises some backend errors unwrapped, so the traceback decides: a compile error passes through
-    Dynamo's frame conversion; a run-time error comes from the compiled code's runtime wrappers.
-    """
-    if _is_compile_error(exc):
-        return True
-    tb = exc.__traceback__
-    while tb is not None:
-        fname = tb.tb_frame.f_code.co_filename.replace(os.sep, "/")
-        if fname.endswith(_COMPILE_FRAMES):
-            return True
-        tb = tb.tb_next
-    return False
-
-
 def _materialize(out: Any) -> None:
     """Force asynchronous devices to finish (and surface their errors) by fetching the outputs."""
     for _, t in iter_tensors(out):
@@ -410,7 +417,6 @@ def probe_child(payload: dict[str, Any]) -> dict[str, Any]:
     faulthandler.enable(file=sys.stderr)
 
     from safetensors.torch import load_file
-
 
     plan = ChildPlan(**payload)
     layers_dir = Path(plan.layers_dir)
@@ -453,7 +459,8 @@ def probe_child(payload: dict[str, Any]) -> dict[str, Any]:
     try:
         result = search(tree, probe, prefetch)
         if result.complete and not backend.is_eager:  # eager devices name the running module instead
-            own = [n for n in own_code_candidates(tree, result.outcomes) if own_name(n) not in known]
+            firsts, _ = twin_plan(tree, own_code_candidates(tree, result.outcomes), result.outcomes)
+            own = [n for n in firsts if own_name(n) not in known]  # a twin takes its first's (mode.py)
             if own and time.time() < plan.deadline_wall:
                 calls = capture_inputs(model, root_args, root_kwargs, own, all_calls=False)
             for name in own:
@@ -540,14 +547,14 @@ def _probe_one(name: str, *, model: torch.nn.Module, backend: Any, calls: list[t
             outcome = ProbeOutcome(name=outcome_name, status="pass", duration_s=time.monotonic() - t0,
                                    calls_tried=tried, ran=ran)
     except Exception as exc:  # the backend's error is the finding
-        inner = unwrap_exception(exc)
+        inner = unwrap(exc)
         stage = "compile" if (not backend.is_eager and is_compile_stage(exc)) else "run"
         message = str(inner)[:4000] or type(inner).__name__
         words, _ = compiler_words(err[0], inner, message)
         if words:  # the compiler's own lines after the error's first line (verification keys on the first)
             message = (message + "\n" + "\n".join(words))[:6000]
         outcome = ProbeOutcome(name=outcome_name, status="fail", stage=stage, error_type=type(inner).__name__,
-                               message=message, traceback=root_traceback(exc, inner),
+                               message=message, traceback=raised_traceback(exc, inner),
                                executing=tracker.failed_in if tracker is not None else None,
                                duration_s=time.monotonic() - t0, calls_tried=tried,
                                ran={} if backend.is_eager else ran_facts(record, counters, watch), diagnostics=words)
@@ -555,15 +562,6 @@ def _probe_one(name: str, *, model: torch.nn.Module, backend: Any, calls: list[t
         faulthandler.cancel_dump_traceback_later()
         child_journal("leave-module", label(outcome_name))
     return outcome
-
-
-def root_traceback(exc: BaseException, inner: BaseException, *, frames: int = 40, limit: int = 6000) -> str:
-    """The traceback of the error the backend raised (`inner`), its innermost `frames` frames: where it was
-    raised, which `rootcause.raised_in` reads; then the last line of the wrapper Dynamo raised, if any."""
-    text = "".join(traceback.format_exception(type(inner), inner, inner.__traceback__, limit=-frames, chain=False))
-    if inner is not exc:
-        text += f"\n(raised to the caller as {type(exc).__name__})\n"
-    return text[-limit:]
 
 
 class _ExecutingTracker:

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from ...engine.capture import ModuleCapture
+from ...engine.failure import first_line
 from ...errors import DeepviewError
 from .signature import CallSite, Inventory, OpSignature, encode_value, iter_tensor_specs, signature_key
 from ...engine.torchcompat import require
@@ -344,12 +345,6 @@ def where_failed(exc: BaseException) -> str:
     return "unknown location"
 
 
-def _first_line(text: str, limit: int = 600) -> str:
-    text = text.strip()
-    line = text.splitlines()[0] if text else ""
-    return line[:limit]
-
-
 # --------------------------------------------------------------------------------------------- tracers
 
 def trace_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *, level: str,
@@ -596,7 +591,7 @@ def take_inventory(model: nn.Module, args: Sequence[Any] = (), kwargs: Mapping[s
         try:
             inv = fn()
         except Exception as exc:  # any tracer failure is data for the next attempt and for the report
-            failures.append(f"{what} failed at {where_failed(exc)}: {type(exc).__name__}: {_first_line(str(exc))}")
+            failures.append(f"{what} failed at {where_failed(exc)}: {type(exc).__name__}: {first_line(str(exc), 600)}")
             continue
         inv.notes[:0] = [f"fallback after: {f}" for f in failures]
         resolve_sites(inv, model)

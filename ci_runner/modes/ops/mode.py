@@ -28,14 +28,13 @@ bfloat16 (5e-2, 1e-2); integers and bools exactly. `atol` scales with the larges
 from __future__ import annotations
 
 import concurrent.futures
-import inspect
 import os
 import re
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
@@ -49,7 +48,7 @@ from .probe import ProbeRunner, call_source, float_dtype, make_tensor, not_run_o
 from .signature import Inventory, OpSignature
 from ...options import OpsOptions
 from ...registry import FindingKind, parse_options
-from ...engine.repro import render_template, safe_filename, verify_script, write_script
+from ...engine.repro import plain_source, render_template, safe_filename, verify_script, write_script
 from ...results.model import Finding, ModeResult, Repro, fingerprint
 
 if TYPE_CHECKING:
@@ -90,29 +89,17 @@ def render_repro(*, op: str, kind: str, stage: str, error_type: str | None, mess
         positional_args=positional_args,
         setup=list(recipe.setup), backend_expr=recipe.backend_expr or "None", compile_options=dict(recipe.compile_options),
         op_expr=op_expression(signature.op), seed=int(probe["seed"]), compare=compare_results and kind == FindingKind.OP_MISMATCH,
-        rtol=tolerance[0], atol=tolerance[1], make_tensor_source=_plain_source(make_tensor),
-        compare_source="\n\n".join(_plain_source(f) for f in SCRIPT_FUNCTIONS), tensor_lines=tensor_lines, tensor_names=tensor_names,
+        rtol=tolerance[0], atol=tolerance[1], make_tensor_source=plain_source(make_tensor),
+        compare_source="\n\n".join(plain_source(f) for f in SCRIPT_FUNCTIONS), tensor_lines=tensor_lines, tensor_names=tensor_names,
         call_args=call_args, command=command, crash=crash,
     )
 
 
 # --------------------------------------------------------------------------------------------- the mode
 
-def _plain_source(fn: Callable[..., Any]) -> str:
-    """A function's source for a standalone script, without this package's type-checker comments.
-
-    Read once, at import: `inspect` reads the file on disk, which may have changed under a long-running process.
-    """
-    source = _SOURCES.get(fn.__name__)
-    if source is None:
-        source = _SOURCES[fn.__name__] = re.sub(r"  # type: ignore\[[^\]]*\]", "", inspect.getsource(fn))
-    return source
-
-
-_SOURCES: dict[str, str] = {}
-_plain_source(make_tensor)
+plain_source(make_tensor)  # read at import (see `plain_source`)
 for _fn in SCRIPT_FUNCTIONS:
-    _plain_source(_fn)
+    plain_source(_fn)
 
 
 def choose_level(spec: "BackendSpec", is_eager: bool, override: str | None) -> str:
@@ -287,8 +274,11 @@ def _status(rows: list[dict[str, Any]], counts: Mapping[str, int], *, has_findin
     reason = None
     if counts.get("inconclusive"):
         unran = sorted({r["op"] for r in rows if r["status"] == "inconclusive"})
-        reason = (f"{counts['inconclusive']} probe(s) the backend never ran (inconclusive, not passed): "
-                  f"{', '.join(unran[:8])}{' …' if len(unran) > 8 else ''}")
+        n = counts["inconclusive"]
+        ops_words = f" of {len(unran)} op(s)" if len(unran) != n else ""  # the count and the list count the same
+        note = (f"{n} probe(s){ops_words} the backend never ran (inconclusive, not passed): "
+                f"{', '.join(unran[:8])}{f' … and {len(unran) - 8} more' if len(unran) > 8 else ''}")
+        reason = note
         if not has_findings:
             status = "inconclusive"
     if setup_error and not has_findings:
@@ -380,6 +370,8 @@ def _findings(ctx: "ModeContext", failures: Mapping[str, list[_Failure]], invent
                    "exception_chain": list(diagnostics.get("exception_chain") or []),
                    "outputs": lead.signature.outputs, "imports": list(lead.signature.imports),
                    "backend_ran": lead.outcome.get("ran") or {}}
+        if lead.outcome.get("traceback"):  # where the error was raised (`rootcause.raised_in` reads it)
+            details["traceback_tail"] = str(lead.outcome["traceback"])[-3000:]
         if kind == FindingKind.PROBE_ERROR:  # the probe itself could not be built: nothing a repro could show
             out.append((Finding(kind=kind, stage=lead.outcome.get("stage") or "trace",
                                 message=f"the probe of {op} could not be built: {error_type}: {message}"[:2000],

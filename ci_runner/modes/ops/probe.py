@@ -26,6 +26,7 @@ import torch
 from ...backends import COULD_NOT_RUN_RE, CompileRecord, DynamoCounters, FallbackWatch, named_op_from_error, not_ran_reason, ran_facts, resolve_backend
 from ...config import BackendSpec, spec_from_json, spec_to_json
 from ...engine.diagnostics import capture_fd2, compiler_words
+from ...engine.failure import classify, error_text
 from ...fsutil import append_line
 from ...engine.isolate import Attempt, IsolatedResult, child_journal, supervise
 from .compare import compare, matches_any, mismatch_metrics, no_compare_reason
@@ -209,34 +210,33 @@ def packet_of(op: str) -> str:
     return op.rsplit(".", 1)[0] if op.count(".") >= 2 else op
 
 
-def _exc_text(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text if text else type(exc).__name__
-
-
-def classify_failure(exc: BaseException, *, eager: bool, ref_exc: BaseException | None) -> dict[str, Any]:
-    """Status, stage, error type and message of a probe's failure on the target."""
-    try:
-        from torch._dynamo.exc import BackendCompilerFailed, TorchDynamoException
-    except ImportError:  # pragma: no cover - torch without Dynamo
-        BackendCompilerFailed = TorchDynamoException = ()  # type: ignore[assignment,misc]
-    inner: BaseException = exc
-    if BackendCompilerFailed and isinstance(exc, BackendCompilerFailed):
-        inner = getattr(exc, "inner_exception", None) or exc
-        status, stage = "unsupported", "compile"
-    elif TorchDynamoException and isinstance(exc, TorchDynamoException):
-        status, stage = "probe_error", "trace"  # Dynamo could not trace the one-op function: not the backend's verdict
+def probe_failure(exc: BaseException, *, eager: bool, ref_exc: BaseException | None) -> dict[str, Any]:
+    """Status, stage, error type, message and traceback of a probe's failure on the target (`failure.classify`):
+    the backend's compiler refusing the graph is `unsupported`; Dynamo failing to trace the one-op function is a
+    `probe_error` (not the backend's verdict); else `unsupported` when the error says the op has no kernel."""
+    failed = classify(exc)
+    if failed.stage == "trace":
+        status = "probe_error"
+    elif isinstance(exc, _backend_compiler_failed()):
+        status = "unsupported"
     else:
-        text = str(exc)
-        unsupported = bool(COULD_NOT_RUN_RE.search(text)) or (eager and isinstance(exc, NotImplementedError))
-        status, stage = ("unsupported" if unsupported else "error"), "run"
-    message = _exc_text(inner)
-    if ref_exc is not None and status == "error" and type(ref_exc) is type(inner):
+        unsupported = bool(COULD_NOT_RUN_RE.search(str(exc))) or (eager and isinstance(exc, NotImplementedError))
+        status = "unsupported" if unsupported else "error"
+    message = failed.message
+    if ref_exc is not None and status == "error" and type(ref_exc).__name__ == failed.error_type:
         status = "probe_error"  # CPU eager rejects the same synthetic inputs: the probe is invalid, not the backend
-        message = f"CPU eager fails too ({type(ref_exc).__name__}: {_exc_text(ref_exc)[:300]}): {message}"
+        message = f"CPU eager fails too ({type(ref_exc).__name__}: {error_text(ref_exc)[:300]}): {message}"
     named, phrase = named_op_from_error(message)
-    return {"status": status, "stage": stage, "error_type": type(inner).__name__, "message": message[:4000],
-            "named_op": named, "named_text": phrase}
+    return {"status": status, "stage": failed.stage, "error_type": failed.error_type, "message": message[:4000],
+            "named_op": named, "named_text": phrase, "traceback": failed.traceback}
+
+
+def _backend_compiler_failed() -> tuple[type[BaseException], ...]:
+    try:
+        from torch._dynamo.exc import BackendCompilerFailed
+    except ImportError:  # pragma: no cover - torch without Dynamo
+        return ()
+    return (BackendCompilerFailed,)
 
 
 class _NoGraph(Exception):
@@ -331,7 +331,7 @@ def run_probe(backend: Any, probe: Mapping[str, Any], *, compare_results: bool,
     try:
         tensors = [backend.to_device(t) for t in build_tensors(probe["args"], probe["kwargs"], int(probe["seed"]))]
     except Exception as exc:
-        info = classify_failure(exc, eager=True, ref_exc=None)
+        info = probe_failure(exc, eager=True, ref_exc=None)
         info["message"] = f"moving the inputs to {device} failed: {info['message']}"[:4000]
         return done(**info)
     compile_name = getattr(getattr(backend, "spec", None), "compile", None)
@@ -451,12 +451,12 @@ def _target_failure(exc: BaseException, run: _TargetRun, *, eager: bool, ref_exc
     """The outcome fields of a run on the target that raised, with the compiler's own words."""
     refused = isinstance(exc, _CompilerRefused)
     inner = exc.__cause__ if refused and exc.__cause__ is not None else exc
-    info = classify_failure(inner, eager=eager, ref_exc=ref_exc)
+    info = probe_failure(inner, eager=eager, ref_exc=ref_exc)
     if refused:
         info.update(status="unsupported", stage="compile")
         if ref_exc is not None:  # CPU eager rejects these inputs too: an invalid probe, not a verdict
             info.update(status="probe_error", message=f"CPU eager fails too ({type(ref_exc).__name__}: "
-                        f"{_exc_text(ref_exc)[:300]}): {info['message']}"[:4000])
+                        f"{error_text(ref_exc)[:300]}): {info['message']}"[:4000])
     elif info["status"] == "probe_error" and ref_exc is None and run.record is not None and run.record.graphs:
         info.update(status="error", stage="compile")  # Dynamo failed after the backend had the graph
     words, chain = compiler_words(run.err[0], inner, info["message"], op_name)

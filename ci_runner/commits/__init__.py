@@ -1,0 +1,1 @@
+"""`deepview-ci bisect-commits`: bisect a backend's own git history with a finding's verified repro."""

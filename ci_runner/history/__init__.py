@@ -1,0 +1,1 @@
+"""Run history: one immutable record per run, merged into SQLite when read; trends, flaky/drifting, baseline proposals."""

@@ -1,0 +1,143 @@
+"""`deepview-ci history push`: this run's record onto the history branch, pushed without ever forcing.
+
+The branch (default ``deepview-history``) holds a history folder at its root: ``runs/<date>_<id>.json.gz``
+(one immutable file per run) and ``history.sqlite`` (the runs folded so far). Each push:
+
+1. fetches the branch (``--depth 1``; a missing branch starts from an empty root commit);
+2. checks it out in a temporary worktree of the given clone, adds this run's record file, and, once
+   ``compact_every`` run files are pending, folds them into ``history.sqlite`` and compacts runs past
+   ``keep`` into weeks (the compaction commit);
+3. commits and pushes. When another run pushed first (the push is rejected), it fetches again and redoes
+   step 2 on the new tip, up to ``retries`` times: a run is added to what is there, never written over it.
+
+Git runs with the clone's own credentials, or with ``GITHUB_TOKEN`` when it is set (the reusable workflow
+passes the job token so that no checkout persists it); the token needs ``contents: write`` for this step only.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import random
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+from ..engine.isolate import CommandResult, run_command
+from ..errors import ExecutionError, UsageError
+from ..results.model import Results
+from .compact import compact
+from .records import RunMeta, record_of, write_record
+from .store import RUNS_DIR, holds_run
+
+LOCAL_REF = "refs/deepview-ci/history"
+EMPTY_TREE = "4b825dc642cb6eb9a060e54bf8d69288fbee4904"
+_REJECTED = re.compile(r"rejected|non-fast-forward|fetch first|failed to update ref|stale info|cannot lock ref")
+_CREDS = re.compile(r"(://)[^/@\s]+@")
+IDENTITY = {"GIT_AUTHOR_NAME": "deepview-ci", "GIT_AUTHOR_EMAIL": "deepview-ci@users.noreply.github.com",
+            "GIT_COMMITTER_NAME": "deepview-ci", "GIT_COMMITTER_EMAIL": "deepview-ci@users.noreply.github.com"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PushOptions:
+    remote: str = "origin"
+    branch: str = "deepview-history"
+    repo_dir: Path = Path(".")
+    retries: int = 5
+    compact_every: int = 7
+    keep: int = 90
+
+
+class _Rejected(Exception):
+    pass
+
+
+def _git(args: list[str], cwd: Path, env: Mapping[str, str], *, check: bool = True) -> CommandResult:
+    """git through the one child engine (its own session, killed at the timeout or on Ctrl-C)."""
+    proc = run_command(["git", *args], cwd=cwd, env=env, timeout=300)
+    if check and proc.returncode != 0:
+        err = _CREDS.sub(r"\1***@", (proc.stderr or proc.stdout).strip())
+        raise ExecutionError(f"git {args[0]} failed (exit {proc.returncode}): {err[-800:]}",
+                             hint="the clone needs the remote and a token with `contents: write` for the history branch")
+    return proc
+
+
+def git_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """git's environment: a commit identity when none is set, no prompts, and, when ``GITHUB_TOKEN`` is set
+    (the action's `github-token`), an auth header for the server given to git through its environment (never
+    on a command line, never written to the clone's config)."""
+    env = dict(os.environ if base is None else base)
+    for k, v in IDENTITY.items():
+        env.setdefault(k, v)
+    env["GIT_TERMINAL_PROMPT"] = "0"
+    token = (env.get("GITHUB_TOKEN") or "").strip()
+    if token:
+        server = env.get("GITHUB_SERVER_URL", "https://github.com").rstrip("/")
+        n = int(env.get("GIT_CONFIG_COUNT", "0") or 0)
+        basic = base64.b64encode(f"x-access-token:{token}".encode()).decode("ascii")
+        env.update({"GIT_CONFIG_COUNT": str(n + 1), f"GIT_CONFIG_KEY_{n}": f"http.{server}/.extraheader",
+                    f"GIT_CONFIG_VALUE_{n}": f"AUTHORIZATION: basic {basic}"})
+    return env
+
+
+def _fetch(repo: Path, opts: PushOptions, env: Mapping[str, str]) -> str:
+    """The branch's tip on the remote (fetched), or a new empty root commit when the branch does not exist."""
+    has = _git(["ls-remote", "--heads", opts.remote, f"refs/heads/{opts.branch}"], repo, env).stdout.strip()
+    if has:
+        _git(["fetch", "--quiet", "--depth=1", opts.remote, f"+refs/heads/{opts.branch}:{LOCAL_REF}"], repo, env)
+        return _git(["rev-parse", LOCAL_REF], repo, env).stdout.strip()
+    _git(["hash-object", "-t", "tree", "-w", "--stdin"], repo, env)  # makes sure the empty tree exists
+    return _git(["commit-tree", EMPTY_TREE, "-m", "deepview-ci history: start"], repo, env).stdout.strip()
+
+
+def _attempt(repo: Path, tip: str, record: Mapping[str, object], meta: RunMeta, opts: PushOptions,
+             env: Mapping[str, str]) -> str:
+    work = Path(tempfile.mkdtemp(prefix="deepview-history-"))
+    shutil.rmtree(work)
+    _git(["worktree", "add", "--quiet", "--detach", str(work), tip], repo, env)
+    try:
+        if holds_run(work, meta.run_id):
+            return f"history push: run {meta.run_id} is already on {opts.branch}; nothing to push"
+        write_record(record, work / RUNS_DIR)
+        pending = len(list((work / RUNS_DIR).glob("*.json.gz")))
+        message = f"deepview-ci history: add run {meta.run_id} ({meta.date})"
+        if pending >= opts.compact_every:
+            folded, weeks = compact(work, keep=opts.keep)
+            message += f"; compaction: {pending} run file(s) folded into history.sqlite, {folded} run(s) into {weeks} week(s)"
+        _git(["add", "-A", "."], work, env)
+        _git(["commit", "--quiet", "-m", message], work, env)
+        proc = _git(["push", "--porcelain", opts.remote, f"HEAD:refs/heads/{opts.branch}"], work, env, check=False)
+        if proc.returncode != 0:
+            text = (proc.stderr or "") + (proc.stdout or "")
+            if _REJECTED.search(text):
+                raise _Rejected(_CREDS.sub(r"\1***@", text.strip())[-400:])
+            _git(["push", opts.remote, f"HEAD:refs/heads/{opts.branch}"], work, env)  # raises with git's words
+        return f"history push: {message} → {opts.remote}/{opts.branch}"
+    finally:
+        _git(["worktree", "remove", "--force", str(work)], repo, env, check=False)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def push_run(results: Results, meta: RunMeta, opts: PushOptions) -> str:
+    """Add this run to the history branch and push it; retries when another run pushed first."""
+    repo = Path(opts.repo_dir)
+    if opts.retries < 1 or opts.compact_every < 1 or opts.keep < 1:
+        raise UsageError("history push: --retries, --compact-every and --keep must be at least 1")
+    env = git_env()
+    if _git(["rev-parse", "--git-dir"], repo, env, check=False).returncode != 0:
+        raise UsageError(f"--repo {repo}: not a git clone", hint="run inside the repository's checkout, or pass --repo")
+    record = record_of(results, meta)
+    last = ""
+    for attempt in range(opts.retries):
+        tip = _fetch(repo, opts, env)
+        try:
+            return _attempt(repo, tip, record, meta, opts, env) + (f" (after {attempt} retr{'y' if attempt == 1 else 'ies'})" if attempt else "")
+        except _Rejected as exc:
+            last = str(exc)
+            time.sleep(random.uniform(0.2, 1.0) * (attempt + 1))
+    raise ExecutionError(f"history push: {opts.remote}/{opts.branch} kept moving; gave up after {opts.retries} tries: {last}",
+                         hint="rerun the step; nothing was overwritten, and the run's record is in the results artifact")

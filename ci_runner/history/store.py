@@ -1,0 +1,272 @@
+"""The history folder: immutable per-run record files, merged when read into one SQLite database.
+
+Layout of ``--store DIR``::
+
+    DIR/history.sqlite          the database (`db`): every folded run, old ones compacted to weeks
+    DIR/runs/<date>_<id>.json.gz one immutable record per run not yet folded (`records`)
+
+`add_run` writes this run's record file first (a unique name, written atomically), then folds every pending
+record into the database inside one SQLite write transaction and removes the folded files. Two writers at
+once each write their own file; the second to get the lock folds what the first did not, so neither run is
+lost. A reader (`load_history(write=False)`) never writes: it merges the pending files into an in-memory
+copy of the database.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Iterator, Mapping, NamedTuple
+
+from ..errors import InputError
+from ..results.model import Results
+from . import db
+from .records import RunMeta, read_record, record_of, write_record
+
+DB_NAME = "history.sqlite"
+RUNS_DIR = "runs"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunRow:
+    seq: int
+    run_id: str
+    date: str
+    trigger: str
+    commit: str
+    tool_version: str
+    generated_at: str
+    kind: str  # run | weekly
+    nights: int
+
+
+class FindingDef(NamedTuple):
+    id: int
+    cell: str
+    fingerprint: str
+    kind: str
+    mode: str
+    op: str
+    module: str
+    signature: str
+    first_seen: str
+    last_seen: str
+    streak_from: str  # first night of the current streak ("" when not seen on the newest night it could be)
+
+    @property
+    def key(self) -> str:
+        return self.op or self.module
+
+
+class CellRun(NamedTuple):
+    status: str
+    duration_s: float
+    env: int
+    modes: Mapping[str, str]
+
+
+class LazySets(Mapping[int, frozenset[int]]):
+    """Run seq → finding ids, decoded from the database's blobs on first use (a year is 365 of them)."""
+
+    def __init__(self, blobs: dict[int, bytes]) -> None:
+        self._blobs = blobs
+        self._sets: dict[int, frozenset[int]] = {}
+        self._by_blob: dict[bytes, frozenset[int]] = {}
+
+    def __getitem__(self, seq: int) -> frozenset[int]:
+        if seq not in self._sets:
+            blob = self._blobs[seq]
+            if blob not in self._by_blob:
+                self._by_blob[blob] = db.unpack_ids(blob)
+            self._sets[seq] = self._by_blob[blob]
+        return self._sets[seq]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._blobs)
+
+    def __len__(self) -> int:
+        return len(self._blobs)
+
+
+@dataclass
+class History:
+    """A loaded history: runs oldest first, and what each run saw. Layer figures are read on demand."""
+
+    runs: list[RunRow] = field(default_factory=list)
+    cells: dict[str, tuple[str, str]] = field(default_factory=dict)  # cell id → (model, backend)
+    cell_runs: dict[int, dict[str, CellRun]] = field(default_factory=dict)  # run seq → cell id → what it did
+    envs: dict[int, dict[str, Any]] = field(default_factory=dict)
+    findings: dict[int, FindingDef] = field(default_factory=dict)
+    present: Mapping[int, frozenset[int]] = field(default_factory=dict)  # run seq → finding ids
+    conn: sqlite3.Connection | None = None
+    _sets: dict[int, tuple[list[str], list[float | None]]] = field(default_factory=dict, repr=False)
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+    def layer_series(self, cell: str) -> list[tuple[RunRow, list[str], list[float | None], list[float | None]]]:
+        """Per run (oldest first) with a numerics table for `cell`: layer names, thresholds and worst figures,
+        flattened per layer as (rel, 1 − cos, mad)."""
+        assert self.conn is not None
+        rows = self.conn.execute("SELECT lf.run, lf.layer_set, lf.figures FROM layer_figures lf JOIN cells c "
+                                 "ON c.id = lf.cell WHERE c.cell = ?", (cell,)).fetchall()
+        return self._decode(rows)
+
+    def figures_at(self, runs: list[RunRow]) -> dict[str, list[tuple[RunRow, list[str], list[float | None], list[float | None]]]]:
+        """Every cell's layer figures in `runs` only (cell → per run, oldest first)."""
+        assert self.conn is not None
+        marks = ",".join("?" * len(runs))
+        out: dict[str, list[Any]] = {}
+        for cell, run, lsid, blob in self.conn.execute(
+                "SELECT c.cell, lf.run, lf.layer_set, lf.figures FROM layer_figures lf JOIN cells c ON c.id = lf.cell "
+                f"WHERE lf.run IN ({marks})", [r.seq for r in runs]):
+            out.setdefault(cell, []).append((run, lsid, blob))
+        return {cell: self._decode(rows) for cell, rows in out.items()}
+
+    def _decode(self, rows: list[Any]) -> list[tuple[RunRow, list[str], list[float | None], list[float | None]]]:
+        assert self.conn is not None
+        order = {r.seq: i for i, r in enumerate(self.runs)}
+        out = []
+        for seq, lsid, blob in sorted((r for r in rows if r[0] in order), key=lambda r: order[r[0]]):
+            if lsid not in self._sets:
+                names, thr = self.conn.execute("SELECT names, thresholds FROM layer_sets WHERE id = ?", (lsid,)).fetchone()
+                self._sets[lsid] = (json.loads(names), db.dequantize(thr))
+            names, thr = self._sets[lsid]
+            out.append((self.runs[order[seq]], names, thr, db.dequantize(blob)))
+        return out
+
+
+def _pending(store: Path) -> list[Path]:
+    return sorted((store / RUNS_DIR).glob("*.json.gz")) if (store / RUNS_DIR).is_dir() else []
+
+
+def _read_pending(paths: list[Path]) -> list[tuple[Path, dict[str, Any]]]:
+    out = []
+    for p in paths:
+        try:
+            out.append((p, read_record(p)))
+        except InputError:
+            if p.exists():
+                raise
+            # another writer folded and removed it after we listed it: it is in the database now
+    return out
+
+
+def check_store(store: Path) -> Path:
+    store = Path(store)
+    if store.exists() and not store.is_dir():
+        raise InputError(f"{store}: --store must be a folder (it holds {DB_NAME} and {RUNS_DIR}/)",
+                         hint="give the history folder, not a file in it")
+    return store
+
+
+def fold_pending(store: Path, conn: sqlite3.Connection | None = None,
+                 known: Mapping[Path, dict[str, Any]] | None = None) -> list[str]:
+    """Fold every pending record file into the database and remove the folded files; the run ids added.
+    `known`: records already in memory by path (the one just written), not read back."""
+    store = check_store(store)
+    own = conn is None
+    conn = conn or db.open_for_write(store / DB_NAME)
+    try:
+        paths = _pending(store)
+        records = [(p, known[p]) for p in paths if known and p in known]
+        records += _read_pending([p for p in paths if not known or p not in known])
+        added = db.fold(conn, records)
+        for path, rec in records:
+            if db.has_run(conn, rec["run"]["run_id"]):
+                path.unlink(missing_ok=True)
+        return added
+    finally:
+        if own:
+            conn.close()
+
+
+def holds_run(store: Path, run_id: str) -> bool:
+    """Whether the history already has this run (folded, or as a pending record file)."""
+    store = check_store(store)
+    if any(p.name.endswith(f"_{run_id}.json.gz") for p in _pending(store)):
+        return True
+    if not (store / DB_NAME).exists():
+        return False
+    conn = db.connect(store / DB_NAME, create=False)
+    try:
+        return db.has_run(conn, run_id)
+    finally:
+        conn.close()
+
+
+def add_run(store: Path, results: Results, meta: RunMeta) -> tuple[Path, bool]:
+    """Add one run: its record file, then a fold. Returns the record's path and whether the run was new."""
+    store = check_store(store)
+    store.mkdir(parents=True, exist_ok=True)
+    conn = db.open_for_write(store / DB_NAME)  # refuses a foreign or newer database before anything is written
+    try:
+        if db.has_run(conn, meta.run_id):
+            return store / RUNS_DIR / f"{meta.date}_{meta.run_id}.json.gz", False
+        record = record_of(results, meta)
+        path = write_record(record, store / RUNS_DIR)
+        added = fold_pending(store, conn, {path: record})
+        return path, meta.run_id in added or db.has_run(conn, meta.run_id)
+    finally:
+        conn.close()
+
+
+def load_history(store: Path, *, current: Results | None = None, current_meta: RunMeta | None = None,
+                 missing_ok: bool = False, window: int | None = None) -> History:
+    """Read the history (database plus pending records, merged in memory; nothing on disk is written).
+
+    With `current`, that run is merged in as the newest night unless the history already holds it (same
+    ``generated_at``): `aggregate --history` reports on a run before it is added. `missing_ok`: no folder yet
+    (the first night) reads as an empty history. `window`: only the findings seen in the newest `window` runs are
+    loaded (what the reports draw); None loads all (export)."""
+    store = check_store(store)
+    if not store.is_dir() and not missing_ok:
+        raise InputError(f"{store}: no history folder", hint="create it with `deepview-ci history add RESULTS --store DIR`")
+    dbpath = store / DB_NAME
+    conn = db.memory_copy(dbpath if dbpath.exists() else None)
+    db.fold(conn, _read_pending(_pending(store)))
+    if current is not None and current_meta is not None:
+        known = {r[0] for r in conn.execute("SELECT generated_at FROM runs") if r[0]}
+        if not current.generated_at or current.generated_at not in known:
+            newest = conn.execute("SELECT MAX(date) FROM runs").fetchone()[0] or current_meta.date
+            meta = replace(current_meta, date=max(newest, current_meta.date))  # tonight is the newest night
+            db.fold(conn, [(Path("-"), record_of(current, meta))])
+    return read_all(conn, window=window)
+
+
+def read_all(conn: sqlite3.Connection, *, window: int | None = None) -> History:
+    """The history in `conn`; with `window`, only the findings last seen in its newest `window` runs."""
+    h = History(conn=conn)
+    rows = conn.execute("SELECT seq, run_id, date, trigger, commit_sha, tool_version, generated_at, kind, nights "
+                        "FROM runs ORDER BY date, seq").fetchall()
+    h.runs = [RunRow(seq=r[0], run_id=r[1], date=r[2], trigger=r[3] or "", commit=r[4] or "", tool_version=r[5] or "",
+                     generated_at=r[6] or "", kind=r[7], nights=r[8]) for r in rows]
+    names = {}
+    for cid, cell, model, backend in conn.execute("SELECT id, cell, model, backend FROM cells"):
+        names[cid] = cell
+        h.cells[cell] = (model, backend)
+    h.envs = {i: json.loads(t) for i, t in conn.execute("SELECT id, json FROM envs")}
+    parsed: dict[str, dict[str, str]] = {}  # the same few mode strings repeat on every row
+    for run, cell, status, dur, env, modes in conn.execute("SELECT run, cell, status, duration_s, env, modes FROM cell_runs"):
+        mm = parsed.get(modes or "")
+        if mm is None:
+            mm = parsed[modes or ""] = dict(p.split("=", 1) for p in (modes or "").split(",") if "=" in p)
+        h.cell_runs.setdefault(run, {})[names[cell]] = CellRun(status, dur or 0.0, env, mm)
+    texts = dict(conn.execute("SELECT id, text FROM strings").fetchall())
+    texts[None] = ""
+    since = h.runs[-window].date if window and len(h.runs) > window else ""
+    for fid, cell, fp, kind, mode, op, module, sig, first, last, streak in conn.execute(
+            "SELECT id, cell, fingerprint, kind, mode, op, module, signature, first_seen, last_seen, streak_from FROM findings"
+            " WHERE last_seen >= ?", (since,)):
+        h.findings[fid] = FindingDef(fid, names[cell], fp, texts[kind], texts[mode], texts[op], texts[module], texts[sig],
+                                     first or "", last or "", streak or "")
+    h.present = LazySets(dict(conn.execute("SELECT run, ids FROM run_findings").fetchall()))
+    return h
+
+
+def size_on_disk(store: Path) -> int:
+    return sum(p.stat().st_size for p in Path(store).rglob("*") if p.is_file())
