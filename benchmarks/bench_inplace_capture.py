@@ -4,8 +4,9 @@ output (what a compiled dump or the batch-invariance check does, having no refer
 run, on a ResNet-18-shaped model (basic layers: `hidden_state += residual` after a BatchNorm) and a Llama-shaped
 one (no in-place update of a returned output).
 
-Held bytes = distinct storages among the captured tensors after the forward (what the hooks keep alive). Also
-the time of the reference pass with and without the version watch.
+Held bytes = distinct storages among the captured tensors after the forward (what the hooks keep alive); the
+reference pass (which watches version counters at every hook) is timed too. Measured on 2 shared cores:
+ResNet-18 shape 1.30x (mutated-only) and 1.80x (all), Llama 1.00x and 1.22x.
 
     PYTHONPATH=. python benchmarks/bench_inplace_capture.py [--image 64 --seq 64 --backend aot_eager]
 """
