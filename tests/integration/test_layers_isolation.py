@@ -52,8 +52,11 @@ def test_segfaults_cost_one_child_each_and_the_search_finishes(tmp_path: Path) -
         assert f.details["status"] == "crashed" and f.error_type == "SIGSEGV" and f.module_class == "Attn"
         assert f.details["children"] == {f"{f.module}.{c}": "pass" for c in ("q", "k", "v")}
     search = mode.data["search"]
-    # crashed: <root>, blocks.0, blocks.1, blocks.0.attn, blocks.1.attn -> 5 restarts, 6 children
-    assert search["complete"] and search["restarts"] == 5 and search["children"] == 6
+    # crashed: <root>, blocks.0, blocks.0.attn, blocks.1.attn -> 4 children, each restarted after a crash; the
+    # last crash completes the search (blocks.1 is blocks.0's sibling twin: only its attn, where blocks.0 fails,
+    # is probed; blocks.1 and the rest of its subtree take blocks.0's outcomes)
+    assert search["complete"] and search["restarts"] == 4 and search["children"] == 4
+    assert mode.data["search"]["inferred"] >= 1
     known = read_outcomes(cdir / "layers" / "probes.jsonl")
     assert known["head"].status == "pass" and known["head"].calls_tried == 1
     assert mode.data["capture"]["shared"] == {"head": 2}

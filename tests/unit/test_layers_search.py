@@ -148,12 +148,21 @@ def test_replay_from_the_outcomes_file_continues_where_a_crash_stopped(tmp_path:
     assert minimal_failing(tree, res.outcomes) == ["m.a"]
 
 
-def _layers_tree(n: int) -> ModuleTree:
-    """A decoder of `n` twin layers: classes by role, as in a real model."""
-    names = ["m"] + [f"m.l{i}{part}" for i in range(n) for part in ("", ".attn", ".attn.q", ".attn.k", ".mlp", ".mlp.up")]
+def _layers_tree(n: int, *, cousins: bool = False) -> ModuleTree:
+    """A decoder of `n` twin layers: classes by role, as in a real model. `cousins`: each layer under a wrapper of
+    its own class (`m.w3.l3`), so the layers are cousins, not siblings."""
+    def layer(i: int) -> str:
+        return f"m.w{i}.l{i}" if cousins else f"m.l{i}"
+
+    names = ["m"] + [f"m.w{i}" for i in range(n) if cousins]
+    names += [f"{layer(i)}{part}" for i in range(n) for part in ("", ".attn", ".attn.q", ".attn.k", ".mlp", ".mlp.up")]
     role = {"m": "Model", "attn": "Attn", "q": "Linear", "k": "Linear", "mlp": "Mlp", "up": "Linear"}
-    return ModuleTree.build((name, role.get(name.rsplit(".", 1)[-1], "Layer") if name else "Top", 1, True, None)
-                            for name in (ROOT, *names))
+
+    def cls(name: str) -> str:
+        last = name.rsplit(".", 1)[-1]
+        return "Top" if not name else role.get(last, f"Wrap{last}" if last.startswith("w") else "Layer")
+
+    return ModuleTree.build((name, cls(name), 1, True, None) for name in (ROOT, *names))
 
 
 def _failing_prober(failing: dict[str, str], log: list[str], message: str = "attention failed"):
@@ -169,23 +178,25 @@ def _failing_prober(failing: dict[str, str], log: list[str], message: str = "att
 
 def test_twin_layers_cost_one_descent_and_every_layer_is_still_listed() -> None:
     n = 6
-    tree = _layers_tree(n)
-    failing = {ROOT: "boom", "m": "boom", **{f"m.l{i}": "boom" for i in range(n)},
-               **{f"m.l{i}.attn": "boom" for i in range(n)}}
+    tree = _layers_tree(n, cousins=True)
+    lay = [f"m.w{i}.l{i}" for i in range(n)]
+    failing = {ROOT: "boom", "m": "boom", **{f"m.w{i}": "boom" for i in range(n)}, **{x: "boom" for x in lay},
+               **{f"{x}.attn": "boom" for x in lay}}
     log: list[str] = []
     res = search(tree, _failing_prober(failing, log))
-    assert res.minimal == [f"m.l{i}.attn" for i in range(n)]
-    # the first layer is searched fully; each twin probes only the child that failed in the first
-    assert {"m.l0.mlp", "m.l0.attn.q", "m.l0.attn.k"} <= set(log)
-    for i in range(1, n):
-        assert f"m.l{i}.attn" in log and f"m.l{i}.mlp" not in log and f"m.l{i}.attn.q" not in log
-        assert res.outcomes[f"m.l{i}.mlp"].inferred_from == "m.l0.mlp"
-        assert res.outcomes[f"m.l{i}.attn.q"].status == "pass"
-    assert len(log) == 2 + n + 2 + (n - 1) + 2  # root, m, the layers, l0's children, twins' attn, l0.attn's children
+    assert res.minimal == [f"{x}.attn" for x in lay]
+    # the first layer is searched fully; each cousin twin probes only the child that failed in the first
+    assert {f"{lay[0]}.mlp", f"{lay[0]}.attn.q", f"{lay[0]}.attn.k"} <= set(log)
+    for x in lay[1:]:
+        assert f"{x}.attn" in log and f"{x}.mlp" not in log and f"{x}.attn.q" not in log
+        assert res.outcomes[f"{x}.mlp"].inferred_from == f"{lay[0]}.mlp"
+        assert res.outcomes[f"{x}.attn.q"].status == "pass"
+    # root, m, the wrappers, the layers, l0's children, twins' attn, l0.attn's children
+    assert len(log) == 2 + n + n + 2 + (n - 1) + 2
     # without twins every child of every failing module is probed
     full: list[str] = []
     assert search(tree, _failing_prober(failing, full), twins=False).minimal == res.minimal
-    assert len(full) == 2 + n + 2 * n + 2 * n
+    assert len(full) == 2 + n + n + 2 * n + 2 * n
 
 
 def test_a_twin_that_fails_differently_is_searched_fully() -> None:
@@ -451,3 +462,28 @@ def test_cause_groups_split_by_class_cause_and_input_signature() -> None:
         "m.l0.attn": "m.l0.attn", "m.l2.attn": "m.l0.attn", "m.l3.attn": "m.l3.attn"}
     sig = call_signature((x.transpose(1, 2),), {"obj": object()})
     assert sig == "(float32[1, 8, 4]@[32, 1, 8]){obj=object}"  # strides kept, no address
+
+
+def test_sibling_twins_are_confirmed_through_the_first_ones_smallest_failing_module() -> None:
+    n = 6
+    tree = _layers_tree(n)
+    # the layers are siblings under `m`: same class, same subtree
+    failing = {ROOT: "boom", "m": "boom", **{f"m.l{i}": "boom" for i in range(n)},
+               **{f"m.l{i}.attn": "boom" for i in range(n)}}
+    log: list[str] = []
+    res = search(tree, _failing_prober(failing, log))
+    assert res.minimal == [f"m.l{i}.attn" for i in range(n)]
+    for i in range(1, n):  # each later layer: only its attn is probed; the layer itself takes l0's outcome
+        assert f"m.l{i}" not in log and f"m.l{i}.attn" in log and f"m.l{i}.mlp" not in log
+        assert res.outcomes[f"m.l{i}"].inferred_from == "m.l0" and res.outcomes[f"m.l{i}"].failed
+    assert len(log) == len(set(log)) == 2 + 1 + 2 + 2 + (n - 1)  # root, m, l0, l0's children, l0.attn's, twins' attn
+
+
+def test_a_sibling_twin_failing_elsewhere_is_searched() -> None:
+    tree = _layers_tree(3)
+    failing = {ROOT: "boom", "m": "boom", "m.l0": "boom", "m.l0.attn": "boom", "m.l2": "boom", "m.l2.mlp": "boom"}
+    log: list[str] = []
+    res = search(tree, _failing_prober(failing, log))
+    assert res.minimal == ["m.l0.attn", "m.l2.mlp"]
+    assert "m.l1" in log and "m.l2" in log  # their attn passed: probed themselves (l1 passes, l2 is searched)
+    assert res.outcomes["m.l1"].status == "pass" and res.outcomes["m.l1"].inferred_from is None

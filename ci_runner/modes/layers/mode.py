@@ -369,7 +369,7 @@ def _finding(ctx: "ModeContext", tree: ModuleTree, result: SearchResult, name: s
         "call_index": max(0, o.calls_tried - 1) if o.status == "fail" else 0,
         "children": {label(c): s for c, s in tried_children.items()},
         "message_full": o.message[:4000],
-        "traceback_tail": o.traceback[-3000:],
+        "traceback_tail": _tail(o.traceback, 3000, keep_head=o.status == "timeout"),
         "compiler_diagnostics": list(o.diagnostics),
         "backend_ran": dict(o.ran),
     }
@@ -387,6 +387,14 @@ def _finding(ctx: "ModeContext", tree: ModuleTree, result: SearchResult, name: s
     return Finding(kind=KIND, stage=o.stage or "run", message=what,
                    fingerprint=fingerprint(KIND, ctx.cell.backend.id, ctx.cell.model.id, label(name)),
                    module=label(name), module_class=node.module_class, error_type=o.error_type, details=details)
+
+
+def _tail(text: str, limit: int, *, keep_head: bool = False) -> str:
+    """The last `limit` characters; with `keep_head`, the first line too (faulthandler's "Timeout (0:00:03)!")."""
+    if len(text) <= limit or not keep_head:
+        return text[-limit:]
+    head = text.splitlines()[0][:200] if text.strip() else ""
+    return f"{head}\n…\n{text[-(limit - len(head) - 3):]}"
 
 
 # --------------------------------------------------------------------------- repros

@@ -21,9 +21,9 @@ import faulthandler
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import torch
 
@@ -39,94 +39,8 @@ from ...engine.isolate import child_journal
 from ...engine.models import load_model
 from ...engine.outcome import ProbeOutcome, append_outcome, read_outcomes
 from ...engine.tree import tensors_in
-from ...results.rootcause import error_signature
-
-ROOT = ""  # the root module's qualified name
-ROOT_LABEL = "<root>"  # how the root is named in findings and reports
-
-
-def label(name: str) -> str:
-    return name or ROOT_LABEL
-
-
-def unlabel(name: str) -> str:
-    return ROOT if name == ROOT_LABEL else name
-
-
-# --------------------------------------------------------------------------- module tree
-
-@dataclass(frozen=True, kw_only=True)
-class ModuleNode:
-    name: str
-    module_class: str
-    parent: str | None  # nearest *called* ancestor; None for the root
-    calls: int  # how many times the module ran in the captured forward
-    replayable: bool = True  # its first call's inputs can be rebuilt (no opaque objects)
-    why_not: str | None = None
-
-
-@dataclass
-class ModuleTree:
-    """The modules that ran in the captured forward, each under its nearest called ancestor.
-
-    Containers without a forward of their own (ModuleList, ModuleDict) never run, so the search descends
-    through them: `model.layers.0` is a child of `model`.
-    """
-
-    nodes: dict[str, ModuleNode]  # in first-call order
-    children_of: dict[str, list[str]] = field(default_factory=dict)
-
-    @classmethod
-    def build(cls, entries: Iterable[tuple[str, str, int, bool, str | None]]) -> "ModuleTree":
-        """`entries`: (name, module_class, calls, replayable, why_not) in first-call order; the root must be there."""
-        raw = list(entries)
-        names = {e[0] for e in raw}
-        if ROOT not in names:
-            raise ValueError("the root module was not captured")
-        nodes: dict[str, ModuleNode] = {}
-        children: dict[str, list[str]] = {}
-        for name, cls_name, calls, replayable, why_not in raw:
-            parent = None if name == ROOT else _nearest_ancestor(name, names)
-            nodes[name] = ModuleNode(name=name, module_class=cls_name, parent=parent, calls=calls,
-                                     replayable=replayable, why_not=why_not)
-            children.setdefault(name, [])
-            if parent is not None:
-                children.setdefault(parent, []).append(name)
-        return cls(nodes=nodes, children_of=children)
-
-    @property
-    def root(self) -> str:
-        return ROOT
-
-    def children(self, name: str) -> list[str]:
-        return self.children_of.get(name, [])
-
-    def path(self, name: str) -> list[str]:
-        """Qualified names from the root down to `name` (the root first)."""
-        out = [name]
-        node = self.nodes[name]
-        while node.parent is not None:
-            out.append(node.parent)
-            node = self.nodes[node.parent]
-        return out[::-1]
-
-    def to_json(self) -> list[dict[str, Any]]:
-        return [asdict(n) for n in self.nodes.values()]
-
-    @classmethod
-    def from_json(cls, data: Sequence[Mapping[str, Any]]) -> "ModuleTree":
-        return cls.build((d["name"], d["module_class"], int(d["calls"]), bool(d["replayable"]), d.get("why_not"))
-                         for d in data)
-
-
-def _nearest_ancestor(name: str, names: set[str]) -> str:
-    parts = name.split(".")
-    for i in range(len(parts) - 1, 0, -1):
-        cand = ".".join(parts[:i])
-        if cand in names:
-            return cand
-    return ROOT
-
+from .tree import ROOT, ModuleTree, SearchResult, StopSearch, label, unlabel
+from .tracking import ExecutingTracker, root_traceback
 
 # --------------------------------------------------------------------------- call inputs
 
@@ -219,43 +133,96 @@ def capture_inputs(model: torch.nn.Module, args: tuple[Any, ...], kwargs: Mappin
 
 # --------------------------------------------------------------------------- outcomes and the search
 
-@dataclass
-class SearchResult:
-    outcomes: dict[str, ProbeOutcome]  # in the order tried
-    minimal: list[str]  # smallest failing modules, in tree order
-    complete: bool  # False when the search stopped early (time budget, restarts)
-
-    @property
-    def whole_model(self) -> ProbeOutcome | None:
-        return self.outcomes.get(ROOT)
-
-
-class StopSearch(Exception):
-    """Raised by a probe to end the search early (out of time); the outcomes so far stand."""
-
-
 def search(tree: ModuleTree, probe: Callable[[str], ProbeOutcome],
            prefetch: Callable[[list[str]], None] | None = None, *, twins: bool = True) -> SearchResult:
     """Top-down, breadth-first: the whole model, then the children of every failing module, level by level.
 
     A module that cannot be replayed (opaque inputs) is not run; the search looks through it to its children.
     `prefetch` is told the modules about to be probed (their inputs are captured in one reference forward).
-    `twins`: failing parents of a level with the same class, cause and children (`twin_plan`) are searched once;
-    a twin probes only the children that failed in the first and, when each fails with the same cause, its
-    other children take the first's outcomes (`inferred_from`); else they are probed too."""
+    `twins`, so the cost follows root causes, not layers:
+    * cousins: failing parents of a level with the same class, cause and children (`twin_plan`) are searched once;
+      a twin probes only the children that failed in the first and, when each fails with the same cause, its
+      other children take the first's outcomes (`inferred_from`); else they are probed too;
+    * siblings with the same class and subtree (the layers of a decoder): the first is searched to the bottom
+      at once; each other one probes only its counterparts of the first's smallest failing modules and, when each
+      fails with the same cause, takes the first's outcomes for the rest of its subtree; else it is searched."""
     outcomes: dict[str, ProbeOutcome] = {}
-    complete, order = True, {name: i for i, name in enumerate(tree.nodes)}
+    complete = True
     try:
         outcomes[tree.root] = probe(tree.root)
-        frontier = [tree.root] if outcomes[tree.root].failed else []
-        while frontier:
-            firsts, twin_of = twin_plan(tree, frontier, outcomes) if twins else (frontier, {})
-            nxt = _probe_children(tree, firsts, probe, prefetch, outcomes)
-            nxt += _probe_twins(tree, twin_of, probe, prefetch, outcomes)
-            frontier = sorted(nxt, key=lambda n: order[n])
+        _descend(tree, [tree.root] if outcomes[tree.root].failed else [], probe, prefetch, outcomes, twins)
     except StopSearch:
         complete = False
     return SearchResult(outcomes=outcomes, minimal=minimal_failing(tree, outcomes), complete=complete)
+
+
+Probe = Callable[[str], ProbeOutcome]
+Prefetch = Callable[[list[str]], None] | None
+
+
+def _descend(tree: ModuleTree, frontier: list[str], probe: Probe, prefetch: Prefetch,
+             outcomes: dict[str, ProbeOutcome], twins: bool) -> None:
+    order = {name: i for i, name in enumerate(tree.nodes)}
+    while frontier:
+        firsts, twin_of = twin_plan(tree, frontier, outcomes) if twins else (frontier, {})
+        kids = [c for p in firsts for c in tree.children(p)]
+        later = _sibling_twins(tree, kids) if twins else {}
+        nxt = _probe_children(tree, firsts, probe, prefetch, outcomes, only=[c for c in kids if c not in later])
+        nxt += _probe_twins(tree, twin_of, probe, prefetch, outcomes)
+        nxt += _probe_siblings(tree, later, probe, prefetch, outcomes)
+        frontier = sorted(nxt, key=lambda n: order[n])
+
+
+def _under(name: str, top: str) -> bool:
+    return name == top or name.startswith(top + ".")
+
+
+def _sibling_twins(tree: ModuleTree, kids: Sequence[str]) -> dict[str, str]:
+    """Each child after the first of its parent's children with the same class and subtree → that first one."""
+    first: dict[tuple[Any, ...], str] = {}
+    out: dict[str, str] = {}
+    for kid in kids:
+        node = tree.nodes[kid]
+        if not node.replayable or not tree.children(kid):
+            continue
+        shape = tuple((n[len(kid):], tree.nodes[n].module_class) for n in tree.nodes if n.startswith(kid + "."))
+        lead = first.setdefault((node.parent, node.module_class, shape), kid)
+        if lead != kid:
+            out[kid] = lead
+    return out
+
+
+def _probe_siblings(tree: ModuleTree, later: Mapping[str, str], probe: Probe, prefetch: Prefetch,
+                    outcomes: dict[str, ProbeOutcome]) -> list[str]:
+    """The later sibling twins (`_sibling_twins`): confirmed through the first's smallest failing modules, else
+    probed and returned for the search when failing."""
+    searched: set[str] = set()
+    plain: list[str] = []
+    for kid, lead in later.items():
+        if not outcomes[lead].failed:
+            plain.append(kid)
+            continue
+        if lead not in searched:  # the first one, to the bottom, now
+            searched.add(lead)
+            _descend(tree, [lead], probe, prefetch, outcomes, True)
+        smallest = [n for n in minimal_failing(tree, outcomes) if _under(n, lead)]
+        mine = [kid + n[len(lead):] for n in smallest]
+        if prefetch is not None and (need := [n for n in mine if n not in outcomes]):
+            prefetch(need)
+        for n in mine:
+            outcomes[n] = outcomes.get(n) or probe(n)
+        if not smallest or any(outcomes[m].cause != outcomes[n].cause for m, n in zip(mine, smallest)):
+            plain.append(kid)
+            continue
+        for n in [n for n in outcomes if _under(n, lead) and n not in smallest]:
+            o = outcomes[n]
+            outcomes[kid + n[len(lead):]] = ProbeOutcome(
+                name=kid + n[len(lead):], status=o.status, stage=o.stage, error_type=o.error_type, ran=dict(o.ran),
+                inferred_from=n, message=f"not probed: {label(kid)} is a twin of {label(lead)} (same class and "
+                                         f"submodules) whose smallest failing modules fail here too with the same "
+                                         f"cause, so it takes the outcome of {label(n)}")
+    return _probe_children(tree, list(dict.fromkeys(tree.nodes[k].parent or ROOT for k in plain)), probe, prefetch, outcomes,
+                           only=plain) if plain else []
 
 
 def twin_plan(tree: ModuleTree, names: Sequence[str], outcomes: Mapping[str, ProbeOutcome]) -> tuple[list[str], dict[str, str]]:
@@ -296,7 +263,7 @@ def _probe_children(tree: ModuleTree, parents: Sequence[str], probe: Callable[[s
                                            message=f"inputs cannot be replayed: {node.why_not}")
             nxt.append(child)  # look through it
             continue
-        res = probe(child)
+        res = outcomes[child] if child in outcomes and not outcomes[child].inferred_from else probe(child)
         outcomes[child] = res
         if res.failed:
             nxt.append(child)
@@ -505,7 +472,7 @@ def _probe_one(name: str, *, model: torch.nn.Module, backend: Any, calls: list[t
     child_journal("enter-module", label(outcome_name))
     faulthandler.dump_traceback_later(timeout, exit=True, file=timeout_fh)
     t0 = time.monotonic()
-    tracker: _ExecutingTracker | None = None
+    tracker: ExecutingTracker | None = None
     tried = 0
     record: Any = None
     counters = DynamoCounters()
@@ -522,7 +489,7 @@ def _probe_one(name: str, *, model: torch.nn.Module, backend: Any, calls: list[t
                 kid.forward = torch._dynamo.disable(kid.forward)  # type: ignore[method-assign]
             fn, record = backend.compile_recorded(sub)
             if backend.is_eager:
-                tracker = _ExecutingTracker(sub, name)
+                tracker = ExecutingTracker(sub, name)
             for args, kwargs in (calls if all_calls else calls[:1]):
                 args, kwargs = backend.to_device(args), backend.to_device(kwargs)
                 tried += 1
@@ -562,27 +529,3 @@ def _probe_one(name: str, *, model: torch.nn.Module, backend: Any, calls: list[t
         faulthandler.cancel_dump_traceback_later()
         child_journal("leave-module", label(outcome_name))
     return outcome
-
-
-class _ExecutingTracker:
-    """Eager devices: name the innermost submodule that was running when the forward raised."""
-
-    def __init__(self, module: torch.nn.Module, prefix: str) -> None:
-        self.module = module
-        self.prefix = prefix
-        self.failed_in: str | None = None
-        self._cap: Any = None
-
-    def _post(self, info: Any, args: Any, kwargs: Any, output: Any) -> None:
-        # forward hooks with always_call run while the exception unwinds: the first one is the innermost
-        if self.failed_in is None and sys.exc_info()[1] is not None:
-            self.failed_in = ".".join(p for p in (self.prefix, info.name) if p)
-
-    def __enter__(self) -> "_ExecutingTracker":
-        self.failed_in = None
-        self._cap = ModuleCapture(self.module, post=self._post)
-        self._cap.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._cap.close()
