@@ -349,7 +349,9 @@ def test_the_readme_tree_matches_the_repository() -> None:
     missing = sorted(p for p in tree if not (ROOT / p).exists())
     assert not missing, f"README's layout names what does not exist: {missing}"
     skip = {"__pycache__", "vendor_repo", "golden", "junit"}
-    wanted = {p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name not in skip}
+    ignored = {"build", "dist", "out", "venv", "node_modules"}  # .gitignore's folders: build outputs, not the layout
+    wanted = {p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name not in skip
+              and p.name not in ignored and not p.name.endswith(".egg-info")}
     wanted |= {f"ci_runner/{p.relative_to(PKG).as_posix()}" for p in PKG.rglob("*")
                if p.is_dir() and p.name not in skip}
     wanted |= {f"ci_runner/{p.name}" for p in PKG.glob("*.py") if p.name not in ("__init__.py", "__main__.py")}

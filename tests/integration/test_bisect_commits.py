@@ -26,7 +26,7 @@ from tests.fixtures.bisect_repo import BREAK_AT, COMMITS, DROP_AT, BisectRepo, b
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.fixtures.paths import ROOT
 RUN = ROOT / "tests" / "fixtures" / "bisect_run"
 CELL_A, CELL_B = "tiny-softplus@tinyc", "tiny-softplus-b@tinyc"
 # check the build file, then install: a pure-Python package's build is a copy into the per-commit prefix

@@ -15,7 +15,7 @@ from ci_runner.engine.envinfo import plugin_modules
 from ci_runner.results.model import backend_commit
 from ci_runner.errors import UsageError
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.fixtures.paths import ROOT
 
 
 def history(first_bad: int, skips: frozenset[int] = frozenset()):
@@ -71,6 +71,7 @@ def small_repo(tmp_path: Path) -> Path:
     return repo
 
 
+@pytest.mark.subprocess
 def test_scratch_clone_never_touches_the_users_checkout_and_goes_away_on_interrupt(small_repo: Path, tmp_path: Path) -> None:
     before = RepoState.of(small_repo)
     assert before.branch == "refs/heads/topic" and "untracked.txt" in before.status and not before.bisecting
@@ -85,6 +86,7 @@ def test_scratch_clone_never_touches_the_users_checkout_and_goes_away_on_interru
     assert RepoState.of(small_repo) == before
 
 
+@pytest.mark.subprocess
 def test_candidates_are_the_ancestry_path_oldest_first_and_bad_refs_are_usage_errors(small_repo: Path) -> None:
     main = git(small_repo, "rev-list", "--reverse", "main").split()
     assert candidates(small_repo, main[0], main[3]) == main[1:]
@@ -92,6 +94,7 @@ def test_candidates_are_the_ancestry_path_oldest_first_and_bad_refs_are_usage_er
         candidates(small_repo, main[3], main[0])
 
 
+@pytest.mark.subprocess
 def test_the_stamp_names_the_commit_of_a_plugin_imported_from_a_checkout(small_repo: Path, tmp_path: Path) -> None:
     (small_repo / "myplugin.py").write_text("__version__ = '1.0'\n")
     code = ("from ci_runner.engine.envinfo import source_stamp; import json; "
@@ -136,6 +139,7 @@ def test_the_issue_quotes_the_bisection_of_its_finding_with_untrusted_text_neutr
                                                                     artifacts_url=None, run_dir=None))
 
 
+@pytest.mark.subprocess
 def test_run_command_kills_the_whole_session_at_its_timeout(tmp_path: Path) -> None:
     import time
 

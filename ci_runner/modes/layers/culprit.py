@@ -44,7 +44,7 @@ from ...config import BackendSpec, ModelSpec, spec_from_json
 from ...engine.tree import map_tensors
 from ...fsutil import atomic_write_json, atomic_write_text
 from ...engine.failure import first_line, is_compile_stage, raised_traceback, unwrap
-from ...engine.isolate import Attempt, IsolatedResult, child_journal, supervise
+from ...engine.isolate import Attempt, IsolatedResult, child_journal, file_tail, supervise
 from .search import capture_inputs
 from ...engine.models import load_model
 from ...engine.outcome import ProbeOutcome, append_outcome, read_outcomes
