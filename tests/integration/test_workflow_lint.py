@@ -194,7 +194,7 @@ CELLS = ROOT / ".github" / "workflows" / "deepview-cells.yml"
 def test_reusable_pipeline_shape():
     doc = load(ROOT / ".github" / "workflows" / "deepview.yml")
     jobs = doc["jobs"]
-    assert list(jobs) == ["plan", "cells", "report", "issues", "history"]
+    assert list(jobs) == ["plan", "cells", "report", "bisect", "issues", "history"]
     cells = jobs["cells"]
     assert cells["uses"] == "./.github/workflows/deepview-cells.yml" and "steps" not in cells
     assert cells["strategy"]["matrix"]["chunk"] == "${{ fromJSON(needs.plan.outputs.chunk-ids) }}"
@@ -219,6 +219,13 @@ def test_reusable_pipeline_shape():
                if s.get("uses") == "./.deepview-ci" and s["with"]["command"] in ("aggregate", "diff"))
     assert "inputs.history-write" in jobs["history"]["if"] and "no-result == '0'" in jobs["history"]["if"]
     assert [s["with"]["command"] for s in jobs["history"]["steps"] if s.get("uses") == "./.deepview-ci"] == ["history push"]
+    # the opt-in bisection of regressions runs before filing, reads only, and a failed bisection files anyway
+    bisect = jobs["bisect"]
+    assert "inputs.bisect" in bisect["if"] and "!cancelled()" in bisect["if"] and bisect["permissions"] == {"contents": "read"}
+    assert [s["with"]["command"] for s in bisect["steps"] if s.get("uses") == "./.deepview-ci"] == ["collect", "bisect-regressions"]
+    assert jobs["issues"]["needs"] == ["report", "bisect"] and jobs["issues"]["if"].startswith("${{ !cancelled()")
+    fetch = next(s for s in jobs["issues"]["steps"] if s.get("with", {}).get("name") == "deepview-bisect")
+    assert fetch["if"] == "${{ needs.bisect.result == 'success' }}"
 
 
 def test_no_job_runs_after_a_cancel_and_issues_need_a_whole_run_whose_diff_ran():
