@@ -103,10 +103,9 @@ def test_aot_eager_finds_nothing_on_in_place_cnn_and_moe(numerics_cell, model: s
     _assert_clean(numerics_cell(model, "aot_eager"))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("model", ["tiny-mixtral", "tiny-bamba", "tiny-bert", "tiny-vit", "tiny-llava"])
-def test_aot_eager_finds_nothing_on_more_architectures(numerics_cell, model: str, fresh_dynamo: None) -> None:
-    _assert_clean(numerics_cell(model, "aot_eager"))
+# The other architectures (MoE Mixtral, hybrid Bamba, encoder MiniLM, ViT, multimodal Llava, Llama, Granite) are
+# self-checked on aot_eager over three seeds by test_numerics_mode.py::test_real_compilers_flag_no_layer_on_the_example_matrix,
+# where a pass now also means every layer was compared in both views.
 
 
 @pytest.mark.slow
