@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -10,6 +15,28 @@ from ci_runner.engine.isolate import open_entry, run_isolated
 from tests.fixtures.paths import ROOT
 
 pytestmark = pytest.mark.subprocess  # every test here starts child processes (the child engine)
+
+
+def _assert_dies_with_its_starter(starter: str, pidfile: Path, what: str, cwd: Path | None = None) -> None:
+    """Start `starter` (Python source) in a process, wait for the child it starts to write `pidfile`, SIGKILL the
+    starter, and assert that the child dies too."""
+    parent = subprocess.Popen([sys.executable, "-c", starter], cwd=cwd)
+    deadline = time.monotonic() + 60
+    while not (pidfile.exists() and pidfile.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    child = int(pidfile.read_text())
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    for _ in range(100):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(child, signal.SIGKILL)
+        raise AssertionError(f"the {what} child outlived the process that started it")
+
 
 @pytest.mark.parametrize(
     ("action", "status", "check"),
@@ -34,34 +61,13 @@ def test_child_outcomes(tmp_path: Path, action: str, status: str, check) -> None
 
 def test_a_hung_child_dies_with_its_parent(tmp_path: Path) -> None:
     """The cell worker is killed on timeout; its isolated probe (own session) must not live on."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
     pidfile = tmp_path / "child.pid"
     script = (
         "import sys; sys.path.insert(0, %r)\n"
         "from ci_runner.engine.isolate import run_isolated\n"
         "run_isolated('tests.fixtures.iso_targets:hang_and_report', {'pidfile': %r}, timeout=600)\n"
     ) % (str(ROOT), str(pidfile))
-    parent = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT)
-    deadline = time.monotonic() + 60
-    while not pidfile.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    child = int(pidfile.read_text())
-    parent.send_signal(signal.SIGKILL)
-    parent.wait()
-    for _ in range(100):
-        try:
-            os.kill(child, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.1)
-    else:
-        os.kill(child, signal.SIGKILL)
-        raise AssertionError("the isolated child outlived its parent")
+    _assert_dies_with_its_starter(script, pidfile, "isolated", cwd=ROOT)
 
 
 def test_describe_says_what_happened_to_the_child() -> None:
@@ -174,12 +180,6 @@ def test_verify_script_runs_from_threads_and_each_outcome_is_named(tmp_path: Pat
 def test_a_foreign_child_dies_with_the_process_that_started_it(tmp_path: Path) -> None:
     """`run_process(foreign=True)` (a repro script, which cannot call `die_with_parent`): killing the starter
     kills the script too."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
     pidfile = tmp_path / "child.pid"
     hang = tmp_path / "hang.py"
     hang.write_text(f"import os, time\nopen({str(pidfile)!r}, 'w').write(str(os.getpid()))\ntime.sleep(600)\n")
@@ -187,20 +187,5 @@ def test_a_foreign_child_dies_with_the_process_that_started_it(tmp_path: Path) -
         "import os, sys; sys.path.insert(0, %r)\nfrom pathlib import Path\n"
         "from ci_runner.engine.isolate import run_process\n"
         "run_process([sys.executable, %r], timeout=600, stdout=Path(%r), env=dict(os.environ), foreign=True)\n"
-    ) % (str(Path(__file__).resolve().parents[2]), str(hang), str(tmp_path / "out.log"))
-    parent = subprocess.Popen([sys.executable, "-c", starter])
-    deadline = time.monotonic() + 60
-    while not (pidfile.exists() and pidfile.read_text()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    child = int(pidfile.read_text())
-    parent.send_signal(signal.SIGKILL)
-    parent.wait()
-    for _ in range(100):
-        try:
-            os.kill(child, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.1)
-    else:
-        os.kill(child, signal.SIGKILL)
-        raise AssertionError("the foreign child outlived the process that started it")
+    ) % (str(ROOT), str(hang), str(tmp_path / "out.log"))
+    _assert_dies_with_its_starter(starter, pidfile, "foreign")

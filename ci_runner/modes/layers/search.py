@@ -40,7 +40,7 @@ from ...engine.models import load_model
 from ...engine.outcome import ProbeOutcome, append_outcome, read_outcomes
 from ...engine.tree import tensors_in
 from .tree import ROOT, ModuleTree, SearchResult, StopSearch, label, unlabel
-from .tracking import ExecutingTracker, root_traceback
+from .tracking import ExecutingTracker
 
 # --------------------------------------------------------------------------- call inputs
 

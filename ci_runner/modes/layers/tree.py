@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
-from ...engine.outcome import FAILED_STATUSES, ProbeOutcome
+from ...engine.outcome import ProbeOutcome
 
 ROOT = ""  # the root module's qualified name
 ROOT_LABEL = "<root>"  # how the root is named in findings and reports
