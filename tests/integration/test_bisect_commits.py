@@ -27,6 +27,7 @@ from tests.fixtures.bisect_repo import BREAK_AT, COMMITS, DROP_AT, BisectRepo, b
 pytestmark = pytest.mark.slow
 
 from tests.fixtures.paths import ROOT
+from tests.fixtures.procs import sigint_default
 RUN = ROOT / "tests" / "fixtures" / "bisect_run"
 CELL_A, CELL_B = "tiny-softplus@tinyc", "tiny-softplus-b@tinyc"
 # check the build file, then install: a pure-Python package's build is a copy into the per-commit prefix
@@ -122,7 +123,7 @@ def test_ctrl_c_in_the_middle_leaves_the_repository_as_it_was(world: dict[str, o
     for s in SETUP:
         cmd += ["--setup", s]
     proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp)}, cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=sigint_default)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and len(list((tmp_path / "cache").rglob("setup.json"))) < 2:
         time.sleep(0.2)  # the second commit is set up: its repro is running now

@@ -17,7 +17,7 @@ from ci_runner.results.model import load_cell_result, load_results
 from tests.fixtures.cli import run_cli as cli
 from tests.fixtures.matrices import matrix_text
 from tests.fixtures.paths import ROOT
-from tests.fixtures.procs import TAG_VAR, new_tag, wait_until_gone
+from tests.fixtures.procs import TAG_VAR, new_tag, sigint_default, wait_until_gone
 
 
 FAULTS = {"compile": "tests.fixtures.faults:backend", "import": ["tests.fixtures.faults"]}
@@ -95,7 +95,7 @@ def test_ctrl_c_leaves_a_consistent_folder(tmp_path: Path, matrix: Path) -> None
     env = {**os.environ, "PYTHONPATH": str(ROOT), TAG_VAR: tag}
     proc = subprocess.Popen([sys.executable, "-m", "ci_runner", "run", str(matrix), "--out", str(out),
                              "--select", "tiny@hang", "--select", "tiny@raises"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=sigint_default)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not (out / "cells" / "tiny@raises" / "result.json").exists():
         time.sleep(0.2)
