@@ -192,7 +192,7 @@ def run(ctx: "ModeContext") -> ModeResult:
     timings: dict[str, float] = {}
     t0 = time.monotonic()
     try:
-        inventory = _take_inventory(ctx, level)
+        inventory = take_model_inventory(ctx, level)
     except InventoryError as exc:
         ctx.journal("leave-phase", "ops.inventory")
         return ModeResult(status="error", reason=str(exc), duration_s=time.monotonic() - t_start,
@@ -338,7 +338,7 @@ def _is_finding(outcome: Mapping[str, Any]) -> bool:
     return outcome["status"] in FAILED
 
 
-def _take_inventory(ctx: "ModeContext", level: str) -> Inventory:
+def take_model_inventory(ctx: "ModeContext", level: str) -> Inventory:
     """From a meta-device model (no weights) when the model source can build one, else from the CPU model."""
     device = ctx.backend.device
     errors: list[str] = []
