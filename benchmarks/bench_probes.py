@@ -48,7 +48,7 @@ def _inputs_of(matrix: Any, model_id: str) -> Any:
 
 
 def _bare_compile_s(backend: Any, probe: dict[str, Any]) -> float:
-    """`torch.compile` of the one-op function alone, from a reset Dynamo, compiled and run once."""
+    """`torch.compile` of the one-op function alone, from a reset Dynamo, compiled and run once (or failing)."""
     import torch
 
     from ci_runner.modes.ops.probe import assemble, build_tensors, resolve_op, select_outputs
@@ -62,7 +62,10 @@ def _bare_compile_s(backend: Any, probe: dict[str, Any]) -> float:
 
     t0 = time.perf_counter()
     torch._dynamo.reset()
-    backend.compile(fn)(*tensors)  # torch.compile(fn, backend=<the spec's compiler>)
+    try:
+        backend.compile(fn)(*tensors)  # torch.compile(fn, backend=<the spec's compiler>)
+    except Exception:  # an op the backend refuses costs its compile too
+        pass
     return time.perf_counter() - t0
 
 
