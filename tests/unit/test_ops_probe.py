@@ -21,7 +21,7 @@ from ci_runner.modes.ops.probe import (
     run_probe,
     with_ranges,
 )
-from ci_runner.modes.ops.signature import encode_value
+from ci_runner.engine.codec import encode_arg
 from ci_runner.options import DEFAULT_TOLERANCE
 from ci_runner.registry import parse_options
 
@@ -29,8 +29,8 @@ pytestmark = pytest.mark.oldtorch  # the old-torch subset (tests/fixtures/oldtor
 
 
 def _probe(op: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
-    enc_args = [encode_value(a) for a in args]
-    enc_kwargs = {k: encode_value(v) for k, v in kwargs.items()}
+    enc_args = [encode_arg(a) for a in args]
+    enc_kwargs = {k: encode_arg(v) for k, v in kwargs.items()}
     a, k = with_ranges(op, enc_args, enc_kwargs)
     return {"id": "p0000", "op": op, "args": a, "kwargs": k, "seed": 1234, "tolerance": [1e-4, 1e-5]}
 
