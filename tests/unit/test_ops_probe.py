@@ -24,6 +24,7 @@ from ci_runner.modes.ops.probe import (
 from ci_runner.engine.codec import encode_arg
 from ci_runner.options import DEFAULT_TOLERANCE
 from ci_runner.registry import parse_options
+from tests.fixtures.matrices import matrix_text
 
 pytestmark = pytest.mark.oldtorch  # the old-torch subset (tests/fixtures/oldtorch.py)
 
@@ -219,11 +220,8 @@ def test_dynamo_level_probe_reaches_a_torch_level_compiler() -> None:
 
 
 def test_a_model_that_does_not_trace_is_an_error_with_the_place_not_a_traceback(mode_context: Any) -> None:
-    ctx = mode_context("""
-version: 1
-models: [{id: giant, factory: "tests.fixtures.plugin_ops_models:untraceable"}]
-backends: [{id: sim-subset, compile: sim-subset}]
-""", "giant", "sim-subset")
+    ctx = mode_context(matrix_text(models=[{"id": "giant", "factory": "tests.fixtures.plugin_ops_models:untraceable"}],
+                                   backends=[{"id": "sim-subset", "compile": "sim-subset"}]), "giant", "sim-subset")
     result = run(ctx)
     assert result.status == "error" and not result.findings
     assert "tests/fixtures/plugin_ops_models.py" in result.reason and "in forward" in result.reason
