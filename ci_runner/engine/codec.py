@@ -64,7 +64,7 @@ __all__ = [
 CACHE_TYPES = ("Cache", "DynamicCache", "StaticCache", "HybridCache", "HybridMambaAttentionDynamicCache")
 
 Getter = Callable[[str], torch.Tensor]
-Tensors = Mapping[str, torch.Tensor] | Getter | Iterator[torch.Tensor]
+Tensors = Mapping[str, torch.Tensor] | Getter | Iterable[torch.Tensor]
 _NO = object()  # "not a value of this kind"
 
 _DTYPE_SHORT = {
@@ -310,19 +310,22 @@ def _restride(t: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
     return t
 
 
-def _tensor(spec: Mapping[str, Any], tensors: Tensors) -> torch.Tensor:
-    """A stored tensor by its key (restrided when the spec keeps strides), or the next of the described ones."""
-    if "key" not in spec:
-        if not isinstance(tensors, Iterator):
-            raise ValueError(f"a described tensor {dict(spec)!r} needs its tensors in order (an iterator)")
-        return next(tensors)
+def _tensor_getter(tensors: Tensors) -> Callable[[Mapping[str, Any]], torch.Tensor]:
+    """Body of a `__tensor__` -> the tensor: a stored one by its key (restrided when the spec keeps strides), a
+    described one (no key) as the next of `tensors` in order."""
     if isinstance(tensors, Mapping):
-        t = tensors[spec["key"]]
-    elif isinstance(tensors, Iterator):
-        t = next(tensors)
+        by_key: Getter = tensors.__getitem__
+    elif callable(tensors):
+        by_key = tensors
     else:
-        t = tensors(spec["key"])
-    return _restride(t, tuple(spec.get("stride") or ()))
+        it = iter(tensors)
+        return lambda body: next(it)
+
+    def get(body: Mapping[str, Any]) -> torch.Tensor:
+        if "key" not in body:
+            raise ValueError(f"a described tensor {dict(body)!r} needs its tensors in order (an iterator)")
+        return _restride(by_key(body["key"]), tuple(body.get("stride") or ()))
+    return get
 
 
 def _tag(spec: Mapping[str, Any]) -> str:
@@ -336,35 +339,33 @@ def decode_value(spec: Any, tensors: Tensors, *, device: str | None = None) -> A
     """Rebuild a value from its spec (see the module docstring). ModelOutput classes are re-imported from
     transformers only (one that cannot be imported comes back as a dict); a cache and an opaque value as None.
     `device`, when given, replaces every recorded device (a probe rebuilds its call on the target's)."""
-    if isinstance(tensors, Iterable) and not isinstance(tensors, (Mapping, Iterator)):
-        tensors = iter(tensors)
+    return _decode(spec, _tensor_getter(tensors), device)
 
-    def dec(v: Any) -> Any:
-        return decode_value(v, tensors, device=device)
 
+def _decode(spec: Any, tensor: Callable[[Mapping[str, Any]], torch.Tensor], device: str | None) -> Any:
     if isinstance(spec, list):
-        return [dec(v) for v in spec]
+        return [_decode(v, tensor, device) for v in spec]
     if not isinstance(spec, dict):
         return spec
-    tag = _tag(spec)
-    body = spec[tag]
+    tag = next(iter(spec), "")
+    body = spec[tag] if tag else None
     if tag == "__tensor__":
-        return _tensor(body, tensors)
+        return tensor(body)
     if tag == "__tuple__":
-        return tuple(dec(v) for v in body)
+        return tuple(_decode(v, tensor, device) for v in body)
     if tag == "__dict__":
-        return {k: dec(v) for k, v in body}
+        return {k: _decode(v, tensor, device) for k, v in body}
     if tag == "__device__":
         return torch.device(device or body)
     if tag in _LEAVES:
         return _LEAVES[tag](body)
     if tag == "__slice__":
-        return slice(*(dec(v) for v in body))
+        return slice(*(_decode(v, tensor, device) for v in body))
     if tag == "__namedtuple__":  # rebuilt as a namedtuple of the same name and fields (nothing is imported)
         cls = collections.namedtuple(body["name"], body["fields"], rename=True)  # type: ignore[misc]
-        return cls(*(dec(v) for v in body["items"]))
+        return cls(*(_decode(v, tensor, device) for v in body["items"]))
     if tag == "__model_output__":
-        items = {k: dec(s) for k, s in body["items"]}
+        items = {k: _decode(s, tensor, device) for k, s in body["items"]}
         mo = _model_output_class(body["class"])
         return mo(**items) if mo is not None else items
     raise ValueError(f"unknown value spec {spec!r}")
