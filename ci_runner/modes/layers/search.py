@@ -151,6 +151,7 @@ def search(tree: ModuleTree, probe: Callable[[str], ProbeOutcome],
     try:
         outcomes[tree.root] = probe(tree.root)
         _descend(tree, [tree.root] if outcomes[tree.root].failed else [], probe, prefetch, outcomes, twins)
+        _probe_looked_through(tree, probe, outcomes)
     except StopSearch:
         complete = False
     return SearchResult(outcomes=outcomes, minimal=minimal_failing(tree, outcomes), complete=complete)
@@ -198,17 +199,22 @@ def _probe_siblings(tree: ModuleTree, later: Mapping[str, str], probe: Probe, pr
     probed and returned for the search when failing."""
     searched: set[str] = set()
     plain: list[str] = []
+    smallest_of: dict[str, list[str]] = {}
+    for lead in dict.fromkeys(later.values()):
+        if outcomes[lead].failed and lead not in searched:  # the first one, to the bottom, now
+            searched.add(lead)
+            _descend(tree, [lead], probe, prefetch, outcomes, True)
+            smallest_of[lead] = [n for n in minimal_failing(tree, outcomes) if _under(n, lead)]
+    if prefetch is not None:  # every twin's counterparts in one reference forward, not one forward per twin
+        need = [kid + n[len(lead):] for kid, lead in later.items() for n in smallest_of.get(lead, [])]
+        if need := [n for n in need if n not in outcomes]:
+            prefetch(need)
     for kid, lead in later.items():
         if not outcomes[lead].failed:
             plain.append(kid)
             continue
-        if lead not in searched:  # the first one, to the bottom, now
-            searched.add(lead)
-            _descend(tree, [lead], probe, prefetch, outcomes, True)
-        smallest = [n for n in minimal_failing(tree, outcomes) if _under(n, lead)]
+        smallest = smallest_of[lead]
         mine = [kid + n[len(lead):] for n in smallest]
-        if prefetch is not None and (need := [n for n in mine if n not in outcomes]):
-            prefetch(need)
         for n in mine:
             outcomes[n] = outcomes.get(n) or probe(n)
         if not smallest or any(outcomes[m].cause != outcomes[n].cause for m, n in zip(mine, smallest)):
@@ -252,7 +258,7 @@ def _probe_children(tree: ModuleTree, parents: Sequence[str], probe: Callable[[s
     """Probe the children of `parents` (those in `only`, when given); the failing and skipped ones are returned."""
     kids = [c for p in parents for c in tree.children(p) if only is None or c in only]
     if prefetch is not None:
-        level = [c for c in kids if tree.nodes[c].replayable and c not in outcomes]
+        level = [c for c in kids if tree.nodes[c].replayable and c not in outcomes and not wrapped(tree, c, outcomes)]
         if level:
             prefetch(level)
     nxt: list[str] = []
@@ -262,6 +268,10 @@ def _probe_children(tree: ModuleTree, parents: Sequence[str], probe: Callable[[s
             outcomes[child] = ProbeOutcome(name=child, status="skipped",
                                            message=f"inputs cannot be replayed: {node.why_not}")
             nxt.append(child)  # look through it
+            continue
+        if child not in outcomes and wrapped(tree, child, outcomes):
+            outcomes[child] = ProbeOutcome(name=child, status="skipped", message=LOOKED_THROUGH)
+            nxt.append(child)
             continue
         res = outcomes[child] if child in outcomes and not outcomes[child].inferred_from else probe(child)
         outcomes[child] = res
@@ -299,21 +309,42 @@ def _probe_twins(tree: ModuleTree, twin_of: Mapping[str, str], probe: Callable[[
     return nxt
 
 
+LOOKED_THROUGH = ("not probed alone: it holds nearly all of its parent (its parent's only child with child modules), "
+                  "so its child modules were probed directly; it is probed itself only when none of them fails")
+
+
+def wrapped(tree: ModuleTree, name: str, outcomes: Mapping[str, ProbeOutcome]) -> bool:
+    """`name` is the whole model's only child that has child modules (its `model` beside `lm_head`), or such a
+    child's in turn: probing it alone would compile nearly the whole model again, so the search looks through it
+    (`LOOKED_THROUGH`). Lower down it does not: failing parents are what twin layers are found by."""
+    parent = tree.nodes[name].parent
+    if parent is None or not tree.children(name):
+        return False
+    top = parent == tree.root or ((o := outcomes.get(parent)) is not None and o.message == LOOKED_THROUGH)
+    return top and [c for c in tree.children(parent) if tree.children(c)] == [name]
+
+
+def _probe_looked_through(tree: ModuleTree, probe: Probe, outcomes: dict[str, ProbeOutcome]) -> None:
+    """Each looked-through module none of whose descendants fails alone is probed after all, deepest first: then
+    the search's answer is the one probing it in its turn would have given."""
+    for name in reversed([n for n, o in outcomes.items() if o.status == "skipped" and o.message == LOOKED_THROUGH]):
+        if not _fails_below(tree, outcomes, name):
+            outcomes[name] = probe(name)
+
+
+def _fails_below(tree: ModuleTree, outcomes: Mapping[str, ProbeOutcome], name: str) -> bool:
+    for child in tree.children(name):
+        o = outcomes.get(child)
+        if o is not None and (o.failed or (o.status == "skipped" and _fails_below(tree, outcomes, child))):
+            return True
+    return False
+
+
 def minimal_failing(tree: ModuleTree, outcomes: Mapping[str, ProbeOutcome]) -> list[str]:
     """Failing modules none of whose tried descendants (looking through skipped ones) fail alone."""
 
-    def failing_below(name: str) -> bool:
-        for child in tree.children(name):
-            o = outcomes.get(child)
-            if o is None:
-                continue
-            if o.failed:
-                return True
-            if o.status == "skipped" and failing_below(child):
-                return True
-        return False
-
-    return [n for n in tree.nodes if (o := outcomes.get(n)) is not None and o.failed and not failing_below(n)]
+    return [n for n in tree.nodes
+            if (o := outcomes.get(n)) is not None and o.failed and not _fails_below(tree, outcomes, n)]
 
 
 OWN_SUFFIX = "#own"  # outcome name of a module probed with its child modules run eagerly
@@ -414,10 +445,14 @@ def probe_child(payload: dict[str, Any]) -> dict[str, Any]:
             raise StopSearch()
         if name not in inputs:
             prefetch([name])
+        versions = weight_versions(model)
         outcome = _probe_one(name, model=model, backend=backend, calls=inputs.pop(name, []),
                              all_calls=plan.all_calls,
                              timeout=max(1.0, min(plan.probe_timeout, plan.deadline_wall - time.time())),
                              timeout_fh=timeout_fh, fd2_file=plan.fd2_file)
+        if not weights_intact(versions):  # the target wrote into the shared weights: the reference's again
+            restore_weights(model, load_model(spec_from_json(ModelSpec, plan.model), seed=plan.seed,
+                                              dtype=plan.dtype).module)
         append_outcome(outcomes_file, outcome)
         known[name] = outcome
         probed += 1
@@ -445,14 +480,40 @@ def probe_child(payload: dict[str, Any]) -> dict[str, Any]:
 
 
 def _target_copy(sub: torch.nn.Module, backend: Any) -> torch.nn.Module:
-    """The module the target gets: a copy, so the CPU reference model stays intact for later captures."""
+    """The module the target gets: a copy, so the CPU reference model stays intact for later captures. On a CPU
+    target the copy shares the parameters and buffers (a whole model is not held twice; `weights_intact` checks
+    afterwards that the target wrote none of them)."""
     import copy
 
+    memo: dict[int, Any] = {}
+    if str(backend.device) == "cpu":
+        memo = {id(t): t for t in (*sub.parameters(), *sub.buffers())}
     try:
-        sub = copy.deepcopy(sub)
+        sub = copy.deepcopy(sub, memo)
     except Exception:  # an uncopyable module: probe it in place (later captures may then see its changes)
         pass
     return backend.to_device(sub)
+
+
+def weight_versions(model: torch.nn.Module) -> list[tuple[torch.Tensor, int]]:
+    return [(t, t._version) for t in (*model.parameters(), *model.buffers())]
+
+
+def weights_intact(versions: Sequence[tuple[torch.Tensor, int]]) -> bool:
+    """No parameter or buffer was written in place since `weight_versions` (torch's version counters)."""
+    return all(t._version == v for t, v in versions)
+
+
+def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+
+
+def restore_weights(model: torch.nn.Module, fresh: torch.nn.Module) -> None:
+    """Every parameter and buffer of `model` (persistent or not) set to `fresh`'s."""
+    new = _weights(fresh)
+    with torch.no_grad():
+        for key, t in _weights(model).items():
+            t.copy_(new[key])
 
 
 def _probe_one(name: str, *, model: torch.nn.Module, backend: Any, calls: list[tuple[tuple[Any, ...], dict[str, Any]]],
