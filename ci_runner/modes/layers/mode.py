@@ -206,9 +206,11 @@ def run(ctx: "ModeContext") -> ModeResult:
                     "shared": {label(n): node.calls for n, node in tree.nodes.items() if node.calls > 1},
                     "not_replayable": {label(n): node.why_not for n, node in tree.nodes.items() if not node.replayable}}
     reserve = _repro_reserve(opts, ctx.remaining())
+    t_search = time.monotonic()
     srun = run_search(ctx, opts, tree, layers_dir, reserve_s=reserve)
     result = srun.result
     data: dict[str, Any] = {
+        "seconds": {"model_and_scan": round(t_search - t0, 2), "search": round(time.monotonic() - t_search, 2)},
         "capture": capture_info,
         "search": {"complete": result.complete,
                    "probed": sum(1 for o in result.outcomes.values() if o.status != "skipped" and not o.inferred_from),
@@ -237,8 +239,10 @@ def run(ctx: "ModeContext") -> ModeResult:
     findings = [_finding(ctx, tree, result, name, all_calls=opts.all_calls,
                          own=known.get(own_name(twin_of.get(name, name)))) for name in result.minimal]
     if result.minimal and (opts.repro or opts.culprit):
-        _explain(ctx, opts, loaded, tree, result, findings, capture_inputs(model, (), kwargs, result.minimal),
-                 layers_dir, data)
+        t_cap = time.perf_counter()
+        captured = capture_inputs(model, (), kwargs, result.minimal)
+        data["seconds"]["capture"] = round(time.perf_counter() - t_cap, 2)
+        _explain(ctx, opts, loaded, tree, result, findings, captured, layers_dir, data)
     annotate(findings)  # details.signature: the root-cause group (rootcause.py)
     data["minimal"] = [label(n) for n in result.minimal]
     reason = None
@@ -258,7 +262,9 @@ def _explain(ctx: "ModeContext", opts: LayersOptions, loaded: Any, tree: ModuleT
     by_name = dict(zip(result.minimal, findings))
     for name, finding in by_name.items():
         finding.details["cause_group"] = {"first": label(group_of[name]), "size": len(data["groups"][label(group_of[name])])}
-    if opts.repro:
+    seconds = data.setdefault("seconds", {})
+
+    def repros() -> None:
         def one(name: str) -> Repro:
             try:
                 return _repro_for(ctx, opts, loaded, tree, name, result.outcomes[name], captured.get(name, []), layers_dir)
@@ -266,17 +272,26 @@ def _explain(ctx: "ModeContext", opts: LayersOptions, loaded: Any, tree: ModuleT
                 return Repro(path=str((layers_dir / "repro").relative_to(ctx.cell_dir)), verified=False,
                              note=f"repro generation failed: {type(exc).__name__}: {first_line(str(exc))}")
 
-        repros = dict(zip(leaders, run_parallel(one, leaders, opts.verify_workers)))
+        t0 = time.monotonic()
+        made = dict(zip(leaders, run_parallel(one, leaders, opts.verify_workers)))
         for name, finding in by_name.items():
-            finding.repro = repros[group_of[name]] if group_of[name] == name else _shared_repro(
-                repros[group_of[name]], group_of[name])
-    if opts.culprit:
+            finding.repro = made[group_of[name]] if group_of[name] == name else _shared_repro(
+                made[group_of[name]], group_of[name])
+        seconds["repros"] = round(time.monotonic() - t0, 2)
+
+    def culprits() -> None:
+        t0 = time.monotonic()
         try:
             _attach_culprits(ctx, opts, tree, result, by_name, group_of, layers_dir)
         except Exception as exc:  # a culprit problem must not lose the findings
             for finding in findings:
                 finding.details.setdefault("culprit", {"found": False, "kind": "error",
                                                        "note": f"{type(exc).__name__}: {first_line(str(exc))}"})
+        seconds["culprits"] = round(time.monotonic() - t0, 2)
+
+    # the layer repros (export, verification) and the culprit search (its own child) at once: each mostly waits
+    # on a process of its own
+    run_parallel(lambda job: job(), [job for job, on in ((repros, opts.repro), (culprits, opts.culprit)) if on], 2)
 
 
 def _shared_repro(repro: Repro, first: str) -> Repro:

@@ -431,6 +431,7 @@ def probe_child(payload: dict[str, Any]) -> dict[str, Any]:
     inputs: dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]] = {ROOT: [(root_args, root_kwargs)]}
     timeout_fh = open(plan.timeout_file, "a", encoding="utf-8")
     probed = 0
+    kept: dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]] = {}  # failing modules' inputs, for own-code probes
 
     def prefetch(names: list[str]) -> None:
         need = [n for n in names if n not in known and n not in inputs]
@@ -446,11 +447,16 @@ def probe_child(payload: dict[str, Any]) -> dict[str, Any]:
         if name not in inputs:
             prefetch([name])
         versions = weight_versions(model)
-        outcome = _probe_one(name, model=model, backend=backend, calls=inputs.pop(name, []),
-                             all_calls=plan.all_calls,
+        calls = inputs.pop(name, [])
+        seen = [(t, t._version) for t in tensors_in(calls[:1])]
+        outcome = _probe_one(name, model=model, backend=backend, calls=calls, all_calls=plan.all_calls,
                              timeout=max(1.0, min(plan.probe_timeout, plan.deadline_wall - time.time())),
                              timeout_fh=timeout_fh, fd2_file=plan.fd2_file)
-        if not weights_intact(versions):  # the target wrote into the shared weights: the reference's again
+        if outcome.failed and name != ROOT:  # its parent is not a smallest failing module
+            kept.pop(tree.nodes[name].parent or ROOT, None)
+        if outcome.status == "fail" and tree.children(name) and calls and versions_unchanged(seen):
+            kept[name] = calls[:1]  # an own-code candidate, if it stays smallest: no second capture for it
+        if not versions_unchanged(versions):  # the target wrote into the shared weights: the reference's again
             restore_weights(model, load_model(spec_from_json(ModelSpec, plan.model), seed=plan.seed,
                                               dtype=plan.dtype).module)
         append_outcome(outcomes_file, outcome)
@@ -463,8 +469,9 @@ def probe_child(payload: dict[str, Any]) -> dict[str, Any]:
         if result.complete and not backend.is_eager:  # eager devices name the running module instead
             firsts, _ = twin_plan(tree, own_code_candidates(tree, result.outcomes), result.outcomes)
             own = [n for n in firsts if own_name(n) not in known]  # a twin takes its first's (mode.py)
-            if own and time.time() < plan.deadline_wall:
-                calls = capture_inputs(model, root_args, root_kwargs, own, all_calls=False)
+            calls = {n: kept[n] for n in own if n in kept}
+            if (missing := [n for n in own if n not in calls]) and time.time() < plan.deadline_wall:
+                calls.update(capture_inputs(model, root_args, root_kwargs, missing, all_calls=False))
             for name in own:
                 if time.time() >= plan.deadline_wall:
                     break
@@ -481,7 +488,7 @@ def probe_child(payload: dict[str, Any]) -> dict[str, Any]:
 
 def _target_copy(sub: torch.nn.Module, backend: Any) -> torch.nn.Module:
     """The module the target gets: a copy, so the CPU reference model stays intact for later captures. On a CPU
-    target the copy shares the parameters and buffers (a whole model is not held twice; `weights_intact` checks
+    target the copy shares the parameters and buffers (a whole model is not held twice; `versions_unchanged` checks
     afterwards that the target wrote none of them)."""
     import copy
 
@@ -499,7 +506,7 @@ def weight_versions(model: torch.nn.Module) -> list[tuple[torch.Tensor, int]]:
     return [(t, t._version) for t in (*model.parameters(), *model.buffers())]
 
 
-def weights_intact(versions: Sequence[tuple[torch.Tensor, int]]) -> bool:
+def versions_unchanged(versions: Sequence[tuple[torch.Tensor, int]]) -> bool:
     """No parameter or buffer was written in place since `weight_versions` (torch's version counters)."""
     return all(t._version == v for t, v in versions)
 
