@@ -9,7 +9,9 @@
 2. Search, isolated: a child process loads the model and the backend and walks the module tree top-down
    (`layer_search.search`): the whole model first; if it passes, the mode passes. Each failing module's
    children are compiled and run alone on their captured inputs (a copy of the module goes to the target,
-   the CPU model stays the reference); a passing module's subtree is never tried.
+   the CPU model stays the reference; on a CPU target it shares the weights); a passing module's subtree is never
+   tried. The whole model's wrapper (`model` beside `lm_head`) is looked through, not compiled alone a second
+   time, unless nothing below it fails (`search.wrapped`).
    Each module is journalled (`enter-module`/`leave-module` in the cell's journal) and each outcome appended
    to `layers/probes.jsonl`. When the child aborts, segfaults, overruns `probe_timeout` or is OOM-killed, the
    journal's open entry is the culprit: it is recorded as crashed/timeout and a fresh child goes on

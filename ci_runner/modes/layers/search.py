@@ -316,7 +316,9 @@ LOOKED_THROUGH = ("not probed alone: it holds nearly all of its parent (its pare
 def wrapped(tree: ModuleTree, name: str, outcomes: Mapping[str, ProbeOutcome]) -> bool:
     """`name` is the whole model's only child that has child modules (its `model` beside `lm_head`), or such a
     child's in turn: probing it alone would compile nearly the whole model again, so the search looks through it
-    (`LOOKED_THROUGH`). Lower down it does not: failing parents are what twin layers are found by."""
+    (`LOOKED_THROUGH`). Lower down it does not: failing parents are what twin layers are found by. A module below
+    it that fails alone is reported although the wrapper itself never ran alone (were it to pass, or be
+    inconclusive, alone, the plain search would not have looked below it)."""
     parent = tree.nodes[name].parent
     if parent is None or not tree.children(name):
         return False
