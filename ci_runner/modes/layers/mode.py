@@ -36,7 +36,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -44,6 +44,7 @@ from ...backends import backend_ran, backend_recipe, is_self_test, plugin_python
 from ...config import spec_to_json
 from .culprit import CulpritResult, CulpritTarget, find_culprits, hints_from_error, ops_cross_check, write_repro
 from .groups import IN_PROCESS, cause_families, cause_groups, run_parallel
+from .handoff import save_target
 from ...fsutil import atomic_write_text
 from ...engine.codec import TensorStore, Unstorable
 from ...engine.failure import first_line, unwrap
@@ -284,7 +285,8 @@ def _explain(ctx: "ModeContext", opts: LayersOptions, loaded: Any, tree: ModuleT
     def culprits() -> None:
         t0 = time.monotonic()
         try:
-            _attach_culprits(ctx, opts, tree, result, by_name, group_of, layers_dir)
+            _attach_culprits(ctx, opts, tree, result, by_name, group_of, layers_dir,
+                             handoff=lambda name, out_dir: _handoff(loaded, name, captured, out_dir))
         except Exception as exc:  # a culprit problem must not lose the findings
             for finding in findings:
                 finding.details.setdefault("culprit", {"found": False, "kind": "error",
@@ -589,8 +591,16 @@ def _write_source_repro(ctx: "ModeContext", loaded: Any, sub: torch.nn.Module, n
 
 # --------------------------------------------------------------------------- the culprit inside a finding
 
+def _handoff(loaded: Any, name: str, captured: Mapping[str, list[Any]], out_dir: Path) -> None:
+    """The culprit child gets the submodule and its call from a file (`handoff.py`), not by rebuilding the model."""
+    if name != ROOT and captured.get(name):
+        with IN_PROCESS:
+            save_target(out_dir, loaded.module.get_submodule(name), *captured[name][0])
+
+
 def _attach_culprits(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, result: SearchResult,
-                     by_name: Mapping[str, Finding], group_of: Mapping[str, str], layers_dir: Path) -> None:
+                     by_name: Mapping[str, Finding], group_of: Mapping[str, str], layers_dir: Path,
+                     handoff: Callable[[str, Path], None] | None = None) -> None:
     """Search one failing submodule's graph per cause group for the op(s) that fail (`culprit.find_culprits`: one
     child for all of them; groups that differ from an earlier one in their inputs only probe its culprit op first),
     write and verify their repros (at once, up to `verify_workers`), and put each answer in
@@ -610,6 +620,11 @@ def _attach_culprits(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, 
         targets = [CulpritTarget(module=name, out_dir=str(layers_dir / "repro" / safe_filename(label(name)) / "culprit"),
                                  hints=_culprit_hints(result, name, answers.get(family[name])))
                    for name in wave]
+        for t in targets if handoff is not None else ():
+            try:
+                handoff(t.module, Path(t.out_dir))
+            except Exception:  # unstorable inputs: the child builds the model instead
+                pass
         found = find_culprits(model=spec_to_json(ctx.cell.model), backend=spec_to_json(ctx.cell.backend),
                               seed=ctx.cell.inputs.seed, layers_dir=layers_dir, targets=targets,
                               journal=ctx.cell_dir / JOURNAL_NAME, probe_timeout=opts.probe_timeout,
