@@ -45,6 +45,12 @@ def save_target(out_dir: Path, module: torch.nn.Module, args: tuple[Any, ...], k
     atomic_write_json(out_dir / SPEC, spec)
 
 
+def drop_handoff(out_dir: Path) -> None:
+    """The handoff is the culprit child's input only, not an artifact: removed once the search is done."""
+    for name in (SPEC, TENSORS):
+        (out_dir / name).unlink(missing_ok=True)
+
+
 def _on_meta(module: torch.nn.Module) -> bool:
     """A tensor of `module` (a parameter, a buffer or a plain tensor attribute) still on the meta device."""
     for m in module.modules():

@@ -44,7 +44,7 @@ from ...backends import backend_ran, backend_recipe, is_self_test, plugin_python
 from ...config import spec_to_json
 from .culprit import CulpritResult, CulpritTarget, find_culprits, hints_from_error, ops_cross_check, write_repro
 from .groups import IN_PROCESS, cause_families, cause_groups, run_parallel
-from .handoff import save_target
+from .handoff import drop_handoff, save_target
 from ...fsutil import atomic_write_text
 from ...engine.codec import TensorStore, Unstorable
 from ...engine.failure import first_line, unwrap
@@ -630,6 +630,8 @@ def _attach_culprits(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, 
                               journal=ctx.cell_dir / JOURNAL_NAME, probe_timeout=opts.probe_timeout,
                               startup_timeout=opts.startup_timeout, budget_s=budget, max_restarts=opts.max_restarts,
                               env={str(k): str(v) for k, v in ctx.cell.backend.env.items()})
+        for t in targets:
+            drop_handoff(Path(t.out_dir))
         answers.update(zip(wave, found))
 
     def attach(name: str) -> None:
