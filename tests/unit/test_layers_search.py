@@ -510,3 +510,28 @@ def test_a_sibling_twin_failing_elsewhere_is_searched() -> None:
     assert res.minimal == ["m.l0.attn", "m.l2.mlp"]
     assert "m.l1" in log and "m.l2" in log  # their attn passed: probed themselves (l1 passes, l2 is searched)
     assert res.outcomes["m.l1"].status == "pass" and res.outcomes["m.l1"].inferred_from is None
+
+
+def test_a_cpu_targets_copy_shares_the_weights_and_a_write_is_noticed_and_undone() -> None:
+    from types import SimpleNamespace
+
+    from ci_runner.modes.layers.search import _target_copy, restore_weights, versions_unchanged, weight_versions
+
+    net = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    net[1].register_buffer("scale", torch.ones(4), persistent=False)
+    cpu = SimpleNamespace(device="cpu", to_device=lambda m: m)
+    copy = _target_copy(net, cpu)
+    assert copy is not net and copy[0] is not net[0] and copy[0].weight is net[0].weight  # no second copy of weights
+    other = _target_copy(net, SimpleNamespace(device="simdev", to_device=lambda m: m))
+    assert other[0].weight is not net[0].weight  # a device copy is moved: the reference keeps its own
+    fresh = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    fresh[1].register_buffer("scale", torch.ones(4), persistent=False)
+    fresh.load_state_dict(net.state_dict())
+    before = weight_versions(net)
+    assert versions_unchanged(before)
+    with torch.no_grad():
+        copy[0].weight.add_(1.0)  # a target writing into the shared weights
+        copy[1].scale.mul_(3.0)
+    assert not versions_unchanged(before)
+    restore_weights(net, fresh)
+    assert torch.equal(net[0].weight, fresh[0].weight) and torch.equal(net[1].scale, torch.ones(4))
