@@ -535,3 +535,17 @@ def test_a_cpu_targets_copy_shares_the_weights_and_a_write_is_noticed_and_undone
     assert not versions_unchanged(before)
     restore_weights(net, fresh)
     assert torch.equal(net[0].weight, fresh[0].weight) and torch.equal(net[1].scale, torch.ones(4))
+
+
+def test_capture_stops_the_forward_once_every_wanted_first_call_is_recorded() -> None:
+    class Boom(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise AssertionError("ran past the last wanted module")
+
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), Boom())
+    x = torch.randn(2, 4)
+    got = capture_inputs(net, (x,), {}, ["0", "1"])
+    assert torch.equal(got["0"][0][0][0], x) and set(got) == {"0", "1"}
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in net.modules())
+    with pytest.raises(AssertionError, match="ran past"):  # every call: the whole forward runs
+        capture_inputs(net, (x,), {}, ["0"], all_calls=True)

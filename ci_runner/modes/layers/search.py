@@ -61,19 +61,26 @@ class RecordedCall:
     opaque: str | None = None  # why the call's inputs cannot be stored, if they cannot
 
 
+class _Enough(BaseException):
+    """Raised by a capture hook once every wanted call is recorded: the rest of the forward is not needed (a
+    BaseException, so that the capture's own guard against failing callbacks lets it through)."""
+
+
 def record_calls(model: torch.nn.Module, args: tuple[Any, ...] = (), kwargs: Mapping[str, Any] | None = None, *,
-                 include: Collection[str] | None = None, keep: bool = True,
-                 clone: bool = False) -> tuple[list[RecordedCall], bool]:
+                 include: Collection[str] | None = None, keep: bool = True, clone: bool = False,
+                 first_only: bool = False) -> tuple[list[RecordedCall], bool]:
     """One reference forward with pre-hooks on every submodule (or on those named in `include`).
 
     With `keep`, each call's args and kwargs are kept: by reference (cheap) unless `clone`; the second value
     says whether the forward later modified a kept tensor in place, in which case the caller must record
     again with `clone=True`. Without `keep`, only the call structure is recorded (names, classes, call
-    counts, whether the inputs can be stored): hooks, nothing retained.
+    counts, whether the inputs can be stored): hooks, nothing retained. With `first_only` (and `include`), the
+    forward stops as soon as each named module's first call is recorded.
     """
     recorded: list[RecordedCall] = []
     versions: list[tuple[torch.Tensor, int]] = []
     wanted = None if include is None else set(include)
+    pending = set(wanted) if first_only and wanted else None
 
     def pre(info: Any, a: tuple[Any, ...], kw: dict[str, Any]) -> None:
         rec = RecordedCall(info.name, info.module_class, info.call_index)
@@ -89,10 +96,17 @@ def record_calls(model: torch.nn.Module, args: tuple[Any, ...] = (), kwargs: Map
             except Unstorable as exc:
                 rec.opaque = f"call {info.call_index} takes {exc}"
         recorded.append(rec)
+        if pending is not None:
+            pending.discard(info.name)
+            if not pending:
+                raise _Enough()
 
     include_fn = None if wanted is None else (lambda name, _m: name in wanted)
-    with torch.no_grad(), ModuleCapture(model, pre=pre, include=include_fn) as cap:
-        model(*args, **dict(kwargs or {}))
+    try:
+        with torch.no_grad(), ModuleCapture(model, pre=pre, include=include_fn) as cap:
+            model(*args, **dict(kwargs or {}))
+    except _Enough:
+        pass
     if cap.errors:
         name, exc = cap.errors[0]
         raise RuntimeError(f"capture hook failed in {label(name)}: {exc}") from exc
@@ -121,9 +135,9 @@ def scan_model(model: torch.nn.Module, kwargs: Mapping[str, Any], *, all_calls: 
 def capture_inputs(model: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], names: Collection[str], *,
                    all_calls: bool = False) -> dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]]:
     """The inputs of the named modules (first call, or every call) from one reference forward."""
-    recorded, mutated = record_calls(model, args, kwargs, include=names)
+    recorded, mutated = record_calls(model, args, kwargs, include=names, first_only=not all_calls)
     if mutated:
-        recorded, _ = record_calls(model, args, kwargs, include=names, clone=True)
+        recorded, _ = record_calls(model, args, kwargs, include=names, clone=True, first_only=not all_calls)
     out: dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]] = {}
     for rec in recorded:
         if rec.call_index == 0 or all_calls:
