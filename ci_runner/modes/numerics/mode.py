@@ -17,7 +17,6 @@ than two references are configured.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ from ...registry import parse_options
 from ...config import spec_to_json
 from ...fsutil import append_line
 from ...engine.isolate import Attempt, IsolatedResult, Journal, supervise
-from ...engine.models import load_model, model_fingerprint
+from ...engine.models import load_model
 from ...options import NumericsOptions
 from ...results.model import ModeResult
 from ...numerics.capture import dump_meta, record_reference
@@ -44,7 +43,8 @@ from ...numerics.target import (
     parse_journal_entry,
     read_records,
 )
-from ...numerics.thresholds import LayerStats, ThresholdTable, key_hash, load_or_derive, threshold_key, threshold_path
+from ...numerics.cache import cell_thresholds
+from ...numerics.thresholds import LayerStats, ThresholdTable, load_or_derive
 from ...numerics.toolbox import after_numerics, before_numerics, reference_dumps
 from ...numerics.verdict import (
     build_layers,
@@ -152,24 +152,18 @@ def _crash_record(c: dict[str, Any]) -> dict[str, Any]:
 
 
 
-def _thresholds_folder(ctx: "ModeContext", opts: NumericsOptions) -> Path:
-    if opts.thresholds.thresholds_dir:
-        return Path(os.path.expanduser(opts.thresholds.thresholds_dir))
-    return ctx.cell_dir.parent.parent / "thresholds"
-
-
 def derive_for_cell(ctx: "ModeContext", opts: NumericsOptions, dump_root: Path,
                     keep: Iterable[int]) -> tuple[ThresholdTable, str, str]:
     """Load the model's thresholds, or derive them (once per key, under a file lock): (table, how, key hash).
 
-    Derived now, the reference dumps of the samples in `keep` stay in `dump_root`, marked with the key hash."""
+    The file and its key are `numerics.cache.cell_thresholds`'s (the CI cache key follows the same key). Derived
+    now, the reference dumps of the samples in `keep` stay in `dump_root`, marked with the key hash."""
     refs = ctx.cell.references
     primary = refs[0]
-    samples = opts.thresholds.samples or max(2, ctx.cell.inputs.samples)
-    key = threshold_key(model_fingerprint=model_fingerprint(ctx.cell.model), inputs=ctx.cell.inputs.key(),
-                        references=[{"id": r.id, "device": r.device, "dtype": r.dtype} for r in refs], samples=samples)
-    path = threshold_path(_thresholds_folder(ctx, opts), ctx.cell.model.id, key)
-    dump_key = key_hash(key)
+    where = cell_thresholds(ctx.cell, ctx.cell_dir.parent.parent, opts)  # the run folder: <run>/cells/<id>
+    path, key = where.path, where.key
+    samples = int(key["samples"])
+    dump_key = where.key_hash
 
     def derive() -> dict[str, LayerStats]:
         loaded = ctx.model(dtype=primary.dtype, device=primary.device)
