@@ -103,8 +103,24 @@ def case_mode(layers: int, mode: str, args: argparse.Namespace) -> dict[str, Any
                    culprit_ops=sorted({op for c in culprits for op in c.get("ops") or []}),
                    verified_repro_groups=len({f.repro.path for f in res.findings if f.repro and f.repro.verified}))
     else:
-        out["reason"] = res.reason
+        out.update(reason=res.reason, breakdown=_numerics_breakdown(res.data, out["mode_s"]))
     return out
+
+
+def _numerics_breakdown(data: dict[str, Any], mode_s: float) -> dict[str, float]:
+    """Where the numerics mode's time went: the weights check, the thresholds (the primary's passes with their
+    dumps, the secondary's cumulative and isolated views), the reference pass, the target child (its cumulative
+    view, compile included; its start and model build are the rest) and what is left."""
+    t = dict(data.get("timings") or {})
+    parts = {"weights_check_s": float((data.get("weights") or {}).get("seconds") or 0.0),
+             **{k: float(t[k]) for k in ("derive_record_s", "derive_cumulative_s", "derive_isolated_s") if k in t}}
+    parts["thresholds_other_s"] = float(t.get("thresholds_s", 0.0)) - sum(
+        parts.get(k, 0.0) for k in ("derive_record_s", "derive_cumulative_s", "derive_isolated_s"))
+    parts.update(reference_s=float(t.get("reference_s", 0.0)), target_cumulative_s=float(t.get("target_cumulative_s", 0.0)),
+                 target_isolated_s=float(t.get("target_isolated_s", 0.0)))
+    parts["target_start_and_build_s"] = float(t.get("target_s", 0.0)) - parts["target_cumulative_s"] - parts["target_isolated_s"]
+    parts["other_s"] = mode_s - sum(parts.values())
+    return {k: round(v, 2) for k, v in parts.items()}
 
 
 def case_floor(layers: int, args: argparse.Namespace) -> dict[str, Any]:

@@ -55,7 +55,7 @@ from ...numerics.verdict import (
     verdict_of,
     view_status,
 )
-from ...numerics.views import derive_reference_stats, runnable_reference
+from ...numerics.views import cast_copy, derive_reference_stats, runnable_reference
 
 if TYPE_CHECKING:
     from .. import ModeContext
@@ -152,8 +152,8 @@ def _crash_record(c: dict[str, Any]) -> dict[str, Any]:
 
 
 
-def derive_for_cell(ctx: "ModeContext", opts: NumericsOptions, dump_root: Path,
-                    keep: Iterable[int]) -> tuple[ThresholdTable, str, str]:
+def derive_for_cell(ctx: "ModeContext", opts: NumericsOptions, dump_root: Path, keep: Iterable[int],
+                    timings: dict[str, float] | None = None) -> tuple[ThresholdTable, str, str]:
     """Load the model's thresholds, or derive them (once per key, under a file lock): (table, how, key hash).
 
     The file and its key are `numerics.cache.cell_thresholds`'s (the CI cache key follows the same key). Derived
@@ -169,8 +169,7 @@ def derive_for_cell(ctx: "ModeContext", opts: NumericsOptions, dump_root: Path,
         loaded = ctx.model(dtype=primary.dtype, device=primary.device)
         # secondary references are loaded here, not through ctx's cache: their memory (a float64 copy is twice the
         # weights) is freed as soon as the thresholds are derived
-        secondaries = [(r, load_model(ctx.cell.model, seed=ctx.cell.inputs.seed, dtype=r.dtype, device=r.device).module)
-                       for r in refs[1:]]
+        secondaries = [(r, _secondary_module(ctx, loaded.module, r)) for r in refs[1:]]
         for r, module in secondaries:
             runnable_reference(module, r.dtype)
 
@@ -179,10 +178,20 @@ def derive_for_cell(ctx: "ModeContext", opts: NumericsOptions, dump_root: Path,
 
         with torch._dynamo.config.patch(**dynamo_settings()):
             return derive_reference_stats(loaded.module, primary, secondaries, sample_inputs, samples, dump_root,
-                                          keep=keep, chunk_mb=opts.chunk_mb, views=opts.views, dump_key=dump_key)
+                                          keep=keep, chunk_mb=opts.chunk_mb, views=opts.views, dump_key=dump_key,
+                                          timings=timings)
 
     table, how = load_or_derive(path, key, opts.thresholds, primary.dtype, derive)
     return table, how, dump_key
+
+
+def _secondary_module(ctx: "ModeContext", primary: torch.nn.Module, ref: Any) -> torch.nn.Module:
+    """A secondary reference's model. A config model's float32 primary on the same device is cast (`cast_copy`:
+    the weights `load_model` would build, without building the model again); any other is loaded."""
+    if ctx.cell.model.config and ctx.cell.references[0].dtype == "float32" and ref.dtype in DTYPES \
+            and ref.device == ctx.cell.references[0].device:
+        return cast_copy(primary, DTYPES[ref.dtype])
+    return load_model(ctx.cell.model, seed=ctx.cell.inputs.seed, dtype=ref.dtype, device=ref.device).module
 
 
 def run(ctx: "ModeContext") -> ModeResult:
@@ -202,8 +211,8 @@ def run(ctx: "ModeContext") -> ModeResult:
     notes: list[str] = list(pre.notes)
 
     t = time.monotonic()
-    table, how, dump_key = derive_for_cell(ctx, opts, dump_root, keep=compare)
-    timings["thresholds_s"] = round(time.monotonic() - t, 3)
+    table, how, dump_key = derive_for_cell(ctx, opts, dump_root, keep=compare, timings=timings)
+    timings["thresholds_s"] = time.monotonic() - t
     notes.append(f"thresholds {how}")
 
     t = time.monotonic()
@@ -215,6 +224,7 @@ def run(ctx: "ModeContext") -> ModeResult:
     timings["target_s"] = round(time.monotonic() - t, 3)
 
     iso_skipped, cum_errors = _view_runs(records, timings)
+    timings = {k: round(v, 3) for k, v in timings.items()}
     reader = DumpReader(dumps[0])
     layers = build_layers(reader, records, table)
     reader.close()
