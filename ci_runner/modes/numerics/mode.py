@@ -26,7 +26,7 @@ import torch
 
 from ...registry import parse_options
 from ...config import spec_to_json
-from ...fsutil import append_line
+from ...fsutil import append_line, atomic_write_json
 from ...engine.isolate import Attempt, IsolatedResult, Journal, supervise
 from ...engine.models import load_model
 from ...options import NumericsOptions
@@ -36,6 +36,7 @@ from ...numerics.settings import DTYPES, VIEWS, dynamo_settings
 from ...numerics.store import DumpReader, dump_matches
 from ...numerics.target import (
     TARGET_CHILD,
+    WEIGHTS_ITEM,
     TargetPlan,
     compare_target,
     done_keys,
@@ -45,7 +46,7 @@ from ...numerics.target import (
 )
 from ...numerics.cache import cell_thresholds
 from ...numerics.thresholds import LayerStats, ThresholdTable, load_or_derive
-from ...numerics.toolbox import after_numerics, before_numerics, reference_dumps
+from ...numerics.toolbox import after_numerics, before_numerics, reference_dumps, weights_from_target, weights_in_target
 from ...numerics.verdict import (
     build_layers,
     coverage,
@@ -62,19 +63,21 @@ if TYPE_CHECKING:
 
 
 def _run_target(ctx: "ModeContext", opts: NumericsOptions, dumps: list[Path], work: Path,
-                table: ThresholdTable) -> tuple[list[dict[str, Any]], list[str]]:
-    """Compare the target against `dumps` (child processes unless `isolate: false`); (records, notes)."""
+                table: ThresholdTable, weights: Path | None = None) -> tuple[list[dict[str, Any]], list[str]]:
+    """Compare the target against `dumps` (child processes unless `isolate: false`); (records, notes). With
+    `weights`, the child runs the weights check first and writes its result there."""
     primary = ctx.cell.references[0]
     results = work / "target.jsonl"
     journal = work / "journal.log"
-    for p in (results, journal):
-        if p.exists():
+    for p in (results, journal, weights):
+        if p is not None and p.exists():
             p.unlink()
     notes: list[str] = []
     base = dict(model=spec_to_json(ctx.cell.model), backend=spec_to_json(ctx.cell.backend), seed=ctx.cell.inputs.seed,
                 dtype=primary.dtype, dumps=tuple(str(d) for d in dumps), results=str(results), journal=str(journal),
                 views=opts.views, isolated=opts.isolated, thresholds=str(table.path) if table.path else None,
-                threshold_options=opts.thresholds.as_dict())
+                threshold_options=opts.thresholds.as_dict(),
+                weights={"out": str(weights), "chunk_mb": 256.0} if weights is not None else None)
     if not opts.isolate:
         return _run_target_here(ctx, base, results, journal, table), notes
 
@@ -91,7 +94,7 @@ def _run_target(ctx: "ModeContext", opts: NumericsOptions, dumps: list[Path], wo
         if budget <= 5.0:
             return "the target was not (fully) compared: the cell ran out of time"
         payload = {**base, "skip": done_keys(read_records(results), crashed), "deadline_wall": time.time() + budget * 0.9}
-        if n:  # a child died: the cumulative view is incomplete or the isolated view had started
+        if crashed:  # a child died in a view: the cumulative view is incomplete or the isolated view had started
             payload["isolated"] = "all"
         return Attempt(payload=payload, timeout=budget)
 
@@ -102,6 +105,9 @@ def _run_target(ctx: "ModeContext", opts: NumericsOptions, dumps: list[Path], wo
     def on_crash(item: str | None, res: IsolatedResult) -> str | None:
         entry = parse_journal_entry(item)
         what = res.describe()
+        if weights is not None and item == WEIGHTS_ITEM:  # the next child goes on without the weights check
+            atomic_write_json(weights, {"status": "error", **res.failure("weights check")})
+            return None
         if res.status == "error" and entry is None:
             if res.traceback:
                 tail.append(res.traceback[-1500:])
@@ -208,6 +214,7 @@ def run(ctx: "ModeContext") -> ModeResult:
     compare = list(range(opts.compare_samples))
     timings: dict[str, float] = {}
     pre = before_numerics(ctx, toolbox, isolate=opts.isolate)  # the weights check, before any forward
+    weights = work / "weights.json" if weights_in_target(ctx, toolbox, isolate=opts.isolate) else None
     notes: list[str] = list(pre.notes)
 
     t = time.monotonic()
@@ -219,7 +226,10 @@ def run(ctx: "ModeContext") -> ModeResult:
     dumps, compare = _reference_pass(ctx, opts, table, dump_root, dump_key, compare, notes)
     timings["reference_s"] = round(time.monotonic() - t, 3)
     t = time.monotonic()
-    records, target_notes = _run_target(ctx, opts, dumps, work, table)
+    records, target_notes = _run_target(ctx, opts, dumps, work, table, weights)
+    if weights is not None:  # the target child ran the weights check before its forward
+        pre = weights_from_target(ctx, weights)
+        notes[:0] = pre.notes
     notes.extend(target_notes)
     timings["target_s"] = round(time.monotonic() - t, 3)
 
