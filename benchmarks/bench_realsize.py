@@ -11,8 +11,9 @@ verifications) and the peak RSS of its largest process (`getrusage`). Cases:
   culprit search, one verified repro group.
 * `floor`    — the passes numerics cannot avoid: one float32 and one float64 reference forward, one aot_eager
   forward (compile included, as the mode pays it), and the weights' bytes of both references.
-* `numerics` — the numerics mode on `aot_eager`. Goals: ≤ 4× floor; peak RSS ≤ 1.2× (both references' weights
-  + the largest layer's activations).
+* `numerics` — the numerics mode on `aot_eager`, thresholds derived in the run. Goals: ≤ 4× floor; peak RSS ≤ 1.2×
+  (both references' weights + the largest layer's activations). Its `breakdown` says where the time went (weights
+  check, the thresholds' passes, the target child's start and build, its compile and cumulative view).
 
 Printed: one JSON line per case as it finishes, then a table with the ratios. `uptime` load is printed with it:
 on a shared machine every figure is an upper bound.
