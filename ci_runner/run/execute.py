@@ -222,6 +222,10 @@ def run_cells(cells: Sequence[Cell], opts: RunOptions, progress: Progress | None
             progress.cell_reused(c.id, prior.status)
         else:
             todo.append(c)
+    if opts.force:  # a forced run probes again: the probe stores earlier runs left for these backends go
+        from ..modes.ops.store import clear_stores  # deferred: the ops engine imports torch
+
+        clear_stores(opts.out_dir, {c.backend.id for c in todo})
 
     def work(c: Cell) -> CellResult:
         need = cell_workers(c, opts.cores, opts.modes) if opts.cores else 0
