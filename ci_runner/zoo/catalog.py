@@ -1,7 +1,7 @@
 """The transformers zoo: one model per architecture (model_type) of the INSTALLED transformers.
 
 `catalog()` lists every config type transformers registers with the head the scan builds for it and its family.
-The head is the first of `HEADS` whose auto mapping knows the type (causal LM, then seq2seq, speech seq2seq,
+The head is the first of `HEADS` whose auto mapping knows the type (seq2seq, speech seq2seq, causal LM,
 image-text-to-text, image classification, then the base model); a type with none of them is listed with
 `head=None` and a reason, so the scan can say why it left it out. The family (`FAMILIES`) groups the report.
 """
@@ -11,15 +11,16 @@ from __future__ import annotations
 import difflib
 import fnmatch
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from ..errors import ConfigError
 
 # (task name, auto mapping in transformers.models.auto.modeling_auto) in order of preference
+# (an encoder-decoder's seq2seq head covers its encoder too, where its causal-LM head is the decoder alone)
 HEADS: tuple[tuple[str, str], ...] = (
-    ("causal-lm", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
     ("seq2seq", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),
     ("speech-seq2seq", "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES"),
+    ("causal-lm", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
     ("image-text", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES"),
     ("image-classification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"),
     ("base", "MODEL_MAPPING_NAMES"),
@@ -43,10 +44,19 @@ class ZooModel:
     reason: str | None = None  # why it cannot be scanned (no head)
 
 
+# mappings that only label the family (an architecture with a masked-LM head is an encoder even when it also has a
+# causal-LM head, as BERT does; CTC and audio classification heads mark audio encoders)
+LABELS: tuple[tuple[str, str], ...] = (
+    ("masked-lm", "MODEL_FOR_MASKED_LM_MAPPING_NAMES"),
+    ("ctc", "MODEL_FOR_CTC_MAPPING_NAMES"),
+    ("audio-classification", "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES"),
+)
+
+
 def _mappings() -> dict[str, dict[str, Any]]:
     from transformers.models.auto import modeling_auto  # deferred: transformers is heavy (seconds)
 
-    return {task: dict(getattr(modeling_auto, name, {}) or {}) for task, name in HEADS}
+    return {task: dict(getattr(modeling_auto, name, {}) or {}) for task, name in HEADS + LABELS}
 
 
 def model_types() -> list[str]:
@@ -85,18 +95,20 @@ def _layer_kinds(cfg: Any) -> set[str]:
     return kinds
 
 
-def family_of(model_type: str, task: str | None, config: Any | None) -> str:
-    """decoder | MoE | SSM/hybrid | encoder | vision | audio | multimodal | encoder-decoder, from the head and
-    the default config (a dict or a PretrainedConfig)."""
+def family_of(model_type: str, task: str | None, config: Any | None, labels: frozenset[str] = frozenset()) -> str:
+    """decoder | MoE | SSM/hybrid | encoder | vision | audio | multimodal | encoder-decoder, from the head, the
+    other heads the type has (`labels`: masked-lm, ctc, audio-classification) and the default config (a dict or a
+    PretrainedConfig)."""
     cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config or {})
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     has_vision = isinstance(cfg.get("vision_config"), dict)
     has_audio = isinstance(cfg.get("audio_config"), dict)
     if task == "image-text" or (has_vision and isinstance(cfg.get("text_config"), dict)) or (has_audio and has_vision):
         return "multimodal"
-    if task == "speech-seq2seq" or has_audio or any(k in cfg for k in ("num_mel_bins", "conv_kernel", "feat_extract_norm")):
+    if task == "speech-seq2seq" or has_audio or labels & {"ctc", "audio-classification"} \
+            or any(k in cfg for k in ("num_mel_bins", "feat_extract_norm")):
         return "audio"
-    if task in ("seq2seq",) or cfg.get("is_encoder_decoder"):
+    if task in ("seq2seq",) or (cfg.get("is_encoder_decoder") and not ("image_size" in cfg or "num_channels" in cfg)):
         return "encoder-decoder"
     if any(k in text for k in _SSM_KEYS) or any(any(s in k for s in _SSM_KINDS) for k in _layer_kinds(text)) \
             or model_type.startswith(("mamba", "rwkv", "xlstm")):
@@ -105,7 +117,7 @@ def family_of(model_type: str, task: str | None, config: Any | None) -> str:
         return "MoE"
     if task == "image-classification" or "image_size" in cfg or "num_channels" in cfg:
         return "vision"
-    if task == "causal-lm":
+    if task == "causal-lm" and "masked-lm" not in labels:
         return "decoder"
     return "encoder"
 
@@ -121,12 +133,29 @@ def _entry(model_type: str, maps: dict[str, dict[str, Any]], configs: Any) -> Zo
         config = configs[model_type]()
     except Exception:  # family from the head alone; the scan reports the build error itself
         config = None
-    family = family_of(model_type, task, config)
+    if cls is None:  # a component config (`clip_text_model`): the model class named after its config class
+        cls = _class_for_config(configs, model_type)
+        task = "base" if cls else None
+    labels = frozenset(t for t, _ in LABELS if model_type in maps[t])
+    family = family_of(model_type, task, config, labels)
     if cls is None:
         return ZooModel(model_type=model_type, task=None, class_name=None, family=family,
                         reason="no model class: not in any auto mapping (causal-LM, seq2seq, image-text, "
-                               "image classification or base model)")
+                               "image classification or base model) and no <Name>Model for its config class")
     return ZooModel(model_type=model_type, task=task, class_name=cls, family=family)
+
+
+def _class_for_config(configs: Any, model_type: str) -> str | None:
+    import transformers  # deferred: transformers is heavy (seconds)
+
+    try:
+        name = configs[model_type].__name__
+    except Exception:
+        return None
+    for guess in (name.removesuffix("Config") + "Model", name.removesuffix("Config")):
+        if guess != name and isinstance(getattr(transformers, guess, None), type):
+            return guess
+    return None
 
 
 def catalog(types: Iterable[str] | None = None) -> list[ZooModel]:
@@ -138,10 +167,11 @@ def catalog(types: Iterable[str] | None = None) -> list[ZooModel]:
     return [_entry(t, maps, CONFIG_MAPPING) for t in wanted]
 
 
-def expand_selection(select: Sequence[str], exclude: Sequence[str], *, where: str,
+def expand_selection(select: Sequence[str], exclude: Sequence[str], *, place: Callable[[str, int], str],
                      known: Sequence[str] | None = None) -> list[str]:
     """The model_types that `select` (names or globs; empty: all) and not `exclude` pick. A name or glob that
-    matches no installed architecture is a `ConfigError` naming `where` (file and place) and the closest names."""
+    matches no installed architecture is a `ConfigError` at `place(key, index)` ("file:line:col: models[0].select[2]")
+    with the closest names."""
     types = list(known) if known is not None else model_types()
 
     def match(pattern: str, key: str, i: int) -> list[str]:
@@ -150,8 +180,8 @@ def expand_selection(select: Sequence[str], exclude: Sequence[str], *, where: st
             close = difflib.get_close_matches(pattern, types, n=3)
             hint = (f"did you mean {' or '.join(repr(c) for c in close)}?" if close
                     else "use a transformers model_type (e.g. 'llama', 'vit') or a glob such as 'qwen*'")
-            raise ConfigError(f"{where}.{key}[{i}]: {pattern!r} matches no architecture of the installed "
-                              f"transformers", hint=hint)
+            raise ConfigError(f"{place(key, i)}: {pattern!r} matches no architecture of the installed transformers",
+                              hint=hint)
         return hits
 
     chosen = set(types) if not select else {t for i, p in enumerate(select) for t in match(p, "select", i)}

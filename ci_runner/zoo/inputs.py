@@ -71,6 +71,23 @@ def _decoder_ids(config: Any, inputs: InputSpec, sample: int) -> torch.Tensor:
     return torch.randint(0, max(2, vocab), (inputs.batch, DECODER_LEN), generator=gen)
 
 
+def _other_towers(kwargs: dict[str, Any], module: torch.nn.Module, config: Any, params: dict[str, inspect.Parameter],
+                  *, model_type: str, inputs: InputSpec, sample: int) -> None:
+    """Dual-encoder models (CLIP, ALIGN, CLAP): the tower the main input does not feed, when the forward names
+    its input and the config has that tower."""
+    towers = (("input_ids", "text_config", "base"), ("pixel_values", "vision_config", "image-classification"))
+    for name, sub, task in towers:
+        if name in kwargs or name not in params or getattr(config, sub, None) is None:
+            continue
+        spec = ModelSpec(id=model_type, config=model_type, task=task)
+        loaded = LoadedModel(spec=spec, module=module, task=task, config=config, tokenizer=None, revision=None,
+                             dtype=torch.float32, device="cpu")
+        built = build_inputs(loaded, inputs, sample=sample)
+        kwargs.update({k: v for k, v in built.items() if k not in kwargs and k != "interpolate_pos_encoding"})
+    if "input_features" in params and "input_features" not in kwargs and getattr(config, "audio_config", None):
+        kwargs["input_features"] = audio_features(module, config.audio_config, inputs, sample)
+
+
 def zoo_inputs(module: torch.nn.Module, config: Any, *, model_type: str, task: str | None, inputs: InputSpec,
                sample: int = 0) -> dict[str, Any]:
     """Keyword arguments for `module(**kwargs)` (CPU tensors; the inventory fakes them on its device)."""
@@ -86,6 +103,7 @@ def zoo_inputs(module: torch.nn.Module, config: Any, *, model_type: str, task: s
         loaded = LoadedModel(spec=spec, module=module, task=spec.task, config=config, tokenizer=None, revision=None,
                              dtype=torch.float32, device="cpu")
         kwargs.update(build_inputs(loaded, inputs, sample=sample))
+    _other_towers(kwargs, module, config, params, model_type=model_type, inputs=inputs, sample=sample)
     if "decoder_input_ids" in params and (getattr(config, "is_encoder_decoder", False) or task in ("seq2seq", "speech-seq2seq")):
         kwargs["decoder_input_ids"] = _decoder_ids(config, inputs, sample)
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())

@@ -14,6 +14,7 @@ Records are reused: a second backend with the same IR level and host device, or 
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,14 +23,16 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from ..config import InputSpec
-from ..engine.failure import first_line
 from ..engine.isolate import Attempt, IsolatedResult, child_journal, supervise
 from ..engine.repro import safe_filename
 from ..fsutil import atomic_write_json
 from ..results.model import read_json
 
 STAGES: tuple[str, ...] = ("head", "config", "build", "inputs", "trace", "timeout", "crashed", "not scanned")
-START_SLACK_S = 120.0  # a child's start (torch, transformers) on top of its models' time
+START_SLACK_S = 120.0
+# trace errors a less shrunk config may not have (sizes that no longer divide, tensors that no longer match)
+SHAPE_ERROR = re.compile(r"size|shape|dimension|divisib|mismatch|must match|expected .* got|out of (range|bounds)"
+                         r"|index|split", re.I)  # a child's start (torch, transformers) on top of its models' time
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,8 +51,13 @@ def record_path(out_dir: Path, model_type: str) -> Path:
     return out_dir / f"{safe_filename(model_type)}.json"
 
 
+def one_line(text: str, limit: int = 300) -> str:
+    """An error message on one line (validation errors put the cause on their second line)."""
+    return " ".join(text.split())[:limit]
+
+
 def left_out(model_type: str, stage: str, reason: str, **extra: Any) -> dict[str, Any]:
-    return {"model_type": model_type, **extra, "left_out": {"stage": stage, "reason": first_line(reason, 400)}}
+    return {"model_type": model_type, **extra, "left_out": {"stage": stage, "reason": one_line(reason, 400)}}
 
 
 # --------------------------------------------------------------------------------------------- in the child
@@ -85,7 +93,7 @@ def scan_one(model_type: str, *, level: str, device: str, inputs: InputSpec) -> 
     try:
         default = transformers.AutoConfig.for_model(model_type)
     except Exception as exc:  # any config error is the architecture's reason
-        return left_out(model_type, "config", f"{type(exc).__name__}: {exc}", **info)
+        return left_out(model_type, "config", f"{type(exc).__name__}: {one_line(str(exc))}", **info)
     tried: dict[str, str] = {}
     stage = "build"
     for shrink_level in LEVELS:
@@ -101,13 +109,15 @@ def scan_one(model_type: str, *, level: str, device: str, inputs: InputSpec) -> 
         except ZooInputError as exc:
             return left_out(model_type, "inputs", exc.message, **info, tried=tried)
         except Exception as exc:  # the next shrink level may build; the last error is the reason
-            tried[shrink_level] = f"{stage}: {type(exc).__name__}: {first_line(str(exc), 300)}"
+            tried[shrink_level] = f"{stage}: {type(exc).__name__}: {one_line(str(exc))}"
+            if stage == "trace" and not SHAPE_ERROR.search(str(exc)):
+                break  # a trace error that is not about sizes: a bigger config fails the same way (and slowly)
             continue
         return {"model_type": model_type, **info, "shrink": shrink_level, "tried": tried,
                 "layers": [layer_count(default), layer_count(config)],
                 "params": sum(p.numel() for p in module.parameters()),
                 "trace_s": round(time.monotonic() - t0, 3), "inventory": inv.to_dict()}
-    last = tried[LEVELS[-1]] if LEVELS[-1] in tried else next(iter(tried.values()), "unknown")
+    last = list(tried.values())[-1] if tried else "unknown"
     return left_out(model_type, stage, last.split(": ", 1)[1] if ": " in last else last, **info, tried=tried)
 
 

@@ -225,7 +225,10 @@ def _shrink_dict(d: dict[str, Any], level: str, specials: int) -> None:
     for k in SIDE_LAYER_KEYS:
         if _int(d.get(k)) and d[k] > 2:
             d[k] = 2
-    for k in ("depths", "encoder_layers_per_stage", "num_layers_per_stage"):
+    if isinstance(d.get("depth_coefficient"), float) and d["depth_coefficient"] > 0.1:  # EfficientNet: 1 block per stage
+        d["depth_coefficient"] = 0.1
+    for k in ("depths", "encoder_layers_per_stage", "num_layers_per_stage", "num_block_repeats", "blocks_per_stage",
+              "stage_depths", "num_blocks", "block_repeats"):
         if isinstance(d.get(k), list) and all(_int(x) for x in d[k]):
             d[k] = [min(x, 2) for x in d[k]]
     _shrink_experts(d)
@@ -255,8 +258,12 @@ def layer_count(config: Any) -> int | None:
     for cfg in (config, getattr(config, "text_config", None)):
         if cfg is None:
             continue
-        found = _layer_count(cfg.to_dict() if hasattr(cfg, "to_dict") else {})
+        d = cfg.to_dict() if hasattr(cfg, "to_dict") else {}
+        found = _layer_count(d)
         if found:
             return found[1]
+        side = [int(d[k]) for k in SIDE_LAYER_KEYS if _int(d.get(k))]
+        if side:
+            return sum(side)
     return None
 

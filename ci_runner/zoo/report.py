@@ -1,0 +1,114 @@
+"""What the zoo scan found, as data for results.json and the reports: left-out reasons grouped, architectures per
+backend (fully supported, or the ops they lack), ops ranked by architectures blocked, the cross-backend table."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterable, Mapping
+
+_VOLATILE = re.compile(r"'[^']*'|\"[^\"]*\"|\b0x[0-9a-f]+\b|\d+(\.\d+)?|/[\w./-]+\.py")
+
+
+def reason_group(stage: str, reason: str) -> str:
+    """The grouping key of a left-out reason: the stage and the message with names, numbers and paths blanked."""
+    text = _VOLATILE.sub("…", reason.split(" (e.g.", 1)[0])
+    return f"{stage}\x1f{text[:160]}"
+
+
+def group_reasons(left_out: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """[{stage, reason (the first architecture's own text), models}] by descending count."""
+    groups: dict[str, dict[str, Any]] = {}
+    for model_type, lo in sorted(left_out.items()):
+        stage, reason = str(lo.get("stage", "")), str(lo.get("reason", ""))
+        g = groups.setdefault(reason_group(stage, reason), {"stage": stage, "reason": reason, "models": []})
+        g["models"].append(model_type)
+    return sorted(groups.values(), key=lambda g: (-len(g["models"]), g["stage"], g["reason"]))
+
+
+def _status(outcome: Mapping[str, Any] | None) -> str:
+    """pass | fail | inconclusive for the cross-backend table."""
+    if not outcome:
+        return "inconclusive"
+    st = str(outcome.get("status", ""))
+    if st == "pass":
+        return "pass"
+    if st in ("not_run", "inconclusive", "probe_error", "skipped"):
+        return "inconclusive"
+    return "fail"
+
+
+def backend_table(uses: Mapping[str, Iterable[str]], outcomes: Mapping[str, Mapping[str, Any]],
+                  signatures: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One row per distinct signature of one backend: {key, op, signature, status, models} (models: who uses it)."""
+    rows = []
+    for key, sig in signatures.items():
+        rows.append({"key": key, "op": sig["op"], "signature": sig["text"], "status": _status(outcomes.get(key)),
+                     "models": sorted(set(uses.get(key, ())))})
+    return rows
+
+
+def per_architecture(rows: Iterable[Mapping[str, Any]], scanned: Iterable[str]) -> dict[str, list[str]]:
+    """model_type -> the ops (sorted) with a failing signature it uses; [] when fully supported."""
+    lacks: dict[str, set[str]] = {m: set() for m in scanned}
+    for r in rows:
+        if r["status"] == "fail":
+            for m in r["models"]:
+                lacks.setdefault(m, set()).add(r["op"])
+    return {m: sorted(ops) for m, ops in sorted(lacks.items())}
+
+
+def ops_ranked(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Failing ops by the architectures they block: [{op, models, signatures}], most blocking first."""
+    by_op: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        if r["status"] != "fail":
+            continue
+        e = by_op.setdefault(r["op"], {"op": r["op"], "models": set(), "signatures": 0})
+        e["models"] |= set(r["models"])
+        e["signatures"] += 1
+    out = [{"op": e["op"], "models": sorted(e["models"]), "signatures": e["signatures"]} for e in by_op.values()]
+    return sorted(out, key=lambda e: (-len(e["models"]), e["op"]))
+
+
+def cross_backend(tables: Mapping[str, Iterable[Mapping[str, Any]]]) -> list[dict[str, Any]]:
+    """Op signature × backend: [{op, signature, models, status: {backend: pass|fail|inconclusive|None}}]."""
+    rows: dict[str, dict[str, Any]] = {}
+    for backend, table in tables.items():
+        for r in table:
+            row = rows.setdefault(r["key"], {"op": r["op"], "signature": r["signature"], "models": 0, "status": {}})
+            row["models"] = max(row["models"], len(r["models"]))
+            row["status"][backend] = r["status"]
+    for row in rows.values():
+        for b in tables:
+            row["status"].setdefault(b, None)
+    return sorted(rows.values(), key=lambda r: (r["op"], r["signature"]))
+
+
+def zoo_section(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """results.json's `zoo` from the per-backend zoo records (`<run>/zoo/<backend>.json`)."""
+    records = list(records)
+    archs: set[str] = set()
+    scanned: set[str] = set()
+    left: dict[str, str] = {}
+    families: dict[str, str] = {}
+    tables: dict[str, list[Mapping[str, Any]]] = {}
+    backends: dict[str, Any] = {}
+    for rec in records:
+        b = rec["backend"]
+        archs |= set(rec["architectures"])
+        scanned |= set(rec["scanned"])
+        left.update({m: f"{lo['stage']}: {lo['reason']}" for m, lo in rec["left_out"].items()})
+        families.update({m: f for m, f in rec.get("families", {}).items() if f})
+        tables[b] = rec["table"]
+        lacks = per_architecture(rec["table"], rec["scanned"])
+        backends[b] = {"level": rec.get("level"), "supported": sorted(m for m, ops in lacks.items() if not ops),
+                       "lacks": {m: ops for m, ops in lacks.items() if ops}, "ranked": ops_ranked(rec["table"]),
+                       "probe_s": rec.get("probe_s"), "store": rec.get("store", {})}
+    groups = group_reasons({m: {"stage": r.split(": ", 1)[0], "reason": r.split(": ", 1)[-1]} for m, r in left.items()})
+    return {
+        "architectures": len(archs), "scanned": sorted(scanned), "left_out": dict(sorted(left.items())),
+        "left_out_groups": groups, "families": dict(sorted(families.items())),
+        "signatures": {r["backend"]: len(r["table"]) for r in records},
+        "pairs": {r["backend"]: int(r["pairs"]) for r in records},
+        "backends": backends, "cross": cross_backend(tables),
+    }
