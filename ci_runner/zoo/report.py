@@ -112,3 +112,38 @@ def zoo_section(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
         "pairs": {r["backend"]: int(r["pairs"]) for r in records},
         "backends": backends, "cross": cross_backend(tables),
     }
+
+
+MAX_CROSS_ROWS = 5000  # rows of the cross-backend table drawn in the page
+
+
+def zoo_view(zoo: Mapping[str, Any]) -> dict[str, Any]:
+    """What the HTML page and the summary show of results.json's `zoo`: coverage, per backend the architectures
+    by family (fully supported, or the ops each lacks), ops ranked by architectures blocked, the left-out groups,
+    and the cross-backend table (only with several backends)."""
+    families = zoo.get("families", {})
+    scanned = list(zoo.get("scanned", []))
+    backends = []
+    for name, b in (zoo.get("backends") or {}).items():
+        fams: dict[str, dict[str, Any]] = {}
+        lacks = b.get("lacks", {})
+        for m in scanned:
+            f = fams.setdefault(families.get(m) or "other", {"family": families.get(m) or "other", "scanned": 0,
+                                                              "supported": 0, "lacking": []})
+            f["scanned"] += 1
+            if lacks.get(m):
+                f["lacking"].append({"model": m, "ops": lacks[m]})
+            else:
+                f["supported"] += 1
+        sigs, pairs = (zoo.get("signatures") or {}).get(name, 0), (zoo.get("pairs") or {}).get(name, 0)
+        backends.append({"name": name, "level": b.get("level"), "supported": len(b.get("supported", [])),
+                         "scanned": len(scanned), "signatures": sigs, "pairs": pairs,
+                         "dedup": round(pairs / sigs, 1) if sigs else None,
+                         "families": sorted(fams.values(), key=lambda f: f["family"]),
+                         "ranked": list(b.get("ranked", []))})
+    cross = list(zoo.get("cross") or [])
+    names = [b["name"] for b in backends]
+    return {"architectures": zoo.get("architectures", 0), "scanned": len(scanned),
+            "left_out": len(zoo.get("left_out") or {}), "groups": list(zoo.get("left_out_groups") or []),
+            "backends": backends, "names": names, "cross": cross[:MAX_CROSS_ROWS] if len(names) > 1 else [],
+            "cross_total": len(cross), "cross_failing": sum(1 for r in cross if "fail" in r["status"].values())}

@@ -222,6 +222,9 @@ def _shrink_dict(d: dict[str, Any], level: str, specials: int) -> None:
     counted = _layer_count(d)
     if counted is not None and counted[1] > 1:
         _keep_layers(d, *counted, per_kind=LEVEL_RULES[level][1])
+        for k in ("out_features", "out_indices"):  # backbone outputs named by layer: the config's default again
+            if d.get(k) is not None:
+                d[k] = None
     for k in SIDE_LAYER_KEYS:
         if _int(d.get(k)) and d[k] > 2:
             d[k] = 2
