@@ -110,7 +110,7 @@ def scan_one(model_type: str, *, level: str, device: str, inputs: InputSpec) -> 
             return left_out(model_type, "inputs", exc.message, **info, tried=tried)
         except Exception as exc:  # the next shrink level may build; the last error is the reason
             tried[shrink_level] = f"{stage}: {type(exc).__name__}: {one_line(str(exc))}"
-            if stage == "trace" and not SHAPE_ERROR.search(str(exc)):
+            if stage in ("inputs", "trace") and not SHAPE_ERROR.search(str(exc)):
                 break  # a trace error that is not about sizes: a bigger config fails the same way (and slowly)
             continue
         return {"model_type": model_type, **info, "shrink": shrink_level, "tried": tried,
