@@ -116,12 +116,12 @@ def backend_child(payload: Mapping[str, Any]) -> dict[str, Any]:
     """Child target: probe one backend's zoo signatures once and write every architecture's cell result."""
     from dataclasses import replace
 
-    from ..backends.spec import resolve_backend
-    from ..engine.envinfo import cell_stamp, plugin_modules
-    from ..modes.ops.mode import build_probes, choose_level, model_result
-    from ..modes.ops.signature import Inventory
-    from ..modes.ops.store import merge_inventories, probe_signatures, store_root
-    from ..registry import parse_options
+    from ..backends.spec import resolve_backend  # deferred: torch and the backend's plugins, in this child only
+    from ..engine.envinfo import cell_stamp, plugin_modules  # deferred: torch, in this child only
+    from ..modes.ops.mode import build_probes, choose_level, model_result  # deferred: torch, in this child only
+    from ..modes.ops.signature import Inventory  # deferred: torch, in this child only
+    from ..modes.ops.store import merge_inventories, probe_signatures, store_root  # deferred: torch, child only
+    from ..registry import parse_options  # deferred: with the modes it registers, in this child only
 
     deadline = time.monotonic() + float(payload["deadline_s"])
     remaining = lambda: max(0.0, deadline - time.monotonic())  # noqa: E731

@@ -27,6 +27,8 @@ from ..engine.isolate import Attempt, IsolatedResult, child_journal, supervise
 from ..engine.repro import safe_filename
 from ..fsutil import atomic_write_json
 from ..results.model import read_json
+from .catalog import catalog
+from .shrink import LEVELS, layer_count, shrink
 
 STAGES: tuple[str, ...] = ("head", "config", "build", "inputs", "trace", "timeout", "crashed", "not scanned")
 START_SLACK_S = 120.0
@@ -65,7 +67,7 @@ def left_out(model_type: str, stage: str, reason: str, **extra: Any) -> dict[str
 def _build(cls: Any, config: Any) -> Any:
     import torch
 
-    from ..engine.models import disable_caches
+    from ..engine.models import disable_caches  # deferred: torch, in the scan child only
 
     with torch.device("meta"):
         module = cls._from_config(config)
@@ -78,10 +80,8 @@ def scan_one(model_type: str, *, level: str, device: str, inputs: InputSpec) -> 
     """Build `model_type` small on meta, make its inputs and take its inventory; a scanned or left-out record."""
     import transformers
 
-    from ..modes.ops.inventory import take_inventory
-    from .catalog import catalog
-    from .inputs import ZooInputError, zoo_inputs
-    from .shrink import LEVELS, layer_count, shrink
+    from ..modes.ops.inventory import take_inventory  # deferred: torch, in the scan child only
+    from .inputs import ZooInputError, zoo_inputs  # deferred: torch, in the scan child only
 
     entry = catalog([model_type])[0]
     info = {"family": entry.family, "task": entry.task, "class": entry.class_name}
