@@ -134,7 +134,7 @@ def _entry(model_type: str, maps: dict[str, dict[str, Any]], configs: Any) -> Zo
     except Exception:  # family from the head alone; the scan reports the build error itself
         config = None
     if cls is None:  # a component config (`clip_text_model`): the model class named after its config class
-        cls = _class_for_config(configs, model_type)
+        cls = _class_for_config(configs, model_type) or _any_head(model_type)
         task = "base" if cls else None
     labels = frozenset(t for t, _ in LABELS if model_type in maps[t])
     family = family_of(model_type, task, config, labels)
@@ -143,6 +143,17 @@ def _entry(model_type: str, maps: dict[str, dict[str, Any]], configs: Any) -> Zo
                         reason="no model class: not in any auto mapping (causal-LM, seq2seq, image-text, "
                                "image classification or base model) and no <Name>Model for its config class")
     return ZooModel(model_type=model_type, task=task, class_name=cls, family=family)
+
+
+def _any_head(model_type: str) -> str | None:
+    """The first class any other auto mapping (retrieval, backbone, …) has for the type."""
+    from transformers.models.auto import modeling_auto  # deferred: transformers is heavy (seconds)
+
+    for name in sorted(n for n in dir(modeling_auto) if n.startswith("MODEL_FOR_") and n.endswith("_MAPPING_NAMES")):
+        found = _first((getattr(modeling_auto, name, None) or {}).get(model_type))
+        if found:
+            return found
+    return None
 
 
 def _class_for_config(configs: Any, model_type: str) -> str | None:

@@ -22,6 +22,7 @@ from ..errors import DeepviewError
 AUDIO_SAMPLES = 3200  # raw waveform length for `input_values` (0.2 s at 16 kHz)
 FEATURE_FRAMES = 64  # log-mel frames for `input_features` when the config does not fix them
 DECODER_LEN = 8
+DEFAULT_VOCAB = 256
 
 
 class ZooInputError(DeepviewError):
@@ -58,10 +59,23 @@ def audio_features(module: torch.nn.Module, config: Any, inputs: InputSpec, samp
     bins = next((int(getattr(config, k)) for k in ("num_mel_bins", "feature_size", "input_feat_per_channel",
                                                    "n_mels", "mel_bins") if isinstance(getattr(config, k, None), int)), 80)
     channels = int(getattr(config, "input_channels", 1) or 1)
+    if isinstance(getattr(config, "max_length", None), int) and _first_conv_in(module) is None:  # AST: (frames, bins)
+        return torch.randn((inputs.batch, int(config.max_length), bins), generator=gen)
     if _first_conv_in(module) == bins:
         frames = 2 * int(getattr(config, "max_source_positions", FEATURE_FRAMES // 2) or FEATURE_FRAMES // 2)
         return torch.randn((inputs.batch, bins, frames), generator=gen)
     return torch.randn((inputs.batch, FEATURE_FRAMES, bins * channels), generator=gen)
+
+
+def _default_vocab(config: Any) -> None:
+    """Token ids for a config that names no vocabulary (CANINE reads code points, Bark's sub-models): the first
+    `DEFAULT_VOCAB` ids."""
+    text = getattr(config, "text_config", None) or config
+    if not getattr(text, "vocab_size", None):
+        try:
+            text.vocab_size = DEFAULT_VOCAB
+        except (AttributeError, TypeError, ValueError):
+            pass
 
 
 def _decoder_ids(config: Any, inputs: InputSpec, sample: int) -> torch.Tensor:
@@ -96,9 +110,11 @@ def zoo_inputs(module: torch.nn.Module, config: Any, *, model_type: str, task: s
     kwargs: dict[str, Any] = {}
     if main in ("input_values", "input_features", "audio_values"):
         gen = torch.Generator().manual_seed(inputs.seed * 7919 + sample)
-        kwargs[main] = (torch.randn((inputs.batch, AUDIO_SAMPLES), generator=gen) if main == "input_values"
+        waveform = main == "input_values" and not isinstance(getattr(config, "num_mel_bins", None), int)
+        kwargs[main] = (torch.randn((inputs.batch, AUDIO_SAMPLES), generator=gen) if waveform  # else: AST's frames
                         else audio_features(module, config, inputs, sample))
     else:
+        _default_vocab(config)
         spec = ModelSpec(id=model_type, config=model_type, task=_builder_task(task, main))
         loaded = LoadedModel(spec=spec, module=module, task=spec.task, config=config, tokenizer=None, revision=None,
                              dtype=torch.float32, device="cpu")

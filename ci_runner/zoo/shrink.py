@@ -1,12 +1,13 @@
 """Small configs from an architecture's default config, with every distinct layer kind kept.
 
 `shrink(config, level)` works on the config's dict and rebuilds the config from it (so `__init__` re-derives what
-it derives). Three levels, tried in this order by the scan:
+it derives). Four levels, tried in this order by the scan:
 
 * ``narrow``: few layers, fewer heads (head dim kept: RoPE sections, partial rotary and GQA ratios stay valid),
   the hidden size following the heads, feed-forward sizes scaled by the same factor, few experts, small vocab.
 * ``twice``: as ``narrow`` with two layers of each kind (Zamba ties weights across its hybrid layers).
 * ``shallow``: only layers, experts and vocab; every width as in the default config.
+* ``default``: the default config itself, unchanged (when no shrunk config builds).
 
 Layers: each layer index gets a *kind*, the tuple of everything per-layer in the config (`layer_types`-style
 lists, index lists such as `attn_layer_indices` / `hybrid_layer_ids` / `mlp_only_layers`, `first_k_dense_replace`,
@@ -22,7 +23,7 @@ from typing import Any, Mapping
 
 # level → (narrow widths, layers kept per kind)
 LEVEL_RULES: dict[str, tuple[bool, int]] = {"narrow": (True, 1), "twice": (True, 2), "shallow": (False, 1)}
-LEVELS: tuple[str, ...] = tuple(LEVEL_RULES)
+LEVELS: tuple[str, ...] = (*LEVEL_RULES, "default")
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 SIDE_LAYER_KEYS = ("encoder_layers", "decoder_layers", "num_encoder_layers", "num_decoder_layers", "text_layers",
                    "vision_layers", "num_decoder_layer")
@@ -127,6 +128,10 @@ def _keep_layers(d: dict[str, Any], key: str, n: int, per_kind: int) -> None:
     remap = {old: new for new, old in enumerate(keep)}
     for k in index:
         d[k] = [remap[x] for x in d[k] if x in remap]
+    for k, v in list(d.items()):  # per-layer dicts keyed by index (`per_layer_config: {"02": {...}}`)
+        if isinstance(v, dict) and v and all(str(x).isdigit() and int(x) < n for x in v):
+            d[k] = {(str(remap[int(x)]).zfill(len(str(x))) if isinstance(x, str) else remap[int(x)]): y
+                    for x, y in v.items() if int(x) in remap}
     d[key] = len(keep)
 
 
@@ -155,8 +160,8 @@ def _shrink_experts(d: dict[str, Any]) -> None:
         if _int(d.get(k)) and d[k] > 4:
             d[k] = 4
     for k in TOPK_KEYS:
-        if _int(d.get(k)) and d[k] > 2 and experts:
-            d[k] = 2
+        if experts and k in d and (d[k] is None or (_int(d[k]) and d[k] > 2)):
+            d[k] = 2  # (a default config may leave it unset: DeepSeek-V2)
     for k in ("n_group", "topk_group", "num_expert_group", "topk_groups"):
         if _int(d.get(k)) and d[k] > 1:
             d[k] = 1
@@ -222,9 +227,8 @@ def _shrink_dict(d: dict[str, Any], level: str, specials: int) -> None:
     counted = _layer_count(d)
     if counted is not None and counted[1] > 1:
         _keep_layers(d, *counted, per_kind=LEVEL_RULES[level][1])
-        for k in ("out_features", "out_indices"):  # backbone outputs named by layer: the config's default again
-            if d.get(k) is not None:
-                d[k] = None
+        for k in ("out_features", "out_indices", "_out_features", "_out_indices", "stage_names"):
+            d.pop(k, None)  # backbone outputs named by layer: the config derives them again
     for k in SIDE_LAYER_KEYS:
         if _int(d.get(k)) and d[k] > 2:
             d[k] = 2
@@ -242,15 +246,17 @@ def _shrink_dict(d: dict[str, Any], level: str, specials: int) -> None:
 
 def shrink_dict(config: Mapping[str, Any], level: str = "narrow") -> dict[str, Any]:
     """The shrunk copy of a config dict (`PretrainedConfig.to_dict()`)."""
-    if level not in LEVELS:
-        raise ValueError(f"unknown shrink level {level!r}; use one of {LEVELS}")
+    if level not in LEVEL_RULES:
+        raise ValueError(f"unknown shrink level {level!r}; use one of {tuple(LEVEL_RULES)}")
     d = copy.deepcopy(dict(config))
     _shrink_dict(d, level, _special_max(d))
     return d
 
 
 def shrink(config: Any, level: str = "narrow") -> Any:
-    """A new config of the same class from `shrink_dict(config.to_dict(), level)`."""
+    """A new config of the same class from `shrink_dict(config.to_dict(), level)`; `config` itself at "default"."""
+    if level == "default":
+        return config
     small = shrink_dict(config.to_dict(), level)
     small.pop("transformers_version", None)
     return type(config).from_dict(small)

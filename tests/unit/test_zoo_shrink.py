@@ -87,4 +87,4 @@ def test_vocab_keeps_special_ids_and_levels_differ() -> None:
     assert narrow["vocab_size"] == 151656 and narrow["text_config"]["vocab_size"] == 151656  # the image token fits
     assert (narrow["num_attention_heads"], narrow["hidden_size"], narrow["intermediate_size"]) == (4, 256, 1024)
     assert shallow["hidden_size"] == 1024 and shallow["num_hidden_layers"] == 2
-    assert twice["num_hidden_layers"] == 2 and LEVELS == ("narrow", "twice", "shallow")
+    assert twice["num_hidden_layers"] == 2 and LEVELS == ("narrow", "twice", "shallow", "default")
