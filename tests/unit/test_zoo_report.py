@@ -94,6 +94,6 @@ def test_scan_one_lists_an_architecture_it_cannot_feed() -> None:
     from ci_runner.config import InputSpec
     from ci_runner.zoo.scan import scan_one
 
-    rec = scan_one("bark", level="aten", device="cpu", inputs=InputSpec(seq_len=8, samples=1))
+    rec = scan_one("decision_transformer", level="aten", device="cpu", inputs=InputSpec(seq_len=8, samples=1))
     assert "inventory" not in rec and rec["left_out"]["stage"] == "inputs"
-    assert "vocab_size" in rec["left_out"]["reason"] and rec["family"]
+    assert "'states'" in rec["left_out"]["reason"] and rec["family"] and rec["tried"] == {}
