@@ -37,6 +37,8 @@ MODE = "ops"
 
 
 def _level(cell: Cell) -> str:
+    """The IR level the cell's ops mode inventories (as `modes.ops.mode.choose_level`, whose module imports torch:
+    the run process decides the scan's folders without it; the backend's child checks with the real one)."""
     ir = (cell.options.get(MODE) or {}).get("ir")
     if ir:
         return str(ir)
@@ -44,6 +46,7 @@ def _level(cell: Cell) -> str:
 
 
 def _host(device: str) -> str:
+    """The device the inventory fakes (as `modes.ops.inventory`: cpu or cuda, else meta)."""
     kind = (device or "cpu").split(":", 1)[0]
     return kind if kind in ("cpu", "cuda") else "meta"
 
@@ -134,6 +137,8 @@ def backend_child(payload: Mapping[str, Any]) -> dict[str, Any]:
     env = cell_stamp(backend.device, backend.versions(), plugins=plugin_modules(spec.compile, spec.imports))
     opts = parse_options(MODE, group[0].options.get(MODE) or {}, where=f"zoo {spec.id}: options.ops")
     level = choose_level(spec, backend.is_eager, opts.ir)
+    if level != _level(group[0]):
+        raise RuntimeError(f"zoo: the scan inventoried {spec.id} at {_level(group[0])}, its ops mode wants {level}")
     folder = inventory_dir(out, level, backend.device)
     records = {c.id: read_json(record_path(folder, c.model.config or c.model.id), what="zoo scan record")
                for c in group}
