@@ -118,8 +118,8 @@ def cmd_cell(args: argparse.Namespace) -> int:
     if args.setup_failed:
         return _record_failed_setup(cell, Path(args.setup_failed), Path(args.out))
     progress = Progress(1)
-    [result] = run_cells([cell], RunOptions(matrix_path=matrix.path, out_dir=Path(args.out), force=args.force,
-                                            modes=args.modes), progress)
+    opts = RunOptions(matrix_path=matrix.path, out_dir=Path(args.out), force=args.force, modes=args.modes)
+    [result] = (run_zoo_cells if cell.model.zoo else run_cells)([cell], opts, progress)  # a zoo cell: small config
     return errors.EXIT_OK if result.status in ("pass", "skipped") else errors.EXIT_FINDINGS
 
 
