@@ -25,26 +25,12 @@ def group_reasons(left_out: Mapping[str, Mapping[str, Any]]) -> list[dict[str, A
     return sorted(groups.values(), key=lambda g: (-len(g["models"]), g["stage"], g["reason"]))
 
 
-def _status(outcome: Mapping[str, Any] | None) -> str:
-    """pass | fail | inconclusive for the cross-backend table."""
-    if not outcome:
-        return "inconclusive"
-    st = str(outcome.get("status", ""))
-    if st == "pass":
-        return "pass"
-    if st in ("not_run", "inconclusive", "probe_error", "skipped"):
-        return "inconclusive"
-    return "fail"
-
-
-def backend_table(uses: Mapping[str, Iterable[str]], outcomes: Mapping[str, Mapping[str, Any]],
+def backend_table(uses: Mapping[str, Iterable[str]], verdicts: Mapping[str, str],
                   signatures: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """One row per distinct signature of one backend: {key, op, signature, status, models} (models: who uses it)."""
-    rows = []
-    for key, sig in signatures.items():
-        rows.append({"key": key, "op": sig["op"], "signature": sig["text"], "status": _status(outcomes.get(key)),
-                     "models": sorted(set(uses.get(key, ())))})
-    return rows
+    """One row per distinct signature of one backend: {key, op, signature, status (pass | fail | inconclusive; no
+    verdict: inconclusive), models (who uses it)}."""
+    return [{"key": key, "op": sig["op"], "signature": sig["text"], "status": verdicts.get(key, "inconclusive"),
+             "models": sorted(set(uses.get(key, ())))} for key, sig in signatures.items()]
 
 
 def per_architecture(rows: Iterable[Mapping[str, Any]], scanned: Iterable[str]) -> dict[str, list[str]]:

@@ -121,7 +121,7 @@ def backend_child(payload: Mapping[str, Any]) -> dict[str, Any]:
 
     from ..backends.spec import resolve_backend  # deferred: torch and the backend's plugins, in this child only
     from ..engine.envinfo import cell_stamp, plugin_modules  # deferred: torch, in this child only
-    from ..modes.ops.mode import build_probes, choose_level, model_result  # deferred: torch, in this child only
+    from ..modes.ops.mode import build_probes, choose_level, is_finding, model_result  # deferred: torch, child only
     from ..modes.ops.signature import Inventory  # deferred: torch, in this child only
     from ..modes.ops.store import merge_inventories, probe_signatures, store_root  # deferred: torch, child only
     from ..registry import parse_options  # deferred: with the modes it registers, in this child only
@@ -177,6 +177,8 @@ def backend_child(payload: Mapping[str, Any]) -> dict[str, Any]:
         save_cell_result(result, out / "cells" / c.id / "result.json")
     merged = merge_inventories(invs)
     sigs = {k: {"op": s.op, "text": s.describe()[:300]} for k, s in wanted.items()}
+    verdicts = {k: "pass" if o.get("status") == "pass" else "fail" if is_finding(o) else "inconclusive"
+                for k, o in outcomes.items()}  # as the ops mode decides what is a finding
     uses = {k: merged.models.get(k, []) for k in wanted}
     atomic_write_json(out / ZOO_DIR / f"{spec.id}.json", {
         "backend": spec.id, "level": level, "architectures": [c.model.id for c in group],
@@ -185,6 +187,6 @@ def backend_child(payload: Mapping[str, Any]) -> dict[str, Any]:
         "families": {c.model.id: records[c.id].get("family") for c in group},
         "pairs": merged.pairs, "distinct": len(merged.signatures), "probed": len(wanted),
         "probe_s": round(probe_s, 1), "store": {k: stats[k] for k in ("reused", "probed", "waited") if k in stats},
-        "table": backend_table(uses, outcomes, sigs),
+        "table": backend_table(uses, verdicts, sigs),
     }, indent=None)
     return {"cells": len(group), "probed": len(wanted)}

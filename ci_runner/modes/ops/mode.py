@@ -286,7 +286,7 @@ def _probe_rows(probes: list[dict[str, Any]], outcomes: Mapping[str, Any], by_ke
         rows.append({"id": p["id"], "op": p["op"], "signature": sig.describe()[:300], "status": o["status"],
                      "stage": o.get("stage"), "error_type": o.get("error_type"), "seconds": o.get("seconds"),
                      "message": (o.get("message") or "")[:500], "compare": o.get("compare"), "ran": o.get("ran")})
-        if _is_finding(o):
+        if is_finding(o):
             op = attributed_op(p["op"], o)
             failures.setdefault(op, []).append(_Failure(op=op, signature=sig, probe=p, outcome=o))
     return rows, failures
@@ -315,7 +315,7 @@ def _status(rows: list[dict[str, Any]], counts: Mapping[str, int], *, has_findin
     return status, reason
 
 
-def _is_finding(outcome: Mapping[str, Any]) -> bool:
+def is_finding(outcome: Mapping[str, Any]) -> bool:
     """Failures become findings; so does a probe that could not be built (its op did not resolve, its module did
     not import, Dynamo could not trace it), but not one whose synthetic inputs CPU eager rejects as well."""
     if outcome["status"] == "probe_error":
