@@ -18,6 +18,7 @@ Zoo cells run the ops mode only; their other modes are reported skipped.
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -68,8 +69,6 @@ def run_zoo(cells: Sequence[Cell], *, matrix_path: Path, out_dir: Path, jobs: in
     for (level, host), group in groups.items():
         folder = inventory_dir(out_dir, level, host)
         if force and folder.exists():
-            import shutil
-
             shutil.rmtree(folder)
         todo = sorted({c.model.config or c.model.id for c in group})
         progress.info(f"deepview-ci: zoo inventory of {len(todo)} architecture(s) at {level} on {host} "
@@ -87,6 +86,8 @@ def run_zoo(cells: Sequence[Cell], *, matrix_path: Path, out_dir: Path, jobs: in
         timeout = sum(c.timeout for c in group)
         payload = {"matrix": str(matrix_path), "out": str(out_dir), "backend": backend_id,
                    "cells": [c.id for c in group], "deadline_s": timeout}
+        for c in group:  # an earlier run's results never stand in for this run's
+            (out_dir / "cells" / c.id / "result.json").unlink(missing_ok=True)
         progress.info(f"deepview-ci: zoo probes on {backend_id}: {len(group)} architecture(s)")
         res = run_isolated("ci_runner.zoo.run:backend_child", payload, timeout=timeout + 60)
         if not res.ok:
