@@ -85,6 +85,13 @@ def _decoder_ids(config: Any, inputs: InputSpec, sample: int) -> torch.Tensor:
     return torch.randint(0, max(2, vocab), (inputs.batch, DECODER_LEN), generator=gen)
 
 
+def _loaded(module: torch.nn.Module, config: Any, model_type: str, task: str) -> LoadedModel:
+    """The zoo model as `build_inputs` takes it (no tokenizer: seeded ids within the vocabulary)."""
+    spec = ModelSpec(id=model_type, config=model_type, task=task)
+    return LoadedModel(spec=spec, module=module, task=task, config=config, tokenizer=None, revision=None,
+                       dtype=torch.float32, device="cpu")
+
+
 def _other_towers(kwargs: dict[str, Any], module: torch.nn.Module, config: Any, params: dict[str, inspect.Parameter],
                   *, model_type: str, inputs: InputSpec, sample: int) -> None:
     """Dual-encoder models (CLIP, ALIGN, CLAP): the tower the main input does not feed, when the forward names
@@ -93,10 +100,7 @@ def _other_towers(kwargs: dict[str, Any], module: torch.nn.Module, config: Any, 
     for name, sub, task in towers:
         if name in kwargs or name not in params or getattr(config, sub, None) is None:
             continue
-        spec = ModelSpec(id=model_type, config=model_type, task=task)
-        loaded = LoadedModel(spec=spec, module=module, task=task, config=config, tokenizer=None, revision=None,
-                             dtype=torch.float32, device="cpu")
-        built = build_inputs(loaded, inputs, sample=sample)
+        built = build_inputs(_loaded(module, config, model_type, task), inputs, sample=sample)
         kwargs.update({k: v for k, v in built.items() if k not in kwargs and k != "interpolate_pos_encoding"})
     if "input_features" in params and "input_features" not in kwargs and getattr(config, "audio_config", None):
         kwargs["input_features"] = audio_features(module, config.audio_config, inputs, sample)
@@ -115,10 +119,8 @@ def zoo_inputs(module: torch.nn.Module, config: Any, *, model_type: str, task: s
                         else audio_features(module, config, inputs, sample))
     else:
         _default_vocab(config)
-        spec = ModelSpec(id=model_type, config=model_type, task=_builder_task(task, main))
-        loaded = LoadedModel(spec=spec, module=module, task=spec.task, config=config, tokenizer=None, revision=None,
-                             dtype=torch.float32, device="cpu")
-        kwargs.update(build_inputs(loaded, inputs, sample=sample))
+        kwargs.update(build_inputs(_loaded(module, config, model_type, _builder_task(task, main)), inputs,
+                                   sample=sample))
     _other_towers(kwargs, module, config, params, model_type=model_type, inputs=inputs, sample=sample)
     if "decoder_input_ids" in params and (getattr(config, "is_encoder_decoder", False) or task in ("seq2seq", "speech-seq2seq")):
         kwargs["decoder_input_ids"] = _decoder_ids(config, inputs, sample)
