@@ -192,7 +192,7 @@ def run(ctx: "ModeContext") -> ModeResult:
     timings: dict[str, float] = {}
     t0 = time.monotonic()
     try:
-        inventory = _take_inventory(ctx, level)
+        inventory = take_model_inventory(ctx, level)
     except InventoryError as exc:
         ctx.journal("leave-phase", "ops.inventory")
         return ModeResult(status="error", reason=str(exc), duration_s=time.monotonic() - t_start,
@@ -260,6 +260,9 @@ def model_result(inventory: Inventory, outcomes: Mapping[str, Mapping[str, Any]]
         data["left_out"] = left_out[:200]
     if setup_error:
         data["probe_setup_error"] = setup_error
+    together = _fails_together(rows)
+    if together:
+        data["fails_together"] = together
 
     t0 = time.monotonic()
     findings = _findings(spec, model_id, env_stamp, failures, level, opts, ops_dir)
@@ -286,10 +289,22 @@ def _probe_rows(probes: list[dict[str, Any]], outcomes: Mapping[str, Any], by_ke
         rows.append({"id": p["id"], "op": p["op"], "signature": sig.describe()[:300], "status": o["status"],
                      "stage": o.get("stage"), "error_type": o.get("error_type"), "seconds": o.get("seconds"),
                      "message": (o.get("message") or "")[:500], "compare": o.get("compare"), "ran": o.get("ran")})
+        if o.get("fails_together"):
+            rows[-1]["fails_together"] = o["fails_together"]
         if is_finding(o):
             op = attributed_op(p["op"], o)
             failures.setdefault(op, []).append(_Failure(op=op, signature=sig, probe=p, outcome=o))
     return rows, failures
+
+
+def _fails_together(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Sets of probes that failed as one group while each passes alone (`grouptest`): noted, not findings."""
+    seen: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        t = r.get("fails_together")
+        if t:
+            seen.setdefault(str(t.get("message")), {"ops": t.get("ops"), "message": t.get("message")})
+    return list(seen.values())[:20]
 
 
 def _status(rows: list[dict[str, Any]], counts: Mapping[str, int], *, has_findings: bool,
@@ -323,7 +338,7 @@ def is_finding(outcome: Mapping[str, Any]) -> bool:
     return outcome["status"] in FAILED
 
 
-def _take_inventory(ctx: "ModeContext", level: str) -> Inventory:
+def take_model_inventory(ctx: "ModeContext", level: str) -> Inventory:
     """From a meta-device model (no weights) when the model source can build one, else from the CPU model."""
     device = ctx.backend.device
     errors: list[str] = []
