@@ -62,6 +62,8 @@ def main() -> None:
     cpu_s = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
     scanned = {t: r for t, r in records.items() if "inventory" in r}
     merged = merge_inventories({t: Inventory.from_dict(r["inventory"]) for t, r in scanned.items()})
+    op_sets = {t: {s["op"] for s in r["inventory"]["signatures"]} for t, r in scanned.items()}
+    op_pairs, ops = sum(len(v) for v in op_sets.values()), set().union(*op_sets.values()) if op_sets else set()
     cover = {}
     for task in ("causal-lm", "image-classification"):
         have = [t for t, z in entries.items() if z.task == task]
@@ -74,6 +76,7 @@ def main() -> None:
         "on_2_quiet_cores_s": round(cpu_s / 2, 1), "jobs": args.jobs, "load": os.getloadavg(),
         "per_scanned_model_s": round(t_scan / max(1, len(scanned)), 2),
         "pairs": merged.pairs, "distinct": len(merged.signatures), "dedup_factor": round(merged.factor, 2),
+        "op_pairs": op_pairs, "distinct_ops": len(ops),
         "coverage": cover, "families": {f: [fam_scanned.get(f, 0), n] for f, n in sorted(fams.items())},
         "left_out": group_reasons({t: r["left_out"] for t, r in records.items() if "left_out" in r}),
         "shrink": dict(Counter(r.get("shrink") for r in scanned.values())),
@@ -83,6 +86,7 @@ def main() -> None:
           f"= {cpu_s / 120:.1f} min on 2 quiet cores")
     print(f"signatures: {merged.pairs} (model, signature) pairs -> {len(merged.signatures)} distinct "
           f"(dedup factor {merged.factor:.1f})")
+    print(f"ops: {op_pairs} (model, op) pairs -> {len(ops)} distinct ops (factor {op_pairs / max(1, len(ops)):.1f})")
     for task, (n, m) in cover.items():
         print(f"coverage {task}: {n} of {m} ({100 * n / max(1, m):.0f} %)")
     for fam, (n, m) in figures["families"].items():
