@@ -293,7 +293,7 @@ def _probe_rows(probes: list[dict[str, Any]], outcomes: Mapping[str, Any], by_ke
             rows[-1]["group"] = o["group"]
         if o.get("fails_together"):
             rows[-1]["fails_together"] = o["fails_together"]
-        if _is_finding(o):
+        if is_finding(o):
             op = attributed_op(p["op"], o)
             failures.setdefault(op, []).append(_Failure(op=op, signature=sig, probe=p, outcome=o))
     return rows, failures
@@ -332,7 +332,7 @@ def _status(rows: list[dict[str, Any]], counts: Mapping[str, int], *, has_findin
     return status, reason
 
 
-def _is_finding(outcome: Mapping[str, Any]) -> bool:
+def is_finding(outcome: Mapping[str, Any]) -> bool:
     """Failures become findings; so does a probe that could not be built (its op did not resolve, its module did
     not import, Dynamo could not trace it), but not one whose synthetic inputs CPU eager rejects as well."""
     if outcome["status"] == "probe_error":
