@@ -36,6 +36,7 @@ from .signature import CallSite, Inventory, OpSignature
 STORE_VERSION = 1
 _CLAIM_CHUNK = 256  # signatures claimed (locks held) at a time: bounded open files whatever the zoo's size
 _WAIT_POLL_S = 0.5
+MAX_SITES = 8  # call sites a merged signature keeps (as `inventory.MAX_SITES`; `Merged.uses` keeps every one)
 
 
 # --------------------------------------------------------------------------------------------- merged inventories
@@ -70,7 +71,7 @@ def merge_inventories(invs: Mapping[str, Inventory]) -> Merged:
                                                      order=len(merged), outputs=sig.outputs, imports=sig.imports)
             base.count += sig.count
             base.site_count += sig.site_count
-            base.sites.extend(s for s in sig.sites if s not in base.sites)
+            base.sites.extend(s for s in sig.sites if s not in base.sites and len(base.sites) < MAX_SITES)
             models.setdefault(sig.key, [])
             if model_id not in models[sig.key]:
                 models[sig.key].append(model_id)
