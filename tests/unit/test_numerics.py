@@ -522,3 +522,28 @@ def test_reference_dump_is_schema_3_with_codec_specs(tmp_path: Path) -> None:
     (x,), kw = r.inputs(r.root())
     assert torch.equal(x, torch.ones(3)) and kw["p"]._fields == ("a", "b") and kw["p"].b == 2.0 and kw["scale"] == 0.25
     assert torch.equal(r.output(r.root()), torch.full((3,), 0.5))
+
+
+def test_cast_copy_is_the_model_load_model_builds_in_float64() -> None:
+    """The float64 reference of a config model is the float32 primary cast (no second build): the same parameters,
+    buffers (rotary inv_freq included), tied weights and outputs as `load_model(dtype="float64")`."""
+    from ci_runner.config import load_matrix_text
+    from ci_runner.engine.models import load_model
+    from tests.fixtures.matrices import TINY_DECODER, matrix_text
+
+    text = matrix_text(models=[{"id": "m", "config": "qwen2", "overrides": {**TINY_DECODER, "tie_word_embeddings": True}}],
+                       backends=[{"id": "e", "compile": "aot_eager"}])
+    spec = load_matrix_text(text).model("m")
+    primary = load_model(spec, seed=0, dtype="float32").module
+    built = load_model(spec, seed=0, dtype="float64").module
+    cast = views.cast_copy(primary, torch.float64)
+    for mine, theirs in ((dict(cast.named_parameters()), dict(built.named_parameters())),
+                         (dict(cast.named_buffers()), dict(built.named_buffers()))):
+        assert mine.keys() == theirs.keys()
+        for k, t in theirs.items():
+            assert mine[k].dtype == t.dtype and torch.equal(mine[k], t), k
+    assert cast.lm_head.weight is cast.model.embed_tokens.weight
+    assert primary.lm_head.weight.dtype == torch.float32  # the primary is left as it was
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(cast(input_ids=ids).logits, built(input_ids=ids).logits)
