@@ -34,6 +34,7 @@ from .history import commands as history_cli
 from .engine.isolate import arm_worker
 from .log import Progress
 from .matrix import expand, expand_json, find_cell, select
+from .numerics.cache import cache_for
 from .numerics.thresholds import load_table
 from .plan import check_output_size, collect_attempts, load_plan, parse_chunk_results, plan_outputs, read_setup_record
 from .results.model import RESULT_NAME, load_results, save_cell_result
@@ -130,6 +131,16 @@ def _record_failed_setup(cell: "Cell", folder: Path, out: Path) -> int:
     path = save_cell_result(result, cell_dir(out, cell.id) / RESULT_NAME)
     print(f"{cell.id}: error: {result.error.message.splitlines()[0] if result.error else ''}\n  result: {path}")
     return errors.EXIT_FINDINGS
+
+
+def cmd_thresholds_key(args: argparse.Namespace) -> int:
+    matrix = load_matrix(args.matrix)
+    cells = [find_cell(matrix, args.cell)] if args.cell else select(expand(matrix), args.select, args.skip)
+    cache = cache_for(cells, Path(args.out))
+    print(json.dumps(cache.to_json(), indent=1))
+    set_output("thresholds-key", cache.key)
+    set_output("thresholds-dir", "\n".join(str(f) for f in cache.folders))
+    return errors.EXIT_OK
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -421,6 +432,13 @@ def _run_commands(add: AddCommand) -> None:
     sp.add_argument("--setup-failed", default=None, metavar="DIR",
                     help="do not run the cell: record it as `error` because its setup failed; DIR holds command.txt, "
                          "output.log and exit-code (the reusable workflow's setup step writes them)")
+
+    sp = add("thresholds-key", cmd_thresholds_key, "Print the numerics thresholds' folder(s) and cache key (and write "
+             "GITHUB_OUTPUT when set): the key changes with the model, inputs, references, torch and method.")
+    sp.add_argument("matrix", help="matrix YAML file")
+    sp.add_argument("--out", required=True, help="the run's output folder (thresholds default to OUT/thresholds)")
+    sp.add_argument("--cell", default=None, metavar="CELL_ID", help="one cell (what a cell job runs)")
+    _selection(sp)
 
     sp = add("_worker", cmd_worker, None)  # internal: no help, so it is not listed
     sp.add_argument("--matrix", required=True)

@@ -69,6 +69,14 @@ def cell_workers(cell: Cell, cores: int, modes: Sequence[str] | None = None) -> 
     return max(1, min(workers, cores))
 
 
+MODE_COST = {"layers": 1.3, "ops": 1.0, "numerics": 0.8}  # a mode's time relative to ops, on the bundled example
+
+
+def expected_cost(cell: Cell, modes: Sequence[str] | None = None) -> float:
+    """A rough weight of a cell's time, to start the long ones first: its modes' usual relative times."""
+    return sum(MODE_COST.get(m, 1.0) for m in (modes or cell.modes))
+
+
 def auto_jobs(cells: Sequence[Cell], cores: int, modes: Sequence[str] | None = None) -> int:
     """What ``--jobs auto`` runs at once at most: cores / the smallest per-cell workers, at least 1."""
     return max(1, cores // min((cell_workers(c, cores, modes) for c in cells), default=1))
@@ -244,6 +252,8 @@ def run_cells(cells: Sequence[Cell], opts: RunOptions, progress: Progress | None
         return r
 
     width = auto_jobs(todo, opts.cores, opts.modes) if opts.cores else opts.jobs
+    if width > 1:  # the longest cells first, so that no long one is left to run alone at the end
+        todo.sort(key=lambda c: -expected_cost(c, opts.modes))
     pool = ThreadPoolExecutor(max_workers=width) if width > 1 else None
     try:
         if pool is None:

@@ -12,13 +12,13 @@ import torch
 from ci_runner.config import BackendSpec, spec_to_json
 from ci_runner.modes.ops.grouptest import plan_tasks, probe_groups
 from ci_runner.modes.ops.probe import with_ranges
-from ci_runner.modes.ops.signature import encode_value
+from ci_runner.engine.codec import encode_arg
 
 X = torch.empty(2, 3)
 
 
 def _probe(i: int, op: str, *args: Any) -> dict[str, Any]:
-    a, k = with_ranges(op, [encode_value(x) for x in args], {})
+    a, k = with_ranges(op, [encode_arg(x) for x in args], {})
     return {"id": f"p{i:04d}", "op": op, "key": f"{op}#{i}", "args": a, "kwargs": k, "seed": i,
             "tolerance": [1e-4, 1e-5]}
 

@@ -252,7 +252,7 @@ def model_result(inventory: Inventory, outcomes: Mapping[str, Mapping[str, Any]]
     data["probes"] = [r if r["status"] != "pass" else {k: r[k] for k in ("id", "op", "signature", "status", "seconds")}
                       for r in rows[:_MAX_PROBE_ROWS]]
     data["probe_counts"] = {**counts, "total": len(rows), "left_out": len(left_out),
-                            "seconds": timings.get("probe_s", 0.0)}
+                            "in_groups": sum(1 for r in rows if r.get("group")), "seconds": timings.get("probe_s", 0.0)}
     data["backend_ran"] = backend_ran(rows, compiles=not eager)
     if len(rows) > _MAX_PROBE_ROWS:
         data["probes_truncated"] = True
@@ -289,6 +289,8 @@ def _probe_rows(probes: list[dict[str, Any]], outcomes: Mapping[str, Any], by_ke
         rows.append({"id": p["id"], "op": p["op"], "signature": sig.describe()[:300], "status": o["status"],
                      "stage": o.get("stage"), "error_type": o.get("error_type"), "seconds": o.get("seconds"),
                      "message": (o.get("message") or "")[:500], "compare": o.get("compare"), "ran": o.get("ran")})
+        if o.get("group"):  # passed inside a group of this many probes compiled as one graph (`grouptest`)
+            rows[-1]["group"] = o["group"]
         if o.get("fails_together"):
             rows[-1]["fails_together"] = o["fails_together"]
         if is_finding(o):

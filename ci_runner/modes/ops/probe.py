@@ -19,7 +19,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -30,7 +30,8 @@ from ...engine.failure import classify, error_text
 from ...fsutil import append_line
 from ...engine.isolate import Attempt, IsolatedResult, child_journal, supervise
 from .compare import compare, matches_any, mismatch_metrics, no_compare_reason
-from .signature import iter_tensor_specs, resolve_callable
+from ...engine.codec import decode_value, source_of, tensor_specs
+from .signature import resolve_callable
 from ...options import OpsOptions
 from ...engine.tree import map_tensors
 
@@ -74,7 +75,7 @@ def with_ranges(op: str, args: list[Any], kwargs: dict[str, Any]) -> tuple[list[
     at most 16: valid for embedding, gather, index, index_select … whichever dimension they index.
     """
     args, kwargs = json.loads(json.dumps(args)), json.loads(json.dumps(kwargs))
-    specs = list(iter_tensor_specs([args, kwargs]))
+    specs = list(tensor_specs([args, kwargs]))
     positive = matches_any(op, POSITIVE_INPUT_OPS)
     for i, spec in enumerate(specs):
         dtype = spec["dtype"]
@@ -94,59 +95,17 @@ def probe_seed(key: str) -> int:
     return zlib.crc32(key.encode("utf-8")) & 0x7FFFFFFF
 
 
-def _decode(enc: Any, tensors: Iterable[torch.Tensor], device: str) -> Any:
-    """An encoded argument back to a value; tensors are taken from `tensors` in order."""
-    it = tensors if isinstance(tensors, _TensorIter) else _TensorIter(tensors)
-
-    def dec(v: Any) -> Any:
-        if isinstance(v, dict):
-            if "__tensor__" in v:
-                return next(it)
-            if "__dtype__" in v:
-                return getattr(torch, v["__dtype__"])
-            if "__device__" in v:
-                return torch.device(device)
-            if "__layout__" in v:
-                return getattr(torch, v["__layout__"])
-            if "__memory_format__" in v:
-                return getattr(torch, v["__memory_format__"])
-            if "__float__" in v:
-                return float(v["__float__"])
-            if "__slice__" in v:
-                return slice(*(dec(x) for x in v["__slice__"]))
-            if "__ellipsis__" in v:
-                return Ellipsis
-            if "__tuple__" in v:
-                return tuple(dec(x) for x in v["__tuple__"])
-            raise ValueError(f"cannot rebuild argument {v!r}")
-        if isinstance(v, list):
-            return [dec(x) for x in v]
-        return v
-
-    return dec(enc)
-
-
-class _TensorIter:
-    def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
-        self._it = iter(tensors)
-
-    def __iter__(self) -> "_TensorIter":
-        return self
-
-    def __next__(self) -> torch.Tensor:
-        return next(self._it)
-
-
 def build_tensors(args: Any, kwargs: Any, seed: int) -> list[torch.Tensor]:
     """The call's tensors on CPU, in argument order; tensor i is seeded with `seed + i`."""
     return [make_tensor(s["shape"], s["stride"], s["dtype"], s["low"], s["high"], seed + i)
-            for i, s in enumerate(iter_tensor_specs([args, kwargs]))]
+            for i, s in enumerate(tensor_specs([args, kwargs]))]
 
 
 def assemble(args: Any, kwargs: Any, tensors: Sequence[torch.Tensor], device: str) -> tuple[list[Any], dict[str, Any]]:
     """Arguments for the op: the encoded structure with `tensors` in place and devices set to `device`."""
-    it = _TensorIter(tensors)
-    return [_decode(a, it, device) for a in args], {k: _decode(v, it, device) for k, v in kwargs.items()}
+    it = iter(tensors)
+    return ([decode_value(a, it, device=device) for a in args],
+            {k: decode_value(v, it, device=device) for k, v in kwargs.items()})
 
 
 def call_source(args: Any, kwargs: Any) -> tuple[list[str], list[str], str]:
@@ -154,38 +113,14 @@ def call_source(args: Any, kwargs: Any) -> tuple[list[str], list[str], str]:
     names: list[str] = []
     lines: list[str] = []
 
-    def src(v: Any) -> str:
-        if isinstance(v, dict):
-            if "__tensor__" in v:
-                s = v["__tensor__"]
-                name = f"t{len(names)}"
-                lines.append(f"{name} = make_tensor({list(s['shape'])!r}, {list(s['stride'])!r}, {s['dtype']!r}, "
-                             f"{s['low']!r}, {s['high']!r}, SEED + {len(names)})")
-                names.append(name)
-                return name
-            if "__dtype__" in v:
-                return f"torch.{v['__dtype__']}"
-            if "__device__" in v:
-                return "torch.device(device)"
-            if "__layout__" in v:
-                return f"torch.{v['__layout__']}"
-            if "__memory_format__" in v:
-                return f"torch.{v['__memory_format__']}"
-            if "__float__" in v:
-                return f"float({v['__float__']!r})"
-            if "__slice__" in v:
-                return f"slice({', '.join(src(x) for x in v['__slice__'])})"
-            if "__ellipsis__" in v:
-                return "..."
-            if "__tuple__" in v:
-                items = [src(x) for x in v["__tuple__"]]
-                return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
-            raise ValueError(f"cannot write argument {v!r} as source")
-        if isinstance(v, list):
-            return "[" + ", ".join(src(x) for x in v) + "]"
-        return repr(v)
+    def tensor(s: Mapping[str, Any]) -> str:
+        name = f"t{len(names)}"
+        lines.append(f"{name} = make_tensor({list(s['shape'])!r}, {list(s['stride'])!r}, {s['dtype']!r}, "
+                     f"{s['low']!r}, {s['high']!r}, SEED + {len(names)})")
+        names.append(name)
+        return name
 
-    parts = [src(a) for a in args] + [f"{k}={src(v)}" for k, v in kwargs.items()]
+    parts = [source_of(a, tensor) for a in args] + [f"{k}={source_of(v, tensor)}" for k, v in kwargs.items()]
     return lines, names, ", ".join(parts)
 
 
@@ -200,7 +135,7 @@ def op_expression(op: str) -> str:
 def float_dtype(args: Any, kwargs: Any) -> str:
     """The lowest-precision floating dtype among the inputs (its tolerance applies), float32 when none."""
     order = ["bfloat16", "float16", "float32", "complex64", "float64", "complex128"]
-    found = [s["dtype"] for s in iter_tensor_specs([args, kwargs]) if s["dtype"] in order]
+    found = [s["dtype"] for s in tensor_specs([args, kwargs]) if s["dtype"] in order]
     if not found:
         for v in kwargs.values():
             if isinstance(v, dict) and "__dtype__" in v and v["__dtype__"] in order:
