@@ -58,7 +58,7 @@ from .tree import is_model_output
 __all__ = [
     "Unstorable", "TensorDedupe", "TensorStore", "encode_value", "encode_arg", "decode_value", "check_value",
     "encode_call", "decode_call", "tensor_keys", "call_tensor_keys", "tensor_specs", "is_opaque", "describe_value",
-    "source_of", "upgrade_v2", "upgrade_call_v2", "dtype_name", "CACHE_TYPES",
+    "source_of", "upgrade_v2", "upgrade_call_v2", "dtype_name", "described_tensor", "CACHE_TYPES",
 ]
 
 CACHE_TYPES = ("Cache", "DynamicCache", "StaticCache", "HybridCache", "HybridMambaAttentionDynamicCache")

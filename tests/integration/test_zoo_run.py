@@ -16,11 +16,9 @@ SIX = ["llama", "bert", "vit", "whisper", "bart", "mamba"]  # decoder, encoder, 
 
 @pytest.mark.slow
 def test_zoo_run_on_aot_eager(tmp_path: Path, write_matrix: Callable[..., Path], cli: Callable[..., Any]) -> None:
-    matrix = write_matrix(
-        "version: 1\n"
-        "defaults:\n  modes: [ops]\n  options:\n    ops: {max_signatures_per_op: 1, verify: false}\n"
-        f"models:\n  - id: zoo\n    zoo: transformers\n    select: [{', '.join(SIX)}]\n"
-        "backends:\n  - id: aot_eager\n    compile: aot_eager\n")
+    matrix = write_matrix(modes=["ops"], options={"ops": {"max_signatures_per_op": 1, "verify": False}},
+                          models=[{"id": "zoo", "zoo": "transformers", "select": SIX}],
+                          backends=[{"id": "aot_eager", "compile": "aot_eager"}])
     out = tmp_path / "run"
     proc = cli("run", str(matrix), "--out", str(out), "--jobs", "2", timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
