@@ -24,7 +24,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from ...backends import COULD_NOT_RUN_RE, CompileRecord, DynamoCounters, FallbackWatch, named_op_from_error, not_ran_reason, ran_facts
+from ...backends import (COULD_NOT_RUN_RE, CompileRecord, DynamoCounters, FallbackWatch, groups_agree, named_op_from_error,
+                         not_ran_reason, ran_facts)
 from ...config import BackendSpec, spec_to_json
 from ...engine.diagnostics import capture_fd2, compiler_words
 from ...engine.failure import classify, error_text
@@ -495,7 +496,7 @@ class ProbeRunner:
             results_path = self.work_dir / f"probes-{attempt:03d}.jsonl"
             payload = {"backend": spec_to_json(self.spec), "probes": batch, "results": str(results_path),
                        "probe_timeout": self.opts.probe_timeout, "compare": self.opts.compare, "via": self.opts.via,
-                       "group_size": self.opts.group_size if self.opts.group_testing else 1}
+                       "group_size": group_size(self.opts, self.spec)}
             tag = f"{attempt}:{batch[0]['id']}..{batch[-1]['id']}"
             if self.journal:
                 self.journal("enter-probe-batch", tag)
@@ -548,6 +549,18 @@ def _attach_together(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, 
             if pid in results:
                 results[pid]["fails_together"] = {"ops": list(row.get("ops") or ()), "message": row.get("message")}
     return results
+
+
+def grouped(opts: OpsOptions, spec: BackendSpec) -> bool:
+    """Whether this backend's probes are group-tested: `ops.group_testing` true/false, or `auto` (the default):
+    grouped unless the backend's vendor module says grouped and one-op verdicts differ (`backends.groups_agree`)."""
+    if isinstance(opts.group_testing, bool):
+        return opts.group_testing
+    return groups_agree(spec.compile)
+
+
+def group_size(opts: OpsOptions, spec: BackendSpec) -> int:
+    return opts.group_size if grouped(opts, spec) else 1
 
 
 def not_run_outcome(probe: Mapping[str, Any], why: str) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from ...config import BackendSpec, spec_to_json
 from ...engine.repro import safe_filename
 from ...fsutil import atomic_write_text
 from ...options import OpsOptions
-from .probe import ProbeRunner, float_dtype, not_run_outcome, probe_seed, with_ranges
+from .probe import ProbeRunner, float_dtype, grouped, not_run_outcome, probe_seed, with_ranges
 from .signature import CallSite, Inventory, OpSignature
 
 STORE_VERSION = 1
@@ -99,7 +99,7 @@ def store_identity(spec: BackendSpec, opts: OpsOptions, versions: Mapping[str, A
     return {"store_version": STORE_VERSION, "backend": spec_to_json(spec), "torch": torch.__version__,
             "versions": {str(k): str(v) for k, v in sorted(dict(versions or {}).items())},
             "compare": opts.compare, "via": opts.via, "probe_timeout": opts.probe_timeout,
-            "tolerance": {k: list(v) for k, v in sorted(opts.tolerance.items())}}
+            "grouped": grouped(opts, spec), "tolerance": {k: list(v) for k, v in sorted(opts.tolerance.items())}}
 
 
 def _digest(text: str, n: int = 20) -> str:
