@@ -4,8 +4,9 @@ probe per signature even when several processes probe at once, a claim whose hol
 
 from __future__ import annotations
 
-import pytest
 from pathlib import Path
+
+import pytest
 
 from ci_runner.modes.ops.signature import CallSite, Inventory, OpSignature, signature_key
 from ci_runner.modes.ops.store import ProbeStore, merge_inventories, probe_through
