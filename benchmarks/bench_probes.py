@@ -107,7 +107,7 @@ def _compiles(work: Path, outcomes: dict[str, Any]) -> int:
     for journal in work.glob("journal-*.log"):
         groups += sum(1 for line in journal.read_text().splitlines() if line.split("\t")[-1].startswith("g:")
                       and "enter-probe" in line)
-    singles = sum(1 for o in outcomes.values() if not o.get("group"))
+    singles = sum(1 for o in outcomes.values() if not o.group)
     return groups + singles
 
 
@@ -121,8 +121,8 @@ def group_vs_single(spec: Any, probes: list[dict[str, Any]], opts: Any, work: Pa
         out = ProbeRunner(backend_spec=spec, work_dir=w, opts=_replace(opts, group_testing=on, workers=1),
                           remaining=lambda: 3600.0).run(probes)
         rows[name] = {"wall_s": time.perf_counter() - t0, "compiles": _compiles(w, out),
-                      "status": {p["key"]: out[p["id"]]["status"] for p in probes},
-                      "together": sum(1 for o in out.values() if o.get("fails_together"))}
+                      "status": {p["key"]: out[p["id"]].status.value for p in probes},
+                      "together": sum(1 for o in out.values() if o.fails_together)}
     s, g = rows["single"], rows["group"]
     differ = [k for k in s["status"] if s["status"][k] != g["status"][k]]
     failing = sum(1 for v in s["status"].values() if v != "pass")

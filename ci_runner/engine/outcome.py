@@ -3,8 +3,10 @@ range of a graph's op nodes in the culprit search) was compiled and run alone on
 
 The layer search (`modes/layers/search.py`) and the culprit search (`modes/layers/culprit_search.py`) both record
 `ProbeOutcome`s, one JSON line each in their `probes.jsonl` (`append_outcome` / `read_outcomes`: the last line for
-a name wins, a torn last line from a crash is ignored). The ops mode's probe rows are op-call records with the
-backend's own vocabulary (`unsupported`, `mismatch`, …), kept as its wire rows (`modes/ops/probe.py`).
+a name wins, a torn last line from a crash is ignored). The ops mode has its own typed record,
+`modes/ops/outcome.OpOutcome` with its `OpStatus` vocabulary (`unsupported`, `mismatch`, …): an op probe carries
+the backend's verdict, a comparison and the op the compiler named, where a piece here passes or fails. The two
+share the crash vocabulary, `CRASH_STATUSES`.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from typing import Any, Mapping
 from ..fsutil import append_record, read_records
 from ..results.rootcause import error_signature
 
-__all__ = ["FAILED_STATUSES", "ProbeOutcome", "append_outcome", "read_outcomes"]
+__all__ = ["CRASH_STATUSES", "FAILED_STATUSES", "ProbeOutcome", "append_outcome", "read_outcomes"]
 
-FAILED_STATUSES = ("fail", "crashed", "timeout")  # `inconclusive` is not failing: a search treats it as a pass
+CRASH_STATUSES = ("crashed", "timeout")  # the probe's process died or hung (both models)
+FAILED_STATUSES = ("fail", *CRASH_STATUSES)  # `inconclusive` is not failing: a search treats it as a pass
 
 
 @dataclass(kw_only=True)

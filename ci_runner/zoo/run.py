@@ -122,7 +122,8 @@ def backend_child(payload: Mapping[str, Any]) -> dict[str, Any]:
 
     from ..backends.spec import resolve_backend  # deferred: torch and the backend's plugins, in this child only
     from ..engine.envinfo import cell_stamp, plugin_modules  # deferred: torch, in this child only
-    from ..modes.ops.mode import build_probes, choose_level, is_finding, model_result  # deferred: torch, child only
+    from ..modes.ops.mode import build_probes, choose_level, model_result  # deferred: torch, child only
+    from ..modes.ops.outcome import OpStatus
     from ..modes.ops.signature import Inventory  # deferred: torch, in this child only
     from ..modes.ops.store import merge_inventories, probe_signatures, store_root  # deferred: torch, child only
     from ..registry import parse_options  # deferred: with the modes it registers, in this child only
@@ -178,7 +179,7 @@ def backend_child(payload: Mapping[str, Any]) -> dict[str, Any]:
         save_cell_result(result, out / "cells" / c.id / "result.json")
     merged = merge_inventories(invs)
     sigs = {k: {"op": s.op, "text": s.describe()[:300]} for k, s in wanted.items()}
-    verdicts = {k: "pass" if o.get("status") == "pass" else "fail" if is_finding(o) else "inconclusive"
+    verdicts = {k: "pass" if o.status is OpStatus.PASS else "fail" if o.is_finding else "inconclusive"
                 for k, o in outcomes.items()}  # as the ops mode decides what is a finding
     uses = {k: merged.models.get(k, []) for k in wanted}
     atomic_write_json(out / ZOO_DIR / f"{spec.id}.json", {

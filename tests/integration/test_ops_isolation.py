@@ -39,10 +39,10 @@ PROBES = [_probe(0, "aten.mul.Tensor", X, X), _probe(1, "aten.softplus.default",
 def test_a_hard_crash_costs_one_probe(tmp_path: Path, kind: str, signal: str, group: bool) -> None:
     spec = BackendSpec(id=kind, compile=kind, backend_options=MappingProxyType({"op": "softplus"}))
     out, events = _run(tmp_path, spec, PROBES, group_testing=group)
-    assert [out[p["id"]]["status"] for p in PROBES] == ["pass", "crashed", "pass", "pass"]
+    assert [out[p["id"]].status for p in PROBES] == ["pass", "crashed", "pass", "pass"]
     crash = out["p0001"]
-    assert crash["error_type"] == signal and crash["stage"] == "run"
-    assert f"[{kind}]" in crash["message"] and crash["named_op"] == "aten.softplus.default"
+    assert crash.error_type == signal and crash.stage == "run"
+    assert f"[{kind}]" in crash.message and crash.named_op == "aten.softplus.default"
     # one restart with the remaining probes; with groups, one more: the crashed group's members then go alone
     assert events.count("enter-probe-batch") == (3 if group else 2)
 
@@ -50,10 +50,10 @@ def test_a_hard_crash_costs_one_probe(tmp_path: Path, kind: str, signal: str, gr
 def test_a_hang_costs_one_probe_timeout(tmp_path: Path) -> None:
     spec = BackendSpec(id="sim-hang", compile="sim-hang", backend_options=MappingProxyType({"op": "exp"}))
     out, _ = _run(tmp_path, spec, PROBES, probe_timeout=4)  # with group testing: the hung group's members go alone
-    assert [out[p["id"]]["status"] for p in PROBES] == ["pass", "pass", "timeout", "pass"]
+    assert [out[p["id"]].status for p in PROBES] == ["pass", "pass", "timeout", "pass"]
     hang = out["p0002"]
-    assert hang["error_type"] == "Timeout" and "within 4s" in hang["message"]
-    assert "[sim-hang]" in hang["message"]
+    assert hang.error_type == "Timeout" and "within 4s" in hang.message
+    assert "[sim-hang]" in hang.message
 
 
 def test_a_backend_that_cannot_be_set_up_is_reported_not_probed(tmp_path: Path) -> None:
@@ -61,7 +61,7 @@ def test_a_backend_that_cannot_be_set_up_is_reported_not_probed(tmp_path: Path) 
     runner = ProbeRunner(backend_spec=spec, work_dir=tmp_path / "w", opts=parse_options("ops", {"workers": 1}),
                          remaining=lambda: 600.0)
     out = runner.run(PROBES[:2])
-    assert {o["status"] for o in out.values()} == {"not_run"}
+    assert {o.status for o in out.values()} == {"not_run"}
     assert runner.setup_error is not None and "no_such_plugin_module" in runner.setup_error
 
 
@@ -70,7 +70,7 @@ def test_probes_split_over_two_children(tmp_path: Path) -> None:
     probes = [_probe(i, op, X) for i, op in enumerate(["aten.exp.default", "aten.neg.default"] * 24)]
     out, events = _run(tmp_path, spec, probes, workers=2)
     assert events.count("enter-probe-batch") == 2
-    assert [out[p["id"]]["status"] for p in probes] == ["unsupported", "pass"] * 24
+    assert [out[p["id"]].status for p in probes] == ["unsupported", "pass"] * 24
     few, events = _run(tmp_path, spec, PROBES, workers=2)  # too few probes to pay for a second child
     assert events.count("enter-probe-batch") == 1
-    assert [few[p["id"]]["status"] for p in PROBES] == ["pass", "unsupported", "unsupported", "pass"]
+    assert [few[p["id"]].status for p in PROBES] == ["pass", "unsupported", "unsupported", "pass"]

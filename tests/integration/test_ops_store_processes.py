@@ -12,6 +12,7 @@ from typing import Any, Sequence
 import pytest
 
 from ci_runner.modes.ops.signature import CallSite, OpSignature, signature_key
+from ci_runner.modes.ops.outcome import OpOutcome, OpStatus
 from ci_runner.modes.ops.store import ProbeStore, probe_through
 
 pytestmark = pytest.mark.subprocess  # forked cells race for the store's claims
@@ -31,17 +32,17 @@ def _worker(root: str, keys: Sequence[str], log: str, start: float) -> None:
         time.sleep(0.005)
     sigs = [_sig(k, 1) for k in keys]
 
-    def prober(batch: Sequence[OpSignature]) -> dict[str, dict[str, Any]]:
+    def prober(batch: Sequence[OpSignature]) -> dict[str, OpOutcome]:
         out = {}
         for s in batch:
             with open(log, "a") as fh:
                 fh.write(f"{os.getpid()} {s.op}\n")
             time.sleep(0.02)
-            out[s.key] = {"status": "pass", "op": s.op}
+            out[s.key] = OpOutcome(status=OpStatus.PASS, op=s.op)
         return out
 
     got = probe_through(ProbeStore(Path(root), IDENTITY), sigs, prober, remaining=lambda: 60.0)
-    assert sorted(o["op"] for o in got.values()) == sorted(keys)
+    assert sorted(o.op for o in got.values()) == sorted(keys)
 
 
 def test_two_processes_probe_each_signature_once(tmp_path: Path) -> None:
@@ -77,12 +78,12 @@ def test_a_claim_whose_holder_died_is_taken_over(tmp_path: Path) -> None:
     p = ctx.Process(target=_claim_and_die, args=(str(tmp_path / "store"), sig.key))
     p.start()
     p.join(30)
-    got = probe_through(store, [sig], lambda b: {s.key: {"status": "error", "op": s.op} for s in b},
+    got = probe_through(store, [sig], lambda b: {s.key: OpOutcome(status=OpStatus.ERROR, op=s.op) for s in b},
                         remaining=lambda: 10.0)
-    assert got[sig.key]["status"] == "error" and store.get(sig.key) == {"status": "error", "op": sig.op}
+    assert got[sig.key].status is OpStatus.ERROR and store.get(sig.key) == OpOutcome(status=OpStatus.ERROR, op=sig.op)
     again = probe_through(ProbeStore(tmp_path / "store", IDENTITY), [sig], lambda b: {}, remaining=lambda: 10.0,
                           stats=(stats := {}))
-    assert again[sig.key]["status"] == "error" and stats["reused"] == 1
+    assert again[sig.key].status is OpStatus.ERROR and stats["reused"] == 1
     other = ProbeStore(tmp_path / "store", {"backend": "another build"})
     assert other.get(sig.key) is None  # another backend identity never reads these outcomes
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from ci_runner.modes.ops.signature import CallSite, Inventory, OpSignature, signature_key
+from ci_runner.modes.ops.outcome import OpOutcome, OpStatus
 from ci_runner.modes.ops.store import ProbeStore, merge_inventories, probe_through
 
 IDENTITY = {"backend": "test"}
@@ -36,8 +37,8 @@ def test_merge_counts_pairs_and_maps_every_use_back_to_its_model_and_site() -> N
 def test_not_run_outcomes_are_not_stored(tmp_path: Path) -> None:
     sig = _sig("aten.exp.default", 3)
     store = ProbeStore(tmp_path, IDENTITY)
-    got = probe_through(store, [sig], lambda b: {s.key: {"status": "not_run"} for s in b}, remaining=lambda: 10.0)
-    assert got[sig.key]["status"] == "not_run" and store.get(sig.key) is None
+    got = probe_through(store, [sig], lambda b: {s.key: OpOutcome(status=OpStatus.NOT_RUN) for s in b}, remaining=lambda: 10.0)
+    assert got[sig.key].status is OpStatus.NOT_RUN and store.get(sig.key) is None
 
 
 def test_group_testing_auto_groups_except_where_the_vendor_says_verdicts_differ() -> None:
@@ -58,3 +59,25 @@ def test_group_testing_auto_groups_except_where_the_vendor_says_verdicts_differ(
     assert store_identity(ind, auto)["grouped"] and not store_identity(ind, parse_options("ops", {"group_testing": False}))["grouped"]
     with pytest.raises(DeepviewError, match="true, false or auto"):
         parse_options("ops", {"group_testing": "sometimes"})
+
+
+def test_outcomes_are_typed_inside_and_the_same_wire_rows_on_disk(tmp_path: Path) -> None:
+    """`OpOutcome.from_row`/`to_row` keep a row's keys (the null ones the child always writes, the optional ones
+    only when set, unknown ones as they came); the store file holds that row without the batch's probe id."""
+    import json
+
+    row = {"id": "s00003", "op": "aten.exp.default", "status": "mismatch", "stage": "compare", "error_type": "OpMismatch",
+           "message": "differs", "named_op": None, "named_text": None, "metrics": {"max_abs": 1.0}, "seconds": None,
+           "compare": "mismatch", "ran": {"graphs": 1}, "group_mismatch": "in a group of 4"}
+    o = OpOutcome.from_row(row)
+    assert o.status is OpStatus.MISMATCH and o.is_finding and o.kind is not None and o.extra == {"group_mismatch": "in a group of 4"}
+    assert o.to_row() == row
+    sig = _sig("aten.exp.default", 5)
+    store = ProbeStore(tmp_path, IDENTITY)
+    store.put(sig.key, o)
+    on_disk = json.loads((store.dir / f"{store.name(sig.key)}.json").read_text())
+    assert on_disk == {"key": sig.key, "outcome": {k: v for k, v in row.items() if k != "id"}}
+    assert store.get(sig.key) == OpOutcome.from_row({**row, "id": ""})
+    cpu_too = OpOutcome(status=OpStatus.PROBE_ERROR, message="CPU eager fails too (RuntimeError: x): y")
+    assert not cpu_too.is_finding and OpOutcome(status=OpStatus.PROBE_ERROR, message="cannot resolve").is_finding
+    assert not OpOutcome(status=OpStatus.INCONCLUSIVE).is_finding and OpStatus.CRASHED.is_crash

@@ -32,7 +32,7 @@ import os
 import re
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
@@ -44,6 +44,7 @@ from ...errors import DeepviewError
 from ...fsutil import atomic_write_json
 from .inventory import InventoryError, take_inventory
 from .compare import SCRIPT_FUNCTIONS, matches_any
+from .outcome import OpOutcome, OpStatus
 from .probe import call_source, make_tensor, not_run_outcome, op_expression
 from .signature import Inventory, OpSignature
 from .store import probe_signatures, probe_spec, store_root
@@ -56,10 +57,6 @@ if TYPE_CHECKING:
     from .. import ModeContext
 
 MODE = "ops"
-KIND_OF_STATUS = {"unsupported": FindingKind.UNSUPPORTED_OP, "error": FindingKind.OP_ERROR, "crashed": FindingKind.OP_ERROR,
-                  "timeout": FindingKind.OP_ERROR, "mismatch": FindingKind.OP_MISMATCH, "probe_error": FindingKind.PROBE_ERROR}
-SEVERITY = {"unsupported": 5, "crashed": 4, "timeout": 3, "error": 2, "mismatch": 1, "probe_error": 0}
-FAILED = tuple(KIND_OF_STATUS)
 _CPU_FALLBACK_MAX_BYTES = 4 * 2**30  # a model whose meta trace fails is retried on CPU (real weights) up to this size
 _MAX_PROBE_ROWS = 1000  # outcomes kept in ModeResult.data["probes"] (all of them are in ops/probes.json)
 
@@ -140,10 +137,10 @@ class _Failure:
     op: str  # the op the finding is about
     signature: OpSignature
     probe: dict[str, Any]
-    outcome: dict[str, Any]
+    outcome: OpOutcome
 
 
-def attributed_op(probe_op: str, outcome: Mapping[str, Any]) -> str:
+def attributed_op(probe_op: str, outcome: OpOutcome) -> str:
     """The op a failure is about: always the op the model calls (the probed one), which is what blocks the model.
 
     The backend may name another operator (simdev's `_safe_softmax` fails in its fallback to `aten::_softmax.out`,
@@ -163,21 +160,19 @@ def _stable_prefix(line: str) -> str:
     return line[: m.start()] if m else line
 
 
-def _expectation(outcome: Mapping[str, Any], op: str) -> dict[str, Any]:
+def _expectation(outcome: OpOutcome, op: str) -> dict[str, Any]:
     """What a verified repro must print: the backend's phrase naming the op, and the error type."""
-    status = outcome["status"]
-    if status in ("crashed", "timeout"):
+    if outcome.status.is_crash:
         return {"expect_text": [], "expect_error_type": None, "expect_signal": True}
-    if status == "mismatch":
+    if outcome.status is OpStatus.MISMATCH:
         return {"expect_text": ["OpMismatch", op], "expect_error_type": None, "expect_signal": False}
-    phrase = outcome.get("named_text")
-    if phrase:
-        text = [phrase]
+    if outcome.named_text:
+        text = [outcome.named_text]
     else:
-        first = (outcome.get("message") or "").strip().splitlines()
+        first = outcome.message.strip().splitlines()
         text = [_stable_prefix(first[0])[:80].strip()] if first else []
         text = [t for t in text if t]
-    return {"expect_text": text, "expect_error_type": outcome.get("error_type"), "expect_signal": False}
+    return {"expect_text": text, "expect_error_type": outcome.error_type, "expect_signal": False}
 
 
 def run(ctx: "ModeContext") -> ModeResult:
@@ -229,7 +224,7 @@ def store_dir(ctx: "ModeContext") -> Path:
     return ctx.artifact_dir(MODE) / "probes-store"
 
 
-def model_result(inventory: Inventory, outcomes: Mapping[str, Mapping[str, Any]], *, spec: BackendSpec,
+def model_result(inventory: Inventory, outcomes: Mapping[str, OpOutcome], *, spec: BackendSpec,
                  model_id: str, level: str, opts: OpsOptions, ops_dir: Path, env_stamp: Mapping[str, Any],
                  remaining: Callable[[], float], eager: bool, setup_error: str | None = None,
                  data: dict[str, Any] | None = None, started: float | None = None) -> ModeResult:
@@ -240,7 +235,7 @@ def model_result(inventory: Inventory, outcomes: Mapping[str, Mapping[str, Any]]
     timings = data.setdefault("timings", {})
     probes, left_out = build_probes(inventory, opts)
     by_key = {s.key: s for s in inventory.signatures}
-    by_id = {p["id"]: {**(outcomes.get(p["key"]) or not_run_outcome(p, "no outcome recorded")), "id": p["id"]}
+    by_id = {p["id"]: replace(outcomes.get(p["key"]) or not_run_outcome(p, "no outcome recorded"), id=p["id"])
              for p in probes}
     rows, failures = _probe_rows(probes, by_id, by_key)
     atomic_write_json(ops_dir / "probes.json", {"probes": rows, "left_out": left_out})
@@ -278,7 +273,7 @@ def model_result(inventory: Inventory, outcomes: Mapping[str, Mapping[str, Any]]
                       duration_s=time.monotonic() - t_start)
 
 
-def _probe_rows(probes: list[dict[str, Any]], outcomes: Mapping[str, Any], by_key: Mapping[str, Any]
+def _probe_rows(probes: list[dict[str, Any]], outcomes: Mapping[str, OpOutcome], by_key: Mapping[str, Any]
                 ) -> tuple[list[dict[str, Any]], dict[str, list[_Failure]]]:
     """One table row per probe, and the failing probes by the op they are attributed to."""
     rows = []
@@ -286,14 +281,14 @@ def _probe_rows(probes: list[dict[str, Any]], outcomes: Mapping[str, Any], by_ke
     for p in probes:
         o = outcomes.get(p["id"]) or not_run_outcome(p, "no outcome recorded")
         sig = by_key[p["key"]]
-        rows.append({"id": p["id"], "op": p["op"], "signature": sig.describe()[:300], "status": o["status"],
-                     "stage": o.get("stage"), "error_type": o.get("error_type"), "seconds": o.get("seconds"),
-                     "message": (o.get("message") or "")[:500], "compare": o.get("compare"), "ran": o.get("ran")})
-        if o.get("group"):  # passed inside a group of this many probes compiled as one graph (`grouptest`)
-            rows[-1]["group"] = o["group"]
-        if o.get("fails_together"):
-            rows[-1]["fails_together"] = o["fails_together"]
-        if is_finding(o):
+        rows.append({"id": p["id"], "op": p["op"], "signature": sig.describe()[:300], "status": o.status.value,
+                     "stage": o.stage, "error_type": o.error_type, "seconds": o.seconds,
+                     "message": o.message[:500], "compare": o.compare, "ran": o.ran})
+        if o.group:  # passed inside a group of this many probes compiled as one graph (`grouptest`)
+            rows[-1]["group"] = o.group
+        if o.fails_together:
+            rows[-1]["fails_together"] = o.fails_together
+        if o.is_finding:
             op = attributed_op(p["op"], o)
             failures.setdefault(op, []).append(_Failure(op=op, signature=sig, probe=p, outcome=o))
     return rows, failures
@@ -330,14 +325,6 @@ def _status(rows: list[dict[str, Any]], counts: Mapping[str, int], *, has_findin
         reason = "; ".join(filter(None, [reason, f"{counts['not_run']} probe(s) not run (time ran out or the probe "
                                                   "process failed)"]))
     return status, reason
-
-
-def is_finding(outcome: Mapping[str, Any]) -> bool:
-    """Failures become findings; so does a probe that could not be built (its op did not resolve, its module did
-    not import, Dynamo could not trace it), but not one whose synthetic inputs CPU eager rejects as well."""
-    if outcome["status"] == "probe_error":
-        return not str(outcome.get("message") or "").startswith("CPU eager fails too")
-    return outcome["status"] in FAILED
 
 
 def take_model_inventory(ctx: "ModeContext", level: str) -> Inventory:
@@ -387,9 +374,10 @@ def _findings(spec: BackendSpec, model_id: str, env_stamp: Mapping[str, Any], fa
     out: list[tuple[Finding, dict[str, Any]]] = []
     for op in sorted(failures, key=lambda o: min(f.probe["id"] for f in failures[o])):
         items = failures[op]
-        lead = max(items, key=lambda f: (SEVERITY[f.outcome["status"]], -int(f.probe["id"][1:])))
-        status = lead.outcome["status"]
-        kind = KIND_OF_STATUS[status]
+        lead = max(items, key=lambda f: (f.outcome.severity, -int(f.probe["id"][1:])))
+        o = lead.outcome
+        status, kind = o.status, o.kind
+        assert kind is not None  # a failure: `OpOutcome.is_finding`
         site = next((s for f in items for s in f.signature.sites), None)
         modules: dict[str, None] = {}
         for f in items:
@@ -397,25 +385,23 @@ def _findings(spec: BackendSpec, model_id: str, env_stamp: Mapping[str, Any], fa
                 modules.setdefault(s.module, None)
         signatures = [{
             "signature": f.signature.describe()[:400], "probed_op": f.probe["op"], "count": f.signature.count,
-            "status": f.outcome["status"], "stage": f.outcome.get("stage"), "error_type": f.outcome.get("error_type"),
-            "message": (f.outcome.get("message") or "")[:600], "metrics": f.outcome.get("metrics") or {},
+            "status": f.outcome.status.value, "stage": f.outcome.stage, "error_type": f.outcome.error_type,
+            "message": f.outcome.message[:600], "metrics": f.outcome.metrics or {},
             "sites": [s.to_dict() for s in f.signature.sites[:4]],
         } for f in items]
-        message = lead.outcome.get("message") or ""
-        error_type = lead.outcome.get("error_type")
-        diagnostics = lead.outcome.get("diagnostics") or {}
+        message, error_type, diagnostics = o.message, o.error_type, o.diagnostics or {}
         details = {"signatures": signatures, "signature_count": len(items),
                    "calls": sum(f.signature.count for f in items), "modules": list(modules)[:20],
                    "module_count": len(modules), "source": site.source if site else None, "ir": level,
-                   "named_op": lead.outcome.get("named_op"), "probed_op": lead.probe["op"],
+                   "named_op": o.named_op, "probed_op": lead.probe["op"],
                    "compiler_diagnostics": list(diagnostics.get("compiler") or []),
                    "exception_chain": list(diagnostics.get("exception_chain") or []),
                    "outputs": lead.signature.outputs, "imports": list(lead.signature.imports),
-                   "backend_ran": lead.outcome.get("ran") or {}}
-        if lead.outcome.get("traceback"):  # where the error was raised (`rootcause.raised_in` reads it)
-            details["traceback_tail"] = str(lead.outcome["traceback"])[-3000:]
+                   "backend_ran": o.ran or {}}
+        if o.traceback:  # where the error was raised (`rootcause.raised_in` reads it)
+            details["traceback_tail"] = str(o.traceback)[-3000:]
         if kind == FindingKind.PROBE_ERROR:  # the probe itself could not be built: nothing a repro could show
-            out.append((Finding(kind=kind, stage=lead.outcome.get("stage") or "trace",
+            out.append((Finding(kind=kind, stage=o.stage or "trace",
                                 message=f"the probe of {op} could not be built: {error_type}: {message}"[:2000],
                                 fingerprint=fingerprint(kind, spec.id, op), op=op,
                                 module=site.module if site else None, module_class=site.module_class if site else None,
@@ -426,16 +412,16 @@ def _findings(spec: BackendSpec, model_id: str, env_stamp: Mapping[str, Any], fa
         command = f"python {file_name}"
         if recipe.pythonpath:
             command = f"PYTHONPATH={os.pathsep.join(recipe.pythonpath)} {command}"
-        text = render_repro(op=op, kind=kind, stage=lead.outcome.get("stage") or "run", error_type=error_type,
+        text = render_repro(op=op, kind=kind, stage=o.stage or "run", error_type=error_type,
                             message=message, signature=lead.signature, probe=lead.probe, recipe=recipe,
                             backend_id=spec.id, model_id=model_id, ir=level, env_stamp=env_stamp,
                             tolerance=tuple(lead.probe["tolerance"]), compare_results=opts.compare,
-                            command=command, crash=status in ("crashed", "timeout"))
+                            command=command, crash=status.is_crash)
         write_script(script, text)
-        metrics = dict(lead.outcome.get("metrics") or {})
+        metrics = dict(o.metrics or {})
         threshold = {"rtol": lead.probe["tolerance"][0], "atol": lead.probe["tolerance"][1]} if kind == FindingKind.OP_MISMATCH else {}
         finding = Finding(
-            kind=kind, stage=lead.outcome.get("stage") or "run",
+            kind=kind, stage=o.stage or "run",
             message=(f"{error_type}: {message}" if error_type and not message.startswith(str(error_type)) else message)[:2000],
             fingerprint=fingerprint(kind, spec.id, op), op=op,
             module=site.module if site else None, module_class=site.module_class if site else None,
@@ -443,9 +429,8 @@ def _findings(spec: BackendSpec, model_id: str, env_stamp: Mapping[str, Any], fa
             repro=Repro(path=f"{MODE}/{file_name}", verified=False, command=command, note="not verified"),
             details=details,
         )
-        out.append((finding, {"script": script, "recipe": recipe, **_expectation(lead.outcome, op),
-                              "status": status, "error_type": error_type,
-                              "named_text": lead.outcome.get("named_text")}))
+        out.append((finding, {"script": script, "recipe": recipe, **_expectation(o, op),
+                              "status": status, "error_type": error_type, "named_text": o.named_text}))
     return out
 
 
@@ -454,7 +439,7 @@ def _same_fault(how: Mapping[str, Any], exit_code: int | None, output: str, note
     import signal
 
     error_type = str(how.get("error_type") or "")
-    if how["status"] == "timeout":
+    if how["status"] is OpStatus.TIMEOUT:
         if exit_code is not None:
             return False, f"expected a hang, but the repro exited with {exit_code}"
     elif error_type.startswith("SIG"):
@@ -483,7 +468,7 @@ def _verify_all(remaining: Callable[[], float], findings: list[tuple[Finding, di
         finding, how = item
         assert finding.repro is not None
         timeout = opts.verify_timeout
-        if how["status"] == "timeout":
+        if how["status"] is OpStatus.TIMEOUT:
             timeout = min(opts.verify_timeout, opts.probe_timeout)
         if remaining() < timeout + 5:
             finding.repro.note = "not verified: the cell's time ran out"

@@ -31,6 +31,7 @@ from ...engine.diagnostics import capture_fd2, compiler_words
 from ...engine.failure import classify, error_text
 from ...engine.isolate import Attempt, IsolatedResult, supervise
 from .compare import compare, matches_any, mismatch_metrics, no_compare_reason
+from .outcome import OpOutcome, OpStatus
 from ...engine.codec import decode_value, source_of, tensor_specs
 from .signature import resolve_callable
 from ...options import OpsOptions
@@ -456,25 +457,29 @@ class ProbeRunner:
             self._attempt += 1
             return self._attempt
 
-    def run(self, probes: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    def run(self, probes: list[dict[str, Any]]) -> dict[str, OpOutcome]:
         """Outcome per probe id; a probe in a set that fails only together carries `fails_together`."""
         self.work_dir.mkdir(parents=True, exist_ok=True)
         # a child costs a Python + torch + backend start-up: only split when each gets a fair share of probes
         workers = max(1, min(self.opts.workers, len(probes) // _MIN_PROBES_PER_CHILD))
         shards = [_Shard(i, probes[i::workers]) for i in range(workers)]
-        results: dict[str, dict[str, Any]] = {}
+        results: dict[str, OpOutcome] = {}
+        together: dict[str, dict[str, Any]] = {}
         if workers == 1:
-            results.update(self._run_shard(shards[0]))
+            parts = [self._run_shard(shards[0])]
         else:
             with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-                for part in pool.map(self._run_shard, shards):
-                    results.update(part)
-        return _attach_together(results)
+                parts = list(pool.map(self._run_shard, shards))
+        for outcomes, rows in parts:
+            results.update(outcomes)
+            together.update(rows)
+        return _attach_together(results, together)
 
-    def _run_shard(self, shard: _Shard) -> dict[str, dict[str, Any]]:
+    def _run_shard(self, shard: _Shard) -> tuple[dict[str, OpOutcome], dict[str, dict[str, Any]]]:
         """The shard's probes in children (`isolate.supervise`): a child that dies costs the probe it was in."""
         pending = list(shard.probes)
-        results: dict[str, dict[str, Any]] = {}
+        results: dict[str, OpOutcome] = {}
+        together: dict[str, dict[str, Any]] = {}  # the `together:` rows (`grouptest`), by id
         env = {str(k): str(v) for k, v in self.spec.env.items()}
         journal_path = self.work_dir / f"journal-{shard.index:03d}.log"
         journal_path.unlink(missing_ok=True)
@@ -502,12 +507,13 @@ class ProbeRunner:
                 self.journal("enter-probe-batch", tag)
             return Attempt(payload=payload, timeout=min(budget, self.opts.probe_timeout * len(batch) + _CHILD_STARTUP_S))
 
-        def collect() -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+        def collect() -> tuple[dict[str, OpOutcome], list[dict[str, Any]]]:
             nonlocal pending
             if self.journal:
                 self.journal("leave-probe-batch", tag)
-            done = _read_outcomes(results_path)
+            done, rows = _read_outcomes(results_path)
             results.update(done)
+            together.update(rows)
             left = [p for p in batch if p["id"] not in done]
             pending = pending[len(batch):]
             return done, left
@@ -538,16 +544,16 @@ class ProbeRunner:
 
         supervise(_CHILD_ENTRY, journal=journal_path, kind="probe", next_attempt=next_attempt,
                   on_ok=on_ok, on_crash=on_crash, env=env)
-        return results
+        return results, together
 
 
-def _attach_together(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def _attach_together(results: dict[str, OpOutcome], together: Mapping[str, Mapping[str, Any]]
+                     ) -> dict[str, OpOutcome]:
     """The probe outcomes, each `together:` row (`grouptest`) copied onto its members as `fails_together`."""
-    rows = {k: results.pop(k) for k in [k for k in results if k.startswith(TOGETHER_PREFIX)]}
-    for row in rows.values():
+    for row in together.values():
         for pid in row.get("members") or ():
             if pid in results:
-                results[pid]["fails_together"] = {"ops": list(row.get("ops") or ()), "message": row.get("message")}
+                results[pid].fails_together = {"ops": list(row.get("ops") or ()), "message": row.get("message")}
     return results
 
 
@@ -563,24 +569,28 @@ def group_size(opts: OpsOptions, spec: BackendSpec) -> int:
     return opts.group_size if grouped(opts, spec) else 1
 
 
-def not_run_outcome(probe: Mapping[str, Any], why: str) -> dict[str, Any]:
-    return {"id": probe["id"], "op": probe["op"], "status": "not_run", "stage": None, "error_type": None,
-            "message": why, "named_op": None, "named_text": None, "metrics": {}, "seconds": 0.0}
+def not_run_outcome(probe: Mapping[str, Any], why: str) -> OpOutcome:
+    return OpOutcome(id=probe["id"], op=probe["op"], status=OpStatus.NOT_RUN, message=why, seconds=0.0)
 
 
-def _read_outcomes(path: Path) -> dict[str, dict[str, Any]]:
-    out: dict[str, dict[str, Any]] = {}
+def _read_outcomes(path: Path) -> tuple[dict[str, OpOutcome], dict[str, dict[str, Any]]]:
+    """A child's results file: the outcomes by probe id, and its `together:` rows (`grouptest`) by id."""
+    out: dict[str, OpOutcome] = {}
+    together: dict[str, dict[str, Any]] = {}
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except FileNotFoundError:
-        return out
+        return out, together
     for line in lines:
         try:
             row = json.loads(line)
         except json.JSONDecodeError:  # a torn last line from a crash
             continue
-        out[row["id"]] = row
-    return out
+        if str(row["id"]).startswith(TOGETHER_PREFIX):
+            together[row["id"]] = row
+        else:
+            out[row["id"]] = OpOutcome.from_row(row)
+    return out, together
 
 
 _FAULTHANDLER_RE = re.compile(r"^(Timeout \(|Thread 0x|Current thread 0x|Fatal Python error|  File \"|Extension modules:|\s*$)")
@@ -592,21 +602,21 @@ def _backend_lines(stderr_tail: str) -> str:
     return "\n".join(lines[-6:]).strip()
 
 
-def _crash_outcome(probe: Mapping[str, Any], res: Any, probe_timeout: float) -> dict[str, Any]:
+def _crash_outcome(probe: Mapping[str, Any], res: Any, probe_timeout: float) -> OpOutcome:
     tail = res.stderr_tail or ""
     if res.status == "timeout" or "Timeout (" in tail:
-        status, error_type = "timeout", "Timeout"
+        status, error_type = OpStatus.TIMEOUT, "Timeout"
         message = f"the probe did not finish within {probe_timeout:g}s"
     elif res.signal:
-        status, error_type = "crashed", res.signal
+        status, error_type = OpStatus.CRASHED, res.signal
         message = f"the process died by {res.signal}"
     else:
-        status, error_type = "crashed", f"exit {res.exit_code}"
+        status, error_type = OpStatus.CRASHED, f"exit {res.exit_code}"
         message = f"the process exited with code {res.exit_code} during the probe"
     words = _backend_lines(tail)
     if words:
         message += ": " + words
     named, phrase = named_op_from_error(words)
-    return {"id": probe["id"], "op": probe["op"], "status": status, "stage": "run", "error_type": error_type,
-            "message": message[:4000], "named_op": named, "named_text": phrase, "metrics": {},
-            "seconds": probe_timeout if status == "timeout" else None}
+    return OpOutcome(id=probe["id"], op=probe["op"], status=status, stage="run", error_type=error_type,
+                     message=message[:4000], named_op=named, named_text=phrase,
+                     seconds=probe_timeout if status is OpStatus.TIMEOUT else None)

@@ -30,6 +30,7 @@ from ...config import BackendSpec, spec_to_json
 from ...engine.repro import safe_filename
 from ...fsutil import atomic_write_text
 from ...options import OpsOptions
+from .outcome import OpOutcome
 from .probe import ProbeRunner, float_dtype, grouped, not_run_outcome, probe_seed, with_ranges
 from .signature import CallSite, Inventory, OpSignature
 
@@ -125,17 +126,21 @@ class ProbeStore:
     def name(self, key: str) -> str:
         return _digest(key)
 
-    def get(self, key: str) -> dict[str, Any] | None:
+    def get(self, key: str) -> OpOutcome | None:
         """The stored outcome of signature `key` (None: not probed yet, or a torn file)."""
         try:
             row = json.loads((self.dir / f"{self.name(key)}.json").read_text(encoding="utf-8"))
         except (FileNotFoundError, json.JSONDecodeError):
             return None
-        return row.get("outcome") if row.get("key") == key else None
+        got = row.get("outcome") if row.get("key") == key else None
+        try:
+            return OpOutcome.from_row(got) if isinstance(got, dict) else None
+        except (TypeError, ValueError):  # a status this version does not know: probe it again
+            return None
 
-    def put(self, key: str, outcome: Mapping[str, Any]) -> None:
-        """Store an outcome (atomically) and drop the claim on it."""
-        body = {"key": key, "outcome": {k: v for k, v in outcome.items() if k != "id"}}
+    def put(self, key: str, outcome: OpOutcome) -> None:
+        """Store an outcome (atomically; its wire row without the batch's probe id) and drop the claim on it."""
+        body = {"key": key, "outcome": {k: v for k, v in outcome.to_row().items() if k != "id"}}
         atomic_write_text(self.dir / f"{self.name(key)}.json", json.dumps(body, default=str) + "\n")
         self.release(key)
 
@@ -166,17 +171,16 @@ class ProbeStore:
 
 # --------------------------------------------------------------------------------------------- probing through it
 
-Prober = Callable[[Sequence[OpSignature]], dict[str, dict[str, Any]]]
-_STORABLE = {"pass", "unsupported", "error", "crashed", "timeout", "mismatch", "probe_error", "inconclusive"}
+Prober = Callable[[Sequence[OpSignature]], dict[str, OpOutcome]]
 
 
 def probe_through(store: ProbeStore, signatures: Sequence[OpSignature], prober: Prober, *,
-                  remaining: Callable[[], float], stats: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+                  remaining: Callable[[], float], stats: dict[str, Any] | None = None) -> dict[str, OpOutcome]:
     """Every signature's outcome: stored ones read back, claimed ones probed by `prober` (key -> outcome) and
     stored, the ones another process is probing waited for (or taken over when their holder dies)."""
     stats = stats if stats is not None else {}
     stats.update(reused=0, probed=0, waited=0)
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, OpOutcome] = {}
     todo: list[OpSignature] = []
     for sig in _unique(signatures):
         got = store.get(sig.key)
@@ -204,7 +208,7 @@ def _unique(signatures: Sequence[OpSignature]) -> Iterator[OpSignature]:
             yield sig
 
 
-def _probe_claimed(store: ProbeStore, todo: list[OpSignature], prober: Prober, out: dict[str, dict[str, Any]],
+def _probe_claimed(store: ProbeStore, todo: list[OpSignature], prober: Prober, out: dict[str, OpOutcome],
                    stats: dict[str, Any]) -> list[OpSignature]:
     """Claim and probe `todo` in chunks; the signatures other processes hold."""
     others: list[OpSignature] = []
@@ -234,7 +238,7 @@ def _probe_claimed(store: ProbeStore, todo: list[OpSignature], prober: Prober, o
                 store.release(sig.key)
                 continue
             out[sig.key] = o
-            if o.get("status") in _STORABLE:
+            if o.status.storable:
                 store.put(sig.key, o)
                 stats["probed"] += 1
             else:
@@ -242,7 +246,7 @@ def _probe_claimed(store: ProbeStore, todo: list[OpSignature], prober: Prober, o
     return others
 
 
-def _wait_for(store: ProbeStore, others: list[OpSignature], out: dict[str, dict[str, Any]], stats: dict[str, Any],
+def _wait_for(store: ProbeStore, others: list[OpSignature], out: dict[str, OpOutcome], stats: dict[str, Any],
               remaining: Callable[[], float]) -> list[OpSignature]:
     """Wait for the outcomes other processes are probing; return those whose holder let go without one."""
     pending = list(others)
@@ -280,7 +284,7 @@ def probe_signatures(spec: BackendSpec, signatures: Sequence[OpSignature], *, st
                      remaining: Callable[[], float] = lambda: float("inf"),
                      journal: Callable[[str, str], None] | None = None, work_dir: Path | None = None,
                      versions: Mapping[str, Any] | None = None,
-                     stats: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+                     stats: dict[str, Any] | None = None) -> dict[str, OpOutcome]:
     """Signature key -> outcome for every signature, probing (in isolated children, `ProbeRunner`) only what the
     backend's store at `store_dir` (`<out>/probes/<backend-id>`) lacks. A signature left without an outcome (time
     ran out) gets a `not_run` one. `stats` (when given) receives reused / probed / waited counts and the
@@ -290,7 +294,7 @@ def probe_signatures(spec: BackendSpec, signatures: Sequence[OpSignature], *, st
     work = work_dir or store.dir / f"work-{os.getpid()}"
     runner = ProbeRunner(backend_spec=spec, work_dir=work, opts=opts, remaining=remaining, journal=journal)
 
-    def prober(sigs: Sequence[OpSignature]) -> dict[str, dict[str, Any]]:
+    def prober(sigs: Sequence[OpSignature]) -> dict[str, OpOutcome]:
         probes = [probe_spec(s, opts, f"s{i:05d}") for i, s in enumerate(sigs)]
         got = runner.run(probes)
         return {p["key"]: got.get(p["id"]) or not_run_outcome(p, "no outcome recorded") for p in probes}
