@@ -37,10 +37,35 @@ from typing import Any
 
 QWEN = {"hidden_size": 896, "intermediate_size": 4864, "num_attention_heads": 14, "num_key_value_heads": 2,
         "vocab_size": 151936, "max_position_embeddings": 512, "tie_word_embeddings": True}
+QWEN_1_5B = {**QWEN, "hidden_size": 1536, "intermediate_size": 8960, "num_attention_heads": 12}
+SHAPES = {"0.5b": (QWEN, 24), "1.5b": (QWEN_1_5B, 28)}  # config overrides, layers
 
 
-def _matrix(layers: int, seq: int, samples: int) -> str:
-    over = json.dumps({**QWEN, "num_hidden_layers": layers})
+def _params(shape: dict[str, Any], layers: int) -> int:
+    """Parameters of a tied Qwen2 config: embeddings + per layer (attention with biases on q/k/v, MLP, 2 norms)."""
+    h, i, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    kv = h // shape["num_attention_heads"] * shape["num_key_value_heads"]
+    per_layer = h * h + h + 2 * (h * kv + kv) + h * h + 3 * h * i + 2 * h
+    return v * h + layers * per_layer + h
+
+
+def _mem_available_gb() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return float("inf")
+
+
+# peak memory of a case, in float32 copies of the model: layers holds the model in the cell and in its probing or
+# culprit child at once; numerics holds float32 + float64 references (3 copies' worth); build and floor one or three
+NEEDS = {"build": 1.2, "layers": 2.3, "floor": 3.3, "numerics": 3.6}
+
+
+def _matrix(layers: int, seq: int, samples: int, shape: str = "0.5b") -> str:
+    over = json.dumps({**SHAPES[shape][0], "num_hidden_layers": layers})
     return textwrap.dedent(f"""\
         version: 1
         defaults:
@@ -68,7 +93,8 @@ def _cell(layers: int, backend: str, args: argparse.Namespace) -> Any:
     from ci_runner.config import load_matrix_text
     from ci_runner.matrix import expand
 
-    matrix = load_matrix_text(_matrix(layers, args.seq, args.samples), path=str(Path(args.out) / "matrix.yaml"))
+    matrix = load_matrix_text(_matrix(layers, args.seq, args.samples, args.shape),
+                              path=str(Path(args.out) / "matrix.yaml"))
     return next(c for c in expand(matrix) if c.backend.id == backend)
 
 
@@ -76,8 +102,8 @@ def case_build(layers: int, args: argparse.Namespace) -> dict[str, Any]:
     from ci_runner.engine.models import load_model
 
     cell = _cell(layers, "sim-crash", args)
-    load_model(cell.model.__class__(id="warm", config="qwen2", overrides={**QWEN, "num_hidden_layers": 1,
-                                                                           "vocab_size": 128}))
+    load_model(cell.model.__class__(id="warm", config="qwen2", overrides={**SHAPES[args.shape][0],
+                                                                           "num_hidden_layers": 1, "vocab_size": 128}))
     t0, c0 = time.perf_counter(), time.process_time()
     model = load_model(cell.model, seed=0).module
     return {"build_s": round(time.perf_counter() - t0, 2), "build_cpu_s": round(time.process_time() - c0, 2),
@@ -102,7 +128,8 @@ def case_mode(layers: int, mode: str, args: argparse.Namespace) -> dict[str, Any
                    inferred=(res.data.get("search") or {}).get("inferred"),
                    culprit_searches=sum(1 for c in culprits if c and "shared_with" not in c),
                    culprit_ops=sorted({op for c in culprits for op in c.get("ops") or []}),
-                   verified_repro_groups=len({f.repro.path for f in res.findings if f.repro and f.repro.verified}))
+                   verified_repro_groups=len({f.repro.path for f in res.findings if f.repro and f.repro.verified}),
+                   seconds=res.data.get("seconds"))
     else:
         out.update(reason=res.reason, breakdown=_numerics_breakdown(res.data, out["mode_s"]))
     return out
@@ -161,14 +188,21 @@ CASES = {"build": case_build, "floor": case_floor,
 
 
 def _run_case(case: str, layers: int, args: argparse.Namespace) -> dict[str, Any]:
+    need = NEEDS.get(case, 1.0) * _params(SHAPES[args.shape][0], layers) * 4 / 2**30 + 1.0
+    if need > _mem_available_gb():
+        row = {"case": case, "layers": layers, "shape": args.shape,
+               "skipped": f"needs about {need:.1f} GB, {_mem_available_gb():.1f} GB available"}
+        print(json.dumps(row), flush=True)
+        return row
     cmd = [sys.executable, __file__, "--case", case, "--n", str(layers), "--seq", str(args.seq),
-           "--samples", str(args.samples), "--out", args.out]
+           "--samples", str(args.samples), "--out", args.out, "--shape", args.shape]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
     wall = time.perf_counter() - t0
     line = next((ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith("{")), None)
     row: dict[str, Any] = json.loads(line) if line else {"error": (proc.stderr or proc.stdout)[-1500:]}
-    row.update(case=case, layers=layers, process_wall_s=round(wall, 2), load=os.getloadavg()[0])
+    row.update(case=case, layers=layers, shape=args.shape, process_wall_s=round(wall, 2),
+               load=round(os.getloadavg()[0], 2))
     print(json.dumps(row), flush=True)
     return row
 
@@ -180,7 +214,9 @@ def _ratio(a: Any, b: Any) -> float | None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="build,layers,floor,numerics")
-    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="0.5b",
+                    help="0.5b: Qwen2-0.5B (24 layers, hidden 896); 1.5b: Qwen2-1.5B (28 layers, hidden 1536)")
+    ap.add_argument("--layers", type=int, default=None, help="default: the shape's own (24 or 28)")
     ap.add_argument("--twin", type=int, default=2)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--samples", type=int, default=2)
@@ -188,13 +224,16 @@ def main() -> int:
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("--n", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    args.layers = args.layers or SHAPES[args.shape][1]
     if args.case:  # one case, in this fresh process
         row = CASES[args.case](args.n, args)
         print(json.dumps({**row, **_usage()}))
         return 0
     with tempfile.TemporaryDirectory(prefix="bench-realsize-") as tmp:
         args.out = args.out or tmp
-        print(f"# {os.uname().nodename}: {os.cpu_count()} cpus, load {os.getloadavg()}", flush=True)
+        print(f"# {os.uname().nodename}: {os.cpu_count()} cpus, load {os.getloadavg()}, shape {args.shape} "
+              f"({_params(SHAPES[args.shape][0], args.layers) / 1e9:.2f}B parameters), "
+              f"{_mem_available_gb():.1f} GB available", flush=True)
         rows = {(c, n): _run_case(c, n, args) for c in args.cases.split(",") for n in (args.twin, args.layers)
                 if not (c == "build" and n == args.twin)}
     summary: dict[str, Any] = {}

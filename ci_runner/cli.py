@@ -25,7 +25,7 @@ from .commits.pipeline import BISECT_NAME, bisect_regressions
 from .commits.walk import Budget
 from .engine.envinfo import base_stamp, env_report, format_env, tool_version
 from .errors import DeepviewError, UsageError
-from .run.execute import RunOptions, auto_jobs, available_cores, cell_dir, load_partial, run_cells
+from .run.execute import RunOptions, auto_jobs, available_cores, cell_dir, load_partial, run_cells, run_zoo_cells
 from .fsutil import atomic_write_json, atomic_write_text
 from .github.actions import set_output
 from .github.issues import file_issues, load_diff
@@ -93,9 +93,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     jobs = auto_jobs(cells, cores, args.modes) if cores else int(args.jobs)
     if cores:
         progress.info(f"deepview-ci: --jobs auto: up to {jobs} cell(s) at once on {cores} core(s)")
-    results = run_cells(cells, RunOptions(matrix_path=matrix.path, out_dir=out, jobs=jobs, cores=cores, force=args.force,
-                                          modes=args.modes), progress)
-    report = aggregate([cell_dir(out, r.id) / RESULT_NAME for r in results])  # this run's cells, not stale ones
+    run_opts = RunOptions(matrix_path=matrix.path, out_dir=out, jobs=jobs, cores=cores, force=args.force, modes=args.modes)
+    results = run_cells([c for c in cells if not c.model.zoo], run_opts, progress)
+    results += run_zoo_cells([c for c in cells if c.model.zoo], run_opts, progress)
+    report = aggregate([cell_dir(out, r.id) / RESULT_NAME for r in results],  # this run's cells, not stale ones
+                       run_dirs=[out] if any(c.model.zoo for c in cells) else ())
     written = write_report_dir(report, out / "report", run_dir=out)
     _report_outputs(out / "report", written)
     counts = report.counts()
@@ -117,8 +119,8 @@ def cmd_cell(args: argparse.Namespace) -> int:
     if args.setup_failed:
         return _record_failed_setup(cell, Path(args.setup_failed), Path(args.out))
     progress = Progress(1)
-    [result] = run_cells([cell], RunOptions(matrix_path=matrix.path, out_dir=Path(args.out), force=args.force,
-                                            modes=args.modes), progress)
+    opts = RunOptions(matrix_path=matrix.path, out_dir=Path(args.out), force=args.force, modes=args.modes)
+    [result] = (run_zoo_cells if cell.model.zoo else run_cells)([cell], opts, progress)  # a zoo cell: small config
     return errors.EXIT_OK if result.status in ("pass", "skipped") else errors.EXIT_FINDINGS
 
 

@@ -69,6 +69,14 @@ def cell_workers(cell: Cell, cores: int, modes: Sequence[str] | None = None) -> 
     return max(1, min(workers, cores))
 
 
+MODE_COST = {"layers": 1.3, "ops": 1.0, "numerics": 0.8}  # a mode's time relative to ops, on the bundled example
+
+
+def expected_cost(cell: Cell, modes: Sequence[str] | None = None) -> float:
+    """A rough weight of a cell's time, to start the long ones first: its modes' usual relative times."""
+    return sum(MODE_COST.get(m, 1.0) for m in (modes or cell.modes))
+
+
 def auto_jobs(cells: Sequence[Cell], cores: int, modes: Sequence[str] | None = None) -> int:
     """What ``--jobs auto`` runs at once at most: cores / the smallest per-cell workers, at least 1."""
     return max(1, cores // min((cell_workers(c, cores, modes) for c in cells), default=1))
@@ -222,6 +230,10 @@ def run_cells(cells: Sequence[Cell], opts: RunOptions, progress: Progress | None
             progress.cell_reused(c.id, prior.status)
         else:
             todo.append(c)
+    if opts.force:  # a forced run probes again: the probe stores earlier runs left for these backends go
+        from ..modes.ops.store import clear_stores  # deferred: the ops engine imports torch
+
+        clear_stores(opts.out_dir, {c.backend.id for c in todo})
 
     def work(c: Cell) -> CellResult:
         need = cell_workers(c, opts.cores, opts.modes) if opts.cores else 0
@@ -240,6 +252,8 @@ def run_cells(cells: Sequence[Cell], opts: RunOptions, progress: Progress | None
         return r
 
     width = auto_jobs(todo, opts.cores, opts.modes) if opts.cores else opts.jobs
+    if width > 1:  # the longest cells first, so that no long one is left to run alone at the end
+        todo.sort(key=lambda c: -expected_cost(c, opts.modes))
     pool = ThreadPoolExecutor(max_workers=width) if width > 1 else None
     try:
         if pool is None:
@@ -255,3 +269,17 @@ def run_cells(cells: Sequence[Cell], opts: RunOptions, progress: Progress | None
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
     return [results[c.id] for c in cells]
+
+
+def run_zoo_cells(cells: Sequence[Cell], opts: RunOptions, progress: Progress | None = None) -> list[CellResult]:
+    """The zoo cells (`ModelSpec.zoo`): one inventory scan, one probe per signature and backend (`zoo/run.py`);
+    reused when every one of them already has a result (unless --force)."""
+    if not cells:
+        return []
+    prior = {c.id: existing_result(opts.out_dir, c.id) for c in cells} if not opts.force else {}
+    if prior and all(prior.values()):
+        return [r for r in prior.values() if r is not None]
+    from ..zoo.run import run_zoo  # deferred: the zoo imports the transformers catalog
+
+    return run_zoo(cells, matrix_path=opts.matrix_path, out_dir=opts.out_dir, jobs=max(1, opts.jobs),
+                   force=opts.force, progress=progress)

@@ -76,9 +76,10 @@ def test_without_suppression_the_compiler_error_is_a_failure_with_its_words(tmp_
 
 
 def test_the_search_treats_inconclusive_as_not_failing() -> None:
+    # `b.y`: `a` is not the root's only child with children (such a wrapper is looked through, not probed)
     tree = ModuleTree.build([(ROOT, "Net", 1, True, None), ("a", "A", 1, True, None), ("a.x", "X", 1, True, None),
-                             ("b", "B", 1, True, None)])
-    status = {ROOT: "fail", "a": "inconclusive", "a.x": "fail", "b": "fail"}
+                             ("b", "B", 1, True, None), ("b.y", "Y", 1, True, None)])
+    status = {ROOT: "fail", "a": "inconclusive", "a.x": "fail", "b": "fail", "b.y": "pass"}
     tried: list[str] = []
 
     def probe(name: str) -> ProbeOutcome:

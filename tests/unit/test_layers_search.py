@@ -127,8 +127,9 @@ def test_search_stopped_early_keeps_what_it_learnt() -> None:
 
     res = search(tree, probe)
     assert not res.complete
-    assert list(res.outcomes) == [ROOT, "m"]
-    assert res.minimal == ["m"]
+    assert list(res.outcomes) == [ROOT, "m", "m.a"]  # `m` is the whole model's wrapper: looked through
+    assert res.outcomes["m"].status == "skipped"
+    assert res.minimal == ["m.a"]
 
 
 def test_replay_from_the_outcomes_file_continues_where_a_crash_stopped(tmp_path: Path) -> None:
@@ -191,12 +192,12 @@ def test_twin_layers_cost_one_descent_and_every_layer_is_still_listed() -> None:
         assert f"{x}.attn" in log and f"{x}.mlp" not in log and f"{x}.attn.q" not in log
         assert res.outcomes[f"{x}.mlp"].inferred_from == f"{lay[0]}.mlp"
         assert res.outcomes[f"{x}.attn.q"].status == "pass"
-    # root, m, the wrappers, the layers, l0's children, twins' attn, l0.attn's children
-    assert len(log) == 2 + n + n + 2 + (n - 1) + 2
+    # root, the wrappers, the layers, l0's children, twins' attn, l0.attn's children (`m` is looked through)
+    assert len(log) == 1 + n + n + 2 + (n - 1) + 2
     # without twins every child of every failing module is probed
     full: list[str] = []
     assert search(tree, _failing_prober(failing, full), twins=False).minimal == res.minimal
-    assert len(full) == 2 + n + n + 2 * n + 2 * n
+    assert len(full) == 1 + n + n + 2 * n + 2 * n
 
 
 def test_a_twin_that_fails_differently_is_searched_fully() -> None:
@@ -385,7 +386,28 @@ def test_search_prefetches_each_level_once() -> None:
     tree = _tree("m", "m.a", "m.a.x", "m.b", "h")
     levels: list[list[str]] = []
     search(tree, _prober({ROOT: "fail", "m": "fail", "m.a": "fail"}, []), levels.append)
-    assert levels == [["m", "h"], ["m.a", "m.b"], ["m.a.x"]]
+    assert levels == [["h"], ["m.b"], ["m.a.x"]]  # `m` and then `m.a` wrap nearly all of the model: looked through
+
+
+def test_the_whole_models_wrapper_is_looked_through_and_probed_only_when_nothing_below_fails() -> None:
+    tree = _tree("m", "m.a", "m.a.x", "m.a.y", "m.b", "h")
+    # something below fails: `m` and `m.a` (each its parent's only child with children) are never compiled alone
+    log: list[str] = []
+    res = search(tree, _prober({ROOT: "fail", "m": "fail", "m.a": "fail", "m.a.x": "fail"}, log))
+    assert log == [ROOT, "h", "m.b", "m.a.x", "m.a.y"] and res.minimal == ["m.a.x"]
+    assert res.outcomes["m"].status == res.outcomes["m.a"].status == "skipped"
+    # nothing below fails: the looked-through modules are probed after all, deepest first, as the plain search
+    log2: list[str] = []
+    res2 = search(tree, _prober({ROOT: "fail", "m": "fail", "m.a": "fail"}, log2))
+    assert log2 == [ROOT, "h", "m.b", "m.a.x", "m.a.y", "m.a"] and res2.minimal == ["m.a"]
+    log3: list[str] = []
+    res3 = search(tree, _prober({ROOT: "fail"}, log3))
+    assert log3 == [ROOT, "h", "m.b", "m.a.x", "m.a.y", "m.a", "m"] and res3.minimal == [ROOT]
+    assert res3.outcomes["m"].status == "pass"
+    # a second child with children of its own: nothing is looked through
+    log4: list[str] = []
+    search(_tree("m", "m.a", "h", "h.x"), _prober({ROOT: "fail"}, log4))
+    assert log4 == [ROOT, "m", "h"]
 
 
 # --------------------------------------------------------------------------- errors and options
@@ -476,7 +498,8 @@ def test_sibling_twins_are_confirmed_through_the_first_ones_smallest_failing_mod
     for i in range(1, n):  # each later layer: only its attn is probed; the layer itself takes l0's outcome
         assert f"m.l{i}" not in log and f"m.l{i}.attn" in log and f"m.l{i}.mlp" not in log
         assert res.outcomes[f"m.l{i}"].inferred_from == "m.l0" and res.outcomes[f"m.l{i}"].failed
-    assert len(log) == len(set(log)) == 2 + 1 + 2 + 2 + (n - 1)  # root, m, l0, l0's children, l0.attn's, twins' attn
+    assert len(log) == len(set(log)) == 1 + 1 + 2 + 2 + (n - 1)  # root, l0, l0's children, l0.attn's, twins' attn
+    assert res.outcomes["m"].status == "skipped"  # the whole model's wrapper: looked through, never compiled alone
 
 
 def test_a_sibling_twin_failing_elsewhere_is_searched() -> None:
@@ -487,3 +510,42 @@ def test_a_sibling_twin_failing_elsewhere_is_searched() -> None:
     assert res.minimal == ["m.l0.attn", "m.l2.mlp"]
     assert "m.l1" in log and "m.l2" in log  # their attn passed: probed themselves (l1 passes, l2 is searched)
     assert res.outcomes["m.l1"].status == "pass" and res.outcomes["m.l1"].inferred_from is None
+
+
+def test_a_cpu_targets_copy_shares_the_weights_and_a_write_is_noticed_and_undone() -> None:
+    from types import SimpleNamespace
+
+    from ci_runner.modes.layers.search import _target_copy, restore_weights, versions_unchanged, weight_versions
+
+    net = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    net[1].register_buffer("scale", torch.ones(4), persistent=False)
+    cpu = SimpleNamespace(device="cpu", to_device=lambda m: m)
+    copy = _target_copy(net, cpu)
+    assert copy is not net and copy[0] is not net[0] and copy[0].weight is net[0].weight  # no second copy of weights
+    other = _target_copy(net, SimpleNamespace(device="simdev", to_device=lambda m: m))
+    assert other[0].weight is not net[0].weight  # a device copy is moved: the reference keeps its own
+    fresh = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    fresh[1].register_buffer("scale", torch.ones(4), persistent=False)
+    fresh.load_state_dict(net.state_dict())
+    before = weight_versions(net)
+    assert versions_unchanged(before)
+    with torch.no_grad():
+        copy[0].weight.add_(1.0)  # a target writing into the shared weights
+        copy[1].scale.mul_(3.0)
+    assert not versions_unchanged(before)
+    restore_weights(net, fresh)
+    assert torch.equal(net[0].weight, fresh[0].weight) and torch.equal(net[1].scale, torch.ones(4))
+
+
+def test_capture_stops_the_forward_once_every_wanted_first_call_is_recorded() -> None:
+    class Boom(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise AssertionError("ran past the last wanted module")
+
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), Boom())
+    x = torch.randn(2, 4)
+    got = capture_inputs(net, (x,), {}, ["0", "1"])
+    assert torch.equal(got["0"][0][0][0], x) and set(got) == {"0", "1"}
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in net.modules())
+    with pytest.raises(AssertionError, match="ran past"):  # every call: the whole forward runs
+        capture_inputs(net, (x,), {}, ["0"], all_calls=True)

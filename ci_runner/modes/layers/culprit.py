@@ -45,6 +45,7 @@ from ...engine.tree import map_tensors
 from ...fsutil import atomic_write_json, atomic_write_text
 from ...engine.failure import first_line, is_compile_stage, raised_traceback, unwrap
 from ...engine.isolate import Attempt, IsolatedResult, child_journal, file_tail, supervise
+from .handoff import load_targets
 from .search import capture_inputs
 from ...engine.models import load_model
 from ...engine.outcome import ProbeOutcome, append_outcome, read_outcomes
@@ -378,7 +379,9 @@ def culprit_child(payload: dict[str, Any]) -> dict[str, Any]:
     todo = [t for t in targets if not (Path(t.out_dir) / ANSWER).exists()]
     if not todo:
         return {"answered": 0}
-    calls = _module_calls(plan, [t.module for t in todo])
+    calls = load_targets(plan.model, plan.seed, [(t.module, Path(t.out_dir)) for t in todo])  # handed over: no build
+    if rest := [t.module for t in todo if t.module not in calls]:
+        calls.update(_module_calls(plan, rest))
     backend = resolve_backend(spec_from_json(BackendSpec, plan.backend))
     backend.prepare()
     with open(plan.timeout_file, "a", encoding="utf-8") as timeout_fh:

@@ -9,7 +9,9 @@
 2. Search, isolated: a child process loads the model and the backend and walks the module tree top-down
    (`layer_search.search`): the whole model first; if it passes, the mode passes. Each failing module's
    children are compiled and run alone on their captured inputs (a copy of the module goes to the target,
-   the CPU model stays the reference); a passing module's subtree is never tried.
+   the CPU model stays the reference; on a CPU target it shares the weights); a passing module's subtree is never
+   tried. The whole model's wrapper (`model` beside `lm_head`) is looked through, not compiled alone a second
+   time, unless nothing below it fails (`search.wrapped`).
    Each module is journalled (`enter-module`/`leave-module` in the cell's journal) and each outcome appended
    to `layers/probes.jsonl`. When the child aborts, segfaults, overruns `probe_timeout` or is OOM-killed, the
    journal's open entry is the culprit: it is recorded as crashed/timeout and a fresh child goes on
@@ -34,7 +36,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -42,9 +44,10 @@ from ...backends import backend_ran, backend_recipe, is_self_test, plugin_python
 from ...config import spec_to_json
 from .culprit import CulpritResult, CulpritTarget, find_culprits, hints_from_error, ops_cross_check, write_repro
 from .groups import IN_PROCESS, cause_families, cause_groups, run_parallel
+from .handoff import drop_handoff, save_target
 from ...fsutil import atomic_write_text
 from ...engine.codec import TensorStore, Unstorable
-from ...engine.failure import first_line, unwrap
+from ...engine.failure import first_line, tail, unwrap
 from ...engine.isolate import Attempt, IsolatedResult, file_tail, supervise
 from ...engine.outcome import ProbeOutcome, append_outcome, read_outcomes
 from .search import ROOT, ChildPlan, ModuleTree, SearchResult, StopSearch, capture_inputs, encode_call, label, own_name, scan_model, search, twin_plan, unlabel, write_root_call
@@ -206,9 +209,11 @@ def run(ctx: "ModeContext") -> ModeResult:
                     "shared": {label(n): node.calls for n, node in tree.nodes.items() if node.calls > 1},
                     "not_replayable": {label(n): node.why_not for n, node in tree.nodes.items() if not node.replayable}}
     reserve = _repro_reserve(opts, ctx.remaining())
+    t_search = time.monotonic()
     srun = run_search(ctx, opts, tree, layers_dir, reserve_s=reserve)
     result = srun.result
     data: dict[str, Any] = {
+        "seconds": {"model_and_scan": round(t_search - t0, 2), "search": round(time.monotonic() - t_search, 2)},
         "capture": capture_info,
         "search": {"complete": result.complete,
                    "probed": sum(1 for o in result.outcomes.values() if o.status != "skipped" and not o.inferred_from),
@@ -237,8 +242,10 @@ def run(ctx: "ModeContext") -> ModeResult:
     findings = [_finding(ctx, tree, result, name, all_calls=opts.all_calls,
                          own=known.get(own_name(twin_of.get(name, name)))) for name in result.minimal]
     if result.minimal and (opts.repro or opts.culprit):
-        _explain(ctx, opts, loaded, tree, result, findings, capture_inputs(model, (), kwargs, result.minimal),
-                 layers_dir, data)
+        t_cap = time.perf_counter()
+        captured = capture_inputs(model, (), kwargs, result.minimal)
+        data["seconds"]["capture"] = round(time.perf_counter() - t_cap, 2)
+        _explain(ctx, opts, loaded, tree, result, findings, captured, layers_dir, data)
     annotate(findings)  # details.signature: the root-cause group (rootcause.py)
     data["minimal"] = [label(n) for n in result.minimal]
     reason = None
@@ -258,7 +265,9 @@ def _explain(ctx: "ModeContext", opts: LayersOptions, loaded: Any, tree: ModuleT
     by_name = dict(zip(result.minimal, findings))
     for name, finding in by_name.items():
         finding.details["cause_group"] = {"first": label(group_of[name]), "size": len(data["groups"][label(group_of[name])])}
-    if opts.repro:
+    seconds = data.setdefault("seconds", {})
+
+    def repros() -> None:
         def one(name: str) -> Repro:
             try:
                 return _repro_for(ctx, opts, loaded, tree, name, result.outcomes[name], captured.get(name, []), layers_dir)
@@ -266,17 +275,27 @@ def _explain(ctx: "ModeContext", opts: LayersOptions, loaded: Any, tree: ModuleT
                 return Repro(path=str((layers_dir / "repro").relative_to(ctx.cell_dir)), verified=False,
                              note=f"repro generation failed: {type(exc).__name__}: {first_line(str(exc))}")
 
-        repros = dict(zip(leaders, run_parallel(one, leaders, opts.verify_workers)))
+        t0 = time.monotonic()
+        made = dict(zip(leaders, run_parallel(one, leaders, opts.verify_workers)))
         for name, finding in by_name.items():
-            finding.repro = repros[group_of[name]] if group_of[name] == name else _shared_repro(
-                repros[group_of[name]], group_of[name])
-    if opts.culprit:
+            finding.repro = made[group_of[name]] if group_of[name] == name else _shared_repro(
+                made[group_of[name]], group_of[name])
+        seconds["repros"] = round(time.monotonic() - t0, 2)
+
+    def culprits() -> None:
+        t0 = time.monotonic()
         try:
-            _attach_culprits(ctx, opts, tree, result, by_name, group_of, layers_dir)
+            _attach_culprits(ctx, opts, tree, result, by_name, group_of, layers_dir,
+                             handoff=lambda name, out_dir: _handoff(loaded, name, captured, out_dir))
         except Exception as exc:  # a culprit problem must not lose the findings
             for finding in findings:
                 finding.details.setdefault("culprit", {"found": False, "kind": "error",
                                                        "note": f"{type(exc).__name__}: {first_line(str(exc))}"})
+        seconds["culprits"] = round(time.monotonic() - t0, 2)
+
+    # the layer repros (export, verification) and the culprit search (its own child) at once: each mostly waits
+    # on a process of its own
+    run_parallel(lambda job: job(), [job for job, on in ((repros, opts.repro), (culprits, opts.culprit)) if on], 2)
 
 
 def _shared_repro(repro: Repro, first: str) -> Repro:
@@ -369,7 +388,7 @@ def _finding(ctx: "ModeContext", tree: ModuleTree, result: SearchResult, name: s
         "call_index": max(0, o.calls_tried - 1) if o.status == "fail" else 0,
         "children": {label(c): s for c, s in tried_children.items()},
         "message_full": o.message[:4000],
-        "traceback_tail": _tail(o.traceback, 3000, keep_head=o.status == "timeout"),
+        "traceback_tail": tail(o.traceback, 3000, keep_head=o.status == "timeout"),
         "compiler_diagnostics": list(o.diagnostics),
         "backend_ran": dict(o.ran),
     }
@@ -387,14 +406,6 @@ def _finding(ctx: "ModeContext", tree: ModuleTree, result: SearchResult, name: s
     return Finding(kind=KIND, stage=o.stage or "run", message=what,
                    fingerprint=fingerprint(KIND, ctx.cell.backend.id, ctx.cell.model.id, label(name)),
                    module=label(name), module_class=node.module_class, error_type=o.error_type, details=details)
-
-
-def _tail(text: str, limit: int, *, keep_head: bool = False) -> str:
-    """The last `limit` characters; with `keep_head`, the first line too (faulthandler's "Timeout (0:00:03)!")."""
-    if len(text) <= limit or not keep_head:
-        return text[-limit:]
-    head = text.splitlines()[0][:200] if text.strip() else ""
-    return f"{head}\n…\n{text[-(limit - len(head) - 3):]}"
 
 
 # --------------------------------------------------------------------------- repros
@@ -572,8 +583,16 @@ def _write_source_repro(ctx: "ModeContext", loaded: Any, sub: torch.nn.Module, n
 
 # --------------------------------------------------------------------------- the culprit inside a finding
 
+def _handoff(loaded: Any, name: str, captured: Mapping[str, list[Any]], out_dir: Path) -> None:
+    """The culprit child gets the submodule and its call from a file (`handoff.py`), not by rebuilding the model."""
+    if name != ROOT and captured.get(name):
+        with IN_PROCESS:
+            save_target(out_dir, loaded.module.get_submodule(name), *captured[name][0])
+
+
 def _attach_culprits(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, result: SearchResult,
-                     by_name: Mapping[str, Finding], group_of: Mapping[str, str], layers_dir: Path) -> None:
+                     by_name: Mapping[str, Finding], group_of: Mapping[str, str], layers_dir: Path,
+                     handoff: Callable[[str, Path], None] | None = None) -> None:
     """Search one failing submodule's graph per cause group for the op(s) that fail (`culprit.find_culprits`: one
     child for all of them; groups that differ from an earlier one in their inputs only probe its culprit op first),
     write and verify their repros (at once, up to `verify_workers`), and put each answer in
@@ -593,11 +612,18 @@ def _attach_culprits(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, 
         targets = [CulpritTarget(module=name, out_dir=str(layers_dir / "repro" / safe_filename(label(name)) / "culprit"),
                                  hints=_culprit_hints(result, name, answers.get(family[name])))
                    for name in wave]
+        for t in targets if handoff is not None else ():
+            try:
+                handoff(t.module, Path(t.out_dir))
+            except Exception:  # unstorable inputs: the child builds the model instead
+                pass
         found = find_culprits(model=spec_to_json(ctx.cell.model), backend=spec_to_json(ctx.cell.backend),
                               seed=ctx.cell.inputs.seed, layers_dir=layers_dir, targets=targets,
                               journal=ctx.cell_dir / JOURNAL_NAME, probe_timeout=opts.probe_timeout,
                               startup_timeout=opts.startup_timeout, budget_s=budget, max_restarts=opts.max_restarts,
                               env={str(k): str(v) for k, v in ctx.cell.backend.env.items()})
+        for t in targets:
+            drop_handoff(Path(t.out_dir))
         answers.update(zip(wave, found))
 
     def attach(name: str) -> None:

@@ -61,19 +61,26 @@ class RecordedCall:
     opaque: str | None = None  # why the call's inputs cannot be stored, if they cannot
 
 
+class _Enough(BaseException):
+    """Raised by a capture hook once every wanted call is recorded: the rest of the forward is not needed (a
+    BaseException, so that the capture's own guard against failing callbacks lets it through)."""
+
+
 def record_calls(model: torch.nn.Module, args: tuple[Any, ...] = (), kwargs: Mapping[str, Any] | None = None, *,
-                 include: Collection[str] | None = None, keep: bool = True,
-                 clone: bool = False) -> tuple[list[RecordedCall], bool]:
+                 include: Collection[str] | None = None, keep: bool = True, clone: bool = False,
+                 first_only: bool = False) -> tuple[list[RecordedCall], bool]:
     """One reference forward with pre-hooks on every submodule (or on those named in `include`).
 
     With `keep`, each call's args and kwargs are kept: by reference (cheap) unless `clone`; the second value
     says whether the forward later modified a kept tensor in place, in which case the caller must record
     again with `clone=True`. Without `keep`, only the call structure is recorded (names, classes, call
-    counts, whether the inputs can be stored): hooks, nothing retained.
+    counts, whether the inputs can be stored): hooks, nothing retained. With `first_only` (and `include`), the
+    forward stops as soon as each named module's first call is recorded.
     """
     recorded: list[RecordedCall] = []
     versions: list[tuple[torch.Tensor, int]] = []
     wanted = None if include is None else set(include)
+    pending = set(wanted) if first_only and wanted else None
 
     def pre(info: Any, a: tuple[Any, ...], kw: dict[str, Any]) -> None:
         rec = RecordedCall(info.name, info.module_class, info.call_index)
@@ -89,10 +96,17 @@ def record_calls(model: torch.nn.Module, args: tuple[Any, ...] = (), kwargs: Map
             except Unstorable as exc:
                 rec.opaque = f"call {info.call_index} takes {exc}"
         recorded.append(rec)
+        if pending is not None:
+            pending.discard(info.name)
+            if not pending:
+                raise _Enough()
 
     include_fn = None if wanted is None else (lambda name, _m: name in wanted)
-    with torch.no_grad(), ModuleCapture(model, pre=pre, include=include_fn) as cap:
-        model(*args, **dict(kwargs or {}))
+    try:
+        with torch.no_grad(), ModuleCapture(model, pre=pre, include=include_fn) as cap:
+            model(*args, **dict(kwargs or {}))
+    except _Enough:
+        pass
     if cap.errors:
         name, exc = cap.errors[0]
         raise RuntimeError(f"capture hook failed in {label(name)}: {exc}") from exc
@@ -121,9 +135,9 @@ def scan_model(model: torch.nn.Module, kwargs: Mapping[str, Any], *, all_calls: 
 def capture_inputs(model: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], names: Collection[str], *,
                    all_calls: bool = False) -> dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]]:
     """The inputs of the named modules (first call, or every call) from one reference forward."""
-    recorded, mutated = record_calls(model, args, kwargs, include=names)
+    recorded, mutated = record_calls(model, args, kwargs, include=names, first_only=not all_calls)
     if mutated:
-        recorded, _ = record_calls(model, args, kwargs, include=names, clone=True)
+        recorded, _ = record_calls(model, args, kwargs, include=names, clone=True, first_only=not all_calls)
     out: dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]] = {}
     for rec in recorded:
         if rec.call_index == 0 or all_calls:
@@ -151,6 +165,7 @@ def search(tree: ModuleTree, probe: Callable[[str], ProbeOutcome],
     try:
         outcomes[tree.root] = probe(tree.root)
         _descend(tree, [tree.root] if outcomes[tree.root].failed else [], probe, prefetch, outcomes, twins)
+        _probe_looked_through(tree, probe, outcomes)
     except StopSearch:
         complete = False
     return SearchResult(outcomes=outcomes, minimal=minimal_failing(tree, outcomes), complete=complete)
@@ -198,17 +213,22 @@ def _probe_siblings(tree: ModuleTree, later: Mapping[str, str], probe: Probe, pr
     probed and returned for the search when failing."""
     searched: set[str] = set()
     plain: list[str] = []
+    smallest_of: dict[str, list[str]] = {}
+    for lead in dict.fromkeys(later.values()):
+        if outcomes[lead].failed and lead not in searched:  # the first one, to the bottom, now
+            searched.add(lead)
+            _descend(tree, [lead], probe, prefetch, outcomes, True)
+            smallest_of[lead] = [n for n in minimal_failing(tree, outcomes) if _under(n, lead)]
+    if prefetch is not None:  # every twin's counterparts in one reference forward, not one forward per twin
+        need = [kid + n[len(lead):] for kid, lead in later.items() for n in smallest_of.get(lead, [])]
+        if need := [n for n in need if n not in outcomes]:
+            prefetch(need)
     for kid, lead in later.items():
         if not outcomes[lead].failed:
             plain.append(kid)
             continue
-        if lead not in searched:  # the first one, to the bottom, now
-            searched.add(lead)
-            _descend(tree, [lead], probe, prefetch, outcomes, True)
-        smallest = [n for n in minimal_failing(tree, outcomes) if _under(n, lead)]
+        smallest = smallest_of[lead]
         mine = [kid + n[len(lead):] for n in smallest]
-        if prefetch is not None and (need := [n for n in mine if n not in outcomes]):
-            prefetch(need)
         for n in mine:
             outcomes[n] = outcomes.get(n) or probe(n)
         if not smallest or any(outcomes[m].cause != outcomes[n].cause for m, n in zip(mine, smallest)):
@@ -252,7 +272,7 @@ def _probe_children(tree: ModuleTree, parents: Sequence[str], probe: Callable[[s
     """Probe the children of `parents` (those in `only`, when given); the failing and skipped ones are returned."""
     kids = [c for p in parents for c in tree.children(p) if only is None or c in only]
     if prefetch is not None:
-        level = [c for c in kids if tree.nodes[c].replayable and c not in outcomes]
+        level = [c for c in kids if tree.nodes[c].replayable and c not in outcomes and not wrapped(tree, c, outcomes)]
         if level:
             prefetch(level)
     nxt: list[str] = []
@@ -262,6 +282,10 @@ def _probe_children(tree: ModuleTree, parents: Sequence[str], probe: Callable[[s
             outcomes[child] = ProbeOutcome(name=child, status="skipped",
                                            message=f"inputs cannot be replayed: {node.why_not}")
             nxt.append(child)  # look through it
+            continue
+        if child not in outcomes and wrapped(tree, child, outcomes):
+            outcomes[child] = ProbeOutcome(name=child, status="skipped", message=LOOKED_THROUGH)
+            nxt.append(child)
             continue
         res = outcomes[child] if child in outcomes and not outcomes[child].inferred_from else probe(child)
         outcomes[child] = res
@@ -299,21 +323,44 @@ def _probe_twins(tree: ModuleTree, twin_of: Mapping[str, str], probe: Callable[[
     return nxt
 
 
+LOOKED_THROUGH = ("not probed alone: it holds nearly all of its parent (its parent's only child with child modules), "
+                  "so its child modules were probed directly; it is probed itself only when none of them fails")
+
+
+def wrapped(tree: ModuleTree, name: str, outcomes: Mapping[str, ProbeOutcome]) -> bool:
+    """`name` is the whole model's only child that has child modules (its `model` beside `lm_head`), or such a
+    child's in turn: probing it alone would compile nearly the whole model again, so the search looks through it
+    (`LOOKED_THROUGH`). Lower down it does not: failing parents are what twin layers are found by. A module below
+    it that fails alone is reported although the wrapper itself never ran alone (were it to pass, or be
+    inconclusive, alone, the plain search would not have looked below it)."""
+    parent = tree.nodes[name].parent
+    if parent is None or not tree.children(name):
+        return False
+    top = parent == tree.root or ((o := outcomes.get(parent)) is not None and o.message == LOOKED_THROUGH)
+    return top and [c for c in tree.children(parent) if tree.children(c)] == [name]
+
+
+def _probe_looked_through(tree: ModuleTree, probe: Probe, outcomes: dict[str, ProbeOutcome]) -> None:
+    """Each looked-through module none of whose descendants fails alone is probed after all, deepest first: then
+    the search's answer is the one probing it in its turn would have given."""
+    for name in reversed([n for n, o in outcomes.items() if o.status == "skipped" and o.message == LOOKED_THROUGH]):
+        if not _fails_below(tree, outcomes, name):
+            outcomes[name] = probe(name)
+
+
+def _fails_below(tree: ModuleTree, outcomes: Mapping[str, ProbeOutcome], name: str) -> bool:
+    for child in tree.children(name):
+        o = outcomes.get(child)
+        if o is not None and (o.failed or (o.status == "skipped" and _fails_below(tree, outcomes, child))):
+            return True
+    return False
+
+
 def minimal_failing(tree: ModuleTree, outcomes: Mapping[str, ProbeOutcome]) -> list[str]:
     """Failing modules none of whose tried descendants (looking through skipped ones) fail alone."""
 
-    def failing_below(name: str) -> bool:
-        for child in tree.children(name):
-            o = outcomes.get(child)
-            if o is None:
-                continue
-            if o.failed:
-                return True
-            if o.status == "skipped" and failing_below(child):
-                return True
-        return False
-
-    return [n for n in tree.nodes if (o := outcomes.get(n)) is not None and o.failed and not failing_below(n)]
+    return [n for n in tree.nodes
+            if (o := outcomes.get(n)) is not None and o.failed and not _fails_below(tree, outcomes, n)]
 
 
 OWN_SUFFIX = "#own"  # outcome name of a module probed with its child modules run eagerly
@@ -400,6 +447,7 @@ def probe_child(payload: dict[str, Any]) -> dict[str, Any]:
     inputs: dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]] = {ROOT: [(root_args, root_kwargs)]}
     timeout_fh = open(plan.timeout_file, "a", encoding="utf-8")
     probed = 0
+    kept: dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]] = {}  # failing modules' inputs, for own-code probes
 
     def prefetch(names: list[str]) -> None:
         need = [n for n in names if n not in known and n not in inputs]
@@ -414,10 +462,19 @@ def probe_child(payload: dict[str, Any]) -> dict[str, Any]:
             raise StopSearch()
         if name not in inputs:
             prefetch([name])
-        outcome = _probe_one(name, model=model, backend=backend, calls=inputs.pop(name, []),
-                             all_calls=plan.all_calls,
+        versions = weight_versions(model)
+        calls = inputs.pop(name, [])
+        seen = [(t, t._version) for t in tensors_in(calls[:1])]
+        outcome = _probe_one(name, model=model, backend=backend, calls=calls, all_calls=plan.all_calls,
                              timeout=max(1.0, min(plan.probe_timeout, plan.deadline_wall - time.time())),
                              timeout_fh=timeout_fh, fd2_file=plan.fd2_file)
+        if outcome.failed and name != ROOT:  # its parent is not a smallest failing module
+            kept.pop(tree.nodes[name].parent or ROOT, None)
+        if outcome.status == "fail" and tree.children(name) and calls and versions_unchanged(seen):
+            kept[name] = calls[:1]  # an own-code candidate, if it stays smallest: no second capture for it
+        if not versions_unchanged(versions):  # the target wrote into the shared weights: the reference's again
+            restore_weights(model, load_model(spec_from_json(ModelSpec, plan.model), seed=plan.seed,
+                                              dtype=plan.dtype).module)
         append_outcome(outcomes_file, outcome)
         known[name] = outcome
         probed += 1
@@ -428,8 +485,9 @@ def probe_child(payload: dict[str, Any]) -> dict[str, Any]:
         if result.complete and not backend.is_eager:  # eager devices name the running module instead
             firsts, _ = twin_plan(tree, own_code_candidates(tree, result.outcomes), result.outcomes)
             own = [n for n in firsts if own_name(n) not in known]  # a twin takes its first's (mode.py)
-            if own and time.time() < plan.deadline_wall:
-                calls = capture_inputs(model, root_args, root_kwargs, own, all_calls=False)
+            calls = {n: kept[n] for n in own if n in kept}
+            if (missing := [n for n in own if n not in calls]) and time.time() < plan.deadline_wall:
+                calls.update(capture_inputs(model, root_args, root_kwargs, missing, all_calls=False))
             for name in own:
                 if time.time() >= plan.deadline_wall:
                     break
@@ -445,14 +503,40 @@ def probe_child(payload: dict[str, Any]) -> dict[str, Any]:
 
 
 def _target_copy(sub: torch.nn.Module, backend: Any) -> torch.nn.Module:
-    """The module the target gets: a copy, so the CPU reference model stays intact for later captures."""
+    """The module the target gets: a copy, so the CPU reference model stays intact for later captures. On a CPU
+    target the copy shares the parameters and buffers (a whole model is not held twice; `versions_unchanged` checks
+    afterwards that the target wrote none of them)."""
     import copy
 
+    memo: dict[int, Any] = {}
+    if str(backend.device) == "cpu":
+        memo = {id(t): t for t in (*sub.parameters(), *sub.buffers())}
     try:
-        sub = copy.deepcopy(sub)
+        sub = copy.deepcopy(sub, memo)
     except Exception:  # an uncopyable module: probe it in place (later captures may then see its changes)
         pass
     return backend.to_device(sub)
+
+
+def weight_versions(model: torch.nn.Module) -> list[tuple[torch.Tensor, int]]:
+    return [(t, t._version) for t in (*model.parameters(), *model.buffers())]
+
+
+def versions_unchanged(versions: Sequence[tuple[torch.Tensor, int]]) -> bool:
+    """No parameter or buffer was written in place since `weight_versions` (torch's version counters)."""
+    return all(t._version == v for t, v in versions)
+
+
+def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+
+
+def restore_weights(model: torch.nn.Module, fresh: torch.nn.Module) -> None:
+    """Every parameter and buffer of `model` (persistent or not) set to `fresh`'s."""
+    new = _weights(fresh)
+    with torch.no_grad():
+        for key, t in _weights(model).items():
+            t.copy_(new[key])
 
 
 def _probe_one(name: str, *, model: torch.nn.Module, backend: Any, calls: list[tuple[tuple[Any, ...], dict[str, Any]]],
