@@ -123,7 +123,7 @@ def backend_child(payload: Mapping[str, Any]) -> dict[str, Any]:
     from ..backends.spec import resolve_backend  # deferred: torch and the backend's plugins, in this child only
     from ..engine.envinfo import cell_stamp, plugin_modules  # deferred: torch, in this child only
     from ..modes.ops.mode import build_probes, choose_level, model_result  # deferred: torch, child only
-    from ..modes.ops.outcome import OpStatus
+    from ..modes.ops.outcome import OpStatus  # deferred: with the ops mode it belongs to, in this child only
     from ..modes.ops.signature import Inventory  # deferred: torch, in this child only
     from ..modes.ops.store import merge_inventories, probe_signatures, store_root  # deferred: torch, child only
     from ..registry import parse_options  # deferred: with the modes it registers, in this child only

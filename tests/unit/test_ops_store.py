@@ -37,7 +37,8 @@ def test_merge_counts_pairs_and_maps_every_use_back_to_its_model_and_site() -> N
 def test_not_run_outcomes_are_not_stored(tmp_path: Path) -> None:
     sig = _sig("aten.exp.default", 3)
     store = ProbeStore(tmp_path, IDENTITY)
-    got = probe_through(store, [sig], lambda b: {s.key: OpOutcome(status=OpStatus.NOT_RUN) for s in b}, remaining=lambda: 10.0)
+    got = probe_through(store, [sig], lambda b: {s.key: OpOutcome(status=OpStatus.NOT_RUN) for s in b},
+                        remaining=lambda: 10.0)
     assert got[sig.key].status is OpStatus.NOT_RUN and store.get(sig.key) is None
 
 
@@ -70,7 +71,8 @@ def test_outcomes_are_typed_inside_and_the_same_wire_rows_on_disk(tmp_path: Path
            "message": "differs", "named_op": None, "named_text": None, "metrics": {"max_abs": 1.0}, "seconds": None,
            "compare": "mismatch", "ran": {"graphs": 1}, "group_mismatch": "in a group of 4"}
     o = OpOutcome.from_row(row)
-    assert o.status is OpStatus.MISMATCH and o.is_finding and o.kind is not None and o.extra == {"group_mismatch": "in a group of 4"}
+    assert o.status is OpStatus.MISMATCH and o.is_finding and o.kind is not None
+    assert o.extra == {"group_mismatch": "in a group of 4"}
     assert o.to_row() == row
     sig = _sig("aten.exp.default", 5)
     store = ProbeStore(tmp_path, IDENTITY)
