@@ -11,8 +11,9 @@ verifications) and the peak RSS of its largest process (`getrusage`). Cases:
   culprit search, one verified repro group.
 * `floor`    — the passes numerics cannot avoid: one float32 and one float64 reference forward, one aot_eager
   forward (compile included, as the mode pays it), and the weights' bytes of both references.
-* `numerics` — the numerics mode on `aot_eager`. Goals: ≤ 4× floor; peak RSS ≤ 1.2× (both references' weights
-  + the largest layer's activations).
+* `numerics` — the numerics mode on `aot_eager`, thresholds derived in the run. Goals: ≤ 4× floor; peak RSS ≤ 1.2×
+  (both references' weights + the largest layer's activations). Its `breakdown` says where the time went (weights
+  check, the thresholds' passes, the target child's start and build, its compile and cumulative view).
 
 Printed: one JSON line per case as it finishes, then a table with the ratios. `uptime` load is printed with it:
 on a shared machine every figure is an upper bound.
@@ -130,8 +131,27 @@ def case_mode(layers: int, mode: str, args: argparse.Namespace) -> dict[str, Any
                    verified_repro_groups=len({f.repro.path for f in res.findings if f.repro and f.repro.verified}),
                    seconds=res.data.get("seconds"))
     else:
-        out["reason"] = res.reason
+        out.update(reason=res.reason, breakdown=_numerics_breakdown(res.data, out["mode_s"]))
     return out
+
+
+def _numerics_breakdown(data: dict[str, Any], mode_s: float) -> dict[str, float]:
+    """Where the numerics mode's time went: the weights check (in the target child since it builds the model
+    anyway), the thresholds (the primary's passes with their dumps, the secondary's cumulative and isolated views,
+    the rest: building the primary and casting the secondary, writing the file), the reference pass, the target
+    child (its cumulative view, compile included; its start and model build are the rest) and what is left."""
+    t = dict(data.get("timings") or {})
+    parts = {"weights_check_s": float((data.get("weights") or {}).get("seconds") or 0.0),
+             **{k: float(t[k]) for k in ("derive_record_s", "derive_cumulative_s", "derive_isolated_s") if k in t}}
+    parts["thresholds_other_s"] = float(t.get("thresholds_s", 0.0)) - sum(
+        parts.get(k, 0.0) for k in ("derive_record_s", "derive_cumulative_s", "derive_isolated_s"))
+    parts.update(reference_s=float(t.get("reference_s", 0.0)), target_cumulative_s=float(t.get("target_cumulative_s", 0.0)),
+                 target_isolated_s=float(t.get("target_isolated_s", 0.0)))
+    in_target = parts["weights_check_s"] if (data.get("weights") or {}).get("in_target_child") else 0.0
+    parts["target_start_and_build_s"] = (float(t.get("target_s", 0.0)) - parts["target_cumulative_s"]
+                                         - parts["target_isolated_s"] - in_target)
+    parts["other_s"] = mode_s - sum(parts.values())
+    return {k: round(v, 2) for k, v in parts.items()}
 
 
 def case_floor(layers: int, args: argparse.Namespace) -> dict[str, Any]:

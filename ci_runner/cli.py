@@ -25,7 +25,7 @@ from .commits.pipeline import BISECT_NAME, bisect_regressions
 from .commits.walk import Budget
 from .engine.envinfo import base_stamp, env_report, format_env, tool_version
 from .errors import DeepviewError, UsageError
-from .run.execute import RunOptions, auto_jobs, available_cores, cell_dir, load_partial, run_cells
+from .run.execute import RunOptions, auto_jobs, available_cores, cell_dir, load_partial, run_cells, run_zoo_cells
 from .fsutil import atomic_write_json, atomic_write_text
 from .github.actions import set_output
 from .github.issues import file_issues, load_diff
@@ -34,6 +34,7 @@ from .history import commands as history_cli
 from .engine.isolate import arm_worker
 from .log import Progress
 from .matrix import expand, expand_json, find_cell, select
+from .numerics.cache import cache_for
 from .numerics.thresholds import load_table
 from .plan import check_output_size, collect_attempts, load_plan, parse_chunk_results, plan_outputs, read_setup_record
 from .results.model import RESULT_NAME, load_results, save_cell_result
@@ -92,9 +93,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     jobs = auto_jobs(cells, cores, args.modes) if cores else int(args.jobs)
     if cores:
         progress.info(f"deepview-ci: --jobs auto: up to {jobs} cell(s) at once on {cores} core(s)")
-    results = run_cells(cells, RunOptions(matrix_path=matrix.path, out_dir=out, jobs=jobs, cores=cores, force=args.force,
-                                          modes=args.modes), progress)
-    report = aggregate([cell_dir(out, r.id) / RESULT_NAME for r in results])  # this run's cells, not stale ones
+    run_opts = RunOptions(matrix_path=matrix.path, out_dir=out, jobs=jobs, cores=cores, force=args.force, modes=args.modes)
+    results = run_cells([c for c in cells if not c.model.zoo], run_opts, progress)
+    results += run_zoo_cells([c for c in cells if c.model.zoo], run_opts, progress)
+    report = aggregate([cell_dir(out, r.id) / RESULT_NAME for r in results],  # this run's cells, not stale ones
+                       run_dirs=[out] if any(c.model.zoo for c in cells) else ())
     written = write_report_dir(report, out / "report", run_dir=out)
     _report_outputs(out / "report", written)
     counts = report.counts()
@@ -116,8 +119,8 @@ def cmd_cell(args: argparse.Namespace) -> int:
     if args.setup_failed:
         return _record_failed_setup(cell, Path(args.setup_failed), Path(args.out))
     progress = Progress(1)
-    [result] = run_cells([cell], RunOptions(matrix_path=matrix.path, out_dir=Path(args.out), force=args.force,
-                                            modes=args.modes), progress)
+    opts = RunOptions(matrix_path=matrix.path, out_dir=Path(args.out), force=args.force, modes=args.modes)
+    [result] = (run_zoo_cells if cell.model.zoo else run_cells)([cell], opts, progress)  # a zoo cell: small config
     return errors.EXIT_OK if result.status in ("pass", "skipped") else errors.EXIT_FINDINGS
 
 
@@ -128,6 +131,16 @@ def _record_failed_setup(cell: "Cell", folder: Path, out: Path) -> int:
     path = save_cell_result(result, cell_dir(out, cell.id) / RESULT_NAME)
     print(f"{cell.id}: error: {result.error.message.splitlines()[0] if result.error else ''}\n  result: {path}")
     return errors.EXIT_FINDINGS
+
+
+def cmd_thresholds_key(args: argparse.Namespace) -> int:
+    matrix = load_matrix(args.matrix)
+    cells = [find_cell(matrix, args.cell)] if args.cell else select(expand(matrix), args.select, args.skip)
+    cache = cache_for(cells, Path(args.out))
+    print(json.dumps(cache.to_json(), indent=1))
+    set_output("thresholds-key", cache.key)
+    set_output("thresholds-dir", "\n".join(str(f) for f in cache.folders))
+    return errors.EXIT_OK
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -419,6 +432,13 @@ def _run_commands(add: AddCommand) -> None:
     sp.add_argument("--setup-failed", default=None, metavar="DIR",
                     help="do not run the cell: record it as `error` because its setup failed; DIR holds command.txt, "
                          "output.log and exit-code (the reusable workflow's setup step writes them)")
+
+    sp = add("thresholds-key", cmd_thresholds_key, "Print the numerics thresholds' folder(s) and cache key (and write "
+             "GITHUB_OUTPUT when set): the key changes with the model, inputs, references, torch and method.")
+    sp.add_argument("matrix", help="matrix YAML file")
+    sp.add_argument("--out", required=True, help="the run's output folder (thresholds default to OUT/thresholds)")
+    sp.add_argument("--cell", default=None, metavar="CELL_ID", help="one cell (what a cell job runs)")
+    _selection(sp)
 
     sp = add("_worker", cmd_worker, None)  # internal: no help, so it is not listed
     sp.add_argument("--matrix", required=True)

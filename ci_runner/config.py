@@ -77,9 +77,13 @@ class ModelSpec:
     task: str = "auto"
     dtype: str = "float32"
     trust_remote_code: bool = False
+    zoo: str | None = None  # "transformers": one architecture of a zoo entry (`config` is its model_type)
+    zoo_entry: str | None = None  # the id of the zoo entry it came from
 
     @property
     def source(self) -> str:
+        if self.zoo:
+            return f"zoo:{self.zoo}/{self.config}"
         if self.config:
             return f"config:{self.config}"
         if self.path:
@@ -289,7 +293,7 @@ def _schema_problems(err: Any, positions: _Positions, source: str) -> list[Schem
         if out:
             return out
     elif err.validator == "oneOf" and path and len(path) >= 2 and path[0] == "models":
-        message = "a model needs exactly one source: one of `config`, `path`, `hub` or `factory`"
+        message = "a model needs exactly one source: one of `config`, `path`, `hub`, `factory` or `zoo`"
         hint = "keep one source key for this model"
     elif err.validator == "const":
         hint = f"use {err.validator_value!r}"
@@ -432,17 +436,7 @@ def _resolve(path: Path, data: dict[str, Any], positions: _Positions) -> Matrix:
     _unique(data["backends"], "backends", source, positions)
     _check_options(data, positions, source)
 
-    models = []
-    for m in data["models"]:
-        kw = {k: v for k, v in m.items() if k in ("id", "config", "hub", "revision", "factory", "task", "dtype", "trust_remote_code")}
-        if "path" in m:
-            if m["path"].startswith("pkg:"):  # a folder inside an installed package, resolved by models.py
-                kw["path"] = m["path"]
-            else:
-                p = Path(os.path.expanduser(m["path"]))
-                kw["path"] = str(p if p.is_absolute() else (base / p).resolve())
-        kw["overrides"] = MappingProxyType(dict(m.get("overrides") or {}))
-        models.append(ModelSpec(**kw))
+    models = _model_specs(data["models"], base, positions, source)
 
     backends = []
     for i, b in enumerate(data["backends"]):
@@ -501,6 +495,56 @@ def _resolve(path: Path, data: dict[str, Any], positions: _Positions) -> Matrix:
         include=tuple(MappingProxyType(dict(s)) for s in data.get("include") or ()),
         raw=MappingProxyType(data),
     )
+
+
+def _model_specs(raw: list[dict[str, Any]], base: Path, positions: _Positions, source: str) -> list[ModelSpec]:
+    """The `models:` entries as specs, zoo entries expanded (one per architecture)."""
+    models: list[ModelSpec] = []
+    for i, m in enumerate(raw):
+        if "zoo" in m or "select" in m or "exclude" in m:
+            models.extend(_zoo_models(m, i, positions, source))
+            continue
+        kw = {k: v for k, v in m.items() if k in ("id", "config", "hub", "revision", "factory", "task", "dtype", "trust_remote_code")}
+        if "path" in m:
+            if m["path"].startswith("pkg:"):  # a folder inside an installed package, resolved by models.py
+                kw["path"] = m["path"]
+            else:
+                p = Path(os.path.expanduser(m["path"]))
+                kw["path"] = str(p if p.is_absolute() else (base / p).resolve())
+        kw["overrides"] = MappingProxyType(dict(m.get("overrides") or {}))
+        models.append(ModelSpec(**kw))
+    _unique_models(models, raw, positions, source)
+    return models
+
+
+def _zoo_models(m: Mapping[str, Any], i: int, positions: _Positions, source: str) -> list[ModelSpec]:
+    """A `zoo:` entry → one model per selected architecture of the installed transformers, named by model_type."""
+    from .zoo.catalog import expand_selection  # deferred: lists transformers' config types
+
+    def place(key: str, j: int) -> str:
+        pos = positions.at(("models", i, key, j), value=True) or positions.at(("models", i, key)) or (0, 0)
+        return f"{source}:{pos[0]}:{pos[1]}: models[{i}].{key}[{j}]"
+
+    if "zoo" not in m:
+        pos = positions.at(("models", i, "select" if "select" in m else "exclude")) or (0, 0)
+        raise ConfigError(f"{source}:{pos[0]}:{pos[1]}: models[{i}]: `select` / `exclude` belong to a zoo entry",
+                          hint="add `zoo: transformers` to this model, or remove select/exclude")
+    types = expand_selection(list(m.get("select") or ()), list(m.get("exclude") or ()), place=place)
+    keep = {k: m[k] for k in ("dtype", "trust_remote_code") if k in m}
+    return [ModelSpec(id=t, config=t, zoo=m["zoo"], zoo_entry=m["id"], **keep) for t in types]
+
+
+def _unique_models(models: list[ModelSpec], raw: list[Mapping[str, Any]], positions: _Positions, source: str) -> None:
+    """An architecture of a zoo entry may not share its id with another model."""
+    seen: dict[str, ModelSpec] = {}
+    for spec in models:
+        other = seen.setdefault(spec.id, spec)
+        if other is not spec:
+            entry = next(i for i, r in enumerate(raw) if r["id"] in (spec.zoo_entry or spec.id, other.zoo_entry))
+            pos = positions.at(("models", entry, "id")) or (0, 0)
+            raise ConfigError(f"{source}:{pos[0]}:{pos[1]}: models: {spec.id!r} is both a model and an architecture "
+                              f"of zoo entry {(spec.zoo_entry or other.zoo_entry)!r}",
+                              hint=f"add {spec.id!r} to the zoo entry's `exclude`, or rename the other model")
 
 
 def _container(value: Any) -> Mapping[str, Any] | None:

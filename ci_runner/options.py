@@ -196,6 +196,11 @@ class OpsOptions:
                            "Dynamo and what fails there)")
     only_ops: tuple[str, ...] = option((), check=strings(hint="fnmatch patterns, e.g. [aten.histc*, transformers.*]"),
                                   shown="[]", help="fnmatch patterns of the ops to probe (empty: all of them)")
+    group_testing: bool = option(True, check=boolean,
+                                 help="compile many probes as one graph and bisect only a group that fails or "
+                                      "mismatches, down to single probes (same findings, fewer compiles); false: "
+                                      "one compile per probe")
+    group_size: int = option(32, check=integer(ge=1), help="probes compiled together in one group")
 
     def tolerance_for(self, dtype: str) -> tuple[float, float]:
         return tuple(self.tolerance.get(dtype, (0.0, 0.0)))  # type: ignore[return-value]

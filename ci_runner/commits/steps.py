@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..engine.failure import tail
 from ..engine.isolate import run_command
 from ..engine.repro import verify_script
 from ..fsutil import atomic_write_json
@@ -93,10 +94,6 @@ class Prepared:
     cached: bool
 
 
-def _tail(text: str, limit: int = LOG_LIMIT) -> str:
-    return text if len(text) <= limit else "…" + text[-limit:]
-
-
 def _run_setup(command: str, *, cwd: Path, env: dict[str, str], timeout: float) -> tuple[bool, str]:
     """One setup command in bash (`isolate.run_command`: own session, killed whole on timeout or Ctrl-C)."""
     r = run_command(["bash", "-c", command], cwd=cwd, env=env, timeout=timeout, merge_stderr=True)
@@ -135,9 +132,9 @@ def prepare(setup: Setup, tree: Path, commit: str) -> Prepared:
         log += text
         if not ok:
             break
-    atomic_write_json(record, {"ok": ok, "log": _tail(log)})
+    atomic_write_json(record, {"ok": ok, "log": tail(log, LOG_LIMIT, marked=True)})
     used = ok and any(prefix.iterdir())
-    return Prepared(ok=ok, prefix=prefix if used else None, log=_tail(log), cached=False)
+    return Prepared(ok=ok, prefix=prefix if used else None, log=tail(log, LOG_LIMIT, marked=True), cached=False)
 
 
 def run_step(setup: Setup, tree: Path, commit: str, repro: Path, expect: Expectation) -> Step:
@@ -146,7 +143,7 @@ def run_step(setup: Setup, tree: Path, commit: str, repro: Path, expect: Expecta
     prep = prepare(setup, tree, commit)
     if not prep.ok:
         return Step(commit=commit, verdict="skip", seconds=time.monotonic() - t0, setup_cached=prep.cached,
-                    log=_tail(f"setup failed: skip\n{prep.log}"))
+                    log=tail(f"setup failed: skip\n{prep.log}", LOG_LIMIT, marked=True))
     env = {"PYTHONPATH": str(prep.prefix)} if prep.prefix else {}
     v = verify_script(repro, expect_text=list(expect.text), expect_error_type=expect.error_type, timeout=setup.timeout,
                       env=env, expect_signal=expect.signal, python=setup.python)
@@ -157,5 +154,5 @@ def run_step(setup: Setup, tree: Path, commit: str, repro: Path, expect: Expecta
     else:
         verdict = "skip"
     log = f"{prep.log}\n--- repro: {verdict} ({v.note})\n{v.output_tail}"
-    return Step(commit=commit, verdict=verdict, seconds=time.monotonic() - t0, log=_tail(log), repro_ran=True,
-                setup_cached=prep.cached)
+    return Step(commit=commit, verdict=verdict, seconds=time.monotonic() - t0, log=tail(log, LOG_LIMIT, marked=True),
+                repro_ran=True, setup_cached=prep.cached)

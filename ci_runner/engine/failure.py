@@ -10,8 +10,8 @@ the same way:
   re-raises some errors unwrapped, so the traceback decides when the type does not;
 * `raised_traceback`: the traceback of the unwrapped error, its innermost frames, which
   `results.rootcause.raised_in` reads to name the frame it was raised in;
-* `first_line`, `headline`, `error_text`: the words shown for a failure (a child's stderr tail:
-  `isolate.file_tail`).
+* `first_line`, `headline`, `error_text`, `tail`: the words shown for a failure (the end of a long text: `tail`;
+  of a child's stderr file: `isolate.file_tail`).
 
 `unwrap` and `compile_frames_in` use the standard library only: the repro templates embed their source
 (`REPRO_SOURCES`), so a repro classifies its failure exactly as the mode that found it.
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 __all__ = ["Failure", "REPRO_FUNCTIONS", "chain", "classify", "compile_frames_in", "error_text", "first_line",
-           "headline", "is_compile_stage", "raised_traceback", "stage_of", "unwrap"]
+           "headline", "tail", "is_compile_stage", "raised_traceback", "stage_of", "unwrap"]
 
 
 def unwrap(exc):  # type: ignore[no-untyped-def]
@@ -130,6 +130,17 @@ def first_line(text: object, limit: int = 300) -> str:
         if line.strip():
             return line.strip()[:limit]
     return ""
+
+
+def tail(text: str, limit: int = 4000, *, marked: bool = False, keep_head: bool = False) -> str:
+    """The last `limit` characters of `text` (all of it when shorter). A cut text starts with "…" when `marked`;
+    with `keep_head` it keeps its first line too, then "…" on a line (faulthandler's "Timeout (0:00:03)!")."""
+    if len(text) <= limit:
+        return text
+    if keep_head:
+        head = text.splitlines()[0][:200] if text.strip() else ""
+        return f"{head}\n…\n{text[-(limit - len(head) - 3):]}"
+    return "…" + text[-limit:] if marked else text[-limit:]
 
 
 def headline(text: str, limit: int = 240) -> str:

@@ -60,6 +60,7 @@ import torch
 from torch import nn
 
 from ..engine.capture import iter_tensors
+from ..engine.codec import dtype_name
 from ..config import choices_hint, raw_entry
 from ..engine.envinfo import cell_stamp
 from ..backends import resolve_backend
@@ -141,10 +142,6 @@ def input_hash(tensors: Mapping[str, torch.Tensor], other: Mapping[str, Any]) ->
         h.update(tensor_bytes(t))
     h.update(json.dumps(dict(other), sort_keys=True, default=str).encode())
     return h.hexdigest()
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 # ============================================================================================ writing
@@ -259,7 +256,7 @@ def _dump_compiled(module: nn.Module, backend: "Backend", kwargs: Mapping[str, A
             "idx": done, "key": key, "name": name, "module_class": classes.get(name, "?"),
             "call_index": int(k) if k else 0, "parent": None, "depth": 0 if not name else name.count(".") + 1,
             "inputs": None, "inputs_error": "compiled target: per-call inputs are not observable",
-            "output": {"opaque": "compiled"}, "compare": {sub: writer.put(t) for sub, t in tensors.items()},
+            "output": {"__opaque__": "compiled"}, "compare": {sub: writer.put(t) for sub, t in tensors.items()},
             "done": done,
         })
         done += 1

@@ -5,10 +5,11 @@ specs of the one call codec, `ci_runner/engine/codec.py`, the keys of its compar
 most `chunk_bytes`; only the current chunk is in memory while writing, and a reader keeps at most two chunk files
 open. Loading uses safetensors and JSON only, never pickle.
 
-Index schema 2 stores a call's inputs as `codec.encode_call` specs (`{"args": {"tuple": …}, "kwargs": {"dict": …}}`,
-keys `tensor`/`value`/`float`); schema 1 (written before the codec was shared) stored `{"args": [spec, …],
-"kwargs": [[name, spec], …]}` with keys `t`/`v`/`f`. The reader reads both (`upgrade_index` turns a schema-1 index
-into schema 2 when it is loaded).
+Index schema 3 stores a call's inputs and output as specs of the one wire format (`codec.encode_call`:
+`{"args": {"__tuple__": […]}, "kwargs": {"__dict__": […]}}`, a tensor `{"__tensor__": {"key": k}}`). Schema 2 wrote
+the codec's earlier dialect (`{"tensor": k}`, `{"value": x}`, `{"tuple": …}`); schema 1 (before the codec was
+shared) stored `{"args": [spec, …], "kwargs": [[name, spec], …]}` with keys `t`/`v`/`f`. The reader reads all
+three: `upgrade_index` turns a schema-1 or schema-2 index into schema 3 when it is loaded.
 """
 
 from __future__ import annotations
@@ -19,19 +20,19 @@ from typing import Any, Mapping
 
 import torch
 
-from ..engine.codec import TensorDedupe, Unstorable, decode_call, decode_value
+from ..engine.codec import TensorDedupe, Unstorable, decode_call, decode_value, upgrade_call_v2, upgrade_v2
 from ..errors import InputError, UsageError
 from ..fsutil import atomic_write_json
 
-DUMP_SCHEMA_VERSION = 2
-READABLE_SCHEMA_VERSIONS = (1, 2)
+DUMP_SCHEMA_VERSION = 3
+READABLE_SCHEMA_VERSIONS = (1, 2, 3)
 INDEX_NAME = "index.json"
 
 _V1_KEYS = {"t": "tensor", "v": "value", "f": "float"}
 
 
 def upgrade_spec(spec: Any) -> Any:
-    """A schema-1 value spec (keys `t`/`v`/`f`) in the codec's keys (`tensor`/`value`/`float`)."""
+    """A schema-1 value spec (keys `t`/`v`/`f`) in schema 2's keys (`tensor`/`value`/`float`)."""
     if not isinstance(spec, dict):
         return spec
     out: dict[str, Any] = {}
@@ -45,18 +46,21 @@ def upgrade_spec(spec: Any) -> Any:
 
 
 def upgrade_index(index: dict[str, Any]) -> dict[str, Any]:
-    """A schema-1 index in schema 2 (see the module docstring); a schema-2 index as it is."""
-    if index.get("schema_version") != 1:
+    """A schema-1 or schema-2 index in schema 3 (see the module docstring); a schema-3 index as it is."""
+    version = index.get("schema_version")
+    if version not in (1, 2):
         return index
     calls = []
     for call in index.get("calls") or []:
         call = dict(call)
         inputs = call.get("inputs")
+        if inputs is not None and version == 1:
+            inputs = {"args": {"tuple": [upgrade_spec(a) for a in inputs["args"]]},
+                      "kwargs": {"dict": [[k, upgrade_spec(v)] for k, v in inputs["kwargs"]]}}
         if inputs is not None:
-            call["inputs"] = {"args": {"tuple": [upgrade_spec(a) for a in inputs["args"]]},
-                              "kwargs": {"dict": [[k, upgrade_spec(v)] for k, v in inputs["kwargs"]]}}
+            call["inputs"] = upgrade_call_v2(inputs)
         if "output" in call:
-            call["output"] = upgrade_spec(call["output"])
+            call["output"] = upgrade_v2(upgrade_spec(call["output"]) if version == 1 else call["output"])
         calls.append(call)
     return {**index, "schema_version": DUMP_SCHEMA_VERSION, "calls": calls}
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..backends import resolve_backend
 from ..config import BackendSpec, ModelSpec, spec_from_json
-from ..fsutil import append_line
+from ..fsutil import append_line, atomic_write_json
 from ..engine.isolate import child_journal
 from ..engine.models import load_model
 from ..options import ThresholdOptions
@@ -28,7 +28,8 @@ from .capture import ResultFn
 from .settings import VIEWS, dynamo_settings
 from .store import DumpReader
 from .thresholds import ThresholdTable, exceeded, load_table
-from .views import cast_tree, run_cumulative_view, run_isolated_view
+from .views import cast_tree, run_cumulative_view, run_isolated_view, short_error
+from .weights import check_value
 
 TARGET_CHILD = "ci_runner.numerics.target:target_child"
 
@@ -50,6 +51,7 @@ class TargetPlan:
     isolated: str = "all"  # "auto": only when the cumulative view flags or fails something (needs `thresholds`)
     thresholds: str | None = None  # the thresholds file, for `isolated: auto`
     threshold_options: Mapping[str, Any] = field(default_factory=dict)
+    weights: Mapping[str, Any] | None = None  # {"out": file, "chunk_mb": …}: the weights check first (`weights_first`)
 
 
 def compare_target(module: nn.Module, backend: Any, plan: TargetPlan, emit: ResultFn,
@@ -130,8 +132,29 @@ def target_child(payload: Mapping[str, Any]) -> dict[str, Any]:
         n += 1
         append_line(out, json.dumps(json_safe(rec), allow_nan=False))
 
+    if plan.weights and not Path(plan.weights["out"]).exists():  # not done, nor crashed in, by an earlier child
+        weights_first(loaded.module, backend, plan.weights)
     compare_target(loaded.module, backend, plan, emit, journal=child_journal)
     return {"records": n}
+
+
+WEIGHTS_ITEM = "weights"  # the journal item of the weights check in the target child
+
+
+def weights_first(module: nn.Module, backend: Any, spec: Mapping[str, Any]) -> None:
+    """The weights check in the target child, before its first forward, on the model it has built anyway (no
+    process and no model build of its own): its `weights.check_value` (or why it could not run) goes to
+    `spec["out"]`. A child that dies in it leaves the journal item `weights` open: the mode records the check
+    as failed and the next child goes on without it."""
+    child_journal("enter-module", WEIGHTS_ITEM)
+    t0 = time.monotonic()
+    try:
+        value: dict[str, Any] = {"status": "ok", **check_value(module, backend, chunk_mb=float(spec.get("chunk_mb", 256.0)))}
+    except Exception as exc:
+        value = {"status": "error", "reason": f"weights check could not run: {short_error(exc)}"}
+    value["seconds"] = round(time.monotonic() - t0, 3)
+    atomic_write_json(Path(spec["out"]), value)
+    child_journal("leave-module", WEIGHTS_ITEM)
 
 
 def json_safe(obj: Any) -> Any:

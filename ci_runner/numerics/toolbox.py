@@ -20,7 +20,7 @@ from .bisect import bisect_cell
 from .dumps import INDEX_NAME, DumpInputsMismatch, input_hash, load_dump, split_inputs
 from .settings import CellContext
 from .thresholds import ThresholdTable
-from .weights import check_cell as weights_check_cell
+from .weights import cell_outcome as weights_cell_outcome, check_cell as weights_check_cell, needs_round_trip
 
 
 def reference_dumps(ctx: CellContext, tb: ToolboxOptions) -> tuple[list[Path], list[int]]:
@@ -73,16 +73,42 @@ class ToolboxRun:
     notes: list[str] = field(default_factory=list)
 
 
+def weights_in_target(ctx: CellContext, tb: ToolboxOptions, *, isolate: bool = True) -> bool:
+    """Whether the weights check runs in the numerics target child, before its forward (`target.weights_first`):
+    wanted, isolated, and a backend that transfers or compiles the weights. That child builds the model anyway;
+    a check of its own would cost another process and another build of the model."""
+    return tb.weights_check and isolate and needs_round_trip(ctx.backend)
+
+
 def before_numerics(ctx: CellContext, tb: ToolboxOptions, *, isolate: bool = True) -> ToolboxRun:
-    """The weights check (when `weights_check`), run before any forward comparison."""
-    out = ToolboxRun()
-    if not tb.weights_check:
-        return out
+    """The weights check (when `weights_check`), run before any forward comparison; nothing when it runs in the
+    target child instead (`weights_in_target`, read back with `weights_from_target`)."""
+    if not tb.weights_check or weights_in_target(ctx, tb, isolate=isolate):
+        return ToolboxRun()
     t0 = time.monotonic()
     findings, data = weights_check_cell(ctx, isolate=isolate)
     data["seconds"] = round(time.monotonic() - t0, 3)
-    out.findings.extend(findings)
-    out.data["weights"] = data
+    return _weights_run(findings, data)
+
+
+def weights_from_target(ctx: CellContext, path: Path) -> ToolboxRun:
+    """The weights check the target child ran before its forward, from the file it wrote (`path`)."""
+    try:
+        value = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        value = {"status": "error", "reason": "weights check did not run: the target child ended before it"}
+    if value.get("status") == "ok":
+        findings, data = weights_cell_outcome(ctx, value)
+    else:
+        findings, data = [], {k: value[k] for k in ("status", "reason", "stderr_tail") if k in value}
+    if "seconds" in value:
+        data["seconds"] = value["seconds"]
+    data["in_target_child"] = True  # its seconds are part of the target's
+    return _weights_run(findings, data)
+
+
+def _weights_run(findings: list[Finding], data: dict[str, Any]) -> ToolboxRun:
+    out = ToolboxRun(findings=list(findings), data={"weights": data})
     if findings:
         out.notes.append(f"weights check: {len(findings)} tensor(s) differ after the round trip to the target; "
                          f"divergence below may come from them, not from the forward")
@@ -118,4 +144,5 @@ def after_numerics(ctx: CellContext, tb: ToolboxOptions, *, table: ThresholdTabl
 
 
 
-__all__ = ["ToolboxRun", "after_numerics", "before_numerics", "reference_dumps"]
+__all__ = ["ToolboxRun", "after_numerics", "before_numerics", "reference_dumps", "weights_from_target",
+           "weights_in_target"]

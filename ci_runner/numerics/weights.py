@@ -252,16 +252,36 @@ def findings_for(report: WeightsReport, *, backend_id: str, model_id: str,
 
 # --------------------------------------------------------------------------------------------- in a cell
 
+def needs_round_trip(backend: Any) -> bool:
+    """Whether the backend transfers or compiles the weights (an eager CPU backend does neither)."""
+    return not (getattr(backend, "is_eager", True) and getattr(backend, "device", "cpu") == "cpu")
+
+
+def check_value(module: nn.Module, backend: "Backend", *, chunk_mb: float = 256.0) -> dict[str, Any]:
+    """`check_weights` as JSON data, with the module classes its findings name: what a child process returns (this
+    check's own child, or the numerics target child, which runs it before its forward: `target.TargetPlan.weights`)."""
+    report = check_weights(module, backend, chunk_mb=chunk_mb)
+    return {"report": clean(report.to_json()), "classes": {n: type(m).__name__ for n, m in module.named_modules()}}
+
+
 def weights_child(payload: Mapping[str, Any]) -> dict[str, Any]:
     """Entry point of the isolated child (`run_isolated("ci_runner.numerics.weights:weights_child", …)`)."""
 
     backend = resolve_backend(spec_from_json(BackendSpec, payload["backend"]))
     loaded = load_model(spec_from_json(ModelSpec, payload["model"]), seed=int(payload["seed"]),
                         dtype=payload["dtype"], device="cpu")
-    report = check_weights(loaded.module, backend, chunk_mb=float(payload.get("chunk_mb", 256.0)))
+    return check_value(loaded.module, backend, chunk_mb=float(payload.get("chunk_mb", 256.0)))
 
-    return {"report": clean(report.to_json()),
-            "classes": {n: type(m).__name__ for n, m in loaded.module.named_modules()}}
+
+def cell_outcome(ctx: CellContext, value: Mapping[str, Any]) -> tuple[list[Finding], dict[str, Any]]:
+    """(findings, data for the mode's result) from a `check_value` result."""
+    report = WeightsReport.from_json(value["report"])
+    classes = value.get("classes") or {}
+    findings = findings_for(report, backend_id=ctx.cell.backend.id, model_id=ctx.cell.model.id, module_classes=classes)
+    data = {"status": "mismatch" if report.mismatched else "ok", **report.summary()}
+    if len(report.mismatched) > len(findings):
+        data["findings_truncated"] = len(report.mismatched) - len(findings)
+    return findings, data
 
 
 def check_cell(ctx: CellContext, *, isolate: bool = True, chunk_mb: float = 256.0) -> tuple[list[Finding], dict[str, Any]]:
@@ -272,7 +292,7 @@ def check_cell(ctx: CellContext, *, isolate: bool = True, chunk_mb: float = 256.
     """
     backend = ctx.backend
     primary = ctx.cell.references[0]
-    if getattr(backend, "is_eager", True) and getattr(backend, "device", "cpu") == "cpu":
+    if not needs_round_trip(backend):
         return [], {"status": "skipped", "reason": "eager CPU backend: the weights are not transferred"}
     if isolate:
         payload = {"model": spec_to_json(ctx.cell.model), "backend": spec_to_json(ctx.cell.backend),
@@ -282,22 +302,15 @@ def check_cell(ctx: CellContext, *, isolate: bool = True, chunk_mb: float = 256.
                            env=dict(ctx.cell.backend.env))
         if res.status != "ok":
             return [], {"status": "error", **res.failure("weights check")}
-        report = WeightsReport.from_json(res.value["report"])
-        classes = res.value.get("classes") or {}
-    else:
-        loaded = load_model(ctx.cell.model, seed=ctx.cell.inputs.seed, dtype=primary.dtype, device="cpu")
-        try:
-            report = check_weights(loaded.module, backend, chunk_mb=chunk_mb)
-        except Exception as exc:
-            return [], {"status": "error", "reason": f"weights check could not run: {type(exc).__name__}: "
-                                                     f"{str(exc).splitlines()[0] if str(exc) else ''}"}
-        classes = {n: type(m).__name__ for n, m in loaded.module.named_modules()}
-    findings = findings_for(report, backend_id=ctx.cell.backend.id, model_id=ctx.cell.model.id, module_classes=classes)
-    data = {"status": "mismatch" if report.mismatched else "ok", **report.summary()}
-    if len(report.mismatched) > len(findings):
-        data["findings_truncated"] = len(report.mismatched) - len(findings)
-    return findings, data
+        return cell_outcome(ctx, res.value)
+    loaded = load_model(ctx.cell.model, seed=ctx.cell.inputs.seed, dtype=primary.dtype, device="cpu")
+    try:
+        value = check_value(loaded.module, backend, chunk_mb=chunk_mb)
+    except Exception as exc:
+        return [], {"status": "error", "reason": f"weights check could not run: {type(exc).__name__}: "
+                                                 f"{str(exc).splitlines()[0] if str(exc) else ''}"}
+    return cell_outcome(ctx, value)
 
 
-__all__ = ["TensorCheck", "WeightsReport", "check_cell", "check_tensor", "check_weights", "findings_for",
-           "named_tensors", "weights_child"]
+__all__ = ["TensorCheck", "WeightsReport", "cell_outcome", "check_cell", "check_tensor", "check_value", "check_weights",
+           "findings_for", "named_tensors", "needs_round_trip", "weights_child"]

@@ -27,6 +27,7 @@ from ..results.model import Results
 from .junit import xml_safe
 from ..engine.failure import headline
 from .trendcharts import trends_html
+from ..zoo.report import zoo_view
 from .view import CellView, LayerPoint, NumericsView, ReportView, build_view, cos_distance, fmt_num, icon
 
 # Big runs stay light: past these budgets, findings and per-layer numbers go into one JSON block
@@ -360,6 +361,6 @@ def render_html(
     # as escaping every value, far faster than a filter on each).
     return xml_safe(_ENV.get_template("report.html.j2").render(
         v=v, diff=v.diff, charts=charts, blocks=blocks, lazy=lazy, data=data, max_chart_cells=MAX_CHART_CELLS,
-        max_divergent=MAX_DIVERGENT_ROWS, anchor=_anchor,
+        max_divergent=MAX_DIVERGENT_ROWS, anchor=_anchor, zoo=zoo_view(results.zoo) if results.zoo else None,
         trends_html=Markup(trends_html(trends)) if trends is not None and trends.dates else None,
     ))

@@ -23,6 +23,7 @@ from ..results.model import Results
 from .junit import junit_counts, xml_safe
 from ..engine.failure import headline
 from .trendcharts import burndown_line
+from ..zoo.report import zoo_view
 from .view import ReportView, build_view, cos_distance, fmt_num, icon
 
 # The file stays this far under GitHub's limit, so that appending it after a few lines another
@@ -153,6 +154,7 @@ def render_summary(
     budget = limit + 256 * 1024
     for chunk in _ENV.get_template("summary.md.j2").generate(
         v=v, max_rows=MAX_ROWS, max_details=MAX_DETAILS_FINDINGS, diff=v.diff, junit=junit_counts(v), trends=trends,
+        zoo=zoo_view(results.zoo) if results.zoo else None,
     ):
         chunks.append(chunk)
         size += len(chunk)

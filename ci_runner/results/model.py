@@ -251,6 +251,7 @@ class Results:
     ranking: list[dict[str, Any]] = field(default_factory=list)  # failing ops ranked by models blocked
     patterns: list[dict[str, Any]] = field(default_factory=list)  # cross-model layer-class patterns
     root_causes: list[dict[str, Any]] = field(default_factory=list)  # findings grouped by error signature
+    zoo: dict[str, Any] | None = None  # the zoo scan (zoo/report.zoo_section), when the run had zoo models
 
     def cell(self, cell_id: str) -> CellResult | None:
         return next((c for c in self.cells if c.id == cell_id), None)
@@ -273,6 +274,7 @@ class Results:
             "ranking": clean(self.ranking),
             "patterns": clean(self.patterns),
             "root_causes": clean(self.root_causes),
+            **({"zoo": clean(self.zoo)} if self.zoo is not None else {}),
         }
 
     @classmethod
@@ -284,6 +286,7 @@ class Results:
             ranking=list(data.get("ranking") or []),
             patterns=list(data.get("patterns") or []),
             root_causes=list(data.get("root_causes") or []),
+            zoo=dict(data["zoo"]) if data.get("zoo") is not None else None,
         )
 
 

@@ -14,6 +14,7 @@ from ..report import write_reports
 from ..plan import NO_RESULT, SETUP_RECORD, TAIL_CHARS, Evidence, PlannedCell, apply_plan, read_setup_record
 from ..registry import SECTION_OPS, FindingKind, kinds_in
 from ..results.rootcause import cause_row, root_causes, shared_causes, signature
+from ..zoo.report import zoo_section
 from ..results.model import (JOURNAL_NAME, PARTIAL_NAME, RESULT_NAME, STDERR_NAME, CellError, CellResult, ModeResult,
                              Results, iter_findings, load_cell_result, read_json, save_results)
 
@@ -99,9 +100,19 @@ def layer_patterns(results: Results) -> list[dict[str, object]]:
     return out
 
 
+def zoo_records(run_dirs: Sequence[Path]) -> list[dict[str, Any]]:
+    """The per-backend zoo records (`<run>/zoo/<backend>.json`, written by `zoo/run.py`) under `run_dirs`."""
+    out = []
+    for d in run_dirs:
+        for p in sorted((Path(d) / "zoo").glob("*.json")):
+            out.append(read_json(p, what="zoo record"))
+    return out
+
+
 def aggregate(paths: Sequence[Path], *, plan: Sequence[PlannedCell] | None = None,
-              chunk_results: Mapping[int, str] | None = None) -> Results:
-    """Merge the cell results under `paths`; with a `plan`, a planned cell without a result is an `error` cell."""
+              chunk_results: Mapping[int, str] | None = None, run_dirs: Sequence[Path] | None = None) -> Results:
+    """Merge the cell results under `paths`; with a `plan`, a planned cell without a result is an `error` cell.
+    The zoo section comes from the zoo records under `run_dirs` (default: the folders among `paths`)."""
     files = find_cell_results(paths, missing_ok=plan is not None)
     cells = merge((p, load_cell_result(p)) for p in files)
     if plan is not None:
@@ -111,6 +122,9 @@ def aggregate(paths: Sequence[Path], *, plan: Sequence[PlannedCell] | None = Non
     results.ranking = op_ranking(results)
     results.patterns = layer_patterns(results)
     results.root_causes = root_causes(results)  # also puts details.signature on every finding
+    records = zoo_records(run_dirs if run_dirs is not None else [p for p in paths if Path(p).is_dir()])
+    if records:
+        results.zoo = zoo_section(records)
     return results
 
 

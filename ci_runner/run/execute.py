@@ -230,6 +230,10 @@ def run_cells(cells: Sequence[Cell], opts: RunOptions, progress: Progress | None
             progress.cell_reused(c.id, prior.status)
         else:
             todo.append(c)
+    if opts.force:  # a forced run probes again: the probe stores earlier runs left for these backends go
+        from ..modes.ops.store import clear_stores  # deferred: the ops engine imports torch
+
+        clear_stores(opts.out_dir, {c.backend.id for c in todo})
 
     def work(c: Cell) -> CellResult:
         need = cell_workers(c, opts.cores, opts.modes) if opts.cores else 0
@@ -265,3 +269,17 @@ def run_cells(cells: Sequence[Cell], opts: RunOptions, progress: Progress | None
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
     return [results[c.id] for c in cells]
+
+
+def run_zoo_cells(cells: Sequence[Cell], opts: RunOptions, progress: Progress | None = None) -> list[CellResult]:
+    """The zoo cells (`ModelSpec.zoo`): one inventory scan, one probe per signature and backend (`zoo/run.py`);
+    reused when every one of them already has a result (unless --force)."""
+    if not cells:
+        return []
+    prior = {c.id: existing_result(opts.out_dir, c.id) for c in cells} if not opts.force else {}
+    if prior and all(prior.values()):
+        return [r for r in prior.values() if r is not None]
+    from ..zoo.run import run_zoo  # deferred: the zoo imports the transformers catalog
+
+    return run_zoo(cells, matrix_path=opts.matrix_path, out_dir=opts.out_dir, jobs=max(1, opts.jobs),
+                   force=opts.force, progress=progress)

@@ -171,6 +171,13 @@ def test_the_contract_catches_a_lower_layer_importing_a_higher_one(tmp_path: Pat
     assert "ci_runner.errors -> ci_runner.cli" in proc.stdout
 
 
+def test_the_registry_imports_no_torch() -> None:
+    """Matrix loading and the mode registry stay light: no torch (a fresh interpreter tells)."""
+    code = "import sys, ci_runner.registry, ci_runner.config, ci_runner.modes; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
 def test_no_import_cycles() -> None:
     found = cycles(_package_edges(all_imports()))
     assert not found, f"import cycles: {found}"
@@ -290,9 +297,9 @@ def _marks(decorators: list[ast.expr]) -> set[str]:
     return {m for m in ("slow", "subprocess") if f"mark.{m}" in text}
 
 
-def unmarked_spawning_tests(path: Path) -> list[str]:
-    """Tests in `path` that start a child process (directly, or through a helper of the same file) without a
-    `slow` or `subprocess` mark (on the test or on the module's `pytestmark`)."""
+def unmarked_spawning_tests(path: Path, exempt: tuple[str, ...] = ("slow", "subprocess")) -> list[str]:
+    """Tests in `path` that start a child process (directly, or through a helper or fixture of the same file) without
+    one of the `exempt` marks (on the test or on the module's `pytestmark`)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     module_marks: set[str] = set()
     for node in tree.body:
@@ -306,24 +313,34 @@ def unmarked_spawning_tests(path: Path) -> list[str]:
                 or any(a.arg == "cli" for a in fn.args.args):
             return True
         called = {n.func.id for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+        called |= {a.arg for a in fn.args.args}  # a fixture of the same file runs before the test
         return any(spawns(funcs[c], seen | {c}) for c in called if c in funcs and c not in seen)
 
     return [f"{path.name}::{name}" for name, fn in funcs.items()
-            if name.startswith("test_") and not (module_marks | _marks(fn.decorator_list)) and spawns(fn, {name})]
+            if name.startswith("test_") and not (module_marks | _marks(fn.decorator_list)) & set(exempt)
+            and spawns(fn, {name})]
 
 
-def test_unit_tests_that_start_processes_are_marked() -> None:
-    """`tests/unit` is for tests in this process; one that starts a child says so (`subprocess` or `slow`)."""
-    bad = [t for p in sorted((ROOT / "tests" / "unit").glob("test_*.py")) for t in unmarked_spawning_tests(p)]
-    assert not bad, f"unit tests that start child processes without @pytest.mark.subprocess (or slow): {bad}"
+def test_unit_tests_start_no_process() -> None:
+    """`tests/unit` is for tests in this process; a test that starts a child (git, the command line, the child
+    engine, a second process) is in `tests/integration`, marked `subprocess`. The one exception is a `slow` end-to-end
+    run of a script a unit generates (the ops and layers repros), kept beside that unit's rendering tests."""
+    unit = sorted((ROOT / "tests" / "unit").glob("test_*.py"))
+    bad = [t for p in unit for t in unmarked_spawning_tests(p, exempt=("slow",))]
+    assert not bad, f"unit tests that start child processes (move them to tests/integration): {bad}"
+    marked = [p.name for p in unit if "mark.subprocess" in p.read_text(encoding="utf-8")]
+    assert not marked, f"subprocess-marked tests in tests/unit (they belong in tests/integration): {marked}"
 
 
 def test_the_spawn_check_sees_a_helper(tmp_path: Path) -> None:
     path = tmp_path / "test_x.py"
     path.write_text("import subprocess\nimport pytest\n\ndef _go():\n    subprocess.run(['true'])\n\n"
                     "def test_a():\n    _go()\n\n@pytest.mark.subprocess\ndef test_b():\n    _go()\n\n"
-                    "def test_c():\n    pass\n", encoding="utf-8")
-    assert unmarked_spawning_tests(path) == ["test_x.py::test_a"]
+                    "def test_c():\n    pass\n\n@pytest.fixture\ndef repo():\n    _go()\n\n"
+                    "def test_d(repo):\n    pass\n", encoding="utf-8")
+    assert unmarked_spawning_tests(path) == ["test_x.py::test_a", "test_x.py::test_d"]
+    assert unmarked_spawning_tests(path, exempt=("slow",)) == ["test_x.py::test_a", "test_x.py::test_b",
+                                                                 "test_x.py::test_d"]
 
 
 # --------------------------------------------------------------------------- the README's tree

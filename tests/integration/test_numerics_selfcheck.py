@@ -15,58 +15,45 @@ from ci_runner.matrix import expand
 from ci_runner.modes import ModeContext
 from ci_runner.modes.numerics.mode import run
 from ci_runner.results.model import ModeResult
+from tests.fixtures.matrices import REFERENCES, matrix_text
 
-MATRIX = """
-version: 1
-defaults:
-  inputs: {batch: 1, seq_len: 8, samples: 1, seed: 0}
-references:
-  - {id: cpu-fp32, device: cpu, dtype: float32}
-  - {id: cpu-fp64, device: cpu, dtype: float64}
-models:
-  # CNN whose basic layer changes its BatchNorm's output in place (hidden_state += residual)
-  - id: tiny-resnet
-    config: resnet
-    overrides: {embedding_size: 8, hidden_sizes: [8, 16], depths: [1, 1], layer_type: basic, image_size: 32,
-                num_labels: 10}
-  # MoE with grouped-mm experts (no float64 kernel), a shared expert and histc routing
-  - id: tiny-qwen2moe
-    config: qwen2_moe
-    overrides: {hidden_size: 32, intermediate_size: 64, moe_intermediate_size: 32, shared_expert_intermediate_size: 32,
-                num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 128, num_experts: 4,
-                num_experts_per_tok: 2, max_position_embeddings: 64}
-  - id: tiny-mixtral
-    config: mixtral
-    overrides: {hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, num_attention_heads: 4,
-                num_key_value_heads: 2, vocab_size: 128, max_position_embeddings: 64, num_local_experts: 4,
-                num_experts_per_tok: 2}
-  # hybrid: a Mamba-2 mixer layer, then attention
-  - id: tiny-bamba
-    config: bamba
-    overrides: {hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4,
-                num_key_value_heads: 2, vocab_size: 128, max_position_embeddings: 64, attn_layer_indices: [1],
-                mamba_n_heads: 4, mamba_d_head: 16, mamba_d_state: 16, mamba_n_groups: 1, mamba_chunk_size: 8}
-  # encoder
-  - id: tiny-bert
-    config: bert
-    overrides: {hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4,
-                vocab_size: 128, max_position_embeddings: 64}
-  - id: tiny-vit
-    config: vit
-    overrides: {hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, num_attention_heads: 4,
-                image_size: 16, patch_size: 8, num_labels: 10}
-  - id: tiny-llava
-    config: llava
-    overrides:
-      image_token_index: 127
-      vision_config: {model_type: clip_vision_model, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1,
-                      num_attention_heads: 4, image_size: 16, patch_size: 8, projection_dim: 32}
-      text_config: {model_type: llama, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1,
-                    num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 128, max_position_embeddings: 64}
-backends:
-  - {id: aot_eager, compile: aot_eager}
-  - {id: turbine, compile: turbine_cpu}
-"""
+_SMALL = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "vocab_size": 128}
+MATRIX = matrix_text(
+    inputs={"batch": 1, "seq_len": 8, "samples": 1, "seed": 0}, references=REFERENCES,
+    models=[
+        # CNN whose basic layer changes its BatchNorm's output in place (hidden_state += residual)
+        {"id": "tiny-resnet", "config": "resnet",
+         "overrides": {"embedding_size": 8, "hidden_sizes": [8, 16], "depths": [1, 1], "layer_type": "basic",
+                       "image_size": 32, "num_labels": 10}},
+        # MoE with grouped-mm experts (no float64 kernel), a shared expert and histc routing
+        {"id": "tiny-qwen2moe", "config": "qwen2_moe",
+         "overrides": {**_SMALL, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+                       "num_hidden_layers": 2, "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2,
+                       "max_position_embeddings": 64}},
+        {"id": "tiny-mixtral", "config": "mixtral",
+         "overrides": {**_SMALL, "num_hidden_layers": 1, "num_key_value_heads": 2, "max_position_embeddings": 64,
+                       "num_local_experts": 4, "num_experts_per_tok": 2}},
+        # hybrid: a Mamba-2 mixer layer, then attention
+        {"id": "tiny-bamba", "config": "bamba",
+         "overrides": {**_SMALL, "num_hidden_layers": 2, "num_key_value_heads": 2, "max_position_embeddings": 64,
+                       "attn_layer_indices": [1], "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 16,
+                       "mamba_n_groups": 1, "mamba_chunk_size": 8}},
+        # encoder
+        {"id": "tiny-bert", "config": "bert",
+         "overrides": {**_SMALL, "num_hidden_layers": 2, "max_position_embeddings": 64}},
+        {"id": "tiny-vit", "config": "vit",
+         "overrides": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+                       "image_size": 16, "patch_size": 8, "num_labels": 10}},
+        {"id": "tiny-llava", "config": "llava",
+         "overrides": {"image_token_index": 127,
+                       "vision_config": {"model_type": "clip_vision_model", "hidden_size": 32,
+                                         "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+                                         "image_size": 16, "patch_size": 8, "projection_dim": 32},
+                       "text_config": {"model_type": "llama", **_SMALL, "num_hidden_layers": 1,
+                                       "num_key_value_heads": 2, "max_position_embeddings": 64}}},
+    ],
+    backends=[{"id": "aot_eager", "compile": "aot_eager"}, {"id": "turbine", "compile": "turbine_cpu"}],
+)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ two causes, not four missing operators.
 
 from __future__ import annotations
 
-import textwrap
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from ci_runner.config import load_matrix_text
 from ci_runner.matrix import expand
 from ci_runner.results.model import Results, iter_findings
 from ci_runner.results.rootcause import root_causes
+from tests.fixtures.matrices import TINY_DECODER, matrix_text
 from ci_runner.run.aggregate import op_ranking
 from ci_runner.run.cellrun import run_cell_inprocess
 
@@ -27,25 +27,14 @@ pytestmark = pytest.mark.slow  # a real compiler on 2 shared cores: a few minute
 pytest.importorskip("openvino")
 
 PROBED = ("aten.view.default", "aten.slice.Tensor", "aten.neg.default", "aten.cat.default")
-MATRIX = textwrap.dedent("""\
-    version: 1
-    defaults:
-      modes: [ops, layers]
-      timeout: 900
-      inputs: {batch: 1, seq_len: 16, samples: 1, seed: 0}
-      options:
-        ops: {only_ops: ["aten.view.default", "aten.slice.Tensor", "aten.neg.default", "aten.cat.default"],
-              max_signatures_per_op: 4, workers: 1, verify: false}
-        layers: {repro: false, culprit: false, verify: false}
-    models:
-      - id: tiny-mixtral
-        config: mixtral
-        overrides: {hidden_size: 64, intermediate_size: 128, num_hidden_layers: 1, num_attention_heads: 4,
-                    num_key_value_heads: 2, vocab_size: 128, max_position_embeddings: 128, num_local_experts: 4,
-                    num_experts_per_tok: 2}
-    backends:
-      - {id: openvino, compile: openvino}  # default options: no README recipe
-    """)
+MATRIX = matrix_text(
+    modes=["ops", "layers"], timeout=900, inputs={"batch": 1, "seq_len": 16, "samples": 1, "seed": 0},
+    options={"ops": {"only_ops": list(PROBED), "max_signatures_per_op": 4, "workers": 1, "verify": False},
+             "layers": {"repro": False, "culprit": False, "verify": False}},
+    models=[{"id": "tiny-mixtral", "config": "mixtral",
+             "overrides": {**TINY_DECODER, "num_hidden_layers": 1, "num_local_experts": 4, "num_experts_per_tok": 2}}],
+    backends=[{"id": "openvino", "compile": "openvino"}],  # default options: no README recipe
+)
 
 
 @pytest.fixture(scope="module")

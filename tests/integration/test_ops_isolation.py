@@ -11,14 +11,14 @@ import torch
 
 from ci_runner.config import BackendSpec
 from ci_runner.modes.ops.probe import ProbeRunner, with_ranges
-from ci_runner.modes.ops.signature import encode_value
+from ci_runner.engine.codec import encode_arg
 from ci_runner.registry import parse_options
 
 pytestmark = pytest.mark.slow
 
 
 def _probe(i: int, op: str, *args: Any) -> dict[str, Any]:
-    a, k = with_ranges(op, [encode_value(x) for x in args], {})
+    a, k = with_ranges(op, [encode_arg(x) for x in args], {})
     return {"id": f"p{i:04d}", "op": op, "key": f"{op}#{i}", "args": a, "kwargs": k, "seed": i, "tolerance": [1e-4, 1e-5]}
 
 
@@ -35,20 +35,23 @@ PROBES = [_probe(0, "aten.mul.Tensor", X, X), _probe(1, "aten.softplus.default",
           _probe(3, "aten.add.Tensor", X, X)]
 
 
-@pytest.mark.parametrize("kind,signal", [("sim-abort", "SIGABRT"), ("sim-segv", "SIGSEGV")])
-def test_a_hard_crash_costs_one_probe(tmp_path: Path, kind: str, signal: str) -> None:
+@pytest.mark.parametrize("kind,signal,group", [("sim-abort", "SIGABRT", False), ("sim-segv", "SIGSEGV", False),
+                                               ("sim-segv", "SIGSEGV", True)])
+def test_a_hard_crash_costs_one_probe(tmp_path: Path, kind: str, signal: str, group: bool) -> None:
     spec = BackendSpec(id=kind, compile=kind, backend_options=MappingProxyType({"op": "softplus"}))
-    out, events = _run(tmp_path, spec, PROBES)
+    out, events = _run(tmp_path, spec, PROBES, group_testing=group)
     assert [out[p["id"]]["status"] for p in PROBES] == ["pass", "crashed", "pass", "pass"]
     crash = out["p0001"]
     assert crash["error_type"] == signal and crash["stage"] == "run"
     assert f"[{kind}]" in crash["message"] and crash["named_op"] == "aten.softplus.default"
-    assert events.count("enter-probe-batch") == 2  # one restart, with the remaining probes
+    # one restart with the remaining probes; with groups, one more: the crashed group's members then go alone
+    assert events.count("enter-probe-batch") == (3 if group else 2)
 
 
-def test_a_hang_costs_one_probe_timeout(tmp_path: Path) -> None:
+@pytest.mark.parametrize("group", [False, True])
+def test_a_hang_costs_one_probe_timeout(tmp_path: Path, group: bool) -> None:
     spec = BackendSpec(id="sim-hang", compile="sim-hang", backend_options=MappingProxyType({"op": "exp"}))
-    out, _ = _run(tmp_path, spec, PROBES, probe_timeout=4)
+    out, _ = _run(tmp_path, spec, PROBES, probe_timeout=4, group_testing=group)
     assert [out[p["id"]]["status"] for p in PROBES] == ["pass", "pass", "timeout", "pass"]
     hang = out["p0002"]
     assert hang["error_type"] == "Timeout" and "within 4s" in hang["message"]

@@ -18,47 +18,36 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tests.fixtures.matrices import TINY_DECODER, matrix_text
 from tests.fixtures.paths import ROOT
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("openvino")
 pytest.importorskip("iree.turbine")
 
-MATRIX = """
-version: 1
-defaults:
-  modes: [ops]
-  timeout: 600
-  inputs: {batch: 1, seq_len: 16, samples: 1, seed: 0}
-models:
-  - id: tiny-mixtral
-    config: mixtral
-    overrides: {hidden_size: 64, intermediate_size: 128, num_hidden_layers: 1, num_attention_heads: 4,
-                num_key_value_heads: 2, vocab_size: 128, max_position_embeddings: 128, num_local_experts: 4,
-                num_experts_per_tok: 2}
-  - id: tiny-llama
-    config: llama
-    overrides: {hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, num_attention_heads: 4,
-                num_key_value_heads: 2, vocab_size: 128}
-  - id: tiny-vit
-    config: vit
-    overrides: {hidden_size: 64, intermediate_size: 128, num_hidden_layers: 1, num_attention_heads: 4,
-                image_size: 32, patch_size: 8, num_labels: 10}
-backends:
-  - id: iree
-    compile: turbine_cpu
-    device: cpu
-    options: {ops: {only_ops: ["aten.histc*", "transformers.*", "aten._scaled_dot*", "aten.sort*", "aten.topk*",
-                               "aten.mm*", "aten.rsqrt*"], workers: 1}}
-  - id: ov
-    compile: openvino
-    device: cpu
-    options: {ops: {only_ops: ["aten.convolution*", "aten.gelu*"], max_signatures_per_op: 2, workers: 1}}
-exclude:
-  - {model: tiny-vit, backend: iree}
-  - {model: tiny-mixtral, backend: ov}
-  - {model: tiny-llama, backend: ov}
-"""
+MATRIX = matrix_text(
+    modes=["ops"], timeout=600, inputs={"batch": 1, "seq_len": 16, "samples": 1, "seed": 0},
+    models=[
+        {"id": "tiny-mixtral", "config": "mixtral",
+         "overrides": {**TINY_DECODER, "num_hidden_layers": 1, "num_local_experts": 4, "num_experts_per_tok": 2}},
+        {"id": "tiny-llama", "config": "llama",
+         "overrides": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+                       "num_key_value_heads": 2, "vocab_size": 128}},
+        {"id": "tiny-vit", "config": "vit",
+         "overrides": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+                       "image_size": 32, "patch_size": 8, "num_labels": 10}},
+    ],
+    backends=[
+        {"id": "iree", "compile": "turbine_cpu", "device": "cpu",
+         "options": {"ops": {"only_ops": ["aten.histc*", "transformers.*", "aten._scaled_dot*", "aten.sort*",
+                                          "aten.topk*", "aten.mm*", "aten.rsqrt*"], "workers": 1}}},
+        {"id": "ov", "compile": "openvino", "device": "cpu",
+         "options": {"ops": {"only_ops": ["aten.convolution*", "aten.gelu*"], "max_signatures_per_op": 2,
+                             "workers": 1}}},
+    ],
+    exclude=[{"model": "tiny-vit", "backend": "iree"}, {"model": "tiny-mixtral", "backend": "ov"},
+             {"model": "tiny-llama", "backend": "ov"}],
+)
 
 
 @pytest.fixture(scope="module")

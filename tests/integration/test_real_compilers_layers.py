@@ -10,7 +10,6 @@ legalize `aten.histc` ("JIT compilation failed. See diagnostics.").
 
 from __future__ import annotations
 
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -23,32 +22,29 @@ from ci_runner.matrix import expand
 from ci_runner.engine.models import load_model
 from ci_runner.results.model import CellResult, ModeResult, Results, iter_findings, validate
 from ci_runner.results.rootcause import root_causes
+from tests.fixtures.matrices import TINY_DECODER, matrix_text
 
 pytestmark = pytest.mark.slow  # real compilers on 2 shared cores: about one to three minutes each
 
 # tiny LLaVA as in ci_runner/data/example.yaml, one layer per tower (the search then takes ~2 minutes, not ~5)
-MATRIX = textwrap.dedent("""\
-    version: 1
-    defaults:
-      modes: [layers]
-      timeout: 900
-      inputs: {batch: 1, seq_len: 8, samples: 1, seed: 0}
-      options: {layers: {probe_timeout: 120}}
-    models:
-      - id: tiny-llava
-        config: llava
-        overrides:
-          image_token_index: 127
-          vision_config: {model_type: clip_vision_model, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1,
-                          num_attention_heads: 4, image_size: 32, patch_size: 8, projection_dim: 32}
-          text_config: {model_type: llama, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 1,
-                        num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 128, max_position_embeddings: 128}
-      - {id: router, factory: "tests.fixtures.real_compilers_models:router"}
-    backends:
-      # `testing` makes OpenVINO compile single-node graphs too; without `aot_autograd` it takes its default path
-      - {id: openvino, compile: openvino, compile_options: {options: {testing: true}}}
-      - {id: iree, compile: turbine_cpu}
-    """)
+MATRIX = matrix_text(
+    modes=["layers"], timeout=900, inputs={"batch": 1, "seq_len": 8, "samples": 1, "seed": 0},
+    options={"layers": {"probe_timeout": 120}},
+    models=[
+        {"id": "tiny-llava", "config": "llava",
+         "overrides": {"image_token_index": 127,
+                       "vision_config": {"model_type": "clip_vision_model", "hidden_size": 32,
+                                         "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+                                         "image_size": 32, "patch_size": 8, "projection_dim": 32},
+                       "text_config": {"model_type": "llama", **TINY_DECODER, "num_hidden_layers": 1}}},
+        {"id": "router", "factory": "tests.fixtures.real_compilers_models:router"},
+    ],
+    backends=[
+        # `testing` makes OpenVINO compile single-node graphs too; without `aot_autograd` it takes its default path
+        {"id": "openvino", "compile": "openvino", "compile_options": {"options": {"testing": True}}},
+        {"id": "iree", "compile": "turbine_cpu"},
+    ],
+)
 
 
 def _run(tmp_path: Path, model: str, backend: str) -> tuple[CellResult, ModeResult, Any]:

@@ -8,6 +8,7 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,6 +20,7 @@ from ci_runner.registry import SECTION_OTHER, KindSpec, ModeSpec, mode_names, mo
 from ci_runner.results.baseline import Baseline, diff
 from ci_runner.run.aggregate import aggregate, write_report_dir
 from ci_runner.run.cellrun import run_cell_inprocess, write_final
+from tests.fixtures.matrices import matrix_text
 
 TOY_MODULE = '''
 from dataclasses import dataclass
@@ -41,13 +43,10 @@ def run(ctx):
     return ModeResult(status="fail", findings=findings, data={"parts": opts.count})
 '''
 
-MATRIX = """version: 1
-defaults:
-  modes: [toy]
-  options: {toy: {count: COUNT}}
-models: [{id: tiny, config: llama}]
-backends: [{id: eager, device: cpu}]
-"""
+def toy_matrix(**toy: Any) -> str:
+    """One cell running the toy mode alone, with `toy` as its options."""
+    return matrix_text(modes=["toy"], options={"toy": toy}, models=[{"id": "tiny", "config": "llama"}],
+                       backends=[{"id": "eager", "device": "cpu"}])
 
 
 @pytest.fixture
@@ -72,14 +71,14 @@ def toy_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ModeSp
 def test_an_unregistered_mode_is_refused_by_the_schema() -> None:
     assert "toy" not in mode_names()
     with pytest.raises(ConfigError, match="toy"):
-        load_matrix_text(MATRIX.replace("COUNT", "2"))
+        load_matrix_text(toy_matrix(count=2))
 
 
 def test_a_toy_mode_registered_alone_is_accepted_run_reported_and_grouped(toy_mode: ModeSpec, tmp_path: Path) -> None:
     assert mode_names() == ("ops", "layers", "numerics", "toy")
     with pytest.raises(ConfigError, match="did you mean 'count'"):  # its options are checked at load, like any mode's
-        load_matrix_text(MATRIX.replace("count: COUNT", "cont: 2"))
-    (cell,) = expand(load_matrix_text(MATRIX.replace("COUNT", "2")))
+        load_matrix_text(toy_matrix(cont=2))
+    (cell,) = expand(load_matrix_text(toy_matrix(count=2)))
     assert cell.modes == ("toy",)
 
     cell_dir = tmp_path / "run" / "cells" / cell.id

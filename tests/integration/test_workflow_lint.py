@@ -291,16 +291,18 @@ def test_the_plan_covers_the_chunks_the_workflow_runs(tmp_path, monkeypatch):
     """A 1024-cell matrix fills exactly the chunks the plan job declares; one more cell fails the plan loudly."""
     from ci_runner import cli
 
-    models = "\n".join(f"  - {{id: m{i}, config: llama}}" for i in range(256))
-    text = f"version: 1\nmodels:\n{models}\nbackends: [{{id: a}}, {{id: b}}, {{id: c}}, {{id: d}}]\n"
-    (tmp_path / "m.yaml").write_text(text)
+    from tests.fixtures.matrices import matrix_text
+
+    models = [{"id": f"m{i}", "config": "llama"} for i in range(256)]
+    backends = [{"id": b} for b in "abcd"]
+    (tmp_path / "m.yaml").write_text(matrix_text(models=models, backends=backends))
     out = tmp_path / "out"
     monkeypatch.setenv("GITHUB_OUTPUT", str(out))
     assert cli.main(["expand", str(tmp_path / "m.yaml"), "--max-jobs", "1024"]) == 0
     lines = read_github_output(out)
     assert lines["chunks"] == str(MAX_CHUNKS) and json.loads(lines["chunk-ids"]) == list(range(MAX_CHUNKS))
     assert f"matrix-{MAX_CHUNKS - 1}" in lines and f"matrix-{MAX_CHUNKS}" not in lines
-    (tmp_path / "m.yaml").write_text(text.replace("models:\n", "models:\n  - {id: one-more, config: llama}\n"))
+    (tmp_path / "m.yaml").write_text(matrix_text(models=[{"id": "one-more", "config": "llama"}, *models], backends=backends))
     assert cli.main(["expand", str(tmp_path / "m.yaml"), "--max-jobs", "1024"]) == 2  # 1028 cells: refused
 
 

@@ -21,6 +21,7 @@ import yaml
 
 from ci_runner import cli
 from ci_runner.results.model import load_results
+from tests.fixtures.matrices import matrix_text
 from tests.fixtures.paths import ROOT
 
 WORKFLOW = ROOT / ".github" / "workflows" / "deepview.yml"
@@ -59,11 +60,12 @@ def bare_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_failed_setup_is_recorded_without_deepview_ci_and_reads_as_error(tmp_path: Path, bare_python: Path) -> None:
     setup = step(CELLS, "cell", "setup")
     assert setup["env"]["DEEPVIEW_SETUP"] == "${{ fromJSON(inputs.backends)[matrix.b].setup }}"
-    (tmp_path / "m.yaml").write_text(
-        "version: 1\ndefaults: {modes: [ops, layers]}\nmodels: [{id: tiny, config: llama}]\nbackends:\n"
-        "  - id: acme\n    compile: 'acme_compiler:compile_fn'\n    runs-on: [self-hosted, acme-card]\n"
-        "    python: python\n    setup:\n      - echo building > built.txt\n"
-        "      - python -c 'import ci_runner' && echo never-printed\n      - touch third.txt\n")
+    (tmp_path / "m.yaml").write_text(matrix_text(
+        modes=["ops", "layers"], models=[{"id": "tiny", "config": "llama"}],
+        backends=[{"id": "acme", "compile": "acme_compiler:compile_fn", "runs-on": ["self-hosted", "acme-card"],
+                   "python": "python", "setup": ["echo building > built.txt",
+                                                 "python -c 'import ci_runner' && echo never-printed",
+                                                 "touch third.txt"]}]))
     plan = tmp_path / "plan.json"
     assert cli.main(["expand", str(tmp_path / "m.yaml"), "--out", str(plan)]) == 0
     [table] = json.loads(plan.read_text())["backends"]
@@ -162,8 +164,9 @@ def test_a_failed_install_of_deepview_ci_is_recorded_by_the_shell_and_fails_the_
                           cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     plan = tmp_path / "plan.json"
-    (tmp_path / "m.yaml").write_text("version: 1\nmodels: [{id: tiny, config: llama}]\n"
-                                     "backends: [{id: acme, runs-on: [self-hosted, acme], python: python3}]\n")
+    (tmp_path / "m.yaml").write_text(matrix_text(
+        models=[{"id": "tiny", "config": "llama"}],
+        backends=[{"id": "acme", "runs-on": ["self-hosted", "acme"], "python": "python3"}]))
     assert cli.main(["expand", str(tmp_path / "m.yaml"), "--out", str(plan)]) == 0
     assert cli.main(["aggregate", str(tmp_path / "deepview-run"), "--out", str(tmp_path / "report"), "--plan", str(plan)]) == 0
     [cell] = load_results(tmp_path / "report" / "results.json").cells

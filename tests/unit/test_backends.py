@@ -20,6 +20,7 @@ from ci_runner.backends import (
 from ci_runner.config import BackendSpec, load_matrix_text
 from ci_runner.errors import BackendError
 from ci_runner.engine.torchcompat import available, skip_reason
+from tests.fixtures.matrices import matrix_text
 from tests.fixtures.paths import ROOT
 
 
@@ -175,12 +176,11 @@ def test_available_backends_lists_compilers_sims_and_devices() -> None:
 
 
 def test_matrix_backend_entries_resolve() -> None:
-    m = load_matrix_text(
-        "version: 1\nmodels: [{id: m, config: llama}]\nbackends:\n"
-        "  - {id: a, compile: aot_eager, compile_options: {fullgraph: true}}\n"
-        "  - {id: s, compile: sim-drift, backend_options: {op: [rsqrt], dtype: float16}}\n"
-        "  - {id: p, compile: 'tests.fixtures.plugin_compiler:make', backend_options: {tag: m}, env: {X_FLAG: 1}}\n"
-    )
+    m = load_matrix_text(matrix_text(models=[{"id": "m", "config": "llama"}], backends=[
+        {"id": "a", "compile": "aot_eager", "compile_options": {"fullgraph": True}},
+        {"id": "s", "compile": "sim-drift", "backend_options": {"op": ["rsqrt"], "dtype": "float16"}},
+        {"id": "p", "compile": "tests.fixtures.plugin_compiler:make", "backend_options": {"tag": "m"},
+         "env": {"X_FLAG": 1}}]))
     for spec in m.backends:
         b = resolve_backend(spec)
         torch.testing.assert_close(b.compile(f)(X), f(X), atol=1e-2, rtol=1e-2)

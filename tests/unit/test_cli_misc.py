@@ -9,6 +9,7 @@ import pytest
 
 from ci_runner.cli import main
 from ci_runner.log import OutputStyle, Progress
+from tests.fixtures.matrices import matrix_text
 
 
 def test_env_lists_versions_devices_and_the_sim_backends(capsys: pytest.CaptureFixture[str]) -> None:
@@ -100,10 +101,9 @@ def test_auto_jobs_is_cores_over_a_cells_own_workers() -> None:
     from ci_runner.run.execute import auto_jobs, cell_workers
     from ci_runner.matrix import expand
 
-    matrix = load_matrix_text(
-        "version: 1\nmodels:\n  - {id: tiny, hub: x/y}\n"
-        "backends:\n  - {id: a, compile: inductor, modes: [ops]}\n  - {id: b, compile: inductor, modes: [numerics]}\n"
-        "  - {id: c, compile: inductor, modes: [ops, layers], options: {ops: {workers: 3}}}\n")
+    matrix = load_matrix_text(matrix_text(models=[{"id": "tiny", "hub": "x/y"}], backends=[
+        {"id": "a", "compile": "inductor", "modes": ["ops"]}, {"id": "b", "compile": "inductor", "modes": ["numerics"]},
+        {"id": "c", "compile": "inductor", "modes": ["ops", "layers"], "options": {"ops": {"workers": 3}}}]))
     cells = {c.backend.id: c for c in expand(matrix)}
     assert [cell_workers(cells[b], 2) for b in "abc"] == [2, 1, 2]  # capped at the cores there are
     assert [cell_workers(cells[b], 8) for b in "abc"] == [2, 1, 3]

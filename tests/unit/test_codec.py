@@ -1,4 +1,5 @@
-"""The one call codec (`ci_runner.engine.codec`): round trips, the strict policy the layers mode needs, dedupe."""
+"""The one wire format (`ci_runner.engine.codec`): call round trips, the strict policy the layers mode needs, dedupe,
+op-signature specs (their JSON is a signature's identity: a golden key), source, specs of the earlier dialect."""
 
 from __future__ import annotations
 
@@ -18,9 +19,16 @@ from ci_runner.engine.codec import (
     check_value,
     decode_call,
     decode_value,
+    describe_value,
+    encode_arg,
     encode_call,
     encode_value,
+    source_of,
+    tensor_specs,
+    upgrade_call_v2,
 )
+from ci_runner.modes.ops.probe import probe_seed
+from ci_runner.modes.ops.signature import signature_key
 
 Pair = collections.namedtuple("Pair", "a b")
 
@@ -79,8 +87,8 @@ def test_lenient_policy_keeps_model_outputs_caches_namedtuples_and_marks_opaque(
     assert back["c"] is None and back[3] == "int key"
     with pytest.raises(Unstorable, match="object"):
         encode_value(object(), put)
-    assert encode_value(object(), put, opaque=True) == {"opaque": "object"}
-    assert decode_value({"opaque": "object"}, store) is None
+    assert encode_value(object(), put, opaque=True) == {"__opaque__": "object"}
+    assert decode_value({"__opaque__": "object"}, store) is None
 
 
 def test_dedupe_finds_live_unchanged_views_only() -> None:
@@ -112,3 +120,59 @@ def test_saved_store_loads_back(tmp_path: Path) -> None:
     store.save(tmp_path / "in.safetensors")
     a, _ = decode_call(spec, load_file(str(tmp_path / "in.safetensors")))
     assert torch.equal(a[0], x) and torch.equal(a[1], x[:, 1:])
+
+
+# An op signature's key feeds its probe's seed, finding fingerprints and repro names: this one was written by the
+# op-signature encoder before the codec and the op signatures shared one format, and must never change.
+GOLDEN_KEY = ('["aten.x.default",[{"__tensor__":{"dtype":"float32","shape":[3,2],"stride":[1,3]}},[1,2],'
+              '{"__tuple__":[3,null]},1.5,{"__float__":"-inf"},{"__dtype__":"float16"},{"__device__":"cpu"},'
+              '{"__layout__":"strided"},{"__memory_format__":"contiguous_format"},{"__slice__":[0,null,2]},'
+              '{"__ellipsis__":true},{"__tuple__":[4]},true,"mean",{"__opaque__":"<class \'object\'>"}],'
+              '{"dim":-1,"out":{"__tensor__":{"dtype":"int64","shape":[0],"stride":[1]}}},{"outputs":[0]}]')
+
+
+def test_op_signature_specs_and_key_are_unchanged() -> None:
+    values = (torch.empty(2, 3).t(), [1, 2], (3, None), 1.5, float("-inf"), torch.float16, torch.device("cpu"),
+              torch.strided, torch.contiguous_format, slice(0, None, 2), Ellipsis, torch.Size([4]), True, "mean", object)
+    args = [encode_arg(v) for v in values]
+    kwargs = {"dim": encode_arg(-1), "out": encode_arg(torch.empty(0, dtype=torch.int64))}
+    key = signature_key("aten.x.default", args, kwargs, [0])
+    assert key == GOLDEN_KEY and probe_seed(key) == 314335644
+    assert describe_value(args[0]) == "f32[3, 2]{stride=(1, 3)}" and describe_value(args[9]) == "0::2"
+
+
+def test_described_tensors_decode_in_order_on_the_given_device() -> None:
+    """A probe's call: the specs' tensors come from an iterator, in `tensor_specs` order; devices become its own."""
+    args = [encode_arg(v) for v in (torch.ones(2), (torch.zeros(3), torch.device("meta")), [torch.float16, 2])]
+    assert [s["shape"] for s in tensor_specs(args)] == [[2], [3]]
+    made = [torch.full(tuple(s["shape"]), float(i)) for i, s in enumerate(tensor_specs(args))]
+    a, (b, dev), c = decode_value(args, made, device="cpu")
+    assert a is made[0] and b is made[1] and dev == torch.device("cpu") and c == [torch.float16, 2]
+    with pytest.raises(ValueError, match="in order"):
+        decode_value(args[0], {"k": torch.ones(2)})
+
+
+def test_source_of_writes_what_decode_rebuilds() -> None:
+    store = TensorStore()
+    value = (torch.ones(2), [1, None, float("nan")], {"d": torch.float16}, slice(1, None), Ellipsis, torch.Size([2]))
+    spec = encode_value(value, store)
+    text = source_of(spec, lambda body: f"T[{body['key']!r}]", device="DEV")
+    back = eval(text, {"torch": torch, "T": store.tensors, "DEV": torch.device("cpu")})  # noqa: S307 - our own text
+    want = decode_value(spec, store.tensors)
+    assert torch.equal(back[0], want[0]) and back[2:] == want[2:] and back[1][:2] == [1, None]
+    assert math.isnan(back[1][2])
+
+
+def test_specs_of_the_earlier_dialect_upgrade_to_the_same_values() -> None:
+    """Dump schema 2 wrote `{"tensor": k}`, `{"value": x}`, `{"tuple": …}`, …: `upgrade_v2` reads them."""
+    old = {"args": {"tuple": [{"tensor": "t0", "stride": [1, 2], "requires_grad": False}, {"value": 2},
+                              {"float": "inf"}, {"size": [2]}, {"slice": [1, None, None]}]},
+           "kwargs": {"dict": [["p", {"namedtuple": "Pair", "fields": ["a", "b"], "tuple": [{"value": None},
+                                                                                          {"list": [{"dtype": "int8"}]}]}],
+                               ["c", {"value": None, "cache": "DynamicCache"}], ["o", {"opaque": "Foo"}],
+                               ["dev", {"device": "cpu"}]]}}
+    x = torch.arange(4.0).reshape(2, 2)
+    a, k = decode_call(upgrade_call_v2(old), {"t0": x})
+    assert torch.equal(a[0], x) and a[0].stride() == (1, 2) and a[1:4] == (2, math.inf, torch.Size([2]))
+    assert a[4] == slice(1, None) and k["p"]._fields == ("a", "b") and k["p"].b == [torch.int8]
+    assert k["c"] is None and k["o"] is None and k["dev"] == torch.device("cpu")

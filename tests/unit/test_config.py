@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 
 from ci_runner.config import DEFAULT_REFERENCES, load_matrix, load_matrix_text
 from ci_runner.errors import ConfigError
-from tests.fixtures.cli import run_cli
 
 pytestmark = pytest.mark.oldtorch  # the old-torch subset (tests/fixtures/oldtorch.py)
 
@@ -133,56 +132,6 @@ def test_arbitrary_mappings_yield_a_matrix_or_a_config_error(data: dict) -> None
         load_matrix_text(text)
     except ConfigError:
         pass
-
-
-def _expand_error(tmp_path: Path, text: str) -> str:
-    import subprocess
-    import sys
-
-    path = tmp_path / "matrix.yaml"
-    path.write_text(textwrap.dedent(text))
-    proc = run_cli("expand", str(path), timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr
-    return proc.stderr
-
-
-@pytest.mark.subprocess
-def test_a_misspelt_required_key_is_named_with_its_suggestion(tmp_path: Path) -> None:
-    err = _expand_error(tmp_path, """\
-        version: 1
-        models:
-          - id: tiny
-            hub: sshleifer/tiny-gpt2
-        backendz:
-          - id: inductor
-        """)
-    assert "matrix.yaml:5:1: backendz: unknown key 'backendz'" in err
-    assert "did you mean 'backends'?" in err
-    assert "required property" not in err  # the unknown key explains it; no second, misleading error
-
-
-@pytest.mark.subprocess
-def test_every_schema_error_is_listed_at_once_unknown_required_key_first(tmp_path: Path) -> None:
-    err = _expand_error(tmp_path, """\
-        version: 1
-        models:
-          - id: tiny
-            hub: sshleifer/tiny-gpt2
-            timout: 3
-          - id: other
-            hub: x/y
-            dtype: float99
-        backendz:
-          - id: inductor
-        """)
-    lines = [ln.strip() for ln in err.splitlines() if "matrix.yaml:" in ln and ": " in ln.strip()[1:]]
-    assert "3 problems in the matrix" in err
-    placed = [ln for ln in lines if ln.split(": ")[0].count(":") == 2]
-    assert len(placed) == 3, err
-    assert placed[0].endswith("backendz: unknown key 'backendz'")
-    assert ":5:5: models[0].timout: unknown key 'timout'" in placed[1] and "did you mean 'timeout'" in err
-    assert ":8:" in placed[2] and "models[1].dtype" in placed[2]
 
 
 def test_at_most_ten_problems_are_listed(tmp_path: Path) -> None:

@@ -68,3 +68,13 @@ def test_repro_scripts_embed_the_classifier_itself() -> None:
 
     assert namespace["stage_of"](Unsupported("x")) == "trace"  # type: ignore[operator]
     assert "ci_runner" not in FAILURE_SOURCE
+
+
+def test_tail_keeps_the_end_marked_or_with_its_head_line() -> None:
+    """The one text tail (a step's log, a probe's traceback): a short text whole, a long one cut at the front."""
+    text = "Timeout (0:00:03)!\n" + "".join(f"frame {i}\n" for i in range(100))
+    assert failure.tail("short", 10) == "short" and failure.tail(text, len(text)) == text
+    assert failure.tail(text, 20) == text[-20:]
+    assert failure.tail(text, 20, marked=True) == "…" + text[-20:]
+    kept = failure.tail(text, 60, keep_head=True)
+    assert kept.startswith("Timeout (0:00:03)!\n…\n") and kept.endswith("frame 99\n") and len(kept) == 60

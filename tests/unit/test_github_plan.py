@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -12,29 +13,27 @@ from ci_runner import cli
 from ci_runner.matrix import artifact_name
 from ci_runner.plan import OUTPUT_LIMIT_UNITS, collect_attempts, utf16_units
 from ci_runner.results.model import CellResult, ModeResult, load_results, save_cell_result
+from tests.fixtures.matrices import matrix_text
 
-HEAVY_BACKEND = """\
-  - id: {id}
-    compile: "acme_compiler:compile_fn"
-    runs-on: [self-hosted, acme-card, {id}]
-    container:
-      image: ghcr.io/acme/pytorch@sha256:4f1c6a0b9e8d7c6b5a4f3e2d1c0b9a8f7e6d5c4b3a2f1e0d9c8b7a6f5e4d3c2b
-      options: --device=/dev/acme0 --shm-size=16g --ulimit memlock=-1 --cap-add SYS_PTRACE
-      env: {{ACME_VISIBLE_DEVICES: "0", ACME_LOG_LEVEL: warning, HF_HUB_OFFLINE: "1"}}
-    python: /opt/acme/venv/bin/python
-    artifacts: [acme-compiler-wheel, acme-runtime-libs]
-    setup:
-      - pip install --no-deps acme-compiler-wheel/*.whl acme-runtime-libs/*.whl
-      - python -c "import acme_compiler; print(acme_compiler.__version__)"
-      - acme-smi --check --device 0 --expect-firmware 4.2
-"""
+HEAVY_BACKEND: dict[str, Any] = {  # a vendor's backend as it is really written: runner labels, container, setup
+    "compile": "acme_compiler:compile_fn",
+    "container": {"image": "ghcr.io/acme/pytorch@sha256:4f1c6a0b9e8d7c6b5a4f3e2d1c0b9a8f7e6d5c4b3a2f1e0d9c8b7a6f5e4d3c2b",
+                  "options": "--device=/dev/acme0 --shm-size=16g --ulimit memlock=-1 --cap-add SYS_PTRACE",
+                  "env": {"ACME_VISIBLE_DEVICES": "0", "ACME_LOG_LEVEL": "warning", "HF_HUB_OFFLINE": "1"}},
+    "python": "/opt/acme/venv/bin/python",
+    "artifacts": ["acme-compiler-wheel", "acme-runtime-libs"],
+    "setup": ["pip install --no-deps acme-compiler-wheel/*.whl acme-runtime-libs/*.whl",
+              'python -c "import acme_compiler; print(acme_compiler.__version__)"',
+              "acme-smi --check --device 0 --expect-firmware 4.2"],
+}
 
 
 def heavy_matrix(n_models: int, n_backends: int = 4, *, model_id: str = "vendor-model-{i:04d}",
                  backend_id: str = "acme-npu-{j}") -> str:
-    models = "\n".join(f"  - {{id: {model_id.format(i=i)}, factory: 'pkg.models:m{i}'}}" for i in range(n_models))
-    backends = "".join(HEAVY_BACKEND.format(id=backend_id.format(j=j)) for j in range(n_backends))
-    return f"version: 1\ndefaults: {{modes: [ops, layers, numerics]}}\nmodels:\n{models}\nbackends:\n{backends}"
+    ids = [backend_id.format(j=j) for j in range(n_backends)]
+    return matrix_text(modes=["ops", "layers", "numerics"],
+                       models=[{"id": model_id.format(i=i), "factory": f"pkg.models:m{i}"} for i in range(n_models)],
+                       backends=[{"id": b, **HEAVY_BACKEND, "runs-on": ["self-hosted", "acme-card", b]} for b in ids])
 
 
 def test_1024_heavy_cells_write_at_most_450000_characters_to_github_output(tmp_path: Path,
@@ -98,8 +97,8 @@ def test_collect_keeps_each_cells_newest_attempt(tmp_path: Path) -> None:
 
 
 def _plan(tmp_path: Path) -> Path:
-    (tmp_path / "m.yaml").write_text("version: 1\ndefaults: {modes: [ops, layers]}\nmodels: [{id: a, config: llama}]\n"
-                                     "backends: [{id: x, compile: inductor}, {id: y, compile: inductor}, {id: z, compile: inductor}]\n")
+    (tmp_path / "m.yaml").write_text(matrix_text(modes=["ops", "layers"], models=[{"id": "a", "config": "llama"}],
+                                                 backends=[{"id": b, "compile": "inductor"} for b in "xyz"]))
     plan = tmp_path / "plan.json"
     assert cli.main(["expand", str(tmp_path / "m.yaml"), "--out", str(plan)]) == 0
     return plan

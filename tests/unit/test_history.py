@@ -1,10 +1,10 @@
-"""The run history (issue 20): sixty scripted nights, flaky versus drifting, proposals, bad files, two writers."""
+"""The run history (issue 20): sixty scripted nights, flaky versus drifting, proposals, bad files (two writers at
+once: `tests/integration/test_history_git.py`)."""
 
 from __future__ import annotations
 
 import gzip
 import json
-import multiprocessing as mp
 import re
 import shutil
 import sqlite3
@@ -299,32 +299,6 @@ def test_aggregate_with_history_reads_but_never_writes(nights: dict[int, Path], 
     assert {p.name: p.read_bytes() for p in store.rglob("*") if p.is_file()} == before
     text = (tmp_path / "rep" / "summary.md").read_text(encoding="utf-8")
     assert f"failing since {date_of(20)} (12 nights" in text  # tonight (31) counted, not stored
-
-
-# --------------------------------------------------------------------------- two writers
-
-
-def _writer(store: str, first: int, barrier: Any) -> None:
-    barrier.wait()
-    for night in range(first, first + 6):
-        add_run(Path(store), night_results(night), meta_of(night))
-
-
-@pytest.mark.subprocess
-def test_two_processes_adding_at_once_lose_no_run(tmp_path: Path) -> None:
-    ctx = mp.get_context("fork")
-    barrier = ctx.Barrier(2)
-    procs = [ctx.Process(target=_writer, args=(str(tmp_path / "h"), first, barrier)) for first in (1, 31)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
-    assert [p.exitcode for p in procs] == [0, 0]
-    h = load_history(tmp_path / "h")
-    ids = sorted(r.run_id for r in h.runs)
-    h.close()
-    assert ids == sorted(f"night-{n:02d}" for n in [*range(1, 7), *range(31, 37)])
-    assert not list((tmp_path / "h" / "runs").glob("*.json.gz")), "every record file was folded"
 
 
 def test_adding_the_same_run_twice_keeps_one(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -16,7 +16,8 @@ from ci_runner.modes.ops.inventory import (
     source_from_stack_trace,
     take_inventory,
 )
-from ci_runner.modes.ops.signature import Inventory, describe_value, encode_value
+from ci_runner.engine.codec import describe_value, encode_arg
+from ci_runner.modes.ops.signature import Inventory
 from tests.fixtures.oldtorch import differs_on_oldest
 
 pytestmark = pytest.mark.oldtorch  # the old-torch subset (tests/fixtures/oldtorch.py)
@@ -90,7 +91,7 @@ def _aot_ops(model: nn.Module, *args: torch.Tensor, reset: Callable[[], None]) -
 
 def test_encode_tags_every_kind_of_argument() -> None:
     t = torch.empty(2, 3).t()
-    enc = encode_value([t, 2, 1.5, float("inf"), None, torch.float16, torch.device("cpu"), torch.strided,
+    enc = encode_arg([t, 2, 1.5, float("inf"), None, torch.float16, torch.device("cpu"), torch.strided,
                         torch.contiguous_format, slice(1, None), Ellipsis, (1, 2), "mean", True])
     assert enc[0] == {"__tensor__": {"shape": [3, 2], "stride": [1, 3], "dtype": "float32"}}
     assert enc[1:5] == [2, 1.5, {"__float__": "inf"}, None]

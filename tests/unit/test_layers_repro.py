@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ci_runner.config import BackendSpec
-from ci_runner.engine.codec import TensorStore
+from ci_runner.engine.codec import TensorStore, decode_call
 from ci_runner.modes.layers.search import encode_call
 from ci_runner.backends import plugin_pythonpath
 from ci_runner.modes.layers.mode import _plugin_modules, template_backend
@@ -54,6 +54,28 @@ def test_templates_render_valid_python_for_every_backend_kind(spec: BackendSpec)
         assert "# Found:    fail at run: RuntimeError: boom" in text  # the message stays in its comment line
     factory = {"kind": "factory", "factory": "pkg.mod:build", "seed": 0, "overrides": {"width": 8}, "dtype": "float32"}
     compile(render_template("repro_layer_source.py.j2", **_ctx(spec, call, source=factory)), "f", "exec")
+
+
+def test_repro_decoder_rebuilds_what_the_codec_does() -> None:
+    """The decoder pasted into every layer repro (`_repro_layer_common.py.j2`, standalone: torch only) reads the
+    wire format as `codec.decode_call` does, for every value the layers mode stores (its strict policy)."""
+    import ast
+
+    x = torch.arange(6.0).reshape(2, 3)
+    store = TensorStore()
+    call = encode_call((x.t(), 2, -1.5, float("inf"), None, "s", True, [x, (x[0],)]),
+                       {"dtype": torch.bfloat16, "dev": torch.device("cpu"), "size": torch.Size([3]), "e": Ellipsis,
+                        "layout": torch.strided, "fmt": torch.channels_last, "d": {"k": [1, x]}}, store)
+    text = render_template("repro_layer.py.j2", **_ctx(SPECS[0], call))
+    rebuild = next(n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef) and n.name == "rebuild")
+    scope: dict[str, Any] = {"torch": torch}
+    exec(compile(ast.Module(body=[rebuild], type_ignores=[]), "repro.py", "exec"), scope)  # noqa: S102
+    got = (scope["rebuild"](call["args"], store.tensors), scope["rebuild"](call["kwargs"], store.tensors))
+    want = decode_call(call, store.tensors)
+    assert torch.equal(got[0][0], want[0][0]) and got[0][0].stride() == want[0][0].stride() == (1, 3)
+    assert got[0][1:7] == want[0][1:7] and torch.equal(got[0][7][1][0], x[0])
+    assert {k: v for k, v in got[1].items() if k != "d"} == {k: v for k, v in want[1].items() if k != "d"}
+    assert got[1]["d"]["k"][0] == 1 and torch.equal(got[1]["d"]["k"][1], x)
 
 
 def test_backend_recipes_and_plugin_paths() -> None:

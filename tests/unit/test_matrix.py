@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -11,6 +10,7 @@ import pytest
 from ci_runner.config import load_matrix_text
 from ci_runner.errors import ConfigError
 from ci_runner.matrix import ATTEMPT_SEP, artifact_cell, artifact_name, chunk, expand, expand_json, find_cell, select
+from tests.fixtures.matrices import matrix_text
 from tests.fixtures.matrices import tiny_matrix_text as matrix
 
 pytestmark = pytest.mark.oldtorch  # the old-torch subset (tests/fixtures/oldtorch.py)
@@ -32,17 +32,12 @@ def test_exclude_include_and_globs() -> None:
 
 
 def test_per_entry_modes_timeout_inputs_and_options_override_defaults() -> None:
-    text = textwrap.dedent(
-        """\
-        version: 1
-        defaults: {modes: [ops], timeout: 50, inputs: {seq_len: 8}, options: {numerics: {margin: 2, percentile: 99}}}
-        models:
-          - {id: a, config: llama, modes: [numerics], timeout: 7, inputs: {seq_len: 4}, options: {numerics: {margin: 9}}}
-          - {id: b, config: llama}
-        backends:
-          - {id: x, compile: inductor, options: {numerics: {percentile: 90}}}
-        """
-    )
+    text = matrix_text(
+        modes=["ops"], timeout=50, inputs={"seq_len": 8}, options={"numerics": {"margin": 2, "percentile": 99}},
+        models=[{"id": "a", "config": "llama", "modes": ["numerics"], "timeout": 7, "inputs": {"seq_len": 4},
+                 "options": {"numerics": {"margin": 9}}},
+                {"id": "b", "config": "llama"}],
+        backends=[{"id": "x", "compile": "inductor", "options": {"numerics": {"percentile": 90}}}])
     a, b = expand(load_matrix_text(text))
     assert a.modes == ("numerics",) and a.timeout == 7 and a.inputs.seq_len == 4
     assert dict(a.options["numerics"]) == {"margin": 9, "percentile": 90}

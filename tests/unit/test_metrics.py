@@ -230,3 +230,25 @@ def test_severity_levels_trust_rel_over_cos() -> None:
     assert flag_for({**base, "cos": 0.9998, "rel": 0.57}) == "✗✗"
     assert severity({**base, "max_abs": 0.0, "cos": 1.0, "rel": 0.0}) == "exact"
     assert set(public({**base, "cos": 1.0, "rel": 0.0, "numel": 3})) == set(METRIC_KEYS)
+
+
+def test_tensors_of_many_blocks_give_the_whole_tensor_definitions() -> None:
+    """Metrics are summed block by block (`metrics.CHUNK`); across block boundaries they are still the definitions
+    over the whole tensor, a non-finite value in a later block is still seen, and scaling still applies."""
+    from ci_runner.numerics import metrics
+
+    n = 3 * metrics.CHUNK + 17
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(n, dtype=torch.float64, generator=g)
+    b = (a + 1e-3 * torch.randn(n, dtype=torch.float64, generator=g)).float()
+    m = compare_tensors(a, b)
+    d = b.double() - a
+    assert m["rel"] == pytest.approx(float(d.norm() / a.norm()), rel=1e-12)
+    assert m["mad"] == pytest.approx(float(d.abs().mean()), rel=1e-12)
+    assert m["max_abs"] == float(d.abs().max())
+    assert m["cos"] == pytest.approx(float(a.dot(b.double()) / (a.norm() * b.double().norm())), rel=1e-12)
+    late = b.clone()
+    late[-1] = float("nan")
+    assert compare_tensors(a, late)["nonfinite_mismatch"] == 1
+    big = a * 1e200
+    assert compare_tensors(big, big * (1 + 1e-6))["rel"] == pytest.approx(1e-6, rel=1e-6)

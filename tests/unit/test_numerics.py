@@ -21,6 +21,7 @@ from ci_runner.numerics import store, target, verdict, views
 from ci_runner.registry import parse_options as parse
 from ci_runner.numerics import capture as ncap
 from ci_runner.numerics.thresholds import ThresholdOptions, ThresholdTable
+from tests.fixtures.paths import ROOT
 
 pytestmark = pytest.mark.oldtorch  # the old-torch subset (tests/fixtures/oldtorch.py)
 
@@ -135,7 +136,7 @@ def test_encode_decode_values() -> None:
     assert back["p"] == (1, [2, None])
     with pytest.raises(codec.Unstorable):
         codec.encode_value(object(), put)
-    assert codec.encode_value(object(), put, opaque=True) == {"opaque": "object"}  # outputs
+    assert codec.encode_value(object(), put, opaque=True) == {"__opaque__": "object"}  # outputs
 
 
 def test_corrupt_or_missing_dump_is_an_input_error(tmp_path: Path) -> None:
@@ -463,6 +464,28 @@ def _v1_index(tmp_path: Path) -> Path:
     return tmp_path / "v1"
 
 
+def test_reader_reads_the_golden_schema_2_dump(tmp_path: Path) -> None:
+    """A dump written in the codec's earlier dialect (schema 2, `tests/fixtures/golden/numerics_dump_v2`, written by
+    deepview-ci before the wire format was shared with op signatures) loads, every value as it was recorded."""
+    import shutil
+
+    folder = shutil.copytree(ROOT / "tests/fixtures/golden/numerics_dump_v2", tmp_path / "v2")
+    assert json.loads((folder / "index.json").read_text())["schema_version"] == 2
+    assert store.dump_matches(folder, "golden-v2")
+    r = store.DumpReader(folder)
+    x = torch.arange(6.0).reshape(2, 3)
+    (x0, half, ninf, size), kw = r.inputs(r.root())
+    assert torch.equal(x0, x) and (half, ninf, size) == (0.5, -math.inf, torch.Size([2, 3]))
+    assert kw["mask"] is None and kw["p"]._fields == ("a", "b") and kw["p"].b == 3
+    assert torch.equal(kw["p"].a, torch.full((2,), 2.0)) and torch.equal(kw["d"]["x"][0], x.t())
+    assert kw["d"]["x"][1] is torch.float16 and kw["d"][1] == "one"
+    assert kw["dev"] == torch.device("cpu") and kw["s"] == slice(1, None, 2)
+    out = r.output(r.root())
+    assert torch.equal(out[0], x * 2) and out[1] is None
+    assert torch.equal(r.ref_tensors(r.root())["0"], x * 2)
+    r.close()
+
+
 def test_reader_reads_a_schema_1_dump(tmp_path: Path) -> None:
     """Dumps written before the call codec was shared (schema 1, keys t/v/f) stay readable and reusable."""
     folder = _v1_index(tmp_path)
@@ -477,25 +500,50 @@ def test_reader_reads_a_schema_1_dump(tmp_path: Path) -> None:
     assert torch.equal(r.ref_tensors(r.root())["0"], torch.full((2,), 2.0))
 
 
-def test_reference_dump_is_schema_2_with_codec_specs(tmp_path: Path) -> None:
-    """A recorded call stores its inputs as `codec.encode_call` specs; the reader rebuilds them."""
+def test_reference_dump_is_schema_3_with_codec_specs(tmp_path: Path) -> None:
+    """A recorded call stores its inputs in the one wire format (`codec.encode_call`); the reader rebuilds them."""
     Pair = collections.namedtuple("Pair", "a b")
 
     class M(torch.nn.Module):
         def forward(self, x: torch.Tensor, p: Any = None, scale: float = 1.0) -> torch.Tensor:
             return x * p.b * scale
 
-    folder = tmp_path / "v2"
+    folder = tmp_path / "v3"
     writer = store.DumpWriter(folder)
     ncap.capture_layer_outputs(M(), (torch.ones(3),), {"p": Pair(torch.zeros(1), 2.0), "scale": 0.25},
                                   ncap.RecordingSink(writer))
     writer.close()
     index = json.loads((folder / "index.json").read_text())
-    assert index["schema_version"] == store.DUMP_SCHEMA_VERSION == 2
+    assert index["schema_version"] == store.DUMP_SCHEMA_VERSION == 3
     spec = index["calls"][0]["inputs"]
-    assert set(spec) == {"args", "kwargs"} and "tensor" in spec["args"]["tuple"][0]
-    assert dict(spec["kwargs"]["dict"])["scale"] == {"value": 0.25}
+    assert set(spec) == {"args", "kwargs"} and "key" in spec["args"]["__tuple__"][0]["__tensor__"]
+    assert dict(spec["kwargs"]["__dict__"])["scale"] == 0.25
     r = store.DumpReader(folder)
     (x,), kw = r.inputs(r.root())
     assert torch.equal(x, torch.ones(3)) and kw["p"]._fields == ("a", "b") and kw["p"].b == 2.0 and kw["scale"] == 0.25
     assert torch.equal(r.output(r.root()), torch.full((3,), 0.5))
+
+
+def test_cast_copy_is_the_model_load_model_builds_in_float64() -> None:
+    """The float64 reference of a config model is the float32 primary cast (no second build): the same parameters,
+    buffers (rotary inv_freq included), tied weights and outputs as `load_model(dtype="float64")`."""
+    from ci_runner.config import load_matrix_text
+    from ci_runner.engine.models import load_model
+    from tests.fixtures.matrices import TINY_DECODER, matrix_text
+
+    text = matrix_text(models=[{"id": "m", "config": "qwen2", "overrides": {**TINY_DECODER, "tie_word_embeddings": True}}],
+                       backends=[{"id": "e", "compile": "aot_eager"}])
+    spec = load_matrix_text(text).model("m")
+    primary = load_model(spec, seed=0, dtype="float32").module
+    built = load_model(spec, seed=0, dtype="float64").module
+    cast = views.cast_copy(primary, torch.float64)
+    for mine, theirs in ((dict(cast.named_parameters()), dict(built.named_parameters())),
+                         (dict(cast.named_buffers()), dict(built.named_buffers()))):
+        assert mine.keys() == theirs.keys()
+        for k, t in theirs.items():
+            assert mine[k].dtype == t.dtype and torch.equal(mine[k], t), k
+    assert cast.lm_head.weight is cast.model.embed_tokens.weight
+    assert primary.lm_head.weight.dtype == torch.float32  # the primary is left as it was
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(cast(input_ids=ids).logits, built(input_ids=ids).logits)

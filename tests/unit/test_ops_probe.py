@@ -21,16 +21,17 @@ from ci_runner.modes.ops.probe import (
     run_probe,
     with_ranges,
 )
-from ci_runner.modes.ops.signature import encode_value
+from ci_runner.engine.codec import encode_arg
 from ci_runner.options import DEFAULT_TOLERANCE
 from ci_runner.registry import parse_options
+from tests.fixtures.matrices import matrix_text
 
 pytestmark = pytest.mark.oldtorch  # the old-torch subset (tests/fixtures/oldtorch.py)
 
 
 def _probe(op: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
-    enc_args = [encode_value(a) for a in args]
-    enc_kwargs = {k: encode_value(v) for k, v in kwargs.items()}
+    enc_args = [encode_arg(a) for a in args]
+    enc_kwargs = {k: encode_arg(v) for k, v in kwargs.items()}
     a, k = with_ranges(op, enc_args, enc_kwargs)
     return {"id": "p0000", "op": op, "args": a, "kwargs": k, "seed": 1234, "tolerance": [1e-4, 1e-5]}
 
@@ -219,11 +220,8 @@ def test_dynamo_level_probe_reaches_a_torch_level_compiler() -> None:
 
 
 def test_a_model_that_does_not_trace_is_an_error_with_the_place_not_a_traceback(mode_context: Any) -> None:
-    ctx = mode_context("""
-version: 1
-models: [{id: giant, factory: "tests.fixtures.plugin_ops_models:untraceable"}]
-backends: [{id: sim-subset, compile: sim-subset}]
-""", "giant", "sim-subset")
+    ctx = mode_context(matrix_text(models=[{"id": "giant", "factory": "tests.fixtures.plugin_ops_models:untraceable"}],
+                                   backends=[{"id": "sim-subset", "compile": "sim-subset"}]), "giant", "sim-subset")
     result = run(ctx)
     assert result.status == "error" and not result.findings
     assert "tests/fixtures/plugin_ops_models.py" in result.reason and "in forward" in result.reason

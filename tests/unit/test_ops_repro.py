@@ -20,7 +20,8 @@ from ci_runner.config import BackendSpec
 from ci_runner.backends import backend_recipe
 from ci_runner.modes.ops.mode import render_repro
 from ci_runner.modes.ops.probe import with_ranges
-from ci_runner.modes.ops.signature import CallSite, OpSignature, encode_value, signature_key
+from ci_runner.engine.codec import encode_arg
+from ci_runner.modes.ops.signature import CallSite, OpSignature, signature_key
 from ci_runner.engine.repro import verify_script, write_script
 from tests.fixtures.paths import ROOT
 
@@ -30,7 +31,7 @@ ENV_STAMP = {"torch": "2.13.0+cpu", "transformers": "5.24.0", "python": "3.11.7"
 
 
 def _signature(op: str, *args: Any, **kwargs: Any) -> tuple[OpSignature, dict[str, Any]]:
-    enc_args, enc_kwargs = [encode_value(a) for a in args], {k: encode_value(v) for k, v in kwargs.items()}
+    enc_args, enc_kwargs = [encode_arg(a) for a in args], {k: encode_arg(v) for k, v in kwargs.items()}
     sig = OpSignature(op=op, args=enc_args, kwargs=enc_kwargs, key=signature_key(op, enc_args, enc_kwargs), count=2,
                       sites=[CallSite(module="model.layers.0.mamba", module_class="BambaMixer",
                                       source="transformers/models/bamba/modeling_bamba.py:489 in mamba2_chunk_scan")])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 
@@ -20,7 +19,6 @@ from ci_runner.options import (
 )
 from ci_runner.registry import known_keys, parse_options as parse
 from tests.fixtures.paths import ROOT
-from tests.fixtures.cli import run_cli
 
 pytestmark = pytest.mark.oldtorch  # the old-torch subset (tests/fixtures/oldtorch.py)
 
@@ -97,16 +95,6 @@ def test_model_and_backend_options_are_checked_too() -> None:
             "backends: [{id: b, compile: inductor, options: {ops: {compare: maybe}}}]\n")
     with pytest.raises(ConfigError, match=r"m.yaml:3:.*backends\[0\].options.ops.compare: 'maybe' is not true/false"):
         load_matrix_text(text, path="m.yaml")
-
-
-@pytest.mark.subprocess
-def test_expand_exits_2_naming_file_line_and_the_fix(tmp_path: Path) -> None:
-    matrix = tmp_path / "m.yaml"
-    matrix.write_text(MATRIX.replace("{OPTIONS}", "{numerics: {margn: 8}}"), encoding="utf-8")
-    proc = run_cli("expand", str(matrix), timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    assert f"{matrix}:3:24:" in proc.stderr and "did you mean 'margin'" in proc.stderr
-    assert "Traceback" not in proc.stderr
 
 
 def test_the_bundled_example_parses() -> None:

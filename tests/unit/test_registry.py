@@ -4,8 +4,6 @@ options, the report and the issue grouping all derive from it."""
 from __future__ import annotations
 
 import importlib.util
-import subprocess
-import sys
 
 import pytest
 
@@ -30,7 +28,6 @@ from ci_runner.registry import (
     register_mode,
 )
 from ci_runner.results.model import CELL_STATUSES, schema, schema_file
-from tests.fixtures.paths import ROOT
 
 
 @pytest.mark.parametrize("name", ["matrix.schema.json", "results.schema.json", "baseline.schema.json"])
@@ -86,10 +83,3 @@ def test_a_kind_belongs_to_one_mode() -> None:
 
 def test_every_status_has_a_log_mark() -> None:
     assert set(STATUS_MARK) == set(CELL_STATUSES)
-
-
-@pytest.mark.subprocess
-def test_the_registry_imports_no_torch() -> None:
-    code = "import sys, ci_runner.registry, ci_runner.config, ci_runner.modes; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"

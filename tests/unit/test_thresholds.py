@@ -1,11 +1,10 @@
-"""thresholds.py: derivation from reference statistics, floors, the versioned keyed file and its lock."""
+"""thresholds.py: derivation from reference statistics, floors, the versioned keyed file (its lock across processes:
+`tests/integration/test_thresholds_lock.py`)."""
 
 from __future__ import annotations
 
 import json
 import math
-import multiprocessing
-import time
 from pathlib import Path
 
 import pytest
@@ -145,35 +144,3 @@ def test_load_table_errors(tmp_path: Path) -> None:
     bad.write_text(json.dumps({"schema_version": 99}))
     with pytest.raises(InputError, match="schema_version"):
         load_table(bad)
-
-
-def _derive_in_process(path: str, marker: str, barrier_file: str) -> None:
-    key = threshold_key(model_fingerprint=FP, inputs=INPUTS, references=REFS, samples=2)
-
-    def derive() -> dict[str, LayerStats]:
-        with open(marker, "a") as fh:
-            fh.write("derive\n")
-        time.sleep(1.0)  # long enough for the other process to reach the lock
-        return {"a": _stats([1e-5])}
-
-    while not Path(barrier_file).exists():
-        time.sleep(0.01)
-    load_or_derive(Path(path), key, ThresholdOptions(), "float32", derive)
-
-
-@pytest.mark.subprocess
-def test_parallel_cells_derive_once(tmp_path: Path) -> None:
-    key = threshold_key(model_fingerprint=FP, inputs=INPUTS, references=REFS, samples=2)
-    path = threshold_path(tmp_path, "tiny", key)
-    marker = tmp_path / "derivations.log"
-    barrier = tmp_path / "go"
-    ctx = multiprocessing.get_context("fork")  # no re-import of torch in the children
-    procs = [ctx.Process(target=_derive_in_process, args=(str(path), str(marker), str(barrier))) for _ in range(2)]
-    for p in procs:
-        p.start()
-    barrier.touch()
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
-    assert marker.read_text().count("derive") == 1
-    assert json.loads(path.read_text())["key"] == key

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,31 +16,23 @@ from ci_runner.errors import ConfigError, InputError
 from ci_runner.matrix import FORK_SKIP_REASON, artifact_name, expand, expand_json
 from ci_runner.plan import NO_RESULT, apply_plan, load_plan, parse_chunk_results
 from ci_runner.results.model import CellResult, ModeResult, load_cell_result, load_results, save_cell_result
+from tests.fixtures.matrices import matrix_text
 
-VENDOR = """
-version: 1
-defaults: {{modes: [ops]}}
-models:
-{models}
-backends:
-  - id: acme
-    compile: "acme_compiler:compile_fn"
-    runs-on: [self-hosted, acme-card]
-    container: {{image: "ghcr.io/acme/pytorch@sha256:0123", options: "--device=/dev/acme0 --shm-size=16g", env: {{ACME_LOG: 1, FAST: true}}}}
-    python: /opt/acme/venv/bin/python
-    artifacts: [acme-compiler-wheel, acme-runtime]
-    setup: ["pip install acme-compiler-wheel/*.whl", "acme-smi --check"]
-  - id: acme-hosted
-    compile: "acme_compiler:compile_fn"
-    runs-on: ubuntu-24.04
-    artifacts: [acme-compiler-wheel]
-    setup: ["pip install acme-compiler-wheel/*.whl"]
-  - {{id: inductor, compile: inductor}}
-"""
+VENDOR_BACKENDS: list[dict[str, Any]] = [
+    {"id": "acme", "compile": "acme_compiler:compile_fn", "runs-on": ["self-hosted", "acme-card"],
+     "container": {"image": "ghcr.io/acme/pytorch@sha256:0123", "options": "--device=/dev/acme0 --shm-size=16g",
+                   "env": {"ACME_LOG": 1, "FAST": True}},
+     "python": "/opt/acme/venv/bin/python", "artifacts": ["acme-compiler-wheel", "acme-runtime"],
+     "setup": ["pip install acme-compiler-wheel/*.whl", "acme-smi --check"]},
+    {"id": "acme-hosted", "compile": "acme_compiler:compile_fn", "runs-on": "ubuntu-24.04",
+     "artifacts": ["acme-compiler-wheel"], "setup": ["pip install acme-compiler-wheel/*.whl"]},
+    {"id": "inductor", "compile": "inductor"},
+]
 
 
-def vendor_matrix(n_models: int) -> str:
-    return VENDOR.format(models="\n".join(f"  - {{id: m{i:03d}, factory: 'pkg.models:m{i}'}}" for i in range(n_models)))
+def vendor_matrix(n_models: int, *, timeout: float | None = None) -> str:
+    return matrix_text(modes=["ops"], timeout=timeout, backends=VENDOR_BACKENDS,
+                       models=[{"id": f"m{i:03d}", "factory": f"pkg.models:m{i}"} for i in range(n_models)])
 
 
 def test_600_cells_with_containers_give_3_chunks_and_one_backend_table() -> None:
@@ -72,8 +65,7 @@ def test_600_cells_with_containers_give_3_chunks_and_one_backend_table() -> None
 
 
 def test_time_limits_are_the_cells_timeout_then_setup_and_margin() -> None:
-    text = vendor_matrix(1).replace("defaults: {modes: [ops]}", "defaults: {modes: [ops], timeout: 1801}")
-    doc = expand_json(expand(load_matrix_text(text)), max_jobs=10, setup_minutes=45, margin_minutes=3)
+    doc = expand_json(expand(load_matrix_text(vendor_matrix(1, timeout=1801))), max_jobs=10, setup_minutes=45, margin_minutes=3)
     [entry, *_] = doc["matrix"][0]["include"]
     assert entry["minutes"] == 31 + 2  # the cell's own 1801 s, rounded up, + 2: its own timeout fires first
     assert entry["job-minutes"] == 45 + 33 + 3

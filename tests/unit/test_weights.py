@@ -98,3 +98,55 @@ def test_eager_cpu_transfers_nothing_and_a_device_round_trips_each_tensor() -> N
         pytest.skip(skip_reason("simdev"))
     report = check_weights(model, resolve_backend(BackendSpec(id="dev", device="simdev")))
     assert report.method == "device" and len(report.tensors) == 10 and not report.mismatched
+
+
+# --------------------------------------------------------------------------------------------- in the target child
+
+def _ctx() -> object:
+    from types import SimpleNamespace
+
+    return SimpleNamespace(cell=SimpleNamespace(backend=SimpleNamespace(id="bad-transfer"), model=SimpleNamespace(id="net")))
+
+
+def test_the_target_child_runs_the_check_first_and_the_mode_reads_it_back(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """`target.weights_first` (the check on the model the target child built anyway) → weights.json →
+    `toolbox.weights_from_target`: the same findings and data as the check's own child gives."""
+    from ci_runner.numerics import target
+    from ci_runner.numerics.toolbox import weights_from_target
+
+    journal: list[tuple[str, str]] = []
+    monkeypatch.setattr(target, "child_journal", lambda event, name: journal.append((event, name)))
+    backend = resolve_backend(BackendSpec(id="bad-transfer", compile="tests.fixtures.plugin_toolbox_weights:make",
+                                          backend_options=MappingProxyType({"tensor": "block.fc2.weight"})))
+    out = tmp_path / "weights.json"
+    target.weights_first(_net(), backend, {"out": str(out), "chunk_mb": 256.0})
+    assert journal == [("enter-module", "weights"), ("leave-module", "weights")]
+    run = weights_from_target(_ctx(), out)  # type: ignore[arg-type]
+    assert [f.details["tensor"] for f in run.findings] == ["block.fc2.weight"]
+    assert run.findings[0].fingerprint == fingerprint("weights_mismatch", "bad-transfer", "net", "block.fc2.weight")
+    assert run.findings[0].module_class == "Linear"
+    assert run.data["weights"]["status"] == "mismatch" and run.data["weights"]["byte_equal"] == 10
+    assert run.data["weights"]["seconds"] >= 0 and run.notes and "weights check" in run.notes[0]
+
+
+def test_a_check_that_raised_crashed_or_never_ran_is_an_error_not_a_pass(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from ci_runner.numerics import target
+    from ci_runner.numerics.toolbox import weights_from_target
+
+    monkeypatch.setattr(target, "child_journal", lambda event, name: None)
+
+    class Broken:
+        is_eager = False
+        device = "cpu"
+
+        def compile(self, fn):  # type: ignore[no-untyped-def]
+            raise RuntimeError("no such op\nmore")
+
+    out = tmp_path / "weights.json"
+    target.weights_first(_net(), Broken(), {"out": str(out)})
+    raised = weights_from_target(_ctx(), out).data["weights"]  # type: ignore[arg-type]
+    assert raised["status"] == "error" and "RuntimeError: no such op" in raised["reason"]
+    out.write_text(json.dumps({"status": "error", "reason": "weights check could not run: the child crashed (SIGSEGV)"}))
+    assert "SIGSEGV" in weights_from_target(_ctx(), out).data["weights"]["reason"]  # type: ignore[arg-type]
+    never = weights_from_target(_ctx(), tmp_path / "none.json")  # type: ignore[arg-type]
+    assert never.data["weights"]["status"] == "error" and not never.findings

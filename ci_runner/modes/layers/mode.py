@@ -47,7 +47,7 @@ from .groups import IN_PROCESS, cause_families, cause_groups, run_parallel
 from .handoff import drop_handoff, save_target
 from ...fsutil import atomic_write_text
 from ...engine.codec import TensorStore, Unstorable
-from ...engine.failure import first_line, unwrap
+from ...engine.failure import first_line, tail, unwrap
 from ...engine.isolate import Attempt, IsolatedResult, file_tail, supervise
 from ...engine.outcome import ProbeOutcome, append_outcome, read_outcomes
 from .search import ROOT, ChildPlan, ModuleTree, SearchResult, StopSearch, capture_inputs, encode_call, label, own_name, scan_model, search, twin_plan, unlabel, write_root_call
@@ -388,7 +388,7 @@ def _finding(ctx: "ModeContext", tree: ModuleTree, result: SearchResult, name: s
         "call_index": max(0, o.calls_tried - 1) if o.status == "fail" else 0,
         "children": {label(c): s for c, s in tried_children.items()},
         "message_full": o.message[:4000],
-        "traceback_tail": _tail(o.traceback, 3000, keep_head=o.status == "timeout"),
+        "traceback_tail": tail(o.traceback, 3000, keep_head=o.status == "timeout"),
         "compiler_diagnostics": list(o.diagnostics),
         "backend_ran": dict(o.ran),
     }
@@ -406,14 +406,6 @@ def _finding(ctx: "ModeContext", tree: ModuleTree, result: SearchResult, name: s
     return Finding(kind=KIND, stage=o.stage or "run", message=what,
                    fingerprint=fingerprint(KIND, ctx.cell.backend.id, ctx.cell.model.id, label(name)),
                    module=label(name), module_class=node.module_class, error_type=o.error_type, details=details)
-
-
-def _tail(text: str, limit: int, *, keep_head: bool = False) -> str:
-    """The last `limit` characters; with `keep_head`, the first line too (faulthandler's "Timeout (0:00:03)!")."""
-    if len(text) <= limit or not keep_head:
-        return text[-limit:]
-    head = text.splitlines()[0][:200] if text.strip() else ""
-    return f"{head}\n…\n{text[-(limit - len(head) - 3):]}"
 
 
 # --------------------------------------------------------------------------- repros

@@ -17,7 +17,6 @@ than two references are configured.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -27,9 +26,9 @@ import torch
 
 from ...registry import parse_options
 from ...config import spec_to_json
-from ...fsutil import append_line
+from ...fsutil import append_line, atomic_write_json
 from ...engine.isolate import Attempt, IsolatedResult, Journal, supervise
-from ...engine.models import load_model, model_fingerprint
+from ...engine.models import load_model
 from ...options import NumericsOptions
 from ...results.model import ModeResult
 from ...numerics.capture import dump_meta, record_reference
@@ -37,6 +36,7 @@ from ...numerics.settings import DTYPES, VIEWS, dynamo_settings
 from ...numerics.store import DumpReader, dump_matches
 from ...numerics.target import (
     TARGET_CHILD,
+    WEIGHTS_ITEM,
     TargetPlan,
     compare_target,
     done_keys,
@@ -44,8 +44,9 @@ from ...numerics.target import (
     parse_journal_entry,
     read_records,
 )
-from ...numerics.thresholds import LayerStats, ThresholdTable, key_hash, load_or_derive, threshold_key, threshold_path
-from ...numerics.toolbox import after_numerics, before_numerics, reference_dumps
+from ...numerics.cache import cell_thresholds
+from ...numerics.thresholds import LayerStats, ThresholdTable, load_or_derive
+from ...numerics.toolbox import after_numerics, before_numerics, reference_dumps, weights_from_target, weights_in_target
 from ...numerics.verdict import (
     build_layers,
     coverage,
@@ -55,26 +56,28 @@ from ...numerics.verdict import (
     verdict_of,
     view_status,
 )
-from ...numerics.views import derive_reference_stats, runnable_reference
+from ...numerics.views import cast_copy, derive_reference_stats, runnable_reference
 
 if TYPE_CHECKING:
     from .. import ModeContext
 
 
 def _run_target(ctx: "ModeContext", opts: NumericsOptions, dumps: list[Path], work: Path,
-                table: ThresholdTable) -> tuple[list[dict[str, Any]], list[str]]:
-    """Compare the target against `dumps` (child processes unless `isolate: false`); (records, notes)."""
+                table: ThresholdTable, weights: Path | None = None) -> tuple[list[dict[str, Any]], list[str]]:
+    """Compare the target against `dumps` (child processes unless `isolate: false`); (records, notes). With
+    `weights`, the child runs the weights check first and writes its result there."""
     primary = ctx.cell.references[0]
     results = work / "target.jsonl"
     journal = work / "journal.log"
-    for p in (results, journal):
-        if p.exists():
+    for p in (results, journal, weights):
+        if p is not None and p.exists():
             p.unlink()
     notes: list[str] = []
     base = dict(model=spec_to_json(ctx.cell.model), backend=spec_to_json(ctx.cell.backend), seed=ctx.cell.inputs.seed,
                 dtype=primary.dtype, dumps=tuple(str(d) for d in dumps), results=str(results), journal=str(journal),
                 views=opts.views, isolated=opts.isolated, thresholds=str(table.path) if table.path else None,
-                threshold_options=opts.thresholds.as_dict())
+                threshold_options=opts.thresholds.as_dict(),
+                weights={"out": str(weights), "chunk_mb": 256.0} if weights is not None else None)
     if not opts.isolate:
         return _run_target_here(ctx, base, results, journal, table), notes
 
@@ -91,7 +94,7 @@ def _run_target(ctx: "ModeContext", opts: NumericsOptions, dumps: list[Path], wo
         if budget <= 5.0:
             return "the target was not (fully) compared: the cell ran out of time"
         payload = {**base, "skip": done_keys(read_records(results), crashed), "deadline_wall": time.time() + budget * 0.9}
-        if n:  # a child died: the cumulative view is incomplete or the isolated view had started
+        if crashed:  # a child died in a view: the cumulative view is incomplete or the isolated view had started
             payload["isolated"] = "all"
         return Attempt(payload=payload, timeout=budget)
 
@@ -102,6 +105,9 @@ def _run_target(ctx: "ModeContext", opts: NumericsOptions, dumps: list[Path], wo
     def on_crash(item: str | None, res: IsolatedResult) -> str | None:
         entry = parse_journal_entry(item)
         what = res.describe()
+        if weights is not None and item == WEIGHTS_ITEM:  # the next child goes on without the weights check
+            atomic_write_json(weights, {"status": "error", **res.failure("weights check")})
+            return None
         if res.status == "error" and entry is None:
             if res.traceback:
                 tail.append(res.traceback[-1500:])
@@ -152,31 +158,24 @@ def _crash_record(c: dict[str, Any]) -> dict[str, Any]:
 
 
 
-def _thresholds_folder(ctx: "ModeContext", opts: NumericsOptions) -> Path:
-    if opts.thresholds.thresholds_dir:
-        return Path(os.path.expanduser(opts.thresholds.thresholds_dir))
-    return ctx.cell_dir.parent.parent / "thresholds"
-
-
-def derive_for_cell(ctx: "ModeContext", opts: NumericsOptions, dump_root: Path,
-                    keep: Iterable[int]) -> tuple[ThresholdTable, str, str]:
+def derive_for_cell(ctx: "ModeContext", opts: NumericsOptions, dump_root: Path, keep: Iterable[int],
+                    timings: dict[str, float] | None = None) -> tuple[ThresholdTable, str, str]:
     """Load the model's thresholds, or derive them (once per key, under a file lock): (table, how, key hash).
 
-    Derived now, the reference dumps of the samples in `keep` stay in `dump_root`, marked with the key hash."""
+    The file and its key are `numerics.cache.cell_thresholds`'s (the CI cache key follows the same key). Derived
+    now, the reference dumps of the samples in `keep` stay in `dump_root`, marked with the key hash."""
     refs = ctx.cell.references
     primary = refs[0]
-    samples = opts.thresholds.samples or max(2, ctx.cell.inputs.samples)
-    key = threshold_key(model_fingerprint=model_fingerprint(ctx.cell.model), inputs=ctx.cell.inputs.key(),
-                        references=[{"id": r.id, "device": r.device, "dtype": r.dtype} for r in refs], samples=samples)
-    path = threshold_path(_thresholds_folder(ctx, opts), ctx.cell.model.id, key)
-    dump_key = key_hash(key)
+    where = cell_thresholds(ctx.cell, ctx.cell_dir.parent.parent, opts)  # the run folder: <run>/cells/<id>
+    path, key = where.path, where.key
+    samples = int(key["samples"])
+    dump_key = where.key_hash
 
     def derive() -> dict[str, LayerStats]:
         loaded = ctx.model(dtype=primary.dtype, device=primary.device)
         # secondary references are loaded here, not through ctx's cache: their memory (a float64 copy is twice the
         # weights) is freed as soon as the thresholds are derived
-        secondaries = [(r, load_model(ctx.cell.model, seed=ctx.cell.inputs.seed, dtype=r.dtype, device=r.device).module)
-                       for r in refs[1:]]
+        secondaries = [(r, _secondary_module(ctx, loaded.module, r)) for r in refs[1:]]
         for r, module in secondaries:
             runnable_reference(module, r.dtype)
 
@@ -185,10 +184,20 @@ def derive_for_cell(ctx: "ModeContext", opts: NumericsOptions, dump_root: Path,
 
         with torch._dynamo.config.patch(**dynamo_settings()):
             return derive_reference_stats(loaded.module, primary, secondaries, sample_inputs, samples, dump_root,
-                                          keep=keep, chunk_mb=opts.chunk_mb, views=opts.views, dump_key=dump_key)
+                                          keep=keep, chunk_mb=opts.chunk_mb, views=opts.views, dump_key=dump_key,
+                                          timings=timings)
 
     table, how = load_or_derive(path, key, opts.thresholds, primary.dtype, derive)
     return table, how, dump_key
+
+
+def _secondary_module(ctx: "ModeContext", primary: torch.nn.Module, ref: Any) -> torch.nn.Module:
+    """A secondary reference's model. A config model's float32 primary on the same device is cast (`cast_copy`:
+    the weights `load_model` would build, without building the model again); any other is loaded."""
+    if ctx.cell.model.config and ctx.cell.references[0].dtype == "float32" and ref.dtype in DTYPES \
+            and ref.device == ctx.cell.references[0].device:
+        return cast_copy(primary, DTYPES[ref.dtype])
+    return load_model(ctx.cell.model, seed=ctx.cell.inputs.seed, dtype=ref.dtype, device=ref.device).module
 
 
 def run(ctx: "ModeContext") -> ModeResult:
@@ -205,22 +214,27 @@ def run(ctx: "ModeContext") -> ModeResult:
     compare = list(range(opts.compare_samples))
     timings: dict[str, float] = {}
     pre = before_numerics(ctx, toolbox, isolate=opts.isolate)  # the weights check, before any forward
+    weights = work / "weights.json" if weights_in_target(ctx, toolbox, isolate=opts.isolate) else None
     notes: list[str] = list(pre.notes)
 
     t = time.monotonic()
-    table, how, dump_key = derive_for_cell(ctx, opts, dump_root, keep=compare)
-    timings["thresholds_s"] = round(time.monotonic() - t, 3)
+    table, how, dump_key = derive_for_cell(ctx, opts, dump_root, keep=compare, timings=timings)
+    timings["thresholds_s"] = time.monotonic() - t
     notes.append(f"thresholds {how}")
 
     t = time.monotonic()
     dumps, compare = _reference_pass(ctx, opts, table, dump_root, dump_key, compare, notes)
     timings["reference_s"] = round(time.monotonic() - t, 3)
     t = time.monotonic()
-    records, target_notes = _run_target(ctx, opts, dumps, work, table)
+    records, target_notes = _run_target(ctx, opts, dumps, work, table, weights)
+    if weights is not None:  # the target child ran the weights check before its forward
+        pre = weights_from_target(ctx, weights)
+        notes[:0] = pre.notes
     notes.extend(target_notes)
     timings["target_s"] = round(time.monotonic() - t, 3)
 
     iso_skipped, cum_errors = _view_runs(records, timings)
+    timings = {k: round(v, 3) for k, v in timings.items()}
     reader = DumpReader(dumps[0])
     layers = build_layers(reader, records, table)
     reader.close()

@@ -47,7 +47,8 @@ from torch import nn
 from ...engine.capture import ModuleCapture
 from ...engine.failure import first_line
 from ...errors import DeepviewError
-from .signature import CallSite, Inventory, OpSignature, encode_value, iter_tensor_specs, signature_key
+from ...engine.codec import encode_arg, tensor_specs
+from .signature import CallSite, Inventory, OpSignature, signature_key
 from ...engine.torchcompat import require
 from ...engine.models import module_names, resolve_module_name
 
@@ -227,13 +228,13 @@ def _encode_node_args(node: torch.fx.Node, meta_key: str) -> tuple[list[Any], di
 
     def enc(v: Any) -> Any:
         if isinstance(v, torch.fx.Node):
-            return encode_value(resolve(v))
+            return encode_arg(resolve(v))
         if isinstance(v, (list, tuple)) and not hasattr(v, "_fields"):
             items = [enc(x) for x in v]
             return {"__tuple__": items} if isinstance(v, tuple) and meta_key == "example_value" else items
         if isinstance(v, dict):
             return {"__opaque__": "dict"}
-        return encode_value(v)
+        return encode_arg(v)
 
     return [enc(a) for a in node.args], {k: enc(v) for k, v in node.kwargs.items()}
 
@@ -507,7 +508,7 @@ def trace_dynamo(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
                 continue
             args_enc, kwargs_enc = _encode_node_args(node, "example_value")
             out = node.meta.get("example_value")
-            touches_tensor = any(True for _ in iter_tensor_specs([args_enc, kwargs_enc])) or any(
+            touches_tensor = any(True for _ in tensor_specs([args_enc, kwargs_enc])) or any(
                 isinstance(x, torch.Tensor) for x in _leaves(out))
             if not touches_tensor:  # grad-mode switches, python arithmetic on sizes …
                 continue
@@ -549,7 +550,7 @@ def trace_dispatch(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
             name = str(func)
             if name not in SKIP_OPS and not name.startswith("prim."):
                 module, cls = stack[-1] if stack else ("", root_class)
-                builder.add(name, [encode_value(x) for x in a], {k: encode_value(v) for k, v in kw.items()},
+                builder.add(name, [encode_arg(x) for x in a], {k: encode_arg(v) for k, v in kw.items()},
                             CallSite(module=module, module_class=cls if module else root_class, source=src()),
                             imports=op_imports(func))
             return out

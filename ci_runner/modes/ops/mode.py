@@ -34,7 +34,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
@@ -44,8 +44,9 @@ from ...errors import DeepviewError
 from ...fsutil import atomic_write_json
 from .inventory import InventoryError, take_inventory
 from .compare import SCRIPT_FUNCTIONS, matches_any
-from .probe import ProbeRunner, call_source, float_dtype, make_tensor, not_run_outcome, op_expression, probe_seed, with_ranges
+from .probe import call_source, make_tensor, not_run_outcome, op_expression
 from .signature import Inventory, OpSignature
+from .store import probe_signatures, probe_spec, store_root
 from ...options import OpsOptions
 from ...registry import FindingKind, parse_options
 from ...engine.repro import plain_source, render_template, safe_filename, verify_script, write_script
@@ -130,10 +131,7 @@ def build_probes(inventory: Inventory, opts: OpsOptions) -> tuple[list[dict[str,
             left_out.append({"op": sig.op, "signature": sig.describe()[:300], "reason": reason})
             continue
         per_op[sig.op] = per_op.get(sig.op, 0) + 1
-        args, kwargs = with_ranges(sig.op, sig.args, sig.kwargs)
-        probes.append({"id": f"p{len(probes):04d}", "op": sig.op, "key": sig.key, "args": args, "kwargs": kwargs,
-                       "outputs": sig.outputs, "imports": list(sig.imports),
-                       "seed": probe_seed(sig.key), "tolerance": list(opts.tolerance_for(float_dtype(args, kwargs)))})
+        probes.append(probe_spec(sig, opts, f"p{len(probes):04d}"))
     return probes, left_out
 
 
@@ -194,7 +192,7 @@ def run(ctx: "ModeContext") -> ModeResult:
     timings: dict[str, float] = {}
     t0 = time.monotonic()
     try:
-        inventory = _take_inventory(ctx, level)
+        inventory = take_model_inventory(ctx, level)
     except InventoryError as exc:
         ctx.journal("leave-phase", "ops.inventory")
         return ModeResult(status="error", reason=str(exc), duration_s=time.monotonic() - t_start,
@@ -207,17 +205,44 @@ def run(ctx: "ModeContext") -> ModeResult:
         return ModeResult(status="pass", duration_s=time.monotonic() - t_start, data=data,
                           reason="inventory only (options.ops.probe is false)")
 
+    probes, _ = build_probes(inventory, opts)
+    by_key = {s.key: s for s in inventory.signatures}
+    stats: dict[str, Any] = {}
+    t_probe = time.monotonic()
+    outcomes = probe_signatures(spec, [by_key[p["key"]] for p in probes], store_dir=store_dir(ctx), opts=opts,
+                                remaining=ctx.remaining, journal=ctx.journal, work_dir=ops_dir / "work",
+                                versions=ctx.env.get("backend"), stats=stats)
+    timings["probe_s"] = round(time.monotonic() - t_probe, 3)
+    _cleanup(ops_dir / "work")
+    data["probe_store"] = {k: stats[k] for k in ("reused", "probed", "waited") if k in stats}
+    return model_result(inventory, outcomes, spec=spec, model_id=ctx.cell.model.id, level=level, opts=opts,
+                        ops_dir=ops_dir, env_stamp=ctx.env, remaining=ctx.remaining, eager=backend.is_eager,
+                        setup_error=stats.get("setup_error"), data=data, started=t_start)
+
+
+def store_dir(ctx: "ModeContext") -> Path:
+    """The backend's probe store: `<out>/probes/<backend-id>`, shared by the run's cells of that backend (a cell
+    folder outside a run's `cells/` keeps its own)."""
+    cells = ctx.cell_dir.parent
+    if cells.name == "cells":
+        return store_root(cells.parent, ctx.cell.backend.id)
+    return ctx.artifact_dir(MODE) / "probes-store"
+
+
+def model_result(inventory: Inventory, outcomes: Mapping[str, Mapping[str, Any]], *, spec: BackendSpec,
+                 model_id: str, level: str, opts: OpsOptions, ops_dir: Path, env_stamp: Mapping[str, Any],
+                 remaining: Callable[[], float], eager: bool, setup_error: str | None = None,
+                 data: dict[str, Any] | None = None, started: float | None = None) -> ModeResult:
+    """One model's ops `ModeResult` from its inventory and the probe outcomes by signature key (`probe_signatures`):
+    the probe table (`ops_dir/probes.json`), one finding per failing op with its repro (verified), the status."""
+    t_start = started if started is not None else time.monotonic()
+    data = data if data is not None else {"ir": level, "inventory": inventory.summary(), "timings": {}}
+    timings = data.setdefault("timings", {})
     probes, left_out = build_probes(inventory, opts)
     by_key = {s.key: s for s in inventory.signatures}
-    runner = ProbeRunner(backend_spec=spec, work_dir=ops_dir / "work", opts=opts, remaining=ctx.remaining,
-                         journal=ctx.journal)
-    t_probe = time.monotonic()
-    outcomes = runner.run(probes) if probes else {}
-    probe_seconds = time.monotonic() - t_probe
-    timings["probe_s"] = round(probe_seconds, 3)
-    _cleanup(ops_dir / "work")
-
-    rows, failures = _probe_rows(probes, outcomes, by_key)
+    by_id = {p["id"]: {**(outcomes.get(p["key"]) or not_run_outcome(p, "no outcome recorded")), "id": p["id"]}
+             for p in probes}
+    rows, failures = _probe_rows(probes, by_id, by_key)
     atomic_write_json(ops_dir / "probes.json", {"probes": rows, "left_out": left_out})
 
     counts: dict[str, int] = {}
@@ -226,25 +251,29 @@ def run(ctx: "ModeContext") -> ModeResult:
     # bounded: passing probes as one line each (op, signature, seconds); the full table is in ops/probes.json
     data["probes"] = [r if r["status"] != "pass" else {k: r[k] for k in ("id", "op", "signature", "status", "seconds")}
                       for r in rows[:_MAX_PROBE_ROWS]]
-    data["probe_counts"] = {**counts, "total": len(rows), "left_out": len(left_out), "seconds": round(probe_seconds, 3)}
-    data["backend_ran"] = backend_ran(rows, compiles=not backend.is_eager)
+    data["probe_counts"] = {**counts, "total": len(rows), "left_out": len(left_out),
+                            "in_groups": sum(1 for r in rows if r.get("group")), "seconds": timings.get("probe_s", 0.0)}
+    data["backend_ran"] = backend_ran(rows, compiles=not eager)
     if len(rows) > _MAX_PROBE_ROWS:
         data["probes_truncated"] = True
     if left_out:
         data["left_out"] = left_out[:200]
-    if runner.setup_error:
-        data["probe_setup_error"] = runner.setup_error
+    if setup_error:
+        data["probe_setup_error"] = setup_error
+    together = _fails_together(rows)
+    if together:
+        data["fails_together"] = together
 
     t0 = time.monotonic()
-    findings = _findings(ctx, failures, inventory, level, opts, ops_dir)
+    findings = _findings(spec, model_id, env_stamp, failures, level, opts, ops_dir)
     timings["render_s"] = round(time.monotonic() - t0, 3)
     t0 = time.monotonic()
-    _verify_all(ctx, findings, opts)
+    _verify_all(remaining, findings, opts)
     timings["verify_s"] = round(time.monotonic() - t0, 3)
     data["repros"] = {"total": sum(1 for f, _ in findings if f.repro),
                       "verified": sum(1 for f, _ in findings if f.repro and f.repro.verified)}
     result_findings = [f for f, _ in findings]
-    status, reason = _status(rows, counts, has_findings=bool(result_findings), setup_error=runner.setup_error)
+    status, reason = _status(rows, counts, has_findings=bool(result_findings), setup_error=setup_error)
     return ModeResult(status=status, findings=result_findings, reason=reason, data=data,
                       duration_s=time.monotonic() - t_start)
 
@@ -260,10 +289,24 @@ def _probe_rows(probes: list[dict[str, Any]], outcomes: Mapping[str, Any], by_ke
         rows.append({"id": p["id"], "op": p["op"], "signature": sig.describe()[:300], "status": o["status"],
                      "stage": o.get("stage"), "error_type": o.get("error_type"), "seconds": o.get("seconds"),
                      "message": (o.get("message") or "")[:500], "compare": o.get("compare"), "ran": o.get("ran")})
-        if _is_finding(o):
+        if o.get("group"):  # passed inside a group of this many probes compiled as one graph (`grouptest`)
+            rows[-1]["group"] = o["group"]
+        if o.get("fails_together"):
+            rows[-1]["fails_together"] = o["fails_together"]
+        if is_finding(o):
             op = attributed_op(p["op"], o)
             failures.setdefault(op, []).append(_Failure(op=op, signature=sig, probe=p, outcome=o))
     return rows, failures
+
+
+def _fails_together(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Sets of probes that failed as one group while each passes alone (`grouptest`): noted, not findings."""
+    seen: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        t = r.get("fails_together")
+        if t:
+            seen.setdefault(str(t.get("message")), {"ops": t.get("ops"), "message": t.get("message")})
+    return list(seen.values())[:20]
 
 
 def _status(rows: list[dict[str, Any]], counts: Mapping[str, int], *, has_findings: bool,
@@ -289,7 +332,7 @@ def _status(rows: list[dict[str, Any]], counts: Mapping[str, int], *, has_findin
     return status, reason
 
 
-def _is_finding(outcome: Mapping[str, Any]) -> bool:
+def is_finding(outcome: Mapping[str, Any]) -> bool:
     """Failures become findings; so does a probe that could not be built (its op did not resolve, its module did
     not import, Dynamo could not trace it), but not one whose synthetic inputs CPU eager rejects as well."""
     if outcome["status"] == "probe_error":
@@ -297,7 +340,7 @@ def _is_finding(outcome: Mapping[str, Any]) -> bool:
     return outcome["status"] in FAILED
 
 
-def _take_inventory(ctx: "ModeContext", level: str) -> Inventory:
+def take_model_inventory(ctx: "ModeContext", level: str) -> Inventory:
     """From a meta-device model (no weights) when the model source can build one, else from the CPU model."""
     device = ctx.backend.device
     errors: list[str] = []
@@ -336,11 +379,10 @@ def _cleanup(work: Path) -> None:
     shutil.rmtree(work, ignore_errors=True)
 
 
-def _findings(ctx: "ModeContext", failures: Mapping[str, list[_Failure]], inventory: Inventory, level: str,
-              opts: OpsOptions, ops_dir: Path) -> list[tuple[Finding, dict[str, Any]]]:
+def _findings(spec: BackendSpec, model_id: str, env_stamp: Mapping[str, Any], failures: Mapping[str, list[_Failure]],
+              level: str, opts: OpsOptions, ops_dir: Path) -> list[tuple[Finding, dict[str, Any]]]:
     """One finding per failing op (its most severe failure), each with a rendered repro, not yet verified."""
 
-    spec = ctx.cell.backend
     recipe = backend_recipe(spec)
     out: list[tuple[Finding, dict[str, Any]]] = []
     for op in sorted(failures, key=lambda o: min(f.probe["id"] for f in failures[o])):
@@ -386,7 +428,7 @@ def _findings(ctx: "ModeContext", failures: Mapping[str, list[_Failure]], invent
             command = f"PYTHONPATH={os.pathsep.join(recipe.pythonpath)} {command}"
         text = render_repro(op=op, kind=kind, stage=lead.outcome.get("stage") or "run", error_type=error_type,
                             message=message, signature=lead.signature, probe=lead.probe, recipe=recipe,
-                            backend_id=spec.id, model_id=ctx.cell.model.id, ir=level, env_stamp=ctx.env,
+                            backend_id=spec.id, model_id=model_id, ir=level, env_stamp=env_stamp,
                             tolerance=tuple(lead.probe["tolerance"]), compare_results=opts.compare,
                             command=command, crash=status in ("crashed", "timeout"))
         write_script(script, text)
@@ -425,7 +467,7 @@ def _same_fault(how: Mapping[str, Any], exit_code: int | None, output: str, note
     return True, note
 
 
-def _verify_all(ctx: "ModeContext", findings: list[tuple[Finding, dict[str, Any]]], opts: OpsOptions) -> None:
+def _verify_all(remaining: Callable[[], float], findings: list[tuple[Finding, dict[str, Any]]], opts: OpsOptions) -> None:
     """Run each repro in a fresh process; `verified` when it fails with the same error type and op text."""
 
     findings = [item for item in findings if item[0].repro is not None]
@@ -443,7 +485,7 @@ def _verify_all(ctx: "ModeContext", findings: list[tuple[Finding, dict[str, Any]
         timeout = opts.verify_timeout
         if how["status"] == "timeout":
             timeout = min(opts.verify_timeout, opts.probe_timeout)
-        if ctx.remaining() < timeout + 5:
+        if remaining() < timeout + 5:
             finding.repro.note = "not verified: the cell's time ran out"
             return
         env = {str(k): str(v) for k, v in how["recipe"].env.items()}

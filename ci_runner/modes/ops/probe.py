@@ -19,7 +19,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -30,7 +30,8 @@ from ...engine.failure import classify, error_text
 from ...fsutil import append_line
 from ...engine.isolate import Attempt, IsolatedResult, child_journal, supervise
 from .compare import compare, matches_any, mismatch_metrics, no_compare_reason
-from .signature import iter_tensor_specs, resolve_callable
+from ...engine.codec import decode_value, source_of, tensor_specs
+from .signature import resolve_callable
 from ...options import OpsOptions
 from ...engine.tree import map_tensors
 
@@ -40,6 +41,10 @@ POSITIVE_INPUT_OPS = ("log", "log2", "log10", "log1p", "sqrt", "rsqrt", "pow", "
                       "float_power", "true_divide", "divide", "special_*", "_weight_norm*")
 _CHILD_STARTUP_S = 60.0  # importing torch, the backend and Dynamo's first compile, on a loaded 2-core machine
 _MIN_PROBES_PER_CHILD = 24
+GROUP_PREFIX = "g:"  # journal tag of a group of probes compiled as one graph (`grouptest`): g:<id>,<id>,…
+TOGETHER_PREFIX = "together:"  # result row of a set that fails only together (`grouptest`)
+_GROUP_ENTRY = "ci_runner.modes.ops.grouptest:probe_groups"
+_SINGLE_ENTRY = "ci_runner.modes.ops.probe:probe_batch"
 
 
 # --------------------------------------------------------------------------------------------- synthetic inputs
@@ -70,7 +75,7 @@ def with_ranges(op: str, args: list[Any], kwargs: dict[str, Any]) -> tuple[list[
     at most 16: valid for embedding, gather, index, index_select … whichever dimension they index.
     """
     args, kwargs = json.loads(json.dumps(args)), json.loads(json.dumps(kwargs))
-    specs = list(iter_tensor_specs([args, kwargs]))
+    specs = list(tensor_specs([args, kwargs]))
     positive = matches_any(op, POSITIVE_INPUT_OPS)
     for i, spec in enumerate(specs):
         dtype = spec["dtype"]
@@ -90,59 +95,17 @@ def probe_seed(key: str) -> int:
     return zlib.crc32(key.encode("utf-8")) & 0x7FFFFFFF
 
 
-def _decode(enc: Any, tensors: Iterable[torch.Tensor], device: str) -> Any:
-    """An encoded argument back to a value; tensors are taken from `tensors` in order."""
-    it = tensors if isinstance(tensors, _TensorIter) else _TensorIter(tensors)
-
-    def dec(v: Any) -> Any:
-        if isinstance(v, dict):
-            if "__tensor__" in v:
-                return next(it)
-            if "__dtype__" in v:
-                return getattr(torch, v["__dtype__"])
-            if "__device__" in v:
-                return torch.device(device)
-            if "__layout__" in v:
-                return getattr(torch, v["__layout__"])
-            if "__memory_format__" in v:
-                return getattr(torch, v["__memory_format__"])
-            if "__float__" in v:
-                return float(v["__float__"])
-            if "__slice__" in v:
-                return slice(*(dec(x) for x in v["__slice__"]))
-            if "__ellipsis__" in v:
-                return Ellipsis
-            if "__tuple__" in v:
-                return tuple(dec(x) for x in v["__tuple__"])
-            raise ValueError(f"cannot rebuild argument {v!r}")
-        if isinstance(v, list):
-            return [dec(x) for x in v]
-        return v
-
-    return dec(enc)
-
-
-class _TensorIter:
-    def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
-        self._it = iter(tensors)
-
-    def __iter__(self) -> "_TensorIter":
-        return self
-
-    def __next__(self) -> torch.Tensor:
-        return next(self._it)
-
-
 def build_tensors(args: Any, kwargs: Any, seed: int) -> list[torch.Tensor]:
     """The call's tensors on CPU, in argument order; tensor i is seeded with `seed + i`."""
     return [make_tensor(s["shape"], s["stride"], s["dtype"], s["low"], s["high"], seed + i)
-            for i, s in enumerate(iter_tensor_specs([args, kwargs]))]
+            for i, s in enumerate(tensor_specs([args, kwargs]))]
 
 
 def assemble(args: Any, kwargs: Any, tensors: Sequence[torch.Tensor], device: str) -> tuple[list[Any], dict[str, Any]]:
     """Arguments for the op: the encoded structure with `tensors` in place and devices set to `device`."""
-    it = _TensorIter(tensors)
-    return [_decode(a, it, device) for a in args], {k: _decode(v, it, device) for k, v in kwargs.items()}
+    it = iter(tensors)
+    return ([decode_value(a, it, device=device) for a in args],
+            {k: decode_value(v, it, device=device) for k, v in kwargs.items()})
 
 
 def call_source(args: Any, kwargs: Any) -> tuple[list[str], list[str], str]:
@@ -150,38 +113,14 @@ def call_source(args: Any, kwargs: Any) -> tuple[list[str], list[str], str]:
     names: list[str] = []
     lines: list[str] = []
 
-    def src(v: Any) -> str:
-        if isinstance(v, dict):
-            if "__tensor__" in v:
-                s = v["__tensor__"]
-                name = f"t{len(names)}"
-                lines.append(f"{name} = make_tensor({list(s['shape'])!r}, {list(s['stride'])!r}, {s['dtype']!r}, "
-                             f"{s['low']!r}, {s['high']!r}, SEED + {len(names)})")
-                names.append(name)
-                return name
-            if "__dtype__" in v:
-                return f"torch.{v['__dtype__']}"
-            if "__device__" in v:
-                return "torch.device(device)"
-            if "__layout__" in v:
-                return f"torch.{v['__layout__']}"
-            if "__memory_format__" in v:
-                return f"torch.{v['__memory_format__']}"
-            if "__float__" in v:
-                return f"float({v['__float__']!r})"
-            if "__slice__" in v:
-                return f"slice({', '.join(src(x) for x in v['__slice__'])})"
-            if "__ellipsis__" in v:
-                return "..."
-            if "__tuple__" in v:
-                items = [src(x) for x in v["__tuple__"]]
-                return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
-            raise ValueError(f"cannot write argument {v!r} as source")
-        if isinstance(v, list):
-            return "[" + ", ".join(src(x) for x in v) + "]"
-        return repr(v)
+    def tensor(s: Mapping[str, Any]) -> str:
+        name = f"t{len(names)}"
+        lines.append(f"{name} = make_tensor({list(s['shape'])!r}, {list(s['stride'])!r}, {s['dtype']!r}, "
+                     f"{s['low']!r}, {s['high']!r}, SEED + {len(names)})")
+        names.append(name)
+        return name
 
-    parts = [src(a) for a in args] + [f"{k}={src(v)}" for k, v in kwargs.items()]
+    parts = [source_of(a, tensor) for a in args] + [f"{k}={source_of(v, tensor)}" for k, v in kwargs.items()]
     return lines, names, ", ".join(parts)
 
 
@@ -196,7 +135,7 @@ def op_expression(op: str) -> str:
 def float_dtype(args: Any, kwargs: Any) -> str:
     """The lowest-precision floating dtype among the inputs (its tolerance applies), float32 when none."""
     order = ["bfloat16", "float16", "float32", "complex64", "float64", "complex128"]
-    found = [s["dtype"] for s in iter_tensor_specs([args, kwargs]) if s["dtype"] in order]
+    found = [s["dtype"] for s in tensor_specs([args, kwargs]) if s["dtype"] in order]
     if not found:
         for v in kwargs.values():
             if isinstance(v, dict) and "__dtype__" in v and v["__dtype__"] in order:
@@ -322,12 +261,12 @@ def run_probe(backend: Any, probe: Mapping[str, Any], *, compare_results: bool,
         out["seconds"] = round(time.monotonic() - t0, 4)
         return out
 
-    op = _resolve_op(probe)
+    op = resolve_op(probe)
     if isinstance(op, dict):
         return done(**op)
     eager = bool(getattr(backend, "is_eager", False))
     device = str(getattr(backend, "device", "cpu"))
-    ref = _reference(op, probe)
+    ref = reference(op, probe)
     try:
         tensors = [backend.to_device(t) for t in build_tensors(probe["args"], probe["kwargs"], int(probe["seed"]))]
     except Exception as exc:
@@ -349,10 +288,10 @@ def run_probe(backend: Any, probe: Mapping[str, Any], *, compare_results: bool,
         if why:
             return done(status="inconclusive", stage="run", error_type=None, ran=ran,
                         message=f"{probe['op']} did not run on the backend: {why}"[:2000])
-    return done(**_judge(probe, ref, value, compare_results=compare_results, tolerance=tolerance), ran=ran)
+    return done(**judge(probe, ref, value, compare_results=compare_results, tolerance=tolerance), ran=ran)
 
 
-def _resolve_op(probe: Mapping[str, Any]) -> Any:
+def resolve_op(probe: Mapping[str, Any]) -> Any:
     """The op's callable, after importing the modules that register it; a `probe_error` outcome when it fails."""
     for module in probe.get("imports") or ():
         try:
@@ -369,7 +308,7 @@ def _resolve_op(probe: Mapping[str, Any]) -> Any:
 
 
 @dataclass
-class _Reference:
+class Reference:
     """The op on CPU eager: its (selected) outputs and inputs, or the exception it raised."""
 
     value: Any = None
@@ -377,8 +316,8 @@ class _Reference:
     inputs: list[Any] = field(default_factory=list)
 
 
-def _reference(op: Any, probe: Mapping[str, Any]) -> _Reference:
-    ref = _Reference()
+def reference(op: Any, probe: Mapping[str, Any]) -> Reference:
+    ref = Reference()
     args, kwargs = probe["args"], probe["kwargs"]
     try:
         ref_args, ref_kwargs = assemble(args, kwargs, build_tensors(args, kwargs, int(probe["seed"])), "cpu")
@@ -402,7 +341,7 @@ class _TargetRun:
     graph: Any = None  # … and the one-op graph handed to it (None: go through torch.compile)
 
 
-def _fx_path(backend: Any, op: Any, probe: Mapping[str, Any], tensors: list[Any], ref: _Reference, run: _TargetRun,
+def _fx_path(backend: Any, op: Any, probe: Mapping[str, Any], tensors: list[Any], ref: Reference, run: _TargetRun,
              *, device: str) -> None:
     """`via="fx"`: the backend's compiler function and the one-op graph for it, when the backend and the op's
     outputs allow one (else the probe goes through torch.compile)."""
@@ -468,7 +407,7 @@ def _target_failure(exc: BaseException, run: _TargetRun, *, eager: bool, ref_exc
     return info
 
 
-def _judge(probe: Mapping[str, Any], ref: _Reference, value: Any, *, compare_results: bool,
+def judge(probe: Mapping[str, Any], ref: Reference, value: Any, *, compare_results: bool,
            tolerance: tuple[float, float]) -> dict[str, Any]:
     """The comparison with CPU eager: ok, skipped (with why) or a mismatch with its metrics."""
     op_name = probe["op"]
@@ -547,6 +486,7 @@ class ProbeRunner:
             return self._attempt
 
     def run(self, probes: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """Outcome per probe id; a probe in a set that fails only together carries `fails_together`."""
         self.work_dir.mkdir(parents=True, exist_ok=True)
         # a child costs a Python + torch + backend start-up: only split when each gets a fair share of probes
         workers = max(1, min(self.opts.workers, len(probes) // _MIN_PROBES_PER_CHILD))
@@ -558,7 +498,7 @@ class ProbeRunner:
             with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
                 for part in pool.map(self._run_shard, shards):
                     results.update(part)
-        return results
+        return _attach_together(results)
 
     def _run_shard(self, shard: _Shard) -> dict[str, dict[str, Any]]:
         """The shard's probes in children (`isolate.supervise`): a child that dies costs the probe it was in."""
@@ -584,7 +524,8 @@ class ProbeRunner:
             attempt = self._next_attempt()
             results_path = self.work_dir / f"probes-{attempt:03d}.jsonl"
             payload = {"backend": spec_to_json(self.spec), "probes": batch, "results": str(results_path),
-                       "probe_timeout": self.opts.probe_timeout, "compare": self.opts.compare, "via": self.opts.via}
+                       "probe_timeout": self.opts.probe_timeout, "compare": self.opts.compare, "via": self.opts.via,
+                       "group_size": self.opts.group_size if self.opts.group_testing else 1}
             tag = f"{attempt}:{batch[0]['id']}..{batch[-1]['id']}"
             if self.journal:
                 self.journal("enter-probe-batch", tag)
@@ -614,14 +555,30 @@ class ProbeRunner:
                 for p in left + pending:
                     results[p["id"]] = not_run_outcome(p, f"probe process failed before probing: {self.setup_error}")
                 return "the probe process failed before probing"
+            members = set(open_id[len(GROUP_PREFIX):].split(",")) if (open_id or "").startswith(GROUP_PREFIX) else set()
+            if members:  # a group crashed or hung: its members go alone
+                cap = 1  # probed alone: a crash or a hang then costs one probe, as without groups
+                pending = [{**p, "group_cap": cap} if p["id"] in members else p for p in left] + pending
+                return None
             culprit = next((p for p in left if p["id"] == open_id), left[0])
             results[culprit["id"]] = _crash_outcome(culprit, res, self.opts.probe_timeout)
             pending = [p for p in left if p is not culprit] + pending
             return None
 
-        supervise("ci_runner.modes.ops.probe:probe_batch", journal=journal_path, kind="probe", next_attempt=next_attempt,
+        entry = _GROUP_ENTRY if self.opts.group_testing and self.opts.group_size > 1 else _SINGLE_ENTRY
+        supervise(entry, journal=journal_path, kind="probe", next_attempt=next_attempt,
                   on_ok=on_ok, on_crash=on_crash, env=env)
         return results
+
+
+def _attach_together(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The probe outcomes, each `together:` row (`grouptest`) copied onto its members as `fails_together`."""
+    rows = {k: results.pop(k) for k in [k for k in results if k.startswith(TOGETHER_PREFIX)]}
+    for row in rows.values():
+        for pid in row.get("members") or ():
+            if pid in results:
+                results[pid]["fails_together"] = {"ops": list(row.get("ops") or ()), "message": row.get("message")}
+    return results
 
 
 def not_run_outcome(probe: Mapping[str, Any], why: str) -> dict[str, Any]:

@@ -1,146 +1,24 @@
-"""The op inventory's record model: an op call's arguments encoded as JSON, a signature, a call site, an inventory.
+"""The op inventory's record model: an op call's arguments as specs, a signature, a call site, an inventory.
 
-Tensors are recorded as shape / dtype / stride (values are synthetic when probed), scalars as values, devices and
-dtypes by name (`encode_value`). An `OpSignature` is one distinct (op, arguments); an `Inventory` holds one trace's
-signatures in first-call order and round-trips through JSON. The tracers that build it are in `inventory`.
+An op call's arguments are written in the one wire format (`engine/codec.py`, `encode_arg`): tensors by shape,
+dtype and stride (values are synthetic when probed), scalars as values, devices and dtypes by name. An
+`OpSignature` is one distinct (op, arguments); an `Inventory` holds one trace's signatures in first-call order and
+round-trips through JSON. The tracers that build it are in `inventory`.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-_DTYPE_SHORT = {
-    "float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16", "int64": "i64", "int32": "i32",
-    "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "b8", "complex64": "c64", "complex128": "c128",
-}
+from ...engine.codec import describe_value, is_opaque
 
 
-# --------------------------------------------------------------------------------------------- encoding
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    value = getattr(torch, name, None)
-    if not isinstance(value, torch.dtype):
-        raise ValueError(f"not a torch dtype: {name!r}")
-    return value
-
-
-def tensor_spec(t: torch.Tensor) -> dict[str, Any]:
-    """What a probe needs to rebuild a tensor argument: shape, stride, dtype (values are synthetic)."""
-    shape = [int(s) for s in t.shape]
-    try:
-        stride = [int(s) for s in t.stride()]
-    except (RuntimeError, NotImplementedError):  # sparse or nested: take the contiguous layout
-        stride = _contiguous_stride(shape)
-    return {"shape": shape, "stride": stride, "dtype": dtype_name(t.dtype)}
-
-
-def _contiguous_stride(shape: Sequence[int]) -> list[int]:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= max(int(s), 1)
-    return list(reversed(stride))
-
-
-def encode_value(value: Any, tensor_of: Callable[[Any], torch.Tensor | None] = lambda v: None) -> Any:
-    """A JSON-able description of an op argument. `tensor_of` maps graph nodes to their (fake) tensor value.
-
-    Tagged forms: ``{"__tensor__": spec}``, ``{"__dtype__": name}``, ``{"__device__": type}``, ``{"__layout__": …}``,
-    ``{"__memory_format__": …}``, ``{"__float__": "inf"|"-inf"|"nan"}``, ``{"__slice__": [start, stop, step]}``,
-    ``{"__ellipsis__": true}``, ``{"__tuple__": [...]}``; anything else unrepresentable is ``{"__opaque__": repr}``.
-    """
-    t = tensor_of(value)
-    if t is not None:
-        value = t
-    if isinstance(value, torch.Tensor):
-        return {"__tensor__": tensor_spec(value)}
-    if value is None or isinstance(value, (bool, str)):
-        return value
-    if isinstance(value, int):
-        return int(value)
-    if isinstance(value, float):
-        if math.isnan(value):
-            return {"__float__": "nan"}
-        if math.isinf(value):
-            return {"__float__": "inf" if value > 0 else "-inf"}
-        return value
-    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        hint = value.node.hint if hasattr(value, "node") else None
-        return encode_value(hint) if hint is not None else {"__opaque__": str(value)}
-    if isinstance(value, torch.dtype):
-        return {"__dtype__": dtype_name(value)}
-    if isinstance(value, torch.device):
-        return {"__device__": value.type}
-    if isinstance(value, torch.layout):
-        return {"__layout__": str(value).removeprefix("torch.")}
-    if isinstance(value, torch.memory_format):
-        return {"__memory_format__": str(value).removeprefix("torch.")}
-    if isinstance(value, slice):
-        return {"__slice__": [encode_value(value.start), encode_value(value.stop), encode_value(value.step)]}
-    if value is Ellipsis:
-        return {"__ellipsis__": True}
-    if isinstance(value, tuple):
-        return {"__tuple__": [encode_value(v, tensor_of) for v in value]}
-    if isinstance(value, list):
-        return [encode_value(v, tensor_of) for v in value]
-    return {"__opaque__": repr(value)[:200]}
-
-
-def iter_tensor_specs(enc: Any) -> Iterator[dict[str, Any]]:
-    """Every tensor spec inside an encoded argument tree, in order."""
-    if isinstance(enc, dict):
-        if "__tensor__" in enc:
-            yield enc["__tensor__"]
-            return
-        for v in enc.values():
-            yield from iter_tensor_specs(v)
-    elif isinstance(enc, list):
-        for v in enc:
-            yield from iter_tensor_specs(v)
-
-
-def is_opaque(enc: Any) -> bool:
-    """True when an encoded tree holds a value a probe cannot rebuild."""
-    if isinstance(enc, dict):
-        return "__opaque__" in enc or any(is_opaque(v) for v in enc.values())
-    if isinstance(enc, list):
-        return any(is_opaque(v) for v in enc)
-    return False
-
-
-def describe_value(enc: Any) -> str:
-    """Short human text for an encoded argument: `f32[1, 12, 4]`, `bf16[4, 6]{stride=(1, 4)}`, `2`, `float32`."""
-    if isinstance(enc, dict):
-        if "__tensor__" in enc:
-            spec = enc["__tensor__"]
-            text = f"{_DTYPE_SHORT.get(spec['dtype'], spec['dtype'])}{list(spec['shape'])}"
-            if list(spec["stride"]) != _contiguous_stride(spec["shape"]) and math.prod(spec["shape"]) > 1:
-                text += f"{{stride={tuple(spec['stride'])}}}"
-            return text
-        for tag in ("__dtype__", "__device__", "__layout__", "__memory_format__", "__float__", "__opaque__"):
-            if tag in enc:
-                return str(enc[tag])
-        if "__slice__" in enc:
-            return ":".join("" if v is None else describe_value(v) for v in enc["__slice__"])
-        if "__ellipsis__" in enc:
-            return "..."
-        if "__tuple__" in enc:
-            return "(" + ", ".join(describe_value(v) for v in enc["__tuple__"]) + ")"
-        return "{" + ", ".join(f"{k}: {describe_value(v)}" for k, v in enc.items()) + "}"
-    if isinstance(enc, list):
-        return "[" + ", ".join(describe_value(v) for v in enc) + "]"
-    return repr(enc)
-
+# --------------------------------------------------------------------------------------------- identity
 
 def signature_key(op: str, args: Any, kwargs: Any, outputs: Sequence[int] | None = None) -> str:
     """The identity of a signature: op, encoded arguments and, when the graph uses only some outputs, which."""
@@ -288,7 +166,4 @@ def ops_in(signatures: Iterable[OpSignature]) -> set[str]:
 
 
 
-__all__ = [
-    "CallSite", "OpSignature", "Inventory", "encode_value", "describe_value", "iter_tensor_specs", "is_opaque",
-    "tensor_spec", "dtype_from_name", "dtype_name", "resolve_callable", "load_inventory", "ops_in", "signature_key",
-]
+__all__ = ["CallSite", "OpSignature", "Inventory", "resolve_callable", "load_inventory", "ops_in", "signature_key"]

@@ -10,11 +10,11 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from tests.fixtures.paths import ROOT
 
+pytestmark = pytest.mark.subprocess  # each fault takes its own child process down
 
 SCRIPT = """
 import sys, torch

@@ -1,0 +1,264 @@
+"""Group testing: many independent op probes compiled as ONE graph, bisected only where the group fails.
+
+A group is one function that calls each probe's op on its own synthetic inputs and returns every output, compiled
+once through `torch.compile` (the backend sees one FX graph) and compared output by output with CPU eager. Then:
+
+* the group compiled, ran on the backend and every output matches: each member passes (one compile for all);
+* an output mismatches: that member is probed alone, and its single-probe outcome is the verdict (a backend may
+  fuse ops and round differently in a group);
+* the group raised, or it did not run on the backend (`not_ran_reason`: no graph, graph breaks, Dynamo fell back
+  to eager, the backend's own fallback), or the backend was given fewer op nodes than members (outputs optimized
+  away): the group is split in halves, down to single probes, whose outcomes are exactly today's one-at-a-time
+  ones. When a failing group's members all pass alone, it "fails only together": the smallest failing subset
+  found (members dropped one by one while the rest still fails) is reported on each member's outcome
+  (`fails_together`), not as a finding, since no op fails alone.
+
+Guards against groups that hide failures: eager devices, the `fx` path, ops CPU eager rejects, and ops without
+tensor outputs are never grouped; a crash or a hang of a group is journalled under the group's tag
+(`g:<ids>`): the parent splits a crashed group in halves and a hung one into single probes (`group_cap`).
+Everything a probe pays besides its compile (the child process, imports, the backend's setup, the Dynamo reset,
+the reference run) is paid once per child, or once per group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+
+from ...backends import CompileRecord, DynamoCounters, FallbackWatch, named_op_from_error, not_ran_reason, resolve_backend
+from ...config import BackendSpec, spec_from_json
+from ...engine.diagnostics import capture_fd2
+from ...engine.failure import error_text
+from ...engine.isolate import child_journal
+from ...engine.tree import map_tensors
+from ...fsutil import append_line
+from .probe import (GROUP_PREFIX, TOGETHER_PREFIX, Reference, assemble, build_tensors, judge, packet_of, reference,
+                    resolve_op, run_probe, select_outputs)
+
+_REDUCE_ATTEMPTS = 24  # most group compiles spent shrinking a "fails only together" set
+
+
+@dataclass
+class _Member:
+    probe: Mapping[str, Any]
+    op: Any
+    ref: Reference
+
+
+@dataclass
+class _Attempt:
+    ok: bool
+    values: list[Any] | None = None
+    why: str = ""  # what went wrong, when not ok
+    raised: bool = False  # the group raised (not merely "did not run on the backend")
+    named: str | None = None  # the op the error names, when it names one
+    ran: dict[str, Any] | None = None
+    seconds: float = 0.0
+
+
+def plan_tasks(probes: Sequence[Mapping[str, Any]], size: int) -> list[list[Mapping[str, Any]]]:
+    """Consecutive probes in groups of at most `size`, each probe's `group_cap` respected (1: alone)."""
+    tasks: list[list[Mapping[str, Any]]] = []
+    cur: list[Mapping[str, Any]] = []
+    cap = size
+    for p in probes:
+        pcap = max(1, min(size, int(p.get("group_cap") or size)))
+        if cur and (pcap != cap or len(cur) >= cap):
+            tasks.append(cur)
+            cur = []
+        cap = pcap
+        cur.append(p)
+    if cur:
+        tasks.append(cur)
+    return tasks
+
+
+def group_tag(probes: Sequence[Mapping[str, Any]]) -> str:
+    return GROUP_PREFIX + ",".join(str(p["id"]) for p in probes)
+
+
+class _Runner:
+    """One child's probing: single probes as `probe.run_probe`, groups as one compile, every outcome emitted."""
+
+    def __init__(self, backend: Any, *, compare_results: bool, timeout: float, via: str,
+                 emit: Callable[[dict[str, Any]], None]) -> None:
+        self.backend = backend
+        self.compare = compare_results
+        self.timeout = timeout
+        self.via = via
+        self.emit = emit
+        self.device = str(getattr(backend, "device", "cpu"))
+
+    @contextlib.contextmanager
+    def guard(self, tag: str, timeout: float) -> Iterator[None]:
+        """Journal `tag` and end the process (faulthandler) when it outlives `timeout`."""
+        child_journal("enter-probe", tag)
+        faulthandler.dump_traceback_later(timeout, exit=True)
+        try:
+            yield
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+        child_journal("leave-probe", tag)
+
+    def single(self, probe: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
+        with self.guard(str(probe["id"]), self.timeout):
+            out = run_probe(self.backend, probe, compare_results=self.compare, tolerance=tuple(probe["tolerance"]),
+                            via=self.via)
+        out.update(extra)
+        self.emit(out)
+        return out
+
+    def task(self, probes: Sequence[Mapping[str, Any]]) -> None:
+        """A planned task: groupable members as one group, the rest alone."""
+        members: list[_Member] = []
+        for p in probes:
+            m = None
+            if len(probes) > 1:
+                with self.guard(str(p["id"]), self.timeout):  # the CPU reference: a crash there is this probe's
+                    m = self._member(p)
+            if m is None:
+                self.single(p)
+            else:
+                members.append(m)
+        if len(members) == 1:
+            self.single(members[0].probe)
+        elif members:
+            self.solve(members)
+
+    def _member(self, probe: Mapping[str, Any]) -> _Member | None:
+        """The probe as a group member, or None when it must run alone (see the module docstring)."""
+        op = resolve_op(probe)
+        if isinstance(op, dict):
+            return None
+        ref = reference(op, probe)
+        value = ref.value
+        tensors = [value] if isinstance(value, torch.Tensor) else value
+        if ref.exc is not None or not isinstance(tensors, (list, tuple)) or not tensors or \
+                not all(isinstance(v, torch.Tensor) for v in tensors):
+            return None
+        return _Member(probe=probe, op=op, ref=ref)
+
+    def solve(self, members: list[_Member]) -> list[dict[str, Any]]:
+        """Outcomes of `members`: one compile when the group passes, else the halves, down to single probes."""
+        if len(members) == 1:
+            return [self.single(members[0].probe)]
+        att = self.attempt(members)
+        if att.ok:
+            return [self._judged(m, v, att, len(members)) for m, v in zip(members, att.values or [])]
+        outs = self._split(members, att)
+        if att.raised and all(o["status"] == "pass" for o in outs):
+            self._together(members, att.why)
+        return outs
+
+    def _split(self, members: list[_Member], att: _Attempt) -> list[dict[str, Any]]:
+        """A failed group's outcomes: the members whose op the error names first, alone (a vendor compiler names
+        the first op it refuses); when one of them fails alone, the rest again as a group; else the halves."""
+        named = packet_of(att.named) if att.named else None
+        suspects = [m for m in members if named and packet_of(str(m.probe["op"])) == named]
+        if suspects and len(suspects) < len(members):
+            outs = [self.single(m.probe) for m in suspects]
+            rest = [m for m in members if not any(m is x for x in suspects)]
+            if any(o["status"] != "pass" for o in outs):
+                return outs + self.solve(rest)
+            members = rest
+            head = outs
+        else:
+            head = []
+        if len(members) == 1:
+            return head + [self.single(members[0].probe)]
+        half = len(members) // 2
+        return head + self.solve(members[:half]) + self.solve(members[half:])
+
+    def _judged(self, m: _Member, value: Any, att: _Attempt, n: int) -> dict[str, Any]:
+        verdict = judge(m.probe, m.ref, value, compare_results=self.compare, tolerance=tuple(m.probe["tolerance"]))
+        if verdict.get("status") == "mismatch":  # decided alone: the group may have fused and rounded differently
+            return self.single(m.probe, group_mismatch=verdict.get("message"))
+        out = {"id": m.probe["id"], "op": m.probe["op"], "status": "pass", "stage": None, "error_type": None,
+               "message": "", "named_op": None, "named_text": None, "metrics": {}, **verdict,
+               "ran": {"graphs": 1, "graphs_executed": 1, "nodes": 1, "group": n},
+               "seconds": round(att.seconds / n, 4), "group": n}
+        self.emit(out)
+        return out
+
+    def attempt(self, members: Sequence[_Member]) -> _Attempt:
+        """Compile and run the members as one graph; ok only when the backend compiled and ran every op."""
+        probes = [m.probe for m in members]
+        t0 = time.monotonic()
+        with self.guard(group_tag(probes), self.timeout * 2):
+            att = self._compile_run(members)
+        att.seconds = time.monotonic() - t0
+        return att
+
+    def _compile_run(self, members: Sequence[_Member]) -> _Attempt:
+        spans, tensors = [], []
+        for m in members:
+            ts = [self.backend.to_device(t) for t in build_tensors(m.probe["args"], m.probe["kwargs"],
+                                                                    int(m.probe["seed"]))]
+            spans.append((len(tensors), len(tensors) + len(ts)))
+            tensors.extend(ts)
+        device = self.device
+
+        def fn(*ts: torch.Tensor) -> tuple[Any, ...]:
+            outs = []
+            for m, (lo, hi) in zip(members, spans):
+                a, k = assemble(m.probe["args"], m.probe["kwargs"], ts[lo:hi], device)
+                outs.append(select_outputs(m.op(*a, **k), m.probe.get("outputs")))
+            return tuple(outs)
+
+        counters = DynamoCounters()
+        watch = FallbackWatch(getattr(getattr(self.backend, "spec", None), "compile", None))
+        record: CompileRecord | None = None
+        try:
+            with capture_fd2(), watch, counters:
+                torch._dynamo.reset()
+                compiled, record = self.backend.compile_recorded(fn)
+                values = map_tensors(lambda t: t.detach().to("cpu"), compiled(*tensors))
+        except Exception as exc:
+            text = error_text(exc)
+            return _Attempt(ok=False, raised=True, why=f"{type(exc).__name__}: {text[:400]}",
+                            named=named_op_from_error(text)[0])
+        why = not_ran_reason(record, counters, watch)
+        nodes = record.summary()["nodes"] if record is not None else 0
+        if not why and nodes < len(members):
+            why = f"the backend was given {nodes} op node(s) for {len(members)} probes (outputs optimized away)"
+        if why:
+            return _Attempt(ok=False, why=why)
+        return _Attempt(ok=True, values=list(values), ran={"nodes": nodes})
+
+    def _together(self, members: list[_Member], why: str) -> None:
+        """The smallest failing subset of a group whose members all pass alone, emitted as a `together:` row."""
+        current = list(members)
+        attempts = 0
+        for m in list(members):
+            if len(current) <= 2 or attempts >= _REDUCE_ATTEMPTS:
+                break
+            trial = [x for x in current if x is not m]
+            attempts += 1
+            att = self.attempt(trial)
+            if not att.ok and att.raised:
+                current, why = trial, att.why
+        self.emit({"id": TOGETHER_PREFIX + ",".join(str(m.probe["id"]) for m in current),
+                   "members": [m.probe["id"] for m in current], "ops": [m.probe["op"] for m in current],
+                   "message": f"fails only together ({len(current)} probes, each passes alone): {why}"[:2000]})
+
+
+def probe_groups(payload: Mapping[str, Any]) -> dict[str, Any]:
+    """Isolated-child entry (`run_isolated`): rebuild the backend, run the probes in groups of
+    `payload["group_size"]` (see the module docstring), append each outcome to `payload["results"]`."""
+    backend = resolve_backend(spec_from_json(BackendSpec, payload["backend"]))
+    backend.prepare()
+    results = payload["results"]
+    runner = _Runner(backend, compare_results=bool(payload.get("compare", True)),
+                     timeout=float(payload["probe_timeout"]), via=str(payload.get("via", "dynamo")),
+                     emit=lambda o: append_line(results, json.dumps(o, default=str)))
+    groupable = not bool(getattr(backend, "is_eager", False)) and runner.via == "dynamo"
+    tasks = plan_tasks(payload["probes"], int(payload.get("group_size", 1)) if groupable else 1)
+    for task in tasks:
+        runner.task(task)
+    return {"probed": len(payload["probes"]), "tasks": len(tasks)}

@@ -1,0 +1,278 @@
+"""Small configs from an architecture's default config, with every distinct layer kind kept.
+
+`shrink(config, level)` works on the config's dict and rebuilds the config from it (so `__init__` re-derives what
+it derives). Four levels, tried in this order by the scan:
+
+* ``narrow``: few layers, fewer heads (head dim kept: RoPE sections, partial rotary and GQA ratios stay valid),
+  the hidden size following the heads, feed-forward sizes scaled by the same factor, few experts, small vocab.
+* ``twice``: as ``narrow`` with two layers of each kind (Zamba ties weights across its hybrid layers).
+* ``shallow``: only layers, experts and vocab; every width as in the default config.
+* ``default``: the default config itself, unchanged (when no shrunk config builds).
+
+Layers: each layer index gets a *kind*, the tuple of everything per-layer in the config (`layer_types`-style
+lists, index lists such as `attn_layer_indices` / `hybrid_layer_ids` / `mlp_only_layers`, `first_k_dense_replace`,
+period/offset and step rules as in Jamba, Zamba, Qwen2-MoE, Llama 4). When every per-layer item is a list, the
+first layer of each kind is kept and the lists are cut to those layers; a rule (period, step) cannot be cut that
+way, so the shortest prefix that holds every kind is kept instead. `first_k_dense_replace` becomes 1 first.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Mapping
+
+# level → (narrow widths, layers kept per kind)
+LEVEL_RULES: dict[str, tuple[bool, int]] = {"narrow": (True, 1), "twice": (True, 2), "shallow": (False, 1)}
+LEVELS: tuple[str, ...] = (*LEVEL_RULES, "default")
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+SIDE_LAYER_KEYS = ("encoder_layers", "decoder_layers", "num_encoder_layers", "num_decoder_layers", "text_layers",
+                   "vision_layers", "num_decoder_layer")
+HEAD_KEYS = ("num_attention_heads", "n_head", "num_heads", "encoder_attention_heads", "decoder_attention_heads",
+             "n_heads", "attention_heads")
+KV_KEYS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "num_key_value_groups_heads")
+HIDDEN_KEYS = ("hidden_size", "d_model", "n_embd", "embed_dim", "model_dim", "dim")
+FFN_KEYS = ("intermediate_size", "ffn_dim", "d_ff", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner",
+            "moe_intermediate_size", "shared_expert_intermediate_size", "ffn_hidden_size", "expert_intermediate_size",
+            "decoder_intermediate_size", "mlp_dim", "moe_ffn_hidden_size")
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+TOPK_KEYS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_k", "top_k", "num_selected_experts")
+VOCAB_KEYS = ("vocab_size", "decoder_vocab_size", "target_vocab_size")
+SMALL_VOCAB = 512
+# per-layer rules: (period key, offset key) → layer i matches when i % period == offset
+PERIOD_RULES = (("attn_layer_period", "attn_layer_offset"), ("expert_layer_period", "expert_layer_offset"))
+# step rules: key → layer i matches when (i + 1) % step == 0 (and i % step == 0, both kept in the kind)
+STEP_RULES = ("decoder_sparse_step", "interleave_moe_layer_step", "moe_layer_freq", "sliding_window_pattern",
+              "_sliding_window_pattern", "global_attn_every_n_layers", "no_rope_layer_interval", "sparse_step",
+              "moe_every_k_layers", "cross_attention_every_n_layers", "global_layer_every")
+# rules a config turns into its `layer_types` list in `__init__`: redundant once that list is there
+PATTERN_RULES = ("sliding_window_pattern", "_sliding_window_pattern", "global_attn_every_n_layers",
+                 "no_rope_layer_interval")
+DERIVED_LISTS = ("layer_types", "layers_block_type")
+INDEX_HINTS = ("layer", "idx", "indices", "ids")
+
+
+def _is_config_dict(key: str, value: Any) -> bool:
+    return isinstance(value, dict) and (("model_type" in value) or key.endswith("_config") or key in ("encoder", "decoder"))
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _layer_count(d: Mapping[str, Any]) -> tuple[str, int] | None:
+    for k in LAYER_KEYS:
+        if _int(d.get(k)) and d[k] > 0:
+            return k, int(d[k])
+    return None
+
+
+def _is_index_list(key: str, v: Any, n: int) -> bool:
+    """A list of layer indices (`attn_layer_indices`, `moe_layers`, `full_attn_idxs`, `hybrid_layer_ids`)."""
+    return (isinstance(v, list) and bool(v) and any(h in key for h in INDEX_HINTS)
+            and all(_int(x) and 0 <= x < n for x in v) and len(set(v)) == len(v)
+            and not (set(v) <= {0, 1} and len(v) == n))
+
+
+def _per_layer_lists(d: Mapping[str, Any], n: int) -> list[str]:
+    """Lists with one entry per layer (`layer_types`, `layers_block_type`, `no_rope_layers`) and pattern strings
+    (`hybrid_override_pattern`)."""
+    if n <= 1:
+        return []
+    return [k for k, v in d.items() if k != "architectures" and not _is_index_list(k, v, n)
+            and ((isinstance(v, list) and len(v) == n)
+                 or (isinstance(v, str) and len(v) == n and ("pattern" in k or "layer" in k)))]
+
+
+def _index_lists(d: Mapping[str, Any], n: int, lists: list[str]) -> list[str]:
+    return [k for k, v in d.items() if k not in lists and _is_index_list(k, v, n)]
+
+
+def layer_kinds(d: Mapping[str, Any], n: int) -> tuple[list[tuple[Any, ...]], bool]:
+    """The kind of each of the `n` layers, and whether a rule (not a list) decides some of it."""
+    lists = _per_layer_lists(d, n)
+    index = _index_lists(d, n, lists)
+    derived = any(k in lists for k in DERIVED_LISTS)  # the list the rules below were turned into
+    rules = [(p, o) for p, o in PERIOD_RULES if _int(d.get(p)) and d[p] > 0 and not derived]
+    steps = [k for k in STEP_RULES if _int(d.get(k)) and d[k] > 1 and not (derived and k in PATTERN_RULES)]
+    dense = int(d["first_k_dense_replace"]) if _int(d.get("first_k_dense_replace")) else None
+    kinds = []
+    for i in range(n):
+        kind: list[Any] = [str(d[k][i]) for k in lists]
+        kind += [i in d[k] for k in index]
+        kind += [i % d[p] == int(d.get(o) or 0) for p, o in rules]
+        kind += [((i + 1) % d[k] == 0, i % d[k] == 0) for k in steps]
+        if dense is not None:
+            kind.append(i < dense)
+        kinds.append(tuple(kind))
+    return kinds, bool(rules or steps)
+
+
+def _keep_layers(d: dict[str, Any], key: str, n: int, per_kind: int) -> None:
+    """Cut the layers of one config dict to `per_kind` of each kind (at least 2 when there were 2 or more)."""
+    if _int(d.get("first_k_dense_replace")) and d["first_k_dense_replace"] > 1:
+        d["first_k_dense_replace"] = 1
+    kinds, ruled = layer_kinds(d, n)
+    first: dict[tuple[Any, ...], list[int]] = {}
+    for i, k in enumerate(kinds):
+        if len(first.setdefault(k, [])) < per_kind:
+            first[k].append(i)
+    chosen = [i for found in first.values() for i in found]
+    keep = list(range(max(chosen) + 1)) if ruled else sorted(chosen)
+    if len(keep) < min(2, n):
+        keep = sorted(set(keep) | set(range(min(2, n))))
+    lists = _per_layer_lists(d, n)
+    index = _index_lists(d, n, lists)
+    for k in lists:
+        v = d[k]
+        d[k] = "".join(v[i] for i in keep) if isinstance(v, str) else [v[i] for i in keep]
+    remap = {old: new for new, old in enumerate(keep)}
+    for k in index:
+        d[k] = [remap[x] for x in d[k] if x in remap]
+    for k, v in list(d.items()):  # per-layer dicts keyed by index (`per_layer_config: {"02": {...}}`)
+        if isinstance(v, dict) and v and all(str(x).isdigit() and int(x) < n for x in v):
+            d[k] = {(str(remap[int(x)]).zfill(len(str(x))) if isinstance(x, str) else remap[int(x)]): y
+                    for x, y in v.items() if int(x) in remap}
+    d[key] = len(keep)
+
+
+def _special_max(d: Mapping[str, Any]) -> int:
+    top = -1
+    for k, v in d.items():
+        if k.endswith(("_token_id", "_token_index", "_token_ids", "_id")) or k in ("image_token_index",):
+            for x in (v if isinstance(v, (list, tuple)) else [v]):
+                if _int(x):
+                    top = max(top, x)
+        elif isinstance(v, dict) and not _is_config_dict(k, v):
+            continue
+    return top
+
+
+def _shrink_vocab(d: dict[str, Any], specials: int) -> None:
+    for k in VOCAB_KEYS:
+        v = d.get(k)
+        if _int(v) and v > SMALL_VOCAB:
+            d[k] = max(SMALL_VOCAB, specials + 1)
+
+
+def _shrink_experts(d: dict[str, Any]) -> None:
+    experts = [d[k] for k in EXPERT_KEYS if _int(d.get(k)) and d[k] > 0]
+    for k in EXPERT_KEYS:
+        if _int(d.get(k)) and d[k] > 4:
+            d[k] = 4
+    for k in TOPK_KEYS:
+        if experts and k in d and (d[k] is None or (_int(d[k]) and d[k] > 2)):
+            d[k] = 2  # (a default config may leave it unset: DeepSeek-V2)
+    for k in ("n_group", "topk_group", "num_expert_group", "topk_groups"):
+        if _int(d.get(k)) and d[k] > 1:
+            d[k] = 1
+    for k in ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts"):
+        if _int(d.get(k)) and d[k] > 1:
+            d[k] = 1
+
+
+def _shrink_widths(d: dict[str, Any]) -> None:
+    """Fewer heads (head dim kept), hidden size following them, feed-forward sizes by the same factor."""
+    hidden_key = next((k for k in HIDDEN_KEYS if _int(d.get(k)) and d[k] > 0), None)
+    head_keys = [k for k in HEAD_KEYS if _int(d.get(k)) and d[k] > 0]
+    if hidden_key is None or not head_keys:
+        return
+    hidden, n = int(d[hidden_key]), max(int(d[k]) for k in head_keys)
+    hd = next((int(d[k]) for k in ("head_dim", "attention_head_dim", "kv_channels") if _int(d.get(k)) and d[k] > 0),
+              hidden // n if hidden % n == 0 else 0)
+    if hd <= 0:
+        return
+    kv = next((int(d[k]) for k in KV_KEYS if _int(d.get(k)) and d[k] > 0), n)
+    if kv <= 0 or n % kv:
+        return
+    new_kv = min(kv, 2)
+    new_n = new_kv * min(n // kv, 2) if kv != n else min(n, 4)
+    if new_n >= n:
+        return
+    new_hidden = new_n * hd
+    if new_hidden >= hidden:
+        return
+    for k in head_keys:
+        d[k] = new_n
+    for k in KV_KEYS:
+        if _int(d.get(k)) and d[k] > 0:
+            d[k] = new_kv if kv != n else new_n
+    factor = new_hidden / hidden
+    for k in HIDDEN_KEYS:
+        if _int(d.get(k)) and d[k] == hidden:
+            d[k] = new_hidden
+    for k in FFN_KEYS:
+        if _int(d.get(k)) and d[k] > 0:
+            d[k] = max(16, int(d[k] * factor) // 16 * 16)
+    _fix_ssm_heads(d, hidden_key)
+
+
+# Mamba-2 style blocks: heads × head dim must equal expand × hidden
+SSM_HEADS = (("mamba_n_heads", "mamba_d_head", "mamba_expand"), ("num_heads", "head_dim", "expand"),
+             ("linear_num_value_heads", "linear_value_head_dim", None))
+
+
+def _fix_ssm_heads(d: dict[str, Any], hidden_key: str) -> None:
+    for heads, dim, expand in SSM_HEADS:
+        if expand is None or not all(_int(d.get(k)) and d[k] > 0 for k in (heads, dim)):
+            continue
+        ex = d.get(expand)
+        if isinstance(ex, (int, float)) and ex > 0 and (ex * d[hidden_key]) % d[dim] == 0:
+            d[heads] = int(ex * d[hidden_key]) // d[dim]
+
+
+def _shrink_dict(d: dict[str, Any], level: str, specials: int) -> None:
+    for k, v in list(d.items()):
+        if _is_config_dict(k, v):
+            _shrink_dict(v, level, max(specials, _special_max(v)))
+    counted = _layer_count(d)
+    if counted is not None and counted[1] > 1:
+        _keep_layers(d, *counted, per_kind=LEVEL_RULES[level][1])
+        for k in ("out_features", "out_indices", "_out_features", "_out_indices", "stage_names"):
+            d.pop(k, None)  # backbone outputs named by layer: the config derives them again
+    for k in SIDE_LAYER_KEYS:
+        if _int(d.get(k)) and d[k] > 2:
+            d[k] = 2
+    if isinstance(d.get("depth_coefficient"), float) and d["depth_coefficient"] > 0.1:  # EfficientNet: 1 block per stage
+        d["depth_coefficient"] = 0.1
+    for k in ("depths", "encoder_layers_per_stage", "num_layers_per_stage", "num_block_repeats", "blocks_per_stage",
+              "stage_depths", "num_blocks", "block_repeats"):
+        if isinstance(d.get(k), list) and all(_int(x) for x in d[k]):
+            d[k] = [min(x, 2) for x in d[k]]
+    _shrink_experts(d)
+    _shrink_vocab(d, specials)
+    if LEVEL_RULES[level][0]:
+        _shrink_widths(d)
+
+
+def shrink_dict(config: Mapping[str, Any], level: str = "narrow") -> dict[str, Any]:
+    """The shrunk copy of a config dict (`PretrainedConfig.to_dict()`)."""
+    if level not in LEVEL_RULES:
+        raise ValueError(f"unknown shrink level {level!r}; use one of {tuple(LEVEL_RULES)}")
+    d = copy.deepcopy(dict(config))
+    _shrink_dict(d, level, _special_max(d))
+    return d
+
+
+def shrink(config: Any, level: str = "narrow") -> Any:
+    """A new config of the same class from `shrink_dict(config.to_dict(), level)`; `config` itself at "default"."""
+    if level == "default":
+        return config
+    small = shrink_dict(config.to_dict(), level)
+    small.pop("transformers_version", None)
+    return type(config).from_dict(small)
+
+
+def layer_count(config: Any) -> int | None:
+    """The main layer count of a config (or its text config), for the scan's record."""
+    for cfg in (config, getattr(config, "text_config", None)):
+        if cfg is None:
+            continue
+        d = cfg.to_dict() if hasattr(cfg, "to_dict") else {}
+        found = _layer_count(d)
+        if found:
+            return found[1]
+        side = [int(d[k]) for k in SIDE_LAYER_KEYS if _int(d.get(k))]
+        if side:
+            return sum(side)
+    return None
+
