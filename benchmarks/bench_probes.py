@@ -22,8 +22,12 @@ import json
 import statistics
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
+
+
+FINDING_STATUSES = ("unsupported", "error", "crashed", "timeout", "mismatch")  # `mode.KIND_OF_STATUS`, probe errors aside
 
 
 def _inventories(model_ids: list[str]) -> dict[str, Any]:
@@ -48,7 +52,7 @@ def _inputs_of(matrix: Any, model_id: str) -> Any:
 
 
 def _bare_compile_s(backend: Any, probe: dict[str, Any]) -> float:
-    """`torch.compile` of the one-op function alone, from a reset Dynamo, compiled and run once."""
+    """`torch.compile` of the one-op function alone, from a reset Dynamo, compiled and run once (or failing)."""
     import torch
 
     from ci_runner.modes.ops.probe import assemble, build_tensors, resolve_op, select_outputs
@@ -62,7 +66,10 @@ def _bare_compile_s(backend: Any, probe: dict[str, Any]) -> float:
 
     t0 = time.perf_counter()
     torch._dynamo.reset()
-    backend.compile(fn)(*tensors)  # torch.compile(fn, backend=<the spec's compiler>)
+    try:
+        backend.compile(fn)(*tensors)  # torch.compile(fn, backend=<the spec's compiler>)
+    except Exception:  # an op the backend refuses costs its compile too
+        pass
     return time.perf_counter() - t0
 
 
@@ -119,7 +126,10 @@ def group_vs_single(spec: Any, probes: list[dict[str, Any]], opts: Any, work: Pa
     s, g = rows["single"], rows["group"]
     differ = [k for k in s["status"] if s["status"][k] != g["status"][k]]
     failing = sum(1 for v in s["status"].values() if v != "pass")
+    findings = [{k for k, v in r["status"].items() if v in FINDING_STATUSES} for r in (s, g)]
     return {"backend": spec.id, "signatures": len(probes), "failing": failing,
+            "counts": {name: dict(Counter(r["status"].values())) for name, r in rows.items()},
+            "same_findings": findings[0] == findings[1],
             "single_compiles": s["compiles"], "group_compiles": g["compiles"],
             "compile_ratio": s["compiles"] / max(1, g["compiles"]), "single_wall_s": s["wall_s"],
             "group_wall_s": g["wall_s"], "wall_ratio": s["wall_s"] / max(1e-9, g["wall_s"]),
@@ -161,6 +171,8 @@ def main() -> int:
                   f"fewer); wall {row['single_wall_s']:.0f}s vs {row['group_wall_s']:.0f}s "
                   f"({row['wall_ratio']:.1f}x); identical statuses: {row['identical']} {row['differ'] or ''}; "
                   f"fails-only-together sets: {row['fails_together']}")
+            print(f"[{bid}] statuses one per probe {row['counts']['single']} vs group {row['counts']['group']}; "
+                  f"same failing signatures (findings): {row['same_findings']}")
             report["backends"].append({**row, "cost": cost})
     if args.json:
         print(json.dumps(report, indent=2))

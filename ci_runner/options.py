@@ -48,6 +48,12 @@ def boolean(value: Any, where: str) -> bool:
     return value
 
 
+def auto_or_boolean(value: Any, where: str) -> bool | str:
+    if value == "auto" or isinstance(value, bool):
+        return value  # type: ignore[no-any-return]
+    raise _fail(where, f"{value!r} is not true, false or auto", "use true, false or auto")
+
+
 def _as_float(value: Any, where: str, hint: str) -> float:
     if isinstance(value, bool):
         raise _fail(where, f"{value!r} is not a number", hint)
@@ -196,10 +202,11 @@ class OpsOptions:
                            "Dynamo and what fails there)")
     only_ops: tuple[str, ...] = option((), check=strings(hint="fnmatch patterns, e.g. [aten.histc*, transformers.*]"),
                                   shown="[]", help="fnmatch patterns of the ops to probe (empty: all of them)")
-    group_testing: bool = option(True, check=boolean,
-                                 help="compile many probes as one graph and bisect only a group that fails or "
-                                      "mismatches, down to single probes (same findings, fewer compiles); false: "
-                                      "one compile per probe")
+    group_testing: bool | str = option("auto", check=auto_or_boolean,
+                                       help="compile many probes as one graph and bisect only a group that fails or "
+                                            "mismatches, down to single probes (same findings, fewer compiles); "
+                                            "false: one compile per probe; auto: grouped unless the backend is known "
+                                            "to treat one-op graphs differently (OpenVINO)")
     group_size: int = option(32, check=integer(ge=1), help="probes compiled together in one group")
 
     def tolerance_for(self, dtype: str) -> tuple[float, float]:

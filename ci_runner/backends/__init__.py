@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 from .errortext import ATEN_NAME_RE, COULD_NOT_RUN_RE, UNSUPPORTED_RE, named_op_from_error, unsupported_op_from_error
+from .vendor import groups_agree
 from .ran import CompileRecord, DynamoCounters, FallbackWatch, backend_ran, not_ran_reason, ran_facts
 from .spec import (
     Backend,
@@ -29,6 +30,7 @@ from .spec import (
 )
 
 __all__ = [
+    "groups_agree",
     "ATEN_NAME_RE", "COULD_NOT_RUN_RE", "UNSUPPORTED_RE", "named_op_from_error", "unsupported_op_from_error",
     "CompileRecord", "DynamoCounters", "FallbackWatch", "backend_ran", "not_ran_reason", "ran_facts",
     "Backend", "BackendRecipe", "Resolution", "available_backends", "available_devices", "backend_recipe",

@@ -94,7 +94,8 @@ def zoo_section(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     return {
         "architectures": len(archs), "scanned": sorted(scanned), "left_out": dict(sorted(left.items())),
         "left_out_groups": groups, "families": dict(sorted(families.items())),
-        "signatures": {r["backend"]: len(r["table"]) for r in records},
+        "signatures": {r["backend"]: int(r.get("distinct", len(r["table"]))) for r in records},
+        "probed": {r["backend"]: len(r["table"]) for r in records},
         "pairs": {r["backend"]: int(r["pairs"]) for r in records},
         "backends": backends, "cross": cross_backend(tables),
     }
@@ -122,8 +123,9 @@ def zoo_view(zoo: Mapping[str, Any]) -> dict[str, Any]:
             else:
                 f["supported"] += 1
         sigs, pairs = (zoo.get("signatures") or {}).get(name, 0), (zoo.get("pairs") or {}).get(name, 0)
+        probed = (zoo.get("probed") or {}).get(name, sigs)
         backends.append({"name": name, "level": b.get("level"), "supported": len(b.get("supported", [])),
-                         "scanned": len(scanned), "signatures": sigs, "pairs": pairs,
+                         "scanned": len(scanned), "signatures": sigs, "pairs": pairs, "probed": probed,
                          "dedup": round(pairs / sigs, 1) if sigs else None,
                          "families": sorted(fams.values(), key=lambda f: f["family"]),
                          "ranked": list(b.get("ranked", []))})

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from ci_runner.modes.ops.signature import CallSite, Inventory, OpSignature, signature_key
 from ci_runner.modes.ops.store import ProbeStore, merge_inventories, probe_through
 
@@ -36,3 +38,23 @@ def test_not_run_outcomes_are_not_stored(tmp_path: Path) -> None:
     store = ProbeStore(tmp_path, IDENTITY)
     got = probe_through(store, [sig], lambda b: {s.key: {"status": "not_run"} for s in b}, remaining=lambda: 10.0)
     assert got[sig.key]["status"] == "not_run" and store.get(sig.key) is None
+
+
+def test_group_testing_auto_groups_except_where_the_vendor_says_verdicts_differ() -> None:
+    from ci_runner.config import BackendSpec
+    from ci_runner.errors import DeepviewError
+    from ci_runner.modes.ops.probe import group_size, grouped
+    from ci_runner.registry import parse_options
+
+    auto = parse_options("ops", {})
+    assert auto.group_testing == "auto"
+    ov, ind = BackendSpec(id="ov", compile="openvino"), BackendSpec(id="ind", compile="inductor")
+    assert not grouped(auto, ov) and group_size(auto, ov) == 1  # OpenVINO: one-op and grouped verdicts differ
+    assert grouped(auto, ind) and group_size(auto, ind) == auto.group_size
+    assert grouped(parse_options("ops", {"group_testing": True}), ov)
+    assert not grouped(parse_options("ops", {"group_testing": False}), ind)
+    # the store keeps grouped and one-op outcomes apart
+    from ci_runner.modes.ops.store import store_identity
+    assert store_identity(ind, auto)["grouped"] and not store_identity(ind, parse_options("ops", {"group_testing": False}))["grouped"]
+    with pytest.raises(DeepviewError, match="true, false or auto"):
+        parse_options("ops", {"group_testing": "sometimes"})

@@ -66,6 +66,7 @@ def test_zoo_section_schema_and_reports(tmp_path: Path) -> None:
                        _record("sim-fail", {"add": "fail", "mul": "inconclusive"})])
     assert zoo["scanned"] == ["llama", "mamba"] and zoo["left_out"] == {"bark": "inputs: the model config has no vocab_size"}
     assert zoo["signatures"] == {"aot_eager": 2, "sim-fail": 2} and zoo["pairs"] == {"aot_eager": 3, "sim-fail": 3}
+    assert zoo["probed"] == {"aot_eager": 2, "sim-fail": 2}
     sim = zoo["backends"]["sim-fail"]
     assert sim["supported"] == [] and sim["lacks"] == {"llama": ["aten.add.default"], "mamba": ["aten.add.default"]}
     assert sim["ranked"] == [{"op": "aten.add.default", "models": ["llama", "mamba"], "signatures": 1}]
@@ -78,7 +79,7 @@ def test_zoo_section_schema_and_reports(tmp_path: Path) -> None:
     assert 'id="zoo-cross"' in page and "zoo-filter" in page and "<script src" not in page
     assert "SSM/hybrid" in page and "fully supported" in page
     md = render_summary(Results(zoo=zoo))
-    assert "### Zoo: 2 of 3 architectures scanned" in md and "| `sim-fail` | 0 of 2 | 2 | 3 | `aten.add.default` (2) |" in md
+    assert "### Zoo: 2 of 3 architectures scanned" in md and "| `sim-fail` | 0 of 2 | 3 | 2 | 2 | `aten.add.default` (2) |" in md
 
 
 def test_left_out_reasons_grouped() -> None:

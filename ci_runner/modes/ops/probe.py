@@ -2,8 +2,9 @@
 
 A probe runs one (op, input signature) alone on the target, on synthetic inputs with the recorded shapes, dtypes
 and strides, and compares the result with CPU eager. Probes run in isolated children (`isolate.supervise`), many
-per child; each is journalled (`enter-probe`/`leave-probe`) and has its own timeout (`faulthandler`), so an
-abort, a segfault or a hang costs that probe only. `make_tensor` (here) and `op_compare.compare` are copied into
+per child (the child's loop is `grouptest.probe_groups`, which also compiles many probes as one graph); each is
+journalled (`enter-probe`/`leave-probe`) and has its own timeout (`faulthandler`), so an abort, a segfault or a
+hang costs that probe only. `make_tensor` (here) and `op_compare.compare` are copied into
 the op repro scripts (`templates/repro_op.py.j2`), so a repro rebuilds and judges the values exactly as the probe
 did. The comparison and its op contracts live in `op_compare`; the compiler's words in `diagnostics`.
 """
@@ -23,12 +24,12 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from ...backends import COULD_NOT_RUN_RE, CompileRecord, DynamoCounters, FallbackWatch, named_op_from_error, not_ran_reason, ran_facts, resolve_backend
-from ...config import BackendSpec, spec_from_json, spec_to_json
+from ...backends import (COULD_NOT_RUN_RE, CompileRecord, DynamoCounters, FallbackWatch, groups_agree, named_op_from_error,
+                         not_ran_reason, ran_facts)
+from ...config import BackendSpec, spec_to_json
 from ...engine.diagnostics import capture_fd2, compiler_words
 from ...engine.failure import classify, error_text
-from ...fsutil import append_line
-from ...engine.isolate import Attempt, IsolatedResult, child_journal, supervise
+from ...engine.isolate import Attempt, IsolatedResult, supervise
 from .compare import compare, matches_any, mismatch_metrics, no_compare_reason
 from ...engine.codec import decode_value, source_of, tensor_specs
 from .signature import resolve_callable
@@ -43,8 +44,7 @@ _CHILD_STARTUP_S = 60.0  # importing torch, the backend and Dynamo's first compi
 _MIN_PROBES_PER_CHILD = 24
 GROUP_PREFIX = "g:"  # journal tag of a group of probes compiled as one graph (`grouptest`): g:<id>,<id>,…
 TOGETHER_PREFIX = "together:"  # result row of a set that fails only together (`grouptest`)
-_GROUP_ENTRY = "ci_runner.modes.ops.grouptest:probe_groups"
-_SINGLE_ENTRY = "ci_runner.modes.ops.probe:probe_batch"
+_CHILD_ENTRY = "ci_runner.modes.ops.grouptest:probe_groups"  # the probing child (group size 1: one probe at a time)
 
 
 # --------------------------------------------------------------------------------------------- synthetic inputs
@@ -429,35 +429,6 @@ class _CompilerRefused(Exception):
     """The backend's compiler function raised on the one-op graph (the fx path)."""
 
 
-def probe_batch(payload: Mapping[str, Any]) -> dict[str, Any]:
-    """Isolated-child entry (`run_isolated`): rebuild the backend, run each probe, append each outcome to a file.
-
-    Each probe is journalled (`enter-probe`/`leave-probe`) and guarded by `faulthandler`, which ends the process
-    when one probe outlives `probe_timeout` (the parent sees "Timeout" in stderr and moves on).
-    """
-    import faulthandler
-
-
-    backend = resolve_backend(spec_from_json(BackendSpec, payload["backend"]))
-    backend.prepare()
-    results = payload["results"]
-    timeout = float(payload["probe_timeout"])
-    compare_results = bool(payload.get("compare", True))
-    count = 0
-    for probe in payload["probes"]:
-        child_journal("enter-probe", probe["id"])
-        faulthandler.dump_traceback_later(timeout, exit=True)
-        try:
-            outcome = run_probe(backend, probe, compare_results=compare_results, tolerance=tuple(probe["tolerance"]),
-                                via=str(payload.get("via", "dynamo")))
-        finally:
-            faulthandler.cancel_dump_traceback_later()
-        append_line(results, json.dumps(outcome, default=str))
-        child_journal("leave-probe", probe["id"])
-        count += 1
-    return {"probed": count}
-
-
 # --------------------------------------------------------------------------------------------- probing (parent side)
 
 @dataclass
@@ -525,7 +496,7 @@ class ProbeRunner:
             results_path = self.work_dir / f"probes-{attempt:03d}.jsonl"
             payload = {"backend": spec_to_json(self.spec), "probes": batch, "results": str(results_path),
                        "probe_timeout": self.opts.probe_timeout, "compare": self.opts.compare, "via": self.opts.via,
-                       "group_size": self.opts.group_size if self.opts.group_testing else 1}
+                       "group_size": group_size(self.opts, self.spec)}
             tag = f"{attempt}:{batch[0]['id']}..{batch[-1]['id']}"
             if self.journal:
                 self.journal("enter-probe-batch", tag)
@@ -565,8 +536,7 @@ class ProbeRunner:
             pending = [p for p in left if p is not culprit] + pending
             return None
 
-        entry = _GROUP_ENTRY if self.opts.group_testing and self.opts.group_size > 1 else _SINGLE_ENTRY
-        supervise(entry, journal=journal_path, kind="probe", next_attempt=next_attempt,
+        supervise(_CHILD_ENTRY, journal=journal_path, kind="probe", next_attempt=next_attempt,
                   on_ok=on_ok, on_crash=on_crash, env=env)
         return results
 
@@ -579,6 +549,18 @@ def _attach_together(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, 
             if pid in results:
                 results[pid]["fails_together"] = {"ops": list(row.get("ops") or ()), "message": row.get("message")}
     return results
+
+
+def grouped(opts: OpsOptions, spec: BackendSpec) -> bool:
+    """Whether this backend's probes are group-tested: `ops.group_testing` true/false, or `auto` (the default):
+    grouped unless the backend's vendor module says grouped and one-op verdicts differ (`backends.groups_agree`)."""
+    if isinstance(opts.group_testing, bool):
+        return opts.group_testing
+    return groups_agree(spec.compile)
+
+
+def group_size(opts: OpsOptions, spec: BackendSpec) -> int:
+    return opts.group_size if grouped(opts, spec) else 1
 
 
 def not_run_outcome(probe: Mapping[str, Any], why: str) -> dict[str, Any]:

@@ -30,12 +30,13 @@ from ...config import BackendSpec, spec_to_json
 from ...engine.repro import safe_filename
 from ...fsutil import atomic_write_text
 from ...options import OpsOptions
-from .probe import ProbeRunner, float_dtype, not_run_outcome, probe_seed, with_ranges
+from .probe import ProbeRunner, float_dtype, grouped, not_run_outcome, probe_seed, with_ranges
 from .signature import CallSite, Inventory, OpSignature
 
 STORE_VERSION = 1
 _CLAIM_CHUNK = 256  # signatures claimed (locks held) at a time: bounded open files whatever the zoo's size
 _WAIT_POLL_S = 0.5
+MAX_SITES = 8  # call sites a merged signature keeps (as `inventory.MAX_SITES`; `Merged.uses` keeps every one)
 
 
 # --------------------------------------------------------------------------------------------- merged inventories
@@ -70,7 +71,7 @@ def merge_inventories(invs: Mapping[str, Inventory]) -> Merged:
                                                      order=len(merged), outputs=sig.outputs, imports=sig.imports)
             base.count += sig.count
             base.site_count += sig.site_count
-            base.sites.extend(s for s in sig.sites if s not in base.sites)
+            base.sites.extend(s for s in sig.sites if s not in base.sites and len(base.sites) < MAX_SITES)
             models.setdefault(sig.key, [])
             if model_id not in models[sig.key]:
                 models[sig.key].append(model_id)
@@ -98,7 +99,7 @@ def store_identity(spec: BackendSpec, opts: OpsOptions, versions: Mapping[str, A
     return {"store_version": STORE_VERSION, "backend": spec_to_json(spec), "torch": torch.__version__,
             "versions": {str(k): str(v) for k, v in sorted(dict(versions or {}).items())},
             "compare": opts.compare, "via": opts.via, "probe_timeout": opts.probe_timeout,
-            "tolerance": {k: list(v) for k, v in sorted(opts.tolerance.items())}}
+            "grouped": grouped(opts, spec), "tolerance": {k: list(v) for k, v in sorted(opts.tolerance.items())}}
 
 
 def _digest(text: str, n: int = 20) -> str:
