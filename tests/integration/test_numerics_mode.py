@@ -210,7 +210,7 @@ EXAMPLE_MODELS = ("tiny-llama", "tiny-granite", "tiny-bamba", "tiny-mixtral", "t
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_real_compilers_flag_no_layer_on_the_example_matrix(tmp_path: Path, backend: str) -> None:
     """inductor and aot_eager on CPU: no layer flagged on any example model; inductor (real, small numerical
-    differences) over three seeds, aot_eager (eager's own kernels: any finding is ours, whatever the seed) over one."""
+    differences) over two seeds, aot_eager (eager's own kernels: any finding is ours, whatever the seed) over one."""
     from ci_runner.config import BackendSpec
 
     m = load_matrix(EXAMPLE)
@@ -219,7 +219,7 @@ def test_real_compilers_flag_no_layer_on_the_example_matrix(tmp_path: Path, back
     worst_ratio = 0.0
     for model in EXAMPLE_MODELS:
         base = next(c for c in expand(m) if c.model.id == model)
-        for seed in ((0, 1, 2) if backend == "inductor" else (0,)):
+        for seed in ((0, 1) if backend == "inductor" else (0,)):
             cell = dataclasses.replace(base, id=f"{model}@{backend}", backend=spec,
                                        inputs=dataclasses.replace(base.inputs, seed=seed),
                                        options={"numerics": {"isolate": False, "isolated": "all"}})
