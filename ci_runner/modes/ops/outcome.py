@@ -21,7 +21,7 @@ from typing import Any, Mapping
 from ...engine.outcome import CRASH_STATUSES
 from ...registry import FindingKind
 
-__all__ = ["KIND_OF_STATUS", "OpOutcome", "OpStatus", "SEVERITY"]
+__all__ = ["CPU_FAILS_TOO", "KIND_OF_STATUS", "OpOutcome", "OpStatus", "SEVERITY"]
 
 
 class OpStatus(str, Enum):
@@ -56,7 +56,7 @@ KIND_OF_STATUS: dict[OpStatus, FindingKind] = {
     OpStatus.MISMATCH: FindingKind.OP_MISMATCH, OpStatus.PROBE_ERROR: FindingKind.PROBE_ERROR}
 SEVERITY: dict[OpStatus, int] = {OpStatus.UNSUPPORTED: 5, OpStatus.CRASHED: 4, OpStatus.TIMEOUT: 3,
                                  OpStatus.ERROR: 2, OpStatus.MISMATCH: 1, OpStatus.PROBE_ERROR: 0}
-_CPU_FAILS_TOO = "CPU eager fails too"  # `probe.probe_failure`: the synthetic inputs are invalid, not the backend
+CPU_FAILS_TOO = "CPU eager fails too"  # `probe.invalid_probe_message`: invalid inputs, not the backend
 _ALWAYS = ("id", "op", "status", "stage", "error_type", "message", "named_op", "named_text", "metrics", "seconds")
 
 
@@ -95,7 +95,7 @@ class OpOutcome:
         """Failures become findings; so does a probe that could not be built (its op did not resolve, its module
         did not import, Dynamo could not trace it), but not one whose synthetic inputs CPU eager rejects as well."""
         if self.status is OpStatus.PROBE_ERROR:
-            return not (self.message or "").startswith(_CPU_FAILS_TOO)
+            return not (self.message or "").startswith(CPU_FAILS_TOO)
         return self.status in KIND_OF_STATUS
 
     @classmethod

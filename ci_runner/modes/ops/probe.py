@@ -31,7 +31,7 @@ from ...engine.diagnostics import capture_fd2, compiler_words
 from ...engine.failure import classify, error_text
 from ...engine.isolate import Attempt, IsolatedResult, supervise
 from .compare import compare, matches_any, mismatch_metrics, no_compare_reason
-from .outcome import OpOutcome, OpStatus
+from .outcome import CPU_FAILS_TOO, OpOutcome, OpStatus
 from ...engine.codec import decode_value, source_of, tensor_specs
 from .signature import resolve_callable
 from ...options import OpsOptions
@@ -150,6 +150,11 @@ def packet_of(op: str) -> str:
     return op.rsplit(".", 1)[0] if op.count(".") >= 2 else op
 
 
+def invalid_probe_message(ref_exc: BaseException, message: str) -> str:
+    """A probe error's message when CPU eager rejects the same synthetic inputs (`OpOutcome.is_finding` reads it)."""
+    return f"{CPU_FAILS_TOO} ({type(ref_exc).__name__}: {error_text(ref_exc)[:300]}): {message}"
+
+
 def probe_failure(exc: BaseException, *, eager: bool, ref_exc: BaseException | None) -> dict[str, Any]:
     """Status, stage, error type, message and traceback of a probe's failure on the target (`failure.classify`):
     the backend's compiler refusing the graph is `unsupported`; Dynamo failing to trace the one-op function is a
@@ -165,7 +170,7 @@ def probe_failure(exc: BaseException, *, eager: bool, ref_exc: BaseException | N
     message = failed.message
     if ref_exc is not None and status == "error" and type(ref_exc).__name__ == failed.error_type:
         status = "probe_error"  # CPU eager rejects the same synthetic inputs: the probe is invalid, not the backend
-        message = f"CPU eager fails too ({type(ref_exc).__name__}: {error_text(ref_exc)[:300]}): {message}"
+        message = invalid_probe_message(ref_exc, message)
     named, phrase = named_op_from_error(message)
     return {"status": status, "stage": failed.stage, "error_type": failed.error_type, "message": message[:4000],
             "named_op": named, "named_text": phrase, "traceback": failed.traceback}
@@ -395,8 +400,7 @@ def _target_failure(exc: BaseException, run: _TargetRun, *, eager: bool, ref_exc
     if refused:
         info.update(status="unsupported", stage="compile")
         if ref_exc is not None:  # CPU eager rejects these inputs too: an invalid probe, not a verdict
-            info.update(status="probe_error", message=f"CPU eager fails too ({type(ref_exc).__name__}: "
-                        f"{error_text(ref_exc)[:300]}): {info['message']}"[:4000])
+            info.update(status="probe_error", message=invalid_probe_message(ref_exc, info["message"])[:4000])
     elif info["status"] == "probe_error" and ref_exc is None and run.record is not None and run.record.graphs:
         info.update(status="error", stage="compile")  # Dynamo failed after the backend had the graph
     words, chain = compiler_words(run.err[0], inner, info["message"], op_name)
