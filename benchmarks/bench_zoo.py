@@ -3,16 +3,23 @@
 Runs the scan's inventory side (`ci_runner.zoo.scan.scan_inventories`: small configs on `meta`, many models per
 child, `--jobs` children) over the selected architectures and prints, side by side:
 
-* wall time of the whole inventory and per scanned model (target: every architecture ≤ 20 min on 2 cores);
+* wall time and CPU seconds of the whole inventory, per architecture, and the whole zoo's time on 2 quiet cores
+  estimated from them (target: every architecture ≤ 20 min on 2 cores);
+* CPU seconds per stage, summed over the architectures (the records' `cpu_s`): config shrink, model build on
+  meta, inputs, the fake copy, Dynamo's bytecode trace (with guards), aot_autograd, our graph walk, the rest of
+  the trace; the children's start (imports) is the CPU total less those;
 * N of M scanned, and the left-out reasons grouped (stage + error);
 * coverage of the causal-LM and image-classification architectures (target ≥ 80 %);
 * distinct (op, signature) vs (model, signature) pairs: the deduplication factor (`modes.ops.store.merge_inventories`);
 * per family: scanned / all.
 
 Records land in `--out` (reused by a second run: `--fresh` starts over). `uptime` load is printed: on a shared
-machine the time is an upper bound.
+machine the wall time is an upper bound (CPU seconds are not). `--compare DIR` checks that this run's records
+have the same inventories as DIR's (another run's `--out`, e.g. of the code before a speed change): the same
+signatures and call sites per architecture, the same architectures scanned.
 
     PYTHONPATH=. python benchmarks/bench_zoo.py [--select 'llama,bert,vit*'] [--jobs 2] [--out /tmp/zoo-bench]
+        [--compare /tmp/zoo-bench-before]
 """
 
 from __future__ import annotations
@@ -27,10 +34,41 @@ from collections import Counter
 from pathlib import Path
 
 from ci_runner.modes.ops.signature import Inventory
+from ci_runner.results.model import read_json
 from ci_runner.modes.ops.store import merge_inventories
 from ci_runner.zoo.catalog import catalog, expand_selection
 from ci_runner.zoo.report import group_reasons
-from ci_runner.zoo.scan import ScanOptions, scan_inventories
+from ci_runner.zoo.catalog import model_types
+from ci_runner.zoo.scan import ScanOptions, record_path, scan_inventories
+
+TIMING_KEYS = ("duration_s",)  # inventory fields that measure the run, not the model
+
+
+def comparable(record: dict) -> dict:
+    """A record's content: the inventory without its timing, or the left-out stage."""
+    if "inventory" not in record:
+        return {"left_out": record["left_out"]["stage"]}
+    inv = {k: v for k, v in record["inventory"].items() if k not in TIMING_KEYS}
+    return {"shrink": record.get("shrink"), "inventory": inv}
+
+
+def compare(records: dict, other: Path) -> list[str]:
+    """Architectures whose record differs from `other`'s (another run's records folder)."""
+    diffs = []
+    for t, rec in records.items():
+        path = record_path(other, t)
+        if not path.exists():
+            diffs.append(f"{t}: no record in {other}")
+        elif comparable(rec) != comparable(read_json(path, what="zoo scan record")):
+            diffs.append(f"{t}: differs")
+    return diffs
+
+
+def stage_cpu(records: dict) -> dict[str, float]:
+    total: Counter = Counter()
+    for r in records.values():
+        total.update(r.get("cpu_s") or {})
+    return {k: round(v, 1) for k, v in total.most_common()}
 
 
 def main() -> None:
@@ -43,6 +81,7 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/deepview-zoo-bench")
     ap.add_argument("--fresh", action="store_true")
     ap.add_argument("--json", default="", help="also write the figures to this file")
+    ap.add_argument("--compare", default="", help="another run's --out: check the inventories are identical")
     args = ap.parse_args()
     out = Path(args.out)
     if args.fresh:
@@ -80,10 +119,17 @@ def main() -> None:
         "coverage": cover, "families": {f: [fam_scanned.get(f, 0), n] for f, n in sorted(fams.items())},
         "left_out": group_reasons({t: r["left_out"] for t, r in records.items() if "left_out" in r}),
         "shrink": dict(Counter(r.get("shrink") for r in scanned.values())),
+        "stage_cpu_s": stage_cpu(records), "cpu_per_architecture_s": round(cpu_s / max(1, len(types)), 2),
+        "whole_zoo_on_2_cores_min": round(cpu_s / max(1, len(types)) * len(model_types()) / 120, 1),
+        "whole_zoo_types": len(model_types()),
     }
     print(f"zoo inventory: {len(scanned)} of {len(types)} architectures scanned in {t_scan:.0f} s "
           f"({args.jobs} jobs; catalog {t_cat:.0f} s; load {figures['load'][0]:.1f}); CPU {cpu_s:.0f} s "
           f"= {cpu_s / 120:.1f} min on 2 quiet cores")
+    print(f"CPU per architecture {figures['cpu_per_architecture_s']} s -> the whole zoo ({figures['whole_zoo_types']}) "
+          f"~{figures['whole_zoo_on_2_cores_min']} min on 2 quiet cores")
+    stages = figures["stage_cpu_s"]
+    print(f"CPU per stage (s): {stages}; children's start and the rest: {cpu_s - sum(stages.values()):.0f}")
     print(f"signatures: {merged.pairs} (model, signature) pairs -> {len(merged.signatures)} distinct "
           f"(dedup factor {merged.factor:.1f})")
     print(f"ops: {op_pairs} (model, op) pairs -> {len(ops)} distinct ops (factor {op_pairs / max(1, len(ops)):.1f})")
@@ -94,6 +140,11 @@ def main() -> None:
     print("left out, grouped:")
     for g in figures["left_out"][:40]:
         print(f"  {len(g['models']):4d}  {g['stage']:8s} {g['reason'][:110]}  e.g. {', '.join(g['models'][:4])}")
+    if args.compare:
+        diffs = compare(records, Path(args.compare))
+        figures["compare"] = {"with": args.compare, "architectures": len(records), "differ": diffs}
+        print(f"inventories vs {args.compare}: {len(records) - len(diffs)} of {len(records)} identical"
+              + "".join(f"\n  {d}" for d in diffs))
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=1), encoding="utf-8")
 

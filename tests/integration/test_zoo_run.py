@@ -45,6 +45,6 @@ def test_a_model_past_the_per_model_limit_costs_that_model_only(tmp_path: Path) 
 
     records = scan_inventories(["vit", "bert"], ScanOptions(out_dir=tmp_path, per_model_timeout=0.5))
     assert [r["left_out"]["stage"] for r in records.values()] == ["timeout", "timeout"]  # each got its own child
-    assert "per-model limit of 0.5 s" in records["bert"]["left_out"]["reason"]
+    assert "per-model limit of 0.5 CPU s" in records["bert"]["left_out"]["reason"]
     journal = "".join(p.read_text() for p in tmp_path.glob("journal-*.log"))
     assert journal.count("enter-model") == 2 and journal.count("timeout-model") == 2

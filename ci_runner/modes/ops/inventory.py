@@ -401,37 +401,64 @@ def _traceable(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], 
     return model, args, kwargs, host, fake_mode
 
 
-def trace_aot(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *, device: str = "cpu") -> Inventory:
+def trace_aot(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *, device: str = "cpu",
+              timings: dict[str, float] | None = None) -> Inventory:
     """`aten` through torch.compile + aot_autograd with a recording compiler: exactly what an aot backend gets.
 
     One graph per graph break. A meta model runs as a fake copy on `device`'s host kind (inside its fake mode),
-    so device-dependent choices (the attention kernel) are those of that device, with no memory used.
+    so device-dependent choices (the attention kernel) are those of that device, with no memory used. `timings`,
+    when given, gets the CPU seconds of the fake copy, Dynamo's bytecode trace (with its guards), aot_autograd
+    (with the recording compiler) and our graph walk.
     """
     from torch._dynamo.backends.common import aot_autograd
 
-    t0 = time.monotonic()
+    t0, c0 = time.monotonic(), time.process_time()
     root_class = type(model).__name__
     model, args, kwargs, host, fake_mode = _traceable(model, args, kwargs, device)
     graphs: list[torch.fx.GraphModule] = []
+    aot_cpu = [0.0]
 
     def record(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
         graphs.append(gm)
         return gm
 
+    aot = aot_autograd(fw_compiler=record)
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:  # aot_autograd, its CPU time booked
+        c = time.process_time()
+        try:
+            return aot(gm, example_inputs)
+        finally:
+            aot_cpu[0] += time.process_time() - c
+
     torch._dynamo.reset()
+    c1 = time.process_time()
     try:
         with torch.no_grad(), fake_mode:
-            torch.compile(model, backend=aot_autograd(fw_compiler=record), dynamic=False)(*args, **kwargs)
+            torch.compile(model, backend=backend, dynamic=False, options=one_shot_options())(*args, **kwargs)
     finally:
+        c2 = time.process_time()
         torch._dynamo.reset()
     builder = _Builder()
     notes: list[str] = []
     for gm in graphs:
         add_aten_graph(builder, gm, root_class, notes)
+    if timings is not None:
+        timings.update(fake_copy=c1 - c0, dynamo=c2 - c1 - aot_cpu[0], aot=aot_cpu[0], walk=time.process_time() - c2)
     if len(graphs) > 1:
         notes.append(f"{len(graphs)} graphs (graph breaks)")
     return builder.build(level="aten", method="aot", device=host, graphs=len(graphs), notes=notes,
                          duration_s=time.monotonic() - t0)
+
+
+def _no_guards(entries: Sequence[Any]) -> list[bool]:
+    return [False] * len(entries)
+
+
+def one_shot_options() -> dict[str, Any]:
+    """torch.compile options for a capture that runs once and is thrown away: keep no guards (Dynamo then does
+    not build, check and profile a guard tree per graph). The graphs are the same (checked on the zoo records)."""
+    return {"guard_filter_fn": _no_guards}
 
 
 class _null_context:
@@ -494,7 +521,7 @@ def trace_dynamo(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     torch._dynamo.reset()
     try:
         with torch.no_grad():
-            torch.compile(model, backend=record, dynamic=False)(*args, **kwargs)
+            torch.compile(model, backend=record, dynamic=False, options=one_shot_options())(*args, **kwargs)
     finally:
         torch._dynamo.reset()
     builder = _Builder()
@@ -568,18 +595,19 @@ def trace_dispatch(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
 
 
 def take_inventory(model: nn.Module, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None, *,
-                   level: str = "aten", device: str = "cpu") -> Inventory:
+                   level: str = "aten", device: str = "cpu", timings: dict[str, float] | None = None) -> Inventory:
     """The inventory of `model(*args, **kwargs)` at `level`, for a backend whose tensors live on `device`.
 
     Tries the level's primary tracer, then its fallbacks (recorded in `Inventory.notes`); raises
-    `InventoryError` naming each tracer's error and the source line it came from when none works.
+    `InventoryError` naming each tracer's error and the source line it came from when none works. `timings`
+    gets the aot capture's CPU seconds per part (`trace_aot`).
     """
     if level not in LEVELS:
         raise InventoryError(f"unknown IR level {level!r}", hint=f"use one of: {', '.join(LEVELS)}")
     args_t, kwargs_d = tuple(args), dict(kwargs or {})
     attempts: list[tuple[str, Callable[[], Inventory]]]
     if level == "aten":
-        attempts = [("dynamo+aot_autograd capture", lambda: trace_aot(model, args_t, kwargs_d, device=device)),
+        attempts = [("dynamo+aot_autograd capture", lambda: trace_aot(model, args_t, kwargs_d, device=device, timings=timings)),
                     ("torch.export", lambda: trace_export(model, args_t, kwargs_d, level=level, device=device))]
     elif level == "core_aten":
         attempts = [("torch.export", lambda: trace_export(model, args_t, kwargs_d, level=level, device=device))]

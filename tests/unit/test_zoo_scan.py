@@ -1,0 +1,41 @@
+"""The zoo scan's scheduling rules: which trace errors are worth a bigger config, the shared queue's claims and
+its longest-first order (the children themselves run in tests/integration/test_zoo_run.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ci_runner.zoo.scan import claim, cost_hint, worth_retrying
+
+# shapes of real messages from a 299-architecture scan (InventoryError: primary tracer; torch.export fallback)
+JETMOE = ("InventoryError: the model could not be traced for its op inventory (level aten): dynamo+aot_autograd "
+          "capture failed at transformers/models/jetmoe/modeling_jetmoe.py:195 in forward: "
+          "DataDependentOutputException: aten._local_scalar_dense.default; torch.export failed at "
+          "transformers/models/jetmoe/modeling_jetmoe.py:195 in forward: GuardOnDataDependentSymNode: "
+          "Could not guard on data-dependent expression Eq(u0, 1) (unhinted: Eq(u0, 1)); size")
+CLVP = ("InventoryError: the model could not be traced for its op inventory (level aten): dynamo+aot_autograd "
+        "capture failed at torch/_dynamo/exc.py:723 in unimplemented: TorchRuntimeError: RuntimeError when making "
+        "fake tensor call; torch.export failed at transformers/models/clvp/modeling_clvp.py:102 in "
+        "apply_rotary_pos_emb: RuntimeError: The size of tensor a (8) must match the size of tensor b (16)")
+ALTCLIP = ("InventoryError: the model could not be traced for its op inventory (level aten): dynamo+aot_autograd "
+           "capture failed at transformers/models/altclip/modeling_altclip.py:604 in forward: AttributeError: "
+           "'NoneType' object has no attribute 'shape'; torch.export failed at modeling_altclip.py:604: same")
+
+
+def test_only_size_errors_are_retried_bigger() -> None:
+    assert worth_retrying("build", "ValueError: in_channels must be divisible by groups")
+    assert worth_retrying("trace", CLVP)  # a shrunk size that no longer matches: a bigger config traces (zamba2)
+    assert not worth_retrying("trace", JETMOE)  # data-dependent: the same at any size, 81 CPU s for nothing
+    assert not worth_retrying("trace", ALTCLIP)  # "shape" in a code error is not a size error
+    assert not worth_retrying("inputs", "ValueError: You have to specify pixel_values")
+
+
+def test_a_claim_is_taken_once(tmp_path: Path) -> None:
+    assert claim(tmp_path, "llama") and not claim(tmp_path, "llama") and claim(tmp_path, "bert")
+
+
+def test_the_queue_puts_slow_families_first() -> None:
+    hints = {t: cost_hint(i) for t, i in {"bert": {"family": "encoder"}, "jamba": {"family": "SSM/hybrid"},
+                                          "llava": {"family": "multimodal", "task": "image-text"},
+                                          "unknown": {}}.items()}
+    assert sorted(hints, key=lambda t: -hints[t]) == ["llava", "jamba", "unknown", "bert"]
