@@ -36,6 +36,7 @@ from .log import Progress
 from .matrix import expand, expand_json, find_cell, select
 from .numerics.cache import cache_for
 from .numerics.thresholds import load_table
+from .zoo import commands as zoo_cli
 from .plan import check_output_size, collect_attempts, load_plan, parse_chunk_results, plan_outputs, read_setup_record
 from .results.model import RESULT_NAME, load_results, save_cell_result
 
@@ -439,6 +440,8 @@ def _run_commands(add: AddCommand) -> None:
     sp.add_argument("--out", required=True, help="the run's output folder (thresholds default to OUT/thresholds)")
     sp.add_argument("--cell", default=None, metavar="CELL_ID", help="one cell (what a cell job runs)")
     _selection(sp)
+
+    zoo_cli.register(add, _Parser, _selection)
 
     sp = add("_worker", cmd_worker, None)  # internal: no help, so it is not listed
     sp.add_argument("--matrix", required=True)

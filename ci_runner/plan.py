@@ -34,8 +34,9 @@ class PlannedCell:
     model: str
     backend: str
     modes: tuple[str, ...]
-    chunk: int | None  # None: planned as skipped
+    chunk: int | None  # None: planned as skipped, or a zoo cell
     skip_reason: str | None = None
+    job: str | None = None  # a zoo cell: the job that writes it (`zoo-cells-<row>`), whose setup record it shares
 
 
 def load_plan(path: Path) -> list[PlannedCell]:
@@ -45,12 +46,12 @@ def load_plan(path: Path) -> list[PlannedCell]:
         chunk_of = {e["cell"]: i for i, m in enumerate(doc["matrix"]) for e in m["include"]}
         planned = [
             PlannedCell(cell=e["cell"], model=e["model"], backend=e["backend"], modes=tuple(e.get("modes") or ()),
-                        chunk=chunk_of[e["cell"]])
+                        chunk=None if e.get("job") else chunk_of[e["cell"]], job=e.get("job"))
             for e in doc["cells"]
         ]
         planned += [
             PlannedCell(cell=e["cell"], model=e["model"], backend=e["backend"], modes=tuple(e.get("modes") or ()),
-                        chunk=None, skip_reason=str(e["reason"]))
+                        chunk=None, skip_reason=str(e["reason"]), job=e.get("job"))
             for e in doc.get("skipped") or ()
         ]
     except (KeyError, TypeError, AttributeError) as exc:
