@@ -52,11 +52,16 @@ def cmd_merge(args: argparse.Namespace) -> int:
     return errors.EXIT_OK
 
 
+def _budget(args: argparse.Namespace) -> float | None:
+    """--budget-minutes as the child's seconds, 2 minutes kept back for writing what it found."""
+    return max(60.0, args.budget_minutes * 60.0 - 120.0) if args.budget_minutes else None
+
+
 def cmd_probe(args: argparse.Namespace) -> int:
     path, cells = zoo_cells(args.matrix, args)
     shard = parse_shard(args.shard)
     note = probe_shard(cells, backend_id=args.backend, shard=shard, matrix_path=path, out_dir=Path(args.out),
-                       progress=Progress(0))
+                       progress=Progress(0), budget_s=_budget(args))
     print(f"zoo probes on {args.backend}, shard {shard}: {note.get('signatures', 0)} signature(s), "
           f"{note.get('probed', 0)} probed, {note.get('reused', 0)} already in the store")
     return errors.EXIT_OK
@@ -65,7 +70,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
 def cmd_cells(args: argparse.Namespace) -> int:
     path, cells = zoo_cells(args.matrix, args)
     results = backend_cells(backend_group(cells, args.backend), matrix_path=path, out_dir=Path(args.out),
-                            progress=Progress(0))
+                            progress=Progress(0), budget_s=_budget(args))
     bad = [r for r in results if r.status not in ("pass", "skipped")]
     print(f"zoo cells on {args.backend}: {len(results)} architecture(s), {len(bad)} not passing")
     return errors.EXIT_FINDINGS if bad else errors.EXIT_OK
@@ -116,3 +121,5 @@ def register(add: Callable[..., argparse.ArgumentParser], parser_class: type,
         if name == "probe":
             p.add_argument("--shard", default="1/1", metavar="I/N", help="this shard of N (default 1/1: all)")
         p.add_argument("--out", required=True, metavar="DIR", help="run folder holding the merge (and the store)")
+        p.add_argument("--budget-minutes", type=float, default=None, metavar="MIN",
+                       help="the step's time limit (default: the cells' timeouts); the child stops 2 minutes before")

@@ -228,22 +228,25 @@ def load_merged(out_dir: Path, backend_id: str) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------------------------- 3. probe, 4. cells
 
-def _payload(group: Sequence[Cell], matrix_path: Path, out_dir: Path, shard: Shard | None) -> dict[str, Any]:
+def _payload(group: Sequence[Cell], matrix_path: Path, out_dir: Path, shard: Shard | None,
+             budget_s: float | None = None) -> dict[str, Any]:
+    """The child's payload; its time is the cells' timeouts (this shard's share of them), at most `budget_s`."""
     deadline = sum(c.timeout for c in group) / (shard.count if shard else 1)
+    deadline = min(deadline, budget_s) if budget_s else deadline
     return {"matrix": str(matrix_path), "out": str(out_dir), "backend": group[0].backend.id,
             "cells": [c.id for c in group], "deadline_s": deadline,
             "shard": [shard.index, shard.count] if shard else None}
 
 
 def probe_shard(cells: Sequence[Cell], *, backend_id: str, shard: Shard, matrix_path: Path, out_dir: Path,
-                progress: Progress | None = None) -> dict[str, Any]:
+                progress: Progress | None = None, budget_s: float | None = None) -> dict[str, Any]:
     """Probe the shard's slice of the backend's merged list into its probe store (one child)."""
     progress = progress or Progress(0, quiet=True)
     group = backend_group(cells, backend_id)
     merged = load_merged(out_dir, backend_id)
     progress.info(f"deepview-ci: zoo probes on {backend_id}, shard {shard}: "
                   f"{len(split(merged['signatures'], shard))} of {len(merged['signatures'])} signature(s)")
-    payload = _payload(group, matrix_path, out_dir, shard)
+    payload = _payload(group, matrix_path, out_dir, shard, budget_s)
     res = run_isolated("ci_runner.zoo.run:probe_child", payload, timeout=payload["deadline_s"] + 60)
     if not res.ok:
         raise ExecutionError(f"zoo probes on {backend_id}, shard {shard}: the probe child {res.describe()}",
@@ -251,8 +254,8 @@ def probe_shard(cells: Sequence[Cell], *, backend_id: str, shard: Shard, matrix_
     return dict(res.value or {})
 
 
-def backend_cells(group: Sequence[Cell], *, matrix_path: Path, out_dir: Path,
-                  progress: Progress | None = None) -> list[CellResult]:
+def backend_cells(group: Sequence[Cell], *, matrix_path: Path, out_dir: Path, progress: Progress | None = None,
+                  budget_s: float | None = None) -> list[CellResult]:
     """Every architecture's cell on one backend (one child: the store's outcomes, the rest probed there)."""
     progress = progress or Progress(0, quiet=True)
     backend_id = group[0].backend.id
@@ -260,7 +263,7 @@ def backend_cells(group: Sequence[Cell], *, matrix_path: Path, out_dir: Path,
     for c in group:  # an earlier run's results never stand in for this run's
         (out_dir / "cells" / c.id / "result.json").unlink(missing_ok=True)
     progress.info(f"deepview-ci: zoo cells on {backend_id}: {len(group)} architecture(s)")
-    payload = _payload(group, matrix_path, out_dir, None)
+    payload = _payload(group, matrix_path, out_dir, None, budget_s)
     res = run_isolated("ci_runner.zoo.run:backend_child", payload, timeout=payload["deadline_s"] + 60)
     if not res.ok:
         progress.info(f"deepview-ci: zoo cells on {backend_id} {res.describe()}")
