@@ -30,6 +30,13 @@ def _cells(results: dict[str, Any]) -> dict[str, Any]:
                       [f["fingerprint"] for f in c["modes"]["ops"]["findings"]]) for c in results["cells"]}
 
 
+def _outcomes(run: Path) -> dict[str, tuple[Any, ...]]:
+    """Signature key -> (status, stage, error type, compare) of every outcome in the run's aot_eager store."""
+    rows = [json.loads(p.read_text()) for p in (run / "probes" / "aot_eager").glob("*/*.json")
+            if p.name != "identity.json"]
+    return {r["key"]: tuple(r["outcome"].get(k) for k in ("status", "stage", "error_type", "compare")) for r in rows}
+
+
 def _copy(src: Path, dest: Path) -> None:
     """What download-artifact with merge-multiple does: files of several artifacts into one folder."""
     if src.is_dir():
@@ -73,17 +80,29 @@ def test_sharded_zoo_gives_what_one_run_gives(tmp_path: Path, write_matrix: Call
     b = json.loads((run / "report" / "results.json").read_text())
     assert _zoo(a) == _zoo(b) and sorted(a["zoo"]["scanned"]) == TWO
     assert _cells(a) == _cells(b) and all(c[0] == "pass" for c in _cells(b).values())
+    # the merge of two shards is the unsharded inventory's (same distinct signatures, pairs, uses), and the probe
+    # shards' stores together hold the one run's outcomes (their groups differ, so sizes and seconds may)
+    assert json.loads((merged / "zoo/merged/aot_eager.json").read_text()) == \
+        json.loads((one / "zoo/merged/aot_eager.json").read_text())
+    assert _outcomes(run) == _outcomes(one) and len(_outcomes(run)) == a["zoo"]["probed"]["aot_eager"]
     record = json.loads((run / "zoo" / "aot_eager.json").read_text())
     assert record["store"]["probed"] == record["probed"] > 0  # the shards probed everything; the cells step nothing
     notes = sorted((run / "zoo" / "probes").glob("*.json"))
     assert [json.loads(p.read_text())["shard"] for p in notes] == [1, 2]
 
-    # a corrupt record, or a missing shard: one clear error naming it (exit 3, no traceback)
+    # a corrupt record, or a missing shard: one clear error naming it (InputError: exit 3; in this process, as the
+    # `zoo merge` command calls it, so as not to start two more processes)
+    from ci_runner.config import load_matrix
+    from ci_runner.errors import EXIT_INPUT, InputError
+    from ci_runner.matrix import expand
+    from ci_runner.zoo.run import merge_shards
+
+    cells = expand(load_matrix(matrix))
     rec = next(inv.glob("shard-*/zoo/inventory/*/llama.json"))
     rec.write_text(rec.read_text()[:100])
-    proc = cli("zoo", "merge", str(inv), "--matrix", str(matrix), "--out", str(tmp_path / "m2"), timeout=300)
-    assert proc.returncode == 3, proc.stderr
-    assert f"{rec}:" in proc.stderr and "not valid JSON" in proc.stderr and "Traceback" not in proc.stderr
+    with pytest.raises(InputError, match="not valid JSON") as exc:
+        merge_shards(cells, [inv], tmp_path / "m2")
+    assert str(exc.value).startswith(f"{rec}:") and exc.value.exit_code == EXIT_INPUT
     shutil.rmtree(inv / "shard-2")
-    proc = cli("zoo", "merge", str(inv), "--matrix", str(matrix), "--out", str(tmp_path / "m3"), timeout=300)
-    assert proc.returncode == 3 and "inventory shard 2/2 is missing" in proc.stderr and "Traceback" not in proc.stderr
+    with pytest.raises(InputError, match="inventory shard 2/2 is missing"):
+        merge_shards(cells, [inv], tmp_path / "m3")

@@ -114,3 +114,34 @@ def test_the_plan_of_the_whole_zoo_stays_under_githubs_limits(tmp_path: Path,
     fork = expand_json(cells, max_jobs=1024, fork_pr=True)  # the self-hosted backend's zoo cells are skipped
     assert {e["backend"] for e in fork["zoo"]["probe"]["include"]} == {"aot_eager", "inductor"}
     assert all(s["job"] for s in fork["skipped"] if s["model"] != "tiny")
+
+
+def test_the_report_collects_the_zoo_cells_jobs_and_their_failed_setup(tmp_path: Path) -> None:
+    """`collect` copies each backend's zoo cells artifact (cells and zoo record); a zoo cell whose backend job's
+    setup failed reads that job's record (`error`, with the command), one with no job result is 'no result'."""
+    from ci_runner.plan import NO_RESULT, PlannedCell, collect_attempts
+    from ci_runner.results.model import CellResult, ModeResult, save_cell_result
+    from ci_runner.run.aggregate import aggregate
+
+    arts = tmp_path / "artifacts"
+    ok = CellResult(id="llama@a", model="llama", backend="a", status="pass", modes={"ops": ModeResult(status="pass")})
+    save_cell_result(ok, arts / "deepview-zoo-cells-b0" / "cells" / "llama@a" / "result.json")
+    (arts / "deepview-zoo-cells-b0" / "zoo").mkdir(parents=True)
+    (arts / "deepview-zoo-cells-b0" / "zoo" / "a.json").write_text("{}")
+    setup = arts / "deepview-zoo-cells-b1" / "cells" / "zoo-cells-b1" / "setup-failed"
+    setup.mkdir(parents=True)
+    (setup / "command.txt").write_text("pip install acme-compiler\n")
+    (setup / "exit-code").write_text("1\n")
+    (setup / "output.log").write_text("ERROR: no matching distribution\n")
+    run = tmp_path / "run"
+    got = collect_attempts(arts, run)
+    assert got["llama@a"] == 1 and (run / "zoo" / "a.json").exists()
+    plan = [PlannedCell(cell=f"{m}@{b}", model=m, backend=b, modes=("ops",), chunk=None, job=f"zoo-cells-b{row}")
+            for m in ("llama", "vit") for row, b in enumerate(("a", "b", "c"))]
+    cells = {c.id: c for c in aggregate([run], plan=plan, run_dirs=()).cells}
+    assert cells["llama@a"].status == "pass" and cells["vit@a"].error.type == "no_result"
+    assert cells["vit@a"].error.message.startswith(NO_RESULT)
+    for cid in ("llama@b", "vit@b"):
+        assert cells[cid].status == "error" and cells[cid].error.type == "setup_failed"
+        assert "pip install acme-compiler" in cells[cid].error.message
+    assert cells["llama@c"].error.type == "no_result"
