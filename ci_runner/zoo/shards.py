@@ -8,7 +8,7 @@ slice of every (IR level, host device) group and a digest of the whole selection
 set of them only when they are the N shards of one split of one selection, else one `InputError` that names
 the file or the missing shard and says what to run.
 
-Plan sizes (`zoo_plan_sizes`) keep every job matrix at or under GitHub's 256 jobs (DESIGN §6).
+Plan sizes (`zoo_plan_sizes`) keep every job matrix at or under GitHub's 256 jobs (docs/github.md, Limits).
 """
 
 from __future__ import annotations
