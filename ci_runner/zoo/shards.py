@@ -103,7 +103,8 @@ def selection_digest(groups: Mapping[str, Sequence[str]]) -> str:
 def manifest(groups: Mapping[str, Sequence[str]], shard: Shard) -> dict[str, Any]:
     """What inventory shard `shard` of the selection `groups` (group -> sorted model types) scans."""
     return {"version": MANIFEST_VERSION, "shard": shard.index, "of": shard.count,
-            "selection": selection_digest(groups), "groups": {g: split(list(t), shard) for g, t in sorted(groups.items())}}
+            "selection": selection_digest(groups),
+            "groups": {g: split(list(t), shard) for g, t in sorted(groups.items())}}
 
 
 def _fix(shard: Shard) -> str:
