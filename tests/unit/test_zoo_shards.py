@@ -79,6 +79,7 @@ def test_plan_sizes_stay_within_githubs_matrix_limit() -> None:
         zoo_plan_sizes(822, 3, probe=100)
 
 
+@pytest.mark.slow  # about 10 s: the matrix expands every architecture the installed transformers registers
 def test_the_plan_of_the_whole_zoo_stays_under_githubs_limits(tmp_path: Path,
                                                                write_matrix: Callable[..., Path]) -> None:
     """Every architecture of the installed transformers on three backends (one self-hosted), with ordinary cells:
