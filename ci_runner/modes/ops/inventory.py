@@ -435,7 +435,7 @@ def trace_aot(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *
     c1 = time.process_time()
     try:
         with torch.no_grad(), fake_mode:
-            torch.compile(model, backend=backend, dynamic=False, options=one_shot_options())(*args, **kwargs)
+            torch.compile(model, backend=backend, dynamic=False)(*args, **kwargs)
     finally:
         c2 = time.process_time()
         torch._dynamo.reset()
@@ -449,16 +449,6 @@ def trace_aot(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *
         notes.append(f"{len(graphs)} graphs (graph breaks)")
     return builder.build(level="aten", method="aot", device=host, graphs=len(graphs), notes=notes,
                          duration_s=time.monotonic() - t0)
-
-
-def _no_guards(entries: Sequence[Any]) -> list[bool]:
-    return [False] * len(entries)
-
-
-def one_shot_options() -> dict[str, Any]:
-    """torch.compile options for a capture that runs once and is thrown away: keep no guards (Dynamo then does
-    not build, check and profile a guard tree per graph). The graphs are the same (checked on the zoo records)."""
-    return {"guard_filter_fn": _no_guards}
 
 
 class _null_context:
@@ -521,7 +511,7 @@ def trace_dynamo(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     torch._dynamo.reset()
     try:
         with torch.no_grad():
-            torch.compile(model, backend=record, dynamic=False, options=one_shot_options())(*args, **kwargs)
+            torch.compile(model, backend=record, dynamic=False)(*args, **kwargs)
     finally:
         torch._dynamo.reset()
     builder = _Builder()
@@ -607,7 +597,8 @@ def take_inventory(model: nn.Module, args: Sequence[Any] = (), kwargs: Mapping[s
     args_t, kwargs_d = tuple(args), dict(kwargs or {})
     attempts: list[tuple[str, Callable[[], Inventory]]]
     if level == "aten":
-        attempts = [("dynamo+aot_autograd capture", lambda: trace_aot(model, args_t, kwargs_d, device=device, timings=timings)),
+        attempts = [("dynamo+aot_autograd capture",
+                     lambda: trace_aot(model, args_t, kwargs_d, device=device, timings=timings)),
                     ("torch.export", lambda: trace_export(model, args_t, kwargs_d, level=level, device=device))]
     elif level == "core_aten":
         attempts = [("torch.export", lambda: trace_export(model, args_t, kwargs_d, level=level, device=device))]
