@@ -26,7 +26,11 @@ LEVEL_RULES: dict[str, tuple[bool, int]] = {"narrow": (True, 1), "twice": (True,
 LEVELS: tuple[str, ...] = (*LEVEL_RULES, "default")
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 SIDE_LAYER_KEYS = ("encoder_layers", "decoder_layers", "num_encoder_layers", "num_decoder_layers", "text_layers",
-                   "vision_layers", "num_decoder_layer")
+                   "vision_layers", "num_decoder_layer",
+                   # layer counts of a model's parts and loops over the same layers (HRM's stacks and cycles,
+                   # Dory's input / recurrent / output layers): traced unrolled, so a full count ran past the limit
+                   "num_layers_per_stack", "n_input_layers", "n_recurrent_layers", "n_output_layers",
+                   "H_cycles", "L_cycles", "n_recurrent_loops")
 HEAD_KEYS = ("num_attention_heads", "n_head", "num_heads", "encoder_attention_heads", "decoder_attention_heads",
              "n_heads", "attention_heads")
 KV_KEYS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "num_key_value_groups_heads")

@@ -88,3 +88,15 @@ def test_vocab_keeps_special_ids_and_levels_differ() -> None:
     assert (narrow["num_attention_heads"], narrow["hidden_size"], narrow["intermediate_size"]) == (4, 256, 1024)
     assert shallow["hidden_size"] == 1024 and shallow["num_hidden_layers"] == 2
     assert twice["num_hidden_layers"] == 2 and LEVELS == ("narrow", "twice", "shallow", "default")
+
+
+def test_part_layer_counts_and_loops_shrink() -> None:
+    """HRM (stacks × cycles) and Dory (input / recurrent / output layers) were traced unrolled at full count and
+    ran past the per-model limit: their part counts and loops shrink like the encoder / decoder layer counts."""
+    hrm = shrink_dict({"num_hidden_layers": 128, "num_layers_per_stack": 16, "H_cycles": 2, "L_cycles": 3,
+                       "hidden_size": 1536, "num_attention_heads": 12, "head_dim": 128})
+    assert (hrm["num_layers_per_stack"], hrm["H_cycles"], hrm["L_cycles"]) == (2, 2, 2)
+    dory = shrink_dict({"num_hidden_layers": 72, "n_input_layers": 16, "n_recurrent_layers": 40,
+                        "n_output_layers": 16, "n_recurrent_loops": 2})
+    assert (dory["n_input_layers"], dory["n_recurrent_layers"], dory["n_output_layers"]) == (2, 2, 2)
+    assert dory["n_recurrent_loops"] == 2
