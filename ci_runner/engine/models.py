@@ -587,8 +587,9 @@ def _pixel_values(model: LoadedModel, inputs: InputSpec, sample: int) -> torch.T
 def _image_token_count(config: Any, inputs: InputSpec) -> int:
     vis = config.vision_config
     _, h, w = _image_size(config, inputs)
-    patch = int(getattr(vis, "patch_size", 14) or 14)
-    n = (h // patch) * (w // patch)
+    patch = getattr(vis, "patch_size", 14) or 14
+    ph, pw = (int(patch[0]), int(patch[-1])) if isinstance(patch, (list, tuple)) else (int(patch), int(patch))
+    n = (h // ph) * (w // pw)  # InternVL, Florence-2: [14, 14]
     if getattr(config, "vision_feature_select_strategy", "default") == "full":
         n += 1
     return n

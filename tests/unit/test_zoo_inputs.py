@@ -70,3 +70,12 @@ def test_a_required_argument_without_a_synthetic_input_is_the_reason() -> None:
     cfg = transformers.AutoConfig.for_model("bert", vocab_size=64)
     with pytest.raises(ZooInputError, match="requires 'bbox'"):
         zoo_inputs(NeedsBoxes(), cfg, model_type="layoutlm", task="base", inputs=INPUTS)
+
+
+def test_image_tokens_with_a_two_number_patch_size() -> None:
+    """InternVL's vision config gives `patch_size: [14, 14]`: the image token count reads both numbers (it was
+    left out with `int() argument must be ... not 'list'`)."""
+    internvl, cfg = _model("internvl", "InternVLForConditionalGeneration")
+    assert isinstance(cfg.vision_config.patch_size, (list, tuple))
+    kw = zoo_inputs(internvl, cfg, model_type="internvl", task="image-text", inputs=INPUTS)
+    assert int((kw["input_ids"] == cfg.image_token_id).sum()) > 0 and "pixel_values" in kw
