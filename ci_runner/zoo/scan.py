@@ -48,7 +48,8 @@ SHAPE_ERROR = re.compile(r"size|shape|dimension|divisib|mismatch|must match|expe
 # errors of the primary tracer that no size changes: data-dependent control flow, unsupported constructs, code
 # errors (measured: jetmoe's `DataDependentOutputException` spent 81 CPU s re-traced at all four sizes)
 SIZE_INDEPENDENT = re.compile(r"DataDependent|DynamicOutputShape|GuardOnDataDependent|\bUnsupported\b"
-                              r"|AttributeError|TypeError|KeyError|NameError|ImportError|NotImplementedError")
+                              r"|AttributeError|TypeError|KeyError|NameError|ImportError|NotImplementedError"
+                              r"|values to unpack")  # an input of the wrong rank (Idefics2's 5-d pixel_values)
 # relative cost by family (median trace time per family in a 299-architecture scan): longest first
 COST_HINT: dict[str, float] = {"SSM/hybrid": 22.0, "multimodal": 15.0, "MoE": 14.0, "vision": 12.0,
                                "encoder-decoder": 12.0, "decoder": 10.0, "audio": 9.0, "encoder": 8.0}

@@ -267,3 +267,17 @@ def test_runtime_checks_are_not_probed_at_graph_level_but_are_on_an_eager_device
     assert not aten & {"aten._is_all_true.default", "aten._local_scalar_dense.default"}, aten
     eager = {s.op for s in take_inventory(_Checked(), (x,), level="dispatch", device="cpu").signatures}
     assert "aten._is_all_true.default" in eager or "aten._local_scalar_dense.default" in eager, eager
+
+
+def test_an_error_in_the_model_code_is_not_retried_with_another_tracer() -> None:
+    """A plain Python error from the model's own forward fails every tracer the same way: only the first runs."""
+    from ci_runner.modes.ops.inventory import InventoryError, take_inventory
+
+    class Broken(torch.nn.Module):
+        def forward(self, x: torch.Tensor, grid: torch.Tensor | None = None) -> torch.Tensor:
+            return x * grid.shape[0]  # type: ignore[union-attr]  # grid is None: AttributeError in the model's code
+
+    with pytest.raises(InventoryError) as err:
+        take_inventory(Broken(), (torch.ones(2),), level="aten")
+    assert "AttributeError" in err.value.message and "no other tracer tried" in err.value.message
+    assert "torch.export failed" not in err.value.message

@@ -39,3 +39,9 @@ def test_the_queue_puts_slow_families_first() -> None:
                                           "llava": {"family": "multimodal", "task": "image-text"},
                                           "unknown": {}}.items()}
     assert sorted(hints, key=lambda t: -hints[t]) == ["llava", "jamba", "unknown", "bert"]
+
+
+def test_an_input_of_the_wrong_rank_is_not_retried() -> None:
+    idefics2 = ("InventoryError: ... capture failed at transformers/models/idefics2/modeling_idefics2.py:804 in "
+                "get_image_features: ValueError: not enough values to unpack (expected 5, got 4)")
+    assert not worth_retrying("trace", idefics2)

@@ -584,6 +584,19 @@ def trace_dispatch(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     return builder.build(level="dispatch", method="dispatch", device=device, duration_s=time.monotonic() - t0)
 
 
+MODEL_CODE_ERRORS = (AttributeError, TypeError, KeyError, ValueError, IndexError, NameError)
+
+
+def model_code_error(exc: BaseException) -> bool:
+    """A plain Python error raised by the model's own code (not by a tracer: Dynamo's and torch's own errors are
+    RuntimeErrors): every tracer runs that code with the same inputs and fails the same way, so trying the next one
+    only costs time (measured: about half the CPU time of each multimodal architecture the zoo leaves out)."""
+    if not isinstance(exc, MODEL_CODE_ERRORS):
+        return False
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(frames) and not frames[-1].filename.startswith((str(Path(torch.__file__).parent), PACKAGE_DIR))
+
+
 def take_inventory(model: nn.Module, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None, *,
                    level: str = "aten", device: str = "cpu", timings: dict[str, float] | None = None) -> Inventory:
     """The inventory of `model(*args, **kwargs)` at `level`, for a backend whose tensors live on `device`.
@@ -612,6 +625,9 @@ def take_inventory(model: nn.Module, args: Sequence[Any] = (), kwargs: Mapping[s
             inv = fn()
         except Exception as exc:  # any tracer failure is data for the next attempt and for the report
             failures.append(f"{what} failed at {where_failed(exc)}: {type(exc).__name__}: {first_line(str(exc), 600)}")
+            if model_code_error(exc):
+                failures.append("no other tracer tried: it runs the same model code with the same inputs")
+                break
             continue
         inv.notes[:0] = [f"fallback after: {f}" for f in failures]
         resolve_sites(inv, model)
