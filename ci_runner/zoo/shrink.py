@@ -35,6 +35,10 @@ HEAD_KEYS = ("num_attention_heads", "n_head", "num_heads", "encoder_attention_he
              "n_heads", "attention_heads")
 KV_KEYS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "num_key_value_groups_heads")
 HIDDEN_KEYS = ("hidden_size", "d_model", "n_embd", "embed_dim", "model_dim", "dim")
+# other names of the hidden size, narrowed with it where they equal it (xLSTM's `embedding_dim`)
+TIED_HIDDEN_KEYS = ("embedding_dim",)
+# other names of the layer count, cut with it where they equal it (xLSTM's `num_blocks`)
+TIED_LAYER_KEYS = ("num_blocks",)
 FFN_KEYS = ("intermediate_size", "ffn_dim", "d_ff", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner",
             "moe_intermediate_size", "shared_expert_intermediate_size", "ffn_hidden_size", "expert_intermediate_size",
             "decoder_intermediate_size", "mlp_dim", "moe_ffn_hidden_size")
@@ -201,7 +205,7 @@ def _shrink_widths(d: dict[str, Any]) -> None:
         if _int(d.get(k)) and d[k] > 0:
             d[k] = new_kv if kv != n else new_n
     factor = new_hidden / hidden
-    for k in HIDDEN_KEYS:
+    for k in (*HIDDEN_KEYS, *TIED_HIDDEN_KEYS):
         if _int(d.get(k)) and d[k] == hidden:
             d[k] = new_hidden
     for k in FFN_KEYS:
@@ -231,6 +235,9 @@ def _shrink_dict(d: dict[str, Any], level: str, specials: int) -> None:
     counted = _layer_count(d)
     if counted is not None and counted[1] > 1:
         _keep_layers(d, *counted, per_kind=LEVEL_RULES[level][1])
+        for k in TIED_LAYER_KEYS:
+            if _int(d.get(k)) and d[k] == counted[1]:
+                d[k] = d[counted[0]]
         for k in ("out_features", "out_indices", "_out_features", "_out_indices", "stage_names"):
             d.pop(k, None)  # backbone outputs named by layer: the config derives them again
     for k in SIDE_LAYER_KEYS:

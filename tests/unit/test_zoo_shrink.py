@@ -100,3 +100,11 @@ def test_part_layer_counts_and_loops_shrink() -> None:
                         "n_output_layers": 16, "n_recurrent_loops": 2})
     assert (dory["n_input_layers"], dory["n_recurrent_layers"], dory["n_output_layers"]) == (2, 2, 2)
     assert dory["n_recurrent_loops"] == 2
+
+
+def test_tied_names_of_hidden_size_and_layer_count_follow_them() -> None:
+    """xLSTM names its width twice (`hidden_size`, `embedding_dim`) and its depth twice (`num_hidden_layers`,
+    `num_blocks`): a narrowed `hidden_size` alone did not broadcast against the full `embedding_dim`."""
+    x = shrink_dict({"hidden_size": 4096, "embedding_dim": 4096, "num_heads": 8, "num_hidden_layers": 32,
+                     "num_blocks": 32, "vocab_size": 50304})
+    assert x["embedding_dim"] == x["hidden_size"] < 4096 and x["num_blocks"] == x["num_hidden_layers"] < 32
