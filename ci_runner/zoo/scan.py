@@ -11,7 +11,7 @@ records it as left out (timeout or crash) and a fresh child goes on with the res
 
 A smaller config that fails to build is retried bigger (`shrink.LEVELS`); one that fails to trace is retried only
 for a size error (`worth_retrying`): a data-dependent or unsupported construct fails the same way at any size, and
-a bigger trace only costs time.
+a bigger trace only costs time. The unshrunk default config is traced only when no shrunk one built.
 
 A record is either scanned (`inventory`: the `Inventory` dict, with the head, family, shrink level and layer
 counts) or left out (`left_out`: {stage, reason}, stage one of config | build | inputs | trace | timeout | crashed).
@@ -164,6 +164,8 @@ def scan_one(model_type: str, *, level: str, device: str, inputs: InputSpec) -> 
     tried: dict[str, str] = {}
     stage, clock = "build", StageClock()
     for shrink_level in LEVELS:
+        if shrink_level == "default" and any(not t.startswith("build:") for t in tried.values()):
+            break  # a shrunk config built and failed to trace: the full-size one traces for minutes (zamba)
         stage, t0 = "shrink", time.monotonic()
         try:
             config = shrink(default, shrink_level)
