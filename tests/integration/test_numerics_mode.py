@@ -208,21 +208,24 @@ EXAMPLE_MODELS = ("tiny-llama", "tiny-granite", "tiny-bamba", "tiny-mixtral", "t
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_real_compilers_flag_no_layer_on_the_example_matrix(tmp_path: Path, backend: str) -> None:
+def test_real_compilers_flag_no_layer_on_the_example_matrix(tmp_path: Path, shared_thresholds: Path,
+                                                            backend: str) -> None:
     """inductor and aot_eager on CPU: no layer flagged on any example model; inductor (real, small numerical
-    differences) over two seeds, aot_eager (eager's own kernels: any finding is ours, whatever the seed) over one."""
+    differences) over two seeds, aot_eager (eager's own kernels: any finding is ours, whatever the seed) over one.
+    The two backends share one thresholds folder, as the cells of one run do: seed 0's thresholds are derived once."""
     from ci_runner.config import BackendSpec
 
     m = load_matrix(EXAMPLE)
     spec = BackendSpec(id=backend, compile=backend)
     be = resolve_backend(spec)
     worst_ratio = 0.0
+    options = {"isolate": False, "isolated": "all", "thresholds_dir": str(shared_thresholds)}
     for model in EXAMPLE_MODELS:
         base = next(c for c in expand(m) if c.model.id == model)
         for seed in ((0, 1) if backend == "inductor" else (0,)):
             cell = dataclasses.replace(base, id=f"{model}@{backend}", backend=spec,
                                        inputs=dataclasses.replace(base.inputs, seed=seed),
-                                       options={"numerics": {"isolate": False, "isolated": "all"}})
+                                       options={"numerics": options})
             cell_dir = tmp_path / "run" / "cells" / f"{cell.id}-s{seed}"
             cell_dir.mkdir(parents=True)
             res = run(ModeContext(cell=cell, cell_dir=cell_dir, backend=be, deadline=time.monotonic() + 900))
