@@ -29,8 +29,9 @@ def _started_files(tmp_path: Path, *extra: str) -> list[str]:
     for name, count in (("test_a.py", 3), ("test_b.py", 1), ("test_c.py", 2)):
         (tmp_path / name).write_text("".join(f"def test_{i}():\n    pass\n\n" for i in range(count)), encoding="utf-8")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}  # xdist alone: seconds less
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "xdist.plugin", "-n", "1", "--dist", "loadfile", "-v", "-p", "no:cacheprovider",
-                           *extra], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    argv = [sys.executable, "-m", "pytest", "-p", "xdist.plugin", "-n", "1", "--dist", "loadfile", "-v",
+            "-p", "no:cacheprovider", *extra]
+    proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ran = re.findall(r"PASSED (test_\w+\.py)::", proc.stdout)
     assert len(ran) == 6, proc.stdout

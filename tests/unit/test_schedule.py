@@ -35,5 +35,6 @@ def test_listed_files_come_first_longest_first_and_the_rest_keep_collection_orde
 
 def test_the_order_reaches_xdist_because_its_own_reordering_is_off() -> None:
     """xdist's default `--loadscope-reorder` re-sorts files by test count and would undo the order."""
-    addopts = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["pytest"]["ini_options"]["addopts"]
+    pytest_ini = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["pytest"]["ini_options"]
+    addopts = pytest_ini["addopts"]
     assert "--dist loadfile" in addopts and "--no-loadscope-reorder" in addopts
