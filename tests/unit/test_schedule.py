@@ -6,7 +6,7 @@ import tomllib
 from dataclasses import dataclass
 
 from tests.fixtures.paths import ROOT
-from tests.fixtures.schedule import HEAVY, file_of, heaviest_first
+from tests.fixtures.schedule import HEAVY, file_of, file_seconds, heaviest_first, makespan
 
 
 @dataclass(frozen=True)
@@ -38,3 +38,20 @@ def test_the_order_reaches_xdist_because_its_own_reordering_is_off() -> None:
     pytest_ini = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["pytest"]["ini_options"]
     addopts = pytest_ini["addopts"]
     assert "--dist loadfile" in addopts and "--no-loadscope-reorder" in addopts
+
+
+def test_a_durations_log_gives_seconds_per_file() -> None:
+    log = ("============================= slowest durations ==============================\n"
+           "12.50s call     tests/integration/test_x.py::test_a[p-1]\n"
+           "0.50s setup    tests/integration/test_x.py::test_a[p-1]\n"
+           "3.00s call     tests/unit/test_y.py::TestC::test_b\n"
+           "(12 durations < 0.005s hidden.)\n")
+    assert file_seconds(log) == {"tests/integration/test_x.py": [13.0], "tests/unit/test_y.py": [3.0]}
+
+
+def test_the_longest_file_last_leaves_one_worker_alone_and_first_does_not() -> None:
+    """xdist's rules on 2 workers: 10 one-second files then a 10-second one end at 15 s; longest first at 11 (a
+    worker whose file holds at most 2 tests is handed a second one at once: one small file waits behind it)."""
+    small = [(f"f{i}", [1.0]) for i in range(10)]
+    assert makespan([*small, ("big", [10.0])]) == 15.0
+    assert makespan([("big", [10.0]), *small]) == 11.0
