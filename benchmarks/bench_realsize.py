@@ -138,18 +138,21 @@ def case_mode(layers: int, mode: str, args: argparse.Namespace) -> dict[str, Any
 def _numerics_breakdown(data: dict[str, Any], mode_s: float) -> dict[str, float]:
     """Where the numerics mode's time went: the weights check (in the target child since it builds the model
     anyway), the thresholds (the primary's passes with their dumps, the secondary's cumulative and isolated views,
-    the rest: building the primary and casting the secondary, writing the file), the reference pass, the target
-    child (its cumulative view, compile included; its start and model build are the rest) and what is left."""
+    the rest: building the primary and casting the secondary, writing the file), the reference pass, the model
+    handed to the target child (written to a file), the target child (its cumulative view, compile included; its
+    start and taking the model are the rest), the isolated view's thresholds when derived after it, what is left."""
     t = dict(data.get("timings") or {})
     parts = {"weights_check_s": float((data.get("weights") or {}).get("seconds") or 0.0),
              **{k: float(t[k]) for k in ("derive_record_s", "derive_cumulative_s", "derive_isolated_s") if k in t}}
     parts["thresholds_other_s"] = float(t.get("thresholds_s", 0.0)) - sum(
         parts.get(k, 0.0) for k in ("derive_record_s", "derive_cumulative_s", "derive_isolated_s"))
-    parts.update(reference_s=float(t.get("reference_s", 0.0)), target_cumulative_s=float(t.get("target_cumulative_s", 0.0)),
-                 target_isolated_s=float(t.get("target_isolated_s", 0.0)))
+    parts.update(reference_s=float(t.get("reference_s", 0.0)), handoff_s=float(t.get("handoff_s", 0.0)),
+                 target_cumulative_s=float(t.get("target_cumulative_s", 0.0)),
+                 target_isolated_s=float(t.get("target_isolated_s", 0.0)),
+                 thresholds_later_s=float(t.get("thresholds_later_s", 0.0)))
     in_target = parts["weights_check_s"] if (data.get("weights") or {}).get("in_target_child") else 0.0
-    parts["target_start_and_build_s"] = (float(t.get("target_s", 0.0)) - parts["target_cumulative_s"]
-                                         - parts["target_isolated_s"] - in_target)
+    parts["target_start_and_model_s"] = (float(t.get("target_s", 0.0)) - parts["target_cumulative_s"]
+                                         - parts["target_isolated_s"] - in_target - parts["handoff_s"])
     parts["other_s"] = mode_s - sum(parts.values())
     return {k: round(v, 2) for k, v in parts.items()}
 

@@ -114,6 +114,9 @@ def test_sim_drift_isolated_view_flags_exactly_the_norms(tmp_path: Path, shared_
     assert len(_flagged(res.data, "cumulative")) > len(norms)
     _check_contract(res.data)
     assert not (ctx.cell_dir / "numerics" / "ref").exists()  # dumps removed unless keep_dumps
+    # a target child takes the model from the parent's file (`numerics/handoff.py`), removed after the run
+    assert not any("could not take the model" in n for n in res.data["notes"])
+    assert ("handoff_s" in res.data["timings"]) == isolate and not list((ctx.cell_dir / "numerics").glob("*.pt"))
 
 
 @pytest.mark.slow

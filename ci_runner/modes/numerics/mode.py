@@ -45,6 +45,7 @@ from ...numerics.target import (
     read_records,
 )
 from ...numerics.cache import cell_thresholds
+from ...numerics.handoff import WEIGHTS_NAME, save_weights
 from ...numerics.thresholds import LayerStats, ThresholdTable, add_views, load_or_derive
 from ...numerics.toolbox import after_numerics, before_numerics, reference_dumps, weights_from_target, weights_in_target
 from ...numerics.verdict import (
@@ -62,8 +63,8 @@ if TYPE_CHECKING:
     from .. import ModeContext
 
 
-def _run_target(ctx: "ModeContext", opts: NumericsOptions, dumps: list[Path], work: Path,
-                table: ThresholdTable, weights: Path | None = None) -> tuple[list[dict[str, Any]], list[str]]:
+def _run_target(ctx: "ModeContext", opts: NumericsOptions, dumps: list[Path], work: Path, table: ThresholdTable,
+                weights: Path | None, timings: dict[str, float]) -> tuple[list[dict[str, Any]], list[str]]:
     """Compare the target against `dumps` (child processes unless `isolate: false`); (records, notes). With
     `weights`, the child runs the weights check first and writes its result there."""
     primary = ctx.cell.references[0]
@@ -80,6 +81,32 @@ def _run_target(ctx: "ModeContext", opts: NumericsOptions, dumps: list[Path], wo
                 weights={"out": str(weights), "chunk_mb": 256.0} if weights is not None else None)
     if not opts.isolate:
         return _run_target_here(ctx, base, results, journal, table), notes
+    t = time.monotonic()
+    handed = _hand_over(ctx, work)
+    timings["handoff_s"] = round(time.monotonic() - t, 3)
+    try:
+        return _supervise_target(ctx, opts, {**base, "model_file": handed}, results, weights, notes)
+    finally:
+        if handed is not None:
+            Path(handed).unlink(missing_ok=True)
+
+
+def _hand_over(ctx: "ModeContext", work: Path) -> str | None:
+    """The primary reference's model, written for the target child (`handoff.save_weights`) when it lives on CPU;
+    None (the child builds it) otherwise or when it cannot be written."""
+    primary = ctx.cell.references[0]
+    if primary.device != "cpu":
+        return None
+    try:
+        return save_weights(ctx.model(dtype=primary.dtype, device="cpu").module, work / WEIGHTS_NAME)["file"]
+    except (OSError, RuntimeError):
+        return None
+
+
+def _supervise_target(ctx: "ModeContext", opts: NumericsOptions, base: dict[str, Any], results: Path,
+                      weights: Path | None, notes: list[str]) -> tuple[list[dict[str, Any]], list[str]]:
+    """The target in child processes, a fresh one after each crash (see `_run_target`)."""
+    journal = Path(base["journal"])
 
     crashed: list[dict[str, Any]] = []
     finished = False
@@ -98,9 +125,11 @@ def _run_target(ctx: "ModeContext", opts: NumericsOptions, dumps: list[Path], wo
             payload["isolated"] = "all"
         return Attempt(payload=payload, timeout=budget)
 
-    def on_ok(_res: IsolatedResult) -> None:
+    def on_ok(res: IsolatedResult) -> None:
         nonlocal finished
         finished = True
+        if base.get("model_file") and (res.value or {}).get("model") == "built":
+            notes.append("the target child could not take the model from the parent's file: it built the model")
 
     def on_crash(item: str | None, res: IsolatedResult) -> str | None:
         entry = parse_journal_entry(item)
@@ -262,7 +291,7 @@ def run(ctx: "ModeContext") -> ModeResult:
     dumps, compare = _reference_pass(ctx, opts, table, dump_root, dump_key, compare, notes)
     timings["reference_s"] = round(time.monotonic() - t, 3)
     t = time.monotonic()
-    records, target_notes = _run_target(ctx, opts, dumps, work, table, weights)
+    records, target_notes = _run_target(ctx, opts, dumps, work, table, weights, timings)
     if weights is not None:  # the target child ran the weights check before its forward
         pre = weights_from_target(ctx, weights)
         notes[:0] = pre.notes
