@@ -214,20 +214,20 @@ def derive_for_cell(ctx: "ModeContext", opts: NumericsOptions, dump_root: Path, 
 
 
 def complete_thresholds(ctx: "ModeContext", opts: NumericsOptions, table: ThresholdTable, records: list[dict[str, Any]],
-                        dump_root: Path, dump_key: str, keep: Iterable[int], timings: dict[str, float]) -> str:
+                        dump_root: Path, dump_key: str, keep: Iterable[int], timings: dict[str, float],
+                        notes: list[str]) -> None:
     """Add the statistics of a deferred view to `table` once the target has run it (`records` hold that view's
     comparisons): from the file when another cell added them, else derived now (`thresholds.add_views`) on the
-    dumps kept for it. Returns a note ("" when nothing was needed)."""
+    dumps kept for it; `notes` says which."""
     ran = {r.get("view") for r in records if r.get("status") != "skipped"}
     views = [v for v in deferred_views(opts) if v in ran and v not in table.views]
     if not views:
-        return ""
+        return
     t = time.monotonic()
     derive = _deriver(ctx, opts, dump_root, samples=int(table.key["samples"]), dump_key=dump_key, keep=keep,
                       views=tuple(views), timings=timings)
-    how = add_views(table, views, derive)
+    notes.append(f"thresholds: {add_views(table, views, derive)}")
     timings["thresholds_later_s"] = round(time.monotonic() - t, 3)
-    return f"thresholds: {how}"
 
 
 def _deriver(ctx: "ModeContext", opts: NumericsOptions, dump_root: Path, *, samples: int, dump_key: str,
@@ -297,9 +297,7 @@ def run(ctx: "ModeContext") -> ModeResult:
         notes[:0] = pre.notes
     notes.extend(target_notes)
     timings["target_s"] = round(time.monotonic() - t, 3)
-    later = complete_thresholds(ctx, opts, table, records, dump_root, dump_key, compare, timings)
-    if later:
-        notes.append(later)
+    complete_thresholds(ctx, opts, table, records, dump_root, dump_key, compare, timings, notes)
 
     iso_skipped, cum_errors = _view_runs(records, timings)
     timings = {k: round(v, 3) for k, v in timings.items()}
