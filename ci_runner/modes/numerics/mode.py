@@ -45,7 +45,7 @@ from ...numerics.target import (
     read_records,
 )
 from ...numerics.cache import cell_thresholds
-from ...numerics.handoff import WEIGHTS_NAME, save_weights
+from ...numerics.handoff import handoff_path, save_weights
 from ...numerics.thresholds import LayerStats, ThresholdTable, add_views, load_or_derive
 from ...numerics.toolbox import after_numerics, before_numerics, reference_dumps, weights_from_target, weights_in_target
 from ...numerics.verdict import (
@@ -97,9 +97,14 @@ def _hand_over(ctx: "ModeContext", work: Path) -> str | None:
     primary = ctx.cell.references[0]
     if primary.device != "cpu":
         return None
+    module = ctx.model(dtype=primary.dtype, device="cpu").module
+    path = None
     try:
-        return save_weights(ctx.model(dtype=primary.dtype, device="cpu").module, work / WEIGHTS_NAME)["file"]
+        path = handoff_path(module, work)
+        return save_weights(module, path)["file"]
     except (OSError, RuntimeError):
+        if path is not None:
+            path.unlink(missing_ok=True)
         return None
 
 
