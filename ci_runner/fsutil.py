@@ -1,12 +1,14 @@
-"""Atomic file writes: a reader never sees a half-written file, Ctrl-C never leaves one."""
+"""Atomic file writes (a reader never sees a half-written file, Ctrl-C never leaves one) and file locks."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import IO, Any, Callable, Iterator, TypeVar
 
 T = TypeVar("T")
 
@@ -70,3 +72,30 @@ def read_records(path: str | os.PathLike[str], parse: Callable[[Any], T], key: C
             continue
         out[key(rec)] = rec
     return out
+
+
+@contextlib.contextmanager
+def locked(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Hold an exclusive `flock` on `path` (created if missing), waiting for it, until the block ends."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(target, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing drops the flock
+
+
+def try_lock(path: str | os.PathLike[str]) -> IO[bytes] | None:
+    """An exclusive `flock` on `path` if no live process holds one, else None, without waiting.
+
+    The lock lives as long as the returned file: close it to release (a dead holder's lock is dropped by the OS).
+    """
+    fh = open(path, "ab")
+    try:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        fh.close()
+        return None
+    return fh

@@ -42,21 +42,18 @@ matches; `load_or_derive` takes a file lock so that two cells of the same model 
 
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
-import fcntl
 import hashlib
 import json
 import math
-import os
 import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Mapping
 
 from ..errors import InputError
-from ..fsutil import atomic_write_json
+from ..fsutil import atomic_write_json, locked
 from ..options import NUMERICS_VIEWS as VIEWS, ThresholdOptions
 
 SCHEMA_VERSION = 1
@@ -225,21 +222,6 @@ def threshold_path(folder: Path, model_id: str, key: Mapping[str, Any]) -> Path:
     return Path(folder) / f"{_safe(model_id)}-{key_hash(key)}.json"
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lock = path.with_name(path.name + ".lock")
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        finally:
-            os.close(fd)
-
-
 def read_table(path: Path, key: Mapping[str, Any], options: ThresholdOptions) -> tuple[ThresholdTable | None, str | None]:
     """The stored table when `path` holds one for exactly `key`; else (None, why not)."""
     if not path.exists():
@@ -265,7 +247,7 @@ def load_or_derive(path: Path, key: Mapping[str, Any], options: ThresholdOptions
     Holds an exclusive `fcntl.flock` on `<path>.lock` throughout, so parallel cells of the same model wait for the
     first one's derivation instead of repeating it. Returns the table and a note saying what happened.
     """
-    with _locked(path):
+    with locked(path.with_name(path.name + ".lock")):
         table, why = read_table(path, key, options)
         if table is not None:
             return table, f"reused {path.name}"

@@ -16,7 +16,6 @@ probe process could not start) are never stored.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -28,7 +27,7 @@ from typing import IO, Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from ...config import BackendSpec, spec_to_json
 from ...engine.repro import safe_filename
-from ...fsutil import atomic_write_text
+from ...fsutil import atomic_write_text, try_lock
 from ...options import OpsOptions
 from .outcome import OpOutcome
 from .probe import ProbeRunner, float_dtype, grouped, not_run_outcome, probe_seed, with_ranges
@@ -148,11 +147,8 @@ class ProbeStore:
         """An exclusive claim on probing `key`, held until `put` or `release` (False: another live process has it)."""
         if key in self._held:
             return True
-        fh = open(self.dir / f"{self.name(key)}.claim", "ab")
-        try:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            fh.close()
+        fh = try_lock(self.dir / f"{self.name(key)}.claim")
+        if fh is None:
             return False
         fh.write(f"{os.getpid()}\n".encode())
         fh.flush()
