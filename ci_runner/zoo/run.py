@@ -28,6 +28,7 @@ from ..engine.isolate import run_isolated
 from ..fsutil import atomic_write_json
 from ..log import Progress
 from ..matrix import expand
+from ..modes.ops.storepath import store_root
 from ..results.model import CellResult, ModeResult, load_cell_result, read_json, save_cell_result
 from .catalog import catalog
 from .report import backend_table
@@ -125,7 +126,7 @@ def backend_child(payload: Mapping[str, Any]) -> dict[str, Any]:
     from ..modes.ops.mode import build_probes, choose_level, model_result  # deferred: torch, child only
     from ..modes.ops.outcome import OpStatus  # deferred: with the ops mode it belongs to, in this child only
     from ..modes.ops.signature import Inventory  # deferred: torch, in this child only
-    from ..modes.ops.store import merge_inventories, probe_signatures, store_root  # deferred: torch, child only
+    from ..modes.ops.store import merge_inventories, probe_signatures  # deferred: torch, child only
     from ..registry import parse_options  # deferred: with the modes it registers, in this child only
 
     deadline = time.monotonic() + float(payload["deadline_s"])
