@@ -34,9 +34,10 @@ from .github.options import FilingOptions
 from .history import commands as history_cli
 from .engine.isolate import arm_worker
 from .log import Progress
-from .matrix import expand, expand_json, find_cell, select
+from .matrix import ZooSplit, expand, expand_json, find_cell, select
 from .numerics.cache import cache_for
 from .numerics.thresholds import load_table
+from .zoo import commands as zoo_cli
 from .plan import check_output_size, collect_attempts, load_plan, parse_chunk_results, plan_outputs, read_setup_record
 from .results.model import RESULT_NAME, load_results, save_cell_result
 
@@ -176,7 +177,8 @@ def cmd_expand(args: argparse.Namespace) -> int:
     cells = select(expand(matrix), args.select, args.skip)
     max_jobs = args.max_jobs if args.max_jobs is not None else matrix.max_jobs
     doc = expand_json(cells, max_jobs=max_jobs, chunk_size=args.chunk_size, fork_pr=args.fork_pr,
-                      setup_minutes=args.setup_minutes, margin_minutes=args.margin_minutes)
+                      setup_minutes=args.setup_minutes, margin_minutes=args.margin_minutes,
+                      zoo_split=ZooSplit(inventory=args.zoo_inventory_shards, probe=args.zoo_probe_shards))
     outputs = plan_outputs(doc)
     check_output_size(outputs)  # before anything is written: GitHub would fail the job past 1 MB of outputs
     text = json.dumps(doc, indent=2)
@@ -396,6 +398,10 @@ def _add_expand(sp: argparse.ArgumentParser, selection: Callable[[argparse.Argum
                          "deepview-ci); the job's limit is this + the cell's timeout + --margin-minutes (default 30)")
     sp.add_argument("--margin-minutes", type=_minutes_arg, default=5, metavar="MIN",
                     help="time left in a cell job after its cell step, for the upload (default 5)")
+    sp.add_argument("--zoo-inventory-shards", type=_minutes_arg, default=0, metavar="N",
+                    help="zoo inventory jobs (default 0: one per 25 architectures, at most 256)")
+    sp.add_argument("--zoo-probe-shards", type=_minutes_arg, default=0, metavar="N",
+                    help="zoo probe jobs per backend (default 0: from the zoo's size, at most 256 in all)")
 
 
 AddCommand = Callable[..., argparse.ArgumentParser]  # (name, handler, help text or None for an unlisted command)
@@ -461,6 +467,8 @@ def _run_commands(add: AddCommand) -> None:
     sp = add("_thresholds-key-of", cmd_thresholds_key_of, None)  # internal: the composite action's cache step
     sp.add_argument("of", metavar="COMMAND")
     sp.add_argument("args", metavar="ARGS", help="its arguments as one string (the action's `args`), split with shlex")
+
+    zoo_cli.register(add, _Parser, _selection)
 
     sp = add("_worker", cmd_worker, None)  # internal: no help, so it is not listed
     sp.add_argument("--matrix", required=True)
