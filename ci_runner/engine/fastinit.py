@@ -7,8 +7,9 @@ which overwrites it (`normal_`). A 0.5B Qwen2 shape took 36 s on 2 cores, 29 s o
 Under `fast_init()`, a construction-time init (`torch.nn.init.*` while modules are built) of a floating CPU tensor of
 at least `BIG` elements is deferred, and so is every later one of any size once such a big tensor was seen (a big
 model's sub-`BIG` attention projections were drawn twice too: 44M uniform values at 0.5B, single-threaded). A later
-init of the same tensor (transformers' `_init_weights`, or a direct write) supersedes it; the deferred ones still pending when the build ends run then, with torch's own function, on
-the tensors the model still holds (a tied-away `lm_head.weight` is skipped). transformers' own `normal_` (>= 5,
+init of the same tensor (transformers' `_init_weights`, or a direct write) supersedes it; the deferred ones still
+pending when the build ends run then, with torch's own function, on the tensors the model still holds (a tied-away
+`lm_head.weight` is skipped). transformers' own `normal_` (>= 5,
 through its `TORCH_INIT_FUNCTIONS` table) fills such a tensor on every intra-op thread (`parallel_normal_`:
 fixed chunks, each with a generator seeded from one draw of the seeded global RNG). The distributions are exactly
 transformers', and the same seed gives the same weights on any number of threads. In a model with no tensor of
