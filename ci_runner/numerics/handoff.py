@@ -32,7 +32,7 @@ from torch import nn
 
 from ..config import ModelSpec
 from ..engine.models import LoadedModel, load_model
-from ..engine.tree import tensors_in
+from ..engine.tree import module_tensors, tensors_in
 
 PREFIX = "deepview-target-weights-"
 SHM = Path("/dev/shm")
@@ -69,12 +69,6 @@ def _sweep(folder: Path) -> None:
             continue
 
 
-def module_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer of `module` by every name it has (a tied tensor under each of its names)."""
-    return {**{k: p.detach() for k, p in module.named_parameters(remove_duplicate=False)},
-            **{k: b.detach() for k, b in module.named_buffers(remove_duplicate=False) if b is not None}}
-
-
 def save_weights(module: nn.Module, path: Path) -> dict[str, Any]:
     """Write `module`'s tensors (CPU) to `path` atomically (a temp file, then `os.replace`); returns the child's
     `weights` payload entry: the file, its size, the seconds spent."""
@@ -88,7 +82,7 @@ def save_weights(module: nn.Module, path: Path) -> dict[str, Any]:
     crc = config.save.compute_crc32
     config.save.compute_crc32 = False
     try:
-        torch.save(module_tensors(module), tmp)
+        torch.save({k: t.detach() for k, t in module_tensors(module).items()}, tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -140,4 +134,4 @@ def _fill(module: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
                 setattr(m, key, made[id(value)])
 
 
-__all__ = ["PREFIX", "handoff_path", "load_weights", "module_tensors", "save_weights"]
+__all__ = ["PREFIX", "handoff_path", "load_weights", "save_weights"]

@@ -15,7 +15,8 @@ from ci_runner.config import ModelSpec
 from ci_runner.engine.models import build_inputs, load_model
 from ci_runner.matrix import expand
 from ci_runner.numerics import handoff
-from ci_runner.numerics.handoff import PREFIX, handoff_path, load_weights, module_tensors, save_weights
+from ci_runner.engine.tree import module_tensors
+from ci_runner.numerics.handoff import PREFIX, handoff_path, load_weights, save_weights
 
 QWEN = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 128, "tie_word_embeddings": True}
