@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -33,9 +34,10 @@ from .github.options import FilingOptions
 from .history import commands as history_cli
 from .engine.isolate import arm_worker
 from .log import Progress
-from .matrix import expand, expand_json, find_cell, select
+from .matrix import ZooSplit, expand, expand_json, find_cell, select
 from .numerics.cache import cache_for
 from .numerics.thresholds import load_table
+from .zoo import commands as zoo_cli
 from .plan import check_output_size, collect_attempts, load_plan, parse_chunk_results, plan_outputs, read_setup_record
 from .results.model import RESULT_NAME, load_results, save_cell_result
 
@@ -136,10 +138,27 @@ def _record_failed_setup(cell: "Cell", folder: Path, out: Path) -> int:
 def cmd_thresholds_key(args: argparse.Namespace) -> int:
     matrix = load_matrix(args.matrix)
     cells = [find_cell(matrix, args.cell)] if args.cell else select(expand(matrix), args.select, args.skip)
-    cache = cache_for(cells, Path(args.out))
+    return _thresholds_outputs(cells, Path(args.out))
+
+
+def cmd_thresholds_key_of(args: argparse.Namespace) -> int:
+    """The thresholds cache of what `deepview-ci run|cell ARGS` would run (the composite action's automatic cache):
+    ARGS is the action's `args` input, split with shlex and parsed by that command's own parser; the folders are
+    absolute (actions/cache reads paths from the workspace, the command runs in `working-directory`). Any other
+    command, or one without the numerics mode, caches nothing."""
+    inner = build_parser().parse_args([args.of, *shlex.split(args.args)]) if args.of in ("run", "cell") else None
+    if inner is None or (inner.modes is not None and "numerics" not in inner.modes):
+        return _thresholds_outputs([], Path("."))
+    matrix = load_matrix(inner.matrix)
+    cells = [find_cell(matrix, inner.cell_id)] if args.of == "cell" else select(expand(matrix), inner.select, inner.skip)
+    return _thresholds_outputs(cells, Path(inner.out), absolute=True)
+
+
+def _thresholds_outputs(cells: Sequence["Cell"], out: Path, *, absolute: bool = False) -> int:
+    cache = cache_for(cells, out)
     print(json.dumps(cache.to_json(), indent=1))
     set_output("thresholds-key", cache.key)
-    set_output("thresholds-dir", "\n".join(str(f) for f in cache.folders))
+    set_output("thresholds-dir", "\n".join(str(f.absolute() if absolute else f) for f in cache.folders))
     return errors.EXIT_OK
 
 
@@ -158,7 +177,8 @@ def cmd_expand(args: argparse.Namespace) -> int:
     cells = select(expand(matrix), args.select, args.skip)
     max_jobs = args.max_jobs if args.max_jobs is not None else matrix.max_jobs
     doc = expand_json(cells, max_jobs=max_jobs, chunk_size=args.chunk_size, fork_pr=args.fork_pr,
-                      setup_minutes=args.setup_minutes, margin_minutes=args.margin_minutes)
+                      setup_minutes=args.setup_minutes, margin_minutes=args.margin_minutes,
+                      zoo_split=ZooSplit(inventory=args.zoo_inventory_shards, probe=args.zoo_probe_shards))
     outputs = plan_outputs(doc)
     check_output_size(outputs)  # before anything is written: GitHub would fail the job past 1 MB of outputs
     text = json.dumps(doc, indent=2)
@@ -378,6 +398,10 @@ def _add_expand(sp: argparse.ArgumentParser, selection: Callable[[argparse.Argum
                          "deepview-ci); the job's limit is this + the cell's timeout + --margin-minutes (default 30)")
     sp.add_argument("--margin-minutes", type=_minutes_arg, default=5, metavar="MIN",
                     help="time left in a cell job after its cell step, for the upload (default 5)")
+    sp.add_argument("--zoo-inventory-shards", type=_minutes_arg, default=0, metavar="N",
+                    help="zoo inventory jobs (default 0: one per 25 architectures, at most 256)")
+    sp.add_argument("--zoo-probe-shards", type=_minutes_arg, default=0, metavar="N",
+                    help="zoo probe jobs per backend (default 0: from the zoo's size, at most 256 in all)")
 
 
 AddCommand = Callable[..., argparse.ArgumentParser]  # (name, handler, help text or None for an unlisted command)
@@ -439,6 +463,12 @@ def _run_commands(add: AddCommand) -> None:
     sp.add_argument("--out", required=True, help="the run's output folder (thresholds default to OUT/thresholds)")
     sp.add_argument("--cell", default=None, metavar="CELL_ID", help="one cell (what a cell job runs)")
     _selection(sp)
+
+    sp = add("_thresholds-key-of", cmd_thresholds_key_of, None)  # internal: the composite action's cache step
+    sp.add_argument("of", metavar="COMMAND")
+    sp.add_argument("args", metavar="ARGS", help="its arguments as one string (the action's `args`), split with shlex")
+
+    zoo_cli.register(add, _Parser, _selection)
 
     sp = add("_worker", cmd_worker, None)  # internal: no help, so it is not listed
     sp.add_argument("--matrix", required=True)

@@ -9,14 +9,17 @@ import json
 import math
 import re
 import urllib.parse
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any, Iterable, Mapping, Sequence
 
 from .config import Cell, Matrix, raw_entry
 from .errors import ConfigError
+from .zoo.shards import Shard, split, zoo_plan_sizes
 
 GITHUB_MATRIX_LIMIT = 256
 ARTIFACT_PREFIX = "deepview-cell-"
+ZOO_ARTIFACT = "deepview-zoo-"  # inventory-I-of-N, probes-b<row>-I-of-N, cells-b<row>, merged
 ATTEMPT_SEP = "-attempt-"  # the workflow appends `-attempt-${{ github.run_attempt }}` to a cell's artifact name
 _KEEP = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789.-")
 
@@ -174,27 +177,94 @@ def chunk(cells: Sequence[Cell], *, max_jobs: int, chunk_size: int = GITHUB_MATR
     return [list(cells[i : i + chunk_size]) for i in range(0, len(cells), chunk_size)] or [[]]
 
 
+ZOO_STEP_MINUTES = 300  # a zoo job's own step at most (GitHub-hosted jobs end at 360 minutes)
+ZOO_ARCH_MINUTES = 3  # an inventory shard's time per architecture at most (the scan's per-model limit, 180 s)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZooSplit:
+    """How many zoo jobs (0: as many as `zoo/shards.zoo_plan_sizes` chooses), and their set-up and upload time."""
+
+    inventory: int = 0
+    probe: int = 0
+    setup_minutes: int = 30
+    margin_minutes: int = 5
+
+
+def zoo_job(c_id: str, *, step: str, backend: str, shard: Shard, row: int, minutes: int,
+            split_: ZooSplit, artifact: str) -> dict[str, Any]:
+    """One include entry of a zoo job on a backend's runner (the cells workflow runs it like a cell's job)."""
+    return {"cell": c_id, "zoo": step, "backend": backend, "shard": str(shard), "b": row, "artifact": artifact,
+            "minutes": minutes, "job-minutes": split_.setup_minutes + minutes + split_.margin_minutes}
+
+
+def zoo_plan(zoo: Sequence[Cell], backends: Sequence[Mapping[str, Any]], split_: ZooSplit) -> dict[str, Any]:
+    """The zoo's jobs: inventory shards (any runner), then per backend its probe shards and one cells job (on the
+    backend's runner). Every include matrix stays within GitHub's 256 jobs (`zoo_plan_sizes`)."""
+    row = {b["backend"]: i for i, b in enumerate(backends)}
+    types = sorted({c.model.config or c.model.id for c in zoo})
+    per_backend: dict[str, list[Cell]] = {}
+    for c in zoo:
+        per_backend.setdefault(c.backend.id, []).append(c)
+    n_inv, n_probe = zoo_plan_sizes(len(types), len(per_backend), inventory=split_.inventory, probe=split_.probe)
+    inventory = [{"shard": str(s), "artifact": f"{ZOO_ARTIFACT}inventory-{s.name}",
+                  "job-minutes": split_.setup_minutes + split_.margin_minutes
+                  + min(ZOO_STEP_MINUTES, ZOO_ARCH_MINUTES * len(split(types, s)) + 2)}
+                 for s in (Shard(index=i, count=n_inv) for i in range(1, n_inv + 1))]
+    probe, cells = [], []
+    for bid, group in per_backend.items():
+        b = row[bid]
+        total = sum(c.timeout for c in group) / 60
+        for i in range(1, n_probe + 1):
+            s = Shard(index=i, count=n_probe)
+            probe.append(zoo_job(f"zoo-probe-b{b}-{s.name}", step="probe", backend=bid, shard=s, row=b,
+                                 minutes=min(ZOO_STEP_MINUTES, math.ceil(total / n_probe) + 2), split_=split_,
+                                 artifact=f"{ZOO_ARTIFACT}probes-b{b}-{s.name}"))
+        cells.append(zoo_job(zoo_job_name(b), step="cells", backend=bid, shard=Shard(), row=b,
+                             minutes=min(ZOO_STEP_MINUTES, math.ceil(total) + 2), split_=split_,
+                             artifact=f"{ZOO_ARTIFACT}cells-b{b}") | {"probes": f"{ZOO_ARTIFACT}probes-b{b}-*"})
+    return {"architectures": len(types), "backends": list(per_backend), "inventory": {"include": inventory},
+            "probe": {"include": probe}, "cells": {"include": cells}}
+
+
+def zoo_job_name(row: int) -> str:
+    """The job that writes a backend's zoo cells (`zoo-cells-b<row>`): the plan names it in each of those cells."""
+    return f"zoo-cells-b{row}"
+
+
+def _planned(c: Cell, row: Mapping[str, int], **extra: Any) -> dict[str, Any]:
+    entry = {"cell": c.id, "model": c.model.id, "backend": c.backend.id, "modes": list(c.modes)}
+    if c.model.zoo:
+        entry["job"] = zoo_job_name(row[c.backend.id]) if c.backend.id in row else "zoo-cells"
+    return entry | extra
+
+
 def expand_json(cells: Sequence[Cell], *, max_jobs: int, chunk_size: int = GITHUB_MATRIX_LIMIT,
-                fork_pr: bool = False, setup_minutes: int = 30, margin_minutes: int = 5) -> dict[str, Any]:
-    """The plan: the backend table, chunks of include entries to run, and the planned cells that will not run.
+                fork_pr: bool = False, setup_minutes: int = 30, margin_minutes: int = 5,
+                zoo_split: ZooSplit | None = None) -> dict[str, Any]:
+    """The plan: the backend table, chunks of include entries to run, the zoo's jobs (`zoo`, when the matrix has a
+    zoo entry: its architectures are not one job each), and the planned cells that will not run.
 
     With `fork_pr`, cells bound for self-hosted runners are planned as skipped (a fork's
     pull request could rewrite `setup`/`container` and run anything on the vendor's machine).
     """
     skipped = [c for c in cells if fork_pr and c.backend.self_hosted]
     run = [c for c in cells if not (fork_pr and c.backend.self_hosted)]
-    chunks = chunk(run, max_jobs=max_jobs, chunk_size=chunk_size)
+    jobs = [c for c in run if not c.model.zoo]
+    zoo = [c for c in run if c.model.zoo]
+    chunks = chunk(jobs, max_jobs=max_jobs, chunk_size=chunk_size)
     backends = github_backends(run)
+    row = {b["backend"]: i for i, b in enumerate(backends)}
+    split_ = replace(zoo_split or ZooSplit(), setup_minutes=setup_minutes, margin_minutes=margin_minutes)
     return {
         "count": len(run),
-        "chunks": len(chunks) if run else 0,
+        "chunks": len(chunks) if jobs else 0,
         "backends": backends,
         "matrix": [{"include": github_include(ch, backends, setup_minutes=setup_minutes, margin_minutes=margin_minutes)}
                    for ch in chunks],
-        "cells": [{"cell": c.id, "model": c.model.id, "backend": c.backend.id, "modes": list(c.modes)} for c in run],
-        "skipped": [{"cell": c.id, "model": c.model.id, "backend": c.backend.id, "modes": list(c.modes),
-                     "reason": FORK_SKIP_REASON}
-                    for c in skipped],
+        "zoo": zoo_plan(zoo, backends, split_) if zoo else None,
+        "cells": [_planned(c, row) for c in run],
+        "skipped": [_planned(c, row, reason=FORK_SKIP_REASON) for c in skipped],
     }
 
 

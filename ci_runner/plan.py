@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from .errors import ConfigError, InputError
-from .matrix import artifact_cell, dumps_compact
+from .matrix import ZOO_ARTIFACT, artifact_cell, dumps_compact
 from .results.model import CellError, CellResult, ModeResult, read_json
 
 NO_RESULT = "no result: its job ended before writing one"
@@ -34,8 +34,9 @@ class PlannedCell:
     model: str
     backend: str
     modes: tuple[str, ...]
-    chunk: int | None  # None: planned as skipped
+    chunk: int | None  # None: planned as skipped, or a zoo cell
     skip_reason: str | None = None
+    job: str | None = None  # a zoo cell: the job that writes it (`zoo-cells-<row>`), whose setup record it shares
 
 
 def load_plan(path: Path) -> list[PlannedCell]:
@@ -45,12 +46,12 @@ def load_plan(path: Path) -> list[PlannedCell]:
         chunk_of = {e["cell"]: i for i, m in enumerate(doc["matrix"]) for e in m["include"]}
         planned = [
             PlannedCell(cell=e["cell"], model=e["model"], backend=e["backend"], modes=tuple(e.get("modes") or ()),
-                        chunk=chunk_of[e["cell"]])
+                        chunk=None if e.get("job") else chunk_of[e["cell"]], job=e.get("job"))
             for e in doc["cells"]
         ]
         planned += [
             PlannedCell(cell=e["cell"], model=e["model"], backend=e["backend"], modes=tuple(e.get("modes") or ()),
-                        chunk=None, skip_reason=str(e["reason"]))
+                        chunk=None, skip_reason=str(e["reason"]), job=e.get("job"))
             for e in doc.get("skipped") or ()
         ]
     except (KeyError, TypeError, AttributeError) as exc:
@@ -159,7 +160,8 @@ def utf16_units(text: str) -> int:
 
 
 def plan_outputs(doc: Mapping[str, Any]) -> dict[str, str]:
-    """The step outputs `expand` writes: counts, the backend table once, the chunk indices and one matrix per chunk."""
+    """The step outputs `expand` writes: counts, the backend table once, the chunk indices, one matrix per chunk, and
+    the zoo's three include matrices (`zoo-inventory`, `zoo-probe`, `zoo-cells`; `zoo-shards` = 0 without a zoo)."""
     out = {
         "count": str(doc["count"]),
         "chunks": str(doc["chunks"]),
@@ -169,6 +171,10 @@ def plan_outputs(doc: Mapping[str, Any]) -> dict[str, str]:
     }
     for i, m in enumerate(doc["matrix"] if doc["chunks"] else ()):
         out[f"matrix-{i}"] = dumps_compact(m)
+    zoo = doc.get("zoo") or {}
+    out["zoo-shards"] = str(len(zoo["inventory"]["include"])) if zoo else "0"
+    for step in ("inventory", "probe", "cells"):  # the zoo's include matrices (empty without a zoo entry)
+        out[f"zoo-{step}"] = dumps_compact(zoo[step] if zoo else {"include": []})
     return out
 
 
@@ -200,10 +206,28 @@ def collect_attempts(artifacts: Path, run_dir: Path) -> dict[str, int]:
         if cid not in newest or attempt > newest[cid][0]:
             newest[cid] = (attempt, folder)
     for cid, (_attempt, folder) in sorted(newest.items()):
-        target = run_dir / "cells" / cid
-        if target.exists():
-            shutil.rmtree(target)
-        source = folder / "cells" / cid
-        if source.is_dir():
-            shutil.copytree(source, target)
-    return {cid: attempt for cid, (attempt, _f) in newest.items()}
+        _replace_tree(folder / "cells" / cid, run_dir / "cells" / cid)
+    zoo = collect_zoo(artifacts, run_dir)
+    return {**{cid: attempt for cid, (attempt, _f) in newest.items()}, **zoo}
+
+
+def _replace_tree(source: Path, target: Path) -> None:
+    if target.exists():
+        shutil.rmtree(target)
+    if source.is_dir():
+        shutil.copytree(source, target)
+
+
+def collect_zoo(artifacts: Path, run_dir: Path) -> dict[str, int]:
+    """Copy what the zoo cells jobs uploaded (`deepview-zoo-cells-b<row>` folders, one per backend, replaced on a
+    re-run): every architecture's `cells/<id>/` and the backend's `zoo/<backend>.json`; returns {cell: 1}."""
+    got: dict[str, int] = {}
+    for folder in sorted(artifacts.glob(f"{ZOO_ARTIFACT}cells-*")) if artifacts.is_dir() else ():
+        for cdir in sorted((folder / "cells").iterdir()) if (folder / "cells").is_dir() else ():
+            if cdir.is_dir():
+                _replace_tree(cdir, run_dir / "cells" / cdir.name)
+                got[cdir.name] = 1
+        for record in sorted((folder / "zoo").glob("*.json")):
+            (run_dir / "zoo").mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(record, run_dir / "zoo" / record.name)
+    return got

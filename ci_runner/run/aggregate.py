@@ -135,8 +135,9 @@ def left_behind(paths: Sequence[Path]) -> Evidence:
     def find(p: PlannedCell) -> CellResult | None:
         for root in paths:
             cdir = root / "cells" / p.cell
-            if (cdir / SETUP_RECORD).is_dir():
-                return read_setup_record(cdir / SETUP_RECORD, cell_id=p.cell, model=p.model, backend=p.backend,
+            setup = root / "cells" / (p.job or p.cell) / SETUP_RECORD  # a zoo cell: its backend's zoo job's record
+            if setup.is_dir():
+                return read_setup_record(setup, cell_id=p.cell, model=p.model, backend=p.backend,
                                          modes=p.modes, env={"planned": True})
             running = open_entry(cdir / JOURNAL_NAME, "mode")
             if running:

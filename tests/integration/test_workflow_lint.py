@@ -194,7 +194,8 @@ CELLS = ROOT / ".github" / "workflows" / "deepview-cells.yml"
 def test_reusable_pipeline_shape():
     doc = load(ROOT / ".github" / "workflows" / "deepview.yml")
     jobs = doc["jobs"]
-    assert list(jobs) == ["plan", "cells", "report", "bisect", "issues", "history"]
+    assert list(jobs) == ["plan", "cells", "zoo-inventory", "zoo-merge", "zoo-probe", "zoo-cells", "report", "bisect",
+                          "issues", "history"]
     cells = jobs["cells"]
     assert cells["uses"] == "./.github/workflows/deepview-cells.yml" and "steps" not in cells
     assert cells["strategy"]["matrix"]["chunk"] == "${{ fromJSON(needs.plan.outputs.chunk-ids) }}"
@@ -210,7 +211,9 @@ def test_reusable_pipeline_shape():
     run = next(s for s in job["steps"] if s.get("name") == "Run the cell")
     assert run["timeout-minutes"] == "${{ matrix.minutes }}" and run["continue-on-error"] is True
     upload = [s for s in job["steps"] if str(s.get("uses", "")).startswith("actions/upload-artifact@")]
-    assert upload[0]["with"]["name"] == "${{ matrix.artifact }}-attempt-${{ github.run_attempt }}" and upload[0]["if"] == "always()"
+    [cell_upload] = [s for s in upload if "attempt" in s["with"]["name"]]
+    assert cell_upload["with"]["name"] == "${{ matrix.artifact }}-attempt-${{ github.run_attempt }}"
+    assert cell_upload["if"] == "always() && !matrix.zoo"
     commands = [s["with"]["command"] for s in jobs["report"]["steps"] if s.get("uses") == "./.deepview-ci"]
     assert commands == ["collect", "aggregate", "diff"]
     assert "inputs.file-issues" in jobs["issues"]["if"]
@@ -255,7 +258,7 @@ def test_every_chunk_reaches_the_cell_job_and_the_report():
     aggregate = next(s for s in report["steps"] if s.get("with", {}).get("command") == "aggregate")
     assert "--plan deepview-plan/plan.json" in aggregate["with"]["args"]
     assert "--chunk-results *=${{ needs.cells.result }}" in aggregate["with"]["args"]
-    assert report["needs"] == ["plan", "cells"]
+    assert report["needs"] == ["plan", "cells", "zoo-cells"]
     for i in range(MAX_CHUNKS):
         assert action["outputs"][f"matrix-{i}"]["value"] == f"${{{{ steps.run.outputs.matrix-{i} }}}}"
         assert plan["outputs"][f"matrix-{i}"] == f"${{{{ steps.expand.outputs.matrix-{i} }}}}"
@@ -264,8 +267,71 @@ def test_every_chunk_reaches_the_cell_job_and_the_report():
         assert plan["outputs"][name] == f"${{{{ steps.expand.outputs.{name} }}}}"
     assert jobs["cells"]["if"] == "needs.plan.outputs.chunks > 0"
     downloads = [s for s in report["steps"] if str(s.get("uses", "")).startswith("actions/download-artifact@")]
-    assert [d["with"].get("pattern") or d["with"].get("name") for d in downloads] == ["deepview-plan", "deepview-cell-*"]
+    assert [d["with"].get("pattern") or d["with"].get("name") for d in downloads] == ["deepview-plan",
+                                                                                       "deepview-{cell,zoo-cells}-*"]
     assert all("merge-multiple" not in d["with"] for d in downloads)  # one folder per attempt; `collect` picks the newest
+
+
+def _minimatch(name: str, pattern: str) -> bool:
+    """download-artifact's pattern (minimatch): `*` within a name, `{a,b}` alternatives."""
+    import fnmatch
+
+    m = re.fullmatch(r"(.*)\{([^}]*)\}(.*)", pattern)
+    if m:
+        return any(_minimatch(name, m.group(1) + alt + m.group(3)) for alt in m.group(2).split(","))
+    return fnmatch.fnmatchcase(name, pattern)
+
+
+def test_the_zoo_jobs_chain_inventory_merge_probe_cells_report(tmp_path, write_matrix):
+    """The zoo plan's three include matrices travel expand → plan outputs → their jobs; each job's artifact is
+    what the next one downloads (names from `expand`, patterns in the workflows, `collect` for the report)."""
+    pytest.importorskip("transformers")
+    from ci_runner.config import load_matrix
+    from ci_runner.matrix import expand, expand_json
+
+    doc, action = load(ROOT / ".github" / "workflows" / "deepview.yml"), load(ACTION)
+    jobs = doc["jobs"]
+    for name in ("zoo-shards", "zoo-inventory", "zoo-probe", "zoo-cells"):
+        assert jobs["plan"]["outputs"][name] == f"${{{{ steps.expand.outputs.{name} }}}}"
+        assert action["outputs"][name]["value"] == f"${{{{ steps.run.outputs.{name} }}}}"
+    inv, merge, probe, cells = (jobs[j] for j in ("zoo-inventory", "zoo-merge", "zoo-probe", "zoo-cells"))
+    assert inv["strategy"]["matrix"] == "${{ fromJSON(needs.plan.outputs.zoo-inventory) }}"
+    assert inv["runs-on"] == "${{ inputs.runner }}" and inv["timeout-minutes"] == "${{ matrix.job-minutes }}"
+    assert all(j["if"].startswith("needs.plan.outputs.zoo-shards > 0") for j in (inv, merge, probe))
+    assert "!cancelled()" in cells["if"] and "needs.zoo-merge.result == 'success'" in cells["if"]
+    assert probe["with"]["cells"] == "${{ needs.plan.outputs.zoo-probe }}" and probe["needs"] == ["plan", "zoo-merge"]
+    assert cells["with"]["cells"] == "${{ needs.plan.outputs.zoo-cells }}"
+    assert probe["uses"] == cells["uses"] == "./.github/workflows/deepview-cells.yml"  # set up like a cell
+    step = next(s for s in inv["steps"] if s.get("uses") == "./.deepview-ci")
+    assert step["with"]["command"] == "zoo inventory" and "--shard ${{ matrix.shard }}" in step["with"]["args"]
+    [inv_up] = [s for s in inv["steps"] if str(s.get("uses", "")).startswith("actions/upload-artifact@")]
+    assert inv_up["with"]["name"] == "${{ matrix.artifact }}" and inv_up["with"]["overwrite"] is True
+    merge_dl = next(s for s in merge["steps"] if s.get("with", {}).get("path") == "deepview-zoo-inventory")
+    step = next(s for s in merge["steps"] if s.get("uses") == "./.deepview-ci")
+    assert step["with"]["command"] == "zoo merge" and step["with"]["args"].startswith("deepview-zoo-inventory ")
+    [job] = load(CELLS)["jobs"].values()
+    zoo_step = next(s for s in job["steps"] if s.get("with", {}).get("command") == "zoo ${{ matrix.zoo }}")
+    assert "--plan deepview-plan/plan.json" in zoo_step["with"]["args"] and zoo_step["if"].endswith("&& matrix.zoo")
+    probes_dl = next(s for s in job["steps"] if s.get("with", {}).get("pattern") == "${{ matrix.probes }}")
+    assert probes_dl["with"]["merge-multiple"] is True and probes_dl["if"] == "matrix.zoo == 'cells'"
+    report_dl = next(s for s in jobs["report"]["steps"] if "pattern" in s.get("with", {}))["with"]["pattern"]
+
+    matrix = write_matrix(models=[{"id": "zoo", "zoo": "transformers", "select": ["llama", "vit", "bert"]}],
+                          backends=[{"id": "a", "compile": "aot_eager"}, {"id": "a-b", "compile": "aot_eager"}])
+    plan = expand_json(expand(load_matrix(matrix)), max_jobs=1024, zoo_split=_zoo_split(inventory=2, probe=2))
+    zoo = plan["zoo"]
+    assert all(_minimatch(e["artifact"], merge_dl["with"]["pattern"]) for e in zoo["inventory"]["include"])
+    for c in zoo["cells"]["include"]:  # each cells job gets its own backend's probe shards, no other
+        mine = [e["artifact"] for e in zoo["probe"]["include"] if _minimatch(e["artifact"], c["probes"])]
+        assert mine == [e["artifact"] for e in zoo["probe"]["include"] if e["backend"] == c["backend"]] and len(mine) == 2
+        assert _minimatch(c["artifact"], report_dl)
+    assert not any(_minimatch(e["artifact"], report_dl) for e in zoo["probe"]["include"] + zoo["inventory"]["include"])
+
+
+def _zoo_split(**kw):
+    from ci_runner.matrix import ZooSplit
+
+    return ZooSplit(**kw)
 
 
 def read_github_output(path: Path) -> dict[str, str]:
@@ -394,6 +460,53 @@ def test_action_run_step_passes_arguments_as_a_list(tmp_path):
     env["DEEPVIEW_ARGS"] = ""
     proc = subprocess.run(["bash", "-e", "-c", step["run"]], env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert json.loads((tmp_path / "argv.json").read_text()) == ["baseline", "update"]
+
+
+def test_action_caches_the_numerics_thresholds_of_run_and_cell(tmp_path, monkeypatch):
+    """`run` and `cell` get the thresholds cache with no steps of their own: the key step parses the same `args` with
+    that command's own parser (nothing in them is evaluated), the cache step keeps the folder (absolute: the command
+    runs in `working-directory`) under that key, and `thresholds-cache: false` turns it off."""
+    from ci_runner import cli
+    from ci_runner.config import load_matrix
+    from ci_runner.matrix import expand, select
+    from ci_runner.numerics.cache import cache_for
+
+    action = load(ACTION)
+    steps = action["runs"]["steps"]
+    key_step = next(s for s in steps if s.get("id") == "thresholds")
+    [cache] = [s for s in steps if str(s.get("uses", "")).startswith("actions/cache@")]
+    assert action["inputs"]["thresholds-cache"]["default"] == "true"
+    assert key_step["if"] == ("inputs.thresholds-cache == 'true' && (inputs.command == 'run' || inputs.command == 'cell')")
+    assert cache["if"] == "steps.thresholds.outputs.thresholds-key != ''"
+    assert cache["with"] == {"path": "${{ steps.thresholds.outputs.thresholds-dir }}",
+                             "key": "${{ steps.thresholds.outputs.thresholds-key }}"}
+    assert steps.index(key_step) < steps.index(cache) < next(i for i, s in enumerate(steps) if s.get("id") == "run")
+
+    def key_step_outputs(command: str, args: str) -> dict[str, str]:
+        out = tmp_path / "github_output"
+        out.write_text("")
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "GITHUB_OUTPUT": str(out),
+               "DEEPVIEW_CI_PYTHON": sys.executable, "DEEPVIEW_COMMAND": command, "DEEPVIEW_ARGS": args,
+               **{k: os.environ[k] for k in ("PYTHONPATH",) if k in os.environ}}
+        proc = subprocess.run(["bash", "-e", "-c", key_step["run"]], env=env, capture_output=True, text=True,
+                              timeout=120, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stdout + proc.stderr  # never fails the action
+        return read_github_output(out)
+
+    example = load_matrix(None)
+    want = cache_for(select(expand(example), ["tiny-llama@*"], []), tmp_path / "deepview run")
+    got = key_step_outputs("run", "--select 'tiny-llama@*' --out 'deepview run' --jobs 2")
+    assert want.key and got == {"thresholds-key": want.key, "thresholds-dir": str(tmp_path / "deepview run" / "thresholds")}
+    one = cache_for([c for c in expand(example) if c.id == "tiny-vit@sim-drift"], Path("o"))
+    monkeypatch.setenv("GITHUB_OUTPUT", str(tmp_path / "in_process"))
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["_thresholds-key-of", "cell", f"tiny-vit@sim-drift --matrix {example.path} --out o"]) == 0
+    got = read_github_output(tmp_path / "in_process")  # `cell` in this process: the step's bash is the same
+    assert got == {"thresholds-key": one.key, "thresholds-dir": str(tmp_path / "o" / "thresholds")} and one.key != want.key
+    assert key_step_outputs("run", "--modes ops,layers")["thresholds-key"] == ""  # no numerics, no cache
+    marker = tmp_path / "pwned"
+    assert "thresholds-key" not in key_step_outputs("run", f'--bogus "$(touch {marker})"')  # refused, not evaluated
+    assert not marker.exists()
 
 
 def test_the_docs_examples_are_valid_copy_paste():
