@@ -12,7 +12,12 @@ cores, `--jobs` and the load average, each cell's time (and how much of it came 
 mode's, and whether the results diff clean against `baselines/example.json`: the same cells, statuses and finding
 fingerprints (`deepview-ci diff RESULTS --baseline baselines/example.json --fail-on change`).
 
-    PYTHONPATH=. python benchmarks/bench_example.py [--jobs auto|N] [--out DIR] [--goal 300] [--warm]
+    PYTHONPATH=. python benchmarks/bench_example.py [--jobs auto|N] [--out DIR] [--goal 300] [--warm] [--processes]
+
+`--processes` also says where the CPU time went by process: every Python process of this package (the run, its
+cell workers, each isolated child by its target) writes one line at exit (a `sitecustomize` put first on PYTHONPATH,
+for this run only); what no line accounts for ran outside them: repro scripts (verified with PYTHONPATH removed) and
+the compilers they start (inductor's g++).
 
 Exit code: 0 when the run diffs clean and met the goal, 1 otherwise. It takes minutes: do not run it while the
 machine is shared with other heavy work, or read its wall time with the load average it prints.
@@ -60,12 +65,54 @@ def _print_cells(results: dict[str, Any]) -> None:
           + "  ".join(f"{m}: {sum(v):.1f} s in {len(v)} cells ({min(v):.0f}–{max(v):.0f})" for m, v in per_mode.items()))
 
 
+TRACER = """\
+import atexit, json, os, resource, sys
+_LOG = os.environ.get("DEEPVIEW_BENCH_TRACE")
+if _LOG:
+    def _record():
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        rec = {"argv": sys.argv[:3], "cpu": ru.ru_utime + ru.ru_stime}
+        paths = [a for a in sys.argv if a.endswith("payload.json")]
+        try:
+            rec["target"] = json.load(open(paths[0]))["target"] if paths else None
+        except (OSError, ValueError, KeyError):
+            rec["target"] = None
+        with open(_LOG, "a") as fh:
+            fh.write(json.dumps(rec) + "\\n")
+    atexit.register(_record)
+"""
+
+
+def _process_kind(rec: dict[str, Any]) -> str:
+    argv = " ".join(str(a) for a in rec.get("argv") or [])
+    if rec.get("target"):
+        return f"child {rec['target'].split('.')[-1]}"
+    for word, kind in (("_worker", "cell worker"), (" run ", "run (parent)"), (" diff ", "diff")):
+        if word in f" {argv} ":
+            return kind
+    return "other python"
+
+
+def _print_processes(trace: Path, total_cpu: float) -> None:
+    """CPU seconds and counts per kind of process, and what no traced process accounts for."""
+    rows: dict[str, list[float]] = {}
+    for line in trace.read_text().splitlines() if trace.is_file() else []:
+        rec = json.loads(line)
+        rows.setdefault(_process_kind(rec), []).append(float(rec["cpu"]))
+    traced = sum(sum(v) for v in rows.values())
+    print(f"{'processes':<34} {'n':>4} {'CPU s':>8} {'per process':>12}")
+    for kind, cpus in sorted(rows.items(), key=lambda kv: -sum(kv[1])):
+        print(f"{kind:<34} {len(cpus):4d} {sum(cpus):8.1f} {sum(cpus) / len(cpus):12.2f}")
+    print(f"{'not traced (repro scripts, g++)':<34} {'':>4} {total_cpu - traced:8.1f}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", default="auto", help="passed to `deepview-ci run --jobs` (default auto)")
     ap.add_argument("--out", type=Path, default=None, help="run folder (default: a temporary one)")
     ap.add_argument("--goal", type=float, default=300.0, help="seconds of wall time (default 300)")
     ap.add_argument("--warm", action="store_true", help="keep the user's compile caches (default: fresh, cold ones)")
+    ap.add_argument("--processes", action="store_true", help="also print CPU seconds per kind of process")
     args = ap.parse_args()
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
@@ -75,6 +122,12 @@ def main() -> int:
             shutil.rmtree(out)  # a fresh --out: nothing resumed, no thresholds cached from an earlier run
         if not args.warm:
             env.update({name: str(Path(tmp) / "cache" / name.lower()) for name in COLD})
+        trace = Path(tmp) / "processes.jsonl"
+        if args.processes:
+            (Path(tmp) / "tracer").mkdir()
+            (Path(tmp) / "tracer" / "sitecustomize.py").write_text(TRACER)
+            env["PYTHONPATH"] = os.pathsep.join((str(Path(tmp) / "tracer"), env["PYTHONPATH"]))
+            env["DEEPVIEW_BENCH_TRACE"] = str(trace)
         print(f"caches: {'the user’s (warm)' if args.warm else 'fresh (cold): ' + ', '.join(COLD)}")
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -98,6 +151,8 @@ def main() -> int:
             print("results: MISSING (the run failed)")
             return 1
         _print_cells(json.loads(results.read_text()))
+        if args.processes:
+            _print_processes(trace, cpu)
         diff = subprocess.run(_cli("diff", str(results), "--baseline", str(BASELINE), "--fail-on", "change",
                                    "--out", str(out / "diff")), env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -137,10 +138,27 @@ def _record_failed_setup(cell: "Cell", folder: Path, out: Path) -> int:
 def cmd_thresholds_key(args: argparse.Namespace) -> int:
     matrix = load_matrix(args.matrix)
     cells = [find_cell(matrix, args.cell)] if args.cell else select(expand(matrix), args.select, args.skip)
-    cache = cache_for(cells, Path(args.out))
+    return _thresholds_outputs(cells, Path(args.out))
+
+
+def cmd_thresholds_key_of(args: argparse.Namespace) -> int:
+    """The thresholds cache of what `deepview-ci run|cell ARGS` would run (the composite action's automatic cache):
+    ARGS is the action's `args` input, split with shlex and parsed by that command's own parser; the folders are
+    absolute (actions/cache reads paths from the workspace, the command runs in `working-directory`). Any other
+    command, or one without the numerics mode, caches nothing."""
+    inner = build_parser().parse_args([args.of, *shlex.split(args.args)]) if args.of in ("run", "cell") else None
+    if inner is None or (inner.modes is not None and "numerics" not in inner.modes):
+        return _thresholds_outputs([], Path("."))
+    matrix = load_matrix(inner.matrix)
+    cells = [find_cell(matrix, inner.cell_id)] if args.of == "cell" else select(expand(matrix), inner.select, inner.skip)
+    return _thresholds_outputs(cells, Path(inner.out), absolute=True)
+
+
+def _thresholds_outputs(cells: Sequence["Cell"], out: Path, *, absolute: bool = False) -> int:
+    cache = cache_for(cells, out)
     print(json.dumps(cache.to_json(), indent=1))
     set_output("thresholds-key", cache.key)
-    set_output("thresholds-dir", "\n".join(str(f) for f in cache.folders))
+    set_output("thresholds-dir", "\n".join(str(f.absolute() if absolute else f) for f in cache.folders))
     return errors.EXIT_OK
 
 
@@ -445,6 +463,10 @@ def _run_commands(add: AddCommand) -> None:
     sp.add_argument("--out", required=True, help="the run's output folder (thresholds default to OUT/thresholds)")
     sp.add_argument("--cell", default=None, metavar="CELL_ID", help="one cell (what a cell job runs)")
     _selection(sp)
+
+    sp = add("_thresholds-key-of", cmd_thresholds_key_of, None)  # internal: the composite action's cache step
+    sp.add_argument("of", metavar="COMMAND")
+    sp.add_argument("args", metavar="ARGS", help="its arguments as one string (the action's `args`), split with shlex")
 
     zoo_cli.register(add, _Parser, _selection)
 

@@ -20,6 +20,13 @@ from ci_runner.matrix import expand
 from tests.fixtures.cli import run_cli
 from tests.fixtures.fake_github import FakeGitHub
 from tests.fixtures.matrices import matrix_text
+from tests.fixtures.schedule import heaviest_first
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The heaviest test files first (`tests/fixtures/schedule.py`): with `--dist loadfile` and
+    `--no-loadscope-reorder` (pyproject's addopts) files start in this order, so the run ends on short files."""
+    items[:] = heaviest_first(items)
 
 
 @pytest.fixture(scope="session")

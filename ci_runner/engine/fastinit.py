@@ -5,14 +5,16 @@ construction-time init (`nn.Linear.reset_parameters`: `kaiming_uniform_`), then 
 which overwrites it (`normal_`). A 0.5B Qwen2 shape took 36 s on 2 cores, 29 s of them in those two draws.
 
 Under `fast_init()`, a construction-time init (`torch.nn.init.*` while modules are built) of a floating CPU tensor of
-at least `BIG` elements is deferred. A later init of the same tensor (transformers' `_init_weights`, or a direct
-write) supersedes it; the deferred ones still pending when the build ends run then, with torch's own function, on
-the tensors the model still holds (a tied-away `lm_head.weight` is skipped). transformers' own `normal_` (>= 5,
+at least `BIG` elements is deferred, and so is every later one of any size once such a big tensor was seen (a big
+model's sub-`BIG` attention projections were drawn twice too: 44M uniform values at 0.5B, single-threaded). A later
+init of the same tensor (transformers' `_init_weights`, or a direct write) supersedes it; the deferred ones still
+pending when the build ends run then, with torch's own function, on the tensors the model still holds (a tied-away
+`lm_head.weight` is skipped). transformers' own `normal_` (>= 5,
 through its `TORCH_INIT_FUNCTIONS` table) fills such a tensor on every intra-op thread (`parallel_normal_`:
 fixed chunks, each with a generator seeded from one draw of the seeded global RNG). The distributions are exactly
-transformers', and the same seed gives the same weights on any number of threads. Smaller tensors are initialised
-as before, so a tiny config's weights are bit-identical to a plain `from_config` under the same seed (the bundled
-example's numbers do not move).
+transformers', and the same seed gives the same weights on any number of threads. In a model with no tensor of
+`BIG` elements, every tensor is initialised as before, so a tiny config's weights are bit-identical to a plain
+`from_config` under the same seed (the bundled example's numbers do not move).
 """
 
 from __future__ import annotations
@@ -37,9 +39,13 @@ _TORCH_MODULES = ("torch.nn.init", "torch.nn.modules.activation", "torch.nn.modu
 Deferred = tuple[torch.Tensor, Callable[..., Any], tuple[Any, ...], dict[str, Any]]
 
 
-def _big(tensor: Any) -> bool:
+def _deferrable(tensor: Any) -> bool:
     return (isinstance(tensor, torch.Tensor) and not tensor.is_meta and tensor.device.type == "cpu"
-            and tensor.is_floating_point() and tensor.is_contiguous() and tensor.numel() >= BIG)
+            and tensor.is_floating_point() and tensor.is_contiguous() and tensor.numel() > 0)
+
+
+def _big(tensor: Any) -> bool:
+    return _deferrable(tensor) and tensor.numel() >= BIG
 
 
 def _marks(tensor: torch.Tensor) -> list[int]:
@@ -62,10 +68,12 @@ def _still_marked(tensor: torch.Tensor) -> bool:
 
 def _deferring(pending: dict[int, Deferred], active: list[bool], fn: Callable[..., Any],
                random: bool) -> Callable[..., Any]:
-    """`fn` that defers a big random init while `active[0]`; a copy kept past the build (a table that captured
-    it) is plain `fn` again."""
+    """`fn` that defers a big random init while `active[0]` (and any random init once `active[1]`: a big one was
+    deferred); a copy kept past the build (a table that captured it) is plain `fn` again."""
     def init_fn(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if active[0] and random and _big(tensor) and kwargs.get("generator") is None:
+        if (active[0] and random and kwargs.get("generator") is None
+                and (_big(tensor) or (active[1] and _deferrable(tensor)))):
+            active[1] = True  # from now on a big model: smaller tensors are deferred too
             _mark(tensor)
             pending[id(tensor)] = (tensor, fn, args, kwargs)
             return tensor
@@ -120,7 +128,7 @@ def fast_init() -> Iterator[Callable[[torch.nn.Module], None]]:
     time inits nothing superseded. The torch init functions are restored on every exit path."""
     table = _transformers_table()
     pending: dict[int, Deferred] = {}
-    active = [True]
+    active = [True, False]  # building; a big tensor was deferred
     originals = {name: getattr(torch.nn.init, name) for name in dir(torch.nn.init)
                  if name.endswith("_") and not name.startswith("_") and callable(getattr(torch.nn.init, name))}
     saved: list[tuple[Any, str, Any]] = []

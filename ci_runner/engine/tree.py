@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["is_model_output", "map_tensors", "tensors_in"]
+__all__ = ["is_model_output", "map_tensors", "module_tensors", "tensors_in"]
 
 
 def is_model_output(obj: Any) -> bool:
@@ -77,3 +77,10 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
 
     map_tensors(visit, obj)
     return out
+
+
+def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of `module` (persistent or not) by every name it has: a tied tensor appears under
+    each of its names. The tensors themselves, not detached: callers that set `.data` reach the module's own."""
+    return {**dict(module.named_parameters(remove_duplicate=False)),
+            **{k: b for k, b in module.named_buffers(remove_duplicate=False) if b is not None}}

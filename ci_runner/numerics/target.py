@@ -25,6 +25,7 @@ from ..engine.models import load_model
 from ..options import ThresholdOptions
 from ..results.model import clean, number
 from .capture import ResultFn
+from .handoff import load_weights
 from .settings import VIEWS, dynamo_settings
 from .store import DumpReader
 from .thresholds import ThresholdTable, exceeded, load_table
@@ -52,6 +53,7 @@ class TargetPlan:
     thresholds: str | None = None  # the thresholds file, for `isolated: auto`
     threshold_options: Mapping[str, Any] = field(default_factory=dict)
     weights: Mapping[str, Any] | None = None  # {"out": file, "chunk_mb": …}: the weights check first (`weights_first`)
+    model_file: str | None = None  # the parent's model tensors (`handoff.save_weights`): not built again
 
 
 def compare_target(module: nn.Module, backend: Any, plan: TargetPlan, emit: ResultFn,
@@ -123,7 +125,11 @@ def target_child(payload: Mapping[str, Any]) -> dict[str, Any]:
     """Entry point of the target child process (`run_isolated("ci_runner.numerics.target:target_child", …)`)."""
     plan = TargetPlan(**{**payload, "dumps": tuple(payload["dumps"]), "views": tuple(payload["views"])})
     backend = resolve_backend(spec_from_json(BackendSpec, plan.backend))
-    loaded = load_model(spec_from_json(ModelSpec, plan.model), seed=plan.seed, dtype=plan.dtype, device="cpu")
+    spec = spec_from_json(ModelSpec, plan.model)
+    loaded = load_weights(spec, seed=plan.seed, dtype=plan.dtype, file=Path(plan.model_file)) if plan.model_file else None
+    handed = loaded is not None
+    if loaded is None:
+        loaded = load_model(spec, seed=plan.seed, dtype=plan.dtype, device="cpu")
     out = Path(plan.results)
     n = 0
 
@@ -135,7 +141,7 @@ def target_child(payload: Mapping[str, Any]) -> dict[str, Any]:
     if plan.weights and not Path(plan.weights["out"]).exists():  # not done, nor crashed in, by an earlier child
         weights_first(loaded.module, backend, plan.weights)
     compare_target(loaded.module, backend, plan, emit, journal=child_journal)
-    return {"records": n}
+    return {"records": n, "model": "parent" if handed else "built"}
 
 
 WEIGHTS_ITEM = "weights"  # the journal item of the weights check in the target child

@@ -38,6 +38,11 @@ The raw reference-vs-reference statistics are stored, not only the thresholds, s
 `margin` or the floors does not need a new derivation. The file is keyed by what changes the statistics (model
 fingerprint, input spec, references, number of samples, method version, torch version) and reused when the key
 matches; `load_or_derive` takes a file lock so that two cells of the same model derive once.
+
+A file need not hold both views: the file's `views` (schema 2) lists those whose statistics it holds. The numerics
+mode derives the isolated view's statistics only when the target's isolated view runs (`isolated: auto` runs it
+only when the cumulative view flags something), and `add_views` then adds them to the same file. A schema-1 file
+(always derived whole) holds the views its statistics show.
 """
 
 from __future__ import annotations
@@ -50,13 +55,14 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import InputError
 from ..fsutil import atomic_write_json, locked
 from ..options import NUMERICS_VIEWS as VIEWS, ThresholdOptions
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_SCHEMA_VERSIONS = (1, 2)  # 1: no `views` (the views present in its statistics)
 METHOD_VERSION = 1  # bump when the derivation (what is measured, how) changes: old files are then re-derived
 
 
@@ -131,6 +137,7 @@ class ThresholdTable:
     path: Path | None = None
     reused: bool = False  # loaded from an existing file rather than derived now
     derive_seconds: float | None = None
+    views: tuple[str, ...] = VIEWS  # the views whose statistics were derived (the others fall back)
     _cache: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict, repr=False)
 
     def get(self, call_key: str, view: str) -> tuple[dict[str, float], str]:
@@ -177,6 +184,7 @@ class ThresholdTable:
             "primary_dtype": self.primary_dtype,
             "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "derive_seconds": self.derive_seconds,
+            "views": list(self.views),
             "options": self.options.as_dict(),  # what the stored "thresholds" were computed with (informative)
             "layers": layers,
         }
@@ -187,8 +195,21 @@ class ThresholdTable:
         for k, entry in (data.get("layers") or {}).items():
             views = {v: {m: [float(x) for x in vals] for m, vals in s.items()} for v, s in entry["stats"].items()}
             layers[k] = LayerStats(module_class=entry.get("module_class", ""), name=entry.get("name", k), views=views)
+        derived = data.get("views")
+        if derived is None:  # schema 1: derived whole, in the views its statistics hold (all when it holds none)
+            present = {v for layer in layers.values() for v in layer.views}
+            derived = [v for v in VIEWS if v in present] if present else list(VIEWS)
         return cls(layers=layers, options=options, primary_dtype=data.get("primary_dtype", "float32"),
-                   key=dict(data.get("key") or {}), path=path, reused=True, derive_seconds=data.get("derive_seconds"))
+                   key=dict(data.get("key") or {}), path=path, reused=True, derive_seconds=data.get("derive_seconds"),
+                   views=tuple(v for v in VIEWS if v in derived))
+
+    def merge(self, layers: Mapping[str, LayerStats], views: Sequence[str]) -> None:
+        """Add the statistics of `views` (derived later, `add_views`) to the table."""
+        for k, extra in layers.items():
+            own = self.layers.setdefault(k, LayerStats(module_class=extra.module_class, name=extra.name))
+            own.views.update({v: s for v, s in extra.views.items() if v in views})
+        self.views = tuple(v for v in VIEWS if v in self.views or v in views)
+        self._cache.clear()
 
 
 # ------------------------------------------------------------------------------------------------ key and file
@@ -230,7 +251,7 @@ def read_table(path: Path, key: Mapping[str, Any], options: ThresholdOptions) ->
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
         return None, f"unreadable thresholds file ({exc}); re-derived"
-    if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION:
+    if not isinstance(data, dict) or data.get("schema_version") not in READABLE_SCHEMA_VERSIONS:
         return None, f"thresholds file schema {data.get('schema_version') if isinstance(data, dict) else '?'} is not {SCHEMA_VERSION}; re-derived"
     if data.get("key") != json.loads(json.dumps(dict(key))):
         return None, "thresholds file key differs; re-derived"
@@ -241,8 +262,10 @@ def read_table(path: Path, key: Mapping[str, Any], options: ThresholdOptions) ->
 
 
 def load_or_derive(path: Path, key: Mapping[str, Any], options: ThresholdOptions, primary_dtype: str,
-                   derive: Callable[[], dict[str, LayerStats]]) -> tuple[ThresholdTable, str]:
-    """Reuse the thresholds at `path` when its key matches, else call `derive()` and store the result atomically.
+                   derive: Callable[[], dict[str, LayerStats]], *,
+                   views: Sequence[str] = VIEWS) -> tuple[ThresholdTable, str]:
+    """Reuse the thresholds at `path` when its key matches, else call `derive()` (the statistics of `views`) and
+    store the result atomically. A reused file may hold fewer views than `views`: `add_views` adds them.
 
     Holds an exclusive `fcntl.flock` on `<path>.lock` throughout, so parallel cells of the same model wait for the
     first one's derivation instead of repeating it. Returns the table and a note saying what happened.
@@ -254,9 +277,34 @@ def load_or_derive(path: Path, key: Mapping[str, Any], options: ThresholdOptions
         t0 = time.monotonic()
         layers = derive()
         table = ThresholdTable(layers=layers, options=options, primary_dtype=primary_dtype, key=dict(key), path=path,
-                               reused=False, derive_seconds=round(time.monotonic() - t0, 3))
+                               reused=False, derive_seconds=round(time.monotonic() - t0, 3),
+                               views=tuple(v for v in VIEWS if v in views))
         atomic_write_json(path, table.to_json())
         return table, f"derived ({why})"
+
+
+def add_views(table: ThresholdTable, views: Sequence[str], derive: Callable[[], dict[str, LayerStats]]) -> str:
+    """Give `table` the statistics of `views` it lacks: from its file when another cell added them meanwhile,
+    else from `derive()` (the statistics of those views), stored back into the file. Same lock as
+    `load_or_derive`. Returns a note saying what happened."""
+    missing = [v for v in views if v not in table.views]
+    if not missing:
+        return ""
+    if table.path is None:
+        table.merge(derive(), missing)
+        return f"{', '.join(missing)} view derived"
+    with locked(table.path.with_name(table.path.name + ".lock")):
+        stored, _why = read_table(table.path, table.key, table.options)
+        if stored is not None and all(v in stored.views for v in missing):
+            table.merge(stored.layers, missing)
+            return f"{', '.join(missing)} view reused from {table.path.name}"
+        t0 = time.monotonic()
+        table.merge(derive(), missing)
+        table.derive_seconds = round((table.derive_seconds or 0.0) + time.monotonic() - t0, 3)
+        if stored is not None:  # keep what another cell added meanwhile
+            table.merge(stored.layers, [v for v in stored.views if v not in table.views])
+        atomic_write_json(table.path, table.to_json())
+        return f"{', '.join(missing)} view derived"
 
 
 def load_table(path: Path, options: ThresholdOptions | None = None) -> ThresholdTable:
@@ -267,14 +315,15 @@ def load_table(path: Path, options: ThresholdOptions | None = None) -> Threshold
         raise InputError(f"{path}: thresholds file not found", hint="run the numerics mode once to derive it") from None
     except (OSError, json.JSONDecodeError) as exc:
         raise InputError(f"{path}: cannot read thresholds file: {exc}", hint="delete it; it is re-derived") from None
-    if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION:
-        raise InputError(f"{path}: thresholds schema_version is not {SCHEMA_VERSION}",
+    if not isinstance(data, dict) or data.get("schema_version") not in READABLE_SCHEMA_VERSIONS:
+        raise InputError(f"{path}: thresholds schema_version is not one of {READABLE_SCHEMA_VERSIONS}",
                          hint="re-derive it with this version of deepview-ci")
     return ThresholdTable.from_json(data, options or ThresholdOptions(), path=Path(path))
 
 
 __all__ = [
-    "METHOD_VERSION", "SCHEMA_VERSION", "VIEWS", "LayerStats", "ThresholdOptions", "ThresholdTable", "exceeded",
+    "METHOD_VERSION", "READABLE_SCHEMA_VERSIONS", "SCHEMA_VERSION", "VIEWS", "LayerStats", "ThresholdOptions",
+    "ThresholdTable", "add_views", "exceeded",
     "key_hash", "load_or_derive", "load_table", "percentile", "read_table", "threshold_from_stats", "threshold_key",
     "threshold_path",
 ]

@@ -79,6 +79,9 @@ def build_layers(reader: DumpReader, records: list[dict[str, Any]], table: Thres
             layer.errors.setdefault(r["view"], f"{r.get('stage', 'run')}: {r['error']}")
     for layer in layers.values():
         for view in VIEWS:
+            if view not in table.views and layer.metrics.get(view) is None:  # not derived, not needed: not run
+                layer.exceeded[view] = []
+                continue
             thr, source = table.get(layer.key, view)
             layer.threshold[view] = thr
             layer.threshold_source[view] = source

@@ -41,7 +41,7 @@ from .capture import (
 )
 from .metrics import MetricsError, compare_any_row_order, worst
 from .settings import DTYPES, VIEWS
-from .store import DumpReader
+from .store import DumpReader, dump_matches
 from .thresholds import LayerStats
 
 def cast_tree(obj: Any, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> Any:
@@ -318,9 +318,10 @@ def derive_reference_stats(primary: nn.Module, primary_ref: Any, secondaries: Se
     """Reference-vs-reference statistics per call key: each secondary reference (a `config.Reference` and its
     module) against the primary's dump, in both views, over `samples` inputs. Dumps of samples in `keep` stay on
     disk (the target is compared against them, `dump_key` marks them as made for these thresholds); the others are
-    deleted once measured. `timings` (when given) gets the seconds of each step: `derive_record_s` (the primary's
-    passes with their dumps), `derive_cumulative_s` and `derive_isolated_s` (the secondaries' views, comparisons
-    included)."""
+    deleted once measured. A dump already on disk for `dump_key` (the samples kept by a derivation of the other
+    view, `thresholds.add_views`) is read, not recorded again. `timings` (when given) gets the seconds of each step:
+    `derive_record_s` (the primary's passes with their dumps), `derive_cumulative_s` and `derive_isolated_s` (the
+    secondaries' views, comparisons included)."""
     stats: dict[str, LayerStats] = {}
     keep = set(keep)
     spent = timings if timings is not None else {}
@@ -329,7 +330,9 @@ def derive_reference_stats(primary: nn.Module, primary_ref: Any, secondaries: Se
     for s in range(samples):
         folder = dump_root / f"sample-{s}"
         t0 = time.monotonic()
-        record_reference(primary, sample_inputs(s), folder, chunk_mb=chunk_mb, meta=dump_meta(primary_ref, s, key=dump_key))
+        if dump_key is None or not dump_matches(folder, dump_key):
+            record_reference(primary, sample_inputs(s), folder, chunk_mb=chunk_mb,
+                             meta=dump_meta(primary_ref, s, key=dump_key))
         reader = DumpReader(folder)
         spent["derive_record_s"] += time.monotonic() - t0
         for ref, module in secondaries:

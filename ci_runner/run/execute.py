@@ -29,6 +29,7 @@ from ..engine.envinfo import base_stamp
 from ..errors import DeepviewError, ExecutionError, InputError
 from ..fsutil import atomic_write_json
 from ..log import Progress
+from ..modes.ops.storepath import clear_stores
 from ..engine.isolate import ChildExit, LiveChildren, child_env, file_tail, open_entry, run_process
 from ..results.model import JOURNAL_NAME, PARTIAL_NAME, RESULT_NAME, STDERR_NAME, CellError, CellResult, ModeResult, load_cell_result, read_json
 
@@ -231,7 +232,6 @@ def run_cells(cells: Sequence[Cell], opts: RunOptions, progress: Progress | None
         else:
             todo.append(c)
     if opts.force:  # a forced run probes again: the probe stores earlier runs left for these backends go
-        from ..modes.ops.store import clear_stores  # deferred: the ops engine imports torch
 
         clear_stores(opts.out_dir, {c.backend.id for c in todo})
 

@@ -38,6 +38,7 @@ from ..errors import ConfigError, ExecutionError, InputError
 from ..fsutil import atomic_write_json
 from ..log import Progress
 from ..matrix import expand
+from ..modes.ops.storepath import store_root
 from ..results.model import CellResult, ModeResult, load_cell_result, read_json, save_cell_result
 from .catalog import catalog
 from .report import backend_table
@@ -340,7 +341,7 @@ def _child(payload: Mapping[str, Any]) -> _Child:
 
 def _probe(ctx: _Child, signatures: Sequence[Any]) -> tuple[dict[str, Any], dict[str, Any], float]:
     """(outcomes by key, store stats, seconds) of `signatures` through the backend's probe store."""
-    from ..modes.ops.store import probe_signatures, store_root  # deferred: torch, child only
+    from ..modes.ops.store import probe_signatures  # deferred: torch, child only
 
     stats: dict[str, Any] = {}
     t0 = time.monotonic()

@@ -22,6 +22,7 @@ from ci_runner.engine.isolate import open_entry
 from ci_runner.matrix import expand
 from ci_runner.results.model import JOURNAL_NAME
 from ci_runner.results.model import CellResult, ModeResult, validate
+from tests.fixtures.layers_checks import check_attention_found_in_each_layer
 from tests.fixtures.matrices import matrix_text
 from tests.fixtures.paths import ROOT
 
@@ -109,6 +110,13 @@ def test_sim_crash_names_the_attention_op_with_real_shapes(run_cell: Callable[..
     proc = _by_hand(cdir, culprits["model.layers.0.self_attn"])
     assert proc.returncode == 1 and "[sim-crash]" in proc.stderr, proc.stdout + proc.stderr
     assert open_entry(cdir / JOURNAL_NAME, "culprit") is None
+
+
+def test_the_layer_search_beneath_names_each_attention_module_and_nothing_else(run_cell: Callable[..., _Run]) -> None:
+    """The same cell as above: with the culprit search on, the layer search finds what it finds without it
+    (test_layers.py checks tiny Granite with it off)."""
+    mode, _, _ = run_cell("tiny-llama", "sim-crash", layers=2)
+    check_attention_found_in_each_layer(mode, "LlamaAttention")
 
 
 def test_fusion_only_gives_the_smallest_range_holding_both_ops(run_cell: Callable[..., _Run]) -> None:

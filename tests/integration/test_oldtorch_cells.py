@@ -39,9 +39,9 @@ def test_one_cell_per_mode_of_the_bundled_example(tmp_path: Path) -> None:
     cells = {c["id"]: c for c in json.loads((out / "report" / "results.json").read_text(encoding="utf-8"))["cells"]}
     assert set(cells) == set(CELLS)
 
-    # ops: every Llama operator is in sim-subset's transformer allowlist
+    # ops: every Llama operator is in sim-subset's transformer allowlist (no false finding on a supported model)
     ops = cells["tiny-llama@sim-subset"]["modes"]
-    assert set(ops) == {"ops"} and ops["ops"]["status"] == "pass", ops
+    assert set(ops) == {"ops"} and ops["ops"]["status"] == "pass" and ops["ops"]["findings"] == [], ops
     # layers: sim-crash fails on attention, found in each decoder layer's self-attention
     layers = cells["tiny-llama@sim-crash"]["modes"]["layers"]
     assert layers["status"] == "fail"

@@ -462,6 +462,53 @@ def test_action_run_step_passes_arguments_as_a_list(tmp_path):
     assert json.loads((tmp_path / "argv.json").read_text()) == ["baseline", "update"]
 
 
+def test_action_caches_the_numerics_thresholds_of_run_and_cell(tmp_path, monkeypatch):
+    """`run` and `cell` get the thresholds cache with no steps of their own: the key step parses the same `args` with
+    that command's own parser (nothing in them is evaluated), the cache step keeps the folder (absolute: the command
+    runs in `working-directory`) under that key, and `thresholds-cache: false` turns it off."""
+    from ci_runner import cli
+    from ci_runner.config import load_matrix
+    from ci_runner.matrix import expand, select
+    from ci_runner.numerics.cache import cache_for
+
+    action = load(ACTION)
+    steps = action["runs"]["steps"]
+    key_step = next(s for s in steps if s.get("id") == "thresholds")
+    [cache] = [s for s in steps if str(s.get("uses", "")).startswith("actions/cache@")]
+    assert action["inputs"]["thresholds-cache"]["default"] == "true"
+    assert key_step["if"] == ("inputs.thresholds-cache == 'true' && (inputs.command == 'run' || inputs.command == 'cell')")
+    assert cache["if"] == "steps.thresholds.outputs.thresholds-key != ''"
+    assert cache["with"] == {"path": "${{ steps.thresholds.outputs.thresholds-dir }}",
+                             "key": "${{ steps.thresholds.outputs.thresholds-key }}"}
+    assert steps.index(key_step) < steps.index(cache) < next(i for i, s in enumerate(steps) if s.get("id") == "run")
+
+    def key_step_outputs(command: str, args: str) -> dict[str, str]:
+        out = tmp_path / "github_output"
+        out.write_text("")
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "GITHUB_OUTPUT": str(out),
+               "DEEPVIEW_CI_PYTHON": sys.executable, "DEEPVIEW_COMMAND": command, "DEEPVIEW_ARGS": args,
+               **{k: os.environ[k] for k in ("PYTHONPATH",) if k in os.environ}}
+        proc = subprocess.run(["bash", "-e", "-c", key_step["run"]], env=env, capture_output=True, text=True,
+                              timeout=120, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stdout + proc.stderr  # never fails the action
+        return read_github_output(out)
+
+    example = load_matrix(None)
+    want = cache_for(select(expand(example), ["tiny-llama@*"], []), tmp_path / "deepview run")
+    got = key_step_outputs("run", "--select 'tiny-llama@*' --out 'deepview run' --jobs 2")
+    assert want.key and got == {"thresholds-key": want.key, "thresholds-dir": str(tmp_path / "deepview run" / "thresholds")}
+    one = cache_for([c for c in expand(example) if c.id == "tiny-vit@sim-drift"], Path("o"))
+    monkeypatch.setenv("GITHUB_OUTPUT", str(tmp_path / "in_process"))
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["_thresholds-key-of", "cell", f"tiny-vit@sim-drift --matrix {example.path} --out o"]) == 0
+    got = read_github_output(tmp_path / "in_process")  # `cell` in this process: the step's bash is the same
+    assert got == {"thresholds-key": one.key, "thresholds-dir": str(tmp_path / "o" / "thresholds")} and one.key != want.key
+    assert key_step_outputs("run", "--modes ops,layers")["thresholds-key"] == ""  # no numerics, no cache
+    marker = tmp_path / "pwned"
+    assert "thresholds-key" not in key_step_outputs("run", f'--bogus "$(touch {marker})"')  # refused, not evaluated
+    assert not marker.exists()
+
+
 def test_the_docs_examples_are_valid_copy_paste():
     """Every workflow in docs/github.md calls the pipeline with inputs it declares; the vendor matrix loads."""
     from ci_runner.config import load_matrix_text

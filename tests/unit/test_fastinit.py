@@ -127,3 +127,31 @@ def test_parallel_normal_depends_on_the_seed_not_on_the_threads() -> None:
     assert abs(float(one.std()) - 0.02) < 0.0005 and abs(float(one.mean())) < 0.0005
     head, tail = one[: fastinit.CHUNK], one[fastinit.CHUNK: 2 * fastinit.CHUNK]
     assert not torch.equal(head, tail)  # every chunk its own stream
+
+
+def test_once_a_big_tensor_was_deferred_small_ones_are_deferred_too() -> None:
+    """A big model's sub-BIG projections skip the construction-time draw as well; before the first big tensor (and
+    in a model without one) small ones are drawn at once, as in a plain build."""
+    def build(seed: int) -> tuple[torch.nn.Module, list[bool]]:
+        torch.manual_seed(seed)
+        deferred = []
+        with fastinit.fast_init() as finish:
+            m = torch.nn.Module()
+            m.first = torch.nn.Linear(32, 32)  # before any big tensor: drawn at once
+            deferred.append(bool(torch.isnan(m.first.weight.detach().view(-1)[0])))
+            m.big = torch.nn.Linear(1024, 1024, bias=False)
+            m.after = torch.nn.Linear(32, 32)  # small, after a big one: deferred
+            deferred.append(bool(torch.isnan(m.after.weight.detach().view(-1)[0])))
+            finish(m)
+        return m, deferred
+
+    a, deferred = build(5)
+    assert deferred == [False, True]
+    b, _ = build(5)
+    for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
+        assert not torch.isnan(p).any(), name
+        assert torch.equal(p, q), name
+    torch.manual_seed(5)
+    assert torch.equal(a.first.weight, torch.nn.Linear(32, 32).weight)  # the plain build's first draw
+    bound = 1 / 32 ** 0.5  # the deferred kaiming_uniform_ still ran, with torch's own bounds
+    assert float(a.after.weight.detach().abs().max()) <= bound and float(a.after.weight.detach().std()) > bound / 3

@@ -16,6 +16,7 @@ from ci_runner.numerics.thresholds import (
     LayerStats,
     ThresholdOptions,
     ThresholdTable,
+    add_views,
     exceeded,
     key_hash,
     load_or_derive,
@@ -121,6 +122,48 @@ def test_load_or_derive_reuses_matching_key_and_rederives_otherwise(tmp_path: Pa
     _t4, note4 = load_or_derive(path, other, ThresholdOptions(), "float32", derive)
     assert "unreadable" in note4 and len(calls) == 3
     assert read_table(path, other, ThresholdOptions())[0] is not None
+
+
+def _one_view(stats: LayerStats, view: str) -> LayerStats:
+    return LayerStats(module_class=stats.module_class, name=stats.name, views={view: stats.views[view]})
+
+
+def test_a_view_derived_later_is_added_to_the_file_and_schema_1_files_stay_readable(tmp_path: Path) -> None:
+    key = threshold_key(model_fingerprint=FP, inputs=INPUTS, references=REFS, samples=2)
+    path = threshold_path(tmp_path, "tiny", key)
+    full = {"a": _stats([1e-5, 3e-5]), "b": _stats([2e-6], cls="Norm", name="b")}
+    calls: list[str] = []
+
+    def derive(view: str):  # type: ignore[no-untyped-def]
+        def run() -> dict[str, LayerStats]:
+            calls.append(view)
+            return {k: _one_view(s, view) for k, s in full.items()}
+        return run
+
+    table, _ = load_or_derive(path, key, ThresholdOptions(), "float32", derive("cumulative"), views=["cumulative"])
+    assert table.views == ("cumulative",) and json.loads(path.read_text())["views"] == ["cumulative"]
+    assert read_table(path, key, ThresholdOptions())[0].views == ("cumulative",)  # type: ignore[union-attr]
+    assert table.get("a", "isolated")[1] == "fallback"
+    other, _ = load_or_derive(path, key, ThresholdOptions(), "float32", derive("cumulative"))  # another cell
+    assert other.reused and other.views == ("cumulative",)
+    assert add_views(table, ["isolated"], derive("isolated")) == "isolated view derived"
+    assert table.views == ("cumulative", "isolated") and calls == ["cumulative", "isolated"]
+    assert table.get("a", "isolated") == (threshold_from_stats(full["a"].views["isolated"], ThresholdOptions(),
+                                                               "float32"), "derived")
+    stored = json.loads(path.read_text())
+    assert stored["views"] == ["cumulative", "isolated"] and stored["layers"]["a"]["stats"] == full["a"].views
+    # the other cell finds the added view in the file: not derived again
+    assert add_views(other, ["isolated"], derive("isolated")).startswith("isolated view reused")
+    assert calls == ["cumulative", "isolated"] and other.layers["b"].views == full["b"].views
+    assert add_views(other, ["isolated", "cumulative"], derive("isolated")) == ""
+    # schema 1 (no `views`): the views its statistics hold
+    del stored["views"]
+    path.write_text(json.dumps({**stored, "schema_version": 1}))
+    assert read_table(path, key, ThresholdOptions())[0].views == ("cumulative", "isolated")  # type: ignore[union-attr]
+    only = {**stored, "schema_version": 1,
+            "layers": {k: {**v, "stats": {"cumulative": v["stats"]["cumulative"]}} for k, v in stored["layers"].items()}}
+    path.write_text(json.dumps(only))
+    assert load_table(path).views == ("cumulative",)
 
 
 def test_fallback_threshold_for_unmeasured_calls() -> None:

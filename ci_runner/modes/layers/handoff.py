@@ -20,7 +20,7 @@ import torch
 from ...config import ModelSpec, spec_from_json
 from ...engine.codec import TensorStore, decode_call
 from ...engine.models import load_model
-from ...engine.tree import tensors_in
+from ...engine.tree import module_tensors, tensors_in
 from ...fsutil import atomic_write_json
 from .search import encode_call
 
@@ -30,17 +30,12 @@ TENSORS = "handoff.safetensors"
 Call = tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any]]
 
 
-def _tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {**dict(module.named_parameters(remove_duplicate=False)),
-            **dict(module.named_buffers(remove_duplicate=False))}
-
-
 def save_target(out_dir: Path, module: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
     """The submodule's weights and its call, for `load_targets` in the culprit child."""
     out_dir.mkdir(parents=True, exist_ok=True)
     store = TensorStore()
     spec = {"call": encode_call(tuple(args), kwargs, store),
-            "weights": encode_call((), {k: t.detach() for k, t in _tensors(module).items()}, store)}
+            "weights": encode_call((), {k: t.detach() for k, t in module_tensors(module).items()}, store)}
     store.save(out_dir / TENSORS)
     atomic_write_json(out_dir / SPEC, spec)
 
@@ -69,7 +64,7 @@ def _load_one(model: torch.nn.Module, name: str, out_dir: Path) -> Call | None:
     _, weights = decode_call(spec["weights"], tensors)
     sub = model.get_submodule(name)
     sub.to_empty(device="cpu")
-    own = _tensors(sub)
+    own = module_tensors(sub)
     if set(own) != set(weights):
         return None
     with torch.no_grad():

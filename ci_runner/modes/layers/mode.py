@@ -54,6 +54,7 @@ from .search import ROOT, ChildPlan, ModuleTree, SearchResult, StopSearch, captu
 from ...options import LayersOptions
 from ...registry import FindingKind, parse_options
 from ...engine.repro import render_template, safe_filename, verify_script, write_script
+from ...engine.tree import module_tensors
 from ...results.model import JOURNAL_NAME, Finding, ModeResult, Repro, fingerprint
 from ...results.rootcause import annotate
 
@@ -573,7 +574,7 @@ def _write_source_repro(ctx: "ModeContext", loaded: Any, sub: torch.nn.Module, n
     else:
         return None
     state: dict[str, torch.Tensor] = {}
-    for key, t in list(sub.named_parameters(remove_duplicate=False)) + list(sub.named_buffers(remove_duplicate=False)):
+    for key, t in module_tensors(sub).items():
         state[key] = t.detach().to("cpu").contiguous().clone()
     _save_tensors(state, rdir / "weights.safetensors")
     script = rdir / "repro.py"

@@ -38,7 +38,7 @@ from ...config import BackendSpec, ModelSpec, spec_from_json
 from ...engine.isolate import child_journal
 from ...engine.models import load_model
 from ...engine.outcome import ProbeOutcome, append_outcome, read_outcomes
-from ...engine.tree import tensors_in
+from ...engine.tree import module_tensors, tensors_in
 from .tree import ROOT, ModuleTree, SearchResult, StopSearch, label, unlabel
 from .tracking import ExecutingTracker
 
@@ -527,15 +527,11 @@ def versions_unchanged(versions: Sequence[tuple[torch.Tensor, int]]) -> bool:
     return all(t._version == v for t, v in versions)
 
 
-def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
-
-
 def restore_weights(model: torch.nn.Module, fresh: torch.nn.Module) -> None:
     """Every parameter and buffer of `model` (persistent or not) set to `fresh`'s."""
-    new = _weights(fresh)
+    new = module_tensors(fresh)
     with torch.no_grad():
-        for key, t in _weights(model).items():
+        for key, t in module_tensors(model).items():
             t.copy_(new[key])
 
 

@@ -20,7 +20,7 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import torch
 
@@ -45,7 +45,8 @@ from ...numerics.target import (
     read_records,
 )
 from ...numerics.cache import cell_thresholds
-from ...numerics.thresholds import LayerStats, ThresholdTable, load_or_derive
+from ...numerics.handoff import handoff_path, save_weights
+from ...numerics.thresholds import LayerStats, ThresholdTable, add_views, load_or_derive
 from ...numerics.toolbox import after_numerics, before_numerics, reference_dumps, weights_from_target, weights_in_target
 from ...numerics.verdict import (
     build_layers,
@@ -62,8 +63,8 @@ if TYPE_CHECKING:
     from .. import ModeContext
 
 
-def _run_target(ctx: "ModeContext", opts: NumericsOptions, dumps: list[Path], work: Path,
-                table: ThresholdTable, weights: Path | None = None) -> tuple[list[dict[str, Any]], list[str]]:
+def _run_target(ctx: "ModeContext", opts: NumericsOptions, dumps: list[Path], work: Path, table: ThresholdTable,
+                weights: Path | None, timings: dict[str, float]) -> tuple[list[dict[str, Any]], list[str]]:
     """Compare the target against `dumps` (child processes unless `isolate: false`); (records, notes). With
     `weights`, the child runs the weights check first and writes its result there."""
     primary = ctx.cell.references[0]
@@ -80,6 +81,37 @@ def _run_target(ctx: "ModeContext", opts: NumericsOptions, dumps: list[Path], wo
                 weights={"out": str(weights), "chunk_mb": 256.0} if weights is not None else None)
     if not opts.isolate:
         return _run_target_here(ctx, base, results, journal, table), notes
+    t = time.monotonic()
+    handed = _hand_over(ctx, work)
+    timings["handoff_s"] = round(time.monotonic() - t, 3)
+    try:
+        return _supervise_target(ctx, opts, {**base, "model_file": handed}, results, weights, notes)
+    finally:
+        if handed is not None:
+            Path(handed).unlink(missing_ok=True)
+
+
+def _hand_over(ctx: "ModeContext", work: Path) -> str | None:
+    """The primary reference's model, written for the target child (`handoff.save_weights`) when it lives on CPU;
+    None (the child builds it) otherwise or when it cannot be written."""
+    primary = ctx.cell.references[0]
+    if primary.device != "cpu":
+        return None
+    module = ctx.model(dtype=primary.dtype, device="cpu").module
+    path = None
+    try:
+        path = handoff_path(module, work)
+        return save_weights(module, path)["file"]
+    except (OSError, RuntimeError):
+        if path is not None:
+            path.unlink(missing_ok=True)
+        return None
+
+
+def _supervise_target(ctx: "ModeContext", opts: NumericsOptions, base: dict[str, Any], results: Path,
+                      weights: Path | None, notes: list[str]) -> tuple[list[dict[str, Any]], list[str]]:
+    """The target in child processes, a fresh one after each crash (see `_run_target`)."""
+    journal = Path(base["journal"])
 
     crashed: list[dict[str, Any]] = []
     finished = False
@@ -98,9 +130,11 @@ def _run_target(ctx: "ModeContext", opts: NumericsOptions, dumps: list[Path], wo
             payload["isolated"] = "all"
         return Attempt(payload=payload, timeout=budget)
 
-    def on_ok(_res: IsolatedResult) -> None:
+    def on_ok(res: IsolatedResult) -> None:
         nonlocal finished
         finished = True
+        if base.get("model_file") and (res.value or {}).get("model") == "built":
+            notes.append("the target child could not take the model from the parent's file: it built the model")
 
     def on_crash(item: str | None, res: IsolatedResult) -> str | None:
         entry = parse_journal_entry(item)
@@ -158,18 +192,55 @@ def _crash_record(c: dict[str, Any]) -> dict[str, Any]:
 
 
 
+def deferred_views(opts: NumericsOptions) -> tuple[str, ...]:
+    """The views whose thresholds are derived only when the target runs them: the isolated view under
+    `isolated: auto` (it runs only when the cumulative view flags or fails something)."""
+    if opts.isolated == "auto" and "cumulative" in opts.views and "isolated" in opts.views:
+        return ("isolated",)
+    return ()
+
+
 def derive_for_cell(ctx: "ModeContext", opts: NumericsOptions, dump_root: Path, keep: Iterable[int],
                     timings: dict[str, float] | None = None) -> tuple[ThresholdTable, str, str]:
     """Load the model's thresholds, or derive them (once per key, under a file lock): (table, how, key hash).
 
     The file and its key are `numerics.cache.cell_thresholds`'s (the CI cache key follows the same key). Derived
-    now, the reference dumps of the samples in `keep` stay in `dump_root`, marked with the key hash."""
+    now, the reference dumps of the samples in `keep` stay in `dump_root`, marked with the key hash; so do every
+    sample's when a view is left for later (`deferred_views`, added by `complete_thresholds`)."""
+    where = cell_thresholds(ctx.cell, ctx.cell_dir.parent.parent, opts)  # the run folder: <run>/cells/<id>
+    later = deferred_views(opts)
+    views = tuple(v for v in opts.views if v not in later)
+    keep = range(int(where.key["samples"])) if later else keep
+    derive = _deriver(ctx, opts, dump_root, samples=int(where.key["samples"]), dump_key=where.key_hash, keep=keep,
+                      views=views, timings=timings)
+    table, how = load_or_derive(where.path, where.key, opts.thresholds, ctx.cell.references[0].dtype, derive,
+                                views=views)
+    return table, how, where.key_hash
+
+
+def complete_thresholds(ctx: "ModeContext", opts: NumericsOptions, table: ThresholdTable, records: list[dict[str, Any]],
+                        dump_root: Path, dump_key: str, keep: Iterable[int], timings: dict[str, float],
+                        notes: list[str]) -> None:
+    """Add the statistics of a deferred view to `table` once the target has run it (`records` hold that view's
+    comparisons): from the file when another cell added them, else derived now (`thresholds.add_views`) on the
+    dumps kept for it; `notes` says which."""
+    ran = {r.get("view") for r in records if r.get("status") != "skipped"}
+    views = [v for v in deferred_views(opts) if v in ran and v not in table.views]
+    if not views:
+        return
+    t = time.monotonic()
+    derive = _deriver(ctx, opts, dump_root, samples=int(table.key["samples"]), dump_key=dump_key, keep=keep,
+                      views=tuple(views), timings=timings)
+    notes.append(f"thresholds: {add_views(table, views, derive)}")
+    timings["thresholds_later_s"] = round(time.monotonic() - t, 3)
+
+
+def _deriver(ctx: "ModeContext", opts: NumericsOptions, dump_root: Path, *, samples: int, dump_key: str,
+             keep: Iterable[int], views: tuple[str, ...],
+             timings: dict[str, float] | None) -> Callable[[], dict[str, LayerStats]]:
+    """The derivation of the statistics of `views` (`views.derive_reference_stats` over the cell's references)."""
     refs = ctx.cell.references
     primary = refs[0]
-    where = cell_thresholds(ctx.cell, ctx.cell_dir.parent.parent, opts)  # the run folder: <run>/cells/<id>
-    path, key = where.path, where.key
-    samples = int(key["samples"])
-    dump_key = where.key_hash
 
     def derive() -> dict[str, LayerStats]:
         loaded = ctx.model(dtype=primary.dtype, device=primary.device)
@@ -184,11 +255,10 @@ def derive_for_cell(ctx: "ModeContext", opts: NumericsOptions, dump_root: Path, 
 
         with torch._dynamo.config.patch(**dynamo_settings()):
             return derive_reference_stats(loaded.module, primary, secondaries, sample_inputs, samples, dump_root,
-                                          keep=keep, chunk_mb=opts.chunk_mb, views=opts.views, dump_key=dump_key,
+                                          keep=keep, chunk_mb=opts.chunk_mb, views=views, dump_key=dump_key,
                                           timings=timings)
 
-    table, how = load_or_derive(path, key, opts.thresholds, primary.dtype, derive)
-    return table, how, dump_key
+    return derive
 
 
 def _secondary_module(ctx: "ModeContext", primary: torch.nn.Module, ref: Any) -> torch.nn.Module:
@@ -226,12 +296,13 @@ def run(ctx: "ModeContext") -> ModeResult:
     dumps, compare = _reference_pass(ctx, opts, table, dump_root, dump_key, compare, notes)
     timings["reference_s"] = round(time.monotonic() - t, 3)
     t = time.monotonic()
-    records, target_notes = _run_target(ctx, opts, dumps, work, table, weights)
+    records, target_notes = _run_target(ctx, opts, dumps, work, table, weights, timings)
     if weights is not None:  # the target child ran the weights check before its forward
         pre = weights_from_target(ctx, weights)
         notes[:0] = pre.notes
     notes.extend(target_notes)
     timings["target_s"] = round(time.monotonic() - t, 3)
+    complete_thresholds(ctx, opts, table, records, dump_root, dump_key, compare, timings, notes)
 
     iso_skipped, cum_errors = _view_runs(records, timings)
     timings = {k: round(v, 3) for k, v in timings.items()}

@@ -47,7 +47,8 @@ from .compare import SCRIPT_FUNCTIONS, matches_any
 from .outcome import OpOutcome, OpStatus
 from .probe import call_source, make_tensor, not_run_outcome, op_expression
 from .signature import Inventory, OpSignature
-from .store import probe_signatures, probe_spec, store_root
+from .store import probe_signatures, probe_spec
+from .storepath import store_root
 from ...options import OpsOptions
 from ...registry import FindingKind, parse_options
 from ...engine.repro import plain_source, render_template, safe_filename, verify_script, write_script

@@ -23,10 +23,9 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import IO, Any, Callable, Iterator, Mapping, Sequence
 
 from ...config import BackendSpec, spec_to_json
-from ...engine.repro import safe_filename
 from ...fsutil import atomic_write_text, try_lock
 from ...options import OpsOptions
 from .outcome import OpOutcome
@@ -80,17 +79,6 @@ def merge_inventories(invs: Mapping[str, Inventory]) -> Merged:
 
 
 # --------------------------------------------------------------------------------------------- the store
-
-def store_root(out_dir: Path, backend_id: str) -> Path:
-    """The probe store of one backend in a run's output folder: `<out>/probes/<backend-id>`."""
-    return Path(out_dir) / "probes" / safe_filename(backend_id)
-
-
-def clear_stores(out_dir: Path, backend_ids: Iterable[str]) -> None:
-    """Forget the stored outcomes of these backends (a `--force` run probes again)."""
-    for bid in backend_ids:
-        shutil.rmtree(store_root(out_dir, bid), ignore_errors=True)
-
 
 def store_identity(spec: BackendSpec, opts: OpsOptions, versions: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """What decides a probe's outcome besides its signature."""
