@@ -13,16 +13,15 @@ from typing import IO, Any, Callable, Iterator, TypeVar
 T = TypeVar("T")
 
 
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
-    """Write `data` to `path` via a temp file in the same folder and `os.replace`."""
+def atomic_write_with(path: str | os.PathLike[str], write: Callable[[Path], None]) -> Path:
+    """`write(tmp)` fills a temp file in `path`'s folder (`.<name>.<random>.tmp`), then `os.replace` puts it at
+    `path`; the temp file is removed if `write` fails."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
+        write(Path(tmp))
         os.replace(tmp, target)
     except BaseException:
         try:
@@ -31,6 +30,18 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
             pass
         raise
     return target
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
+    """Write `data` to `path` via a temp file in the same folder (fsynced) and `os.replace`."""
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    return atomic_write_with(path, write)
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:

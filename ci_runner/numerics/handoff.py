@@ -33,6 +33,7 @@ from torch import nn
 from ..config import ModelSpec
 from ..engine.models import LoadedModel, load_model
 from ..engine.tree import module_tensors, tensors_in
+from ..fsutil import atomic_write_with
 
 PREFIX = "deepview-target-weights-"
 SHM = Path("/dev/shm")
@@ -74,19 +75,12 @@ def save_weights(module: nn.Module, path: Path) -> dict[str, Any]:
     `weights` payload entry: the file, its size, the seconds spent."""
     t0 = time.monotonic()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
     from torch.utils.serialization import config  # the zip writer's CRC pass over every byte is skipped
 
     crc = config.save.compute_crc32
     config.save.compute_crc32 = False
     try:
-        torch.save({k: t.detach() for k, t in module_tensors(module).items()}, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        atomic_write_with(path, lambda tmp: torch.save({k: t.detach() for k, t in module_tensors(module).items()}, tmp))
     finally:
         config.save.compute_crc32 = crc
     return {"file": str(path), "bytes": path.stat().st_size, "seconds": round(time.monotonic() - t0, 3)}
