@@ -55,14 +55,22 @@ def _modes_arg(text: str) -> tuple[str, ...]:
     return modes
 
 
-def _minutes_arg(text: str) -> int:
+def _whole_number(text: str, unit: str) -> int:
     try:
         value = int(text)
     except ValueError:
         value = -1
     if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of minutes (0 or more)")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of {unit} (0 or more)")
     return value
+
+
+def _minutes_arg(text: str) -> int:
+    return _whole_number(text, "minutes")
+
+
+def _count_arg(text: str) -> int:
+    return _whole_number(text, "jobs")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -398,9 +406,9 @@ def _add_expand(sp: argparse.ArgumentParser, selection: Callable[[argparse.Argum
                          "deepview-ci); the job's limit is this + the cell's timeout + --margin-minutes (default 30)")
     sp.add_argument("--margin-minutes", type=_minutes_arg, default=5, metavar="MIN",
                     help="time left in a cell job after its cell step, for the upload (default 5)")
-    sp.add_argument("--zoo-inventory-shards", type=_minutes_arg, default=0, metavar="N",
+    sp.add_argument("--zoo-inventory-shards", type=_count_arg, default=0, metavar="N",
                     help="zoo inventory jobs (default 0: one per 25 architectures, at most 256)")
-    sp.add_argument("--zoo-probe-shards", type=_minutes_arg, default=0, metavar="N",
+    sp.add_argument("--zoo-probe-shards", type=_count_arg, default=0, metavar="N",
                     help="zoo probe jobs per backend (default 0: from the zoo's size, at most 256 in all)")
 
 

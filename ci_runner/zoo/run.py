@@ -70,11 +70,8 @@ def group_name(cell: Cell) -> str:
     return f"{_level(cell)}-{_host(cell.backend.device)}"
 
 
-def inventory_dir(out_dir: Path, level: str, device: str) -> Path:
-    return Path(out_dir) / ZOO_DIR / "inventory" / f"{level}-{_host(device)}"
-
-
 def _group_dir(out_dir: Path, group: str) -> Path:
+    """`<out>/zoo/inventory/<group>` (`group_name`): the group's scan records."""
     return Path(out_dir) / ZOO_DIR / "inventory" / group
 
 
