@@ -28,11 +28,16 @@ class CompileRecord:
 
     def __call__(self, gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
         from torch._dynamo.backends.registry import lookup_backend  # deferred: imports torch
+        from torch._dynamo.exc import RestartAnalysis
 
         rec = {"nodes": sum(1 for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")),
                "calls": 0}
         self.graphs.append(rec)
-        compiled = lookup_backend(self.inner)(gm, example_inputs, **kwargs)
+        try:
+            compiled = lookup_backend(self.inner)(gm, example_inputs, **kwargs)
+        except RestartAnalysis:  # Dynamo drops this graph and traces the frame again (e.g. a 0-dim float64
+            self.graphs.remove(rec)  # tensor's scalar tensorified): the graph it compiles next is the one that runs
+            raise
         if not callable(compiled):
             return compiled
 

@@ -263,3 +263,16 @@ def test_only_the_used_outputs_are_probed_and_unbuildable_probes_are_probe_error
     bad = dict(probe, op="nosuchns.nosuchop.default", imports=["no_such_module_xyz"])
     out = run_probe(SimBackend("sim-drift", op="none"), bad, compare_results=True, tolerance=(1e-4, 1e-5))
     assert out["status"] == "probe_error" and "no_such_module_xyz" in out["message"]
+
+
+def test_a_graph_dynamo_restarts_on_is_not_counted_as_never_executed() -> None:
+    """A float32 tensor times a 0-dim float64 tensor: Dynamo hands aot_eager a graph, restarts its analysis
+    (the scalar is tensorified) and compiles a second graph, which is the one that runs. Found by the whole-zoo
+    aot_eager scan, where it read `inconclusive` ("1 of 2 compiled graph(s) never executed")."""
+    from ci_runner.backends import resolve_backend
+
+    backend = resolve_backend(BackendSpec(id="aot_eager", compile="aot_eager"))
+    probe = _probe("aten.mul.Tensor", torch.empty(1, 16, 320), torch.empty((), dtype=torch.float64))
+    out = run_probe(backend, probe, compare_results=True, tolerance=(1e-4, 1e-5))
+    assert out["status"] == "pass" and out["compare"] == "ok", out
+    assert out["ran"]["graphs"] == out["ran"]["graphs_executed"] == 1, out["ran"]
