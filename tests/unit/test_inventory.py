@@ -281,3 +281,58 @@ def test_an_error_in_the_model_code_is_not_retried_with_another_tracer() -> None
         take_inventory(Broken(), (torch.ones(2),), level="aten")
     assert "AttributeError" in err.value.message and "no other tracer tried" in err.value.message
     assert "torch.export failed" not in err.value.message
+
+
+class _ImageTokens(nn.Module):
+    """transformers' multimodal pattern: a `torch_compilable_check` on the input data before merging features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, ids: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+        from transformers.utils.import_utils import torch_compilable_check
+
+        mask = ids == 7
+        torch_compilable_check(mask.sum() == feats.shape[0], "image tokens and features do not match")
+        return self.proj(feats).sum() + mask.float().sum()
+
+
+def test_transformers_input_checks_do_not_send_the_capture_to_the_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On fake tensors the check is a data-dependent `.item()`: with it on, the aot capture failed at its end and
+    torch.export traced the model a second time. It is off while tracing, and the caller's setting comes back."""
+    from ci_runner.modes.ops.inventory import TRANSFORMERS_CHECK_ENV
+
+    monkeypatch.delenv(TRANSFORMERS_CHECK_ENV, raising=False)
+    ids = torch.tensor([[1, 7, 7, 2]])
+    with torch.device("meta"):
+        model = _ImageTokens()
+    inv = take_inventory(model, (ids.to("meta"), torch.empty(2, 8, device="meta")), level="aten", device="cpu")
+    assert inv.method == "aot" and not [n for n in inv.notes if "fallback" in n], inv.notes
+    assert "aten.addmm.default" in {s.op for s in inv.signatures}
+    assert TRANSFORMERS_CHECK_ENV not in __import__("os").environ
+
+
+class _Routed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj(x)
+        out, keep = torch.zeros_like(x), x > 0
+        out[keep] = x[keep]  # vits' pattern: after the graph break, `nonzero` runs on fake tensors
+        return out
+
+
+def test_a_fake_tensor_error_is_not_retried_with_torch_export() -> None:
+    """`nonzero` on fake tensors fails Dynamo's capture; torch.export runs the same code on the same fake tensors
+    (49 of 49 such zoo architectures failed there too, after a second full trace): only the first tracer runs."""
+    from ci_runner.modes.ops.inventory import InventoryError
+
+    with torch.device("meta"):
+        model = _Routed()
+    with pytest.raises(InventoryError) as err:
+        take_inventory(model, (torch.empty(6, device="meta"),), level="aten", device="cpu")
+    assert "DynamicOutputShapeException" in err.value.message, err.value.message
+    assert "same fake tensors" in err.value.message and "torch.export failed" not in err.value.message
