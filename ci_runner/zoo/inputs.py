@@ -5,6 +5,13 @@ this module picks the task it is called with from the model's `main_input_name` 
 not make: audio (`input_values` raw waveforms, `input_features` log-mel frames in the layout the model's first
 convolution reads) and the decoder side of encoder-decoder models (`decoder_input_ids`). A forward argument that
 is required and not made here is a `ZooInputError` naming it: the scan lists the architecture with that reason.
+
+Packed-patch vision (Qwen-VL style: a forward that takes `image_grid_thw`, or an encoder that takes `grid_thw`):
+one image of `GRID_MERGES` × `GRID_MERGES` merged patches, `pixel_values` flattened to (patches, C·T·P·P), as
+many image tokens in `input_ids` as merged patches (`spatial_merge_size`), `mm_token_type_ids`, and what
+transformers' own export preparer (`transformers.exporters.utils.precompute_export_inputs`) precomputes from the
+grid: the 3-D RoPE `position_ids` and the encoder's `cu_seqlens` / `position_ids` / ... (prefixed `image_` for
+the whole model), which the model would otherwise compute with data-dependent ops (`grid_thw.tolist()`).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ AUDIO_SAMPLES = 3200  # raw waveform length for `input_values` (0.2 s at 16 kHz)
 FEATURE_FRAMES = 64  # log-mel frames for `input_features` when the config does not fix them
 DECODER_LEN = 8
 DEFAULT_VOCAB = 256
+GRID_MERGES = 2  # packed-patch images: merged patches per side
 
 
 class ZooInputError(DeepviewError):
@@ -106,6 +114,83 @@ def _other_towers(kwargs: dict[str, Any], module: torch.nn.Module, config: Any, 
         kwargs["input_features"] = audio_features(module, config.audio_config, inputs, sample)
 
 
+def _first_int(cfg: Any, keys: tuple[str, ...], default: int) -> int:
+    for k in keys:
+        v = getattr(cfg, k, None)
+        if isinstance(v, (list, tuple)) and v and all(isinstance(x, int) for x in v):
+            return int(max(v))
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return int(v)
+    return default
+
+
+def _image_token(config: Any) -> int | None:
+    for cfg in (config, getattr(config, "text_config", None)):
+        for k in ("image_token_id", "image_token_index", "image_pad_token_id"):
+            v = getattr(cfg, k, None) if cfg is not None else None
+            if isinstance(v, int) and v >= 0:
+                return v
+    return None
+
+
+def packed_image(config: Any, batch: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """One packed-patch image per batch row: `grid_thw` (batch, 3) = (1, h, w) patches, `pixel_values` (batch·h·w,
+    C·T·P·P), `merge` (the spatial merge size) and `tokens` (merged patches per image: what the text holds)."""
+    vis = getattr(config, "vision_config", None) or config
+    patch = _first_int(vis, ("patch_size",), 14)
+    temporal = _first_int(vis, ("temporal_patch_size",), 1)
+    channels = _first_int(vis, ("in_channels", "num_channels", "in_chans"), 3)
+    merge = _first_int(vis, ("spatial_merge_size", "merge_size", "merge_kernel_size"), 1)
+    side = GRID_MERGES * merge
+    grid = torch.tensor([[1, side, side]] * batch)
+    pixels = torch.randn((batch * side * side, channels * temporal * patch * patch), generator=gen)
+    return {"grid_thw": grid, "pixel_values": pixels, "merge": torch.tensor(merge),
+            "tokens": torch.tensor(GRID_MERGES * GRID_MERGES)}
+
+
+def _precompute(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+    """transformers' export preparer on `kwargs` (in place), when this transformers has it."""
+    try:
+        from transformers.exporters.utils import precompute_export_inputs  # deferred: transformers is heavy
+    except ImportError:
+        return
+    precompute_export_inputs(module, kwargs)
+
+
+def _grid_inputs(kwargs: dict[str, Any], module: torch.nn.Module, config: Any, params: dict[str, inspect.Parameter],
+                 *, inputs: InputSpec, sample: int) -> None:
+    """Packed-patch vision inputs (see the module docstring), in place of the Llava-style ones."""
+    gen = torch.Generator().manual_seed(inputs.seed * 15485863 + sample)
+    image = packed_image(config, inputs.batch, gen)
+    if "image_grid_thw" not in params:  # the vision encoder alone: forward(hidden_states | pixel_values, grid_thw)
+        name = next((n for n in ("hidden_states", "pixel_values") if n in params), "pixel_values")
+        enc = {name: image["pixel_values"], "grid_thw": image["grid_thw"]}
+        if "merge_sizes" in params:
+            enc["merge_sizes"] = torch.full((inputs.batch,), int(image["merge"]))
+        _precompute(module, enc)
+        kwargs.clear()
+        kwargs.update({k: v for k, v in enc.items() if v is not None})
+        return
+    token = _image_token(config)
+    ids = kwargs.get("input_ids")
+    if token is None or ids is None:
+        return
+    text = ids[:, (ids[0] != token)]
+    ids = torch.cat([torch.full((inputs.batch, int(image["tokens"])), token, dtype=ids.dtype), text], dim=1)
+    kwargs.update(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=image["pixel_values"],
+                  image_grid_thw=image["grid_thw"])
+    if "mm_token_type_ids" in params:
+        kwargs["mm_token_type_ids"] = (ids == token).to(torch.int32)
+    rope = next((m for m in (module, getattr(module, "model", None)) if hasattr(m, "get_rope_index")), None)
+    if rope is not None:
+        _precompute(rope, kwargs)
+    encoder = module.get_encoder(modality="image") if hasattr(module, "get_encoder") else None
+    if encoder is not None and encoder is not module:
+        pre = {"grid_thw": image["grid_thw"]}
+        _precompute(encoder, pre)
+        kwargs.update({f"image_{k}": v for k, v in pre.items() if k != "grid_thw" and v is not None})
+
+
 def zoo_inputs(module: torch.nn.Module, config: Any, *, model_type: str, task: str | None, inputs: InputSpec,
                sample: int = 0) -> dict[str, Any]:
     """Keyword arguments for `module(**kwargs)` (CPU tensors; the inventory fakes them on its device)."""
@@ -122,6 +207,8 @@ def zoo_inputs(module: torch.nn.Module, config: Any, *, model_type: str, task: s
         kwargs.update(build_inputs(_loaded(module, config, model_type, _builder_task(task, main)), inputs,
                                    sample=sample))
     _other_towers(kwargs, module, config, params, model_type=model_type, inputs=inputs, sample=sample)
+    if "image_grid_thw" in params or "grid_thw" in params:
+        _grid_inputs(kwargs, module, config, params, inputs=inputs, sample=sample)
     if "decoder_input_ids" in params and (getattr(config, "is_encoder_decoder", False) or task in ("seq2seq", "speech-seq2seq")):
         kwargs["decoder_input_ids"] = _decoder_ids(config, inputs, sample)
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())

@@ -79,3 +79,27 @@ def test_image_tokens_with_a_two_number_patch_size() -> None:
     assert isinstance(cfg.vision_config.patch_size, (list, tuple))
     kw = zoo_inputs(internvl, cfg, model_type="internvl", task="image-text", inputs=INPUTS)
     assert int((kw["input_ids"] == cfg.image_token_id).sum()) > 0 and "pixel_values" in kw
+
+
+def test_packed_patch_images_match_the_config() -> None:
+    """Qwen2-VL: flattened patches (patches, C·T·P·P) on a (1, h, w) grid, as many image tokens as merged patches
+    (spatial_merge_size² patches each), mm_token_type_ids marking them, and the precomputed 3-D RoPE positions
+    and vision helpers the model would otherwise compute with data-dependent ops."""
+    qwen, cfg = _model("qwen2_vl", "Qwen2VLForConditionalGeneration")
+    vis = cfg.vision_config
+    kw = zoo_inputs(qwen, cfg, model_type="qwen2_vl", task="image-text", inputs=INPUTS)
+    t, h, w = kw["image_grid_thw"][0].tolist()
+    assert kw["pixel_values"].shape == (t * h * w, vis.in_channels * vis.temporal_patch_size * vis.patch_size ** 2)
+    image = kw["input_ids"] == cfg.image_token_id
+    assert int(image.sum()) == t * h * w // vis.spatial_merge_size ** 2 == 4
+    assert torch.equal(kw["mm_token_type_ids"].bool(), image) and kw["input_ids"].shape[1] == 8 + 4
+    assert kw["position_ids"].shape == (3, 1, 12)
+    assert kw["image_cu_seqlens"].tolist() == [0, t * h * w] and kw["image_position_ids"].shape == (t * h * w, 2)
+
+
+def test_packed_patch_vision_encoder_alone() -> None:
+    """The Qwen2.5-VL vision tower alone: `hidden_states` patches, `grid_thw`, and its window-attention helpers."""
+    tower, cfg = _model("qwen2_5_vl_vision", "Qwen2_5_VisionTransformerPretrainedModel")
+    kw = zoo_inputs(tower, cfg, model_type="qwen2_5_vl_vision", task="base", inputs=INPUTS)
+    assert kw["hidden_states"].shape[0] == int(kw["grid_thw"].prod()) == 16
+    assert {"cu_seqlens", "position_ids", "window_index", "cu_window_seqlens"} <= set(kw)
