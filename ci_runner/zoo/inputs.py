@@ -133,9 +133,18 @@ def _image_token(config: Any) -> int | None:
     return None
 
 
-def packed_image(config: Any, batch: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+def _per_patch(encoder: torch.nn.Module) -> bool:
+    """Whether the encoder's patch embedding is a Conv2d applied to the patches as they come (Kimi-K2.5,
+    PaddleOCR-VL: (patches, C, P, P)) rather than a Conv3d / Linear on flattened ones (Qwen-VL)."""
+    first = next((m for m in encoder.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Linear))),
+                 None)
+    return isinstance(first, torch.nn.Conv2d)
+
+
+def packed_image(config: Any, batch: int, gen: torch.Generator, *, per_patch: bool = False) -> dict[str, torch.Tensor]:
     """One packed-patch image per batch row: `grid_thw` (batch, 3) = (1, h, w) patches, `pixel_values` (batch·h·w,
-    C·T·P·P), `merge` (the spatial merge size) and `tokens` (merged patches per image: what the text holds)."""
+    C·T·P·P), or (batch·h·w, C, P, P) `per_patch`, `merge` (the spatial merge size) and `tokens` (merged patches
+    per image: what the text holds)."""
     vis = getattr(config, "vision_config", None) or config
     patch = _first_int(vis, ("patch_size",), 14)
     temporal = _first_int(vis, ("temporal_patch_size",), 1)
@@ -143,7 +152,8 @@ def packed_image(config: Any, batch: int, gen: torch.Generator) -> dict[str, tor
     merge = _first_int(vis, ("spatial_merge_size", "merge_size", "merge_kernel_size"), 1)
     side = GRID_MERGES * merge
     grid = torch.tensor([[1, side, side]] * batch)
-    pixels = torch.randn((batch * side * side, channels * temporal * patch * patch), generator=gen)
+    shape = (channels, patch, patch) if per_patch else (channels * temporal * patch * patch,)
+    pixels = torch.randn((batch * side * side, *shape), generator=gen)
     return {"grid_thw": grid, "pixel_values": pixels, "merge": torch.tensor(merge),
             "tokens": torch.tensor(GRID_MERGES * GRID_MERGES)}
 
@@ -161,11 +171,13 @@ def _grid_inputs(kwargs: dict[str, Any], module: torch.nn.Module, config: Any, p
                  *, inputs: InputSpec, sample: int) -> None:
     """Packed-patch vision inputs (see the module docstring), in place of the Llava-style ones."""
     gen = torch.Generator().manual_seed(inputs.seed * 15485863 + sample)
-    image = packed_image(config, inputs.batch, gen)
+    encoder = module.get_encoder(modality="image") if hasattr(module, "get_encoder") else None
+    encoder = encoder if encoder is not None else module
+    image = packed_image(config, inputs.batch, gen, per_patch=_per_patch(encoder))
     if "image_grid_thw" not in params:  # the vision encoder alone: forward(hidden_states | pixel_values, grid_thw)
         name = next((n for n in ("hidden_states", "pixel_values") if n in params), "pixel_values")
         enc = {name: image["pixel_values"], "grid_thw": image["grid_thw"]}
-        if "merge_sizes" in params:
+        if "merge_sizes" in params:  # Video-LLaMA 3
             enc["merge_sizes"] = torch.full((inputs.batch,), int(image["merge"]))
         _precompute(module, enc)
         kwargs.clear()
@@ -181,14 +193,16 @@ def _grid_inputs(kwargs: dict[str, Any], module: torch.nn.Module, config: Any, p
                   image_grid_thw=image["grid_thw"])
     if "mm_token_type_ids" in params:
         kwargs["mm_token_type_ids"] = (ids == token).to(torch.int32)
+    merges = torch.full((inputs.batch,), int(image["merge"]))
+    if "image_merge_sizes" in params:  # Video-LLaMA 3: the merge size per image, an input
+        kwargs["image_merge_sizes"] = merges
     rope = next((m for m in (module, getattr(module, "model", None)) if hasattr(m, "get_rope_index")), None)
     if rope is not None:
         _precompute(rope, kwargs)
-    encoder = module.get_encoder(modality="image") if hasattr(module, "get_encoder") else None
-    if encoder is not None and encoder is not module:
-        pre = {"grid_thw": image["grid_thw"]}
+    if encoder is not module:
+        pre = {"grid_thw": image["grid_thw"], **({"merge_sizes": merges} if "image_merge_sizes" in params else {})}
         _precompute(encoder, pre)
-        kwargs.update({f"image_{k}": v for k, v in pre.items() if k != "grid_thw" and v is not None})
+        kwargs.update({f"image_{k}": v for k, v in pre.items() if k not in ("grid_thw", "merge_sizes") and v is not None})
 
 
 def zoo_inputs(module: torch.nn.Module, config: Any, *, model_type: str, task: str | None, inputs: InputSpec,
