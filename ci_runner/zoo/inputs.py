@@ -205,6 +205,35 @@ def _grid_inputs(kwargs: dict[str, Any], module: torch.nn.Module, config: Any, p
         kwargs.update({f"image_{k}": v for k, v in pre.items() if k not in ("grid_thw", "merge_sizes") and v is not None})
 
 
+def _sized_images(kwargs: dict[str, Any], config: Any, params: dict[str, inspect.Parameter], *, inputs: InputSpec,
+                  sample: int) -> None:
+    """Pixtral-style image-text models (Mistral 3, LightOnOCR: a forward that takes `image_sizes`, a config with a
+    top-level `spatial_merge_size`): images of `GRID_MERGES` × `GRID_MERGES` merged patches, their sizes as Python
+    ints (what transformers' export preparer turns the processor's tensor into), as many image tokens as merged
+    patches."""
+    vis = getattr(config, "vision_config", None)
+    merge, token, ids = getattr(config, "spatial_merge_size", None), _image_token(config), kwargs.get("input_ids")
+    if vis is None or not isinstance(merge, int) or token is None or ids is None or "pixel_values" not in kwargs:
+        return
+    side = _first_int(vis, ("patch_size",), 14) * merge * GRID_MERGES
+    gen = torch.Generator().manual_seed(inputs.seed * 15485863 + sample)
+    channels = int(kwargs["pixel_values"].shape[1])
+    text = ids[:, (ids[0] != token)]
+    ids = torch.cat([torch.full((inputs.batch, GRID_MERGES * GRID_MERGES), token, dtype=ids.dtype), text], dim=1)
+    kwargs.update(input_ids=ids, attention_mask=torch.ones_like(ids), image_sizes=[(side, side)] * inputs.batch,
+                  pixel_values=torch.randn((inputs.batch, channels, side, side), generator=gen))
+
+
+def _video_frames(kwargs: dict[str, Any], config: Any) -> None:
+    """Video models (VideoMAE, ViViT, TimeSformer, X-CLIP: a config with `num_frames`, at the top or in its vision
+    config): `pixel_values` of (batch, frames, C, H, W), each frame the built image."""
+    pixels = kwargs.get("pixel_values")
+    frames = next((getattr(c, "num_frames", None) for c in (config, getattr(config, "vision_config", None))
+                   if isinstance(getattr(c, "num_frames", None), int)), None)
+    if isinstance(pixels, torch.Tensor) and pixels.dim() == 4 and frames and frames > 0:
+        kwargs["pixel_values"] = pixels.unsqueeze(1).expand(-1, frames, -1, -1, -1).contiguous()
+
+
 def zoo_inputs(module: torch.nn.Module, config: Any, *, model_type: str, task: str | None, inputs: InputSpec,
                sample: int = 0) -> dict[str, Any]:
     """Keyword arguments for `module(**kwargs)` (CPU tensors; the inventory fakes them on its device)."""
@@ -223,6 +252,10 @@ def zoo_inputs(module: torch.nn.Module, config: Any, *, model_type: str, task: s
     _other_towers(kwargs, module, config, params, model_type=model_type, inputs=inputs, sample=sample)
     if "image_grid_thw" in params or "grid_thw" in params:
         _grid_inputs(kwargs, module, config, params, inputs=inputs, sample=sample)
+    elif "image_sizes" in params and task == "image-text":
+        _sized_images(kwargs, config, params, inputs=inputs, sample=sample)
+    else:
+        _video_frames(kwargs, config)
     if "decoder_input_ids" in params and (getattr(config, "is_encoder_decoder", False) or task in ("seq2seq", "speech-seq2seq")):
         kwargs["decoder_input_ids"] = _decoder_ids(config, inputs, sample)
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())

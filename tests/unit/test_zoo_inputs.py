@@ -103,3 +103,21 @@ def test_packed_patch_vision_encoder_alone() -> None:
     kw = zoo_inputs(tower, cfg, model_type="qwen2_5_vl_vision", task="base", inputs=INPUTS)
     assert kw["hidden_states"].shape[0] == int(kw["grid_thw"].prod()) == 16
     assert {"cu_seqlens", "position_ids", "window_index", "cu_window_seqlens"} <= set(kw)
+
+
+def test_pixtral_style_image_sizes() -> None:
+    """Mistral 3 merges spatial_merge_size² patches per token and reads each image's size: Python ints (a tensor's
+    `.tolist()` is data-dependent under tracing), and one image token per merged patch."""
+    mistral, cfg = _model("mistral3", "Mistral3ForConditionalGeneration")
+    kw = zoo_inputs(mistral, cfg, model_type="mistral3", task="image-text", inputs=INPUTS)
+    (h, w), = kw["image_sizes"]
+    assert isinstance(h, int) and kw["pixel_values"].shape[-2:] == (h, w)
+    merged = (h // cfg.vision_config.patch_size // cfg.spatial_merge_size) ** 2
+    assert int((kw["input_ids"] == cfg.image_token_id).sum()) == merged == 4
+
+
+def test_video_frames() -> None:
+    """VideoMAE reads (batch, num_frames, C, H, W)."""
+    mae, cfg = _model("videomae", "VideoMAEModel")
+    kw = zoo_inputs(mae, cfg, model_type="videomae", task="base", inputs=INPUTS)
+    assert kw["pixel_values"].shape == (1, cfg.num_frames, cfg.num_channels, cfg.image_size, cfg.image_size)
