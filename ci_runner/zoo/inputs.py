@@ -17,7 +17,7 @@ the whole model), which the model would otherwise compute with data-dependent op
 from __future__ import annotations
 
 import inspect
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -141,10 +141,19 @@ def _per_patch(encoder: torch.nn.Module) -> bool:
     return isinstance(first, torch.nn.Conv2d)
 
 
-def packed_image(config: Any, batch: int, gen: torch.Generator, *, per_patch: bool = False) -> dict[str, torch.Tensor]:
-    """One packed-patch image per batch row: `grid_thw` (batch, 3) = (1, h, w) patches, `pixel_values` (batch·h·w,
-    C·T·P·P), or (batch·h·w, C, P, P) `per_patch`, `merge` (the spatial merge size) and `tokens` (merged patches
-    per image: what the text holds)."""
+@dataclass(frozen=True, kw_only=True)
+class PackedImage:
+    """One packed-patch image per batch row."""
+
+    grid_thw: torch.Tensor  # (batch, 3): (1, h, w) patches
+    pixel_values: torch.Tensor  # (batch·h·w, C·T·P·P), or (batch·h·w, C, P, P) per patch
+    merge: int  # the spatial merge size: merge² patches make one token
+    tokens: int  # merged patches per image: the image tokens its text holds
+
+
+def packed_image(config: Any, batch: int, gen: torch.Generator, *, per_patch: bool = False) -> PackedImage:
+    """`GRID_MERGES` × `GRID_MERGES` merged patches per image, from the (vision) config's patch, temporal patch and
+    merge sizes and channels."""
     vis = getattr(config, "vision_config", None) or config
     patch = _first_int(vis, ("patch_size",), 14)
     temporal = _first_int(vis, ("temporal_patch_size",), 1)
@@ -154,17 +163,23 @@ def packed_image(config: Any, batch: int, gen: torch.Generator, *, per_patch: bo
     grid = torch.tensor([[1, side, side]] * batch)
     shape = (channels, patch, patch) if per_patch else (channels * temporal * patch * patch,)
     pixels = torch.randn((batch * side * side, *shape), generator=gen)
-    return {"grid_thw": grid, "pixel_values": pixels, "merge": torch.tensor(merge),
-            "tokens": torch.tensor(GRID_MERGES * GRID_MERGES)}
+    return PackedImage(grid_thw=grid, pixel_values=pixels, merge=merge, tokens=GRID_MERGES * GRID_MERGES)
 
 
 def _precompute(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
-    """transformers' export preparer on `kwargs` (in place), when this transformers has it."""
+    """transformers' export preparer on `kwargs` (in place), when this transformers has it. Best effort: where it
+    fails (Qwen2.5-Omni's rope index reads a token id its config lacks) the model computes the same itself, and
+    its trace says what that costs."""
     try:
         from transformers.exporters.utils import precompute_export_inputs  # deferred: transformers is heavy
     except ImportError:
         return
-    precompute_export_inputs(module, kwargs)
+    tried = dict(kwargs)
+    try:
+        precompute_export_inputs(module, tried)
+    except Exception:  # noqa: BLE001 - any error of the model's own helper: leave the inputs as they were
+        return
+    kwargs.update(tried)
 
 
 def _grid_inputs(kwargs: dict[str, Any], module: torch.nn.Module, config: Any, params: dict[str, inspect.Parameter],
@@ -176,9 +191,9 @@ def _grid_inputs(kwargs: dict[str, Any], module: torch.nn.Module, config: Any, p
     image = packed_image(config, inputs.batch, gen, per_patch=_per_patch(encoder))
     if "image_grid_thw" not in params:  # the vision encoder alone: forward(hidden_states | pixel_values, grid_thw)
         name = next((n for n in ("hidden_states", "pixel_values") if n in params), "pixel_values")
-        enc = {name: image["pixel_values"], "grid_thw": image["grid_thw"]}
+        enc = {name: image.pixel_values, "grid_thw": image.grid_thw}
         if "merge_sizes" in params:  # Video-LLaMA 3
-            enc["merge_sizes"] = torch.full((inputs.batch,), int(image["merge"]))
+            enc["merge_sizes"] = torch.full((inputs.batch,), image.merge)
         _precompute(module, enc)
         kwargs.clear()
         kwargs.update({k: v for k, v in enc.items() if v is not None})
@@ -188,21 +203,22 @@ def _grid_inputs(kwargs: dict[str, Any], module: torch.nn.Module, config: Any, p
     if token is None or ids is None:
         return
     text = ids[:, (ids[0] != token)]
-    ids = torch.cat([torch.full((inputs.batch, int(image["tokens"])), token, dtype=ids.dtype), text], dim=1)
-    kwargs.update(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=image["pixel_values"],
-                  image_grid_thw=image["grid_thw"])
+    ids = torch.cat([torch.full((inputs.batch, image.tokens), token, dtype=ids.dtype), text], dim=1)
+    kwargs.update(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=image.pixel_values,
+                  image_grid_thw=image.grid_thw)
     if "mm_token_type_ids" in params:
         kwargs["mm_token_type_ids"] = (ids == token).to(torch.int32)
-    merges = torch.full((inputs.batch,), int(image["merge"]))
+    merges = torch.full((inputs.batch,), image.merge)
     if "image_merge_sizes" in params:  # Video-LLaMA 3: the merge size per image, an input
         kwargs["image_merge_sizes"] = merges
     rope = next((m for m in (module, getattr(module, "model", None)) if hasattr(m, "get_rope_index")), None)
     if rope is not None:
         _precompute(rope, kwargs)
     if encoder is not module:
-        pre = {"grid_thw": image["grid_thw"], **({"merge_sizes": merges} if "image_merge_sizes" in params else {})}
+        pre = {"grid_thw": image.grid_thw, **({"merge_sizes": merges} if "image_merge_sizes" in params else {})}
         _precompute(encoder, pre)
-        kwargs.update({f"image_{k}": v for k, v in pre.items() if k not in ("grid_thw", "merge_sizes") and v is not None})
+        kwargs.update({f"image_{k}": v for k, v in pre.items()
+                       if k not in ("grid_thw", "merge_sizes") and v is not None})
 
 
 def _sized_images(kwargs: dict[str, Any], config: Any, params: dict[str, inspect.Parameter], *, inputs: InputSpec,
