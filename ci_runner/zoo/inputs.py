@@ -75,6 +75,15 @@ def audio_features(module: torch.nn.Module, config: Any, inputs: InputSpec, samp
     return torch.randn((inputs.batch, FEATURE_FRAMES, bins * channels), generator=gen)
 
 
+def _waveform(config: Any, inputs: InputSpec, gen: torch.Generator) -> torch.Tensor:
+    """`input_values`: (batch, samples), or (batch, audio_channels, samples) for a codec whose config counts its
+    channels (EnCodec, Mimi)."""
+    channels = getattr(config, "audio_channels", None)
+    shape = (inputs.batch, channels, AUDIO_SAMPLES) if isinstance(channels, int) and channels > 0 \
+        else (inputs.batch, AUDIO_SAMPLES)
+    return torch.randn(shape, generator=gen)
+
+
 def _default_vocab(config: Any) -> None:
     """Token ids for a config that names no vocabulary (CANINE reads code points, Bark's sub-models): the first
     `DEFAULT_VOCAB` ids."""
@@ -259,13 +268,18 @@ def zoo_inputs(module: torch.nn.Module, config: Any, *, model_type: str, task: s
     if main in ("input_values", "input_features", "audio_values"):
         gen = torch.Generator().manual_seed(inputs.seed * 7919 + sample)
         waveform = main == "input_values" and not isinstance(getattr(config, "num_mel_bins", None), int)
-        kwargs[main] = (torch.randn((inputs.batch, AUDIO_SAMPLES), generator=gen) if waveform  # else: AST's frames
+        kwargs[main] = (_waveform(config, inputs, gen) if waveform  # else: AST's frames
                         else audio_features(module, config, inputs, sample))
     else:
         _default_vocab(config)
         kwargs.update(build_inputs(_loaded(module, config, model_type, _builder_task(task, main)), inputs,
                                    sample=sample))
     _other_towers(kwargs, module, config, params, model_type=model_type, inputs=inputs, sample=sample)
+    pixels = params.get("pixel_values")
+    if pixels is not None and pixels.default is inspect.Parameter.empty and "pixel_values" not in kwargs:
+        # a vision tower whose main input is not named (Idefics3's, Step3.5's): the image classifier's pixels
+        built = build_inputs(_loaded(module, config, model_type, "image-classification"), inputs, sample=sample)
+        kwargs["pixel_values"] = built["pixel_values"]
     if "image_grid_thw" in params or "grid_thw" in params:
         _grid_inputs(kwargs, module, config, params, inputs=inputs, sample=sample)
     elif "image_sizes" in params and task == "image-text":

@@ -121,3 +121,15 @@ def test_video_frames() -> None:
     mae, cfg = _model("videomae", "VideoMAEModel")
     kw = zoo_inputs(mae, cfg, model_type="videomae", task="base", inputs=INPUTS)
     assert kw["pixel_values"].shape == (1, cfg.num_frames, cfg.num_channels, cfg.image_size, cfg.image_size)
+
+
+def test_required_pixels_and_codec_channels() -> None:
+    """A vision tower whose main input name is not `pixel_values` but whose forward requires it (Idefics3's) gets
+    the image classifier's pixels; a codec whose config counts `audio_channels` (EnCodec) gets (batch, channels,
+    samples) waveforms."""
+    tower, cfg = _model("idefics3_vision", "Idefics3VisionTransformer")
+    kw = zoo_inputs(tower, cfg, model_type="idefics3_vision", task="base", inputs=INPUTS)
+    assert kw["pixel_values"].shape == (1, 3, cfg.image_size, cfg.image_size)
+    codec, cfg = _model("encodec", "EncodecModel")
+    kw = zoo_inputs(codec, cfg, model_type="encodec", task="base", inputs=INPUTS)
+    assert kw["input_values"].shape[:2] == (1, cfg.audio_channels) and kw["input_values"].dim() == 3
