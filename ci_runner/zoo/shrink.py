@@ -329,11 +329,25 @@ def _follow_text_width(d: dict[str, Any]) -> None:
                 part[w] = width
 
 
+def _follow_backbone_width(d: dict[str, Any], old: Any) -> None:
+    """A neck's input width named after the backbone (Depth Anything's `reassemble_hidden_size`, the DINOv2
+    backbone's hidden size) follows the narrowed backbone."""
+    new = (d.get("backbone_config") or {}).get("hidden_size")
+    if not _int(old) or not _int(new) or new == old:
+        return
+    for k, v in d.items():
+        if k.endswith("hidden_size") and ("reassemble" in k or "backbone" in k) and v == old:
+            d[k] = new
+
+
 def _shrink_dict(d: dict[str, Any], level: str, specials: int) -> None:
+    backbone = d.get("backbone_config")
+    backbone_width = backbone.get("hidden_size") if isinstance(backbone, dict) else None
     for k, v in list(d.items()):
         if _is_config_dict(k, v):
             _shrink_dict(v, level, max(specials, _special_max(v)))
     _follow_text_width(d)
+    _follow_backbone_width(d, backbone_width)
     counted = _layer_count(d)
     if counted is not None and counted[1] > 1:
         stages = _stage_outputs(d)

@@ -117,6 +117,7 @@ def test_backbone_outputs_keep_their_count() -> None:
     da = shrink_dict(transformers.AutoConfig.for_model("depth_anything").to_dict())
     assert da["backbone_config"]["num_hidden_layers"] == 4 and da["backbone_config"]["out_indices"] == [1, 2, 3, 4]
     assert len(da["neck_hidden_sizes"]) == 4 and "stage_names" not in da["backbone_config"]
+    assert da["reassemble_hidden_size"] == da["backbone_config"]["hidden_size"] < 384  # the neck reads its width
     dino = shrink(transformers.AutoConfig.for_model("dinov2"))
     assert dino.num_hidden_layers == 2 and dino.out_indices == [2] and dino.out_features == ["stage2"]
     kept = shrink_dict({"num_hidden_layers": 12, "window_block_indexes": [0, 1, 3], "out_indices": [1, 3]})
