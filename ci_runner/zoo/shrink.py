@@ -24,7 +24,7 @@ from typing import Any, Mapping
 # level → (narrow widths, layers kept per kind)
 LEVEL_RULES: dict[str, tuple[bool, int]] = {"narrow": (True, 1), "twice": (True, 2), "shallow": (False, 1)}
 LEVELS: tuple[str, ...] = (*LEVEL_RULES, "default")
-LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "depth")  # depth: Qwen-VL vision towers
 SIDE_LAYER_KEYS = ("encoder_layers", "decoder_layers", "num_encoder_layers", "num_decoder_layers", "text_layers",
                    "vision_layers", "num_decoder_layer",
                    # layer counts of a model's parts and loops over the same layers (HRM's stacks and cycles,
@@ -56,7 +56,9 @@ STEP_RULES = ("decoder_sparse_step", "interleave_moe_layer_step", "moe_layer_fre
 PATTERN_RULES = ("sliding_window_pattern", "_sliding_window_pattern", "global_attn_every_n_layers",
                  "no_rope_layer_interval")
 DERIVED_LISTS = ("layer_types", "layers_block_type")
-INDEX_HINTS = ("layer", "idx", "indices", "ids")
+INDEX_HINTS = ("layer", "idx", "indices", "indexes", "ids")
+# a backbone's outputs, by stage (0: the stem; i: layer i - 1), not a list of layers of one kind
+BACKBONE_KEYS = ("out_features", "out_indices", "_out_features", "_out_indices", "stage_names")
 
 
 def _is_config_dict(key: str, value: Any) -> bool:
@@ -76,7 +78,7 @@ def _layer_count(d: Mapping[str, Any]) -> tuple[str, int] | None:
 
 def _is_index_list(key: str, v: Any, n: int) -> bool:
     """A list of layer indices (`attn_layer_indices`, `moe_layers`, `full_attn_idxs`, `hybrid_layer_ids`)."""
-    return (isinstance(v, list) and bool(v) and any(h in key for h in INDEX_HINTS)
+    return (isinstance(v, list) and bool(v) and any(h in key for h in INDEX_HINTS) and key not in BACKBONE_KEYS
             and all(_int(x) and 0 <= x < n for x in v) and len(set(v)) == len(v)
             and not (set(v) <= {0, 1} and len(v) == n))
 
@@ -115,8 +117,9 @@ def layer_kinds(d: Mapping[str, Any], n: int) -> tuple[list[tuple[Any, ...]], bo
     return kinds, bool(rules or steps)
 
 
-def _keep_layers(d: dict[str, Any], key: str, n: int, per_kind: int) -> None:
-    """Cut the layers of one config dict to `per_kind` of each kind (at least 2 when there were 2 or more)."""
+def _keep_layers(d: dict[str, Any], key: str, n: int, per_kind: int, at_least: int = 2) -> list[int]:
+    """Cut the layers of one config dict to `per_kind` of each kind (at least `at_least`, 2 by default, when there
+    were that many); the old indices of the layers kept."""
     if _int(d.get("first_k_dense_replace")) and d["first_k_dense_replace"] > 1:
         d["first_k_dense_replace"] = 1
     kinds, ruled = layer_kinds(d, n)
@@ -126,8 +129,8 @@ def _keep_layers(d: dict[str, Any], key: str, n: int, per_kind: int) -> None:
             first[k].append(i)
     chosen = [i for found in first.values() for i in found]
     keep = list(range(max(chosen) + 1)) if ruled else sorted(chosen)
-    if len(keep) < min(2, n):
-        keep = sorted(set(keep) | set(range(min(2, n))))
+    if len(keep) < min(at_least, n):
+        keep = _pad_keep(keep, min(at_least, n))
     lists = _per_layer_lists(d, n)
     index = _index_lists(d, n, lists)
     for k in lists:
@@ -137,10 +140,87 @@ def _keep_layers(d: dict[str, Any], key: str, n: int, per_kind: int) -> None:
     for k in index:
         d[k] = [remap[x] for x in d[k] if x in remap]
     for k, v in list(d.items()):  # per-layer dicts keyed by index (`per_layer_config: {"02": {...}}`)
-        if isinstance(v, dict) and v and all(str(x).isdigit() and int(x) < n for x in v):
+        if isinstance(v, dict) and v and k not in ("id2label", "label2id") \
+                and all(str(x).isdigit() and int(x) < n for x in v):
             d[k] = {(str(remap[int(x)]).zfill(len(str(x))) if isinstance(x, str) else remap[int(x)]): y
                     for x, y in v.items() if int(x) in remap}
     d[key] = len(keep)
+    return keep
+
+
+def _pad_keep(keep: list[int], count: int) -> list[int]:
+    """`keep` and the first layers not in it, up to `count` layers."""
+    extra = [i for i in range(count + len(keep)) if i not in keep]
+    return sorted(keep + extra[:count - len(keep)])
+
+
+def _stage_outputs(d: Mapping[str, Any]) -> list[int] | None:
+    """A backbone's output stages (`out_indices`: 0 the stem, i the output of layer i - 1), when all are given as
+    non-negative numbers."""
+    for k in ("out_indices", "_out_indices"):
+        v = d.get(k)
+        if isinstance(v, (list, tuple)) and v and all(_int(x) and x >= 0 for x in v):
+            return [int(x) for x in v]
+    return None
+
+
+def _remap_stages(d: dict[str, Any], stages: list[int] | None, keep: list[int]) -> None:
+    """Backbone outputs named by layer: the same stages where their layers were kept, else the last ones (as many
+    as before: a neck reads one feature map per output). The config derives the names again."""
+    for k in BACKBONE_KEYS:
+        d.pop(k, None)
+    if not stages:
+        return  # the config's default (the last stage)
+    remap = {old + 1: new + 1 for new, old in enumerate(keep)} | {0: 0}
+    moved = [remap.get(s) for s in stages]
+    if None in moved or len(set(moved)) != len(moved):
+        n, count = len(keep), len([s for s in stages if s > 0])
+        moved = ([0] if 0 in stages else []) + list(range(n - count + 1, n + 1))
+    d["out_indices"] = moved
+
+
+# hidden-state indices of a vision tower read by the model around it (Llava's -2, VipLlava's [-2, -5, -8, -11, 6])
+FEATURE_LAYER_KEYS = ("vision_feature_layer", "vision_feature_layers", "feature_layer", "feature_layers")
+
+
+def _clamp_feature_layers(d: dict[str, Any]) -> None:
+    """Hidden-state indices into the (shrunk) vision tower, clamped to its `layers + 1` hidden states (the count
+    of indices kept: a projector reads one feature map per index)."""
+    vision = d.get("vision_config")
+    counted = _layer_count(vision) if isinstance(vision, dict) else _layer_count(d)
+    if counted is None:
+        return
+    top = counted[1]
+    clamp = lambda i: max(-(top + 1), min(top, i))  # noqa: E731
+    for k in FEATURE_LAYER_KEYS:
+        v = d.get(k)
+        if _int(v):
+            d[k] = clamp(v)
+        elif isinstance(v, list) and v and all(_int(x) for x in v):
+            d[k] = [clamp(x) for x in v]
+
+
+STAGE_KEYS = ("depths", "encoder_layers_per_stage", "num_layers_per_stage", "num_block_repeats", "blocks_per_stage",
+              "stage_depths", "num_blocks", "block_repeats")
+
+
+def _remap_stage_blocks(d: dict[str, Any], old: list[int], new: list[int]) -> None:
+    """Block index lists counted over all stages (SAM2 Hiera's `global_attention_blocks`) after the blocks per
+    stage were cut from `old` to `new`: each index keeps its stage and, clamped, its place in it (a stage's first
+    block, which pools, stays the only first one: a global block there divided by a window size of 0)."""
+    total = sum(old)
+    starts_old = [sum(old[:i]) for i in range(len(old))]
+    starts_new = [sum(new[:i]) for i in range(len(new))]
+    for k, v in list(d.items()):
+        if not k.endswith("_blocks") or "num" in k or "stage" in k or not isinstance(v, list) or not v \
+                or len(v) == len(old) or not all(_int(x) and 0 <= x < total for x in v):
+            continue
+        moved = []
+        for x in v:
+            stage = max(i for i, start in enumerate(starts_old) if start <= x)
+            place = min(x - starts_old[stage], new[stage] - 1)
+            moved.append(starts_new[stage] + place)
+        d[k] = sorted(set(moved))
 
 
 def _special_max(d: Mapping[str, Any]) -> int:
@@ -228,27 +308,66 @@ def _fix_ssm_heads(d: dict[str, Any], hidden_key: str) -> None:
             d[heads] = int(ex * d[hidden_key]) // d[dim]
 
 
+# a part's width that must be the language model's (a vision merger's output): set to the text config's
+TEXT_WIDTH_KEYS = ("out_hidden_size", "text_hidden_size")
+
+
+def _follow_text_width(d: dict[str, Any]) -> None:
+    """The other parts' output widths set to the text config's hidden size (Qwen3-VL's vision `out_hidden_size`;
+    Qwen2-VL's vision `hidden_size`, its merger's output next to the tower's own `embed_dim`). The default configs
+    of some do not match (Qwen3-VL: 3584 into a 4096-wide text model), and the narrowed text width never would."""
+    text = d.get("text_config")
+    width = text.get("hidden_size") if isinstance(text, dict) else None
+    if not _int(width):
+        return
+    for k, part in d.items():
+        if k == "text_config" or not _is_config_dict(k, part):
+            continue
+        keys = TEXT_WIDTH_KEYS + (("hidden_size",) if _int(part.get("embed_dim")) else ())
+        for w in keys:
+            if _int(part.get(w)):
+                part[w] = width
+
+
+def _follow_backbone_width(d: dict[str, Any], old: Any) -> None:
+    """A neck's input width named after the backbone (Depth Anything's `reassemble_hidden_size`, the DINOv2
+    backbone's hidden size) follows the narrowed backbone."""
+    new = (d.get("backbone_config") or {}).get("hidden_size")
+    if not _int(old) or not _int(new) or new == old:
+        return
+    for k, v in d.items():
+        if k.endswith("hidden_size") and ("reassemble" in k or "backbone" in k) and v == old:
+            d[k] = new
+
+
 def _shrink_dict(d: dict[str, Any], level: str, specials: int) -> None:
+    backbone = d.get("backbone_config")
+    backbone_width = backbone.get("hidden_size") if isinstance(backbone, dict) else None
     for k, v in list(d.items()):
         if _is_config_dict(k, v):
             _shrink_dict(v, level, max(specials, _special_max(v)))
+    _follow_text_width(d)
+    _follow_backbone_width(d, backbone_width)
     counted = _layer_count(d)
     if counted is not None and counted[1] > 1:
-        _keep_layers(d, *counted, per_kind=LEVEL_RULES[level][1])
+        stages = _stage_outputs(d)
+        outputs = len([s for s in stages or () if s > 0])
+        keep = _keep_layers(d, *counted, per_kind=LEVEL_RULES[level][1], at_least=max(2, outputs))
         for k in TIED_LAYER_KEYS:
             if _int(d.get(k)) and d[k] == counted[1]:
                 d[k] = d[counted[0]]
-        for k in ("out_features", "out_indices", "_out_features", "_out_indices", "stage_names"):
-            d.pop(k, None)  # backbone outputs named by layer: the config derives them again
+        _remap_stages(d, stages, keep)
     for k in SIDE_LAYER_KEYS:
         if _int(d.get(k)) and d[k] > 2:
             d[k] = 2
+    _clamp_feature_layers(d)
     if isinstance(d.get("depth_coefficient"), float) and d["depth_coefficient"] > 0.1:  # EfficientNet: 1 block per stage
         d["depth_coefficient"] = 0.1
-    for k in ("depths", "encoder_layers_per_stage", "num_layers_per_stage", "num_block_repeats", "blocks_per_stage",
-              "stage_depths", "num_blocks", "block_repeats"):
+    for k in STAGE_KEYS:
         if isinstance(d.get(k), list) and all(_int(x) for x in d[k]):
-            d[k] = [min(x, 2) for x in d[k]]
+            old = d[k]
+            d[k] = [min(x, 2) for x in old]
+            _remap_stage_blocks(d, old, d[k])
     _shrink_experts(d)
     _shrink_vocab(d, specials)
     if LEVEL_RULES[level][0]:

@@ -108,3 +108,46 @@ def test_tied_names_of_hidden_size_and_layer_count_follow_them() -> None:
     x = shrink_dict({"hidden_size": 4096, "embedding_dim": 4096, "num_heads": 8, "num_hidden_layers": 32,
                      "num_blocks": 32, "vocab_size": 50304})
     assert x["embedding_dim"] == x["hidden_size"] < 4096 and x["num_blocks"] == x["num_hidden_layers"] < 32
+
+
+def test_backbone_outputs_keep_their_count() -> None:
+    """Depth Anything's neck reads 4 backbone outputs (`out_indices` [9, 10, 11, 12]): the backbone keeps 4 layers
+    and outputs the last 4 stages (the derived default, one stage, failed 'number of hidden states should be equal
+    to the number of neck hidden sizes'); a single output stays the last stage (DINOv2 as before)."""
+    da = shrink_dict(transformers.AutoConfig.for_model("depth_anything").to_dict())
+    assert da["backbone_config"]["num_hidden_layers"] == 4 and da["backbone_config"]["out_indices"] == [1, 2, 3, 4]
+    assert len(da["neck_hidden_sizes"]) == 4 and "stage_names" not in da["backbone_config"]
+    assert da["reassemble_hidden_size"] == da["backbone_config"]["hidden_size"] < 384  # the neck reads its width
+    dino = shrink(transformers.AutoConfig.for_model("dinov2"))
+    assert dino.num_hidden_layers == 2 and dino.out_indices == [2] and dino.out_features == ["stage2"]
+    kept = shrink_dict({"num_hidden_layers": 12, "window_block_indexes": [0, 1, 3], "out_indices": [1, 3]})
+    assert kept["num_hidden_layers"] == 2 and kept["window_block_indexes"] == [0] and kept["out_indices"] == [1, 2]
+    last = shrink_dict({"num_hidden_layers": 12, "window_block_indexes": [0, 1, 3], "out_indices": [0, 2, 4]})
+    assert last["out_indices"] == [0, 1, 2]  # stages 2 and 4 were cut: the stem and the last two
+
+
+def test_feature_layer_indices_clamped_to_the_shrunk_tower() -> None:
+    """VipLlava reads hidden states [-2, -5, -8, -11, 6] of its vision tower: clamped to the 2-layer tower's 3
+    hidden states, five of them still (the projector's width is 5 × the tower's)."""
+    vip = shrink_dict(transformers.AutoConfig.for_model("vipllava").to_dict())
+    assert vip["vision_config"]["num_hidden_layers"] == 2 and vip["vision_feature_layer"] == [-2, -3, -3, -3, 2]
+    assert shrink_dict(transformers.AutoConfig.for_model("llava").to_dict())["vision_feature_layer"] == -2
+
+
+def test_stage_blocks_keep_their_stage_and_place() -> None:
+    """SAM2 Hiera: blocks per stage [1, 2, 7, 2] become [1, 2, 2, 2]; global attention blocks [5, 7, 9] (inside
+    stage 3) become [4], not block 5, the pooling first block of stage 4 (its window size 0 divided by zero)."""
+    hiera = shrink_dict(transformers.AutoConfig.for_model("sam2_hiera_det_model").to_dict())
+    assert hiera["blocks_per_stage"] == [1, 2, 2, 2] and hiera["global_attention_blocks"] == [4]
+
+
+def test_vision_depth_and_merger_width_follow_the_text_model() -> None:
+    """Qwen-VL vision towers count layers as `depth` (32 full-size towers were traced) with index lists named
+    `*_indexes`; the merger's output width is the text model's hidden size."""
+    q3 = shrink_dict(transformers.AutoConfig.for_model("qwen3_vl").to_dict())
+    assert q3["vision_config"]["depth"] == 2 and q3["vision_config"]["deepstack_visual_indexes"] == [1]
+    assert q3["vision_config"]["out_hidden_size"] == q3["text_config"]["hidden_size"]
+    q25 = shrink_dict(transformers.AutoConfig.for_model("qwen2_5_vl").to_dict())
+    assert q25["vision_config"]["depth"] == 2 and q25["vision_config"]["fullatt_block_indexes"] == [1]
+    q2 = shrink_dict(transformers.AutoConfig.for_model("qwen2_vl").to_dict())  # merger out: hidden_size
+    assert q2["vision_config"]["hidden_size"] == q2["text_config"]["hidden_size"] != q2["vision_config"]["embed_dim"]
