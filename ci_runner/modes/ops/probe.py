@@ -58,13 +58,13 @@ def make_tensor(shape, stride, dtype, low, high, seed):  # type: ignore[no-untyp
     dtype = getattr(torch, dtype)
     t = torch.empty_strided(tuple(shape), tuple(stride), dtype=dtype)
     n = 1 + sum((s - 1) * st for s, st in zip(shape, stride)) if all(s > 0 for s in shape) else 0
-    if n > 0:
+    if n > 0:  # drawn in float64 / int64, scaled in place, cast by the copy (one buffer, whatever the size)
         if dtype == torch.bool:
             flat = torch.randint(0, 2, (n,), generator=gen).bool()
         elif dtype.is_floating_point or dtype.is_complex:
-            flat = (torch.rand(n, generator=gen, dtype=torch.float64) * (high - low) + low).to(dtype)
+            flat = torch.rand(n, generator=gen, dtype=torch.float64).mul_(high - low).add_(low)
         else:
-            flat = torch.randint(int(low), max(int(high), int(low) + 1), (n,), generator=gen).to(dtype)
+            flat = torch.randint(int(low), max(int(high), int(low) + 1), (n,), generator=gen)
         t.as_strided((n,), (1,)).copy_(flat)  # fills overlapping (stride 0) layouts too
     return t
 
@@ -100,6 +100,20 @@ def build_tensors(args: Any, kwargs: Any, seed: int) -> list[torch.Tensor]:
     """The call's tensors on CPU, in argument order; tensor i is seeded with `seed + i`."""
     return [make_tensor(s["shape"], s["stride"], s["dtype"], s["low"], s["high"], seed + i)
             for i, s in enumerate(tensor_specs([args, kwargs]))]
+
+
+def copy_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies as `make_tensor` builds them (same shape, strides, dtype and storage values, not views): a probe's
+    inputs are built once and copied for its CPU reference (copying costs a fraction of drawing the values)."""
+    out = []
+    for t in tensors:
+        c = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype)
+        shape, stride = tuple(t.shape), tuple(t.stride())
+        n = 1 + sum((s - 1) * st for s, st in zip(shape, stride)) if all(s > 0 for s in shape) else 0
+        if n > 0:
+            c.as_strided((n,), (1,)).copy_(t.as_strided((n,), (1,)))
+        out.append(c)
+    return out
 
 
 def assemble(args: Any, kwargs: Any, tensors: Sequence[torch.Tensor], device: str) -> tuple[list[Any], dict[str, Any]]:
@@ -272,9 +286,11 @@ def run_probe(backend: Any, probe: Mapping[str, Any], *, compare_results: bool,
         return done(**op)
     eager = bool(getattr(backend, "is_eager", False))
     device = str(getattr(backend, "device", "cpu"))
-    ref = reference(op, probe)
+    built = probe_inputs(probe)
+    ref = reference(op, probe, copy_tensors(built) if built is not None else None)
     try:
-        tensors = [backend.to_device(t) for t in build_tensors(probe["args"], probe["kwargs"], int(probe["seed"]))]
+        tensors = [backend.to_device(t) for t in (built if built is not None else
+                                                  build_tensors(probe["args"], probe["kwargs"], int(probe["seed"])))]
     except Exception as exc:
         info = probe_failure(exc, eager=True, ref_exc=None)
         info["message"] = f"moving the inputs to {device} failed: {info['message']}"[:4000]
@@ -295,6 +311,15 @@ def run_probe(backend: Any, probe: Mapping[str, Any], *, compare_results: bool,
             return done(status="inconclusive", stage="run", error_type=None, ran=ran,
                         message=f"{probe['op']} did not run on the backend: {why}"[:2000])
     return done(**judge(probe, ref, value, compare_results=compare_results, tolerance=tolerance), ran=ran)
+
+
+def probe_inputs(probe: Mapping[str, Any]) -> list[torch.Tensor] | None:
+    """The probe's inputs, built once for its reference (a copy) and its run; None when building raises (the
+    reference and the run then raise it again, each where it is reported)."""
+    try:
+        return build_tensors(probe["args"], probe["kwargs"], int(probe["seed"]))
+    except Exception:
+        return None
 
 
 def resolve_op(probe: Mapping[str, Any]) -> Any:
@@ -322,11 +347,13 @@ class Reference:
     inputs: list[Any] = field(default_factory=list)
 
 
-def reference(op: Any, probe: Mapping[str, Any]) -> Reference:
+def reference(op: Any, probe: Mapping[str, Any], tensors: Sequence[torch.Tensor] | None = None) -> Reference:
+    """The op on CPU eager, on `tensors` (the probe's inputs, which it may modify) or freshly built ones."""
     ref = Reference()
     args, kwargs = probe["args"], probe["kwargs"]
     try:
-        ref_args, ref_kwargs = assemble(args, kwargs, build_tensors(args, kwargs, int(probe["seed"])), "cpu")
+        built = list(tensors) if tensors is not None else build_tensors(args, kwargs, int(probe["seed"]))
+        ref_args, ref_kwargs = assemble(args, kwargs, built, "cpu")
         ref.inputs = list(ref_args)
         ref.value = select_outputs(op(*ref_args, **ref_kwargs), probe.get("outputs"))
     except Exception as exc:
