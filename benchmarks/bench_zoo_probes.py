@@ -13,6 +13,9 @@ Runs alternate between the trees, so load changes hit both alike. Printed side b
   signatures; inductor 17,675 uncapped, 3,798 at one signature per op);
 * whether every signature's status is identical across all runs of a backend (before and after, any --jobs).
 
+Each run gets its own inductor cache folder (`TORCHINDUCTOR_CACHE_DIR`), set up before the clock starts (the
+vector-ISA checks every later child finds done), so no run reuses another's kernels.
+
     PYTHONPATH=. python benchmarks/bench_zoo_probes.py --merged /tmp/zoo-acc/zoo/merged --sample 400 \\
         --backends aot_eager --jobs 1,2 [--before /tmp/pr-base] [--json out.json]
 """
@@ -50,6 +53,8 @@ def child(spec_path: str) -> int:
     spec = BackendSpec(id=job["backend"], compile=job["backend"])
     opts = parse_options("ops", {"workers": job["jobs"], **job["ops"]})
     stats: dict[str, Any] = {}
+    if job["backend"] == "inductor":  # a fresh cache (no kernel of an earlier run), set up as any run's is
+        _warm_inductor()
     t0, r0 = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
     out = probe_signatures(spec, sigs, store_dir=Path(job["store"]), opts=opts, stats=stats)
     wall, r1 = time.monotonic() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -61,6 +66,14 @@ def child(spec_path: str) -> int:
     return 0
 
 
+def _warm_inductor() -> None:
+    """Inductor's one-time setup in the run's fresh cache folder (its vector-ISA checks and precompiled header,
+    which every later child of a machine finds done), before the clock starts."""
+    import torch
+
+    torch.compile(lambda x: x.sin() + 1, backend="inductor")(torch.ones(4))
+
+
 def run_one(tree: Path, backend: str, merged: Path, sample: int, jobs: int, ops: dict[str, Any], tmp: Path,
             nice: int) -> dict[str, Any]:
     name = f"{backend}-{tree.name}-{jobs}"
@@ -70,7 +83,7 @@ def run_one(tree: Path, backend: str, merged: Path, sample: int, jobs: int, ops:
            "store": str(store), "result": str(tmp / f"{name}.json")}
     spec = tmp / f"{name}-job.json"
     spec.write_text(json.dumps(job))
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    env = {**os.environ, "PYTHONPATH": str(tree), "TORCHINDUCTOR_CACHE_DIR": str(tmp / f"inductor-{name}")}
     cmd = ["nice", "-n", str(nice), sys.executable, str(Path(__file__).resolve()), "--child", str(spec)]
     subprocess.run(cmd, env=env, check=True, cwd=tree)
     res = json.loads(Path(job["result"]).read_text())

@@ -302,3 +302,16 @@ def test_copy_tensors_keeps_layout_and_values_and_is_no_view() -> None:
     for t, c in zip(built, copy_tensors(built)):
         assert (c.shape, c.stride(), c.dtype, c._base) == (t.shape, t.stride(), t.dtype, None)
         assert torch.equal(c, t) and (c.numel() == 0 or c.data_ptr() != t.data_ptr())
+
+
+def test_probe_children_compile_inductor_on_their_share_of_the_cores(monkeypatch: Any) -> None:
+    import os
+
+    from ci_runner.modes.ops.probe import probe_child_env
+
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    share = str(max(1, len(os.sched_getaffinity(0)) // 2))
+    assert probe_child_env({"A": 1}, 2) == {"A": "1", "TORCHINDUCTOR_COMPILE_THREADS": share}
+    assert probe_child_env({"TORCHINDUCTOR_COMPILE_THREADS": 4}, 2)["TORCHINDUCTOR_COMPILE_THREADS"] == "4"  # the spec's
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "3")  # this process's: the children inherit it
+    assert probe_child_env({}, 2) == {}

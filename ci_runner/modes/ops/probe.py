@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import importlib
 import json
+import os
 import re
 import threading
 import time
@@ -45,6 +46,7 @@ _CHILD_STARTUP_S = 60.0  # importing torch, the backend and Dynamo's first compi
 _MIN_PROBES_PER_CHILD = 24
 GROUP_PREFIX = "g:"  # journal tag of a group of probes compiled as one graph (`grouptest`): g:<id>,<id>,…
 TOGETHER_PREFIX = "together:"  # result row of a set that fails only together (`grouptest`)
+_COMPILE_THREADS = "TORCHINDUCTOR_COMPILE_THREADS"
 _CHILD_ENTRY = "ci_runner.modes.ops.grouptest:probe_groups"  # the probing child (group size 1: one probe at a time)
 
 
@@ -481,6 +483,7 @@ class ProbeRunner:
         self.journal = journal
         self._attempt = 0
         self._lock = threading.Lock()
+        self._env: dict[str, str] = {}
         self.setup_error: str | None = None
 
     def _next_attempt(self) -> int:
@@ -493,6 +496,7 @@ class ProbeRunner:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         # a child costs a Python + torch + backend start-up: only split when each gets a fair share of probes
         workers = max(1, min(self.opts.workers, len(probes) // _MIN_PROBES_PER_CHILD))
+        self._env = probe_child_env(self.spec.env, workers)
         shards = [_Shard(i, probes[i::workers]) for i in range(workers)]
         results: dict[str, OpOutcome] = {}
         together: dict[str, dict[str, Any]] = {}
@@ -511,7 +515,7 @@ class ProbeRunner:
         pending = list(shard.probes)
         results: dict[str, OpOutcome] = {}
         together: dict[str, dict[str, Any]] = {}  # the `together:` rows (`grouptest`), by id
-        env = {str(k): str(v) for k, v in self.spec.env.items()}
+        env = self._env
         journal_path = self.work_dir / f"journal-{shard.index:03d}.log"
         journal_path.unlink(missing_ok=True)
         batch: list[dict[str, Any]] = []
@@ -576,6 +580,21 @@ class ProbeRunner:
         supervise(_CHILD_ENTRY, journal=journal_path, kind="probe", next_attempt=next_attempt,
                   on_ok=on_ok, on_crash=on_crash, env=env)
         return results, together
+
+
+def probe_child_env(spec_env: Mapping[str, Any], workers: int) -> dict[str, str]:
+    """The probing children's environment: the backend's `env`, and inductor's compile threads set to the cores
+    each child has (`TORCHINDUCTOR_COMPILE_THREADS`, unless the backend or this process sets it). A child compiles
+    one group at a time and `workers` children share the cores: with one core each, inductor compiles in the
+    child (the same code) instead of starting a pool of compile processes per child, each importing torch."""
+    env = {str(k): str(v) for k, v in spec_env.items()}
+    if _COMPILE_THREADS not in env and _COMPILE_THREADS not in os.environ:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # pragma: no cover - not Linux
+            cores = os.cpu_count() or 1
+        env[_COMPILE_THREADS] = str(max(1, cores // max(1, workers)))
+    return env
 
 
 def _attach_together(results: dict[str, OpOutcome], together: Mapping[str, Mapping[str, Any]]
