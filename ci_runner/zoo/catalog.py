@@ -173,9 +173,16 @@ def catalog(types: Iterable[str] | None = None) -> list[ZooModel]:
     """The zoo entries for `types` (default: every registered model_type), sorted by model_type."""
     from transformers import CONFIG_MAPPING  # deferred: transformers is heavy (seconds)
 
+    from transformers.utils import logging as hf_logging
+
     maps = _mappings()
     wanted = sorted(set(types)) if types is not None else model_types()
-    return [_entry(t, maps, CONFIG_MAPPING) for t in wanted]
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # default configs warn about their own token ids (23 lines for the whole zoo)
+    try:
+        return [_entry(t, maps, CONFIG_MAPPING) for t in wanted]
+    finally:
+        hf_logging.set_verbosity(verbosity)
 
 
 def expand_selection(select: Sequence[str], exclude: Sequence[str], *, place: Callable[[str, int], str],

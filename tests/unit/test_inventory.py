@@ -301,7 +301,7 @@ class _ImageTokens(nn.Module):
 def test_transformers_input_checks_do_not_send_the_capture_to_the_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     """On fake tensors the check is a data-dependent `.item()`: with it on, the aot capture failed at its end and
     torch.export traced the model a second time. It is off while tracing, and the caller's setting comes back."""
-    from ci_runner.modes.ops.inventory import TRANSFORMERS_CHECK_ENV
+    from ci_runner.modes.ops.tracefail import TRANSFORMERS_CHECK_ENV
 
     monkeypatch.delenv(TRANSFORMERS_CHECK_ENV, raising=False)
     ids = torch.tensor([[1, 7, 7, 2]])
@@ -336,3 +336,26 @@ def test_a_fake_tensor_error_is_not_retried_with_torch_export() -> None:
         take_inventory(model, (torch.empty(6, device="meta"),), level="aten", device="cpu")
     assert "DynamicOutputShapeException" in err.value.message, err.value.message
     assert "same fake tensors" in err.value.message and "torch.export failed" not in err.value.message
+
+
+class _Mismatched(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.proj(x), x[..., :2]], dim=0)  # widths 4 and 2: fails on any tensors
+
+
+def test_a_fake_tensor_call_error_names_the_ops_own_error() -> None:
+    """Dynamo's first line is only "RuntimeError when making fake tensor call"; the op's own words come after it
+    and are what the zoo scan's size check reads (zamba2 and unlimited_ocr scan one size up because of them)."""
+    from ci_runner.modes.ops.inventory import InventoryError
+    from ci_runner.zoo.scan import worth_retrying
+
+    with torch.device("meta"):
+        model = _Mismatched()
+    with pytest.raises(InventoryError) as err:
+        take_inventory(model, (torch.empty(3, 4, device="meta"),), level="aten", device="cpu")
+    assert "fake tensor call: RuntimeError: Sizes of tensors must match" in err.value.message, err.value.message
+    assert worth_retrying("trace", err.value.message)

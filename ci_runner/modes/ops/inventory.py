@@ -32,13 +32,10 @@ This module walks the graphs; the record it builds (encoded arguments, `OpSignat
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import os
 import re
 import sys
 import time
-import traceback
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -47,10 +44,11 @@ import torch
 from torch import nn
 
 from ...engine.capture import ModuleCapture
-from ...engine.failure import first_line
 from ...errors import DeepviewError
 from ...engine.codec import encode_arg, tensor_specs
 from .signature import CallSite, Inventory, OpSignature, signature_key
+from .tracefail import (PACKAGE_DIR, error_summary, fake_tensor_error, model_code_error, short_path,
+                        transformers_checks_off, where_failed)
 from ...engine.torchcompat import require
 from ...engine.models import module_names, resolve_module_name
 
@@ -82,10 +80,6 @@ EAGER_AT_GRAPH_BREAK: frozenset[str] = frozenset({
     "aten._is_any_true.default",
     "aten._local_scalar_dense.default",
 })
-
-# frames inside deepview-ci itself are not the model's source (this file lies in ci_runner/modes/ops/)
-PACKAGE_DIR = str(Path(__file__).parents[2])
-
 
 class InventoryError(DeepviewError):
     """The model could not be traced at any level: the message carries the trace error and where it happened."""
@@ -162,17 +156,6 @@ class _Builder:
 # --------------------------------------------------------------------------------------------- helpers
 
 _FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in ([^\n]+)')
-
-
-def short_path(path: str) -> str:
-    """A path without the machine-specific prefix: after site-packages/, else relative to cwd, else as is."""
-    for marker in ("site-packages/", "dist-packages/"):
-        if marker in path:
-            return path.split(marker, 1)[1]
-    try:
-        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return path
 
 
 def source_from_stack_trace(stack_trace: str | None) -> str | None:
@@ -332,20 +315,6 @@ def _to_meta(v: Any) -> Any:
     if isinstance(v, dict):
         return {k: _to_meta(x) for k, x in v.items()}
     return v
-
-
-def where_failed(exc: BaseException) -> str:
-    """The innermost frame of a traceback outside torch: `file.py:123 in fn`, or the innermost at all."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    torch_dir = str(Path(torch.__file__).parent)
-    mine = PACKAGE_DIR
-    for fr in reversed(frames):
-        if not fr.filename.startswith(torch_dir) and not fr.filename.startswith(mine):
-            return f"{short_path(fr.filename)}:{fr.lineno} in {fr.name}"
-    if frames:
-        fr = frames[-1]
-        return f"{short_path(fr.filename)}:{fr.lineno} in {fr.name}"
-    return "unknown location"
 
 
 # --------------------------------------------------------------------------------------------- tracers
@@ -586,50 +555,6 @@ def trace_dispatch(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     return builder.build(level="dispatch", method="dispatch", device=device, duration_s=time.monotonic() - t0)
 
 
-MODEL_CODE_ERRORS = (AttributeError, TypeError, KeyError, ValueError, IndexError, NameError)
-# transformers' switch for its `torch_compilable_check` input checks (see `transformers_checks_off`)
-TRANSFORMERS_CHECK_ENV = "TRANSFORMERS_DISABLE_TORCH_CHECK"
-
-
-@contextlib.contextmanager
-def transformers_checks_off() -> Iterator[None]:
-    """Turn off transformers' `torch_compilable_check` while tracing (its documented switch, restored after).
-
-    Those checks test the input *data* (e.g. image tokens vs image features) with `torch._check_tensor_all`,
-    which on fake tensors is a data-dependent `.item()`: the aot capture failed at the end of the whole model
-    and torch.export traced it again (16 architectures of the zoo; d_fine 63 -> 23 CPU s, florence2 31 -> 10).
-    A check adds no op a backend is given; the inputs are ours and consistent."""
-    old = os.environ.get(TRANSFORMERS_CHECK_ENV)
-    os.environ[TRANSFORMERS_CHECK_ENV] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(TRANSFORMERS_CHECK_ENV, None)
-        else:
-            os.environ[TRANSFORMERS_CHECK_ENV] = old
-
-
-def model_code_error(exc: BaseException) -> bool:
-    """A plain Python error raised by the model's own code (not by a tracer: Dynamo's and torch's own errors are
-    RuntimeErrors): every tracer runs that code with the same inputs and fails the same way, so trying the next one
-    only costs time (measured: about half the CPU time of each multimodal architecture the zoo leaves out)."""
-    if not isinstance(exc, MODEL_CODE_ERRORS):
-        return False
-    frames = traceback.extract_tb(exc.__traceback__)
-    return bool(frames) and not frames[-1].filename.startswith((str(Path(torch.__file__).parent), PACKAGE_DIR))
-
-
-def fake_tensor_error(exc: BaseException) -> bool:
-    """An error of the fake tensors themselves (an op's fake kernel raised, or an output shape that depends on
-    data): torch.export's non-strict trace runs the same code on the same fake tensors and fails the same way
-    (measured on the zoo: 49 of 49 such architectures failed in torch.export too, after a second trace)."""
-    from torch._dynamo.exc import TorchRuntimeError
-    from torch._subclasses.fake_tensor import DynamicOutputShapeException
-
-    return isinstance(exc, (TorchRuntimeError, DynamicOutputShapeException))
-
-
 def take_inventory(model: nn.Module, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None, *,
                    level: str = "aten", device: str = "cpu", timings: dict[str, float] | None = None) -> Inventory:
     """The inventory of `model(*args, **kwargs)` at `level`, for a backend whose tensors live on `device`.
@@ -658,7 +583,7 @@ def take_inventory(model: nn.Module, args: Sequence[Any] = (), kwargs: Mapping[s
             with transformers_checks_off():
                 inv = fn()
         except Exception as exc:  # any tracer failure is data for the next attempt and for the report
-            failures.append(f"{what} failed at {where_failed(exc)}: {type(exc).__name__}: {first_line(str(exc), 600)}")
+            failures.append(f"{what} failed at {where_failed(exc)}: {type(exc).__name__}: {error_summary(exc)}")
             if model_code_error(exc):
                 failures.append("no other tracer tried: it runs the same model code with the same inputs")
                 break
