@@ -62,6 +62,8 @@ def child(spec_path: str) -> int:
         "n": len(sigs), "wall_s": wall, "cpu_s": (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime),
         "probe_s": sum(o.seconds or 0.0 for o in out.values()),
         "status": {k: o.status.value for k, o in out.items()}, "stats": {k: stats.get(k) for k in ("probed", "reused")},
+        "not_passing": [f"{s.describe()[:100]}: {out[s.key].status.value}: {(out[s.key].message or '')[:160]}"
+                        for s in sigs if out[s.key].status.value != "pass"][:5],
     }))
     return 0
 
@@ -129,8 +131,10 @@ def main() -> int:
                           f"{r['cpu_s']:.0f} s = {per * 1000:.0f} ms/probe (group compiles {r['probe_s']:.0f} s); "
                           f"2 quiet cores: {2 / per:.1f} probes/s, whole zoo {project(backend, per)}; "
                           f"{dict(Counter(r['status'].values()))}", flush=True)
+                    for line in r.get("not_passing", []):
+                        print(f"    not passing: {line}")
                     report["runs"].append({"backend": backend, "tree": label, "jobs": jobs,
-                                           **{k: v for k, v in r.items() if k != "status"}})
+                                           **{k: v for k, v in r.items() if k not in ("status", "not_passing")}})
             same = all(s == statuses[0] for s in statuses)
             differ = sorted(k for s in statuses for k in s if s[k] != statuses[0].get(k))
             identical &= same
