@@ -134,6 +134,22 @@ def test_fusion_only_gives_the_smallest_range_holding_both_ops(run_cell: Callabl
     assert c["error_type"] == "IndexError" and c["repro"]["verified"], c["repro"]
 
 
+def test_eager_device_names_the_executing_submodule(run_cell: Callable[..., _Run]) -> None:
+    """The layer search on simdev (moved from test_layers.py, which ran the same cell with the culprit search
+    off): the same findings with it on, on the run the culprit test below reads."""
+    mode, _, _ = run_cell("tiny-llama", "simdev")
+    assert mode.status == "fail", mode.reason
+    # simdev lacks rsqrt (every RMSNorm) and _softmax (attention)
+    assert [str(f.module) for f in mode.findings] == ["model.layers.0.input_layernorm", "model.layers.0.self_attn",
+                                                      "model.layers.0.post_attention_layernorm", "model.norm"]
+    whole = mode.data["whole_model"]
+    assert whole["executing"] == "model.layers.0.input_layernorm"  # where the whole model's run died
+    by = {f.module: f for f in mode.findings}
+    assert "aten::rsqrt" in by["model.norm"].message and by["model.norm"].details["executing"] == "model.norm"
+    assert "aten::_softmax" in by["model.layers.0.self_attn"].message
+    assert all(f.repro is not None and f.repro.verified for f in mode.findings), [f.repro for f in mode.findings]
+
+
 def test_eager_device_names_rsqrt_in_norms_and_softmax_in_attention(run_cell: Callable[..., _Run]) -> None:
     mode, _, _ = run_cell("tiny-llama", "simdev")
     culprits = _culprits(mode)

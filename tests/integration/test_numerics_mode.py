@@ -1,5 +1,6 @@
-"""The numerics mode end to end on real models and real backends (sim-drift, a perturbing plugin, inductor,
-aot_eager), in this process and through the crash-safe child process."""
+"""The numerics mode end to end on real models and self-test backends (sim-drift, a perturbing plugin, a crashing
+backend, aot_eager), in this process and through the crash-safe child process. (inductor and aot_eager over the
+bundled example's models, no false alarm: tests/integration/test_numerics_false_alarms.py.)"""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
@@ -19,9 +20,9 @@ from ci_runner.matrix import expand
 from ci_runner.modes import ModeContext
 from ci_runner.modes.numerics.mode import run
 from ci_runner.numerics.handoff import PREFIX, SHM
-from ci_runner.results.model import CellResult, Results
+from ci_runner.results.model import CellResult, ModeResult, Results
 from tests.fixtures.matrices import REFERENCES, matrix_text
-from tests.fixtures.paths import EXAMPLE, ROOT
+from tests.fixtures.paths import ROOT
 
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 128}
@@ -51,6 +52,26 @@ MATRIX = _matrix()
 @pytest.fixture(scope="module")
 def shared_thresholds(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("thresholds")
+
+
+_Run = tuple[ModeResult, ModeContext]
+
+
+@pytest.fixture(scope="module")
+def cell_run(tmp_path_factory: pytest.TempPathFactory, shared_thresholds: Path) -> Callable[..., _Run]:
+    """`cell_run(model, backend, isolate=False) -> (result, context)`: the numerics mode on that cell, run once per
+    module (thresholds in `shared_thresholds`) and shared by every test that looks at the same cell."""
+    done: dict[tuple[str, str, bool], _Run] = {}
+
+    def go(model: str, backend: str, *, isolate: bool = False) -> _Run:
+        key = (model, backend, isolate)
+        if key not in done:
+            ctx = _ctx(tmp_path_factory.mktemp(f"{model}-{backend}"), model, backend,
+                       options={"isolate": isolate, "thresholds_dir": str(shared_thresholds)})
+            done[key] = (run(ctx), ctx)
+        return done[key]
+
+    return go
 
 
 def _ctx(tmp_path: Path, model: str, backend: str, *, options: dict[str, Any] | None = None,
@@ -99,10 +120,9 @@ NORMS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model,isolate", [("tiny-llama", False), ("tiny-granite", True), ("minilm", False)])
-def test_sim_drift_isolated_view_flags_exactly_the_norms(tmp_path: Path, shared_thresholds: Path, model: str,
+def test_sim_drift_isolated_view_flags_exactly_the_norms(cell_run: Callable[..., _Run], model: str,
                                                          isolate: bool) -> None:
-    ctx = _ctx(tmp_path, model, "sim-drift", options={"isolate": isolate, "thresholds_dir": str(shared_thresholds)})
-    res = run(ctx)
+    res, ctx = cell_run(model, "sim-drift", isolate=isolate)
     cls, norms = NORMS[model]
     assert res.status == "fail", res.reason
     assert _flagged(res.data, "isolated") == norms
@@ -203,11 +223,12 @@ def test_thresholds_are_derived_once_per_model_and_reused(tmp_path: Path) -> Non
 
 
 @pytest.mark.slow
-def test_divergence_findings_feed_cross_model_patterns(tmp_path: Path, shared_thresholds: Path) -> None:
+def test_divergence_findings_feed_cross_model_patterns(cell_run: Callable[..., _Run]) -> None:
+    """The runs test_sim_drift_isolated_view_flags_exactly_the_norms checks (Llama in this process, Granite in a
+    target child: the same findings either way)."""
     cells = []
-    for model in ("tiny-llama", "tiny-granite"):
-        ctx = _ctx(tmp_path, model, "sim-drift", options={"isolate": False, "thresholds_dir": str(shared_thresholds)})
-        res = run(ctx)
+    for model, isolate in (("tiny-llama", False), ("tiny-granite", True)):
+        res, ctx = cell_run(model, "sim-drift", isolate=isolate)
         cells.append(CellResult(id=ctx.cell.id, model=model, backend="sim-drift", status=res.status,
                                 modes={"numerics": res}))
     patterns = layer_patterns(Results(cells=cells))
@@ -221,45 +242,6 @@ def test_one_reference_is_an_error(tmp_path: Path) -> None:
     one_ref = _matrix(references=REFERENCES[:1])
     res = run(_ctx(tmp_path, "tiny-llama", "aot_eager", matrix=one_ref))
     assert res.status == "error" and "at least two references" in (res.reason or "")
-
-
-# ------------------------------------------------------------------------------------------ no false positives
-
-EXAMPLE_MODELS = ("tiny-llama", "tiny-granite", "tiny-bamba", "tiny-mixtral", "tiny-vit", "tiny-llava", "minilm")
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(3600)
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_real_compilers_flag_no_layer_on_the_example_matrix(tmp_path: Path, shared_thresholds: Path,
-                                                            backend: str) -> None:
-    """inductor and aot_eager on CPU: no layer flagged on any example model; inductor (real, small numerical
-    differences) over two seeds, aot_eager (eager's own kernels: any finding is ours, whatever the seed) over one.
-    The two backends share one thresholds folder, as the cells of one run do: seed 0's thresholds are derived once."""
-    from ci_runner.config import BackendSpec
-
-    m = load_matrix(EXAMPLE)
-    spec = BackendSpec(id=backend, compile=backend)
-    be = resolve_backend(spec)
-    worst_ratio = 0.0
-    options = {"isolate": False, "isolated": "all", "thresholds_dir": str(shared_thresholds)}
-    for model in EXAMPLE_MODELS:
-        base = next(c for c in expand(m) if c.model.id == model)
-        for seed in ((0, 1) if backend == "inductor" else (0,)):
-            cell = dataclasses.replace(base, id=f"{model}@{backend}", backend=spec,
-                                       inputs=dataclasses.replace(base.inputs, seed=seed),
-                                       options={"numerics": options})
-            cell_dir = tmp_path / "run" / "cells" / f"{cell.id}-s{seed}"
-            cell_dir.mkdir(parents=True)
-            res = run(ModeContext(cell=cell, cell_dir=cell_dir, backend=be, deadline=time.monotonic() + 900))
-            flagged = _flagged(res.data, "cumulative") | _flagged(res.data, "isolated")
-            assert res.status == "pass" and not flagged and not res.findings, (model, seed, flagged, res.reason)
-            assert res.data["views"] == {"cumulative": "ran", "isolated": "ran"}, (model, res.data["views"])
-            for row in res.data["layers"]:
-                for view, thr in (("cumulative", row["threshold"]), ("isolated", row["threshold_isolated"])):
-                    if row[view] and thr:
-                        worst_ratio = max(worst_ratio, row[view]["rel"] / thr["rel"])
-    assert worst_ratio < 1.0
 
 
 @pytest.mark.slow

@@ -91,7 +91,7 @@ def test_aot_eager_finds_nothing_on_in_place_cnn_and_moe(numerics_cell, model: s
 
 
 # The other architectures (MoE Mixtral, hybrid Bamba, encoder MiniLM, ViT, multimodal Llava, Llama, Granite) are
-# self-checked on aot_eager over three seeds by test_numerics_mode.py::test_real_compilers_flag_no_layer_on_the_example_matrix,
+# self-checked on aot_eager by test_numerics_false_alarms.py::test_real_compilers_flag_no_layer_on_the_example_matrix,
 # where a pass now also means every layer was compared in both views.
 
 

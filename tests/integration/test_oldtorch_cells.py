@@ -25,9 +25,14 @@ CELLS = ("tiny-llama@sim-subset", "tiny-llama@sim-crash", "tiny-llama@sim-drift"
 
 
 def test_one_cell_per_mode_of_the_bundled_example(tmp_path: Path) -> None:
-    # the bundled example with the layers mode's culprit search off (tests/integration/test_culprit.py covers it)
+    # the bundled example with the layers mode's culprit search off (tests/integration/test_culprit.py covers it),
+    # and simdev's cell in the ops mode only (only its ops result is checked below; the layers mode on simdev is
+    # checked on tiny Llama by test_culprit.py): on an older torch that mode is skipped with the release it needs
     doc = yaml.safe_load(EXAMPLE.read_text(encoding="utf-8"))
     doc["defaults"].setdefault("options", {}).setdefault("layers", {})["culprit"] = False
+    simdev = next(b for b in doc["backends"] if b["id"] == "simdev")
+    assert simdev["modes"] == ["ops", "layers"], simdev  # the example's; this test narrows it
+    simdev["modes"] = ["ops"]
     matrix = tmp_path / "example.yaml"
     matrix.write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
     out = tmp_path / "out"
