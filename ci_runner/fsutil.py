@@ -32,20 +32,22 @@ def atomic_write_with(path: str | os.PathLike[str], write: Callable[[Path], None
     return target
 
 
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
-    """Write `data` to `path` via a temp file in the same folder (fsynced) and `os.replace`."""
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, sync: bool = True) -> Path:
+    """Write `data` to `path` via a temp file in the same folder (fsynced unless `sync` is false: then a reader
+    still never sees a half-written file, but an OS crash may leave an empty one) and `os.replace`."""
 
     def write(tmp: Path) -> None:
         with open(tmp, "wb") as fh:
             fh.write(data)
             fh.flush()
-            os.fsync(fh.fileno())
+            if sync:
+                os.fsync(fh.fileno())
 
     return atomic_write_with(path, write)
 
 
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
-    return atomic_write_bytes(path, text.encode("utf-8"))
+def atomic_write_text(path: str | os.PathLike[str], text: str, *, sync: bool = True) -> Path:
+    return atomic_write_bytes(path, text.encode("utf-8"), sync=sync)
 
 
 def atomic_write_json(path: str | os.PathLike[str], obj: Any, *, indent: int | None = 2) -> Path:
@@ -53,14 +55,16 @@ def atomic_write_json(path: str | os.PathLike[str], obj: Any, *, indent: int | N
     return atomic_write_text(path, text + "\n")
 
 
-def append_line(path: str | os.PathLike[str], line: str) -> None:
-    """Append one line and fsync: used for crash journals that must survive a segfault."""
+def append_line(path: str | os.PathLike[str], line: str, *, sync: bool = True) -> None:
+    """Append one line and fsync: used for crash journals that must survive a segfault. `sync=False`: flushed to
+    the OS only, which survives the writer's crash (not the machine's), for lines written many times a second."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target, "a", encoding="utf-8") as fh:
         fh.write(line.rstrip("\n") + "\n")
         fh.flush()
-        os.fsync(fh.fileno())
+        if sync:
+            os.fsync(fh.fileno())
 
 
 def append_record(path: str | os.PathLike[str], record: Any) -> None:

@@ -181,7 +181,8 @@ class OpsOptions:
                             shown="backend", help="override the IR level: `dynamo`, `aten`, `core_aten` or `dispatch`")
     probe_timeout: float = option(30.0, check=number(gt=0, hint="seconds, e.g. 30"),
                                   help="seconds per probe (the first probe of a child also pays Dynamo's warm-up)")
-    batch_size: int = option(256, check=integer(ge=1), help="probes per child process")
+    batch_size: int = option(1024, check=integer(ge=1),
+                             help="probes per child process (its start, torch and Dynamo imports, costs ~5 s of CPU)")
     workers: int = option(check=integer(ge=1), shown="2",
                           default_factory=lambda: 2 if (os.cpu_count() or 1) >= 2 else 1,
                           help="child processes probing at once, and repros verified at once (1 on one core)")

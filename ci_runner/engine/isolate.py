@@ -114,11 +114,12 @@ def open_entry(journal: Path | str, kind: str = "module", *, since: int = 0) -> 
     return stack[-1] if stack else None
 
 
-def child_journal(event: str, name: str) -> None:
-    """From inside an isolated child: append `event<TAB>name` to the parent's journal, if it gave one."""
+def child_journal(event: str, name: str, *, sync: bool = True) -> None:
+    """From inside an isolated child: append `event<TAB>name` to the parent's journal, if it gave one (`sync`:
+    `fsutil.append_line`'s; unsynced lines survive the child's crash, which is what the journal is for)."""
     path = os.environ.get(JOURNAL_ENV)
     if path:
-        append_line(path, f"{event}\t{name}")
+        append_line(path, f"{event}\t{name}", sync=sync)
 
 
 # --------------------------------------------------------------------------- one child

@@ -43,3 +43,13 @@ def test_records_last_line_wins_and_a_torn_line_is_skipped(tmp_path: Path) -> No
         fh.write('{"k": "b", "v"')
     got = read_records(log, dict, lambda r: r["k"])
     assert got == {"a": {"k": "a", "v": 2}}
+
+
+def test_unsynced_appends_and_writes_land_as_synced_ones(tmp_path: Path) -> None:
+    from ci_runner.fsutil import append_line, atomic_write_text
+
+    append_line(tmp_path / "j.log", "a", sync=False)
+    append_line(tmp_path / "j.log", "b")
+    atomic_write_text(tmp_path / "o.json", "{}\n", sync=False)
+    assert (tmp_path / "j.log").read_text() == "a\nb\n" and (tmp_path / "o.json").read_text() == "{}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["j.log", "o.json"]

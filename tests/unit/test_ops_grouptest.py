@@ -67,3 +67,59 @@ def test_a_group_the_backend_did_not_wholly_run_is_split_not_passed(tmp_path: Pa
     assert alone["p0001"]["status"] == "inconclusive" and "graph break" in alone["p0001"]["message"]
     assert {k: v["status"] for k, v in grouped.items()} == {k: v["status"] for k, v in alone.items()}
     assert not any(o.get("group") == 3 for o in grouped.values())  # the graph break sent the group to halves
+
+
+def test_the_group_function_is_each_call_as_decoded_and_traces_one_node_per_op() -> None:
+    """`group_function`'s flat source calls each op as `assemble` decodes its call (lists of tensors, dtypes,
+    keywords, selected outputs); a call source cannot write goes through the decoding helper."""
+    from ci_runner.modes.ops.grouptest import group_function
+    from ci_runner.modes.ops.probe import assemble, build_tensors, resolve_op, select_outputs
+
+    probes = [_probe(0, "aten.add.Tensor", X, X), _probe(1, "aten.cat.default", [X, X], 1),
+              _probe(2, "aten.max.dim", X, 1), _probe(3, "aten._to_copy.default", X)]
+    probes[2]["outputs"] = [0]
+    probes[3]["kwargs"] = {"dtype": {"__dtype__": "float16"}}
+    calls = [(resolve_op(p), p) for p in probes]
+    tensors = [t for p in probes for t in build_tensors(p["args"], p["kwargs"], p["seed"])]
+    got = group_function(calls, "cpu")(*tensors)
+    it = iter(tensors)
+    for (op, p), value in zip(calls, got):
+        n = len(build_tensors(p["args"], p["kwargs"], p["seed"]))
+        a, k = assemble(p["args"], p["kwargs"], [next(it) for _ in range(n)], "cpu")
+        assert torch.equal(value, select_outputs(op(*a, **k), p.get("outputs")))
+    graphs: list[Any] = []
+
+    def count(gm: torch.fx.GraphModule, _inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(group_function(calls, "cpu"), backend=count, fullgraph=True)(*tensors)
+    assert len(graphs) == 1 and sum(n.op == "call_function" for n in graphs[0].graph.nodes) >= len(probes)
+
+
+def test_a_call_source_cannot_write_is_decoded_by_the_helper() -> None:
+    from ci_runner.modes.ops import grouptest
+
+    probe = _probe(0, "aten.abs.default", X)
+    probe["kwargs"] = {"not-an-identifier": 1}  # keyword source cannot write: the helper decodes the call
+    seen: list[Any] = []
+    fn = grouptest.group_function([(lambda x, **kw: seen.append(kw) or x.abs(), probe)], "cpu")
+    (out,) = fn(torch.full((2, 3), -2.0))
+    assert torch.equal(out, torch.full((2, 3), 2.0)) and seen == [{"not-an-identifier": 1}]
+
+
+def test_an_in_place_op_is_compared_on_fresh_inputs_after_a_failing_group(tmp_path: Path) -> None:
+    """The reference runs on a copy of the inputs and the group's first attempt on the inputs as built; a half
+    after a failing group builds them again (an in-place op changed them): the verdicts are those of each alone."""
+    probes = [_probe(0, "aten.add_.Tensor", X, X), _probe(1, "aten.softplus.default", X),
+              _probe(2, "aten.mul_.Tensor", X, X)]
+    vendor = "tests.fixtures.plugin_ops_vendor:compile_fn"  # refuses softplus: the group fails and is split
+    alone, _ = _run(tmp_path, vendor, probes, 1)
+    grouped, _ = _run(tmp_path, vendor, probes, 8)
+    assert [grouped[p["id"]]["status"] for p in probes] == ["pass", "unsupported", "pass"]
+    assert {k: (v["status"], v.get("compare")) for k, v in grouped.items()} == \
+        {k: (v["status"], v.get("compare")) for k, v in alone.items()}
+    passing = [probes[0], probes[2]]
+    together, _ = _run(tmp_path, "aot_eager", passing, 8)  # one compile on the inputs the reference did not touch
+    assert [(together[p["id"]]["status"], together[p["id"]].get("group")) for p in passing] == [("pass", 2)] * 2

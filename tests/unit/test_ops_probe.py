@@ -276,3 +276,42 @@ def test_a_graph_dynamo_restarts_on_is_not_counted_as_never_executed() -> None:
     out = run_probe(backend, probe, compare_results=True, tolerance=(1e-4, 1e-5))
     assert out["status"] == "pass" and out["compare"] == "ok", out
     assert out["ran"]["graphs"] == out["ran"]["graphs_executed"] == 1, out["ran"]
+
+
+def test_make_tensor_draws_the_values_of_the_out_of_place_formula() -> None:
+    """Drawing in place (one float64 buffer, cast by the copy) gives bitwise the values of
+    `(rand * (high - low) + low).to(dtype)`, so stored outcomes and repro scripts keep their inputs."""
+    for dtype, shape, stride, low, high in [("float32", [5, 7], [1, 5], -1.0, 1.0), ("bfloat16", [3, 4], [0, 1], 0.1, 1.1),
+                                            ("float16", [9], [1], -1.0, 1.0), ("complex64", [2, 2], [2, 1], -1.0, 1.0),
+                                            ("int32", [4, 4], [4, 1], 0, 16), ("float64", [], [], -1.0, 1.0)]:
+        got = make_tensor(shape, stride, dtype, low, high, 11)
+        gen = torch.Generator().manual_seed(11)
+        n = 1 + sum((s - 1) * st for s, st in zip(shape, stride))
+        if dtype.startswith("int"):
+            flat = torch.randint(int(low), int(high), (n,), generator=gen).to(getattr(torch, dtype))
+        else:
+            flat = (torch.rand(n, generator=gen, dtype=torch.float64) * (high - low) + low).to(getattr(torch, dtype))
+        assert torch.equal(got.as_strided((n,), (1,)), flat), dtype
+
+
+def test_copy_tensors_keeps_layout_and_values_and_is_no_view() -> None:
+    from ci_runner.modes.ops.probe import copy_tensors
+
+    built = [make_tensor([4, 6], [1, 4], "float32", -1.0, 1.0, 7), make_tensor([3, 5], [0, 1], "bfloat16", 0.1, 1.1, 1),
+             make_tensor([0, 3], [3, 1], "float32", -1, 1, 0), make_tensor([], [], "int64", 0, 7, 3)]
+    for t, c in zip(built, copy_tensors(built)):
+        assert (c.shape, c.stride(), c.dtype, c._base) == (t.shape, t.stride(), t.dtype, None)
+        assert torch.equal(c, t) and (c.numel() == 0 or c.data_ptr() != t.data_ptr())
+
+
+def test_probe_children_compile_inductor_on_their_share_of_the_cores(monkeypatch: Any) -> None:
+    import os
+
+    from ci_runner.modes.ops.probe import probe_child_env
+
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    share = str(max(1, len(os.sched_getaffinity(0)) // 2))
+    assert probe_child_env({"A": 1}, 2) == {"A": "1", "TORCHINDUCTOR_COMPILE_THREADS": share}
+    assert probe_child_env({"TORCHINDUCTOR_COMPILE_THREADS": 4}, 2)["TORCHINDUCTOR_COMPILE_THREADS"] == "4"  # the spec's
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "3")  # this process's: the children inherit it
+    assert probe_child_env({}, 2) == {}

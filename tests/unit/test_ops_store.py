@@ -83,3 +83,14 @@ def test_outcomes_are_typed_inside_and_the_same_wire_rows_on_disk(tmp_path: Path
     cpu_too = OpOutcome(status=OpStatus.PROBE_ERROR, message="CPU eager fails too (RuntimeError: x): y")
     assert not cpu_too.is_finding and OpOutcome(status=OpStatus.PROBE_ERROR, message="cannot resolve").is_finding
     assert not OpOutcome(status=OpStatus.INCONCLUSIVE).is_finding and OpStatus.CRASHED.is_crash
+
+
+def test_a_claim_chunk_is_a_batch_per_worker_within_the_open_file_limit() -> None:
+    import resource
+
+    from ci_runner.modes.ops.store import claim_chunk
+    from ci_runner.registry import parse_options
+
+    files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    assert claim_chunk(parse_options("ops", {"workers": 2, "batch_size": 300})) == min(600, 4096, max(64, files // 4))
+    assert claim_chunk(parse_options("ops", {"workers": 1, "batch_size": 10})) == min(256, max(64, files // 4))

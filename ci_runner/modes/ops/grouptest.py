@@ -33,13 +33,14 @@ import torch
 
 from ...backends import CompileRecord, DynamoCounters, FallbackWatch, named_op_from_error, not_ran_reason, resolve_backend
 from ...config import BackendSpec, spec_from_json
+from ...engine.codec import source_of, tensor_specs
 from ...engine.diagnostics import capture_fd2
 from ...engine.failure import error_text
 from ...engine.isolate import child_journal
 from ...engine.tree import map_tensors
 from ...fsutil import append_line
-from .probe import (GROUP_PREFIX, TOGETHER_PREFIX, Reference, assemble, build_tensors, judge, packet_of, reference,
-                    resolve_op, run_probe, select_outputs)
+from .probe import (GROUP_PREFIX, TOGETHER_PREFIX, Reference, assemble, build_tensors, copy_tensors, judge, packet_of,
+                    probe_inputs, reference, resolve_op, run_probe, select_outputs)
 
 _REDUCE_ATTEMPTS = 24  # most group compiles spent shrinking a "fails only together" set
 
@@ -49,6 +50,7 @@ class _Member:
     probe: Mapping[str, Any]
     op: Any
     ref: Reference
+    fresh: list[Any] | None = None  # its inputs as built (the reference ran on a copy), for the first attempt
 
 
 @dataclass
@@ -79,6 +81,57 @@ def plan_tasks(probes: Sequence[Mapping[str, Any]], size: int) -> list[list[Mapp
     return tasks
 
 
+def group_function(calls: Sequence[tuple[Any, Mapping[str, Any]]], device: str) -> Callable[..., tuple[Any, ...]]:
+    """`fn(*tensors)`: each probe's op called on its tensors (in order, `build_tensors`'), the tuple of each one's
+    selected outputs. Written as flat Python source (`codec.source_of`, as the repro scripts write a call), so
+    Dynamo traces one line per op, not the decoding of every call; a call the source cannot write (a namedtuple,
+    a model output) is decoded by a helper, as before."""
+    env: dict[str, Any] = {"torch": torch, "select_outputs": select_outputs}
+    params: list[str] = []
+    lines: list[str] = []
+
+    def tensor(_body: Mapping[str, Any]) -> str:
+        params.append(f"t{len(params)}")
+        return params[-1]
+
+    for i, (op, probe) in enumerate(calls):
+        env[f"op{i}"], env[f"out{i}"] = op, tuple(probe["outputs"]) if probe.get("outputs") is not None else None
+        start = len(params)
+        try:
+            call = f"op{i}({_arguments(probe, tensor, device)})"
+        except ValueError:  # decoded at run time by a helper Dynamo inlines
+            del params[start:]
+            names = [tensor(t) for t in tensor_specs([probe["args"], probe["kwargs"]])]
+            env[f"call{i}"] = _decoded_call(op, probe, device)
+            call = f"call{i}({', '.join(names)})"
+        lines.append(f"    r{i} = select_outputs({call}, out{i})")
+    body = "\n".join(lines + [f"    return ({''.join(f'r{i}, ' for i in range(len(calls)))})"])
+    code = f"def group({', '.join(params)}):\n{body}\n"
+    exec(compile(code, "<deepview-ci probe group>", "exec"), env)  # noqa: S102 - source written above, no input
+    return env["group"]
+
+
+def _arguments(probe: Mapping[str, Any], tensor: Callable[[Mapping[str, Any]], str], device: str) -> str:
+    """The call's argument list as source (ValueError: a value or keyword that source cannot write)."""
+    import keyword
+
+    dev = f"torch.device({device!r})"
+    parts = [source_of(a, tensor, device=dev) for a in probe["args"]]
+    for k, v in probe["kwargs"].items():
+        if not k.isidentifier() or keyword.iskeyword(k):
+            raise ValueError(f"keyword {k!r} is not an identifier")
+        parts.append(f"{k}={source_of(v, tensor, device=dev)}")
+    return ", ".join(parts)
+
+
+def _decoded_call(op: Any, probe: Mapping[str, Any], device: str) -> Callable[..., Any]:
+    def call(*ts: torch.Tensor) -> Any:
+        a, k = assemble(probe["args"], probe["kwargs"], ts, device)
+        return op(*a, **k)
+
+    return call
+
+
 def group_tag(probes: Sequence[Mapping[str, Any]]) -> str:
     return GROUP_PREFIX + ",".join(str(p["id"]) for p in probes)
 
@@ -98,13 +151,13 @@ class _Runner:
     @contextlib.contextmanager
     def guard(self, tag: str, timeout: float) -> Iterator[None]:
         """Journal `tag` and end the process (faulthandler) when it outlives `timeout`."""
-        child_journal("enter-probe", tag)
+        child_journal("enter-probe", tag, sync=False)  # a few per probe: a crash keeps them, fsync is not needed
         faulthandler.dump_traceback_later(timeout, exit=True)
         try:
             yield
         finally:
             faulthandler.cancel_dump_traceback_later()
-        child_journal("leave-probe", tag)
+        child_journal("leave-probe", tag, sync=False)
 
     def single(self, probe: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
         with self.guard(str(probe["id"]), self.timeout):
@@ -136,13 +189,16 @@ class _Runner:
         op = resolve_op(probe)
         if isinstance(op, dict):
             return None
-        ref = reference(op, probe)
+        built = probe_inputs(probe)
+        if built is None:  # alone, the probe reports why its inputs cannot be built
+            return None
+        ref = reference(op, probe, copy_tensors(built))
         value = ref.value
         tensors = [value] if isinstance(value, torch.Tensor) else value
         if ref.exc is not None or not isinstance(tensors, (list, tuple)) or not tensors or \
                 not all(isinstance(v, torch.Tensor) for v in tensors):
             return None
-        return _Member(probe=probe, op=op, ref=ref)
+        return _Member(probe=probe, op=op, ref=ref, fresh=built)
 
     def solve(self, members: list[_Member]) -> list[dict[str, Any]]:
         """Outcomes of `members`: one compile when the group passes, else the halves, down to single probes."""
@@ -197,20 +253,14 @@ class _Runner:
 
     def _compile_run(self, members: Sequence[_Member]) -> _Attempt:
         spans, tensors = [], []
-        for m in members:
-            ts = [self.backend.to_device(t) for t in build_tensors(m.probe["args"], m.probe["kwargs"],
-                                                                    int(m.probe["seed"]))]
+        for m in members:  # a run may modify its inputs: a later attempt (a half) builds them again
+            built = m.fresh if m.fresh is not None else build_tensors(m.probe["args"], m.probe["kwargs"],
+                                                                      int(m.probe["seed"]))
+            m.fresh = None
+            ts = [self.backend.to_device(t) for t in built]
             spans.append((len(tensors), len(tensors) + len(ts)))
             tensors.extend(ts)
-        device = self.device
-
-        def fn(*ts: torch.Tensor) -> tuple[Any, ...]:
-            outs = []
-            for m, (lo, hi) in zip(members, spans):
-                a, k = assemble(m.probe["args"], m.probe["kwargs"], ts[lo:hi], device)
-                outs.append(select_outputs(m.op(*a, **k), m.probe.get("outputs")))
-            return tuple(outs)
-
+        fn = group_function([(m.op, m.probe) for m in members], self.device)
         counters = DynamoCounters()
         watch = FallbackWatch(getattr(getattr(self.backend, "spec", None), "compile", None))
         record: CompileRecord | None = None
@@ -256,7 +306,7 @@ def probe_groups(payload: Mapping[str, Any]) -> dict[str, Any]:
     results = payload["results"]
     runner = _Runner(backend, compare_results=bool(payload.get("compare", True)),
                      timeout=float(payload["probe_timeout"]), via=str(payload.get("via", "dynamo")),
-                     emit=lambda o: append_line(results, json.dumps(o, default=str)))
+                     emit=lambda o: append_line(results, json.dumps(o, default=str), sync=False))
     groupable = not bool(getattr(backend, "is_eager", False)) and runner.via == "dynamo"
     tasks = plan_tasks(payload["probes"], int(payload.get("group_size", 1)) if groupable else 1)
     for task in tasks:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import importlib
 import json
+import os
 import re
 import threading
 import time
@@ -45,6 +46,7 @@ _CHILD_STARTUP_S = 60.0  # importing torch, the backend and Dynamo's first compi
 _MIN_PROBES_PER_CHILD = 24
 GROUP_PREFIX = "g:"  # journal tag of a group of probes compiled as one graph (`grouptest`): g:<id>,<id>,…
 TOGETHER_PREFIX = "together:"  # result row of a set that fails only together (`grouptest`)
+_COMPILE_THREADS = "TORCHINDUCTOR_COMPILE_THREADS"
 _CHILD_ENTRY = "ci_runner.modes.ops.grouptest:probe_groups"  # the probing child (group size 1: one probe at a time)
 
 
@@ -58,13 +60,13 @@ def make_tensor(shape, stride, dtype, low, high, seed):  # type: ignore[no-untyp
     dtype = getattr(torch, dtype)
     t = torch.empty_strided(tuple(shape), tuple(stride), dtype=dtype)
     n = 1 + sum((s - 1) * st for s, st in zip(shape, stride)) if all(s > 0 for s in shape) else 0
-    if n > 0:
+    if n > 0:  # drawn in float64 / int64, scaled in place, cast by the copy (one buffer, whatever the size)
         if dtype == torch.bool:
             flat = torch.randint(0, 2, (n,), generator=gen).bool()
         elif dtype.is_floating_point or dtype.is_complex:
-            flat = (torch.rand(n, generator=gen, dtype=torch.float64) * (high - low) + low).to(dtype)
+            flat = torch.rand(n, generator=gen, dtype=torch.float64).mul_(high - low).add_(low)
         else:
-            flat = torch.randint(int(low), max(int(high), int(low) + 1), (n,), generator=gen).to(dtype)
+            flat = torch.randint(int(low), max(int(high), int(low) + 1), (n,), generator=gen)
         t.as_strided((n,), (1,)).copy_(flat)  # fills overlapping (stride 0) layouts too
     return t
 
@@ -100,6 +102,20 @@ def build_tensors(args: Any, kwargs: Any, seed: int) -> list[torch.Tensor]:
     """The call's tensors on CPU, in argument order; tensor i is seeded with `seed + i`."""
     return [make_tensor(s["shape"], s["stride"], s["dtype"], s["low"], s["high"], seed + i)
             for i, s in enumerate(tensor_specs([args, kwargs]))]
+
+
+def copy_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies as `make_tensor` builds them (same shape, strides, dtype and storage values, not views): a probe's
+    inputs are built once and copied for its CPU reference (copying costs a fraction of drawing the values)."""
+    out = []
+    for t in tensors:
+        c = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype)
+        shape, stride = tuple(t.shape), tuple(t.stride())
+        n = 1 + sum((s - 1) * st for s, st in zip(shape, stride)) if all(s > 0 for s in shape) else 0
+        if n > 0:
+            c.as_strided((n,), (1,)).copy_(t.as_strided((n,), (1,)))
+        out.append(c)
+    return out
 
 
 def assemble(args: Any, kwargs: Any, tensors: Sequence[torch.Tensor], device: str) -> tuple[list[Any], dict[str, Any]]:
@@ -272,9 +288,11 @@ def run_probe(backend: Any, probe: Mapping[str, Any], *, compare_results: bool,
         return done(**op)
     eager = bool(getattr(backend, "is_eager", False))
     device = str(getattr(backend, "device", "cpu"))
-    ref = reference(op, probe)
+    built = probe_inputs(probe)
+    ref = reference(op, probe, copy_tensors(built) if built is not None else None)
     try:
-        tensors = [backend.to_device(t) for t in build_tensors(probe["args"], probe["kwargs"], int(probe["seed"]))]
+        tensors = [backend.to_device(t) for t in (built if built is not None else
+                                                  build_tensors(probe["args"], probe["kwargs"], int(probe["seed"])))]
     except Exception as exc:
         info = probe_failure(exc, eager=True, ref_exc=None)
         info["message"] = f"moving the inputs to {device} failed: {info['message']}"[:4000]
@@ -295,6 +313,15 @@ def run_probe(backend: Any, probe: Mapping[str, Any], *, compare_results: bool,
             return done(status="inconclusive", stage="run", error_type=None, ran=ran,
                         message=f"{probe['op']} did not run on the backend: {why}"[:2000])
     return done(**judge(probe, ref, value, compare_results=compare_results, tolerance=tolerance), ran=ran)
+
+
+def probe_inputs(probe: Mapping[str, Any]) -> list[torch.Tensor] | None:
+    """The probe's inputs, built once for its reference (a copy) and its run; None when building raises (the
+    reference and the run then raise it again, each where it is reported)."""
+    try:
+        return build_tensors(probe["args"], probe["kwargs"], int(probe["seed"]))
+    except Exception:
+        return None
 
 
 def resolve_op(probe: Mapping[str, Any]) -> Any:
@@ -322,11 +349,13 @@ class Reference:
     inputs: list[Any] = field(default_factory=list)
 
 
-def reference(op: Any, probe: Mapping[str, Any]) -> Reference:
+def reference(op: Any, probe: Mapping[str, Any], tensors: Sequence[torch.Tensor] | None = None) -> Reference:
+    """The op on CPU eager, on `tensors` (the probe's inputs, which it may modify) or freshly built ones."""
     ref = Reference()
     args, kwargs = probe["args"], probe["kwargs"]
     try:
-        ref_args, ref_kwargs = assemble(args, kwargs, build_tensors(args, kwargs, int(probe["seed"])), "cpu")
+        built = list(tensors) if tensors is not None else build_tensors(args, kwargs, int(probe["seed"]))
+        ref_args, ref_kwargs = assemble(args, kwargs, built, "cpu")
         ref.inputs = list(ref_args)
         ref.value = select_outputs(op(*ref_args, **ref_kwargs), probe.get("outputs"))
     except Exception as exc:
@@ -454,6 +483,7 @@ class ProbeRunner:
         self.journal = journal
         self._attempt = 0
         self._lock = threading.Lock()
+        self._env: dict[str, str] = {}
         self.setup_error: str | None = None
 
     def _next_attempt(self) -> int:
@@ -466,6 +496,7 @@ class ProbeRunner:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         # a child costs a Python + torch + backend start-up: only split when each gets a fair share of probes
         workers = max(1, min(self.opts.workers, len(probes) // _MIN_PROBES_PER_CHILD))
+        self._env = probe_child_env(self.spec.env, workers)
         shards = [_Shard(i, probes[i::workers]) for i in range(workers)]
         results: dict[str, OpOutcome] = {}
         together: dict[str, dict[str, Any]] = {}
@@ -484,7 +515,7 @@ class ProbeRunner:
         pending = list(shard.probes)
         results: dict[str, OpOutcome] = {}
         together: dict[str, dict[str, Any]] = {}  # the `together:` rows (`grouptest`), by id
-        env = {str(k): str(v) for k, v in self.spec.env.items()}
+        env = self._env
         journal_path = self.work_dir / f"journal-{shard.index:03d}.log"
         journal_path.unlink(missing_ok=True)
         batch: list[dict[str, Any]] = []
@@ -549,6 +580,21 @@ class ProbeRunner:
         supervise(_CHILD_ENTRY, journal=journal_path, kind="probe", next_attempt=next_attempt,
                   on_ok=on_ok, on_crash=on_crash, env=env)
         return results, together
+
+
+def probe_child_env(spec_env: Mapping[str, Any], workers: int) -> dict[str, str]:
+    """The probing children's environment: the backend's `env`, and inductor's compile threads set to the cores
+    each child has (`TORCHINDUCTOR_COMPILE_THREADS`, unless the backend or this process sets it). A child compiles
+    one group at a time and `workers` children share the cores: with one core each, inductor compiles in the
+    child (the same code) instead of starting a pool of compile processes per child, each importing torch."""
+    env = {str(k): str(v) for k, v in spec_env.items()}
+    if _COMPILE_THREADS not in env and _COMPILE_THREADS not in os.environ:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # pragma: no cover - not Linux
+            cores = os.cpu_count() or 1
+        env[_COMPILE_THREADS] = str(max(1, cores // max(1, workers)))
+    return env
 
 
 def _attach_together(results: dict[str, OpOutcome], together: Mapping[str, Mapping[str, Any]]

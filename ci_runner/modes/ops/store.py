@@ -33,7 +33,8 @@ from .probe import ProbeRunner, float_dtype, grouped, not_run_outcome, probe_see
 from .signature import CallSite, Inventory, OpSignature
 
 STORE_VERSION = 1
-_CLAIM_CHUNK = 256  # signatures claimed (locks held) at a time: bounded open files whatever the zoo's size
+_CLAIM_CHUNK = 256  # signatures claimed (locks held) at a time, at least: bounded open files whatever the zoo's size
+_MAX_CLAIM_CHUNK = 4096  # at most (`claim_chunk`)
 _WAIT_POLL_S = 0.5
 MAX_SITES = 8  # call sites a merged signature keeps (as `inventory.MAX_SITES`; `Merged.uses` keeps every one)
 
@@ -128,7 +129,9 @@ class ProbeStore:
     def put(self, key: str, outcome: OpOutcome) -> None:
         """Store an outcome (atomically; its wire row without the batch's probe id) and drop the claim on it."""
         body = {"key": key, "outcome": {k: v for k, v in outcome.to_row().items() if k != "id"}}
-        atomic_write_text(self.dir / f"{self.name(key)}.json", json.dumps(body, default=str) + "\n")
+        # not fsynced (one file per signature, thousands): an OS crash may leave an empty file, which `get` reads
+        # as not probed yet
+        atomic_write_text(self.dir / f"{self.name(key)}.json", json.dumps(body, default=str) + "\n", sync=False)
         self.release(key)
 
     def claim(self, key: str) -> bool:
@@ -158,10 +161,24 @@ class ProbeStore:
 Prober = Callable[[Sequence[OpSignature]], dict[str, OpOutcome]]
 
 
+def claim_chunk(opts: OpsOptions) -> int:
+    """Signatures claimed and handed to the prober at once: a full batch for each worker (every chunk starts new
+    probing children), within a quarter of the open-file limit (a claim holds its file open)."""
+    try:
+        import resource
+
+        files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, ValueError, OSError):  # pragma: no cover - no resource module (Windows)
+        files = 1024
+    limit = _MAX_CLAIM_CHUNK if files == getattr(resource, "RLIM_INFINITY", -1) else max(64, files // 4)
+    return max(1, min(max(_CLAIM_CHUNK, opts.workers * opts.batch_size), _MAX_CLAIM_CHUNK, limit))
+
+
 def probe_through(store: ProbeStore, signatures: Sequence[OpSignature], prober: Prober, *,
-                  remaining: Callable[[], float], stats: dict[str, Any] | None = None) -> dict[str, OpOutcome]:
-    """Every signature's outcome: stored ones read back, claimed ones probed by `prober` (key -> outcome) and
-    stored, the ones another process is probing waited for (or taken over when their holder dies)."""
+                  remaining: Callable[[], float], stats: dict[str, Any] | None = None,
+                  chunk: int = _CLAIM_CHUNK) -> dict[str, OpOutcome]:
+    """Every signature's outcome: stored ones read back, claimed ones probed by `prober` (key -> outcome, `chunk`
+    at a time) and stored, the ones another process is probing waited for (or taken over when their holder dies)."""
     stats = stats if stats is not None else {}
     stats.update(reused=0, probed=0, waited=0)
     out: dict[str, OpOutcome] = {}
@@ -175,7 +192,7 @@ def probe_through(store: ProbeStore, signatures: Sequence[OpSignature], prober: 
             todo.append(sig)
     try:
         while todo:
-            others = _probe_claimed(store, todo, prober, out, stats)
+            others = _probe_claimed(store, todo, prober, out, stats, chunk)
             todo = _wait_for(store, others, out, stats, remaining)
             if todo and remaining() <= 1.0:
                 break
@@ -193,12 +210,12 @@ def _unique(signatures: Sequence[OpSignature]) -> Iterator[OpSignature]:
 
 
 def _probe_claimed(store: ProbeStore, todo: list[OpSignature], prober: Prober, out: dict[str, OpOutcome],
-                   stats: dict[str, Any]) -> list[OpSignature]:
+                   stats: dict[str, Any], chunk: int) -> list[OpSignature]:
     """Claim and probe `todo` in chunks; the signatures other processes hold."""
     others: list[OpSignature] = []
-    for start in range(0, len(todo), _CLAIM_CHUNK):
+    for start in range(0, len(todo), chunk):
         mine = []
-        for sig in todo[start:start + _CLAIM_CHUNK]:
+        for sig in todo[start:start + chunk]:
             got = store.get(sig.key)
             if got is not None:
                 out[sig.key] = got
@@ -284,7 +301,7 @@ def probe_signatures(spec: BackendSpec, signatures: Sequence[OpSignature], *, st
         return {p["key"]: got.get(p["id"]) or not_run_outcome(p, "no outcome recorded") for p in probes}
 
     try:
-        out = probe_through(store, signatures, prober, remaining=remaining, stats=stats)
+        out = probe_through(store, signatures, prober, remaining=remaining, stats=stats, chunk=claim_chunk(opts))
     finally:
         if work_dir is None:
             shutil.rmtree(work, ignore_errors=True)
