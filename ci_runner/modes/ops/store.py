@@ -168,9 +168,10 @@ def claim_chunk(opts: OpsOptions) -> int:
         import resource
 
         files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        unlimited = files == resource.RLIM_INFINITY
     except (ImportError, ValueError, OSError):  # pragma: no cover - no resource module (Windows)
-        files = 1024
-    limit = _MAX_CLAIM_CHUNK if files == getattr(resource, "RLIM_INFINITY", -1) else max(64, files // 4)
+        files, unlimited = 1024, False
+    limit = _MAX_CLAIM_CHUNK if unlimited else max(64, files // 4)
     return max(1, min(max(_CLAIM_CHUNK, opts.workers * opts.batch_size), _MAX_CLAIM_CHUNK, limit))
 
 
