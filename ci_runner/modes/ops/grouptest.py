@@ -39,8 +39,9 @@ from ...engine.failure import error_text
 from ...engine.isolate import child_journal
 from ...engine.tree import map_tensors
 from ...fsutil import append_line
-from .probe import (GROUP_PREFIX, TOGETHER_PREFIX, Reference, assemble, build_tensors, copy_tensors, judge, packet_of,
-                    probe_inputs, reference, resolve_op, run_probe, select_outputs)
+from .inputs import build_tensors, copy_tensors
+from .probe import (GROUP_PREFIX, TOGETHER_PREFIX, Reference, assemble, judge, packet_of, probe_inputs, reference,
+                    resolve_op, run_probe, select_outputs)
 
 _REDUCE_ATTEMPTS = 24  # most group compiles spent shrinking a "fails only together" set
 

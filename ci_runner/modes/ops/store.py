@@ -29,7 +29,8 @@ from ...config import BackendSpec, spec_to_json
 from ...fsutil import atomic_write_text, try_lock
 from ...options import OpsOptions
 from .outcome import OpOutcome
-from .probe import ProbeRunner, float_dtype, grouped, not_run_outcome, probe_seed, with_ranges
+from .inputs import probe_seed, with_ranges
+from .probe import ProbeRunner, float_dtype, grouped, not_run_outcome
 from .signature import CallSite, Inventory, OpSignature
 
 STORE_VERSION = 1
