@@ -163,6 +163,15 @@ def test_the_parent_leaves_out_a_probe_over_the_limit_without_a_child(tmp_path: 
     assert runner.run([{"id": "a", "op": sig.op, "args": args, "kwargs": {}}])["a"].status is OpStatus.NOT_RUN
 
 
+def test_a_group_holds_no_more_inputs_than_the_limit() -> None:
+    from ci_runner.modes.ops.grouptest import plan_tasks
+
+    probes = [{"id": i, "op": "aten.neg.default", "args": [_t("float32", [n, 256])], "kwargs": {}}
+              for i, n in enumerate([512, 512, 512, 2048, 64, 64])]  # 0.5, 0.5, 0.5, 2, 0.0625, 0.0625 MB
+    assert [[p["id"] for p in t] for t in plan_tasks(probes, 8, 1.0 * 2**20)] == [[0, 1], [2], [3], [4, 5]]
+    assert [[p["id"] for p in t] for t in plan_tasks(probes, 8, 0)] == [[0, 1, 2, 3, 4, 5]]
+
+
 def test_the_limit_is_an_ops_option_checked_at_load() -> None:
     from ci_runner.errors import ConfigError
 
@@ -182,3 +191,13 @@ def test_probes_not_run_make_the_mode_inconclusive_not_a_pass() -> None:
     assert status == "inconclusive" and "ops.max_probe_input_mb" in (reason or "")
     assert _status(rows, {"pass": 1, "not_run": 1}, has_findings=True, setup_error=None)[0] == "fail"
     assert json.dumps(_status(rows, {"pass": 2}, has_findings=False, setup_error=None)) == '["pass", null]'
+
+
+def test_a_bool_mask_index_put_is_compared_a_repeated_index_is_not() -> None:
+    from ci_runner.modes.ops.compare import no_compare_reason
+
+    x, mask = torch.zeros(1, 20, 8), torch.zeros(1, 20, dtype=torch.bool)
+    mask[0, 3:7] = True  # each place once, though every value of the mask is 0 or 1
+    assert no_compare_reason("aten.index_put.default", [x, [mask], torch.zeros(4, 8)], {}) is None
+    twice = [torch.tensor([0, 0]), torch.tensor([1, 1])]
+    assert "repeated" in (no_compare_reason("aten.index_put.default", [x, twice, torch.zeros(2, 8)], {}) or "")

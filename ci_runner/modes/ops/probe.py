@@ -461,7 +461,8 @@ class ProbeRunner:
             results_path = self.work_dir / f"probes-{attempt:03d}.jsonl"
             payload = {"backend": spec_to_json(self.spec), "probes": batch, "results": str(results_path),
                        "probe_timeout": self.opts.probe_timeout, "compare": self.opts.compare, "via": self.opts.via,
-                       "group_size": group_size(self.opts, self.spec)}
+                       "group_size": group_size(self.opts, self.spec),
+                       "max_probe_input_mb": self.opts.max_probe_input_mb}
             tag = f"{attempt}:{batch[0]['id']}..{batch[-1]['id']}"
             if self.journal:
                 self.journal("enter-probe-batch", tag)
