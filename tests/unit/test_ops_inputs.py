@@ -201,3 +201,13 @@ def test_a_bool_mask_index_put_is_compared_a_repeated_index_is_not() -> None:
     assert no_compare_reason("aten.index_put.default", [x, [mask], torch.zeros(4, 8)], {}) is None
     twice = [torch.tensor([0, 0]), torch.tensor([1, 1])]
     assert "repeated" in (no_compare_reason("aten.index_put.default", [x, twice, torch.zeros(2, 8)], {}) or "")
+
+
+def test_the_reference_copies_only_the_inputs_of_an_op_that_writes_them() -> None:
+    from ci_runner.modes.ops.probe import reference_inputs
+
+    built = [torch.ones(3), torch.ones(3)]
+    assert reference_inputs(torch.ops.aten.add.Tensor, built) is built  # holds its inputs once
+    for op in (torch.ops.aten.add_.Tensor, torch.ops.aten.add.out, torch.nn.functional.relu):  # writes, or unknown
+        copied = reference_inputs(op, built)
+        assert all(torch.equal(c, b) and c.data_ptr() != b.data_ptr() for c, b in zip(copied, built))

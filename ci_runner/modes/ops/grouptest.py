@@ -41,9 +41,9 @@ from ...engine.failure import error_text
 from ...engine.isolate import child_journal
 from ...engine.tree import map_tensors
 from ...fsutil import append_line
-from .inputs import build_tensors, copy_tensors, input_bytes
+from .inputs import build_tensors, input_bytes
 from .probe import (GROUP_PREFIX, TOGETHER_PREFIX, Reference, assemble, judge, packet_of, probe_inputs, reference,
-                    resolve_op, run_probe, select_outputs)
+                    reference_inputs, resolve_op, run_probe, select_outputs)
 
 _REDUCE_ATTEMPTS = 24  # most group compiles spent shrinking a "fails only together" set
 
@@ -53,7 +53,7 @@ class _Member:
     probe: Mapping[str, Any]
     op: Any
     ref: Reference
-    fresh: list[Any] | None = None  # its inputs as built (the reference ran on a copy), for the first attempt
+    fresh: list[Any] | None = None  # its inputs as built (`reference_inputs`), for the first attempt
 
 
 @dataclass
@@ -200,7 +200,7 @@ class _Runner:
         built = probe_inputs(probe)
         if built is None:  # alone, the probe reports why its inputs cannot be built
             return None
-        ref = reference(op, probe, copy_tensors(built))
+        ref = reference(op, probe, reference_inputs(op, built))
         value = ref.value
         tensors = [value] if isinstance(value, torch.Tensor) else value
         if ref.exc is not None or not isinstance(tensors, (list, tuple)) or not tensors or \

@@ -206,7 +206,7 @@ def run_probe(backend: Any, probe: Mapping[str, Any], *, compare_results: bool,
     eager = bool(getattr(backend, "is_eager", False))
     device = str(getattr(backend, "device", "cpu"))
     built = probe_inputs(probe)
-    ref = reference(op, probe, copy_tensors(built) if built is not None else None)
+    ref = reference(op, probe, reference_inputs(op, built) if built is not None else None)
     try:
         tensors = [backend.to_device(t) for t in (built if built is not None else
                                                   build_tensors(probe["args"], probe["kwargs"], int(probe["seed"])))]
@@ -233,7 +233,7 @@ def run_probe(backend: Any, probe: Mapping[str, Any], *, compare_results: bool,
 
 
 def probe_inputs(probe: Mapping[str, Any]) -> list[torch.Tensor] | None:
-    """The probe's inputs, built once for its reference (a copy) and its run; None when building raises (the
+    """The probe's inputs, built once for its reference (`reference_inputs`) and its run; None when building raises (the
     reference and the run then raise it again, each where it is reported)."""
     try:
         return build_tensors(probe["args"], probe["kwargs"], int(probe["seed"]))
@@ -255,6 +255,15 @@ def resolve_op(probe: Mapping[str, Any]) -> Any:
         hint = "" if probe.get("imports") else " (no module that registers it was recorded)"
         return {"status": "probe_error", "stage": "trace", "error_type": type(exc).__name__,
                 "message": f"cannot resolve {probe['op']}{hint}: {exc}"[:2000]}
+
+
+def reference_inputs(op: Any, built: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The inputs the CPU reference runs on: the probe's own when the op's schema says it writes none of its
+    arguments (the run on the target then gets them unchanged, and a probe holds its inputs once), else a copy."""
+    schema = getattr(op, "_schema", None)  # an OpOverload's; other callables: copied
+    if schema is None or any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        return copy_tensors(built)
+    return built
 
 
 @dataclass
@@ -550,8 +559,8 @@ def too_big(probe: Mapping[str, Any], limit_mb: float) -> str | None:
     size = input_bytes(probe["args"], probe["kwargs"])
     if not limit_mb or size <= limit_mb * 2**20:
         return None
-    return (f"not probed: its inputs take {size / 2**20:,.0f} MB, over ops.max_probe_input_mb = {limit_mb:g} (a probe "
-            f"holds them about twice: the inputs and the CPU reference's copy); to probe it, raise "
+    return (f"not probed: its inputs take {size / 2**20:,.0f} MB, over ops.max_probe_input_mb = {limit_mb:g} (an op "
+            f"that writes its inputs holds them twice: the CPU reference runs on a copy); to probe it, raise "
             f"ops.max_probe_input_mb (0: no limit)")
 
 
