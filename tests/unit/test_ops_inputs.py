@@ -137,6 +137,7 @@ def test_input_bytes_count_the_storage_each_layout_spans() -> None:
     args = [_t("float32", [1024, 256]), {"__tensor__": {"dtype": "bfloat16", "shape": [8, 4096], "stride": [0, 1]}},
             {"__tensor__": {"dtype": "int64", "shape": [10], "stride": [3]}}, 2.0]
     assert input_bytes(args, {"out": _t("bool", [5])}) == 1024 * 256 * 4 + 4096 * 2 + 28 * 8 + 5
+    assert input_bytes([_t("no_such_dtype", [8]), _t("int8", [0, 4])], {}) == 0  # left to the child to report
     probe = {"id": "s1", "op": "aten.embedding.default", "args": [_t("float32", [262144, 8960]), _t("int64", [1, 16])],
              "kwargs": {}}
     why = too_big(probe, 1024)

@@ -189,9 +189,11 @@ def build_tensors(args: Any, kwargs: Any, seed: int) -> list[torch.Tensor]:
 
 
 def input_bytes(args: Any, kwargs: Any) -> int:
-    """Bytes the call's tensors take as `make_tensor` builds them (each one's storage span × its item size)."""
+    """Bytes the call's tensors take as `make_tensor` builds them (each one's storage span × its item size; a
+    dtype torch does not know counts 0 here: building it fails in the child, which reports it)."""
     return sum(storage_span([int(d) for d in s["shape"]], [int(d) for d in s["stride"]])
-               * getattr(torch, s["dtype"]).itemsize for s in tensor_specs([args, kwargs]))
+               * int(getattr(getattr(torch, str(s["dtype"]), None), "itemsize", 0) or 0)
+               for s in tensor_specs([args, kwargs]))
 
 
 def copy_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
