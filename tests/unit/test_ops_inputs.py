@@ -212,3 +212,20 @@ def test_the_reference_copies_only_the_inputs_of_an_op_that_writes_them() -> Non
     for op in (torch.ops.aten.add_.Tensor, torch.ops.aten.add.out, torch.nn.functional.relu):  # writes, or unknown
         copied = reference_inputs(op, built)
         assert all(torch.equal(c, b) and c.data_ptr() != b.data_ptr() for c, b in zip(copied, built))
+
+
+def test_the_store_neither_keeps_nor_reuses_a_probe_whose_inputs_cpu_eager_rejects(tmp_path: Path) -> None:
+    from ci_runner.modes.ops.outcome import CPU_FAILS_TOO, OpOutcome
+    from ci_runner.modes.ops.signature import OpSignature, signature_key
+    from ci_runner.modes.ops.store import ProbeStore, probe_through
+
+    store = ProbeStore(tmp_path, {"backend": "test"})
+    invalid = OpOutcome(status=OpStatus.PROBE_ERROR, message=f"{CPU_FAILS_TOO} (RuntimeError: offsets[0] …): …")
+    store.put("k-old", invalid)  # as an earlier version stored it: probed again now
+    assert store.get("k-old") is None
+    store.put("k-unresolved", OpOutcome(status=OpStatus.PROBE_ERROR, message="cannot resolve aten.nope"))
+    assert store.get("k-unresolved") is not None  # a probe error that is a finding stays
+    args = [_t("float32", [4])]
+    sig = OpSignature(op="aten.neg.default", args=args, kwargs={}, key=signature_key("aten.neg.default", args, {}))
+    got = probe_through(store, [sig], lambda b: {s.key: invalid for s in b}, remaining=lambda: 10.0)
+    assert got[sig.key] is invalid and not (tmp_path / store.dir.name / f"{store.name(sig.key)}.json").exists()
