@@ -45,7 +45,8 @@ from ...fsutil import atomic_write_json
 from .inventory import InventoryError, take_inventory
 from .compare import SCRIPT_FUNCTIONS, matches_any
 from .outcome import OpOutcome, OpStatus
-from .probe import call_source, make_tensor, not_run_outcome, op_expression
+from .inputs import SCRIPT_FUNCTIONS as INPUT_FUNCTIONS, call_source
+from .probe import not_run_outcome, op_expression
 from .signature import Inventory, OpSignature
 from .store import probe_signatures, probe_spec
 from .storepath import store_root
@@ -88,7 +89,7 @@ def render_repro(*, op: str, kind: str, stage: str, error_type: str | None, mess
         positional_args=positional_args,
         setup=list(recipe.setup), backend_expr=recipe.backend_expr or "None", compile_options=dict(recipe.compile_options),
         op_expr=op_expression(signature.op), seed=int(probe["seed"]), compare=compare_results and kind == FindingKind.OP_MISMATCH,
-        rtol=tolerance[0], atol=tolerance[1], make_tensor_source=plain_source(make_tensor),
+        rtol=tolerance[0], atol=tolerance[1], make_tensor_source="\n\n".join(plain_source(f) for f in INPUT_FUNCTIONS),
         compare_source="\n\n".join(plain_source(f) for f in SCRIPT_FUNCTIONS), tensor_lines=tensor_lines, tensor_names=tensor_names,
         call_args=call_args, command=command, crash=crash,
     )
@@ -96,8 +97,7 @@ def render_repro(*, op: str, kind: str, stage: str, error_type: str | None, mess
 
 # --------------------------------------------------------------------------------------------- the mode
 
-plain_source(make_tensor)  # read at import (see `plain_source`)
-for _fn in SCRIPT_FUNCTIONS:
+for _fn in (*INPUT_FUNCTIONS, *SCRIPT_FUNCTIONS):  # read at import (see `plain_source`)
     plain_source(_fn)
 
 
@@ -308,7 +308,8 @@ def _fails_together(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _status(rows: list[dict[str, Any]], counts: Mapping[str, int], *, has_findings: bool,
             setup_error: str | None) -> tuple[str, str | None]:
     """The mode's status and reason: fail with findings; inconclusive when nothing failed but some probe never ran
-    on the backend; error when the probe process could not set up the backend."""
+    on the backend or was not run (`not_run`: time ran out, inputs over `ops.max_probe_input_mb`); error when the
+    probe process could not set up the backend."""
     status = "fail" if has_findings else "pass"
     reason = None
     if counts.get("inconclusive"):
@@ -323,8 +324,9 @@ def _status(rows: list[dict[str, Any]], counts: Mapping[str, int], *, has_findin
     if setup_error and not has_findings:
         status, reason = "error", f"the probe process could not set up the backend: {setup_error}"
     elif counts.get("not_run"):
-        reason = "; ".join(filter(None, [reason, f"{counts['not_run']} probe(s) not run (time ran out or the probe "
-                                                  "process failed)"]))
+        reason = "; ".join(filter(None, [reason, f"{counts['not_run']} probe(s) not run (time ran out, inputs over "
+                                                  "ops.max_probe_input_mb, or the probe process failed)"]))
+        status = "inconclusive" if status == "pass" else status
     return status, reason
 
 
