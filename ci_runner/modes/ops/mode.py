@@ -228,9 +228,11 @@ def store_dir(ctx: "ModeContext") -> Path:
 def model_result(inventory: Inventory, outcomes: Mapping[str, OpOutcome], *, spec: BackendSpec,
                  model_id: str, level: str, opts: OpsOptions, ops_dir: Path, env_stamp: Mapping[str, Any],
                  remaining: Callable[[], float], eager: bool, setup_error: str | None = None,
-                 data: dict[str, Any] | None = None, started: float | None = None) -> ModeResult:
+                 data: dict[str, Any] | None = None, started: float | None = None,
+                 verified_ops: Mapping[str, str] | None = None) -> ModeResult:
     """One model's ops `ModeResult` from its inventory and the probe outcomes by signature key (`probe_signatures`):
-    the probe table (`ops_dir/probes.json`), one finding per failing op with its repro (verified), the status."""
+    the probe table (`ops_dir/probes.json`), one finding per failing op with its repro (verified), the status.
+    `verified_ops` (op -> the model whose repro of it verified; the zoo's cells) skips verifying those ops again."""
     t_start = started if started is not None else time.monotonic()
     data = data if data is not None else {"ir": level, "inventory": inventory.summary(), "timings": {}}
     timings = data.setdefault("timings", {})
@@ -264,7 +266,7 @@ def model_result(inventory: Inventory, outcomes: Mapping[str, OpOutcome], *, spe
     findings = _findings(spec, model_id, env_stamp, failures, level, opts, ops_dir)
     timings["render_s"] = round(time.monotonic() - t0, 3)
     t0 = time.monotonic()
-    _verify_all(remaining, findings, opts)
+    _verify_all(remaining, findings, opts, verified_ops or {})
     timings["verify_s"] = round(time.monotonic() - t0, 3)
     data["repros"] = {"total": sum(1 for f, _ in findings if f.repro),
                       "verified": sum(1 for f, _ in findings if f.repro and f.repro.verified)}
@@ -455,10 +457,17 @@ def _same_fault(how: Mapping[str, Any], exit_code: int | None, output: str, note
     return True, note
 
 
-def _verify_all(remaining: Callable[[], float], findings: list[tuple[Finding, dict[str, Any]]], opts: OpsOptions) -> None:
-    """Run each repro in a fresh process; `verified` when it fails with the same error type and op text."""
+def _verify_all(remaining: Callable[[], float], findings: list[tuple[Finding, dict[str, Any]]], opts: OpsOptions,
+                verified_ops: Mapping[str, str]) -> None:
+    """Run each repro in a fresh process; `verified` when it fails with the same error type and op text. An op in
+    `verified_ops` is not run again (its note names the model whose repro of the op verified)."""
 
     findings = [item for item in findings if item[0].repro is not None]
+    for f, _ in findings:
+        if opts.verify and f.op in verified_ops:
+            assert f.repro is not None
+            f.repro.note = f"not run again: the repro of {f.op} verified in {verified_ops[f.op]}'s cell"
+    findings = [item for item in findings if not (opts.verify and item[0].op in verified_ops)]
     if not findings:
         return
     if not opts.verify:
