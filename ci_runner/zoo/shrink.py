@@ -46,12 +46,18 @@ EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_
 TOPK_KEYS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_k", "top_k", "num_selected_experts")
 VOCAB_KEYS = ("vocab_size", "decoder_vocab_size", "target_vocab_size")
 SMALL_VOCAB = 512
+# special token ids (pad, image, boi ...) and where a part's token ids start (Gemma 3n's vision / audio embedders)
+SPECIAL_SUFFIXES = ("_token_id", "_token_index", "_token_ids", "_id")
+OFFSET_KEYS = ("vocab_offset",)
 # per-layer rules: (period key, offset key) → layer i matches when i % period == offset
 PERIOD_RULES = (("attn_layer_period", "attn_layer_offset"), ("expert_layer_period", "expert_layer_offset"))
 # step rules: key → layer i matches when (i + 1) % step == 0 (and i % step == 0, both kept in the kind)
 STEP_RULES = ("decoder_sparse_step", "interleave_moe_layer_step", "moe_layer_freq", "sliding_window_pattern",
               "_sliding_window_pattern", "global_attn_every_n_layers", "no_rope_layer_interval", "sparse_step",
               "moe_every_k_layers", "cross_attention_every_n_layers", "global_layer_every")
+# tail rules: key → the last `d[key]` layers are of their own kind (Gemma 3n / 4: layers reusing an earlier
+# layer's KV cache, which must keep a producer of every layer type before them)
+TAIL_RULES = ("num_kv_shared_layers",)
 # rules a config turns into its `layer_types` list in `__init__`: redundant once that list is there
 PATTERN_RULES = ("sliding_window_pattern", "_sliding_window_pattern", "global_attn_every_n_layers",
                  "no_rope_layer_interval")
@@ -105,6 +111,7 @@ def layer_kinds(d: Mapping[str, Any], n: int) -> tuple[list[tuple[Any, ...]], bo
     rules = [(p, o) for p, o in PERIOD_RULES if _int(d.get(p)) and d[p] > 0 and not derived]
     steps = [k for k in STEP_RULES if _int(d.get(k)) and d[k] > 1 and not (derived and k in PATTERN_RULES)]
     dense = int(d["first_k_dense_replace"]) if _int(d.get("first_k_dense_replace")) else None
+    tails = [k for k in TAIL_RULES if _int(d.get(k)) and d[k] > 0]
     kinds = []
     for i in range(n):
         kind: list[Any] = [str(d[k][i]) for k in lists]
@@ -113,6 +120,7 @@ def layer_kinds(d: Mapping[str, Any], n: int) -> tuple[list[tuple[Any, ...]], bo
         kind += [((i + 1) % d[k] == 0, i % d[k] == 0) for k in steps]
         if dense is not None:
             kind.append(i < dense)
+        kind += [i >= n - d[k] for k in tails]
         kinds.append(tuple(kind))
     return kinds, bool(rules or steps)
 
@@ -136,6 +144,9 @@ def _keep_layers(d: dict[str, Any], key: str, n: int, per_kind: int, at_least: i
     for k in lists:
         v = d[k]
         d[k] = "".join(v[i] for i in keep) if isinstance(v, str) else [v[i] for i in keep]
+    for k in TAIL_RULES:
+        if _int(d.get(k)) and d[k] > 0:
+            d[k] = sum(1 for i in keep if i >= n - d[k])
     remap = {old: new for new, old in enumerate(keep)}
     for k in index:
         d[k] = [remap[x] for x in d[k] if x in remap]
@@ -223,22 +234,61 @@ def _remap_stage_blocks(d: dict[str, Any], old: list[int], new: list[int]) -> No
         d[k] = sorted(set(moved))
 
 
+def _is_special_key(k: str) -> bool:
+    return k.endswith(SPECIAL_SUFFIXES) or k in OFFSET_KEYS
+
+
 def _special_max(d: Mapping[str, Any]) -> int:
     top = -1
     for k, v in d.items():
-        if k.endswith(("_token_id", "_token_index", "_token_ids", "_id")) or k in ("image_token_index",):
+        if _is_special_key(k):
             for x in (v if isinstance(v, (list, tuple)) else [v]):
                 if _int(x):
                     top = max(top, x)
-        elif isinstance(v, dict) and not _is_config_dict(k, v):
-            continue
     return top
 
 
+def _walk_specials(d: dict[str, Any], mapping: Mapping[int, int] | None, found: set[int]) -> None:
+    """Collect the special token ids of `d` and its parts into `found`, or replace them by `mapping`."""
+    for k, v in d.items():
+        if _is_config_dict(k, v):
+            _walk_specials(v, mapping, found)
+        elif _is_special_key(k) and (_int(v) or isinstance(v, (list, tuple))):
+            xs = v if isinstance(v, (list, tuple)) else [v]
+            found.update(x for x in xs if _int(x))
+            if mapping is not None:
+                new = [mapping.get(x, x) if _int(x) else x for x in xs]
+                d[k] = new if isinstance(v, (list, tuple)) else new[0]
+
+
+def _big_vocab(d: Mapping[str, Any]) -> bool:
+    return any((_is_vocab_key(k) and _int(v) and v > SMALL_VOCAB) or (_is_config_dict(k, v) and _big_vocab(v))
+               for k, v in d.items())
+
+
+def _remap_specials(d: dict[str, Any]) -> None:
+    """Special token ids past the small vocabulary moved to its top, in the same order: a default config's ids
+    (151655 for Qwen's image token, Gemma 3n's `vocab_offset` 262144 where its vision tokens start) would keep the
+    embedding and the LM head at full vocabulary size (a 262144 x 8960 embedding is 9.4 GB to probe). Ids below it
+    stay; ids that were equal stay equal, and a part's ids stay after its `vocab_offset`."""
+    found: set[int] = set()
+    _walk_specials(d, None, found)
+    big = sorted(x for x in found if x >= SMALL_VOCAB)
+    if not big or not _big_vocab(d):
+        return
+    free = [i for i in range(SMALL_VOCAB - 1, SMALL_VOCAB // 2, -1) if i not in found][:len(big)]
+    if len(free) < len(big):
+        return  # too many to move (never seen): the vocabulary stays big enough for them
+    _walk_specials(d, dict(zip(reversed(big), free)), set())
+
+
+def _is_vocab_key(k: str) -> bool:
+    return k in VOCAB_KEYS or k.endswith("_vocab_size") or k.startswith("vocab_size_")
+
+
 def _shrink_vocab(d: dict[str, Any], specials: int) -> None:
-    for k in VOCAB_KEYS:
-        v = d.get(k)
-        if _int(v) and v > SMALL_VOCAB:
+    for k, v in d.items():
+        if _is_vocab_key(k) and _int(v) and v > SMALL_VOCAB:
             d[k] = max(SMALL_VOCAB, specials + 1)
 
 
@@ -379,6 +429,7 @@ def shrink_dict(config: Mapping[str, Any], level: str = "narrow") -> dict[str, A
     if level not in LEVEL_RULES:
         raise ValueError(f"unknown shrink level {level!r}; use one of {tuple(LEVEL_RULES)}")
     d = copy.deepcopy(dict(config))
+    _remap_specials(d)
     _shrink_dict(d, level, _special_max(d))
     return d
 

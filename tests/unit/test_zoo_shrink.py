@@ -80,14 +80,37 @@ def test_first_k_dense_and_rules() -> None:
     assert ruled and len(set(kinds)) == 3
 
 
-def test_vocab_keeps_special_ids_and_levels_differ() -> None:
+def test_vocab_shrinks_with_special_ids_moved_into_it_and_levels_differ() -> None:
     d = {"num_hidden_layers": 4, "hidden_size": 1024, "num_attention_heads": 16, "intermediate_size": 4096,
-         "vocab_size": 200000, "image_token_id": 151655, "text_config": {"model_type": "x", "vocab_size": 200000}}
+         "vocab_size": 200000, "image_token_id": 151655, "pad_token_id": 151643, "bos_token_id": 1,
+         "text_config": {"model_type": "x", "vocab_size": 200000, "pad_token_id": 151643}}
     narrow, shallow, twice = (shrink_dict(d, lvl) for lvl in ("narrow", "shallow", "twice"))
-    assert narrow["vocab_size"] == 151656 and narrow["text_config"]["vocab_size"] == 151656  # the image token fits
+    assert narrow["vocab_size"] == 512 and narrow["text_config"]["vocab_size"] == 512
+    # moved to the top of the small vocabulary, in the same order; equal ids stay equal, small ones stay
+    assert (narrow["pad_token_id"], narrow["image_token_id"], narrow["bos_token_id"]) == (510, 511, 1)
+    assert narrow["text_config"]["pad_token_id"] == 510
     assert (narrow["num_attention_heads"], narrow["hidden_size"], narrow["intermediate_size"]) == (4, 256, 1024)
-    assert shallow["hidden_size"] == 1024 and shallow["num_hidden_layers"] == 2
+    assert shallow["hidden_size"] == 1024 and shallow["num_hidden_layers"] == 2 and shallow["vocab_size"] == 512
     assert twice["num_hidden_layers"] == 2 and LEVELS == ("narrow", "twice", "shallow", "default")
+
+
+def test_a_parts_token_ids_stay_after_its_vocab_offset() -> None:
+    """Gemma 3n: the vision tower's tokens start at `vocab_offset` (the text vocabulary's size); per-layer input
+    embeddings have their own `vocab_size_per_layer_input`. Both shrink, the order of ids and offsets is kept."""
+    d = {"model_type": "g", "image_token_id": 262145, "boi_token_id": 255999, "eoi_token_id": 262144,
+         "text_config": {"model_type": "t", "vocab_size": 262400, "vocab_size_per_layer_input": 262144,
+                         "num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 2},
+         "vision_config": {"model_type": "v", "vocab_size": 128, "vocab_offset": 262144}}
+    s = shrink_dict(d, "narrow")
+    text, vision = s["text_config"], s["vision_config"]
+    assert text["vocab_size"] == 512 and text["vocab_size_per_layer_input"] == 512 and vision["vocab_size"] == 128
+    assert s["boi_token_id"] < vision["vocab_offset"] == s["eoi_token_id"] < s["image_token_id"] < 512
+    assert s["image_token_id"] - vision["vocab_offset"] < vision["vocab_size"]
+
+
+def test_a_small_vocabulary_keeps_its_ids() -> None:
+    d = {"num_hidden_layers": 2, "vocab_size": 300, "pad_token_id": 299}
+    assert shrink_dict(d, "shallow")["pad_token_id"] == 299
 
 
 def test_part_layer_counts_and_loops_shrink() -> None:
@@ -151,3 +174,15 @@ def test_vision_depth_and_merger_width_follow_the_text_model() -> None:
     assert q25["vision_config"]["depth"] == 2 and q25["vision_config"]["fullatt_block_indexes"] == [1]
     q2 = shrink_dict(transformers.AutoConfig.for_model("qwen2_vl").to_dict())  # merger out: hidden_size
     assert q2["vision_config"]["hidden_size"] == q2["text_config"]["hidden_size"] != q2["vision_config"]["embed_dim"]
+
+
+def test_layers_that_reuse_an_earlier_layers_cache_keep_a_producer_of_each_type() -> None:
+    """Gemma 3n: the last `num_kv_shared_layers` layers reuse the KV cache of the last earlier layer of their type;
+    the config refuses a cut where a type is used and never produced."""
+    types = ["sliding_attention"] * 4 + ["full_attention"]
+    d = {"num_hidden_layers": 35, "layer_types": types * 7, "num_kv_shared_layers": 15}
+    s = shrink_dict(d, "narrow")
+    n, k = s["num_hidden_layers"], s["num_kv_shared_layers"]
+    assert (n, k) == (4, 2)
+    producers, users = s["layer_types"][:n - k], s["layer_types"][n - k:]
+    assert set(producers) == set(users) == {"sliding_attention", "full_attention"}
