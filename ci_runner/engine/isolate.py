@@ -24,6 +24,7 @@ starts a child process):
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import importlib
@@ -47,11 +48,15 @@ __all__ = [
     "IsolatedResult", "Journal", "Attempt", "SupervisedRun", "child_journal", "open_entry", "run_isolated",
     "run_process", "ChildExit", "LiveChildren", "kill_session", "file_tail", "supervise", "child_env",
     "set_pdeathsig", "die_with_parent", "arm_worker", "signal_name", "JOURNAL_ENV", "PARENT_ENV",
-    "CommandResult", "run_command",
+    "CommandResult", "run_command", "child_main", "WARM_ENV", "WarmServer",
 ]
 
 JOURNAL_ENV = "DEEPVIEW_CI_JOURNAL"
 PARENT_ENV = "DEEPVIEW_CI_PARENT_PID"  # the process a child must die with (set by `child_env`)
+WARM_ENV = "DEEPVIEW_CI_WARM_CHILDREN"  # "1": `run_isolated` forks its children from a warm server (`engine.warm`)
+# differ between the children of one warm server (nothing the server imports reads them; pytest sets the last per test)
+_PER_CHILD_ENV = (JOURNAL_ENV, PARENT_ENV, "PYTEST_CURRENT_TEST")
+_WARM_KEEP = 2  # warm servers kept per process (each holds torch and transformers: ~0.5 GB); the oldest ends first
 _PR_SET_PDEATHSIG = 1
 
 
@@ -308,8 +313,12 @@ def run_isolated(target: str, payload: Mapping[str, Any], *, timeout: float, jou
         cenv["PYTHONUNBUFFERED"] = "1"
         if journal is not None:
             cenv[JOURNAL_ENV] = str(journal)
-        end = run_process([sys.executable, "-m", "ci_runner.engine.isolate", str(payload_path), str(result_path)],
-                          timeout=timeout, stdout=stderr_path, env=cenv, cwd=cwd)
+        args = [str(payload_path), str(result_path)]
+        end = WarmServer.run(args, timeout=timeout, stdout=stderr_path, env=cenv, cwd=cwd) \
+            if cenv.get(WARM_ENV) == "1" else None
+        if end is None:  # cold (the default), or no warm server could start
+            end = run_process([sys.executable, "-m", "ci_runner.engine.isolate", *args], timeout=timeout,
+                              stdout=stderr_path, env=cenv, cwd=cwd)
         tail = file_tail(stderr_path)
         if end.timed_out:
             return IsolatedResult(status="timeout", message=f"timed out after {timeout:g}s", stderr_tail=tail,
@@ -321,6 +330,111 @@ def run_isolated(target: str, payload: Mapping[str, Any], *, timeout: float, jou
                                   exit_code=end.returncode, stderr_tail=tail, timeout=timeout)
         return IsolatedResult(status="crashed", message=f"child process {end.ended()}", exit_code=end.returncode,
                               signal=end.signal, stderr_tail=tail, timeout=timeout)
+
+
+class WarmServer:
+    """A warm server (`engine.warm`) of this process: started on first use, one per environment and working folder
+    (the per-child variables aside), ended with this process. `WarmServer.run` is `run_process` for a child entry
+    forked from it; None when no server can serve (then the caller starts the child cold)."""
+
+    _servers: dict[tuple[Any, ...], "WarmServer"] = {}  # oldest first
+    _ended: list["WarmServer"] = []  # stopped, not yet waited for
+    _owner = 0  # the pid the servers belong to (a forked copy of this process starts its own)
+    _guard = threading.Lock()
+
+    def __init__(self, env: Mapping[str, str], cwd: Path | None) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "ci_runner.engine.warm"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=dict(env), cwd=str(cwd) if cwd else None,
+                                     start_new_session=True)
+        self.lock = threading.Lock()
+        self.cond = threading.Condition()
+        self.replies: dict[str, int] = {}  # "id:<n>" -> pid, "pid:<pid>" -> return code
+        self.next_id = 0
+        self.alive = self.proc.stdout is not None and b"ready" in self.proc.stdout.readline()
+        threading.Thread(target=self._read, daemon=True, name="deepview-warm-reader").start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            msg = json.loads(line)
+            with self.cond:
+                self.replies[f"id:{msg['id']}" if "id" in msg else f"pid:{msg['pid']}"] = \
+                    msg["pid"] if "id" in msg else msg["returncode"]
+                self.cond.notify_all()
+        with self.cond:
+            self.alive = False
+            self.cond.notify_all()
+
+    def _await(self, key: str, timeout: float | None) -> int | None:
+        with self.cond:
+            self.cond.wait_for(lambda: key in self.replies or not self.alive, timeout=timeout)
+            return self.replies.pop(key, None)
+
+    @classmethod
+    def run(cls, args: Sequence[str], *, timeout: float, stdout: Path, env: Mapping[str, str],
+            cwd: Path | None = None) -> ChildExit | None:
+        key = (tuple(sorted((k, v) for k, v in env.items() if k not in _PER_CHILD_ENV)), str(cwd or os.getcwd()))
+        with cls._guard:
+            if cls._owner != os.getpid():
+                cls._servers, cls._ended, cls._owner = {}, [], os.getpid()
+                atexit.register(cls.close_all)
+            server = cls._servers.pop(key, None)  # put back last: the most recently used
+            if server is None or not server.alive:
+                if server is not None:
+                    cls._ended.append(server.stop())
+                while len(cls._servers) >= _WARM_KEEP:
+                    cls._ended.append(cls._servers.pop(next(iter(cls._servers))).stop())
+                server = cls(env, cwd)
+            cls._servers[key] = server
+        return server.fork(args, timeout=timeout, stdout=stdout, env=env) if server.alive else None
+
+    def fork(self, args: Sequence[str], *, timeout: float, stdout: Path, env: Mapping[str, str]) -> ChildExit | None:
+        """One child forked from this server, waited for like `run_process` (its session killed at `timeout`)."""
+        assert self.proc.stdin is not None
+        with self.lock:
+            self.next_id += 1
+            rid = self.next_id
+            req = {"id": rid, "args": list(args), "stdout": str(stdout), "stderr": None, "env": dict(env)}
+            try:
+                self.proc.stdin.write((json.dumps(req) + "\n").encode())
+                self.proc.stdin.flush()
+            except OSError:
+                return None
+        pid = self._await(f"id:{rid}", None)
+        if pid is None:
+            return None  # the server died before it forked
+        try:
+            rc = self._await(f"pid:{pid}", max(0.1, timeout))
+        except BaseException:
+            self._kill(pid)
+            raise
+        if rc is not None or not self.alive:
+            return ChildExit(returncode=rc if rc is not None else -signal.SIGKILL, timed_out=False)
+        self._kill(pid)
+        return ChildExit(returncode=self._await(f"pid:{pid}", 10.0), timed_out=True)
+
+    def stop(self) -> "WarmServer":
+        """EOF on its stdin: the server's loop ends (its running children finish first; it is waited for later)."""
+        with contextlib.suppress(OSError, ValueError):
+            self.proc.stdin.close()  # type: ignore[union-attr]
+        return self
+
+    @classmethod
+    def close_all(cls) -> None:
+        """End this process's servers (at exit) and wait for them: their children's CPU time is counted here."""
+        servers = [*cls._servers.values(), *cls._ended] if cls._owner == os.getpid() else []
+        cls._servers, cls._ended = {}, []
+        for server in servers:
+            try:
+                server.stop().proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                kill_session(server.proc)
+
+    def _kill(self, pid: int) -> None:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -468,7 +582,8 @@ def arm_worker(budget_s: float, *, grace_s: float = 10.0) -> None:
     threading.Thread(target=expire, daemon=True, name="deepview-worker-deadline").start()
 
 
-def _child(payload_path: str, result_path: str) -> int:
+def child_main(payload_path: str, result_path: str) -> int:
+    """A child's entry (cold: `python -m ci_runner.engine.isolate`; warm: forked by `engine.warm`)."""
     die_with_parent()
     spec = json.loads(Path(payload_path).read_text(encoding="utf-8"))
     module_name, fn_name = spec["target"].split(":")
@@ -483,4 +598,4 @@ def _child(payload_path: str, result_path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_child(sys.argv[1], sys.argv[2]))
+    sys.exit(child_main(sys.argv[1], sys.argv[2]))

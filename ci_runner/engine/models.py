@@ -93,8 +93,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, default: str = "float32") -> 
 
 @contextlib.contextmanager
 def _quiet_transformers() -> Iterator[None]:
-    """No progress bars or info chatter from transformers while loading (the CLI owns the terminal). Not entered for
-    a factory (your code) unless transformers is imported already: importing it costs a child ~1.2 CPU s."""
+    """No progress bars or chatter from transformers while loading (the CLI owns the terminal); see `load_model`."""
     from transformers.utils import logging as hf_logging  # deferred: transformers is heavy (seconds)
 
     level = hf_logging.get_verbosity()
@@ -408,14 +407,14 @@ def load_model(spec: ModelSpec, *, seed: int = 0, dtype: str | torch.dtype | Non
     """Build the model of `spec` in eval mode; every failure is one `ModelLoadError` with a hint.
 
     `dtype` overrides the spec's. `meta=True` builds on the meta device: no weights, no memory, for shape-only
-    work (op inventory of big configs); path/hub sources then need only their config.
-    """
+    work (op inventory of big configs); path/hub sources then need only their config. A factory (your code) is
+    called without importing transformers only to quiet it (that import costs a child ~1.2 CPU s)."""
     dt = resolve_dtype(dtype, spec.dtype)
     tokenizer = None
     revision = None
     source_dir = None
     example_inputs = None
-    with _quiet_transformers() if not spec.factory or "transformers" in sys.modules else contextlib.nullcontext():
+    with contextlib.nullcontext() if spec.factory and "transformers" not in sys.modules else _quiet_transformers():
         if spec.config:
             module, config, task = _load_config_source(spec, seed=seed, meta=meta)
         elif spec.path:
