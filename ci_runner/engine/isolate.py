@@ -350,13 +350,16 @@ class WarmServer:
         self.cond = threading.Condition()
         self.replies: dict[str, int] = {}  # "id:<n>" -> pid, "pid:<pid>" -> return code
         self.next_id = 0
-        self.alive = self.proc.stdout is not None and b"ready" in self.proc.stdout.readline()
+        self.alive = self.proc.stdout is not None and b'"ready"' in self.proc.stdout.readline()  # or EOF: it died
         threading.Thread(target=self._read, daemon=True, name="deepview-warm-reader").start()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
-            msg = json.loads(line)
+            try:
+                msg = json.loads(line)
+            except json.JSONDecodeError:
+                continue
             with self.cond:
                 self.replies[f"id:{msg['id']}" if "id" in msg else f"pid:{msg['pid']}"] = \
                     msg["pid"] if "id" in msg else msg["returncode"]

@@ -32,8 +32,11 @@ from .isolate import PARENT_ENV, child_main, die_with_parent
 PRELOAD = ("torch", "torch._dynamo", "transformers")  # what every child imports first (~5.5 CPU s here)
 
 
+_REPLIES = 1  # the fd replies go to: the server's stdout, moved aside by `serve` (fd 1 then is its stderr)
+
+
 def _reply(obj: dict[str, Any]) -> None:
-    os.write(1, (json.dumps(obj) + "\n").encode())
+    os.write(_REPLIES, (json.dumps(obj) + "\n").encode())
 
 
 def _open(path: str, append: bool) -> int:
@@ -43,6 +46,7 @@ def _open(path: str, append: bool) -> int:
 def _run_child(req: dict[str, Any]) -> int:
     """In the forked child: a session of its own, its output files, its environment, then the cold child's entry."""
     os.setsid()
+    os.close(_REPLIES)  # the server's pipe to its requester stays the server's
     out = _open(req["stdout"], bool(req.get("append")))
     err = _open(req["stderr"], bool(req.get("append"))) if req.get("stderr") else out
     null = os.open(os.devnull, os.O_RDONLY)
@@ -93,7 +97,10 @@ def _reap(block: bool = False) -> None:
 
 def serve() -> int:
     """The server's loop: fork a child per request line, report each end; stop when the requester closes stdin."""
+    global _REPLIES
     die_with_parent()
+    _REPLIES = os.dup(1)
+    os.dup2(2, 1)  # whatever an import prints goes to stderr, never into the replies
     for name in PRELOAD:
         try:
             importlib.import_module(name)
