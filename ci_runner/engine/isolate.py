@@ -48,7 +48,7 @@ __all__ = [
     "IsolatedResult", "Journal", "Attempt", "SupervisedRun", "child_journal", "open_entry", "run_isolated",
     "run_process", "ChildExit", "LiveChildren", "kill_session", "file_tail", "supervise", "child_env",
     "set_pdeathsig", "die_with_parent", "arm_worker", "signal_name", "JOURNAL_ENV", "PARENT_ENV",
-    "CommandResult", "run_command", "child_main", "WARM_ENV", "WarmServer",
+    "CommandResult", "run_command", "child_main", "WARM_ENV", "WarmServer", "WarmChild",
 ]
 
 JOURNAL_ENV = "DEEPVIEW_CI_JOURNAL"
@@ -261,15 +261,19 @@ def run_process(cmd: Sequence[str], *, timeout: float, stdout: Path, stderr: Pat
     this package starts a child process. Output goes to the file `stdout` (and `stderr`, else the same file;
     appended with `append`). `foreign`: the command is not this package's entry point, so the `_LAUNCH` wrapper
     makes it die with this process (ours call `die_with_parent` themselves). Any exception while waiting
-    (Ctrl-C) kills the child before it propagates."""
+    (Ctrl-C) kills the child before it propagates. With `WARM_ENV` set to "1" in `env`, an entry point of this
+    package (`python -m ci_runner.…`) is forked from a warm server (`WarmServer`) instead of started cold."""
     argv = [sys.executable, "-c", _LAUNCH, str(os.getpid()), *cmd] if foreign else list(cmd)
     mode = "ab" if append else "wb"
     with contextlib.ExitStack() as files:
         out_fh = files.enter_context(open(stdout, mode))
         err_fh = files.enter_context(open(stderr, mode)) if stderr is not None else out_fh
-        proc = subprocess.Popen(argv, stdout=out_fh, stderr=err_fh,
-                                stdin=subprocess.DEVNULL, env=dict(env), cwd=str(cwd) if cwd else None,
-                                start_new_session=True)
+        proc: Any = WarmServer.start(argv, stdout=stdout, stderr=stderr, env=env, cwd=cwd) \
+            if not foreign and env.get(WARM_ENV) == "1" else None
+        if proc is None:  # cold (the default), not our entry point, or no warm server could start
+            proc = subprocess.Popen(argv, stdout=out_fh, stderr=err_fh,
+                                    stdin=subprocess.DEVNULL, env=dict(env), cwd=str(cwd) if cwd else None,
+                                    start_new_session=True)
         if live is not None:
             live.add(proc)
         try:
@@ -313,12 +317,8 @@ def run_isolated(target: str, payload: Mapping[str, Any], *, timeout: float, jou
         cenv["PYTHONUNBUFFERED"] = "1"
         if journal is not None:
             cenv[JOURNAL_ENV] = str(journal)
-        args = [str(payload_path), str(result_path)]
-        end = WarmServer.run(args, timeout=timeout, stdout=stderr_path, env=cenv, cwd=cwd) \
-            if cenv.get(WARM_ENV) == "1" else None
-        if end is None:  # cold (the default), or no warm server could start
-            end = run_process([sys.executable, "-m", "ci_runner.engine.isolate", *args], timeout=timeout,
-                              stdout=stderr_path, env=cenv, cwd=cwd)
+        end = run_process([sys.executable, "-m", "ci_runner.engine.isolate", str(payload_path), str(result_path)],
+                          timeout=timeout, stdout=stderr_path, env=cenv, cwd=cwd)
         tail = file_tail(stderr_path)
         if end.timed_out:
             return IsolatedResult(status="timeout", message=f"timed out after {timeout:g}s", stderr_tail=tail,
@@ -334,8 +334,8 @@ def run_isolated(target: str, payload: Mapping[str, Any], *, timeout: float, jou
 
 class WarmServer:
     """A warm server (`engine.warm`) of this process: started on first use, one per environment and working folder
-    (the per-child variables aside), ended with this process. `WarmServer.run` is `run_process` for a child entry
-    forked from it; None when no server can serve (then the caller starts the child cold)."""
+    (the per-child variables aside), ended with this process. `WarmServer.start` forks an entry point of this
+    package from it for `run_process`; None when no server can serve (then `run_process` starts the child cold)."""
 
     _servers: dict[tuple[Any, ...], "WarmServer"] = {}  # oldest first
     _ended: list["WarmServer"] = []  # stopped, not yet waited for
@@ -368,14 +368,18 @@ class WarmServer:
             self.alive = False
             self.cond.notify_all()
 
-    def _await(self, key: str, timeout: float | None) -> int | None:
+    def await_reply(self, key: str, timeout: float | None) -> int | None:
         with self.cond:
             self.cond.wait_for(lambda: key in self.replies or not self.alive, timeout=timeout)
             return self.replies.pop(key, None)
 
     @classmethod
-    def run(cls, args: Sequence[str], *, timeout: float, stdout: Path, env: Mapping[str, str],
-            cwd: Path | None = None) -> ChildExit | None:
+    def start(cls, argv: Sequence[str], *, stdout: Path, stderr: Path | None, env: Mapping[str, str],
+              cwd: Path | None = None) -> "WarmChild | None":
+        """`argv` (`python -m ci_runner.<module> ARGS…`) forked from this process's server for `env` and `cwd`
+        (started on first use); None when `argv` is not such an entry point or no server can serve it."""
+        if len(argv) < 3 or argv[0] != sys.executable or argv[1] != "-m" or not argv[2].startswith("ci_runner."):
+            return None
         key = (tuple(sorted((k, v) for k, v in env.items() if k not in _PER_CHILD_ENV)), str(cwd or os.getcwd()))
         with cls._guard:
             if cls._owner != os.getpid():
@@ -389,32 +393,24 @@ class WarmServer:
                     cls._ended.append(cls._servers.pop(next(iter(cls._servers))).stop())
                 server = cls(env, cwd)
             cls._servers[key] = server
-        return server.fork(args, timeout=timeout, stdout=stdout, env=env) if server.alive else None
+        return server.fork(argv[2], argv[3:], stdout=stdout, stderr=stderr, env=env) if server.alive else None
 
-    def fork(self, args: Sequence[str], *, timeout: float, stdout: Path, env: Mapping[str, str]) -> ChildExit | None:
-        """One child forked from this server, waited for like `run_process` (its session killed at `timeout`)."""
+    def fork(self, module: str, args: Sequence[str], *, stdout: Path, stderr: Path | None,
+             env: Mapping[str, str]) -> "WarmChild | None":
+        """`python -m <module> ARGS…` forked from this server (output appended: `run_process` opened the files)."""
         assert self.proc.stdin is not None
         with self.lock:
             self.next_id += 1
             rid = self.next_id
-            req = {"id": rid, "args": list(args), "stdout": str(stdout), "stderr": None, "env": dict(env)}
+            req = {"id": rid, "module": module, "args": list(args), "stdout": str(stdout),
+                   "stderr": str(stderr) if stderr is not None else None, "env": dict(env), "append": True}
             try:
                 self.proc.stdin.write((json.dumps(req) + "\n").encode())
                 self.proc.stdin.flush()
             except OSError:
                 return None
-        pid = self._await(f"id:{rid}", None)
-        if pid is None:
-            return None  # the server died before it forked
-        try:
-            rc = self._await(f"pid:{pid}", max(0.1, timeout))
-        except BaseException:
-            self._kill(pid)
-            raise
-        if rc is not None or not self.alive:
-            return ChildExit(returncode=rc if rc is not None else -signal.SIGKILL, timed_out=False)
-        self._kill(pid)
-        return ChildExit(returncode=self._await(f"pid:{pid}", 10.0), timed_out=True)
+        pid = self.await_reply(f"id:{rid}", None)
+        return WarmChild(self, pid) if pid is not None else None  # None: the server died before it forked
 
     def stop(self) -> "WarmServer":
         """EOF on its stdin: the server's loop ends (its running children finish first; it is waited for later)."""
@@ -433,11 +429,22 @@ class WarmServer:
             except subprocess.TimeoutExpired:
                 kill_session(server.proc)
 
-    def _kill(self, pid: int) -> None:
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+
+class WarmChild:
+    """A child forked by a warm server, as `run_process` and `kill_session` use a `Popen`: `pid` (it leads its own
+    session), `wait(timeout)` (the server reports its end), `returncode`."""
+
+    def __init__(self, server: WarmServer, pid: int) -> None:
+        self.server, self.pid = server, pid
+        self.returncode: int | None = None
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            rc = self.server.await_reply(f"pid:{self.pid}", timeout)
+            if rc is None and self.server.alive:
+                raise subprocess.TimeoutExpired(f"warm child {self.pid}", timeout or 0.0)
+            self.returncode = rc if rc is not None else -signal.SIGKILL  # its server died: so did it
+        return self.returncode
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,19 +1,19 @@
-"""Warm starts for isolated children: a fork server that imports torch, Dynamo and transformers once.
+"""Warm starts for this package's child processes: a fork server that imports torch, Dynamo and transformers once.
 
-A fresh child of `isolate.run_isolated` spends ~5.5 of its first ~6.5 CPU s on this 2-core machine importing torch,
-Dynamo and transformers, and a run starts many children (probing children, target children, the toolbox's). The
-warm server (`python -m ci_runner.engine.warm`, started by `isolate.WarmServers` on first use and once per
+A fresh child (an isolated child of `isolate.run_isolated`, a cell worker of `run/execute.py`) spends ~5.5 of its
+first ~6.5 CPU s on this 2-core machine importing torch, Dynamo and transformers, and a run starts many children.
+The warm server (`python -m ci_runner.engine.warm`, started by `isolate.WarmServer` on first use, once per
 environment and working folder) imports them once, then forks one child per request. Each child is still a
-process of its own: its own session, output file, environment (`PARENT_ENV` names the server, which it dies with;
-the server dies with the process that started it) and result, and it runs the same entry as a cold child
-(`isolate.child_main`). Only what the server imported before the fork is shared, and the server imports nothing
-that reads the per-child variables (`isolate.PER_CHILD_ENV`): a child whose environment differs otherwise gets
-a server of its own.
+process of its own: its own session, output files and environment (`PARENT_ENV` names the server, which it dies
+with; the server dies with the process that started it), and it runs its module as `python -m` would (`runpy`,
+as `__main__`), exit status and signal reported as `subprocess.Popen` reports them. Only what the server imported
+before the fork is shared; a child whose environment differs from the server's in more than the per-child
+variables (`isolate._PER_CHILD_ENV`) gets a server of its own.
 
-Protocol, one JSON object per line: requests on the server's stdin
-``{"id": n, "args": [payload, result], "stdout": path, "stderr": path|null, "env": {...}, "append": bool}``;
-replies on its stdout ``{"id": n, "pid": pid}`` when the child is forked and ``{"pid": pid, "returncode": rc}``
-when it has ended (negative: the signal), as `subprocess.Popen` reports it.
+Protocol, one JSON object per line: requests on the server's stdin ``{"id": n, "module": "ci_runner.…", "args":
+[…], "stdout": path, "stderr": path|null, "env": {…}, "append": bool}``; replies on its stdout ``{"id": n,
+"pid": pid}`` when the child is forked and ``{"pid": pid, "returncode": rc}`` when it has ended (negative: the
+signal).
 """
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ import atexit
 import importlib
 import json
 import os
+import runpy
 import select
 import sys
 import traceback
 from typing import Any
 
-from .isolate import PARENT_ENV, child_main, die_with_parent
+from .isolate import PARENT_ENV, die_with_parent
 
 PRELOAD = ("torch", "torch._dynamo", "transformers")  # what every child imports first (~5.5 CPU s here)
 
@@ -56,7 +57,16 @@ def _run_child(req: dict[str, Any]) -> int:
     os.environ.clear()
     os.environ.update(req["env"])
     os.environ[PARENT_ENV] = str(os.getppid())  # the server: the child dies with it (`die_with_parent`)
-    return child_main(*req["args"])
+    sys.argv = ["-m", *req["args"]]  # as `python -m <module> ARGS…` sees them (runpy sets argv[0])
+    sys.modules.pop(req["module"], None)  # not imported yet, as in a cold child (the server imports `isolate`)
+    try:
+        runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
+    except SystemExit as exc:  # what the interpreter does with it
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(exc.code, file=sys.stderr)
+        return 1
+    return 0
 
 
 def _fork(req: dict[str, Any]) -> int:
@@ -68,9 +78,12 @@ def _fork(req: dict[str, Any]) -> int:
     code = 1
     try:
         code = _run_child(req)
-        atexit._run_exitfuncs()  # what a cold child's interpreter runs at exit
-    except BaseException:  # the child must never return into the server's loop
+    except BaseException:  # an uncaught exception: the interpreter's traceback and status 1
         traceback.print_exc()
+    try:
+        atexit._run_exitfuncs()  # what a cold child's interpreter runs at exit
+    except BaseException:
+        pass
     finally:
         for stream in (sys.stdout, sys.stderr):
             try:

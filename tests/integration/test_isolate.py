@@ -84,6 +84,7 @@ def test_a_warm_child_is_forked_from_a_server_that_imported_torch(monkeypatch: p
     second = run_isolated("tests.fixtures.iso_targets:whoami", {}, timeout=60)
     assert first.ok and second.ok, (first, second)
     assert first.value["pid"] != second.value["pid"]  # a process per child, warm or cold
+    assert first.stderr_tail == second.stderr_tail == ""  # nothing said about how it started
     if warm:  # forked by one server (its parent, not this process), torch imported before the child began
         assert first.value["ppid"] == second.value["ppid"] != os.getpid()
         assert first.value["torch"] and first.value["env"] == "1"
