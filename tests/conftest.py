@@ -24,9 +24,10 @@ from tests.fixtures.fake_github import FakeGitHub
 from tests.fixtures.matrices import matrix_text
 from tests.fixtures.schedule import heaviest_first
 
-# The suite starts hundreds of isolated children on 2 cores, each importing torch, Dynamo and transformers (~5.5 CPU s)
-# before its work: here they are forked from a warm server instead (`ci_runner/engine/warm.py`), the same children
-# and entry. tests/integration/test_isolate.py checks both starts; a run that sets the variable keeps its value.
+# The suite starts hundreds of children on 2 cores (isolated children, cell workers), each importing torch, Dynamo and
+# transformers (~5.5 CPU s) before its work: here they are forked from a warm server instead (`ci_runner/engine/
+# warm.py`), the same children and entries. tests/integration/test_isolate.py checks both starts; a run that sets
+# the variable keeps its value.
 os.environ.setdefault(WARM_ENV, "1")
 
 
