@@ -209,6 +209,11 @@ class OpsOptions:
                                             "false: one compile per probe; auto: grouped unless the backend is known "
                                             "to treat one-op graphs differently (OpenVINO)")
     group_size: int = option(32, check=integer(ge=1), help="probes compiled together in one group")
+    max_probe_input_mb: float = option(1024.0, check=number(ge=0, hint="megabytes (2^20 bytes), e.g. 4096; 0: no limit"),
+                                       shown="1024",
+                                       help="a probe whose input tensors take more MB (2^20 bytes) is not run "
+                                            "(`not_run`, decided before any probe process allocates them); 0: no "
+                                            "limit")
 
     def tolerance_for(self, dtype: str) -> tuple[float, float]:
         return tuple(self.tolerance.get(dtype, (0.0, 0.0)))  # type: ignore[return-value]

@@ -33,11 +33,13 @@ def backend_table(uses: Mapping[str, Iterable[str]], verdicts: Mapping[str, str]
              "models": sorted(set(uses.get(key, ())))} for key, sig in signatures.items()]
 
 
-def per_architecture(rows: Iterable[Mapping[str, Any]], scanned: Iterable[str]) -> dict[str, list[str]]:
-    """model_type -> the ops (sorted) with a failing signature it uses; [] when fully supported."""
+def per_architecture(rows: Iterable[Mapping[str, Any]], scanned: Iterable[str],
+                     status: str = "fail") -> dict[str, list[str]]:
+    """model_type -> the ops (sorted) with a signature of `status` it uses (failing by default; "inconclusive":
+    no verdict, e.g. not run); [] when it uses none."""
     lacks: dict[str, set[str]] = {m: set() for m in scanned}
     for r in rows:
-        if r["status"] == "fail":
+        if r["status"] == status:
             for m in r["models"]:
                 lacks.setdefault(m, set()).add(r["op"])
     return {m: sorted(ops) for m, ops in sorted(lacks.items())}
@@ -87,8 +89,12 @@ def zoo_section(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
         families.update({m: f for m, f in rec.get("families", {}).items() if f})
         tables[b] = rec["table"]
         lacks = per_architecture(rec["table"], rec["scanned"])
-        backends[b] = {"level": rec.get("level"), "supported": sorted(m for m, ops in lacks.items() if not ops),
-                       "lacks": {m: ops for m, ops in lacks.items() if ops}, "ranked": ops_ranked(rec["table"]),
+        unsure = per_architecture(rec["table"], rec["scanned"], "inconclusive")
+        backends[b] = {"level": rec.get("level"),
+                       "supported": sorted(m for m, ops in lacks.items() if not ops and not unsure.get(m)),
+                       "lacks": {m: ops for m, ops in lacks.items() if ops},
+                       "inconclusive": {m: ops for m, ops in unsure.items() if ops and not lacks.get(m)},
+                       "ranked": ops_ranked(rec["table"]),
                        "probe_s": rec.get("probe_s"), "store": rec.get("store", {})}
     groups = group_reasons({m: {"stage": r.split(": ", 1)[0], "reason": r.split(": ", 1)[-1]} for m, r in left.items()})
     return {
@@ -113,13 +119,15 @@ def zoo_view(zoo: Mapping[str, Any]) -> dict[str, Any]:
     backends = []
     for name, b in (zoo.get("backends") or {}).items():
         fams: dict[str, dict[str, Any]] = {}
-        lacks = b.get("lacks", {})
+        lacks, unsure = b.get("lacks", {}), b.get("inconclusive", {})
         for m in scanned:
             f = fams.setdefault(families.get(m) or "other", {"family": families.get(m) or "other", "scanned": 0,
-                                                              "supported": 0, "lacking": []})
+                                                              "supported": 0, "inconclusive": 0, "lacking": []})
             f["scanned"] += 1
             if lacks.get(m):
                 f["lacking"].append({"model": m, "ops": lacks[m]})
+            elif unsure.get(m):  # no failure, but a signature without a verdict (not run, never executed)
+                f["inconclusive"] += 1
             else:
                 f["supported"] += 1
         sigs, pairs = (zoo.get("signatures") or {}).get(name, 0), (zoo.get("pairs") or {}).get(name, 0)

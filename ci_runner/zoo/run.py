@@ -388,7 +388,6 @@ def _store_counts(ctx: _Child, stats: Mapping[str, Any], seconds: float) -> tupl
 
 def backend_child(payload: Mapping[str, Any]) -> dict[str, Any]:
     """Child target: the backend's outcomes for its whole merged list, every architecture's cell, the zoo record."""
-    from dataclasses import replace
 
     from ..modes.ops.mode import model_result  # deferred: torch, child only
     from ..modes.ops.outcome import OpStatus  # deferred: with the ops mode it belongs to, in this child only
@@ -398,7 +397,7 @@ def backend_child(payload: Mapping[str, Any]) -> dict[str, Any]:
     sigs = _signatures(ctx)
     outcomes, stats, probe_s = _probe(ctx, sigs)
     group_dir = _group_dir(ctx.out, ctx.merged["group"])
-    verified: set[str] = set()  # ops whose repro one architecture already verified: the others skip it
+    verified: dict[str, str] = {}  # op -> the architecture whose repro of it verified: the others skip it
     for c in ctx.group:
         rec = read_json(record_path(group_dir, _arch(c)), what="zoo scan record")
         meta = _zoo_meta(c, rec)
@@ -406,11 +405,12 @@ def backend_child(payload: Mapping[str, Any]) -> dict[str, Any]:
         if "inventory" in rec:
             inv = Inventory.from_dict(rec["inventory"])
             data = {"ir": ctx.level, "inventory": inv.summary(), "timings": {}, "zoo": meta}
-            cell_opts = replace(ctx.opts, verify=ctx.opts.verify and not (verified >= {s.op for s in inv.signatures}))
-            mr = model_result(inv, outcomes, spec=ctx.spec, model_id=c.model.id, level=ctx.level, opts=cell_opts,
+            mr = model_result(inv, outcomes, spec=ctx.spec, model_id=c.model.id, level=ctx.level, opts=ctx.opts,
                               ops_dir=ctx.out / "cells" / c.id / MODE, env_stamp=ctx.env, remaining=ctx.remaining,
-                              eager=ctx.backend.is_eager, setup_error=stats.get("setup_error"), data=data, started=t1)
-            verified |= {f.op for f in mr.findings if f.op and f.repro is not None}
+                              eager=ctx.backend.is_eager, setup_error=stats.get("setup_error"), data=data, started=t1,
+                              verified_ops=verified)
+            verified.update({f.op: c.model.id for f in mr.findings
+                             if f.op and f.repro is not None and f.repro.verified and f.op not in verified})
         else:
             lo = rec["left_out"]
             mr = ModeResult(status="skipped", reason=f"zoo: left out ({lo['stage']}): {lo['reason']}",

@@ -315,3 +315,21 @@ def test_probe_children_compile_inductor_on_their_share_of_the_cores(monkeypatch
     assert probe_child_env({"TORCHINDUCTOR_COMPILE_THREADS": 4}, 2)["TORCHINDUCTOR_COMPILE_THREADS"] == "4"  # the spec's
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "3")  # this process's: the children inherit it
     assert probe_child_env({}, 2) == {}
+
+
+def test_an_op_whose_repro_verified_in_another_cell_is_not_run_again() -> None:
+    """The zoo verifies one repro per op: a later architecture's finding on that op names the cell that verified
+    it; an op not verified yet is still run (its finding has no `how`, so running it would raise KeyError)."""
+    from ci_runner.modes.ops.mode import _verify_all
+    from ci_runner.options import OpsOptions
+    from ci_runner.results.model import Finding, Repro
+
+    done = Finding(kind="op_unsupported", stage="compile", message="m", fingerprint="f1", op="aten.cumsum.default",
+                   repro=Repro(path="ops/repro_cumsum.py"))
+    _verify_all(lambda: 600.0, [(done, {})], OpsOptions(verify=True), {"aten.cumsum.default": "jamba"})
+    assert done.repro is not None and not done.repro.verified
+    assert done.repro.note == "not run again: the repro of aten.cumsum.default verified in jamba's cell"
+    new = Finding(kind="op_unsupported", stage="compile", message="m", fingerprint="f2", op="aten.exp.default",
+                  repro=Repro(path="ops/repro_exp.py"))
+    with pytest.raises(KeyError):
+        _verify_all(lambda: 600.0, [(new, {})], OpsOptions(verify=True), {"aten.cumsum.default": "jamba"})

@@ -63,16 +63,20 @@ def _record(backend: str, status: dict[str, str]) -> dict[str, Any]:
 
 def test_zoo_section_schema_and_reports(tmp_path: Path) -> None:
     zoo = zoo_section([_record("aot_eager", {"add": "pass", "mul": "pass"}),
-                       _record("sim-fail", {"add": "fail", "mul": "inconclusive"})])
+                       _record("sim-fail", {"add": "fail", "mul": "inconclusive"}),
+                       _record("sim-big", {"add": "pass", "mul": "inconclusive"})])
     assert zoo["scanned"] == ["llama", "mamba"] and zoo["left_out"] == {"bark": "inputs: the model config has no vocab_size"}
-    assert zoo["signatures"] == {"aot_eager": 2, "sim-fail": 2} and zoo["pairs"] == {"aot_eager": 3, "sim-fail": 3}
-    assert zoo["probed"] == {"aot_eager": 2, "sim-fail": 2}
+    assert zoo["signatures"]["sim-fail"] == 2 and zoo["pairs"] == {"aot_eager": 3, "sim-fail": 3, "sim-big": 3}
+    assert zoo["probed"] == {"aot_eager": 2, "sim-fail": 2, "sim-big": 2}
+    # a signature without a verdict (not run: inputs over ops.max_probe_input_mb) is no full support, nor a lack
+    big = zoo["backends"]["sim-big"]
+    assert big["supported"] == ["mamba"] and big["lacks"] == {} and big["inconclusive"] == {"llama": ["aten.mul.default"]}
     sim = zoo["backends"]["sim-fail"]
     assert sim["supported"] == [] and sim["lacks"] == {"llama": ["aten.add.default"], "mamba": ["aten.add.default"]}
     assert sim["ranked"] == [{"op": "aten.add.default", "models": ["llama", "mamba"], "signatures": 1}]
     assert zoo["backends"]["aot_eager"]["supported"] == ["llama", "mamba"]
-    assert {r["op"]: r["status"] for r in zoo["cross"]}["aten.mul.default"] == {"aot_eager": "pass",
-                                                                                "sim-fail": "inconclusive"}
+    assert {r["op"]: r["status"] for r in zoo["cross"]}["aten.mul.default"] == {
+        "aot_eager": "pass", "sim-fail": "inconclusive", "sim-big": "inconclusive"}
     path = save_results(Results(zoo=zoo), tmp_path / "results.json")  # validated against the schema on load
     assert load_results(path).zoo == json.loads(path.read_text())["zoo"]
     page = render_html(Results(zoo=zoo))

@@ -166,6 +166,8 @@ def no_compare_reason(op: str, inputs: Sequence[Any], kwargs: Mapping[str, Any])
     if name.startswith(("index_put", "_unsafe_index_put", "_index_put_impl")):
         accumulate = inputs[3] if len(inputs) > 3 else kwargs.get("accumulate", False)
         idx = [t for t in (inputs[pos] or []) if isinstance(t, torch.Tensor)]
+        # a bool mask selects each place once: its True places, one index tensor per dimension it covers
+        idx = [c for t in idx for c in (t.nonzero().unbind(1) if t.dtype == torch.bool else (t,))]
         if accumulate or not idx:
             return None
         try:

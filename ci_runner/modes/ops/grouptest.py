@@ -16,6 +16,8 @@ once through `torch.compile` (the backend sees one FX graph) and compared output
 Guards against groups that hide failures: eager devices, the `fx` path, ops CPU eager rejects, and ops without
 tensor outputs are never grouped; a crash or a hang of a group is journalled under the group's tag
 (`g:<ids>`): the parent splits a crashed group in halves and a hung one into single probes (`group_cap`).
+A group's inputs together stay within `ops.max_probe_input_mb` (its members' inputs and references are held at
+once), as each single probe's do (the parent's guard, `probe.too_big`).
 Everything a probe pays besides its compile (the child process, imports, the backend's setup, the Dynamo reset,
 the reference run) is paid once per child, or once per group.
 """
@@ -39,8 +41,9 @@ from ...engine.failure import error_text
 from ...engine.isolate import child_journal
 from ...engine.tree import map_tensors
 from ...fsutil import append_line
-from .probe import (GROUP_PREFIX, TOGETHER_PREFIX, Reference, assemble, build_tensors, copy_tensors, judge, packet_of,
-                    probe_inputs, reference, resolve_op, run_probe, select_outputs)
+from .inputs import build_tensors, input_bytes
+from .probe import (GROUP_PREFIX, TOGETHER_PREFIX, Reference, assemble, judge, packet_of, probe_inputs, reference,
+                    reference_inputs, resolve_op, run_probe, select_outputs)
 
 _REDUCE_ATTEMPTS = 24  # most group compiles spent shrinking a "fails only together" set
 
@@ -50,7 +53,7 @@ class _Member:
     probe: Mapping[str, Any]
     op: Any
     ref: Reference
-    fresh: list[Any] | None = None  # its inputs as built (the reference ran on a copy), for the first attempt
+    fresh: list[Any] | None = None  # its inputs as built (`reference_inputs`), for the first attempt
 
 
 @dataclass
@@ -64,17 +67,22 @@ class _Attempt:
     seconds: float = 0.0
 
 
-def plan_tasks(probes: Sequence[Mapping[str, Any]], size: int) -> list[list[Mapping[str, Any]]]:
-    """Consecutive probes in groups of at most `size`, each probe's `group_cap` respected (1: alone)."""
+def plan_tasks(probes: Sequence[Mapping[str, Any]], size: int, max_bytes: float = 0) -> list[list[Mapping[str, Any]]]:
+    """Consecutive probes in groups of at most `size`, each probe's `group_cap` respected (1: alone), and the
+    group's inputs within `max_bytes` (`ops.max_probe_input_mb`; 0: no limit): a group holds its members' inputs
+    and their CPU references' copies at once, so it holds no more than one probe at the limit would."""
     tasks: list[list[Mapping[str, Any]]] = []
     cur: list[Mapping[str, Any]] = []
     cap = size
+    held = 0
     for p in probes:
         pcap = max(1, min(size, int(p.get("group_cap") or size)))
-        if cur and (pcap != cap or len(cur) >= cap):
+        need = input_bytes(p["args"], p["kwargs"]) if max_bytes else 0
+        if cur and (pcap != cap or len(cur) >= cap or held + need > max_bytes > 0):
             tasks.append(cur)
-            cur = []
+            cur, held = [], 0
         cap = pcap
+        held += need
         cur.append(p)
     if cur:
         tasks.append(cur)
@@ -192,7 +200,7 @@ class _Runner:
         built = probe_inputs(probe)
         if built is None:  # alone, the probe reports why its inputs cannot be built
             return None
-        ref = reference(op, probe, copy_tensors(built))
+        ref = reference(op, probe, reference_inputs(op, built))
         value = ref.value
         tensors = [value] if isinstance(value, torch.Tensor) else value
         if ref.exc is not None or not isinstance(tensors, (list, tuple)) or not tensors or \
@@ -308,7 +316,8 @@ def probe_groups(payload: Mapping[str, Any]) -> dict[str, Any]:
                      timeout=float(payload["probe_timeout"]), via=str(payload.get("via", "dynamo")),
                      emit=lambda o: append_line(results, json.dumps(o, default=str), sync=False))
     groupable = not bool(getattr(backend, "is_eager", False)) and runner.via == "dynamo"
-    tasks = plan_tasks(payload["probes"], int(payload.get("group_size", 1)) if groupable else 1)
+    tasks = plan_tasks(payload["probes"], int(payload.get("group_size", 1)) if groupable else 1,
+                       float(payload.get("max_probe_input_mb") or 0) * 2**20)
     for task in tasks:
         runner.task(task)
     return {"probed": len(payload["probes"]), "tasks": len(tasks)}

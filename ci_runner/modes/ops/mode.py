@@ -45,7 +45,8 @@ from ...fsutil import atomic_write_json
 from .inventory import InventoryError, take_inventory
 from .compare import SCRIPT_FUNCTIONS, matches_any
 from .outcome import OpOutcome, OpStatus
-from .probe import call_source, make_tensor, not_run_outcome, op_expression
+from .inputs import SCRIPT_FUNCTIONS as INPUT_FUNCTIONS, call_source
+from .probe import not_run_outcome, op_expression
 from .signature import Inventory, OpSignature
 from .store import probe_signatures, probe_spec
 from .storepath import store_root
@@ -88,7 +89,7 @@ def render_repro(*, op: str, kind: str, stage: str, error_type: str | None, mess
         positional_args=positional_args,
         setup=list(recipe.setup), backend_expr=recipe.backend_expr or "None", compile_options=dict(recipe.compile_options),
         op_expr=op_expression(signature.op), seed=int(probe["seed"]), compare=compare_results and kind == FindingKind.OP_MISMATCH,
-        rtol=tolerance[0], atol=tolerance[1], make_tensor_source=plain_source(make_tensor),
+        rtol=tolerance[0], atol=tolerance[1], make_tensor_source="\n\n".join(plain_source(f) for f in INPUT_FUNCTIONS),
         compare_source="\n\n".join(plain_source(f) for f in SCRIPT_FUNCTIONS), tensor_lines=tensor_lines, tensor_names=tensor_names,
         call_args=call_args, command=command, crash=crash,
     )
@@ -96,8 +97,7 @@ def render_repro(*, op: str, kind: str, stage: str, error_type: str | None, mess
 
 # --------------------------------------------------------------------------------------------- the mode
 
-plain_source(make_tensor)  # read at import (see `plain_source`)
-for _fn in SCRIPT_FUNCTIONS:
+for _fn in (*INPUT_FUNCTIONS, *SCRIPT_FUNCTIONS):  # read at import (see `plain_source`)
     plain_source(_fn)
 
 
@@ -228,9 +228,11 @@ def store_dir(ctx: "ModeContext") -> Path:
 def model_result(inventory: Inventory, outcomes: Mapping[str, OpOutcome], *, spec: BackendSpec,
                  model_id: str, level: str, opts: OpsOptions, ops_dir: Path, env_stamp: Mapping[str, Any],
                  remaining: Callable[[], float], eager: bool, setup_error: str | None = None,
-                 data: dict[str, Any] | None = None, started: float | None = None) -> ModeResult:
+                 data: dict[str, Any] | None = None, started: float | None = None,
+                 verified_ops: Mapping[str, str] | None = None) -> ModeResult:
     """One model's ops `ModeResult` from its inventory and the probe outcomes by signature key (`probe_signatures`):
-    the probe table (`ops_dir/probes.json`), one finding per failing op with its repro (verified), the status."""
+    the probe table (`ops_dir/probes.json`), one finding per failing op with its repro (verified), the status.
+    `verified_ops` (op -> the model whose repro of it verified; the zoo's cells) skips verifying those ops again."""
     t_start = started if started is not None else time.monotonic()
     data = data if data is not None else {"ir": level, "inventory": inventory.summary(), "timings": {}}
     timings = data.setdefault("timings", {})
@@ -264,7 +266,7 @@ def model_result(inventory: Inventory, outcomes: Mapping[str, OpOutcome], *, spe
     findings = _findings(spec, model_id, env_stamp, failures, level, opts, ops_dir)
     timings["render_s"] = round(time.monotonic() - t0, 3)
     t0 = time.monotonic()
-    _verify_all(remaining, findings, opts)
+    _verify_all(remaining, findings, opts, verified_ops or {})
     timings["verify_s"] = round(time.monotonic() - t0, 3)
     data["repros"] = {"total": sum(1 for f, _ in findings if f.repro),
                       "verified": sum(1 for f, _ in findings if f.repro and f.repro.verified)}
@@ -308,7 +310,8 @@ def _fails_together(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _status(rows: list[dict[str, Any]], counts: Mapping[str, int], *, has_findings: bool,
             setup_error: str | None) -> tuple[str, str | None]:
     """The mode's status and reason: fail with findings; inconclusive when nothing failed but some probe never ran
-    on the backend; error when the probe process could not set up the backend."""
+    on the backend or was not run (`not_run`: time ran out, inputs over `ops.max_probe_input_mb`); error when the
+    probe process could not set up the backend."""
     status = "fail" if has_findings else "pass"
     reason = None
     if counts.get("inconclusive"):
@@ -323,8 +326,9 @@ def _status(rows: list[dict[str, Any]], counts: Mapping[str, int], *, has_findin
     if setup_error and not has_findings:
         status, reason = "error", f"the probe process could not set up the backend: {setup_error}"
     elif counts.get("not_run"):
-        reason = "; ".join(filter(None, [reason, f"{counts['not_run']} probe(s) not run (time ran out or the probe "
-                                                  "process failed)"]))
+        reason = "; ".join(filter(None, [reason, f"{counts['not_run']} probe(s) not run (time ran out, inputs over "
+                                                  "ops.max_probe_input_mb, or the probe process failed)"]))
+        status = "inconclusive" if status == "pass" else status
     return status, reason
 
 
@@ -453,10 +457,17 @@ def _same_fault(how: Mapping[str, Any], exit_code: int | None, output: str, note
     return True, note
 
 
-def _verify_all(remaining: Callable[[], float], findings: list[tuple[Finding, dict[str, Any]]], opts: OpsOptions) -> None:
-    """Run each repro in a fresh process; `verified` when it fails with the same error type and op text."""
+def _verify_all(remaining: Callable[[], float], findings: list[tuple[Finding, dict[str, Any]]], opts: OpsOptions,
+                verified_ops: Mapping[str, str]) -> None:
+    """Run each repro in a fresh process; `verified` when it fails with the same error type and op text. An op in
+    `verified_ops` is not run again (its note names the model whose repro of the op verified)."""
 
     findings = [item for item in findings if item[0].repro is not None]
+    for f, _ in findings:
+        if opts.verify and f.op in verified_ops:
+            assert f.repro is not None
+            f.repro.note = f"not run again: the repro of {f.op} verified in {verified_ops[f.op]}'s cell"
+    findings = [item for item in findings if not (opts.verify and item[0].op in verified_ops)]
     if not findings:
         return
     if not opts.verify:

@@ -91,6 +91,13 @@ class OpOutcome:
         return SEVERITY.get(self.status, -1)
 
     @property
+    def storable(self) -> bool:
+        """An outcome the probe store keeps and reuses: a verdict (`OpStatus.storable`), and not a probe whose
+        synthetic inputs CPU eager rejects as well (it says nothing about the backend; later inputs may be valid)."""
+        return self.status.storable and not (self.status is OpStatus.PROBE_ERROR
+                                             and (self.message or "").startswith(CPU_FAILS_TOO))
+
+    @property
     def is_finding(self) -> bool:
         """Failures become findings; so does a probe that could not be built (its op did not resolve, its module
         did not import, Dynamo could not trace it), but not one whose synthetic inputs CPU eager rejects as well."""

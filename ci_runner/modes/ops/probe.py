@@ -1,12 +1,14 @@
-"""The `ops` mode's engine: synthetic inputs for one op, one probe, the probing child and its parent side.
+"""The `ops` mode's engine: one probe, the probing child and its parent side.
 
 A probe runs one (op, input signature) alone on the target, on synthetic inputs with the recorded shapes, dtypes
 and strides, and compares the result with CPU eager. Probes run in isolated children (`isolate.supervise`), many
 per child (the child's loop is `grouptest.probe_groups`, which also compiles many probes as one graph); each is
 journalled (`enter-probe`/`leave-probe`) and has its own timeout (`faulthandler`), so an abort, a segfault or a
-hang costs that probe only. `make_tensor` (here) and `op_compare.compare` are copied into
-the op repro scripts (`templates/repro_op.py.j2`), so a repro rebuilds and judges the values exactly as the probe
-did. The comparison and its op contracts live in `op_compare`; the compiler's words in `diagnostics`.
+hang costs that probe only. The synthetic inputs are `inputs`' (`make_tensor`); its drawing functions and
+`op_compare.compare` are copied into the op repro scripts (`templates/repro_op.py.j2`), so a repro rebuilds and
+judges the values exactly as the probe did. The parent leaves out (`not_run`) a probe whose inputs are over
+`ops.max_probe_input_mb`, before any child allocates them. The comparison and its op contracts live in
+`op_compare`; the compiler's words in `diagnostics`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import os
 import re
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -31,17 +32,15 @@ from ...config import BackendSpec, spec_to_json
 from ...engine.diagnostics import capture_fd2, compiler_words
 from ...engine.failure import classify, error_text
 from ...engine.isolate import Attempt, IsolatedResult, supervise
-from .compare import compare, matches_any, mismatch_metrics, no_compare_reason
+from .compare import compare, mismatch_metrics, no_compare_reason
+from .inputs import (POSITIVE_INPUT_OPS, build_tensors, call_source, copy_tensors, input_bytes, make_tensor,  # noqa: F401
+                     probe_seed, with_ranges)  # the synthetic inputs; also imported from here
 from .outcome import CPU_FAILS_TOO, OpOutcome, OpStatus
-from ...engine.codec import decode_value, source_of, tensor_specs
+from ...engine.codec import decode_value, tensor_specs
 from .signature import resolve_callable
 from ...options import OpsOptions
 from ...engine.tree import map_tensors
 
-# Ops whose floating inputs must be positive to stay in their domain (log, sqrt, pow with fractional exponents …).
-POSITIVE_INPUT_OPS = ("log", "log2", "log10", "log1p", "sqrt", "rsqrt", "pow", "reciprocal", "div", "lgamma",
-                      "digamma", "polygamma", "xlogy", "_standard_gamma", "bernoulli", "multinomial", "erfinv",
-                      "float_power", "true_divide", "divide", "special_*", "_weight_norm*")
 _CHILD_STARTUP_S = 60.0  # importing torch, the backend and Dynamo's first compile, on a loaded 2-core machine
 _MIN_PROBES_PER_CHILD = 24
 GROUP_PREFIX = "g:"  # journal tag of a group of probes compiled as one graph (`grouptest`): g:<id>,<id>,…
@@ -50,95 +49,13 @@ _COMPILE_THREADS = "TORCHINDUCTOR_COMPILE_THREADS"
 _CHILD_ENTRY = "ci_runner.modes.ops.grouptest:probe_groups"  # the probing child (group size 1: one probe at a time)
 
 
-# --------------------------------------------------------------------------------------------- synthetic inputs
-# `make_tensor` is self-contained (torch only), as `op_compare.compare` is: their source is copied into every repro
-# script, so a repro rebuilds exactly the values the probe used and judges them the same way.
-
-def make_tensor(shape, stride, dtype, low, high, seed):  # type: ignore[no-untyped-def]
-    """A synthetic input with the recorded shape, stride and dtype; values uniform in [low, high) from `seed`."""
-    gen = torch.Generator().manual_seed(seed)
-    dtype = getattr(torch, dtype)
-    t = torch.empty_strided(tuple(shape), tuple(stride), dtype=dtype)
-    n = 1 + sum((s - 1) * st for s, st in zip(shape, stride)) if all(s > 0 for s in shape) else 0
-    if n > 0:  # drawn in float64 / int64, scaled in place, cast by the copy (one buffer, whatever the size)
-        if dtype == torch.bool:
-            flat = torch.randint(0, 2, (n,), generator=gen).bool()
-        elif dtype.is_floating_point or dtype.is_complex:
-            flat = torch.rand(n, generator=gen, dtype=torch.float64).mul_(high - low).add_(low)
-        else:
-            flat = torch.randint(int(low), max(int(high), int(low) + 1), (n,), generator=gen)
-        t.as_strided((n,), (1,)).copy_(flat)  # fills overlapping (stride 0) layouts too
-    return t
-
-
-def with_ranges(op: str, args: list[Any], kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
-    """The encoded call with a value range per tensor (`low`, `high`) that keeps the op in its domain.
-
-    Integer tensors (indices, ids, masks) take values in [0, smallest dimension of the call's other tensors),
-    at most 16: valid for embedding, gather, index, index_select … whichever dimension they index.
-    """
-    args, kwargs = json.loads(json.dumps(args)), json.loads(json.dumps(kwargs))
-    specs = list(tensor_specs([args, kwargs]))
-    positive = matches_any(op, POSITIVE_INPUT_OPS)
-    for i, spec in enumerate(specs):
-        dtype = spec["dtype"]
-        if dtype == "bool":
-            low, high = 0, 2
-        elif dtype.startswith(("float", "bfloat", "complex")):
-            low, high = (0.1, 1.1) if positive else (-1.0, 1.0)
-        else:
-            dims = [int(d) for j, other in enumerate(specs) if j != i for d in other["shape"] if int(d) > 0]
-            bound = min(dims) if dims else 16
-            low, high = 0, max(1, min(bound, 16))
-        spec["low"], spec["high"] = low, high
-    return args, kwargs
-
-
-def probe_seed(key: str) -> int:
-    return zlib.crc32(key.encode("utf-8")) & 0x7FFFFFFF
-
-
-def build_tensors(args: Any, kwargs: Any, seed: int) -> list[torch.Tensor]:
-    """The call's tensors on CPU, in argument order; tensor i is seeded with `seed + i`."""
-    return [make_tensor(s["shape"], s["stride"], s["dtype"], s["low"], s["high"], seed + i)
-            for i, s in enumerate(tensor_specs([args, kwargs]))]
-
-
-def copy_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies as `make_tensor` builds them (same shape, strides, dtype and storage values, not views): a probe's
-    inputs are built once and copied for its CPU reference (copying costs a fraction of drawing the values)."""
-    out = []
-    for t in tensors:
-        c = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype)
-        shape, stride = tuple(t.shape), tuple(t.stride())
-        n = 1 + sum((s - 1) * st for s, st in zip(shape, stride)) if all(s > 0 for s in shape) else 0
-        if n > 0:
-            c.as_strided((n,), (1,)).copy_(t.as_strided((n,), (1,)))
-        out.append(c)
-    return out
-
+# --------------------------------------------------------------------------------------------- calls
 
 def assemble(args: Any, kwargs: Any, tensors: Sequence[torch.Tensor], device: str) -> tuple[list[Any], dict[str, Any]]:
     """Arguments for the op: the encoded structure with `tensors` in place and devices set to `device`."""
     it = iter(tensors)
     return ([decode_value(a, it, device=device) for a in args],
             {k: decode_value(v, it, device=device) for k, v in kwargs.items()})
-
-
-def call_source(args: Any, kwargs: Any) -> tuple[list[str], list[str], str]:
-    """Python source for a repro: tensor-building lines, tensor names, and the call's argument list."""
-    names: list[str] = []
-    lines: list[str] = []
-
-    def tensor(s: Mapping[str, Any]) -> str:
-        name = f"t{len(names)}"
-        lines.append(f"{name} = make_tensor({list(s['shape'])!r}, {list(s['stride'])!r}, {s['dtype']!r}, "
-                     f"{s['low']!r}, {s['high']!r}, SEED + {len(names)})")
-        names.append(name)
-        return name
-
-    parts = [source_of(a, tensor) for a in args] + [f"{k}={source_of(v, tensor)}" for k, v in kwargs.items()]
-    return lines, names, ", ".join(parts)
 
 
 def op_expression(op: str) -> str:
@@ -289,7 +206,7 @@ def run_probe(backend: Any, probe: Mapping[str, Any], *, compare_results: bool,
     eager = bool(getattr(backend, "is_eager", False))
     device = str(getattr(backend, "device", "cpu"))
     built = probe_inputs(probe)
-    ref = reference(op, probe, copy_tensors(built) if built is not None else None)
+    ref = reference(op, probe, reference_inputs(op, built) if built is not None else None)
     try:
         tensors = [backend.to_device(t) for t in (built if built is not None else
                                                   build_tensors(probe["args"], probe["kwargs"], int(probe["seed"])))]
@@ -316,7 +233,7 @@ def run_probe(backend: Any, probe: Mapping[str, Any], *, compare_results: bool,
 
 
 def probe_inputs(probe: Mapping[str, Any]) -> list[torch.Tensor] | None:
-    """The probe's inputs, built once for its reference (a copy) and its run; None when building raises (the
+    """The probe's inputs, built once for its reference (`reference_inputs`) and its run; None when building raises (the
     reference and the run then raise it again, each where it is reported)."""
     try:
         return build_tensors(probe["args"], probe["kwargs"], int(probe["seed"]))
@@ -338,6 +255,15 @@ def resolve_op(probe: Mapping[str, Any]) -> Any:
         hint = "" if probe.get("imports") else " (no module that registers it was recorded)"
         return {"status": "probe_error", "stage": "trace", "error_type": type(exc).__name__,
                 "message": f"cannot resolve {probe['op']}{hint}: {exc}"[:2000]}
+
+
+def reference_inputs(op: Any, built: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The inputs the CPU reference runs on: the probe's own when the op's schema says it writes none of its
+    arguments (the run on the target then gets them unchanged, and a probe holds its inputs once), else a copy."""
+    schema = getattr(op, "_schema", None)  # an OpOverload's; other callables: copied
+    if schema is None or any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        return copy_tensors(built)
+    return built
 
 
 @dataclass
@@ -492,13 +418,21 @@ class ProbeRunner:
             return self._attempt
 
     def run(self, probes: list[dict[str, Any]]) -> dict[str, OpOutcome]:
-        """Outcome per probe id; a probe in a set that fails only together carries `fails_together`."""
+        """Outcome per probe id; a probe in a set that fails only together carries `fails_together`; a probe whose
+        inputs are over `ops.max_probe_input_mb` is `not_run` here (`too_big`), without a child."""
+        results: dict[str, OpOutcome] = {}
+        for p in probes:
+            why = too_big(p, self.opts.max_probe_input_mb)
+            if why:
+                results[p["id"]] = not_run_outcome(p, why)
+        probes = [p for p in probes if p["id"] not in results]
+        if not probes:
+            return results
         self.work_dir.mkdir(parents=True, exist_ok=True)
         # a child costs a Python + torch + backend start-up: only split when each gets a fair share of probes
         workers = max(1, min(self.opts.workers, len(probes) // _MIN_PROBES_PER_CHILD))
         self._env = probe_child_env(self.spec.env, workers)
         shards = [_Shard(i, probes[i::workers]) for i in range(workers)]
-        results: dict[str, OpOutcome] = {}
         together: dict[str, dict[str, Any]] = {}
         if workers == 1:
             parts = [self._run_shard(shards[0])]
@@ -536,7 +470,8 @@ class ProbeRunner:
             results_path = self.work_dir / f"probes-{attempt:03d}.jsonl"
             payload = {"backend": spec_to_json(self.spec), "probes": batch, "results": str(results_path),
                        "probe_timeout": self.opts.probe_timeout, "compare": self.opts.compare, "via": self.opts.via,
-                       "group_size": group_size(self.opts, self.spec)}
+                       "group_size": group_size(self.opts, self.spec),
+                       "max_probe_input_mb": self.opts.max_probe_input_mb}
             tag = f"{attempt}:{batch[0]['id']}..{batch[-1]['id']}"
             if self.journal:
                 self.journal("enter-probe-batch", tag)
@@ -617,6 +552,16 @@ def grouped(opts: OpsOptions, spec: BackendSpec) -> bool:
 
 def group_size(opts: OpsOptions, spec: BackendSpec) -> int:
     return opts.group_size if grouped(opts, spec) else 1
+
+
+def too_big(probe: Mapping[str, Any], limit_mb: float) -> str | None:
+    """Why a probe is not run (its inputs are over `ops.max_probe_input_mb`; 0: no limit), or None."""
+    size = input_bytes(probe["args"], probe["kwargs"])
+    if not limit_mb or size <= limit_mb * 2**20:
+        return None
+    return (f"not probed: its inputs take {size / 2**20:,.0f} MB, over ops.max_probe_input_mb = {limit_mb:g} (an op "
+            f"that writes its inputs holds them twice: the CPU reference runs on a copy); to probe it, raise "
+            f"ops.max_probe_input_mb (0: no limit)")
 
 
 def not_run_outcome(probe: Mapping[str, Any], why: str) -> OpOutcome:

@@ -11,7 +11,7 @@ and `<hash>.claim` the claim: a cell holds an exclusive `flock` on it while it p
 of one backend running at once (`--jobs`) therefore probe each signature once: a cell probes what it could claim,
 then waits for the outcomes of signatures another cell claimed, and takes over a claim whose holder died (the
 kernel drops a dead process's locks). Outcomes that say nothing about the backend (`not_run`: time ran out, the
-probe process could not start) are never stored.
+probe process could not start; a probe whose synthetic inputs CPU eager rejects too) are never stored or reused.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from ...config import BackendSpec, spec_to_json
 from ...fsutil import atomic_write_text, try_lock
 from ...options import OpsOptions
 from .outcome import OpOutcome
-from .probe import ProbeRunner, float_dtype, grouped, not_run_outcome, probe_seed, with_ranges
+from .inputs import probe_seed, with_ranges
+from .probe import ProbeRunner, float_dtype, grouped, not_run_outcome
 from .signature import CallSite, Inventory, OpSignature
 
 STORE_VERSION = 1
@@ -122,9 +123,10 @@ class ProbeStore:
             return None
         got = row.get("outcome") if row.get("key") == key else None
         try:
-            return OpOutcome.from_row(got) if isinstance(got, dict) else None
+            out = OpOutcome.from_row(got) if isinstance(got, dict) else None
         except (TypeError, ValueError):  # a status this version does not know: probe it again
             return None
+        return out if out is not None and out.storable else None  # an earlier version's invalid inputs: again
 
     def put(self, key: str, outcome: OpOutcome) -> None:
         """Store an outcome (atomically; its wire row without the batch's probe id) and drop the claim on it."""
@@ -240,7 +242,7 @@ def _probe_claimed(store: ProbeStore, todo: list[OpSignature], prober: Prober, o
                 store.release(sig.key)
                 continue
             out[sig.key] = o
-            if o.status.storable:
+            if o.storable:
                 store.put(sig.key, o)
                 stats["probed"] += 1
             else:
