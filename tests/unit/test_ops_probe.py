@@ -333,3 +333,24 @@ def test_an_op_whose_repro_verified_in_another_cell_is_not_run_again() -> None:
                   repro=Repro(path="ops/repro_exp.py"))
     with pytest.raises(KeyError):
         _verify_all(lambda: 600.0, [(new, {})], OpsOptions(verify=True), {"aten.cumsum.default": "jamba"})
+
+
+@pytest.mark.parametrize(("tail", "signal", "status"), [
+    # the probe timer's dump of a child with many threads: the "Timeout (0:00:30)!" header scrolled out of the tail
+    ('unctorch/_aot_autograd/aot_autograd.py", line 1238 in aot_module_simplified\n'
+     '  File "/x/torch/_dynamo/output_graph.py", line 2077 in call_user_compiler\n', None, "timeout"),
+    ("Timeout (0:00:30)!\nThread 0x7f (most recent call first):\n", None, "timeout"),
+    # a fatal signal's dump has the same frames: the signal decides
+    ('Fatal Python error: Segmentation fault\n  File "/x/probe.py", line 12 in run\n', "SIGSEGV", "crashed"),
+    # a Python traceback (", line N, in"): the child's own exit 1, a crash
+    ('Traceback (most recent call last):\n  File "/x/a.py", line 3, in <module>\nSystemExit: 1\n', None, "crashed"),
+], ids=["dump-without-header", "dump-with-header", "segfault", "traceback"])
+def test_a_probe_the_timer_ended_is_a_timeout_even_when_the_tail_lost_the_header(tail: str, signal: str | None,
+                                                                                 status: str) -> None:
+    """glm4v's bicubic `grid_sampler_2d` on inductor (a ~25 s cold compile) read `crashed: exit 1` on a loaded machine."""
+    from ci_runner.engine.isolate import IsolatedResult
+    from ci_runner.modes.ops.probe import _crash_outcome
+
+    res = IsolatedResult(status="crashed", exit_code=None if signal else 1, signal=signal, stderr_tail=tail)
+    out = _crash_outcome({"id": "p1", "op": "aten.grid_sampler_2d.default"}, res, 30.0)
+    assert out.status.value == status

@@ -597,9 +597,20 @@ def _backend_lines(stderr_tail: str) -> str:
     return "\n".join(lines[-6:]).strip()
 
 
+# a frame of faulthandler's dump (`  File "x.py", line 12 in fn`: no comma before "in", unlike a traceback's)
+_DUMP_FRAME_RE = re.compile(r'", line \d+ in ')
+
+
+def _watchdog_fired(res: Any, tail: str) -> bool:
+    """The probe's own timer (faulthandler, `grouptest`) ended the child: it dumps every thread and exits 1. With
+    many threads (inductor's compile workers) the tail has lost the dump's "Timeout (" header, never its frames; a
+    fatal signal's dump ends in that signal instead."""
+    return "Timeout (" in tail or (not res.signal and res.exit_code == 1 and bool(_DUMP_FRAME_RE.search(tail)))
+
+
 def _crash_outcome(probe: Mapping[str, Any], res: Any, probe_timeout: float) -> OpOutcome:
     tail = res.stderr_tail or ""
-    if res.status == "timeout" or "Timeout (" in tail:
+    if res.status == "timeout" or _watchdog_fired(res, tail):
         status, error_type = OpStatus.TIMEOUT, "Timeout"
         message = f"the probe did not finish within {probe_timeout:g}s"
     elif res.signal:
