@@ -10,7 +10,6 @@ import json
 import os
 import shlex
 import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -18,7 +17,6 @@ from .results import baseline
 from . import errors
 from .run.aggregate import aggregate, write_report_dir
 from .backends import available_backends
-from .run.cellrun import run_cell_inprocess
 from .config import load_matrix
 from .registry import mode_names
 from .commits.bisect import Bisection, Request, bisect_targets, target_of_finding, target_of_repro, write_report
@@ -26,13 +24,12 @@ from .commits.pipeline import BISECT_NAME, bisect_regressions
 from .commits.walk import Budget
 from .engine.envinfo import base_stamp, env_report, format_env, tool_version
 from .errors import DeepviewError, UsageError
-from .run.execute import RunOptions, auto_jobs, available_cores, cell_dir, load_partial, run_cells, run_zoo_cells
+from .run.execute import RunOptions, auto_jobs, available_cores, cell_dir, run_cells, run_worker, run_zoo_cells
 from .fsutil import atomic_write_json, atomic_write_text
 from .github.actions import set_output
 from .github.issues import file_issues, load_diff
 from .github.options import FilingOptions
 from .history import commands as history_cli
-from .engine.isolate import arm_worker
 from .log import Progress
 from .matrix import ZooSplit, expand, expand_json, find_cell, select
 from .numerics.cache import cache_for
@@ -171,13 +168,8 @@ def _thresholds_outputs(cells: Sequence["Cell"], out: Path, *, absolute: bool = 
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    arm_worker(float(args.budget))  # dies with its run, and ends itself past its budget
-    deadline = time.monotonic() + float(args.budget)
-    matrix = load_matrix(args.matrix)
-    cell = find_cell(matrix, args.cell)
-    cdir = cell_dir(Path(args.out), cell.id)
-    run_cell_inprocess(cell, cdir, modes=tuple(args.modes.split(",")), deadline=deadline, previous=load_partial(cdir))
-    return 0
+    return run_worker(matrix=Path(args.matrix), cell_id=args.cell, out_dir=Path(args.out), modes=args.modes.split(","),
+                      budget=float(args.budget))
 
 
 def cmd_expand(args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ is a local HTTP server speaking the REST API (`tests/fixtures/fake_github.py`).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -16,11 +17,18 @@ from typing import Any
 import pytest
 
 from ci_runner.config import Matrix, load_matrix, load_matrix_text
+from ci_runner.engine.isolate import WARM_ENV
 from ci_runner.matrix import expand
 from tests.fixtures.cli import run_cli
 from tests.fixtures.fake_github import FakeGitHub
 from tests.fixtures.matrices import matrix_text
 from tests.fixtures.schedule import heaviest_first
+
+# The suite starts hundreds of children on 2 cores (isolated children, cell workers), each importing torch, Dynamo and
+# transformers (~5.5 CPU s) before its work: here they are forked from a warm server instead (`ci_runner/engine/
+# warm.py`), the same children and entries. tests/integration/test_isolate.py checks both starts; a run that sets
+# the variable keeps its value.
+os.environ.setdefault(WARM_ENV, "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -24,6 +24,7 @@ starts a child process):
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import importlib
@@ -47,11 +48,15 @@ __all__ = [
     "IsolatedResult", "Journal", "Attempt", "SupervisedRun", "child_journal", "open_entry", "run_isolated",
     "run_process", "ChildExit", "LiveChildren", "kill_session", "file_tail", "supervise", "child_env",
     "set_pdeathsig", "die_with_parent", "arm_worker", "signal_name", "JOURNAL_ENV", "PARENT_ENV",
-    "CommandResult", "run_command",
+    "CommandResult", "run_command", "child_main", "WARM_ENV", "WarmServer", "WarmChild",
 ]
 
 JOURNAL_ENV = "DEEPVIEW_CI_JOURNAL"
 PARENT_ENV = "DEEPVIEW_CI_PARENT_PID"  # the process a child must die with (set by `child_env`)
+WARM_ENV = "DEEPVIEW_CI_WARM_CHILDREN"  # "1": `run_isolated` forks its children from a warm server (`engine.warm`)
+# differ between the children of one warm server (nothing the server imports reads them; pytest sets the last per test)
+_PER_CHILD_ENV = (JOURNAL_ENV, PARENT_ENV, "PYTEST_CURRENT_TEST")
+_WARM_KEEP = 2  # warm servers kept per process (each holds torch and transformers: ~0.5 GB); the oldest ends first
 _PR_SET_PDEATHSIG = 1
 
 
@@ -256,15 +261,19 @@ def run_process(cmd: Sequence[str], *, timeout: float, stdout: Path, stderr: Pat
     this package starts a child process. Output goes to the file `stdout` (and `stderr`, else the same file;
     appended with `append`). `foreign`: the command is not this package's entry point, so the `_LAUNCH` wrapper
     makes it die with this process (ours call `die_with_parent` themselves). Any exception while waiting
-    (Ctrl-C) kills the child before it propagates."""
+    (Ctrl-C) kills the child before it propagates. With `WARM_ENV` set to "1" in `env`, an entry point of this
+    package (`python -m ci_runner.…`) is forked from a warm server (`WarmServer`) instead of started cold."""
     argv = [sys.executable, "-c", _LAUNCH, str(os.getpid()), *cmd] if foreign else list(cmd)
     mode = "ab" if append else "wb"
     with contextlib.ExitStack() as files:
         out_fh = files.enter_context(open(stdout, mode))
         err_fh = files.enter_context(open(stderr, mode)) if stderr is not None else out_fh
-        proc = subprocess.Popen(argv, stdout=out_fh, stderr=err_fh,
-                                stdin=subprocess.DEVNULL, env=dict(env), cwd=str(cwd) if cwd else None,
-                                start_new_session=True)
+        proc: Any = WarmServer.start(argv, stdout=stdout, stderr=stderr, env=env, cwd=cwd) \
+            if not foreign and env.get(WARM_ENV) == "1" else None
+        if proc is None:  # cold (the default), not our entry point, or no warm server could start
+            proc = subprocess.Popen(argv, stdout=out_fh, stderr=err_fh,
+                                    stdin=subprocess.DEVNULL, env=dict(env), cwd=str(cwd) if cwd else None,
+                                    start_new_session=True)
         if live is not None:
             live.add(proc)
         try:
@@ -321,6 +330,121 @@ def run_isolated(target: str, payload: Mapping[str, Any], *, timeout: float, jou
                                   exit_code=end.returncode, stderr_tail=tail, timeout=timeout)
         return IsolatedResult(status="crashed", message=f"child process {end.ended()}", exit_code=end.returncode,
                               signal=end.signal, stderr_tail=tail, timeout=timeout)
+
+
+class WarmServer:
+    """A warm server (`engine.warm`) of this process: started on first use, one per environment and working folder
+    (the per-child variables aside), ended with this process. `WarmServer.start` forks an entry point of this
+    package from it for `run_process`; None when no server can serve (then `run_process` starts the child cold)."""
+
+    _servers: dict[tuple[Any, ...], "WarmServer"] = {}  # oldest first
+    _ended: list["WarmServer"] = []  # stopped, not yet waited for
+    _owner = 0  # the pid the servers belong to (a forked copy of this process starts its own)
+    _guard = threading.Lock()
+
+    def __init__(self, env: Mapping[str, str], cwd: Path | None) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "ci_runner.engine.warm"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=dict(env), cwd=str(cwd) if cwd else None,
+                                     start_new_session=True)
+        self.lock = threading.Lock()
+        self.cond = threading.Condition()
+        self.replies: dict[str, int] = {}  # "id:<n>" -> pid, "pid:<pid>" -> return code
+        self.next_id = 0
+        self.alive = self.proc.stdout is not None and b'"ready"' in self.proc.stdout.readline()  # or EOF: it died
+        threading.Thread(target=self._read, daemon=True, name="deepview-warm-reader").start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            try:
+                msg = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            with self.cond:
+                self.replies[f"id:{msg['id']}" if "id" in msg else f"pid:{msg['pid']}"] = \
+                    msg["pid"] if "id" in msg else msg["returncode"]
+                self.cond.notify_all()
+        with self.cond:
+            self.alive = False
+            self.cond.notify_all()
+
+    def await_reply(self, key: str, timeout: float | None) -> int | None:
+        with self.cond:
+            self.cond.wait_for(lambda: key in self.replies or not self.alive, timeout=timeout)
+            return self.replies.pop(key, None)
+
+    @classmethod
+    def start(cls, argv: Sequence[str], *, stdout: Path, stderr: Path | None, env: Mapping[str, str],
+              cwd: Path | None = None) -> "WarmChild | None":
+        """`argv` (`python -m ci_runner.<module> ARGS…`) forked from this process's server for `env` and `cwd`
+        (started on first use); None when `argv` is not such an entry point or no server can serve it."""
+        if len(argv) < 3 or argv[0] != sys.executable or argv[1] != "-m" or not argv[2].startswith("ci_runner."):
+            return None
+        key = (tuple(sorted((k, v) for k, v in env.items() if k not in _PER_CHILD_ENV)), str(cwd or os.getcwd()))
+        with cls._guard:
+            if cls._owner != os.getpid():
+                cls._servers, cls._ended, cls._owner = {}, [], os.getpid()
+                atexit.register(cls.close_all)
+            server = cls._servers.pop(key, None)  # put back last: the most recently used
+            if server is None or not server.alive:
+                if server is not None:
+                    cls._ended.append(server.stop())
+                while len(cls._servers) >= _WARM_KEEP:
+                    cls._ended.append(cls._servers.pop(next(iter(cls._servers))).stop())
+                server = cls(env, cwd)
+            cls._servers[key] = server
+        return server.fork(argv[2], argv[3:], stdout=stdout, stderr=stderr, env=env) if server.alive else None
+
+    def fork(self, module: str, args: Sequence[str], *, stdout: Path, stderr: Path | None,
+             env: Mapping[str, str]) -> "WarmChild | None":
+        """`python -m <module> ARGS…` forked from this server (output appended: `run_process` opened the files)."""
+        assert self.proc.stdin is not None
+        with self.lock:
+            self.next_id += 1
+            rid = self.next_id
+            req = {"id": rid, "module": module, "args": list(args), "stdout": str(stdout),
+                   "stderr": str(stderr) if stderr is not None else None, "env": dict(env), "append": True}
+            try:
+                self.proc.stdin.write((json.dumps(req) + "\n").encode())
+                self.proc.stdin.flush()
+            except OSError:
+                return None
+        pid = self.await_reply(f"id:{rid}", None)
+        return WarmChild(self, pid) if pid is not None else None  # None: the server died before it forked
+
+    def stop(self) -> "WarmServer":
+        """EOF on its stdin: the server's loop ends (its running children finish first; it is waited for later)."""
+        with contextlib.suppress(OSError, ValueError):
+            self.proc.stdin.close()  # type: ignore[union-attr]
+        return self
+
+    @classmethod
+    def close_all(cls) -> None:
+        """End this process's servers (at exit) and wait for them: their children's CPU time is counted here."""
+        servers = [*cls._servers.values(), *cls._ended] if cls._owner == os.getpid() else []
+        cls._servers, cls._ended = {}, []
+        for server in servers:
+            try:
+                server.stop().proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                kill_session(server.proc)
+
+
+class WarmChild:
+    """A child forked by a warm server, as `run_process` and `kill_session` use a `Popen`: `pid` (it leads its own
+    session), `wait(timeout)` (the server reports its end), `returncode`."""
+
+    def __init__(self, server: WarmServer, pid: int) -> None:
+        self.server, self.pid = server, pid
+        self.returncode: int | None = None
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            rc = self.server.await_reply(f"pid:{self.pid}", timeout)
+            if rc is None and self.server.alive:
+                raise subprocess.TimeoutExpired(f"warm child {self.pid}", timeout or 0.0)
+            self.returncode = rc if rc is not None else -signal.SIGKILL  # its server died: so did it
+        return self.returncode
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -468,7 +592,8 @@ def arm_worker(budget_s: float, *, grace_s: float = 10.0) -> None:
     threading.Thread(target=expire, daemon=True, name="deepview-worker-deadline").start()
 
 
-def _child(payload_path: str, result_path: str) -> int:
+def child_main(payload_path: str, result_path: str) -> int:
+    """A child's entry (cold: `python -m ci_runner.engine.isolate`; warm: forked by `engine.warm`)."""
     die_with_parent()
     spec = json.loads(Path(payload_path).read_text(encoding="utf-8"))
     module_name, fn_name = spec["target"].split(":")
@@ -483,4 +608,4 @@ def _child(payload_path: str, result_path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_child(sys.argv[1], sys.argv[2]))
+    sys.exit(child_main(sys.argv[1], sys.argv[2]))

@@ -14,6 +14,7 @@ journal is kept, and a fresh worker continues with the remaining modes while tim
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import threading
@@ -23,17 +24,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from .cellrun import write_final
-from ..config import Cell
+from .cellrun import run_cell_inprocess, write_final
+from ..config import Cell, load_matrix
 from ..engine.envinfo import base_stamp
-from ..errors import DeepviewError, ExecutionError, InputError
+from ..errors import EXIT_INTERRUPTED, DeepviewError, ExecutionError, InputError
 from ..fsutil import atomic_write_json
 from ..log import Progress
 from ..modes.ops.storepath import clear_stores
-from ..engine.isolate import ChildExit, LiveChildren, child_env, file_tail, open_entry, run_process
+from ..engine.isolate import ChildExit, LiveChildren, arm_worker, child_env, file_tail, open_entry, run_process
+from ..matrix import find_cell
 from ..results.model import JOURNAL_NAME, PARTIAL_NAME, RESULT_NAME, STDERR_NAME, CellError, CellResult, ModeResult, load_cell_result, read_json
 
 STDERR_TAIL_CHARS = 4000
+WORKER_MODULE = "ci_runner.run.execute"  # the cell worker's entry (`worker_main`), started by `_run_worker`
 _KILL_GRACE_S = 2.0
 
 
@@ -161,7 +164,7 @@ def _run_worker(cell: Cell, opts: RunOptions, remaining: Sequence[str], budget: 
                 children: LiveChildren) -> ChildExit:
     """One worker process for the `remaining` modes of the cell, killed (with its session) at `budget`."""
     cmd = [
-        opts.python, "-m", "ci_runner", "_worker",
+        opts.python, "-m", WORKER_MODULE,
         "--matrix", str(opts.matrix_path), "--cell", cell.id, "--out", str(opts.out_dir),
         "--modes", ",".join(remaining), "--budget", f"{budget:.3f}",
     ]
@@ -283,3 +286,37 @@ def run_zoo_cells(cells: Sequence[Cell], opts: RunOptions, progress: Progress | 
 
     return run_zoo(cells, matrix_path=opts.matrix_path, out_dir=opts.out_dir, jobs=max(1, opts.jobs),
                    force=opts.force, progress=progress)
+
+
+# --------------------------------------------------------------------------- inside the cell worker
+
+def run_worker(*, matrix: Path, cell_id: str, out_dir: Path, modes: Sequence[str], budget: float) -> int:
+    """Inside a cell worker: the `modes` of one cell within `budget` seconds, resuming its partial result."""
+    arm_worker(budget)  # dies with its run, and ends itself past its budget
+    deadline = time.monotonic() + budget
+    cell = find_cell(load_matrix(matrix), cell_id)
+    cdir = cell_dir(out_dir, cell.id)
+    run_cell_inprocess(cell, cdir, modes=tuple(modes), deadline=deadline, previous=load_partial(cdir))
+    return 0
+
+
+def worker_main(argv: Sequence[str]) -> int:
+    """`python -m ci_runner.run.execute --matrix M --cell ID --out DIR --modes a,b --budget S`: the worker
+    `_run_worker` starts (also `deepview-ci _worker`). Its own entry rather than the CLI's, so that a worker imports
+    the cell runner and not every command's modules (report, GitHub, history, zoo: ~0.35 CPU s a cell here)."""
+    parser = argparse.ArgumentParser(prog="deepview-ci _worker")
+    for name in ("--matrix", "--cell", "--out", "--modes", "--budget"):
+        parser.add_argument(name, required=True)
+    args = parser.parse_args(argv)
+    try:
+        return run_worker(matrix=Path(args.matrix), cell_id=args.cell, out_dir=Path(args.out),
+                          modes=args.modes.split(","), budget=float(args.budget))
+    except DeepviewError as exc:
+        print(f"deepview-ci: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main(sys.argv[1:]))

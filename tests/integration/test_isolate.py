@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ci_runner.engine.isolate import open_entry, run_isolated
+from ci_runner.engine.isolate import WARM_ENV, open_entry, run_isolated
 from tests.fixtures.paths import ROOT
 
 pytestmark = pytest.mark.subprocess  # every test here starts child processes (the child engine)
@@ -50,7 +50,11 @@ def _assert_dies_with_its_starter(starter: str, pidfile: Path, what: str, cwd: P
         ("hang", "timeout", lambda r: "timed out" in r.message),
     ],
 )
-def test_child_outcomes(tmp_path: Path, action: str, status: str, check) -> None:
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
+def test_child_outcomes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, action: str, status: str, check,
+                        warm: bool) -> None:
+    """Cold (`python -m ci_runner.engine.isolate`) and warm (forked from a warm server): the same outcomes."""
+    monkeypatch.setenv(WARM_ENV, "1" if warm else "0")
     journal = tmp_path / "journal.log"
     res = run_isolated("tests.fixtures.iso_targets:act", {"action": action, "n": 3}, timeout=5, journal=journal)
     assert res.status == status, res
@@ -59,15 +63,33 @@ def test_child_outcomes(tmp_path: Path, action: str, status: str, check) -> None
         assert open_entry(journal, "item") == "item-3"
 
 
-def test_a_hung_child_dies_with_its_parent(tmp_path: Path) -> None:
-    """The cell worker is killed on timeout; its isolated probe (own session) must not live on."""
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
+def test_a_hung_child_dies_with_its_parent(tmp_path: Path, warm: bool) -> None:
+    """The cell worker is killed on timeout; its isolated probe (own session) must not live on (warm: the child of
+    a warm server, which dies with the process that started it)."""
     pidfile = tmp_path / "child.pid"
     script = (
+        f"import os; os.environ[{WARM_ENV!r}] = {'1' if warm else '0'!r}\n"
         "import sys; sys.path.insert(0, %r)\n"
         "from ci_runner.engine.isolate import run_isolated\n"
         "run_isolated('tests.fixtures.iso_targets:hang_and_report', {'pidfile': %r}, timeout=600)\n"
     ) % (str(ROOT), str(pidfile))
     _assert_dies_with_its_starter(script, pidfile, "isolated", cwd=ROOT)
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
+def test_a_warm_child_is_forked_from_a_server_that_imported_torch(monkeypatch: pytest.MonkeyPatch, warm: bool) -> None:
+    monkeypatch.setenv(WARM_ENV, "1" if warm else "0")
+    first = run_isolated("tests.fixtures.iso_targets:whoami", {}, timeout=60)
+    second = run_isolated("tests.fixtures.iso_targets:whoami", {}, timeout=60)
+    assert first.ok and second.ok, (first, second)
+    assert first.value["pid"] != second.value["pid"]  # a process per child, warm or cold
+    assert first.stderr_tail == second.stderr_tail == ""  # nothing said about how it started
+    if warm:  # forked by one server (its parent, not this process), torch imported before the child began
+        assert first.value["ppid"] == second.value["ppid"] != os.getpid()
+        assert first.value["torch"] and first.value["env"] == "1"
+    else:
+        assert first.value["ppid"] == os.getpid() and not first.value["torch"]
 
 
 def test_describe_says_what_happened_to_the_child() -> None:
