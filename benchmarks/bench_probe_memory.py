@@ -35,7 +35,8 @@ def main() -> None:
 
     from ci_runner.backends import resolve_backend
     from ci_runner.config import BackendSpec
-    from ci_runner.modes.ops.probe import build_tensors, run_probe, with_ranges
+    from ci_runner.modes.ops.inputs import build_tensors, with_ranges
+    from ci_runner.modes.ops.probe import run_probe
 
     backend = resolve_backend(BackendSpec(id=args.backend, compile=args.backend))
     backend.prepare()

@@ -55,7 +55,8 @@ def _bare_compile_s(backend: Any, probe: dict[str, Any]) -> float:
     """`torch.compile` of the one-op function alone, from a reset Dynamo, compiled and run once (or failing)."""
     import torch
 
-    from ci_runner.modes.ops.probe import assemble, build_tensors, resolve_op, select_outputs
+    from ci_runner.modes.ops.inputs import build_tensors
+    from ci_runner.modes.ops.probe import assemble, resolve_op, select_outputs
 
     op = resolve_op(probe)
     tensors = build_tensors(probe["args"], probe["kwargs"], int(probe["seed"]))

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from ci_runner.config import BackendSpec
-from ci_runner.modes.ops.probe import ProbeRunner, with_ranges
+from ci_runner.modes.ops.inputs import with_ranges
+from ci_runner.modes.ops.probe import ProbeRunner
 from ci_runner.engine.codec import encode_arg
 from ci_runner.registry import parse_options
 

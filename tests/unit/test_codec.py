@@ -27,7 +27,7 @@ from ci_runner.engine.codec import (
     tensor_specs,
     upgrade_call_v2,
 )
-from ci_runner.modes.ops.probe import probe_seed
+from ci_runner.modes.ops.inputs import probe_seed
 from ci_runner.modes.ops.signature import signature_key
 
 Pair = collections.namedtuple("Pair", "a b")

@@ -11,7 +11,7 @@ import torch
 
 from ci_runner.config import BackendSpec, spec_to_json
 from ci_runner.modes.ops.grouptest import plan_tasks, probe_groups
-from ci_runner.modes.ops.probe import with_ranges
+from ci_runner.modes.ops.inputs import with_ranges
 from ci_runner.engine.codec import encode_arg
 
 X = torch.empty(2, 3)
@@ -73,7 +73,8 @@ def test_the_group_function_is_each_call_as_decoded_and_traces_one_node_per_op()
     """`group_function`'s flat source calls each op as `assemble` decodes its call (lists of tensors, dtypes,
     keywords, selected outputs); a call source cannot write goes through the decoding helper."""
     from ci_runner.modes.ops.grouptest import group_function
-    from ci_runner.modes.ops.probe import assemble, build_tensors, resolve_op, select_outputs
+    from ci_runner.modes.ops.inputs import build_tensors
+    from ci_runner.modes.ops.probe import assemble, resolve_op, select_outputs
 
     probes = [_probe(0, "aten.add.Tensor", X, X), _probe(1, "aten.cat.default", [X, X], 1),
               _probe(2, "aten.max.dim", X, 1), _probe(3, "aten._to_copy.default", X)]

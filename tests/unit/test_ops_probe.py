@@ -14,13 +14,8 @@ from ci_runner.config import BackendSpec, spec_from_json, spec_to_json
 from ci_runner.errors import ConfigError
 from ci_runner.modes.ops.mode import run
 from ci_runner.modes.ops.compare import compare
-from ci_runner.modes.ops.probe import (
-    assemble,
-    build_tensors,
-    make_tensor,
-    run_probe,
-    with_ranges,
-)
+from ci_runner.modes.ops.inputs import build_tensors, make_tensor, with_ranges
+from ci_runner.modes.ops.probe import assemble, run_probe
 from ci_runner.engine.codec import encode_arg
 from ci_runner.options import DEFAULT_TOLERANCE
 from ci_runner.registry import parse_options
@@ -295,7 +290,7 @@ def test_make_tensor_draws_the_values_of_the_out_of_place_formula() -> None:
 
 
 def test_copy_tensors_keeps_layout_and_values_and_is_no_view() -> None:
-    from ci_runner.modes.ops.probe import copy_tensors
+    from ci_runner.modes.ops.inputs import copy_tensors
 
     built = [make_tensor([4, 6], [1, 4], "float32", -1.0, 1.0, 7), make_tensor([3, 5], [0, 1], "bfloat16", 0.1, 1.1, 1),
              make_tensor([0, 3], [3, 1], "float32", -1, 1, 0), make_tensor([], [], "int64", 0, 7, 3)]

@@ -19,7 +19,7 @@ import torch
 from ci_runner.config import BackendSpec
 from ci_runner.backends import backend_recipe
 from ci_runner.modes.ops.mode import render_repro
-from ci_runner.modes.ops.probe import with_ranges
+from ci_runner.modes.ops.inputs import with_ranges
 from ci_runner.engine.codec import encode_arg
 from ci_runner.modes.ops.signature import CallSite, OpSignature, signature_key
 from ci_runner.engine.repro import verify_script, write_script

@@ -33,8 +33,7 @@ from ...engine.diagnostics import capture_fd2, compiler_words
 from ...engine.failure import classify, error_text
 from ...engine.isolate import Attempt, IsolatedResult, supervise
 from .compare import compare, mismatch_metrics, no_compare_reason
-from .inputs import (POSITIVE_INPUT_OPS, build_tensors, call_source, copy_tensors, input_bytes, make_tensor,  # noqa: F401
-                     probe_seed, with_ranges)  # the synthetic inputs; also imported from here
+from .inputs import build_tensors, copy_tensors, input_bytes
 from .outcome import CPU_FAILS_TOO, OpOutcome, OpStatus
 from ...engine.codec import decode_value, tensor_specs
 from .signature import resolve_callable
