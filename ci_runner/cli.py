@@ -567,8 +567,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return errors.EXIT_USAGE
         return handler(args)
     except DeepviewError as exc:
-        print(f"deepview-ci: error: {exc}", file=sys.stderr)
-        return exc.exit_code
+        return errors.report_error(exc)
     except KeyboardInterrupt:
         print("deepview-ci: interrupted; finished cells are kept, rerun to resume", file=sys.stderr)
         return errors.EXIT_INTERRUPTED

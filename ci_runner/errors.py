@@ -1,7 +1,7 @@
 """One error root for the whole tool, with one documented exit code per class.
 
-`cli.main()` catches `DeepviewError` once and prints its message; nothing else in the
-package prints tracebacks for expected failures.
+`cli.main()` (and the cell worker's own entry, `run.execute.worker_main`) catches `DeepviewError` once and
+prints it with `report_error`; nothing else in the package prints tracebacks for expected failures.
 
 Exit codes (also in the README):
 
@@ -20,6 +20,8 @@ code meaning
 """
 
 from __future__ import annotations
+
+import sys
 
 EXIT_OK = 0
 EXIT_FINDINGS = 1
@@ -103,3 +105,9 @@ class GitHubError(DeepviewError):
     """The GitHub API refused or failed; drafts are kept on disk."""
 
     exit_code = EXIT_GITHUB
+
+
+def report_error(exc: DeepviewError) -> int:
+    """Print `exc` as the tool's one error line on stderr; its exit code."""
+    print(f"deepview-ci: error: {exc}", file=sys.stderr)
+    return exc.exit_code

@@ -27,7 +27,7 @@ from typing import Mapping, Sequence
 from .cellrun import run_cell_inprocess, write_final
 from ..config import Cell, load_matrix
 from ..engine.envinfo import base_stamp
-from ..errors import EXIT_INTERRUPTED, DeepviewError, ExecutionError, InputError
+from ..errors import EXIT_INTERRUPTED, DeepviewError, ExecutionError, InputError, report_error
 from ..fsutil import atomic_write_json
 from ..log import Progress
 from ..modes.ops.storepath import clear_stores
@@ -312,8 +312,7 @@ def worker_main(argv: Sequence[str]) -> int:
         return run_worker(matrix=Path(args.matrix), cell_id=args.cell, out_dir=Path(args.out),
                           modes=args.modes.split(","), budget=float(args.budget))
     except DeepviewError as exc:
-        print(f"deepview-ci: error: {exc}", file=sys.stderr)
-        return exc.exit_code
+        return report_error(exc)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
 

@@ -462,12 +462,15 @@ def _verify_all(remaining: Callable[[], float], findings: list[tuple[Finding, di
     """Run each repro in a fresh process; `verified` when it fails with the same error type and op text. An op in
     `verified_ops` is not run again (its note names the model whose repro of the op verified)."""
 
-    findings = [item for item in findings if item[0].repro is not None]
-    for f, _ in findings:
+    with_repro = [item for item in findings if item[0].repro is not None]
+    findings = []
+    for item in with_repro:
+        f = item[0]
         if opts.verify and f.op in verified_ops:
             assert f.repro is not None
             f.repro.note = f"not run again: the repro of {f.op} verified in {verified_ops[f.op]}'s cell"
-    findings = [item for item in findings if not (opts.verify and item[0].op in verified_ops)]
+        else:
+            findings.append(item)
     if not findings:
         return
     if not opts.verify:
