@@ -1,0 +1,177 @@
+"""Issue 34: the reusable pipeline (deepview.yml) under GitHub's two kinds of re-run, played job by job
+(tests/fixtures/workflow_sim.py) against the local GitHub-like server, which refuses a second artifact of one
+name in a run (409 Conflict), as upload-artifact v4 does.
+
+Night 1, attempt 1: one cell job dies (an infrastructure fault), so the run is partial: the report fails on the
+regression policy, nothing is filed, nothing goes into the history. "Re-run failed jobs" re-runs that cell, the
+report and every job after it: the report must upload, the policy must run, the issues must be filed from the
+re-run's report and the history must get the re-run's results. "Re-run all jobs" then re-runs the plan too: it
+must not stop at the plan's upload, must file nothing twice, and the history keeps one run for the night.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ci_runner.results.model import save_cell_result
+from tests.fixtures.fake_github import FakeGitHub
+from tests.fixtures.matrices import matrix_text
+from tests.fixtures.paths import ROOT
+from tests.fixtures.results_factory import cell, ops_mode
+from tests.fixtures.workflow_sim import JobRun, Sim, interpolate, load_workflow
+
+WORKFLOW = ROOT / ".github" / "workflows" / "deepview.yml"
+CELLS = ROOT / ".github" / "workflows" / "deepview-cells.yml"
+MATRIX = matrix_text(modes=["ops"], models=[{"id": "tiny", "config": "llama"}],
+                     backends=[{"id": "acme", "compile": "sim-subset"}, {"id": "beta", "compile": "sim-subset"}])
+BASELINE = {"schema_version": 1, "kind": "deepview-ci-baseline", "findings": [],
+            "cells": [{"id": f"tiny@{b}", "model": "tiny", "backend": b, "status": "pass", "modes": {"ops": "pass"}}
+                      for b in ("acme", "beta")]}
+
+
+def git(*args: str, cwd: Path) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True, timeout=60,
+                          env={"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@e", "GIT_COMMITTER_NAME": "t",
+                               "GIT_COMMITTER_EMAIL": "t@e", "PATH": "/usr/bin:/bin", "HOME": str(cwd)}).stdout
+
+
+def caller_repo(tmp: Path) -> Path:
+    """A bare repository holding the caller's matrix and baseline on main."""
+    src, bare = tmp / "src", tmp / "origin.git"
+    src.mkdir()
+    (src / "matrix.yaml").write_text(MATRIX)
+    (src / "baseline.json").write_text(json.dumps(BASELINE))
+    git("init", "--quiet", "-b", "main", cwd=src)
+    git("add", ".", cwd=src)
+    git("commit", "--quiet", "-m", "caller", cwd=src)
+    git("clone", "--quiet", "--bare", str(src), str(bare), cwd=tmp)
+    return bare
+
+
+def cell_upload_name() -> str:
+    [job] = load_workflow(CELLS)["jobs"].values()
+    return next(s for s in job["steps"] if s.get("name") == "Upload the cell's results and repros")["with"]["name"]
+
+
+def play_cells(dying: dict[int, set[str]]):
+    """The `cells` job (a call of deepview-cells.yml): each planned cell's job uploads its result under the name
+    the cell workflow gives it, unless it dies in this attempt (`dying[attempt]`)."""
+    template = cell_upload_name()
+
+    def call(sim: Sim, name: str, ctx: dict[str, Any]) -> JobRun:
+        plan = ctx["needs"]["plan"]["outputs"]
+        died = False
+        for chunk in json.loads(plan["chunk-ids"]):
+            for entry in json.loads(plan[f"matrix-{chunk}"])["include"]:
+                if entry["cell"] in dying.get(sim.attempt, set()):
+                    died = True
+                    continue
+                model, backend = entry["cell"].split("@")
+                result = cell(model, backend, {"ops": ops_mode(backend, () if backend == "beta" else
+                                                               ("aten.cumsum.default",))})
+                path = sim.work / f"cell-{sim.attempt}-{entry['cell']}.json"
+                save_cell_result(result, path)
+                artifact = interpolate(template, {**ctx, "matrix": entry})
+                err = sim.upload(artifact, {f"cells/{entry['cell']}/result.json": path.read_bytes()})
+                assert err is None, err
+        return JobRun("failure" if died else "success", attempt=sim.attempt)
+
+    return call
+
+
+def history_runs(origin: Path, tmp: Path) -> list[str]:
+    """The run ids on the history branch (run files and the database's runs)."""
+    from ci_runner.history.store import load_history
+
+    where = tmp / f"hist-{len(list(tmp.glob('hist-*')))}"
+    git("clone", "--quiet", "--branch", "deepview-history", str(origin), str(where), cwd=tmp)
+    h = load_history(where)
+    try:
+        return sorted(r.run_id for r in h.runs)
+    finally:
+        h.close()
+
+
+@pytest.fixture()
+def sim(tmp_path: Path):
+    with FakeGitHub() as gh:
+        work = tmp_path / "runs"
+        work.mkdir()
+        yield Sim(WORKFLOW, {"matrix": "matrix.yaml", "baseline": "baseline.json", "fail-on": "regression",
+                             "file-issues": True, "issue-args": "", "select": "", "python-version": "3.11",
+                             "pip-args": "", "bisect": False, "runner": "ubuntu-latest", "history": "deepview-history",
+                             "history-write": True, "setup-minutes": 30, "allow-fork-self-hosted": False,
+                             "deepview-repository": "deepview-ci/deepview-ci", "deepview-ref": "main",
+                             "bisect-runner": '"ubuntu-latest"', "bisect-minutes": 120},
+                  gh, caller_repo(tmp_path), work, calls={"cells": play_cells({1: {"tiny@beta"}})})
+
+
+def report_of(sim: Sim) -> dict[str, Any]:
+    """The results.json of the newest report artifact the run holds."""
+    arts = [a for a in sim.listed() if a["name"].startswith("deepview-report")]
+    newest = max(arts, key=lambda a: a["id"])
+    into = sim.work / f"report-{newest['id']}"
+    sim.download(newest, into)
+    return json.loads((into / "results.json").read_text())
+
+
+def test_rerun_failed_jobs_reports_files_and_records_the_rerun(sim: Sim, tmp_path: Path) -> None:
+    first = sim.run()
+    assert first["plan"].result == "success" and first["cells"].result == "failure"
+    assert first["report"].result == "failure"  # the regression policy on a partial run
+    assert first["report"].outputs["file-issues"] == "false" and first["report"].outputs["no-result"] == "1"
+    assert first["issues"].result == "skipped" and first["history"].result == "skipped"
+    assert sim.gh.issues() == []
+
+    second = sim.run("failed")
+    report = second["report"]
+    assert second["cells"].result == "success" and second["plan"].attempt == 1  # the plan was not re-run
+    assert report.steps["Upload the report"]["outcome"] == "success", report.log
+    assert report.steps["Apply the diff policy; decide whether issues may be filed"]["outcome"] == "failure"  # ran: exit 1
+    assert report.outputs["file-issues"] == "true" and report.outputs["no-result"] == "0"
+    cells = {c["id"]: c["status"] for c in report_of(sim)["cells"]}
+    assert cells == {"tiny@acme": "fail", "tiny@beta": "pass"}  # the re-run's report, not attempt 1's
+    assert second["issues"].result == "success", second["issues"].log
+    titles = [i["title"] for i in sim.gh.issues()]
+    assert len(titles) == 1 and "aten.cumsum.default" in titles[0] and "acme" in titles[0]
+    assert second["history"].result == "success", second["history"].log
+    assert history_runs(sim.origin, tmp_path) == ["4242-2"]
+
+    third = sim.run("all")
+    assert third["plan"].result == "success", third["plan"].log
+    assert third["plan"].attempt == 3 and third["report"].steps["Upload the report"]["outcome"] == "success"
+    assert third["issues"].result == "success" and len(sim.gh.issues()) == 1  # nothing filed twice
+    assert history_runs(sim.origin, tmp_path) == ["4242-3"]  # one night, one run: the re-run replaced its attempt
+    names = [a["name"] for a in sim.listed()]
+    assert len(names) == len(set(names))
+
+
+def test_the_fake_server_refuses_a_second_artifact_of_one_name(sim: Sim) -> None:
+    sim.attempt = 1
+    assert sim.upload("deepview-plan", {"plan.json": b"{}"}) is None
+    err = sim.upload("deepview-plan", {"plan.json": b"{}"})
+    assert err is not None and "(409)" in err
+    sim.attempt = 2
+    assert sim.upload("deepview-plan", {"plan.json": b"[]"}, overwrite=True) is None
+    [art] = [a for a in sim.listed() if a["name"] == "deepview-plan"]
+    assert art["workflow_run"]["run_attempt"] == 2
+
+
+def test_every_artifact_of_the_pipeline_is_safe_under_a_rerun() -> None:
+    """Each upload either carries the attempt in its name or replaces the earlier one (`overwrite: true`)."""
+    for path in (WORKFLOW, CELLS):
+        for name, job in load_workflow(path)["jobs"].items():
+            for step in job.get("steps") or []:
+                if str(step.get("uses", "")).startswith("actions/upload-artifact@"):
+                    w = step["with"]
+                    assert "github.run_attempt" in str(w["name"]) or w.get("overwrite") is True, (path.name, name, w["name"])
+
+
+def _gz(path: Path) -> dict[str, Any]:
+    return json.loads(gzip.decompress(path.read_bytes()))
