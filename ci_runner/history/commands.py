@@ -51,7 +51,7 @@ def trends_for(args: argparse.Namespace, results: Results) -> Trends | None:
     """The trends of `--history DIR` with `results` as the newest night (unless the history holds it)."""
     if not getattr(args, "history", None):
         return None
-    meta = run_meta(results, run_id="current", date=None, env=os.environ)
+    meta = run_meta(results, run_id=None, date=None, env=os.environ)  # a re-run replaces its earlier attempt
     if not Path(args.history).exists():
         print(f"deepview-ci: no history at {args.history} yet; trends start with this run", file=sys.stderr)
     opts = trend_options(args)

@@ -16,6 +16,10 @@ Tables (schema version 1):
 - ``layer_sets(id, hash, names, thresholds)`` and ``layer_figures(run, cell, layer_set, figures)``:
   per-layer worst rel, 1 − cos and mad, log-quantised to int16 (0.3 % steps; see `quantize`).
 
+A run id ``N-A`` (digits, a dash, digits: what `history` makes of ``GITHUB_RUN_ID-GITHUB_RUN_ATTEMPT``) is attempt
+``A`` of workflow run ``N``; one workflow run is one night, so a later attempt replaces an earlier one (its rows
+go, first/last seen and streaks are walked again) and an earlier attempt arriving after a later one is not added.
+
 A file that is not SQLite, or is SQLite of someone else, is an `InputError`. A file written by a newer
 version is refused and left untouched; an older one is migrated in place when the history is written.
 """
@@ -25,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import sqlite3
 import zlib
 from array import array
@@ -186,11 +191,58 @@ def has_run(conn: sqlite3.Connection, run_id: str) -> bool:
     return conn.execute("SELECT 1 FROM runs WHERE run_id = ?", (run_id,)).fetchone() is not None
 
 
+_ATTEMPT = re.compile(r"(\d+)-(\d+)")
+
+
+def attempt_of(run_id: str) -> tuple[str, int] | None:
+    """(workflow run, attempt) of a run id ``N-A``; None for any other id (a local run, a week)."""
+    m = _ATTEMPT.fullmatch(run_id)
+    return (m.group(1), int(m.group(2))) if m else None
+
+
+def _attempts(conn: sqlite3.Connection, run_id: str) -> list[tuple[int, int]]:
+    """(seq, attempt) of every stored attempt of the workflow run `run_id` belongs to."""
+    mine = attempt_of(run_id)
+    if mine is None:
+        return []
+    rows = conn.execute("SELECT seq, run_id FROM runs WHERE run_id LIKE ? AND kind = 'run'", (f"{mine[0]}-%",)).fetchall()
+    return [(seq, a[1]) for seq, rid in rows if (a := attempt_of(rid)) is not None and a[0] == mine[0]]
+
+
+def superseded(conn: sqlite3.Connection, run_id: str) -> bool:
+    """Whether the history holds this run, or a later attempt of its workflow run."""
+    mine = attempt_of(run_id)
+    return has_run(conn, run_id) or (mine is not None and any(a >= mine[1] for _, a in _attempts(conn, run_id)))
+
+
+def _drop_runs(conn: sqlite3.Connection, seqs: Sequence[int]) -> None:
+    for table, col in (("cell_runs", "run"), ("run_findings", "run"), ("layer_figures", "run"), ("runs", "seq")):
+        conn.executemany(f"DELETE FROM {table} WHERE {col} = ?", [(s,) for s in seqs])
+
+
+def recompute_seen(conn: sqlite3.Connection) -> None:
+    """Every finding's first and last night and its streak, from a walk over the nights (after runs were dropped)."""
+    first: dict[int, str] = {}
+    last: dict[int, str] = {}
+    for seq, day in conn.execute("SELECT seq, date FROM runs ORDER BY date, seq").fetchall():
+        row = conn.execute("SELECT ids FROM run_findings WHERE run = ?", (seq,)).fetchone()
+        for fid in unpack_ids(row[0]) if row else ():
+            first.setdefault(fid, day)
+            last[fid] = day
+    conn.execute("UPDATE findings SET first_seen = NULL, last_seen = NULL")
+    conn.executemany("UPDATE findings SET first_seen = ?, last_seen = ? WHERE id = ?",
+                     [(first[i], last[i], i) for i in first])
+    recompute_streaks(conn)
+
+
 def insert_record(conn: sqlite3.Connection, record: Mapping[str, Any], *, kind: str = "run", nights: int = 1) -> bool:
-    """Fold one record into the open transaction; False (and nothing written) when the run is already in."""
+    """Fold one record into the open transaction; False (and nothing written) when the run is already in, or a
+    later attempt of its workflow run is. An earlier attempt of it is replaced."""
     run = record["run"]
-    if has_run(conn, run["run_id"]):
+    if superseded(conn, run["run_id"]):
         return False
+    older = [seq for seq, _ in _attempts(conn, run["run_id"])]
+    _drop_runs(conn, older)
     seq = conn.execute("INSERT INTO runs(run_id, date, trigger, commit_sha, tool_version, generated_at, kind, nights) "
                        "VALUES(?, ?, ?, ?, ?, ?, ?, ?)", (run["run_id"], run["date"], run.get("trigger", ""),
                                                           run.get("commit", ""), run.get("tool_version", ""),
@@ -225,6 +277,8 @@ def insert_record(conn: sqlite3.Connection, record: Mapping[str, Any], *, kind: 
                    {"names": names_text, "thresholds": thr})
         conn.execute("INSERT INTO layer_figures VALUES(?, ?, ?, ?)",
                      (seq, cell_ids[ci], lsid, quantize(x for row in worst for x in row)))
+    if older:
+        recompute_seen(conn)
     return True
 
 

@@ -32,7 +32,7 @@ from ..errors import ExecutionError, UsageError
 from ..results.model import Results
 from .compact import compact
 from .records import RunMeta, record_of, write_record
-from .store import RUNS_DIR, holds_run
+from .store import RUNS_DIR, drop_earlier_attempts, holds_run
 
 LOCAL_REF = "refs/deepview-ci/history"
 EMPTY_TREE = "4b825dc642cb6eb9a060e54bf8d69288fbee4904"
@@ -103,6 +103,7 @@ def _attempt(repo: Path, tip: str, record: Mapping[str, object], meta: RunMeta, 
         if holds_run(work, meta.run_id):
             return f"history push: run {meta.run_id} is already on {opts.branch}; nothing to push"
         write_record(record, work / RUNS_DIR)
+        drop_earlier_attempts(work, meta.run_id)  # a re-run replaces its attempt: one night, one run
         pending = len(list((work / RUNS_DIR).glob("*.json.gz")))
         message = f"deepview-ci history: add run {meta.run_id} ({meta.date})"
         if pending >= opts.compact_every:

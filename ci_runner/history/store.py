@@ -177,7 +177,7 @@ def fold_pending(store: Path, conn: sqlite3.Connection | None = None,
         records += _read_pending([p for p in paths if not known or p not in known])
         added = db.fold(conn, records)
         for path, rec in records:
-            if db.has_run(conn, rec["run"]["run_id"]):
+            if db.superseded(conn, rec["run"]["run_id"]):  # folded, or an earlier attempt a later one replaced
                 path.unlink(missing_ok=True)
         return added
     finally:
@@ -185,18 +185,40 @@ def fold_pending(store: Path, conn: sqlite3.Connection | None = None,
             conn.close()
 
 
+def _pending_run_id(path: Path) -> str:
+    return path.name[:-len(".json.gz")].split("_", 1)[-1]
+
+
 def holds_run(store: Path, run_id: str) -> bool:
-    """Whether the history already has this run (folded, or as a pending record file)."""
+    """Whether the history already has this run, or a later attempt of its workflow run (folded, or as a pending
+    record file)."""
     store = check_store(store)
-    if any(p.name.endswith(f"_{run_id}.json.gz") for p in _pending(store)):
-        return True
+    mine = db.attempt_of(run_id)
+    for p in _pending(store):
+        other = _pending_run_id(p)
+        theirs = db.attempt_of(other)
+        if other == run_id or (mine and theirs and theirs[0] == mine[0] and theirs[1] >= mine[1]):
+            return True
     if not (store / DB_NAME).exists():
         return False
     conn = db.connect(store / DB_NAME, create=False)
     try:
-        return db.has_run(conn, run_id)
+        return db.superseded(conn, run_id)
     finally:
         conn.close()
+
+
+def drop_earlier_attempts(store: Path, run_id: str) -> list[Path]:
+    """Remove the pending record files of earlier attempts of this run's workflow run (a re-run replaces its
+    attempt); the removed paths."""
+    mine = db.attempt_of(run_id)
+    gone = []
+    for p in _pending(store) if mine else ():
+        theirs = db.attempt_of(_pending_run_id(p))
+        if theirs and mine and theirs[0] == mine[0] and theirs[1] < mine[1]:
+            p.unlink(missing_ok=True)
+            gone.append(p)
+    return gone
 
 
 def add_run(store: Path, results: Results, meta: RunMeta) -> tuple[Path, bool]:
@@ -205,7 +227,7 @@ def add_run(store: Path, results: Results, meta: RunMeta) -> tuple[Path, bool]:
     store.mkdir(parents=True, exist_ok=True)
     conn = db.open_for_write(store / DB_NAME)  # refuses a foreign or newer database before anything is written
     try:
-        if db.has_run(conn, meta.run_id):
+        if db.superseded(conn, meta.run_id):
             return store / RUNS_DIR / f"{meta.date}_{meta.run_id}.json.gz", False
         record = record_of(results, meta)
         path = write_record(record, store / RUNS_DIR)

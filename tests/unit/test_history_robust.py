@@ -1,0 +1,96 @@
+"""Issue 34: one night is one run (a re-run replaces its attempt), and a history that cannot be read is set aside
+with a warning while the run goes on (the branch itself is repaired by the next push:
+tests/integration/test_history_git.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from ci_runner.history.records import RunMeta
+from ci_runner.history.store import add_run, fold_pending, load_history
+from ci_runner.history.records import record_of, write_record
+from ci_runner.history.trends import compute
+from ci_runner.results.model import fingerprint
+from tests.fixtures.history_sim import FAILING_OP, date_of, night_results
+
+
+def meta(run_id: str, night: int) -> RunMeta:
+    return RunMeta(run_id=run_id, date=date_of(night), trigger="schedule", generated_at=f"{date_of(night)}T02:0{run_id[-1]}:00Z")
+
+
+def with_failing(night: int, failing: bool):
+    """Night `night`'s results; `failing` keeps the scripted failing op in or takes it out."""
+    r = night_results(night)
+    subset = next(c for c in r.cells if c.id == "tiny-llama@sim-subset")
+    findings = subset.modes["ops"].findings
+    if failing and not any(f.op == FAILING_OP for f in findings):
+        from tests.fixtures.results_factory import unsupported_op
+
+        findings.append(unsupported_op("sim-subset", FAILING_OP))
+    if not failing:
+        subset.modes["ops"].findings = [f for f in findings if f.op != FAILING_OP]
+    return r
+
+
+FAILING_FP = fingerprint("unsupported_op", "sim-subset", FAILING_OP)
+
+
+def streak_of(store: Path) -> tuple[list[str], str]:
+    h = load_history(store)
+    try:
+        ids = [r.run_id for r in h.runs]
+        row = next((f for f in h.findings.values() if f.fingerprint == FAILING_FP), None)
+        return ids, (row.first_seen if row else "")
+    finally:
+        h.close()
+
+
+def test_a_rerun_replaces_its_attempt_and_counts_once(tmp_path: Path) -> None:
+    store = tmp_path / "h"
+    add_run(store, with_failing(1, False), meta("100-1", 1))
+    add_run(store, with_failing(2, True), meta("200-1", 2))  # night 2, attempt 1: the op fails (a flake)
+    add_run(store, with_failing(2, False), meta("200-2", 2))  # its re-run: the op passes
+    ids, first = streak_of(store)
+    assert ids == ["100-1", "200-2"] and first == ""  # one run for night 2; the flake left no trace
+    _, new = add_run(store, with_failing(2, True), meta("200-1", 2))  # attempt 1 arriving late is not added
+    assert not new and streak_of(store)[0] == ["100-1", "200-2"]
+    add_run(store, with_failing(3, True), meta("300-1", 3))
+    add_run(store, with_failing(3, True), meta("300-2", 3))
+    ids, first = streak_of(store)
+    assert ids == ["100-1", "200-2", "300-2"] and first == date_of(3)
+    h = load_history(store)
+    try:
+        assert sum(r.nights for r in h.runs) == 3
+    finally:
+        h.close()
+
+
+def test_pending_attempts_fold_to_one_run_and_leave_no_file(tmp_path: Path) -> None:
+    store = tmp_path / "h"
+    for rid in ("7-1", "7-3", "7-2"):
+        write_record(record_of(with_failing(1, rid == "7-1"), meta(rid, 1)), store / "runs")
+    assert streak_of(store)[0] == ["7-3"]  # a reader merges the pending files the same way
+    fold_pending(store)
+    assert list((store / "runs").iterdir()) == [] and streak_of(store)[0] == ["7-3"]
+
+
+def test_the_current_run_replaces_its_earlier_attempt_in_the_trends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`aggregate --history` on a re-run: the branch holds attempt 1 of tonight; tonight counts once."""
+    from ci_runner.history.commands import trends_for
+
+    store = tmp_path / "h"
+    for night in range(1, 4):
+        add_run(store, with_failing(night, True), meta(f"{night}0-1", night))
+    monkeypatch.setenv("GITHUB_RUN_ID", "30")
+    monkeypatch.setenv("GITHUB_RUN_ATTEMPT", "2")
+    args = type("A", (), {"history": str(store), "flaky_window": 14, "flaky_flips": 3, "drift_nights": 5,
+                          "drift_min_slope": 0.03})()
+    trends = trends_for(args, dataclasses.replace(with_failing(3, True), generated_at=f"{date_of(3)}T05:00:00Z"))
+    assert trends is not None and trends.nights == 3 and trends.dates == [date_of(1), date_of(2), date_of(3)]
+    since = trends.since[("tiny-llama@sim-subset", FAILING_FP)]
+    assert since.date == date_of(1) and since.nights == 3
