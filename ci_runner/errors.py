@@ -73,6 +73,11 @@ class InputError(DeepviewError):
     exit_code = EXIT_INPUT
 
 
+class NewerFileError(InputError):
+    """A file written by a newer deepview-ci (a history database or record): readable by that version, so a writer
+    of this one leaves it alone."""
+
+
 class EnvironmentSetupError(DeepviewError):
     """A model, backend, device or plugin cannot be loaded."""
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import UsageError
+from ..github.actions import annotate
 from ..github.client import ClientOptions
 from ..results.baseline import load_baseline
 from ..results.model import Results, load_results
@@ -18,7 +19,7 @@ from .gitpush import PushOptions, push_run
 from .propose import ProposeOptions, propose, write_proposal
 from .pullrequest import open_pr
 from .records import RunMeta, check_date, run_meta
-from .store import add_run, load_history, size_on_disk
+from .store import add_run, load_history, load_history_or_fresh, size_on_disk
 from .trends import TrendOptions, Trends, compute
 
 Handler = Callable[[argparse.Namespace], int]
@@ -55,11 +56,19 @@ def trends_for(args: argparse.Namespace, results: Results) -> Trends | None:
     if not Path(args.history).exists():
         print(f"deepview-ci: no history at {args.history} yet; trends start with this run", file=sys.stderr)
     opts = trend_options(args)
-    h = load_history(Path(args.history), current=results, current_meta=meta, missing_ok=True, window=opts.max_points)
+    h = load_history_or_fresh(Path(args.history), current=results, current_meta=meta, window=opts.max_points,
+                              warn=_warn_history)
     try:
         return compute(h, opts)
     finally:
         h.close()
+
+
+def _warn_history(message: str) -> None:
+    """A history set aside: said on stderr, and as a workflow warning on Actions."""
+    print(f"deepview-ci: warning: {message}", file=sys.stderr)
+    if os.environ.get("GITHUB_ACTIONS") == "true":
+        annotate("warning", message + " (the next `history push` repairs the branch)", title="deepview-ci history")
 
 
 def cmd_history_add(args: argparse.Namespace) -> int:
@@ -118,6 +127,8 @@ def cmd_history_push(args: argparse.Namespace) -> int:
                        compact_every=args.compact_every, keep=args.keep)
     report = push_run(results, meta, opts)
     print(report)
+    if "; set aside (" in report:
+        _warn_history(report.split("; set aside ", 1)[1].split(";")[0].split(" →")[0])
     return 0
 
 

@@ -37,7 +37,7 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from ..errors import InputError
+from ..errors import InputError, NewerFileError
 
 DB_KIND = "deepview-ci-history"
 DB_VERSION = 1
@@ -137,7 +137,7 @@ def connect(path: Path, *, create: bool) -> sqlite3.Connection:
         raise _fail(path, f"bad schema_version {meta.get('schema_version')!r}") from None
     if version > DB_VERSION:
         conn.close()
-        raise InputError(f"{path}: history schema_version {version} was written by a newer deepview-ci "
+        raise NewerFileError(f"{path}: history schema_version {version} was written by a newer deepview-ci "
                          f"(this one reads up to {DB_VERSION}); it is left untouched",
                          hint="upgrade deepview-ci to read or add to this history")
     if version < DB_VERSION:

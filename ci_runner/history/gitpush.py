@@ -1,14 +1,21 @@
-"""`deepview-ci history push`: this run's record onto the history branch, pushed without ever forcing.
+"""`deepview-ci history push`: this run's record onto the history branch, pushed as a compare-and-swap.
 
 The branch (default ``deepview-history``) holds a history folder at its root: ``runs/<date>_<id>.json.gz``
-(one immutable file per run) and ``history.sqlite`` (the runs folded so far). Each push:
+(one file per run not yet folded) and ``history.sqlite`` (the runs folded so far). Each push:
 
-1. fetches the branch (``--depth 1``; a missing branch starts from an empty root commit);
-2. checks it out in a temporary worktree of the given clone, adds this run's record file, and, once
-   ``compact_every`` run files are pending, folds them into ``history.sqlite`` and compacts runs past
-   ``keep`` into weeks (the compaction commit);
-3. commits and pushes. When another run pushed first (the push is rejected), it fetches again and redoes
-   step 2 on the new tip, up to ``retries`` times: a run is added to what is there, never written over it.
+1. fetches the branch (``--depth 1``; a missing branch starts from nothing);
+2. checks its tip out in a temporary worktree of the given clone and repairs it: a database or run file that
+   cannot be read (garbage, truncated, someone else's) is removed, and said, so the history goes on fresh; a
+   newer deepview-ci's files are kept (then this run's file is added and nothing is folded);
+3. adds this run's record file (an earlier attempt of the same workflow run is replaced: one night, one run),
+   and, once ``compact_every`` run files are pending, folds them into ``history.sqlite`` and compacts runs past
+   ``keep`` into weeks;
+4. commits the result as **one commit without parents** and pushes it with ``--force-with-lease`` on the tip it
+   read (on "no branch" the first time). The branch is always a single commit of the current state, so it stays
+   about the size of the database (a full ``history.sqlite`` per compaction in the branch's history made it
+   grow ten times faster), and a clone fetches only that. The lease makes the push a compare-and-swap: when
+   another run pushed first it is rejected, and the push fetches again and redoes 2-4 on the new tip, up to
+   ``retries`` times, so a run is added to what is there and never written over it.
 
 Git runs with the clone's own credentials, or with ``GITHUB_TOKEN`` when it is set (the reusable workflow
 passes the job token so that no checkout persists it); the token needs ``contents: write`` for this step only.
@@ -32,7 +39,7 @@ from ..errors import ExecutionError, UsageError
 from ..results.model import Results
 from .compact import compact
 from .records import RunMeta, record_of, write_record
-from .store import RUNS_DIR, drop_earlier_attempts, holds_run
+from .store import RUNS_DIR, drop_earlier_attempts, holds_run, repair
 
 LOCAL_REF = "refs/deepview-ci/history"
 EMPTY_TREE = "4b825dc642cb6eb9a060e54bf8d69288fbee4904"
@@ -84,39 +91,50 @@ def git_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def _fetch(repo: Path, opts: PushOptions, env: Mapping[str, str]) -> str:
-    """The branch's tip on the remote (fetched), or a new empty root commit when the branch does not exist."""
+def _fetch(repo: Path, opts: PushOptions, env: Mapping[str, str]) -> tuple[str, str]:
+    """(a commit to start from, the lease): the branch's tip twice when it exists (fetched), else an empty root
+    commit and "" (the push then requires that the branch still does not exist)."""
     has = _git(["ls-remote", "--heads", opts.remote, f"refs/heads/{opts.branch}"], repo, env).stdout.strip()
     if has:
         _git(["fetch", "--quiet", "--depth=1", opts.remote, f"+refs/heads/{opts.branch}:{LOCAL_REF}"], repo, env)
-        return _git(["rev-parse", LOCAL_REF], repo, env).stdout.strip()
+        tip = _git(["rev-parse", LOCAL_REF], repo, env).stdout.strip()
+        return tip, tip
     _git(["hash-object", "-t", "tree", "-w", "--stdin"], repo, env)  # makes sure the empty tree exists
-    return _git(["commit-tree", EMPTY_TREE, "-m", "deepview-ci history: start"], repo, env).stdout.strip()
+    return _git(["commit-tree", EMPTY_TREE, "-m", "deepview-ci history: start"], repo, env).stdout.strip(), ""
 
 
-def _attempt(repo: Path, tip: str, record: Mapping[str, object], meta: RunMeta, opts: PushOptions,
+def _attempt(repo: Path, start: tuple[str, str], record: Mapping[str, object], meta: RunMeta, opts: PushOptions,
              env: Mapping[str, str]) -> str:
+    tip, lease = start
     work = Path(tempfile.mkdtemp(prefix="deepview-history-"))
     shutil.rmtree(work)
     _git(["worktree", "add", "--quiet", "--detach", str(work), tip], repo, env)
     try:
-        if holds_run(work, meta.run_id):
+        removed, newer = repair(work)
+        if holds_run(work, meta.run_id, files_only=newer):
             return f"history push: run {meta.run_id} is already on {opts.branch}; nothing to push"
         write_record(record, work / RUNS_DIR)
         drop_earlier_attempts(work, meta.run_id)  # a re-run replaces its attempt: one night, one run
         pending = len(list((work / RUNS_DIR).glob("*.json.gz")))
         message = f"deepview-ci history: add run {meta.run_id} ({meta.date})"
-        if pending >= opts.compact_every:
+        if removed:
+            message += f"; set aside (could not be read, the history goes on fresh): {', '.join(removed)}"
+        if newer:
+            message += "; a newer deepview-ci's history: this run's file added, nothing folded"
+        elif pending >= opts.compact_every:
             folded, weeks = compact(work, keep=opts.keep)
             message += f"; compaction: {pending} run file(s) folded into history.sqlite, {folded} run(s) into {weeks} week(s)"
         _git(["add", "-A", "."], work, env)
-        _git(["commit", "--quiet", "-m", message], work, env)
-        proc = _git(["push", "--porcelain", opts.remote, f"HEAD:refs/heads/{opts.branch}"], work, env, check=False)
+        tree = _git(["write-tree"], work, env).stdout.strip()
+        commit = _git(["commit-tree", tree, "-m", message], work, env).stdout.strip()  # no parent: one commit
+        proc = _git(["push", "--porcelain", f"--force-with-lease=refs/heads/{opts.branch}:{lease}", opts.remote,
+                     f"{commit}:refs/heads/{opts.branch}"], work, env, check=False)
         if proc.returncode != 0:
             text = (proc.stderr or "") + (proc.stdout or "")
             if _REJECTED.search(text):
                 raise _Rejected(_CREDS.sub(r"\1***@", text.strip())[-400:])
-            _git(["push", opts.remote, f"HEAD:refs/heads/{opts.branch}"], work, env)  # raises with git's words
+            _git(["push", f"--force-with-lease=refs/heads/{opts.branch}:{lease}", opts.remote,
+                  f"{commit}:refs/heads/{opts.branch}"], work, env)  # raises with git's words
         return f"history push: {message} → {opts.remote}/{opts.branch}"
     finally:
         _git(["worktree", "remove", "--force", str(work)], repo, env, check=False)
@@ -134,9 +152,9 @@ def push_run(results: Results, meta: RunMeta, opts: PushOptions) -> str:
     record = record_of(results, meta)
     last = ""
     for attempt in range(opts.retries):
-        tip = _fetch(repo, opts, env)
+        start = _fetch(repo, opts, env)
         try:
-            return _attempt(repo, tip, record, meta, opts, env) + (f" (after {attempt} retr{'y' if attempt == 1 else 'ies'})" if attempt else "")
+            return _attempt(repo, start, record, meta, opts, env) + (f" (after {attempt} retr{'y' if attempt == 1 else 'ies'})" if attempt else "")
         except _Rejected as exc:
             last = str(exc)
             time.sleep(random.uniform(0.2, 1.0) * (attempt + 1))

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..errors import InputError, UsageError
+from ..errors import InputError, NewerFileError, UsageError
 from ..fsutil import atomic_write_bytes
 from ..results.model import CellResult, Results, clean, encode_number
 from ..results.rootcause import signature
@@ -177,9 +177,11 @@ def read_record(path: Path) -> dict[str, Any]:
         raise InputError(f"{path}: not a deepview-ci history record (no \"kind\": \"{RECORD_KIND}\")",
                          hint="only `deepview-ci history add` writes into the history's runs/ folder")
     version = data.get("schema_version")
-    if not isinstance(version, int) or version > RECORD_VERSION:
-        raise InputError(f"{path}: history record schema_version {version!r} is newer than this deepview-ci reads "
-                         f"({RECORD_VERSION})", hint="upgrade deepview-ci; the file is left as it is")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise InputError(f"{path}: history record has a bad schema_version {version!r}", hint="the file is damaged; remove it")
+    if version > RECORD_VERSION:
+        raise NewerFileError(f"{path}: history record schema_version {version!r} is newer than this deepview-ci reads "
+                             f"({RECORD_VERSION})", hint="upgrade deepview-ci; the file is left as it is")
     for key in ("run", "envs", "cells", "findings", "layers"):
         if key not in data:
             raise InputError(f"{path}: history record has no {key!r}", hint="the file is damaged; remove it")

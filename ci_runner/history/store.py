@@ -18,9 +18,9 @@ import json
 import sqlite3
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterator, Mapping, NamedTuple
+from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
-from ..errors import InputError
+from ..errors import InputError, NewerFileError
 from ..results.model import Results
 from . import db
 from .records import RunMeta, read_record, record_of, write_record
@@ -189,9 +189,9 @@ def _pending_run_id(path: Path) -> str:
     return path.name[:-len(".json.gz")].split("_", 1)[-1]
 
 
-def holds_run(store: Path, run_id: str) -> bool:
+def holds_run(store: Path, run_id: str, *, files_only: bool = False) -> bool:
     """Whether the history already has this run, or a later attempt of its workflow run (folded, or as a pending
-    record file)."""
+    record file; `files_only`: the pending files alone, when the database is a newer version's)."""
     store = check_store(store)
     mine = db.attempt_of(run_id)
     for p in _pending(store):
@@ -199,7 +199,7 @@ def holds_run(store: Path, run_id: str) -> bool:
         theirs = db.attempt_of(other)
         if other == run_id or (mine and theirs and theirs[0] == mine[0] and theirs[1] >= mine[1]):
             return True
-    if not (store / DB_NAME).exists():
+    if files_only or not (store / DB_NAME).exists():
         return False
     conn = db.connect(store / DB_NAME, create=False)
     try:
@@ -251,12 +251,86 @@ def load_history(store: Path, *, current: Results | None = None, current_meta: R
     dbpath = store / DB_NAME
     conn = db.memory_copy(dbpath if dbpath.exists() else None)
     db.fold(conn, _read_pending(_pending(store)))
+    _merge_current(conn, current, current_meta)
+    return read_all(conn, window=window)
+
+
+def _merge_current(conn: sqlite3.Connection, current: Results | None, current_meta: RunMeta | None) -> None:
     if current is not None and current_meta is not None:
         known = {r[0] for r in conn.execute("SELECT generated_at FROM runs") if r[0]}
         if not current.generated_at or current.generated_at not in known:
             newest = conn.execute("SELECT MAX(date) FROM runs").fetchone()[0] or current_meta.date
             meta = replace(current_meta, date=max(newest, current_meta.date))  # tonight is the newest night
             db.fold(conn, [(Path("-"), record_of(current, meta))])
+
+
+def _readable_copy(dbpath: Path) -> sqlite3.Connection:
+    """The database in memory, read through once (a truncated file fails only when a damaged page is read)."""
+    conn = db.memory_copy(dbpath)
+    try:
+        check = conn.execute("PRAGMA quick_check").fetchall()
+        if check != [("ok",)]:
+            raise sqlite3.DatabaseError("; ".join(str(r[0]) for r in check[:3]))
+        read_all(conn)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def repair(store: Path) -> tuple[list[str], bool]:
+    """For a writer of the branch (`history push`): remove what cannot be read, the database and run files, so the
+    history goes on fresh. Returns what was removed (with why) and whether a newer deepview-ci's files are there;
+    those are kept, and then nothing may be folded into the database."""
+    store = check_store(store)
+    removed: list[str] = []
+    newer = False
+    dbpath = store / DB_NAME
+    if dbpath.exists():
+        try:
+            _readable_copy(dbpath).close()
+        except NewerFileError:
+            newer = True
+        except (InputError, sqlite3.DatabaseError) as exc:
+            dbpath.unlink()
+            removed.append(f"{DB_NAME} ({exc.message if isinstance(exc, InputError) else f'damaged: {exc}'})")
+    for path in _pending(store):
+        try:
+            db.fold(db.memory_copy(None), [(path, read_record(path))])
+        except NewerFileError:
+            newer = True
+        except (InputError, KeyError, IndexError, TypeError, ValueError, sqlite3.Error) as exc:
+            path.unlink()
+            removed.append(f"{RUNS_DIR}/{path.name} ({exc.message if isinstance(exc, InputError) else type(exc).__name__})")
+    return removed, newer
+
+
+def load_history_or_fresh(store: Path, *, current: Results | None, current_meta: RunMeta | None,
+                          window: int | None, warn: Callable[[str], None]) -> History:
+    """`load_history` for a run that must go on (`aggregate`/`diff --history`): a database that cannot be read
+    (garbage, truncated, someone else's, a newer version's) and run files that cannot be read are set aside, each
+    with a `warn`, and the trends use what is left: at worst a fresh history that starts with this run. Nothing
+    on disk is changed; the next `history push` repairs the branch."""
+    store = check_store(store)
+    dbpath = store / DB_NAME
+    conn: sqlite3.Connection | None = None
+    if dbpath.exists():
+        try:
+            conn = _readable_copy(dbpath)
+        except (InputError, sqlite3.DatabaseError) as exc:
+            why = exc.message if isinstance(exc, InputError) else f"{dbpath}: a damaged database ({exc})"
+            warn(f"history set aside, the trends start from a fresh one: {why}")
+    conn = conn or db.memory_copy(None)
+    for path in _pending(store):
+        try:
+            record = read_record(path)
+            db.fold(conn, [(path, record)])
+        except InputError as exc:
+            if path.exists():
+                warn(f"history run file set aside: {exc.message}")
+        except (KeyError, IndexError, TypeError, ValueError, sqlite3.Error) as exc:
+            warn(f"history run file set aside: {path}: a damaged record ({type(exc).__name__}: {exc})")
+    _merge_current(conn, current, current_meta)
     return read_all(conn, window=window)
 
 

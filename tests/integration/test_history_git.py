@@ -61,7 +61,7 @@ def test_push_adds_runs_and_compacts_on_the_branch(origin: tuple[Path, Path], tm
                  "--date", "2031-01-05"]) == 0
     assert "already on deepview-history; nothing to push" in capsys.readouterr().out
     log = git(bare, "log", "--format=%s", "deepview-history").splitlines()
-    assert len(log) == 6 and log[-1] == "deepview-ci history: start"
+    assert log == ["deepview-ci history: add run night-05 (2031-01-05)"]  # one commit: the current state
     files = sorted(git(bare, "ls-tree", "-r", "--name-only", "deepview-history").split())
     assert files == ["history.sqlite", "runs/2031-01-04_night-04.json.gz", "runs/2031-01-05_night-05.json.gz"]
     h = load_history(branch_store(bare, tmp_path))
@@ -95,7 +95,7 @@ exit 0
     assert flag.exists() and "after 1 retry" in report
     files = git(bare, "ls-tree", "-r", "--name-only", "deepview-history").split()
     assert sorted(files) == [f"runs/2031-01-0{n}_night-0{n}.json.gz" for n in (1, 2, 3)]
-    assert len(git(bare, "log", "--format=%H", "deepview-history").split()) == 4  # start + three runs, linear
+    assert len(git(bare, "log", "--format=%H", "deepview-history").split()) == 1  # one commit of the current state
 
 
 def _writer(store: str, first: int, barrier: Any) -> None:
@@ -118,3 +118,47 @@ def test_two_processes_adding_at_once_lose_no_run(tmp_path: Path) -> None:
     h.close()
     assert ids == sorted(f"night-{n:02d}" for n in [*range(1, 7), *range(31, 37)])
     assert not list((tmp_path / "h" / "runs").glob("*.json.gz")), "every record file was folded"
+
+
+def _put_on_branch(bare: Path, tmp: Path, files: dict[str, bytes]) -> None:
+    """Commit files onto the history branch by hand (what a broken writer or a disk fault leaves)."""
+    work = tmp / "hand"
+    git(tmp, "clone", "-q", "--branch", "deepview-history", str(bare), str(work))
+    for rel, data in files.items():
+        (work / rel).parent.mkdir(parents=True, exist_ok=True)
+        (work / rel).write_bytes(data)
+    git(work, "add", "-A")
+    git(work, "commit", "-q", "-m", "broken")
+    git(work, "push", "-q", "origin", "HEAD:deepview-history")
+    import shutil
+
+    shutil.rmtree(work)
+
+
+def test_the_next_push_repairs_a_broken_branch(origin: tuple[Path, Path], tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """A garbage database and a bad run file on the branch: the push removes them, says so, and the history goes on
+    fresh with this run; the report after it reads the branch without a warning. Before: the push folded into the
+    broken database and failed (exit 3), every night."""
+    import gzip
+
+    bare, clone = origin
+    for night in (1, 2):
+        push_run(night_results(night), meta_of(night), PushOptions(repo_dir=clone, compact_every=2))
+    _put_on_branch(bare, tmp_path, {"history.sqlite": b"garbage " * 500, "runs/2031-01-02_bad.json.gz": b"\x1f\x8bxx"})
+    results = tmp_path / "r3.json"
+    save_results(night_results(3), results)
+    assert main(["history", "push", str(results), "--repo", str(clone), "--run-id", "night-03", "--date", "2031-01-03",
+                 "--compact-every", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert "set aside (could not be read, the history goes on fresh): history.sqlite (" in out
+    assert "runs/2031-01-02_bad.json.gz" in out and "warning" in err
+    h = load_history(branch_store(bare, tmp_path))
+    assert [r.run_id for r in h.runs] == ["night-03"]
+    h.close()
+    # a newer deepview-ci's history is never removed by an older one: this run's file goes beside it, unfolded
+    newer = gzip.compress(b'{"kind": "deepview-ci-history-run", "schema_version": 9}')
+    _put_on_branch(bare, tmp_path, {"runs/2031-01-03_future.json.gz": newer})
+    push_run(night_results(4), meta_of(4), PushOptions(repo_dir=clone, compact_every=1))
+    files = sorted(git(bare, "ls-tree", "-r", "--name-only", "deepview-history").split())
+    assert files == ["history.sqlite", "runs/2031-01-03_future.json.gz", "runs/2031-01-04_night-04.json.gz"]

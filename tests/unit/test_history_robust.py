@@ -94,3 +94,64 @@ def test_the_current_run_replaces_its_earlier_attempt_in_the_trends(tmp_path: Pa
     assert trends is not None and trends.nights == 3 and trends.dates == [date_of(1), date_of(2), date_of(3)]
     since = trends.since[("tiny-llama@sim-subset", FAILING_FP)]
     assert since.date == date_of(1) and since.nights == 3
+
+
+# --------------------------------------------------------------------------- a history that cannot be read
+
+
+def _cells_dir(night: int, run: Path) -> Path:
+    from ci_runner.results.model import save_cell_result
+
+    for c in night_results(night).cells:
+        save_cell_result(c, run / "cells" / c.id / "result.json")
+    return run
+
+
+def _break(store: Path, how: str) -> None:
+    dbfile = store / "history.sqlite"
+    if how == "garbage":
+        dbfile.write_bytes(b"not a database at all " * 400)
+    elif how == "truncated":
+        data = dbfile.read_bytes()
+        dbfile.write_bytes(data[: len(data) // 2])
+    elif how == "newer":
+        con = sqlite3.connect(dbfile)
+        con.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
+        con.commit()
+        con.close()
+    elif how == "bad-run-file":
+        (store / "runs").mkdir(exist_ok=True)
+        (store / "runs" / "2031-01-05_x.json.gz").write_bytes(b"\x1f\x8b garbage")
+    elif how == "damaged-record":
+        (store / "runs").mkdir(exist_ok=True)
+        bad = {"kind": "deepview-ci-history-run", "schema_version": 1, "run": {"run_id": "y", "date": "2031-01-05"},
+               "envs": [], "cells": [["only", "three", "fields"]], "findings": [], "layers": []}
+        import json
+
+        (store / "runs" / "2031-01-05_y.json.gz").write_bytes(gzip.compress(json.dumps(bad).encode()))
+
+
+@pytest.mark.parametrize("how, nights", [("garbage", 1), ("truncated", 1), ("newer", 1), ("bad-run-file", 4),
+                                         ("damaged-record", 4)])
+def test_aggregate_and_diff_set_a_broken_history_aside_and_go_on(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                 how: str, nights: int) -> None:
+    """Before: exit 3, so the diff, the policy, the issues and the history job never ran and nothing repaired it."""
+    from ci_runner.cli import main
+    from ci_runner.results.baseline import dumps_baseline, make_baseline
+
+    store = tmp_path / "h"
+    for night in range(1, 4):
+        add_run(store, night_results(night), meta(f"{night}0-1", night))
+    _break(store, how)
+    before = {p.name: p.read_bytes() for p in store.rglob("*") if p.is_file()}
+    run = _cells_dir(4, tmp_path / "run")
+    assert main(["aggregate", str(run), "--out", str(tmp_path / "rep"), "--history", str(store)]) == 0
+    err = capsys.readouterr().err
+    assert "deepview-ci: warning: history" in err and "set aside" in err and "Traceback" not in err, err
+    summary = (tmp_path / "rep" / "summary.md").read_text(encoding="utf-8")
+    assert f"History: {nights} night(s)" in summary
+    base = tmp_path / "baseline.json"
+    base.write_text(dumps_baseline(make_baseline(night_results(4))))
+    assert main(["diff", str(tmp_path / "rep" / "results.json"), "--baseline", str(base), "--history", str(store)]) == 0
+    assert "set aside" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in store.rglob("*") if p.is_file()} == before  # a reader writes nothing
