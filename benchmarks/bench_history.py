@@ -7,6 +7,15 @@ The nights are built from one realistic run (`results_factory.big_results`: 200 
 and every layer figure moves by a random ±3 % (so the stored figures do not repeat). Nights go into the
 database the way `history add` folds them (one write transaction each); the old ones are then compacted
 past ``--keep``. Targets: ≤ 50 MB, load ≤ 2 s, add ≤ 1 s on 2 cores.
+
+``--branch`` (issue 34) pushes the same nights one by one with `history push` (the real code: fetch, repair,
+record file, a compaction every 7th, one parentless commit, push with a lease) to a local bare repository, then
+prints the branch's size next to the database's: before and after ``git gc``, and what a plain clone of the
+branch fetches. Target: the branch after ``git gc`` at most 2× the database. The issue's measure of the old
+linear branch (a full ``history.sqlite`` committed every 7th push) for 100 cells × 50 findings: database 9.4 MB,
+branch 88 MiB after ``git gc``, 237 MiB before.
+
+    PYTHONPATH=. python benchmarks/bench_history.py --branch --cells 100 --findings 50
 """
 
 from __future__ import annotations
@@ -50,12 +59,59 @@ def night_record(base: dict[str, Any], night: int, rng: random.Random, start: dt
     return rec
 
 
+def _du(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _git(*args: str, cwd: Path) -> str:
+    import subprocess
+
+    env = {**os.environ, "GIT_AUTHOR_NAME": "b", "GIT_AUTHOR_EMAIL": "b@b", "GIT_COMMITTER_NAME": "b",
+           "GIT_COMMITTER_EMAIL": "b@b"}
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True, env=env).stdout
+
+
+def bench_branch(args: argparse.Namespace, base: dict[str, Any], rng: random.Random, start: dt.date, root: Path) -> None:
+    from ci_runner.history.gitpush import PushOptions, push_record
+
+    bare, clone = root / "origin.git", root / "clone"
+    _git("init", "-q", "--bare", str(bare), cwd=root)
+    _git("clone", "-q", str(bare), str(clone), cwd=root)
+    _git("commit", "-q", "--allow-empty", "-m", "init", cwd=clone)
+    _git("push", "-q", "origin", "HEAD:main", cwd=clone)
+    opts = PushOptions(repo_dir=clone, keep=args.keep)
+    t0 = time.perf_counter()
+    for night in range(args.runs):
+        rec = night_record(base, night, rng, start)
+        push_record(rec, RunMeta(**rec["run"]), opts)
+        if (night + 1) % 50 == 0:
+            print(f"  … {night + 1} nights pushed, {time.perf_counter() - t0:.0f} s", flush=True)
+    took = time.perf_counter() - t0
+    before_gc = _du(bare / "objects")
+    _git("gc", "-q", "--prune=now", cwd=bare)
+    after_gc = _du(bare / "objects")
+    fresh = root / "fresh"
+    _git("clone", "-q", "--no-local", "--branch", "deepview-history", str(bare), str(fresh), cwd=root)
+    dbsize = (fresh / DB_NAME).stat().st_size
+    commits = len(_git("rev-list", "deepview-history", cwd=bare).split())
+    pending = len(list((fresh / "runs").glob("*.json.gz")))
+    print(f"history branch after {args.runs} pushes of {args.cells} cells × {args.findings} findings "
+          f"({took:.0f} s, {took / args.runs:.2f} s a push)")
+    print(f"  history.sqlite on the branch:          {dbsize / 2**20:7.1f} MiB  (+ {pending} run file(s) pending, "
+          f"{_du(fresh / 'runs') / 2**20:.1f} MiB)")
+    print(f"  branch objects before git gc:          {before_gc / 2**20:7.1f} MiB")
+    print(f"  branch objects after git gc:           {after_gc / 2**20:7.1f} MiB  "
+          f"({after_gc / dbsize:.2f}× the database; target ≤ 2×; {commits} commit(s) on the branch)")
+    print(f"  a plain clone of the branch (.git):    {_du(fresh / '.git') / 2**20:7.1f} MiB")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=365)
     ap.add_argument("--cells", type=int, default=200)
     ap.add_argument("--findings", type=int, default=100)
     ap.add_argument("--keep", type=int, default=90)
+    ap.add_argument("--branch", action="store_true", help="push the nights to a git branch and measure it (issue 34)")
     args = ap.parse_args()
     results = big_results(args.cells, args.findings)
     for c in results.cells:
@@ -66,6 +122,12 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="bench-history-"))
     store = root / "history"
     store.mkdir()
+    if args.branch:
+        try:
+            bench_branch(args, base, rng, start, root)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        return 0
     try:
         t0 = time.perf_counter()
         conn = db.open_for_write(store / DB_NAME)

@@ -143,13 +143,17 @@ def _attempt(repo: Path, start: tuple[str, str], record: Mapping[str, object], m
 
 def push_run(results: Results, meta: RunMeta, opts: PushOptions) -> str:
     """Add this run to the history branch and push it; retries when another run pushed first."""
+    return push_record(record_of(results, meta), meta, opts)
+
+
+def push_record(record: Mapping[str, object], meta: RunMeta, opts: PushOptions) -> str:
+    """`push_run` for a record already made (`records.record_of`)."""
     repo = Path(opts.repo_dir)
     if opts.retries < 1 or opts.compact_every < 1 or opts.keep < 1:
         raise UsageError("history push: --retries, --compact-every and --keep must be at least 1")
     env = git_env()
     if _git(["rev-parse", "--git-dir"], repo, env, check=False).returncode != 0:
         raise UsageError(f"--repo {repo}: not a git clone", hint="run inside the repository's checkout, or pass --repo")
-    record = record_of(results, meta)
     last = ""
     for attempt in range(opts.retries):
         start = _fetch(repo, opts, env)

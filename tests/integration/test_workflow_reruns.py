@@ -7,6 +7,9 @@ regression policy, nothing is filed, nothing goes into the history. "Re-run fail
 report and every job after it: the report must upload, the policy must run, the issues must be filed from the
 re-run's report and the history must get the re-run's results. "Re-run all jobs" then re-runs the plan too: it
 must not stop at the plan's upload, must file nothing twice, and the history keeps one run for the night.
+
+A pull request from a fork on a matrix whose cells all run on self-hosted runners runs nothing: the check must
+fail as "not tested", not pass, and the bisect job (vendor builds and repros) must not run.
 """
 
 from __future__ import annotations
@@ -175,3 +178,31 @@ def test_every_artifact_of_the_pipeline_is_safe_under_a_rerun() -> None:
 
 def _gz(path: Path) -> dict[str, Any]:
     return json.loads(gzip.decompress(path.read_bytes()))
+
+
+def test_a_fork_pull_request_that_ran_nothing_is_not_a_pass(sim: Sim, tmp_path: Path) -> None:
+    """Before: 0 cells ran, the diff said "passes" and the check was green; the bisect job had no fork guard."""
+    sim.event = "pull_request"
+    sim.event_payload = {"pull_request": {"head": {"repo": {"full_name": "mallory/models"}}}}
+    sim.inputs.update({"bisect": True, "file-issues": False, "history-write": False})
+    text = MATRIX.replace("compile: sim-subset", "compile: sim-subset\n  runs-on: [self-hosted, acme-card]")
+    work = tmp_path / "pr"
+    git("clone", "--quiet", str(sim.origin), str(work), cwd=tmp_path)
+    (work / "matrix.yaml").write_text(text)
+    git("commit", "--quiet", "-am", "self-hosted only", cwd=work)
+    git("push", "--quiet", "origin", "HEAD:main", cwd=work)
+    jobs = sim.run()
+    assert jobs["plan"].outputs["count"] == "0" and jobs["plan"].outputs["skipped"] == "2"
+    assert jobs["plan"].outputs["fork-pr"] == "true" and jobs["cells"].result == "skipped"
+    report = jobs["report"]
+    assert report.steps["Diff against the baseline"]["outputs"]["exit-code"] == "0"  # the diff alone passes
+    assert report.result == "failure" and report.outputs["diff-outcome"] == "not-tested"
+    assert "not tested: self-hosted cells skipped for a fork" in "\n".join(report.log)
+    assert jobs["bisect"].result == "skipped" and jobs["issues"].result == "skipped"
+    # the same pull request from a branch of the repository itself is planned to run its cells
+    sim2 = Sim(sim.workflow, sim.inputs, sim.gh, sim.origin, tmp_path / "same", run_id=4343, event="pull_request",
+               event_payload={"pull_request": {"head": {"repo": {"full_name": "acme/models"}}}},
+               calls={"cells": play_cells({})})
+    (tmp_path / "same").mkdir()
+    same = sim2.run()
+    assert same["plan"].outputs["count"] == "2" and same["plan"].outputs["fork-pr"] == "false"

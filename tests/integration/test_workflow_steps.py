@@ -116,7 +116,8 @@ def run_policy(tmp_path: Path, **env: str) -> tuple[int, dict[str, str], str]:
     out = tmp_path / "policy_output"
     out.write_text("")
     full = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "GITHUB_OUTPUT": str(out), "FAIL_ON": "regression",
-            "NO_RESULT": "0", "CELLS_RESULT": "success", **env}
+            "NO_RESULT": "0", "CELLS_RESULT": "success", "BASELINE": "baseline.json", "PLANNED": "2", "FORK_SKIPPED": "0",
+            **env}
     proc = subprocess.run([BASH, "-e", "-c", policy["run"]], env=full, capture_output=True, text=True, timeout=60)
     return proc.returncode, read_output(out), proc.stdout
 
@@ -143,6 +144,9 @@ def test_a_diff_that_exits_3_fails_the_report_as_an_input_error_and_files_nothin
     ({"DIFF_EXIT": ""}, 2, "error", "false"),  # deepview-ci did not even start
     ({"DIFF_EXIT": "1", "NO_RESULT": "3"}, 1, "failure", "false"),  # partial run: cells without a result
     ({"DIFF_EXIT": "0", "CELLS_RESULT": "cancelled"}, 0, "success", "false"),
+    # issue 34: a fork's PR that ran nothing (every cell self-hosted) is not a pass, whatever the diff said
+    ({"DIFF_EXIT": "0", "PLANNED": "0", "FORK_SKIPPED": "2"}, 1, "not-tested", "false"),
+    ({"DIFF_EXIT": "0", "PLANNED": "1", "FORK_SKIPPED": "2"}, 0, "success", "true"),  # partly tested: a warning
 ])
 def test_only_a_diff_that_ran_on_a_whole_run_lets_issues_be_filed(tmp_path: Path, env: dict, rc: int, outcome: str,
                                                                    file_issues: str) -> None:
