@@ -43,6 +43,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -155,6 +156,7 @@ class FilingReport:
             out += ["", f"> [!WARNING]\n> Filing stopped: {plain(self.stopped)}"]
         if self.drafts:
             out += ["", f"{self.drafts} draft(s) kept in {code_span(str(self.drafts_dir))}."]
+        out += [f"- {plain(n)}" for n in self.notes]
         return "\n".join(out) + "\n"
 
 
@@ -268,6 +270,8 @@ class _Filer:
         self.ctx = ctx
         self.report = report
         self.base = f"/repos/{repo}"
+        self.writes = 0  # content-creating requests made (issues, comments, state changes), for the budget
+        self.since: str | None = None  # the re-check before a create lists what changed from here on
 
     # ----------------------------------------------------------------- reads
 
@@ -287,6 +291,8 @@ class _Filer:
 
     def existing(self) -> dict[str, _Issue]:
         found: dict[str, _Issue] = {}
+        if self.since is None:
+            self.since = _iso(time.time() - self.options.recheck_window)
         for item in self.client.paginate(f"{self.base}/issues", {"labels": self.options.label, "state": "all"}):
             if "pull_request" in item:
                 continue
@@ -299,6 +305,17 @@ class _Filer:
             if old is None or (issue.state == "open", -issue.number) > (old.state == "open", -old.number):
                 found[fp] = issue
         return found
+
+    def same(self, fingerprint: str) -> list[_Issue]:
+        """Issues with this fingerprint changed since the first listing (another run may have filed one meanwhile),
+        oldest first: one page in the usual case, `since` keeps it short."""
+        out = []
+        params = {"labels": self.options.label, "state": "all", "since": self.since or _iso(time.time() - self.options.recheck_window)}
+        for item in self.client.paginate(f"{self.base}/issues", params):
+            parsed = _parse_issue(item) if "pull_request" not in item else None
+            if parsed is not None and parsed[0] == fingerprint:
+                out.append(parsed[1])
+        return sorted(out, key=lambda i: i.number)
 
     def _events(self, issue: _Issue) -> list[tuple[str, str]]:
         out = []
@@ -333,8 +350,27 @@ class _Filer:
             issue = self.existing().get(a.group.fingerprint)
             return {"number": issue.number, "html_url": issue.url} if issue else None
 
+        # another filer (a concurrent run) may have created it since this run listed the issues: look again
+        meanwhile = self.same(a.group.fingerprint)
+        if meanwhile:
+            self._done(a, "unchanged", issue=meanwhile[0].number, url=meanwhile[0].url,
+                       reason=f"filed meanwhile by another run (#{meanwhile[0].number})")
+            return
         data = self._post_verified(f"{self.base}/issues", {"title": a.group.title, "body": a.body, "labels": labels}, already)
-        self._done(a, "created", issue=data.get("number"), url=data.get("html_url"))
+        self.writes += 1
+        number = data.get("number")
+        older = [i for i in self.same(a.group.fingerprint) if isinstance(number, int) and i.number < number]
+        if older:  # both looked, then both created: the older issue stays, this one is closed as its duplicate
+            first = older[0]
+            self.client.post(f"{self.base}/issues/{number}/comments",
+                             {"body": f"Duplicate of #{first.number}: another deepview-ci run filed the same finding at "
+                                      "the same moment. Closed; follow that issue."})
+            self.client.patch(f"{self.base}/issues/{number}", {"state": "closed", "state_reason": "not_planned"})
+            self.writes += 2
+            self._done(a, "unchanged", issue=first.number, url=first.url,
+                       reason=f"filed at the same moment by another run; #{number} closed as its duplicate")
+            return
+        self._done(a, "created", issue=number, url=data.get("html_url"))
 
     def comment(self, a: _Action, event: str) -> None:
         assert a.issue is not None
@@ -344,10 +380,12 @@ class _Filer:
             return {} if marker in self._events(a.issue) else None  # type: ignore[arg-type]
 
         self._post_verified(f"{self.base}/issues/{a.issue.number}/comments", {"body": a.comment}, already)
+        self.writes += 1
 
     def set_state(self, issue: _Issue, state: str) -> None:
         body = {"state": state, "state_reason": "completed" if state == "closed" else "reopened"}
         self.client.patch(f"{self.base}/issues/{issue.number}", body)
+        self.writes += 1
         issue.state = state
 
     def _done(self, a: _Action, result: str, *, issue: int | None = None, url: str | None = None, reason: str | None = None) -> None:
@@ -567,10 +605,22 @@ def _execute(filer: "_Filer", actions: list[_Action], drafts: "_Drafts", labels:
         except ApiError as exc:
             report.api_failures += 1
             report.stopped = redact(str(exc), token)
+    options = filer.options
+    capped = over_budget = 0
     for a in actions:
         if report.stopped:
             if a.action != "none":
                 drafts.keep(a, f"not done: {report.stopped.splitlines()[0]}", labels)
+            continue
+        if a.action == "create" and report.created >= options.max_new:
+            capped += 1
+            drafts.keep(a, f"not filed: this run already created {options.max_new} new issues (--max-new-issues); "
+                           "look at those first, then file this draft or raise the cap", labels)
+            continue
+        if filer.writes + _WRITES.get(a.action, 0) > options.write_budget:
+            over_budget += 1
+            drafts.keep(a, f"not done: this run's budget of {options.write_budget} content-creating requests is "
+                           "spent (--write-budget; GitHub allows 500 an hour)", labels)
             continue
         try:
             filer.execute(a)
@@ -582,6 +632,20 @@ def _execute(filer: "_Filer", actions: list[_Action], drafts: "_Drafts", labels:
             drafts.keep(a, redact(exc.message, token), labels)
             if exc.fatal:
                 report.stopped = redact(str(exc), token)
+    if capped:
+        report.notes.append(f"{capped} new issue(s) over the cap of {options.max_new} a run kept as drafts "
+                            "(--max-new-issues)")
+    if over_budget:
+        report.notes.append(f"{over_budget} action(s) over this run's budget of {options.write_budget} content-creating "
+                            "requests kept as drafts (--write-budget; GitHub allows 500 an hour)")
+
+
+# content-creating requests an action makes at most (a reopen and a close post a comment and change the state)
+_WRITES = {"create": 1, "comment": 1, "reopen": 2, "close": 2, "none": 0}
+
+
+def _iso(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
 
 
 def _bisections(path: Path) -> dict[tuple[str, str], dict[str, Any]]:

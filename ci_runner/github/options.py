@@ -28,6 +28,9 @@ class FilingOptions:
     body_limit: int = ISSUE_BODY_LIMIT
     drafts_dir: Path | None = None  # default: <diff folder>/issue-drafts
     extra_labels: tuple[str, ...] = ()
+    max_new: int = 30  # new issues per run; the rest are drafted and said (a broken compiler must not file 500)
+    write_budget: int = 400  # content-creating requests per run (GitHub allows 500 an hour); the rest drafted
+    recheck_window: float = 600.0  # seconds back the re-check before each create looks (a clock skew margin)
 
     def __post_init__(self) -> None:
         named = [("label", self.label), ("opt-out-label", self.opt_out_label)]
@@ -44,6 +47,8 @@ class FilingOptions:
         for name in ("min_interval", "max_wait", "backoff", "timeout"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be ≥ 0, not {getattr(self, name)}")
+        if self.max_new < 0 or self.write_budget < 0:
+            raise ConfigError("--max-new-issues and --write-budget must be ≥ 0")
         if self.body_limit < 2000:
             raise ConfigError(f"body limit {self.body_limit} is too small to hold an issue", hint="keep the default 65536")
 
@@ -52,7 +57,7 @@ class FilingOptions:
         """From the `file-issues` argparse namespace; absent attributes keep their defaults."""
         kw: dict[str, Any] = {}
         for name in ("label", "opt_out_label", "close_fixed", "layers", "min_interval", "max_wait",
-                     "max_retries", "backoff", "timeout"):
+                     "max_retries", "backoff", "timeout", "max_new", "write_budget"):
             value = getattr(args, name, None)
             if value is not None:
                 kw[name] = value

@@ -346,3 +346,61 @@ def test_cli_outputs_and_no_token_anywhere(gh, tmp_path):
     produced += [i["body"] for i in gh.issues()] + [c for i in gh.issues() for c in comments(i)]
     assert all(token not in text for text in produced)
     assert len(gh.issues()) == 2  # the new op was filed; the comment on the old one is a draft
+
+
+# --------------------------------------------------------------------------- issue 34: concurrency, caps, budget
+
+
+def _many(tmp_path: Path, n: int) -> Path:
+    return write_diff(tmp_path / "many.json", [entry("regressed", "tiny-llama", "sim-subset",
+                                                     op_finding(f"aten.op{i:02d}.default", "sim-subset"))
+                                               for i in range(n)])
+
+
+def test_two_filers_at_once_leave_one_open_issue_per_finding(gh, tmp_path):
+    """Both list the (empty) tracker before either creates. Before: each created all 30, 60 issues."""
+    import threading
+
+    d = _many(tmp_path, 30)
+    gh.slow("GET", r"/issues$", 0.5, times=2)  # the first listing of each filer
+    reports = [None, None]
+
+    def go(k: int) -> None:
+        reports[k] = run(gh, d, run_id=str(500 + k))
+
+    threads = [threading.Thread(target=go, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert all(r is not None and r.exit_code == 0 for r in reports)
+    open_by_title: dict[str, int] = {}
+    for i in gh.issues():
+        if i["state"] == "open":
+            open_by_title[i["title"]] = open_by_title.get(i["title"], 0) + 1
+    assert len(open_by_title) == 30 and set(open_by_title.values()) == {1}
+    for i in gh.issues():
+        if i["state"] == "closed":  # a duplicate made at the very same moment says which issue to follow
+            assert i["state_reason"] == "not_planned" and comments(i)[0].startswith("Duplicate of #")
+    assert sum(r.created for r in reports) == 30
+
+
+def test_a_run_creates_at_most_the_cap_and_drafts_the_rest(gh, tmp_path):
+    d = _many(tmp_path, 12)
+    report = run(gh, d, max_new=5)
+    assert report.created == 5 and len(gh.issues()) == 5 and report.drafts == 7
+    assert any("7 new issue(s) over the cap of 5" in n for n in report.notes)
+    assert "over the cap of 5" in report.markdown()
+    drafts = json.loads((tmp_path / "issue-drafts" / "drafts.json").read_text())["drafts"]
+    assert len(drafts) == 7 and all("--max-new-issues" in x["reason"] for x in drafts)
+    again = run(gh, d, run_id="101", max_new=5)  # the next night files the next five
+    assert again.created == 5 and len(gh.issues()) == 10
+
+
+def test_the_write_budget_stops_writes_and_drafts_the_rest(gh, tmp_path):
+    d = _many(tmp_path, 6)
+    report = run(gh, d, write_budget=4)
+    assert report.created == 4 and report.drafts == 2
+    assert any("over this run's budget of 4 content-creating requests" in n for n in report.notes)
+    posts = [r for r in gh.writes() if r.method == "POST" and r.path.endswith("/issues")]
+    assert len(posts) == 4

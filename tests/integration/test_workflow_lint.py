@@ -379,7 +379,9 @@ def run_fork_step(tmp_path: Path, **env: str) -> str:
     proc = subprocess.run(["bash", "-e", "-c", step["run"]], capture_output=True, text=True, timeout=60,
                           env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "GITHUB_OUTPUT": str(out), **env})
     assert proc.returncode == 0, proc.stderr
-    return out.read_text().strip().split("=", 1)[1]
+    got = read_github_output(out)
+    assert got["fork"] == ("true" if got["flag"] else "false")  # the bisect job's guard follows the cells' one
+    return got["flag"]
 
 
 def test_fork_pull_requests_skip_self_hosted_cells_unless_the_caller_opts_in(tmp_path):
