@@ -45,7 +45,8 @@ def _clean(text: Any) -> str:
 
 def _break_refs(text: str) -> str:
     """Keep `@user`, `@org/team` and `#123` / `GH-123` from pinging or cross-linking (outside code)."""
-    text = re.sub(r"(?<![A-Za-z0-9_.`/-])@(?=[A-Za-z0-9])", "@" + _ZWJ, text)
+    # after a letter or digit it is an e-mail address; after a dot or a backtick it still pings (issue 34)
+    text = re.sub(r"(?<![A-Za-z0-9_/-])@(?=[A-Za-z0-9])", "@" + _ZWJ, text)
     text = re.sub(r"(?<![A-Za-z0-9_&])#(?=\d)", "#" + _ZWJ, text)
     return re.sub(r"\b(GH)-(?=\d)", r"\1-" + _ZWJ, text, flags=re.IGNORECASE)
 

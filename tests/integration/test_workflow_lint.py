@@ -450,7 +450,7 @@ def test_action_run_step_passes_arguments_as_a_list(tmp_path):
     out = tmp_path / "github_output"
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "RUNNER_TEMP": str(tmp_path / "runner-temp"),
            "GITHUB_OUTPUT": str(out), "DEEPVIEW_CI_PYTHON": str(fake_python),
-           "DEEPVIEW_COMMAND": "baseline update", "DEEPVIEW_ARGS": hostile, "GITHUB_TOKEN": "t"}
+           "DEEPVIEW_COMMAND": "baseline update", "DEEPVIEW_ARGS": hostile, "DEEPVIEW_GITHUB_TOKEN": "t"}
     proc = subprocess.run(["bash", "-e", "-c", step["run"]], env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert proc.returncode == 1, proc.stderr  # the CLI's exit code is the step's
     argv = json.loads((tmp_path / "argv.json").read_text())
@@ -462,6 +462,31 @@ def test_action_run_step_passes_arguments_as_a_list(tmp_path):
     env["DEEPVIEW_ARGS"] = ""
     proc = subprocess.run(["bash", "-e", "-c", step["run"]], env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert json.loads((tmp_path / "argv.json").read_text()) == ["baseline", "update"]
+
+
+def test_only_the_commands_that_talk_to_github_get_the_token(tmp_path):
+    """Issue 34: `cell` and `run` execute model and backend code; before, the action exported GITHUB_TOKEN to every
+    command. Now only file-issues, history push and baseline propose see it, under that name only."""
+    if not shutil.which("bash"):
+        pytest.skip("bash is not available")
+    step = next(s for s in load(ACTION)["runs"]["steps"] if s.get("id") == "run")
+    assert step["env"]["DEEPVIEW_GITHUB_TOKEN"] == "${{ inputs.github-token }}" and "GITHUB_TOKEN" not in step["env"]
+    seen = tmp_path / "env.json"
+    fake_python = tmp_path / "python"
+    fake_python.write_text(f"#!{sys.executable}\nimport json, os, sys\n"
+                           f"if sys.argv[1] == '-c':\n    os.execv({sys.executable!r}, [{sys.executable!r}, *sys.argv[1:]])\n"
+                           f"json.dump({{k: v for k, v in os.environ.items() if 'TOKEN' in k}}, open({str(seen)!r}, 'w'))\n")
+    fake_python.chmod(0o755)
+    for command, gets in (("cell", False), ("run", False), ("aggregate", False), ("file-issues", True),
+                          ("history push", True), ("baseline propose", True)):
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "GITHUB_OUTPUT": str(tmp_path / "out"),
+               "DEEPVIEW_CI_PYTHON": str(fake_python), "DEEPVIEW_COMMAND": command, "DEEPVIEW_ARGS": "x",
+               "DEEPVIEW_GITHUB_TOKEN": "ghs_secret", "GITHUB_TOKEN": "ghs_from_the_job", "GH_TOKEN": "ghs_gh"}
+        proc = subprocess.run(["bash", "-e", "-c", step["run"]], env=env, capture_output=True, text=True, timeout=60,
+                              cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        got = json.loads(seen.read_text())
+        assert got == ({"GITHUB_TOKEN": "ghs_secret", "GH_TOKEN": "ghs_gh"} if gets else {}), (command, got)
 
 
 def test_action_caches_the_numerics_thresholds_of_run_and_cell(tmp_path, monkeypatch):

@@ -84,6 +84,17 @@ def test_plain_makes_markdown_html_and_mentions_inert():
     assert "\n" not in plain("a\nb")
 
 
+def test_mentions_after_a_backtick_or_a_dot_are_inert_too():
+    """Issue 34: an unpaired backtick is no code span, and `x.@user` pings; both were left live."""
+    from ci_runner.github.render import html_text, safe_title
+
+    for text in ("a `@octocat here", "end.@octocat", "(`@org/team)", "x.@octocat/y"):
+        for render in (plain, html_text, safe_title):
+            out = render(text)
+            assert "@" + ZWJ in out and "@o" not in out, (render.__name__, text, out)
+    assert plain("john.doe@example.com") == "john.doe@example.com"  # an e-mail address is no mention
+
+
 def test_email_like_and_cell_ids_are_not_mangled():
     assert plain("tiny-llama@sim-subset") == "tiny-llama@sim-subset"
     assert ZWJ not in code_span("@octocat")  # GitHub links no mention inside code
