@@ -528,6 +528,9 @@ def _report_commands(add: AddCommand) -> None:
     sp.add_argument("--layers", action="store_true", help="also file issues for failing submodules and divergent layer classes")
     sp.add_argument("--min-interval", type=float, default=1.0, help="seconds between writes (GitHub: ≥ 1)")
     sp.add_argument("--max-wait", type=float, default=300.0, help="longest rate-limit wait before keeping a draft")
+    sp.add_argument("--artifact-days", dest="artifact_days", type=int, default=None, metavar="N",
+                    help="how long the run's artifacts are kept (the workflow's retention-days), said where an issue "
+                         "names the artifact holding a full repro")
     sp.add_argument("--max-new-issues", dest="max_new", type=int, default=30, metavar="N",
                     help="new issues one run may create; the rest are kept as drafts and said (default 30)")
     sp.add_argument("--write-budget", type=int, default=400, metavar="N",

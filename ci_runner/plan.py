@@ -18,11 +18,13 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from .errors import ConfigError, InputError
+from .fsutil import atomic_write_json
 from .matrix import ZOO_ARTIFACT, artifact_cell, dumps_compact
 from .results.model import CellError, CellResult, ModeResult, read_json
 
 NO_RESULT = "no result: its job ended before writing one"
 TAIL_CHARS = 4000
+COLLECTED = "artifacts.json"  # written by `collect` into the run folder: cell → the artifact it came from
 SETUP_RECORD = "setup-failed"  # cells/<id>/setup-failed/{command.txt,exit-code,output.log}, written by the job's shell
 # GitHub caps a job's outputs at 1 MB, counted as UTF-16; deepview-ci stops at 900 kB (2 bytes a code unit)
 OUTPUT_LIMIT_UNITS = 450_000
@@ -207,8 +209,24 @@ def collect_attempts(artifacts: Path, run_dir: Path) -> dict[str, int]:
             newest[cid] = (attempt, folder)
     for cid, (_attempt, folder) in sorted(newest.items()):
         _replace_tree(folder / "cells" / cid, run_dir / "cells" / cid)
-    zoo = collect_zoo(artifacts, run_dir)
+    names = {cid: folder.name for cid, (_a, folder) in newest.items()}
+    zoo = collect_zoo(artifacts, run_dir, names)
+    if names:  # which artifact (and attempt) each cell came from: the issues name it, never a guess
+        atomic_write_json(run_dir / COLLECTED, {"kind": "deepview-ci-collected", "artifacts": dict(sorted(names.items()))})
     return {**{cid: attempt for cid, (attempt, _f) in newest.items()}, **zoo}
+
+
+def collected_artifacts(run_dir: Path | None) -> dict[str, str]:
+    """cell → the artifact `collect` took it from (``<name>-attempt-N``), from the run folder; {} when unknown."""
+    path = Path(run_dir) / COLLECTED if run_dir is not None else None
+    if path is None or not path.is_file():
+        return {}
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    got = doc.get("artifacts") if isinstance(doc, dict) else None
+    return {str(k): str(v) for k, v in got.items()} if isinstance(got, dict) else {}
 
 
 def _replace_tree(source: Path, target: Path) -> None:
@@ -218,15 +236,18 @@ def _replace_tree(source: Path, target: Path) -> None:
         shutil.copytree(source, target)
 
 
-def collect_zoo(artifacts: Path, run_dir: Path) -> dict[str, int]:
+def collect_zoo(artifacts: Path, run_dir: Path, names: dict[str, str] | None = None) -> dict[str, int]:
     """Copy what the zoo cells jobs uploaded (`deepview-zoo-cells-b<row>` folders, one per backend, replaced on a
-    re-run): every architecture's `cells/<id>/` and the backend's `zoo/<backend>.json`; returns {cell: 1}."""
+    re-run): every architecture's `cells/<id>/` and the backend's `zoo/<backend>.json`; returns {cell: 1} (and
+    notes each cell's artifact in `names`)."""
     got: dict[str, int] = {}
     for folder in sorted(artifacts.glob(f"{ZOO_ARTIFACT}cells-*")) if artifacts.is_dir() else ():
         for cdir in sorted((folder / "cells").iterdir()) if (folder / "cells").is_dir() else ():
             if cdir.is_dir():
                 _replace_tree(cdir, run_dir / "cells" / cdir.name)
                 got[cdir.name] = 1
+                if names is not None:
+                    names[cdir.name] = folder.name
         for record in sorted((folder / "zoo").glob("*.json")):
             (run_dir / "zoo").mkdir(parents=True, exist_ok=True)
             shutil.copyfile(record, run_dir / "zoo" / record.name)

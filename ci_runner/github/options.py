@@ -30,6 +30,7 @@ class FilingOptions:
     extra_labels: tuple[str, ...] = ()
     max_new: int = 30  # new issues per run; the rest are drafted and said (a broken compiler must not file 500)
     write_budget: int = 400  # content-creating requests per run (GitHub allows 500 an hour); the rest drafted
+    artifact_days: int | None = None  # the run's artifact retention, said where an issue names an artifact
     recheck_window: float = 600.0  # seconds back the re-check before each create looks (a clock skew margin)
 
     def __post_init__(self) -> None:
@@ -57,7 +58,7 @@ class FilingOptions:
         """From the `file-issues` argparse namespace; absent attributes keep their defaults."""
         kw: dict[str, Any] = {}
         for name in ("label", "opt_out_label", "close_fixed", "layers", "min_interval", "max_wait",
-                     "max_retries", "backoff", "timeout", "max_new", "write_budget"):
+                     "max_retries", "backoff", "timeout", "max_new", "write_budget", "artifact_days"):
             value = getattr(args, name, None)
             if value is not None:
                 kw[name] = value

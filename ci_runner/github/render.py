@@ -8,6 +8,7 @@ cross-linked.
 
 from __future__ import annotations
 
+import datetime as _dt
 import html as _html
 import json
 import re
@@ -19,6 +20,7 @@ from typing import Any, Mapping, Sequence
 import jinja2
 
 from ..matrix import artifact_name
+from ..plan import collected_artifacts
 from ..registry import group_order, kind_spec
 from ..results.model import fingerprint as _hash_key
 from .client import redact
@@ -327,7 +329,7 @@ def _read_repro(entry: Mapping[str, Any], run_dir: Path | None, *, culprit: bool
         "command": repro.get("command"),
         "text": text,
         "lang": {".py": "python", ".sh": "sh"}.get(suffix, "text"),
-        "artifact": artifact_name(entry["cell"]),
+        "artifact": collected_artifacts(run_dir).get(entry["cell"]) or artifact_name(entry["cell"]),
         "truncated": False,
         "shown": len(text or ""),
         "total": len(text or ""),
@@ -409,13 +411,22 @@ def _tidy(text: str) -> str:
     return re.sub(r"\n{3,}", "\n\n", text).strip() + "\n"
 
 
+def _retention(days: int | None) -> str:
+    """How long the run's artifacts outlive it (the workflow's retention-days), said next to an artifact's name."""
+    if not days:
+        return ""
+    until = (_dt.datetime.now(_dt.timezone.utc) + _dt.timedelta(days=days)).date().isoformat()
+    return f"artifacts are kept {days} days, until about {until}; a repository setting can shorten that"
+
+
 def render_issue(g: Group, ctx: RenderContext) -> str:
     """The issue body, within `body_limit` characters: the repro is cut first, then the lists."""
     meta = {"v": 1, "kind": g.kind, "key": list(g.key), "cells": g.cells(), "run": ctx.run_key}
     what = {"op": "operator and backend", "culprit": "operator (found inside failing layers) and backend",
             "layer": "failing submodule, model and backend",
             "divergence": "layer class and backend"}[g.kind]
-    links = {"run": _safe_url(ctx.run_url), "artifacts": _safe_url(ctx.artifacts_url or ctx.run_url)}
+    links = {"run": _safe_url(ctx.run_url), "artifacts": _safe_url(ctx.artifacts_url or ctx.run_url),
+             "retention": _retention(ctx.options.artifact_days)}
     template = _jinja().get_template(f"issue_{g.kind}.md.j2")
     repro = None
     for e in sorted(g.entries, key=lambda e: (e["category"] not in NEW, e["cell"])):

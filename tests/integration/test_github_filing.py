@@ -404,3 +404,25 @@ def test_the_write_budget_stops_writes_and_drafts_the_rest(gh, tmp_path):
     assert any("over this run's budget of 4 content-creating requests" in n for n in report.notes)
     posts = [r for r in gh.writes() if r.method == "POST" and r.path.endswith("/issues")]
     assert len(posts) == 4
+
+
+def test_the_truncation_note_names_the_real_artifact_and_its_retention(gh, tmp_path):
+    """The cell came from its re-run (attempt 2, as `collect` kept it). Before: the note named
+    `deepview-cell-…` without the attempt, an artifact that does not exist, and said nothing of when it expires."""
+    from ci_runner.matrix import artifact_name
+    from ci_runner.plan import collect_attempts
+
+    arts = tmp_path / "artifacts"
+    for attempt in (1, 2):
+        repro = arts / f"{artifact_name('tiny-bamba@sim-subset')}-attempt-{attempt}" / "cells" / "tiny-bamba@sim-subset" / "repro"
+        repro.mkdir(parents=True)
+        (repro / "op.py").write_text("import torch\n" + ("y = 1\n" * 40000))
+    run_dir = tmp_path / "run"
+    assert collect_attempts(arts, run_dir) == {"tiny-bamba@sim-subset": 2}
+    f = op_finding("aten.softplus.default", "sim-subset", repro="repro/op.py")
+    d = write_diff(tmp_path / "diff.json", [entry("regressed", "tiny-bamba", "sim-subset", f)], run_dir=str(run_dir))
+    assert run(gh, d, artifact_days=30).created == 1
+    body = gh.issues()[0]["body"]
+    assert "Truncated to fit GitHub's issue size limit" in body
+    assert "in the artifact `deepview-cell-tiny-bamba_40sim-subset-attempt-2` of [the run]" in body
+    assert "(artifacts are kept 30 days, until about 20" in body and len(body) <= 65536
