@@ -32,6 +32,7 @@ RESULT_NAME = "result.json"  # the finished cell's `CellResult` (what `aggregate
 PARTIAL_NAME = "result.partial.json"  # written after each mode, so a hard crash loses nothing already diagnosed
 JOURNAL_NAME = "journal.log"  # enter/leave events (fsync'd), read by the parent after a hard crash
 STDERR_NAME = "stderr.log"  # the cell worker's stderr
+STARTED_NAME = "started.json"  # written and uploaded by the cell job's shell before the cell runs (the workflow)
 
 CellStatus = Literal["pass", "fail", "error", "timeout", "crashed", "skipped", "inconclusive"]
 # inconclusive: nothing failed, but the backend did not run everything (a probe ran in eager): never a pass

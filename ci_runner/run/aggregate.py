@@ -15,7 +15,7 @@ from ..plan import NO_RESULT, SETUP_RECORD, TAIL_CHARS, Evidence, PlannedCell, a
 from ..registry import SECTION_OPS, FindingKind, kinds_in
 from ..results.rootcause import cause_row, root_causes, shared_causes, signature
 from ..zoo.report import zoo_section
-from ..results.model import (JOURNAL_NAME, PARTIAL_NAME, RESULT_NAME, STDERR_NAME, CellError, CellResult, ModeResult,
+from ..results.model import (JOURNAL_NAME, PARTIAL_NAME, RESULT_NAME, STARTED_NAME, STDERR_NAME, CellError, CellResult, ModeResult,
                              Results, iter_findings, load_cell_result, read_json, save_results)
 
 
@@ -142,8 +142,26 @@ def left_behind(paths: Sequence[Path]) -> Evidence:
             running = open_entry(cdir / JOURNAL_NAME, "mode")
             if running:
                 return _killed_while_running(p, cdir, running)
+        for root in paths:  # only the record uploaded before the cell started: the job ended before its upload
+            if (root / "cells" / p.cell / STARTED_NAME).is_file():
+                return _killed_before_upload(p, root / "cells" / p.cell / STARTED_NAME)
         return None
     return find
+
+
+def _killed_before_upload(p: PlannedCell, started: Path) -> CellResult:
+    try:
+        info = read_json(started, what="the cell job's start record")
+    except InputError:
+        info = {}
+    limit = info.get("minutes") if isinstance(info, dict) else None
+    message = (f"{NO_RESULT}: its job was ended after the cell started (the job's time limit, or a lost runner), "
+               "before it could upload the cell's journal" + (f"; the cell's own limit was {limit} minutes" if limit else ""))
+    modes = {m: ModeResult(status="timeout", reason=message) for m in p.modes}
+    result = CellResult(id=p.cell, model=p.model, backend=p.backend, status="timeout", env={"planned": True},
+                        modes=modes, artifacts_dir=f"cells/{p.cell}")
+    result.error = CellError(type="timeout", message=message)
+    return result
 
 
 def _killed_while_running(p: PlannedCell, cdir: Path, running: str) -> CellResult:

@@ -211,7 +211,8 @@ def test_reusable_pipeline_shape():
     run = next(s for s in job["steps"] if s.get("name") == "Run the cell")
     assert run["timeout-minutes"] == "${{ matrix.minutes }}" and run["continue-on-error"] is True
     upload = [s for s in job["steps"] if str(s.get("uses", "")).startswith("actions/upload-artifact@")]
-    [cell_upload] = [s for s in upload if "attempt" in s["with"]["name"]]
+    [start_upload, cell_upload] = [s for s in upload if "attempt" in s["with"]["name"]]  # the start record, then all
+    assert start_upload["if"] == "steps.started.outcome == 'success'" and cell_upload["with"]["overwrite"] is True
     assert cell_upload["with"]["name"] == "${{ matrix.artifact }}-attempt-${{ github.run_attempt }}"
     assert cell_upload["if"] == "always() && !matrix.zoo"
     commands = [s["with"]["command"] for s in jobs["report"]["steps"] if s.get("uses") == "./.deepview-ci"]

@@ -177,3 +177,32 @@ def test_a_failed_install_of_deepview_ci_is_recorded_by_the_shell_and_fails_the_
     assert cell.status == "error" and cell.error is not None and cell.error.type == "setup_failed"
     assert cell.error.message.startswith("setup failed: `install deepview-ci into python3")
     assert "https://github.com/acme/compiler/actions/runs/4242" in cell.error.stderr_tail
+
+
+def test_a_cell_job_killed_before_its_last_upload_reads_timeout(tmp_path: Path) -> None:
+    """Issue 34: the start record (plain shell) is uploaded before the cell runs, under the cell's artifact name, and the
+    last upload replaces it. When the job is killed so hard that the last upload never runs, the report reads the cell
+    as `timeout`. Before: "no result" (error), as if the job had never started."""
+    job = load(CELLS)["jobs"]["cell"]
+    names = [s.get("name") for s in job["steps"]]
+    started = step(CELLS, "cell", "started")
+    early = job["steps"][names.index(started["name"]) + 1]
+    last = next(s for s in job["steps"] if s.get("name") == "Upload the cell's results and repros")
+    assert early["with"]["name"] == last["with"]["name"] == "${{ matrix.artifact }}-attempt-${{ github.run_attempt }}"
+    assert early["with"]["path"] == last["with"]["path"] and last["with"]["overwrite"] is True
+    assert names.index(early["name"]) < names.index("Run the cell") < names.index(last["name"])
+    work = tmp_path / "job"
+    work.mkdir()
+    env = {"PATH": "/usr/bin:/bin", "GITHUB_OUTPUT": str(tmp_path / "out"), "DEEPVIEW_CELL": 'tiny@acme',
+           "CELL_MINUTES": "32"}
+    proc = subprocess.run([BASH, "-e", "-c", started["run"]], env=env, capture_output=True, text=True, timeout=60, cwd=work)
+    assert proc.returncode == 0, proc.stderr
+    (tmp_path / "m.yaml").write_text(matrix_text(models=[{"id": "tiny", "config": "llama"}], modes=["ops", "layers"],
+                                                 backends=[{"id": "acme", "runs-on": ["self-hosted", "acme"]}]))
+    plan = tmp_path / "plan.json"
+    assert cli.main(["expand", str(tmp_path / "m.yaml"), "--out", str(plan)]) == 0
+    assert cli.main(["aggregate", str(work / "deepview-run"), "--out", str(tmp_path / "report"), "--plan", str(plan)]) == 0
+    [cell] = load_results(tmp_path / "report" / "results.json").cells
+    assert cell.status == "timeout" and cell.error is not None and cell.error.type == "timeout"
+    assert "ended after the cell started" in cell.error.message and "32 minutes" in cell.error.message
+    assert set(cell.modes) == {"ops", "layers"} and all(m.status == "timeout" for m in cell.modes.values())
