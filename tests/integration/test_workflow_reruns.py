@@ -88,15 +88,15 @@ def play_cells(dying: dict[int, set[str]]):
     return call
 
 
-def history_runs(origin: Path, tmp: Path) -> list[str]:
-    """The run ids on the history branch (run files and the database's runs)."""
+def history_runs(origin: Path, tmp: Path) -> dict[str, dict[str, str]]:
+    """The runs on the history branch (run files and the database's): run id → cell → status."""
     from ci_runner.history.store import load_history
 
     where = tmp / f"hist-{len(list(tmp.glob('hist-*')))}"
     git("clone", "--quiet", "--branch", "deepview-history", str(origin), str(where), cwd=tmp)
     h = load_history(where)
     try:
-        return sorted(r.run_id for r in h.runs)
+        return {r.run_id: {c: cr.status for c, cr in h.cell_runs.get(r.seq, {}).items()} for r in h.runs}
     finally:
         h.close()
 
@@ -144,13 +144,14 @@ def test_rerun_failed_jobs_reports_files_and_records_the_rerun(sim: Sim, tmp_pat
     titles = [i["title"] for i in sim.gh.issues()]
     assert len(titles) == 1 and "aten.cumsum.default" in titles[0] and "acme" in titles[0]
     assert second["history"].result == "success", second["history"].log
-    assert history_runs(sim.origin, tmp_path) == ["4242-2"]
+    # the re-run's results (attempt 1's report had tiny@beta as "no result")
+    assert history_runs(sim.origin, tmp_path) == {"4242-2": {"tiny@acme": "fail", "tiny@beta": "pass"}}
 
     third = sim.run("all")
     assert third["plan"].result == "success", third["plan"].log
     assert third["plan"].attempt == 3 and third["report"].steps["Upload the report"]["outcome"] == "success"
     assert third["issues"].result == "success" and len(sim.gh.issues()) == 1  # nothing filed twice
-    assert history_runs(sim.origin, tmp_path) == ["4242-3"]  # one night, one run: the re-run replaced its attempt
+    assert list(history_runs(sim.origin, tmp_path)) == ["4242-3"]  # one night, one run: the re-run replaced its attempt
     names = [a["name"] for a in sim.listed()]
     assert len(names) == len(set(names))
 
