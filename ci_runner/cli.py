@@ -534,8 +534,9 @@ def _report_commands(add: AddCommand) -> None:
     sp.add_argument("--max-new-issues", dest="max_new", type=int, default=30, metavar="N",
                     help="new issues one run may create; the rest are kept as drafts and said (default 30)")
     sp.add_argument("--write-budget", type=int, default=400, metavar="N",
-                    help="content-creating requests (issues, comments, state changes) one run may make; GitHub allows "
-                         "500 an hour; the rest are kept as drafts and said (default 400)")
+                    help="content-creating requests (issues, comments, state changes) an hour: this run's plus the issues "
+                         "with the label created in the hour before it; GitHub allows 500 an hour; the rest are kept "
+                         "as drafts and said (default 400)")
     sp.add_argument("--bisect", default=None, metavar="FILE",
                     help="bisections from `bisect-regressions` to quote in the issues (default: bisect.json next to DIFF)")
 

@@ -271,6 +271,7 @@ class _Filer:
         self.report = report
         self.base = f"/repos/{repo}"
         self.writes = 0  # content-creating requests made (issues, comments, state changes), for the budget
+        self.hour = 0  # issues with the label created in the last hour before this run (earlier runs' share)
         self.since: str | None = None  # the re-check before a create lists what changed from here on
 
     # ----------------------------------------------------------------- reads
@@ -291,11 +292,15 @@ class _Filer:
 
     def existing(self) -> dict[str, _Issue]:
         found: dict[str, _Issue] = {}
-        if self.since is None:
+        first = self.since is None
+        if first:
             self.since = _iso(time.time() - self.options.recheck_window)
+        hour_ago = _iso(time.time() - 3600)
         for item in self.client.paginate(f"{self.base}/issues", {"labels": self.options.label, "state": "all"}):
             if "pull_request" in item:
                 continue
+            if first and str(item.get("created_at") or "") >= hour_ago:
+                self.hour += 1
             parsed = _parse_issue(item)
             if parsed is None:
                 continue
@@ -617,10 +622,11 @@ def _execute(filer: "_Filer", actions: list[_Action], drafts: "_Drafts", labels:
             drafts.keep(a, f"not filed: this run already created {options.max_new} new issues (--max-new-issues); "
                            "look at those first, then file this draft or raise the cap", labels)
             continue
-        if filer.writes + _WRITES.get(a.action, 0) > options.write_budget:
+        if filer.hour + filer.writes + _WRITES.get(a.action, 0) > options.write_budget:
             over_budget += 1
-            drafts.keep(a, f"not done: this run's budget of {options.write_budget} content-creating requests is "
-                           "spent (--write-budget; GitHub allows 500 an hour)", labels)
+            drafts.keep(a, f"not done: the hour's budget of {options.write_budget} content-creating requests is "
+                           f"spent ({filer.hour} issue(s) filed in the last hour before this run, {filer.writes} "
+                           "request(s) by it; --write-budget; GitHub allows 500 an hour)", labels)
             continue
         try:
             filer.execute(a)
@@ -636,8 +642,9 @@ def _execute(filer: "_Filer", actions: list[_Action], drafts: "_Drafts", labels:
         report.notes.append(f"{capped} new issue(s) over the cap of {options.max_new} a run kept as drafts "
                             "(--max-new-issues)")
     if over_budget:
-        report.notes.append(f"{over_budget} action(s) over this run's budget of {options.write_budget} content-creating "
-                            "requests kept as drafts (--write-budget; GitHub allows 500 an hour)")
+        report.notes.append(f"{over_budget} action(s) over the hour's budget of {options.write_budget} content-creating "
+                            f"requests kept as drafts ({filer.hour} issue(s) filed in the hour before this run; "
+                            "--write-budget; GitHub allows 500 an hour)")
 
 
 # content-creating requests an action makes at most (a reopen and a close post a comment and change the state)

@@ -29,7 +29,8 @@ class FilingOptions:
     drafts_dir: Path | None = None  # default: <diff folder>/issue-drafts
     extra_labels: tuple[str, ...] = ()
     max_new: int = 30  # new issues per run; the rest are drafted and said (a broken compiler must not file 500)
-    write_budget: int = 400  # content-creating requests per run (GitHub allows 500 an hour); the rest drafted
+    write_budget: int = 400  # content-creating requests an hour (GitHub allows 500): this run's, plus the labelled
+    # issues created in the hour before it (an estimate: earlier runs' comments are not counted); the rest drafted
     artifact_days: int | None = None  # the run's artifact retention, said where an issue names an artifact
     recheck_window: float = 600.0  # seconds back the re-check before each create looks (a clock skew margin)
 

@@ -401,9 +401,15 @@ def test_the_write_budget_stops_writes_and_drafts_the_rest(gh, tmp_path):
     d = _many(tmp_path, 6)
     report = run(gh, d, write_budget=4)
     assert report.created == 4 and report.drafts == 2
-    assert any("over this run's budget of 4 content-creating requests" in n for n in report.notes)
+    assert any("over the hour's budget of 4 content-creating requests" in n for n in report.notes)
     posts = [r for r in gh.writes() if r.method == "POST" and r.path.endswith("/issues")]
     assert len(posts) == 4
+    # an hour later nothing from this run counts; within the hour its issues do: a second run files only 1 more
+    more = write_diff(tmp_path / "more.json", [entry("regressed", "tiny-llama", "sim-subset",
+                                                     op_finding(f"aten.more{i}.default", "sim-subset")) for i in range(3)])
+    second = run(gh, more, run_id="777", write_budget=5)
+    assert second.created == 1 and second.drafts == 2
+    assert any("4 issue(s) filed in the hour before this run" in n for n in second.notes)
 
 
 def test_the_truncation_note_names_the_real_artifact_and_its_retention(gh, tmp_path):
