@@ -207,3 +207,22 @@ def test_a_fork_pull_request_that_ran_nothing_is_not_a_pass(sim: Sim, tmp_path: 
     (tmp_path / "same").mkdir()
     same = sim2.run()
     assert same["plan"].outputs["count"] == "2" and same["plan"].outputs["fork-pr"] == "false"
+
+
+def test_a_broken_history_branch_stops_nothing_and_the_push_repairs_it(sim: Sim, tmp_path: Path) -> None:
+    """A garbage history.sqlite on the branch. Before: `aggregate --history` exited 3, so the diff, the policy, the
+    issues and the history job never ran, every night, and nothing repaired the branch."""
+    work = tmp_path / "broken"
+    git("init", "--quiet", "-b", "deepview-history", str(work), cwd=tmp_path)
+    (work / "history.sqlite").write_bytes(b"not a database " * 300)
+    git("add", ".", cwd=work)
+    git("commit", "--quiet", "-m", "broken", cwd=work)
+    git("push", "--quiet", str(sim.origin), "HEAD:deepview-history", cwd=work)
+    sim.calls = {"cells": play_cells({})}
+    jobs = sim.run()
+    report = jobs["report"]
+    assert report.steps["Aggregate (JUnit, summary, HTML), every planned cell accounted for"]["outcome"] == "success"
+    assert report.outputs["diff-outcome"] == "failure" and report.outputs["file-issues"] == "true"  # the regression
+    assert jobs["issues"].result == "success" and len(sim.gh.issues()) == 1
+    assert jobs["history"].result == "success", jobs["history"].log
+    assert history_runs(sim.origin, tmp_path) == {"4242-1": {"tiny@acme": "fail", "tiny@beta": "pass"}}
