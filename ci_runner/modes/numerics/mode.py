@@ -57,6 +57,7 @@ from ...numerics.verdict import (
     verdict_of,
     view_status,
 )
+from .phases import run_phases
 from ...numerics.views import cast_copy, derive_reference_stats, runnable_reference
 
 if TYPE_CHECKING:
@@ -342,6 +343,11 @@ def run(ctx: "ModeContext") -> ModeResult:
         shutil.rmtree(dump_root, ignore_errors=True)
     else:
         data["dumps"] = [str(d.relative_to(ctx.cell_dir)) if d.is_relative_to(ctx.cell_dir) else str(d) for d in dumps]
+    if ctx.cell.inputs.phases:  # the workloads users run, per phase and per step (modes/numerics/phases.py)
+        t = time.monotonic()
+        phase_findings, data["phases"] = run_phases(ctx, opts)
+        findings += phase_findings
+        timings["phases_s"] = round(time.monotonic() - t, 3)
     duration = time.monotonic() - t0
     if not cum_ran and not iso_ran:
         why = cum_errors[0]["error"] if cum_errors else (notes[-1] if notes else "no comparison could run")
