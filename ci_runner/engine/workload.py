@@ -24,6 +24,7 @@ import torch
 
 from ..config import InputSpec
 from ..phases import Phase
+from .failure import stage_of, unwrap
 from .models import LoadedModel, seeded_ids, text_config
 
 __all__ = ["Call", "CallRecord", "PhaseRun", "skip_reason", "run_phase", "cache_kwarg", "logits_of"]
@@ -51,6 +52,7 @@ class CallRecord:
     seconds: float
     error: str | None = None
     error_type: str | None = None
+    stage: str | None = None  # compile | run, where the error was raised
     exc: BaseException | None = field(default=None, repr=False)
     logits: torch.Tensor | None = field(default=None, repr=False)
     raw: torch.Tensor | None = field(default=None, repr=False)
@@ -257,7 +259,9 @@ def run_phase(fn: Callable[..., Any], loaded: LoadedModel, inputs: InputSpec, ph
                 rec.raw = raw
                 rec.logits = raw.detach().clone() if raw is not None else None
             except Exception as exc:  # the backend's failure is the finding  # noqa: BLE001
-                rec.error, rec.error_type, rec.exc = f"{type(exc).__name__}: {exc}", type(exc).__name__, exc
+                inner = unwrap(exc)  # the backend's own error, not Dynamo's wrapper
+                rec.error, rec.error_type, rec.exc = f"{type(inner).__name__}: {inner}", type(inner).__name__, exc
+                rec.stage = stage_of(exc)
             rec.seconds = time.perf_counter() - t0
             if call.step is not None:
                 rec.token = call.kwargs["input_ids"].detach().cpu()

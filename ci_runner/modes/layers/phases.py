@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 
 from ...backends.ran import CompileRecord
+from ...engine.failure import first_line
 from ...engine.repro import render_template, safe_filename, verify_script, write_script
 from ...engine.workload import Call, PhaseRun, cache_kwarg, run_phase, skip_reason
 from ...fsutil import atomic_write_text
@@ -211,8 +212,9 @@ def _one_phase(ctx: "ModeContext", opts: LayersOptions, phase: Phase, layers_dir
     module, children_passed = smallest_failing(ctx, loaded, captured, failing)
     classes = {n: type(m).__name__ for n, m in loaded.module.named_modules()}
     where = f"{phase.name} step {failed.step}" if failed.step is not None else failed.label
-    before = f"; {', '.join(passed_calls[:3])}{'…' if len(passed_calls) > 3 else ''} pass" if passed_calls else ""
-    parts = [f"{where} fails on the backend{before}: {(failed.error or '').splitlines()[0][:300]}"]
+    before = (f" ({', '.join(passed_calls[:3])}{'…' if len(passed_calls) > 3 else ''} "
+              f"{'passes' if len(passed_calls) == 1 else 'pass'})") if passed_calls else ""
+    parts = [f"{where} fails on the backend{before}: {first_line(failed.error or '', 300)}"]
     if children_passed or module == ROOT:
         parts.append(f"in {module or 'the model'}'s own code ({len(children_passed)} child module(s) replayed on the "
                      f"same calls pass)")
@@ -221,7 +223,7 @@ def _one_phase(ctx: "ModeContext", opts: LayersOptions, phase: Phase, layers_dir
     if dynamic_note:
         parts.append(dynamic_note)
     finding = Finding(
-        kind="layer_failure", stage="compile" if "BackendCompilerFailed" in (failed.error or "") else "run",
+        kind="layer_failure", stage=failed.stage if failed.stage in ("compile", "run") else "run",
         message="; ".join(parts), module=module or "(model)", module_class=classes.get(module, "?"),
         error_type=failed.error_type, phase=phase.name, step=failed.step,
         details={"call": failed.label, "culprit_ops": culprits, "dynamic_only": bool(dynamic_note and
