@@ -25,7 +25,7 @@ import torch
 from ..config import InputSpec
 from ..phases import Phase
 from .failure import stage_of, unwrap
-from .models import LoadedModel, seeded_ids, text_config
+from .models import LoadedModel, build_inputs, seeded_ids, text_config
 
 __all__ = ["Call", "CallRecord", "PhaseRun", "skip_reason", "run_phase", "cache_kwarg", "logits_of"]
 
@@ -166,8 +166,6 @@ def make_cache(loaded: LoadedModel, phase: Phase, max_len: int) -> Any:
 
 
 def _image_prefix(loaded: LoadedModel, inputs: InputSpec, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
-    from .models import build_inputs  # the image-text prompt: image placeholder tokens and pixel values
-
     built = build_inputs(loaded, inputs, sample=0, device="cpu")
     return built["input_ids"], {"pixel_values": built["pixel_values"]}
 

@@ -184,6 +184,20 @@ class FindingView:
 VIEWS: tuple[str, ...] = ("cumulative", "isolated")
 
 
+def phase_text(f: Finding) -> str | None:
+    """Where in the workload a finding was made: ``decode step 3``, ``batch``; None for the single forward."""
+    if not f.phase:
+        return None
+    return f"{f.phase} step {f.step}" if f.step is not None else f.phase
+
+
+def finding_title(f: Finding) -> str:
+    """What failed (op, module or kind), with the phase it failed in: ``model [decode step 1]``."""
+    what = f.op or f.module or f.kind
+    where = phase_text(f)
+    return f"{what} [{where}]" if where else what
+
+
 def metric_views(f: Finding) -> list[tuple[str | None, dict[str, Any], dict[str, Any]]]:
     """A finding's metrics per view. Numerics findings may nest them (``metrics.cumulative.rel``,
     ``threshold.isolated.rel``) or keep them flat with ``details.view`` saying which view."""
@@ -419,7 +433,7 @@ def build_view(results: Results, *, out_dir: Path | None = None, run_dir: Path |
                 c_repro, c_ok = culprit_repro_path(c, f, out_dir=out_dir, run_dir=run_dir, base=base)
                 fviews.append(FindingView(
                     cell=c.id, model=c.model, backend=c.backend, mode=mname, finding=f,
-                    title=f.op or f.module or f.kind, summary=headline(f.message),
+                    title=finding_title(f), summary=headline(f.message),
                     repro=repro_path(c, f, out_dir=out_dir, run_dir=run_dir, base=base),
                     verified=bool(f.repro and f.repro.verified),
                     view=fview,

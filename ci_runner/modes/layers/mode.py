@@ -46,7 +46,6 @@ from .culprit import CulpritResult, CulpritTarget, find_culprits, hints_from_err
 from .groups import IN_PROCESS, cause_families, cause_groups, run_parallel
 from .handoff import drop_handoff, save_target
 from .phases import run_phases
-from .reprocontext import plugin_modules as _plugin_modules, template_backend
 from ...fsutil import atomic_write_text
 from ...engine.codec import TensorStore, Unstorable
 from ...engine.failure import first_line, tail, unwrap
@@ -55,7 +54,7 @@ from ...engine.outcome import ProbeOutcome, append_outcome, read_outcomes
 from .search import ROOT, ChildPlan, ModuleTree, SearchResult, StopSearch, capture_inputs, encode_call, label, own_name, scan_model, search, twin_plan, unlabel, write_root_call
 from ...options import LayersOptions
 from ...registry import FindingKind, parse_options
-from ...engine.repro import render_template, safe_filename, verify_script, write_script
+from ...engine.repro import plugin_modules as _plugin_modules, render_template, safe_filename, template_backend, verify_script, write_script
 from ...engine.tree import module_tensors
 from ...results.model import JOURNAL_NAME, Finding, ModeResult, Repro, fingerprint
 from ...results.rootcause import annotate

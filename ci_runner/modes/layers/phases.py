@@ -26,13 +26,12 @@ import torch
 
 from ...backends.ran import CompileRecord
 from ...engine.failure import first_line
-from ...engine.repro import render_template, safe_filename, verify_script, write_script
+from ...engine.repro import plugin_modules, render_template, safe_filename, template_backend, verify_script, write_script
 from ...engine.workload import Call, PhaseRun, cache_kwarg, run_phase, skip_reason
 from ...fsutil import atomic_write_text
 from ...options import LayersOptions
 from ...phases import Phase
 from ...results.model import Finding, Repro, fingerprint
-from .reprocontext import plugin_modules, template_backend
 
 if TYPE_CHECKING:
     from .. import ModeContext
