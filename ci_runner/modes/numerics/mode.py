@@ -343,8 +343,7 @@ def run(ctx: "ModeContext") -> ModeResult:
         shutil.rmtree(dump_root, ignore_errors=True)
     else:
         data["dumps"] = [str(d.relative_to(ctx.cell_dir)) if d.is_relative_to(ctx.cell_dir) else str(d) for d in dumps]
-    if ctx.cell.inputs.phases:  # the workloads users run, per phase and per step (modes/numerics/phases.py)
-        findings += _phases(ctx, opts, data)
+    findings += _phases(ctx, opts, data) if ctx.cell.inputs.phases else []  # per phase and step: phases.py
     duration = time.monotonic() - t0
     if not cum_ran and not iso_ran:
         why = cum_errors[0]["error"] if cum_errors else (notes[-1] if notes else "no comparison could run")
