@@ -174,7 +174,9 @@ def run_phases(ctx: "ModeContext", opts: LayersOptions, layers_dir: Path) -> tup
     findings: list[Finding] = []
     data: dict[str, Any] = {}
     for phase in ctx.cell.inputs.workload():
+        ctx.journal("enter-workload", f"layers.{phase.name}")  # a hard crash in it names the phase
         f, d = _one_phase(ctx, opts, phase, layers_dir)
+        ctx.journal("leave-workload", f"layers.{phase.name}")
         findings += f
         data[phase.name] = d
     return findings, data

@@ -185,7 +185,9 @@ def run_phases(ctx: "ModeContext", opts: NumericsOptions) -> tuple[list[Finding]
     findings: list[Finding] = []
     data: dict[str, Any] = {}
     for phase in ctx.cell.inputs.workload():
+        ctx.journal("enter-workload", f"numerics.{phase.name}")  # a hard crash in it names the phase
         phase_findings, phase_data = _one_phase(ctx, opts, phase)
+        ctx.journal("leave-workload", f"numerics.{phase.name}")
         findings += phase_findings
         data[phase.name] = phase_data
     return findings, data

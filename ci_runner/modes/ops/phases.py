@@ -108,9 +108,11 @@ def run_phases(ctx: "ModeContext", opts: OpsOptions, forward: Inventory, ops_dir
         if reason:
             data[phase.name] = {"status": "skipped", "reason": reason}
             continue
+        ctx.journal("enter-workload", f"ops.{phase.name}")  # a hard crash in it names the phase
         graphs, cpu_errors = record_phase_graphs(ctx, phase)
         if cpu_errors:
             data[phase.name] = {"status": "error", "reason": f"the phase fails on CPU: {cpu_errors[0][:300]}"}
+            ctx.journal("leave-workload", f"ops.{phase.name}")
             continue
         inv = inventory_of_graphs(graphs, type(loaded.module).__name__, level="aten", method="phase", device="cpu")
         new = phase_signatures(phase, inv, known)
@@ -146,6 +148,7 @@ def run_phases(ctx: "ModeContext", opts: OpsOptions, forward: Inventory, ops_dir
             row["status"] = "fail"
         row["seconds"] = round(time.monotonic() - t0, 2)
         data[phase.name] = row
+        ctx.journal("leave-workload", f"ops.{phase.name}")
     return findings, data
 
 
