@@ -92,13 +92,17 @@ TRANSFORMER_OPS: tuple[str, ...] = (
 class SimCompilerError(RuntimeError):
     """The sims' compile-time error (sim-subset, sim-decode, sim-long), shaped like a vendor compiler's lowering failure.
 
-    The message always contains `unsupported operator <overload>` (see `backends.UNSUPPORTED_RE`) so the op can be parsed
-    out of Dynamo's wrapping `BackendCompilerFailed`.
+    When it blames an op, the message contains `unsupported operator <overload>` (see `backends.UNSUPPORTED_RE`) so
+    the op can be parsed out of Dynamo's wrapping `BackendCompilerFailed`; `op=None` (sim-long refusing a graph
+    input) names no op: `[backend] <reason> (node <node>)`.
     """
 
-    def __init__(self, op: str, node: str, backend: str = "sim-subset", reason: str | None = None) -> None:
+    def __init__(self, op: str | None, node: str, backend: str = "sim-subset", reason: str | None = None) -> None:
         why = reason or "no lowering for this operator (lowering/op_registry.cpp:88)"
-        super().__init__(f"[{backend}] unsupported operator {op} in node {node}: {why}")
+        if op is None:
+            super().__init__(f"[{backend}] {why} (node {node})")
+        else:
+            super().__init__(f"[{backend}] unsupported operator {op} in node {node}: {why}")
         self.op = op
         self.node = node
         self.backend = backend

@@ -221,8 +221,8 @@ def make_long(*, max_tokens: int = 64, op: str | Iterable[str] = "attention") ->
             value = _hint(n)
             if value is not None and value > limit:
                 raise SimCompilerError(
-                    "input", pname, "sim-long",
-                    f"sequence length {value} exceeds the maximum of {limit} tokens this compiler supports "
+                    None, pname, "sim-long",
+                    f"input {pname}: sequence length {value} exceeds the maximum of {limit} tokens this compiler supports "
                     f"(lowering/graph.cpp:40)")
         dynamic = [(i, pname) for i, pname, n in tokens if _concrete(n) is None]
         if not dynamic:
@@ -233,8 +233,8 @@ def make_long(*, max_tokens: int = 64, op: str | Iterable[str] = "attention") ->
                 length = args[i].shape[-1]
                 if length > limit:
                     raise SimCompilerError(
-                        "input", pname, "sim-long",
-                        f"sequence length {length} exceeds the maximum of {limit} tokens this compiler supports "
+                        None, pname, "sim-long",
+                        f"input {pname}: sequence length {length} exceeds the maximum of {limit} tokens this compiler supports "
                         f"(lowering/graph.cpp:40) (checked at run time: a dynamic-shape graph)")
             return forward(*args)
 

@@ -8,6 +8,7 @@ positions as `generate` builds them, `use_cache=False`.
 from __future__ import annotations
 
 from collections.abc import Callable
+import re
 
 import pytest
 import torch
@@ -254,8 +255,10 @@ def test_long_checks_a_dynamic_graph_at_run_time(fresh_dynamo: Callable[[], None
     ids = torch.randint(0, 32, (1, 8))
     torch.testing.assert_close(torch.compile(embed, backend=make_backend("sim-long", {"max_tokens": 8}))(ids), embed(ids))
     fresh_dynamo()
-    with pytest.raises(Exception, match=r"\[sim-long\] unsupported operator input in node .*sequence length 9 exceeds"):
+    with pytest.raises(Exception) as info:
         torch.compile(embed, backend=make_backend("sim-long", {"max_tokens": 8}))(torch.randint(0, 32, (1, 9)))
+    assert re.search(r"\[sim-long\] input \w+: sequence length 9 exceeds the maximum of 8 tokens", str(info.value))
+    assert unsupported_op_from_error(str(info.value)) is None  # no op to blame
     with pytest.raises(ValueError, match="max_tokens must be an integer >= 1, got 0"):
         make_backend("sim-long", {"max_tokens": 0})
 
@@ -272,6 +275,22 @@ def test_reuse_overwrites_an_earlier_output_with_the_next_call(llama) -> None:
         second = compiled(input_ids=ids + 1, use_cache=False).logits  # same shapes: same graph, same buffers
         assert torch.equal(second, llama(input_ids=ids + 1, use_cache=False).logits)
         assert torch.equal(first, second) and not torch.equal(first, right)  # call 1's output now holds call 2's
+
+
+def test_reuse_in_generation_overwrites_decode_steps_not_the_prefill(llama) -> None:
+    from transformers.cache_utils import StaticCache
+
+    compiled = torch.compile(llama, backend=make_backend("sim-reuse"))
+    cache = StaticCache(config=llama.config, max_cache_len=10)
+    with torch.no_grad():
+        kept = [compiled(input_ids=torch.tensor([PROMPT]), cache=cache, cache_position=torch.arange(8)).logits]
+        for step, token in enumerate(DECODE):
+            kept.append(compiled(input_ids=torch.tensor([[token]]), cache=cache,
+                                 cache_position=torch.tensor([8 + step])).logits)
+    ref = generate(llama, llama.config)
+    assert torch.equal(kept[0][:, -1], ref.logits[0])  # the prefill's graph ran once: its output stands
+    assert torch.equal(kept[2][:, -1], ref.logits[2])  # the last decode step is right
+    assert torch.equal(kept[1], kept[2]) and not torch.equal(kept[1][:, -1], ref.logits[1])  # step 0's was overwritten
 
 
 def test_reuse_keeps_a_buffer_per_shape_and_takes_outputs(fresh_dynamo: Callable[[], None]) -> None:
