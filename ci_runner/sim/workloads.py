@@ -14,7 +14,7 @@ What the tiny Llama of transformers 5.x hands them (measured with `aot_autograd`
 `StaticCache` writes the cache with `aten.index_copy.default(cache, 2, positions, new)` (the result is the graph's
 output that aot_autograd copies back into the cache tensor), its attention is
 `aten._scaled_dot_product_flash_attention_for_cpu.default` with query [B, H, L, D] and key/value [B, Hkv, S, D]
-(S is the prompt at the first prefill, the cache's `max_cache_len` on later calls), and a padded batch's mask
+(S measured: the prompt length at a prefill, the cache's `max_cache_len` at a decode step), and a padded batch's mask
 reaches it as a float mask with `-inf` (a left-padded row's pad queries see no key at all).
 """
 
@@ -90,12 +90,11 @@ def _concrete(n: Any) -> int | None:
     """An int size, or None when it is symbolic (a dynamic dim: the graph serves every length)."""
     if isinstance(n, int):
         return n
-    try:
-        from torch.fx.experimental.symbolic_shapes import is_concrete_int  # deferred: as torch._dynamo
+    if isinstance(n, torch.SymInt):
+        from torch.fx.experimental.symbolic_shapes import is_concrete_int  # deferred: only graphs with SymInts
 
         return int(n) if is_concrete_int(n) else None
-    except (ImportError, TypeError):
-        return None
+    return None
 
 
 def _hint(n: Any) -> int | None:
@@ -112,6 +111,7 @@ def _hint(n: Any) -> int | None:
 
 
 def _count(sim: str, option: str, value: Any, minimum: int) -> int:
+    """An integer option, checked (ValueError naming the sim and the option)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{sim}: {option} must be an integer >= {minimum}, got {value!r}")
     return value
@@ -267,7 +267,7 @@ def _is_cache_write(node: torch.fx.Node) -> bool:
         return isinstance(first, torch.fx.Node) and first.op == "placeholder" and _persists(node)
     if name.endswith("_.default"):  # in place on the cache: kept when the cache is a graph input
         base = node.args[0]
-        return isinstance(base, torch.fx.Node) and base.op == "placeholder" or _persists(node)
+        return (isinstance(base, torch.fx.Node) and base.op == "placeholder") or _persists(node)
     return _persists(node)
 
 
