@@ -59,7 +59,8 @@ def test_every_sim_backend_is_documented() -> None:
         assert info.reproduces and info.stage in ("compile", "run")
         for option in info.options:
             assert f"`{option}`" in doc, (name, option)
-    assert set(SIM_BACKENDS) == {"sim-subset", "sim-drift", "sim-crash", "sim-abort", "sim-segv", "sim-hang", "simdev"}
+    assert set(SIM_BACKENDS) == {"sim-subset", "sim-drift", "sim-crash", "sim-abort", "sim-segv", "sim-hang", "sim-decode",
+                                 "sim-kvdrift", "sim-masknan", "sim-long", "sim-reuse", "simdev"}
 
 
 def test_unknown_sim_and_options() -> None:
