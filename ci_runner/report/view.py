@@ -430,12 +430,11 @@ def cause_place(cause: Mapping[str, Any], example: "FindingView | None") -> str:
     f = example.finding if example is not None else None
     module = (f.module if f else None) or ex.get("module")
     klass = f.module_class if f else None
-    if module:
-        return f"layer {module}" + (f" ({klass})" if klass else "")
+    layer = f"layer {module}" + (f" ({klass})" if klass else "") if module else ""
     op = (f.op if f else None) or ex.get("op")
     if op:
-        return f"op {op}"
-    return raised or "unknown (no traceback)"
+        return f"op {op}" + (f" in {layer}" if layer else "")
+    return layer or raised or "unknown (no traceback)"
 
 
 def _causes(results: Results, allf: Sequence[FindingView]) -> list[dict[str, Any]]:

@@ -144,6 +144,7 @@ def test_an_op_finding_shows_its_call_and_a_divergence_its_layer(tmp_path) -> No
     assert '<code class="call">aten.cumsum.default(f32[1, 4, 1, 16], -1)</code>' in page
     places = {r["error_type"]: r["place"] for r in view.root_causes}
     assert places["divergence"].startswith("layer model.") and "(" in places["divergence"], places
+    assert places["BackendCompilerFailed"].startswith("op aten.") and " in layer model." in places["BackendCompilerFailed"]
     assert "unknown (no traceback)" not in page.split('id="root-causes"')[1].split("</section>")[0]
     links = re.findall(r'<a class="repro" href="([^"]+)">', page)
     assert links and all(h.startswith("../cells/") for h in links)
