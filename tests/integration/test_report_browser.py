@@ -172,12 +172,13 @@ def load_in_browser(page: Path, tmp_path: Path, probe: str | None = None, *, wid
         assert "exceptionDetails" not in result, result
         info = json.loads(result["result"]["value"])
         if probe is not None:
-            answer = dt.send("Runtime.evaluate", {"expression": probe, "returnByValue": True}, session=session)
+            answer = dt.send("Runtime.evaluate", {"expression": probe, "returnByValue": True}, session=session,
+                             timeout=90)
             assert "exceptionDetails" not in answer, answer
             info["probe"] = json.loads(answer["result"]["value"])
             dt.drain(0.3)
             info["errors"] = dt.send("Runtime.evaluate", {"expression": "document.documentElement.getAttribute('data-errors') || '0'",
-                                                          "returnByValue": True}, session=session)["result"]["value"]
+                                                          "returnByValue": True}, session=session, timeout=90)["result"]["value"]
         shot = dt.send("Page.captureScreenshot", {"format": "png"}, session=session)
         (tmp_path / "report.png").write_bytes(base64.b64decode(shot["data"]))
         if width is not None:
