@@ -192,7 +192,7 @@ def register_with_dynamo() -> list[str]:
 
 
 def table_markdown() -> str:
-    """The table above, generated from the registry (for the README and `deepview-ci env`)."""
+    """The table above, generated from the registry (for `deepview-ci env`; docs/backends.md has the table too)."""
     rows = ["| name | kind | reproduces | when | options |", "|---|---|---|---|---|"]
     for info in SIM_BACKENDS.values():
         opts = ", ".join(f"`{k}`: {v}" for k, v in info.options.items()) or "-"

@@ -3,7 +3,6 @@ class is found in its own phase only, and aot_eager (eager's kernels: any findin
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Callable
 
 import pytest
@@ -43,9 +42,9 @@ def context(mode_context: Callable[..., Any], fresh_dynamo: Any) -> Callable[[st
     return lambda backend: mode_context(MATRIX, "llama", backend)
 
 
-def test_aot_eager_finds_nothing_in_any_phase(context: Callable[[str], Any], tmp_path: Path) -> None:
+def test_aot_eager_finds_nothing_in_any_phase(context: Callable[[str], Any]) -> None:
     ctx = context("aot_eager")
-    lf, ldata = layers_phases(ctx, LayersOptions(), tmp_path)
+    lf, ldata = layers_phases(ctx, LayersOptions(), ctx.artifact_dir("layers"))
     nf, ndata = numerics_phases(ctx, NumericsOptions())
     assert lf == [] and nf == []
     assert {k: v["status"] for k, v in ldata.items()} == {p: "pass" for p in ("prefill", "decode", "batch", "long")}
@@ -53,9 +52,9 @@ def test_aot_eager_finds_nothing_in_any_phase(context: Callable[[str], Any], tmp
     assert ndata["decode"]["agreement"]["greedy"] == 1.0
 
 
-def test_one_token_steps_fail_in_decode_only(context: Callable[[str], Any], tmp_path: Path) -> None:
+def test_one_token_steps_fail_in_decode_only(context: Callable[[str], Any]) -> None:
     ctx = context("decode")
-    findings, data = layers_phases(ctx, LayersOptions(), tmp_path)
+    findings, data = layers_phases(ctx, LayersOptions(), ctx.artifact_dir("layers"))
     assert [(f.phase, f.step) for f in findings] == [("decode", 1)]
     f = findings[0]
     assert f.kind == "layer_failure" and "self_attn" in f.module and "prefill passes" in f.message
@@ -63,8 +62,9 @@ def test_one_token_steps_fail_in_decode_only(context: Callable[[str], Any], tmp_
     assert data["prefill"]["status"] == data["batch"]["status"] == data["long"]["status"] == "pass"
 
 
-def test_a_long_prompt_fails_past_the_limit_only(context: Callable[[str], Any], tmp_path: Path) -> None:
-    findings, data = layers_phases(context("long"), LayersOptions(verify=False), tmp_path)
+def test_a_long_prompt_fails_past_the_limit_only(context: Callable[[str], Any]) -> None:
+    ctx = context("long")
+    findings, data = layers_phases(ctx, LayersOptions(verify=False), ctx.artifact_dir("layers"))
     assert [(f.phase, f.details["call"]) for f in findings] == [("long", "long 80")]
     assert data["prefill"]["status"] == data["decode"]["status"] == data["batch"]["status"] == "pass"
 

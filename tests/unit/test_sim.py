@@ -54,7 +54,7 @@ def test_every_sim_backend_is_documented() -> None:
     doc = sim.__doc__ or ""
     table = sim.table_markdown()
     for name, info in SIM_BACKENDS.items():
-        assert f"| `{name}` |" in doc, name  # the README table
+        assert f"| `{name}` |" in doc, name  # the table of docs/backends.md is written from it
         assert f"| `{name}` |" in table
         assert info.reproduces and info.stage in ("compile", "run")
         for option in info.options:
