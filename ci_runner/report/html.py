@@ -28,6 +28,7 @@ from ..registry import SECTION_DIVERGENT, kinds_in
 from ..results.model import Results
 from .junit import xml_safe
 from ..engine.failure import headline
+from .phasecharts import decode_chart
 from .trendcharts import trends_html
 from ..zoo.report import zoo_view
 from .view import CellView, LayerPoint, NumericsView, ReportView, build_view, cos_distance, fmt_num
@@ -155,6 +156,13 @@ class _Scale:
             return (MT + self.ph, "zero")
         t = (math.log10(v) - self.lo) / (self.hi - self.lo)
         return (MT + self.ph - max(0.0, min(1.0, t)) * self.ph, "value")
+
+
+def _decode_chart(cv: Any) -> str:
+    """The decode phase's error per step (report/phasecharts.py), when the cell's numerics ran one."""
+    mode = cv.cell.modes.get("numerics")
+    chart = decode_chart(mode.data, cell_id=cv.id) if mode is not None and mode.data else None
+    return f'<div class="chartbox decode">{chart}</div>' if chart else ""
 
 
 def layer_chart(nv: NumericsView, metric: str, *, cell_id: str, label: str, hidden: bool = False) -> str:
@@ -409,7 +417,8 @@ def render_html(
     for cv in v.cells:
         shown = max(0, min(len(cv.findings), MAX_FINDINGS_PER_CELL, full_left))
         full_left -= shown
-        blocks[cv.id] = {"findings": Markup(findings_html(cv, shown, links=v.links)), "layers": Markup("")}
+        blocks[cv.id] = {"findings": Markup(findings_html(cv, shown, links=v.links)), "layers": Markup(""),
+                         "decode": Markup(_decode_chart(cv))}
         entry: dict[str, Any] = {}
         if shown < len(cv.findings):
             entry["findings"] = compact_findings(cv, shown, strings)

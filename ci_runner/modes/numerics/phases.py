@@ -237,7 +237,7 @@ def _one_phase(ctx: "ModeContext", opts: NumericsOptions, phase: Phase) -> tuple
     agreement = _agreement(ref_run, tgt_run)
     if agreement:
         phase_data["agreement"] = agreement
-    kv = _kv_rows(ref_rec, tgt_rec, thresholds, ref_run)
+    kv = _kv_rows(ref_rec, tgt_rec, thresholds, ref_run, tgt_run)
     if kv:
         phase_data["kv_cache"] = kv
     out: list[Finding] = []
@@ -263,10 +263,13 @@ def _one_phase(ctx: "ModeContext", opts: NumericsOptions, phase: Phase) -> tuple
     return out, phase_data
 
 
-def _kv_rows(ref: _Recorder, tgt: _Recorder, thresholds: Mapping[str, float], run: PhaseRun) -> list[dict[str, Any]]:
+def _kv_rows(ref: _Recorder, tgt: _Recorder, thresholds: Mapping[str, float], run: PhaseRun,
+             target: PhaseRun) -> list[dict[str, Any]]:
     """Per call and cache tensor: the target's cache against the reference's after that call."""
     rows = []
     for i, (ca, cb) in enumerate(zip(ref.caches, tgt.caches)):
+        if i < len(target.records) and target.records[i].error is not None:
+            continue  # a call that failed wrote nothing: its cache is the previous call's
         for key in sorted(ca.keys() & cb.keys()):
             if ca[key].shape != cb[key].shape:
                 continue
@@ -341,9 +344,13 @@ def _localise(ctx: "ModeContext", phase: Phase, flagged: list[tuple[int, list[in
             return [_finding(ctx, phase, step, name, classes.get(name, "?"), msg,
                              {"rows": bad_rows, "nonfinite_tgt": logit_metrics.get("nonfinite_tgt")}, {},
                              details={"row": row, "rows": bad_rows, "reaches_real_tokens_in": reach})]
+        root = tgt.layers[i].get("") if i < len(tgt.layers) else None
+        why = ("no layer output showed it first" if root is not None and not bool(torch.isfinite(root).all()) else
+               "the run with output hooks on every module did not reproduce it, so no layer is named: the backend "
+               "ran the hooked model differently (OpenVINO, for one, hands a graph it cannot convert to PyTorch)")
         return [_finding(ctx, phase, step, "", "output",
-                         f"{_where(phase, step)}: NaN/Inf on real tokens of rows {bad_rows} (no layer output showed "
-                         f"it first)", {"rows": bad_rows}, {}, details={"rows": bad_rows})]
+                         f"{_where(phase, step)}: NaN/Inf on the real tokens of rows {bad_rows}; the reference is "
+                         f"finite ({why})", {"rows": bad_rows}, {}, details={"rows": bad_rows, "row": bad_rows[0]})]
     for j in range(min(len(ref.layers), len(tgt.layers))):
         for key, t in tgt.layers[j].items():
             r = ref.layers[j].get(key)
