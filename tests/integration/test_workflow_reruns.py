@@ -14,7 +14,6 @@ fail as "not tested", not pass, and the bisect job (vendor builds and repros) mu
 
 from __future__ import annotations
 
-import gzip
 import json
 import subprocess
 from pathlib import Path
@@ -28,6 +27,8 @@ from tests.fixtures.matrices import matrix_text
 from tests.fixtures.paths import ROOT
 from tests.fixtures.results_factory import cell, ops_mode
 from tests.fixtures.workflow_sim import JobRun, Sim, interpolate, load_workflow
+
+pytestmark = pytest.mark.subprocess  # git and bash, as the runner would run them
 
 WORKFLOW = ROOT / ".github" / "workflows" / "deepview.yml"
 CELLS = ROOT / ".github" / "workflows" / "deepview-cells.yml"
@@ -175,10 +176,6 @@ def test_every_artifact_of_the_pipeline_is_safe_under_a_rerun() -> None:
                 if str(step.get("uses", "")).startswith("actions/upload-artifact@"):
                     w = step["with"]
                     assert "github.run_attempt" in str(w["name"]) or w.get("overwrite") is True, (path.name, name, w["name"])
-
-
-def _gz(path: Path) -> dict[str, Any]:
-    return json.loads(gzip.decompress(path.read_bytes()))
 
 
 def test_a_fork_pull_request_that_ran_nothing_is_not_a_pass(sim: Sim, tmp_path: Path) -> None:

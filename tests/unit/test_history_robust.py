@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
+import json
 import sqlite3
 from pathlib import Path
 
 import pytest
 
-from ci_runner.history.records import RunMeta
+from ci_runner.history.records import RunMeta, record_of, write_record
 from ci_runner.history.store import add_run, fold_pending, load_history
-from ci_runner.history.records import record_of, write_record
-from ci_runner.history.trends import compute
 from ci_runner.results.model import fingerprint
 from tests.fixtures.history_sim import FAILING_OP, date_of, night_results
 
@@ -126,8 +125,6 @@ def _break(store: Path, how: str) -> None:
         (store / "runs").mkdir(exist_ok=True)
         bad = {"kind": "deepview-ci-history-run", "schema_version": 1, "run": {"run_id": "y", "date": "2031-01-05"},
                "envs": [], "cells": [["only", "three", "fields"]], "findings": [], "layers": []}
-        import json
-
         (store / "runs" / "2031-01-05_y.json.gz").write_bytes(gzip.compress(json.dumps(bad).encode()))
 
 
