@@ -43,7 +43,10 @@ from .store import RUNS_DIR, drop_earlier_attempts, holds_run, repair
 
 LOCAL_REF = "refs/deepview-ci/history"
 EMPTY_TREE = "4b825dc642cb6eb9a060e54bf8d69288fbee4904"
-_REJECTED = re.compile(r"rejected|non-fast-forward|fetch first|failed to update ref|stale info|cannot lock ref")
+# another run pushed first: the lease no longer holds (or the server's ref lock was taken that instant)
+_REJECTED = re.compile(r"stale info|failed to update ref|cannot lock ref")
+# the server refuses the rewrite itself (a protected branch, receive.denyNonFastForwards, a hook): no retry helps
+_REFUSED = re.compile(r"remote rejected|protected branch|GH006|declined")
 _CREDS = re.compile(r"(://)[^/@\s]+@")
 IDENTITY = {"GIT_AUTHOR_NAME": "deepview-ci", "GIT_AUTHOR_EMAIL": "deepview-ci@users.noreply.github.com",
             "GIT_COMMITTER_NAME": "deepview-ci", "GIT_COMMITTER_EMAIL": "deepview-ci@users.noreply.github.com"}
@@ -131,8 +134,14 @@ def _attempt(repo: Path, start: tuple[str, str], record: Mapping[str, object], m
                      f"{commit}:refs/heads/{opts.branch}"], work, env, check=False)
         if proc.returncode != 0:
             text = (proc.stderr or "") + (proc.stdout or "")
+            said = _CREDS.sub(r"\1***@", text.strip())[-400:]
             if _REJECTED.search(text):
-                raise _Rejected(_CREDS.sub(r"\1***@", text.strip())[-400:])
+                raise _Rejected(said)
+            if _REFUSED.search(text):
+                raise ExecutionError(f"history push: {opts.remote} refused to replace {opts.branch}: {said}",
+                                     hint=f"the history branch is rewritten to one commit on every push: allow this "
+                                          f"workflow to force-push {opts.branch} (no force-push protection or ruleset on "
+                                          "it); the run's record is in the report artifact")
             _git(["push", f"--force-with-lease=refs/heads/{opts.branch}:{lease}", opts.remote,
                   f"{commit}:refs/heads/{opts.branch}"], work, env)  # raises with git's words
         return f"history push: {message} → {opts.remote}/{opts.branch}"

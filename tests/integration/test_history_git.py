@@ -162,3 +162,17 @@ def test_the_next_push_repairs_a_broken_branch(origin: tuple[Path, Path], tmp_pa
     push_run(night_results(4), meta_of(4), PushOptions(repo_dir=clone, compact_every=1))
     files = sorted(git(bare, "ls-tree", "-r", "--name-only", "deepview-history").split())
     assert files == ["history.sqlite", "runs/2031-01-03_future.json.gz", "runs/2031-01-04_night-04.json.gz"]
+
+
+def test_a_branch_that_refuses_the_rewrite_fails_at_once_and_says_why(origin: tuple[Path, Path], tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """The branch is rewritten to one commit on every push; a server that refuses that (a protected branch; here
+    receive.denyNonFastForwards) is told apart from a race: no five retries, one error naming the fix."""
+    bare, clone = origin
+    push_run(night_results(1), meta_of(1), PushOptions(repo_dir=clone))
+    git(bare, "config", "receive.denyNonFastForwards", "true")
+    results = tmp_path / "r2.json"
+    save_results(night_results(2), results)
+    assert main(["history", "push", str(results), "--repo", str(clone), "--run-id", "night-02", "--date", "2031-01-02"]) == 5
+    err = capsys.readouterr().err
+    assert "refused to replace deepview-history" in err and "force-push" in err and "kept moving" not in err
