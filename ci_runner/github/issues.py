@@ -75,6 +75,7 @@ from .render import (
     plain,
     render_comment,
     render_issue,
+    render_repro_comment,
 )
 
 CATEGORIES = ("regressed", "fixed", "persisting", "flaky", "new_cell", "missing_cell")
@@ -376,6 +377,21 @@ class _Filer:
                        reason=f"filed at the same moment by another run; #{number} closed as its duplicate")
             return
         self._done(a, "created", issue=number, url=data.get("html_url"))
+        self._attach_repro(a, number)
+
+    def _attach_repro(self, a: _Action, number: Any) -> None:
+        """The whole repro as the first comment when the body had to cut it: it outlives the run's artifacts."""
+        text = render_repro_comment(a.group, self.ctx) if isinstance(number, int) else None
+        if text is None:
+            return
+        if self.hour + self.writes + 1 > self.options.write_budget:
+            self.report.notes.append(f"#{number}: the whole repro was not attached (the hour's write budget is spent)")
+            return
+        try:
+            self.client.post(f"{self.base}/issues/{number}/comments", {"body": text})
+            self.writes += 1
+        except ApiError as exc:  # the issue exists; only the attachment is missing, and its note names the artifact
+            self.report.notes.append(f"#{number}: the whole repro was not attached ({exc.message})")
 
     def comment(self, a: _Action, event: str) -> None:
         assert a.issue is not None

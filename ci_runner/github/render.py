@@ -432,8 +432,40 @@ def _retention(days: int | None) -> str:
     return f"artifacts are kept {days} days, until about {until}; a repository setting can shorten that"
 
 
+def _pick_repro(g: Group, ctx: RenderContext) -> dict[str, Any] | None:
+    """The repro an issue shows: of its new entries first, one whose script is in the run folder if any."""
+    repro = None
+    for e in sorted(g.entries, key=lambda e: (e["category"] not in NEW, e["cell"])):
+        candidate = _read_repro(e, ctx.run_dir, culprit=g.kind == "culprit")
+        if candidate and (repro is None or (repro["text"] is None and candidate["text"] is not None)):
+            repro = candidate
+    return repro
+
+
+def render_repro_comment(g: Group, ctx: RenderContext) -> str | None:
+    """The whole repro script as the issue's first comment, when the issue body had to cut it (so the script
+    outlives the run's artifacts); None when nothing was cut, or the script does not fit one comment either."""
+    repro = _pick_repro(g, ctx)
+    if repro is None or repro["text"] is None or not render_issue_cut(g, ctx):
+        return None
+    head = (f"<!-- deepview-ci:event=repro run={ctx.run_key} -->\n"
+            f"The whole repro script {code_span(repro['path'])} ({repro['total']} characters), cut in the issue above"
+            + (f"; run it with {code_span(repro['command'])}" if repro.get("command") else "") + ":\n\n")
+    body = redact(head + fenced(repro["text"], repro["lang"]) + "\n", ctx.secret)
+    return body if len(body) <= ctx.options.body_limit else None
+
+
+def render_issue_cut(g: Group, ctx: RenderContext) -> bool:
+    """Whether `render_issue` cuts the repro script to fit the body limit."""
+    return _render_issue(g, ctx)[1]
+
+
 def render_issue(g: Group, ctx: RenderContext) -> str:
     """The issue body, within `body_limit` characters: the repro is cut first, then the lists."""
+    return _render_issue(g, ctx)[0]
+
+
+def _render_issue(g: Group, ctx: RenderContext) -> tuple[str, bool]:
     meta = {"v": 1, "kind": g.kind, "key": list(g.key), "cells": g.cells(), "run": ctx.run_key}
     what = {"op": "operator and backend", "culprit": "operator (found inside failing layers) and backend",
             "layer": "failing submodule, model and backend",
@@ -441,11 +473,7 @@ def render_issue(g: Group, ctx: RenderContext) -> str:
     links = {"run": _safe_url(ctx.run_url), "artifacts": _safe_url(ctx.artifacts_url or ctx.run_url),
              "retention": _retention(ctx.options.artifact_days)}
     template = _jinja().get_template(f"issue_{g.kind}.md.j2")
-    repro = None
-    for e in sorted(g.entries, key=lambda e: (e["category"] not in NEW, e["cell"])):
-        candidate = _read_repro(e, ctx.run_dir, culprit=g.kind == "culprit")
-        if candidate and (repro is None or (repro["text"] is None and candidate["text"] is not None)):
-            repro = candidate
+    repro = _pick_repro(g, ctx)
     limit = ctx.options.body_limit
     max_entries, message_limit = MAX_ENTRIES, MESSAGE_LIMIT
     full = repro["text"] if repro and repro["text"] is not None else None
@@ -467,7 +495,7 @@ def render_issue(g: Group, ctx: RenderContext) -> str:
         body = redact(body, ctx.secret)
         over = len(body) - limit
         if over <= 0:
-            return body
+            return body, full is not None and keep < len(full)
         if full is not None and keep > 0:
             keep = max(0, keep - over - 200)
         elif max_entries > 5 or message_limit > 500:
@@ -475,7 +503,7 @@ def render_issue(g: Group, ctx: RenderContext) -> str:
         else:
             break
     note = "\n\n… (truncated to fit GitHub's issue size limit)\n"
-    return body[: limit - len(note)] + note
+    return body[: limit - len(note)] + note, full is not None
 
 
 def render_comment(g: Group, ctx: RenderContext, event: str, *, closing: bool = False) -> str:

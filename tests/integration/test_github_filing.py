@@ -432,3 +432,23 @@ def test_the_truncation_note_names_the_real_artifact_and_its_retention(gh, tmp_p
     assert "Truncated to fit GitHub's issue size limit" in body
     assert "in the artifact `deepview-cell-tiny-bamba_40sim-subset-attempt-2` of [the run]" in body
     assert "(artifacts are kept 30 days, until about 20" in body and len(body) <= 65536
+
+
+def test_a_cut_repro_is_attached_whole_as_the_first_comment(gh, tmp_path):
+    """Issue 34: a repro cut in the body lived on only in the run's artifact, which expires; now the whole script is
+    the issue's first comment whenever it fits one (65 536 characters)."""
+    run_dir = tmp_path / "run"
+    cell = run_dir / "cells" / "tiny-bamba@sim-subset" / "repro"
+    cell.mkdir(parents=True)
+    script = "import torch\n" + "".join(f"x{i} = torch.ones({i % 7 + 1})\n" for i in range(2970))
+    assert 64000 < len(script) < 65200  # fits a comment, not the issue beside the rest
+    (cell / "op.py").write_text(script)
+    f = op_finding("aten.softplus.default", "sim-subset", repro="repro/op.py", message="boom " * 400)
+    d = write_diff(tmp_path / "diff.json", [entry("regressed", m, "sim-subset", f) for m in ("tiny-bamba", "tiny-llama")],
+                   run_dir=str(run_dir))
+    assert run(gh, d).created == 1
+    [issue] = gh.issues()
+    assert "Truncated to fit GitHub's issue size limit" in issue["body"] and "first comment below" in issue["body"]
+    [first] = comments(issue)
+    assert first.startswith("<!-- deepview-ci:event=repro run=gh-100 -->") and script in first and len(first) <= 65536
+    assert run(gh, d).unchanged == 1 and len(comments(gh.issues()[0])) == 1  # the same run again: nothing new
