@@ -34,6 +34,12 @@ Writes are serial and at least `min_interval` s apart. Anything not done because
 is written as a draft (``<drafts>/NN-<action>-<fingerprint>.md`` plus ``drafts.json``) and makes
 the exit code 6. `dry_run` writes every planned issue as a draft and calls no API at all.
 
+Safe with another filer at once (issue 34): right before each create the issues changed since the first listing
+are listed again (``since=``), and after it an issue another run created that same moment wins if it is older
+(ours is closed as its duplicate). At most `max_new` creates a run and `write_budget` content-creating requests an
+hour (this run's plus the labelled issues created in the hour before it): the rest are drafts, said in the notes
+(exit 0). A repro cut in the issue body is posted whole as its first comment when it fits one.
+
 Grouping, the issue and comment bodies and the neutralising of untrusted text live in
 `ci_runner/github/render.py`.
 """

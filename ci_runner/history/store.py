@@ -10,6 +10,11 @@ record into the database inside one SQLite write transaction and removes the fol
 once each write their own file; the second to get the lock folds what the first did not, so neither run is
 lost. A reader (`load_history(write=False)`) never writes: it merges the pending files into an in-memory
 copy of the database.
+
+A run id ``N-A`` is attempt A of workflow run N: a later attempt replaces an earlier one (`db`), here too
+(`holds_run`, `drop_earlier_attempts`). A history that cannot be read does not stop a run: `load_history_or_fresh`
+(what `aggregate`/`diff --history` use) sets the unreadable parts aside with a warning, and `repair` (what
+`history push` uses) removes them from the branch; a newer version's files are never removed.
 """
 
 from __future__ import annotations
