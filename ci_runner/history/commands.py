@@ -20,7 +20,7 @@ from .propose import ProposeOptions, propose, write_proposal
 from .pullrequest import open_pr
 from .records import RunMeta, check_date, run_meta
 from .store import add_run, load_history, load_history_or_fresh, size_on_disk
-from .trends import TrendOptions, Trends, compute
+from .trends import TrendOptions, Trends, compute, night_counts
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -87,7 +87,7 @@ def cmd_history_add(args: argparse.Namespace) -> int:
 def cmd_history_show(args: argparse.Namespace) -> int:
     h = load_history(Path(args.store))
     try:
-        print(f"{len(h.runs)} run(s), {sum(r.nights for r in h.runs)} night(s), {len(h.cells)} cell(s), "
+        print(f"{len(h.runs)} run(s), {night_counts(h.runs)[0]} night(s), {len(h.cells)} cell(s), "
               f"{len(h.findings)} distinct finding(s); {size_on_disk(Path(args.store)) / 1e6:.2f} MB on disk")
         for r in h.runs:
             cells = h.cell_runs.get(r.seq, {})

@@ -287,7 +287,9 @@ _IDS = "SELECT value FROM json_each(?)"
 
 def _mark_seen(conn: sqlite3.Connection, seq: int, day: str, present: list[int]) -> None:
     """Update first/last seen and the current streaks for a new run: incrementally when it is the newest night
-    (the usual case), else by a walk over every night (a run added late)."""
+    (the usual case), else by a walk over every night (a run added late). A finding is new when the last earlier
+    run *that ran its cell* did not have it: a run of other cells the same night (split workflows) or a night the
+    cell was not selected breaks no streak."""
     ids = json.dumps(present)
     conn.execute("UPDATE findings SET first_seen = CASE WHEN first_seen IS NULL OR first_seen > ?1 THEN ?1 ELSE first_seen END,"
                  " last_seen = CASE WHEN last_seen IS NULL OR last_seen < ?1 THEN ?1 ELSE last_seen END"
@@ -296,23 +298,41 @@ def _mark_seen(conn: sqlite3.Connection, seq: int, day: str, present: list[int])
     if prev is not None and prev[1] > day:
         recompute_streaks(conn)
         return
-    before: frozenset[int] = frozenset()
-    if prev is not None:
-        row = conn.execute("SELECT ids FROM run_findings WHERE run = ?", (prev[0],)).fetchone()
-        before = unpack_ids(row[0]) if row else frozenset()
-    conn.execute(f"UPDATE findings SET streak_from = ? WHERE id IN ({_IDS})", (day, json.dumps([i for i in present if i not in before])))
+    if not present:
+        return
+    cell_of = dict(conn.execute(f"SELECT id, cell FROM findings WHERE id IN ({_IDS})", (ids,)).fetchall())
+    last: dict[int, tuple[str, int]] = {}  # cell → (date, seq) of the newest earlier run that ran it
+    for cell, run, date in conn.execute(
+            f"SELECT cr.cell, r.seq, r.date FROM cell_runs cr JOIN runs r ON r.seq = cr.run WHERE r.seq != ? AND cr.cell "
+            f"IN (SELECT value FROM json_each(?))", (seq, json.dumps(sorted(set(cell_of.values()))))):
+        if cell not in last or (date, run) > last[cell]:
+            last[cell] = (date, run)
+    sets: dict[int, frozenset[int]] = {}
+    for _, run in last.values():
+        if run not in sets:
+            row = conn.execute("SELECT ids FROM run_findings WHERE run = ?", (run,)).fetchone()
+            sets[run] = unpack_ids(row[0]) if row else frozenset()
+    new = [f for f in present if f not in (sets[last[cell_of[f]][1]] if cell_of.get(f) in last else ())]
+    conn.execute(f"UPDATE findings SET streak_from = ? WHERE id IN ({_IDS})", (day, json.dumps(new)))
 
 
 def recompute_streaks(conn: sqlite3.Connection) -> None:
-    """Every finding's current streak from a walk over the nights, oldest first."""
+    """Every finding's current streak from a walk over the nights, oldest first, each finding held against the last
+    earlier run that ran its cell."""
+    cell_of = dict(conn.execute("SELECT id, cell FROM findings").fetchall())
+    ran: dict[int, set[int]] = {}
+    for run, cell in conn.execute("SELECT run, cell FROM cell_runs"):
+        ran.setdefault(run, set()).add(cell)
     start: dict[int, str] = {}
-    before: frozenset[int] = frozenset()
+    last: dict[int, frozenset[int]] = {}  # cell → what the last run that ran it found
     for seq, day in conn.execute("SELECT seq, date FROM runs ORDER BY date, seq").fetchall():
         row = conn.execute("SELECT ids FROM run_findings WHERE run = ?", (seq,)).fetchone()
         now = unpack_ids(row[0]) if row else frozenset()
-        for fid in now - before:
-            start[fid] = day
-        before = now
+        for fid in now:
+            if fid not in last.get(cell_of.get(fid, -1), frozenset()):
+                start[fid] = day
+        for cell in ran.get(seq, ()):
+            last[cell] = now
     conn.execute("UPDATE findings SET streak_from = NULL")
     conn.executemany("UPDATE findings SET streak_from = ? WHERE id = ?", [(d, i) for i, d in start.items()])
 

@@ -19,6 +19,7 @@ A run id ``N-A`` is attempt A of workflow run N: a later attempt replaces an ear
 
 from __future__ import annotations
 
+import datetime as _dt
 import json
 import sqlite3
 from dataclasses import dataclass, field, replace
@@ -265,8 +266,11 @@ def _merge_current(conn: sqlite3.Connection, current: Results | None, current_me
         known = {r[0] for r in conn.execute("SELECT generated_at FROM runs") if r[0]}
         if not current.generated_at or current.generated_at not in known:
             newest = conn.execute("SELECT MAX(date) FROM runs").fetchone()[0] or current_meta.date
-            meta = replace(current_meta, date=max(newest, current_meta.date))  # tonight is the newest night
-            db.fold(conn, [(Path("-"), record_of(current, meta))])
+            day = current_meta.date
+            if day < newest:  # a clock behind the history's: tonight is still the newest night, after the others
+                day = (_dt.date.fromisoformat(newest) + _dt.timedelta(days=1)).isoformat()
+            # the same date as the newest stored run is the same night (a check after the nightly, split workflows)
+            db.fold(conn, [(Path("-"), record_of(current, replace(current_meta, date=day)))])
 
 
 def _readable_copy(dbpath: Path) -> sqlite3.Connection:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from ..results.baseline import BAD
-from .store import History
+from .store import History, RunRow
 
 FIGURE_NAMES = ("rel", "1 − cos", "mad")
 QUANT_STEP = 2.0 ** (1 / 256) - 1  # the database's storage step (relative)
@@ -142,16 +142,35 @@ def env_label(env: Mapping[str, Any], commit: str = "") -> str:
     return ", ".join(parts)
 
 
+def tonight(h: History) -> list[RunRow]:
+    """The newest night's runs, oldest first: the newest run, and the others of its date (split workflows each
+    with part of the matrix; a check after the nightly). A cell's newest run of the night is what it did."""
+    last = h.runs[-1]
+    return [r for r in h.runs if r.kind == "run" and r.date == last.date] if last.kind == "run" else [last]
+
+
+def night_counts(runs: Sequence[RunRow]) -> list[int]:
+    """Nights from run i to the newest (and 0 after the last): a week row counts its nights, and runs of one date
+    count once (split workflows writing one history, each with part of the matrix)."""
+    tail = [0] * (len(runs) + 1)
+    for i in range(len(runs) - 1, -1, -1):
+        r = runs[i]
+        same = r.kind == "run" and i + 1 < len(runs) and runs[i + 1].kind == "run" and runs[i + 1].date == r.date
+        tail[i] = tail[i + 1] + (0 if same else r.nights)
+    return tail
+
+
 def since_table(h: History, max_gone: int = 300) -> tuple[dict[tuple[str, str], Since], list[Since]]:
     """The current streak of every finding in the newest night, and the findings gone from it (the most
     recently seen first). Read from the database's first/last-seen and streak columns: no walk over the nights."""
     if not h.runs:
         return {}, []
     dates = [r.date for r in h.runs]
-    tail = [0] * (len(h.runs) + 1)  # nights from run i to the newest
-    for i in range(len(h.runs) - 1, -1, -1):
-        tail[i] = tail[i + 1] + h.runs[i].nights
-    now = h.present.get(h.runs[-1].seq, frozenset())
+    tail = night_counts(h.runs)  # nights from run i to the newest
+    runs_tonight = tonight(h)
+    newest_run = {cell: r.seq for r in runs_tonight for cell in h.cell_runs.get(r.seq, {})}  # the later run wins
+    now = frozenset(fid for r in runs_tonight for fid in h.present.get(r.seq, frozenset())
+                    if fid in h.findings and newest_run.get(h.findings[fid].cell, r.seq) == r.seq)
     out: dict[tuple[str, str], Since] = {}
     labels: dict[tuple[int | None, str], str] = {}
     for fid in now:
@@ -305,14 +324,14 @@ def burndowns(h: History, opts: TrendOptions) -> list[Burndown]:
 def compute(h: History, opts: TrendOptions | None = None) -> Trends:
     """Every trend of the history; the newest night is the run being reported."""
     opts = opts or TrendOptions()
-    t = Trends(nights=sum(r.nights for r in h.runs))
+    t = Trends(nights=night_counts(h.runs)[0])
     if not h.runs:
         return t
     runs = h.runs[-opts.max_points:]
     t.dates = [r.date for r in runs]
     t.since, t.gone = since_table(h)
     t.flaky = flaky_findings(h, opts)
-    newest = h.cell_runs.get(h.runs[-1].seq, {})
+    newest = {cell: cr for r in tonight(h) for cell, cr in h.cell_runs.get(r.seq, {}).items()}
     t.drifting, t.layer_trends = drifting_layers(h, opts, sorted(newest))
     t.burndown = burndowns(h, opts)
     for cell in sorted(newest):

@@ -152,3 +152,57 @@ def test_aggregate_and_diff_set_a_broken_history_aside_and_go_on(tmp_path: Path,
     assert main(["diff", str(tmp_path / "rep" / "results.json"), "--baseline", str(base), "--history", str(store)]) == 0
     assert "set aside" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in store.rglob("*") if p.is_file()} == before  # a reader writes nothing
+
+
+def test_split_workflows_writing_one_history_count_each_night_once(tmp_path: Path) -> None:
+    """Two workflows, each with part of the matrix, push a run each night. Before: the streak of a finding restarted
+    at every run of the other workflow (its cell did not run there), so 'failing since' said 1 night, and the
+    history counted 2 nights a night."""
+    from ci_runner.history.trends import compute
+
+    store = tmp_path / "h"
+    for night in range(1, 6):
+        whole = with_failing(night, True)
+        part_a = dataclasses.replace(whole, cells=[c for c in whole.cells if c.id == "tiny-llama@sim-subset"],
+                                     generated_at=f"{date_of(night)}T02:00:00Z")
+        part_b = dataclasses.replace(whole, cells=[c for c in whole.cells if c.id != "tiny-llama@sim-subset"],
+                                     generated_at=f"{date_of(night)}T03:00:00Z")
+        add_run(store, part_a, meta(f"{night}00-1", night))
+        add_run(store, part_b, meta(f"{night}50-1", night))
+    h = load_history(store)
+    try:
+        assert len(h.runs) == 10
+        trends = compute(h)
+    finally:
+        h.close()
+    assert trends.nights == 5
+    since = trends.since[("tiny-llama@sim-subset", FAILING_FP)]
+    assert since.date == date_of(1) and since.nights == 5
+    # the walk over every night (a run added late) agrees with the incremental update
+    from ci_runner.history import db
+
+    conn = db.open_for_write(store / "history.sqlite")
+    try:
+        before = dict(conn.execute("SELECT id, streak_from FROM findings").fetchall())
+        db.recompute_streaks(conn)
+        assert dict(conn.execute("SELECT id, streak_from FROM findings").fetchall()) == before
+    finally:
+        conn.close()
+
+
+def test_a_check_after_the_nightly_on_the_same_date_is_the_same_night_and_wins_for_its_cells(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ci_runner.history.commands import trends_for
+
+    store = tmp_path / "h"
+    for night in range(1, 4):
+        add_run(store, with_failing(night, True), meta(f"{night}0-1", night))
+    monkeypatch.setenv("GITHUB_RUN_ID", "999")  # another workflow (a PR check), later the same date
+    monkeypatch.setenv("GITHUB_RUN_ATTEMPT", "1")
+    args = type("A", (), {"history": str(store), "flaky_window": 14, "flaky_flips": 3, "drift_nights": 5,
+                          "drift_min_slope": 0.03})()
+    fixed = dataclasses.replace(with_failing(3, False), generated_at=f"{date_of(3)}T15:00:00Z")
+    trends = trends_for(args, fixed)
+    assert trends is not None and trends.nights == 3
+    assert ("tiny-llama@sim-subset", FAILING_FP) not in trends.since  # the check's own result for that cell
+    assert any(s.fingerprint == FAILING_FP for s in trends.gone)
