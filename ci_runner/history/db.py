@@ -303,8 +303,8 @@ def _mark_seen(conn: sqlite3.Connection, seq: int, day: str, present: list[int])
     cell_of = dict(conn.execute(f"SELECT id, cell FROM findings WHERE id IN ({_IDS})", (ids,)).fetchall())
     last: dict[int, tuple[str, int]] = {}  # cell → (date, seq) of the newest earlier run that ran it
     for cell, run, date in conn.execute(
-            f"SELECT cr.cell, r.seq, r.date FROM cell_runs cr JOIN runs r ON r.seq = cr.run WHERE r.seq != ? AND cr.cell "
-            f"IN (SELECT value FROM json_each(?))", (seq, json.dumps(sorted(set(cell_of.values()))))):
+            "SELECT cr.cell, r.seq, r.date FROM cell_runs cr JOIN runs r ON r.seq = cr.run WHERE r.seq != ? AND cr.cell "
+            f"IN ({_IDS})", (seq, json.dumps(sorted(set(cell_of.values()))))):
         if cell not in last or (date, run) > last[cell]:
             last[cell] = (date, run)
     sets: dict[int, frozenset[int]] = {}
