@@ -91,3 +91,17 @@ def test_outputs_overwritten_by_later_calls_are_found_where_they_happen(context:
     over = [f for f in findings if f.kind == "output_overwritten"]
     assert {f.phase for f in over} == {"decode"} and {f.step for f in over} == {1}
     assert "changed after decode step 2" in over[0].message
+
+
+def test_ops_probes_a_padded_batch_with_a_fully_masked_row(mode_context: Callable[..., Any], fresh_dynamo: Any) -> None:
+    from ci_runner.modes.ops.mode import run as ops_run
+
+    text = matrix_text(models=[LLAMA], backends=[{"id": "masknan", "compile": "sim-masknan"}],
+                       references=REFERENCES, inputs={"seq_len": 8, "samples": 1, "phases": ["prefill", "batch"]},
+                       options={"ops": {"only_ops": ["aten._scaled_dot_product*"], "workers": 1}})
+    result = ops_run(mode_context(text, "llama", "masknan"))
+    assert [(f.phase, f.kind, f.op) for f in result.findings] == [
+        ("batch", "op_mismatch", "aten._scaled_dot_product_flash_attention_for_cpu.default")]
+    f = result.findings[0]
+    assert f.repro is not None and f.repro.verified and f.repro.path.startswith("ops/phases/batch/"), f.repro
+    assert result.data["phases"]["prefill"]["status"] == "pass" and result.data["phases"]["batch"]["status"] == "fail"

@@ -154,9 +154,17 @@ def smallest_failing(ctx: "ModeContext", loaded: Any, captured: Captured, failin
     """Walk down from the model while a child fails at the failing call; the module and the children that passed."""
     module = loaded.module
     current = ROOT
+
+    def called_children(name: str) -> list[str]:
+        """The children that are called, looking through containers that never are (a ModuleList's blocks)."""
+        out = []
+        for child_name, _ in (module.get_submodule(name) if name else module).named_children():
+            child = f"{name}.{child_name}" if name else child_name
+            out += [child] if captured.get(child) else called_children(child)
+        return out
+
     while True:
-        parent = module.get_submodule(current) if current else module
-        children = [f"{current}.{n}" if current else n for n, _ in parent.named_children()]
+        children = called_children(current)
         passed = []
         for child in children:
             calls = [c for c in captured.get(child, []) if c[0] <= failing]
