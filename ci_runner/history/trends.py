@@ -142,6 +142,22 @@ def env_label(env: Mapping[str, Any], commit: str = "") -> str:
     return ", ".join(parts)
 
 
+def night_groups(runs: Sequence[RunRow]) -> list[list[RunRow]]:
+    """The runs as nights, oldest first: the runs of one date together (split workflows), a week row alone."""
+    groups: list[list[RunRow]] = []
+    for r in runs:
+        if groups and r.kind == "run" and groups[-1][-1].kind == "run" and groups[-1][-1].date == r.date:
+            groups[-1].append(r)
+        else:
+            groups.append([r])
+    return groups
+
+
+def _newest_of_cells(h: History, night: Sequence[RunRow]) -> dict[str, int]:
+    """cell → the seq of the night's newest run that ran it."""
+    return {cell: r.seq for r in night for cell in h.cell_runs.get(r.seq, {})}
+
+
 def tonight(h: History) -> list[RunRow]:
     """The newest night's runs, oldest first: the newest run, and the others of its date (split workflows each
     with part of the matrix; a check after the nightly). A cell's newest run of the night is what it did."""
@@ -225,7 +241,8 @@ def _slope(values: Sequence[float]) -> float:
     return sum((i - mx) * (y - my) for i, y in enumerate(ys)) / den if den else 0.0
 
 
-def drifting_layers(h: History, opts: TrendOptions, cells: Sequence[str]) -> tuple[list[Drifting], list[LayerTrend]]:
+def drifting_layers(h: History, opts: TrendOptions, cells: Sequence[str],
+                    nights: Sequence[Sequence[RunRow]] | None = None) -> tuple[list[Drifting], list[LayerTrend]]:
     """Layer figures rising steadily under their threshold (read from the last nights only); and the worst
     layers' series for the charts (cells with drifting layers first)."""
     drifting: list[Drifting] = []
@@ -242,7 +259,8 @@ def drifting_layers(h: History, opts: TrendOptions, cells: Sequence[str]) -> tup
                 d = _drift(cell, name, figure, [s[3][3 * li + k] for s in same], thr[3 * li + k], opts)
                 if d is not None:
                     drifting.append(d)
-    seqs = {r.seq: i for i, r in enumerate(h.runs[-opts.max_points:])}
+    nights = nights if nights is not None else night_groups(h.runs)[-opts.max_points:]
+    seqs = {r.seq: i for i, g in enumerate(nights) for r in g}  # a night's later run overwrites its point
     shown = sorted((c for c in cells if c in figures), key=lambda c: (not any(d.cell == c for d in drifting), c))
     charts = [_chart(cell, [s for s in h.layer_series(cell) if s[0].seq in seqs], seqs, opts)
               for cell in shown[:opts.chart_cells]]
@@ -280,7 +298,7 @@ def _chart(cell: str, series: list[Any], seqs: Mapping[int, int], opts: TrendOpt
     worst = sorted(range(len(names)), key=ratio, reverse=True)[:opts.chart_layers]
     layers = []
     for i in worst:
-        vals: list[float | None] = [None] * len(seqs)
+        vals: list[float | None] = [None] * (max(seqs.values()) + 1 if seqs else 0)
         for run, nm, _, fig in series:
             if nm == names:
                 vals[seqs[run.seq]] = fig[3 * i]
@@ -288,10 +306,11 @@ def _chart(cell: str, series: list[Any], seqs: Mapping[int, int], opts: TrendOpt
     return LayerTrend(cell=cell, figure="rel", layers=layers)
 
 
-def burndowns(h: History, opts: TrendOptions) -> list[Burndown]:
+def burndowns(h: History, opts: TrendOptions, nights: Sequence[Sequence[RunRow]] | None = None) -> list[Burndown]:
     """Per backend and night: distinct unsupported ops, and models with a failing cell. The op counts follow
-    the findings that came and went from one night to the next (a few), not every finding every night."""
-    runs = h.runs[-opts.max_points:]
+    the findings that came and went from one night to the next (a few), not every finding every night. A night
+    of several runs (split workflows) is each cell's newest run of it."""
+    nights = nights if nights is not None else night_groups(h.runs)[-opts.max_points:]
     unsupported = {fid: (h.cells[f.cell][1], f.op) for fid, f in h.findings.items() if f.kind == "unsupported_op" and f.op}
     ufids = frozenset(unsupported)
     backends = sorted({b for _, b in h.cells.values()})
@@ -299,8 +318,13 @@ def burndowns(h: History, opts: TrendOptions) -> list[Burndown]:
     holders: Counter[tuple[str, str]] = Counter()  # (backend, op) → findings of it present tonight
     distinct: Counter[str] = Counter()  # backend → ops with at least one
     prev: frozenset[int] = frozenset()
-    for r in runs:
-        cur = h.present.get(r.seq, frozenset()) & ufids
+    for night in nights:
+        owner = _newest_of_cells(h, night)
+        if len(night) == 1:
+            cur = h.present.get(night[0].seq, frozenset()) & ufids
+        else:
+            cur = frozenset(fid for r in night for fid in h.present.get(r.seq, frozenset()) & ufids
+                            if owner.get(h.findings[fid].cell, r.seq) == r.seq)
         for fid in cur - prev:
             holders[unsupported[fid]] += 1
             if holders[unsupported[fid]] == 1:
@@ -311,7 +335,8 @@ def burndowns(h: History, opts: TrendOptions) -> list[Burndown]:
                 distinct[unsupported[fid][0]] -= 1
         prev = cur
         blocked: dict[str, set[str]] = {b: set() for b in backends}
-        for cell, cr in h.cell_runs.get(r.seq, {}).items():
+        for cell, seq in owner.items():
+            cr = h.cell_runs[seq][cell]
             if cr.status in BAD:
                 model, b = h.cells[cell]
                 blocked[b].add(model)
@@ -327,13 +352,15 @@ def compute(h: History, opts: TrendOptions | None = None) -> Trends:
     t = Trends(nights=night_counts(h.runs)[0])
     if not h.runs:
         return t
-    runs = h.runs[-opts.max_points:]
-    t.dates = [r.date for r in runs]
+    nights = night_groups(h.runs)[-opts.max_points:]  # the charts draw one point a night
+    t.dates = [g[-1].date for g in nights]
     t.since, t.gone = since_table(h)
     t.flaky = flaky_findings(h, opts)
     newest = {cell: cr for r in tonight(h) for cell, cr in h.cell_runs.get(r.seq, {}).items()}
-    t.drifting, t.layer_trends = drifting_layers(h, opts, sorted(newest))
-    t.burndown = burndowns(h, opts)
+    t.drifting, t.layer_trends = drifting_layers(h, opts, sorted(newest), nights)
+    t.burndown = burndowns(h, opts, nights)
+    owners = [_newest_of_cells(h, g) for g in nights]
     for cell in sorted(newest):
-        t.cell_times[cell] = [cr.duration_s if (cr := h.cell_runs.get(r.seq, {}).get(cell)) else None for r in runs]
+        t.cell_times[cell] = [cr.duration_s if cell in own and (cr := h.cell_runs[own[cell]].get(cell)) else None
+                              for own in owners]
     return t

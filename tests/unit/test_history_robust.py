@@ -178,6 +178,11 @@ def test_split_workflows_writing_one_history_count_each_night_once(tmp_path: Pat
     assert trends.nights == 5
     since = trends.since[("tiny-llama@sim-subset", FAILING_FP)]
     assert since.date == date_of(1) and since.nights == 5
+    # the charts: one point a night, each cell's own run of it (before: 10 points, every other one without the cell)
+    assert trends.dates == [date_of(n) for n in range(1, 6)]
+    [subset] = [b for b in trends.burndown if b.backend == "sim-subset"]
+    assert subset.unsupported == [subset.unsupported[0]] * 5 and subset.unsupported[0] >= 1 and subset.blocked == [1] * 5
+    assert all(None not in times and len(times) == 5 for times in trends.cell_times.values())
     # the walk over every night (a run added late) agrees with the incremental update
     from ci_runner.history import db
 
