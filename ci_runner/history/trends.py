@@ -192,7 +192,10 @@ def since_table(h: History, max_gone: int = 300) -> tuple[dict[tuple[str, str], 
     for fid in now:
         f = h.findings[fid]  # seen tonight: always loaded
         i = min(bisect_left(dates, f.streak_from or f.first_seen), len(dates) - 1)
-        run = h.runs[i]
+        j = i  # the first run of that night that ran the cell (split workflows: not always the night's first)
+        while j + 1 < len(h.runs) and h.runs[j + 1].date == h.runs[i].date and f.cell not in h.cell_runs.get(h.runs[j].seq, {}):
+            j += 1
+        run = h.runs[j]
         cr = h.cell_runs.get(run.seq, {}).get(f.cell)
         lk = (cr.env if cr else None, run.commit)
         if lk not in labels:
@@ -208,7 +211,7 @@ def since_table(h: History, max_gone: int = 300) -> tuple[dict[tuple[str, str], 
 
 def flaky_findings(h: History, opts: TrendOptions) -> list[Flaky]:
     """Findings that came and went over the last nights while their cell's environment did not change."""
-    recent = [r for r in h.runs if r.kind == "run"][-opts.flaky_window:]
+    recent = [r for g in night_groups([r for r in h.runs if r.kind == "run"])[-opts.flaky_window:] for r in g]
     sets = [h.present.get(r.seq, frozenset()) for r in recent]
     if not sets:
         return []
@@ -219,7 +222,8 @@ def flaky_findings(h: History, opts: TrendOptions) -> list[Flaky]:
             by_cell.setdefault(h.findings[fid].cell, []).append(fid)
     out: list[Flaky] = []
     for cell, fids in by_cell.items():
-        nights = [i for i, r in enumerate(recent) if cell in h.cell_runs.get(r.seq, {})]
+        ran = {r.date: i for i, r in enumerate(recent) if cell in h.cell_runs.get(r.seq, {})}  # a night's later run
+        nights = sorted(ran.values())
         if len({h.cell_runs[recent[i].seq][cell].env for i in nights}) > 1:
             continue  # the compiler changed: a change, not a flake
         for fid in fids:
@@ -246,10 +250,11 @@ def drifting_layers(h: History, opts: TrendOptions, cells: Sequence[str],
     """Layer figures rising steadily under their threshold (read from the last nights only); and the worst
     layers' series for the charts (cells with drifting layers first)."""
     drifting: list[Drifting] = []
-    recent = [r for r in h.runs if r.kind == "run"][-(opts.drift_nights + 1):]
+    recent = [r for g in night_groups([r for r in h.runs if r.kind == "run"])[-(opts.drift_nights + 1):] for r in g]
     figures = h.figures_at(recent) if recent else {}
     for cell in cells:
-        series = figures.get(cell) or []
+        by_night = {s[0].date: s for s in figures.get(cell) or []}  # a night's later run wins (split workflows)
+        series = [by_night[d] for d in sorted(by_night)]
         if not series:
             continue
         names, thr = series[-1][1], series[-1][2]

@@ -177,7 +177,7 @@ def test_split_workflows_writing_one_history_count_each_night_once(tmp_path: Pat
         h.close()
     assert trends.nights == 5
     since = trends.since[("tiny-llama@sim-subset", FAILING_FP)]
-    assert since.date == date_of(1) and since.nights == 5
+    assert since.date == date_of(1) and since.nights == 5 and "sim-subset 0.4.1" in since.first_at
     # the charts: one point a night, each cell's own run of it (before: 10 points, every other one without the cell)
     assert trends.dates == [date_of(n) for n in range(1, 6)]
     [subset] = [b for b in trends.burndown if b.backend == "sim-subset"]
@@ -211,3 +211,24 @@ def test_a_check_after_the_nightly_on_the_same_date_is_the_same_night_and_wins_f
     assert trends is not None and trends.nights == 3
     assert ("tiny-llama@sim-subset", FAILING_FP) not in trends.since  # the check's own result for that cell
     assert any(s.fingerprint == FAILING_FP for s in trends.gone)
+
+
+def test_split_workflows_still_see_a_drifting_layer(tmp_path: Path) -> None:
+    """The drift window is nights, not runs: with two workflows a night, the last 6 runs held only 3 of the drifting
+    cell's figures, too few to ever call it drifting."""
+    from ci_runner.history.trends import compute
+    from tests.fixtures.history_sim import DRIFT_CELL, DRIFT_LAYER
+
+    store = tmp_path / "h"
+    for night in range(38, 47):
+        whole = night_results(night)
+        for k, part in enumerate(([c for c in whole.cells if c.id == DRIFT_CELL], [c for c in whole.cells if c.id != DRIFT_CELL])):
+            add_run(store, dataclasses.replace(whole, cells=part, generated_at=f"{date_of(night)}T0{k + 2}:00:00Z"),
+                    meta(f"{night}{k}0-1", night))
+    h = load_history(store)
+    try:
+        trends = compute(h)
+    finally:
+        h.close()
+    assert trends.nights == 9 and len(trends.dates) == 9
+    assert any(d.cell == DRIFT_CELL and d.layer == DRIFT_LAYER for d in trends.drifting), trends.drifting
