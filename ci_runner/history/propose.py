@@ -1,6 +1,7 @@
 """Expected results that keep themselves current: baseline updates proposed from the history.
 
-Rules (``fixed_nights`` N, default 3, counts nightly runs, newest last):
+Rules (``fixed_nights`` N, default 3, counts nights, newest last; runs of one date are one night, each cell's
+newest run of it counting):
 
 - a baseline finding absent on each of the last N nights, while its cell ran and its mode reached a verdict
   (pass or fail) each night, is removed (a finding marked ``flaky`` in the baseline is kept);
@@ -17,11 +18,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from ..fsutil import atomic_write_text
 from ..results.baseline import VERDICT, Baseline, BaselineCell, dumps_baseline
 from ..results.model import STATUS_SEVERITY
 from .store import History, RunRow
+from .trends import night_groups
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,7 +60,13 @@ class Proposal:
 def propose(h: History, base: Baseline, opts: ProposeOptions | None = None) -> Proposal:
     """The baseline `base` brought up to date with the history's last nights (see the module docstring)."""
     opts = opts or ProposeOptions()
-    recent = [r for r in h.runs if r.kind == "run"][-opts.fixed_nights:]
+    groups = night_groups([r for r in h.runs if r.kind == "run"])[-opts.fixed_nights:]
+    recent = [g[-1] for g in groups]  # one row a night (runs of one date: split workflows)
+    owners = [{cell: r.seq for r in g for cell in h.cell_runs.get(r.seq, {})} for g in groups]  # a cell's newest run
+
+    def each_night(cell: str) -> list[Any]:
+        return [h.cell_runs[own[cell]][cell] if cell in own else None for own in owners]
+
     new = Baseline(cells=dict(base.cells), findings=dict(base.findings), path=base.path)
     prop = Proposal(baseline=new, nights=recent)
     if len(recent) < opts.fixed_nights or opts.fixed_nights < 1:
@@ -67,19 +76,19 @@ def propose(h: History, base: Baseline, opts: ProposeOptions | None = None) -> P
     for key, bf in sorted(base.findings.items()):
         if bf.flaky:
             continue
-        runs = [h.cell_runs.get(r.seq, {}).get(bf.cell) for r in recent]
+        runs = each_night(bf.cell)
         if any(cr is None or cr.modes.get(bf.mode) not in VERDICT for cr in runs):
             continue  # not re-checked every night
         fid = ids.get(key)
-        if fid is not None and any(fid in h.present.get(r.seq, ()) for r in recent):
+        if fid is not None and any(fid in h.present.get(own[bf.cell], ()) for own in owners):
             continue
         del new.findings[key]
         seen = f"last seen {last_seen[fid]}" if fid is not None and fid in last_seen else "not seen in the history"
         prop.changes.append(Change(what="remove finding", cell=bf.cell, detail=f"{bf.kind} `{bf.key}`",
                                    reason=f"fixed for {len(recent)} nights in a row ({seen})"))
-    newest = h.cell_runs.get(recent[-1].seq, {})
+    newest = {cell: h.cell_runs[seq][cell] for cell, seq in owners[-1].items()}
     for cell, cr in sorted(newest.items()):
-        runs = [h.cell_runs.get(r.seq, {}).get(cell) for r in recent]
+        runs = each_night(cell)
         if any(x is None or x.status != cr.status for x in runs):
             continue
         bc = base.cells.get(cell)

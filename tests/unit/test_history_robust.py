@@ -232,3 +232,26 @@ def test_split_workflows_still_see_a_drifting_layer(tmp_path: Path) -> None:
         h.close()
     assert trends.nights == 9 and len(trends.dates) == 9
     assert any(d.cell == DRIFT_CELL and d.layer == DRIFT_LAYER for d in trends.drifting), trends.drifting
+
+
+def test_baseline_propose_counts_nights_of_split_workflows(tmp_path: Path) -> None:
+    """Before: the last 3 runs were a night and a half, and a cell missing from one of them proposed nothing ever."""
+    from ci_runner.history.propose import propose
+    from ci_runner.results.baseline import dumps_baseline, load_baseline, make_baseline
+
+    store = tmp_path / "h"
+    for night in range(1, 7):
+        whole = with_failing(night, night <= 3)
+        for k, part in enumerate(([c for c in whole.cells if c.id == "tiny-llama@sim-subset"],
+                                  [c for c in whole.cells if c.id != "tiny-llama@sim-subset"])):
+            add_run(store, dataclasses.replace(whole, cells=part, generated_at=f"{date_of(night)}T0{k + 2}:00:00Z"),
+                    meta(f"{night}{k}0-1", night))
+    path = tmp_path / "baseline.json"
+    path.write_text(dumps_baseline(make_baseline(with_failing(1, True))))
+    h = load_history(store)
+    try:
+        prop = propose(h, load_baseline(path))
+    finally:
+        h.close()
+    assert [n.date for n in prop.nights] == [date_of(n) for n in (4, 5, 6)]
+    assert any(c.what == "remove finding" and "cumsum" in c.detail for c in prop.changes), prop.changes
