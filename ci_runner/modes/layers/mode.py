@@ -196,6 +196,7 @@ def run(ctx: "ModeContext") -> ModeResult:
     t0 = time.monotonic()
     findings, result.data["phases"] = run_phases(ctx, opts, layers_dir)
     result.duration_s += time.monotonic() - t0
+    result.data.setdefault("seconds", {})["phases"] = round(time.monotonic() - t0, 2)
     if findings:
         annotate(findings)
         result.findings += findings
