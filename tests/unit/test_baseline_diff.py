@@ -327,7 +327,11 @@ def test_fast_finding_to_dict_equals_the_deep_copy() -> None:
     for results in (rf.sample_results(), rf.nasty_results(), rf.example_results()):
         for c in results.cells:
             for f in c.findings:
-                assert f.to_dict() == clean(asdict(f))
+                deep = clean(asdict(f))
+                for unset in ("phase", "step"):  # the single forward's findings leave them out, as before phases
+                    if deep.get(unset) is None:
+                        deep.pop(unset)
+                assert f.to_dict() == deep
 
 
 def test_a_crash_is_reported_even_when_new_findings_came_with_it() -> None:
