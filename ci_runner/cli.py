@@ -25,7 +25,7 @@ from .commits.walk import Budget
 from .engine.envinfo import base_stamp, env_report, format_env, tool_version
 from .errors import DeepviewError, UsageError
 from .run.execute import RunOptions, auto_jobs, available_cores, cell_dir, run_cells, run_worker, run_zoo_cells
-from .fsutil import atomic_write_json, atomic_write_text
+from .fsutil import atomic_write_json, atomic_write_text, check_output
 from .github.actions import set_output
 from .github.issues import file_issues, load_diff
 from .github.options import FilingOptions
@@ -407,6 +407,50 @@ def _add_expand(sp: argparse.ArgumentParser, selection: Callable[[argparse.Argum
 AddCommand = Callable[..., argparse.ArgumentParser]  # (name, handler, help text or None for an unlisted command)
 
 
+# Every option that names a path the command writes: "dir" (a folder, created) or "file". `main` checks each one
+# before the command starts, so an unwritable path is one line and exit 5, not a traceback after minutes of work
+# (tests/integration/test_cli_outputs.py walks the parser and fails on an output-like option missing here).
+OUTPUT_PATHS: dict[str, dict[str, str]] = {
+    "run": {"out": "dir"}, "expand": {"out": "file"}, "cell": {"out": "dir"},
+    "zoo inventory": {"out": "dir"}, "zoo merge": {"out": "dir"}, "zoo probe": {"out": "dir"}, "zoo cells": {"out": "dir"},
+    "_worker": {"out": "dir"}, "aggregate": {"out": "dir"}, "collect": {"out": "dir"}, "diff": {"out": "dir"},
+    "baseline update": {"out": "file"}, "baseline propose": {"out": "file", "summary": "file"},
+    "history add": {"store": "dir"}, "history export": {"out": "dir"}, "history compact": {"store": "dir"},
+    "file-issues": {"dry_run": "dir"}, "dump": {"out": "dir"}, "compare": {"json": "file"},
+    "bisect-commits": {"out": "file", "cache": "dir"}, "bisect-regressions": {"out": "file", "cache": "dir"},
+}
+
+
+def _subparsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> "list[tuple[tuple[str, ...], argparse.ArgumentParser, str | None]]":
+    """Every (sub)command below `parser`: its name path, its parser and its one-line help."""
+    found = []
+    for action in parser._actions:  # argparse has no public walk
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {a.dest: a.help for a in action._choices_actions}
+            for name, sp in action.choices.items():
+                found.append(((*path, name), sp, helps.get(name)))
+                found += _subparsers(sp, (*path, name))
+    return found
+
+
+def _finish(parser: argparse.ArgumentParser) -> None:
+    """Each command's `--help` starts with its one-line description, and carries its output paths (`OUTPUT_PATHS`)."""
+    for path, sp, help_text in _subparsers(parser):
+        if sp.description is None and help_text:
+            sp.description = help_text
+        outputs = OUTPUT_PATHS.get(" ".join(path))
+        if outputs:
+            sp.set_defaults(output_paths=outputs)
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Raise `OutputError` (exit 5) for the first output path of the command that cannot be written."""
+    for dest, kind in (getattr(args, "output_paths", None) or {}).items():
+        value = getattr(args, dest, None)
+        if value:
+            check_output(value, "dir" if kind == "dir" else "file", what="--" + dest.replace("_", "-"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="deepview-ci", description="Run PyTorch models × accelerator backends as CI: missing operators, "
                 "failing layers and numerical divergence, with repros, reports and regression diffs.")
@@ -424,6 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
     _run_commands(add)
     _report_commands(add)
     _dump_commands(add)
+    _finish(p)
     return p
 
 
@@ -565,11 +610,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         if handler is None:
             parser.print_help(sys.stderr)
             return errors.EXIT_USAGE
+        check_outputs(args)
         return handler(args)
     except DeepviewError as exc:
         return errors.report_error(exc)
+    except BrokenPipeError:
+        return errors.EXIT_OK
+    except OSError as exc:  # a file error no library call turned into a DeepviewError: still one line and exit 5
+        if exc.filename is None:
+            raise
+        return errors.report_error(errors.ExecutionError(f"{exc.filename}: {exc.strerror or type(exc).__name__}",
+                                                         hint="check that path: its permissions, its file system"))
     except KeyboardInterrupt:
         print("deepview-ci: interrupted; finished cells are kept, rerun to resume", file=sys.stderr)
         return errors.EXIT_INTERRUPTED
-    except BrokenPipeError:
-        return errors.EXIT_OK
+
