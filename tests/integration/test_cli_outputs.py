@@ -117,3 +117,8 @@ def test_outputs_follow_the_umask(tmp_path: Path) -> None:
     finally:
         os.umask(old)
     assert stat.S_IMODE(path.stat().st_mode) == 0o644
+
+
+def test_every_help_screen_has_a_description() -> None:
+    bare = [name for name, sp in _walk() if not name.startswith("_") and not (sp.description or "").strip()]
+    assert not bare, f"commands whose --help has no description: {bare}"
