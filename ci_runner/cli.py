@@ -17,6 +17,7 @@ from .results import baseline
 from . import errors
 from .run.aggregate import aggregate, write_report_dir
 from .backends import available_backends
+from .backends.check import check_backends
 from .config import load_matrix
 from .registry import mode_names
 from .commits.bisect import Bisection, Request, bisect_targets, target_of_finding, target_of_repro, write_report
@@ -92,7 +93,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     matrix = load_matrix(args.matrix)
     cells = select(expand(matrix), args.select, args.skip)
     if not cells:
-        raise UsageError(f"{matrix.path}: no cell matches --select/--skip", hint="list the cells with `deepview-ci expand MATRIX`")
+        raise UsageError(f"{matrix.path}: no cell matches --select/--skip", hint="list the cells with `deepview-ci cells MATRIX`")
+    check_backends(matrix, {c.backend.id for c in cells})  # every backend mistake at once, before any cell runs
     out = Path(args.out)
     progress = Progress(len(cells))
     progress.info(f"deepview-ci: {len(cells)} cell(s) from {matrix.path} → {out}")
@@ -125,6 +127,7 @@ def cmd_cell(args: argparse.Namespace) -> int:
     cell = find_cell(matrix, args.cell_id)
     if args.setup_failed:
         return _record_failed_setup(cell, Path(args.setup_failed), Path(args.out))
+    check_backends(matrix, [cell.backend.id], missing_ok=True)  # a package not installed stays the cell's own error
     progress = Progress(1)
     opts = RunOptions(matrix_path=matrix.path, out_dir=Path(args.out), force=args.force, modes=args.modes)
     [result] = (run_zoo_cells if cell.model.zoo else run_cells)([cell], opts, progress)  # a zoo cell: small config
@@ -175,6 +178,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_expand(args: argparse.Namespace) -> int:
     matrix = load_matrix(args.matrix)
     cells = select(expand(matrix), args.select, args.skip)
+    check_backends(matrix, {c.backend.id for c in cells}, missing_ok=True)  # the plan job lacks the backends' packages
     max_jobs = args.max_jobs if args.max_jobs is not None else matrix.max_jobs
     doc = expand_json(cells, max_jobs=max_jobs, chunk_size=args.chunk_size, fork_pr=args.fork_pr,
                       setup_minutes=args.setup_minutes, margin_minutes=args.margin_minutes,
@@ -282,6 +286,8 @@ def cmd_dump(args: argparse.Namespace) -> int:
     from .numerics.dumps import dump_entry  # deferred: torch
 
     matrix = load_matrix(getattr(args, "matrix", None))
+    if getattr(args, "backend", None):
+        check_backends(matrix, [matrix.backend(args.backend).id])
     out = Path(args.out)
     try:
         path = dump_entry(matrix, args.model, out, backend_id=getattr(args, "backend", None),
