@@ -237,9 +237,12 @@ def cmd_diff(args: argparse.Namespace) -> int:
     set_output("diff", str(json_path))
     for category, n in d.counts().items():
         set_output(category.replace("_", "-"), str(n))
-    print(md_path.read_text(encoding="utf-8"))
-    print(f"diff: {json_path}")
-    return d.exit_code(args.fail_on)
+    code = d.exit_code(args.fail_on)
+    n = d.counts()
+    print(f"diff against {args.baseline}: " + ", ".join(f"{n[c]} {c.replace('_', ' ')}" for c in baseline.CATEGORIES))
+    print(f"--fail-on {args.fail_on}: {'fails (exit 1)' if code else 'passes'}")
+    print(f"written: {md_path} (the tables, with repros), {json_path}")
+    return code
 
 
 def cmd_baseline_update(args: argparse.Namespace) -> int:

@@ -112,3 +112,22 @@ def test_auto_jobs_is_cores_over_a_cells_own_workers() -> None:
     assert auto_jobs([cells["a"]], 2) == 1 and auto_jobs([cells["a"]], 16) == 8
     assert auto_jobs(list(cells.values()), 2) == 2  # numerics-only cells share the two cores
     assert auto_jobs([], 1) == 1
+
+
+def test_diff_prints_three_lines_and_writes_the_markdown(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    from ci_runner.results.baseline import update_baseline
+    from ci_runner.results.model import save_results
+    from tests.fixtures import results_factory as rf
+
+    base = save_results(rf.sample_results(), tmp_path / "base" / "results.json")
+    update_baseline(base, tmp_path / "baseline.json")
+    now = rf.sample_results()
+    now.cells[0] = rf.crashed_cell(now.cells[0].model, now.cells[0].backend)  # one regression
+    run = save_results(now, tmp_path / "run" / "results.json")
+    code = main(["diff", str(run), "--baseline", str(tmp_path / "baseline.json"), "--out", str(tmp_path / "d")])
+    lines = capsys.readouterr().out.splitlines()
+    assert code == 1 and len(lines) == 3, lines
+    assert lines[0].startswith(f"diff against {tmp_path / 'baseline.json'}: 1 regressed, ")
+    assert lines[1] == "--fail-on regression: fails (exit 1)"
+    assert lines[2] == f"written: {tmp_path / 'd' / 'diff.md'} (the tables, with repros), {tmp_path / 'd' / 'diff.json'}"
+    assert "| cell | what | reason | repro |" in (tmp_path / "d" / "diff.md").read_text(encoding="utf-8")
