@@ -273,8 +273,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from .numerics.compare import compare_dumps, format_comparison  # deferred: torch
     from .numerics.dumps import load_dump  # deferred: torch
 
+    from .numerics.compare import derive_from_dumps  # deferred: torch
+
+    if getattr(args, "thresholds", None) and getattr(args, "derive", None):
+        raise UsageError("compare: give --thresholds FILE or --derive SECOND_REF_DUMP, not both")
     table = load_table(Path(args.thresholds)) if getattr(args, "thresholds", None) else None
     ref = load_dump(args.ref_dump)
+    if getattr(args, "derive", None):
+        table = derive_from_dumps(ref, load_dump(args.derive))
     tgt = load_dump(args.target_dump)
     cmp = compare_dumps(ref, tgt, thresholds=table, fail_on=getattr(args, "fail_on", None) or "diverged")
     print(format_comparison(cmp))
@@ -601,7 +607,13 @@ def _dump_commands(add: AddCommand) -> None:
     sp.add_argument("ref_dump", metavar="REF_DUMP", help="the reference's dump folder")
     sp.add_argument("target_dump", metavar="TARGET_DUMP", help="the dump folder to compare with it")
     sp.add_argument("--json", default=None, help="also write the comparison as JSON here")
-    sp.add_argument("--thresholds", default=None, metavar="FILE", help="numerics thresholds file: hold each layer to its own threshold")
+    sp.add_argument("--thresholds", default=None, metavar="FILE",
+                    help="numerics thresholds file (OUT/thresholds/MODEL-KEY.json, written by the numerics mode of the "
+                         "model's cell): hold each layer to its own threshold; without it or --derive, only the "
+                         "fixed bands flag")
+    sp.add_argument("--derive", default=None, metavar="SECOND_REF_DUMP",
+                    help="derive each layer's threshold from the spread between REF_DUMP and this dump of a second "
+                         "trusted reference of the same input (e.g. `dump --reference cpu-fp64`)")
     sp.add_argument("--fail-on", choices=("drift", "diverged", "broken", "never"), default="diverged",
                     help="exit 1 from this severity on (default: diverged)")
 
