@@ -176,6 +176,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_expand(args: argparse.Namespace) -> int:
+    if args.list:
+        return cmd_cells(args)
     matrix = load_matrix(args.matrix)
     cells = select(expand(matrix), args.select, args.skip)
     check_backends(matrix, {c.backend.id for c in cells}, missing_ok=True)  # the plan job lacks the backends' packages
@@ -191,6 +193,14 @@ def cmd_expand(args: argparse.Namespace) -> int:
         atomic_write_text(Path(args.out), text + "\n")
     for name, value in outputs.items():
         set_output(name, value)
+    return 0
+
+
+def cmd_cells(args: argparse.Namespace) -> int:
+    """One cell id per line (MODEL@BACKEND), what `run --select` and `cell` take."""
+    matrix = load_matrix(args.matrix)
+    for cell in select(expand(matrix), args.select, args.skip):
+        print(cell.id)
     return 0
 
 
@@ -406,6 +416,7 @@ def _add_expand(sp: argparse.ArgumentParser, selection: Callable[[argparse.Argum
     sp.add_argument("--max-jobs", type=int, default=None, help="fail past this many cells (default: defaults.max_jobs)")
     sp.add_argument("--chunk-size", type=int, default=256, help="jobs per GitHub matrix chunk (≤ 256)")
     sp.add_argument("--out", default=None, metavar="PLAN_JSON", help="also write the printed plan here (for `aggregate --plan`)")
+    sp.add_argument("--list", action="store_true", help="print only the cell ids, one a line (as `deepview-ci cells`)")
     sp.add_argument("--fork-pr", action="store_true",
                     help="plan for a pull request from a fork: cells on self-hosted runners are skipped, with the reason")
     sp.add_argument("--setup-minutes", type=_minutes_arg, default=30, metavar="MIN",
@@ -507,8 +518,12 @@ def _run_commands(add: AddCommand) -> None:
 
     _add_expand(add("expand", cmd_expand, "Print the GitHub plan JSON (and write GITHUB_OUTPUT when set)."), _selection)
 
+    sp = add("cells", cmd_cells, "List the matrix's cell ids (MODEL@BACKEND), one a line: what --select and `cell` take.")
+    sp.add_argument("matrix", nargs="?", default=None, help="matrix YAML (default: the bundled example)")
+    _selection(sp)
+
     sp = add("cell", cmd_cell, "Run one cell (what a CI job runs).")
-    sp.add_argument("cell_id", metavar="CELL_ID", help="the cell to run, MODEL@BACKEND (see `deepview-ci expand`)")
+    sp.add_argument("cell_id", metavar="CELL_ID", help="the cell to run, MODEL@BACKEND (see `deepview-ci cells MATRIX`)")
     sp.add_argument("--matrix", required=True, help="matrix YAML file")
     sp.add_argument("--out", required=True, help="output folder; the cell writes cells/CELL_ID/ in it")
     sp.add_argument("--modes", type=_modes_arg, default=None, help="comma list of ops,layers,numerics (default: the cell's)")

@@ -131,3 +131,18 @@ def test_diff_prints_three_lines_and_writes_the_markdown(tmp_path, capsys: pytes
     assert lines[1] == "--fail-on regression: fails (exit 1)"
     assert lines[2] == f"written: {tmp_path / 'd' / 'diff.md'} (the tables, with repros), {tmp_path / 'd' / 'diff.json'}"
     assert "| cell | what | reason | repro |" in (tmp_path / "d" / "diff.md").read_text(encoding="utf-8")
+
+
+def test_cells_and_expand_list_print_the_cell_ids(capsys: pytest.CaptureFixture[str]) -> None:
+    from ci_runner.config import load_matrix
+    from ci_runner.matrix import expand
+
+    ids = [c.id for c in expand(load_matrix(None))]
+    assert main(["cells"]) == 0
+    assert capsys.readouterr().out.splitlines() == ids
+    assert main(["cells", "--select", "*@sim-drift"]) == 0
+    assert capsys.readouterr().out.splitlines() == [i for i in ids if i.endswith("@sim-drift")]
+    from importlib.resources import files
+
+    assert main(["expand", str(files("ci_runner") / "data" / "example.yaml"), "--list"]) == 0
+    assert capsys.readouterr().out.splitlines() == ids
