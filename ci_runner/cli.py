@@ -103,8 +103,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     if cores:
         progress.info(f"deepview-ci: --jobs auto: up to {jobs} cell(s) at once on {cores} core(s)")
     run_opts = RunOptions(matrix_path=matrix.path, out_dir=out, jobs=jobs, cores=cores, force=args.force, modes=args.modes)
-    results = run_cells([c for c in cells if not c.model.zoo], run_opts, progress)
-    results += run_zoo_cells([c for c in cells if c.model.zoo], run_opts, progress)
+    try:
+        results = run_cells([c for c in cells if not c.model.zoo], run_opts, progress)
+        results += run_zoo_cells([c for c in cells if c.model.zoo], run_opts, progress)
+    except KeyboardInterrupt:  # Ctrl-C: the report of the cells that finished, then exit 130 (main)
+        finished = [p for p in (cell_dir(out, c.id) / RESULT_NAME for c in cells) if p.exists()]
+        if finished:
+            written = write_report_dir(aggregate(finished), out / "report", run_dir=out)
+            progress.info(f"deepview-ci: interrupted; the report of the {len(finished)} finished cell(s) of "
+                          f"{len(cells)}: {written.get('summary', out / 'report')}")
+        raise
     report = aggregate([cell_dir(out, r.id) / RESULT_NAME for r in results],  # this run's cells, not stale ones
                        run_dirs=[out] if any(c.model.zoo for c in cells) else ())
     written = write_report_dir(report, out / "report", run_dir=out)
