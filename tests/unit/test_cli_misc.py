@@ -146,3 +146,19 @@ def test_cells_and_expand_list_print_the_cell_ids(capsys: pytest.CaptureFixture[
 
     assert main(["expand", str(files("ci_runner") / "data" / "example.yaml"), "--list"]) == 0
     assert capsys.readouterr().out.splitlines() == ids
+
+
+def test_progress_lines_end_with_the_time_left_from_the_expected_costs() -> None:
+    buf = io.StringIO()
+    p = Progress(3, style=OutputStyle(github=False, ci=True, tty=False), stream=buf)
+    p.expect({"a@b": 1.0, "c@b": 1.0, "d@b": 2.0}, width=1)
+    p.cell_finished("a@b", "pass", 10.0)  # 10 s per unit of cost; 3 units left
+    p.cell_finished("c@b", "fail", 30.0)  # 20 s per unit; 2 left
+    p.cell_finished("d@b", "pass", 40.0)  # the last: nothing left
+    assert buf.getvalue().splitlines() == ["[1/3] a@b: ok in 10.0s · about 30s left",
+                                           "[2/3] c@b: FAIL in 30.0s · about 40s left",
+                                           "[3/3] d@b: ok in 40.0s"]
+    wide = Progress(3, style=OutputStyle(github=False, ci=True, tty=False), stream=io.StringIO())
+    wide.expect({"a@b": 1.0, "c@b": 200.0}, width=2)
+    wide.cell_finished("a@b", "pass", 2.0)
+    assert wide.stream.getvalue().strip().endswith("· about 3m20s left")  # type: ignore[attr-defined]
