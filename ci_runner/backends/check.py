@@ -3,28 +3,36 @@
 What needs no import is checked here (`compile_options` keys, a sim backend's `backend_options`, options given to a
 backend that takes none, a malformed `module:callable`); the rest (the `import` modules, a plugin's callable and its
 factory's keywords, a compile name that is not one of torch's own, a device type torch does not know) once, in one
-child process (`engine.isolate.run_isolated`): a plugin that crashes on import cannot crash the run, and this
-process stays free of torch (`deepview-ci expand` never imports it). A child that crashes or times out checks
-nothing: those backends are checked when their cells run, as before.
+child process (`engine.isolate.supervise`): a plugin that crashes or hangs on import cannot crash or stall the run
+(the child is replaced for the other backends, each backend's imports have `IMPORT_LIMIT_S`), and this process
+stays free of torch (`deepview-ci expand` never imports it). A backend left unchecked that way is checked when its
+cells run, as before, with a note.
 
-`missing_ok` (for `expand`, which runs where the backends' packages may not be installed): a module that is not
-installed here is not a mistake; a name its plugin would register is then not checked either.
+A module that raises on import (a plugin that finds no device here) is not a mistake in the matrix: its cells
+report it, as an environment error. `missing_ok` (for `expand`, which runs where the backends' packages may not be
+installed, and `cell`, whose result should say it): a module that is not installed here is not a mistake either. In
+both cases what the module would register is not checked.
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib
 import inspect
 import os
 import pkgutil
+import signal
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
 
 from ..config import BackendSpec, Matrix, SchemaProblem, parse_yaml, schema_error, spec_from_json, spec_to_json
-from ..engine.isolate import run_isolated
+from ..engine.isolate import Attempt, IsolatedResult, child_journal, supervise
+from ..fsutil import append_record, read_records
 
 # torch.compile backend names torch registers itself (torch 2.1 to 2.13): accepted without starting a child
 STOCK_COMPILERS = frozenset({
@@ -42,7 +50,8 @@ SIM_OPTIONS: Mapping[str, tuple[str, ...] | None] = {
     "sim-segv": ("op",), "sim-hang": ("op", "seconds"), "simdev": None,
 }
 SIMDEV_OPTIONS = ("allow", "extra_allow", "deny")
-CHECK_TIMEOUT_S = 180.0
+IMPORT_LIMIT_S = 20.0  # a backend whose imports take longer is left to its cells (a plugin waiting for a device)
+STARTUP_S = 60.0  # the checking child's own start (torch's import) on a busy machine
 
 
 @dataclass(frozen=True)
@@ -122,14 +131,11 @@ def check_backends(matrix: Matrix, backend_ids: Iterable[str] | None = None, *, 
     flagged = {p.index for p in problems}
     deep = [(i, b) for i, b in chosen if i not in flagged and needs_child(b)]
     if deep:
-        result = run_isolated("ci_runner.backends.check:check_in_child",
-                              {"backends": [{"index": i, "spec": spec_to_json(b)} for i, b in deep],
-                               "missing_ok": missing_ok}, timeout=CHECK_TIMEOUT_S)
-        if result.ok:
-            problems += [Problem(p["index"], tuple(p["where"]), p["message"], p.get("hint")) for p in result.value]
-        else:
-            print(f"deepview-ci: note: the backend check {result.describe()}; "
-                  f"{', '.join(b.id for _, b in deep)} will be checked when their cells run", file=sys.stderr)
+        found, unchecked = _check_in_children(deep, missing_ok)
+        problems += found
+        for i, why in sorted(unchecked.items()):
+            print(f"deepview-ci: note: backend {matrix.backends[i].id!r} was not checked at load ({why}); "
+                  "its cells will say what is wrong", file=sys.stderr)
     if problems:
         raise schema_error(_placed(matrix, problems), str(matrix.path))
 
@@ -150,21 +156,85 @@ def _placed(matrix: Matrix, problems: Sequence[Problem]) -> list[SchemaProblem]:
     return out
 
 
+def _check_in_children(deep: Sequence[tuple[int, BackendSpec]], missing_ok: bool) -> tuple[list[Problem], dict[int, str]]:
+    """The import-time problems of `deep`, checked in one child (`check_in_child`); a child that crashes or hangs
+    in a backend's import is replaced by one that checks the rest, and that backend is left unchecked."""
+    with tempfile.TemporaryDirectory(prefix="deepview-check-") as tmp:
+        records, journal = Path(tmp) / "checked.jsonl", Path(tmp) / "journal.log"
+        unchecked: dict[int, str] = {}
+
+        def checked() -> dict[str, Any]:
+            return read_records(records, dict, lambda r: str(r["index"]))
+
+        def next_attempt(_n: int) -> Attempt | None:
+            done = checked()
+            left = [(i, b) for i, b in deep if str(i) not in done and i not in unchecked]
+            if not left:
+                return None
+            return Attempt(payload={"backends": [{"index": i, "spec": spec_to_json(b)} for i, b in left],
+                                    "missing_ok": missing_ok, "out": str(records), "limit": IMPORT_LIMIT_S},
+                           timeout=STARTUP_S + IMPORT_LIMIT_S * len(left))
+
+        def on_crash(item: str | None, result: IsolatedResult) -> str | None:
+            if item is None:  # it died before or after every backend (its own start): check no more
+                return f"the check {result.describe()}"
+            unchecked[int(item)] = f"the check {result.describe()} in its imports"
+            return None
+
+        run = supervise("ci_runner.backends.check:check_in_child", journal=journal, kind="backend",
+                        next_attempt=next_attempt, on_crash=on_crash, max_restarts=len(deep))
+        done = checked()
+        for i, _ in deep:
+            if str(i) not in done and i not in unchecked and run.stop_reason:
+                unchecked[i] = run.stop_reason
+        problems = [Problem(p["index"], tuple(p["where"]), p["message"], p.get("hint"))
+                    for r in done.values() for p in r["problems"]]
+        unchecked.update({int(k): r["unchecked"] for k, r in done.items() if r.get("unchecked")})
+        return problems, unchecked
+
+
 # --------------------------------------------------------------------------- in the child
 
-def check_in_child(payload: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The import-time checks of each backend (`run_isolated` target): problems as JSON."""
-    out: list[Problem] = []
+class _TooLong(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float) -> Iterator[None]:
+    """Raise `_TooLong` in this (main) thread after `seconds`: a plugin whose import waits (a device, the network)."""
+    def expire(_signum: int, _frame: Any) -> None:
+        raise _TooLong()
+
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+def check_in_child(payload: Mapping[str, Any]) -> None:
+    """The import-time checks of each backend (`supervise` target): one record per backend appended to
+    `payload["out"]`, each backend's work journalled (`enter-backend`), each within `payload["limit"]` seconds."""
+    import torch  # noqa: F401 - before the limits: its own import is not a plugin's
+
     for item in payload["backends"]:
         spec = spec_from_json(BackendSpec, item["spec"])
         saved = dict(os.environ)
         os.environ.update(spec.env)
+        child_journal("enter-backend", str(item["index"]))
+        record: dict[str, Any] = {"index": item["index"], "problems": []}
         try:
-            out += _deep_problems(item["index"], spec, missing_ok=bool(payload.get("missing_ok")))
+            with _time_limit(float(payload["limit"])):
+                record["problems"] = [p.to_json() for p in _deep_problems(item["index"], spec,
+                                                                          missing_ok=bool(payload.get("missing_ok")))]
+        except _TooLong:
+            record["unchecked"] = f"its imports took over {payload['limit']:g} s"
         finally:
             os.environ.clear()
             os.environ.update(saved)
-    return [p.to_json() for p in out]
+        append_record(payload["out"], record)
+        child_journal("leave-backend", str(item["index"]))
 
 
 def _top_modules() -> list[str]:
@@ -172,7 +242,8 @@ def _top_modules() -> list[str]:
 
 
 def _import(index: int, where: tuple[Any, ...], name: str, missing_ok: bool) -> tuple[Any, Problem | None, bool]:
-    """(module, problem, missing): the module, or the problem importing it; `missing` when it is not installed."""
+    """(module, problem, unchecked): the module, or the problem importing it; `unchecked` when it could not be
+    imported (what it would register is then not checked)."""
     try:
         return importlib.import_module(name), None, False
     except ModuleNotFoundError as exc:
@@ -182,10 +253,8 @@ def _import(index: int, where: tuple[Any, ...], name: str, missing_ok: bool) -> 
         close = difflib.get_close_matches(top, _top_modules(), n=1, cutoff=0.6) if exc.name == top else []
         hint = (f"did you mean {close[0]!r}? " if close else "") + "install the plugin's package here, or fix the name"
         return None, Problem(index, where, f"module {name!r} not found ({exc.name})", hint), True
-    except BaseException as exc:  # a plugin that raises (even SystemExit) on import
-        first = (str(exc).splitlines() or [""])[0][:300]
-        return None, Problem(index, where, f"importing {name!r} failed: {type(exc).__name__}: {first}",
-                             f"run `python -c 'import {name}'` to see the whole error"), False
+    except BaseException:  # a plugin that raises (even SystemExit) on import, e.g. no device on this machine:
+        return None, None, True  # not a mistake in the matrix; its cells report it (environment error)
 
 
 def _deep_problems(index: int, spec: BackendSpec, *, missing_ok: bool) -> list[Problem]:

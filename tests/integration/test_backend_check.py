@@ -103,20 +103,24 @@ def test_expand_accepts_a_plugin_not_installed_where_the_plan_runs(tmp_path: Pat
 
 @pytest.mark.subprocess
 def test_a_plugin_that_crashes_on_import_cannot_crash_the_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The child that aborts in `v`'s import is replaced: `w` (after it) is still checked."""
     plugin = tmp_path / "plugin_aborts.py"
     plugin.write_text("import os\nos.abort()\n", encoding="utf-8")
     path = tmp_path / "m.yaml"
     path.write_text("version: 1\nmodels: [{id: m, config: llama}]\n"
-                    "backends: [{id: v, import: [plugin_aborts], compile: inductor}]\n", encoding="utf-8")
+                    "backends: [{id: v, import: [plugin_aborts], compile: inductor},\n"
+                    "           {id: w, import: [json], compile: inductorr}]\n", encoding="utf-8")
     monkey = pytest.MonkeyPatch()
     monkey.syspath_prepend(str(tmp_path))
     monkey.setenv("PYTHONPATH", f"{tmp_path}:{Path.cwd()}")
     try:
-        assert cli.main(["expand", str(path), "--out", str(tmp_path / "plan.json")]) == 0
+        assert cli.main(["expand", str(path), "--out", str(tmp_path / "plan.json")]) == EXIT_USAGE
     finally:
         monkey.undo()
     err = capsys.readouterr().err
-    assert "deepview-ci: note: the backend check crashed (SIGABRT); v will be checked when their cells run" in err, err
+    assert ":4:45: backends[1].compile (backend 'w'): unknown torch.compile backend 'inductorr'" in err, err
+    assert ("deepview-ci: note: backend 'v' was not checked at load (the check crashed (SIGABRT) in its imports); "
+            "its cells will say what is wrong") in err, err
 
 
 def test_static_checks_need_no_import_and_match_the_sim_table() -> None:
