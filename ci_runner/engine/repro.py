@@ -28,7 +28,6 @@ from .isolate import run_process
 from ..results.rootcause import normalize_text
 
 
-@lru_cache(maxsize=1)
 def run_command(script: str, folder: Path, pythonpath: Sequence[str] = ()) -> str:
     """The command that runs `script` from `folder`, as printed in a repro's header and the reports: with the
     plugin folders it needs (`backends.plugin_pythonpath`) on PYTHONPATH relative to `folder`, so that the
@@ -37,6 +36,7 @@ def run_command(script: str, folder: Path, pythonpath: Sequence[str] = ()) -> st
     return (f"PYTHONPATH={os.pathsep.join(rel)} " if rel else "") + f"python {script}"
 
 
+@lru_cache(maxsize=1)
 def _env() -> jinja2.Environment:
     return jinja2.Environment(
         loader=jinja2.PackageLoader("ci_runner", "templates"),

@@ -117,3 +117,16 @@ def test_every_printed_repro_command_runs_in_a_fresh_shell(tmp_path: Path) -> No
         assert "AcmeLoweringError" in text or "softplus" in text, (printed, cmd, text[-2000:])
     for path in [*run.glob("cells/*/**/*.py"), *(run / "drafts").glob("*.md"), *(run / "report").glob("*.md")]:
         assert str(tmp_path) not in path.read_text(encoding="utf-8"), path
+
+
+def test_repro_commands_carry_only_the_plugins_a_fresh_shell_lacks(tmp_path: Path) -> None:
+    """deepview-ci itself is installed wherever a repro is run (no PYTHONPATH for `ci_runner.sim`); a plugin found
+    through PYTHONPATH or the working folder is carried, relative to the folder the command runs from."""
+    from ci_runner.backends import plugin_pythonpath
+    from ci_runner.engine.repro import run_command
+
+    assert plugin_pythonpath(["ci_runner", "ci_runner.sim"]) == []
+    assert plugin_pythonpath(["tests.fixtures.plugin_compiler"]) == [str(ROOT)]
+    folder = ROOT / "out" / "cells" / "m@b" / "ops"
+    assert run_command("repro_x.py", folder, [str(ROOT)]) == "PYTHONPATH=../../../.. python repro_x.py"
+    assert run_command("repro.py", folder, []) == "python repro.py"
