@@ -20,6 +20,7 @@ import jsonschema
 import yaml
 
 from .errors import ConfigError, OptionError
+from .phases import Phase, check_phases, parse_phases
 from .registry import mode_names, parse_options
 from .results.model import schema
 
@@ -38,6 +39,7 @@ class InputSpec:
     seed: int = 0
     image_size: int | None = None
     text: tuple[str, ...] = ()
+    phases: tuple[Any, ...] = ()  # the raw `phases` list (ci_runner/phases.py); empty: the single forward
 
     def merged(self, override: Mapping[str, Any] | None) -> "InputSpec":
         if not override:
@@ -45,11 +47,20 @@ class InputSpec:
         kw = dict(override)
         if "text" in kw:
             kw["text"] = tuple(kw["text"])
+        if "phases" in kw:
+            kw["phases"] = tuple(kw["phases"] or ())
         return replace(self, **kw)
 
     def key(self) -> dict[str, Any]:
-        return {"batch": self.batch, "seq_len": self.seq_len, "samples": self.samples, "seed": self.seed,
-                "image_size": self.image_size, "text": list(self.text)}
+        key = {"batch": self.batch, "seq_len": self.seq_len, "samples": self.samples, "seed": self.seed,
+               "image_size": self.image_size, "text": list(self.text)}
+        if self.phases:  # only when set: keys (thresholds, caches) of matrices without phases stay as they were
+            key["phases"] = [dict(p) if isinstance(p, Mapping) else p for p in self.phases]
+        return key
+
+    def workload(self) -> tuple["Phase", ...]:
+        """The resolved phases (empty: the single unpadded forward)."""
+        return parse_phases(self.phases, seq_len=self.seq_len)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -411,6 +422,20 @@ def _unique(items: list[dict[str, Any]], what: str, source: str, positions: _Pos
         seen.add(item["id"])
 
 
+def _check_phases(data: dict[str, Any], positions: _Positions, source: str) -> None:
+    """Every `inputs.phases` of defaults, models and backends names known phases with known options, or one
+    ConfigError at the offending item."""
+    blocks: list[tuple[tuple[Any, ...], Any]] = [(("defaults", "inputs", "phases"),
+                                                  ((data.get("defaults") or {}).get("inputs") or {}).get("phases"))]
+    for kind in ("models", "backends"):
+        blocks += [((kind, i, "inputs", "phases"), (item.get("inputs") or {}).get("phases"))
+                   for i, item in enumerate(data.get(kind) or [])]
+    for path, raw in blocks:
+        for index, message, hint in check_phases(raw or ()):
+            pos = positions.at(path + (index,)) or positions.at(path) or (0, 0)
+            raise ConfigError(f"{source}:{pos[0]}:{pos[1]}: {_fmt_path(path + (index,))}: {message}", hint=hint)
+
+
 def _check_options(data: dict[str, Any], positions: _Positions, source: str) -> None:
     """Every `options.<mode>` of defaults, models and backends parses (`ci_runner/options.py`), or one ConfigError
     naming the offending key of each block that does not (all of them at once)."""
@@ -442,6 +467,7 @@ def _resolve(path: Path, data: dict[str, Any], positions: _Positions) -> Matrix:
     _unique(data["models"], "models", source, positions)
     _unique(data["backends"], "backends", source, positions)
     _check_options(data, positions, source)
+    _check_phases(data, positions, source)
 
     models = _model_specs(data["models"], base, positions, source)
 

@@ -81,7 +81,7 @@ def expand(matrix: Matrix) -> list[Cell]:
                     backend=backend,
                     modes=modes,
                     timeout=timeout,
-                    inputs=matrix.inputs.merged(m_raw.get("inputs")),
+                    inputs=matrix.inputs.merged(m_raw.get("inputs")).merged(b_raw.get("inputs")),
                     references=matrix.references,
                     options=_merge_options(matrix.options, b_raw.get("options"), m_raw.get("options")),
                 )

@@ -38,6 +38,7 @@ class FindingKind(str, Enum):
     DIVERGENCE = "divergence"
     WEIGHTS_MISMATCH = "weights_mismatch"
     BATCH_VARIANCE = "batch_variance"
+    OUTPUT_OVERWRITTEN = "output_overwritten"
 
     __str__ = str.__str__  # f"{kind}" is the value on every Python version
     __hash__ = str.__hash__  # "divergence" in {FindingKind.DIVERGENCE}: a kind read from JSON is a plain str
@@ -202,6 +203,7 @@ register_mode(ModeSpec(
     help="per-layer comparison of the backend with trusted references",
     kinds=(KindSpec(kind=K.DIVERGENCE, key="module", section=SECTION_DIVERGENT, issue_group="divergence"),
            KindSpec(kind=K.WEIGHTS_MISMATCH, key="module", section=SECTION_OTHER),
-           KindSpec(kind=K.BATCH_VARIANCE, key="module", section=SECTION_OTHER)),
+           KindSpec(kind=K.BATCH_VARIANCE, key="module", section=SECTION_OTHER),
+           KindSpec(kind=K.OUTPUT_OVERWRITTEN, key="module", section=SECTION_OTHER)),
 ))
 del K

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 __all__ = ["NAME", "RECIPE", "FACT_KEYS", "GROUP_TESTING", "Watch"]
 
 NAME = "openvino"  # the matrix's `compile:` for this backend
-# The recipe that makes its findings mean something (README, "Backend recipes"):
+# The recipe that makes its findings mean something (docs/backends.md, "Backend recipes"):
 RECIPE: Mapping[str, Any] = {"options": {"aot_autograd": True, "testing": True,
                                          "config": {"INFERENCE_PRECISION_HINT": "f32"}}}
 FACT_KEYS = ("openvino_partitions", "openvino_executions", "perm_fallback")  # what `Watch.facts` counts

@@ -25,6 +25,8 @@ class CompileRecord:
         self.inner = inner
         self.__name__ = name  # torch.compile's errors say backend='<name>'
         self.graphs: list[dict[str, Any]] = []  # {"nodes": call nodes, "calls": executions}
+        self.keep_modules = False  # keep each GraphModule given (the phases' culprit reads the failing one)
+        self.modules: list[Any] = []
 
     def __call__(self, gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
         from torch._dynamo.backends.registry import lookup_backend  # deferred: imports torch
@@ -33,6 +35,8 @@ class CompileRecord:
         rec = {"nodes": sum(1 for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")),
                "calls": 0}
         self.graphs.append(rec)
+        if self.keep_modules:
+            self.modules.append(gm)
         try:
             compiled = lookup_backend(self.inner)(gm, example_inputs, **kwargs)
         except RestartAnalysis:  # Dynamo drops this graph and traces the frame again (e.g. a 0-dim float64

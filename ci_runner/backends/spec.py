@@ -200,7 +200,7 @@ class Backend:
                 return sim.make_backend(name, options)
             except (ValueError, TypeError) as exc:
                 raise BackendError(f"backend {self.spec.id!r}: {exc}",
-                                   hint="see the sim backends' options in ci_runner/sim/__init__.py (README)") from None
+                                   hint="see the sim backends' options in ci_runner/sim/__init__.py (docs/backends.md)") from None
         if r.kind == "plugin":
             return self._plugin_compiler(name, options)
         registered = registered_compile_backends()

@@ -526,13 +526,13 @@ def _generator(inputs: InputSpec, sample: int, salt: int = 0) -> torch.Generator
     return torch.Generator().manual_seed((inputs.seed * 1_000_003 + sample * 7_919 + salt) % (2**63 - 1))
 
 
-def _text_config(config: Any) -> Any:
+def text_config(config: Any) -> Any:
     return getattr(config, "text_config", None) or config
 
 
 def _special_ids(config: Any) -> set[int]:
     ids: set[int] = set()
-    for cfg in {id(c): c for c in (config, _text_config(config))}.values():
+    for cfg in {id(c): c for c in (config, text_config(config))}.values():
         for key in ("pad_token_id", "bos_token_id", "eos_token_id", "image_token_id", "image_token_index",
                     "video_token_id", "video_token_index", "boi_token_id", "eoi_token_id", "sep_token_id",
                     "cls_token_id", "mask_token_id", "decoder_start_token_id"):
@@ -543,8 +543,8 @@ def _special_ids(config: Any) -> set[int]:
     return ids
 
 
-def _seeded_ids(config: Any, inputs: InputSpec, sample: int, length: int) -> torch.Tensor:
-    vocab = int(getattr(_text_config(config), "vocab_size", 0) or 0)
+def seeded_ids(config: Any, inputs: InputSpec, sample: int, length: int) -> torch.Tensor:
+    vocab = int(getattr(text_config(config), "vocab_size", 0) or 0)
     if vocab <= 0:
         raise ModelLoadError("the model config has no vocab_size to draw token ids from",
                              hint="give the model a tokenizer, or a factory with example inputs")
@@ -631,7 +631,7 @@ def build_inputs(model: LoadedModel, inputs: InputSpec, *, sample: int = 0, devi
         if inputs.image_size and inputs.image_size != native and _accepts(model.module, "interpolate_pos_encoding"):
             kwargs["interpolate_pos_encoding"] = True  # ViT-style models at another resolution
     elif model.task == "image-text":
-        ids = _seeded_ids(config, inputs, sample, length) if model.tokenizer is None else \
+        ids = seeded_ids(config, inputs, sample, length) if model.tokenizer is None else \
             _tokenized(model, inputs, sample, length)["input_ids"]
         image_token = getattr(config, "image_token_id", None)
         if image_token is None:
@@ -646,7 +646,7 @@ def build_inputs(model: LoadedModel, inputs: InputSpec, *, sample: int = 0, devi
         if model.tokenizer is not None:
             kwargs.update(_tokenized(model, inputs, sample, length))
         else:
-            ids = _seeded_ids(config, inputs, sample, length)
+            ids = seeded_ids(config, inputs, sample, length)
             kwargs["input_ids"] = ids
             kwargs["attention_mask"] = torch.ones_like(ids)
     if _accepts(model.module, "use_cache"):

@@ -22,6 +22,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import jinja2
 
+from ..backends import backend_recipe, is_self_test
 from .failure import REPRO_FUNCTIONS
 from ..fsutil import atomic_write_text
 from .isolate import run_process
@@ -135,3 +136,23 @@ def verify_script(script: Path, *, expect_text: Sequence[str], expect_error_type
 
 def safe_filename(text: str, limit: int = 120) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)[:limit].strip("._") or "item"
+
+
+# --------------------------------------------------------------------------------------------- the backend in a repro
+
+def plugin_modules(spec: Any) -> list[str]:
+    mods = list(spec.imports)
+    if spec.compile and ":" in spec.compile:
+        mods.append(spec.compile.split(":", 1)[0])
+    if is_self_test(spec):
+        mods.append("ci_runner")
+    return list(dict.fromkeys(mods))
+
+
+def template_backend(spec: Any) -> dict[str, Any]:
+    """How the layer repro template gets the backend (`backends.backend_recipe`, as the template names it):
+    kind eager | sim | callable | registered, plus what that kind needs."""
+    r = backend_recipe(spec)
+    kind = "callable" if r.kind == "plugin" else r.kind
+    return {"kind": kind, "name": r.name if kind in ("sim", "registered") else None, "module": r.module,
+            "attr": r.attr, "options": dict(r.options), "compile_options": dict(r.compile_options)}

@@ -1,6 +1,6 @@
 """Which private or newer torch APIs this torch has: one probe per feature, and the torch release it needs.
 
-deepview-ci supports torch ≥ `OLDEST_TORCH` (README "Supported torch"). A feature built on an API that is private or
+deepview-ci supports torch ≥ `OLDEST_TORCH` (docs/torch.md). A feature built on an API that is private or
 newer than that is probed here before use; when its probe fails, `require` raises `TorchTooOldError` ("… needs
 torch ≥ X"), which a cell reports as `skipped` with that reason, never as an ImportError or AttributeError.
 Dynamo's config keys are renamed rather than refused (`dynamo_config`).

@@ -267,10 +267,23 @@ def _signatures(details: Mapping[str, Any] | None) -> list[dict[str, Any]]:
     return out
 
 
+def phase_words(f: Mapping[str, Any]) -> str | None:
+    """Where in the workload it fails, and what passed before it: "fails in decode step 1 only; prefill passes"."""
+    phase = f.get("phase")
+    if not phase:
+        return None
+    where = f"{phase} step {f['step']}" if f.get("step") is not None else str(phase)
+    passed = [str(c) for c in (f.get("details") or {}).get("passed_calls") or []]
+    if passed:
+        return f"fails in {where} only; {', '.join(passed[:3])} {'passes' if len(passed) == 1 else 'pass'}"
+    return f"in {where}"
+
+
 def _entry_view(e: Mapping[str, Any]) -> dict[str, Any]:
     f = e.get("finding") or {}
     sigs = _signatures(f.get("details"))
     return {
+        "phase": phase_words(f),
         "model": e.get("model") or e["cell"].split("@")[0],
         "cell": e["cell"],
         "category": e["category"],

@@ -1,6 +1,6 @@
 """What the nights say together: since when a finding fails, flaky versus drifting, burn-downs, times.
 
-Policies (`TrendOptions`, defaults documented in the README):
+Policies (`TrendOptions`, defaults documented in docs/history.md):
 
 - **flaky**: a finding that came and went at least ``flaky_flips`` times (default 2) over the last
   ``flaky_window`` nights (default 10) its cell ran, while the cell's environment stamp stayed the same. A

@@ -15,6 +15,7 @@ import hashlib
 import html
 import json
 import math
+from urllib.parse import quote
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,12 +24,14 @@ from typing import Any
 import jinja2
 from markupsafe import Markup
 
+from ..registry import SECTION_DIVERGENT, kinds_in
 from ..results.model import Results
 from .junit import xml_safe
 from ..engine.failure import headline
+from .phasecharts import decode_chart
 from .trendcharts import trends_html
 from ..zoo.report import zoo_view
-from .view import CellView, LayerPoint, NumericsView, ReportView, build_view, cos_distance, fmt_num, icon
+from .view import CellView, LayerPoint, NumericsView, ReportView, build_view, cos_distance, fmt_num
 
 # Big runs stay light: past these budgets, findings and per-layer numbers go into one JSON block
 # embedded once in the page, and a compact table is drawn from it when its <details> is opened.
@@ -38,6 +41,63 @@ MAX_CHART_CELLS = 16  # cells whose charts and per-layer table are drawn in the 
 MAX_DIVERGENT_ROWS = 300  # rows of the "Divergent layers" table
 SUMMARY_CHARS = 160  # a compact row's message headline
 CHART_METRICS: tuple[tuple[str, str], ...] = (("rel", "relative error"), ("cos", "1 − cosine"), ("mad", "mean abs diff"))
+
+CLIP_CHARS = 180  # a message longer than this shows its first words, the whole text on hover or unfold
+
+# Status icons as inline SVG (no emoji font needed): a shape and a colour per status, a <title> for its name.
+_ICON_SHAPES: dict[str, str] = {
+    "pass": '<circle cx="8" cy="8" r="7" fill="#1a7f37"/><path d="M4.5 8.3l2.3 2.3 4.7-4.9" fill="none" stroke="#fff" stroke-width="1.8"/>',
+    "fail": '<circle cx="8" cy="8" r="7" fill="#cf222e"/><path d="M5.2 5.2l5.6 5.6M10.8 5.2l-5.6 5.6" stroke="#fff" stroke-width="1.8"/>',
+    "warn": '<path d="M8 1.2l7 13.3H1z" fill="#bf8700"/><path d="M8 5.6v4.4M8 11.4v1.6" stroke="#fff" stroke-width="1.8"/>',
+    "skipped": '<circle cx="8" cy="8" r="7" fill="#8c959f"/><path d="M4.5 8h7" stroke="#fff" stroke-width="1.8"/>',
+    "inconclusive": '<circle cx="8" cy="8" r="7" fill="none" stroke="#8250df" stroke-width="1.6"/>'
+                    '<path d="M6 6.3a2 2 0 1 1 2.6 1.9c-.5.2-.6.5-.6 1v.6M8 11.3v1.5" fill="none" stroke="#8250df" stroke-width="1.6"/>',
+    "none": '<circle cx="8" cy="8" r="2" fill="#8c959f"/>',
+    "up": '<circle cx="8" cy="8" r="7" fill="#cf222e"/>',
+    "ok": '<circle cx="8" cy="8" r="7" fill="#1a7f37"/>',
+}
+_ICON_OF = {"pass": "pass", "fail": "fail", "error": "warn", "timeout": "warn", "crashed": "warn",
+            "skipped": "skipped", "inconclusive": "inconclusive"}
+_ICON_WORDS = {"fail": "findings", "warn": "error, timeout or crash", "none": "not run"}
+
+
+def icon(status: str | None) -> Markup:
+    """A status as a 1-em inline SVG icon (`pass`, `fail`, `error`/`timeout`/`crashed`, `skipped`, `inconclusive`;
+    anything else: not run), with its name for screen readers and on hover."""
+    shape = _ICON_OF.get(status or "", status if status in _ICON_SHAPES else "none")
+    name = status or _ICON_WORDS.get(shape, shape)
+    return Markup(f'<svg class="ic ic-{shape}" viewBox="0 0 16 16" width="16" height="16" role="img" '
+                  f'aria-label="{_e(name)}"><title>{_e(name)}</title>{_ICON_SHAPES[shape]}</svg>')
+
+
+def cut_words(text: str, limit: int) -> str:
+    """`text` cut at the last word boundary before `limit` characters, with "…"; unchanged when it fits."""
+    if len(text) <= limit:
+        return text
+    head = text[: limit - 1]
+    space = head.rfind(" ")
+    if space >= limit // 2:
+        head = head[:space]
+    return head.rstrip(" ,;:") + "…"
+
+
+def clip(text: Any, limit: int = CLIP_CHARS) -> Markup:
+    """A message for a table cell: whole when short, else its first words with the whole text on hover (`title`)
+    and on unfold (a <details> whose summary is the cut text)."""
+    full = "" if text is None else str(text)
+    if len(full) <= limit:
+        return Markup(_e(full))
+    return Markup(f'<details class="clip" title="{_e(full)}"><summary>{_e(cut_words(full, limit))}</summary>'
+                  f'<span class="full">{_e(full)}</span></details>')
+
+
+def repro_link(path: str | None, links: bool) -> Markup:
+    """A repro path as a relative link when the page can reach it (`ReportView.links`), else as code."""
+    if not path:
+        return Markup("")
+    code = f"<code>{_e(path)}</code>"
+    return Markup(f'<a class="repro" href="{_e(quote(path))}">{code}</a>' if links else code)
+
 
 W, H = 760, 260
 ML, MR, MT, MB = 64, 16, 18, 42
@@ -96,6 +156,13 @@ class _Scale:
             return (MT + self.ph, "zero")
         t = (math.log10(v) - self.lo) / (self.hi - self.lo)
         return (MT + self.ph - max(0.0, min(1.0, t)) * self.ph, "value")
+
+
+def _decode_chart(cv: Any) -> str:
+    """The decode phase's error per step (report/phasecharts.py), when the cell's numerics ran one."""
+    mode = cv.cell.modes.get("numerics")
+    chart = decode_chart(mode.data, cell_id=cv.id) if mode is not None and mode.data else None
+    return f'<div class="chartbox decode">{chart}</div>' if chart else ""
 
 
 def layer_chart(nv: NumericsView, metric: str, *, cell_id: str, label: str, hidden: bool = False) -> str:
@@ -230,17 +297,23 @@ def layer_table(nv: NumericsView) -> str:
     return "\n".join(out)
 
 
-def findings_html(cv: CellView, limit: int = MAX_FINDINGS_PER_CELL) -> str:
-    """A cell's first `limit` findings, each with its message, metrics against thresholds and repro."""
+def findings_html(cv: CellView, limit: int = MAX_FINDINGS_PER_CELL, *, links: bool = False) -> str:
+    """A cell's first `limit` findings, each with its message, the op's call, metrics against thresholds and
+    repro (a link when `links`)."""
     out: list[str] = []
     for fv in cv.findings[:limit]:
         f = fv.finding
         head = (f'<div class="finding" data-fingerprint="{_e(f.fingerprint)}">\n<b>{_e(f.kind)}</b> <code>{_e(fv.title)}</code> '
                 f'<span class="muted">({_e(fv.mode)}, {_e(f.stage)}{", " + _e(f.error_type) if f.error_type else ""})</span>')
         out.append(head)
+        if fv.call:
+            more = f' <span class="muted">(and {fv.more_calls} more signatures)</span>' if fv.more_calls else ""
+            out.append(f'<br>call: <code class="call">{_e(fv.call)}</code>{more}')
+        if f.module and f.kind in kinds_in(SECTION_DIVERGENT):
+            out.append(f"<br>layer: <code>{_e(f.module)}</code>" + (f" ({_e(f.module_class)})" if f.module_class else ""))
         if fv.repro:
             cmd = f" · from the cell folder: <code>{_e(fv.command)}</code>" if fv.command else ""
-            out.append(f"<br>repro: <code>{_e(fv.repro)}</code> {'(verified)' if fv.verified else '(not verified)'}{cmd}")
+            out.append(f"<br>repro: {repro_link(fv.repro, links)} {'(verified)' if fv.verified else '(not verified)'}{cmd}")
         if fv.metrics_text:
             out.append(f"<br>{_e(fv.metrics_text)}")
         out.append(f"<pre>{_e(f.message)}</pre>\n</div>")
@@ -264,13 +337,14 @@ class _Strings:
 
 
 def compact_findings(cv: CellView, start: int, strings: _Strings) -> list[list[int]]:
-    """Findings from `start` on as rows of string-table indexes: kind, title, mode, headline,
-    repro (as the report folder reaches it, with "✔" when verified), metrics."""
+    """Findings from `start` on as rows of string-table indexes: kind, title (with the op's call), mode, headline
+    (cut at a word), repro (as the report folder reaches it, with "(verified)"), metrics."""
     rows = []
     for fv in cv.findings[start:]:
-        summary = fv.summary if len(fv.summary) <= SUMMARY_CHARS else fv.summary[: SUMMARY_CHARS - 1] + "…"
-        repro = (fv.repro + (" ✔" if fv.verified else "")) if fv.repro else ""
-        rows.append([strings(fv.finding.kind), strings(fv.title), strings(fv.mode), strings(summary),
+        summary = cut_words(fv.summary, SUMMARY_CHARS)
+        repro = (fv.repro + (" (verified)" if fv.verified else "")) if fv.repro else ""
+        title = f"{fv.title}: {fv.call}" if fv.call else fv.title
+        rows.append([strings(fv.finding.kind), strings(title), strings(fv.mode), strings(summary),
                      strings(repro), strings(fv.metrics_text)])
     return rows
 
@@ -316,7 +390,8 @@ def _environment() -> jinja2.Environment:
         trim_blocks=True,
         lstrip_blocks=True,
     )
-    env.filters.update(num=fmt_num, cosd=cos_distance, icon=icon, first_line=headline)
+    env.filters.update(num=fmt_num, cosd=cos_distance, icon=icon, first_line=headline, clip=clip)
+    env.globals.update(repro_link=repro_link)
     return env
 
 
@@ -342,7 +417,8 @@ def render_html(
     for cv in v.cells:
         shown = max(0, min(len(cv.findings), MAX_FINDINGS_PER_CELL, full_left))
         full_left -= shown
-        blocks[cv.id] = {"findings": Markup(findings_html(cv, shown)), "layers": Markup("")}
+        blocks[cv.id] = {"findings": Markup(findings_html(cv, shown, links=v.links)), "layers": Markup(""),
+                         "decode": Markup(_decode_chart(cv))}
         entry: dict[str, Any] = {}
         if shown < len(cv.findings):
             entry["findings"] = compact_findings(cv, shown, strings)

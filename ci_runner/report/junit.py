@@ -2,7 +2,7 @@
 validating against its ``junit-10.xsd``), EnricoMi/publish-unit-test-result-action (junitparser),
 dorny/test-reporter, mikepenz/action-junit-report and junit2html.
 
-Built with ElementTree, never string templates. The mapping (README, "junit.xml"):
+Built with ElementTree, never string templates. The mapping (docs/reports.md, "junit.xml"):
 
 - ``<testsuites name="deepview-ci">`` with ``tests``/``failures``/``errors``/``time`` totals;
 - one ``<testsuite name="<cell id>">`` per cell, with ``<properties>`` (model, backend, status,

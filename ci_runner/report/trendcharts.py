@@ -3,7 +3,8 @@
 Takes the `Trends` of ``ci_runner.history.trends`` (read by attribute: the report does not import the
 history). Charts: op-support burn-down per backend (unsupported ops and models blocked, one point per
 night), per-layer error over time for each model × backend (its worst layers, with the threshold as a
-dashed line), and cell time over time. Every chart is an ``svg.trend`` with ``data-points`` = nights.
+dashed line), and cell time over time. Every chart is an ``svg.trend`` with ``data-points`` = nights, followed by
+its legend in HTML (a colour swatch and the series' whole name, wrapping where it must).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import math
 from typing import Any, Sequence
 
 W, H = 760, 220
-ML, MR, MT, MB = 56, 150, 14, 34
+ML, MR, MT, MB = 56, 16, 14, 34
 COLORS = ("#0969da", "#bc4c00", "#1a7f37", "#8250df", "#cf222e", "#6e7781")
 MAX_TIME_CELLS = 8
 MAX_SEEN_ROWS = 300
@@ -71,9 +72,22 @@ def line_chart(title: str, dates: Sequence[str], series: Sequence[tuple[str, Seq
         if pts:
             out.append(f'<polyline class="tline" data-series="{_e(name)}" fill="none" stroke="{color}" stroke-width="1.8" '
                        f'points="{" ".join(pts)}"><title>{_e(name)}</title></polyline>')
-        out.append(f'<text class="tick" x="{ML + pw + 8}" y="{MT + 12 + 14 * k}" fill="{color}">{_e(name[-22:])}</text>')
     out.append("</svg>")
+    out.append(legend(series, threshold=threshold is not None and math.isfinite(threshold) and threshold > 0))
     return "".join(out)
+
+
+def legend(series: Sequence[tuple[str, Any]], *, threshold: bool = False) -> str:
+    """A chart's legend: per series a swatch of its colour and its whole name (the threshold's dashed line too)."""
+    items = [f'<span class="lg" data-series="{_e(name)}"><i class="sw" style="background: {COLORS[k % len(COLORS)]}"></i>'
+             f"{_e(name)}</span>" for k, (name, _) in enumerate(series)]
+    if threshold:
+        items.append('<span class="lg"><i class="sw sw-thr"></i>threshold</span>')
+    return f'<p class="legend trend-legend">{"".join(items)}</p>'
+
+
+_WARN = ('<svg class="ic" viewBox="0 0 16 16" width="16" height="16" role="img" aria-label="warning"><title>warning</title>'
+         '<path d="M8 1.2l7 13.3H1z" fill="#bf8700"/><path d="M8 5.6v4.4M8 11.4v1.6" stroke="#fff" stroke-width="1.8"/></svg>')
 
 
 def _ago(series: Sequence[int], nights: int) -> str:
@@ -99,7 +113,7 @@ def trends_html(t: Any) -> str:
                               kind="burndown", ylabel="count"))
     if t.drifting:
         out.append("<h3>Drifting layers</h3><table><thead><tr><th>cell</th><th>layer</th><th>trend</th></tr></thead><tbody>")
-        out += [f"<tr><td><code>{_e(d.cell)}</code></td><td><code>{_e(d.layer)}</code></td><td>⚠️ {_e(d.words())}</td></tr>"
+        out += [f"<tr><td><code>{_e(d.cell)}</code></td><td><code>{_e(d.layer)}</code></td><td>{_WARN} {_e(d.words())}</td></tr>"
                 for d in t.drifting]
         out.append("</tbody></table>")
     if t.layer_trends:

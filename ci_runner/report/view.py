@@ -192,10 +192,26 @@ class FindingView:
     culprit_repro: str | None = None  # the culprit's own repro, as `repro` is the layer's
     culprit_verified: bool = False
     culprit_label: str = "culprit"  # or "culprit (repro did not reproduce)" / "culprit (not verified)"
+    call: str | None = None  # an op finding: the call that failed, `aten.cumsum.default(f32[1, 4, 1, 16], -1)`
+    more_calls: int = 0  # its other failing signatures
     cell_dir: str | None = None  # the cell folder `command` runs from, as `repro` names it (relative to the report)
 
 
 VIEWS: tuple[str, ...] = ("cumulative", "isolated")
+
+
+def phase_text(f: Finding) -> str | None:
+    """Where in the workload a finding was made: ``decode step 3``, ``batch``; None for the single forward."""
+    if not f.phase:
+        return None
+    return f"{f.phase} step {f.step}" if f.step is not None else f.phase
+
+
+def finding_title(f: Finding) -> str:
+    """What failed (op, module or kind), with the phase it failed in: ``model [decode step 1]``."""
+    what = f.op or f.module or f.kind
+    where = phase_text(f)
+    return f"{what} [{where}]" if where else what
 
 
 def metric_views(f: Finding) -> list[tuple[str | None, dict[str, Any], dict[str, Any]]]:
@@ -318,6 +334,7 @@ class ReportView:
     regressions: list[Any] = field(default_factory=list)  # diff entries, when a diff was given
     diff: Any = None
     root_causes: list[dict[str, Any]] = field(default_factory=list)  # results.root_causes (rootcause.py)
+    links: bool = False  # repro paths are relative to the report folder (a page there can link them)
 
     @property
     def failing(self) -> list[CellView]:
@@ -420,6 +437,54 @@ def culprit_repro_path(cell: CellResult, f: Finding, *, out_dir: Path | None, ru
     return repro_path(cell, as_finding, out_dir=out_dir, run_dir=run_dir, base=base), bool(r.get("verified"))
 
 
+def op_call(f: Finding) -> tuple[str | None, int]:
+    """An op finding's failing call as its signature reads (`aten.cumsum.default(f32[1, 4, 1, 16], -1)`, from
+    ``details.signatures``, the ops mode's probed signatures) and how many other signatures failed."""
+    sigs = f.details.get("signatures") if isinstance(f.details, Mapping) else None
+    if not isinstance(sigs, Sequence) or isinstance(sigs, (str, bytes)) or not sigs:
+        return None, 0
+    first = sigs[0]
+    text = first.get("signature") if isinstance(first, Mapping) else None
+    return (str(text) if text else None), len(sigs) - 1
+
+
+def cause_place(cause: Mapping[str, Any], example: "FindingView | None") -> str:
+    """Where a root cause happened, for the report's "raised in" column: the frame that raised it when its
+    traceback is known; else, for a finding without an error (a divergence), the layer and its class, or the op."""
+    raised = str(cause.get("raised_in") or "")
+    if cause.get("frame") or (raised and not raised.startswith("unknown")):
+        return raised
+    ex = cause.get("example") if isinstance(cause.get("example"), Mapping) else {}
+    f = example.finding if example is not None else None
+    module = (f.module if f else None) or ex.get("module")
+    klass = f.module_class if f else None
+    layer = f"layer {module}" + (f" ({klass})" if klass else "") if module else ""
+    op = (f.op if f else None) or ex.get("op")
+    if op:
+        return f"op {op}" + (f" in {layer}" if layer else "")
+    return layer or raised or "unknown (no traceback)"
+
+
+def _causes(results: Results, allf: Sequence[FindingView]) -> list[dict[str, Any]]:
+    """The root causes, each with `place` (`cause_place`) and `full` (its example finding's whole first line)."""
+    causes = results.root_causes if results.root_causes or not allf else root_causes(results)
+    by_sig: dict[str, FindingView] = {}
+    for fv in allf:
+        sig = fv.finding.details.get("signature") if isinstance(fv.finding.details, Mapping) else None
+        if isinstance(sig, str):
+            by_sig.setdefault(sig, fv)
+    out = []
+    for r in causes:
+        if not isinstance(r, Mapping):
+            continue
+        row = dict(r)
+        ex = by_sig.get(str(r.get("signature")))
+        row["place"] = cause_place(r, ex)
+        row["full"] = headline(ex.finding.message, 2000) if ex is not None else str(r.get("message") or "")
+        out.append(row)
+    return out
+
+
 def build_view(results: Results, *, out_dir: Path | None = None, run_dir: Path | None = None, diff: Any = None) -> ReportView:
     """Order: failing cells first (worst status first), then by id; findings in mode order."""
     modes = mode_names(results)
@@ -433,7 +498,7 @@ def build_view(results: Results, *, out_dir: Path | None = None, run_dir: Path |
                 c_repro, c_ok = culprit_repro_path(c, f, out_dir=out_dir, run_dir=run_dir, base=base)
                 fviews.append(FindingView(
                     cell=c.id, model=c.model, backend=c.backend, mode=mname, finding=f,
-                    title=f.op or f.module or f.kind, summary=headline(f.message),
+                    title=finding_title(f), summary=headline(f.message),
                     repro=repro_path(c, f, out_dir=out_dir, run_dir=run_dir, base=base),
                     verified=bool(f.repro and f.repro.verified),
                     view=fview,
@@ -443,6 +508,8 @@ def build_view(results: Results, *, out_dir: Path | None = None, run_dir: Path |
                     culprit=culprit_text(f), culprit_repro=c_repro, culprit_verified=c_ok,
                     culprit_label=culprit_label(f), cell_dir=base,
                 ))
+                if f.op:
+                    fviews[-1].call, fviews[-1].more_calls = op_call(f)
         nv = _numerics(c)
         if nv is not None and nv.layers:
             # the numerics mode lists findings worst first; every report shows execution order
@@ -477,6 +544,6 @@ def build_view(results: Results, *, out_dir: Path | None = None, run_dir: Path |
     )
     if diff is not None:
         view.regressions = [e for e in diff.entries if e.category == "regressed"]
-    causes = results.root_causes if results.root_causes or not allf else root_causes(results)
-    view.root_causes = [dict(r) for r in causes if isinstance(r, Mapping)]
+    view.root_causes = _causes(results, allf)
+    view.links = out_dir is not None and run_dir is not None
     return view

@@ -332,7 +332,9 @@ class DiffEntry:
         """One phrase: ``unsupported_op aten.cumsum.default``, or the cell status change."""
         if self.fingerprint is None:
             return f"cell {self.baseline_status or '—'} → {self.status or '—'}"
-        return f"{self.kind or 'finding'} {self.key}".strip()
+        f = self.finding or {}
+        where = (f"{f['phase']} step {f['step']}" if f.get("step") is not None else f["phase"]) if f.get("phase") else ""
+        return f"{self.kind or 'finding'} {self.key}{f' [{where}]' if where else ''}".strip()
 
     def sort_key(self) -> tuple[int, str, str]:
         return (CATEGORIES.index(self.category), self.cell, self.fingerprint or "")

@@ -128,9 +128,14 @@ class Finding:
     threshold: dict[str, Any] = field(default_factory=dict)
     repro: Repro | None = None
     details: dict[str, Any] = field(default_factory=dict)
+    phase: str | None = None  # the workload phase (prefill, decode, batch, long); None: the single forward
+    step: int | None = None  # the decode step (1-based) where it applies
 
     def to_dict(self) -> dict[str, Any]:
         d = {name: getattr(self, name) for name in _FINDING_FIELDS}  # no deep copy: clean builds new containers
+        for name in ("phase", "step"):  # the single forward's findings read as before phases existed
+            if d[name] is None:
+                del d[name]
         if self.repro is not None:
             d["repro"] = {"path": self.repro.path, "verified": self.repro.verified, "command": self.repro.command,
                           "note": self.repro.note}

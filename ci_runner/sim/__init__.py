@@ -19,11 +19,20 @@ backends:
 | `sim-abort` | torch.compile | a native abort (SIGABRT, "terminate called after throwing…" on stderr) | run | `op` (default `attention`) |
 | `sim-segv` | torch.compile | a segmentation fault (SIGSEGV: reads address 0 through ctypes) | run | `op` (default `attention`) |
 | `sim-hang` | torch.compile | a hang (sleeps forever; with `seconds`, raises after that long) | run | `op` (default `attention`), `seconds` |
+| `sim-decode` | torch.compile | prefill OK, decode fails: raises `SimCompilerError: [sim-decode] unsupported operator aten._scaled_dot_product_flash_attention_for_cpu.default in node …: query sequence length 1 is not supported (a one-token decode step)…` for a graph whose attention has a one-token query (a symbolic length never fires) | compile | `op` (default `attention`), `max_query_len` (default 1: fail at query length ≤ 1) |
+| `sim-kvdrift` | torch.compile | KV-cache contamination: the values a cache write (`index_copy`, `index_put`, `slice_scatter`, DynamicCache's `cat`, when the result outlives the call) stores are rounded to a low dtype; the first token is right, later ones drift | run (no error) | `dtype` (default `bfloat16`; `float16`), `writes` (default `decode`: writes of one position; `all`: every write, the prefill's too) |
+| `sim-masknan` | torch.compile | padded batch NaN: attention with a plain softmax, so a fully-masked query row (a left-padded row's pads) is NaN where eager gives 0, and the NaN spreads to that row's real tokens; other rows match eager | run (no error) | `op` (default `attention`) |
+| `sim-long` | torch.compile | short prompt OK, long prompt fails: raises `SimCompilerError: [sim-long] unsupported operator … key/value sequence length 80 exceeds the maximum of 64 tokens…` when an attention's query or key/value length (a static cache's `max_cache_len`) is over the limit; graphs without attention: their token inputs; a dynamic length is checked again at run time | compile | `max_tokens` (default 64), `op` (default `attention`) |
+| `sim-reuse` | torch.compile | output buffers reused across calls: each graph returns its outputs in buffers it keeps per output, so a tensor one call returned is overwritten by the same graph's next call | run (no error) | `outputs` (default `all`; or a list of graph output indices) |
 | `simdev` | device | an out-of-tree eager device plugin missing kernels: `model.to("simdev")` works; an op without a kernel raises PyTorch's own `NotImplementedError: Could not run 'aten::rsqrt.out' with arguments from the 'simdev' backend…` | run | `allow` (replaces the op set), `extra_allow`, `deny` (default: `rsqrt`, `_softmax`) |
 
 Op patterns (`allow`, `extra_allow`, `op`, simdev's lists) match overload names (`aten.rsqrt.default`), packet
 names (`aten.rsqrt`) or bare aten names (`rsqrt`), with `fnmatch` globs; `attention` and `norm` are aliases.
 A chosen op that never appears in a graph means the backend behaves like `aot_eager`.
+
+The workload sims (`sim-decode`, `sim-kvdrift`, `sim-masknan`, `sim-long`, `sim-reuse`; `workloads.py`) each fail
+in one regime of generation only (a one-token decode step, decode's cache writes, a padded batch, a long prompt,
+repeated calls) and match eager everywhere else.
 
 All torch.compile sims are `aot_autograd` backends: they see ATen overloads (the matrix's `ir: aten`), the same
 names `torch.export` + the ops inventory record. The op an error names (sim-subset's `unsupported operator X`,
@@ -51,6 +60,7 @@ from .compilers import (
     op_matches,
     op_name,
 )
+from .workloads import make_decode, make_kvdrift, make_long, make_masknan, make_reuse
 
 __all__ = [
     "ALIASES", "ATTENTION_OPS", "NORM_OPS", "SIM_BACKENDS", "SimBackendInfo", "SimCompilerError",
@@ -112,6 +122,34 @@ SIM_BACKENDS: Mapping[str, SimBackendInfo] = MappingProxyType({
         reproduces="hang: sleeps forever when the chosen op (default attention) runs",
         options=MappingProxyType({"op": _OP, "seconds": "hang only this long, then raise (for tests)"}),
         factory=_fault("hang")),
+    "sim-decode": SimBackendInfo(
+        name="sim-decode", kind="torch.compile", stage="compile",
+        reproduces="prefill OK, decode fails: SimCompilerError for a graph whose attention has a one-token query",
+        options=MappingProxyType({"op": "attention ops to check; default `attention`",
+                                  "max_query_len": "fail at query lengths up to this; default 1"}),
+        factory=make_decode),
+    "sim-kvdrift": SimBackendInfo(
+        name="sim-kvdrift", kind="torch.compile", stage="run",
+        reproduces="KV-cache contamination: cache writes stored in reduced precision; first token right, later tokens drift",
+        options=MappingProxyType({"dtype": "bfloat16 (default) or float16",
+                                  "writes": "`decode` (default: one-position writes) or `all`"}),
+        factory=make_kvdrift),
+    "sim-masknan": SimBackendInfo(
+        name="sim-masknan", kind="torch.compile", stage="run",
+        reproduces="padded batch NaN: attention with a plain softmax, fully-masked query rows are NaN (eager gives 0)",
+        options=MappingProxyType({"op": "attention ops to replace; default `attention`"}),
+        factory=make_masknan),
+    "sim-long": SimBackendInfo(
+        name="sim-long", kind="torch.compile", stage="compile",
+        reproduces="long prompt fails: SimCompilerError when an attention spans more than `max_tokens` tokens",
+        options=MappingProxyType({"max_tokens": "the longest sequence accepted; default 64",
+                                  "op": "attention ops to check; default `attention`"}),
+        factory=make_long),
+    "sim-reuse": SimBackendInfo(
+        name="sim-reuse", kind="torch.compile", stage="run",
+        reproduces="output buffers reused across calls: a returned tensor is overwritten by the same graph's next call",
+        options=MappingProxyType({"outputs": "graph output indices that reuse; default `all`"}),
+        factory=make_reuse),
     "simdev": SimBackendInfo(
         name="simdev", kind="device", stage="run",
         reproduces="eager out-of-tree device (PrivateUse1) missing kernels: PyTorch's \"Could not run 'aten::…' with arguments from the 'simdev' backend\"",
@@ -154,7 +192,7 @@ def register_with_dynamo() -> list[str]:
 
 
 def table_markdown() -> str:
-    """The table above, generated from the registry (for the README and `deepview-ci env`)."""
+    """The table above, generated from the registry (for `deepview-ci env`; docs/backends.md has the table too)."""
     rows = ["| name | kind | reproduces | when | options |", "|---|---|---|---|---|"]
     for info in SIM_BACKENDS.values():
         opts = ", ".join(f"`{k}`: {v}" for k, v in info.options.items()) or "-"

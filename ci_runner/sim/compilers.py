@@ -90,19 +90,22 @@ TRANSFORMER_OPS: tuple[str, ...] = (
 
 
 class SimCompilerError(RuntimeError):
-    """sim-subset's compile-time error, shaped like a vendor compiler's lowering failure.
+    """The sims' compile-time error (sim-subset, sim-decode, sim-long), shaped like a vendor compiler's lowering failure.
 
-    The message always contains `unsupported operator <overload>` (see `backends.UNSUPPORTED_RE`) so the op can be parsed
-    out of Dynamo's wrapping `BackendCompilerFailed`.
+    When it blames an op, the message contains `unsupported operator <overload>` (see `backends.UNSUPPORTED_RE`) so
+    the op can be parsed out of Dynamo's wrapping `BackendCompilerFailed`; `op=None` (sim-long refusing a graph
+    input) names no op: `[backend] <reason> (node <node>)`.
     """
 
-    def __init__(self, op: str, node: str, backend: str = "sim-subset") -> None:
-        super().__init__(
-            f"[{backend}] unsupported operator {op} in node {node}: no lowering for this operator "
-            f"(lowering/op_registry.cpp:88)"
-        )
+    def __init__(self, op: str | None, node: str, backend: str = "sim-subset", reason: str | None = None) -> None:
+        why = reason or "no lowering for this operator (lowering/op_registry.cpp:88)"
+        if op is None:
+            super().__init__(f"[{backend}] {why} (node {node})")
+        else:
+            super().__init__(f"[{backend}] unsupported operator {op} in node {node}: {why}")
         self.op = op
         self.node = node
+        self.backend = backend
 
 
 # ----------------------------------------------------------------------------------------- op names and matching
@@ -153,11 +156,14 @@ def op_matches(name: str, patterns: Sequence[str]) -> bool:
 _ALWAYS_ALLOWED = (operator.getitem,)
 
 
-def _call_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+def call_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The graph's op calls (`getitem` left out)."""
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target not in _ALWAYS_ALLOWED]
 
 
-def _aot(fw_compiler: Callable[[torch.fx.GraphModule, Sequence[Any]], Callable[..., Any]], name: str) -> Any:
+def aot_backend(fw_compiler: Callable[[torch.fx.GraphModule, Sequence[Any]], Callable[..., Any]], name: str) -> Any:
+    """An `aot_autograd` backend named `name` whose forward graphs `fw_compiler(gm, example_inputs)` turns into the
+    function that runs them (every sim: the ATen graph, run with the eager kernels)."""
     from functorch.compile import make_boxed_func  # deferred: importing Dynamo/functorch takes seconds
     from torch._dynamo.backends.common import aot_autograd  # deferred: as above
 
@@ -177,13 +183,13 @@ def make_subset(*, allow: Iterable[str] | None = None, extra_allow: Iterable[str
     patterns = expand_patterns(TRANSFORMER_OPS if allow is None else allow) + expand_patterns(extra_allow)
 
     def fw(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        for node in _call_nodes(gm):
+        for node in call_nodes(gm):
             name = op_name(node.target)
             if not op_matches(name, patterns):
                 raise SimCompilerError(name, node.name)
         return gm.forward
 
-    return _aot(fw, "sim_subset")
+    return aot_backend(fw, "sim_subset")
 
 
 # ----------------------------------------------------------------------------------------- sim-drift
@@ -217,7 +223,8 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.f
            "fp16": torch.float16, "float32": torch.float32}
 
 
-def _dtype(value: Any) -> torch.dtype:
+def parse_dtype(value: Any) -> torch.dtype:
+    """A dtype option (`bfloat16`, `float16`, `torch.float16`, a torch.dtype) as a torch.dtype; ValueError else."""
     if isinstance(value, torch.dtype):
         return value
     key = str(value).removeprefix("torch.")
@@ -229,11 +236,11 @@ def _dtype(value: Any) -> torch.dtype:
 def make_drift(*, op: str | Iterable[str] = "norm", dtype: str = "bfloat16") -> Any:
     """sim-drift: the chosen ops (default `norm`) computed in reduced precision (default bfloat16)."""
     patterns = expand_patterns(op)
-    low = _dtype(dtype)
+    low = parse_dtype(dtype)
 
     def fw(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         changed = False
-        for node in _call_nodes(gm):
+        for node in call_nodes(gm):
             if op_matches(op_name(node.target), patterns):
                 node.target = _Reduced(node.target, low)
                 changed = True
@@ -241,7 +248,7 @@ def make_drift(*, op: str | Iterable[str] = "norm", dtype: str = "bfloat16") -> 
             gm.recompile()
         return gm.forward
 
-    return _aot(fw, "sim_drift")
+    return aot_backend(fw, "sim_drift")
 
 
 # ----------------------------------------------------------------------------------------- run-time faults
@@ -295,7 +302,7 @@ def make_fault(kind: str, *, op: str | Iterable[str] = "attention", seconds: flo
 
     def fw(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         changed = False
-        for node in _call_nodes(gm):
+        for node in call_nodes(gm):
             name = op_name(node.target)
             if op_matches(name, patterns):
                 node.target = _Fault(kind, name, node.name, seconds)
@@ -304,4 +311,4 @@ def make_fault(kind: str, *, op: str | Iterable[str] = "attention", seconds: flo
             gm.recompile()
         return gm.forward
 
-    return _aot(fw, f"sim_{kind}")
+    return aot_backend(fw, f"sim_{kind}")

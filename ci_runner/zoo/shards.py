@@ -26,7 +26,7 @@ from ..errors import ConfigError, InputError
 T = TypeVar("T")
 
 MATRIX_LIMIT = 256  # GitHub: jobs per matrix
-ARCHS_PER_INVENTORY_SHARD = 25  # about 5 CPU s per architecture on meta (README, The transformers zoo): ~2-3 min a job
+ARCHS_PER_INVENTORY_SHARD = 25  # about 5 CPU s per architecture on meta (docs/zoo.md): ~2-3 min a job
 SIGNATURES_PER_ARCH = 40  # the plan's estimate before any scan (measured: 24,281 pairs / 190 scanned, ÷2.6 distinct)
 SIGNATURES_PER_PROBE_SHARD = 800  # distinct signatures a probe job takes on (group testing: a few compiles per 100)
 MANIFEST_VERSION = 1

@@ -343,11 +343,12 @@ def test_the_spawn_check_sees_a_helper(tmp_path: Path) -> None:
                                                                  "test_x.py::test_d"]
 
 
-# --------------------------------------------------------------------------- the README's tree
+# --------------------------------------------------------------------------- the layout tree (docs/architecture.md)
 
 def readme_tree() -> set[str]:
-    """The paths the README's layout tree names (its first code block after `## Layout`; two spaces per level)."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    """The paths the layout tree of docs/architecture.md names (its first code block after `## Layout`; two spaces
+    per level)."""
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
     block = text.split("## Layout", 1)[1].split("```\n", 2)[1]
     paths: set[str] = set()
     stack: list[str] = []
@@ -364,9 +365,9 @@ def readme_tree() -> set[str]:
 def test_the_readme_tree_matches_the_repository() -> None:
     tree = readme_tree()
     missing = sorted(p for p in tree if not (ROOT / p).exists())
-    assert not missing, f"README's layout names what does not exist: {missing}"
+    assert not missing, f"docs/architecture.md's layout names what does not exist: {missing}"
     skip = {"__pycache__", "vendor_repo", "golden", "junit"}
-    ignored = {"build", "dist", "out", "venv", "node_modules"}  # .gitignore's folders: build outputs, not the layout
+    ignored = {"build", "dist", "out", "venv", "node_modules", "site"}  # .gitignore's folders: build outputs, not the layout
     wanted = {p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name not in skip
               and p.name not in ignored and not p.name.endswith(".egg-info")}
     wanted |= {f"ci_runner/{p.relative_to(PKG).as_posix()}" for p in PKG.rglob("*")
@@ -374,7 +375,7 @@ def test_the_readme_tree_matches_the_repository() -> None:
     wanted |= {f"ci_runner/{p.name}" for p in PKG.glob("*.py") if p.name not in ("__init__.py", "__main__.py")}
     wanted |= {"tests/unit", "tests/integration", "tests/fixtures", "tests/conftest.py"}
     absent = sorted(wanted - tree)
-    assert not absent, f"README's layout tree lacks: {absent}"
+    assert not absent, f"docs/architecture.md's layout tree lacks: {absent}"
 
 
 def test_no_test_imports_the_conftest_or_defines_the_root_again() -> None:

@@ -1,6 +1,6 @@
 """One cell per mode of the bundled example, through the command line, on whatever torch runs the tests.
 
-Part of the `oldtorch` subset (README "Supported torch"): on the oldest supported torch it shows that each mode
+Part of the `oldtorch` subset (docs/torch.md): on the oldest supported torch it shows that each mode
 still finds what it finds on the newest, and that simdev, which needs torch ≥ 2.10, is `skipped` with its reason.
 """
 

@@ -33,7 +33,7 @@ MATRIX = matrix_text(
              "layers": {"repro": False, "culprit": False, "verify": False}},
     models=[{"id": "tiny-mixtral", "config": "mixtral",
              "overrides": {**TINY_DECODER, "num_hidden_layers": 1, "num_local_experts": 4, "num_experts_per_tok": 2}}],
-    backends=[{"id": "openvino", "compile": "openvino"}],  # default options: no README recipe
+    backends=[{"id": "openvino", "compile": "openvino"}],  # default options: no recipe from docs/backends.md
 )
 
 

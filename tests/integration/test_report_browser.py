@@ -152,15 +152,19 @@ CHECK_JS = r"""
 """
 
 
-def load_in_browser(page: Path, tmp_path: Path, probe: str | None = None) -> dict[str, Any]:
+def load_in_browser(page: Path, tmp_path: Path, probe: str | None = None, *, width: int | None = None) -> dict[str, Any]:
     """Open `page` in headless chromium; assert it loaded cleanly and offline; return CHECK_JS's answer
-    (with `probe`'s JSON answer under "probe" when given: it runs after the load, errors still count)."""
-    dt = DevTools(_browser(), tmp_path / "profile")
+    (with `probe`'s JSON answer under "probe" when given: it runs after the load, errors still count).
+    `width`: the viewport's width in CSS pixels (a screen of that size; its screenshot is `report-<width>.png`)."""
+    dt = DevTools(_browser(), tmp_path / f"profile-{width or 'default'}")
     try:
         target = dt.send("Target.createTarget", {"url": "about:blank"})["targetId"]
         session = dt.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
         for domain in ("Page", "Runtime", "Log", "Network"):
             dt.send(f"{domain}.enable", session=session)
+        if width is not None:
+            dt.send("Emulation.setDeviceMetricsOverride", {"width": width, "height": 900, "deviceScaleFactor": 1,
+                                                            "mobile": width < 600}, session=session)
         dt.send("Page.navigate", {"url": page.resolve().as_uri()}, session=session)
         dt.wait_for("Page.loadEventFired", timeout=60)
         dt.drain(0.3)
@@ -168,14 +172,17 @@ def load_in_browser(page: Path, tmp_path: Path, probe: str | None = None) -> dic
         assert "exceptionDetails" not in result, result
         info = json.loads(result["result"]["value"])
         if probe is not None:
-            answer = dt.send("Runtime.evaluate", {"expression": probe, "returnByValue": True}, session=session)
+            answer = dt.send("Runtime.evaluate", {"expression": probe, "returnByValue": True}, session=session,
+                             timeout=90)
             assert "exceptionDetails" not in answer, answer
             info["probe"] = json.loads(answer["result"]["value"])
             dt.drain(0.3)
             info["errors"] = dt.send("Runtime.evaluate", {"expression": "document.documentElement.getAttribute('data-errors') || '0'",
-                                                          "returnByValue": True}, session=session)["result"]["value"]
+                                                          "returnByValue": True}, session=session, timeout=90)["result"]["value"]
         shot = dt.send("Page.captureScreenshot", {"format": "png"}, session=session)
         (tmp_path / "report.png").write_bytes(base64.b64decode(shot["data"]))
+        if width is not None:
+            (tmp_path / f"report-{width}.png").write_bytes(base64.b64decode(shot["data"]))
         dt.drain(0.2)
     finally:
         dt.close()
@@ -239,6 +246,86 @@ OPEN_LAZY_JS = r"""
     first: (document.querySelector("details.lazy[data-kind=findings] tbody tr") || {}).textContent || ""});
 })()
 """
+
+
+LAYOUT_JS = r"""
+(() => {
+  const root = document.documentElement, vw = root.clientWidth;
+  const page = Math.max(root.scrollWidth, document.body.scrollWidth) - vw;
+  // boxes that scroll sideways inside themselves (a wide table in its section)
+  const inner = [...document.querySelectorAll("section, pre, table, .chartbox, .cell, header")]
+      .filter(e => e.clientWidth > 0 && e.scrollWidth > e.clientWidth + 1)
+      .map(e => `${e.tagName}#${e.id}.${e.className}: ${e.scrollWidth} > ${e.clientWidth}`);
+  // anything drawn past the right edge of the screen
+  const past = [...document.body.querySelectorAll("*")].filter(e => {
+      const r = e.getBoundingClientRect(); return r.width > 0 && r.right > vw + 1; })
+      .slice(0, 8).map(e => `${e.tagName}.${e.className.baseVal ?? e.className}`);
+  const links = [...document.querySelectorAll("a.repro")].map(a =>
+      decodeURIComponent(new URL(a.getAttribute("href"), location.href).pathname));
+  const charts = [...document.querySelectorAll("svg.chart, svg.trend")].map(s => s.getBoundingClientRect())
+      .filter(r => r.width > 0).map(r => r.right);
+  const legends = [...document.querySelectorAll(".trend-legend")].map(p =>
+      [...p.querySelectorAll("span.lg")].map(s => ({text: s.textContent, swatch: s.querySelector("i.sw") !== null,
+        color: s.querySelector("i.sw") ? getComputedStyle(s.querySelector("i.sw")).backgroundColor : ""})));
+  const series = [...document.querySelectorAll("svg.trend")].map(s =>
+      [...s.querySelectorAll("polyline.tline")].map(p => p.dataset.series));
+  const clips = [...document.querySelectorAll("details.clip")].map(d => ({
+      cut: d.querySelector("summary").textContent, full: d.querySelector(".full").textContent, title: d.title}));
+  return JSON.stringify({vw, screen: window.innerWidth, page, inner, past, links, charts, legends, series, clips,
+                         calls: [...document.querySelectorAll("code.call")].map(c => c.textContent),
+                         emoji: [...document.body.innerText].filter(ch => ch.codePointAt(0) >= 0x1F000).length});
+})()
+"""
+
+
+def write_repro_files(results: Results, run: Path) -> int:
+    """Every repro a finding of `results` names (its own and its culprit's), as a file in its cell folder."""
+    n = 0
+    for c in results.cells:
+        for f in c.findings:
+            culprit = f.details.get("culprit") if isinstance(f.details, dict) else None
+            paths = [f.repro.path if f.repro else None,
+                     (culprit.get("repro") or {}).get("path") if isinstance(culprit, dict) else None]
+            for rel in filter(None, paths):
+                target = run / (c.artifacts_dir or f"cells/{c.id}") / rel
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_text("raise SystemExit(1)\n", encoding="utf-8")
+                n += 1
+    return n
+
+
+@pytest.mark.timeout(180)
+def test_the_page_fits_1280_and_390_px_and_every_repro_link_resolves(tmp_path: Path) -> None:
+    """Issue 35: at 1280 px nothing scrolls sideways (long cells wrap), at 390 px the page itself does not; every
+    repro link opens a file that exists; op findings show their call; long messages are cut at a word."""
+    _browser()
+    from ci_runner.report.html import cut_words
+
+    results = example_results()
+    failing = next(c for c in results.cells if c.findings and c.findings[0].op)
+    f = failing.findings[0]
+    f.message = "RuntimeError: " + "an_unbroken_identifier_of_a_generated_kernel_" * 12 + " and then the words go on " * 9
+    f.op = "aten." + "very_long_operator_name_" * 6 + ".default"
+    run = tmp_path / "run"
+    assert write_repro_files(results, run) > 0
+    paths = write_reports(results, run / "report", run_dir=run, env={})
+    wide = load_in_browser(paths["html"], tmp_path, probe=LAYOUT_JS, width=1280)["probe"]
+    assert wide["screen"] == 1280 and wide["page"] <= 0, wide
+    assert not wide["inner"], wide["inner"]
+    assert not wide["past"], wide["past"]
+    assert wide["links"] and all(Path(p).is_file() for p in wide["links"]), [p for p in wide["links"] if not Path(p).is_file()]
+    shown = [fv for c in results.cells for fv in c.findings if fv.repro]
+    assert len(set(wide["links"])) >= len({(c.id, fv.repro.path) for c in results.cells for fv in c.findings if fv.repro}) > 0, shown
+    assert any(call.endswith("(f32[1, 4, 1, 16], -1)") for call in wide["calls"]), wide["calls"]
+    assert wide["emoji"] == 0
+    assert wide["clips"], "the long message must be cut"
+    for clipped in wide["clips"]:
+        assert clipped["full"] == clipped["title"] and clipped["cut"] == cut_words(clipped["full"], len(clipped["cut"]) + 1) \
+            or clipped["full"].startswith(clipped["cut"].rstrip("…")), clipped
+    narrow = load_in_browser(paths["html"], tmp_path, probe=LAYOUT_JS, width=390)["probe"]
+    assert narrow["screen"] == 390 and narrow["page"] <= 0, narrow
+    assert narrow["charts"] and all(right <= 390 for right in narrow["charts"]), narrow["charts"]
+    assert (tmp_path / "report-1280.png").stat().st_size > 10_000 and (tmp_path / "report-390.png").stat().st_size > 10_000
 
 
 @pytest.mark.timeout(180)
@@ -313,6 +400,13 @@ def test_sixty_nights_burndown_in_headless_chromium(tmp_path: Path) -> None:
         h.close()
     info = load_in_browser(paths["html"], tmp_path, probe=BURNDOWN_JS)
     charts = info["probe"]["charts"]
+    layout = load_in_browser(paths["html"], tmp_path, probe=LAYOUT_JS, width=1280)["probe"]
+    assert layout["page"] <= 0 and not layout["inner"] and not layout["past"], layout
+    assert layout["legends"] and len(layout["legends"]) == len(layout["series"])
+    for names, legend in zip(layout["series"], layout["legends"]):  # every line has its whole name and a swatch
+        assert [item["text"] for item in legend][: len(names)] == names, (names, legend)
+        assert all(item["swatch"] and item["color"] not in ("", "rgba(0, 0, 0, 0)") for item in legend[: len(names)]), legend
+        assert len({item["color"] for item in legend[: len(names)]}) == len(names), legend
     assert len(charts) == 3  # one per backend
     for ch in charts:
         assert ch["points"] == NIGHTS and ch["width"] > 300 and ch["height"] > 100, ch

@@ -166,7 +166,8 @@ def test_available_backends_lists_compilers_sims_and_devices() -> None:
     by_name = {r["name"]: r for r in rows}
     for name in ("inductor", "aot_eager"):
         assert by_name[name]["kind"] == "torch.compile"
-    for name in ("sim-subset", "sim-drift", "sim-crash", "sim-abort", "sim-segv", "sim-hang"):
+    for name in ("sim-subset", "sim-drift", "sim-crash", "sim-abort", "sim-segv", "sim-hang", "sim-decode", "sim-kvdrift",
+                 "sim-masknan", "sim-long", "sim-reuse"):
         assert by_name[name]["kind"] == "sim" and by_name[name]["description"]
     assert by_name["simdev"]["kind"] == "sim device"
     assert by_name["cpu"]["kind"] == "device"

@@ -17,7 +17,8 @@ def test_env_lists_versions_devices_and_the_sim_backends(capsys: pytest.CaptureF
     report = json.loads(capsys.readouterr().out)
     assert report["torch"] and report["transformers"] and report["python"]
     names = {b["name"] for b in report["backends"]}
-    assert {"inductor", "aot_eager", "sim-subset", "sim-drift", "sim-crash", "sim-abort", "sim-segv", "sim-hang", "simdev"} <= names
+    assert {"inductor", "aot_eager", "sim-subset", "sim-drift", "sim-crash", "sim-abort", "sim-segv", "sim-hang",
+            "sim-decode", "sim-kvdrift", "sim-masknan", "sim-long", "sim-reuse", "simdev"} <= names
     assert "cpu" in report["devices"]
     assert main(["env"]) == 0
     assert "sim-subset (sim)" in capsys.readouterr().out

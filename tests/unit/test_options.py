@@ -1,4 +1,4 @@
-"""Mode options declared once (`ci_runner/options.py`): parsing, checks at matrix load, the README's tables."""
+"""Mode options declared once (`ci_runner/options.py`): parsing, checks at matrix load, the tables of docs/modes.md."""
 
 from __future__ import annotations
 
@@ -106,19 +106,30 @@ def test_the_bundled_example_parses() -> None:
             parse(mode, opts)
 
 
-def _readme_tables() -> list[str]:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+def _doc_tables() -> list[str]:
+    text = (ROOT / "docs" / "modes.md").read_text(encoding="utf-8")
     return re.findall(r"^\| option \| default \| meaning \|\n(?:^\|.*\|\n)+", text, flags=re.M)
 
 
 @pytest.mark.parametrize("cls", [OpsOptions, LayersOptions, NumericsOptions, ToolboxOptions])
-def test_the_readme_tables_are_the_declarations(cls: type) -> None:
+def test_the_docs_tables_are_the_declarations(cls: type) -> None:
     table = markdown_table(cls) + "\n"
-    assert table in _readme_tables(), f"README.md's table for {cls.__name__} differs; paste:\n{table}"
+    assert table in _doc_tables(), f"docs/modes.md's table for {cls.__name__} differs: python -m tests.fixtures.doctables"
 
 
-def test_every_declared_key_is_in_one_readme_table() -> None:
-    rows = "".join(_readme_tables())
+def test_the_docs_tables_are_generated() -> None:
+    """Every table of docs/modes.md sits under its marker and is what `python -m tests.fixtures.doctables` writes."""
+    from tests.fixtures import doctables
+
+    text = doctables.PAGE.read_text(encoding="utf-8")
+    assert doctables.classes_in(text) == ["OpsOptions", "LayersOptions", "NumericsOptions", "ToolboxOptions"]
+    assert doctables.render(text) == text, "run: python -m tests.fixtures.doctables"
+    broken = text.replace("| `probe_timeout` | 30 |", "| `probe_timeout` | 31 |")
+    assert broken != text and doctables.render(broken) == text
+
+
+def test_every_declared_key_is_in_one_docs_table() -> None:
+    rows = "".join(_doc_tables())
     for mode in ("ops", "layers", "numerics"):
         for key in known_keys(mode):
             assert f"| `{key}` |" in rows, (mode, key)

@@ -58,7 +58,7 @@ def test_built_in_modes_kinds_and_derived_tables() -> None:
     assert set(kind_names()) == {k.value for k in FindingKind}
     assert kinds_in(SECTION_OPS) == {"unsupported_op", "op_error", "op_mismatch"}
     assert kinds_in(SECTION_LAYERS) == {"layer_failure"} and kinds_in(SECTION_DIVERGENT) == {"divergence"}
-    assert kinds_in(SECTION_OTHER) == {"weights_mismatch", "batch_variance"}
+    assert kinds_in(SECTION_OTHER) == {"weights_mismatch", "batch_variance", "output_overwritten"}
     assert kinds_filed_as("op") == kinds_in(SECTION_OPS)
     assert mode_of_group() == {"op": "ops", "culprit": "layers", "layer": "layers", "divergence": "numerics"}
     assert list(group_order()) == ["op", "culprit", "layer", "divergence"]

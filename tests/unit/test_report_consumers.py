@@ -48,7 +48,7 @@ def mixed_results() -> Results:
 
 
 def documented_counts(results: Results) -> dict[str, int]:
-    """The README's mapping, computed straight from the results."""
+    """The documented mapping (docs/reports.md, junit.xml), computed straight from the results."""
     tests = failures = errors = skipped = 0
     for c in results.cells:
         modes = c.modes

@@ -92,7 +92,7 @@ def test_repro_paths_are_relative_to_the_report_folder(tmp_path) -> None:  # typ
 def test_no_numerics_no_charts_no_crash() -> None:
     results = Results(cells=[rf.cell("m", "b", {"numerics": ModeResult(status="error", reason="boom", data={})})])
     page = render_html(results)
-    assert "<svg" not in page and "numerics error: boom" in page
+    assert "<svg class=\"chart" not in page and "numerics error: boom" in page
     assert "No cells ran." in render_html(rf.empty_results())
 
 
@@ -125,3 +125,38 @@ def test_an_inconclusive_numerics_cell_says_how_many_layers_were_compared() -> N
     assert f"{n} layers, only {n - 3} compared, " in render_html(results)
     mode.data["coverage"]["compared"] = n
     assert " compared, " not in render_html(results).split('id="cells-detail"')[1]
+
+
+def test_status_icons_need_no_emoji_font() -> None:
+    """Issue 35: every status icon is inline SVG with its name; no emoji (or variation selector) on the page."""
+    page = render_html(rf.example_results())
+    emoji = [ch for ch in page if ord(ch) >= 0x1F000 or 0x2600 <= ord(ch) <= 0x27BF or ch == "\ufe0f"]
+    assert not emoji, sorted(set(emoji))
+    for status in ("pass", "fail", "crashed", "skipped"):
+        assert f'aria-label="{status}"><title>{status}</title>' in page, status
+
+
+def test_an_op_finding_shows_its_call_and_a_divergence_its_layer(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    run = tmp_path / "run"
+    results = rf.sample_results()
+    view = build_view(results, out_dir=run / "report", run_dir=run)
+    page = render_html(results, view=view)
+    assert '<code class="call">aten.cumsum.default(f32[1, 4, 1, 16], -1)</code>' in page
+    places = {r["error_type"]: r["place"] for r in view.root_causes}
+    assert places["divergence"].startswith("layer model.") and "(" in places["divergence"], places
+    assert places["BackendCompilerFailed"].startswith("op aten.") and " in layer model." in places["BackendCompilerFailed"]
+    assert "unknown (no traceback)" not in page.split('id="root-causes"')[1].split("</section>")[0]
+    links = re.findall(r'<a class="repro" href="([^"]+)">', page)
+    assert links and all(h.startswith("../cells/") for h in links)
+    assert 'class="repro"' not in render_html(results)  # no run folder known: paths shown, not linked
+
+
+def test_long_messages_are_cut_at_a_word_with_the_whole_text_kept() -> None:
+    from ci_runner.report.html import clip, cut_words
+
+    text = "the backend could not lower " + "averyveryverylongidentifier " * 12 + "end"
+    cut = cut_words(text, 100)
+    assert cut.endswith("…") and len(cut) <= 100 and text.startswith(cut[:-1]) and text[len(cut) - 1] == " "
+    shown = str(clip(text, 100))
+    assert f'title="{text}"' in shown and f'<span class="full">{text}</span>' in shown
+    assert str(clip("short", 100)) == "short"

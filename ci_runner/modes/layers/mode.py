@@ -40,11 +40,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import torch
 
-from ...backends import backend_ran, backend_recipe, is_self_test, plugin_pythonpath, simdev_options
+from ...backends import backend_ran, plugin_pythonpath, simdev_options
 from ...config import spec_to_json
 from .culprit import CulpritResult, CulpritTarget, find_culprits, hints_from_error, ops_cross_check, write_repro
 from .groups import IN_PROCESS, cause_families, cause_groups, run_parallel
 from .handoff import drop_handoff, save_target
+from .phases import run_phases
 from ...fsutil import atomic_write_text
 from ...engine.codec import TensorStore, Unstorable
 from ...engine.failure import first_line, tail, unwrap
@@ -53,7 +54,7 @@ from ...engine.outcome import ProbeOutcome, append_outcome, read_outcomes
 from .search import ROOT, ChildPlan, ModuleTree, SearchResult, StopSearch, capture_inputs, encode_call, label, own_name, scan_model, search, twin_plan, unlabel, write_root_call
 from ...options import LayersOptions
 from ...registry import FindingKind, parse_options
-from ...engine.repro import render_template, run_command, safe_filename, verify_script, write_script
+from ...engine.repro import plugin_modules as _plugin_modules, render_template, run_command, safe_filename, template_backend, verify_script, write_script
 from ...engine.tree import module_tensors
 from ...results.model import JOURNAL_NAME, Finding, ModeResult, Repro, fingerprint
 from ...results.rootcause import annotate
@@ -186,8 +187,25 @@ def _nonempty(path: Path) -> bool:
 # --------------------------------------------------------------------------- the mode
 
 def run(ctx: "ModeContext") -> ModeResult:
+    """The layers mode: the single forward's search, then each phase of `inputs.phases` (modes/layers/phases.py)."""
     opts: LayersOptions = parse_options("layers", ctx.options("layers"))
     layers_dir = ctx.artifact_dir("layers")
+    result = _run_forward(ctx, opts, layers_dir)
+    if not ctx.cell.inputs.phases:
+        return result
+    t0 = time.monotonic()
+    findings, result.data["phases"] = run_phases(ctx, opts, layers_dir)
+    result.duration_s += time.monotonic() - t0
+    if findings:
+        annotate(findings)
+        result.findings += findings
+        if result.status in ("pass", "inconclusive"):
+            result.status = "fail"
+    return result
+
+
+def _run_forward(ctx: "ModeContext", opts: LayersOptions, layers_dir: Path) -> ModeResult:
+    """The single unpadded forward: the smallest failing submodule(s), their repros and culprits."""
     t0 = time.monotonic()
     loaded = ctx.model()
     model = loaded.module
@@ -411,15 +429,6 @@ def _finding(ctx: "ModeContext", tree: ModuleTree, result: SearchResult, name: s
 
 # --------------------------------------------------------------------------- repros
 
-def _plugin_modules(spec: Any) -> list[str]:
-    mods = list(spec.imports)
-    if spec.compile and ":" in spec.compile:
-        mods.append(spec.compile.split(":", 1)[0])
-    if is_self_test(spec):
-        mods.append("ci_runner")
-    return list(dict.fromkeys(mods))
-
-
 def _key_text(message: str) -> list[str]:
     """A stable piece of the error text for verification (first line, before node names or numbers vary)."""
     line = first_line(message, 120)
@@ -428,15 +437,6 @@ def _key_text(message: str) -> list[str]:
             line = line.split(cut, 1)[0]
     line = line.strip()
     return [line[:80]] if len(line) >= 8 else []
-
-
-def template_backend(spec: Any) -> dict[str, Any]:
-    """How the layer repro template gets the backend (`backends.backend_recipe`, as the template names it):
-    kind eager | sim | callable | registered, plus what that kind needs."""
-    r = backend_recipe(spec)
-    kind = "callable" if r.kind == "plugin" else r.kind
-    return {"kind": kind, "name": r.name if kind in ("sim", "registered") else None, "module": r.module,
-            "attr": r.attr, "options": dict(r.options), "compile_options": dict(r.compile_options)}
 
 
 def _repro_context(ctx: "ModeContext", name: str, node_class: str, o: ProbeOutcome, call: dict[str, Any]) -> dict[str, Any]:

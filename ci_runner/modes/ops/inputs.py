@@ -49,13 +49,23 @@ def mask_with_trues(shape, stride, n, trues, gen):  # type: ignore[no-untyped-de
     return out
 
 
-def make_tensor(shape, stride, dtype, low, high, seed, trues=None, offsets=False, chunk=1 << 22):  # type: ignore[no-untyped-def]
+def make_tensor(shape, stride, dtype, low, high, seed, trues=None, offsets=False, chunk=1 << 22,  # type: ignore[no-untyped-def]
+                masked_rows=None):
     """A synthetic input with the recorded shape, stride and dtype; values uniform in [low, high) from `seed`.
 
     Drawn in float64 / int64 `chunk` elements at a time, each scaled and cast into the tensor's storage (the
     generator's sequence is the same as one draw of the whole: the same values, a bounded buffer). `trues`: a bool
-    mask with that many True elements; `offsets`: the values sorted, the first one `low` (embedding_bag's offsets).
+    mask with that many True elements; `offsets`: the values sorted, the first one `low` (embedding_bag's offsets);
+    `masked_rows`: an attention mask whose query rows (second-to-last dimension) of these indices mask every key
+    (False in a bool mask, -inf in an additive one), as a padded batch's padded queries are.
     """
+    if masked_rows:
+        t = make_tensor(shape, stride, dtype, low, high, seed, trues, offsets, chunk)
+        fill = False if t.dtype == torch.bool else float("-inf")
+        if t.dim() >= 2:
+            for row in masked_rows:
+                t[..., row, :] = fill
+        return t
     gen = torch.Generator().manual_seed(seed)
     dtype = getattr(torch, dtype)
     t = torch.empty_strided(tuple(shape), tuple(stride), dtype=dtype)
@@ -180,7 +190,7 @@ def probe_seed(key: str) -> int:
 
 def _draw(s: Mapping[str, Any], seed: int) -> torch.Tensor:
     return make_tensor(s["shape"], s["stride"], s["dtype"], s["low"], s["high"], seed, trues=s.get("trues"),
-                       offsets=bool(s.get("offsets")))
+                       offsets=bool(s.get("offsets")), masked_rows=s.get("masked_rows"))
 
 
 def build_tensors(args: Any, kwargs: Any, seed: int) -> list[torch.Tensor]:
@@ -218,7 +228,8 @@ def call_source(args: Any, kwargs: Any) -> tuple[list[str], list[str], str]:
     def tensor(s: Mapping[str, Any]) -> str:
         name = f"t{len(names)}"
         keep = (f", trues={int(s['trues'])!r}" if s.get("trues") is not None else "") + \
-            (", offsets=True" if s.get("offsets") else "")
+            (", offsets=True" if s.get("offsets") else "") + \
+            (f", masked_rows={list(s['masked_rows'])!r}" if s.get("masked_rows") else "")
         lines.append(f"{name} = make_tensor({list(s['shape'])!r}, {list(s['stride'])!r}, {s['dtype']!r}, "
                      f"{s['low']!r}, {s['high']!r}, SEED + {len(names)}{keep})")
         names.append(name)

@@ -46,6 +46,7 @@ from .inventory import InventoryError, take_inventory
 from .compare import SCRIPT_FUNCTIONS, matches_any
 from .outcome import OpOutcome, OpStatus
 from .inputs import SCRIPT_FUNCTIONS as INPUT_FUNCTIONS, call_source
+from .phases import run_phases
 from .probe import not_run_outcome, op_expression
 from .signature import Inventory, OpSignature
 from .store import probe_signatures, probe_spec
@@ -211,9 +212,37 @@ def run(ctx: "ModeContext") -> ModeResult:
     timings["probe_s"] = round(time.monotonic() - t_probe, 3)
     _cleanup(ops_dir / "work")
     data["probe_store"] = {k: stats[k] for k in ("reused", "probed", "waited") if k in stats}
-    return model_result(inventory, outcomes, spec=spec, model_id=ctx.cell.model.id, level=level, opts=opts,
-                        ops_dir=ops_dir, env_stamp=ctx.env, remaining=ctx.remaining, eager=backend.is_eager,
-                        setup_error=stats.get("setup_error"), data=data, started=t_start)
+    result = model_result(inventory, outcomes, spec=spec, model_id=ctx.cell.model.id, level=level, opts=opts,
+                          ops_dir=ops_dir, env_stamp=ctx.env, remaining=ctx.remaining, eager=backend.is_eager,
+                          setup_error=stats.get("setup_error"), data=data, started=t_start)
+    if ctx.cell.inputs.phases:
+        _add_phases(ctx, opts, inventory, ops_dir, result, level)
+    return result
+
+
+def _add_phases(ctx: "ModeContext", opts: OpsOptions, inventory: Inventory, ops_dir: Path, result: ModeResult,
+                level: str) -> None:
+    """Each phase's graphs (modes/ops/phases.py), their new signatures probed like the forward's."""
+    t0 = time.monotonic()
+    spec, backend = ctx.cell.backend, ctx.backend
+
+    def probe(phase_inventory: Inventory, phase_dir: Path) -> ModeResult:
+        keys = {s.key: s for s in phase_inventory.signatures}
+        found = probe_signatures(spec, list(keys.values()), store_dir=store_dir(ctx), opts=opts,
+                                 remaining=ctx.remaining, journal=ctx.journal, work_dir=phase_dir / "work",
+                                 versions=ctx.env.get("backend"), stats={})
+        _cleanup(phase_dir / "work")
+        return model_result(phase_inventory, found, spec=spec, model_id=ctx.cell.model.id, level="aten", opts=opts,
+                            ops_dir=phase_dir, env_stamp=ctx.env, remaining=ctx.remaining, eager=backend.is_eager)
+
+    findings, result.data["phases"] = run_phases(ctx, opts, inventory, ops_dir, probe,
+                                                 {f.fingerprint for f in result.findings})
+    result.data.setdefault("timings", {})["phases_s"] = round(time.monotonic() - t0, 3)
+    result.duration_s += time.monotonic() - t0
+    if findings:
+        result.findings += findings
+        if result.status in ("pass", "inconclusive"):
+            result.status = "fail"
 
 
 def store_dir(ctx: "ModeContext") -> Path:

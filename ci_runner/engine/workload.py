@@ -1,0 +1,296 @@
+"""Run a phase (`ci_runner/phases.py`) the way its users run it: one callable, called again and again.
+
+A phase is a list of calls. The prefill writes the prompt into a KV cache (transformers' `StaticCache` by default,
+as users compile; `DynamicCache` on request); each decode step feeds one token through the same cache object, with
+its position, as a hand-written generation loop does. A padded batch is one call with the attention mask and the
+position ids `generate` derives from it (`cumsum(mask) - 1`, 0 on padding), so padded query rows are fully masked.
+A long phase is one call per length. The same `fn` (the eager module, or one compiled object) serves every call,
+so a compiler sees the shapes change exactly as in generation.
+
+Decode is teacher-forced when `forced` tokens are given (the reference's greedy tokens): both sides see the same
+tokens, so one flipped token does not hide the layer that drifts. Every call's returned logits are kept as returned
+(`raw`) and as a copy: `overwritten` lists the outputs a later call changed (a runtime that reuses its output
+buffers).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+from ..config import InputSpec
+from ..phases import Phase
+from .failure import stage_of, unwrap
+from .models import LoadedModel, build_inputs, seeded_ids, text_config
+
+__all__ = ["Call", "CallRecord", "PhaseRun", "skip_reason", "run_phase", "cache_kwarg", "logits_of"]
+
+
+@dataclass
+class Call:
+    """One call of a phase. `step` is the decode step (1-based), else None; `real` marks the real tokens of a padded
+    batch ([batch, seq] bool), None when every token is real."""
+
+    phase: str
+    step: int | None
+    label: str
+    kwargs: dict[str, Any]
+    real: torch.Tensor | None = None
+
+
+@dataclass
+class CallRecord:
+    """What one call did: its error (None when it returned), its logits (a copy) and what it returned (`raw`)."""
+
+    phase: str
+    step: int | None
+    label: str
+    seconds: float
+    error: str | None = None
+    error_type: str | None = None
+    stage: str | None = None  # compile | run, where the error was raised
+    exc: BaseException | None = field(default=None, repr=False)
+    logits: torch.Tensor | None = field(default=None, repr=False)
+    raw: torch.Tensor | None = field(default=None, repr=False)
+    real: torch.Tensor | None = field(default=None, repr=False)
+    token: torch.Tensor | None = field(default=None, repr=False)  # the token a decode step was fed
+    prompt_ids: torch.Tensor | None = field(default=None, repr=False)  # the ids a prefill/batch/long call was fed
+
+
+@dataclass
+class PhaseRun:
+    phase: Phase
+    records: list[CallRecord] = field(default_factory=list)
+    tokens: list[torch.Tensor] = field(default_factory=list)  # greedy next token after each prefill/decode call
+    cache: Any = None
+    overwritten: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def failed(self) -> CallRecord | None:
+        return next((r for r in self.records if r.error is not None), None)
+
+
+def _signature(module: torch.nn.Module) -> set[str]:
+    try:
+        return set(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def cache_kwarg(module: torch.nn.Module) -> str | None:
+    """The forward's KV-cache keyword (`cache` in transformers >= 5.x, `past_key_values` before), or None."""
+    params = _signature(module)
+    return next((k for k in ("cache", "past_key_values") if k in params), None)
+
+
+def _generates(loaded: LoadedModel) -> bool:
+    can = getattr(loaded.module, "can_generate", None)
+    try:
+        return bool(can()) if callable(can) else False
+    except Exception:  # a model whose can_generate raises does not generate  # noqa: BLE001
+        return False
+
+
+def _max_positions(loaded: LoadedModel) -> int | None:
+    cfg = text_config(loaded.config) if loaded.config is not None else None
+    value = getattr(cfg, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def long_lengths(loaded: LoadedModel, phase: Phase) -> tuple[list[int], list[int]]:
+    """The long phase's lengths that fit the model's positions, and those that do not."""
+    limit = _max_positions(loaded)
+    fit = [n for n in phase.lengths if limit is None or n <= limit]
+    return fit, [n for n in phase.lengths if n not in fit]
+
+
+def skip_reason(loaded: LoadedModel, phase: Phase, inputs: InputSpec) -> str | None:
+    """Why `phase` does not apply to this model (None: it applies)."""
+    if loaded.example_inputs is not None:
+        return "a factory model brings its own inputs; phases are built for token models loaded from a config or folder"
+    if loaded.task in ("image-classification",) or loaded.config is None:
+        return f"{phase.name} needs token inputs; the model's task is {loaded.task}"
+    if phase.name in ("prefill", "decode"):
+        if not _generates(loaded) or cache_kwarg(loaded.module) is None:
+            return f"{phase.name} needs a model that generates through a KV cache; {type(loaded.module).__name__} does not"
+        limit = _max_positions(loaded)
+        total = inputs.seq_len + phase.steps
+        if limit is not None and total > limit:
+            return f"prompt {inputs.seq_len} + {phase.steps} steps = {total} tokens > max_position_embeddings {limit}"
+    if phase.name in ("batch", "long") and loaded.task == "image-text":
+        return f"{phase.name} prompts are built for text models; this is an image-text model"
+    if phase.name == "batch" and "attention_mask" not in _signature(loaded.module):
+        return f"a padded batch needs an attention mask; {type(loaded.module).__name__}.forward takes none"
+    if phase.name == "long":
+        fit, over = long_lengths(loaded, phase)
+        if not fit:
+            return f"every length {over} is over the model's max_position_embeddings {_max_positions(loaded)}"
+    return None
+
+
+def logits_of(out: Any) -> torch.Tensor | None:
+    """The logits (or first tensor output) of a model's return value."""
+    if isinstance(out, torch.Tensor):
+        return out
+    for key in ("logits", "last_hidden_state"):
+        value = getattr(out, key, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    return None
+
+
+def _ids(loaded: LoadedModel, inputs: InputSpec, length: int, *, batch: int = 1, salt: int = 0) -> torch.Tensor:
+    spec = InputSpec(batch=batch, seq_len=length, samples=1, seed=inputs.seed)
+    return seeded_ids(loaded.config, spec, 1000 + salt, length)
+
+
+def _pad_id(loaded: LoadedModel) -> int:
+    cfg = text_config(loaded.config)
+    pad = getattr(cfg, "pad_token_id", None)
+    return int(pad) if isinstance(pad, int) and pad >= 0 else 0
+
+
+def make_cache(loaded: LoadedModel, phase: Phase, max_len: int) -> Any:
+    """A fresh KV cache of the phase's kind for `max_len` tokens."""
+    import transformers  # deferred: only phases with a cache need it
+
+    if phase.cache == "dynamic":
+        return transformers.DynamicCache(config=loaded.module.config)
+    return transformers.StaticCache(config=loaded.module.config, max_cache_len=max_len)
+
+
+def _image_prefix(loaded: LoadedModel, inputs: InputSpec, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+    built = build_inputs(loaded, inputs, sample=0, device="cpu")
+    return built["input_ids"], {"pixel_values": built["pixel_values"]}
+
+
+def generation_calls(loaded: LoadedModel, inputs: InputSpec, phase: Phase, device: str,
+                     next_token: Callable[[int], torch.Tensor]) -> Iterator[Call]:
+    """Prefill then `phase.steps` decode steps through one cache; `next_token(step)` gives step's input token."""
+    ids = _ids(loaded, inputs, inputs.seq_len, batch=inputs.batch)
+    extra: dict[str, Any] = {}
+    if loaded.task == "image-text":
+        ids, extra = _image_prefix(loaded, inputs, ids)
+    length = ids.shape[1]
+    cache = make_cache(loaded, phase, length + phase.steps)
+    key = cache_kwarg(loaded.module) or "past_key_values"
+    dtype = loaded.dtype
+    extra = {k: v.to(device=device, dtype=dtype) if v.is_floating_point() else v.to(device) for k, v in extra.items()}
+    yield Call("prefill", None, "prefill", {
+        "input_ids": ids.to(device), key: cache, "use_cache": True,
+        "position_ids": torch.arange(length, device=device).expand(ids.shape[0], -1), **extra})
+    for step in range(1, phase.steps + 1):
+        tok = next_token(step).to(device)
+        pos = torch.full((ids.shape[0], 1), length + step - 1, dtype=torch.long, device=device)
+        yield Call("decode", step, f"decode step {step}", {"input_ids": tok, key: cache, "use_cache": True,
+                                                           "position_ids": pos})
+
+
+def batch_call(loaded: LoadedModel, inputs: InputSpec, phase: Phase, device: str) -> Call:
+    """One padded batch of `phase.lengths` prompts, mask and positions as `generate` builds them."""
+    lengths = list(phase.lengths)
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), _pad_id(loaded), dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        cols = slice(width - n, width) if phase.padding == "left" else slice(0, n)
+        ids[row, cols] = _ids(loaded, inputs, n, salt=row)[0]
+        mask[row, cols] = 1
+    kwargs: dict[str, Any] = {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
+    params = _signature(loaded.module)
+    if _generates(loaded) and "position_ids" in params:
+        kwargs["position_ids"] = ((mask.cumsum(-1) - 1).clamp(min=0) * mask).to(device)
+    if "use_cache" in params:
+        kwargs["use_cache"] = False
+    return Call("batch", None, "batch", kwargs, real=mask.bool())
+
+
+def long_calls(loaded: LoadedModel, inputs: InputSpec, phase: Phase, device: str) -> Iterator[Call]:
+    params = _signature(loaded.module)
+    for n in long_lengths(loaded, phase)[0]:
+        ids = _ids(loaded, inputs, n, batch=inputs.batch)
+        kwargs: dict[str, Any] = {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device)}
+        if "use_cache" in params:
+            kwargs["use_cache"] = False
+        yield Call("long", None, f"long {n}", kwargs)
+
+
+def _greedy(logits: torch.Tensor) -> torch.Tensor:
+    return logits[:, -1:].float().argmax(-1)
+
+
+def run_phase(fn: Callable[..., Any], loaded: LoadedModel, inputs: InputSpec, phase: Phase, *,
+              forced: list[torch.Tensor] | None = None, device: str = "cpu", keep_going: bool = False,
+              before_call: Callable[[Call], None] | None = None,
+              after_call: Callable[[Call, CallRecord], None] | None = None) -> PhaseRun:
+    """Call `fn` for each call of `phase`, under `torch.no_grad()`. Stops at the first failing call unless
+    `keep_going` (a decode step cannot follow a failed one: its token and cache are missing)."""
+    run = PhaseRun(phase=phase)
+
+    def next_token(step: int) -> torch.Tensor:
+        if forced is not None and step - 1 < len(forced):
+            return forced[step - 1]
+        return run.tokens[step - 1]
+
+    if phase.name in ("prefill", "decode"):
+        calls: Iterator[Call] = generation_calls(loaded, inputs, phase, device, next_token)
+    elif phase.name == "batch":
+        calls = iter([batch_call(loaded, inputs, phase, device)])
+    else:
+        calls = long_calls(loaded, inputs, phase, device)
+    kept: list[tuple[CallRecord, torch.Tensor]] = []
+    with torch.no_grad():
+        for call in calls:
+            if before_call is not None:
+                before_call(call)
+            t0 = time.perf_counter()
+            rec = CallRecord(call.phase, call.step, call.label, 0.0, real=call.real)
+            try:
+                out = fn(**call.kwargs)
+                raw = logits_of(out)
+                rec.raw = raw
+                rec.logits = raw.detach().clone() if raw is not None else None
+            except Exception as exc:  # the backend's failure is the finding  # noqa: BLE001
+                inner = unwrap(exc)  # the backend's own error, not Dynamo's wrapper
+                rec.error, rec.error_type, rec.exc = f"{type(inner).__name__}: {inner}", type(inner).__name__, exc
+                rec.stage = stage_of(exc)
+            rec.seconds = time.perf_counter() - t0
+            if call.step is not None:
+                rec.token = call.kwargs["input_ids"].detach().cpu()
+            else:
+                rec.prompt_ids = call.kwargs["input_ids"].detach().cpu()
+            run.records.append(rec)
+            if rec.error is None:
+                _check_kept(run, kept, rec)
+                if rec.logits is not None:
+                    kept.append((rec, rec.logits))
+                    if phase.name in ("prefill", "decode"):
+                        run.tokens.append(_greedy(rec.logits))
+                run.cache = call.kwargs.get(cache_kwarg(loaded.module) or "past_key_values")
+            if after_call is not None:
+                after_call(call, rec)
+            if rec.error is not None and not keep_going:
+                break
+    return run
+
+
+def _check_kept(run: PhaseRun, kept: list[tuple[CallRecord, torch.Tensor]], latest: CallRecord) -> None:
+    """After `latest` returned: did any earlier call's returned output change? (Each is reported once.)"""
+    named = {o["call"] for o in run.overwritten}
+    for rec, copy in kept:
+        if rec.label in named or rec.raw is None:
+            continue
+        same = rec.raw.shape == copy.shape and torch.equal(rec.raw.nan_to_num(0.0), copy.nan_to_num(0.0))
+        if not same:
+            shared = rec.raw.untyped_storage().data_ptr() == (latest.raw.untyped_storage().data_ptr()
+                                                             if latest.raw is not None else -1)
+            run.overwritten.append({"call": rec.label, "step": rec.step, "changed_after": latest.label,
+                                    "shares_storage": bool(shared),
+                                    "max_abs_change": float((rec.raw.double() - copy.double()).abs().max())
+                                    if rec.raw.shape == copy.shape else None})

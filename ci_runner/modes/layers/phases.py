@@ -1,0 +1,304 @@
+"""Layers per phase (`inputs.phases`): the call that dies, the smallest submodule it dies in, and why.
+
+For each phase the whole model is compiled once with the backend (its `compile_options` honoured) and called as
+users call it (`engine/workload.py`: prefill, then decode steps through one KV cache; a padded batch; long prompts),
+teacher-forced with eager's tokens. The first call that raises is named (phase, step). Then:
+- **dynamic shapes**: the same phase again with `dynamic=False` (one graph per shape). Passing there means the
+  failure is "only under dynamic shapes" (Dynamo recompiled the second call with a symbolic length);
+- **the culprit**: the symbolic-shape functions (`sym_max`, `sym_size`, …) in the graph the backend was given for
+  the failing call, and any graph op the error names;
+- **the smallest failing submodule**: each submodule's calls are captured eagerly (args, kwargs, KV cache state
+  included) and replayed, in order, through one compiled object per submodule, walking down from the model while a
+  child fails at the same call. When no child fails, the failure lies in the parent's own code (e.g. mask code in
+  the model's forward) and the finding says so;
+- **a repro** (`repro_phase.py.j2`): the model rebuilt from its config and weights, compiled with the backend, the
+  phase's calls replayed up to the failing one; verified by running it.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch
+
+from ...backends.ran import CompileRecord
+from ...engine.failure import first_line
+from ...engine.repro import plugin_modules, render_template, safe_filename, template_backend, verify_script, write_script
+from ...engine.workload import Call, PhaseRun, cache_kwarg, run_phase, skip_reason
+from ...fsutil import atomic_write_text
+from ...options import LayersOptions
+from ...phases import Phase
+from ...results.model import Finding, Repro, fingerprint
+
+if TYPE_CHECKING:
+    from .. import ModeContext
+
+ROOT = ""
+Captured = dict[str, list[tuple[int, tuple[Any, ...], dict[str, Any]]]]  # module -> (call index, args, kwargs)
+
+
+def _compile(ctx: "ModeContext", module: torch.nn.Module, *, dynamic: bool | None = None) -> tuple[Any, CompileRecord | None]:
+    """The module compiled with the cell's backend as a user compiles it, keeping the graphs it is given;
+    `dynamic` overrides the backend's `compile_options.dynamic`."""
+    import torch._dynamo  # deferred: Dynamo takes seconds to import
+
+    torch._dynamo.reset()
+    backend = ctx.backend
+    inner = backend.compiler_backend()
+    if inner is None:
+        return module, None
+    options = dict(ctx.cell.backend.compile_options)
+    if dynamic is not None:
+        options["dynamic"] = dynamic
+    if inner == "inductor":
+        inner = torch._TorchCompileInductorWrapper(options.pop("mode", None), options.pop("options", None),
+                                                   options.get("dynamic"))
+    name = inner if isinstance(inner, str) else getattr(inner, "__name__", "backend")
+    record = CompileRecord(inner, str(name))
+    record.keep_modules = True
+    return torch.compile(module, backend=record, **options), record
+
+
+def _fresh(ctx: "ModeContext", loaded: Any) -> torch.nn.Module:
+    return ctx.backend.to_device(copy.deepcopy(loaded.module))
+
+
+def _target_run(ctx: "ModeContext", loaded: Any, phase: Phase, forced: list[torch.Tensor] | None, *,
+                dynamic: bool | None = None) -> tuple[PhaseRun, CompileRecord | None, dict[int, int]]:
+    fn, record = _compile(ctx, _fresh(ctx, loaded), dynamic=dynamic)
+    graphs_before: dict[int, int] = {}
+    index = {"i": 0}
+
+    def before(call: Call) -> None:
+        graphs_before[index["i"]] = len(record.modules) if record is not None else 0
+        index["i"] += 1
+
+    run = run_phase(fn, loaded, ctx.cell.inputs, phase, forced=forced, device=ctx.backend.device, before_call=before)
+    return run, record, graphs_before
+
+
+SYMBOLIC = re.compile(r"^(sym_\w+|Sym\w+)$")
+
+
+def _node_name(node: Any) -> str:
+    target = node.target
+    return str(target) if hasattr(target, "_schema") else getattr(target, "__name__", str(target))
+
+
+def culprit_ops(record: CompileRecord | None, first_graph: int, error: str) -> list[str]:
+    """Ops of the graphs given to the backend for the failing call: the symbolic-shape functions among them, and
+    any op whose name the error text contains."""
+    if record is None:
+        return []
+    found: list[str] = []
+    for gm in record.modules[first_graph:] or record.modules[-1:]:
+        for node in gm.graph.nodes:
+            if node.op != "call_function":
+                continue
+            name = _node_name(node)
+            short = name.split(".")[-2] if name.startswith("aten.") and name.count(".") >= 2 else name
+            symbolic = bool(SYMBOLIC.match(name)) or isinstance(node.meta.get("val"), (torch.SymInt, torch.SymBool,
+                                                                                        torch.SymFloat))
+            named = len(short) > 3 and re.search(rf"\b{re.escape(short)}\b", error) is not None
+            if (symbolic and name not in ("getitem",) and not name.startswith("sym_size")) or named:
+                if name not in found:
+                    found.append(name)
+    return found
+
+
+def _capture(loaded: Any, ctx: "ModeContext", phase: Phase, forced: list[torch.Tensor] | None, upto: int) -> Captured:
+    """Every submodule's calls (inputs deep-copied at the call, KV cache state included) for calls 0..upto."""
+    captured: Captured = {}
+    current = {"i": -1}
+    handles = []
+    for name, sub in loaded.module.named_modules():
+        def pre(mod: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], name: str = name) -> None:
+            if current["i"] <= upto:
+                captured.setdefault(name, []).append((current["i"], copy.deepcopy(args), copy.deepcopy(kwargs)))
+        handles.append(sub.register_forward_pre_hook(pre, with_kwargs=True))
+
+    def before(call: Call) -> None:
+        current["i"] += 1
+
+    try:
+        run_phase(loaded.module, loaded, ctx.cell.inputs, phase, forced=forced, before_call=before)
+    finally:
+        for h in handles:
+            h.remove()
+    return captured
+
+
+def _replay_fails(ctx: "ModeContext", loaded: Any, name: str, calls: list[tuple[int, tuple[Any, ...], dict[str, Any]]],
+                  failing: int) -> str | None:
+    """Replay a submodule's captured calls through one compiled object; the error at the failing call, if any."""
+    sub = _fresh(ctx, loaded).get_submodule(name) if name else _fresh(ctx, loaded)
+    fn, _ = _compile(ctx, sub)
+    dev = ctx.backend.device
+    with torch.no_grad():
+        for index, args, kwargs in calls:
+            if index > failing:
+                break
+            args, kwargs = ctx.backend.to_device(copy.deepcopy((args, kwargs))) if dev != "cpu" else \
+                copy.deepcopy((args, kwargs))
+            try:
+                fn(*args, **kwargs)
+            except Exception as exc:  # the backend's failure  # noqa: BLE001
+                return f"{type(exc).__name__}: {exc}" if index == failing else None
+    return None
+
+
+def smallest_failing(ctx: "ModeContext", loaded: Any, captured: Captured, failing: int) -> tuple[str, list[str]]:
+    """Walk down from the model while a child fails at the failing call; the module and the children that passed."""
+    module = loaded.module
+    current = ROOT
+
+    def called_children(name: str) -> list[str]:
+        """The children that are called, looking through containers that never are (a ModuleList's blocks)."""
+        out = []
+        for child_name, _ in (module.get_submodule(name) if name else module).named_children():
+            child = f"{name}.{child_name}" if name else child_name
+            out += [child] if captured.get(child) else called_children(child)
+        return out
+
+    while True:
+        children = called_children(current)
+        passed = []
+        for child in children:
+            calls = [c for c in captured.get(child, []) if c[0] <= failing]
+            if not calls or not any(c[0] == failing for c in calls):
+                continue
+            if _replay_fails(ctx, loaded, child, calls, failing):
+                current = child
+                break
+            passed.append(child)
+        else:
+            return current, passed
+
+
+def run_phases(ctx: "ModeContext", opts: LayersOptions, layers_dir: Path) -> tuple[list[Finding], dict[str, Any]]:
+    findings: list[Finding] = []
+    data: dict[str, Any] = {}
+    for phase in ctx.cell.inputs.workload():
+        ctx.journal("enter-workload", f"layers.{phase.name}")  # a hard crash in it names the phase
+        f, d = _one_phase(ctx, opts, phase, layers_dir)
+        ctx.journal("leave-workload", f"layers.{phase.name}")
+        findings += f
+        data[phase.name] = d
+    return findings, data
+
+
+def _one_phase(ctx: "ModeContext", opts: LayersOptions, phase: Phase, layers_dir: Path) -> tuple[list[Finding], dict[str, Any]]:
+    loaded = ctx.model()
+    reason = skip_reason(loaded, phase, ctx.cell.inputs)
+    if reason:
+        return [], {"status": "skipped", "reason": reason}
+    ref = run_phase(loaded.module, loaded, ctx.cell.inputs, phase)
+    if ref.failed is not None:
+        return [], {"status": "error", "reason": f"eager fails at {ref.failed.label}: {ref.failed.error}"}
+    forced = list(ref.tokens[:-1]) if ref.tokens else None
+    run, record, graphs_before = _target_run(ctx, loaded, phase, forced)
+    calls = [{"call": r.label, "step": r.step, "ok": r.error is None} for r in run.records]
+    data: dict[str, Any] = {"status": "pass", "phase": phase.label(), "calls": calls}
+    if record is not None:
+        data["graphs"] = len(record.graphs)
+    failed = run.failed
+    if failed is None:
+        return [], data
+    failing = len(run.records) - 1
+    passed_calls = [r.label for r in run.records if r.error is None]
+    dynamic_note = None
+    if ctx.cell.backend.compile_options.get("dynamic") is not False and ctx.backend.compiler_backend() is not None:
+        static, _, _ = _target_run(ctx, loaded, phase, forced, dynamic=False)
+        if static.failed is None:
+            dynamic_note = "fails only under dynamic shapes: the same calls pass with torch.compile(..., dynamic=False)"
+        else:
+            dynamic_note = f"fails with dynamic=False too (at {static.failed.label})"
+    culprits = culprit_ops(record, graphs_before.get(failing, 0), failed.error or "")
+    captured = _capture(loaded, ctx, phase, forced, failing)
+    module, children_passed = smallest_failing(ctx, loaded, captured, failing)
+    classes = {n: type(m).__name__ for n, m in loaded.module.named_modules()}
+    where = f"{phase.name} step {failed.step}" if failed.step is not None else failed.label
+    before = (f" ({', '.join(passed_calls[:3])}{'…' if len(passed_calls) > 3 else ''} "
+              f"{'passes' if len(passed_calls) == 1 else 'pass'})") if passed_calls else ""
+    parts = [f"{where} fails on the backend{before}: {first_line(failed.error or '', 300)}"]
+    if children_passed or module == ROOT:
+        parts.append(f"in {module or 'the model'}'s own code ({len(children_passed)} child module(s) replayed on the "
+                     f"same calls pass)")
+    if culprits:
+        parts.append(f"culprit: {', '.join(culprits[:4])} in the graph the backend was given")
+    if dynamic_note:
+        parts.append(dynamic_note)
+    finding = Finding(
+        kind="layer_failure", stage=failed.stage if failed.stage in ("compile", "run") else "run",
+        message="; ".join(parts), module=module or "(model)", module_class=classes.get(module, "?"),
+        error_type=failed.error_type, phase=phase.name, step=failed.step,
+        details={"call": failed.label, "culprit_ops": culprits, "dynamic_only": bool(dynamic_note and
+                                                                                     dynamic_note.startswith("fails only")),
+                 "children_passed": children_passed, "passed_calls": passed_calls},
+        fingerprint=fingerprint("layer_failure", ctx.cell.backend.id, ctx.cell.model.id, phase.name, module))
+    finding.repro = _repro(ctx, opts, loaded, phase, ref, failing, failed, layers_dir)
+    data.update(status="fail", failed_call=failed.label, module=module or "(model)", culprit_ops=culprits,
+                dynamic=dynamic_note)
+    return [finding], data
+
+
+def _plain_call(call_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v.tolist() for k, v in call_kwargs.items() if isinstance(v, torch.Tensor)}
+
+
+def _repro(ctx: "ModeContext", opts: LayersOptions, loaded: Any, phase: Phase, ref: PhaseRun, failing: int,
+           failed: Any, layers_dir: Path) -> Repro | None:
+    """The phase replayed up to the failing call on the model rebuilt from its config and weights."""
+    import transformers  # deferred: only phase repros need it
+    from safetensors.torch import save_file
+
+    cls = type(loaded.module)
+    if getattr(transformers, cls.__name__, None) is not cls or loaded.config is None:
+        return None
+    rdir = layers_dir / "repro" / safe_filename(f"{phase.name}-{failed.label}")
+    rdir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(rdir / "config.json", loaded.config.to_json_string(use_diff=False))
+    state = {k: v.detach().cpu().contiguous().clone() for k, v in loaded.module.state_dict().items()}
+    seen: dict[int, str] = {}
+    for k, v in list(state.items()):  # tied weights: saved once
+        if v.data_ptr() in seen:
+            del state[k]
+        else:
+            seen[v.data_ptr()] = k
+    save_file(state, str(rdir / "weights.safetensors"))
+    calls: list[dict[str, Any]] = []
+    forced = list(ref.tokens[:-1]) if ref.tokens else None
+    index = {"i": 0}
+
+    def keep(call: Call) -> None:
+        if index["i"] <= failing:
+            calls.append({"label": call.label, "tensors": _plain_call(call.kwargs)})
+        index["i"] += 1
+
+    run_phase(loaded.module, loaded, ctx.cell.inputs, phase, forced=forced, before_call=keep)
+    spec = ctx.cell.backend
+    cache = None
+    if phase.name in ("prefill", "decode"):
+        prompt = len(calls[0]["tensors"]["input_ids"][0])
+        cache = {"kind": phase.cache, "max_len": prompt + phase.steps, "kwarg": cache_kwarg(loaded.module) or "past_key_values"}
+    text = render_template(
+        "repro_phase.py.j2", model_id=ctx.cell.model.id, model_source=ctx.cell.model.source, backend_id=spec.id,
+        device=spec.device, phase=phase.label(), failing=failed.label, error_type=failed.error_type or "",
+        message=(failed.error or "").splitlines()[0][:200], torch_version=torch.__version__,
+        env={str(k): str(v) for k, v in spec.env.items()}, imports=list(spec.imports), backend=template_backend(spec),
+        plugin_modules=plugin_modules(spec), model_class=cls.__name__,
+        config_class=type(loaded.config).__name__, calls=calls, cache=cache, use_cache=phase.name in ("prefill", "decode"),
+        simdev=spec.device.split(":")[0] == "simdev")
+    script = write_script(rdir / "repro.py", text)
+    first = (failed.error or "").splitlines()[0]
+    key = re.sub(r"\s+", " ", first.split(":", 1)[-1]).strip()[:60]
+    rel = script.relative_to(ctx.cell_dir).as_posix()
+    if not opts.verify:
+        return Repro(path=rel, verified=False, command=f"python {script.name}", note="not verified (layers.verify: false)")
+    ver = verify_script(script, expect_text=[failed.label] + ([key] if len(key) >= 8 else []),
+                        timeout=max(30.0, min(opts.verify_timeout, ctx.remaining() / 2)),
+                        env={str(k): str(v) for k, v in spec.env.items()})
+    return Repro(path=rel, verified=ver.verified, command=f"python {script.name}", note=ver.note)

@@ -1,0 +1,372 @@
+"""Numerics per phase (`inputs.phases`): per layer and per step against references fed the same tokens.
+
+For each phase (`ci_runner/phases.py`), run as users run it (`engine/workload.py`):
+1. the primary reference (eager, the primary dtype) picks the greedy tokens; the second reference (e.g. float64)
+   is fed the same tokens. Per layer and per call, their disagreement times the margin (with the dtype's floor) is
+   the threshold, derived per phase as the single forward's are;
+2. the target runs clean, as a user runs it: one compiled object, teacher-forced with the reference's tokens. Its
+   logits are compared per call on real tokens only (row by row for a padded batch); NaN/Inf on a real token is
+   named with its row; an output a later call changed is an `output_overwritten` finding;
+3. when a call diverges or is not finite, the target runs again with output hooks on every module, to name the
+   first (step, layer) where the divergence starts, or the first layer where NaN/Inf appears in that row.
+The KV cache each layer wrote is compared per step against the reference's, and greedy-token and top-5 agreement
+over the steps are reported.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch
+
+from ...engine.capture import OutputHooks, primary_tensor
+from ...engine.workload import Call, CallRecord, PhaseRun, run_phase, skip_reason
+from ...numerics.metrics import compare_tensors
+from ...options import NumericsOptions
+from ...phases import Phase
+from ...results.model import Finding, fingerprint
+
+if TYPE_CHECKING:
+    from .. import ModeContext
+
+OVERWRITTEN = "output_overwritten"
+Layers = dict[str, torch.Tensor]  # module name -> primary output of one call
+
+
+def _rel(metrics: Mapping[str, Any]) -> float:
+    value = metrics.get("rel", 0.0)
+    return float(value) if value is not None else 0.0
+
+
+def _real_rows(t: torch.Tensor, real: torch.Tensor | None) -> list[torch.Tensor]:
+    """`t` row by row on real tokens only (one entry when nothing is padded or the shape does not match)."""
+    if real is None or t.dim() < 2 or tuple(t.shape[:2]) != tuple(real.shape):
+        return [t]
+    return [t[r][real[r].to(t.device)] for r in range(real.shape[0])]
+
+
+def _compare(ref: torch.Tensor, tgt: torch.Tensor, real: torch.Tensor | None) -> tuple[dict[str, Any], list[int]]:
+    """Worst metrics over the real rows, and the rows whose real tokens are not finite on the target only."""
+    worst: dict[str, Any] = {"rel": 0.0}
+    bad_rows = []
+    pairs = zip(_real_rows(ref.detach().cpu(), real), _real_rows(tgt.detach().cpu(), real))
+    for row, (a, b) in enumerate(pairs):
+        if a.shape != b.shape:
+            return {"rel": math.inf, "note": f"shape {list(b.shape)} vs reference {list(a.shape)}"}, bad_rows
+        m = compare_tensors(a, b)
+        if m.get("nonfinite_tgt", 0) > m.get("nonfinite_ref", 0):
+            bad_rows.append(row)
+        if _rel(m) >= _rel(worst):
+            worst = m
+    return worst, bad_rows
+
+
+def _cache_tensors(cache: Any) -> dict[str, torch.Tensor]:
+    """`layers.<i>.keys/values` of a transformers cache (what each layer wrote so far), copied."""
+    out = {}
+    for i, layer in enumerate(getattr(cache, "layers", None) or []):
+        for kind in ("keys", "values"):
+            t = getattr(layer, kind, None)
+            if isinstance(t, torch.Tensor) and t.numel():
+                out[f"layers.{i}.{kind}"] = t.detach().cpu().clone()
+    return out
+
+
+# What each module was fed (its first tensor input), per call of a hooked target run: the module where NaN/Inf
+# starts is the first whose input is finite and whose output is not. One list, appended to by traced hooks.
+_INPUT_SINK: list[tuple[str, torch.Tensor]] = []
+
+
+def _input_hook(name: str) -> Any:
+    def hook(mod: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        first = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)
+                      and a.is_floating_point()), None)
+        if first is not None:
+            _INPUT_SINK.append((name, first.clone()))
+    return hook
+
+
+class _Recorder:
+    """Per call: the primary output of every module (with hooks), its first floating input (`inputs=True`) and
+    the KV cache after the call."""
+
+    def __init__(self, module: torch.nn.Module | None, *, clone: bool, inputs: bool = False) -> None:
+        self.hooks = OutputHooks(module, clone=clone) if module is not None else None
+        _INPUT_SINK.clear()
+        self.input_handles = [sub.register_forward_hook(_input_hook(name), with_kwargs=True)
+                              for name, sub in module.named_modules()] if inputs and module is not None else []
+        self.layers: list[Layers] = []
+        self.inputs: list[Layers] = []
+        self.caches: list[dict[str, torch.Tensor]] = []
+
+    def before(self, call: Call) -> None:
+        if self.hooks is not None:
+            self.hooks.take()
+        _INPUT_SINK.clear()
+
+    def after(self, call: Call, rec: CallRecord) -> None:
+        if self.hooks is not None:
+            out: Layers = {}
+            for key, flat in self.hooks.take():
+                t = primary_tensor(dict(flat)) if flat else None
+                if isinstance(t, torch.Tensor) and key not in out:
+                    out[key] = t.detach().cpu()
+            self.layers.append(out)
+        if self.input_handles:
+            fed: Layers = {}
+            for name, t in _INPUT_SINK:
+                fed.setdefault(name, t.detach().cpu())
+            self.inputs.append(fed)
+            _INPUT_SINK.clear()
+        cache = next((v for k, v in call.kwargs.items() if k in ("cache", "past_key_values")), None)
+        self.caches.append(_cache_tensors(cache) if cache is not None else {})
+
+    def close(self) -> None:
+        if self.hooks is not None:
+            self.hooks.remove()
+        for h in self.input_handles:
+            h.remove()
+        _INPUT_SINK.clear()
+
+
+def _run(fn: Any, module: torch.nn.Module | None, loaded: Any, ctx: "ModeContext", phase: Phase, *,
+         forced: list[torch.Tensor] | None, device: str, clone: bool = True,
+         inputs: bool = False) -> tuple[PhaseRun, _Recorder]:
+    rec = _Recorder(module, clone=clone, inputs=inputs)
+    try:
+        run = run_phase(fn, loaded, ctx.cell.inputs, phase, forced=forced, device=device,
+                        before_call=rec.before, after_call=rec.after)
+    finally:
+        rec.close()
+    return run, rec
+
+
+def _thresholds(a: _Recorder, b: _Recorder, ra: PhaseRun, rb: PhaseRun, margin: float, floor: float) -> dict[str, float]:
+    """Per layer ("" = the logits, `kv:<name>` = a cache tensor): margin × the references' worst disagreement."""
+    worst: dict[str, float] = {}
+
+    def see(key: str, x: torch.Tensor, y: torch.Tensor, real: torch.Tensor | None) -> None:
+        if x.shape != y.shape:
+            return
+        m, _ = _compare(x, y.to(x.dtype), real)
+        worst[key] = max(worst.get(key, 0.0), _rel(m))
+
+    for i, (la, lb) in enumerate(zip(a.layers, b.layers)):
+        for key in la.keys() & lb.keys():
+            see(key, la[key], lb[key], ra.records[i].real)
+    for i, (x, y) in enumerate(zip(ra.records, rb.records)):
+        if x.logits is not None and y.logits is not None:
+            see("", x.logits, y.logits, x.real)
+    for ca, cb in zip(a.caches, b.caches):
+        for key in ca.keys() & cb.keys():
+            see(f"kv:{key}", ca[key], cb[key], None)
+    return {k: max(floor, margin * v) for k, v in worst.items()}
+
+
+def _agreement(ref: PhaseRun, tgt: PhaseRun) -> dict[str, Any] | None:
+    """Greedy-token and top-5 agreement of the target's next-token logits with the reference's, per call."""
+    greedy = top5 = n = 0
+    for r, t in zip(ref.records, tgt.records):
+        if r.logits is None or t.logits is None or r.logits.shape != t.logits.shape:
+            continue
+        a, b = r.logits[:, -1].float(), t.logits[:, -1].detach().cpu().float()
+        n += a.shape[0]
+        greedy += int((a.argmax(-1) == b.argmax(-1)).sum())
+        k = min(5, a.shape[-1])
+        ta, tb = a.topk(k).indices, b.topk(k).indices
+        top5 += sum(len(set(x.tolist()) & set(y.tolist())) / k for x, y in zip(ta, tb))
+    return {"greedy": round(greedy / n, 4), "top5": round(top5 / n, 4), "positions": n} if n else None
+
+
+def run_phases(ctx: "ModeContext", opts: NumericsOptions) -> tuple[list[Finding], dict[str, Any]]:
+    """Findings and `data.phases` for every phase of the cell's workload."""
+    findings: list[Finding] = []
+    data: dict[str, Any] = {}
+    for phase in ctx.cell.inputs.workload():
+        ctx.journal("enter-workload", f"numerics.{phase.name}")  # a hard crash in it names the phase
+        phase_findings, phase_data = _one_phase(ctx, opts, phase)
+        ctx.journal("leave-workload", f"numerics.{phase.name}")
+        findings += phase_findings
+        data[phase.name] = phase_data
+    return findings, data
+
+
+def _one_phase(ctx: "ModeContext", opts: NumericsOptions, phase: Phase) -> tuple[list[Finding], dict[str, Any]]:
+    import torch._dynamo  # deferred: Dynamo takes seconds to import
+
+    refs = ctx.cell.references
+    primary = ctx.model(dtype=refs[0].dtype)
+    reason = skip_reason(primary, phase, ctx.cell.inputs)
+    if reason:
+        return [], {"status": "skipped", "reason": reason}
+    ref_run, ref_rec = _run(primary.module, primary.module, primary, ctx, phase, forced=None, device="cpu")
+    if ref_run.failed is not None:
+        return [], {"status": "error", "reason": f"the reference failed at {ref_run.failed.label}: {ref_run.failed.error}"}
+    forced = list(ref_run.tokens[:-1]) if ref_run.tokens else None
+    thresholds: dict[str, float] = {}
+    if len(refs) > 1:
+        second = ctx.model(dtype=refs[1].dtype)
+        sec_run, sec_rec = _run(second.module, second.module, second, ctx, phase, forced=forced, device="cpu")
+        floor = opts.thresholds.floors(primary.dtype)[0]
+        thresholds = _thresholds(ref_rec, sec_rec, ref_run, sec_run, opts.thresholds.margin, floor)
+    backend = ctx.backend
+    device = backend.device
+
+    def fresh() -> torch.nn.Module:
+        return backend.to_device(copy.deepcopy(primary.module))
+
+    torch._dynamo.reset()
+    module = fresh()
+    tgt_run, tgt_rec = _run(backend.compile(module), None, primary, ctx, phase, forced=forced, device=device)
+    calls: list[dict[str, Any]] = []
+    flagged: list[tuple[int, list[int], dict[str, Any]]] = []
+    for i, (r, t) in enumerate(zip(ref_run.records, tgt_run.records)):
+        row: dict[str, Any] = {"call": t.label, "step": t.step}
+        if t.error is not None:
+            row["error"] = t.error[:300]
+        elif r.logits is not None and t.logits is not None:
+            m, bad = _compare(r.logits, t.logits, r.real)
+            thr = thresholds.get("", opts.thresholds.floors(primary.dtype)[0])
+            row.update(rel=m.get("rel"), cos=m.get("cos"), threshold=thr, nonfinite_rows=bad)
+            if bad or _rel(m) > thr:
+                flagged.append((i, bad, m))
+        calls.append(row)
+    phase_data: dict[str, Any] = {"status": "pass", "phase": phase.label(), "calls": calls}
+    agreement = _agreement(ref_run, tgt_run)
+    if agreement:
+        phase_data["agreement"] = agreement
+    kv = _kv_rows(ref_rec, tgt_rec, thresholds, ref_run, tgt_run)
+    if kv:
+        phase_data["kv_cache"] = kv
+    out: list[Finding] = []
+    if tgt_run.failed is not None:
+        phase_data.update(status="error", reason=f"{tgt_run.failed.label} failed on the target (the layers mode "
+                                                   f"localises it): {tgt_run.failed.error[:300]}")
+    for ow in tgt_run.overwritten:
+        out.append(_overwritten(ctx, phase, ow))
+    if flagged:
+        torch._dynamo.reset()
+        module = fresh()
+        hooked, hooked_rec = _run(backend.compile(module), module, primary, ctx, phase, forced=forced, device=device,
+                                  inputs=True)
+        out += _localise(ctx, phase, flagged, ref_run, ref_rec, hooked_rec, thresholds, opts, primary.dtype)
+    elif kv and any(k["over"] for k in kv):
+        first = next(k for k in kv if k["over"])
+        out.append(_finding(ctx, phase, first["step"], f"kv:{first['tensor']}", "KVCache",
+                            f"{phase.name}, {first['call']}: the KV cache {first['tensor']} the target wrote differs "
+                            f"from the reference's (rel {first['rel']:.3g} > {first['threshold']:.3g})",
+                            {"rel": first["rel"]}, {"rel": first["threshold"]}))
+    if out:
+        phase_data["status"] = "fail"
+    return out, phase_data
+
+
+def _kv_rows(ref: _Recorder, tgt: _Recorder, thresholds: Mapping[str, float], run: PhaseRun,
+             target: PhaseRun) -> list[dict[str, Any]]:
+    """Per call and cache tensor: the target's cache against the reference's after that call."""
+    rows = []
+    for i, (ca, cb) in enumerate(zip(ref.caches, tgt.caches)):
+        if i < len(target.records) and target.records[i].error is not None:
+            continue  # a call that failed wrote nothing: its cache is the previous call's
+        for key in sorted(ca.keys() & cb.keys()):
+            if ca[key].shape != cb[key].shape:
+                continue
+            rel = _rel(compare_tensors(ca[key], cb[key].to(ca[key].dtype)))
+            thr = thresholds.get(f"kv:{key}", 0.0)
+            rows.append({"call": run.records[i].label, "step": run.records[i].step, "tensor": key, "rel": rel, "threshold": thr, "over": bool(thr and rel > thr)})
+    return rows
+
+
+def _where(phase: Phase, step: int | None) -> str:
+    return f"{phase.name} step {step}" if step is not None else phase.name
+
+
+def _finding(ctx: "ModeContext", phase: Phase, step: int | None, module: str, module_class: str, message: str,
+             metrics: Mapping[str, Any], threshold: Mapping[str, Any], *, kind: str = "divergence",
+             details: Mapping[str, Any] | None = None) -> Finding:
+    return Finding(kind=kind, stage="compare", message=message, module=module or "(model)", module_class=module_class,
+                   metrics=dict(metrics), threshold=dict(threshold), phase=phase.name, step=step,
+                   details=dict(details or {}),
+                   fingerprint=fingerprint(kind, ctx.cell.backend.id, ctx.cell.model.id, phase.name, module))
+
+
+def _overwritten(ctx: "ModeContext", phase: Phase, ow: Mapping[str, Any]) -> Finding:
+    shared = " (it shares storage with that call's output)" if ow.get("shares_storage") else ""
+    msg = (f"{phase.name}: the output returned by {ow['call']} changed after {ow['changed_after']}{shared}: "
+           f"the backend reuses output buffers across calls, so a loop that keeps earlier outputs reads later values")
+    return _finding(ctx, phase, ow.get("step"), "", "output", msg, {"max_abs_change": ow.get("max_abs_change")}, {},
+                    kind=OVERWRITTEN, details={"changed_after": ow["changed_after"]})
+
+
+def _nonfinite_start(tgt: _Recorder, call: int, row: int) -> str | None:
+    """The first module (in completion order) whose input is finite in `row` and whose output is not."""
+    fed = tgt.inputs[call] if call < len(tgt.inputs) else {}
+    for key, t in tgt.layers[call].items():
+        name = key.split("#")[0]
+        x = fed.get(name)
+        if not name or x is None or t.dim() == 0 or x.dim() == 0 or row >= t.shape[0] or row >= x.shape[0]:
+            continue
+        if bool(torch.isfinite(x[row]).all()) and not bool(torch.isfinite(t[row]).all()):
+            return name
+    return None
+
+
+def _module_classes(module: torch.nn.Module) -> dict[str, str]:
+    return {name: type(m).__name__ for name, m in module.named_modules()}
+
+
+def _localise(ctx: "ModeContext", phase: Phase, flagged: list[tuple[int, list[int], dict[str, Any]]],
+              ref_run: PhaseRun, ref: _Recorder, tgt: _Recorder, thresholds: Mapping[str, float],
+              opts: NumericsOptions, dtype: torch.dtype) -> list[Finding]:
+    """The first (call, layer) that diverges, or the first layer with NaN/Inf in a flagged row."""
+    classes = _module_classes(ctx.model(dtype=ctx.cell.references[0].dtype).module)
+    floor = opts.thresholds.floors(dtype)[0]
+    first_bad = flagged[0]
+    i, bad_rows, logit_metrics = first_bad
+    step = ref_run.records[i].step
+    real = ref_run.records[i].real
+    if bad_rows:
+        row = bad_rows[0]
+        start = _nonfinite_start(tgt, i, row) if i < len(tgt.layers) else None
+        reach = None
+        for key, t in tgt.layers[i].items() if i < len(tgt.layers) else ():
+            rows = _real_rows(t, real)
+            if key and row < len(rows) and not bool(torch.isfinite(rows[row]).all()):
+                reach = key.split("#")[0]
+                break
+        name = start or reach
+        if name is not None:
+            via = f", and reaches the real tokens in {reach}" if reach and reach != name else ""
+            msg = (f"{_where(phase, step)}: NaN/Inf on the real tokens of row {row}; it starts in {name} "
+                   f"({classes.get(name, '?')}: finite input, non-finite output){via}; the reference is finite")
+            return [_finding(ctx, phase, step, name, classes.get(name, "?"), msg,
+                             {"rows": bad_rows, "nonfinite_tgt": logit_metrics.get("nonfinite_tgt")}, {},
+                             details={"row": row, "rows": bad_rows, "reaches_real_tokens_in": reach})]
+        root = tgt.layers[i].get("") if i < len(tgt.layers) else None
+        why = ("no layer output showed it first" if root is not None and not bool(torch.isfinite(root).all()) else
+               "the run with output hooks on every module did not reproduce it, so no layer is named: the backend "
+               "ran the hooked model differently (OpenVINO, for one, hands a graph it cannot convert to PyTorch)")
+        return [_finding(ctx, phase, step, "", "output",
+                         f"{_where(phase, step)}: NaN/Inf on the real tokens of rows {bad_rows}; the reference is "
+                         f"finite ({why})", {"rows": bad_rows}, {}, details={"rows": bad_rows, "row": bad_rows[0]})]
+    for j in range(min(len(ref.layers), len(tgt.layers))):
+        for key, t in tgt.layers[j].items():
+            r = ref.layers[j].get(key)
+            if r is None or r.shape != t.shape or not key:
+                continue
+            m, _ = _compare(r, t.to(r.dtype), ref_run.records[j].real)
+            thr = thresholds.get(key, floor)
+            if _rel(m) > thr:
+                name = key.split("#")[0]
+                cstep = ref_run.records[j].step
+                passes = "; the earlier calls pass" if j else ""
+                msg = (f"{_where(phase, cstep)}: {name} ({classes.get(name, '?')}) diverges first: rel {_rel(m):.3g} > "
+                       f"{thr:.3g}{passes}")
+                return [_finding(ctx, phase, cstep, name, classes.get(name, "?"), msg,
+                                 {"rel": _rel(m), "cos": m.get("cos")}, {"rel": thr},
+                                 details={"call": ref_run.records[j].label})]
+    return [_finding(ctx, phase, step, "", "output",
+                     f"{_where(phase, step)}: the logits diverge (rel {_rel(logit_metrics):.3g}) but no layer output did "
+                     f"first", {"rel": _rel(logit_metrics)}, {"rel": thresholds.get('', floor)})]

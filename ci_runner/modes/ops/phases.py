@@ -1,0 +1,184 @@
+"""Ops per phase (`inputs.phases`): what the backend is given only in generation, probed in its regime.
+
+Each phase runs on the CPU model as users run it (`engine/workload.py`), through `torch.compile` with the
+backend's `compile_options` and a recording compiler at the ATen level (after aot_autograd, as the single
+forward's `aot` inventory): every graph of every call, recompiles included. From them:
+- the phase's **inventory**, and the signatures the single forward never had (cache writes such as `index_copy`,
+  one-token attention, padded-batch masks). Those are probed like the forward's, in isolated children, with the
+  probe store and repros of `modes/ops`;
+- the **regime** of a padded phase: an attention op's mask gets a fully-masked query row (`masked_rows`), as the
+  padded queries of a left-padded batch have; eager SDPA returns 0 there, a backend without safe softmax NaN;
+- the **symbolic-shape functions** a dynamic recompile hands the backend (`torch.sym_max` from a sliding-window
+  mask, …). Each is probed by its repro (`repro_symbolic.py.j2`: the smallest function that calls it on a dynamic
+  size), run in a fresh process: the probe and the verification are the same run.
+Findings carry their `phase`; an op that already failed in the single forward is not reported twice.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from ...backends import backend_recipe
+from ...engine.repro import plugin_modules, render_template, safe_filename, template_backend, verify_script, write_script
+from ...engine.workload import run_phase, skip_reason
+from ...options import OpsOptions
+from ...phases import Phase
+from ...results.model import Finding, ModeResult, Repro, fingerprint
+from .inventory import inventory_of_graphs, symbolic_calls
+from .signature import Inventory, OpSignature, signature_key
+
+if TYPE_CHECKING:
+    from .. import ModeContext
+
+MODE = "ops"
+ATTENTION = ("scaled_dot_product", "_safe_softmax")
+ProbeFn = Callable[[Inventory, Path], ModeResult]  # probes an inventory's signatures, writing under the folder
+
+
+def record_phase_graphs(ctx: "ModeContext", phase: Phase) -> tuple[list[torch.fx.GraphModule], list[str]]:
+    """Every ATen graph the backend would be given over the phase's calls, and the calls that failed on CPU."""
+    import torch._dynamo  # deferred: Dynamo takes seconds to import
+    from torch._dynamo.backends.common import aot_autograd
+
+    loaded = ctx.model()
+    graphs: list[torch.fx.GraphModule] = []
+
+    def keep(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm
+
+    options = {k: v for k, v in ctx.cell.backend.compile_options.items() if k in ("dynamic", "fullgraph")}
+    torch._dynamo.reset()
+    try:
+        fn = torch.compile(copy.deepcopy(loaded.module), backend=aot_autograd(fw_compiler=keep), **options)
+        run = run_phase(fn, loaded, ctx.cell.inputs, phase, keep_going=False)
+    finally:
+        torch._dynamo.reset()
+    return graphs, [f"{r.label}: {r.error}" for r in run.records if r.error]
+
+
+def _is_attention(op: str) -> bool:
+    return any(a in op for a in ATTENTION)
+
+
+def with_masked_rows(sig: OpSignature) -> OpSignature | None:
+    """The attention signature with its mask's first query row fully masked (None when it takes no mask)."""
+    args, kwargs = copy.deepcopy(sig.args), copy.deepcopy(sig.kwargs)
+    mask = kwargs.get("attn_mask")
+    if mask is None and len(args) > 3:
+        mask = args[3]
+    body = mask.get("__tensor__") if isinstance(mask, dict) else None
+    if not isinstance(body, dict) or len(body.get("shape") or ()) < 2:
+        return None
+    body["masked_rows"] = [0]
+    key = signature_key(sig.op, args, kwargs, sig.outputs)
+    return replace(sig, args=args, kwargs=kwargs, key=key, sites=list(sig.sites))
+
+
+def phase_signatures(phase: Phase, inventory: Inventory, known: set[str]) -> list[OpSignature]:
+    """The phase's signatures the single forward did not have, in the phase's regime."""
+    out = []
+    for sig in inventory.signatures:
+        if phase.name == "batch" and _is_attention(sig.op):
+            masked = with_masked_rows(sig)
+            if masked is not None:
+                sig = masked
+        if sig.key not in known:
+            out.append(sig)
+    return out
+
+
+def run_phases(ctx: "ModeContext", opts: OpsOptions, forward: Inventory, ops_dir: Path, probe: ProbeFn,
+               already: set[str]) -> tuple[list[Finding], dict[str, Any]]:
+    """Findings (new fingerprints only: `already` holds the forward's) and `data.phases`."""
+    findings: list[Finding] = []
+    data: dict[str, Any] = {}
+    known = {s.key for s in forward.signatures}
+    seen = set(already)
+    for phase in ctx.cell.inputs.workload():
+        t0 = time.monotonic()
+        loaded = ctx.model()
+        reason = skip_reason(loaded, phase, ctx.cell.inputs)
+        if reason:
+            data[phase.name] = {"status": "skipped", "reason": reason}
+            continue
+        ctx.journal("enter-workload", f"ops.{phase.name}")  # a hard crash in it names the phase
+        graphs, cpu_errors = record_phase_graphs(ctx, phase)
+        if cpu_errors:
+            data[phase.name] = {"status": "error", "reason": f"the phase fails on CPU: {cpu_errors[0][:300]}"}
+            ctx.journal("leave-workload", f"ops.{phase.name}")
+            continue
+        inv = inventory_of_graphs(graphs, type(loaded.module).__name__, level="aten", method="phase", device="cpu")
+        new = phase_signatures(phase, inv, known)
+        symbolic = sorted({name for gm in graphs for name in symbolic_calls(gm)})
+        row: dict[str, Any] = {"status": "pass", "phase": phase.label(), "graphs": len(graphs),
+                               "ops": len(inv.op_names()), "signatures": len(inv.signatures),
+                               "new_signatures": [s.describe()[:200] for s in new[:50]], "new_count": len(new),
+                               "symbolic": symbolic}
+        phase_dir = ops_dir / "phases" / phase.name
+        phase_dir.mkdir(parents=True, exist_ok=True)
+        got: list[Finding] = []
+        if new:
+            result = probe(Inventory(signatures=new, total_calls=sum(s.count for s in new), level="aten",
+                                     method="phase", device="cpu"), phase_dir)
+            row["probe_counts"] = result.data.get("probe_counts")
+            rel = phase_dir.relative_to(ctx.cell_dir).as_posix()
+            for f in result.findings:
+                if f.repro is not None:
+                    f.repro = replace(f.repro, path=f"{rel}/{Path(f.repro.path).name}")
+                got.append(f)
+        for name in symbolic:
+            f = _symbolic_probe(ctx, opts, phase, name, phase_dir)
+            if f is not None:
+                got.append(f)
+        for f in got:
+            f.phase = phase.name
+            if f.fingerprint in seen:
+                row.setdefault("also_in_forward_or_earlier_phase", []).append(f.op)
+                continue
+            seen.add(f.fingerprint)
+            findings.append(f)
+        if any(f.phase == phase.name for f in findings):
+            row["status"] = "fail"
+        row["seconds"] = round(time.monotonic() - t0, 2)
+        data[phase.name] = row
+        ctx.journal("leave-workload", f"ops.{phase.name}")
+    return findings, data
+
+
+def _symbolic_probe(ctx: "ModeContext", opts: OpsOptions, phase: Phase, op: str, out_dir: Path) -> Finding | None:
+    """Run the symbolic function's repro: a finding when it fails (verified by that very run)."""
+    spec = ctx.cell.backend
+    if spec.compile is None:  # an eager device runs Python's own arithmetic on sizes
+        return None
+    file_name = f"repro_{safe_filename(op)}.py"
+    compile_options = {k: v for k, v in spec.compile_options.items() if k != "dynamic"}
+    text = render_template("repro_symbolic.py.j2", op=op, backend_id=spec.id, model_id=ctx.cell.model.id,
+                           phase=phase.label(), plugin_modules=plugin_modules(spec), file_name=file_name,
+                           env={str(k): str(v) for k, v in spec.env.items()}, imports=list(spec.imports),
+                           device=spec.device, backend=template_backend(spec), compile_options=compile_options)
+    script = write_script(out_dir / file_name, text)
+    recipe = backend_recipe(spec)
+    env = {str(k): str(v) for k, v in spec.env.items()}
+    if recipe.pythonpath:
+        env["PYTHONPATH"] = ":".join(recipe.pythonpath)
+    ver = verify_script(script, expect_text=["REPRO FAILED"], timeout=max(30.0, min(opts.verify_timeout,
+                                                                                    ctx.remaining() / 2)), env=env)
+    if ver.exit_code == 0 or (ver.exit_code is None and not ver.verified):
+        return None
+    tail = [line for line in ver.output_tail.splitlines() if line.startswith("REPRO FAILED")]
+    message = tail[-1].split(": ", 2)[-1] if tail else ver.note
+    rel = script.relative_to(ctx.cell_dir).as_posix()
+    return Finding(kind="unsupported_op", stage="compile", op=op,
+                   message=(f"{phase.name}: {op} on a dynamic size fails: {message}; Dynamo hands the backend this "
+                            f"symbolic-shape function when it recompiles a call with a new length")[:2000],
+                   error_type=message.split(":", 1)[0] if ":" in message else None,
+                   repro=Repro(path=rel, verified=ver.verified, command=f"python {file_name}", note=ver.note),
+                   details={"symbolic": True, "phase": phase.label()},
+                   fingerprint=fingerprint("unsupported_op", spec.id, op))

@@ -1,0 +1,107 @@
+"""The workload phases in each mode (`modes/*/phases.py`), on a tiny Llama: every self-test backend of a workload
+class is found in its own phase only, and aot_eager (eager's kernels: any finding is ours) finds nothing."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+
+from ci_runner.modes.layers.phases import run_phases as layers_phases
+from ci_runner.modes.numerics.phases import run_phases as numerics_phases
+from ci_runner.options import LayersOptions, NumericsOptions
+from tests.fixtures.matrices import REFERENCES, matrix_text
+
+pytestmark = pytest.mark.slow
+
+LLAMA = {"id": "llama", "config": "llama", "overrides": {
+    "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 128}}
+PHASES = ["prefill", {"decode": {"steps": 2}}, {"batch": {"lengths": [8, 3]}}, {"long": {"seq_len": [16, 80]}}]
+BACKENDS = [
+    {"id": "aot_eager", "compile": "aot_eager"},
+    {"id": "decode", "compile": "sim-decode"},
+    {"id": "kvdrift", "compile": "sim-kvdrift"},
+    {"id": "masknan", "compile": "sim-masknan"},
+    {"id": "long", "compile": "sim-long", "backend_options": {"max_tokens": 64}},
+    {"id": "reuse", "compile": "sim-reuse"},
+]
+MATRIX = matrix_text(models=[LLAMA], backends=BACKENDS, references=REFERENCES,
+                     inputs={"seq_len": 8, "samples": 1, "phases": PHASES})
+
+
+def _by_phase(findings: list[Any]) -> dict[str, list[Any]]:
+    out: dict[str, list[Any]] = {}
+    for f in findings:
+        out.setdefault(f.phase, []).append(f)
+    return out
+
+
+@pytest.fixture
+def context(mode_context: Callable[..., Any], fresh_dynamo: Any) -> Callable[[str], Any]:
+    return lambda backend: mode_context(MATRIX, "llama", backend)
+
+
+def test_aot_eager_finds_nothing_in_any_phase(context: Callable[[str], Any]) -> None:
+    ctx = context("aot_eager")
+    lf, ldata = layers_phases(ctx, LayersOptions(), ctx.artifact_dir("layers"))
+    nf, ndata = numerics_phases(ctx, NumericsOptions())
+    assert lf == [] and nf == []
+    assert {k: v["status"] for k, v in ldata.items()} == {p: "pass" for p in ("prefill", "decode", "batch", "long")}
+    assert {k: v["status"] for k, v in ndata.items()} == {p: "pass" for p in ("prefill", "decode", "batch", "long")}
+    assert ndata["decode"]["agreement"]["greedy"] == 1.0
+
+
+def test_one_token_steps_fail_in_decode_only(context: Callable[[str], Any]) -> None:
+    ctx = context("decode")
+    findings, data = layers_phases(ctx, LayersOptions(), ctx.artifact_dir("layers"))
+    assert [(f.phase, f.step) for f in findings] == [("decode", 1)]
+    f = findings[0]
+    assert f.kind == "layer_failure" and "self_attn" in f.module and "prefill passes" in f.message
+    assert f.repro is not None and f.repro.verified, f.repro
+    assert data["prefill"]["status"] == data["batch"]["status"] == data["long"]["status"] == "pass"
+
+
+def test_a_long_prompt_fails_past_the_limit_only(context: Callable[[str], Any]) -> None:
+    ctx = context("long")
+    findings, data = layers_phases(ctx, LayersOptions(verify=False), ctx.artifact_dir("layers"))
+    assert [(f.phase, f.details["call"]) for f in findings] == [("long", "long 80")]
+    assert data["prefill"]["status"] == data["decode"]["status"] == data["batch"]["status"] == "pass"
+
+
+def test_a_reduced_precision_cache_drifts_after_the_first_token(context: Callable[[str], Any]) -> None:
+    findings, data = numerics_phases(context("kvdrift"), NumericsOptions())
+    assert set(_by_phase(findings)) == {"decode"}
+    f = findings[0]
+    assert f.step is not None and f.step >= 1, f.message
+    assert data["decode"]["calls"][0]["rel"] == 0.0 or data["decode"]["calls"][0]["rel"] < 1e-5
+
+
+def test_nan_in_a_padded_batch_is_named_with_row_and_first_layer(context: Callable[[str], Any]) -> None:
+    findings, data = numerics_phases(context("masknan"), NumericsOptions())
+    assert [f.phase for f in findings] == ["batch"]
+    f = findings[0]
+    assert f.details["row"] == 1 and f.module == "model.layers.0.self_attn", f.message
+    assert "reaches the real tokens in model.layers.1" in f.message
+    assert data["batch"]["calls"][0]["nonfinite_rows"] == [1]
+
+
+def test_outputs_overwritten_by_later_calls_are_found_where_they_happen(context: Callable[[str], Any]) -> None:
+    findings, _ = numerics_phases(context("reuse"), NumericsOptions())
+    over = [f for f in findings if f.kind == "output_overwritten"]
+    assert {f.phase for f in over} == {"decode"} and {f.step for f in over} == {1}
+    assert "changed after decode step 2" in over[0].message
+
+
+def test_ops_probes_a_padded_batch_with_a_fully_masked_row(mode_context: Callable[..., Any], fresh_dynamo: Any) -> None:
+    from ci_runner.modes.ops.mode import run as ops_run
+
+    text = matrix_text(models=[LLAMA], backends=[{"id": "masknan", "compile": "sim-masknan"}],
+                       references=REFERENCES, inputs={"seq_len": 8, "samples": 1, "phases": ["prefill", "batch"]},
+                       options={"ops": {"only_ops": ["aten._scaled_dot_product*"], "workers": 1}})
+    result = ops_run(mode_context(text, "llama", "masknan"))
+    assert [(f.phase, f.kind, f.op) for f in result.findings] == [
+        ("batch", "op_mismatch", "aten._scaled_dot_product_flash_attention_for_cpu.default")]
+    f = result.findings[0]
+    assert f.repro is not None and f.repro.verified and f.repro.path.startswith("ops/phases/batch/"), f.repro
+    assert result.data["phases"]["prefill"]["status"] == "pass" and result.data["phases"]["batch"]["status"] == "fail"

@@ -1,0 +1,56 @@
+"""The workload phases on the two real compilers from PyPI (IREE `turbine_cpu`, OpenVINO with the recipe), tiny
+random-weight decoders: what a user sees with plain `torch.compile` (docs/phases.md, "Checked on the real
+compilers") is what the modes report."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+
+from ci_runner.modes.layers.phases import run_phases as layers_phases
+from ci_runner.modes.numerics.phases import run_phases as numerics_phases
+from ci_runner.options import LayersOptions, NumericsOptions
+from tests.fixtures.matrices import REFERENCES, matrix_text
+
+pytestmark = pytest.mark.slow
+
+SMALL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 64}
+MODELS = [{"id": "mistral", "config": "mistral", "overrides": {**SMALL, "sliding_window": 4}},
+          {"id": "llama", "config": "llama", "overrides": SMALL}]
+OV_RECIPE = {"options": {"aot_autograd": True, "testing": True, "config": {"INFERENCE_PRECISION_HINT": "f32"}}}
+BACKENDS = [{"id": "iree", "compile": "turbine_cpu"},
+            {"id": "ov", "compile": "openvino", "compile_options": OV_RECIPE}]
+
+
+def _ctx(mode_context: Callable[..., Any], model: str, backend: str, phases: list[Any]) -> Any:
+    text = matrix_text(models=MODELS, backends=BACKENDS, references=REFERENCES,
+                       inputs={"seq_len": 6, "samples": 1, "phases": phases})
+    return mode_context(text, model, backend)
+
+
+def test_a_sliding_window_decoder_fails_its_first_decode_step_only_under_dynamic_shapes(
+        mode_context: Callable[..., Any], fresh_dynamo: Any) -> None:
+    ctx = _ctx(mode_context, "mistral", "iree", ["prefill", {"decode": {"steps": 1}}])
+    findings, data = layers_phases(ctx, LayersOptions(), ctx.artifact_dir("layers"))
+    assert data["prefill"]["status"] == "pass"
+    assert [(f.phase, f.step, f.module) for f in findings] == [("decode", 1, "model")]
+    f = findings[0]
+    assert f.details["culprit_ops"] == ["sym_max"] and f.details["dynamic_only"], f.message
+    assert "prefill passes" in f.message and "sym_max" in f.message
+    assert f.repro is not None and f.repro.verified, f.repro
+
+
+def test_a_padded_batch_turns_nan_from_the_first_attention(mode_context: Callable[..., Any], fresh_dynamo: Any) -> None:
+    ctx = _ctx(mode_context, "llama", "iree", [{"batch": {"lengths": [6, 2]}}])
+    findings, data = numerics_phases(ctx, NumericsOptions())
+    assert [(f.phase, f.module, f.details.get("row")) for f in findings] == [("batch", "model.layers.0.self_attn", 1)]
+    assert data["batch"]["calls"][0]["nonfinite_rows"] == [1]
+
+
+def test_openvino_overwrites_earlier_decode_outputs(mode_context: Callable[..., Any], fresh_dynamo: Any) -> None:
+    ctx = _ctx(mode_context, "llama", "ov", [{"decode": {"steps": 2}}])
+    findings, data = numerics_phases(ctx, NumericsOptions())
+    assert [(f.kind, f.step) for f in findings] == [("output_overwritten", 1)]
+    assert data["decode"]["agreement"]["greedy"] == 1.0

@@ -1,0 +1,94 @@
+"""The workload engine (`engine/workload.py`) on eager models: it runs phases as generation does."""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any
+
+import pytest
+import torch
+
+from ci_runner.config import InputSpec, ModelSpec
+from ci_runner.engine.models import load_model
+from ci_runner.engine.workload import run_phase, skip_reason
+from ci_runner.phases import parse_phases
+
+pytestmark = pytest.mark.oldtorch
+
+LLAMA = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 64}
+INPUTS = InputSpec(seq_len=8, samples=1, phases=("prefill", {"decode": {"steps": 3}},
+                                                  {"batch": {"lengths": [8, 5, 2]}}, {"long": {"seq_len": [16, 200]}}))
+
+
+@pytest.fixture(scope="module")
+def llama() -> Any:
+    return load_model(ModelSpec(id="l", config="llama", overrides=MappingProxyType(LLAMA)), seed=0)
+
+
+def _phase(name: str) -> Any:
+    return next(p for p in INPUTS.workload() if p.name == name)
+
+
+def test_decode_through_the_static_cache_matches_the_full_forward(llama: Any) -> None:
+    run = run_phase(llama.module, llama, INPUTS, _phase("decode"))
+    assert [r.label for r in run.records] == ["prefill", "decode step 1", "decode step 2", "decode step 3"]
+    assert all(r.error is None for r in run.records) and run.overwritten == []
+    prompt = run.records[0].logits
+    ids = _ids_of(run)
+    with torch.no_grad():
+        full = llama.module(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(prompt, full[:, :8], atol=1e-5, rtol=1e-5)
+    for k, rec in enumerate(run.records[1:]):
+        torch.testing.assert_close(rec.logits[:, -1], full[:, 8 + k], atol=1e-5, rtol=1e-5)
+
+
+def _ids_of(run: Any) -> torch.Tensor:
+    """The prompt's ids then each decode step's token (the greedy ones eager chose)."""
+    first = run.records[0]
+    prompt_ids = first.prompt_ids
+    return torch.cat([prompt_ids] + [r.token for r in run.records[1:]], dim=1)
+
+
+def test_teacher_forcing_feeds_the_given_tokens(llama: Any) -> None:
+    forced = [torch.tensor([[5]]), torch.tensor([[6]]), torch.tensor([[7]])]
+    run = run_phase(llama.module, llama, INPUTS, _phase("decode"), forced=forced)
+    assert [int(r.token) for r in run.records[1:]] == [5, 6, 7]
+
+
+def test_a_left_padded_batch_matches_each_prompt_alone_on_real_tokens(llama: Any) -> None:
+    run = run_phase(llama.module, llama, INPUTS, _phase("batch"))
+    rec = run.records[0]
+    assert rec.real.tolist()[2] == [False] * 6 + [True] * 2
+    ids = rec.prompt_ids
+    for row, n in enumerate([8, 5, 2]):
+        with torch.no_grad():
+            alone = llama.module(input_ids=ids[row:row + 1, 8 - n:], use_cache=False).logits
+        torch.testing.assert_close(rec.logits[row, 8 - n:], alone[0], atol=1e-4, rtol=1e-4)
+
+
+def test_an_output_a_later_call_overwrites_is_named(llama: Any) -> None:
+    arena: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def reusing(**kwargs: Any) -> Any:  # a runtime that hands out the same output buffer for the same shape
+        out = llama.module(**kwargs)
+        buf = arena.setdefault(tuple(out.logits.shape), torch.empty_like(out.logits))
+        buf.copy_(out.logits)
+        return buf
+
+    run = run_phase(reusing, llama, INPUTS, _phase("decode"))
+    assert [o["call"] for o in run.overwritten] == ["decode step 1", "decode step 2"]
+    assert run.overwritten[0]["changed_after"] == "decode step 2" and run.overwritten[0]["shares_storage"]
+
+
+def test_what_does_not_apply_is_skipped_with_its_reason(llama: Any) -> None:
+    assert skip_reason(llama, _phase("decode"), INPUTS) is None
+    long = _phase("long")
+    assert skip_reason(llama, long, INPUTS) is None  # 16 fits; 200 is left out
+    assert [r.label for r in run_phase(llama.module, llama, INPUTS, long).records] == ["long 16"]
+    over = parse_phases([{"long": {"seq_len": [100]}}], seq_len=8)[0]
+    assert "max_position_embeddings 64" in skip_reason(llama, over, INPUTS)
+    vit = load_model(ModelSpec(id="v", config="vit", overrides=MappingProxyType(
+        {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+         "image_size": 16, "patch_size": 8})), seed=0)
+    assert "token inputs" in skip_reason(vit, _phase("decode"), INPUTS)
