@@ -1,10 +1,11 @@
-"""Repros paste: every command a real run prints (summary.md, junit.xml, each script's header, a local issue
-draft) runs in a fresh shell from the folder it names, and holds no placeholder and no path of this machine. The
+"""Repros paste: every command a real run prints (summary.md, report.html, junit.xml, each script's header, a local
+issue draft) runs in a fresh shell from the folder it names, and holds no placeholder and no path of this machine. The
 run starts from a folder that holds another `ci_runner` (a checkout of another version): its cell workers still
 run this process's package, the same code as the CLI."""
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
@@ -45,6 +46,9 @@ def _commands(run: Path, drafts: Path) -> list[tuple[Path, str, str]]:
     summary = (report / "summary.md").read_text(encoding="utf-8")
     for folder, cmd in re.findall(r"run it from the cell folder `([^`]+)`: `([^`]+)`", summary):
         out.append((report / folder, cmd, "summary.md"))
+    page = (report / "report.html").read_text(encoding="utf-8")
+    for folder, cmd in re.findall(r"run it from the cell folder <code>([^<]+)</code>: <code>([^<]+)</code>", page):
+        out.append((report / html.unescape(folder), html.unescape(cmd), "report.html"))
     junit = (report / "junit.xml").read_text(encoding="utf-8")
     for folder, cmd in re.findall(r"run it from the cell folder (\S+): ([^\n<]+)", junit):
         out.append((run / folder, cmd.strip(), "junit.xml"))
@@ -96,7 +100,7 @@ def test_every_printed_repro_command_runs_in_a_fresh_shell(tmp_path: Path) -> No
     run = repo / "out"
     commands = _commands(run, run / "drafts")
     where = {w.split("/")[0] if "/" in w else w for _, _, w in commands}
-    assert {"summary.md", "junit.xml", "cells"} <= where and any(w.endswith(".md") and w != "summary.md" for w in where), commands
+    assert {"summary.md", "report.html", "junit.xml", "cells"} <= where and any(w.endswith(".md") and w != "summary.md" for w in where), commands
     assert any("PYTHONPATH=" in c for _, c, _ in commands), "the plugin is not installed: commands must carry it"
     fresh = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}/usr/bin{os.pathsep}/bin", "HOME": str(tmp_path)}
     ran: set[tuple[Path, tuple[Path, ...]]] = set()
