@@ -17,6 +17,7 @@ from .results import baseline
 from . import errors
 from .run.aggregate import aggregate, write_report_dir
 from .backends import available_backends
+from .backends.check import check_backends
 from .config import load_matrix
 from .registry import mode_names
 from .commits.bisect import Bisection, Request, bisect_targets, target_of_finding, target_of_repro, write_report
@@ -25,7 +26,7 @@ from .commits.walk import Budget
 from .engine.envinfo import base_stamp, env_report, format_env, tool_version
 from .errors import DeepviewError, UsageError
 from .run.execute import RunOptions, auto_jobs, available_cores, cell_dir, run_cells, run_worker, run_zoo_cells
-from .fsutil import atomic_write_json, atomic_write_text
+from .fsutil import atomic_write_json, atomic_write_text, check_output
 from .github.actions import set_output
 from .github.issues import file_issues, load_diff
 from .github.options import FilingOptions
@@ -92,7 +93,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     matrix = load_matrix(args.matrix)
     cells = select(expand(matrix), args.select, args.skip)
     if not cells:
-        raise UsageError(f"{matrix.path}: no cell matches --select/--skip", hint="list the cells with `deepview-ci expand MATRIX`")
+        raise UsageError(f"{matrix.path}: no cell matches --select/--skip", hint="list the cells with `deepview-ci cells MATRIX`")
+    check_backends(matrix, {c.backend.id for c in cells})  # every backend mistake at once, before any cell runs
     out = Path(args.out)
     progress = Progress(len(cells))
     progress.info(f"deepview-ci: {len(cells)} cell(s) from {matrix.path} → {out}")
@@ -101,8 +103,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     if cores:
         progress.info(f"deepview-ci: --jobs auto: up to {jobs} cell(s) at once on {cores} core(s)")
     run_opts = RunOptions(matrix_path=matrix.path, out_dir=out, jobs=jobs, cores=cores, force=args.force, modes=args.modes)
-    results = run_cells([c for c in cells if not c.model.zoo], run_opts, progress)
-    results += run_zoo_cells([c for c in cells if c.model.zoo], run_opts, progress)
+    try:
+        results = run_cells([c for c in cells if not c.model.zoo], run_opts, progress)
+        results += run_zoo_cells([c for c in cells if c.model.zoo], run_opts, progress)
+    except KeyboardInterrupt:  # Ctrl-C: the report of the cells that finished, then exit 130 (main)
+        finished = [p for p in (cell_dir(out, c.id) / RESULT_NAME for c in cells) if p.exists()]
+        if finished:
+            written = write_report_dir(aggregate(finished), out / "report", run_dir=out)
+            progress.info(f"deepview-ci: interrupted; the report of the {len(finished)} finished cell(s) of "
+                          f"{len(cells)}: {written.get('summary', out / 'report')}")
+        raise
     report = aggregate([cell_dir(out, r.id) / RESULT_NAME for r in results],  # this run's cells, not stale ones
                        run_dirs=[out] if any(c.model.zoo for c in cells) else ())
     written = write_report_dir(report, out / "report", run_dir=out)
@@ -125,6 +135,7 @@ def cmd_cell(args: argparse.Namespace) -> int:
     cell = find_cell(matrix, args.cell_id)
     if args.setup_failed:
         return _record_failed_setup(cell, Path(args.setup_failed), Path(args.out))
+    check_backends(matrix, [cell.backend.id], missing_ok=True)  # a package not installed stays the cell's own error
     progress = Progress(1)
     opts = RunOptions(matrix_path=matrix.path, out_dir=Path(args.out), force=args.force, modes=args.modes)
     [result] = (run_zoo_cells if cell.model.zoo else run_cells)([cell], opts, progress)  # a zoo cell: small config
@@ -173,8 +184,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_expand(args: argparse.Namespace) -> int:
+    if args.list:
+        return cmd_cells(args)
     matrix = load_matrix(args.matrix)
     cells = select(expand(matrix), args.select, args.skip)
+    check_backends(matrix, {c.backend.id for c in cells}, missing_ok=True)  # the plan job lacks the backends' packages
     max_jobs = args.max_jobs if args.max_jobs is not None else matrix.max_jobs
     doc = expand_json(cells, max_jobs=max_jobs, chunk_size=args.chunk_size, fork_pr=args.fork_pr,
                       setup_minutes=args.setup_minutes, margin_minutes=args.margin_minutes,
@@ -187,6 +201,14 @@ def cmd_expand(args: argparse.Namespace) -> int:
         atomic_write_text(Path(args.out), text + "\n")
     for name, value in outputs.items():
         set_output(name, value)
+    return 0
+
+
+def cmd_cells(args: argparse.Namespace) -> int:
+    """One cell id per line (MODEL@BACKEND), what `run --select` and `cell` take."""
+    matrix = load_matrix(args.matrix)
+    for cell in select(expand(matrix), args.select, args.skip):
+        print(cell.id)
     return 0
 
 
@@ -233,9 +255,12 @@ def cmd_diff(args: argparse.Namespace) -> int:
     set_output("diff", str(json_path))
     for category, n in d.counts().items():
         set_output(category.replace("_", "-"), str(n))
-    print(md_path.read_text(encoding="utf-8"))
-    print(f"diff: {json_path}")
-    return d.exit_code(args.fail_on)
+    code = d.exit_code(args.fail_on)
+    n = d.counts()
+    print(f"diff against {args.baseline}: " + ", ".join(f"{n[c]} {c.replace('_', ' ')}" for c in baseline.CATEGORIES))
+    print(f"--fail-on {args.fail_on}: {'fails (exit 1)' if code else 'passes'}")
+    print(f"written: {md_path} (the tables, with repros), {json_path}")
+    return code
 
 
 def cmd_baseline_update(args: argparse.Namespace) -> int:
@@ -266,8 +291,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from .numerics.compare import compare_dumps, format_comparison  # deferred: torch
     from .numerics.dumps import load_dump  # deferred: torch
 
+    from .numerics.compare import derive_from_dumps  # deferred: torch
+
+    if getattr(args, "thresholds", None) and getattr(args, "derive", None):
+        raise UsageError("compare: give --thresholds FILE or --derive SECOND_REF_DUMP, not both")
     table = load_table(Path(args.thresholds)) if getattr(args, "thresholds", None) else None
     ref = load_dump(args.ref_dump)
+    if getattr(args, "derive", None):
+        table = derive_from_dumps(ref, load_dump(args.derive))
     tgt = load_dump(args.target_dump)
     cmp = compare_dumps(ref, tgt, thresholds=table, fail_on=getattr(args, "fail_on", None) or "diverged")
     print(format_comparison(cmp))
@@ -282,6 +313,8 @@ def cmd_dump(args: argparse.Namespace) -> int:
     from .numerics.dumps import dump_entry  # deferred: torch
 
     matrix = load_matrix(getattr(args, "matrix", None))
+    if getattr(args, "backend", None):
+        check_backends(matrix, [matrix.backend(args.backend).id])
     out = Path(args.out)
     try:
         path = dump_entry(matrix, args.model, out, backend_id=getattr(args, "backend", None),
@@ -391,6 +424,7 @@ def _add_expand(sp: argparse.ArgumentParser, selection: Callable[[argparse.Argum
     sp.add_argument("--max-jobs", type=int, default=None, help="fail past this many cells (default: defaults.max_jobs)")
     sp.add_argument("--chunk-size", type=int, default=256, help="jobs per GitHub matrix chunk (≤ 256)")
     sp.add_argument("--out", default=None, metavar="PLAN_JSON", help="also write the printed plan here (for `aggregate --plan`)")
+    sp.add_argument("--list", action="store_true", help="print only the cell ids, one a line (as `deepview-ci cells`)")
     sp.add_argument("--fork-pr", action="store_true",
                     help="plan for a pull request from a fork: cells on self-hosted runners are skipped, with the reason")
     sp.add_argument("--setup-minutes", type=_minutes_arg, default=30, metavar="MIN",
@@ -405,6 +439,50 @@ def _add_expand(sp: argparse.ArgumentParser, selection: Callable[[argparse.Argum
 
 
 AddCommand = Callable[..., argparse.ArgumentParser]  # (name, handler, help text or None for an unlisted command)
+
+
+# Every option that names a path the command writes: "dir" (a folder, created) or "file". `main` checks each one
+# before the command starts, so an unwritable path is one line and exit 5, not a traceback after minutes of work
+# (tests/integration/test_cli_outputs.py walks the parser and fails on an output-like option missing here).
+OUTPUT_PATHS: dict[str, dict[str, str]] = {
+    "run": {"out": "dir"}, "expand": {"out": "file"}, "cell": {"out": "dir"},
+    "zoo inventory": {"out": "dir"}, "zoo merge": {"out": "dir"}, "zoo probe": {"out": "dir"}, "zoo cells": {"out": "dir"},
+    "_worker": {"out": "dir"}, "aggregate": {"out": "dir"}, "collect": {"out": "dir"}, "diff": {"out": "dir"},
+    "baseline update": {"out": "file"}, "baseline propose": {"out": "file", "summary": "file"},
+    "history add": {"store": "dir"}, "history export": {"out": "dir"}, "history compact": {"store": "dir"},
+    "file-issues": {"dry_run": "dir"}, "dump": {"out": "dir"}, "compare": {"json": "file"},
+    "bisect-commits": {"out": "file", "cache": "dir"}, "bisect-regressions": {"out": "file", "cache": "dir"},
+}
+
+
+def _subparsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> "list[tuple[tuple[str, ...], argparse.ArgumentParser, str | None]]":
+    """Every (sub)command below `parser`: its name path, its parser and its one-line help."""
+    found = []
+    for action in parser._actions:  # argparse has no public walk
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {a.dest: a.help for a in action._choices_actions}
+            for name, sp in action.choices.items():
+                found.append(((*path, name), sp, helps.get(name)))
+                found += _subparsers(sp, (*path, name))
+    return found
+
+
+def _finish(parser: argparse.ArgumentParser) -> None:
+    """Each command's `--help` starts with its one-line description, and carries its output paths (`OUTPUT_PATHS`)."""
+    for path, sp, help_text in _subparsers(parser):
+        if sp.description is None and help_text:
+            sp.description = help_text
+        outputs = OUTPUT_PATHS.get(" ".join(path))
+        if outputs:
+            sp.set_defaults(output_paths=outputs)
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Raise `OutputError` (exit 5) for the first output path of the command that cannot be written."""
+    for dest, kind in (getattr(args, "output_paths", None) or {}).items():
+        value = getattr(args, dest, None)
+        if value:
+            check_output(value, "dir" if kind == "dir" else "file", what="--" + dest.replace("_", "-"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -424,6 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
     _run_commands(add)
     _report_commands(add)
     _dump_commands(add)
+    _finish(p)
     return p
 
 
@@ -447,8 +526,12 @@ def _run_commands(add: AddCommand) -> None:
 
     _add_expand(add("expand", cmd_expand, "Print the GitHub plan JSON (and write GITHUB_OUTPUT when set)."), _selection)
 
+    sp = add("cells", cmd_cells, "List the matrix's cell ids (MODEL@BACKEND), one a line: what --select and `cell` take.")
+    sp.add_argument("matrix", nargs="?", default=None, help="matrix YAML (default: the bundled example)")
+    _selection(sp)
+
     sp = add("cell", cmd_cell, "Run one cell (what a CI job runs).")
-    sp.add_argument("cell_id", metavar="CELL_ID", help="the cell to run, MODEL@BACKEND (see `deepview-ci expand`)")
+    sp.add_argument("cell_id", metavar="CELL_ID", help="the cell to run, MODEL@BACKEND (see `deepview-ci cells MATRIX`)")
     sp.add_argument("--matrix", required=True, help="matrix YAML file")
     sp.add_argument("--out", required=True, help="output folder; the cell writes cells/CELL_ID/ in it")
     sp.add_argument("--modes", type=_modes_arg, default=None, help="comma list of ops,layers,numerics (default: the cell's)")
@@ -556,7 +639,13 @@ def _dump_commands(add: AddCommand) -> None:
     sp.add_argument("ref_dump", metavar="REF_DUMP", help="the reference's dump folder")
     sp.add_argument("target_dump", metavar="TARGET_DUMP", help="the dump folder to compare with it")
     sp.add_argument("--json", default=None, help="also write the comparison as JSON here")
-    sp.add_argument("--thresholds", default=None, metavar="FILE", help="numerics thresholds file: hold each layer to its own threshold")
+    sp.add_argument("--thresholds", default=None, metavar="FILE",
+                    help="numerics thresholds file (OUT/thresholds/MODEL-KEY.json, written by the numerics mode of the "
+                         "model's cell): hold each layer to its own threshold; without it or --derive, only the "
+                         "fixed bands flag")
+    sp.add_argument("--derive", default=None, metavar="SECOND_REF_DUMP",
+                    help="derive each layer's threshold from the spread between REF_DUMP and this dump of a second "
+                         "trusted reference of the same input (e.g. `dump --reference cpu-fp64`)")
     sp.add_argument("--fail-on", choices=("drift", "diverged", "broken", "never"), default="diverged",
                     help="exit 1 from this severity on (default: diverged)")
 
@@ -574,11 +663,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         if handler is None:
             parser.print_help(sys.stderr)
             return errors.EXIT_USAGE
+        check_outputs(args)
         return handler(args)
     except DeepviewError as exc:
         return errors.report_error(exc)
+    except BrokenPipeError:
+        return errors.EXIT_OK
+    except OSError as exc:  # a file error no library call turned into a DeepviewError: still one line and exit 5
+        if exc.filename is None:
+            raise
+        return errors.report_error(errors.ExecutionError(f"{exc.filename}: {exc.strerror or type(exc).__name__}",
+                                                         hint="check that path: its permissions, its file system"))
     except KeyboardInterrupt:
         print("deepview-ci: interrupted; finished cells are kept, rerun to resume", file=sys.stderr)
         return errors.EXIT_INTERRUPTED
-    except BrokenPipeError:
-        return errors.EXIT_OK
+

@@ -438,10 +438,11 @@ def _check_phases(data: dict[str, Any], positions: _Positions, source: str) -> N
 
 def _check_options(data: dict[str, Any], positions: _Positions, source: str) -> None:
     """Every `options.<mode>` of defaults, models and backends parses (`ci_runner/options.py`), or one ConfigError
-    at the offending key."""
+    naming the offending key of each block that does not (all of them at once)."""
     blocks: list[tuple[tuple[Any, ...], Any]] = [(("defaults", "options"), (data.get("defaults") or {}).get("options"))]
     for kind in ("models", "backends"):
         blocks += [((kind, i, "options"), item.get("options")) for i, item in enumerate(data.get(kind) or [])]
+    problems: list[tuple[str, str | None]] = []
     for path, block in blocks:
         for mode, opts in (block or {}).items():
             try:
@@ -450,7 +451,13 @@ def _check_options(data: dict[str, Any], positions: _Positions, source: str) -> 
                 at = path + (mode, exc.key) if exc.key is not None and exc.key in (opts or {}) else path + (mode,)
                 known_key = "unknown option" in exc.message
                 pos = positions.at(at, value=not known_key) or (0, 0)
-                raise ConfigError(f"{source}:{pos[0]}:{pos[1]}: {exc.message}", hint=exc.hint) from None
+                problems.append((f"{source}:{pos[0]}:{pos[1]}: {exc.message}", exc.hint))
+    if len(problems) == 1:
+        raise ConfigError(problems[0][0], hint=problems[0][1])
+    if problems:
+        lines = [f"{source}: {len(problems)} problems in the matrix:"]
+        lines += [f"  {text}" + (f"\n    hint: {hint}" if hint else "") for text, hint in problems]
+        raise ConfigError("\n".join(lines))
 
 
 def _resolve(path: Path, data: dict[str, Any], positions: _Positions) -> Matrix:

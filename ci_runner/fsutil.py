@@ -1,4 +1,5 @@
-"""Atomic file writes (a reader never sees a half-written file, Ctrl-C never leaves one) and file locks."""
+"""Atomic file writes (a reader never sees a half-written file, Ctrl-C never leaves one), file locks, and the check
+that an output path can be written (a failed write is one `OutputError` line naming the path, exit 5)."""
 
 from __future__ import annotations
 
@@ -8,26 +9,89 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator, TypeVar
+from typing import IO, Any, Callable, Iterator, Literal, TypeVar
+
+from .errors import ExecutionError
 
 T = TypeVar("T")
 
 
+class OutputError(ExecutionError):
+    """An output path cannot be written (read-only, a file where a folder should be, no such device): exit 5."""
+
+
+def output_error(path: str | os.PathLike[str], exc: OSError, *, what: str = "") -> OutputError:
+    """`exc` (raised while writing under `path`) as one line naming the path, the reason and the fix."""
+    where = f"{what} {path}" if what else str(path)
+    reason = exc.strerror or type(exc).__name__
+    if exc.filename and os.fspath(exc.filename) != os.fspath(path):
+        reason += f" ({exc.filename})"
+    if isinstance(exc, (NotADirectoryError, FileExistsError)):
+        hint = "a file is in the way of a folder: choose another path, or move the file"
+    elif isinstance(exc, IsADirectoryError):
+        hint = "that is a folder: give a file name"
+    else:
+        hint = "choose a path you can write to (a writable, existing file system)"
+    return OutputError(f"cannot write {where}: {reason}", hint=hint)
+
+
+def check_output(path: str | os.PathLike[str], kind: Literal["dir", "file"], *, what: str = "") -> None:
+    """Fail early, before any work, when `path` cannot be written: a folder (`kind="dir"`, created if missing) or a
+    file (its folder is created; an existing folder at `path` is refused). A file is created and removed to be sure."""
+    target = Path(path)
+    folder = target if kind == "dir" else target.parent
+    try:
+        if kind == "file" and target.is_dir():
+            raise IsADirectoryError(21, "Is a directory", str(target))
+        if folder.exists() and not folder.is_dir():
+            raise NotADirectoryError(20, "Not a directory", str(folder))
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".deepview-ci-probe.", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise output_error(path, exc, what=what) from None
+
+
+_UMASK: int | None = None
+
+
+def file_mode() -> int:
+    """The mode a new file gets under this process's umask (0o644 under the usual 022): what `open()` would give."""
+    global _UMASK
+    if _UMASK is None:
+        try:  # Linux: read it without changing it (os.umask's set-and-restore is not thread-safe)
+            line = next(ln for ln in Path("/proc/self/status").read_text().splitlines() if ln.startswith("Umask:"))
+            _UMASK = int(line.split()[1], 8)
+        except (OSError, StopIteration, ValueError, IndexError):
+            _UMASK = os.umask(0o022)
+            os.umask(_UMASK)
+    return 0o666 & ~_UMASK
+
+
 def atomic_write_with(path: str | os.PathLike[str], write: Callable[[Path], None]) -> Path:
     """`write(tmp)` fills a temp file in `path`'s folder (`.<name>.<random>.tmp`), then `os.replace` puts it at
-    `path`; the temp file is removed if `write` fails."""
+    `path`; the temp file is removed if `write` fails.
+    The file follows the umask like any `open()` (mkstemp alone would leave it 0600). An `OSError` (read-only
+    folder, a file in the way, disk full) is raised as `OutputError` naming `path`."""
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        os.fchmod(fd, file_mode())
+        os.close(fd)
+    except OSError as exc:
+        raise output_error(target, exc) from None
     try:
         write(Path(tmp))
         os.replace(tmp, target)
-    except BaseException:
+    except BaseException as exc:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(exc, OSError) and exc.filename in (None, tmp, str(target)):  # the write itself (disk full…)
+            raise output_error(target, exc) from None
         raise
     return target
 
@@ -59,12 +123,15 @@ def append_line(path: str | os.PathLike[str], line: str, *, sync: bool = True) -
     """Append one line and fsync: used for crash journals that must survive a segfault. `sync=False`: flushed to
     the OS only, which survives the writer's crash (not the machine's), for lines written many times a second."""
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target, "a", encoding="utf-8") as fh:
-        fh.write(line.rstrip("\n") + "\n")
-        fh.flush()
-        if sync:
-            os.fsync(fh.fileno())
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target, "a", encoding="utf-8") as fh:
+            fh.write(line.rstrip("\n") + "\n")
+            fh.flush()
+            if sync:
+                os.fsync(fh.fileno())
+    except OSError as exc:
+        raise output_error(target, exc) from None
 
 
 def append_record(path: str | os.PathLike[str], record: Any) -> None:

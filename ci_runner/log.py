@@ -42,6 +42,30 @@ class Progress:
         self.style = style or OutputStyle.detect(stream=self.stream)
         self.quiet = quiet
         self._lock = threading.Lock()
+        self._costs: dict[str, float] = {}  # cells still to finish in this run: their expected cost (`expect`)
+        self._width = 1
+        self._spent = 0.0  # seconds the cells finished so far took, and their expected cost
+        self._spent_cost = 0.0
+
+    def expect(self, costs: Mapping[str, float], width: int = 1) -> None:
+        """The cells this run will start, with their expected costs (relative weights), `width` at a time: each
+        finished cell's line then ends with the time left, those costs at the pace of the cells finished so far."""
+        with self._lock:
+            self._costs.update(costs)
+            self._width = max(1, width)
+
+    def _eta(self, cell_id: str, duration_s: float | None) -> str:
+        with self._lock:
+            cost = self._costs.pop(cell_id, None)
+            if cost is None or duration_s is None:
+                return ""
+            self._spent += duration_s
+            self._spent_cost += cost
+            left = sum(self._costs.values())
+            if not left or self._spent_cost <= 0:
+                return ""
+            seconds = left * self._spent / self._spent_cost / self._width
+        return f" · about {format_duration(seconds)} left"
 
     def _write(self, text: str) -> None:
         if self.quiet:
@@ -66,12 +90,23 @@ class Progress:
     def cell_finished(self, cell_id: str, status: str, duration_s: float, detail: str = "") -> None:
         with self._lock:
             self.done += 1
-        line = f"[{self.done}/{self.total}] {cell_id}: {STATUS_MARK.get(status, status)} in {duration_s:.1f}s"
+        line = (f"[{self.done}/{self.total}] {cell_id}: {STATUS_MARK.get(status, status)} in {duration_s:.1f}s"
+                + self._eta(cell_id, duration_s))
         if self.style.github:
             body = f"::group::{line}\n{detail}\n::endgroup::" if detail else f"::group::{line}\n::endgroup::"
             self._write(body)
         else:
             self._write(line + (f"\n    {detail}" if detail else ""))
+
+
+def format_duration(seconds: float) -> str:
+    """`45s`, `3m05s`, `1h02m`."""
+    s = max(0, int(round(seconds)))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 # --------------------------------------------------------------------------- step summary

@@ -109,7 +109,7 @@ def find_cell(matrix: Matrix, cid: str) -> Cell:
     close = difflib.get_close_matches(cid, [c.id for c in cells], n=3)
     raise ConfigError(
         f"{matrix.path}: no cell {cid!r} in this matrix",
-        hint=(f"did you mean {', '.join(close)}?" if close else "list the cells with `deepview-ci expand MATRIX`"),
+        hint=(f"did you mean {', '.join(close)}?" if close else "list the cells with `deepview-ci cells MATRIX`"),
     )
 
 

@@ -29,6 +29,7 @@ import difflib
 import importlib
 import importlib.util
 import os
+import sys
 import sysconfig
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -467,10 +468,15 @@ def plugin_pythonpath(modules: Iterable[str]) -> list[str]:
     """Folders to put on PYTHONPATH so `modules` import in a fresh interpreter (none for installed ones).
 
     Repro scripts and probe children run in clean processes; a plugin that lives in the user's checkout
-    (not installed) needs its root folder passed along."""
+    (not installed) needs its root folder passed along. Not needed: a module in a site folder, one an installed
+    finder maps (an editable install: its folder is not on `sys.path`), and deepview-ci itself when it is installed
+    (whoever runs a repro has the tool)."""
     installed = {str(Path(p).resolve()) for p in (sysconfig.get_paths().get("purelib"), sysconfig.get_paths().get("platlib")) if p}
+    on_path = {str(Path(p or ".").resolve()) for p in sys.path}
     roots: list[str] = []
     for mod in modules:
+        if mod.split(".")[0] == "ci_runner" and _tool_installed():
+            continue
         try:
             spec = importlib.util.find_spec(mod.split(".")[0])
         except (ImportError, ValueError):
@@ -482,7 +488,15 @@ def plugin_pythonpath(modules: Iterable[str]) -> list[str]:
             if loc in (None, "built-in", "frozen"):
                 continue
             root = str(Path(loc).resolve().parent)  # a package folder's parent, or a module file's folder
-            if root not in installed and root not in roots:
+            if root not in installed and root in on_path and root not in roots:
                 roots.append(root)
             break
     return roots
+
+
+def _tool_installed() -> bool:
+    try:
+        metadata.distribution("deepview-ci")
+    except metadata.PackageNotFoundError:
+        return False
+    return True

@@ -540,11 +540,31 @@ def supervise(target: str, *, journal: Path, kind: str,
 # --------------------------------------------------------------------------- process hygiene
 
 def child_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment for a child this process starts: `env` (default: this one's) naming this process as the
-    parent the child must die with (`die_with_parent`)."""
+    """The environment for a child of this package (`python -m ci_runner.…`) this process starts: `env` (default:
+    this one's) naming this process as the parent the child must die with (`die_with_parent`), and importing the
+    same `ci_runner` as this process (`same_package_env`)."""
     out = dict(os.environ if env is None else env)
     out[PARENT_ENV] = str(os.getpid())
+    out.update(same_package_env(out))
     return out
+
+
+def same_package_env(env: Mapping[str, str]) -> dict[str, str]:
+    """PYTHONPATH and PYTHONSAFEPATH so that a `python -m ci_runner.…` child runs this process's code (the CLI's),
+    never a checkout that happens to be its working folder: `-m` would put that folder first on `sys.path`.
+    PYTHONSAFEPATH (Python 3.11+) leaves it out; this package's folder goes first on PYTHONPATH unless it is an
+    installed one (a site folder there would go before the standard library); the working folder follows (a model
+    factory or plugin module there), unless it holds another `ci_runner`."""
+    import site  # noqa: PLC0415 - only here
+
+    root = Path(__file__).resolve().parents[2]
+    sites = {Path(p).resolve() for p in [*site.getsitepackages(), site.getusersitepackages()] if p}
+    paths = [str(root)] if root not in sites else []
+    cwd = Path.cwd()
+    if cwd == root or not (cwd / "ci_runner").exists():
+        paths.append(str(cwd))
+    paths += [p for p in (env.get("PYTHONPATH") or "").split(os.pathsep) if p]
+    return {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)), "PYTHONSAFEPATH": "1"}
 
 
 def set_pdeathsig() -> None:

@@ -29,6 +29,14 @@ from .isolate import run_process
 from ..results.rootcause import normalize_text
 
 
+def run_command(script: str, folder: Path, pythonpath: Sequence[str] = ()) -> str:
+    """The command that runs `script` from `folder`, as printed in a repro's header and the reports: with the
+    plugin folders it needs (`backends.plugin_pythonpath`) on PYTHONPATH relative to `folder`, so that the
+    command holds no path of the machine that wrote it and works wherever the run folder and checkout sit alike."""
+    rel = [os.path.relpath(p, folder) for p in pythonpath]
+    return (f"PYTHONPATH={os.pathsep.join(rel)} " if rel else "") + f"python {script}"
+
+
 @lru_cache(maxsize=1)
 def _env() -> jinja2.Environment:
     return jinja2.Environment(
@@ -100,7 +108,7 @@ def verify_script(script: Path, *, expect_text: Sequence[str], expect_error_type
     beyond the installed packages (and the backend plugin's folder, which `env` may add). `python` runs it with
     another interpreter (default: this one), e.g. the one `bisect-commits` installs each commit into.
     """
-    child_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
+    child_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
     child_env.update(env or {})
     with tempfile.TemporaryDirectory(prefix="deepview-repro-") as tmp:
         out_path, err_path = Path(tmp) / "stdout", Path(tmp) / "stderr"

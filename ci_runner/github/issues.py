@@ -214,6 +214,20 @@ def _resolve_path(value: str | None, *bases: Path) -> Path | None:
     return None
 
 
+def _run_dir_of(diff: Mapping[str, Any], diff_path: Path) -> Path | None:
+    """The run folder (the one holding `cells/`) of a diff that names none: the folder of its results file or of
+    the diff, or the one above (`run --out OUT` writes OUT/cells and OUT/report/results.json)."""
+    results = _resolve_path(diff.get("results"), diff_path.parent)
+    for folder in [results.parent] if results else []:
+        for candidate in (folder, folder.parent):
+            if (candidate / "cells").is_dir():
+                return candidate
+    for candidate in (diff_path.parent, diff_path.parent.parent):
+        if (candidate / "cells").is_dir():
+            return candidate
+    return None
+
+
 def _results_coverage(diff: Mapping[str, Any], diff_path: Path, run_dir: Path | None) -> dict[str, set[str]] | None:
     """cell id → modes that ran to a verdict (pass/fail), from the results file the diff names."""
     bases = [diff_path.parent] + ([run_dir] if run_dir else [])
@@ -561,7 +575,7 @@ def file_issues(diff_path: Path, *, repo: str, dry_run: Path | None, run_dir: Pa
                           hint="export a token that can write issues (in Actions: `env: GITHUB_TOKEN: ${{ github.token }}` "
                           "with `permissions: issues: write`), or use --dry-run DIR to only write drafts")
     if run_dir is None:
-        run_dir = _resolve_path(diff.get("run_dir"), diff_path.parent)
+        run_dir = _resolve_path(diff.get("run_dir"), diff_path.parent) or _run_dir_of(diff, diff_path)
     run_url = run_url_from(env)
     ctx = RenderContext(options=options, run_key=run_key_from(env, diff_path), run_url=run_url,
                         artifacts_url=artifacts_url or (run_url + "#artifacts" if run_url else None), run_dir=run_dir,

@@ -19,6 +19,7 @@ from typing import Any, Mapping, Sequence
 
 import jinja2
 
+from ..report.view import cell_command
 from ..matrix import artifact_name
 from ..plan import collected_artifacts
 from ..registry import group_order, kind_spec
@@ -339,7 +340,8 @@ def _read_repro(entry: Mapping[str, Any], run_dir: Path | None, *, culprit: bool
     return {
         "path": str(rel).replace("\\", "/"),
         "verified": bool(repro.get("verified")),
-        "command": repro.get("command"),
+        "command": cell_command(str(repro["path"]), repro.get("command")),  # from the cell folder, as the reports
+        "cell_dir": str(Path(entry.get("artifacts_dir") or f"cells/{entry['cell']}")).replace("\\", "/"),
         "text": text,
         "lang": {".py": "python", ".sh": "sh"}.get(suffix, "text"),
         "artifact": collected_artifacts(run_dir).get(entry["cell"]) or artifact_name(entry["cell"]),

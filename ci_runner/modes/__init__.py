@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from ..engine.isolate import Journal
+from ..errors import ModelLoadError
 from ..registry import mode_spec
 from ..results.model import JOURNAL_NAME, ModeResult
 
@@ -52,6 +53,7 @@ class ModeContext:
     env: dict[str, Any] = field(default_factory=dict)
     previous: dict[str, ModeResult] = field(default_factory=dict)
     _models: dict[tuple[Any, ...], "LoadedModel"] = field(default_factory=dict, repr=False)
+    model_error: "ModelLoadError | None" = None  # the cell's model did not load: every later load raises it again
 
     @property
     def model_id(self) -> str:
@@ -69,12 +71,20 @@ class ModeContext:
         return d
 
     def model(self, *, dtype: str | None = None, device: str = "cpu", meta: bool = False) -> "LoadedModel":
-        """Load (once per dtype/device/meta) the cell's model; the same seed gives the same weights."""
+        """Load (once per dtype/device/meta) the cell's model; the same seed gives the same weights. A load that
+        failed is tried once per cell: later calls (the next modes) raise the same `ModelLoadError` at once."""
         from ..engine.models import load_model  # deferred: models imports torch
 
+        if self.model_error is not None:
+            raise self.model_error
         key = (dtype, device, meta)
         if key not in self._models:
-            self._models[key] = load_model(self.cell.model, seed=self.cell.inputs.seed, dtype=dtype, device=device, meta=meta)
+            try:
+                self._models[key] = load_model(self.cell.model, seed=self.cell.inputs.seed, dtype=dtype, device=device,
+                                               meta=meta)
+            except ModelLoadError as exc:
+                self.model_error = exc
+                raise
         return self._models[key]
 
     def inputs(self, loaded: "LoadedModel", *, sample: int = 0, device: str = "cpu") -> dict[str, Any]:

@@ -12,8 +12,9 @@ import torch
 from ..errors import UsageError
 from ..results.model import clean
 from .dumps import Dump, DumpInputsMismatch, dtype_name, tensor_bytes
-from .metrics import MetricsError, compare_tensors, cos_text, flag_for, public, severity
-from .thresholds import ThresholdTable, exceeded
+from ..options import ThresholdOptions
+from .metrics import SEVERITY_LEVELS, SEVERITY_SYMBOL, MetricsError, compare_tensors, cos_text, flag_for, public, severity
+from .thresholds import LayerStats, ThresholdTable, exceeded
 
 SEVERITY_RANK = {"exact": 0, "close": 1, "drift": 2, "diverged": 3, "broken": 4}
 FAIL_ON = ("drift", "diverged", "broken", "never")
@@ -151,6 +152,25 @@ class Comparison:
         })
 
 
+def derive_from_dumps(ref: Dump, second: Dump, options: ThresholdOptions | None = None) -> ThresholdTable:
+    """Thresholds from two trusted references of the same input (e.g. cpu-fp32 and cpu-fp64 dumps): each layer's
+    spread between them, times the margin, with the floors (`thresholds.threshold_from_stats`); one sample, so the
+    numerics mode's own file (several samples) is the better gate when there is one. Closes `second`."""
+    inputs_check(ref, second)
+    layers: dict[str, LayerStats] = {}
+    for name in schema_diff(ref, second).common:
+        e, t = ref.by_name[name], second.by_name[name]
+        try:
+            m = compare_tensors(ref.tensor(e), second.tensor(t), where=name)
+        except MetricsError:
+            continue
+        layers.setdefault(e.key, LayerStats(module_class=e.module_class, name=e.module)).add("cumulative", m)
+    second.close()
+    return ThresholdTable(layers=layers, options=options or ThresholdOptions(),
+                          primary_dtype=str(ref.side.get("dtype") or "float32"),
+                          key={"derived_from": [str(ref.folder), str(second.folder)]}, views=("cumulative",))
+
+
 def compare_dumps(ref: Dump, tgt: Dump, *, thresholds: ThresholdTable | None = None,
                   fail_on: str = "diverged") -> Comparison:
     """Inputs first (`DumpInputsMismatch` when they differ), then the schema diff, then every common entry.
@@ -208,11 +228,14 @@ def compare_dumps(ref: Dump, tgt: Dump, *, thresholds: ThresholdTable | None = N
     ref.close()
     tgt.close()
     return Comparison(reference={"folder": str(ref.folder), "label": ref.label(), "side": ref.side,
+                                 "model": {"id": (ref.manifest.get("model") or {}).get("id")},
                                  "env": ref.manifest.get("env"), "sample": ref.manifest.get("sample")},
                       target={"folder": str(tgt.folder), "label": tgt.label(), "side": tgt.side,
                               "env": tgt.manifest.get("env"), "sample": tgt.manifest.get("sample")},
                       inputs=inputs, schema=schema, rows=rows, first_divergent=first, fail_on=fail_on,
-                      thresholds=str(thresholds.path) if thresholds is not None and thresholds.path else None,
+                      thresholds=(str(thresholds.path) if thresholds.path else "derived from "
+                                  + " and ".join(thresholds.key.get("derived_from") or ["two references"]))
+                      if thresholds is not None else None,
                       warnings=warnings)
 
 
@@ -290,7 +313,28 @@ def format_comparison(cmp: Comparison, *, max_list: int = 20) -> str:
                      f"{'y' if len(cmp.flagged) == 1 else 'ies'} flagged")
     else:
         lines.append(f"no layer flagged (fail-on {cmp.fail_on}{', with thresholds' if cmp.thresholds else ''})")
+    lines += legend(cmp)
     return "\n".join(lines)
+
+
+def legend(cmp: Comparison) -> list[str]:
+    """What each flag means, and (without thresholds) how a layer gets its own threshold."""
+    bands = {name: f"cos ≥ {cos_min:g}, rel ≤ {rel_max:g}" for name, cos_min, rel_max in SEVERITY_LEVELS}
+    meaning = {"exact": "bit-identical", "close": f"noise ({bands['close']})", "drift": f"drift ({bands['drift']})",
+               "diverged": f"diverged ({bands['diverged']})", "broken": "broken (worse, or NaN/Inf where the other side is finite)"}
+    out = ["flags: " + " · ".join(f"{SEVERITY_SYMBOL[k]} {v}" for k, v in meaning.items())]
+    if cmp.thresholds:
+        out.append(f"over threshold: the metrics past this layer's own threshold ({cmp.thresholds}); a layer is "
+                   "flagged when any is, or when it is broken")
+        return out
+    model = (cmp.reference.get("model") or {}).get("id") or "MODEL"
+    out += [f"note: no thresholds, so a layer is flagged only from the fixed bands (--fail-on {cmp.fail_on}); "
+            "drift below them passes. To hold each layer to its own threshold, either",
+            f"  --thresholds OUT/thresholds/{model}-<key>.json  (written by the numerics mode of the model's cell: "
+            f"`deepview-ci run MATRIX --select '{model}@*' --modes numerics --out OUT`), or",
+            "  --derive SECOND_REF_DUMP  (from the spread between REF_DUMP and a dump of a second trusted reference "
+            f"of the same input: `deepview-ci dump --model {model} --reference cpu-fp64 --out DIR`)"]
+    return out
 
 
 

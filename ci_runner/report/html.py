@@ -312,7 +312,8 @@ def findings_html(cv: CellView, limit: int = MAX_FINDINGS_PER_CELL, *, links: bo
         if f.module and f.kind in kinds_in(SECTION_DIVERGENT):
             out.append(f"<br>layer: <code>{_e(f.module)}</code>" + (f" ({_e(f.module_class)})" if f.module_class else ""))
         if fv.repro:
-            cmd = f" · from the cell folder: <code>{_e(fv.command)}</code>" if fv.command else ""
+            where = f" <code>{_e(fv.cell_dir)}</code>" if fv.cell_dir else ""
+            cmd = f" · run it from the cell folder{where}: <code>{_e(fv.command)}</code>" if fv.command else ""
             out.append(f"<br>repro: {repro_link(fv.repro, links)} {'(verified)' if fv.verified else '(not verified)'}{cmd}")
         if fv.metrics_text:
             out.append(f"<br>{_e(fv.metrics_text)}")

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import posixpath
+import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,18 +128,30 @@ def repro_command(finding: Finding) -> str | None:
     """The repro command as run from the cell folder (or the downloaded cell artifact).
 
     Repro scripts find their data next to themselves, so ``python <path relative to the cell>``
-    works from there. A recorded command may name folders of the machine that ran it (a plugin's
-    checkout on ``PYTHONPATH``); those become ``<your checkout>``, never an absolute path.
+    works from there. The recorded command's ``PYTHONPATH`` (a plugin's folder, relative to the script's
+    folder: `engine.repro.run_command`) is rebased onto the cell folder; an absolute one (written by an older
+    version) is left out: no path of the machine that ran the cell is printed.
     """
     r = finding.repro
     if r is None or not r.path:
         return None
-    path = r.path.replace("\\", "/")
+    return cell_command(r.path, r.command)
+
+
+def cell_command(repro_path: str, recorded: str | None) -> str:
+    """`repro_command` of a repro at `repro_path` (relative to its cell folder) whose recorded command is
+    `recorded`."""
+    path = repro_path.replace("\\", "/")
     if posixpath.isabs(path):
         path = posixpath.basename(path)
     cmd = f"python {shlex.quote(path)}"
-    if r.command and "PYTHONPATH=" in r.command:
-        cmd = f"PYTHONPATH=<your checkout> {cmd}"
+    m = re.search(r"PYTHONPATH=(\S+)", recorded or "")
+    if m:
+        folder = posixpath.dirname(path)
+        rebased = [posixpath.normpath(posixpath.join(folder, p)) for p in m.group(1).split(os.pathsep)
+                   if p and not posixpath.isabs(p)]
+        if rebased:
+            cmd = f"PYTHONPATH={shlex.quote(os.pathsep.join(rebased))} {cmd}"
     return cmd
 
 
@@ -181,6 +194,7 @@ class FindingView:
     culprit_label: str = "culprit"  # or "culprit (repro did not reproduce)" / "culprit (not verified)"
     call: str | None = None  # an op finding: the call that failed, `aten.cumsum.default(f32[1, 4, 1, 16], -1)`
     more_calls: int = 0  # its other failing signatures
+    cell_dir: str | None = None  # the cell folder `command` runs from, as `repro` names it (relative to the report)
 
 
 VIEWS: tuple[str, ...] = ("cumulative", "isolated")
@@ -492,7 +506,7 @@ def build_view(results: Results, *, out_dir: Path | None = None, run_dir: Path |
                     metrics_text=format_metrics(f) if f.metrics else "",
                     command=repro_command(f),
                     culprit=culprit_text(f), culprit_repro=c_repro, culprit_verified=c_ok,
-                    culprit_label=culprit_label(f),
+                    culprit_label=culprit_label(f), cell_dir=base,
                 ))
                 if f.op:
                     fviews[-1].call, fviews[-1].more_calls = op_call(f)

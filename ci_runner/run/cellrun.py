@@ -16,7 +16,7 @@ from pathlib import Path
 from ..backends import resolve_backend
 from ..config import Cell
 from ..engine.envinfo import base_stamp, cell_stamp, plugin_modules
-from ..errors import DeepviewError, TorchTooOldError
+from ..errors import DeepviewError, ModelLoadError, TorchTooOldError
 from ..fsutil import atomic_write_json
 from ..modes import ModeContext, get_mode
 from ..results.model import PARTIAL_NAME, RESULT_NAME, CellError, CellResult, ModeResult, save_cell_result
@@ -57,7 +57,10 @@ def run_cell_inprocess(cell: Cell, cell_dir: Path, *, modes: tuple[str, ...], de
 
     ctx = ModeContext(cell=cell, cell_dir=cell_dir, backend=backend, deadline=deadline, env=result.env,
                       previous=dict(result.modes))
-    for name in modes:
+    for i, name in enumerate(modes):
+        if ctx.model_error is not None:  # tried once per cell: the modes after the failed load do not retry it
+            _model_failed(result, ctx.model_error, modes[i:])
+            break
         fn = get_mode(name)
         if fn is None:
             result.modes[name] = ModeResult(status="skipped", reason=f"mode {name!r} is not available in this version of deepview-ci")
@@ -79,7 +82,19 @@ def run_cell_inprocess(cell: Cell, cell_dir: Path, *, modes: tuple[str, ...], de
         result.modes[name] = mode_result
         ctx.previous[name] = mode_result
         checkpoint()
+    else:
+        if ctx.model_error is not None:
+            _model_failed(result, ctx.model_error, ())
     return _finish(result, cell_dir, started)
+
+
+def _model_failed(result: CellResult, exc: ModelLoadError, rest: tuple[str, ...]) -> None:
+    """The cell's model did not load: the cell's one-line error (what the console prints, with the fix), and the
+    modes not run yet marked with it."""
+    fix = f" (fix: {exc.hint})" if exc.hint else ""
+    result.error = CellError(type="model_load", message=f"the model did not load: {exc.message}{fix}")
+    for name in rest:
+        result.modes[name] = ModeResult(status="error", reason=f"not run: the model did not load: {exc.message}")
 
 
 def _finish(result: CellResult, cell_dir: Path, started: float) -> CellResult:

@@ -257,6 +257,7 @@ def run_cells(cells: Sequence[Cell], opts: RunOptions, progress: Progress | None
     width = auto_jobs(todo, opts.cores, opts.modes) if opts.cores else opts.jobs
     if width > 1:  # the longest cells first, so that no long one is left to run alone at the end
         todo.sort(key=lambda c: -expected_cost(c, opts.modes))
+    progress.expect({c.id: expected_cost(c, opts.modes) for c in todo}, width)  # the time left on each line
     pool = ThreadPoolExecutor(max_workers=width) if width > 1 else None
     try:
         if pool is None:

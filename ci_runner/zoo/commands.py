@@ -30,7 +30,7 @@ def zoo_cells(matrix_path: str, args: argparse.Namespace) -> tuple[Path, list[Ce
     if not cells:
         raise ConfigError(f"{matrix.path}: no zoo cell to run" + (" in the plan" if args.plan else ""),
                           hint="a zoo entry is `models: [{id: zoo, zoo: transformers, select: [...]}]`; list the "
-                               "cells with `deepview-ci expand MATRIX`")
+                               "cells with `deepview-ci cells MATRIX`")
     return matrix.path, cells
 
 

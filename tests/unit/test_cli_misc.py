@@ -113,3 +113,53 @@ def test_auto_jobs_is_cores_over_a_cells_own_workers() -> None:
     assert auto_jobs([cells["a"]], 2) == 1 and auto_jobs([cells["a"]], 16) == 8
     assert auto_jobs(list(cells.values()), 2) == 2  # numerics-only cells share the two cores
     assert auto_jobs([], 1) == 1
+
+
+def test_diff_prints_three_lines_and_writes_the_markdown(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    from ci_runner.results.baseline import update_baseline
+    from ci_runner.results.model import save_results
+    from tests.fixtures import results_factory as rf
+
+    base = save_results(rf.sample_results(), tmp_path / "base" / "results.json")
+    update_baseline(base, tmp_path / "baseline.json")
+    now = rf.sample_results()
+    now.cells[0] = rf.crashed_cell(now.cells[0].model, now.cells[0].backend)  # one regression
+    run = save_results(now, tmp_path / "run" / "results.json")
+    code = main(["diff", str(run), "--baseline", str(tmp_path / "baseline.json"), "--out", str(tmp_path / "d")])
+    lines = capsys.readouterr().out.splitlines()
+    assert code == 1 and len(lines) == 3, lines
+    assert lines[0].startswith(f"diff against {tmp_path / 'baseline.json'}: 1 regressed, ")
+    assert lines[1] == "--fail-on regression: fails (exit 1)"
+    assert lines[2] == f"written: {tmp_path / 'd' / 'diff.md'} (the tables, with repros), {tmp_path / 'd' / 'diff.json'}"
+    assert "| cell | what | reason | repro |" in (tmp_path / "d" / "diff.md").read_text(encoding="utf-8")
+
+
+def test_cells_and_expand_list_print_the_cell_ids(capsys: pytest.CaptureFixture[str]) -> None:
+    from ci_runner.config import load_matrix
+    from ci_runner.matrix import expand
+
+    ids = [c.id for c in expand(load_matrix(None))]
+    assert main(["cells"]) == 0
+    assert capsys.readouterr().out.splitlines() == ids
+    assert main(["cells", "--select", "*@sim-drift"]) == 0
+    assert capsys.readouterr().out.splitlines() == [i for i in ids if i.endswith("@sim-drift")]
+    from importlib.resources import files
+
+    assert main(["expand", str(files("ci_runner") / "data" / "example.yaml"), "--list"]) == 0
+    assert capsys.readouterr().out.splitlines() == ids
+
+
+def test_progress_lines_end_with_the_time_left_from_the_expected_costs() -> None:
+    buf = io.StringIO()
+    p = Progress(3, style=OutputStyle(github=False, ci=True, tty=False), stream=buf)
+    p.expect({"a@b": 1.0, "c@b": 1.0, "d@b": 2.0}, width=1)
+    p.cell_finished("a@b", "pass", 10.0)  # 10 s per unit of cost; 3 units left
+    p.cell_finished("c@b", "fail", 30.0)  # 20 s per unit; 2 left
+    p.cell_finished("d@b", "pass", 40.0)  # the last: nothing left
+    assert buf.getvalue().splitlines() == ["[1/3] a@b: ok in 10.0s · about 30s left",
+                                           "[2/3] c@b: FAIL in 30.0s · about 40s left",
+                                           "[3/3] d@b: ok in 40.0s"]
+    wide = Progress(3, style=OutputStyle(github=False, ci=True, tty=False), stream=io.StringIO())
+    wide.expect({"a@b": 1.0, "c@b": 200.0}, width=2)
+    wide.cell_finished("a@b", "pass", 2.0)
+    assert wide.stream.getvalue().strip().endswith("· about 3m20s left")  # type: ignore[attr-defined]

@@ -141,3 +141,21 @@ def test_at_most_ten_problems_are_listed(tmp_path: Path) -> None:
     text = str(exc.value)
     assert "14 problems in the matrix" in text and "… and 4 more" in text
     assert text.count("unknown key 'bogus") == 10
+
+
+def test_every_bad_options_block_is_named_at_once(tmp_path):  # type: ignore[no-untyped-def]
+    import pytest
+
+    from ci_runner.config import load_matrix
+    from ci_runner.errors import ConfigError
+
+    path = tmp_path / "m.yaml"
+    path.write_text("version: 1\ndefaults:\n  options: {numerics: {margn: 8}}\n"
+                    "models: [{id: a, config: llama, options: {ops: {wrkers: 2}}}]\n"
+                    "backends: [{id: b, compile: inductor}]\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        load_matrix(path)
+    text = str(info.value)
+    assert f"{path}: 2 problems in the matrix:" in text
+    assert f"{path}:3:24:" in text and "did you mean 'margin'" in text
+    assert f"{path}:4:" in text and "wrkers" in text

@@ -335,3 +335,35 @@ def test_one_chunk_reader_keeps_at_most_two_files_open_and_names_a_missing_tenso
         chunks.tensor("c2.safetensors", "t0", what="entry 'x'")
     with pytest.raises(InputError, match=r"c9.safetensors: missing \(listed in .*index.json\)"):
         chunks.tensor("c9.safetensors", "t0")
+
+
+def test_compare_without_thresholds_explains_them_and_derive_holds_each_layer(tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """A small drift passes the fixed bands: the text says so, with a legend and both ways to get thresholds;
+    `--derive` from a float64 reference of the same input holds every layer to its own threshold and flags it."""
+    from ci_runner.cli import main
+
+    model, inputs = base()
+    x = inputs(0)["x"]
+    a = _dump(tmp_path, "a", model, x)
+    second = tmp_path / "a64"
+    dump_model(copy_module(model).double(), {"x": x.double()}, second, side=_side(dtype="float64"), model={"id": "net"})
+    with torch.no_grad():
+        model.block.fc2.weight.mul_(1.0005)  # drift: far past float32 noise, far below the fixed `diverged` band
+    b = _dump(tmp_path, "b", model, x)
+    assert main(["compare", str(a), str(b)]) == errors.EXIT_OK
+    out = capsys.readouterr().out
+    assert "flags: = bit-identical · ✓ noise (cos ≥ 0.99999, rel ≤ 0.0001) · ? drift" in out and "✗✗ broken" in out
+    assert "note: no thresholds" in out
+    assert "--thresholds OUT/thresholds/net-<key>.json" in out and "--select 'net@*' --modes numerics" in out
+    assert f"--derive SECOND_REF_DUMP" in out and "dump --model net --reference cpu-fp64" in out
+    assert main(["compare", str(a), str(b), "--derive", str(second)]) == errors.EXIT_FINDINGS
+    out = capsys.readouterr().out
+    assert "first divergent layer: block.fc2 (Linear)" in out and "over threshold" in out
+    assert f"derived from {a} and {second}" in out and "note: no thresholds" not in out
+
+
+def copy_module(module: torch.nn.Module) -> torch.nn.Module:
+    import copy
+
+    return copy.deepcopy(module)

@@ -303,3 +303,33 @@ def test_ops_mode_signature_dicts_render_as_call_site_lines():
     body = render_issue(g, ctx(None))
     assert ("  - `aten.convolution.default(f32[1, 3, 16, 16])`, 2 calls in `vit.embeddings.proj` (`Conv2d`) "
             "at `modeling_vit.py:69 in forward`") in body
+
+
+def test_local_drafts_find_the_run_folder_and_quote_the_repro(tmp_path):
+    """`file-issues --dry-run` of a local run, without --run-dir: the run folder is the one above the diff's
+    report folder; the draft quotes the script, says how to run it from the cell folder, in local words."""
+    f = op_finding("aten.softplus.default", "sim-subset", repro="ops/repro_aten.softplus.default.py")
+    f["repro"]["command"] = "PYTHONPATH=../../../.. python repro_aten.softplus.default.py"
+    run = tmp_path / "out"
+    script = run / "cells" / "m1@sim-subset" / "ops" / "repro_aten.softplus.default.py"
+    script.parent.mkdir(parents=True)
+    script.write_text("print('the softplus repro')\n")
+    d = write_diff(run / "report" / "diff.json", [entry("regressed", "m1", "sim-subset", f)],
+                   results=str(run / "report" / "results.json"))
+    r = file_issues(d, repo="acme/models", dry_run=tmp_path / "drafts", run_dir=None, artifacts_url=None,
+                    options=FilingOptions(), env={})
+    assert r.drafts == 1
+    [draft] = (tmp_path / "drafts").glob("*.md")
+    text = draft.read_text()
+    assert "print('the softplus repro')" in text
+    assert ("Run it from the cell folder `cells/m1@sim-subset` (in the run folder, or the cell's artifact): "
+            "`PYTHONPATH=../../.. python ops/repro_aten.softplus.default.py`") in text
+    assert "from a local run" in text and "artifact `" not in text
+    import shutil
+
+    shutil.rmtree(run / "cells")  # no run folder: local words, not an artifact of a GitHub run
+    file_issues(d, repo="acme/models", dry_run=tmp_path / "drafts2", run_dir=None, artifacts_url=None,
+                options=FilingOptions(), env={})
+    [draft] = (tmp_path / "drafts2").glob("*.md")
+    text = draft.read_text()
+    assert "which was not found: give it to `file-issues --run-dir DIR`" in text and "in the artifact" not in text

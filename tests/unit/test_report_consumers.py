@@ -168,7 +168,11 @@ def test_repro_commands_run_from_the_cell_folder(tmp_path: Path) -> None:
     f = Finding(kind="op_error", stage="run", op="aten.add.Tensor", message="x", fingerprint=fingerprint("op_error", "b", "x"),
                 repro=Repro(path="ops/repro_aten_add_Tensor.py", verified=True,
                             command="PYTHONPATH=/home/runner/work/proj/proj python repro_aten_add_Tensor.py"))
-    assert repro_command(f) == "PYTHONPATH=<your checkout> python ops/repro_aten_add_Tensor.py"
+    assert repro_command(f) == "python ops/repro_aten_add_Tensor.py"  # an older run's machine path is left out
+    rel = Finding(kind="op_error", stage="run", op="aten.add.Tensor", message="x", fingerprint=f.fingerprint,
+                  repro=Repro(path="ops/repro_aten_add_Tensor.py", verified=True,
+                              command="PYTHONPATH=../../../..:../plugins python repro_aten_add_Tensor.py"))
+    assert repro_command(rel) == "PYTHONPATH=../../..:plugins python ops/repro_aten_add_Tensor.py"  # rebased on the cell
     cell = CellResult(id="m@b", model="m", backend="b", status="fail", artifacts_dir="cells/m@b",
                       modes={"ops": ModeResult(status="fail", findings=[f])})
     paths = write_reports(Results(cells=[cell]), tmp_path / "report", run_dir=tmp_path, env={})
@@ -177,4 +181,4 @@ def test_repro_commands_run_from_the_cell_folder(tmp_path: Path) -> None:
         assert "/home/runner" not in text
         assert "python ops/repro_aten_add_Tensor.py" in text
     body = check_junit(paths["junit"]).find("testsuite/testcase/failure").text
-    assert re.search(r"from the cell folder cells/m@b: PYTHONPATH=<your checkout> python ops/", body)
+    assert re.search(r"from the cell folder cells/m@b: python ops/", body) and "<your checkout>" not in body

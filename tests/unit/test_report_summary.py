@@ -177,3 +177,12 @@ def test_markdown_renders_as_tables_and_details() -> None:
         status="fail", findings=[Finding(kind="op_error", stage="run", op="x|y", message="m|n", fingerprint="ab" * 10)])})
     html = markdown_it.MarkdownIt("commonmark", {"html": True}).enable("table").render(render_summary(Results(cells=[one_cell])))
     assert "<th>cell</th>" in html
+
+
+def test_every_finding_shows_the_fingerprint_bisect_commits_takes() -> None:
+    results = rf.sample_results()
+    text = render_summary(results)
+    fingerprints = [f.fingerprint for c in results.cells for m in c.modes.values() for f in m.findings]
+    assert fingerprints
+    for fp in fingerprints:
+        assert f"fingerprint `{fp}`" in text, fp

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import faulthandler
 import json
+import os
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -50,7 +52,7 @@ from .search import capture_inputs
 from ...engine.models import load_model
 from ...engine.outcome import ProbeOutcome, append_outcome, read_outcomes
 from .culprit_search import Step, StopSearch, parse_key, search, single_order
-from ...engine.repro import Verification, render_template, write_script
+from ...engine.repro import Verification, render_template, run_command, write_script
 
 __all__ = [
     "KIND", "ANSWER", "CapturedGraph", "CulpritResult", "CulpritTarget", "CulpritPlan",
@@ -177,16 +179,25 @@ def describe_value(v: Any) -> str:
 
 
 def _source_line(node: torch.fx.Node) -> str | None:
+    """The innermost source line of the node that is not this tool's own code, with no folder of this machine:
+    a path inside site-packages from there, one under the working folder relative to it, else the file's name."""
     st = node.meta.get("stack_trace") or ""
     frames = [line.strip() for line in st.splitlines() if line.strip().startswith("File ")]
+    own = str(Path(__file__).resolve().parents[2])
+    frames = [f for f in frames if own + os.sep + "ci_runner" not in f] or frames
     if not frames:
         return None
     frame = frames[-1]
+    m = re.match(r'File "([^"]+)"(.*)$', frame)
+    if not m or not os.path.isabs(m.group(1)):
+        return frame
+    path = m.group(1)
     for marker in ("site-packages/", "dist-packages/"):
-        if marker in frame:
-            head, _, rest = frame.partition(marker)
-            frame = 'File "' + rest if head.startswith('File "') else frame
-    return frame
+        if marker in path:
+            return f'File "{path.partition(marker)[2]}"{m.group(2)}'
+    cwd = os.getcwd()
+    short = os.path.relpath(path, cwd) if path.startswith(cwd + os.sep) else os.path.basename(path)
+    return f'File "{short}"{m.group(2)}'
 
 
 def _arg_nodes(node: torch.fx.Node) -> list[Any]:
@@ -622,14 +633,14 @@ def write_repro(result: CulpritResult, *, context: Mapping[str, Any],
             f"nodes {result.nodes[0]}..{result.nodes[-1]} ({len(result.nodes)} ops: {', '.join(result.ops)}) fail together; "
             f"no single op fails alone")
     node_lines = [f"{n}: {op_in}" for n, op_in in zip(result.nodes, _node_calls(result))]
-    ctx = {**context, "call": call, "culprit_what": what, "layer": context.get("module"), "level": result.level,
+    ctx = {**context, "run_it": run_command("repro.py", rdir, context.get("pythonpath") or ()), "call": call,
+           "culprit_what": what, "layer": context.get("module"), "level": result.level,
            "node_lines": node_lines, "status": result.status or "fail", "stage": result.stage or "run",
            "error_type": result.error_type or "", "message": first_line(result.message, 200)}
     script = write_script(rdir / "repro.py", render_template("repro_culprit.py.j2", **ctx))
     ver = verify(script, result)
     note = "not verified" if ver is None else ver.note
-    return {"path": str(script), "verified": bool(ver and ver.verified), "note": note,
-            "command": "python repro.py"}
+    return {"path": str(script), "verified": bool(ver and ver.verified), "note": note, "command": ctx["run_it"]}
 
 
 def _node_calls(result: CulpritResult) -> list[str]:

@@ -54,7 +54,7 @@ from ...engine.outcome import ProbeOutcome, append_outcome, read_outcomes
 from .search import ROOT, ChildPlan, ModuleTree, SearchResult, StopSearch, capture_inputs, encode_call, label, own_name, scan_model, search, twin_plan, unlabel, write_root_call
 from ...options import LayersOptions
 from ...registry import FindingKind, parse_options
-from ...engine.repro import plugin_modules as _plugin_modules, render_template, safe_filename, template_backend, verify_script, write_script
+from ...engine.repro import plugin_modules as _plugin_modules, render_template, run_command, safe_filename, template_backend, verify_script, write_script
 from ...engine.tree import module_tensors
 from ...results.model import JOURNAL_NAME, Finding, ModeResult, Repro, fingerprint
 from ...results.rootcause import annotate
@@ -452,6 +452,7 @@ def _repro_context(ctx: "ModeContext", name: str, node_class: str, o: ProbeOutco
         "device": spec.device, "simdev": spec.device.split(":")[0] == "simdev",
         "simdev_options": dict(simdev_options(spec)),
         "backend": template_backend(spec), "call": call, "plugin_modules": _plugin_modules(spec),
+        "pythonpath": tuple(plugin_pythonpath(_plugin_modules(spec))),  # what the printed command puts on PYTHONPATH
     }
 
 
@@ -469,6 +470,7 @@ def _repro_for(ctx: "ModeContext", opts: LayersOptions, loaded: Any, tree: Modul
     store.save(rdir / "inputs.safetensors")
     sub = loaded.module if name == ROOT else loaded.module.get_submodule(name)
     rctx = _repro_context(ctx, name, node.module_class, o, call)
+    rctx["run_it"] = run_command("repro.py", rdir, rctx["pythonpath"])
     notes: list[str] = []
 
     pt2_ok = False
@@ -492,7 +494,7 @@ def _repro_for(ctx: "ModeContext", opts: LayersOptions, loaded: Any, tree: Modul
         write_script(script, render_template("repro_layer.py.j2", **rctx))
         ver = _verify(ctx, opts, script, o)
         if ver is None or ver.verified:
-            return _repro(rel, ver, notes + ["exported submodule (module.pt2): needs no model source"])
+            return _repro(rel, rctx, ver, notes + ["exported submodule (module.pt2): needs no model source"])
         notes.append(f"the exported-module repro did not reproduce it ({ver.note})")
         os.replace(script, rdir / "repro_pt2.py")
 
@@ -501,13 +503,13 @@ def _repro_for(ctx: "ModeContext", opts: LayersOptions, loaded: Any, tree: Modul
     if source is None:
         if pt2_ok:
             os.replace(rdir / "repro_pt2.py", script)
-            return _repro(rel, ver, notes + ["no model-source fallback for this model source"])
+            return _repro(rel, rctx, ver, notes + ["no model-source fallback for this model source"])
         atomic_write_text(rdir / "README.txt", "No repro: " + "; ".join(notes) + "\n")
         return Repro(path=str(rel / "README.txt"), verified=False, note="; ".join(notes + ["no model-source fallback"]))
     ver2 = _verify(ctx, opts, script, o)
     notes.append(f"fallback: repro.py rebuilds the submodule from the model source ({ctx.cell.model.source}) "
                  f"by its qualified name and loads its weights from weights.safetensors")
-    return _repro(rel, ver2, notes)
+    return _repro(rel, rctx, ver2, notes)
 
 
 @contextlib.contextmanager
@@ -522,10 +524,10 @@ def _quiet_torch_logs() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _repro(rel: Path, ver: Any, notes: list[str]) -> Repro:
+def _repro(rel: Path, rctx: Mapping[str, Any], ver: Any, notes: list[str]) -> Repro:
     note = "; ".join(notes + ([ver.note] if ver is not None else ["not verified (options.layers.verify: false)"]))
     return Repro(path=str(rel / "repro.py"), verified=bool(ver and ver.verified),
-                 command=f"cd {rel} && python repro.py", note=note)
+                 command=f"cd {rel} && {rctx['run_it']}", note=note)
 
 
 def _verify(ctx: "ModeContext", opts: LayersOptions, script: Path, o: ProbeOutcome) -> Any:
@@ -666,7 +668,7 @@ def _attach_culprit(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, n
         repro = write_repro(result, context=rctx, verify=verify)
         details["repro_seconds"] = round(time.monotonic() - t_repro, 3)
         repro["path"] = str(Path(repro["path"]).relative_to(ctx.cell_dir))
-        repro["command"] = f"cd {Path(repro['path']).parent} && python repro.py"
+        repro["command"] = f"cd {Path(repro['path']).parent} && {repro['command']}"
         details["repro"] = repro
         previous_ops = ctx.previous.get("ops")
         if previous_ops is not None:

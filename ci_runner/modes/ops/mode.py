@@ -53,7 +53,7 @@ from .store import probe_signatures, probe_spec
 from .storepath import store_root
 from ...options import OpsOptions
 from ...registry import FindingKind, parse_options
-from ...engine.repro import plain_source, render_template, safe_filename, verify_script, write_script
+from ...engine.repro import plain_source, render_template, run_command, safe_filename, verify_script, write_script
 from ...results.model import Finding, ModeResult, Repro, fingerprint
 
 if TYPE_CHECKING:
@@ -443,9 +443,7 @@ def _findings(spec: BackendSpec, model_id: str, env_stamp: Mapping[str, Any], fa
             continue
         file_name = f"repro_{safe_filename(op)}.py"
         script = ops_dir / file_name
-        command = f"python {file_name}"
-        if recipe.pythonpath:
-            command = f"PYTHONPATH={os.pathsep.join(recipe.pythonpath)} {command}"
+        command = run_command(file_name, ops_dir, recipe.pythonpath)
         text = render_repro(op=op, kind=kind, stage=o.stage or "run", error_type=error_type,
                             message=message, signature=lead.signature, probe=lead.probe, recipe=recipe,
                             backend_id=spec.id, model_id=model_id, ir=level, env_stamp=env_stamp,
