@@ -18,6 +18,7 @@ teacher-forced with eager's tokens. The first call that raises is named (phase, 
 from __future__ import annotations
 
 import copy
+import os
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
@@ -26,7 +27,9 @@ import torch
 
 from ...backends.ran import CompileRecord
 from ...engine.failure import first_line
-from ...engine.repro import plugin_modules, render_template, safe_filename, template_backend, verify_script, write_script
+from ...backends import plugin_pythonpath
+from ...engine.repro import (plugin_modules, render_template, run_command, safe_filename, template_backend,
+                               verify_script, write_script)
 from ...engine.workload import Call, PhaseRun, cache_kwarg, run_phase, skip_reason
 from ...fsutil import atomic_write_text
 from ...options import LayersOptions
@@ -284,8 +287,10 @@ def _repro(ctx: "ModeContext", opts: LayersOptions, loaded: Any, phase: Phase, r
     if phase.name in ("prefill", "decode"):
         prompt = len(calls[0]["tensors"]["input_ids"][0])
         cache = {"kind": phase.cache, "max_len": prompt + phase.steps, "kwarg": cache_kwarg(loaded.module) or "past_key_values"}
+    pythonpath = plugin_pythonpath(plugin_modules(spec))  # a plugin not installed: its folder, relative
+    command = run_command("repro.py", rdir, pythonpath)
     text = render_template(
-        "repro_phase.py.j2", model_id=ctx.cell.model.id, model_source=ctx.cell.model.source, backend_id=spec.id,
+        "repro_phase.py.j2", run_it=command, model_id=ctx.cell.model.id, model_source=ctx.cell.model.source, backend_id=spec.id,
         device=spec.device, phase=phase.label(), failing=failed.label, error_type=failed.error_type or "",
         message=(failed.error or "").splitlines()[0][:200], torch_version=torch.__version__,
         env={str(k): str(v) for k, v in spec.env.items()}, imports=list(spec.imports), backend=template_backend(spec),
@@ -297,8 +302,10 @@ def _repro(ctx: "ModeContext", opts: LayersOptions, loaded: Any, phase: Phase, r
     key = re.sub(r"\s+", " ", first.split(":", 1)[-1]).strip()[:60]
     rel = script.relative_to(ctx.cell_dir).as_posix()
     if not opts.verify:
-        return Repro(path=rel, verified=False, command=f"python {script.name}", note="not verified (layers.verify: false)")
+        return Repro(path=rel, verified=False, command=command, note="not verified (layers.verify: false)")
+    env = {str(k): str(v) for k, v in spec.env.items()}
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(pythonpath)
     ver = verify_script(script, expect_text=[failed.label] + ([key] if len(key) >= 8 else []),
-                        timeout=max(30.0, min(opts.verify_timeout, ctx.remaining() / 2)),
-                        env={str(k): str(v) for k, v in spec.env.items()})
-    return Repro(path=rel, verified=ver.verified, command=f"python {script.name}", note=ver.note)
+                        timeout=max(30.0, min(opts.verify_timeout, ctx.remaining() / 2)), env=env)
+    return Repro(path=rel, verified=ver.verified, command=command, note=ver.note)

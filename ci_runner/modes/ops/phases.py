@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from ...backends import backend_recipe
-from ...engine.repro import plugin_modules, render_template, safe_filename, template_backend, verify_script, write_script
+from ...engine.repro import (plugin_modules, render_template, run_command, safe_filename, template_backend,
+                               verify_script, write_script)
 from ...engine.workload import run_phase, skip_reason
 from ...options import OpsOptions
 from ...phases import Phase
@@ -159,12 +160,13 @@ def _symbolic_probe(ctx: "ModeContext", opts: OpsOptions, phase: Phase, op: str,
         return None
     file_name = f"repro_{safe_filename(op)}.py"
     compile_options = {k: v for k, v in spec.compile_options.items() if k != "dynamic"}
+    recipe = backend_recipe(spec)
+    command = run_command(file_name, out_dir, recipe.pythonpath)
     text = render_template("repro_symbolic.py.j2", op=op, backend_id=spec.id, model_id=ctx.cell.model.id,
-                           phase=phase.label(), plugin_modules=plugin_modules(spec), file_name=file_name,
+                           phase=phase.label(), plugin_modules=plugin_modules(spec), file_name=command,
                            env={str(k): str(v) for k, v in spec.env.items()}, imports=list(spec.imports),
                            device=spec.device, backend=template_backend(spec), compile_options=compile_options)
     script = write_script(out_dir / file_name, text)
-    recipe = backend_recipe(spec)
     env = {str(k): str(v) for k, v in spec.env.items()}
     if recipe.pythonpath:
         env["PYTHONPATH"] = ":".join(recipe.pythonpath)
@@ -179,6 +181,6 @@ def _symbolic_probe(ctx: "ModeContext", opts: OpsOptions, phase: Phase, op: str,
                    message=(f"{phase.name}: {op} on a dynamic size fails: {message}; Dynamo hands the backend this "
                             f"symbolic-shape function when it recompiles a call with a new length")[:2000],
                    error_type=message.split(":", 1)[0] if ":" in message else None,
-                   repro=Repro(path=rel, verified=ver.verified, command=f"python {file_name}", note=ver.note),
+                   repro=Repro(path=rel, verified=ver.verified, command=command, note=ver.note),
                    details={"symbolic": True, "phase": phase.label()},
                    fingerprint=fingerprint("unsupported_op", spec.id, op))
