@@ -15,6 +15,7 @@ buffers).
 
 from __future__ import annotations
 
+import copy
 import inspect
 import time
 from dataclasses import dataclass, field
@@ -27,7 +28,8 @@ from ..phases import Phase
 from .failure import stage_of, unwrap
 from .models import LoadedModel, build_inputs, seeded_ids, text_config
 
-__all__ = ["Call", "CallRecord", "PhaseRun", "skip_reason", "run_phase", "cache_kwarg", "logits_of"]
+__all__ = ["Call", "CallRecord", "Captured", "PhaseRun", "skip_reason", "run_phase", "cache_kwarg", "logits_of",
+           "capture_calls", "smallest_module"]
 
 
 @dataclass
@@ -294,3 +296,58 @@ def _check_kept(run: PhaseRun, kept: list[tuple[CallRecord, torch.Tensor]], late
                                     "shares_storage": bool(shared),
                                     "max_abs_change": float((rec.raw.double() - copy.double()).abs().max())
                                     if rec.raw.shape == copy.shape else None})
+
+
+# --------------------------------------------------------------------------------------------- one call, module by module
+
+Captured = dict[str, list[tuple[int, tuple[Any, ...], dict[str, Any]]]]  # module -> (call index, args, kwargs)
+
+
+def capture_calls(loaded: LoadedModel, inputs: InputSpec, phase: Phase, *, forced: list[torch.Tensor] | None,
+                  upto: int) -> Captured:
+    """Every submodule's calls over the phase's calls 0..upto, run eagerly: inputs deep-copied at the call, so a
+    module's KV cache state is the one it saw then."""
+    captured: Captured = {}
+    current = {"i": -1}
+    handles = []
+    for name, sub in loaded.module.named_modules():
+        def pre(mod: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], name: str = name) -> None:
+            if current["i"] <= upto:
+                captured.setdefault(name, []).append((current["i"], copy.deepcopy(args), copy.deepcopy(kwargs)))
+        handles.append(sub.register_forward_pre_hook(pre, with_kwargs=True))
+
+    def before(call: Call) -> None:
+        current["i"] += 1
+
+    try:
+        run_phase(loaded.module, loaded, inputs, phase, forced=forced, before_call=before)
+    finally:
+        for h in handles:
+            h.remove()
+    return captured
+
+
+def smallest_module(root: torch.nn.Module, captured: Captured, call: int,
+                    fails: Callable[[str], bool]) -> tuple[str, list[str]]:
+    """Walk down from the model ("") while a child called in `call` `fails` (replayed alone: the caller decides how);
+    the smallest such module and its children that passed. Containers that are never called themselves (a
+    ModuleList) are looked through."""
+    def called_children(name: str) -> list[str]:
+        out = []
+        for child_name, _ in (root.get_submodule(name) if name else root).named_children():
+            child = f"{name}.{child_name}" if name else child_name
+            out += [child] if captured.get(child) else called_children(child)
+        return out
+
+    current = ""
+    while True:
+        passed = []
+        for child in called_children(current):
+            if not any(c[0] == call for c in captured.get(child, [])):
+                continue
+            if fails(child):
+                current = child
+                break
+            passed.append(child)
+        else:
+            return current, passed

@@ -52,8 +52,13 @@ def test_a_padded_batch_turns_nan_from_the_first_attention(mode_context: Callabl
     assert data["batch"]["calls"][0]["nonfinite_rows"] == [1]
 
 
-def test_openvino_overwrites_earlier_decode_outputs(mode_context: Callable[..., Any], fresh_dynamo: Any) -> None:
-    ctx = _ctx(mode_context, "llama", "ov", [{"decode": {"steps": 2}}])
+def test_openvino_overwrites_earlier_decode_outputs_and_turns_a_padded_batch_nan(
+        mode_context: Callable[..., Any], fresh_dynamo: Any) -> None:
+    ctx = _ctx(mode_context, "llama", "ov", [{"decode": {"steps": 2}}, {"batch": {"lengths": [6, 2]}}])
     findings, data = numerics_phases(ctx, NumericsOptions())
-    assert [(f.kind, f.step) for f in findings] == [("output_overwritten", 1)]
+    assert [(f.phase, f.kind, f.step) for f in findings] == [("decode", "output_overwritten", 1),
+                                                               ("batch", "divergence", None)]
     assert data["decode"]["agreement"]["greedy"] == 1.0
+    # OpenVINO runs the model with hooks in PyTorch, so the layer is found by compiling modules alone
+    nan = findings[1]
+    assert nan.module == "model.layers.0.self_attn" and nan.details["localised"] == "isolated", nan.message

@@ -30,7 +30,8 @@ from ...engine.failure import first_line
 from ...backends import plugin_pythonpath
 from ...engine.repro import (plugin_modules, render_template, run_command, safe_filename, template_backend,
                                verify_script, write_script)
-from ...engine.workload import Call, PhaseRun, cache_kwarg, run_phase, skip_reason
+from ...engine.workload import (Call, Captured, PhaseRun, cache_kwarg, capture_calls, run_phase, skip_reason,
+                                 smallest_module)
 from ...fsutil import atomic_write_text
 from ...options import LayersOptions
 from ...phases import Phase
@@ -40,7 +41,6 @@ if TYPE_CHECKING:
     from .. import ModeContext
 
 ROOT = ""
-Captured = dict[str, list[tuple[int, tuple[Any, ...], dict[str, Any]]]]  # module -> (call index, args, kwargs)
 
 
 def _compile(ctx: "ModeContext", module: torch.nn.Module, *, dynamic: bool | None = None) -> tuple[Any, CompileRecord | None]:
@@ -112,28 +112,6 @@ def culprit_ops(record: CompileRecord | None, first_graph: int, error: str) -> l
     return found
 
 
-def _capture(loaded: Any, ctx: "ModeContext", phase: Phase, forced: list[torch.Tensor] | None, upto: int) -> Captured:
-    """Every submodule's calls (inputs deep-copied at the call, KV cache state included) for calls 0..upto."""
-    captured: Captured = {}
-    current = {"i": -1}
-    handles = []
-    for name, sub in loaded.module.named_modules():
-        def pre(mod: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], name: str = name) -> None:
-            if current["i"] <= upto:
-                captured.setdefault(name, []).append((current["i"], copy.deepcopy(args), copy.deepcopy(kwargs)))
-        handles.append(sub.register_forward_pre_hook(pre, with_kwargs=True))
-
-    def before(call: Call) -> None:
-        current["i"] += 1
-
-    try:
-        run_phase(loaded.module, loaded, ctx.cell.inputs, phase, forced=forced, before_call=before)
-    finally:
-        for h in handles:
-            h.remove()
-    return captured
-
-
 def _replay_fails(ctx: "ModeContext", loaded: Any, name: str, calls: list[tuple[int, tuple[Any, ...], dict[str, Any]]],
                   failing: int) -> str | None:
     """Replay a submodule's captured calls through one compiled object; the error at the failing call, if any."""
@@ -154,31 +132,12 @@ def _replay_fails(ctx: "ModeContext", loaded: Any, name: str, calls: list[tuple[
 
 
 def smallest_failing(ctx: "ModeContext", loaded: Any, captured: Captured, failing: int) -> tuple[str, list[str]]:
-    """Walk down from the model while a child fails at the failing call; the module and the children that passed."""
-    module = loaded.module
-    current = ROOT
+    """Walk down from the model while a child, replayed alone, fails at the failing call."""
+    def fails(child: str) -> bool:
+        calls = [c for c in captured.get(child, []) if c[0] <= failing]
+        return bool(calls) and _replay_fails(ctx, loaded, child, calls, failing) is not None
 
-    def called_children(name: str) -> list[str]:
-        """The children that are called, looking through containers that never are (a ModuleList's blocks)."""
-        out = []
-        for child_name, _ in (module.get_submodule(name) if name else module).named_children():
-            child = f"{name}.{child_name}" if name else child_name
-            out += [child] if captured.get(child) else called_children(child)
-        return out
-
-    while True:
-        children = called_children(current)
-        passed = []
-        for child in children:
-            calls = [c for c in captured.get(child, []) if c[0] <= failing]
-            if not calls or not any(c[0] == failing for c in calls):
-                continue
-            if _replay_fails(ctx, loaded, child, calls, failing):
-                current = child
-                break
-            passed.append(child)
-        else:
-            return current, passed
+    return smallest_module(loaded.module, captured, failing, fails)
 
 
 def run_phases(ctx: "ModeContext", opts: LayersOptions, layers_dir: Path) -> tuple[list[Finding], dict[str, Any]]:
@@ -220,7 +179,7 @@ def _one_phase(ctx: "ModeContext", opts: LayersOptions, phase: Phase, layers_dir
         else:
             dynamic_note = f"fails with dynamic=False too (at {static.failed.label})"
     culprits = culprit_ops(record, graphs_before.get(failing, 0), failed.error or "")
-    captured = _capture(loaded, ctx, phase, forced, failing)
+    captured = capture_calls(loaded, ctx.cell.inputs, phase, forced=forced, upto=failing)
     module, children_passed = smallest_failing(ctx, loaded, captured, failing)
     classes = {n: type(m).__name__ for n, m in loaded.module.named_modules()}
     where = f"{phase.name} step {failed.step}" if failed.step is not None else failed.label

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 
 from ...engine.capture import OutputHooks, primary_tensor
-from ...engine.workload import Call, CallRecord, PhaseRun, run_phase, skip_reason
+from ...engine.workload import Call, CallRecord, PhaseRun, capture_calls, run_phase, skip_reason, smallest_module
 from ...numerics.metrics import compare_tensors
 from ...options import NumericsOptions
 from ...phases import Phase
@@ -313,6 +313,41 @@ def _nonfinite_start(tgt: _Recorder, call: int, row: int) -> str | None:
     return None
 
 
+def _row_finite(out: Any, row: int) -> bool | None:
+    t = primary_tensor(out) if not isinstance(out, torch.Tensor) else out
+    if not isinstance(t, torch.Tensor) or t.dim() == 0 or row >= t.shape[0]:
+        return None
+    return bool(torch.isfinite(t[row].detach().cpu()).all())
+
+
+def _isolated_nonfinite(ctx: "ModeContext", phase: Phase, ref_run: PhaseRun, call: int, row: int) -> tuple[str, list[str]]:
+    """The smallest module that, compiled alone and fed the reference's inputs of `call` (and of the calls before
+    it, in order, through one compiled object), makes `row` non-finite where eager keeps it finite."""
+    loaded = ctx.model(dtype=ctx.cell.references[0].dtype)
+    forced = [r.token for r in ref_run.records if r.token is not None] or None
+    captured = capture_calls(loaded, ctx.cell.inputs, phase, forced=forced, upto=call)
+    backend = ctx.backend
+
+    def fails(name: str) -> bool:
+        import torch._dynamo  # deferred: Dynamo takes seconds to import
+
+        torch._dynamo.reset()
+        sub = backend.to_device(copy.deepcopy(loaded.module.get_submodule(name)))
+        fn, eager = backend.compile(sub), loaded.module.get_submodule(name)
+        with torch.no_grad():
+            for index, args, kwargs in captured.get(name, []):
+                try:
+                    got = fn(*backend.to_device(copy.deepcopy(args)), **backend.to_device(copy.deepcopy(kwargs)))
+                except Exception:  # a module that cannot run alone is not the one  # noqa: BLE001
+                    return False
+                if index == call:
+                    want = eager(*copy.deepcopy(args), **copy.deepcopy(kwargs))
+                    return _row_finite(want, row) is True and _row_finite(got, row) is False
+        return False
+
+    return smallest_module(loaded.module, captured, call, fails)
+
+
 def _module_classes(module: torch.nn.Module) -> dict[str, str]:
     return {name: type(m).__name__ for name, m in module.named_modules()}
 
@@ -345,12 +380,19 @@ def _localise(ctx: "ModeContext", phase: Phase, flagged: list[tuple[int, list[in
                              {"rows": bad_rows, "nonfinite_tgt": logit_metrics.get("nonfinite_tgt")}, {},
                              details={"row": row, "rows": bad_rows, "reaches_real_tokens_in": reach})]
         root = tgt.layers[i].get("") if i < len(tgt.layers) else None
-        why = ("no layer output showed it first" if root is not None and not bool(torch.isfinite(root).all()) else
-               "the run with output hooks on every module did not reproduce it, so no layer is named: the backend "
-               "ran the hooked model differently (OpenVINO, for one, hands a graph it cannot convert to PyTorch)")
+        if root is None or bool(torch.isfinite(root).all()):  # the hooked run did not reproduce it (OpenVINO
+            # hands a graph with hooks it cannot convert to PyTorch): replay the modules alone instead
+            name, passed = _isolated_nonfinite(ctx, phase, ref_run, i, row)
+            if name:
+                msg = (f"{_where(phase, step)}: NaN/Inf on the real tokens of row {row}; compiled alone on the "
+                       f"reference's inputs of that call, {name} ({classes.get(name, '?')}) turns row {row} non-finite "
+                       f"where eager stays finite ({len(passed)} of its called children pass alone)")
+                return [_finding(ctx, phase, step, name, classes.get(name, "?"), msg, {"rows": bad_rows}, {},
+                                 details={"row": row, "rows": bad_rows, "localised": "isolated"})]
         return [_finding(ctx, phase, step, "", "output",
                          f"{_where(phase, step)}: NaN/Inf on the real tokens of rows {bad_rows}; the reference is "
-                         f"finite ({why})", {"rows": bad_rows}, {}, details={"rows": bad_rows, "row": bad_rows[0]})]
+                         f"finite (no single module shows it alone)", {"rows": bad_rows}, {},
+                         details={"rows": bad_rows, "row": row})]
     for j in range(min(len(ref.layers), len(tgt.layers))):
         for key, t in tgt.layers[j].items():
             r = ref.layers[j].get(key)
