@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import yaml
 from tests.fixtures.paths import ROOT
+from tests.fixtures.workflow_sim import read_outputs  # GITHUB_OUTPUT records, as the runner reads them
 
 WORKFLOWS = sorted((ROOT / ".github" / "workflows").glob("*.yml"))
 ACTION = ROOT / "action.yml"
@@ -338,25 +339,6 @@ def _zoo_split(**kw):
     return ZooSplit(**kw)
 
 
-def read_github_output(path: Path) -> dict[str, str]:
-    """`name=value` and `name<<DELIM … DELIM` records, as the runner reads GITHUB_OUTPUT."""
-    out: dict[str, str] = {}
-    lines = iter(path.read_text().splitlines())
-    for line in lines:
-        if "<<" in line and ("=" not in line or line.index("<<") < line.index("=")):
-            name, delim = line.split("<<", 1)
-            value = []
-            for more in lines:
-                if more == delim:
-                    break
-                value.append(more)
-            out[name] = "\n".join(value)
-        elif "=" in line:
-            name, value = line.split("=", 1)
-            out[name] = value
-    return out
-
-
 def test_the_plan_covers_the_chunks_the_workflow_runs(tmp_path, monkeypatch):
     """A 1024-cell matrix fills exactly the chunks the plan job declares; one more cell fails the plan loudly."""
     from ci_runner import cli
@@ -369,7 +351,7 @@ def test_the_plan_covers_the_chunks_the_workflow_runs(tmp_path, monkeypatch):
     out = tmp_path / "out"
     monkeypatch.setenv("GITHUB_OUTPUT", str(out))
     assert cli.main(["expand", str(tmp_path / "m.yaml"), "--max-jobs", "1024"]) == 0
-    lines = read_github_output(out)
+    lines = read_outputs(out)
     assert lines["chunks"] == str(MAX_CHUNKS) and json.loads(lines["chunk-ids"]) == list(range(MAX_CHUNKS))
     assert f"matrix-{MAX_CHUNKS - 1}" in lines and f"matrix-{MAX_CHUNKS}" not in lines
     (tmp_path / "m.yaml").write_text(matrix_text(models=[{"id": "one-more", "config": "llama"}, *models], backends=backends))
@@ -383,7 +365,7 @@ def run_fork_step(tmp_path: Path, **env: str) -> str:
     proc = subprocess.run(["bash", "-e", "-c", step["run"]], capture_output=True, text=True, timeout=60,
                           env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "GITHUB_OUTPUT": str(out), **env})
     assert proc.returncode == 0, proc.stderr
-    got = read_github_output(out)
+    got = read_outputs(out)
     assert got["fork"] == ("true" if got["flag"] else "false")  # the bisect job's guard follows the cells' one
     return got["flag"]
 
@@ -527,7 +509,7 @@ def test_action_caches_the_numerics_thresholds_of_run_and_cell(tmp_path, monkeyp
         proc = subprocess.run(["bash", "-e", "-c", key_step["run"]], env=env, capture_output=True, text=True,
                               timeout=120, cwd=tmp_path)
         assert proc.returncode == 0, proc.stdout + proc.stderr  # never fails the action
-        return read_github_output(out)
+        return read_outputs(out)
 
     example = load_matrix(None)
     want = cache_for(select(expand(example), ["tiny-llama@*"], []), tmp_path / "deepview run")
@@ -537,7 +519,7 @@ def test_action_caches_the_numerics_thresholds_of_run_and_cell(tmp_path, monkeyp
     monkeypatch.setenv("GITHUB_OUTPUT", str(tmp_path / "in_process"))
     monkeypatch.chdir(tmp_path)
     assert cli.main(["_thresholds-key-of", "cell", f"tiny-vit@sim-drift --matrix {example.path} --out o"]) == 0
-    got = read_github_output(tmp_path / "in_process")  # `cell` in this process: the step's bash is the same
+    got = read_outputs(tmp_path / "in_process")  # `cell` in this process: the step's bash is the same
     assert got == {"thresholds-key": one.key, "thresholds-dir": str(tmp_path / "o" / "thresholds")} and one.key != want.key
     assert key_step_outputs("run", "--modes ops,layers")["thresholds-key"] == ""  # no numerics, no cache
     marker = tmp_path / "pwned"
