@@ -17,7 +17,7 @@ from .results import baseline
 from . import errors
 from .run.aggregate import aggregate, write_report_dir
 from .backends import available_backends
-from .backends.check import check_backends
+from .backends.check import check_backends, load_checked
 from .config import load_matrix
 from .registry import mode_names
 from .commits.bisect import Bisection, Request, bisect_targets, target_of_finding, target_of_repro, write_report
@@ -90,7 +90,7 @@ def _report_outputs(report_dir: Path, written: dict[str, Path]) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    matrix = load_matrix(args.matrix)
+    matrix = load_checked(args.matrix)
     cells = select(expand(matrix), args.select, args.skip)
     if not cells:
         raise UsageError(f"{matrix.path}: no cell matches --select/--skip", hint="list the cells with `deepview-ci cells MATRIX`")
@@ -131,7 +131,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_cell(args: argparse.Namespace) -> int:
-    matrix = load_matrix(args.matrix)
+    matrix = load_checked(args.matrix)
     cell = find_cell(matrix, args.cell_id)
     if args.setup_failed:
         return _record_failed_setup(cell, Path(args.setup_failed), Path(args.out))
@@ -186,7 +186,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_expand(args: argparse.Namespace) -> int:
     if args.list:
         return cmd_cells(args)
-    matrix = load_matrix(args.matrix)
+    matrix = load_checked(args.matrix)
     cells = select(expand(matrix), args.select, args.skip)
     check_backends(matrix, {c.backend.id for c in cells}, missing_ok=True)  # the plan job lacks the backends' packages
     max_jobs = args.max_jobs if args.max_jobs is not None else matrix.max_jobs
@@ -312,7 +312,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
     """`deepview-ci dump --matrix M --model ID [--backend ID] [--reference ID] [--sample N] --out DIR [--chunk-mb X]`."""
     from .numerics.dumps import dump_entry  # deferred: torch
 
-    matrix = load_matrix(getattr(args, "matrix", None))
+    matrix = load_checked(getattr(args, "matrix", None), check=bool(getattr(args, "backend", None)))
     if getattr(args, "backend", None):
         check_backends(matrix, [matrix.backend(args.backend).id])
     out = Path(args.out)

@@ -276,7 +276,7 @@ class SchemaProblem:
     explains_missing: bool = False  # an unknown key that looks like a missing required one
 
     def text(self) -> str:
-        return f"{self.where}: {self.key_path}: {self.message}"
+        return f"{self.where}: {self.key_path}: {self.message}" if self.key_path else f"{self.where}: {self.message}"
 
 
 def _place(path: tuple[Any, ...], positions: _Positions, source: str, *, value: bool) -> tuple[str, tuple[int, int]]:
@@ -373,6 +373,20 @@ def schema_error(problems: list[SchemaProblem], source: str) -> ConfigError:
     return ConfigError("\n".join(lines))
 
 
+class MatrixProblems(ConfigError):
+    """Every mistake found in the matrix's entries at once (schema, `options`, `inputs.phases`), as one error.
+
+    `problems`: each placed; `backends`: (index, spec) of the backend entries that resolve despite them, so that
+    `backends.check.load_checked` can add the backends' own mistakes to the same list."""
+
+    def __init__(self, problems: list[SchemaProblem], source: str, backends: tuple[tuple[int, "BackendSpec"], ...]) -> None:
+        err = schema_error(problems, source)
+        super().__init__(err.message, hint=err.hint)
+        self.problems = list(problems)
+        self.source = source
+        self.backends = backends
+
+
 # --------------------------------------------------------------------------- load
 
 def load_matrix(path: str | os.PathLike[str] | None = None) -> Matrix:
@@ -408,9 +422,36 @@ def _load(path: Path, text: str) -> Matrix:
         )
     validator = jsonschema.Draft202012Validator(schema("matrix.schema.json"))
     errors = list(validator.iter_errors(data))
-    if errors:
-        raise schema_error(schema_problems(errors, positions, source), source)
+    problems = schema_problems(errors, positions, source) if errors else []
+    rejected = [tuple(e.absolute_path) for e in errors]  # what the schema rejected: the later checks skip it
+    problems += _check_options(data, positions, source, rejected)
+    problems += _check_phases(data, positions, source, rejected)
+    if problems:
+        raise MatrixProblems(problems, source, _backend_specs(data, path.parent, errors))
     return _resolve(path, data, positions)
+
+
+def _inside(path: tuple[Any, ...], rejected: list[tuple[Any, ...]]) -> bool:
+    """Does the schema reject something at or below `path`?"""
+    return any(r[:len(path)] == path for r in rejected)
+
+
+def _entries(data: dict[str, Any], kind: str) -> list[tuple[int, dict[str, Any]]]:
+    """The `models` / `backends` entries that are mappings, with their index (the schema rejects the others)."""
+    items = data.get(kind)
+    return [(i, item) for i, item in enumerate(items) if isinstance(item, dict)] if isinstance(items, list) else []
+
+
+def _backend_specs(data: dict[str, Any], base: Path, errors: list[Any]) -> tuple[tuple[int, BackendSpec], ...]:
+    """The backend entries the schema found nothing wrong with (an unknown key beside them aside), as specs."""
+    def broken(i: int) -> bool:
+        for e in errors:
+            at = tuple(e.absolute_path)
+            if at[:2] == ("backends", i) and not (len(at) == 2 and e.validator == "additionalProperties"):
+                return True
+        return False
+
+    return tuple((i, _backend_spec(b, base)) for i, b in _entries(data, "backends") if not broken(i))
 
 
 def _unique(items: list[dict[str, Any]], what: str, source: str, positions: _Positions) -> None:
@@ -422,42 +463,52 @@ def _unique(items: list[dict[str, Any]], what: str, source: str, positions: _Pos
         seen.add(item["id"])
 
 
-def _check_phases(data: dict[str, Any], positions: _Positions, source: str) -> None:
-    """Every `inputs.phases` of defaults, models and backends names known phases with known options, or one
-    ConfigError at the offending item."""
-    blocks: list[tuple[tuple[Any, ...], Any]] = [(("defaults", "inputs", "phases"),
-                                                  ((data.get("defaults") or {}).get("inputs") or {}).get("phases"))]
-    for kind in ("models", "backends"):
-        blocks += [((kind, i, "inputs", "phases"), (item.get("inputs") or {}).get("phases"))
-                   for i, item in enumerate(data.get(kind) or [])]
-    for path, raw in blocks:
-        for index, message, hint in check_phases(raw or ()):
+def _blocks(data: dict[str, Any], where: tuple[str, ...]) -> list[tuple[tuple[Any, ...], Any]]:
+    """(key path, value) of `defaults.<where>` and each model's and backend's `<where>`, where the path leads
+    through mappings."""
+    out: list[tuple[tuple[Any, ...], Any]] = []
+    roots = [(("defaults",), data.get("defaults"))]
+    roots += [((kind, i), item) for kind in ("models", "backends") for i, item in _entries(data, kind)]
+    for path, node in roots:
+        for key in where:
+            node = node.get(key) if isinstance(node, dict) else None
+        out.append((path + where, node))
+    return out
+
+
+def _check_phases(data: dict[str, Any], positions: _Positions, source: str,
+                  rejected: list[tuple[Any, ...]]) -> list[SchemaProblem]:
+    """The problems of every `inputs.phases` of defaults, models and backends (unknown phases or options), each
+    at its item; a list the schema rejected is left to the schema's message."""
+    problems: list[SchemaProblem] = []
+    for path, raw in _blocks(data, ("inputs", "phases")):
+        if not isinstance(raw, list) or _inside(path, rejected):
+            continue
+        for index, message, hint in check_phases(raw):
             pos = positions.at(path + (index,)) or positions.at(path) or (0, 0)
-            raise ConfigError(f"{source}:{pos[0]}:{pos[1]}: {_fmt_path(path + (index,))}: {message}", hint=hint)
+            problems.append(SchemaProblem(f"{source}:{pos[0]}:{pos[1]}", pos, _fmt_path(path + (index,)), message, hint))
+    return problems
 
 
-def _check_options(data: dict[str, Any], positions: _Positions, source: str) -> None:
-    """Every `options.<mode>` of defaults, models and backends parses (`ci_runner/options.py`), or one ConfigError
-    naming the offending key of each block that does not (all of them at once)."""
-    blocks: list[tuple[tuple[Any, ...], Any]] = [(("defaults", "options"), (data.get("defaults") or {}).get("options"))]
-    for kind in ("models", "backends"):
-        blocks += [((kind, i, "options"), item.get("options")) for i, item in enumerate(data.get(kind) or [])]
-    problems: list[tuple[str, str | None]] = []
-    for path, block in blocks:
-        for mode, opts in (block or {}).items():
+def _check_options(data: dict[str, Any], positions: _Positions, source: str,
+                   rejected: list[tuple[Any, ...]]) -> list[SchemaProblem]:
+    """The problems of every `options.<mode>` of defaults, models and backends that does not parse
+    (`ci_runner/options.py`): the offending key of each block; a block the schema rejected is left to it."""
+    problems: list[SchemaProblem] = []
+    for path, block in _blocks(data, ("options",)):
+        if not isinstance(block, dict):
+            continue
+        for mode, opts in block.items():
+            if mode not in mode_names() or _inside(path + (mode,), rejected):
+                continue
             try:
                 parse_options(mode, opts, where=_fmt_path(path + (mode,)))
             except OptionError as exc:
                 at = path + (mode, exc.key) if exc.key is not None and exc.key in (opts or {}) else path + (mode,)
                 known_key = "unknown option" in exc.message
                 pos = positions.at(at, value=not known_key) or (0, 0)
-                problems.append((f"{source}:{pos[0]}:{pos[1]}: {exc.message}", exc.hint))
-    if len(problems) == 1:
-        raise ConfigError(problems[0][0], hint=problems[0][1])
-    if problems:
-        lines = [f"{source}: {len(problems)} problems in the matrix:"]
-        lines += [f"  {text}" + (f"\n    hint: {hint}" if hint else "") for text, hint in problems]
-        raise ConfigError("\n".join(lines))
+                problems.append(SchemaProblem(f"{source}:{pos[0]}:{pos[1]}", pos, "", exc.message, exc.hint))
+    return problems
 
 
 def _resolve(path: Path, data: dict[str, Any], positions: _Positions) -> Matrix:
@@ -466,8 +517,6 @@ def _resolve(path: Path, data: dict[str, Any], positions: _Positions) -> Matrix:
     defaults = data.get("defaults") or {}
     _unique(data["models"], "models", source, positions)
     _unique(data["backends"], "backends", source, positions)
-    _check_options(data, positions, source)
-    _check_phases(data, positions, source)
 
     models = _model_specs(data["models"], base, positions, source)
 
@@ -479,25 +528,7 @@ def _resolve(path: Path, data: dict[str, Any], positions: _Positions) -> Matrix:
                 f"{source}:{pos[0]}:{pos[1]}: backends[{i}].container: a backend that runs in a container needs `python`",
                 hint="name the image's interpreter that holds torch, e.g. `python: python3`",
             )
-        runs_on = b.get("runs-on", "ubuntu-latest")
-        backends.append(
-            BackendSpec(
-                id=b["id"],
-                compile=b.get("compile"),
-                imports=tuple(b.get("import") or ()),
-                device=b.get("device", "cpu"),
-                env=MappingProxyType({k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in (b.get("env") or {}).items()}),
-                compile_options=MappingProxyType(dict(b.get("compile_options") or {})),
-                backend_options=MappingProxyType(dict(b.get("backend_options") or {})),
-                ir=b.get("ir", "aten"),
-                runs_on=(runs_on,) if isinstance(runs_on, str) else tuple(runs_on),
-                python=b.get("python"),
-                container=_container(b.get("container")),
-                setup=tuple(b.get("setup") or ()),
-                artifacts=tuple(b.get("artifacts") or ()),
-                source=_source(b.get("source"), base),
-            )
-        )
+        backends.append(_backend_spec(b, base))
 
     model_ids = [m.id for m in models]
     backend_ids = [b.id for b in backends]
@@ -527,6 +558,27 @@ def _resolve(path: Path, data: dict[str, Any], positions: _Positions) -> Matrix:
         exclude=tuple(MappingProxyType(dict(s)) for s in data.get("exclude") or ()),
         include=tuple(MappingProxyType(dict(s)) for s in data.get("include") or ()),
         raw=MappingProxyType(data),
+    )
+
+
+def _backend_spec(b: Mapping[str, Any], base: Path) -> BackendSpec:
+    """One `backends:` entry (valid by the schema) as a spec."""
+    runs_on = b.get("runs-on", "ubuntu-latest")
+    return BackendSpec(
+        id=b["id"],
+        compile=b.get("compile"),
+        imports=tuple(b.get("import") or ()),
+        device=b.get("device", "cpu"),
+        env=MappingProxyType({k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in (b.get("env") or {}).items()}),
+        compile_options=MappingProxyType(dict(b.get("compile_options") or {})),
+        backend_options=MappingProxyType(dict(b.get("backend_options") or {})),
+        ir=b.get("ir", "aten"),
+        runs_on=(runs_on,) if isinstance(runs_on, str) else tuple(runs_on),
+        python=b.get("python"),
+        container=_container(b.get("container")),
+        setup=tuple(b.get("setup") or ()),
+        artifacts=tuple(b.get("artifacts") or ()),
+        source=_source(b.get("source"), base),
     )
 
 

@@ -30,7 +30,8 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import BackendSpec, Matrix, SchemaProblem, parse_yaml, schema_error, spec_from_json, spec_to_json
+from ..config import (BackendSpec, Matrix, MatrixProblems, SchemaProblem, load_matrix, parse_yaml, schema_error,
+                      spec_from_json, spec_to_json)
 from ..engine.isolate import Attempt, IsolatedResult, child_journal, supervise
 from ..fsutil import append_record, read_records
 
@@ -129,23 +130,46 @@ def check_backends(matrix: Matrix, backend_ids: Iterable[str] | None = None, *, 
     its file:line and a did-you-mean; return when there is none."""
     wanted = set(backend_ids) if backend_ids is not None else None
     chosen = [(i, b) for i, b in enumerate(matrix.backends) if wanted is None or b.id in wanted]
+    problems = backend_problems(matrix.path, chosen, missing_ok=missing_ok)
+    if problems:
+        raise schema_error(problems, str(matrix.path))
+
+
+def load_checked(path: str | os.PathLike[str] | None, *, check: bool = True) -> Matrix:
+    """`load_matrix` for the commands that check backends at load (`run`, `cell`, `expand`, `dump --backend`,
+    `zoo probe|cells`): when the matrix's entries have mistakes (schema, options, phases), the mistakes of every
+    backend that resolves despite them are added to the same error, so that one run shows them all. A module
+    not installed here is not counted then (`missing_ok`): which backends the command would use is not known."""
+    try:
+        return load_matrix(path)
+    except MatrixProblems as exc:
+        more = backend_problems(Path(exc.source), exc.backends, missing_ok=True) if check and exc.backends else []
+        if not more:
+            raise
+        raise schema_error(exc.problems + more, exc.source) from None
+
+
+def backend_problems(source: Path, chosen: Sequence[tuple[int, BackendSpec]], *,
+                     missing_ok: bool = False) -> list[SchemaProblem]:
+    """Every mistake in the backend entries `chosen` ((index in `backends:`, spec)), placed in the file `source`;
+    a note on stderr for each backend whose imports could not be checked."""
     problems = [p for i, b in chosen for p in static_problems(i, b)]
     flagged = {p.index for p in problems}
     deep = [(i, b) for i, b in chosen if i not in flagged and needs_child(b)]
+    ids = {i: b.id for i, b in chosen}
     if deep:
         found, unchecked = _check_in_children(deep, missing_ok)
         problems += found
         for i, why in sorted(unchecked.items()):
-            print(f"deepview-ci: note: backend {matrix.backends[i].id!r} was not checked at load ({why}); "
+            print(f"deepview-ci: note: backend {ids[i]!r} was not checked at load ({why}); "
                   "its cells will say what is wrong", file=sys.stderr)
-    if problems:
-        raise schema_error(_placed(matrix, problems), str(matrix.path))
+    return _placed(source, ids, problems) if problems else []
 
 
-def _placed(matrix: Matrix, problems: Sequence[Problem]) -> list[SchemaProblem]:
-    source = str(matrix.path)
+def _placed(matrix_path: Path, ids: Mapping[int, str], problems: Sequence[Problem]) -> list[SchemaProblem]:
+    source = str(matrix_path)
     try:
-        _, positions = parse_yaml(matrix.path.read_text(encoding="utf-8"), source)
+        _, positions = parse_yaml(matrix_path.read_text(encoding="utf-8"), source)
     except OSError:
         positions = None
     out = []
@@ -154,7 +178,7 @@ def _placed(matrix: Matrix, problems: Sequence[Problem]) -> list[SchemaProblem]:
         pos = positions.at(path, value=p.where[:1] in (("compile",), ("device",), ("import",))) if positions else None
         key_path = f"backends[{p.index}]" + "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in p.where)
         out.append(SchemaProblem(f"{source}:{pos[0]}:{pos[1]}" if pos else source, pos or (0, 0),
-                                 f"{key_path} (backend {matrix.backends[p.index].id!r})", p.message, p.hint))
+                                 f"{key_path} (backend {ids[p.index]!r})", p.message, p.hint))
     return out
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Callable
 
 from .. import errors
-from ..config import Cell, load_matrix
+from ..backends.check import check_backends, load_checked
+from ..config import Cell
 from ..errors import ConfigError
 from ..log import Progress
 from ..matrix import expand, select
@@ -21,8 +22,12 @@ from .shards import parse_shard
 
 
 def zoo_cells(matrix_path: str, args: argparse.Namespace) -> tuple[Path, list[Cell]]:
-    """(the matrix's path, its zoo cells after --select/--skip and, with --plan, only those the plan runs)."""
-    matrix = load_matrix(matrix_path)
+    """(the matrix's path, its zoo cells after --select/--skip and, with --plan, only those the plan runs). With
+    `--backend` (probe, cells) that backend is checked first, as `run` checks its backends (backends/check.py)."""
+    backend = getattr(args, "backend", None)
+    matrix = load_checked(matrix_path, check=backend is not None)
+    if backend is not None:
+        check_backends(matrix, [matrix.backend(backend).id])
     cells = [c for c in select(expand(matrix), args.select, args.skip) if c.model.zoo]
     if args.plan:
         planned = {p.cell for p in load_plan(Path(args.plan)) if p.job and p.skip_reason is None}

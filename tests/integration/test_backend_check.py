@@ -136,3 +136,47 @@ def test_static_checks_need_no_import_and_match_the_sim_table() -> None:
     assert "is a device, not a compiler" in p.message
     assert not static_problems(0, BackendSpec(id="x", compile="sim-subset", device="simdev",
                                               backend_options={"extra_allow": ["a"], "simdev": {"deny": []}}))
+
+
+@pytest.mark.subprocess
+def test_schema_option_phase_and_backend_mistakes_in_one_error(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """A matrix with one mistake of each kind: `expand` lists every one in a single error (exit 2); a backend the
+    schema rejected is named by the schema only, one with an unknown key beside its entries is still checked."""
+    path = tmp_path / "m.yaml"
+    path.write_text("version: 1\n"
+                    "defaults:\n  inputs: {phases: [prefil]}\n"
+                    "models:\n  - {id: m0, config: llama, colour: red, options: {ops: {wrkers: 2}}}\n"
+                    "backends:\n"
+                    "  - {id: b0, compile: inductr}\n"
+                    "  - {id: b1, compile: sim-drift, backend_options: {dtpye: float16}, extra: 1}\n"
+                    "  - {id: b2, compile: 5}\n", encoding="utf-8")
+    err = _error(["expand", str(path), "--out", str(tmp_path / "plan.json")], capsys)
+    assert err.startswith(f"deepview-ci: error: {path}: 7 problems in the matrix:\n"), err
+    for line, close in ((f"{path}:5:29: models[0].colour: unknown key 'colour'", None),
+                        (f"{path}:8:69: backends[1].extra: unknown key 'extra'", None),
+                        (f"{path}:9:23: backends[2].compile: 5 is not of type 'string'", None),
+                        (f"{path}:5:58: models[0].options.ops: unknown option 'wrkers'", "'workers'"),
+                        (f"{path}:3:21: defaults.inputs.phases[0]: unknown phase 'prefil'", "'prefill'"),
+                        (f"{path}:7:23: backends[0].compile (backend 'b0'): unknown torch.compile backend 'inductr'",
+                         "'inductor'"),
+                        (f"{path}:8:52: backends[1].backend_options.dtpye (backend 'b1'): unknown sim-drift option "
+                         "'dtpye'", "'dtype'")):
+        lines = err.splitlines()
+        [i] = [i for i, ln in enumerate(lines) if ln == f"  {line}"] or [err]
+        if close:
+            assert f"did you mean {close}" in lines[i + 1], lines[i + 1]
+    assert "backend 'b2'" not in err and "Traceback" not in err
+    assert not (tmp_path / "plan.json").exists()
+
+
+def test_zoo_probe_and_cells_check_their_backend(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`zoo probe|cells --backend ID` check that backend as `run` does, before any probe."""
+    path = tmp_path / "z.yaml"
+    path.write_text("version: 1\nmodels: [{id: zoo, zoo: transformers, select: [llama]}]\n"
+                    "backends: [{id: b1, compile: sim-drift, backend_options: {dtpye: float16}}]\n", encoding="utf-8")
+    for sub in ("probe", "cells"):
+        err = _error(["zoo", sub, str(path), "--backend", "b1", "--out", str(tmp_path / sub)], capsys)
+        assert err.startswith(f"deepview-ci: error: {path}:3:59: backends[0].backend_options.dtpye (backend 'b1'): "
+                              "unknown sim-drift option 'dtpye'\n  hint: did you mean 'dtype'?"), err
+        assert not (tmp_path / sub).exists() or not any((tmp_path / sub).rglob("*.json"))

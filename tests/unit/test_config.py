@@ -159,3 +159,26 @@ def test_every_bad_options_block_is_named_at_once(tmp_path):  # type: ignore[no-
     assert f"{path}: 2 problems in the matrix:" in text
     assert f"{path}:3:24:" in text and "did you mean 'margin'" in text
     assert f"{path}:4:" in text and "wrkers" in text
+
+
+def test_schema_option_and_phase_mistakes_come_in_one_error(tmp_path: Path) -> None:
+    """The schema's mistakes do not hide the options' and phases' (nor the phases' second one): one error, all six;
+    a block the schema rejected is named once, by the schema."""
+    path = tmp_path / "m.yaml"
+    path.write_text("version: 1\n"
+                    "defaults:\n  inputs: {phases: [prefil, {decod: {}}]}\n"
+                    "models:\n  - {id: a, config: llama, colour: red, options: {ops: {wrkers: 2}}}\n"
+                    "  - {id: c, config: llama, options: {ops: 3}}\n"
+                    "backends:\n  - {id: b, compile: inductor, inputs: {phases: [lng]}}\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        load_matrix(path)
+    text = str(info.value)
+    assert f"{path}: 6 problems in the matrix:" in text, text
+    for line in (f"{path}:5:28: models[0].colour: unknown key 'colour'",
+                 f"{path}:6:43: models[1].options.ops: 3 is not of type 'object'",
+                 f"{path}:5:57: models[0].options.ops: unknown option 'wrkers'",
+                 f"{path}:3:21: defaults.inputs.phases[0]: unknown phase 'prefil'",
+                 f"{path}:3:29: defaults.inputs.phases[1]: unknown phase 'decod'",
+                 f"{path}:8:50: backends[0].inputs.phases[0]: unknown phase 'lng'"):
+        assert f"  {line}" in text, (line, text)
+    assert text.count("models[1].options.ops") == 1
