@@ -426,6 +426,7 @@ def _load(path: Path, text: str) -> Matrix:
     rejected = [tuple(e.absolute_path) for e in errors]  # what the schema rejected: the later checks skip it
     problems += _check_options(data, positions, source, rejected)
     problems += _check_phases(data, positions, source, rejected)
+    problems += _duplicate_ids(data, positions, source)
     if problems:
         raise MatrixProblems(problems, source, _backend_specs(data, path.parent, errors))
     return _resolve(path, data, positions)
@@ -452,6 +453,23 @@ def _backend_specs(data: dict[str, Any], base: Path, errors: list[Any]) -> tuple
         return False
 
     return tuple((i, _backend_spec(b, base)) for i, b in _entries(data, "backends") if not broken(i))
+
+
+def _duplicate_ids(data: dict[str, Any], positions: _Positions, source: str) -> list[SchemaProblem]:
+    """A model or backend id used twice, each repeat placed (listed with the other problems of the matrix)."""
+    problems: list[SchemaProblem] = []
+    for what in ("models", "backends"):
+        seen: set[str] = set()
+        for i, item in _entries(data, what):
+            ident = item.get("id")
+            if not isinstance(ident, str):
+                continue
+            if ident in seen:
+                pos = positions.at((what, i, "id")) or (0, 0)
+                problems.append(SchemaProblem(f"{source}:{pos[0]}:{pos[1]}", pos, f"{what}[{i}].id",
+                                              f"duplicate id {ident!r}", "ids must be unique"))
+            seen.add(ident)
+    return problems
 
 
 def _unique(items: list[dict[str, Any]], what: str, source: str, positions: _Positions) -> None:

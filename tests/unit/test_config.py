@@ -182,3 +182,13 @@ def test_schema_option_and_phase_mistakes_come_in_one_error(tmp_path: Path) -> N
                  f"{path}:8:50: backends[0].inputs.phases[0]: unknown phase 'lng'"):
         assert f"  {line}" in text, (line, text)
     assert text.count("models[1].options.ops") == 1
+
+
+def test_a_duplicate_id_is_listed_with_the_other_problems(tmp_path: Path) -> None:
+    path = tmp_path / "m.yaml"
+    path.write_text("version: 1\ndefaults:\n  inputs: {phases: [prefil]}\nmodels:\n  - {id: m, config: llama}\n"
+                    "  - {id: m, config: llama}\nbackends:\n  - {id: b, compile: aot_eager}\n")
+    with pytest.raises(ConfigError) as err:
+        load_matrix(path)
+    text = str(err.value)
+    assert "2 problems in the matrix" in text and "models[1].id: duplicate id 'm'" in text and "'prefil'" in text
