@@ -257,20 +257,25 @@ class Backend:
             return fn
         return _torch().compile(fn, backend=self._compiler, **dict(self.spec.compile_options))
 
-    def compile_recorded(self, fn: Callable[..., Any]) -> tuple[Callable[..., Any], "CompileRecord | None"]:
+    def compile_recorded(self, fn: Callable[..., Any], *, dynamic: bool | None = None,
+                         keep_modules: bool = False) -> tuple[Callable[..., Any], "CompileRecord | None"]:
         """`compile(fn)` with the backend wrapped in a `CompileRecord` (graphs it was given, nodes, executions);
-        the record is None when eager. The wrapper keeps the backend's name, so error texts read the same."""
+        the record is None when eager. The wrapper keeps the backend's name, so error texts read the same.
+        `dynamic` overrides `compile_options.dynamic`; `keep_modules` keeps each GraphModule given."""
         self.prepare()
         if self._compiler is None:
             return fn, None
         torch = _torch()
         options = dict(self.spec.compile_options)
+        if dynamic is not None:
+            options["dynamic"] = dynamic
         inner: Any = self._compiler
         if inner == "inductor":  # torch.compile special-cases the name: build what it would build
             inner = torch._TorchCompileInductorWrapper(options.pop("mode", None), options.pop("options", None),
                                                        options.get("dynamic"))
         name = self._compiler if isinstance(self._compiler, str) else getattr(self._compiler, "__name__", "backend")
         record = CompileRecord(inner, str(name))
+        record.keep_modules = keep_modules
         return torch.compile(fn, backend=record, **options), record
 
     def to_device(self, obj: Any) -> Any:

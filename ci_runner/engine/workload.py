@@ -29,7 +29,7 @@ from .failure import stage_of, unwrap
 from .models import LoadedModel, build_inputs, seeded_ids, text_config
 
 __all__ = ["Call", "CallRecord", "Captured", "PhaseRun", "skip_reason", "run_phase", "cache_kwarg", "logits_of",
-           "capture_calls", "smallest_module"]
+           "capture_calls", "replay_calls", "smallest_module"]
 
 
 @dataclass
@@ -325,6 +325,23 @@ def capture_calls(loaded: LoadedModel, inputs: InputSpec, phase: Phase, *, force
         for h in handles:
             h.remove()
     return captured
+
+
+def replay_calls(fn: Callable[..., Any], calls: list[tuple[int, tuple[Any, ...], dict[str, Any]]], upto: int,
+                 move: Callable[[Any], Any]) -> tuple[int, Any, BaseException | None]:
+    """Call `fn` (one compiled object) with a module's captured calls in order, up to the phase's call `upto`, each
+    on a copy moved by `move`: the index, output and error of the last call made (an error ends the replay)."""
+    last: tuple[int, Any, BaseException | None] = (-1, None, None)
+    with torch.no_grad():
+        for index, args, kwargs in calls:
+            if index > upto:
+                break
+            a, kw = move(copy.deepcopy((args, kwargs)))
+            try:
+                last = (index, fn(*a, **kw), None)
+            except Exception as exc:  # the backend's failure: the caller judges it  # noqa: BLE001
+                return index, None, exc
+    return last
 
 
 def smallest_module(root: torch.nn.Module, captured: Captured, call: int,

@@ -30,8 +30,8 @@ from ...engine.failure import first_line
 from ...backends import plugin_pythonpath
 from ...engine.repro import (plugin_modules, render_template, run_command, safe_filename, template_backend,
                                verify_script, write_script)
-from ...engine.workload import (Call, Captured, PhaseRun, cache_kwarg, capture_calls, run_phase, skip_reason,
-                                 smallest_module)
+from ...engine.workload import (Call, Captured, PhaseRun, cache_kwarg, capture_calls, replay_calls, run_phase,
+                                 skip_reason, smallest_module)
 from ...fsutil import atomic_write_text
 from ...options import LayersOptions
 from ...phases import Phase
@@ -44,25 +44,12 @@ ROOT = ""
 
 
 def _compile(ctx: "ModeContext", module: torch.nn.Module, *, dynamic: bool | None = None) -> tuple[Any, CompileRecord | None]:
-    """The module compiled with the cell's backend as a user compiles it, keeping the graphs it is given;
-    `dynamic` overrides the backend's `compile_options.dynamic`."""
+    """The module compiled with the cell's backend as a user compiles it (after a Dynamo reset), keeping the graphs
+    it is given; `dynamic` overrides the backend's `compile_options.dynamic`."""
     import torch._dynamo  # deferred: Dynamo takes seconds to import
 
     torch._dynamo.reset()
-    backend = ctx.backend
-    inner = backend.compiler_backend()
-    if inner is None:
-        return module, None
-    options = dict(ctx.cell.backend.compile_options)
-    if dynamic is not None:
-        options["dynamic"] = dynamic
-    if inner == "inductor":
-        inner = torch._TorchCompileInductorWrapper(options.pop("mode", None), options.pop("options", None),
-                                                   options.get("dynamic"))
-    name = inner if isinstance(inner, str) else getattr(inner, "__name__", "backend")
-    record = CompileRecord(inner, str(name))
-    record.keep_modules = True
-    return torch.compile(module, backend=record, **options), record
+    return ctx.backend.compile_recorded(module, dynamic=dynamic, keep_modules=True)
 
 
 def _fresh(ctx: "ModeContext", loaded: Any) -> torch.nn.Module:
@@ -115,20 +102,9 @@ def culprit_ops(record: CompileRecord | None, first_graph: int, error: str) -> l
 def _replay_fails(ctx: "ModeContext", loaded: Any, name: str, calls: list[tuple[int, tuple[Any, ...], dict[str, Any]]],
                   failing: int) -> str | None:
     """Replay a submodule's captured calls through one compiled object; the error at the failing call, if any."""
-    sub = _fresh(ctx, loaded).get_submodule(name) if name else _fresh(ctx, loaded)
-    fn, _ = _compile(ctx, sub)
-    dev = ctx.backend.device
-    with torch.no_grad():
-        for index, args, kwargs in calls:
-            if index > failing:
-                break
-            args, kwargs = ctx.backend.to_device(copy.deepcopy((args, kwargs))) if dev != "cpu" else \
-                copy.deepcopy((args, kwargs))
-            try:
-                fn(*args, **kwargs)
-            except Exception as exc:  # the backend's failure  # noqa: BLE001
-                return f"{type(exc).__name__}: {exc}" if index == failing else None
-    return None
+    fn, _ = _compile(ctx, ctx.backend.to_device(copy.deepcopy(loaded.module.get_submodule(name))))  # that module only
+    index, _, exc = replay_calls(fn, calls, failing, ctx.backend.to_device)
+    return f"{type(exc).__name__}: {exc}" if exc is not None and index == failing else None
 
 
 def smallest_failing(ctx: "ModeContext", loaded: Any, captured: Captured, failing: int) -> tuple[str, list[str]]:

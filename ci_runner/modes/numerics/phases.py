@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 
 from ...engine.capture import OutputHooks, primary_tensor
-from ...engine.workload import Call, CallRecord, PhaseRun, capture_calls, run_phase, skip_reason, smallest_module
+from ...engine.workload import (Call, CallRecord, PhaseRun, capture_calls, replay_calls, run_phase, skip_reason,
+                                 smallest_module)
 from ...numerics.metrics import compare_tensors
 from ...options import NumericsOptions
 from ...phases import Phase
@@ -332,18 +333,15 @@ def _isolated_nonfinite(ctx: "ModeContext", phase: Phase, ref_run: PhaseRun, cal
         import torch._dynamo  # deferred: Dynamo takes seconds to import
 
         torch._dynamo.reset()
-        sub = backend.to_device(copy.deepcopy(loaded.module.get_submodule(name)))
-        fn, eager = backend.compile(sub), loaded.module.get_submodule(name)
+        eager = loaded.module.get_submodule(name)
+        index, got, exc = replay_calls(backend.compile(backend.to_device(copy.deepcopy(eager))), captured.get(name, []),
+                                       call, backend.to_device)
+        if exc is not None or index != call:  # a module that cannot run alone is not the one
+            return False
+        _, args, kwargs = [c for c in captured[name] if c[0] == call][-1]
         with torch.no_grad():
-            for index, args, kwargs in captured.get(name, []):
-                try:
-                    got = fn(*backend.to_device(copy.deepcopy(args)), **backend.to_device(copy.deepcopy(kwargs)))
-                except Exception:  # a module that cannot run alone is not the one  # noqa: BLE001
-                    return False
-                if index == call:
-                    want = eager(*copy.deepcopy(args), **copy.deepcopy(kwargs))
-                    return _row_finite(want, row) is True and _row_finite(got, row) is False
-        return False
+            want = eager(*copy.deepcopy(args), **copy.deepcopy(kwargs))
+        return _row_finite(want, row) is True and _row_finite(got, row) is False
 
     return smallest_module(loaded.module, captured, call, fails)
 
