@@ -496,6 +496,14 @@ def module_names(model: torch.nn.Module) -> dict[str, str]:
     return {name: type(m).__name__ for name, m in model.named_modules(remove_duplicate=False)}
 
 
+def model_module_stack(node_meta: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """An FX node's `nn_module_stack` (outermost first, as (path, class)) without the modules that are not the
+    model's: a module held in a global (`G['…'].apply_rotary_pos_emb`, transformers' hub-kernel function wrappers
+    since 5.25) is called by the model but is none of its submodules."""
+    stack = node_meta.get("nn_module_stack") or {}
+    return [(str(path), cls) for path, cls in stack.values() if not str(path).startswith("G[")]
+
+
 def resolve_module_name(candidate: str, names: Mapping[str, str], module_class: str | None = None) -> str | None:
     """The qualified name in `names` (`module_names(model)`) that a tracer's module path means, or None.
 

@@ -41,7 +41,7 @@ from ..backends import resolve_backend
 from ..engine.capture import ModuleCapture, iter_tensors
 from ..config import BackendSpec, InputSpec, ModelSpec, spec_from_json, spec_to_json
 from ..engine.isolate import run_isolated
-from ..engine.models import build_inputs, load_model
+from ..engine.models import build_inputs, load_model, model_module_stack
 from ..results.model import clean, number
 from ..sim.compilers import op_name
 from ..engine.torchcompat import available, require, skip_reason
@@ -249,8 +249,8 @@ class _Hybrid(torch.fx.Interpreter):
 
 def _node_info(n: torch.fx.Node, layer_name: str) -> dict[str, Any]:
 
-    stack = list((n.meta.get("nn_module_stack") or {}).values())
-    sub = str(stack[-1][0]) if stack else ""
+    stack = model_module_stack(n.meta)
+    sub = stack[-1][0] if stack else ""
     cls = stack[-1][1] if stack else None
     if isinstance(cls, type):
         cls = cls.__name__

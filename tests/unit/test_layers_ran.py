@@ -107,3 +107,53 @@ def test_openvino_without_testing_declines_a_one_op_module_inconclusive(tmp_path
                                           compile_options={"options": {"aot_autograd": True, "testing": True}}))
     o2 = _probe(testing, nn.ReLU(), tmp_path)
     assert o2.status == "pass" and o2.ran.get("openvino_executions", 0) >= 1, o2
+
+
+def _routes_kernels(fn: Any) -> Any:
+    """A wrapper as the `kernels` package (a dependency of transformers since 5.25) puts around the forward of
+    every module that calls a hub-kernel function: the call inside try/finally, where Dynamo cannot resume after a
+    graph break, so it runs that frame eagerly and compiles the forward as a frame of its own."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        depth = [len(args)]
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            depth.pop()
+
+    return wrapped
+
+
+class _OwnCode(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 4)
+
+    @_routes_kernels
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.q(x)) * 2)
+
+
+def test_an_own_code_probe_does_not_count_the_frames_its_eager_children_leave_empty(tmp_path: Path) -> None:
+    """With the children run eagerly, the wrapper's frame is skipped for the intended break (Dynamo counts a
+    frame in eager): by design, not a fallback that makes the probe inconclusive."""
+    backend = resolve_backend(BackendSpec(id="aot", compile="aot_eager"))
+    model = nn.Sequential()
+    model.add_module("m", _OwnCode())
+    with open(tmp_path / "t.txt", "a") as fh:
+        o = _probe_one("m", model=model, backend=backend, calls=[((torch.randn(2, 4),), {})], all_calls=False,
+                       timeout=120, timeout_fh=fh, eager_children=["m.q", "m.out"])
+    assert o.status == "pass", o.message
+    assert o.ran["graphs_executed"] >= 1, o.ran
+
+
+def test_only_the_models_own_modules_name_a_call_site() -> None:
+    from ci_runner.engine.models import model_module_stack
+
+    meta = {"nn_module_stack": {"a": ("L['self'].layers[0]", nn.Linear),
+                                "b": ("G['__import_transformers_dot_x'].apply_rotary_pos_emb", nn.Module)}}
+    assert model_module_stack(meta) == [("L['self'].layers[0]", nn.Linear)]
+    assert model_module_stack({}) == []

@@ -50,7 +50,7 @@ from .signature import CallSite, Inventory, OpSignature, signature_key
 from .tracefail import (PACKAGE_DIR, error_summary, fake_tensor_error, model_code_error, short_path,
                         transformers_checks_off, where_failed)
 from ...engine.torchcompat import require
-from ...engine.models import module_names, resolve_module_name
+from ...engine.models import model_module_stack, module_names, resolve_module_name
 
 LEVELS: tuple[str, ...] = ("dynamo", "aten", "core_aten", "dispatch")
 MAX_SITES = 8  # call sites kept per signature
@@ -191,11 +191,11 @@ def _class_name(cls: Any) -> str:
 
 
 def site_from_node(node: torch.fx.Node, root_class: str) -> CallSite:
-    stack = node.meta.get("nn_module_stack") or {}
+    stack = model_module_stack(node.meta)
     module, module_class = "", root_class
     if stack:
-        path, cls = list(stack.values())[-1]
-        module, module_class = normalize_module_path(str(path)), _class_name(cls)
+        path, cls = stack[-1]
+        module, module_class = normalize_module_path(path), _class_name(cls)
         if module == "":
             module_class = root_class
     return CallSite(module=module, module_class=module_class, source=source_from_stack_trace(node.meta.get("stack_trace")))
