@@ -76,6 +76,27 @@ class PhaseRun:
         return next((r for r in self.records if r.error is not None), None)
 
 
+# what a backend is handed beside ATen ops when Dynamo traces with a symbolic length (`torch.sym_max`, …); the
+# size queries (`aten.sym_size.int`, …) are ATen ops like any other and stay out
+_SIZE_QUERIES = ("sym_size", "sym_numel", "sym_stride", "sym_storage_offset")
+
+
+def symbolic_functions(gm: torch.fx.GraphModule) -> list[str]:
+    """The symbolic-shape functions a graph (and its subgraphs) calls, by name (`sym_max`), in graph order, each
+    once: the one rule the ops mode (which probes them) and the layers mode (which names them as a culprit) share."""
+    found: list[str] = []
+    for sub in gm.modules():
+        if not isinstance(sub, torch.fx.GraphModule):
+            continue
+        for node in sub.graph.nodes:
+            if node.op != "call_function" or hasattr(node.target, "_schema"):
+                continue
+            name = getattr(node.target, "__name__", "")
+            if name.startswith("sym_") and not name.startswith(_SIZE_QUERIES) and name not in found:
+                found.append(name)
+    return found
+
+
 def _signature(module: torch.nn.Module) -> set[str]:
     try:
         return set(inspect.signature(module.forward).parameters)

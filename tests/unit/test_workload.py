@@ -92,3 +92,28 @@ def test_what_does_not_apply_is_skipped_with_its_reason(llama: Any) -> None:
         {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
          "image_size": 16, "patch_size": 8})), seed=0)
     assert "token inputs" in skip_reason(vit, _phase("decode"), INPUTS)
+
+
+def test_symbolic_functions_are_what_a_dynamic_length_hands_the_backend() -> None:
+    """A sliding-window mask's `max(0, s - window + 1)` under a dynamic length is `torch.sym_max` in the graph (the
+    backends that fail on it say so); the size queries are ATen ops and are not listed; a static graph has none."""
+    from ci_runner.engine.workload import symbolic_functions
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def keep(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    def window(x: torch.Tensor) -> torch.Tensor:
+        start = max(0, x.shape[0] - 3)
+        return x[start:] * 2
+
+    torch._dynamo.reset()
+    fn = torch.compile(window, backend=keep, dynamic=True)
+    fn(torch.randn(6))
+    static = torch.compile(window, backend=keep, dynamic=False)
+    torch._dynamo.reset()
+    static(torch.randn(6))
+    assert symbolic_functions(graphs[0]) == ["sym_max"], graphs[0].code
+    assert symbolic_functions(graphs[-1]) == []

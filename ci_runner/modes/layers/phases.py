@@ -31,7 +31,7 @@ from ...backends import plugin_pythonpath
 from ...engine.repro import (plugin_modules, render_template, run_command, safe_filename, template_backend,
                                verify_script, write_script)
 from ...engine.workload import (Call, Captured, PhaseRun, cache_kwarg, capture_calls, replay_calls, run_phase,
-                                 skip_reason, smallest_module)
+                                 skip_reason, smallest_module, symbolic_functions)
 from ...fsutil import atomic_write_text
 from ...options import LayersOptions
 from ...phases import Phase
@@ -70,32 +70,28 @@ def _target_run(ctx: "ModeContext", loaded: Any, phase: Phase, forced: list[torc
     return run, record, graphs_before
 
 
-SYMBOLIC = re.compile(r"^(sym_\w+|Sym\w+)$")
-
-
 def _node_name(node: Any) -> str:
     target = node.target
     return str(target) if hasattr(target, "_schema") else getattr(target, "__name__", str(target))
 
 
 def culprit_ops(record: CompileRecord | None, first_graph: int, error: str) -> list[str]:
-    """Ops of the graphs given to the backend for the failing call: the symbolic-shape functions among them, and
-    any op whose name the error text contains."""
+    """Ops of the graphs given to the backend for the failing call: the symbolic-shape functions among them
+    (`engine.workload.symbolic_functions`), and any op whose name the error text contains."""
     if record is None:
         return []
     found: list[str] = []
     for gm in record.modules[first_graph:] or record.modules[-1:]:
+        for name in symbolic_functions(gm):
+            if name not in found:
+                found.append(name)
         for node in gm.graph.nodes:
             if node.op != "call_function":
                 continue
             name = _node_name(node)
             short = name.split(".")[-2] if name.startswith("aten.") and name.count(".") >= 2 else name
-            symbolic = bool(SYMBOLIC.match(name)) or isinstance(node.meta.get("val"), (torch.SymInt, torch.SymBool,
-                                                                                        torch.SymFloat))
-            named = len(short) > 3 and re.search(rf"\b{re.escape(short)}\b", error) is not None
-            if (symbolic and name not in ("getitem",) and not name.startswith("sym_size")) or named:
-                if name not in found:
-                    found.append(name)
+            if len(short) > 3 and re.search(rf"\b{re.escape(short)}\b", error) is not None and name not in found:
+                found.append(name)
     return found
 
 

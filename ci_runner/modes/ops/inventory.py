@@ -625,9 +625,6 @@ __all__ = [
 
 # --------------------------------------------------------------------------------------------- graphs of a workload
 
-SYMBOLIC_FUNCTIONS = ("sym_max", "sym_min", "sym_float", "sym_int", "sym_ite", "sym_not", "sym_sqrt", "sym_sum")
-
-
 def inventory_of_graphs(graphs: Sequence[torch.fx.GraphModule], root_class: str, **build: Any) -> Inventory:
     """The ATen inventory of graphs a backend was given (e.g. every call of a phase, `modes/ops/phases.py`)."""
     builder = _Builder()
@@ -635,15 +632,3 @@ def inventory_of_graphs(graphs: Sequence[torch.fx.GraphModule], root_class: str,
     for gm in graphs:
         add_aten_graph(builder, gm, root_class, notes)
     return builder.build(notes=notes, graphs=len(graphs), **build)
-
-
-def symbolic_calls(gm: torch.fx.GraphModule) -> list[str]:
-    """The symbolic-shape functions a graph calls (`sym_max`, …: what dynamic shapes hand a backend), as
-    `torch.<name>`, in graph order, each once."""
-    found: list[str] = []
-    for sub in _graph_modules(gm):
-        for node in sub.graph.nodes:
-            name = getattr(node.target, "__name__", "") if node.op == "call_function" else ""
-            if name in SYMBOLIC_FUNCTIONS and f"torch.{name}" not in found:
-                found.append(f"torch.{name}")
-    return found

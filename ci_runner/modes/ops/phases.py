@@ -27,11 +27,11 @@ import torch
 from ...backends import backend_recipe
 from ...engine.repro import (plugin_modules, render_template, run_command, safe_filename, template_backend,
                                verify_script, write_script)
-from ...engine.workload import run_phase, skip_reason
+from ...engine.workload import run_phase, skip_reason, symbolic_functions
 from ...options import OpsOptions
 from ...phases import Phase
 from ...results.model import Finding, ModeResult, Repro, fingerprint
-from .inventory import inventory_of_graphs, symbolic_calls
+from .inventory import inventory_of_graphs
 from .signature import Inventory, OpSignature, signature_key
 
 if TYPE_CHECKING:
@@ -117,7 +117,7 @@ def run_phases(ctx: "ModeContext", opts: OpsOptions, forward: Inventory, ops_dir
             continue
         inv = inventory_of_graphs(graphs, type(loaded.module).__name__, level="aten", method="phase", device="cpu")
         new = phase_signatures(phase, inv, known)
-        symbolic = sorted({name for gm in graphs for name in symbolic_calls(gm)})
+        symbolic = sorted({f"torch.{name}" for gm in graphs for name in symbolic_functions(gm)})
         row: dict[str, Any] = {"status": "pass", "phase": phase.label(), "graphs": len(graphs),
                                "ops": len(inv.op_names()), "signatures": len(inv.signatures),
                                "new_signatures": [s.describe()[:200] for s in new[:50]], "new_count": len(new),
