@@ -279,6 +279,8 @@ def _import(index: int, where: tuple[Any, ...], name: str, missing_ok: bool) -> 
         close = difflib.get_close_matches(top, _top_modules(), n=1, cutoff=0.6) if exc.name == top else []
         hint = (f"did you mean {close[0]!r}? " if close else "") + "install the plugin's package here, or fix the name"
         return None, Problem(index, where, f"module {name!r} not found ({exc.name})", hint), True
+    except _TooLong:  # the backend's time is up: its other imports would wait the same way
+        raise
     except BaseException:  # a plugin that raises (even SystemExit) on import, e.g. no device on this machine:
         return None, None, True  # not a mistake in the matrix; its cells report it (environment error)
 

@@ -4,6 +4,7 @@ checked in a child and cannot crash the run."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -121,6 +122,32 @@ def test_a_plugin_that_crashes_on_import_cannot_crash_the_check(tmp_path: Path, 
     assert ":4:45: backends[1].compile (backend 'w'): unknown torch.compile backend 'inductorr'" in err, err
     assert ("deepview-ci: note: backend 'v' was not checked at load (the check crashed (SIGABRT) in its imports); "
             "its cells will say what is wrong") in err, err
+
+
+@pytest.mark.subprocess
+def test_a_plugin_that_hangs_on_import_costs_its_limit_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The plugin is both the backend's `import:` and its `compile: module:callable`: cut at the limit in the first,
+    it is not imported again (where no timer is left), and `w` after it is still checked."""
+    plugin = tmp_path / "plugin_hangs.py"
+    plugin.write_text("import time\ntime.sleep(3600)\n\ndef backend(gm, example_inputs):\n    return gm\n",
+                      encoding="utf-8")
+    path = tmp_path / "m.yaml"
+    path.write_text("version: 1\nmodels: [{id: m, config: llama}]\n"
+                    "backends: [{id: v, import: [plugin_hangs], compile: 'plugin_hangs:backend'},\n"
+                    "           {id: w, import: [json], compile: inductorr}]\n", encoding="utf-8")
+    monkey = pytest.MonkeyPatch()
+    monkey.syspath_prepend(str(tmp_path))
+    monkey.setenv("PYTHONPATH", f"{tmp_path}:{Path.cwd()}")
+    monkey.setattr("ci_runner.backends.check.IMPORT_LIMIT_S", 2.0)
+    t0 = time.monotonic()
+    try:
+        assert cli.main(["expand", str(path), "--out", str(tmp_path / "plan.json")]) == EXIT_USAGE
+    finally:
+        monkey.undo()
+    assert time.monotonic() - t0 < 50  # the child's start, 2 s for `v`, `w`: not the whole check's timeout
+    err = capsys.readouterr().err
+    assert "backends[1].compile (backend 'w'): unknown torch.compile backend 'inductorr'" in err, err
+    assert "backend 'v' was not checked at load (its imports took over 2 s)" in err, err
 
 
 def test_static_checks_need_no_import_and_match_the_sim_table() -> None:
