@@ -10,7 +10,8 @@ A value is written as plain JSON where JSON can hold it, and as a dict with one 
                                                              (stride only with keep_strides: rebuilt with it)
     {"__tensor__": {"shape": [...], "stride": [...], "dtype": "float32"}}
                                                              a described tensor (op signatures: values synthetic;
-                                                             a probe adds `low`/`high`, its value range)
+                                                             a probe adds `low`/`high`, its value range; `dynamic`:
+                                                             dims symbolic in a dynamic-shape graph)
     {"__dtype__": "float16"} / {"__device__": "cpu"} / {"__layout__": "strided"} / {"__memory_format__": …}
     {"__size__": [2, 3]}                                     a torch.Size
     {"__slice__": [start, stop, step]} / {"__ellipsis__": true}
@@ -195,14 +196,31 @@ def _contiguous_stride(shape: Sequence[int]) -> list[int]:
     return list(reversed(stride))
 
 
+def _hinted(size: Any) -> int:
+    """A size as an int: a symbolic one by its hint, read without a guard (`int()` on a SymInt specializes the symbol
+    in its graph's shape environment, and every later shape of that graph reads as a constant)."""
+    if isinstance(size, torch.SymInt):
+        hint = size.node.maybe_as_int()
+        hint = size.node.hint if hint is None else hint
+        if hint is not None:
+            return int(hint)
+    return int(size)
+
+
 def described_tensor(t: torch.Tensor) -> dict[str, Any]:
-    """A tensor by what a probe needs to rebuild one like it: shape, stride, dtype (its values are synthetic)."""
-    shape = [int(s) for s in t.shape]
+    """A tensor by what a probe needs to rebuild one like it: shape, stride, dtype (its values are synthetic), and
+    `dynamic`: the dims that were symbolic where it was recorded (a graph traced with dynamic shapes), only when
+    there are some, so a static tensor's description (an op signature's identity) is as it always was."""
+    dynamic = [i for i, s in enumerate(t.shape) if isinstance(s, torch.SymInt) and s.node.maybe_as_int() is None]
+    shape = [_hinted(s) for s in t.shape]
     try:
-        stride = [int(s) for s in t.stride()]
+        stride = [_hinted(s) for s in t.stride()]
     except (RuntimeError, NotImplementedError):  # sparse or nested: take the contiguous layout
         stride = _contiguous_stride(shape)
-    return {"shape": shape, "stride": stride, "dtype": dtype_name(t.dtype)}
+    body: dict[str, Any] = {"shape": shape, "stride": stride, "dtype": dtype_name(t.dtype)}
+    if dynamic:
+        body["dynamic"] = dynamic
+    return body
 
 
 def encode_arg(value: Any, tensor_of: Callable[[Any], torch.Tensor | None] = lambda v: None) -> Any:

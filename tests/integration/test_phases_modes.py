@@ -113,3 +113,22 @@ def test_ops_probes_a_padded_batch_with_a_fully_masked_row(mode_context: Callabl
     f = result.findings[0]
     assert f.repro is not None and f.repro.verified and f.repro.path.startswith("ops/phases/batch/"), f.repro
     assert result.data["phases"]["prefill"]["status"] == "pass" and result.data["phases"]["batch"]["status"] == "fail"
+
+
+def test_ops_probes_a_phase_signature_with_its_dynamic_dims(mode_context: Callable[..., Any], fresh_dynamo: Any) -> None:
+    """The second long prompt recompiles with a dynamic length (automatic dynamic): its ops are probed with that dim
+    marked dynamic, so a static-shape compiler fails them there, with a repro that marks it too; the forward's
+    static calls of the same op pass."""
+    from ci_runner.modes.ops.mode import run as ops_run
+
+    text = matrix_text(models=[LLAMA], backends=[{"id": "static", "compile": "tests.fixtures.plugin_static_only:backend"}],
+                       inputs={"seq_len": 8, "samples": 1, "phases": [{"long": {"seq_len": [16, 24]}}]},
+                       options={"ops": {"only_ops": ["aten.cat*"], "workers": 1}})
+    ctx = mode_context(text, "llama", "static")
+    result = ops_run(ctx)
+    assert result.findings and {(f.phase, f.kind, f.op) for f in result.findings} == {
+        ("long", "unsupported_op", "aten.cat.default")}, [(f.phase, f.kind, f.op, f.message[:80]) for f in result.findings]
+    f = result.findings[0]
+    assert "dynamic size" in f.message and f.repro is not None and f.repro.verified, (f.message, f.repro)
+    assert "torch._dynamo.maybe_mark_dynamic(tensors[" in (ctx.cell_dir / f.repro.path).read_text()
+    assert result.data["phases"]["long"]["status"] == "fail"

@@ -117,3 +117,24 @@ def test_symbolic_functions_are_what_a_dynamic_length_hands_the_backend() -> Non
     static(torch.randn(6))
     assert symbolic_functions(graphs[0]) == ["sym_max"], graphs[0].code
     assert symbolic_functions(graphs[-1]) == []
+
+
+def test_describing_a_dynamic_graphs_tensors_keeps_every_dim_symbolic() -> None:
+    """`described_tensor` reads symbolic sizes by their hint: `int()` would specialize the symbol in the graph's shape
+    environment, and every tensor described after the first would read as static."""
+    from ci_runner.engine.codec import described_tensor
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def keep(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: (x * 2).sum(-1) + x.mean(-1), backend=keep, dynamic=True)
+    fn(torch.randn(5, 3))
+    bodies = [described_tensor(n.meta["example_value"]) for n in graphs[0].graph.nodes
+              if isinstance(n.meta.get("example_value"), torch.Tensor)]
+    assert len(bodies) >= 4 and all(b.get("dynamic") for b in bodies), bodies
+    assert bodies[0]["shape"] == [5, 3] and bodies[0]["stride"] == [3, 1]
+    assert "dynamic" not in described_tensor(torch.randn(5, 3))  # a static tensor reads as it always did

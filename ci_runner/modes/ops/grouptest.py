@@ -13,9 +13,9 @@ once through `torch.compile` (the backend sees one FX graph) and compared output
   found (members dropped one by one while the rest still fails) is reported on each member's outcome
   (`fails_together`), not as a finding, since no op fails alone.
 
-Guards against groups that hide failures: eager devices, the `fx` path, ops CPU eager rejects, and ops without
-tensor outputs are never grouped; a crash or a hang of a group is journalled under the group's tag
-(`g:<ids>`): the parent splits a crashed group in halves and a hung one into single probes (`group_cap`).
+Guards against groups that hide failures: eager devices, the `fx` path, ops CPU eager rejects, ops without
+tensor outputs and calls with dynamic dims are never grouped; a crash or a hang of a group is journalled under the
+group's tag (`g:<ids>`): the parent splits a crashed group in halves and a hung one into single probes (`group_cap`).
 A group's inputs together stay within `ops.max_probe_input_mb` (its members' inputs and references are held at
 once), as each single probe's do (the parent's guard, `probe.too_big`).
 Everything a probe pays besides its compile (the child process, imports, the backend's setup, the Dynamo reset,
@@ -41,7 +41,7 @@ from ...engine.failure import error_text
 from ...engine.isolate import child_journal
 from ...engine.tree import map_tensors
 from ...fsutil import append_line
-from .inputs import build_tensors, input_bytes
+from .inputs import build_tensors, dynamic_marks, input_bytes
 from .probe import (GROUP_PREFIX, TOGETHER_PREFIX, Reference, assemble, judge, packet_of, probe_inputs, reference,
                     reference_inputs, resolve_op, run_probe, select_outputs)
 
@@ -77,6 +77,8 @@ def plan_tasks(probes: Sequence[Mapping[str, Any]], size: int, max_bytes: float 
     held = 0
     for p in probes:
         pcap = max(1, min(size, int(p.get("group_cap") or size)))
+        if dynamic_marks(p["args"], p["kwargs"]):  # marked dynamic alone: a group's other members would share guards
+            pcap = 1
         need = input_bytes(p["args"], p["kwargs"]) if max_bytes else 0
         if cur and (pcap != cap or len(cur) >= cap or held + need > max_bytes > 0):
             tasks.append(cur)

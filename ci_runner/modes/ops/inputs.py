@@ -198,6 +198,12 @@ def build_tensors(args: Any, kwargs: Any, seed: int) -> list[torch.Tensor]:
     return [_draw(s, seed + i) for i, s in enumerate(tensor_specs([args, kwargs]))]
 
 
+def dynamic_marks(args: Any, kwargs: Any) -> list[tuple[int, int]]:
+    """(tensor index, dim) of every dim the call's graph had symbolic (`described_tensor`'s `dynamic`): the probe
+    and its repro mark them dynamic before compiling, so the backend gets the call as the phase gave it."""
+    return [(i, int(d)) for i, s in enumerate(tensor_specs([args, kwargs])) for d in s.get("dynamic") or ()]
+
+
 def input_bytes(args: Any, kwargs: Any) -> int:
     """Bytes the call's tensors take as `make_tensor` builds them (each one's storage span × its item size; a
     dtype torch does not know counts 0 here: building it fails in the child, which reports it)."""

@@ -45,7 +45,7 @@ from ...fsutil import atomic_write_json
 from .inventory import InventoryError, take_inventory
 from .compare import SCRIPT_FUNCTIONS, matches_any
 from .outcome import OpOutcome, OpStatus
-from .inputs import SCRIPT_FUNCTIONS as INPUT_FUNCTIONS, call_source
+from .inputs import SCRIPT_FUNCTIONS as INPUT_FUNCTIONS, call_source, dynamic_marks
 from .phases import run_phases
 from .probe import not_run_outcome, op_expression
 from .signature import Inventory, OpSignature
@@ -93,6 +93,7 @@ def render_repro(*, op: str, kind: str, stage: str, error_type: str | None, mess
         rtol=tolerance[0], atol=tolerance[1], make_tensor_source="\n\n".join(plain_source(f) for f in INPUT_FUNCTIONS),
         compare_source="\n\n".join(plain_source(f) for f in SCRIPT_FUNCTIONS), tensor_lines=tensor_lines, tensor_names=tensor_names,
         call_args=call_args, command=command, crash=crash,
+        dynamic_marks=dynamic_marks(probe["args"], probe["kwargs"]),
     )
 
 

@@ -33,7 +33,7 @@ from ...engine.diagnostics import capture_fd2, compiler_words
 from ...engine.failure import classify, error_text
 from ...engine.isolate import Attempt, IsolatedResult, supervise
 from .compare import compare, mismatch_metrics, no_compare_reason
-from .inputs import build_tensors, copy_tensors, input_bytes
+from .inputs import build_tensors, copy_tensors, dynamic_marks, input_bytes
 from .outcome import CPU_FAILS_TOO, OpOutcome, OpStatus
 from ...engine.codec import decode_value, tensor_specs
 from .signature import resolve_callable
@@ -215,7 +215,7 @@ def run_probe(backend: Any, probe: Mapping[str, Any], *, compare_results: bool,
         return done(**info)
     compile_name = getattr(getattr(backend, "spec", None), "compile", None)
     run = _TargetRun(counters=DynamoCounters(), watch=FallbackWatch(None if eager else compile_name))
-    if not eager and via == "fx":
+    if not eager and via == "fx" and not dynamic_marks(probe["args"], probe["kwargs"]):  # a dynamic dim needs Dynamo
         _fx_path(backend, op, probe, tensors, ref, run, device=device)
     try:
         value = _run_on_target(backend, op, probe, tensors, run, eager=eager, device=device)
@@ -341,6 +341,8 @@ def _run_on_target(backend: Any, op: Any, probe: Mapping[str, Any], tensors: lis
 
             recorded = getattr(backend, "compile_recorded", None)  # a `backends.Backend`; else plain compile
             compiled_fn, run.record = recorded(fn) if callable(recorded) else (backend.compile(fn), None)
+            for i, dim in dynamic_marks(args, kwargs):  # the dims the phase's graph had symbolic stay symbolic
+                torch._dynamo.maybe_mark_dynamic(tensors[i], dim)
             value = compiled_fn(*tensors)
         return map_tensors(lambda t: t.detach().to("cpu"), value)
 
