@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from ..engine.isolate import Journal
 from ..errors import ModelLoadError
 from ..registry import mode_spec
-from ..results.model import JOURNAL_NAME, ModeResult
+from ..results.model import CHECKPOINT_KEY, JOURNAL_NAME, ModeResult
 
 if TYPE_CHECKING:
     from ..backends import Backend
@@ -54,6 +54,7 @@ class ModeContext:
     previous: dict[str, ModeResult] = field(default_factory=dict)
     _models: dict[tuple[Any, ...], "LoadedModel"] = field(default_factory=dict, repr=False)
     model_error: "ModelLoadError | None" = None  # the cell's model did not load: every later load raises it again
+    on_checkpoint: Callable[[str, ModeResult], None] | None = field(default=None, repr=False)  # run/cellrun.py's
 
     @property
     def model_id(self) -> str:
@@ -91,6 +92,14 @@ class ModeContext:
         from ..engine.models import build_inputs  # deferred: models imports torch
 
         return build_inputs(loaded, self.cell.inputs, sample=sample, device=device)
+
+    def checkpoint(self, mode: str, partial: ModeResult) -> None:
+        """Save what `mode` has found so far (its single forward's result, before its phases): when the process dies
+        later in the mode, the parent keeps it and names the phase that was running (`run/execute.py`)."""
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(mode, ModeResult(
+                status="error", reason="stopped during its phases: what its single forward found is kept",
+                findings=list(partial.findings), data={**partial.data, CHECKPOINT_KEY: "phases"}))
 
     def journal(self, event: str, name: str) -> None:
         """Append `event name` to the cell's crash journal (fsync'd): the parent reads it after a hard crash."""

@@ -30,6 +30,7 @@ SCHEMA_VERSION = 1
 # The cell folder (`DIR/cells/<cell-id>/`), its file names in one place; each mode's artifacts go in `<mode>/`.
 RESULT_NAME = "result.json"  # the finished cell's `CellResult` (what `aggregate` reads)
 PARTIAL_NAME = "result.partial.json"  # written after each mode, so a hard crash loses nothing already diagnosed
+CHECKPOINT_KEY = "checkpoint"  # in a mode's data: a result saved mid-mode (`ModeContext.checkpoint`), not final
 JOURNAL_NAME = "journal.log"  # enter/leave events (fsync'd), read by the parent after a hard crash
 STDERR_NAME = "stderr.log"  # the cell worker's stderr
 STARTED_NAME = "started.json"  # written and uploaded by the cell job's shell before the cell runs (the workflow)

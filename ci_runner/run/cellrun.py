@@ -55,8 +55,12 @@ def run_cell_inprocess(cell: Cell, cell_dir: Path, *, modes: tuple[str, ...], de
         result.error = CellError(type=type(exc).__name__, message=f"backend setup failed: {text}")
         return _finish(result, cell_dir, started)
 
+    def keep_partial(name: str, partial: ModeResult) -> None:  # a mode's result so far (`ModeContext.checkpoint`)
+        result.modes[name] = partial
+        checkpoint()
+
     ctx = ModeContext(cell=cell, cell_dir=cell_dir, backend=backend, deadline=deadline, env=result.env,
-                      previous=dict(result.modes))
+                      previous=dict(result.modes), on_checkpoint=keep_partial)
     for i, name in enumerate(modes):
         if ctx.model_error is not None:  # tried once per cell: the modes after the failed load do not retry it
             _model_failed(result, ctx.model_error, modes[i:])

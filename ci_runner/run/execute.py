@@ -33,7 +33,7 @@ from ..log import Progress
 from ..modes.ops.storepath import clear_stores
 from ..engine.isolate import ChildExit, LiveChildren, arm_worker, child_env, file_tail, open_entry, run_process
 from ..matrix import find_cell
-from ..results.model import JOURNAL_NAME, PARTIAL_NAME, RESULT_NAME, STDERR_NAME, CellError, CellResult, ModeResult, load_cell_result, read_json
+from ..results.model import CHECKPOINT_KEY, JOURNAL_NAME, PARTIAL_NAME, RESULT_NAME, STDERR_NAME, CellError, CellResult, ModeResult, load_cell_result, read_json
 
 STDERR_TAIL_CHARS = 4000
 WORKER_MODULE = "ci_runner.run.execute"  # the cell worker's entry (`worker_main`), started by `_run_worker`
@@ -150,7 +150,7 @@ def run_one(cell: Cell, opts: RunOptions, children: LiveChildren | None = None) 
         if children.interrupted:
             raise KeyboardInterrupt
         partial = load_partial(cdir)
-        done = set(partial.modes) if partial else set()
+        done = {m for m, r in partial.modes.items() if CHECKPOINT_KEY not in r.data} if partial else set()
         if not end.timed_out and end.returncode == 0 and all(m in done for m in remaining):
             break  # an earlier crash in this cell (if any) stays in `error`
         error, result = _record_death(cell, cdir, end, partial, remaining, done)
@@ -183,14 +183,22 @@ def _record_death(cell: Cell, cdir: Path, end: ChildExit, partial: CellResult | 
     last_module = open_entry(journal, "module")
     status = "timeout" if end.timed_out else "crashed"
     what = f"cell timed out after {cell.timeout:g}s" if end.timed_out else f"worker process {end.ended()}"
-    where = f" while running module {last_module!r}" if last_module else ""
+    workload = open_entry(journal, "workload")  # `<mode>.<phase>`: the phase the mode was running
+    phase = workload.split(".", 1)[-1] if workload else None
+    where = (f" in phase {phase!r}" if phase else "") + (f" while running module {last_module!r}" if last_module else "")
     error = CellError(type=status, message=f"{what} during mode {running!r}{where}",
                       exit_code=None if end.timed_out else end.returncode, signal=end.signal,
                       stderr_tail=file_tail(cdir / STDERR_NAME, STDERR_TAIL_CHARS), last_module=last_module)
     result = partial or CellResult(id=cell.id, model=cell.model.id, backend=cell.backend.id, status=status,
                                    env=base_stamp(), artifacts_dir=f"cells/{cell.id}")
-    result.modes[running] = ModeResult(status=status, reason=error.message,
-                                       data={"last_module": last_module} if last_module else {})
+    kept = result.modes.get(running) if running not in done else None  # `ModeContext.checkpoint`'s, if any
+    data = {k: v for k, v in kept.data.items() if k != CHECKPOINT_KEY} if kept is not None else {}
+    if last_module:
+        data["last_module"] = last_module
+    if phase:
+        data["phases"] = {**dict(data.get("phases") or {}), phase: {"status": status, "reason": error.message}}
+    result.modes[running] = ModeResult(status=status, reason=error.message, data=data,
+                                       findings=list(kept.findings) if kept is not None else [])
     _write_partial(cdir, result)
     return error, result
 

@@ -78,6 +78,30 @@ def test_faults_get_statuses_others_complete_and_the_run_resumes(tmp_path: Path,
     assert (out / "cells" / "tiny@abort" / "result.json").stat().st_mtime_ns != before["tiny@abort"]
 
 
+@pytest.mark.slow
+def test_a_phase_that_kills_the_worker_keeps_the_modes_forward_result(tmp_path: Path,
+                                                                       write_matrix: Callable[..., Path]) -> None:
+    """The forward and the prefill compile; the first decode step aborts the cell's worker. The layers mode keeps
+    what its single forward found (its search, from the checkpoint before its phases), is `crashed`, and names the
+    phase."""
+    matrix = write_matrix(
+        modes=["layers"], timeout=600, inputs={"seq_len": 8, "samples": 1, "phases": ["prefill", "decode"]},
+        options={"layers": {"culprit": False}},
+        models=[{"id": "tiny", "config": "llama",
+                 "overrides": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                               "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 64}}],
+        backends=[{"id": "dies", "compile": "tests.fixtures.plugin_decode_abort:backend"}])
+    out = tmp_path / "out"
+    proc = cli("run", str(matrix), "--out", str(out), timeout=600)
+    assert "Traceback" not in proc.stderr and proc.returncode == 1, proc.stderr[-2000:]
+    cell = load_cell_result(out / "cells" / "tiny@dies" / "result.json")
+    layers = cell.modes["layers"]
+    assert cell.status == "crashed" and layers.status == "crashed", (cell.status, layers)
+    assert "in phase 'decode'" in layers.reason and "SIGABRT" in layers.reason, layers.reason
+    assert layers.data["whole_model"]["status"] == "pass", layers.data  # the forward's search, kept
+    assert layers.data["phases"]["decode"]["status"] == "crashed" and "checkpoint" not in layers.data
+
+
 def test_a_corrupt_cell_result_is_rerun_not_fatal(tmp_path: Path, matrix: Path) -> None:
     out = tmp_path / "out"
     proc = cli("run", str(matrix), "--out", str(out), "--select", "tiny@raises")

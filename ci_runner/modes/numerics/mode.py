@@ -343,7 +343,7 @@ def run(ctx: "ModeContext") -> ModeResult:
         shutil.rmtree(dump_root, ignore_errors=True)
     else:
         data["dumps"] = [str(d.relative_to(ctx.cell_dir)) if d.is_relative_to(ctx.cell_dir) else str(d) for d in dumps]
-    findings += _phases(ctx, opts, data) if ctx.cell.inputs.phases else []  # per phase and step: phases.py
+    findings += _phases(ctx, opts, data, findings) if ctx.cell.inputs.phases else []  # per phase and step: phases.py
     duration = time.monotonic() - t0
     if not cum_ran and not iso_ran:
         why = cum_errors[0]["error"] if cum_errors else (notes[-1] if notes else "no comparison could run")
@@ -353,12 +353,13 @@ def run(ctx: "ModeContext") -> ModeResult:
                    expected=[v for v in opts.views if not (v == "isolated" and iso_skipped)])
 
 
-def _phases(ctx: "ModeContext", opts: NumericsOptions, data: dict[str, Any]) -> list[Any]:
+def _phases(ctx: "ModeContext", opts: NumericsOptions, data: dict[str, Any], findings: list[Any]) -> list[Any]:
     """Each phase of `inputs.phases` (modes/numerics/phases.py): its findings; its table into `data.phases`."""
     t = time.monotonic()
-    findings, data["phases"] = run_phases(ctx, opts)
+    ctx.checkpoint("numerics", ModeResult(status="pass", findings=list(findings), data=data))  # kept if a phase kills it
+    found, data["phases"] = run_phases(ctx, opts)
     data.setdefault("timings", {})["phases_s"] = round(time.monotonic() - t, 3)
-    return findings
+    return found
 
 
 def _references_problem(refs: Any) -> str | None:
