@@ -24,7 +24,7 @@ from enum import Enum
 from typing import Any, Mapping
 
 from .errors import OptionError
-from .options import LayersOptions, NumericsOptions, OpsOptions, build, option_keys
+from .options import LayersOptions, MemoryOptions, NumericsOptions, OpsOptions, build, option_keys
 
 
 class FindingKind(str, Enum):
@@ -39,6 +39,9 @@ class FindingKind(str, Enum):
     WEIGHTS_MISMATCH = "weights_mismatch"
     BATCH_VARIANCE = "batch_variance"
     OUTPUT_OVERWRITTEN = "output_overwritten"
+    MEMORY_OOM = "memory_oom"
+    MEMORY_OVER_BUDGET = "memory_over_budget"
+    MEMORY_REGRESSION = "memory_regression"
 
     __str__ = str.__str__  # f"{kind}" is the value on every Python version
     __hash__ = str.__hash__  # "divergence" in {FindingKind.DIVERGENCE}: a kind read from JSON is a plain str
@@ -205,5 +208,13 @@ register_mode(ModeSpec(
            KindSpec(kind=K.WEIGHTS_MISMATCH, key="module", section=SECTION_OTHER),
            KindSpec(kind=K.BATCH_VARIANCE, key="module", section=SECTION_OTHER),
            KindSpec(kind=K.OUTPUT_OVERWRITTEN, key="module", section=SECTION_OTHER)),
+))
+register_mode(ModeSpec(
+    name="memory", run="ci_runner.modes.memory.mode:run", options=MemoryOptions, order=40,
+    issue_groups=("memory",),
+    help="per-layer, per-phase memory: predicted on meta tensors, measured on the device, compiled against eager",
+    kinds=(KindSpec(kind=K.MEMORY_OOM, key="module", section=SECTION_LAYERS, issue_group="memory"),
+           KindSpec(kind=K.MEMORY_REGRESSION, key="module", section=SECTION_LAYERS, issue_group="memory"),
+           KindSpec(kind=K.MEMORY_OVER_BUDGET, key="module", section=SECTION_OTHER)),
 ))
 del K
