@@ -213,8 +213,8 @@ register_mode(ModeSpec(
     name="memory", run="ci_runner.modes.memory.mode:run", options=MemoryOptions, order=40,
     issue_groups=("memory",),
     help="per-layer, per-phase memory: predicted on meta tensors, measured on the device, compiled against eager",
-    kinds=(KindSpec(kind=K.MEMORY_OOM, key="module", section=SECTION_LAYERS, issue_group="memory"),
-           KindSpec(kind=K.MEMORY_REGRESSION, key="module", section=SECTION_LAYERS, issue_group="memory"),
+    kinds=(KindSpec(kind=K.MEMORY_OOM, key="module", section=SECTION_OTHER, issue_group="memory"),
+           KindSpec(kind=K.MEMORY_REGRESSION, key="module", section=SECTION_OTHER, issue_group="memory"),
            KindSpec(kind=K.MEMORY_OVER_BUDGET, key="module", section=SECTION_OTHER)),
 ))
 del K
