@@ -47,9 +47,17 @@ def _attention(device: str) -> Any:
     return contextlib.nullcontext()
 
 
+def meta_model(ctx: "ModeContext") -> Any:
+    """The cell's model on `meta`, in the dtype the device runs it in (a meta build is float32)."""
+    meta = ctx.model(meta=True)
+    if any(p.dtype != meta.dtype for p in meta.module.parameters() if p.is_floating_point()):
+        meta.module.to(meta.dtype)
+    return meta
+
+
 def predict(ctx: "ModeContext", opts: MemoryOptions, phase: Any) -> MeteredRun:
     """The phase run on the meta model."""
-    meta = ctx.model(meta=True)
+    meta = meta_model(ctx)
     with _attention(ctx.backend.device):
         return metered_run(meta.module, meta, ctx.cell.inputs, phase, "meta", DispatchMeter(shadow_numel=SHADOW_NUMEL),
                            max_depth=opts.max_depth)
@@ -218,7 +226,7 @@ def run(ctx: "ModeContext") -> ModeResult:
     """The mode (see the module text)."""
     t0 = time.monotonic()
     opts: MemoryOptions = parse_options("memory", ctx.options("memory"))
-    meta = ctx.model(meta=True)
+    meta = meta_model(ctx)
     params, buffers = module_bytes(meta.module)
     budget = int(opts.budget_gb * GIB) if opts.budget_gb is not None else None
     data: dict[str, Any] = {"device": ctx.backend.device, "params_bytes": params + buffers, "buffers_bytes": buffers,
