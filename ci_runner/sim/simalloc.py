@@ -42,7 +42,11 @@ def _release(key: int) -> None:
 
 
 def _mib(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB"
+    """Bytes as CUDA's messages write them, in the largest unit that keeps a whole number in front."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} bytes"
 
 
 def admit(raw: torch.Tensor, count: bool = True) -> None:

@@ -15,7 +15,7 @@ can be split by category (parameters, buffers, KV cache, the rest).
 from __future__ import annotations
 
 import weakref
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -58,6 +58,20 @@ _SCALAR_OPS = frozenset({"aten::_local_scalar_dense", "aten::is_nonzero", "aten:
 
 def _to_cpu_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: (torch.device("cpu") if k == "device" and v is not None else v) for k, v in kwargs.items()}
+
+
+def _grouped_mm_any_dtype(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """`_grouped_mm` on meta: its meta kernel takes bfloat16 only (CUDA's rule), the CPU kernel any float. The shapes
+    are the same in every dtype: computed in bfloat16, the result takes the inputs' dtype (one storage, counted)."""
+    dtype = args[0].dtype
+    cast = tree_map(lambda x: x.to(torch.bfloat16) if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
+                    (args, kwargs))
+    out = func(*cast[0], **cast[1])
+    return out.to(dtype) if out.dtype != dtype else out
+
+
+# ops whose meta kernel is stricter than the devices': run on meta another way, with the same output shape
+_META_FIXES: dict[str, Callable[..., Any]] = {"aten::_grouped_mm": _grouped_mm_any_dtype}
 
 
 class DispatchMeter(TorchDispatchMode, Meter):
@@ -140,7 +154,10 @@ class DispatchMeter(TorchDispatchMode, Meter):
         if self.shadow_numel and func._schema.name in _SCALAR_OPS and \
                 any(isinstance(x, torch.Tensor) and x.device.type == "meta" for x in tree_leaves(args)):
             return self._answer(func, args, kwargs)
-        out = func(*args, **kwargs)
+        fix = _META_FIXES.get(func._schema.name)
+        on_meta = fix is not None and any(isinstance(x, torch.Tensor) and x.device.type == "meta"
+                                          for x in tree_leaves(args))
+        out = fix(func, args, kwargs) if on_meta else func(*args, **kwargs)  # type: ignore[misc]
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.add(t)

@@ -75,7 +75,12 @@ def _where(phase: str, step: int | None) -> str:
 
 
 def _mib(n: float | None) -> str:
-    return "?" if n is None else f"{n / 2**20:.2f} MiB"
+    if n is None:
+        return "?"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} bytes"
 
 
 def _oom_finding(ctx: "ModeContext", opts: MemoryOptions, run: MeteredRun) -> Finding:
