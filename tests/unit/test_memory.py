@@ -3,6 +3,8 @@ for data-dependent questions (`modes/memory/meters.py`), the tables (`tables.py`
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -89,3 +91,35 @@ def test_options() -> None:
         parse_options("memory", {"budget_gb": -1})
     with pytest.raises(OptionError, match="compiled_ratio"):
         parse_options("memory", {"compiled_ratio": 0.5})
+
+
+def _memory_result(ratio: float | None) -> Any:
+    from ci_runner.results.model import CellResult, Finding, ModeResult, Results, fingerprint
+
+    rows = [{"phase": "prefill", "module": f"model.layers.{i}", "module_class": "LlamaDecoderLayer",
+             "peak_bytes": 30000 + 1000 * i, "measured_peak_bytes": 30100 + 1000 * i} for i in range(2)]
+    findings = [] if ratio is None else [Finding(
+        kind="memory_regression", stage="run", module="model.layers.0", phase="prefill", message="needs more",
+        metrics={"ratio": ratio}, fingerprint=fingerprint("memory_regression", "memhog", "llama", "prefill",
+                                                          "model.layers.0"))]
+    mode = ModeResult(status="fail" if findings else "pass", findings=findings,
+                      data={"params_bytes": 26976, "peak_bytes": {"prefill": 33840}, "modules": rows,
+                            "first_over_budget": None})
+    cell = CellResult(id="llama@memhog", model="llama", backend="memhog", status=mode.status, modes={"memory": mode})
+    return Results(cells=[cell])
+
+
+def test_the_per_layer_chart_and_a_regression_over_nights(tmp_path: Any) -> None:
+    from ci_runner.report.html import render_html
+    from ci_runner.report.phasecharts import memory_chart
+    from ci_runner.results.baseline import diff, load_baseline, make_baseline
+    from ci_runner.fsutil import atomic_write_json
+
+    night1, night2 = _memory_result(None), _memory_result(5.8)
+    chart = memory_chart(night2.cells[0].modes["memory"].data, cell_id="llama@memhog")
+    assert chart is not None and 'data-kind="memory-layers"' in chart and "prefill measured" in chart
+    assert 'class="chartbox memory"' in render_html(night2)
+    atomic_write_json(tmp_path / "baseline.json", make_baseline(night1))
+    d = diff(night2, load_baseline(tmp_path / "baseline.json"))
+    assert [(e.category, e.kind, e.key) for e in d.entries if e.fingerprint] == \
+        [("regressed", "memory_regression", "model.layers.0")]
