@@ -16,7 +16,8 @@ from ci_runner.modes.memory.mode import run
 from ci_runner.modes.memory.runs import metered_run
 from ci_runner.modes.memory.tables import compare_rows, kv_growth
 from ci_runner.phases import parse_phases
-from ci_runner.results.model import CellResult, Results, validate
+from ci_runner.engine.isolate import open_entry
+from ci_runner.results.model import JOURNAL_NAME, CellResult, Results, validate
 from tests.fixtures.matrices import matrix_text
 
 TINY = {"id": "llama", "config": "llama", "overrides": {
@@ -83,6 +84,9 @@ def test_budget_and_an_out_of_memory_localised_to_its_layer(mode_context: Callab
     assert oom.metrics["buffers"] == 32 and oom.metrics["total"] > 29 * 1024 - 1024
     assert set(oom.metrics) == {"parameters", "buffers", "kv_cache", "activations", "total"}
     assert oom.repro is not None and oom.repro.verified, oom.repro
+    journal = (ctx.cell_dir / JOURNAL_NAME).read_text(encoding="utf-8")  # what a killed process would leave
+    assert "enter-module\tmodel.layers.0 [prefill, prefill]" in journal
+    assert open_entry(ctx.cell_dir / JOURNAL_NAME, "module") is None  # the OOM was caught: the layer was left
     cell = CellResult(id=ctx.cell.id, model="llama", backend="simdev", status="fail", duration_s=1.0,
                       modes={"memory": result})
     validate(Results(cells=[cell]).to_dict(), "results.schema.json", source="test")

@@ -81,7 +81,8 @@ def test_first_over_budget_is_the_deepest_module_of_the_first_call_over_it() -> 
     assert first_over_budget([run], 1000) is None
     assert kv_growth(run) == [20]
     assert module_rows(run)["model.layers.0"] == {"module": "model.layers.0", "module_class": "M", "peak_bytes": 260,
-                                                  "working_bytes": 160, "call": "decode step 1", "step": 1}
+                                                  "working_bytes": 160, "activation_bytes": 0, "temporary_bytes": 160,
+                                                  "call": "decode step 1", "step": 1}
 
 
 def test_options() -> None:

@@ -135,7 +135,8 @@ def measure(ctx: "ModeContext", opts: MemoryOptions, phase: Any) -> MeteredRun |
                    "by_category": {"parameters": sum(module_bytes(cpu.module)), "total": meter.current()}}
         return run
     try:
-        return metered_run(module, cpu, ctx.cell.inputs, phase, ctx.backend.device, meter, max_depth=opts.max_depth)
+        return metered_run(module, cpu, ctx.cell.inputs, phase, ctx.backend.device, meter, max_depth=opts.max_depth,
+                           journal=ctx.journal)
     finally:
         del module
         gc.collect()
@@ -184,7 +185,9 @@ def _module_table(ctx: "ModeContext", phase: str, pred: MeteredRun, meas: Metere
         m = measured.get(name)
         rows.append({"phase": phase, "module": name or "(model)", "module_class": r["module_class"],
                      "params_bytes": own.get(name, (0, 0))[0], "buffers_bytes": own.get(name, (0, 0))[1],
-                     "peak_bytes": r["peak_bytes"], "working_bytes": r["working_bytes"], "step": r["step"],
+                     "peak_bytes": r["peak_bytes"], "working_bytes": r["working_bytes"],
+                     "activation_bytes": r["activation_bytes"], "temporary_bytes": r["temporary_bytes"],
+                     "step": r["step"],
                      "measured_peak_bytes": m["peak_bytes"] if m else None,
                      "measured_working_bytes": m["working_bytes"] if m else None})
     return rows
@@ -243,6 +246,8 @@ def run(ctx: "ModeContext") -> ModeResult:
     for phase in list(ctx.cell.inputs.workload()) or [None]:
         pname = phase_name(phase)
         reason = skip_reason(meta, phase, ctx.cell.inputs) if phase is not None else None
+        if reason is None and ctx.remaining() < 10.0:
+            reason = "the cell ran out of time before this phase"
         if reason:
             data["phases"][pname] = {"status": "skipped", "reason": reason}
             continue

@@ -100,12 +100,15 @@ def _categories(meter: Meter, module: torch.nn.Module, cache: Any) -> dict[str, 
 
 def metered_run(module: torch.nn.Module, loaded: LoadedModel, inputs: InputSpec, phase: Phase | None, device: str,
                 meter: Meter, *, max_depth: int = 4, only_layers: bool = False,
-                fn: Callable[..., Any] | None = None, tracker: ModuleTracker | None = None) -> MeteredRun:
+                fn: Callable[..., Any] | None = None, tracker: ModuleTracker | None = None,
+                journal: Callable[[str, str], None] | None = None) -> MeteredRun:
     """Run the workload once through `fn` (default `module`) under `meter`, rows for the tracked modules (the root
     and modules up to `max_depth` deep; with `only_layers`, the root and the repeated layers only). A `tracker`
     whose hooks are already in place is used as it is (its meter replaced): a compiled module's guards then see
-    the same hooks in every run."""
+    the same hooks in every run. `journal(event, name)` is told each layer's entry and exit (`enter-module`,
+    `leave-module`, the name with its call): a process killed in a layer leaves it open in the cell's crash journal."""
     layers = layer_names(module)
+    current = {"call": ""}
     if tracker is None:
         tracker = ModuleTracker(meter, tracked_layers(module, layers) if only_layers else
                                 tracked_modules(module, max_depth), keep_args=layers)
@@ -113,6 +116,10 @@ def metered_run(module: torch.nn.Module, loaded: LoadedModel, inputs: InputSpec,
     else:
         tracker.meter = meter
         hooks = contextlib.nullcontext(tracker)
+    if journal is not None:
+        where = phase_name(phase)
+        tracker.on_enter = lambda name: journal("enter-module", f"{name} [{where}, {current['call']}]")
+        tracker.on_leave = lambda name: journal("leave-module", f"{name} [{where}, {current['call']}]")
     run = MeteredRun(phase=phase_name(phase), meter=meter.name)
     tokens: list[torch.Tensor] = []
     key = cache_kwarg(module) or "past_key_values"
@@ -121,6 +128,7 @@ def metered_run(module: torch.nn.Module, loaded: LoadedModel, inputs: InputSpec,
     run.start_bytes = meter.current()
     with torch.no_grad(), meter.activate(), hooks:
         for call in calls_of(loaded, inputs, phase, device, lambda step: tokens[step - 1]):
+            current["call"] = call.label
             if not _one_call(run, tracker, fn or module, module, call, key, meter, tokens):
                 break
     return run

@@ -15,15 +15,18 @@ def _depth(name: str) -> int:
 
 
 def module_rows(run: MeteredRun) -> dict[str, dict[str, Any]]:
-    """Per module: the highest peak over the phase's calls, the call and step where it occurs, and its working
-    bytes there (the peak above the bytes live when the call began: what the call itself needs)."""
+    """Per module: the highest peak over the phase's calls, the call and step where it occurs, and there its working
+    bytes (the peak above the bytes live when the call began: what the call itself needs), split into activations
+    (what the call leaves live: its outputs, a cache it grew) and temporaries (what it freed before returning)."""
     out: dict[str, dict[str, Any]] = {}
     for r in run.rows:
         cur = out.get(r["module"])
         if cur is None or r["peak_bytes"] > cur["peak_bytes"]:
             out[r["module"]] = {"module": r["module"], "module_class": r["module_class"], "peak_bytes": r["peak_bytes"],
-                                "working_bytes": r["peak_bytes"] - r["entry_bytes"], "call": r["call"],
-                                "step": r["step"]}
+                                "working_bytes": r["peak_bytes"] - r["entry_bytes"],
+                                "activation_bytes": max(0, r["exit_bytes"] - r["entry_bytes"]),
+                                "temporary_bytes": r["peak_bytes"] - max(r["exit_bytes"], r["entry_bytes"]),
+                                "call": r["call"], "step": r["step"]}
     return out
 
 

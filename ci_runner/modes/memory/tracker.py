@@ -45,11 +45,12 @@ class ModuleTracker:
     """Hooks on `modules`; `rows` gets one dict per finished call: module, class, entry, peak, exit bytes."""
 
     def __init__(self, meter: Meter, modules: list[tuple[str, torch.nn.Module]], *, keep_args: set[str] | None = None,
-                 on_enter: Callable[[str], None] | None = None) -> None:
+                 on_enter: Callable[[str], None] | None = None, on_leave: Callable[[str], None] | None = None) -> None:
         self.meter = meter
         self.modules = modules
         self.keep_args = keep_args or set()
-        self.on_enter = on_enter
+        self.on_enter = on_enter  # called as a layer (a `keep_args` module) is entered and left
+        self.on_leave = on_leave
         self.stack: list[Frame] = []
         self.rows: list[dict[str, Any]] = []
         self.last_layer: Frame | None = None
@@ -67,7 +68,10 @@ class ModuleTracker:
         self._handles.clear()
 
     def reset(self) -> None:
-        """Forget the frames of a call that raised."""
+        """Forget the frames of a call that raised (its open layers are left, for the journal)."""
+        for frame in reversed(self.stack):
+            if frame.args is not None and self.on_leave is not None:
+                self.on_leave(frame.module)
         self.stack.clear()
 
     def _pre(self, name: str) -> Callable[..., None]:
@@ -80,8 +84,8 @@ class ModuleTracker:
             self.stack.append(frame)
             if frame.args is not None:
                 self.last_layer = frame
-            if self.on_enter is not None:
-                self.on_enter(name)
+                if self.on_enter is not None:
+                    self.on_enter(name)
         return pre
 
     def _post(self, name: str) -> Callable[..., None]:
@@ -90,6 +94,8 @@ class ModuleTracker:
                 return  # a call that started before the hooks
             frame = self.stack.pop()
             frame.peak = max(frame.peak, self.meter.peak())
+            if frame.args is not None and self.on_leave is not None:
+                self.on_leave(name)
             frame.args = None
             if self.stack:
                 self.stack[-1].peak = max(self.stack[-1].peak, frame.peak)
