@@ -6,7 +6,8 @@
   through the dispatcher (eager, and backends whose compiled code runs ATen ops, e.g. `aot_eager` and the sims; not
   the buffers a C++ kernel allocates itself, as inductor's do).
 - `SimdevMeter`: the self-test device's allocator (`ci_runner/sim/simalloc.py`).
-- `CudaMeter`: `torch.cuda`'s (or `torch.xpu`'s) allocator statistics. Code path only: no GPU here.
+- `CudaMeter`: `torch.cuda`'s (or `torch.xpu`'s) allocator statistics; `AcceleratorMeter`: `torch.accelerator`'s, for
+  another accelerator whose allocator reports them. Code paths only: no GPU here.
 
 Each meter knows the storage key of a tensor (`key`) and what it holds now (`live`), so an out-of-memory moment
 can be split by category (parameters, buffers, KV cache, the rest).
@@ -21,7 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-__all__ = ["Meter", "DispatchMeter", "SimdevMeter", "CudaMeter", "NullMeter", "device_meter"]
+__all__ = ["Meter", "DispatchMeter", "SimdevMeter", "CudaMeter", "AcceleratorMeter", "NullMeter", "device_meter"]
 
 
 class Meter:
@@ -229,16 +230,52 @@ class CudaMeter(Meter):
         self._m.reset_peak_memory_stats(self.device)
 
 
+class AcceleratorMeter(Meter):
+    """`torch.accelerator`'s allocator statistics (the current accelerator: a PrivateUse1 plugin's device whose
+    allocator reports them). Code path only: no such device here."""
+
+    def __init__(self, device: str) -> None:
+        self.device = torch.device(device)
+        self.index = self.device.index if self.device.index is not None else torch.accelerator.current_device_index()
+        self.name = f"torch.accelerator ({self.device.type})"
+
+    def current(self) -> int:
+        return int(torch.accelerator.memory_allocated(self.index))
+
+    def peak(self) -> int:
+        return int(torch.accelerator.max_memory_allocated(self.index))
+
+    def reset_peak(self) -> None:
+        torch.accelerator.reset_peak_memory_stats(self.index)
+
+
+def _accelerator_meter(device: str) -> Meter | None:
+    acc = getattr(torch, "accelerator", None)
+    if acc is None or not hasattr(acc, "max_memory_allocated") or not acc.is_available():
+        return None
+    current = acc.current_accelerator()
+    if current is None or current.type != device.split(":")[0]:
+        return None
+    meter = AcceleratorMeter(device)
+    try:
+        meter.current()
+    except (RuntimeError, NotImplementedError, TypeError):  # a device whose allocator keeps no statistics
+        return None
+    return meter
+
+
 def device_meter(device: str) -> Meter | None:
     """The allocator meter of `device`, or None when it exposes no statistics (CPU, a plugin without them)."""
     kind = device.split(":")[0]
     if kind == "simdev":
         return SimdevMeter()
+    if kind == "cpu":
+        return None
     if kind in ("cuda", "xpu"):
         mod = getattr(torch, kind, None)
         if mod is not None and mod.is_available() and hasattr(mod, "max_memory_allocated"):
             return CudaMeter(device)
-    return None
+    return _accelerator_meter(device)
 
 
 class NullMeter(Meter):
