@@ -28,8 +28,8 @@ SIMDEV = {"extra_allow": ["rsqrt", "_softmax"]}
 
 def test_prediction_matches_simdev_per_layer_in_every_phase(example_matrix: Any) -> None:
     """The example's tiny-llama: every module's predicted peak within 10% of simdev's, the working bytes (the peak
-    above the call's entry) within 10% except in the padded batch (meta decomposes the masked softmax that simdev
-    runs as one kernel), the KV growth per step exact."""
+    above the call's entry) within 10% except in the padded batch (the masked attention's `repeat_kv` clones an
+    expanded K/V on meta, as on a real device, and not on simdev: docs/memory.md), the KV growth per step exact."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from ci_runner.sim import simdev
