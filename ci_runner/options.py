@@ -333,6 +333,28 @@ class NumericsOptions:
 
 
 # --------------------------------------------------------------------------- parsing
+@dataclass(frozen=True, kw_only=True)
+class MemoryOptions:
+    budget_gb: float | None = option(None, check=number(gt=0, hint="GiB (2^30 bytes), e.g. 64"), nullable=True,
+                                     shown="none",
+                                     help="device memory in GiB: the first (phase, step, module) whose predicted peak "
+                                          "crosses it is a finding and `data.first_over_budget`")
+    max_depth: int = option(4, check=integer(ge=1, hint="e.g. 4"),
+                            help="modules at most this many names deep get rows (`model.layers.0.self_attn` is 4)")
+    measure: bool = option(True, check=boolean,
+                           help="measure on the backend's device where it has allocator statistics (simdev, CUDA, XPU)")
+    compiled: bool = option(True, check=boolean,
+                            help="compare each layer's compiled peak with its eager peak on the same device "
+                                 "(backends that compile; CPU counts ATen allocations)")
+    compiled_ratio: float = option(1.5, check=number(gt=1, hint="a ratio > 1, e.g. 1.5"),
+                                   help="a layer whose compiled peak (above its entry) exceeds eager's by more is a finding")
+    min_bytes: int = option(0, check=integer(ge=0, hint="bytes, e.g. 1048576"),
+                            help="compiled-vs-eager differences below this many bytes are not findings")
+    repro: bool = option(True, check=boolean, help="write a repro per finding")
+    verify: bool = option(True, check=boolean, help="run each repro in a subprocess to verify it")
+    verify_timeout: float = option(180.0, check=_SECONDS, help="seconds a repro may take")
+
+
 # Which mode has which options class is the mode registry's (`registry.py`: `parse_options(mode, mapping)`).
 
 def declared(cls: type) -> list[Field[Any]]:

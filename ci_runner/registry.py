@@ -5,7 +5,7 @@ a cell runs the mode, so this module and everything that reads it import no torc
 (`options.py`), its run order, the finding kinds it emits (each with the field that names what failed, its report
 section and its issue group) and the issue groups it owns. Derived from it:
 
-- `config.py`: the modes a matrix may name, the default mode list, and the matrix schema's mode lists (`mode_schema`);
+- `config.py`: the modes a matrix may name, the default mode list (the modes with `default=True`), and the matrix schema's mode lists (`mode_schema`);
 - `results/model.py`: the results schema's mode names and finding kinds;
 - `report/view.py`: the mode order and the report's finding sections;
 - `github/`: which findings are filed, under which group, and which mode's coverage closes a group's issue;
@@ -24,7 +24,7 @@ from enum import Enum
 from typing import Any, Mapping
 
 from .errors import OptionError
-from .options import LayersOptions, NumericsOptions, OpsOptions, build, option_keys
+from .options import LayersOptions, MemoryOptions, NumericsOptions, OpsOptions, build, option_keys
 
 
 class FindingKind(str, Enum):
@@ -39,6 +39,9 @@ class FindingKind(str, Enum):
     WEIGHTS_MISMATCH = "weights_mismatch"
     BATCH_VARIANCE = "batch_variance"
     OUTPUT_OVERWRITTEN = "output_overwritten"
+    MEMORY_OOM = "memory_oom"
+    MEMORY_OVER_BUDGET = "memory_over_budget"
+    MEMORY_REGRESSION = "memory_regression"
 
     __str__ = str.__str__  # f"{kind}" is the value on every Python version
     __hash__ = str.__hash__  # "divergence" in {FindingKind.DIVERGENCE}: a kind read from JSON is a plain str
@@ -75,6 +78,7 @@ class ModeSpec:
     kinds: tuple[KindSpec, ...]
     issue_groups: tuple[str, ...] = ()
     help: str = ""
+    default: bool = True  # in the mode list of a matrix that names none (false: run only when named)
 
 
 _MODES: dict[str, ModeSpec] = {}
@@ -101,6 +105,11 @@ def modes() -> tuple[ModeSpec, ...]:
 
 def mode_names() -> tuple[str, ...]:
     return tuple(m.name for m in modes())
+
+
+def default_mode_names() -> tuple[str, ...]:
+    """The modes a matrix without `modes:` runs."""
+    return tuple(m.name for m in modes() if m.default)
 
 
 def mode_spec(name: str) -> ModeSpec | None:
@@ -205,5 +214,13 @@ register_mode(ModeSpec(
            KindSpec(kind=K.WEIGHTS_MISMATCH, key="module", section=SECTION_OTHER),
            KindSpec(kind=K.BATCH_VARIANCE, key="module", section=SECTION_OTHER),
            KindSpec(kind=K.OUTPUT_OVERWRITTEN, key="module", section=SECTION_OTHER)),
+))
+register_mode(ModeSpec(
+    name="memory", run="ci_runner.modes.memory.mode:run", options=MemoryOptions, order=40,
+    issue_groups=("memory",), default=False,
+    help="per-layer, per-phase memory: predicted on meta tensors, measured on the device, compiled against eager",
+    kinds=(KindSpec(kind=K.MEMORY_OOM, key="module", section=SECTION_OTHER, issue_group="memory"),
+           KindSpec(kind=K.MEMORY_REGRESSION, key="module", section=SECTION_OTHER, issue_group="memory"),
+           KindSpec(kind=K.MEMORY_OVER_BUDGET, key="module", section=SECTION_OTHER)),
 ))
 del K

@@ -50,9 +50,9 @@ SIM_OPTIONS: Mapping[str, tuple[str, ...] | None] = {
     "sim-subset": ("allow", "extra_allow"), "sim-drift": ("op", "dtype"), "sim-crash": ("op",), "sim-abort": ("op",),
     "sim-segv": ("op",), "sim-hang": ("op", "seconds"), "sim-decode": ("op", "max_query_len"),
     "sim-kvdrift": ("dtype", "writes"), "sim-masknan": ("op",), "sim-long": ("max_tokens", "op"),
-    "sim-reuse": ("outputs",), "simdev": None,
+    "sim-reuse": ("outputs",), "sim-memhog": ("instances", "copies"), "simdev": None,
 }
-SIMDEV_OPTIONS = ("allow", "extra_allow", "deny")
+SIMDEV_OPTIONS = ("allow", "extra_allow", "deny", "capacity_mb")
 IMPORT_LIMIT_S = 20.0  # a backend whose imports take longer is left to its cells (a plugin waiting for a device)
 STARTUP_S = 60.0  # the checking child's own start (torch's import) on a busy machine
 

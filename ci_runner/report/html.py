@@ -28,7 +28,7 @@ from ..registry import SECTION_DIVERGENT, kinds_in
 from ..results.model import Results
 from .junit import xml_safe
 from ..engine.failure import headline
-from .phasecharts import decode_chart
+from .phasecharts import decode_chart, memory_chart
 from .trendcharts import trends_html
 from ..zoo.report import zoo_view
 from .view import CellView, LayerPoint, NumericsView, ReportView, build_view, cos_distance, fmt_num
@@ -159,10 +159,14 @@ class _Scale:
 
 
 def _decode_chart(cv: Any) -> str:
-    """The decode phase's error per step (report/phasecharts.py), when the cell's numerics ran one."""
+    """The decode phase's error per step (report/phasecharts.py), when the cell's numerics ran one; beside it the
+    memory per layer, when the cell's memory mode ran."""
     mode = cv.cell.modes.get("numerics")
     chart = decode_chart(mode.data, cell_id=cv.id) if mode is not None and mode.data else None
-    return f'<div class="chartbox decode">{chart}</div>' if chart else ""
+    memory = cv.cell.modes.get("memory")
+    mem = memory_chart(memory.data, cell_id=cv.id) if memory is not None and memory.data else None
+    return (f'<div class="chartbox decode">{chart}</div>' if chart else "") + \
+        (f'<div class="chartbox memory">{mem}</div>' if mem else "")
 
 
 def layer_chart(nv: NumericsView, metric: str, *, cell_id: str, label: str, hidden: bool = False) -> str:

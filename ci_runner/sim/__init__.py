@@ -24,7 +24,8 @@ backends:
 | `sim-masknan` | torch.compile | padded batch NaN: attention with a plain softmax, so a fully-masked query row (a left-padded row's pads) is NaN where eager gives 0, and the NaN spreads to that row's real tokens; other rows match eager | run (no error) | `op` (default `attention`) |
 | `sim-long` | torch.compile | short prompt OK, long prompt fails: raises `SimCompilerError: [sim-long] unsupported operator … key/value sequence length 80 exceeds the maximum of 64 tokens…` when an attention's query or key/value length (a static cache's `max_cache_len`) is over the limit; graphs without attention: their token inputs; a dynamic length is checked again at run time | compile | `max_tokens` (default 64), `op` (default `attention`) |
 | `sim-reuse` | torch.compile | output buffers reused across calls: each graph returns its outputs in buffers it keeps per output, so a tensor one call returned is overwritten by the same graph's next call | run (no error) | `outputs` (default `all`; or a list of graph output indices) |
-| `simdev` | device | an out-of-tree eager device plugin missing kernels: `model.to("simdev")` works; an op without a kernel raises PyTorch's own `NotImplementedError: Could not run 'aten::rsqrt.out' with arguments from the 'simdev' backend…` | run | `allow` (replaces the op set), `extra_allow`, `deny` (default: `rsqrt`, `_softmax`) |
+| `sim-memhog` | torch.compile | a compiler change that makes a layer need more memory: the graph runs op by op and keeps `copies` extra copies of every intermediate tensor until it returns, for the chosen instances (layers sharing one compiled graph, numbered by first call); results identical to eager (`memhog.py`) | run (no error) | `instances` (default `[0]`: the first layer that runs; `all`), `copies` (default 1) |
+| `simdev` | device | an out-of-tree eager device plugin missing kernels: `model.to("simdev")` works; an op without a kernel raises PyTorch's own `NotImplementedError: Could not run 'aten::rsqrt.out' with arguments from the 'simdev' backend…` | run | `allow` (replaces the op set), `extra_allow`, `deny` (default: `rsqrt`, `_softmax`), `capacity_mb` (device memory; allocator statistics in `simalloc.py`) |
 
 Op patterns (`allow`, `extra_allow`, `op`, simdev's lists) match overload names (`aten.rsqrt.default`), packet
 names (`aten.rsqrt`) or bare aten names (`rsqrt`), with `fnmatch` globs; `attention` and `norm` are aliases.
@@ -60,6 +61,7 @@ from .compilers import (
     op_matches,
     op_name,
 )
+from .memhog import make_memhog
 from .workloads import make_decode, make_kvdrift, make_long, make_masknan, make_reuse
 
 __all__ = [
@@ -150,11 +152,18 @@ SIM_BACKENDS: Mapping[str, SimBackendInfo] = MappingProxyType({
         reproduces="output buffers reused across calls: a returned tensor is overwritten by the same graph's next call",
         options=MappingProxyType({"outputs": "graph output indices that reuse; default `all`"}),
         factory=make_reuse),
+    "sim-memhog": SimBackendInfo(
+        name="sim-memhog", kind="torch.compile", stage="run",
+        reproduces="a layer needs more memory compiled: extra copies of its activations kept until it returns (same results)",
+        options=MappingProxyType({"instances": "which layers sharing a graph hoard, by first call; default [0]; `all`",
+                                  "copies": "extra copies of each activation; default 1"}),
+        factory=make_memhog),
     "simdev": SimBackendInfo(
         name="simdev", kind="device", stage="run",
         reproduces="eager out-of-tree device (PrivateUse1) missing kernels: PyTorch's \"Could not run 'aten::…' with arguments from the 'simdev' backend\"",
         options=MappingProxyType({"allow": "the op set (replaces the default)", "extra_allow": "ops added",
-                                  "deny": "ops removed (default rsqrt, _softmax)"})),
+                                  "deny": "ops removed (default rsqrt, _softmax)",
+                                  "capacity_mb": "device memory in MiB: past it `torch.OutOfMemoryError` (default: unlimited)"})),
 })
 
 

@@ -28,6 +28,8 @@ Options (`backend_options` of a `device: simdev` backend, or `register(**options
 * `allow`: the op set, replacing the default (overload names like `aten.add.Tensor`, packet names like `add`, or
   `"*"` for the whole catalogue);
 * `extra_allow`: ops added to it (any ATen overload works: the generic kernel runs it on CPU);
+* `capacity_mb`: the device's memory in MiB (2^20 bytes); an allocation past it raises `torch.OutOfMemoryError`
+  (`simalloc.py`: the allocator and its statistics, kept for every simdev tensor with or without a capacity);
 * `deny`: ops removed from it. By default `aten::rsqrt` and `aten::_softmax` are denied, so a tiny Llama moves to
   the device, embeds, and fails at its first RMSNorm with "Could not run 'aten::rsqrt.out' ...".
 
@@ -49,6 +51,7 @@ from torch.nn.attention import SDPBackend
 from torch.utils._pytree import tree_map
 
 from ..engine.torchcompat import available, require
+from . import simalloc
 
 DEVICE = "simdev"
 
@@ -108,8 +111,11 @@ class SimdevTensor(torch.Tensor):
     __str__ = __repr__
 
 
-def _wrap(raw: torch.Tensor) -> SimdevTensor:
+def _wrap(raw: torch.Tensor, view: bool = False) -> SimdevTensor:
     raw = raw.contiguous()
+    # counted (and refused over the capacity) before the device tensor exists; a view op's result is a view on a
+    # real device, so the copy simdev makes of a non-contiguous view is not counted (simalloc.py)
+    simalloc.admit(raw, count=not view)
     t = torch._C._acc.create_empty_tensor(list(raw.shape), raw.dtype)
     t.__class__ = SimdevTensor
     t._raw = raw
@@ -140,6 +146,7 @@ def _kernel(op: torch._ops.OpOverload) -> Callable[..., Any]:
     schema = op._schema
     first = schema.arguments[0] if schema.arguments else None
     inplace = bool(first is not None and first.alias_info is not None and first.alias_info.is_write)
+    view = any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         flat_in = [*args, *kwargs.values()]
@@ -151,7 +158,7 @@ def _kernel(op: torch._ops.OpOverload) -> Callable[..., Any]:
         out = op(*tree_map(unwrap, list(args)), **tree_map(unwrap, kwargs))
         if inplace:
             return args[0]
-        return tree_map(lambda r: _wrap(r) if isinstance(r, torch.Tensor) else r, out)
+        return tree_map(lambda r: _wrap(r, view) if isinstance(r, torch.Tensor) else r, out)
 
     kernel.__name__ = f"simdev_{op._schema.name.split('::')[-1]}_{op._overloadname}"
     return kernel
@@ -163,7 +170,9 @@ def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False)
         raw = getattr(dst, "_raw", None)
         if raw is None:  # a fresh `empty_strided` from a composite kernel
             dst.__class__ = SimdevTensor
-            dst._raw = torch.empty(tuple(dst.shape), dtype=dst.dtype)  # type: ignore[attr-defined]
+            fresh = torch.empty(tuple(dst.shape), dtype=dst.dtype)
+            simalloc.admit(fresh)
+            dst._raw = fresh  # type: ignore[attr-defined]
             raw = dst._raw  # type: ignore[attr-defined]
         raw.copy_(data)
     else:
@@ -310,10 +319,14 @@ def register(
 
 
 def register_from_options(options: Mapping[str, Any]) -> frozenset[str]:
-    """`register()` from a backend's `backend_options` (`allow`, `extra_allow`, `deny`)."""
-    unknown = set(options) - {"allow", "extra_allow", "deny"}
+    """`register()` from a backend's `backend_options` (`allow`, `extra_allow`, `deny`, `capacity_mb`)."""
+    unknown = set(options) - {"allow", "extra_allow", "deny", "capacity_mb"}
     if unknown:
-        raise ValueError(f"simdev: unknown option(s) {sorted(unknown)}; known: allow, extra_allow, deny")
+        raise ValueError(f"simdev: unknown option(s) {sorted(unknown)}; known: allow, extra_allow, deny, capacity_mb")
+    cap = options.get("capacity_mb")
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap <= 0):
+        raise ValueError(f"simdev: capacity_mb {cap!r} is not a positive number of MiB")
+    simalloc.set_capacity(None if cap is None else int(float(cap) * 2**20))
     allow = options.get("allow")
     if isinstance(allow, str):
         allow = [allow]

@@ -11,6 +11,7 @@ from ci_runner.errors import ConfigError, OptionError
 from ci_runner.options import (
     DEFAULT_TOLERANCE,
     LayersOptions,
+    MemoryOptions,
     NumericsOptions,
     OpsOptions,
     ThresholdOptions,
@@ -111,7 +112,7 @@ def _doc_tables() -> list[str]:
     return re.findall(r"^\| option \| default \| meaning \|\n(?:^\|.*\|\n)+", text, flags=re.M)
 
 
-@pytest.mark.parametrize("cls", [OpsOptions, LayersOptions, NumericsOptions, ToolboxOptions])
+@pytest.mark.parametrize("cls", [OpsOptions, LayersOptions, NumericsOptions, ToolboxOptions, MemoryOptions])
 def test_the_docs_tables_are_the_declarations(cls: type) -> None:
     table = markdown_table(cls) + "\n"
     assert table in _doc_tables(), f"docs/modes.md's table for {cls.__name__} differs: python -m tests.fixtures.doctables"
@@ -122,7 +123,8 @@ def test_the_docs_tables_are_generated() -> None:
     from tests.fixtures import doctables
 
     text = doctables.PAGE.read_text(encoding="utf-8")
-    assert doctables.classes_in(text) == ["OpsOptions", "LayersOptions", "NumericsOptions", "ToolboxOptions"]
+    assert doctables.classes_in(text) == ["OpsOptions", "LayersOptions", "NumericsOptions", "ToolboxOptions",
+                                          "MemoryOptions"]
     assert doctables.render(text) == text, "run: python -m tests.fixtures.doctables"
     broken = text.replace("| `probe_timeout` | 30 |", "| `probe_timeout` | 31 |")
     assert broken != text and doctables.render(broken) == text
