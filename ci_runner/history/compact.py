@@ -88,7 +88,12 @@ def _fold_week(conn: sqlite3.Connection, week: str, seqs: list[int]) -> None:
         if cell in figures and figures[cell][0] == lsid:
             vals = [_max(a, b) for a, b in zip(figures[cell][1], vals)]
         figures[cell] = (lsid, vals)
-    for table in ("cell_runs", "layer_figures"):
+    named: dict[int, dict[str, float]] = {}  # a week's named figures: the worst (largest) night of each
+    for cell, text in conn.execute(f"SELECT cell, figures FROM cell_figures WHERE run IN ({marks}) ORDER BY run", seqs):
+        week_figs = named.setdefault(cell, {})
+        for name, value in json.loads(text).items():
+            week_figs[name] = max(value, week_figs.get(name, value))
+    for table in ("cell_runs", "layer_figures", "cell_figures"):
         conn.execute(f"DELETE FROM {table} WHERE run IN ({marks})", seqs)
     conn.execute(f"DELETE FROM run_findings WHERE run IN ({marks})", seqs)
     conn.execute(f"DELETE FROM runs WHERE seq IN ({marks})", seqs)
@@ -99,6 +104,8 @@ def _fold_week(conn: sqlite3.Connection, week: str, seqs: list[int]) -> None:
     conn.execute("INSERT INTO run_findings VALUES(?, ?)", (seq, db.pack_ids(ids)))
     conn.executemany("INSERT INTO layer_figures VALUES(?, ?, ?, ?)",
                      [(seq, cell, lsid, db.quantize(vals)) for cell, (lsid, vals) in figures.items()])
+    conn.executemany("INSERT INTO cell_figures VALUES(?, ?, ?)",
+                     [(seq, cell, json.dumps(f, sort_keys=True)) for cell, f in named.items()])
 
 
 def _max(a: float | None, b: float | None) -> float | None:

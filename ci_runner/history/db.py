@@ -1,6 +1,6 @@
 """The history database: one SQLite file (standard library), with a schema version and migrations.
 
-Tables (schema version 1):
+Tables (schema version 1 unless said):
 
 - ``meta(key, value)``: ``kind`` = ``deepview-ci-history``, ``schema_version``.
 - ``runs(seq, run_id, date, trigger, commit_sha, tool_version, kind, nights)``: ``kind`` is ``run``, or
@@ -15,6 +15,8 @@ Tables (schema version 1):
   ``run_findings(run, ids)``: the finding ids present in a run, a zlib'd delta-encoded uint32 array.
 - ``layer_sets(id, hash, names, thresholds)`` and ``layer_figures(run, cell, layer_set, figures)``:
   per-layer worst rel, 1 − cos and mad, log-quantised to int16 (0.3 % steps; see `quantize`).
+- ``cell_figures(run, cell, figures)`` (schema version 2): a cell's named figures in a run (JSON
+  ``{"<mode>.<name>": number}``: a mode's ``data.figures``, e.g. ``memory.peak_bytes.decode``), for the trends.
 
 A run id ``N-A`` (digits, a dash, digits: what `history` makes of ``GITHUB_RUN_ID-GITHUB_RUN_ATTEMPT``) is attempt
 ``A`` of workflow run ``N``; one workflow run is one night, so a later attempt replaces an earlier one (its rows
@@ -40,7 +42,8 @@ from typing import Any, Iterable, Mapping, Sequence
 from ..errors import InputError, NewerFileError
 
 DB_KIND = "deepview-ci-history"
-DB_VERSION = 1
+DB_VERSION = 2
+READS_AS_IS_FROM = 1  # older schemas read without a migration: version 2 only added `cell_figures`
 # MIGRATIONS[v] takes a database from version v - 1 to v. Append; never edit a shipped step.
 MIGRATIONS: dict[int, tuple[str, ...]] = {
     1: (
@@ -61,6 +64,10 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         " thresholds BLOB NOT NULL)",
         "CREATE TABLE layer_figures(run INTEGER NOT NULL, cell INTEGER NOT NULL, layer_set INTEGER NOT NULL,"
         " figures BLOB NOT NULL, PRIMARY KEY(run, cell)) WITHOUT ROWID",
+    ),
+    2: (
+        "CREATE TABLE IF NOT EXISTS cell_figures(run INTEGER NOT NULL, cell INTEGER NOT NULL, figures TEXT NOT NULL,"
+        " PRIMARY KEY(run, cell)) WITHOUT ROWID",
     ),
 }
 BUSY_TIMEOUT_S = 60.0
@@ -141,6 +148,8 @@ def connect(path: Path, *, create: bool) -> sqlite3.Connection:
                          f"(this one reads up to {DB_VERSION}); it is left untouched",
                          hint="upgrade deepview-ci to read or add to this history")
     if version < DB_VERSION:
+        if not create and version >= READS_AS_IS_FROM:  # read as it is: what later versions add is missing, not changed
+            return conn
         if not create:
             raise _fail(path, f"history schema_version {version} needs a migration; run `deepview-ci history add` "
                               "or `history compact` once with this version")
@@ -216,7 +225,8 @@ def superseded(conn: sqlite3.Connection, run_id: str) -> bool:
 
 
 def _drop_runs(conn: sqlite3.Connection, seqs: Sequence[int]) -> None:
-    for table, col in (("cell_runs", "run"), ("run_findings", "run"), ("layer_figures", "run"), ("runs", "seq")):
+    for table, col in (("cell_runs", "run"), ("run_findings", "run"), ("layer_figures", "run"), ("cell_figures", "run"),
+                       ("runs", "seq")):
         conn.executemany(f"DELETE FROM {table} WHERE {col} = ?", [(s,) for s in seqs])
 
 
@@ -277,6 +287,8 @@ def insert_record(conn: sqlite3.Connection, record: Mapping[str, Any], *, kind: 
                    {"names": names_text, "thresholds": thr})
         conn.execute("INSERT INTO layer_figures VALUES(?, ?, ?, ?)",
                      (seq, cell_ids[ci], lsid, quantize(x for row in worst for x in row)))
+    conn.executemany("INSERT INTO cell_figures VALUES(?, ?, ?)", [(seq, cell_ids[ci], json.dumps(figs, sort_keys=True))
+                                                                   for ci, figs in record.get("figures") or () if figs])
     if older:
         recompute_seen(conn)
     return True

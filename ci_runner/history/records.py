@@ -7,7 +7,8 @@ A record file (``runs/<date>_<run-id>.json.gz``, gzip with no timestamp, so equa
      "envs": [<env stamp>, …],                                   # distinct stamps, no host names or reruns
      "cells": [[id, model, backend, status, duration_s, env_index, {mode: status}], …],
      "findings": [[cell_index, fingerprint, kind, mode, op, module, signature], …],
-     "layers": [[cell_index, [name, …], [[rel, 1-cos, mad] threshold, …], [[rel, 1-cos, mad] worst, …]], …]}
+     "layers": [[cell_index, [name, …], [[rel, 1-cos, mad] threshold, …], [[rel, 1-cos, mad] worst, …]], …],
+     "figures": [[cell_index, {"<mode>.<name>": number, …}], …]}   # optional: older records have none
 
 A layer's figures are the worst of its cumulative and isolated views; its thresholds are the cumulative
 view's. Findings carry their root-cause signature (`results.rootcause.signature`).
@@ -116,6 +117,15 @@ def _thresholds(layer: Mapping[str, Any]) -> list[float | str | None]:
     return [_fig(thr.get(name), name == "cos") for name in FIGURES]
 
 
+def _figures(data: Mapping[str, Any]) -> list[tuple[str, float]]:
+    """A mode's `data.figures` (name → number: what its trends chart), finite numbers only."""
+    figs = data.get("figures")
+    if not isinstance(figs, Mapping):
+        return []
+    return [(str(k), float(v)) for k, v in sorted(figs.items())
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))]
+
+
 def record_of(results: Results, meta: RunMeta) -> dict[str, Any]:
     """The record set of one run (see the module docstring)."""
     envs: dict[str, int] = {}
@@ -123,6 +133,7 @@ def record_of(results: Results, meta: RunMeta) -> dict[str, Any]:
     cells: list[list[Any]] = []
     findings: list[list[Any]] = []
     layers: list[list[Any]] = []
+    figures: list[list[Any]] = []
     for i, c in enumerate(sorted(results.cells, key=lambda c: c.id)):
         stamp = env_stamp(c)
         key = json.dumps(stamp, sort_keys=True)
@@ -139,12 +150,15 @@ def record_of(results: Results, meta: RunMeta) -> dict[str, Any]:
                 seen.add(f.fingerprint)
                 sig = f.details.get("signature") if isinstance(f.details.get("signature"), str) else signature(f).id
                 findings.append([i, f.fingerprint, f.kind, mode_name, f.op or "", f.module or "", sig])
+        named = {f"{m}.{k}": v for m, r in sorted(c.modes.items()) for k, v in _figures(r.data)}
+        if named:
+            figures.append([i, named])
         table = (c.modes.get("numerics").data.get("layers") if c.modes.get("numerics") else None) or []
         rows = [r for r in table if isinstance(r, Mapping) and r.get("name")]
         if rows:
             layers.append([i, [str(r["name"]) for r in rows], [_thresholds(r) for r in rows], [_worst(r) for r in rows]])
     return {"kind": RECORD_KIND, "schema_version": RECORD_VERSION, "run": meta.to_dict(), "envs": env_list,
-            "cells": cells, "findings": findings, "layers": layers}
+            "cells": cells, "findings": findings, "layers": layers, "figures": figures}
 
 
 def record_name(meta: Mapping[str, Any]) -> str:

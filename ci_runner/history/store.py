@@ -24,7 +24,7 @@ import json
 import sqlite3
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, NamedTuple
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 from ..errors import InputError, NewerFileError
 from ..results.model import Results
@@ -132,6 +132,32 @@ class History:
                 f"WHERE lf.run IN ({marks})", [r.seq for r in runs]):
             out.setdefault(cell, []).append((run, lsid, blob))
         return {cell: self._decode(rows) for cell, rows in out.items()}
+
+    def named_figures(self, owners: Sequence[Mapping[str, int]], cells: Sequence[str]
+                      ) -> dict[str, dict[str, list[float | None]]]:
+        """cell → figure name → its value per night (`owners`: per night, cell → the run that had it), for `cells`."""
+        assert self.conn is not None
+        seqs = sorted({seq for own in owners for seq in own.values()})
+        if not seqs:
+            return {}
+        got: dict[tuple[int, str], dict[str, float]] = {}
+        for i in range(0, len(seqs), 500):  # SQLite's host parameters per statement
+            part = seqs[i:i + 500]
+            try:
+                rows = self.conn.execute(
+                    "SELECT cf.run, c.cell, cf.figures FROM cell_figures cf JOIN cells c ON c.id = cf.cell "
+                    f"WHERE cf.run IN ({','.join('?' * len(part))})", part).fetchall()
+            except sqlite3.OperationalError:  # a schema 1 history, read as it is (db.READS_AS_IS_FROM): no figures
+                return {}
+            for run, cell, text in rows:
+                got[(run, cell)] = json.loads(text)
+        out: dict[str, dict[str, list[float | None]]] = {}
+        for cell in cells:
+            per_night = [got.get((own[cell], cell)) if cell in own else None for own in owners]
+            names = sorted({n for figs in per_night if figs for n in figs})
+            if names:
+                out[cell] = {n: [figs.get(n) if figs else None for figs in per_night] for n in names}
+        return out
 
     def _decode(self, rows: list[Any]) -> list[tuple[RunRow, list[str], list[float | None], list[float | None]]]:
         assert self.conn is not None

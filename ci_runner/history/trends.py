@@ -39,6 +39,7 @@ class TrendOptions:
     max_points: int = 120  # nights drawn in charts and burn-downs (the newest)
     chart_cells: int = 16  # cells with a per-layer chart
     chart_layers: int = 3  # worst layers per chart
+    figure_change: float = 0.2  # a named figure with a fraction (seconds) moved when it changes by more than this
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,6 +68,24 @@ class Flaky:
     flips: int
     window: int
     present: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class FigureMove:
+    """A cell's named figure (a mode's `data.figures`: graphs per phase, peak bytes, compile seconds…) that changed
+    from the night before by more than `TrendOptions.figure_change` (any change for a count)."""
+
+    cell: str
+    name: str
+    before: float
+    now: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"cell": self.cell, "name": self.name, "before": self.before, "now": self.now, "trend": self.words()}
+
+    def words(self) -> str:
+        change = f" ({(self.now - self.before) / abs(self.before) * 100:+.0f}%)" if self.before else ""
+        return f"{self.name}: {self.before:.6g} → {self.now:.6g}{change}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,6 +136,8 @@ class Trends:
     cell_times: dict[str, list[float | None]] = field(default_factory=dict)
     layer_trends: list[LayerTrend] = field(default_factory=list)
     gone: list[Since] = field(default_factory=list)  # findings seen before and not in the newest night
+    figures: dict[str, dict[str, list[float | None]]] = field(default_factory=dict)  # cell → name → per night
+    moved: list[FigureMove] = field(default_factory=list)  # figures that changed since the night before
 
     def flaky_map(self) -> dict[tuple[str, str], str]:
         """(cell, fingerprint) → why it is flaky, for `baseline.diff(history_flaky=…)`."""
@@ -368,4 +389,22 @@ def compute(h: History, opts: TrendOptions | None = None) -> Trends:
     for cell in sorted(newest):
         t.cell_times[cell] = [cr.duration_s if cell in own and (cr := h.cell_runs[own[cell]].get(cell)) else None
                               for own in owners]
+    t.figures = h.named_figures(owners, sorted(newest))
+    t.moved = figure_moves(t.figures, opts.figure_change)
     return t
+
+
+def figure_moves(figures: Mapping[str, Mapping[str, Sequence[float | None]]], change: float) -> list[FigureMove]:
+    """The figures whose newest night differs from the last earlier night that had them: by any amount for a whole
+    number (graphs, breaks, recompiles, bytes), by more than `change` (relative) otherwise (seconds)."""
+    out = []
+    for cell, named in sorted(figures.items()):
+        for name, vals in sorted(named.items()):
+            now = vals[-1] if vals else None
+            before = next((v for v in reversed(vals[:-1]) if v is not None), None)
+            if now is None or before is None or now == before:
+                continue
+            whole = float(now).is_integer() and float(before).is_integer()
+            if whole or abs(now - before) > change * max(abs(before), 1e-12):
+                out.append(FigureMove(cell=cell, name=name, before=before, now=now))
+    return out

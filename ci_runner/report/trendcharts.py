@@ -124,6 +124,11 @@ def trends_html(t: Any) -> str:
         out.append(line_chart(f"{lt.cell}: worst layers' {lt.figure} per night (threshold dashed)", t.dates,
                               [(name, vals) for name, vals, _ in lt.layers], kind="layers", log=True, threshold=thr,
                               ylabel=lt.figure))
+    if t.moved:
+        out.append("<h3>Figures that moved since the night before</h3><table><thead><tr><th>cell</th>"
+                   "<th>figure: before → now</th></tr></thead><tbody>")
+        out += [f"<tr><td><code>{_e(m.cell)}</code></td><td>{_e(m.words())}</td></tr>" for m in t.moved[:MAX_SEEN_ROWS]]
+        out.append("</tbody></table>")
     slow = sorted(t.cell_times.items(), key=lambda kv: -(kv[1][-1] or 0.0))[:MAX_TIME_CELLS]
     if slow:
         out.append("<h3>Cell time over time</h3>")

@@ -318,3 +318,51 @@ def test_adding_the_same_run_twice_keeps_one(tmp_path: Path, capsys: pytest.Capt
     h = load_history(tmp_path / "h")
     assert [r.run_id for r in h.runs] == ["n3"] and len(h.present[h.runs[0].seq]) == 1
     h.close()
+
+
+def _with_figures(night: int, graphs: int, compile_s: float) -> Any:
+    """A night whose ops mode (of the first cell) reports named figures, as the compile and memory modes do."""
+    results = night_results(night)
+    results.cells[0].modes["ops"].data["figures"] = {"graphs.decode": graphs, "compile_s.decode": compile_s,
+                                                      "bad": float("nan"), "flag": True}
+    return results
+
+
+def test_named_figures_are_kept_per_night_and_the_ones_that_moved_are_reported(tmp_path: Path) -> None:
+    """A mode's `data.figures` go into the history (schema 2: `cell_figures`); the trends name a count that changed
+    (any change) and seconds that moved by more than 20 %, not seconds within it; non-numbers are not kept."""
+    store = tmp_path / "h"
+    for night, graphs, secs in ((1, 3, 10.0), (2, 3, 10.5), (3, 5, 10.9)):
+        add_run(store, _with_figures(night, graphs, secs), meta_of(night))
+    h = load_history(store)
+    try:
+        t = compute(h)
+    finally:
+        h.close()
+    cell = night_results(1).cells[0].id
+    assert t.figures[cell] == {"ops.compile_s.decode": [10.0, 10.5, 10.9], "ops.graphs.decode": [3.0, 3.0, 5.0]}
+    assert [(m.cell, m.name, m.before, m.now) for m in t.moved] == [(cell, "ops.graphs.decode", 3.0, 5.0)]
+    summary = write_reports(_with_figures(3, 5, 10.9), tmp_path / "rep", env={}, trends=t)["summary"].read_text()
+    assert "Figures that moved since the night before" in summary and "ops.graphs.decode: 3 → 5 (+67%)" in summary
+
+
+def test_a_schema_1_history_gains_the_figures_table_when_written(tmp_path: Path) -> None:
+    store = tmp_path / "h"
+    add_run(store, night_results(1), meta_of(1))
+    con = sqlite3.connect(store / "history.sqlite")
+    con.execute("DROP TABLE cell_figures")
+    con.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
+    con.commit()
+    con.close()
+    h = load_history(store)  # read as it is, without a migration: no figures yet
+    try:
+        assert compute(h).figures == {} and len(h.runs) == 1
+    finally:
+        h.close()
+    add_run(store, _with_figures(2, 4, 1.0), meta_of(2))
+    con = sqlite3.connect(store / "history.sqlite")
+    try:
+        assert con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == ("2",)
+        assert con.execute("SELECT COUNT(*) FROM cell_figures").fetchone() == (1,)
+    finally:
+        con.close()

@@ -271,6 +271,9 @@ def run(ctx: "ModeContext") -> ModeResult:
 
 
 def _result(findings: list[Finding], data: dict[str, Any], duration: float) -> ModeResult:
+    # what the run history charts night after night (history/trends.py: figures that moved)
+    data["figures"] = {"params_bytes": data["params_bytes"],
+                       **{f"peak_bytes.{p}": b for p, b in data["peak_bytes"].items() if isinstance(b, (int, float))}}
     statuses = [p.get("status") for p in data["phases"].values()]
     if findings:
         return ModeResult(status="fail", findings=findings, duration_s=duration, data=data)
