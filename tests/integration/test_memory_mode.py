@@ -75,6 +75,7 @@ def test_budget_and_an_out_of_memory_localised_to_its_layer(mode_context: Callab
         simalloc.set_capacity(None)
     data = result.data
     assert data["params_bytes"] == 26976 and data["first_over_budget"]["phase"] == "prefill"
+    assert data["figures"]["params_bytes"] == 26976 and set(data["figures"]) >= {"params_bytes"}  # the history's
     assert data["first_over_budget"]["module"].startswith("model.layers.0")
     kinds = {f.kind: f for f in result.findings}
     assert set(kinds) == {"memory_oom", "memory_over_budget"}

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 SMALL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 64}
-MODELS = [{"id": "mistral", "config": "mistral", "overrides": {**SMALL, "sliding_window": 4}},
+MODELS = [{"id": "mistral", "config": "mistral", "overrides": {**SMALL, "sliding_window": 4, "num_hidden_layers": 1}},
           {"id": "llama", "config": "llama", "overrides": SMALL}]
 OV_RECIPE = {"options": {"aot_autograd": True, "testing": True, "config": {"INFERENCE_PRECISION_HINT": "f32"}}}
 BACKENDS = [{"id": "iree", "compile": "turbine_cpu"},
