@@ -21,7 +21,7 @@ import yaml
 
 from .errors import ConfigError, OptionError
 from .phases import Phase, check_phases, parse_phases
-from .registry import mode_names, parse_options
+from .registry import default_mode_names, mode_names, parse_options
 from .results.model import schema
 
 DEFAULT_TIMEOUT_S = 900.0
@@ -565,7 +565,7 @@ def _resolve(path: Path, data: dict[str, Any], positions: _Positions) -> Matrix:
     return Matrix(
         path=path,
         version=data["version"],
-        modes=tuple(defaults.get("modes", mode_names())),
+        modes=tuple(defaults.get("modes", default_mode_names())),
         timeout=float(defaults.get("timeout", DEFAULT_TIMEOUT_S)),
         inputs=InputSpec().merged(defaults.get("inputs")),
         options=MappingProxyType({k: MappingProxyType(dict(v)) for k, v in (defaults.get("options") or {}).items()}),

@@ -24,7 +24,7 @@ from enum import Enum
 from typing import Any, Mapping
 
 from .errors import OptionError
-from .options import LayersOptions, NumericsOptions, OpsOptions, build, option_keys
+from .options import CompileOptions, LayersOptions, NumericsOptions, OpsOptions, build, option_keys
 
 
 class FindingKind(str, Enum):
@@ -39,6 +39,12 @@ class FindingKind(str, Enum):
     WEIGHTS_MISMATCH = "weights_mismatch"
     BATCH_VARIANCE = "batch_variance"
     OUTPUT_OVERWRITTEN = "output_overwritten"
+    GRAPH_BREAK = "graph_break"
+    EAGER_FALLBACK = "eager_fallback"
+    COMPILE_AFTER_WARMUP = "compile_after_warmup"
+    LENGTH_SWEEP_GRAPHS = "length_sweep_graphs"
+    RECOMPILE_LIMIT = "recompile_limit"
+    GRAPH_COUNT = "graph_count"
 
     __str__ = str.__str__  # f"{kind}" is the value on every Python version
     __hash__ = str.__hash__  # "divergence" in {FindingKind.DIVERGENCE}: a kind read from JSON is a plain str
@@ -75,6 +81,7 @@ class ModeSpec:
     kinds: tuple[KindSpec, ...]
     issue_groups: tuple[str, ...] = ()
     help: str = ""
+    default: bool = True  # in the default mode list (a matrix without `modes:`); False: only when named
 
 
 _MODES: dict[str, ModeSpec] = {}
@@ -101,6 +108,11 @@ def modes() -> tuple[ModeSpec, ...]:
 
 def mode_names() -> tuple[str, ...]:
     return tuple(m.name for m in modes())
+
+
+def default_mode_names() -> tuple[str, ...]:
+    """The modes a matrix without `modes:` runs."""
+    return tuple(m.name for m in modes() if m.default)
 
 
 def mode_spec(name: str) -> ModeSpec | None:
@@ -205,5 +217,16 @@ register_mode(ModeSpec(
            KindSpec(kind=K.WEIGHTS_MISMATCH, key="module", section=SECTION_OTHER),
            KindSpec(kind=K.BATCH_VARIANCE, key="module", section=SECTION_OTHER),
            KindSpec(kind=K.OUTPUT_OVERWRITTEN, key="module", section=SECTION_OTHER)),
+))
+register_mode(ModeSpec(
+    name="compile", run="ci_runner.modes.compile.mode:run", options=CompileOptions, order=40, default=False,
+    issue_groups=("graph_break",),
+    help="graphs, graph breaks, recompiles, compile time and eager fallbacks per phase",
+    kinds=(KindSpec(kind=K.GRAPH_BREAK, key="module", section=SECTION_OTHER, issue_group="graph_break"),
+           KindSpec(kind=K.EAGER_FALLBACK, key="op", section=SECTION_OTHER),
+           KindSpec(kind=K.COMPILE_AFTER_WARMUP, key="module", section=SECTION_OTHER),
+           KindSpec(kind=K.LENGTH_SWEEP_GRAPHS, key="module", section=SECTION_OTHER),
+           KindSpec(kind=K.RECOMPILE_LIMIT, key="module", section=SECTION_OTHER),
+           KindSpec(kind=K.GRAPH_COUNT, key="module", section=SECTION_OTHER)),
 ))
 del K
