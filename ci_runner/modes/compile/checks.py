@@ -81,7 +81,7 @@ class PhaseSignals:
             "graphs": graphs,
             "graph_breaks": [{"reason": e.reason, "source": e.source, "call": e.call} for e in self.breaks()],
             "recompiles": [{"reason": e.reason, "source": e.source, "changed": changed_input(e.reason),
-                            "call": e.call} for e in self.of("recompile")],
+                            "dynamic": e.dynamic, "call": e.call} for e in self.of("recompile")],
             "compile_s": round(sum(e.seconds for e in self.events), 3),
             "eager_fallbacks": self.eager_fallbacks(),
             "eager_after_limit": bool(self.of("limit")),
@@ -185,9 +185,10 @@ def _warmup(backend: str, opts: CompileOptions, sig: PhaseSignals) -> list[Findi
         fp = fingerprint("compile_after_warmup", backend, sig.name, e.source, changed)
         out.setdefault(fp, Finding(
             kind="compile_after_warmup", stage="compile", module=e.source or sig.name, phase=_phase(sig),
-            message=f"{sig.name}: {e.call} compiled again after the warm-up ({opts.warmup_calls} call(s)): "
-                    f"{e.source}: {e.reason}"[:2000],
-            details={"call": e.call, "reason": e.reason, "source": e.source, "changed": changed},
+            message=f"{sig.name}: {e.call} compiled again after the warm-up ({opts.warmup_calls} call(s))"
+                    f"{' with a dynamic length' if e.dynamic else ''}: {changed} changed: {e.source}: {e.reason}"[:2000],
+            details={"call": e.call, "reason": e.reason, "source": e.source, "changed": changed,
+                     "dynamic": e.dynamic},
             fingerprint=fp))
     return list(out.values())
 

@@ -7,6 +7,7 @@ tlparse reads): a handler on the ``torch.__trace`` logger for the duration of a 
   (its graph-break type and explanation) and the user code traceback;
 - artifact ``recompile_reasons``: the guard that failed for each cache entry, e.g. "0/0: tensor 'input_ids' size
   mismatch at index 1. expected 5, actual 1" (the newest entry first);
+- ``create_symbol``: a size made symbolic: the recompile of that frame compiles a dynamic-shape graph;
 - ``compilation_metrics``: one per frame compile: the function (file, first line), seconds
   (`entire_frame_compile_time_s`), and `fail_reason` "Dynamo recompile limit exceeded" when Dynamo gave up on the
   frame (its later calls run in eager).
@@ -30,7 +31,7 @@ TRACE_LOGGER = "torch.__trace"  # torch._logging's structured trace logger (neve
 LIMIT_TEXT = "Dynamo recompile limit exceeded"  # the graph-break type Dynamo gives up a frame with
 _BREAK_AT = re.compile(r"Graph break in user code at (.+):(\d+)")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
-_CHANGED = (re.compile(r"tensor '([^']+)'"), re.compile(r"L\['([^']+)'\]"), re.compile(r"^\S+: (\w+) (?:==|!=|is)"),
+_CHANGED = (re.compile(r"\['([^']+)'\]"), re.compile(r"tensor '([^']+)'"), re.compile(r"^\S+: (\w+) (?:==|!=|is)"),
             re.compile(r"'([^']+)'"))
 
 
@@ -46,6 +47,7 @@ class Event:
     stack: list[tuple[str, int, str]] = field(default_factory=list)  # user frames (file, line, function)
     seconds: float = 0.0
     detail: str = ""
+    dynamic: bool = False  # a recompile that made a size symbolic (automatic dynamic shapes)
 
 
 def short_path(path: str) -> str:
@@ -132,6 +134,10 @@ class TraceWatch:
             text = str(first).strip()
             self.events.append(Event("recompile", self.call, frame, reason=_first_line(text)[:500], detail=text[:2000],
                                      source=self._first_source.get(str(meta.get("frame_id")), "")))
+        elif "create_symbol" in meta:
+            last = next((e for e in reversed(self.events) if e.kind == "recompile" and e.frame == frame), None)
+            if last is not None:
+                last.dynamic = True
         elif "compilation_metrics" in meta:
             self._metrics(frame, str(meta.get("frame_id")), meta["compilation_metrics"] or {})
 
