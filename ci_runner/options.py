@@ -336,9 +336,10 @@ class NumericsOptions:
 class CompileOptions:
     """The compile mode's checks (`modes/compile/checks.py`, docs/compile.md)."""
 
-    warmup_calls: int = option(2, check=integer(ge=1, hint="give an integer ≥ 1, e.g. 2"),
-                               help="calls of a phase that may compile (the prefill and the first decode step); a "
-                                    "later call that compiles is a `compile_after_warmup` finding")
+    warmup_calls: int = option(1, check=integer(ge=1, hint="give an integer ≥ 1, e.g. 2"),
+                               help="calls of a phase that may compile (the first: the prefill, or the first "
+                                    "sample); a later call that compiles again (a decode step, a new sample) is a "
+                                    "`compile_after_warmup` finding; 2 allows the first decode step's recompile")
     sweep_graphs_per_frame: int = option(1, check=_COUNT,
                                          help="graphs a `long` length sweep may add after its first length, per "
                                               "graph compiled there (automatic dynamic shapes compile one "

@@ -183,12 +183,16 @@ def _warmup(backend: str, opts: CompileOptions, sig: PhaseSignals) -> list[Findi
             continue
         changed = changed_input(e.reason) or "?"
         fp = fingerprint("compile_after_warmup", backend, sig.name, e.source, changed)
+        failed = e.call == sig.failed_call
         out.setdefault(fp, Finding(
             kind="compile_after_warmup", stage="compile", module=e.source or sig.name, phase=_phase(sig),
             message=f"{sig.name}: {e.call} compiled again after the warm-up ({opts.warmup_calls} call(s))"
-                    f"{' with a dynamic length' if e.dynamic else ''}: {changed} changed: {e.source}: {e.reason}"[:2000],
+                    f"{' with a dynamic length' if e.dynamic else ''}: {changed} changed: {e.source}: {e.reason}"
+                    + (f"; the backend then failed on that call ({(sig.error or '')[:200]}): the layers mode's "
+                       f"`{sig.name}` phase finding names the failing module" if failed else ""),
             details={"call": e.call, "reason": e.reason, "source": e.source, "changed": changed,
-                     "dynamic": e.dynamic},
+                     "dynamic": e.dynamic, **({"failed": sig.error, "workload_finding": f"layers:{sig.name}"}
+                                              if failed else {})},
             fingerprint=fp))
     return list(out.values())
 

@@ -85,7 +85,7 @@ def _expect(f: Finding) -> tuple[list[str], str | None]:
     if f.kind == "recompile_limit":
         return ["fail_on_recompile_limit_hit"], "FailOnRecompileLimitHit"
     if f.kind == "eager_fallback":
-        return [str(f.op)], None
+        return [f"REPRO FAILED: {f.op} ran in PyTorch eager"], None
     return ["REPRO FAILED"], None
 
 
