@@ -60,7 +60,7 @@ def test_a_graph_break_in_our_model_names_reason_line_and_module(breaks: Any) ->
     assert [b["source"] for b in row["graph_breaks"]] == [src]
     assert "Tensor.item()" in row["graph_breaks"][0]["reason"]
     (f,) = [f for f in broken.findings if f.kind == "graph_break"]
-    assert broken.status == "fail" and f.module == "gate" and f.module_class == "Gate"
+    assert broken.status == "fail" and f.module == src and f.details["module"] == "gate" and f.module_class == "Gate"
     assert f.details["source"] == src
     assert f.repro is not None and f.repro.verified, f.repro
     script = (cell_dir / f.repro.path).read_text()

@@ -54,14 +54,17 @@ def test_every_mode_list_in_the_schemas_is_a_ref_to_the_one_definition() -> None
 
 
 def test_built_in_modes_kinds_and_derived_tables() -> None:
-    assert mode_names() == ("ops", "layers", "numerics")
+    assert mode_names() == ("ops", "layers", "numerics", "compile")
     assert set(kind_names()) == {k.value for k in FindingKind}
     assert kinds_in(SECTION_OPS) == {"unsupported_op", "op_error", "op_mismatch"}
     assert kinds_in(SECTION_LAYERS) == {"layer_failure"} and kinds_in(SECTION_DIVERGENT) == {"divergence"}
-    assert kinds_in(SECTION_OTHER) == {"weights_mismatch", "batch_variance", "output_overwritten"}
+    assert kinds_in(SECTION_OTHER) == {"weights_mismatch", "batch_variance", "output_overwritten", "graph_break",
+                                       "eager_fallback", "compile_after_warmup", "length_sweep_graphs",
+                                       "recompile_limit", "graph_count"}
     assert kinds_filed_as("op") == kinds_in(SECTION_OPS)
-    assert mode_of_group() == {"op": "ops", "culprit": "layers", "layer": "layers", "divergence": "numerics"}
-    assert list(group_order()) == ["op", "culprit", "layer", "divergence"]
+    assert mode_of_group() == {"op": "ops", "culprit": "layers", "layer": "layers", "divergence": "numerics",
+                               "graph_break": "compile"}
+    assert list(group_order()) == ["op", "culprit", "layer", "divergence", "graph_break"]
     for spec in modes():
         module, _, fn = spec.run.partition(":")
         assert importlib.util.find_spec(module) is not None and fn, spec.run

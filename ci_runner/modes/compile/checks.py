@@ -1,7 +1,8 @@
 """The figures of one phase (`PhaseSignals.row`: `data.phases.<phase>`) and the checks users make of them.
 
 Finding kinds (`registry.py`), each with its repro (`repro.py`):
-- `graph_break`: one per user source line Dynamo broke the graph at (the module whose forward holds it);
+- `graph_break`: one per user source line Dynamo broke the graph at (its `module` field; the module whose forward
+  holds it in `details.module`, its class in `module_class`): one issue per source line and backend;
 - `eager_fallback`: an op the backend's partitioner left to PyTorch eager (OpenVINO), or a partition it ran in
   eager after it failed at run time;
 - `compile_after_warmup`: a call after the phase's warm-up (`warmup_calls`) that compiled again, with the guard
@@ -119,8 +120,6 @@ def module_at(root: Any, stack: list[tuple[str, int, str]]) -> tuple[str | None,
 
 def findings_for(ctx: "ModeContext", opts: CompileOptions, loaded: Any, signals: list[PhaseSignals]) -> list[Finding]:
     """Every check over every phase; a graph break or fallback seen in several phases is one finding."""
-    from .repro import attach_repros  # deferred: repro rendering imports jinja2 and transformers
-
     backend = ctx.cell.backend.id
     out: dict[str, Finding] = {}
     for sig in signals:
@@ -132,10 +131,7 @@ def findings_for(ctx: "ModeContext", opts: CompileOptions, loaded: Any, signals:
             else:
                 f.details.setdefault("phases", [sig.name])
                 out[f.fingerprint] = f
-    findings = list(out.values())
-    if opts.repro:
-        attach_repros(ctx, opts, loaded, signals, findings)
-    return findings
+    return list(out.values())
 
 
 def _phase(sig: PhaseSignals) -> str | None:
@@ -147,10 +143,11 @@ def _graph_breaks(backend: str, loaded: Any, sig: PhaseSignals) -> list[Finding]
     for e in sig.breaks():
         name, cls = module_at(loaded.module, e.stack)
         kind = e.reason.split(":", 1)[0]
-        out.append(Finding(kind="graph_break", stage="trace", module=name or e.source, module_class=cls,
+        out.append(Finding(kind="graph_break", stage="trace", module=e.source, module_class=cls,
                            message=f"graph break at {e.source} (in {cls or 'code outside any module forward'}): "
                                    f"{e.reason}"[:2000], phase=_phase(sig),
                            details={"source": e.source, "reason": e.reason, "call": e.call, "detail": e.detail,
+                                    "module": name,
                                     "stack": [f"{short_path(f)}:{n} in {fn}" for f, n, fn in e.stack][-6:]},
                            fingerprint=fingerprint("graph_break", backend, e.source, kind)))
     return out

@@ -27,6 +27,7 @@ from ...phases import Phase
 from ...registry import parse_options
 from ...results.model import Finding, ModeResult
 from .checks import PhaseSignals, findings_for
+from .repro import attach_repros
 from .signals import Event, TraceWatch
 
 if TYPE_CHECKING:
@@ -58,6 +59,8 @@ def run(ctx: "ModeContext") -> ModeResult:
         signals.append(sig)
         data["phases"][name] = sig.row()
     findings = findings_for(ctx, opts, loaded, signals)
+    if opts.repro:
+        attach_repros(ctx, opts, loaded, signals, findings)
     for sig in signals:
         data["phases"][sig.name]["findings"] = sorted({f.kind for f in findings if sig.name in _phases_of(f)})
     return _result(findings, data, signals, time.monotonic() - t0)
