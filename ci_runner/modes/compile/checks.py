@@ -155,11 +155,14 @@ def _graph_breaks(backend: str, loaded: Any, sig: PhaseSignals) -> list[Finding]
 
 def _fallbacks(backend: str, sig: PhaseSignals) -> list[Finding]:
     out = []
+    sites = sig.facts.get("eager_sites") or {}
     for op in sig.facts.get("eager_ops") or ():
+        where = list(sites.get(op) or [])
         out.append(Finding(kind="eager_fallback", stage="compile", op=str(op), phase=_phase(sig),
+                           module=where[0] if where else None,
                            message=f"{op} ran in PyTorch eager: {backend}'s partitioner left it outside its "
                                    f"partitions (that part of the model never ran on the backend)",
-                           details={"partitions": sig.facts.get("openvino_partitions")},
+                           details={"partitions": sig.facts.get("openvino_partitions"), "modules": where[:10]},
                            fingerprint=fingerprint("eager_fallback", backend, str(op))))
     if sig.facts.get("perm_fallback"):
         out.append(Finding(kind="eager_fallback", stage="run", op="(partition)", phase=_phase(sig),
@@ -191,6 +194,15 @@ def _warmup(backend: str, opts: CompileOptions, sig: PhaseSignals) -> list[Findi
                      "dynamic": e.dynamic, **({"failed": sig.error, "workload_finding": f"layers:{sig.name}"}
                                               if failed else {})},
             fingerprint=fp))
+    said = {f.details["call"] for f in out.values()}
+    for c in sig.per_call[opts.warmup_calls:]:
+        if c["graphs"] > 0 and c["call"] not in said:  # a frame compiled for the first time (a new code path)
+            fp = fingerprint("compile_after_warmup", backend, sig.name, c["call"].split(" ")[0], "(new frame)")
+            out.setdefault(fp, Finding(
+                kind="compile_after_warmup", stage="compile", module=sig.name, phase=_phase(sig),
+                message=f"{sig.name}: {c['call']} compiled {c['graphs']} new graph(s) after the warm-up "
+                        f"({opts.warmup_calls} call(s)) without a failed guard: code the warm-up did not run",
+                details={"call": c["call"], "changed": None, "graphs": c["graphs"]}, fingerprint=fp))
     return list(out.values())
 
 
