@@ -137,3 +137,18 @@ def test_the_reports_carry_the_per_phase_table_and_junit_properties(breaks: Any)
     assert f'name="compile.forward.graphs" value="{row["graphs"]}"' in junit
     assert 'name="compile.forward.graph_breaks" value="1"' in junit
     assert '<table class="compile"><caption>compile, per phase</caption>' in render_html(results)
+
+
+def test_a_new_graph_break_is_filed_as_one_issue_per_source_line(breaks: Any) -> None:
+    from ci_runner.github.options import FilingOptions
+    from ci_runner.github.render import RenderContext, group_entries, render_issue
+
+    broken = breaks[0]
+    d = diff(_cell(broken), Baseline.from_dict(make_baseline(_cell(breaks[1])))).to_dict()
+    (g,) = group_entries(d, layers=True)
+    src = f"tests/fixtures/compile_models.py:{BREAK_LINE}"
+    assert g.key == ("graph_break", "ae", src) and g.regressed
+    body = render_issue(g, RenderContext(options=FilingOptions(), run_key="k", run_url=None, artifacts_url=None,
+                                         run_dir=None))
+    assert f"### Graph break at `{src}` on backend `ae`" in body and "`Gate`" in body
+    assert "Tensor.item()" in body
