@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import re
 from typing import Any, Mapping
 
 __all__ = ["NAME", "RECIPE", "FACT_KEYS", "GROUP_TESTING", "Watch"]
@@ -35,6 +36,13 @@ def _op_name(target: Any) -> str:
     return str(target) if hasattr(target, "_schema") else getattr(target, "__name__", str(target))
 
 
+def _module_path(source: str) -> str:
+    """A module's dotted name from Dynamo's source path (`L['args'][0].model._modules['layers']` -> `model.layers`)."""
+    path = re.sub(r"\._modules\['([^']+)'\]", r".\1", source)
+    path = re.sub(r"^L\['[^']+'\](\[\d+\])?\.?", "", path)
+    return path or "(model)"
+
+
 def _sites(graphs: Any, ops: set[str]) -> dict[str, list[str]]:
     """Op -> the modules (`nn_module_stack`, innermost) whose code called it, where the graph kept that metadata."""
     out: dict[str, list[str]] = {}
@@ -43,7 +51,7 @@ def _sites(graphs: Any, ops: set[str]) -> dict[str, list[str]]:
             name = _op_name(n.target) if n.op == "call_function" else None
             stack = list((n.meta.get("nn_module_stack") or {}).values())
             if name in ops and stack:
-                path = str(stack[-1][0])
+                path = _module_path(str(stack[-1][0]))
                 if path not in out.setdefault(name, []):
                     out[name].append(path)
     return out

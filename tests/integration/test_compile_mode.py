@@ -120,6 +120,7 @@ def test_openvino_lists_what_its_partitioner_left_in_eager_on_a_sliding_window_d
     assert row["failed_call"] == "decode step 1" and row["per_call"][1]["ran"] == 0  # then OpenVINO fails on it
     (f,) = res.findings
     assert f.kind == "eager_fallback" and f.op == "sym_max" and f.repro is not None and f.repro.verified, f.repro
+    assert f.module == "model"  # the decoder stack's mask code (nn_module_stack of the node left outside)
 
 
 def test_the_reports_carry_the_per_phase_table_and_junit_properties(breaks: Any) -> None:
