@@ -356,6 +356,8 @@ class CompileOptions:
     repro: bool = option(True, check=boolean, help="write a repro per finding")
     verify: bool = option(True, check=boolean, help="run each repro in a fresh process to verify it")
     verify_timeout: float = option(180.0, check=_SECONDS, help="seconds a repro may take")
+    verify_workers: int = option(2, check=integer(ge=1, hint="e.g. 2"),
+                                 help="repros verified at once (each a fresh process)")
 
 
 # --------------------------------------------------------------------------- parsing

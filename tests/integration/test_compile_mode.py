@@ -64,7 +64,7 @@ def test_a_graph_break_in_our_model_names_reason_line_and_module(breaks: Any) ->
     assert f.details["source"] == src
     assert f.repro is not None and f.repro.verified, f.repro
     script = (cell_dir / f.repro.path).read_text()
-    assert "error_on_graph_break" in script
+    assert "watch_graph_breaks()" in script
 
 
 def test_removing_the_break_is_fixed_in_the_diff(breaks: Any) -> None:

@@ -78,8 +78,7 @@ def _expect(f: Finding) -> tuple[list[str], str | None]:
     """What a verifying run must print: texts and error type."""
     d = f.details
     if f.kind == "graph_break":
-        line = str(d.get("source", "")).rsplit(":", 1)[-1]
-        return [str(d.get("reason", "")).split(":", 1)[0][:80], f"line {line}"], "Unsupported"
+        return [f"REPRO FAILED: graph break at {d.get('source', '')}", str(d.get("reason", "")).split(":", 1)[0][:80]], None
     if f.kind == "compile_after_warmup":
         return [str(d.get("changed") or "")], "RecompileError"
     if f.kind == "recompile_limit":
@@ -91,12 +90,15 @@ def _expect(f: Finding) -> tuple[list[str], str | None]:
 
 def attach_repros(ctx: "ModeContext", opts: CompileOptions, loaded: Any, signals: list[PhaseSignals],
                   findings: list[Finding]) -> None:
-    """A repro per finding, verified unless `verify: false` (`Finding.repro`; none when the model cannot be rebuilt
-    standalone: `details.repro_note` says why)."""
+    """A repro per finding (`Finding.repro`), verified unless `verify: false`, `verify_workers` at once. The
+    `compile_after_warmup` findings of one call share a script (`error_on_recompile` raises at its first recompile).
+    None when the model cannot be rebuilt standalone (`details.repro_note` says why)."""
     folder = ctx.artifact_dir("compile") / "repro"
     folder.mkdir(parents=True, exist_ok=True)
     recipe = _model_recipe(ctx, loaded, folder)
     by_name = {s.name: s for s in signals}
+    scripts: dict[tuple[str, ...], tuple[Path, str, str, Finding]] = {}  # share key -> (script, command, pythonpath)
+    owners: list[tuple[Finding, tuple[str, ...]]] = []
     for i, f in enumerate(findings):
         if f.kind == "eager_fallback" and f.op == "(partition)":
             continue
@@ -104,13 +106,22 @@ def attach_repros(ctx: "ModeContext", opts: CompileOptions, loaded: Any, signals
             f.details["repro_note"] = "no repro: the model is neither a transformers class nor a factory"
             continue
         sig = by_name[f.details["phases"][0]]
-        f.repro = _one(ctx, opts, loaded, sig, f, recipe, folder, i)
+        key = (f.kind, sig.name, str(f.details.get("call"))) if f.kind == "compile_after_warmup" else (f.fingerprint,)
+        if key not in scripts:
+            scripts[key] = (*_write(ctx, opts, loaded, sig, f, recipe, folder, i), f)
+        owners.append((f, key))
+    done = _verify_all(ctx, opts, scripts)
+    for f, key in owners:
+        f.repro = done[key]
+        if scripts[key][3] is not f:
+            f.details["repro_shared_with"] = scripts[key][3].fingerprint
 
 
-def _one(ctx: "ModeContext", opts: CompileOptions, loaded: Any, sig: PhaseSignals, f: Finding,
-         recipe: dict[str, Any], folder: Path, index: int) -> Repro:
+def _write(ctx: "ModeContext", opts: CompileOptions, loaded: Any, sig: PhaseSignals, f: Finding,
+           recipe: dict[str, Any], folder: Path, index: int) -> tuple[Path, str, str]:
+    """The rendered script of `f`: (path, command, PYTHONPATH it needs)."""
     spec = ctx.cell.backend
-    upto = f.details.get("call") if f.kind in ("graph_break", "compile_after_warmup", "recompile_limit") else None
+    upto = f.details.get("call") if f.kind in ("compile_after_warmup", "recompile_limit") else None
     name = f"repro_{f.kind}_{safe_filename(sig.name)}_{index}.py"
     modules = plugin_modules(spec) + ([recipe["module"]] if recipe["kind"] == "factory" else [])
     pythonpath = plugin_pythonpath(modules)
@@ -126,17 +137,32 @@ def _one(ctx: "ModeContext", opts: CompileOptions, loaded: Any, sig: PhaseSignal
         plugin_modules=plugin_modules(spec), run_it=command, env={str(k): str(v) for k, v in spec.env.items()},
         imports=list(spec.imports), device=spec.device, calls=_plain_calls(sig, upto), cache=_cache(loaded, sig),
         backend=template_backend(spec), compile_options=dict(spec.compile_options))
-    script = write_script(folder / name, text)
-    rel = script.relative_to(ctx.cell_dir).as_posix()
-    if not opts.verify:
-        return Repro(path=rel, verified=False, command=command, note="not verified (compile.verify: false)")
-    env = {str(k): str(v) for k, v in spec.env.items()}
-    if pythonpath:
-        env["PYTHONPATH"] = os.pathsep.join(pythonpath)
-    texts, error_type = _expect(f)
-    ver = verify_script(script, expect_text=[t for t in texts if t], expect_error_type=error_type,
-                        timeout=max(30.0, min(opts.verify_timeout, ctx.remaining() / 2)), env=env)
-    tail = [ln for ln in ver.output_tail.splitlines() if ln.startswith("REPRO FAILED")]
-    said = re.sub(r"\s+", " ", tail[-1])[:300] if tail else ""
-    note = ver.note + (f": {said}" if said and ver.verified else "")
-    return Repro(path=rel, verified=ver.verified, command=command, note=note)
+    return write_script(folder / name, text), command, os.pathsep.join(pythonpath)
+
+
+def _verify_all(ctx: "ModeContext", opts: CompileOptions,
+                scripts: dict[tuple[str, ...], tuple[Path, str, str, Finding]]) -> dict[tuple[str, ...], Repro]:
+    """Each script run in a fresh process (`verify_workers` at once): its `Repro`."""
+    from concurrent.futures import ThreadPoolExecutor  # deferred: only verification runs threads
+
+    spec = ctx.cell.backend
+
+    def one(item: tuple[Path, str, str, Finding]) -> Repro:
+        script, command, pythonpath, f = item
+        rel = script.relative_to(ctx.cell_dir).as_posix()
+        if not opts.verify:
+            return Repro(path=rel, verified=False, command=command, note="not verified (compile.verify: false)")
+        env = {str(k): str(v) for k, v in spec.env.items()}
+        if pythonpath:
+            env["PYTHONPATH"] = pythonpath
+        texts, error_type = _expect(f)
+        ver = verify_script(script, expect_text=[t for t in texts if t], expect_error_type=error_type,
+                            timeout=max(30.0, min(opts.verify_timeout, ctx.remaining() / 2)), env=env)
+        tail = [ln for ln in ver.output_tail.splitlines() if ln.startswith("REPRO FAILED")]
+        said = re.sub(r"\s+", " ", tail[-1])[:300] if tail else ""
+        return Repro(path=rel, verified=ver.verified, command=command,
+                     note=ver.note + (f": {said}" if said and ver.verified else ""))
+
+    keys = list(scripts)
+    with ThreadPoolExecutor(max_workers=max(1, opts.verify_workers)) as pool:
+        return dict(zip(keys, pool.map(one, [scripts[k] for k in keys])))
