@@ -53,11 +53,15 @@ class PhaseSignals:
         return [e for e in self.events if e.kind == kind]
 
     def breaks(self) -> list[Event]:
-        """Distinct graph breaks (a recompile traces the same break again)."""
-        seen: dict[tuple[str, str], Event] = {}
+        """Distinct graph breaks, one per user source line (a recompile traces the same break again; Dynamo's
+        second attempt at a frame reports it again as "Failed to handle graph break gracefully…")."""
+        seen: dict[str, Event] = {}
         for e in self.of("graph_break"):
-            seen.setdefault((e.source, e.reason), e)
+            seen.setdefault(e.source, e)
         return list(seen.values())
+
+    def break_reasons(self, source: str) -> list[str]:
+        return list(dict.fromkeys(e.reason for e in self.of("graph_break") if e.source == source))
 
     def eager_fallbacks(self) -> list[str]:
         out = [f"op {op}" for op in self.facts.get("eager_ops") or ()]
@@ -80,7 +84,10 @@ class PhaseSignals:
         row: dict[str, Any] = {
             "status": "error" if self.error else "pass", "phase": self.label, "calls": len(self.per_call),
             "graphs": graphs,
-            "graph_breaks": [{"reason": e.reason, "source": e.source, "call": e.call} for e in self.breaks()],
+            "graph_breaks": [{"reason": e.reason, "source": e.source, "call": e.call,
+                              **({"at": e.at} if e.at and e.at != e.source else {}),
+                              **({"also": self.break_reasons(e.source)[1:4]} if len(self.break_reasons(e.source)) > 1
+                                 else {})} for e in self.breaks()],
             "recompiles": [{"reason": e.reason, "source": e.source, "changed": changed_input(e.reason),
                             "dynamic": e.dynamic, "call": e.call} for e in self.of("recompile")],
             "compile_s": round(sum(e.seconds for e in self.events), 3),
@@ -142,14 +149,13 @@ def _graph_breaks(backend: str, loaded: Any, sig: PhaseSignals) -> list[Finding]
     out = []
     for e in sig.breaks():
         name, cls = module_at(loaded.module, e.stack)
-        kind = e.reason.split(":", 1)[0]
         out.append(Finding(kind="graph_break", stage="trace", module=e.source, module_class=cls,
                            message=f"graph break at {e.source} (in {cls or 'code outside any module forward'}): "
                                    f"{e.reason}"[:2000], phase=_phase(sig),
                            details={"source": e.source, "reason": e.reason, "call": e.call, "detail": e.detail,
-                                    "module": name,
+                                    "module": name, "at": e.at, "reasons": sig.break_reasons(e.source)[:5],
                                     "stack": [f"{short_path(f)}:{n} in {fn}" for f, n, fn in e.stack][-6:]},
-                           fingerprint=fingerprint("graph_break", backend, e.source, kind)))
+                           fingerprint=fingerprint("graph_break", backend, e.source)))
     return out
 
 

@@ -31,8 +31,8 @@ TRACE_LOGGER = "torch.__trace"  # torch._logging's structured trace logger (neve
 LIMIT_TEXT = "Dynamo recompile limit exceeded"  # the graph-break type Dynamo gives up a frame with
 _BREAK_AT = re.compile(r"Graph break in user code at (.+):(\d+)")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
-_CHANGED = (re.compile(r"\['([^']+)'\]"), re.compile(r"tensor '([^']+)'"), re.compile(r"^\S+: (\w+) (?:==|!=|is)"),
-            re.compile(r"'([^']+)'"))
+_CHANGED = (re.compile(r"\['([^']+)'\]"), re.compile(r"tensor '([^']+)'"), re.compile(r"___check_\w+\(([^,()]+)"),
+            re.compile(r"^\S+: (\S+) (?:==|!=|is|<|>)"), re.compile(r"'([^']+)'"))
 
 
 @dataclass
@@ -48,6 +48,7 @@ class Event:
     seconds: float = 0.0
     detail: str = ""
     dynamic: bool = False  # a recompile that made a size symbolic (automatic dynamic shapes)
+    at: str = ""  # a graph break's own place (torch's or the stdlib's code, where `source` is the user's frame above it)
 
 
 def short_path(path: str) -> str:
@@ -61,6 +62,28 @@ def short_path(path: str) -> str:
         return Path(p).resolve().relative_to(Path.cwd().resolve()).as_posix()
     except ValueError:
         return "/".join(Path(p).parts[-3:])
+
+
+def _library_roots() -> tuple[str, ...]:
+    import torch  # deferred: only to find its folder
+
+    return (str(Path(torch.__file__).resolve().parent) + "/", str(Path(sysconfig.get_paths()["stdlib"]).resolve()) + "/")
+
+
+def user_frame_of(at: tuple[str, int] | None, stack: list[tuple[str, int, str]]) -> tuple[str, int] | None:
+    """The user's frame of a graph break: where it happened unless that is in torch's or the stdlib's code, else the
+    innermost frame of the user code traceback outside them (the line of the model that called into it)."""
+    roots = _library_roots()
+
+    def library(path: str) -> bool:
+        return str(Path(path).resolve()).startswith(roots)
+
+    if at is not None and not library(at[0]):
+        return at
+    for file, line, _fn in reversed(stack):
+        if not library(file):
+            return file, line
+    return at
 
 
 def changed_input(reason: str) -> str | None:
@@ -146,9 +169,11 @@ class TraceWatch:
         reason, detail = _break_reason(payload)
         user = payload.split("User code traceback:", 1)[-1].split("Traceback (most recent call last)", 1)[0]
         stack = [(f, int(n), fn) for f, n, fn in _FRAME.findall(user)]
-        source = f"{short_path(m.group(1))}:{m.group(2)}" if m else ""
+        at = (m.group(1), int(m.group(2))) if m else None
+        user_frame = user_frame_of(at, stack)
+        source = f"{short_path(user_frame[0])}:{user_frame[1]}" if user_frame else ""
         self.events.append(Event("graph_break", self.call, frame, reason=reason, source=source, stack=stack,
-                                 detail=detail))
+                                 detail=detail, at=f"{short_path(at[0])}:{at[1]}" if at else ""))
 
     def _metrics(self, frame: str, frame_id: str, cm: dict[str, Any]) -> None:
         if cm.get("co_filename") and frame_id not in self._first_source:
