@@ -78,16 +78,20 @@ def test_removing_the_break_is_fixed_in_the_diff(breaks: Any) -> None:
 
 
 def test_a_decode_step_recompiles_with_a_dynamic_length(tmp_path: Path) -> None:
-    res = _run(tmp_path, {"id": "ll", "config": "llama", "overrides": LLAMA}, {"id": "ae", "compile": "aot_eager"},
+    """A sliding-window decoder (tiny Mistral, window 4): decode step 1 recompiles (input_ids 6 -> 1 tokens) into a
+    graph whose KV-cache length is symbolic (the one IREE and OpenVINO then fail on: sym_max of it)."""
+    res = _run(tmp_path, {"id": "sw", "config": "mistral", "overrides": {**LLAMA, "sliding_window": 4}},
+               {"id": "ae", "compile": "aot_eager"},
                inputs={"seq_len": 6, "phases": [{"decode": {"steps": 2}}]}, options={"verify": False})
     row = res.data["phases"]["decode"]
     (rc,) = row["recompiles"]
     assert rc["call"] == "decode step 1" and rc["changed"] == "input_ids" and rc["dynamic"] is True
+    assert [x.split(".", 1)[1] for x in rc["symbolic"]] == ["layers[0].cumulative_length_int"]  # cache.… (the kwarg)
     assert "size mismatch at index 1. expected 6, actual 1" in rc["reason"]
     assert [c["graphs"] for c in row["per_call"]] == [1, 1, 0]  # prefill, step 1 (dynamic), step 2 reuses it
     (f,) = res.findings
     assert f.kind == "compile_after_warmup" and f.details["changed"] == "input_ids" and f.phase == "decode"
-    assert f.repro is not None and "error_on_recompile = True" in (tmp_path / "cells" / "ll@ae" / f.repro.path).read_text()
+    assert f.repro is not None and "error_on_recompile = True" in (tmp_path / "cells" / "sw@ae" / f.repro.path).read_text()
 
 
 def test_a_static_length_sweep_past_the_limit_is_an_eager_fallback(tmp_path: Path) -> None:

@@ -89,7 +89,8 @@ class PhaseSignals:
                               **({"also": self.break_reasons(e.source)[1:4]} if len(self.break_reasons(e.source)) > 1
                                  else {})} for e in self.breaks()],
             "recompiles": [{"reason": e.reason, "source": e.source, "changed": changed_input(e.reason),
-                            "dynamic": e.dynamic, "call": e.call} for e in self.of("recompile")],
+                            "dynamic": e.dynamic, "symbolic": e.symbolic[:8], "call": e.call}
+                           for e in self.of("recompile")],
             "compile_s": round(sum(e.seconds for e in self.events), 3),
             "eager_fallbacks": self.eager_fallbacks(),
             "eager_after_limit": bool(self.of("limit")),
@@ -193,11 +194,12 @@ def _warmup(backend: str, opts: CompileOptions, sig: PhaseSignals) -> list[Findi
         out.setdefault(fp, Finding(
             kind="compile_after_warmup", stage="compile", module=e.source or sig.name, phase=_phase(sig),
             message=f"{sig.name}: {e.call} compiled again after the warm-up ({opts.warmup_calls} call(s))"
-                    f"{' with a dynamic length' if e.dynamic else ''}: {changed} changed: {e.source}: {e.reason}"
+                    f"{' into a dynamic graph (symbolic: ' + ', '.join(e.symbolic[:3]) + ')' if e.dynamic else ''}: "
+                    f"{changed} changed: {e.source}: {e.reason}"
                     + (f"; the backend then failed on that call ({(sig.error or '')[:200]}): the layers mode's "
                        f"`{sig.name}` phase finding names the failing module" if failed else ""),
             details={"call": e.call, "reason": e.reason, "source": e.source, "changed": changed,
-                     "dynamic": e.dynamic, **({"failed": sig.error, "workload_finding": f"layers:{sig.name}"}
+                     "dynamic": e.dynamic, "symbolic": e.symbolic[:8], **({"failed": sig.error, "workload_finding": f"layers:{sig.name}"}
                                               if failed else {})},
             fingerprint=fp))
     said = {f.details["call"] for f in out.values()}

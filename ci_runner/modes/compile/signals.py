@@ -7,7 +7,7 @@ tlparse reads): a handler on the ``torch.__trace`` logger for the duration of a 
   (its graph-break type and explanation) and the user code traceback;
 - artifact ``recompile_reasons``: the guard that failed for each cache entry, e.g. "0/0: tensor 'input_ids' size
   mismatch at index 1. expected 5, actual 1" (the newest entry first);
-- ``create_symbol``: a size made symbolic: the recompile of that frame compiles a dynamic-shape graph;
+- ``create_symbol``: a value made symbolic (a size, the KV cache's length): the recompile compiles a dynamic graph;
 - ``compilation_metrics``: one per frame compile: the function (file, first line), seconds
   (`entire_frame_compile_time_s`), and `fail_reason` "Dynamo recompile limit exceeded" when Dynamo gave up on the
   frame (its later calls run in eager).
@@ -48,6 +48,7 @@ class Event:
     seconds: float = 0.0
     detail: str = ""
     dynamic: bool = False  # a recompile that made a size symbolic (automatic dynamic shapes)
+    symbolic: list[str] = field(default_factory=list)  # what it made symbolic (`input_ids.size()[1]`, a cache length)
     at: str = ""  # a graph break's own place (torch's or the stdlib's code, where `source` is the user's frame above it)
 
 
@@ -158,11 +159,20 @@ class TraceWatch:
             self.events.append(Event("recompile", self.call, frame, reason=_first_line(text)[:500], detail=text[:2000],
                                      source=self._first_source.get(str(meta.get("frame_id")), "")))
         elif "create_symbol" in meta:
-            last = next((e for e in reversed(self.events) if e.kind == "recompile" and e.frame == frame), None)
-            if last is not None:
-                last.dynamic = True
+            self._symbol(frame, str((meta["create_symbol"] or {}).get("source", "")))
         elif "compilation_metrics" in meta:
             self._metrics(frame, str(meta.get("frame_id")), meta["compilation_metrics"] or {})
+
+    def _symbol(self, frame: str, source: str) -> None:
+        """A value made symbolic while recompiling: the recompile compiles a dynamic graph in it (a size, the KV
+        cache's length). A tensor's `.item()` is a data-dependent value, not a length: left out."""
+        last = next((e for e in reversed(self.events) if e.kind == "recompile" and e.frame == frame), None)
+        if last is not None and source and not source.endswith(".item()"):
+            last.dynamic = True
+            name = re.sub(r"^L\['(?:args|kwargs)'\]", "", source)
+            name = re.sub(r"^\['([^']+)'\]", r"\1", re.sub(r"^L\['([^']+)'\]", r"\1", name))
+            if name not in last.symbolic:
+                last.symbolic.append(name)
 
     def _graph_break(self, frame: str, payload: str) -> None:
         m = _BREAK_AT.search(payload)
