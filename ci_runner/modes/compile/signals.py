@@ -30,6 +30,7 @@ __all__ = ["Event", "TraceWatch", "short_path", "changed_input", "LIMIT_TEXT"]
 TRACE_LOGGER = "torch.__trace"  # torch._logging's structured trace logger (never propagates)
 LIMIT_TEXT = "Dynamo recompile limit exceeded"  # the graph-break type Dynamo gives up a frame with
 _BREAK_AT = re.compile(r"Graph break in user code at (.+):(\d+)")
+_OBJECT_ID = re.compile(r"(___check_(?:type|obj)_id\([^,]+, )\d+")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 _CHANGED = (re.compile(r"\['([^']+)'\]"), re.compile(r"tensor '([^']+)'"), re.compile(r"___check_\w+\(([^,()]+)"),
             re.compile(r"^\S+: (\S+) (?:==|!=|is|<|>)"), re.compile(r"'([^']+)'"))
@@ -98,7 +99,8 @@ def changed_input(reason: str) -> str | None:
 
 def _first_line(text: str) -> str:
     """A guard failure's first line, its trailing `# user source` comment cut off."""
-    return (text.splitlines() or [""])[0].split("  #", 1)[0].strip()
+    line = (text.splitlines() or [""])[0].split("  #", 1)[0].strip()
+    return _OBJECT_ID.sub(r"\1<id>", line)  # an ID_MATCH guard's object address differs every run
 
 
 def _break_reason(payload: str) -> tuple[str, str]:
