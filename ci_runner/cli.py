@@ -517,7 +517,7 @@ def _run_commands(add: AddCommand) -> None:
     sp.add_argument("matrix", nargs="?", default=None, help="matrix YAML (default: the bundled example)")
     sp.add_argument("--out", default="out", help="output folder (default: out)")
     _selection(sp)
-    sp.add_argument("--modes", type=_modes_arg, default=None, help="comma list of ops,layers,numerics (default: the matrix's)")
+    sp.add_argument("--modes", type=_modes_arg, default=None, help=f"comma list of {','.join(mode_names())} (default: the matrix's)")
     sp.add_argument("--jobs", type=_jobs_arg, default="auto", metavar="N|auto",
                     help="cells run in parallel; auto (the default) shares the machine's cores: a cell takes as many "
                          "cores as its modes use (the ops mode's probe workers, options.ops.workers; else 1), so "
@@ -534,7 +534,7 @@ def _run_commands(add: AddCommand) -> None:
     sp.add_argument("cell_id", metavar="CELL_ID", help="the cell to run, MODEL@BACKEND (see `deepview-ci cells MATRIX`)")
     sp.add_argument("--matrix", required=True, help="matrix YAML file")
     sp.add_argument("--out", required=True, help="output folder; the cell writes cells/CELL_ID/ in it")
-    sp.add_argument("--modes", type=_modes_arg, default=None, help="comma list of ops,layers,numerics (default: the cell's)")
+    sp.add_argument("--modes", type=_modes_arg, default=None, help=f"comma list of {','.join(mode_names())} (default: the cell's)")
     sp.add_argument("--force", action="store_true", help="rerun the cell even if it already finished")
     sp.add_argument("--setup-failed", default=None, metavar="DIR",
                     help="do not run the cell: record it as `error` because its setup failed; DIR holds command.txt, "

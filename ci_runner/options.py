@@ -332,6 +332,34 @@ class NumericsOptions:
     toolbox: ToolboxOptions = group(ToolboxOptions)
 
 
+@dataclass(frozen=True, kw_only=True)
+class CompileOptions:
+    """The compile mode's checks (`modes/compile/checks.py`, docs/compile.md)."""
+
+    warmup_calls: int = option(1, check=integer(ge=1, hint="give an integer ≥ 1, e.g. 2"),
+                               help="calls of a phase that may compile (the first: the prefill, or the first "
+                                    "sample); a later call that compiles again (a decode step, a new sample) is a "
+                                    "`compile_after_warmup` finding; 2 allows the first decode step's recompile")
+    sweep_graphs_per_frame: int = option(1, check=_COUNT,
+                                         help="graphs a `long` length sweep may add after its first length, per "
+                                              "graph compiled there (automatic dynamic shapes compile one "
+                                              "dynamic-length graph at the second length); more is "
+                                              "`length_sweep_graphs`")
+    max_graphs: int | None = option(None, check=integer(ge=1, hint="give an integer ≥ 1"), nullable=True,
+                                    shown="none", help="graphs a phase may compile; more is a `graph_count` finding")
+    recompile_limit: int | None = option(None, check=integer(ge=1, hint="give an integer ≥ 1, e.g. 8"),
+                                         nullable=True, shown="torch's (8)",
+                                         help="Dynamo's `recompile_limit` while the mode runs; calls past it run "
+                                              "in eager: a `recompile_limit` finding")
+    graph_breaks: bool = option(True, check=boolean,
+                                help="a graph break is a finding (false: only counted in `data.phases`)")
+    repro: bool = option(True, check=boolean, help="write a repro per finding")
+    verify: bool = option(True, check=boolean, help="run each repro in a fresh process to verify it")
+    verify_timeout: float = option(180.0, check=_SECONDS, help="seconds a repro may take")
+    verify_workers: int = option(2, check=integer(ge=1, hint="e.g. 2"),
+                                 help="repros verified at once (each a fresh process)")
+
+
 # --------------------------------------------------------------------------- parsing
 @dataclass(frozen=True, kw_only=True)
 class MemoryOptions:

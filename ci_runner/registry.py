@@ -24,7 +24,7 @@ from enum import Enum
 from typing import Any, Mapping
 
 from .errors import OptionError
-from .options import LayersOptions, MemoryOptions, NumericsOptions, OpsOptions, build, option_keys
+from .options import CompileOptions, LayersOptions, MemoryOptions, NumericsOptions, OpsOptions, build, option_keys
 
 
 class FindingKind(str, Enum):
@@ -42,6 +42,12 @@ class FindingKind(str, Enum):
     MEMORY_OOM = "memory_oom"
     MEMORY_OVER_BUDGET = "memory_over_budget"
     MEMORY_REGRESSION = "memory_regression"
+    GRAPH_BREAK = "graph_break"
+    EAGER_FALLBACK = "eager_fallback"
+    COMPILE_AFTER_WARMUP = "compile_after_warmup"
+    LENGTH_SWEEP_GRAPHS = "length_sweep_graphs"
+    RECOMPILE_LIMIT = "recompile_limit"
+    GRAPH_COUNT = "graph_count"
 
     __str__ = str.__str__  # f"{kind}" is the value on every Python version
     __hash__ = str.__hash__  # "divergence" in {FindingKind.DIVERGENCE}: a kind read from JSON is a plain str
@@ -222,5 +228,16 @@ register_mode(ModeSpec(
     kinds=(KindSpec(kind=K.MEMORY_OOM, key="module", section=SECTION_OTHER, issue_group="memory"),
            KindSpec(kind=K.MEMORY_REGRESSION, key="module", section=SECTION_OTHER, issue_group="memory"),
            KindSpec(kind=K.MEMORY_OVER_BUDGET, key="module", section=SECTION_OTHER)),
+))
+register_mode(ModeSpec(
+    name="compile", run="ci_runner.modes.compile.mode:run", options=CompileOptions, order=40, default=False,
+    issue_groups=("graph_break",),
+    help="graphs, graph breaks, recompiles, compile time and eager fallbacks per phase",
+    kinds=(KindSpec(kind=K.GRAPH_BREAK, key="module", section=SECTION_OTHER, issue_group="graph_break"),
+           KindSpec(kind=K.EAGER_FALLBACK, key="op", section=SECTION_OTHER),
+           KindSpec(kind=K.COMPILE_AFTER_WARMUP, key="module", section=SECTION_OTHER),
+           KindSpec(kind=K.LENGTH_SWEEP_GRAPHS, key="module", section=SECTION_OTHER),
+           KindSpec(kind=K.RECOMPILE_LIMIT, key="module", section=SECTION_OTHER),
+           KindSpec(kind=K.GRAPH_COUNT, key="module", section=SECTION_OTHER)),
 ))
 del K

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import re
 from typing import Any, Mapping
 
 __all__ = ["NAME", "RECIPE", "FACT_KEYS", "GROUP_TESTING", "Watch"]
@@ -29,6 +30,31 @@ FACT_KEYS = ("openvino_partitions", "openvino_executions", "perm_fallback")  # w
 # building, while in a group they compile and run (tiny-vit: 25 inconclusive + 3 errors alone, 20 pass grouped).
 GROUP_TESTING = False
 _OV = "openvino.frontend.pytorch.torchdynamo"
+
+
+def _op_name(target: Any) -> str:
+    return str(target) if hasattr(target, "_schema") else getattr(target, "__name__", str(target))
+
+
+def _module_path(source: str) -> str:
+    """A module's dotted name from Dynamo's source path (`L['args'][0].model._modules['layers']` -> `model.layers`)."""
+    path = re.sub(r"\._modules\['([^']+)'\]", r".\1", source)
+    path = re.sub(r"^L\['[^']+'\](\[\d+\])?\.?", "", path)
+    return path or "(model)"
+
+
+def _sites(graphs: Any, ops: set[str]) -> dict[str, list[str]]:
+    """Op -> the modules (`nn_module_stack`, innermost) whose code called it, where the graph kept that metadata."""
+    out: dict[str, list[str]] = {}
+    for gm in graphs:
+        for n in gm.graph.nodes:
+            name = _op_name(n.target) if n.op == "call_function" else None
+            stack = list((n.meta.get("nn_module_stack") or {}).values())
+            if name in ops and stack:
+                path = _module_path(str(stack[-1][0]))
+                if path not in out.setdefault(name, []):
+                    out[name].append(path)
+    return out
 
 
 class Watch:
@@ -75,10 +101,12 @@ class Watch:
                        "openvino_executions": sum(m.startswith("OpenVINO graph execution successful")
                                                   for m in self.messages)}
         # the partitioner's leftovers: ops outside its fused partitions run in PyTorch eager, silently
-        eager = {str(n.target) if hasattr(n.target, "_schema") else getattr(n.target, "__name__", str(n.target))
-                 for gm in execute.partitioned_modules.values() for n in gm.graph.nodes if n.op == "call_function"}
+        eager = {_op_name(n.target) for gm in execute.partitioned_modules.values() for n in gm.graph.nodes if n.op == "call_function"}
         if mods and eager - {"getitem"}:
             self._facts["eager_ops"] = sorted(eager - {"getitem"})
+            sites = _sites(execute.partitioned_modules.values(), set(self._facts["eager_ops"]))
+            if sites:
+                self._facts["eager_sites"] = sites
         self._handler = None
 
     def facts(self) -> dict[str, Any]:

@@ -370,6 +370,7 @@ def _group_view(g: Group, *, max_entries: int, message_limit: int) -> dict[str, 
         "model": g.key[2] if g.kind == "layer" else None,
         "module": g.key[3] if g.kind == "layer" else None,
         "pattern": g.key[2] if g.kind == "divergence" else None,
+        "source": g.key[2] if g.kind == "graph_break" else None,
         "module_class": f.get("module_class"),
         "entries": views[:max_entries],
         "more_entries": max(0, len(views) - max_entries),
@@ -471,7 +472,7 @@ def _render_issue(g: Group, ctx: RenderContext) -> tuple[str, bool]:
     meta = {"v": 1, "kind": g.kind, "key": list(g.key), "cells": g.cells(), "run": ctx.run_key}
     what = {"op": "operator and backend", "culprit": "operator (found inside failing layers) and backend",
             "layer": "failing submodule, model and backend",
-            "divergence": "layer class and backend"}[g.kind]
+            "divergence": "layer class and backend", "graph_break": "graph-break source line and backend"}[g.kind]
     links = {"run": _safe_url(ctx.run_url), "artifacts": _safe_url(ctx.artifacts_url or ctx.run_url),
              "retention": _retention(ctx.options.artifact_days)}
     template = _jinja().get_template(f"issue_{g.kind}.md.j2")

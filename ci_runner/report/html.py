@@ -29,6 +29,7 @@ from ..results.model import Results
 from .junit import xml_safe
 from ..engine.failure import headline
 from .phasecharts import decode_chart, memory_chart
+from .compiletable import html_table as compile_table
 from .trendcharts import trends_html
 from ..zoo.report import zoo_view
 from .view import CellView, LayerPoint, NumericsView, ReportView, build_view, cos_distance, fmt_num
@@ -423,7 +424,7 @@ def render_html(
         shown = max(0, min(len(cv.findings), MAX_FINDINGS_PER_CELL, full_left))
         full_left -= shown
         blocks[cv.id] = {"findings": Markup(findings_html(cv, shown, links=v.links)), "layers": Markup(""),
-                         "decode": Markup(_decode_chart(cv))}
+                         "decode": Markup(_decode_chart(cv)), "compile": Markup(compile_table(cv.cell))}
         entry: dict[str, Any] = {}
         if shown < len(cv.findings):
             entry["findings"] = compact_findings(cv, shown, strings)

@@ -20,6 +20,7 @@ import jinja2
 
 from ..log import STEP_SUMMARY_LIMIT
 from ..results.model import Results
+from .compiletable import markdown_table as compile_table, worst_offenders
 from .junit import junit_counts, xml_safe
 from ..engine.failure import headline
 from .trendcharts import burndown_line
@@ -155,6 +156,7 @@ def render_summary(
     for chunk in _ENV.get_template("summary.md.j2").generate(
         v=v, max_rows=MAX_ROWS, max_details=MAX_DETAILS_FINDINGS, diff=v.diff, junit=junit_counts(v), trends=trends,
         zoo=zoo_view(results.zoo) if results.zoo else None,
+        compile_table=compile_table(results.cells, max_rows=MAX_ROWS), compile_worst=worst_offenders(results.cells),
     ):
         chunks.append(chunk)
         size += len(chunk)

@@ -75,7 +75,7 @@ def test_an_unregistered_mode_is_refused_by_the_schema() -> None:
 
 
 def test_a_toy_mode_registered_alone_is_accepted_run_reported_and_grouped(toy_mode: ModeSpec, tmp_path: Path) -> None:
-    assert mode_names() == ("ops", "layers", "numerics", "memory", "toy")
+    assert mode_names() == ("ops", "layers", "numerics", "compile", "memory", "toy")
     with pytest.raises(ConfigError, match="did you mean 'count'"):  # its options are checked at load, like any mode's
         load_matrix_text(toy_matrix(cont=2))
     (cell,) = expand(load_matrix_text(toy_matrix(count=2)))

@@ -124,7 +124,7 @@ def test_the_docs_tables_are_generated() -> None:
 
     text = doctables.PAGE.read_text(encoding="utf-8")
     assert doctables.classes_in(text) == ["OpsOptions", "LayersOptions", "NumericsOptions", "ToolboxOptions",
-                                          "MemoryOptions"]
+                                          "CompileOptions", "MemoryOptions"]
     assert doctables.render(text) == text, "run: python -m tests.fixtures.doctables"
     broken = text.replace("| `probe_timeout` | 30 |", "| `probe_timeout` | 31 |")
     assert broken != text and doctables.render(broken) == text

@@ -55,17 +55,19 @@ def test_every_mode_list_in_the_schemas_is_a_ref_to_the_one_definition() -> None
 
 
 def test_built_in_modes_kinds_and_derived_tables() -> None:
-    assert mode_names() == ("ops", "layers", "numerics", "memory")
-    assert default_mode_names() == ("ops", "layers", "numerics")  # memory runs where a matrix names it
+    assert mode_names() == ("ops", "layers", "numerics", "compile", "memory")
+    assert default_mode_names() == ("ops", "layers", "numerics")  # compile and memory run where a matrix names them
     assert set(kind_names()) == {k.value for k in FindingKind}
     assert kinds_in(SECTION_OPS) == {"unsupported_op", "op_error", "op_mismatch"}
     assert kinds_in(SECTION_LAYERS) == {"layer_failure"} and kinds_in(SECTION_DIVERGENT) == {"divergence"}
-    assert kinds_in(SECTION_OTHER) == {"weights_mismatch", "batch_variance", "output_overwritten", "memory_oom",
-                                       "memory_regression", "memory_over_budget"}
+    assert kinds_in(SECTION_OTHER) == {"weights_mismatch", "batch_variance", "output_overwritten", "graph_break",
+                                       "eager_fallback", "compile_after_warmup", "length_sweep_graphs",
+                                       "recompile_limit", "graph_count", "memory_oom", "memory_regression",
+                                       "memory_over_budget"}
     assert kinds_filed_as("op") == kinds_in(SECTION_OPS)
     assert mode_of_group() == {"op": "ops", "culprit": "layers", "layer": "layers", "divergence": "numerics",
-                               "memory": "memory"}
-    assert list(group_order()) == ["op", "culprit", "layer", "divergence", "memory"]
+                               "graph_break": "compile", "memory": "memory"}
+    assert list(group_order()) == ["op", "culprit", "layer", "divergence", "graph_break", "memory"]
     for spec in modes():
         module, _, fn = spec.run.partition(":")
         assert importlib.util.find_spec(module) is not None and fn, spec.run

@@ -1,0 +1,161 @@
+"""Mode `compile`: what Dynamo and the backend did with each call, per phase (graphs, graph breaks, recompiles,
+compile seconds, what ran outside the backend), and the checks users make of it (`checks.py`).
+
+Each phase of `inputs.phases` (the single forward when there are none: one call per input sample, at most two) runs
+through ONE compiled object (`engine/workload.run_phase`), as users run it, after `torch._dynamo.reset()`. Read
+around it: the backend's graphs and their executions (`backends.ran.CompileRecord`), Dynamo's counters
+(`DynamoCounters`), the backend's own fallbacks (`FallbackWatch`: OpenVINO's partitioner leftovers) and Dynamo's
+structured trace (`signals.TraceWatch`: graph breaks with their source line, recompiles with the failed guard,
+compile seconds, recompile-limit hits). `data.phases.<phase>` holds the figures (docs/compile.md).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from contextlib import ExitStack
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from ...backends.ran import CompileRecord, DynamoCounters, FallbackWatch
+from ...engine.failure import stage_of, unwrap
+from ...engine.torchcompat import dynamo_config
+from ...engine.workload import Call, CallRecord, run_phase, skip_reason
+from ...options import CompileOptions
+from ...phases import Phase
+from ...registry import parse_options
+from ...results.model import Finding, ModeResult
+from .checks import PhaseSignals, findings_for
+from .repro import attach_repros
+from .signals import Event, TraceWatch
+
+if TYPE_CHECKING:
+    from .. import ModeContext
+
+MODE = "compile"
+FORWARD = "forward"  # the phase key of the single forward
+
+
+def run(ctx: "ModeContext") -> ModeResult:
+    """The compile mode (see the module docstring)."""
+    t0 = time.monotonic()
+    opts: CompileOptions = parse_options(MODE, ctx.options(MODE))
+    if ctx.backend.is_eager:
+        return ModeResult(status="skipped", reason="the backend is eager: nothing is compiled")
+    loaded = ctx.model()
+    phases: list[Phase | None] = list(ctx.cell.inputs.workload()) or [None]
+    data: dict[str, Any] = {"phases": {}}
+    signals: list[PhaseSignals] = []
+    for phase in phases:
+        name = phase.name if phase is not None else FORWARD
+        reason = skip_reason(loaded, phase, ctx.cell.inputs) if phase is not None else None
+        if reason:
+            data["phases"][name] = {"status": "skipped", "reason": reason}
+            continue
+        ctx.journal("enter-workload", f"{MODE}.{name}")
+        sig = measure(ctx, opts, loaded, phase)
+        ctx.journal("leave-workload", f"{MODE}.{name}")
+        signals.append(sig)
+        data["phases"][name] = sig.row()
+    findings = findings_for(ctx, opts, loaded, signals)
+    if opts.repro:
+        attach_repros(ctx, opts, loaded, signals, findings)
+    for sig in signals:
+        data["phases"][sig.name]["findings"] = sorted({f.kind for f in findings if sig.name in _phases_of(f)})
+    return _result(findings, data, signals, time.monotonic() - t0)
+
+
+def _phases_of(f: Finding) -> list[str]:
+    return list(f.details.get("phases") or ([f.phase] if f.phase else [FORWARD]))
+
+
+def _result(findings: list[Finding], data: dict[str, Any], signals: list[PhaseSignals], seconds: float) -> ModeResult:
+    failed = [s for s in signals if s.error]
+    if findings:
+        return ModeResult(status="fail", findings=findings, data=data, duration_s=seconds)
+    if failed:
+        s = failed[0]
+        return ModeResult(status="inconclusive", data=data, duration_s=seconds,
+                          reason=f"{s.name}: {s.failed_call} failed ({s.error[:300]}); the signals stop there "
+                                 f"(the layers mode's phase finding names the failing module)")
+    if not signals:
+        return ModeResult(status="skipped", data=data, duration_s=seconds, reason="every phase was skipped")
+    return ModeResult(status="pass", data=data, duration_s=seconds)
+
+
+def _forward_calls(ctx: "ModeContext", loaded: Any, fn: Callable[..., Any], before: Callable[[Call], None],
+                   after: Callable[[Call, CallRecord], None]) -> None:
+    """The single forward: one call per input sample (at most two), through `fn`."""
+    with torch.no_grad():
+        for s in range(min(ctx.cell.inputs.samples, 2)):
+            kwargs = ctx.inputs(loaded, sample=s, device=ctx.backend.device)
+            call = Call(FORWARD, None, FORWARD if s == 0 else f"{FORWARD} sample {s}", kwargs)
+            before(call)
+            t = time.perf_counter()
+            rec = CallRecord(FORWARD, None, call.label, 0.0)
+            try:
+                fn(**kwargs)
+            except Exception as exc:  # the backend's failure ends the signals  # noqa: BLE001
+                inner = unwrap(exc)
+                rec.error, rec.error_type, rec.stage = f"{type(inner).__name__}: {inner}", type(inner).__name__, \
+                    stage_of(exc)
+            rec.seconds = time.perf_counter() - t
+            after(call, rec)
+            if rec.error:
+                break
+
+
+def measure(ctx: "ModeContext", opts: CompileOptions, loaded: Any, phase: Phase | None) -> PhaseSignals:
+    """One phase through one compiled object, with every watch on."""
+    import torch._dynamo  # deferred: Dynamo takes seconds to import
+
+    sig = PhaseSignals(name=phase.name if phase is not None else FORWARD,
+                       label=phase.label() if phase is not None else "single forward", phase=phase)
+    torch._dynamo.reset()
+    module = copy.deepcopy(loaded.module)
+    if ctx.backend.device != "cpu":
+        module = ctx.backend.to_device(module)
+    fn, record = ctx.backend.compile_recorded(module)
+    patch = dynamo_config({"recompile_limit": opts.recompile_limit}) if opts.recompile_limit else {}
+    trace = TraceWatch()
+    state = {"graphs": 0, "runs": 0, "events": 0}
+
+    def before(call: Call) -> None:
+        trace.mark(call.label)
+        state.update(graphs=len(record.graphs) if record else 0, runs=_runs(record), events=len(trace.events))
+        sig.calls.append(call)
+
+    def after(call: Call, rec: CallRecord) -> None:
+        sig.per_call.append({"call": call.label, "graphs": (len(record.graphs) if record else 0) - state["graphs"],
+                             "ran": _runs(record) - state["runs"],
+                             "compile_s": round(sum(e.seconds for e in trace.events[state["events"]:]), 3)})
+        if rec.error and sig.error is None:
+            sig.error, sig.failed_call = rec.error, call.label
+
+    t = time.perf_counter()
+    with ExitStack() as stack:
+        if patch:
+            stack.enter_context(torch._dynamo.config.patch(**patch))
+        stack.enter_context(trace)
+        watch = stack.enter_context(FallbackWatch(ctx.cell.backend.compile))
+        counters = stack.enter_context(DynamoCounters())
+        if phase is None:
+            _forward_calls(ctx, loaded, fn, before, after)
+        else:
+            run_phase(fn, loaded, ctx.cell.inputs, phase, device=ctx.backend.device, before_call=before,
+                      after_call=after)
+    sig.seconds = time.perf_counter() - t
+    sig.events = list(trace.events)
+    sig.record = record
+    sig.facts = watch.facts()
+    sig.counters = counters.delta()
+    torch._dynamo.reset()
+    return sig
+
+
+def _runs(record: CompileRecord | None) -> int:
+    return sum(g["calls"] for g in record.graphs) if record is not None else 0
+
+
+__all__ = ["run", "measure", "FORWARD", "Event"]

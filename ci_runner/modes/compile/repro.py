@@ -1,0 +1,168 @@
+"""The compile mode's repros (`repro_compile.py.j2`): the model rebuilt standalone (a transformers model from its
+config and weights, a factory model from its factory), compiled once with the backend and called with the phase's
+calls in order, with the check that turns the finding into an error: `fullgraph=True` at a graph break,
+`error_on_recompile` after the warm-up, `fail_on_recompile_limit_hit` at the recompile limit, a graph count for a
+length sweep, OpenVINO's leftover ops for an eager fallback. Each is verified by running it in a fresh process."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ...backends import plugin_pythonpath
+from ...engine.repro import (plugin_modules, render_template, run_command, safe_filename, template_backend,
+                               verify_script, write_script)
+from ...engine.workload import cache_kwarg
+from ...fsutil import atomic_write_text
+from ...options import CompileOptions
+from ...results.model import Finding, Repro
+from .checks import PhaseSignals
+
+if TYPE_CHECKING:
+    from .. import ModeContext
+
+__all__ = ["attach_repros"]
+
+
+def _model_recipe(ctx: "ModeContext", loaded: Any, folder: Path) -> dict[str, Any] | None:
+    """How the repro rebuilds the model (writing config.json and weights.safetensors for a transformers model);
+    None when it cannot (a path or hub model of no transformers class)."""
+    spec = ctx.cell.model
+    if spec.factory:
+        module, _, function = spec.factory.partition(":")
+        return {"kind": "factory", "module": module, "function": function, "seed": ctx.cell.inputs.seed,
+                "overrides": dict(spec.overrides)}
+    import transformers  # deferred: only a transformers model's repro needs it
+    from safetensors.torch import save_file
+
+    cls = type(loaded.module)
+    if getattr(transformers, cls.__name__, None) is not cls or loaded.config is None:
+        return None
+    if not (folder / "weights.safetensors").exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(folder / "config.json", loaded.config.to_json_string(use_diff=False))
+        state, seen = {}, set()
+        for k, v in loaded.module.state_dict().items():  # tied weights: saved once
+            if v.data_ptr() not in seen:
+                seen.add(v.data_ptr())
+                state[k] = v.detach().cpu().contiguous().clone()
+        save_file(state, str(folder / "weights.safetensors"))
+    return {"kind": "transformers", "config_class": type(loaded.config).__name__, "model_class": cls.__name__}
+
+
+def _plain_calls(sig: PhaseSignals, upto: str | None) -> list[dict[str, Any]]:
+    """The phase's calls as literals, up to the call labelled `upto` (all when None); the KV cache left out."""
+    out = []
+    for call in sig.calls:
+        tensors = {k: v.tolist() for k, v in call.kwargs.items() if isinstance(v, torch.Tensor)}
+        plain = {k: v for k, v in call.kwargs.items() if isinstance(v, (bool, int, float, str)) or v is None}
+        out.append({"label": call.label, "tensors": tensors, "plain": plain})
+        if call.label == upto:
+            break
+    return out
+
+
+def _cache(loaded: Any, sig: PhaseSignals) -> dict[str, Any] | None:
+    if sig.phase is None or sig.phase.name not in ("prefill", "decode") or not sig.calls:
+        return None
+    prompt = int(sig.calls[0].kwargs["input_ids"].shape[1])
+    return {"kind": sig.phase.cache, "max_len": prompt + sig.phase.steps,
+            "kwarg": cache_kwarg(loaded.module) or "past_key_values"}
+
+
+def _expect(f: Finding) -> tuple[list[str], str | None]:
+    """What a verifying run must print: texts and error type."""
+    d = f.details
+    if f.kind == "graph_break":
+        return [f"REPRO FAILED: graph break at {d.get('source', '')}", str(d.get("reason", "")).split(":", 1)[0][:80]], None
+    if f.kind == "compile_after_warmup":
+        return [str(d.get("changed") or "")], "RecompileError"
+    if f.kind == "recompile_limit":
+        return ["fail_on_recompile_limit_hit"], "FailOnRecompileLimitHit"
+    if f.kind == "eager_fallback":
+        return [f"REPRO FAILED: {f.op} ran in PyTorch eager"], None
+    return ["REPRO FAILED"], None
+
+
+def attach_repros(ctx: "ModeContext", opts: CompileOptions, loaded: Any, signals: list[PhaseSignals],
+                  findings: list[Finding]) -> None:
+    """A repro per finding (`Finding.repro`), verified unless `verify: false`, `verify_workers` at once. The
+    `compile_after_warmup` findings of one call share a script (`error_on_recompile` raises at its first recompile).
+    None when the model cannot be rebuilt standalone (`details.repro_note` says why)."""
+    folder = ctx.artifact_dir("compile") / "repro"
+    folder.mkdir(parents=True, exist_ok=True)
+    recipe = _model_recipe(ctx, loaded, folder)
+    by_name = {s.name: s for s in signals}
+    scripts: dict[tuple[str, ...], tuple[Path, str, str, Finding]] = {}  # share key -> (script, command, pythonpath)
+    owners: list[tuple[Finding, tuple[str, ...]]] = []
+    for i, f in enumerate(findings):
+        if f.kind == "eager_fallback" and f.op == "(partition)":
+            continue
+        if recipe is None:
+            f.details["repro_note"] = "no repro: the model is neither a transformers class nor a factory"
+            continue
+        sig = by_name[f.details["phases"][0]]
+        key = (f.kind, sig.name, str(f.details.get("call"))) if f.kind == "compile_after_warmup" else (f.fingerprint,)
+        if key not in scripts:
+            scripts[key] = (*_write(ctx, opts, loaded, sig, f, recipe, folder, i), f)
+        owners.append((f, key))
+    done = _verify_all(ctx, opts, scripts)
+    for f, key in owners:
+        f.repro = done[key]
+        if scripts[key][3] is not f:
+            f.details["repro_shared_with"] = scripts[key][3].fingerprint
+
+
+def _write(ctx: "ModeContext", opts: CompileOptions, loaded: Any, sig: PhaseSignals, f: Finding,
+           recipe: dict[str, Any], folder: Path, index: int) -> tuple[Path, str, str]:
+    """The rendered script of `f`: (path, command, PYTHONPATH it needs)."""
+    spec = ctx.cell.backend
+    upto = f.details.get("call") if f.kind in ("compile_after_warmup", "recompile_limit") else None
+    name = f"repro_{f.kind}_{safe_filename(sig.name)}_{index}.py"
+    modules = plugin_modules(spec) + ([recipe["module"]] if recipe["kind"] == "factory" else [])
+    pythonpath = plugin_pythonpath(modules)
+    command = run_command(name, folder, pythonpath)
+    import torch._dynamo  # deferred: Dynamo's config, for the limit the mode ran under
+
+    limit = opts.recompile_limit or int(torch._dynamo.config.recompile_limit)
+    allowed = opts.max_graphs if f.kind == "graph_count" else int(f.metrics.get("allowed", 0) or 0)
+    text = render_template(
+        "repro_compile.py.j2", check=f.kind, model_id=ctx.cell.model.id, backend_id=spec.id, phase=sig.label,
+        message=f.message[:300], torch_version=torch.__version__, source=f.details.get("source", ""),
+        warmup=opts.warmup_calls, limit=limit, allowed=allowed, expect=f.op or "", model=recipe,
+        plugin_modules=plugin_modules(spec), run_it=command, env={str(k): str(v) for k, v in spec.env.items()},
+        imports=list(spec.imports), device=spec.device, calls=_plain_calls(sig, upto), cache=_cache(loaded, sig),
+        backend=template_backend(spec), compile_options=dict(spec.compile_options))
+    return write_script(folder / name, text), command, os.pathsep.join(pythonpath)
+
+
+def _verify_all(ctx: "ModeContext", opts: CompileOptions,
+                scripts: dict[tuple[str, ...], tuple[Path, str, str, Finding]]) -> dict[tuple[str, ...], Repro]:
+    """Each script run in a fresh process (`verify_workers` at once): its `Repro`."""
+    from concurrent.futures import ThreadPoolExecutor  # deferred: only verification runs threads
+
+    spec = ctx.cell.backend
+
+    def one(item: tuple[Path, str, str, Finding]) -> Repro:
+        script, command, pythonpath, f = item
+        rel = script.relative_to(ctx.cell_dir).as_posix()
+        if not opts.verify:
+            return Repro(path=rel, verified=False, command=command, note="not verified (compile.verify: false)")
+        env = {str(k): str(v) for k, v in spec.env.items()}
+        if pythonpath:
+            env["PYTHONPATH"] = pythonpath
+        texts, error_type = _expect(f)
+        ver = verify_script(script, expect_text=[t for t in texts if t], expect_error_type=error_type,
+                            timeout=max(30.0, min(opts.verify_timeout, ctx.remaining() / 2)), env=env)
+        tail = [ln for ln in ver.output_tail.splitlines() if ln.startswith("REPRO FAILED")]
+        said = re.sub(r"\s+", " ", tail[-1])[:300] if tail else ""
+        return Repro(path=rel, verified=ver.verified, command=command,
+                     note=ver.note + (f": {said}" if said and ver.verified else ""))
+
+    keys = list(scripts)
+    with ThreadPoolExecutor(max_workers=max(1, opts.verify_workers)) as pool:
+        return dict(zip(keys, pool.map(one, [scripts[k] for k in keys])))

@@ -1,0 +1,159 @@
+"""Mode `compile` on aot_eager: a graph break in our own model (reason, line, module, verified repro, `fixed` once
+removed), a decode step recompiling with a dynamic length (the changed input named), a `dynamic: false` length
+sweep past a small recompile limit (eager fallback named, never a pass). One compile run per cell, module-scoped."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ci_runner.backends import resolve_backend
+from ci_runner.config import load_matrix_text
+from ci_runner.matrix import expand
+from ci_runner.results.baseline import Baseline, diff, make_baseline
+from ci_runner.results.model import CellResult, ModeResult, Results
+from tests.fixtures.compile_models import BREAK_LINE
+from tests.fixtures.matrices import matrix_text
+
+LLAMA = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+         "num_key_value_heads": 1, "vocab_size": 64, "max_position_embeddings": 64}
+FACTORY = "tests.fixtures.compile_models:with_break"
+
+
+def _run(tmp: Path, model: dict[str, Any], backend: dict[str, Any], *, inputs: dict[str, Any] | None = None,
+         options: dict[str, Any] | None = None) -> ModeResult:
+    from ci_runner.modes import ModeContext  # deferred: imports torch
+    from ci_runner.modes.compile.mode import run
+
+    text = matrix_text(models=[model], backends=[backend], modes=["compile"], inputs=inputs,
+                       options={"compile": options} if options else None)
+    cell = next(iter(expand(load_matrix_text(text))))
+    cdir = tmp / "cells" / cell.id
+    cdir.mkdir(parents=True)
+    ctx = ModeContext(cell=cell, cell_dir=cdir, backend=resolve_backend(cell.backend), deadline=time.monotonic() + 600)
+    return run(ctx)
+
+
+def _cell(result: ModeResult) -> Results:
+    return Results(cells=[CellResult(id="gb@ae", model="gb", backend="ae", status=result.status,
+                                     modes={"compile": result})])
+
+
+@pytest.fixture(scope="module")
+def breaks(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModeResult, ModeResult, Path]:
+    tmp = tmp_path_factory.mktemp("compile-break")
+    ae = {"id": "ae", "compile": "aot_eager"}
+    broken = _run(tmp / "a", {"id": "gb", "factory": FACTORY}, ae, inputs={"samples": 1})
+    fixed = _run(tmp / "b", {"id": "gb", "factory": FACTORY, "overrides": {"fixed": True}}, ae,
+                 inputs={"samples": 1})
+    return broken, fixed, tmp / "a" / "cells" / "gb@ae"
+
+
+def test_a_graph_break_in_our_model_names_reason_line_and_module(breaks: Any) -> None:
+    broken, _, cell_dir = breaks
+    row = broken.data["phases"]["forward"]
+    assert row["graphs"] >= 2 and row["compile_s"] > 0 and not row["eager_after_limit"]
+    src = f"tests/fixtures/compile_models.py:{BREAK_LINE}"
+    assert [b["source"] for b in row["graph_breaks"]] == [src]
+    assert "Tensor.item()" in row["graph_breaks"][0]["reason"]
+    (f,) = [f for f in broken.findings if f.kind == "graph_break"]
+    assert broken.status == "fail" and f.module == src and f.details["module"] == "gate" and f.module_class == "Gate"
+    assert f.details["source"] == src
+    assert f.repro is not None and f.repro.verified, f.repro
+    script = (cell_dir / f.repro.path).read_text()
+    assert "watch_graph_breaks()" in script
+
+
+def test_removing_the_break_is_fixed_in_the_diff(breaks: Any) -> None:
+    broken, fixed, _ = breaks
+    assert fixed.status == "pass" and fixed.data["phases"]["forward"]["graph_breaks"] == []
+    base = Baseline.from_dict(make_baseline(_cell(broken)))
+    d = diff(_cell(fixed), base)
+    assert [(e.category, e.kind) for e in d.entries if e.fingerprint] == [("fixed", "graph_break")]
+    again = diff(_cell(broken), Baseline.from_dict(make_baseline(_cell(fixed))))
+    assert [(e.category, e.kind) for e in again.entries if e.fingerprint] == [("regressed", "graph_break")]
+
+
+def test_a_decode_step_recompiles_with_a_dynamic_length(tmp_path: Path) -> None:
+    """A sliding-window decoder (tiny Mistral, window 4): decode step 1 recompiles (input_ids 6 -> 1 tokens) into a
+    graph whose KV-cache length is symbolic (the one IREE and OpenVINO then fail on: sym_max of it)."""
+    res = _run(tmp_path, {"id": "sw", "config": "mistral", "overrides": {**LLAMA, "sliding_window": 4}},
+               {"id": "ae", "compile": "aot_eager"},
+               inputs={"seq_len": 6, "phases": [{"decode": {"steps": 2}}]}, options={"verify": False})
+    row = res.data["phases"]["decode"]
+    (rc,) = row["recompiles"]
+    assert rc["call"] == "decode step 1" and rc["changed"] == "input_ids" and rc["dynamic"] is True
+    assert [x.split(".", 1)[1] for x in rc["symbolic"]] == ["layers[0].cumulative_length_int"]  # cache.… (the kwarg)
+    assert "size mismatch at index 1. expected 6, actual 1" in rc["reason"]
+    assert [c["graphs"] for c in row["per_call"]] == [1, 1, 0]  # prefill, step 1 (dynamic), step 2 reuses it
+    (f,) = res.findings
+    assert f.kind == "compile_after_warmup" and f.details["changed"] == "input_ids" and f.phase == "decode"
+    assert f.repro is not None and "error_on_recompile = True" in (tmp_path / "cells" / "sw@ae" / f.repro.path).read_text()
+
+
+def test_a_static_length_sweep_past_the_limit_is_an_eager_fallback(tmp_path: Path) -> None:
+    res = _run(tmp_path, {"id": "ll", "config": "llama", "overrides": LLAMA},
+               {"id": "ae", "compile": "aot_eager", "compile_options": {"dynamic": False}},
+               inputs={"seq_len": 6, "phases": [{"long": {"seq_len": [4, 5, 6, 7]}}]},
+               options={"recompile_limit": 3, "verify": False})
+    row = res.data["phases"]["long"]
+    assert [c["graphs"] for c in row["per_call"]] == [1, 1, 1, 0]  # one graph per length, then the limit
+    assert row["eager_after_limit"] is True and row["eager_calls"] == ["long 7"]
+    assert res.status == "fail"
+    kinds = {f.kind: f for f in res.findings}
+    assert set(kinds) == {"length_sweep_graphs", "recompile_limit"}
+    assert "did not test the backend" in kinds["recompile_limit"].message
+    assert kinds["length_sweep_graphs"].metrics == {"graphs_first": 1, "graphs_added": 2, "allowed": 1}
+
+
+@pytest.mark.slow
+def test_openvino_lists_what_its_partitioner_left_in_eager_on_a_sliding_window_decode(tmp_path: Path) -> None:
+    """The recipe backend on a tiny Mistral with a 4-token window: decode step 1 recompiles with a dynamic length;
+    OpenVINO's partitioner leaves the mask's `sym_max` to PyTorch eager (as its DEBUG log says), then the call fails."""
+    pytest.importorskip("openvino")
+    ov = {"id": "ov", "compile": "openvino", "compile_options": {"options": {
+        "aot_autograd": True, "testing": True, "config": {"INFERENCE_PRECISION_HINT": "f32"}}}}
+    res = _run(tmp_path, {"id": "sw", "config": "mistral", "overrides": {**LLAMA, "sliding_window": 4}}, ov,
+               inputs={"seq_len": 6, "phases": [{"decode": {"steps": 1}}]}, options={"warmup_calls": 2})
+    row = res.data["phases"]["decode"]
+    assert row["recompiles"][0]["changed"] == "input_ids" and row["recompiles"][0]["dynamic"] is True
+    assert "op sym_max" in row["eager_fallbacks"]
+    assert row["failed_call"] == "decode step 1" and row["per_call"][1]["ran"] == 0  # then OpenVINO fails on it
+    (f,) = res.findings
+    assert f.kind == "eager_fallback" and f.op == "sym_max" and f.repro is not None and f.repro.verified, f.repro
+    assert f.module == "model"  # the decoder stack's mask code (nn_module_stack of the node left outside)
+
+
+def test_the_reports_carry_the_per_phase_table_and_junit_properties(breaks: Any) -> None:
+    from ci_runner.report.html import render_html
+    from ci_runner.report.junit import render_junit
+    from ci_runner.report.summary import render_summary
+
+    results = _cell(breaks[0])
+    row = breaks[0].data["phases"]["forward"]
+    summary = render_summary(results)
+    assert "### Compile: graphs, breaks, recompiles per phase" in summary
+    assert f"| `gb@ae` | forward | {row['graphs']} | 1 | 0 |" in summary
+    assert "Worst offenders: `gb@ae` forward (1 break(s), 0 recompile(s))" in summary
+    junit = render_junit(results).decode()
+    assert f'name="compile.forward.graphs" value="{row["graphs"]}"' in junit
+    assert 'name="compile.forward.graph_breaks" value="1"' in junit
+    assert '<table class="compile"><caption>compile, per phase</caption>' in render_html(results)
+
+
+def test_a_new_graph_break_is_filed_as_one_issue_per_source_line(breaks: Any) -> None:
+    from ci_runner.github.options import FilingOptions
+    from ci_runner.github.render import RenderContext, group_entries, render_issue
+
+    broken = breaks[0]
+    d = diff(_cell(broken), Baseline.from_dict(make_baseline(_cell(breaks[1])))).to_dict()
+    (g,) = group_entries(d, layers=True)
+    src = f"tests/fixtures/compile_models.py:{BREAK_LINE}"
+    assert g.key == ("graph_break", "ae", src) and g.regressed
+    body = render_issue(g, RenderContext(options=FilingOptions(), run_key="k", run_url=None, artifacts_url=None,
+                                         run_dir=None))
+    assert f"### Graph break at `{src}` on backend `ae`" in body and "`Gate`" in body
+    assert "Tensor.item()" in body
