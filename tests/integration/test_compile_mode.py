@@ -59,6 +59,8 @@ def test_a_graph_break_in_our_model_names_reason_line_and_module(breaks: Any) ->
     src = f"tests/fixtures/compile_models.py:{BREAK_LINE}"
     assert [b["source"] for b in row["graph_breaks"]] == [src]
     assert "Tensor.item()" in row["graph_breaks"][0]["reason"]
+    figures = broken.data["figures"]  # what the run history keeps per night
+    assert figures["graphs.forward"] == row["graphs"] and figures["graph_breaks.forward"] == 1
     (f,) = [f for f in broken.findings if f.kind == "graph_break"]
     assert broken.status == "fail" and f.module == src and f.details["module"] == "gate" and f.module_class == "Gate"
     assert f.details["source"] == src

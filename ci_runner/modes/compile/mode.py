@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import time
 from contextlib import ExitStack
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
@@ -63,7 +63,22 @@ def run(ctx: "ModeContext") -> ModeResult:
         attach_repros(ctx, opts, loaded, signals, findings)
     for sig in signals:
         data["phases"][sig.name]["findings"] = sorted({f.kind for f in findings if sig.name in _phases_of(f)})
+    data["figures"] = figures_of(data["phases"])
     return _result(findings, data, signals, time.monotonic() - t0)
+
+
+def figures_of(phases: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
+    """What the run history charts night after night (history/trends.py: figures that moved), per phase run."""
+    out: dict[str, float] = {}
+    for name, row in phases.items():
+        if row.get("status") == "skipped" or "graphs" not in row:
+            continue
+        out[f"graphs.{name}"] = row["graphs"]
+        out[f"graph_breaks.{name}"] = len(row.get("graph_breaks") or ())
+        out[f"recompiles.{name}"] = len(row.get("recompiles") or ())
+        out[f"eager_fallbacks.{name}"] = len(row.get("eager_fallbacks") or ())
+        out[f"compile_s.{name}"] = row.get("compile_s") or 0.0
+    return out
 
 
 def _phases_of(f: Finding) -> list[str]:
