@@ -77,7 +77,7 @@ def plan_tasks(probes: Sequence[Mapping[str, Any]], size: int, max_bytes: float 
     held = 0
     for p in probes:
         pcap = max(1, min(size, int(p.get("group_cap") or size)))
-        if dynamic_marks(p["args"], p["kwargs"]):  # marked dynamic alone: a group's other members would share guards
+        if dynamic_marks(p.get("args") or [], p.get("kwargs") or {}):  # alone: group members would share guards
             pcap = 1
         need = input_bytes(p["args"], p["kwargs"]) if max_bytes else 0
         if cur and (pcap != cap or len(cur) >= cap or held + need > max_bytes > 0):
