@@ -21,6 +21,7 @@ from ..registry import SECTION_DIVERGENT, SECTION_LAYERS, SECTION_OPS, SECTION_O
 from ..registry import mode_names as registered_modes
 from ..results.model import STATUS_SEVERITY, CellResult, Finding, Repro, Results, number
 from ..engine.failure import headline
+from ..backends.vendor import boilerplate_lines
 from ..results.rootcause import root_causes
 
 ICONS: dict[str, str] = {
@@ -467,7 +468,7 @@ def cause_place(cause: Mapping[str, Any], example: "FindingView | None") -> str:
 
 def _causes(results: Results, allf: Sequence[FindingView]) -> list[dict[str, Any]]:
     """The root causes, each with `place` (`cause_place`) and `full` (its example finding's whole first line)."""
-    causes = results.root_causes if results.root_causes or not allf else root_causes(results)
+    causes = results.root_causes if results.root_causes or not allf else root_causes(results, boilerplate=boilerplate_lines())
     by_sig: dict[str, FindingView] = {}
     for fv in allf:
         sig = fv.finding.details.get("signature") if isinstance(fv.finding.details, Mapping) else None
