@@ -405,14 +405,16 @@ def mode_names(results: Results) -> list[str]:
 
 
 def culprit_text(f: Finding) -> str | None:
-    """`aten.histc.default fails alone` / `4 nodes fail together (aten.mm.default, aten.neg.default)` for a
+    """`aten.histc.default fails alone` / `aten.histc.default, aten.cumsum.default each fail alone` / `4 nodes fail together (aten.mm.default, aten.neg.default)` for a
     layer failure whose culprit search found something (`details.culprit`), else None."""
     c = f.details.get("culprit") if isinstance(f.details, Mapping) else None
     if not isinstance(c, Mapping) or not c.get("found") or not c.get("ops"):
         return None
     ops = [str(o) for o in c["ops"]]
     if c.get("kind") == "single":
-        return f"{ops[0]} fails alone"
+        alone = list(dict.fromkeys([ops[0], *(str(r.get("op")) for r in c.get("failing_ops") or ()
+                                              if isinstance(r, Mapping) and r.get("op"))]))
+        return f"{ops[0]} fails alone" if len(alone) == 1 else f"{', '.join(alone)} each fail alone"
     return f"{len(c.get('nodes') or ops)} nodes fail together, no op alone ({', '.join(ops)})"
 
 
