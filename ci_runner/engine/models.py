@@ -152,9 +152,14 @@ def _split_overrides(spec: ModelSpec) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def _check_override_keys(spec: ModelSpec, config: Any, overrides: Mapping[str, Any]) -> None:
-    """A key that is not a config attribute but close to one is a typo: say so instead of silently adding it."""
+    """A key that is not a config attribute but close to one is a typo: say so instead of silently adding it.
+    Known: the config's `to_dict()` keys, its `__init__` parameters, its settable properties (`num_labels` on every
+    config) and its `attribute_map` aliases (`num_hidden_layers` for swin's `num_layers`)."""
+    cls = type(config)
     known = set(config.to_dict())
-    known |= {p for p in inspect.signature(type(config).__init__).parameters if p not in ("self", "kwargs")}
+    known |= {p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "kwargs")}
+    known |= {n for n in dir(cls) if isinstance(getattr(cls, n, None), property) and getattr(cls, n).fset is not None}
+    known |= set(getattr(cls, "attribute_map", None) or {})
     for key in overrides:
         if key in known:
             continue
