@@ -226,6 +226,7 @@ def test_iree_turbine_names_histc_in_mixtral_experts(run_cell: Callable[..., _Ru
     for m in experts:
         assert culprits[m]["ops"] == ["aten.histc.default"], culprits[m]
         # IREE stops at the first op it cannot lower; the experts also fail on the grouped matmul (issue 38)
-        assert [r["op"] for r in culprits[m]["failing_ops"]] == ["aten.histc.default",
-                                                                  "transformers.grouped_mm_fallback.default"]
+        # (both grouped matmuls, up and down projection, fail: one node each)
+        failing = [r["op"] for r in culprits[m]["failing_ops"]]
+        assert list(dict.fromkeys(failing)) == ["aten.histc.default", "transformers.grouped_mm_fallback.default"]
         assert culprits[m]["repro"]["verified"], culprits[m]["repro"]
