@@ -84,10 +84,12 @@ def _op_matches(op: str, hint: str) -> bool:
 
 def search(n: int, singles: Sequence[int], probe: Callable[[str], ProbeOutcome], *,
            all_singles: bool = True) -> SearchState:
-    """Singles first (in `singles` order; every one, so that each op failing alone is named (`failing`), unless
-    `all_singles` is off: then it stops at the first); else the whole graph, then the smallest failing contiguous
-    range: the shortest failing prefix, then its latest failing start (each by bisection; every range it reports
-    was itself probed and failed)."""
+    """Singles first, in `singles` order, up to the first that fails alone; then, unless `all_singles` is off, the
+    other ops that fail alone (`failing`), found by group testing: the graph on each side of that op is probed as a
+    range, and a failing range is halved down to single ops (a compiler stops at the first op it cannot lower, an
+    eager device at the first op it lacks: a range holding an op that fails alone fails too; only singles that
+    failed alone are named). Else the whole graph, then the smallest failing contiguous range: the shortest failing
+    prefix, then its latest failing start (each by bisection; every range it reports was itself probed and failed)."""
     state = SearchState(kind="none")
 
     def p(key: str) -> ProbeOutcome:
@@ -132,12 +134,13 @@ def _singles(singles: Sequence[int], p: Callable[[str], ProbeOutcome], state: Se
     """Probe the single ops; True (and `state` answered) when one or more failed alone. Out of time after a
     failing one: that answer, said to be partial."""
     try:
-        for i in singles:
-            key = range_key(i, i + 1)
-            if p(key).failed:
-                state.failing.append(key)
-                if not all_singles:
-                    break
+        first = next((i for i in singles if p(range_key(i, i + 1)).failed), None)
+        if first is not None:
+            state.failing.append(range_key(first, first + 1))
+            if all_singles:
+                probe_ops = set(singles)
+                for s, e in ((0, first), (first + 1, max(singles) + 1)):
+                    _halve(s, e, probe_ops, p, state)
     except StopSearch:
         if not state.failing:
             raise
@@ -145,3 +148,23 @@ def _singles(singles: Sequence[int], p: Callable[[str], ProbeOutcome], state: Se
     if state.failing:
         state.kind, state.key = "single", state.failing[0]
     return bool(state.failing)
+
+
+def _halve(s: int, e: int, probe_ops: set[int], p: Callable[[str], ProbeOutcome], state: SearchState) -> None:
+    """The single ops of [s, e) that fail alone, into `state.failing` in graph order: a range that fails is halved
+    (a range without a probed op is not probed)."""
+    while s < e and s not in probe_ops:
+        s += 1
+    while e > s and e - 1 not in probe_ops:
+        e -= 1
+    if s >= e:
+        return
+    key = range_key(s, e)
+    if key in state.failing or not p(key).failed:
+        return
+    if e - s == 1:
+        state.failing.append(key)
+        return
+    mid = (s + e) // 2
+    _halve(s, mid, probe_ops, p, state)
+    _halve(mid, e, probe_ops, p, state)
