@@ -6,13 +6,14 @@
 - `ran`: did the backend run the code (`CompileRecord`, `DynamoCounters`, `FallbackWatch`, `backend_ran`);
 - `errortext`: the op a backend's error text names (`unsupported_op_from_error`, `named_op_from_error`);
 - `vendor`: the small protocol for backend-specific knowledge (`VendorWatch`, `watch_for`), one module per vendor:
-  `openvino` (its silent fallbacks and the recipe that makes its findings mean something).
+  `openvino` (its silent fallbacks and the recipe that makes its findings mean something), `iree` (its
+  boilerplate error line).
 """
 
 from __future__ import annotations
 
 from .errortext import ATEN_NAME_RE, COULD_NOT_RUN_RE, UNSUPPORTED_RE, named_op_from_error, unsupported_op_from_error
-from .vendor import groups_agree
+from .vendor import boilerplate_lines, groups_agree
 from .ran import CompileRecord, DynamoCounters, FallbackWatch, backend_ran, not_ran_reason, ran_facts
 from .spec import (
     Backend,
@@ -30,7 +31,7 @@ from .spec import (
 )
 
 __all__ = [
-    "groups_agree",
+    "boilerplate_lines", "groups_agree",
     "ATEN_NAME_RE", "COULD_NOT_RUN_RE", "UNSUPPORTED_RE", "named_op_from_error", "unsupported_op_from_error",
     "CompileRecord", "DynamoCounters", "FallbackWatch", "backend_ran", "not_ran_reason", "ran_facts",
     "Backend", "BackendRecipe", "Resolution", "available_backends", "available_devices", "backend_recipe",

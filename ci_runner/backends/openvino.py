@@ -18,7 +18,7 @@ import logging
 import re
 from typing import Any, Mapping
 
-__all__ = ["NAME", "RECIPE", "FACT_KEYS", "GROUP_TESTING", "Watch"]
+__all__ = ["NAME", "RECIPE", "FACT_KEYS", "GROUP_TESTING", "BOILERPLATE", "Watch"]
 
 NAME = "openvino"  # the matrix's `compile:` for this backend
 # The recipe that makes its findings mean something (docs/backends.md, "Backend recipes"):
@@ -29,6 +29,9 @@ FACT_KEYS = ("openvino_partitions", "openvino_executions", "perm_fallback")  # w
 # partitioner runs a single-node graph in PyTorch eager (inconclusive) and some lone ops fail in Dynamo's guard
 # building, while in a group they compile and run (tiny-vit: 25 inconclusive + 3 errors alone, 20 pass grouped).
 GROUP_TESTING = False
+# Message lines that say nothing of the cause (root causes skip them; IREE's "JIT compilation failed. See
+# diagnostics." is one): none here, OpenVINO's errors name the op or the conversion step on their first line.
+BOILERPLATE: tuple[str, ...] = ()
 _OV = "openvino.frontend.pytorch.torchdynamo"
 
 

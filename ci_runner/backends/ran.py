@@ -94,9 +94,10 @@ class DynamoCounters:
                 out[cat] = d
         return out
 
-    def fallback(self, expected_break: str = "") -> str | None:
+    def fallback(self, expected_break: str = "", *, breaks: bool = True) -> str | None:
         """Why code ran in eager instead of the backend (None: it did not); graph breaks whose reason contains
-        `expected_break` (when given) are intended and not counted."""
+        `expected_break` (when given) are intended and not counted, and none is with `breaks=False` (the graphs
+        on each side of a break still ran on the backend: a whole model's capture is judged per graph)."""
         d = self.delta()
         frames = d.get("frames", {})
         eager = frames.get("total", 0) - frames.get("ok", 0)
@@ -104,9 +105,10 @@ class DynamoCounters:
             eager -= sum(v for k, v in d.get("unimplemented", {}).items() if expected_break in k)
         if eager > 0:
             return f"Dynamo fell back to eager for {eager} frame(s) (an error it suppressed, or a skipped frame)"
-        breaks = {k: v for k, v in d.get("graph_break", {}).items() if not (expected_break and expected_break in k)}
-        if breaks:
-            return f"{sum(breaks.values())} graph break(s): {', '.join(list(breaks)[:2])}"[:300]
+        broken = {k: v for k, v in d.get("graph_break", {}).items()
+                  if breaks and not (expected_break and expected_break in k)}
+        if broken:
+            return f"{sum(broken.values())} graph break(s): {', '.join(list(broken)[:2])}"[:300]
         if d.get("aot_autograd", {}).get("not_ok"):
             return "aot_autograd failed on a graph (it ran in eager)"
         return None
@@ -128,6 +130,12 @@ class FallbackWatch:
     def __exit__(self, *exc: object) -> None:
         if self._vendor is not None:
             self._vendor.stop()
+
+    @property
+    def active(self) -> bool:
+        """Whether this backend has a vendor watch (its evidence needs a fresh compile: it counts one compile's
+        partitions)."""
+        return self._vendor is not None
 
     def facts(self) -> dict[str, Any]:
         return self._vendor.facts() if self._vendor is not None else {}

@@ -34,6 +34,7 @@ from ..engine.isolate import run_command
 from ..engine.repro import verify_script
 from ..fsutil import atomic_write_json
 from ..results.model import Finding
+from ..backends.vendor import boilerplate_lines
 from ..results.rootcause import signature
 from .scratch import checkout
 from .walk import Verdict
@@ -52,7 +53,7 @@ class Expectation:
 
     @classmethod
     def of(cls, f: Finding) -> "Expectation":
-        sig = signature(f)
+        sig = signature(f, boilerplate=boilerplate_lines())
         hard = (f.error_type or "").startswith("SIG") or f.error_type in ("crashed", "timeout", "Timeout")
         if hard:
             return cls(signature=sig.id, error_type=None, text=(), signal=True)

@@ -11,14 +11,16 @@ Two ways to use it, one per kind of run:
   own outputs (fusions and all). The same hooks work eagerly too.
 
 **In-place rule.** A capture holds what the module returned, not what later code made of it: ResNet's basic layer
-does `hidden_state += residual` on its BatchNorm's output after the hook ran. Eager captures copy at the hook
-(`detach_tree`, the dump writer); a kept reference is checked with `VersionWatch` (version counters). Compiled
+does `hidden_state += residual` on its BatchNorm's output after the hook ran, Falcon's parallel block
+`mlp_output += attention_output` on its MLP's. Eager captures copy at the hook (`detach_tree`, the dump writer) and
+`VersionWatch` says which outputs were changed later (version counters, checked until no one can write them). Compiled
 hooks cannot read version counters while Dynamo traces them, so `OutputHooks(clone=…)` copies inside the graph the
 outputs of the modules named (those an eager pass saw changed in place later: `VersionWatch.moved`), or all.
 """
 
 from __future__ import annotations
 
+import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Iterator
@@ -158,40 +160,63 @@ class ModuleCapture:
 
 
 class VersionWatch:
-    """Which captured tensors are changed in place after their hook: (key, weak reference, version) per tensor.
+    """Which captured tensors are changed in place after their hook: (key, tensor, version) per tensor.
 
-    Only weak references are held, so an intermediate is freed as usual and its check with it: call `check()`
-    from every hook (a tensor changed in place is usually passed on to the next module while still alive, and a
-    view keeps its base alive through `_base`), and `moved()` once after the forward."""
+    It does not depend on a later hook: a tensor is held (a strong reference) for as long as anyone else may still
+    write it, and let go (its version checked first) once the watch is its only holder, with no view of it left
+    (`check()`, from every hook, keeps that short; no memory is kept beyond what the model itself keeps). What is
+    still held at the end is checked by `moved()`, once after the forward. So Falcon's parallel block, which does
+    `mlp_output += attention_output` after the MLP's hook and frees that tensor before any later hook fires, is
+    seen; with weak references it was lost with the tensor (issue 38)."""
 
     def __init__(self) -> None:
-        self._watched: list[tuple[str, Any, int]] = []
+        self._watched: list[list[Any]] = []  # [key, tensor, version]
         self._moved: set[str] = set()
 
     def watch(self, key: str, tensors: Any) -> None:
         for t in tensors:
             try:
-                self._watched.append((key, weakref.ref(t), t._version))
-            except (TypeError, RuntimeError):  # a tensor kind without weak references or version counter
+                self._watched.append([key, t, t._version])
+            except (TypeError, RuntimeError):  # a tensor kind without a version counter
                 continue
 
     def check(self) -> None:
-        """Drop the freed tensors, note the moved ones (each is then no longer watched)."""
+        """Note the moved tensors (each is then no longer watched); let go of those only the watch holds."""
         keep = []
-        for key, ref, version in self._watched:
-            t = ref()
-            if t is None:
-                continue
-            if t._version != version:
-                self._moved.add(key)
-            else:
-                keep.append((key, ref, version))
+        for entry in self._watched:
+            if entry[1]._version != entry[2]:
+                self._moved.add(entry[0])
+            elif not _only_held_by(entry):
+                keep.append(entry)
         self._watched = keep
 
+    def held(self) -> int:
+        """How many tensors the watch holds now."""
+        return len(self._watched)
+
     def moved(self) -> set[str]:
-        self.check()
+        for entry in self._watched:
+            if entry[1]._version != entry[2]:
+                self._moved.add(entry[0])
         out, self._moved, self._watched = self._moved, set(), []
         return out
+
+
+def _only_held_by(entry: list[Any]) -> bool:
+    """Whether `entry[1]` is referenced by `entry` alone: no Python reference elsewhere and no view of it (a view
+    holds its base's TensorImpl, `_use_count`); such a tensor can no longer be written. Unsure: False (kept)."""
+    try:
+        return sys.getrefcount(entry[1]) <= _SOLE_REFS and entry[1]._use_count() <= 1
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _sole_refs() -> int:
+    probe = [None, torch.empty(0), 0]
+    return sys.getrefcount(probe[1])
+
+
+_SOLE_REFS = _sole_refs()  # what getrefcount says of a tensor held by one list only (the interpreter's own count)
 
 
 def iter_tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:

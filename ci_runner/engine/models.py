@@ -43,7 +43,8 @@ from ..sim import simdev
 from .fastinit import fast_init
 from .tree import map_tensors
 
-TASKS: tuple[str, ...] = ("causal-lm", "base", "masked-lm", "image-classification", "image-text")
+TASKS: tuple[str, ...] = ("causal-lm", "base", "masked-lm", "image-classification", "image-text", "seq2seq")
+DECODER_LEN = 8  # decoder_input_ids of an encoder-decoder (`decoder_input_ids`): the zoo's and `config:`'s
 
 DTYPES: Mapping[str, torch.dtype] = {
     "float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -152,9 +153,14 @@ def _split_overrides(spec: ModelSpec) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def _check_override_keys(spec: ModelSpec, config: Any, overrides: Mapping[str, Any]) -> None:
-    """A key that is not a config attribute but close to one is a typo: say so instead of silently adding it."""
+    """A key that is not a config attribute but close to one is a typo: say so instead of silently adding it.
+    Known: the config's `to_dict()` keys, its `__init__` parameters, its settable properties (`num_labels` on every
+    config) and its `attribute_map` aliases (`num_hidden_layers` for swin's `num_layers`)."""
+    cls = type(config)
     known = set(config.to_dict())
-    known |= {p for p in inspect.signature(type(config).__init__).parameters if p not in ("self", "kwargs")}
+    known |= {p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "kwargs")}
+    known |= {n for n in dir(cls) if isinstance(getattr(cls, n, None), property) and getattr(cls, n).fset is not None}
+    known |= set(getattr(cls, "attribute_map", None) or {})
     for key in overrides:
         if key in known:
             continue
@@ -194,6 +200,7 @@ def _auto_class(task: str) -> Any:
     names = {
         "causal-lm": "AutoModelForCausalLM", "base": "AutoModel", "masked-lm": "AutoModelForMaskedLM",
         "image-classification": "AutoModelForImageClassification", "image-text": "AutoModelForImageTextToText",
+        "seq2seq": "AutoModelForSeq2SeqLM",
     }
     return getattr(transformers, names[task])
 
@@ -207,20 +214,25 @@ def _in_mapping(auto_cls: Any, config: Any) -> bool:
 
 def detect_task(config: Any, requested: str = "auto") -> str:
     """The task for a transformers config: the matrix's `task`, else from `architectures`, else from the
-    auto-class mappings (image-text, image-classification, causal-lm, masked-lm, then base)."""
+    auto-class mappings (an encoder-decoder's seq2seq head first, as the zoo's `catalog.HEADS` prefers it: it covers
+    the encoder too; then image-text, causal-lm, image-classification, then base)."""
     if requested != "auto":
         return requested
     archs = list(getattr(config, "architectures", None) or [])
+    seq2seq = bool(getattr(config, "is_encoder_decoder", False)) and _in_mapping(_auto_class("seq2seq"), config)
     if archs:
         arch = archs[0]
+        generation = "image-text" if hasattr(config, "vision_config") else "seq2seq" if seq2seq else "causal-lm"
         for suffix, task in (("ForCausalLM", "causal-lm"), ("ForMaskedLM", "masked-lm"),
                              ("ForImageClassification", "image-classification"),
-                             ("ForConditionalGeneration", "image-text" if hasattr(config, "vision_config") else "causal-lm"),
+                             ("ForConditionalGeneration", generation),
                              ("ForImageTextToText", "image-text")):
             if arch.endswith(suffix):
                 return task
         if arch.endswith("Model"):
             return "base"
+    if seq2seq:
+        return "seq2seq"
     if hasattr(config, "vision_config") and _in_mapping(_auto_class("image-text"), config):
         return "image-text"
     if _in_mapping(_auto_class("causal-lm"), config):
@@ -610,6 +622,15 @@ def _accepts(module: torch.nn.Module, name: str) -> bool:
         return False
 
 
+def decoder_input_ids(config: Any, inputs: InputSpec, sample: int) -> torch.Tensor:
+    """The decoder side of an encoder-decoder: `DECODER_LEN` seeded ids within the decoder's vocabulary (the one
+    builder of `config:` models and the zoo's)."""
+    dec = getattr(config, "decoder", None) or getattr(config, "text_config", None) or config
+    vocab = int(getattr(dec, "vocab_size", None) or getattr(config, "vocab_size", None) or 2)
+    gen = torch.Generator().manual_seed(inputs.seed * 104729 + sample)
+    return torch.randint(0, max(2, vocab), (inputs.batch, DECODER_LEN), generator=gen)
+
+
 def _move(obj: Any, device: str) -> Any:
     return map_tensors(lambda t: t.to(device), obj)
 
@@ -621,7 +642,8 @@ def build_inputs(model: LoadedModel, inputs: InputSpec, *, sample: int = 0, devi
     attention mask) or, without a tokenizer, seeded ids within the vocabulary (special ids excluded; `inputs.text`
     is then unused) and an all-ones mask; length
     `sample_length()`. Vision: seeded `pixel_values` of the config's image size, in the model's dtype.
-    Image-text (Llava-style): the image placeholder tokens, then text. `use_cache=False` when the forward takes it.
+    Image-text (Llava-style): the image placeholder tokens, then text. An encoder-decoder's decoder side:
+    `decoder_input_ids`. `use_cache=False` when the forward takes it.
     """
     if model.example_inputs is not None:
         ex = model.example_inputs
@@ -657,6 +679,9 @@ def build_inputs(model: LoadedModel, inputs: InputSpec, *, sample: int = 0, devi
             ids = seeded_ids(config, inputs, sample, length)
             kwargs["input_ids"] = ids
             kwargs["attention_mask"] = torch.ones_like(ids)
+        if (model.task == "seq2seq" or getattr(config, "is_encoder_decoder", False)) \
+                and _accepts(model.module, "decoder_input_ids"):
+            kwargs["decoder_input_ids"] = decoder_input_ids(config, inputs, sample)
     if _accepts(model.module, "use_cache"):
         kwargs["use_cache"] = False
     return _move(kwargs, device)

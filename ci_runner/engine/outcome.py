@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 from ..fsutil import append_record, read_records
 from ..results.rootcause import error_signature
@@ -49,8 +49,12 @@ class ProbeOutcome:
     @property
     def cause(self) -> str:
         """The failure's root-cause signature (`rootcause`); status and error type for a crash or hang; "" if none."""
+        return self.cause_of(())
+
+    def cause_of(self, boilerplate: Collection[str]) -> str:
+        """`cause`, keyed past a backend's `boilerplate` lines (`backends.boilerplate_lines`, `rootcause.cause_line`)."""
         if self.status == "fail":
-            return error_signature(self.error_type or "", self.message, self.traceback).id
+            return error_signature(self.error_type or "", self.message, self.traceback, boilerplate=boilerplate).id
         return f"{self.status}:{self.error_type}" if self.failed else ""
 
     def to_json(self) -> dict[str, Any]:

@@ -137,6 +137,8 @@ def skip_reason(loaded: LoadedModel, phase: Phase, inputs: InputSpec) -> str | N
         return "a factory model brings its own inputs; phases are built for token models loaded from a config or folder"
     if loaded.task in ("image-classification",) or loaded.config is None:
         return f"{phase.name} needs token inputs; the model's task is {loaded.task}"
+    if loaded.task == "seq2seq" or getattr(loaded.config, "is_encoder_decoder", False):
+        return f"{phase.name} is built for decoder-only models; {type(loaded.module).__name__} is an encoder-decoder"
     if phase.name in ("prefill", "decode"):
         if not _generates(loaded) or cache_kwarg(loaded.module) is None:
             return f"{phase.name} needs a model that generates through a KV cache; {type(loaded.module).__name__} does not"

@@ -311,7 +311,8 @@ def _culprit_view(f: Mapping[str, Any]) -> dict[str, Any] | None:
     nodes = [{"name": n, "op": node_ops[i] if i < len(node_ops) else "",
               "inputs": ", ".join(inputs[i]) if i < len(inputs) else "",
               "source": sources[i] if i < len(sources) else None} for i, n in enumerate((c.get("nodes") or [])[:12])]
-    return {"kind": c.get("kind"), "ops": list(c.get("ops") or []), "nodes": nodes,
+    also = [str(r.get("op")) for r in (c.get("failing_ops") or [])[1:] if isinstance(r, Mapping) and r.get("op")]
+    return {"kind": c.get("kind"), "ops": list(c.get("ops") or []), "nodes": nodes, "also": also,
             "more_nodes": max(0, len(c.get("nodes") or []) - 12), "status": c.get("status"),
             "error": " ".join(x for x in (f"{c.get('error_type')}:" if c.get("error_type") else "",
                                            str(c.get("message") or "")) if x),

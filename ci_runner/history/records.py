@@ -29,6 +29,7 @@ from typing import Any, Mapping
 from ..errors import InputError, NewerFileError, UsageError
 from ..fsutil import atomic_write_bytes
 from ..results.model import CellResult, Results, clean, encode_number
+from ..backends.vendor import boilerplate_lines
 from ..results.rootcause import signature
 
 RECORD_KIND = "deepview-ci-history-run"
@@ -148,7 +149,7 @@ def record_of(results: Results, meta: RunMeta) -> dict[str, Any]:
                 if f.fingerprint in seen:
                     continue
                 seen.add(f.fingerprint)
-                sig = f.details.get("signature") if isinstance(f.details.get("signature"), str) else signature(f).id
+                sig = f.details.get("signature") if isinstance(f.details.get("signature"), str) else signature(f, boilerplate=boilerplate_lines()).id
                 findings.append([i, f.fingerprint, f.kind, mode_name, f.op or "", f.module or "", sig])
         named = {f"{m}.{k}": v for m, r in sorted(c.modes.items()) for k, v in _figures(r.data)}
         if named:

@@ -30,6 +30,7 @@ from .settings import VIEWS, dynamo_settings
 from .store import DumpReader
 from .thresholds import ThresholdTable, exceeded, load_table
 from .views import cast_tree, run_cumulative_view, run_isolated_view, short_error
+from .watched import NOT_RAN, WatchedRunner
 from .weights import check_value
 
 TARGET_CHILD = "ci_runner.numerics.target:target_child"
@@ -99,18 +100,17 @@ def compare_target(module: nn.Module, backend: Any, plan: TargetPlan, emit: Resu
                   "reason": "the cumulative view flagged no layer (isolated: auto)"})
         elif "isolated" in plan.views:
             t0 = time.monotonic()
-            compiled: dict[str, Callable[..., Any]] = {}
-
-            def runner(name: str, m: nn.Module) -> Callable[..., Any]:
-                if name not in compiled:
-                    compiled[name] = backend.compile(m)
-                return compiled[name]
+            runner = WatchedRunner(backend)  # each module's first call watched: did the backend run it
 
             modules = dict(module.named_modules())
             for s, reader in enumerate(readers):
                 skip = set(plan.skip.get(f"isolated:{s}", ()))
 
                 def emit_s(rec: dict[str, Any], s: int = s) -> None:
+                    why = runner.not_ran.get(str(rec.get("key", "")).partition("#")[0]) if "metrics" in rec else None
+                    if why:  # measured, but not on the backend: no comparison
+                        rec = {"view": rec["view"], "key": rec["key"], "stage": NOT_RAN,
+                               "error": f"the backend did not run it: {why}"[:600]}
                     emit({**rec, "sample": s})
 
                 run_isolated_view(modules, reader, runner, emit_s, cast=to_dev, skip=skip, journal=journal,

@@ -226,15 +226,22 @@ def view_status(layers: list[Layer], view: str, *, errors: bool, wanted: bool) -
     return "partial" if failed or compared < len(layers) else "ran"
 
 
+# errors that leave a layer to the other view, not held against a pass when that view compared it: its paths differ
+# in this one (`paths`), this view's capture could not hold it (`capture`: `watched.py`'s ways without hooks), or
+# the backend did not run it in this view (`not_ran`: e.g. OpenVINO converts a model whole but not one of its
+# modules alone). A layer no view compared is missing: never a pass.
+OTHER_VIEW = ("paths:", "capture:", "not_ran:")
+
+
 def coverage(layers: list[Layer], views: list[str]) -> dict[str, Any]:
     """How much of the model was compared: `{"compared": N, "total": M, "views": {view: n}, "missing": [first keys
-    compared in no view], "failed": [first keys where the backend failed in a view], "not_comparable": [first keys
-    whose paths differ in a view]}`. A layer counts as compared when a view in `views` (those that should have
+    compared in no view], "failed": [first keys where the backend failed, or did not run, in a view],
+    "not_comparable": [first keys whose paths differ, or that the capture could not hold, in a view]}`. A layer counts as compared when a view in `views` (those that should have
     run) measured it."""
     per_view = {v: sum(1 for l in layers if l.metrics.get(v) is not None) for v in views}
     missing = [l.key for l in layers if all(l.metrics.get(v) is None for v in views)]
-    paths = [l for l in layers if any(e.startswith("paths:") for e in l.errors.values())]
-    failed = [l for l in layers if any(not e.startswith("paths:") for v, e in l.errors.items() if v in views)]
+    paths = [l for l in layers if any(e.startswith(OTHER_VIEW) for e in l.errors.values())]
+    failed = [l for l in layers if any(not e.startswith(OTHER_VIEW) for v, e in l.errors.items() if v in views)]
     return {"compared": len(layers) - len(missing), "total": len(layers), "views": per_view, "missing": missing[:20],
             "failed": [l.key for l in failed][:20], "failed_count": len(failed),
             "not_comparable": [l.key for l in paths][:20], "not_comparable_count": len(paths)}

@@ -3,7 +3,7 @@
 * **isolated** (`run_isolated_view`): every reference call re-run alone on the reference's inputs, its direct
   sub-calls stubbed with the reference's outputs for them, so its metrics measure its own ops only.
 * **cumulative** (`run_cumulative_view`): the whole model's forward, every call's output compared as it comes
-  (eager) or after the compiled graph returns (compiled, through `capture.OutputHooks`).
+  (eager) or after the compiled graph returns (compiled, through `capture.OutputHooks`, watched: `watched.py`).
 
 `derive_reference_stats` runs both for the secondary references to derive thresholds. The method is described
 in `docs/numerics.md`.
@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..engine.capture import OutputHooks, flatten_traceable
+from ..engine.capture import flatten_traceable
 from ..engine.codec import Unstorable
 from ..engine.failure import is_compile_stage
 from ..engine.tree import map_tensors
@@ -29,12 +29,10 @@ from .capture import (
     CaptureError,
     CompareSink,
     ResultFn,
-    capture_compiled_outputs,
     capture_layer_outputs,
     compare_call,
     compare_flat,
     compared_flat,
-    compile_for_capture,
     dump_meta,
     make_record,
     record_reference,
@@ -43,6 +41,7 @@ from .metrics import MetricsError, compare_any_row_order, worst
 from .settings import DTYPES, VIEWS
 from .store import DumpReader, dump_matches
 from .thresholds import LayerStats
+from .watched import CAPTURE, NOT_RAN, CaptureRun, watched_capture
 
 def cast_tree(obj: Any, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> Any:
     """Floating tensors to `dtype`, every tensor to `device`, through tuples/lists/dicts/ModelOutput."""
@@ -247,66 +246,87 @@ def calls_differ(reader: DumpReader, counts: Mapping[str, int]) -> dict[str, str
 
 def run_cumulative_view(module: nn.Module, backend: Any, readers: Sequence[DumpReader], skip: Iterable[str], emit: ResultFn,
                 to_dev: Callable[[Any], Any], journal: Callable[[str, str], None] | None) -> None:
+    """Every call's output in the whole model's forward against `readers` (one per sample): compared as it returns
+    (eager backends) or from a watched compiled capture (`watched.watched_capture`: did the backend run it, and in
+    which way the outputs were captured; a fresh compile per sample)."""
     eager = bool(getattr(backend, "is_eager", False))
     skipped = set(skip)
     mutated = set().union(*(r.mutated_names() for r in readers)) if readers else set()
-    appender = None if eager else OutputHooks(module, clone=mutated)  # the in-place rule: copy what is changed later
-    fn = None
-    try:
-        for s, reader in enumerate(readers):
-            if f"cumulative:{s}" in skipped:
-                continue
-            root = reader.root()
-            args, kwargs = reader.inputs(root)
-            args, kwargs = to_dev(args), to_dev(kwargs)
-            tag = f"cumulative:{s}"
-            if journal:
-                journal("enter-module", tag)
-            t0 = time.monotonic()
-            try:
-                if eager:
-                    sink = CompareSink(reader, lambda r, s=s: emit({**r, "sample": s}), journal=journal, prefix=tag + ":")
-                    capture_layer_outputs(module, args, kwargs, sink)
-                    seen = sink.seen
-                    differ = calls_differ(reader, sink.counts)  # checked after: the records were emitted live
-                else:
-                    assert appender is not None
-                    if fn is None:
-                        fn = compile_for_capture(backend)
-                    _out, records = capture_compiled_outputs(module, fn, args, kwargs, appender)
-                    if not records and reader.calls:
-                        raise CaptureError("the compiled model ran but none of the capture hooks did")
-                    seen = set()
-                    differ = calls_differ(reader, _name_counts(k for k, _ in records))
-                    records.reverse()
-                    while records:
-                        key, out = records.pop()  # drop each output once compared
-                        call = reader.by_key.get(key)
-                        if call is None or call["name"] in differ:
-                            continue
-                        seen.add(key)
-                        flat = compared_flat(out)
-                        try:
-                            emit({**make_record("cumulative", call, metrics=compare_flat(reader, call, flat)), "sample": s})
-                        except MetricsError as exc:
-                            emit({**make_record("cumulative", call, error=exc.message, stage="compare"), "sample": s})
-                        del out, flat
-                for c in reader.calls:  # a module called another number of times: which call is which is unknown
-                    if c["name"] in differ:
-                        seen.add(c["key"])
-                        emit({**make_record("cumulative", c, error=f"not comparable: {differ[c['name']]}",
-                                            stage="paths"), "sample": s})
-                missing = [c["key"] for c in reader.calls if c["key"] not in seen]
-                emit({"view": "cumulative", "sample": s, "status": "ok", "unobserved": missing[:50],
-                      "unobserved_count": len(missing), "seconds": round(time.monotonic() - t0, 4)})
-            except Exception as exc:
-                emit({"view": "cumulative", "sample": s, "status": "error", "error": short_error(exc, 2000),
-                      "stage": "compile" if is_compile_stage(exc) else "run"})
-            if journal:
-                journal("leave-module", tag)
-    finally:
-        if appender is not None:
-            appender.remove()
+    for s, reader in enumerate(readers):
+        if f"cumulative:{s}" in skipped:
+            continue
+        root = reader.root()
+        args, kwargs = reader.inputs(root)
+        args, kwargs = to_dev(args), to_dev(kwargs)
+        tag = f"cumulative:{s}"
+        if journal:
+            journal("enter-module", tag)
+        t0 = time.monotonic()
+        try:
+            if eager:
+                sink = CompareSink(reader, lambda r, s=s: emit({**r, "sample": s}), journal=journal, prefix=tag + ":")
+                capture_layer_outputs(module, args, kwargs, sink)
+                seen = sink.seen
+                differ = calls_differ(reader, sink.counts)  # checked after: the records were emitted live
+                capture: dict[str, Any] = {}
+            else:
+                run = watched_capture(module, backend, args, kwargs, mutated)
+                capture = run.status()
+                seen, differ = _compare_compiled(reader, run, lambda r, s=s: emit({**r, "sample": s}))
+            for c in reader.calls:  # a module called another number of times: which call is which is unknown
+                if c["name"] in differ:
+                    seen.add(c["key"])
+                    emit({**make_record("cumulative", c, error=f"not comparable: {differ[c['name']]}",
+                                        stage="paths"), "sample": s})
+            missing = [c["key"] for c in reader.calls if c["key"] not in seen]
+            emit({"view": "cumulative", "sample": s, "status": "ok", "unobserved": missing[:50],
+                  "unobserved_count": len(missing), "seconds": round(time.monotonic() - t0, 4), **capture})
+        except Exception as exc:
+            emit({"view": "cumulative", "sample": s, "status": "error", "error": short_error(exc, 2000),
+                  "stage": "compile" if is_compile_stage(exc) else "run"})
+        if journal:
+            journal("leave-module", tag)
+
+
+def _compare_compiled(reader: DumpReader, run: CaptureRun, emit: ResultFn) -> tuple[set[str], dict[str, str]]:
+    """The records of a watched compiled capture against the reference: (keys seen, modules whose call counts
+    differ). A capture the backend did not run is no comparison: every call is `not_ran`. Calls the capture's way
+    cannot hold (`no-hooks`: all but the root; `hooks-reference`: outputs changed in place later) are `capture`."""
+    if run.not_ran is not None:
+        for c in reader.calls:
+            emit(make_record("cumulative", c, error=f"the backend did not run it ({run.way}): {run.not_ran}"[:600],
+                             stage=NOT_RAN))
+        return {c["key"] for c in reader.calls}, {}
+    records = run.records
+    if not records and reader.calls:
+        raise CaptureError("the compiled model ran but none of the capture hooks did")
+    seen: set[str] = set()
+    differ = {} if run.way == "no-hooks" else calls_differ(reader, _name_counts(k for k, _ in records))
+    if run.way == "no-hooks":
+        why = "; ".join(t["not_ran"] for t in run.tried)[:400]
+        for c in reader.calls[1:] if reader.calls and reader.calls[0]["key"] == "" else reader.calls:
+            seen.add(c["key"])
+            emit(make_record("cumulative", c, stage=CAPTURE, error=f"not compared in this view: with capture hooks "
+                             f"the backend did not run the model ({why}); it ran without them, so only the model's "
+                             f"output is compared here and its layers in the isolated view"))
+    records.reverse()
+    while records:
+        key, out = records.pop()  # drop each output once compared
+        call = reader.by_key.get(key)
+        if call is None or call["name"] in differ:
+            continue
+        seen.add(key)
+        if key in run.unheld:
+            emit(make_record("cumulative", call, stage=CAPTURE, error="not compared in this view: changed in place "
+                             "after its hook, and the backend does not run the model when it is copied there"))
+            continue
+        flat = compared_flat(out)
+        try:
+            emit(make_record("cumulative", call, metrics=compare_flat(reader, call, flat)))
+        except MetricsError as exc:
+            emit(make_record("cumulative", call, error=exc.message, stage="compare"))
+        del out, flat
+    return seen, differ
 
 
 

@@ -21,6 +21,7 @@ from ..registry import SECTION_DIVERGENT, SECTION_LAYERS, SECTION_OPS, SECTION_O
 from ..registry import mode_names as registered_modes
 from ..results.model import STATUS_SEVERITY, CellResult, Finding, Repro, Results, number
 from ..engine.failure import headline
+from ..backends.vendor import boilerplate_lines
 from ..results.rootcause import root_causes
 
 ICONS: dict[str, str] = {
@@ -404,14 +405,16 @@ def mode_names(results: Results) -> list[str]:
 
 
 def culprit_text(f: Finding) -> str | None:
-    """`aten.histc.default fails alone` / `4 nodes fail together (aten.mm.default, aten.neg.default)` for a
+    """`aten.histc.default fails alone` / `aten.histc.default, aten.cumsum.default each fail alone` / `4 nodes fail together (aten.mm.default, aten.neg.default)` for a
     layer failure whose culprit search found something (`details.culprit`), else None."""
     c = f.details.get("culprit") if isinstance(f.details, Mapping) else None
     if not isinstance(c, Mapping) or not c.get("found") or not c.get("ops"):
         return None
     ops = [str(o) for o in c["ops"]]
     if c.get("kind") == "single":
-        return f"{ops[0]} fails alone"
+        alone = list(dict.fromkeys([ops[0], *(str(r.get("op")) for r in c.get("failing_ops") or ()
+                                              if isinstance(r, Mapping) and r.get("op"))]))
+        return f"{ops[0]} fails alone" if len(alone) == 1 else f"{', '.join(alone)} each fail alone"
     return f"{len(c.get('nodes') or ops)} nodes fail together, no op alone ({', '.join(ops)})"
 
 
@@ -467,7 +470,7 @@ def cause_place(cause: Mapping[str, Any], example: "FindingView | None") -> str:
 
 def _causes(results: Results, allf: Sequence[FindingView]) -> list[dict[str, Any]]:
     """The root causes, each with `place` (`cause_place`) and `full` (its example finding's whole first line)."""
-    causes = results.root_causes if results.root_causes or not allf else root_causes(results)
+    causes = results.root_causes if results.root_causes or not allf else root_causes(results, boilerplate=boilerplate_lines())
     by_sig: dict[str, FindingView] = {}
     for fv in allf:
         sig = fv.finding.details.get("signature") if isinstance(fv.finding.details, Mapping) else None

@@ -19,7 +19,14 @@ temporary paths      ``/tmp/tmpab12cd/x.py``                      ``<TMP>``
 process ids          ``pid 4242``, ``pid=4242``                   ``pid <N>``
 counters             ``getitem_12``, ``__compiled_fn_7``, ``[0/3]``  ``getitem_<N>``, ``[<N>/<N>]``
 long hex hashes      ``3f9c0a…`` (≥ 12 hex digits)                ``<HASH>``
+MLIR op dumps        ``source.mlir:6:10:``, ``%3``, ``%arg0``,    ``<LOC>:``, ``%<N>``,
+                     `` : (!torch.vtensor<[8],f32>) -> …``        `` : <TYPES>``
 ===================  ===========================================  ============
+
+A message's line is its first non-blank line that is not a backend's boilerplate (`cause_line`): IREE's every
+compile error reads "JIT compilation failed. See diagnostics." and names the op on a later line (the compiler's
+words the modes append). The lines are declared by the vendor modules (`backends/vendor.boilerplate_lines`) and
+passed in by the callers (`boilerplate=`), which sit above this module.
 
 Everything else (op names, shapes, dtypes, line numbers of the raising frame) is kept: it is what tells
 two causes apart.
@@ -30,7 +37,7 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Collection, Iterable, Mapping
 
 from ..engine.failure import first_line
 from .model import Finding, Results
@@ -44,6 +51,10 @@ _RULES: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"\b[su]\d+\b"), "s<N>"),
     (re.compile(r"(?<=[A-Za-z_])_\d+\b"), "_<N>"),
     (re.compile(r"\[\d+/\d+\]"), "[<N>/<N>]"),
+    # MLIR diagnostics (IREE): the location, SSA value names and the op's function type vary with the module
+    (re.compile(r"[\w./-]+\.mlir:\d+:\d+:"), "<LOC>:"),
+    (re.compile(r"%[A-Za-z_]*\d+\b"), "%<N>"),
+    (re.compile(r"(?<=}>) : \(.*?\) -> \S+"), " : <TYPES>"),
 )
 
 
@@ -203,21 +214,34 @@ class Signature:
     raised: RaisedIn
 
 
-def error_signature(error_type: str, message: str, traceback_text: str = "") -> Signature:
-    """The normalised signature of one error (its type, first line and raising package): what `signature` gives
+def cause_line(message: str, boilerplate: Collection[str] = (), limit: int = 240) -> str:
+    """The line of `message` a cause is keyed on: its first non-blank line that is not one of a backend's
+    `boilerplate` lines (a ``compiler: `` prefix, the layers mode's, dropped), else its first line."""
+    skip = {b.strip() for b in boilerplate}
+    for ln in str(message or "").splitlines():
+        ln = ln.strip().removeprefix("compiler: ").strip()
+        if ln and ln not in skip:
+            return ln[:limit]
+    return first_line(message, limit)
+
+
+def error_signature(error_type: str, message: str, traceback_text: str = "", *,
+                    boilerplate: Collection[str] = ()) -> Signature:
+    """The normalised signature of one error (its type, cause line and raising package): what `signature` gives
     a finding with that error, for outcomes that are not findings yet (the layers mode groups its probes by it)."""
-    msg = normalize_text(first_line(message, 240))
+    msg = normalize_text(cause_line(message, boilerplate, 1000))[:240]  # an MLIR line's types end past 240
     raised = raised_in(traceback_text)
     key = (error_type, msg, raised.package)
     digest = hashlib.sha256("\x1f".join(key).encode("utf-8")).hexdigest()[:12]
     return Signature(id=digest, error_type=error_type, message=msg, raised=raised)
 
 
-def signature(f: Finding) -> Signature:
+def signature(f: Finding, *, boilerplate: Collection[str] = ()) -> Signature:
     """The finding's normalised error signature. Findings without an error (numerical ones) are keyed by kind
     and by what they are about (op or module class): each such group is its own cause."""
     if f.error_type:
-        return error_signature(f.error_type, _without_type(_error_text(f), f.error_type), _traceback_text(f))
+        return error_signature(f.error_type, _without_type(_error_text(f), f.error_type), _traceback_text(f),
+                               boilerplate=boilerplate)
     etype = f.kind
     msg = f"{f.kind} in {f.op or f.module_class or f.module or '?'}"
     digest = hashlib.sha256("\x1f".join((etype, msg, "")).encode("utf-8")).hexdigest()[:12]
@@ -225,28 +249,28 @@ def signature(f: Finding) -> Signature:
                      raised=RaisedIn(package="", role="unknown", frame="", backend_frame=""))
 
 
-def annotate(findings: Iterable[Finding]) -> None:
+def annotate(findings: Iterable[Finding], *, boilerplate: Collection[str] = ()) -> None:
     """Put each finding's signature id into ``details["signature"]`` (and where it was raised, when known)."""
     for f in findings:
-        _annotate_one(f)
+        _annotate_one(f, boilerplate)
 
 
-def _annotate_one(f: Finding) -> Signature:
-    sig = signature(f)
+def _annotate_one(f: Finding, boilerplate: Collection[str]) -> Signature:
+    sig = signature(f, boilerplate=boilerplate)
     f.details["signature"] = sig.id
     if sig.raised.package and "raised_in" not in f.details:
         f.details["raised_in"] = sig.raised.words()
     return sig
 
 
-def root_causes(results: Results) -> list[dict[str, Any]]:
+def root_causes(results: Results, *, boilerplate: Collection[str] = ()) -> list[dict[str, Any]]:
     """The distinct root causes of `results`, most findings first: ``[{signature, count, cells, raised_in,
     role, frame, error_type, message, example}]``. Also annotates every finding (`annotate`)."""
     groups: dict[str, dict[str, Any]] = {}
     for cell in results.cells:
         for mode_name, mode in cell.modes.items():
             for f in mode.findings:
-                sig = _annotate_one(f)
+                sig = _annotate_one(f, boilerplate)
                 g = groups.get(sig.id)
                 if g is None:
                     g = groups[sig.id] = {
@@ -274,7 +298,7 @@ def example_of(cause: Mapping[str, Any]) -> str:
 
 # ---------------------------------------------------------------------------- the ops ranking ranks causes
 
-def shared_causes(findings: Iterable[Finding]) -> dict[str, Signature]:
+def shared_causes(findings: Iterable[Finding], *, boilerplate: Collection[str] = ()) -> dict[str, Signature]:
     """The signatures of op findings that are not about an operator: one error raised in torch (Dynamo, FX,
     guard building) that fails two or more different ops. Those ops are listed under the cause in the ranking,
     not as missing operators."""
@@ -283,7 +307,7 @@ def shared_causes(findings: Iterable[Finding]) -> dict[str, Signature]:
     for f in findings:
         if not (f.op and f.error_type):
             continue
-        sig = signature(f)
+        sig = signature(f, boilerplate=boilerplate)
         if sig.raised.role == "torch":
             ops.setdefault(sig.id, set()).add(f.op)
             sigs[sig.id] = sig

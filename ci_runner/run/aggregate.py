@@ -13,6 +13,7 @@ from ..errors import InputError
 from ..report import write_reports
 from ..plan import NO_RESULT, SETUP_RECORD, TAIL_CHARS, Evidence, PlannedCell, apply_plan, read_setup_record
 from ..registry import SECTION_OPS, FindingKind, kinds_in
+from ..backends.vendor import boilerplate_lines
 from ..results.rootcause import cause_row, root_causes, shared_causes, signature
 from ..zoo.report import zoo_section
 from ..results.model import (JOURNAL_NAME, PARTIAL_NAME, RESULT_NAME, STARTED_NAME, STDERR_NAME, CellError, CellResult, ModeResult,
@@ -58,10 +59,10 @@ def op_ranking(results: Results) -> list[dict[str, object]]:
     by several ops (raised in torch, e.g. Dynamo's guard building) counts under that cause (`rootcause.shared_causes`),
     as one row with `op` None, `cause`, `error_type`, `message`, `raised_in` and the `ops` it failed."""
     found = [(cell, f) for cell, _mode, f in iter_findings(results) if f.kind in kinds_in(SECTION_OPS) and f.op]
-    shared = shared_causes(f for _, f in found)
+    shared = shared_causes((f for _, f in found), boilerplate=boilerplate_lines())
     rows: dict[str, dict[str, Any]] = {}
     for cell, f in found:
-        sig = signature(f) if shared and f.error_type else None
+        sig = signature(f, boilerplate=boilerplate_lines()) if shared and f.error_type else None
         key = sig.id if sig is not None and sig.id in shared else f"op:{f.op}"
         row = rows.get(key)
         if row is None:
@@ -121,7 +122,7 @@ def aggregate(paths: Sequence[Path], *, plan: Sequence[PlannedCell] | None = Non
                       generated_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
     results.ranking = op_ranking(results)
     results.patterns = layer_patterns(results)
-    results.root_causes = root_causes(results)  # also puts details.signature on every finding
+    results.root_causes = root_causes(results, boilerplate=boilerplate_lines())  # also puts details.signature on every finding
     records = zoo_records(run_dirs if run_dirs is not None else [p for p in paths if Path(p).is_dir()])
     if records:
         results.zoo = zoo_section(records)

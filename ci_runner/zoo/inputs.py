@@ -3,7 +3,8 @@
 Text, vision and Llava-style image-text inputs come from `engine.models.build_inputs` (the one input builder);
 this module picks the task it is called with from the model's `main_input_name` and adds what that builder does
 not make: audio (`input_values` raw waveforms, `input_features` log-mel frames in the layout the model's first
-convolution reads) and the decoder side of encoder-decoder models (`decoder_input_ids`). A forward argument that
+convolution reads) and the decoder side of a speech encoder-decoder (`engine.models.decoder_input_ids`, which
+`build_inputs` uses for a text encoder-decoder, as `config:` models get it). A forward argument that
 is required and not made here is a `ZooInputError` naming it: the scan lists the architecture with that reason.
 
 Packed-patch vision (Qwen-VL style: a forward that takes `image_grid_thw`, or an encoder that takes `grid_thw`):
@@ -23,12 +24,11 @@ from typing import Any
 import torch
 
 from ..config import InputSpec, ModelSpec
-from ..engine.models import LoadedModel, build_inputs
+from ..engine.models import LoadedModel, build_inputs, decoder_input_ids
 from ..errors import DeepviewError
 
 AUDIO_SAMPLES = 3200  # raw waveform length for `input_values` (0.2 s at 16 kHz)
 FEATURE_FRAMES = 64  # log-mel frames for `input_features` when the config does not fix them
-DECODER_LEN = 8
 DEFAULT_VOCAB = 256
 GRID_MERGES = 2  # packed-patch images: merged patches per side
 
@@ -48,9 +48,9 @@ def _builder_task(task: str | None, main: str) -> str:
     """The `build_inputs` task for a zoo head: what feeds its main input."""
     if main == "pixel_values":
         return "image-text" if task == "image-text" else "image-classification"
-    if task == "image-text":
-        return "image-text"
-    return "causal-lm" if task == "causal-lm" else "base"
+    if task in ("image-text", "causal-lm", "seq2seq"):
+        return task
+    return "base"
 
 
 def _first_conv_in(module: torch.nn.Module) -> int | None:
@@ -93,13 +93,6 @@ def _default_vocab(config: Any) -> None:
             text.vocab_size = DEFAULT_VOCAB
         except (AttributeError, TypeError, ValueError):
             pass
-
-
-def _decoder_ids(config: Any, inputs: InputSpec, sample: int) -> torch.Tensor:
-    dec = getattr(config, "decoder", None) or getattr(config, "text_config", None) or config
-    vocab = int(getattr(dec, "vocab_size", None) or getattr(config, "vocab_size", None) or 2)
-    gen = torch.Generator().manual_seed(inputs.seed * 104729 + sample)
-    return torch.randint(0, max(2, vocab), (inputs.batch, DECODER_LEN), generator=gen)
 
 
 def _loaded(module: torch.nn.Module, config: Any, model_type: str, task: str) -> LoadedModel:
@@ -287,7 +280,7 @@ def zoo_inputs(module: torch.nn.Module, config: Any, *, model_type: str, task: s
     else:
         _video_frames(kwargs, config)
     if "decoder_input_ids" in params and (getattr(config, "is_encoder_decoder", False) or task in ("seq2seq", "speech-seq2seq")):
-        kwargs["decoder_input_ids"] = _decoder_ids(config, inputs, sample)
+        kwargs.setdefault("decoder_input_ids", decoder_input_ids(config, inputs, sample))  # the one builder
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     kwargs = {k: v for k, v in kwargs.items() if k in params or takes_any}
     missing = [n for n, p in params.items() if n != "self" and p.default is inspect.Parameter.empty

@@ -44,6 +44,7 @@ def _matrix(layers: int, options: str) -> str:
                 {"id": "tiny-mixtral", "config": "mixtral", "overrides": mixtral},
                 {"id": "rotary", "factory": "tests.fixtures.plugin_layers_models:rotary_net"}],
         backends=[{"id": "pair", "compile": "tests.fixtures.plugin_layers_pair:pair_backend"},
+                  {"id": "refuse", "compile": "tests.fixtures.plugin_layers_refuse:refuse_backend"},
                   *({"id": f"sim-{s}", "compile": f"sim-{s}"} for s in ("crash", "abort", "hang")),
                   {"id": "simdev", "device": "simdev"},
                   {"id": "turbine", "compile": "turbine_cpu"}],  # registered by iree-turbine (entry point)
@@ -78,6 +79,14 @@ def _culprits(mode: ModeResult) -> dict[str, dict[str, Any]]:
     return {str(f.module): f.details["culprit"] for f in mode.findings}
 
 
+def _first_probe(cdir: Path, culprit: dict[str, Any]) -> list[int]:
+    """The node range the culprit search probed first (its `probes.jsonl`, in probe order)."""
+    from ci_runner.engine.outcome import read_outcomes
+
+    first = next(iter(read_outcomes(cdir / Path(culprit["repro"]["path"]).parent / "probes.jsonl")))
+    return [int(x) for x in first.split(":")]
+
+
 def _by_hand(cdir: Path, culprit: dict[str, Any]) -> subprocess.CompletedProcess[str]:
     """The culprit repro from its folder, in a clean interpreter (deepview-ci only as the sim plugin)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -100,7 +109,7 @@ def test_sim_crash_names_the_attention_op_with_real_shapes(run_cell: Callable[..
                                       "float32[1, 1, 8, 8]", "float32[1, 1, 8, 8]"], c["inputs"]
         assert "sdpa_attention.py" in (c["sources"][0] or "")
         assert c["repro"]["verified"], c["repro"]
-        assert c["probes"] == 1  # the op the layer's error names is probed first
+        assert _first_probe(cdir, c) == c["node_range"]  # the op the layer's error names is probed first
     # one cause group (same class, error signature and inputs): one search, its answer carried by the twin
     assert culprits["model.layers.1.self_attn"]["shared_with"] == "model.layers.0.self_attn"
     assert culprits["model.layers.1.self_attn"]["repro"] == culprits["model.layers.0.self_attn"]["repro"]
@@ -134,6 +143,22 @@ def test_fusion_only_gives_the_smallest_range_holding_both_ops(run_cell: Callabl
     assert c["error_type"] == "IndexError" and c["repro"]["verified"], c["repro"]
 
 
+def test_every_op_that_fails_alone_is_named(run_cell: Callable[..., _Run]) -> None:
+    """Issue 38: a module failing on two ops (the backend names only the first it meets) names both; the repro is
+    the first's, and the report says both."""
+    from ci_runner.report.view import culprit_text
+
+    mode, _, _ = run_cell("rotary", "refuse")
+    assert [str(f.module) for f in mode.findings] == ["rot"], mode.findings
+    c = _culprits(mode)["rot"]
+    assert c["found"] and c["kind"] == "single", c
+    failing = [r["op"] for r in c["failing_ops"]]
+    assert sorted(failing) == ["aten.cat.default", "aten.neg.default"], c["failing_ops"]
+    assert c["ops"] == failing[:1] and c["repro"]["verified"], c
+    assert all(r["status"] == "fail" and "unsupported operator" in r["message"] for r in c["failing_ops"])
+    assert culprit_text(mode.findings[0]) == f"{failing[0]}, {failing[1]} each fail alone"
+
+
 def test_eager_device_names_the_executing_submodule(run_cell: Callable[..., _Run]) -> None:
     """The layer search on simdev (moved from test_layers.py, which ran the same cell with the culprit search
     off): the same findings with it on, on the run the culprit test below reads."""
@@ -151,14 +176,14 @@ def test_eager_device_names_the_executing_submodule(run_cell: Callable[..., _Run
 
 
 def test_eager_device_names_rsqrt_in_norms_and_softmax_in_attention(run_cell: Callable[..., _Run]) -> None:
-    mode, _, _ = run_cell("tiny-llama", "simdev")
+    mode, _, cdir = run_cell("tiny-llama", "simdev")
     culprits = _culprits(mode)
     assert culprits["model.layers.0.input_layernorm"]["ops"] == ["aten.rsqrt.default"]
     assert culprits["model.norm"]["ops"] == ["aten.rsqrt.default"]
     # the attention's math path (what an eager device runs): _safe_softmax, which runs _softmax on the device
     attn = culprits["model.layers.0.self_attn"]
     assert attn["ops"] == ["aten._safe_softmax.default"] and "aten::_softmax" in attn["message"], attn
-    assert attn["probes"] == 1  # the layer's error names _softmax: the softmax node goes first
+    assert _first_probe(cdir, attn) == attn["node_range"]  # the layer's error names _softmax: it goes first
     assert all(c["repro"]["verified"] for c in culprits.values()), culprits
 
 
@@ -200,4 +225,8 @@ def test_iree_turbine_names_histc_in_mixtral_experts(run_cell: Callable[..., _Ru
     assert experts, list(culprits)
     for m in experts:
         assert culprits[m]["ops"] == ["aten.histc.default"], culprits[m]
+        # IREE stops at the first op it cannot lower; the experts also fail on the grouped matmul (issue 38)
+        # (both grouped matmuls, up and down projection, fail: one node each)
+        failing = [r["op"] for r in culprits[m]["failing_ops"]]
+        assert list(dict.fromkeys(failing)) == ["aten.histc.default", "transformers.grouped_mm_fallback.default"]
         assert culprits[m]["repro"]["verified"], culprits[m]["repro"]

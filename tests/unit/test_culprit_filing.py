@@ -76,3 +76,22 @@ def test_summary_and_html_name_the_culprit_first(tmp_path) -> None:
     write_reports(results, tmp_path)
     html = (tmp_path / "report.html").read_text(encoding="utf-8")
     assert f"culprit: <b>{SDPA} fails alone</b>" in html
+
+
+def test_every_op_failing_alone_is_named_in_the_issue_and_the_report(tmp_path) -> None:
+    """Issue 38: the culprit names each op that fails alone in the module; the issue is filed under the first."""
+    from ci_runner.report.view import culprit_text
+    from ci_runner.results.model import Finding
+
+    histc, gmm = "aten.histc.default", "transformers.grouped_mm_fallback.default"
+    c = _culprit(ops=(histc,))
+    c["failing_ops"] = [{"op": histc, "node": "histc"}, {"op": gmm, "node": "grouped_mm_fallback"}]
+    layer = _layer("model.layers.0.mlp.experts", "iree", c)
+    groups = group_entries({"entries": [entry("regressed", "tiny-mixtral", "iree", layer)]}, layers=True)
+    assert [g.key for g in groups] == [("culprit", "iree", histc)]
+    body = render_issue(groups[0], _ctx())
+    assert f"`{histc}` fails alone" in body and f"also failing alone in this module: `{gmm}`" in body
+    f = Finding(kind="layer_failure", stage="compile", message="x", fingerprint="ab" * 10, details={"culprit": c})
+    assert culprit_text(f) == f"{histc}, {gmm} each fail alone"
+    c.pop("failing_ops")
+    assert culprit_text(f) == f"{histc} fails alone"  # results written before issue 38

@@ -22,8 +22,35 @@ def _probe(fails):
 
 def test_first_failing_single_wins_in_probe_order() -> None:
     probe, seen = _probe(lambda idx: 5 in idx)
-    st = search(10, [5, 0, 1, 2, 3, 4, 6, 7, 8, 9], probe)
+    st = search(10, [5, 0, 1, 2, 3, 4, 6, 7, 8, 9], probe, all_singles=False)
     assert (st.kind, st.key, seen) == ("single", "5:6", ["5:6"])
+
+
+def test_every_single_that_fails_alone_is_named() -> None:
+    """Issue 38: a module failing on two ops names both (the backend's error names only the first it meets)."""
+    probe, seen = _probe(lambda idx: bool({5, 2, 8} & idx))
+    st = search(10, [5, 0, 1, 2, 3, 4, 6, 7, 8, 9], probe)
+    assert (st.kind, st.key, st.failing) == ("single", "5:6", ["5:6", "2:3", "8:9"])
+    # the first single, then group testing on each side of it: ranges halved down to the failing singles
+    assert seen[0] == "5:6" and "0:5" in seen and "6:10" in seen, seen
+    probe, seen = _probe(lambda idx: 5 in idx)
+    assert search(10, [5, 0, 1, 2, 3, 4, 6, 7, 8, 9], probe).failing == ["5:6"]
+    assert seen == ["5:6", "0:5", "6:10"]  # nothing else fails alone: two probes, not nine
+    # out of time after a failing one: that answer, said to be partial
+    calls = []
+
+    def timed(key: str) -> ProbeOutcome:
+        calls.append(key)
+        if len(calls) > 1:
+            raise StopSearch()
+        return probe(key)
+
+    st = search(10, [5, 0, 1, 2, 3], timed)
+    assert (st.kind, st.failing) == ("single", ["5:6"]) and "out of time" in st.note
+    # a node with the op and inputs of an earlier one is the same probe: left out of the order
+    steps = [Step(index=i, node=f"n{i}", op=op, source=None, inputs=["float32[2]"], probe=True)
+             for i, op in enumerate(["aten.neg.default", "aten.cat.default", "aten.neg.default"])]
+    assert single_order(steps, []) == [0, 1]
 
 
 def test_no_single_fails_gives_the_smallest_range_holding_both() -> None:

@@ -282,3 +282,15 @@ def test_image_size_override_interpolates_position_embeddings() -> None:
     with torch.no_grad():
         assert loaded.module(**kw).logits.shape == (1, 10)
     assert "interpolate_pos_encoding" not in build_inputs(loaded, InputSpec(), sample=0)
+
+
+def test_config_properties_and_aliases_are_accepted_overrides() -> None:
+    """Issue 38: `num_labels` is a property of every config, not a `to_dict()` key; transformers accepts it, so do
+    we (and an `attribute_map` alias such as swin's `num_hidden_layers`). A typo next to it is still refused."""
+    tiny = {"embed_dim": 16, "depths": [1], "num_heads": [1], "image_size": 32, "patch_size": 4, "window_size": 4}
+    loaded = load_model(spec(config="swin", overrides={**tiny, "num_labels": 10, "num_hidden_layers": 1}), seed=0)
+    assert loaded.module.config.num_labels == 10
+    assert loaded.module.classifier.out_features == 10, loaded.module.classifier
+    with pytest.raises(ModelLoadError) as info:
+        load_model(spec(id="bad", config="swin", overrides={**tiny, "num_lables": 10}))
+    assert "unknown config key 'num_lables'" in info.value.message and "'num_labels'" in (info.value.hint or "")

@@ -20,6 +20,8 @@ from ci_runner.engine import codec
 from ci_runner.numerics import store, target, verdict, views
 from ci_runner.registry import parse_options as parse
 from ci_runner.numerics import capture as ncap
+from ci_runner.backends import resolve_backend
+from ci_runner.config import BackendSpec
 from ci_runner.numerics.thresholds import ThresholdOptions, ThresholdTable
 from tests.fixtures.paths import ROOT
 
@@ -221,28 +223,20 @@ def test_derive_reference_stats_float64_against_float32(tmp_path: Path) -> None:
     assert stats["blocks.0"].module_class == "Block"
 
 
-class _EagerBackend:
-    device = "cpu"
-    is_eager = True
-
-    def compile(self, fn: Any) -> Any:
-        return fn
-
-    def to_device(self, obj: Any) -> Any:
-        return obj
+def _eager_backend() -> Any:
+    """CPU eager as the matrix spells it (no `compile`)."""
+    return resolve_backend(BackendSpec(id="cpu", device="cpu"))
 
 
-class _CompiledBackend(_EagerBackend):
-    is_eager = False
-
-    def __init__(self, backend: Any = "aot_eager") -> None:
-        self.backend = backend
-
-    def compile(self, fn: Any) -> Any:
-        return torch.compile(fn, backend=self.backend)
+def _compiled_backend(perturb: dict[str, Any] | None = None) -> Any:
+    """aot_eager, or with `perturb` the plugin backend that perturbs an op (tests/fixtures/plugin_numerics_perturb)."""
+    if perturb is None:
+        return resolve_backend(BackendSpec(id="aot_eager", compile="aot_eager"))
+    return resolve_backend(BackendSpec(id="perturb", compile="tests.fixtures.plugin_numerics_perturb:make",
+                                       backend_options=perturb))
 
 
-@pytest.mark.parametrize("backend", [_EagerBackend(), _CompiledBackend()], ids=["eager", "aot_eager"])
+@pytest.mark.parametrize("backend", [_eager_backend(), _compiled_backend()], ids=["eager", "aot_eager"])
 def test_compare_target_both_views(fresh_dynamo: Callable[[], None], tmp_path: Path, backend: Any) -> None:
     model = Toy().eval()
     ncap.record_reference(model, _inputs(), tmp_path / "r0")
@@ -261,15 +255,13 @@ def test_compare_target_both_views(fresh_dynamo: Callable[[], None], tmp_path: P
 
 
 def test_compiled_cumulative_view_sees_the_backends_own_values(fresh_dynamo: Callable[[], None], tmp_path: Path) -> None:
-    from tests.fixtures.plugin_numerics_perturb import make
-
     model = Toy().eval()
     ncap.record_reference(model, _inputs(), tmp_path / "r0")
     plan = target.TargetPlan(model={}, backend={}, seed=0, dtype="float32", dumps=(str(tmp_path / "r0"),),
                          results="", journal="", views=("cumulative", "isolated"))
     recs, emit = _collect()
     fresh_dynamo()
-    target.compare_target(model, _CompiledBackend(make(op="aten.tanh.default", scale=1e-2)), plan, emit)
+    target.compare_target(model, _compiled_backend({"op": "aten.tanh.default", "scale": 1e-2}), plan, emit)
     cum_off = {r["key"] for r in recs if r["view"] == "cumulative" and r.get("metrics", {}).get("rel", 0) > 1e-4}
     iso = {r["key"]: r for r in recs if r["view"] == "isolated" and "key" in r}
     iso_off = {k for k, r in iso.items() if r.get("metrics", {}).get("rel", 0) > 1e-4}
@@ -279,8 +271,6 @@ def test_compiled_cumulative_view_sees_the_backends_own_values(fresh_dynamo: Cal
 
 
 def test_isolated_auto_runs_only_when_the_cumulative_view_flags(fresh_dynamo: Callable[[], None], tmp_path: Path) -> None:
-    from tests.fixtures.plugin_numerics_perturb import make
-
     model = Toy().eval()
     ncap.record_reference(model, _inputs(), tmp_path / "r0")
     table = ThresholdTable(layers={}, options=ThresholdOptions(), primary_dtype="float32", key={})
@@ -288,11 +278,11 @@ def test_isolated_auto_runs_only_when_the_cumulative_view_flags(fresh_dynamo: Ca
                          results="", journal="", isolated="auto")
     fresh_dynamo()
     recs, emit = _collect()
-    target.compare_target(model, _EagerBackend(), plan, emit, table=table)
+    target.compare_target(model, _eager_backend(), plan, emit, table=table)
     status = [r for r in recs if r["view"] == "isolated"]
     assert len(status) == 1 and status[0]["status"] == "skipped"
     recs, emit = _collect()
-    target.compare_target(model, _CompiledBackend(make(op="aten.tanh.default", scale=1e-2)), plan, emit, table=table)
+    target.compare_target(model, _compiled_backend({"op": "aten.tanh.default", "scale": 1e-2}), plan, emit, table=table)
     assert any(r["view"] == "isolated" and "metrics" in r for r in recs)
     assert [r["status"] for r in recs if r["view"] == "isolated" and "status" in r] == ["done"]
 
@@ -311,7 +301,7 @@ def test_isolated_auto_reads_the_thresholds_file_of_the_plan(fresh_dynamo: Calla
                              threshold_options=json.loads(json.dumps(opts.thresholds.as_dict())))
     fresh_dynamo()
     recs, emit = _collect()
-    target.compare_target(model, _EagerBackend(), plan, emit)
+    target.compare_target(model, _eager_backend(), plan, emit)
     status = [r for r in recs if r["view"] == "isolated"]
     assert len(status) == 1 and status[0]["status"] == "skipped"
 
@@ -378,7 +368,7 @@ def test_compiled_capture_is_not_fooled_by_earlier_compiles(fresh_dynamo: Callab
     """Dynamo caches per code object and does not guard on hooks by default: a model compiled earlier without the
     capture hooks (a plain target run), or another instance of the same architecture, must still be observed."""
     fresh_dynamo()
-    be = _CompiledBackend()
+    be = _compiled_backend()
     model = Toy().eval()
     with torch.no_grad():
         be.compile(model)(**_inputs())  # compiled once without any hooks

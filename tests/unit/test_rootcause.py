@@ -343,3 +343,87 @@ def test_the_summary_shows_what_a_pass_did_not_cover() -> None:
                       modes={"layers": ModeResult(status="pass", reason=reason)})
     text = render_summary(Results(cells=[cell]))
     assert f"- `router@openvino` layers pass: {reason}" in text
+
+
+# --------------------------------------------------------------------------- a backend's boilerplate first line
+
+def _iree_message(op: str, loc: str, ssa: str, types: str) -> str:
+    """A layers probe's message on IREE (issue 38): the error's one line, then the MLIR diagnostic it wrote to fd 2
+    (the shape `search._probe_one` appends, as IREE 3.9 prints it)."""
+    return ("JIT compilation failed. See diagnostics.\n"
+            f"{loc}: error: failed to legalize operation 'torch.operator' that was explicitly marked illegal: "
+            f'{ssa} = "torch.operator"(%arg0, %0, %1, %2) <{{name = "{op}"}}> : {types}')
+
+
+def _iree_finding(module: str, message: str) -> Finding:
+    return Finding(kind="layer_failure", stage="compile", module=module, error_type="RuntimeError",
+                   message=f"{module} fails alone at compile: RuntimeError: {message}", fingerprint=module[:20],
+                   details={"message_full": message, "traceback_tail": (
+                       'Traceback (most recent call last):\n  File "/v/site-packages/iree/turbine/runtime/launch.py", '
+                       'line 292, in callback\n    raise RuntimeError(f"JIT compilation failed. See diagnostics.")\n'
+                       'RuntimeError: JIT compilation failed. See diagnostics.\n')})
+
+
+def test_iree_boilerplate_line_is_skipped_so_two_ops_are_two_causes() -> None:
+    from ci_runner.backends import boilerplate_lines
+    from ci_runner.results.rootcause import cause_line
+
+    lines = boilerplate_lines()
+    assert "JIT compilation failed. See diagnostics." in lines  # declared by backends/iree.py
+    histc_a = _iree_message("torch.aten.histc", "source.mlir:52:11", "%37",
+                            "(!torch.vtensor<[16],f32>, !torch.int, !torch.int, !torch.int) -> !torch.vtensor<[4],f32>")
+    histc_b = _iree_message("torch.aten.histc", "source.mlir:6:10", "%3",
+                            "(!torch.vtensor<[8],f32>, !torch.int, !torch.int, !torch.int) -> !torch.vtensor<[4],f32>")
+    gmm = _iree_message("torch.transformers.grouped_mm_fallback", "source.mlir:3:10", "%1",
+                        "(!torch.vtensor<[6,4],f32>, !torch.vtensor<[3,4,5],f32>) -> !torch.vtensor<[6,5],f32>")
+    assert cause_line(histc_a, lines).startswith("source.mlir:52:11: error: failed to legalize")
+    assert cause_line(histc_a) == "JIT compilation failed. See diagnostics."  # without the declaration
+    assert cause_line("compiler: x\nrest", ()) == "x" and cause_line("", lines) == ""
+    findings = [_iree_finding("model.layers.0.mlp.experts", histc_a), _iree_finding("router", histc_b),
+                _iree_finding("model.layers.1.mlp.experts", gmm)]
+    cell = CellResult(id="tiny-mixtral@iree", model="tiny-mixtral", backend="iree", status="fail",
+                      modes={"layers": ModeResult(status="fail", findings=findings)})
+    causes = root_causes(Results(cells=[cell]), boilerplate=lines)
+    assert [c["count"] for c in causes] == [2, 1], causes  # histc at two places and shapes is one cause
+    assert 'name = "torch.aten.histc"' in causes[0]["message"] and "<LOC>:" in causes[0]["message"]
+    assert causes[0]["message"].endswith(": <TYPES>") and "%<N>" in causes[0]["message"]
+    assert "grouped_mm_fallback" in causes[1]["message"]
+    assert len({c["raised_in"] for c in causes}) == 1 and causes[0]["role"] == "backend"
+    # the old key (the first line) merged them: the declaration is what tells them apart
+    assert len(root_causes(Results(cells=[cell]))) == 1
+    # the layers search's grouping agrees (ProbeOutcome.cause_of, with the lines `search.BOILERPLATE` holds)
+    from ci_runner.modes.layers.search import BOILERPLATE
+    o = [ProbeOutcome(name=str(i), status="fail", stage="compile", error_type="RuntimeError", message=m)
+         for i, m in enumerate((histc_a, histc_b, gmm))]
+    assert o[0].cause_of(BOILERPLATE) == o[1].cause_of(BOILERPLATE) != o[2].cause_of(BOILERPLATE)
+    assert o[0].cause == o[2].cause  # the plain key, as before
+
+
+@pytest.mark.slow
+def test_real_iree_messages_of_histc_and_grouped_mm_are_two_causes() -> None:
+    """The messages as IREE (turbine_cpu) really gives them, read as the layers probe reads them."""
+    pytest.importorskip("iree.turbine")
+    import transformers.integrations.moe  # noqa: F401  (registers torch.ops.transformers.grouped_mm_fallback)
+    from ci_runner.backends import boilerplate_lines
+    from ci_runner.engine.diagnostics import capture_fd2, compiler_words
+    from ci_runner.engine.failure import unwrap
+    from ci_runner.results.rootcause import error_signature
+
+    def histc(x: torch.Tensor) -> torch.Tensor:
+        return torch.histc(x, bins=4, min=0, max=1) + 1
+
+    def gmm(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.transformers.grouped_mm_fallback(x, x.new_ones(3, 4, 5), torch.tensor([2, 4, 6])) + 1
+
+    sigs = []
+    for fn, x in ((histc, torch.rand(8)), (gmm, torch.rand(6, 4))):
+        torch._dynamo.reset()
+        with capture_fd2() as err, pytest.raises(Exception) as info:
+            torch.compile(fn, backend="turbine_cpu")(x)
+        inner = unwrap(info.value)
+        words, _ = compiler_words(err[0], inner, str(inner))
+        message = str(inner) + "\n" + "\n".join(words)
+        assert message.startswith("JIT compilation failed. See diagnostics.\n"), message
+        sigs.append(error_signature(type(inner).__name__, message, boilerplate=boilerplate_lines()))
+    assert "torch.aten.histc" in sigs[0].message and "grouped_mm_fallback" in sigs[1].message, sigs
+    assert sigs[0].id != sigs[1].id

@@ -340,7 +340,7 @@ class CulpritPlan:
     probe_timeout: float
     deadline_wall: float
     target_budget_s: float  # the most one target's search may take in this child
-    all_singles: bool = False
+    all_singles: bool = True  # probe every single op, to name each one that fails alone
 
 
 ANSWER = "answer.json"  # a target's finished search (written by the child, read by the parent)
@@ -439,7 +439,7 @@ def _search_target(plan: CulpritPlan, target: CulpritTarget, sub: torch.nn.Modul
         s, e = parse_key(state.key)
         _write_culprit(out_dir, cg, steps[s:e], nodes[s:e])
     atomic_write_json(out_dir / ANSWER, {"kind": state.kind, "key": state.key, "note": state.note, "probed": probed,
-                                         "probes": state.probed, "level": cg.level,
+                                         "probes": state.probed, "failing": state.failing, "level": cg.level,
                                          "own_seconds": round(time.monotonic() - t0, 3)})
 
 
@@ -505,6 +505,9 @@ class CulpritResult:
     restarts: int = 0
     seconds: float = 0.0
     out_dir: str | None = None  # where graph.py / inputs.safetensors are (absolute, for the caller)
+    # every single op that fails alone, the culprit first: {op, node, inputs, source, status, stage, error_type,
+    # message}; the repro is the first's
+    failing_ops: list[dict[str, Any]] = field(default_factory=list)
 
     def to_details(self) -> dict[str, Any]:
         d = asdict(self)
@@ -515,7 +518,7 @@ class CulpritResult:
 def find_culprit(*, model: Mapping[str, Any], backend: Mapping[str, Any], seed: int, layers_dir: Path, module: str,
                  out_dir: Path, journal: Path, probe_timeout: float, startup_timeout: float, budget_s: float,
                  hints: Sequence[str] = (), env: Mapping[str, str] | None = None, max_restarts: int = 16,
-                 all_singles: bool = False) -> CulpritResult:
+                 all_singles: bool = True) -> CulpritResult:
     """The culprit search for one module (`find_culprits` with one target)."""
     target = CulpritTarget(module=module, out_dir=str(out_dir), hints=list(hints))
     return find_culprits(model=model, backend=backend, seed=seed, layers_dir=layers_dir, targets=[target],
@@ -526,7 +529,7 @@ def find_culprit(*, model: Mapping[str, Any], backend: Mapping[str, Any], seed: 
 def find_culprits(*, model: Mapping[str, Any], backend: Mapping[str, Any], seed: int, layers_dir: Path,
                   targets: Sequence[CulpritTarget], journal: Path, probe_timeout: float, startup_timeout: float,
                   budget_s: float, env: Mapping[str, str] | None = None, max_restarts: int = 16,
-                  all_singles: bool = False) -> list[CulpritResult]:
+                  all_singles: bool = True) -> list[CulpritResult]:
     """Run the culprit searches of `targets` (a cell's findings) in isolated children until each is done, out of
     time or out of restarts: one child serves them all, in order, so the model, its inputs and the backend are
     loaded once. A child that dies in a probe has that probe recorded crashed (or timeout) in its target's
@@ -611,11 +614,26 @@ def _result(target: CulpritTarget, answer: Mapping[str, Any], run: Any, seconds:
     if graph.get("note"):
         note = "; ".join(x for x in (note, str(graph["note"])) if x)
     return CulpritResult(found=True, kind=str(answer["kind"]), ops=list(dict.fromkeys(st.op for st in chosen)),
+                         failing_ops=_failing_ops(answer, steps, known),
                          nodes=[st.node for st in chosen], node_ops=[st.op for st in chosen], node_range=[s, e],
                          inputs=[st.inputs for st in chosen], sources=[st.source for st in chosen],
                          status=r.status if r else None, stage=r.stage if r else None,
                          error_type=r.error_type if r else None,
                          message=first_line(r.message, 400) if r else "", note=note, **common)
+
+
+def _failing_ops(answer: Mapping[str, Any], steps: Sequence[Step], known: Mapping[str, ProbeOutcome]) -> list[dict[str, Any]]:
+    """Each single op that failed alone (`answer["failing"]`, in probe order), with its probe's outcome."""
+    out = []
+    for key in answer.get("failing") or ():
+        s, _ = parse_key(str(key))
+        r = known.get(str(key))
+        if s >= len(steps) or r is None:
+            continue
+        out.append({"op": steps[s].op, "node": steps[s].node, "inputs": steps[s].inputs, "source": steps[s].source,
+                    "status": r.status, "stage": r.stage, "error_type": r.error_type,
+                    "message": first_line(r.message, 400)})
+    return out
 
 
 def write_repro(result: CulpritResult, *, context: Mapping[str, Any],

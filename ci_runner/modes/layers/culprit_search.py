@@ -49,16 +49,26 @@ class SearchState:
     key: str | None = None
     probed: list[str] = field(default_factory=list)
     note: str = ""
+    failing: list[str] = field(default_factory=list)  # every single op that failed alone (`key` is the first)
 
 
 def single_order(steps: Sequence[Step], hints: Sequence[str]) -> list[int]:
-    """Probe order of the single nodes: ops the layer's error names first, then graph order."""
+    """Probe order of the single nodes: ops the layer's error names first, then graph order; a node with the op and
+    described inputs of an earlier one is left out (the same probe)."""
     probe = [s.index for s in steps if s.probe]
     hinted = [i for i in probe if any(_op_matches(steps[i].op, h) for h in hints)]
     # then ops whose name holds the named op's (`_safe_softmax` runs `_softmax` on a device)
     bare = {h.split(".")[1].strip("_") for h in hints if h.count(".") >= 1 and h.split(".")[1].strip("_")}
     related = [i for i in probe if i not in hinted and any(b in _bare(steps[i].op) for b in bare)]
-    return hinted + related + [i for i in probe if i not in hinted and i not in related]
+    order = hinted + related + [i for i in probe if i not in hinted and i not in related]
+    seen: set[tuple[str, tuple[str, ...]]] = set()
+    out = []
+    for i in order:
+        key = (steps[i].op, tuple(steps[i].inputs))
+        if key not in seen:
+            seen.add(key)
+            out.append(i)
+    return out
 
 
 def _bare(op: str) -> str:
@@ -73,10 +83,13 @@ def _op_matches(op: str, hint: str) -> bool:
 
 
 def search(n: int, singles: Sequence[int], probe: Callable[[str], ProbeOutcome], *,
-           all_singles: bool = False) -> SearchState:
-    """Singles first (in `singles` order; stop at the first failing one unless `all_singles`); else the whole
-    graph, then the smallest failing contiguous range: the shortest failing prefix, then its latest failing
-    start (each by bisection; every range it reports was itself probed and failed)."""
+           all_singles: bool = True) -> SearchState:
+    """Singles first, in `singles` order, up to the first that fails alone; then, unless `all_singles` is off, the
+    other ops that fail alone (`failing`), found by group testing: the graph on each side of that op is probed as a
+    range, and a failing range is halved down to single ops (a compiler stops at the first op it cannot lower, an
+    eager device at the first op it lacks: a range holding an op that fails alone fails too; only singles that
+    failed alone are named). Else the whole graph, then the smallest failing contiguous range: the shortest failing
+    prefix, then its latest failing start (each by bisection; every range it reports was itself probed and failed)."""
     state = SearchState(kind="none")
 
     def p(key: str) -> ProbeOutcome:
@@ -84,14 +97,7 @@ def search(n: int, singles: Sequence[int], probe: Callable[[str], ProbeOutcome],
         return probe(key)
 
     try:
-        failing = []
-        for i in singles:
-            if p(range_key(i, i + 1)).failed:
-                failing.append(i)
-                if not all_singles:
-                    break
-        if failing:
-            state.kind, state.key = "single", range_key(failing[0], failing[0] + 1)
+        if _singles(singles, p, state, all_singles):
             return state
         if n == 0:
             state.note = "the graph has no op nodes"
@@ -122,3 +128,43 @@ def search(n: int, singles: Sequence[int], probe: Callable[[str], ProbeOutcome],
     except StopSearch:
         state.kind = "incomplete"
         return state
+
+
+def _singles(singles: Sequence[int], p: Callable[[str], ProbeOutcome], state: SearchState, all_singles: bool) -> bool:
+    """Probe the single ops; True (and `state` answered) when one or more failed alone. Out of time after a
+    failing one: that answer, said to be partial."""
+    try:
+        first = next((i for i in singles if p(range_key(i, i + 1)).failed), None)
+        if first is not None:
+            state.failing.append(range_key(first, first + 1))
+            if all_singles:
+                probe_ops = set(singles)
+                for s, e in ((0, first), (first + 1, max(singles) + 1)):
+                    _halve(s, e, probe_ops, p, state)
+    except StopSearch:
+        if not state.failing:
+            raise
+        state.note = "out of time before every single op was probed: other ops may fail alone too"
+    if state.failing:
+        state.kind, state.key = "single", state.failing[0]
+    return bool(state.failing)
+
+
+def _halve(s: int, e: int, probe_ops: set[int], p: Callable[[str], ProbeOutcome], state: SearchState) -> None:
+    """The single ops of [s, e) that fail alone, into `state.failing` in graph order: a range that fails is halved
+    (a range without a probed op is not probed)."""
+    while s < e and s not in probe_ops:
+        s += 1
+    while e > s and e - 1 not in probe_ops:
+        e -= 1
+    if s >= e:
+        return
+    key = range_key(s, e)
+    if key in state.failing or not p(key).failed:
+        return
+    if e - s == 1:
+        state.failing.append(key)
+        return
+    mid = (s + e) // 2
+    _halve(s, mid, probe_ops, p, state)
+    _halve(mid, e, probe_ops, p, state)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
 import torch
 
-from .search import ModuleTree, SearchResult
+from .search import BOILERPLATE, ModuleTree, SearchResult
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -55,7 +55,7 @@ def cause_groups(tree: ModuleTree, result: SearchResult,
     for name in result.minimal:
         got = calls.get(name) or []
         inputs = call_signature(*got[0]) if got else f"<no inputs: {name}>"
-        key = (tree.nodes[name].module_class, result.outcomes[name].cause, inputs)
+        key = (tree.nodes[name].module_class, result.outcomes[name].cause_of(BOILERPLATE), inputs)
         out[name] = first.setdefault(key, name)
     return out
 
@@ -63,7 +63,7 @@ def cause_groups(tree: ModuleTree, result: SearchResult,
 def cause_families(tree: ModuleTree, result: SearchResult, leaders: Iterable[str]) -> dict[str, str]:
     """Each group leader → the first leader with the same class and cause (groups that differ in inputs only)."""
     first: dict[tuple[str, str], str] = {}
-    return {name: first.setdefault((tree.nodes[name].module_class, result.outcomes[name].cause), name)
+    return {name: first.setdefault((tree.nodes[name].module_class, result.outcomes[name].cause_of(BOILERPLATE)), name)
             for name in leaders}
 
 

@@ -51,7 +51,7 @@ from ...engine.codec import TensorStore, Unstorable
 from ...engine.failure import first_line, tail, unwrap
 from ...engine.isolate import Attempt, IsolatedResult, file_tail, supervise
 from ...engine.outcome import ProbeOutcome, append_outcome, read_outcomes
-from .search import ROOT, ChildPlan, ModuleTree, SearchResult, StopSearch, capture_inputs, encode_call, label, own_name, scan_model, search, twin_plan, unlabel, write_root_call
+from .search import BOILERPLATE, ROOT, ChildPlan, ModuleTree, SearchResult, StopSearch, capture_inputs, encode_call, label, own_name, scan_model, search, twin_plan, unlabel, write_root_call
 from ...options import LayersOptions
 from ...registry import FindingKind, parse_options
 from ...engine.repro import plugin_modules as _plugin_modules, render_template, run_command, safe_filename, template_backend, verify_script, write_script
@@ -199,7 +199,7 @@ def run(ctx: "ModeContext") -> ModeResult:
     result.duration_s += time.monotonic() - t0
     result.data.setdefault("seconds", {})["phases"] = round(time.monotonic() - t0, 2)
     if findings:
-        annotate(findings)
+        annotate(findings, boilerplate=BOILERPLATE)
         result.findings += findings
         if result.status in ("pass", "inconclusive"):
             result.status = "fail"
@@ -267,7 +267,7 @@ def _run_forward(ctx: "ModeContext", opts: LayersOptions, layers_dir: Path) -> M
         captured = capture_inputs(model, (), kwargs, result.minimal)
         data["seconds"]["capture"] = round(time.perf_counter() - t_cap, 2)
         _explain(ctx, opts, loaded, tree, result, findings, captured, layers_dir, data)
-    annotate(findings)  # details.signature: the root-cause group (rootcause.py)
+    annotate(findings, boilerplate=BOILERPLATE)  # details.signature: the root-cause group (rootcause.py)
     data["minimal"] = [label(n) for n in result.minimal]
     reason = None
     if not result.complete:

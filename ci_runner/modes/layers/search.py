@@ -28,7 +28,7 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 import torch
 
 from ...engine import codec
-from ...backends import DynamoCounters, FallbackWatch, not_ran_reason, ran_facts, resolve_backend
+from ...backends import DynamoCounters, FallbackWatch, boilerplate_lines, not_ran_reason, ran_facts, resolve_backend
 from ...engine.capture import ModuleCapture, detach_tree, iter_tensors
 from ...engine.codec import TensorStore, Unstorable, check_value, decode_call
 from ...engine.diagnostics import capture_fd2, compiler_words
@@ -41,6 +41,8 @@ from ...engine.outcome import ProbeOutcome, append_outcome, read_outcomes
 from ...engine.tree import module_tensors, tensors_in
 from .tree import ROOT, ModuleTree, SearchResult, StopSearch, label, unlabel
 from .tracking import ExecutingTracker
+
+BOILERPLATE = boilerplate_lines()  # the backends' message lines that say nothing of a cause (root causes skip them)
 
 # --------------------------------------------------------------------------- call inputs
 
@@ -231,7 +233,8 @@ def _probe_siblings(tree: ModuleTree, later: Mapping[str, str], probe: Probe, pr
         mine = [kid + n[len(lead):] for n in smallest]
         for n in mine:
             outcomes[n] = outcomes.get(n) or probe(n)
-        if not smallest or any(outcomes[m].cause != outcomes[n].cause for m, n in zip(mine, smallest)):
+        if not smallest or any(outcomes[m].cause_of(BOILERPLATE) != outcomes[n].cause_of(BOILERPLATE)
+                               for m, n in zip(mine, smallest)):
             plain.append(kid)
             continue
         for n in [n for n in outcomes if _under(n, lead) and n not in smallest]:
@@ -257,7 +260,7 @@ def twin_plan(tree: ModuleTree, names: Sequence[str], outcomes: Mapping[str, Pro
             firsts.append(name)
             continue
         shape = tuple((c[len(name) + 1:], tree.nodes[c].module_class) for c in tree.children(name))
-        key = (tree.nodes[name].module_class, o.cause, shape)
+        key = (tree.nodes[name].module_class, o.cause_of(BOILERPLATE), shape)
         if key in seen:
             twin_of[name] = seen[key]
         else:
@@ -303,7 +306,7 @@ def _probe_twins(tree: ModuleTree, twin_of: Mapping[str, str], probe: Callable[[
                if (o := outcomes.get(counterpart(c, p))) is None or o.failed or o.status == "skipped"}
     nxt = _probe_children(tree, list(twin_of), probe, prefetch, outcomes, only=confirm)
     def same(c: str, p: str) -> bool:
-        return (o := outcomes.get(c)) is not None and (t := outcomes.get(counterpart(c, p))) is not None and o.cause == t.cause
+        return (o := outcomes.get(c)) is not None and (t := outcomes.get(counterpart(c, p))) is not None and o.cause_of(BOILERPLATE) == t.cause_of(BOILERPLATE)
 
     unlike = [p for p in twin_of if not all(same(c, p) for c in tree.children(p) if c in confirm)]
     rest = {c for p in unlike for c in tree.children(p) if c not in confirm}

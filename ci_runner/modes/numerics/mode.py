@@ -49,6 +49,7 @@ from ...numerics.handoff import handoff_path, save_weights
 from ...numerics.thresholds import LayerStats, ThresholdTable, add_views, load_or_derive
 from ...numerics.toolbox import after_numerics, before_numerics, reference_dumps, weights_from_target, weights_in_target
 from ...numerics.verdict import (
+    OTHER_VIEW,
     build_layers,
     coverage,
     coverage_text,
@@ -331,9 +332,7 @@ def run(ctx: "ModeContext") -> ModeResult:
         "timings": timings,
         "notes": notes,
     }
-    if iso_skipped:
-        data["views"]["isolated"] = "skipped"
-        notes.append(f"isolated view skipped: {iso_skipped}")
+    _note_views(records, data, notes, iso_skipped)
     _note_truncations(data, layers=len(layers), max_layers=opts.max_layers, cum_errors=cum_errors, errors=errors,
                       findings=(total_findings, len(findings)))
     findings = pre.findings + findings + post.findings
@@ -390,6 +389,27 @@ def _view_runs(records: list[dict[str, Any]], timings: dict[str, float]) -> tupl
     return iso_skipped, [r for r in cumulative_status if r["status"] == "error"]
 
 
+def _note_views(records: list[dict[str, Any]], data: dict[str, Any], notes: list[str], iso_skipped: str | None) -> None:
+    """Why the isolated view was skipped; how the compiled cumulative view captured each sample (`data.capture`:
+    `watched.CAPTURE_WAYS`, the ways tried first and why the backend did not run them), and a note when it was not
+    the first way or ran nowhere."""
+    if iso_skipped:
+        data["views"]["isolated"] = "skipped"
+        notes.append(f"isolated view skipped: {iso_skipped}")
+    ways = [{"sample": r.get("sample"), **{k: r[k] for k in ("capture", "fallbacks", "not_ran") if k in r}}
+            for r in records if r.get("view") == "cumulative" and r.get("status") == "ok" and "capture" in r]
+    if not ways:
+        return
+    data["capture"] = ways
+    for w in ways:
+        if w.get("not_ran"):
+            notes.append(f"sample {w['sample']}: the backend did not run the model in any capture way "
+                         f"(last {w['capture']}: {w['not_ran'][:300]}): no layer of it is compared in that view")
+        elif w.get("fallbacks"):
+            notes.append(f"sample {w['sample']}: captured {w['capture']}; the backend did not run "
+                         + "; ".join(f"{f['capture']} ({f['not_ran'][:200]})" for f in w["fallbacks"]))
+
+
 def _reference_pass(ctx: "ModeContext", opts: NumericsOptions, table: ThresholdTable, dump_root: Path, dump_key: Any,
                     compare: list[int], notes: list[str]) -> tuple[list[Path], list[int]]:
     """The primary reference's dumps of the compared samples (recorded now unless derive() left them on disk, or
@@ -441,20 +461,20 @@ def _result(findings: list[Any], data: dict[str, Any], duration: float, *, cum_e
 
     def first_error(keys: list[str], paths: bool) -> str:
         layer = by_key[keys[0]]
-        view, err = next((v, e) for v, e in layer.errors.items() if e.startswith("paths:") == paths)
+        view, err = next((v, e) for v, e in layer.errors.items() if e.startswith(OTHER_VIEW) == paths)
         return f"first {layer.key or '(root)'} ({view} view: {err[:240]})"
 
     if cov["failed_count"]:
         why.append(f"{cov['failed_count']} layer(s) could not be compared in a view, {first_error(cov['failed'], False)}")
     if cov["missing"] and not why:
         missing = [k for k in cov["missing"] if k in by_key]
-        paths = [k for k in missing if any(e.startswith("paths:") for e in by_key[k].errors.values())]
+        paths = [k for k in missing if any(e.startswith(OTHER_VIEW) for e in by_key[k].errors.values())]
         why.append(f"not comparable, {first_error(paths, True)}" if paths else
                    f"not observed: {', '.join(k or '(root)' for k in missing[:5])}")
     said = []
     if cov["not_comparable_count"] and not why:
-        said.append(f"{cov['not_comparable_count']} layer(s) compared in one view only, the other's paths differ: "
-                    f"{first_error(cov['not_comparable'], True)}")
+        said.append(f"{cov['not_comparable_count']} layer(s) compared in one view only, the other's paths differ "
+                    f"or its capture could not hold them: {first_error(cov['not_comparable'], True)}")
     if not why:
         return ModeResult(status="fail" if findings else "pass", findings=findings, data=data, duration_s=duration,
                           reason="; ".join(said) or None)

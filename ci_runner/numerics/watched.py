@@ -1,0 +1,142 @@
+"""Did the backend run what the numerics mode compares? The compiled captures, watched, and the ways to capture.
+
+A comparison means something only when the backend ran the code (`backends.ran`). OpenVINO falls back to PyTorch
+silently when its conversion fails, and the capture hooks themselves can make it fail: on a shifted-window model
+(swin) hooks on every module give "Tensor name is not a number: add", with copies and with references alike, and
+the view then compared PyTorch with PyTorch (issue 38). So the cumulative view captures in the first of these ways
+(`CAPTURE_WAYS`) that the backend runs, each a fresh compile watched by `CompileRecord`, `DynamoCounters` (frames
+run in eager, aot_autograd failures, the recompile limit; not graph breaks: the graphs around a break still run on
+the backend) and `FallbackWatch` (the backend's own fallbacks):
+
+* `hooks-copy`: hooks on every module; outputs the model changes in place later are copied at the hook;
+* `hooks-reference`: the same hooks keeping references (tried only when some output is copied): the outputs
+  changed in place later are then not comparable in this view;
+* `no-hooks`: the model compiled as it is: its output is compared; its layers are compared by the isolated view
+  (each module compiled alone, without hooks, its sub-calls stubbed), which `isolated: auto` then runs.
+
+When none runs on the backend, every call of the sample is `not_ran` (inconclusive, never a pass). The isolated
+view's modules are watched the same way (`WatchedRunner`), each on its first call; on a backend with a vendor watch
+each module is a fresh compile (Dynamo reset first: the watch reads the partitions of one compile, and Dynamo would
+otherwise run code it compiled for another module of the same class).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Collection, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from ..backends import CompileRecord, DynamoCounters, FallbackWatch
+from ..engine.capture import FlatOutput, OutputHooks, iter_tensors
+from .capture import capture_compiled_outputs
+
+CAPTURE_WAYS: tuple[str, ...] = ("hooks-copy", "hooks-reference", "no-hooks")
+NOT_RAN = "not_ran"  # the stage of a record whose call the backend did not run (held against a pass)
+CAPTURE = "capture"  # the stage of a call this view's capture could not hold (compared in the other view)
+
+
+def _forward(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """What the watched captures compile: the model's call in a frame of its own (`capture._capture_forward`)."""
+    return module(*args, **kwargs)
+
+
+def not_ran(record: CompileRecord | None, counters: DynamoCounters, watch: FallbackWatch) -> str | None:
+    """Why a compiled run that raised nothing did not run on the backend (None: it did)."""
+    return ((record.not_ran() if record is not None else None) or counters.fallback(breaks=False)
+            or watch.reason())
+
+
+@dataclass
+class CaptureRun:
+    """One sample's compiled capture: the way it was taken, the ways tried before it and why they did not run on
+    the backend, the records (`(call key, flat output)`; the root's alone for `no-hooks`), the keys this way cannot
+    hold (changed in place, under `hooks-reference`) and, when no way ran on the backend, why."""
+
+    way: str
+    records: list[tuple[str, FlatOutput]] = field(default_factory=list)
+    tried: list[dict[str, str]] = field(default_factory=list)
+    unheld: set[str] = field(default_factory=set)
+    not_ran: str | None = None
+    facts: dict[str, Any] = field(default_factory=dict)
+
+    def status(self) -> dict[str, Any]:
+        """What the view's status record says of the capture (`data.capture` in the mode)."""
+        out: dict[str, Any] = {"capture": self.way}
+        if self.tried:
+            out["fallbacks"] = self.tried
+        if self.not_ran:
+            out["not_ran"] = self.not_ran
+        return out
+
+
+def _attempt(module: nn.Module, backend: Any, args: Sequence[Any], kwargs: Mapping[str, Any],
+             clone: Collection[str] | None) -> tuple[list[tuple[str, FlatOutput]], str | None, dict[str, Any]]:
+    """One fresh compile and run, watched: (records, why it did not run on the backend, the backend's facts).
+    `clone` None: no hooks (the root's output is the one record)."""
+    fn, record = backend.compile_recorded(_forward)
+    with FallbackWatch(backend.spec.compile) as watch, DynamoCounters() as counters:
+        if clone is None:
+            with torch.no_grad():
+                out = fn(module, tuple(args), dict(kwargs))
+            records = [("", tuple(iter_tensors(out)))]
+        else:
+            with OutputHooks(module, clone=clone) as hooks:
+                _out, records = capture_compiled_outputs(module, fn, args, kwargs, hooks)
+    return records, not_ran(record, counters, watch), {**(record.summary() if record else {}), **watch.facts()}
+
+
+def watched_capture(module: nn.Module, backend: Any, args: Sequence[Any], kwargs: Mapping[str, Any],
+                    mutated: Collection[str]) -> CaptureRun:
+    """The cumulative view's compiled capture of one sample, in the first of `CAPTURE_WAYS` the backend runs."""
+    ways: list[tuple[str, Collection[str] | None]] = [("hooks-copy", set(mutated))]
+    if mutated:
+        ways.append(("hooks-reference", ()))
+    ways.append(("no-hooks", None))
+    run = CaptureRun(way=ways[0][0])
+    for i, (way, clone) in enumerate(ways):
+        if i:
+            torch._dynamo.reset()  # each way a fresh compile, without counting towards the recompile limit
+        records, why, facts = _attempt(module, backend, args, kwargs, clone)
+        run.way, run.records, run.facts, run.not_ran = way, records, facts, why
+        if why is None:
+            break
+        run.tried.append({"capture": way, "not_ran": why[:400]})
+    if run.not_ran is not None:
+        run.tried.pop()  # the last way tried is the one reported
+    if run.way == "hooks-reference":
+        run.unheld = {k for k, _ in run.records if k.partition("#")[0] in mutated}
+    return run
+
+
+class WatchedRunner:
+    """The isolated view's `runner(name, module)`: each module compiled once by `backend`, its first call watched
+    (`not_ran` per module name: why the backend did not run it; absent: it did)."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self.compiled: dict[str, Callable[..., Any]] = {}
+        self.not_ran: dict[str, str] = {}
+
+    def __call__(self, name: str, module: nn.Module) -> Callable[..., Any]:
+        fn = self.compiled.get(name)
+        if fn is not None:
+            return fn
+        if FallbackWatch(self.backend.spec.compile).active:  # a vendor watch reads one fresh compile: no code
+            torch._dynamo.reset()  # compiled for another module of the same class (Linear.forward) may run here
+        compiled, record = self.backend.compile_recorded(module)
+
+        def first(*args: Any, **kwargs: Any) -> Any:
+            with FallbackWatch(self.backend.spec.compile) as watch, DynamoCounters() as counters:
+                out = compiled(*args, **kwargs)
+            # no graph for this record: the module has no op of its own (an identity, or its sub-calls stubbed), or
+            # (no vendor watch, no reset) Dynamo ran code it compiled for another module of the same class
+            given = record is None or bool(record.graphs)
+            why = not_ran(record, counters, watch) if given else counters.fallback(breaks=False)
+            if why:
+                self.not_ran[name] = why
+            self.compiled[name] = compiled
+            return out
+
+        return first
