@@ -102,23 +102,32 @@ def test_expand_accepts_a_plugin_not_installed_where_the_plan_runs(tmp_path: Pat
     assert "backends[0].import[0] (backend 'v'): module 'vendor_pkg_not_here' not found" in err
 
 
-@pytest.mark.subprocess
-def test_a_plugin_that_crashes_on_import_cannot_crash_the_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The child that aborts in `v`'s import is replaced: `w` (after it) is still checked."""
-    plugin = tmp_path / "plugin_aborts.py"
-    plugin.write_text("import os\nos.abort()\n", encoding="utf-8")
+def _expand_with_plugin(tmp_path: Path, capsys: pytest.CaptureFixture[str], plugin: str, v_backend: str,
+                        import_limit: float | None = None) -> tuple[str, float]:
+    """`expand` of a matrix whose backend `v` ({v_backend}) uses `plugin_v.py` (text `plugin`) and whose backend `w`
+    after it has a typo; exit 2 expected. Returns stderr and the seconds it took."""
+    (tmp_path / "plugin_v.py").write_text(plugin, encoding="utf-8")
     path = tmp_path / "m.yaml"
     path.write_text("version: 1\nmodels: [{id: m, config: llama}]\n"
-                    "backends: [{id: v, import: [plugin_aborts], compile: inductor},\n"
+                    f"backends: [{{id: v, {v_backend}}},\n"
                     "           {id: w, import: [json], compile: inductorr}]\n", encoding="utf-8")
     monkey = pytest.MonkeyPatch()
     monkey.syspath_prepend(str(tmp_path))
     monkey.setenv("PYTHONPATH", f"{tmp_path}:{Path.cwd()}")
+    if import_limit is not None:
+        monkey.setattr("ci_runner.backends.check.IMPORT_LIMIT_S", import_limit)
+    t0 = time.monotonic()
     try:
         assert cli.main(["expand", str(path), "--out", str(tmp_path / "plan.json")]) == EXIT_USAGE
     finally:
         monkey.undo()
-    err = capsys.readouterr().err
+    return capsys.readouterr().err, time.monotonic() - t0
+
+
+@pytest.mark.subprocess
+def test_a_plugin_that_crashes_on_import_cannot_crash_the_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The child that aborts in `v`'s import is replaced: `w` (after it) is still checked."""
+    err, _ = _expand_with_plugin(tmp_path, capsys, "import os\nos.abort()\n", "import: [plugin_v], compile: inductor")
     assert ":4:45: backends[1].compile (backend 'w'): unknown torch.compile backend 'inductorr'" in err, err
     assert ("deepview-ci: note: backend 'v' was not checked at load (the check crashed (SIGABRT) in its imports); "
             "its cells will say what is wrong") in err, err
@@ -128,24 +137,10 @@ def test_a_plugin_that_crashes_on_import_cannot_crash_the_check(tmp_path: Path, 
 def test_a_plugin_that_hangs_on_import_costs_its_limit_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The plugin is both the backend's `import:` and its `compile: module:callable`: cut at the limit in the first,
     it is not imported again (where no timer is left), and `w` after it is still checked."""
-    plugin = tmp_path / "plugin_hangs.py"
-    plugin.write_text("import time\ntime.sleep(3600)\n\ndef backend(gm, example_inputs):\n    return gm\n",
-                      encoding="utf-8")
-    path = tmp_path / "m.yaml"
-    path.write_text("version: 1\nmodels: [{id: m, config: llama}]\n"
-                    "backends: [{id: v, import: [plugin_hangs], compile: 'plugin_hangs:backend'},\n"
-                    "           {id: w, import: [json], compile: inductorr}]\n", encoding="utf-8")
-    monkey = pytest.MonkeyPatch()
-    monkey.syspath_prepend(str(tmp_path))
-    monkey.setenv("PYTHONPATH", f"{tmp_path}:{Path.cwd()}")
-    monkey.setattr("ci_runner.backends.check.IMPORT_LIMIT_S", 2.0)
-    t0 = time.monotonic()
-    try:
-        assert cli.main(["expand", str(path), "--out", str(tmp_path / "plan.json")]) == EXIT_USAGE
-    finally:
-        monkey.undo()
-    assert time.monotonic() - t0 < 50  # the child's start, 2 s for `v`, `w`: not the whole check's timeout
-    err = capsys.readouterr().err
+    err, seconds = _expand_with_plugin(
+        tmp_path, capsys, "import time\ntime.sleep(3600)\n\ndef backend(gm, example_inputs):\n    return gm\n",
+        "import: [plugin_v], compile: 'plugin_v:backend'", import_limit=2.0)
+    assert seconds < 50  # the child's start, 2 s for `v`, `w`: not the whole check's timeout
     assert "backends[1].compile (backend 'w'): unknown torch.compile backend 'inductorr'" in err, err
     assert "backend 'v' was not checked at load (its imports took over 2 s)" in err, err
 
