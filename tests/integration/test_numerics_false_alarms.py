@@ -31,6 +31,10 @@ def test_real_compilers_flag_no_layer_on_the_example_matrix(tmp_path: Path, shar
     rows = sweep(backend, models, tmp_path, shared_thresholds)
     for model, r in rows.items():
         assert r["status"] == "pass" and not r["flagged"] and not r["findings"], (model, r)
-        assert r["views"] == {"cumulative": "ran", "isolated": "ran"}, (model, r)
-        assert r["compared"] == r["layers"], (model, r)
+        # every layer compared on the backend in some view; a module whose isolated compile left a frame to eager is
+        # said so (transformers 5.25's output capturing in LLaVA's vision encoder: a lock context manager Dynamo
+        # skips) and compared in the cumulative view
+        assert r["views"]["cumulative"] == "ran" and r["compared"] == r["layers"], (model, r)
+        assert r["views"]["isolated"] == "ran" or (r["views"]["isolated"] == "partial"
+                                                  and "fell back to eager" in (r["reason"] or "")), (model, r)
     assert max(r["worst"] for r in rows.values()) < 1.0, rows
