@@ -93,13 +93,13 @@ class ModeContext:
 
         return build_inputs(loaded, self.cell.inputs, sample=sample, device=device)
 
-    def checkpoint(self, mode: str, partial: ModeResult) -> None:
-        """Save what `mode` has found so far (its single forward's result, before its phases): when the process dies
-        later in the mode, the parent keeps it and names the phase that was running (`run/execute.py`)."""
+    def checkpoint(self, mode: str, findings: list[Any], data: Mapping[str, Any]) -> None:
+        """Save what `mode` has found so far (its single forward's findings and data, before its phases): when the
+        process dies later in the mode, the parent keeps it and names the phase that was running (`run/execute.py`)."""
         if self.on_checkpoint is not None:
             self.on_checkpoint(mode, ModeResult(
                 status="error", reason="stopped during its phases: what its single forward found is kept",
-                findings=list(partial.findings), data={**partial.data, CHECKPOINT_KEY: "phases"}))
+                findings=list(findings), data={**data, CHECKPOINT_KEY: "phases"}))
 
     def journal(self, event: str, name: str) -> None:
         """Append `event name` to the cell's crash journal (fsync'd): the parent reads it after a hard crash."""

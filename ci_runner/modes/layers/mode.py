@@ -194,7 +194,7 @@ def run(ctx: "ModeContext") -> ModeResult:
     if not ctx.cell.inputs.phases:
         return result
     t0 = time.monotonic()
-    ctx.checkpoint("layers", result)  # a phase that kills the process keeps the forward's result
+    ctx.checkpoint("layers", result.findings, result.data)  # a phase that kills the process keeps the forward's result
     findings, result.data["phases"] = run_phases(ctx, opts, layers_dir)
     result.duration_s += time.monotonic() - t0
     result.data.setdefault("seconds", {})["phases"] = round(time.monotonic() - t0, 2)

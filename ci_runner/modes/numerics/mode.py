@@ -355,7 +355,7 @@ def run(ctx: "ModeContext") -> ModeResult:
 def _phases(ctx: "ModeContext", opts: NumericsOptions, data: dict[str, Any], findings: list[Any]) -> list[Any]:
     """Each phase of `inputs.phases` (modes/numerics/phases.py): its findings; its table into `data.phases`."""
     t = time.monotonic()
-    ctx.checkpoint("numerics", ModeResult(status="pass", findings=list(findings), data=data))  # kept if a phase kills it
+    ctx.checkpoint("numerics", findings, data)  # kept if a phase kills the process
     found, data["phases"] = run_phases(ctx, opts)
     data.setdefault("timings", {})["phases_s"] = round(time.monotonic() - t, 3)
     return found

@@ -236,7 +236,7 @@ def _add_phases(ctx: "ModeContext", opts: OpsOptions, inventory: Inventory, ops_
         return model_result(phase_inventory, found, spec=spec, model_id=ctx.cell.model.id, level="aten", opts=opts,
                             ops_dir=phase_dir, env_stamp=ctx.env, remaining=ctx.remaining, eager=backend.is_eager)
 
-    ctx.checkpoint(MODE, result)  # a phase that kills the process keeps the forward's result
+    ctx.checkpoint(MODE, result.findings, result.data)  # a phase that kills the process keeps the forward's result
     findings, result.data["phases"] = run_phases(ctx, opts, inventory, ops_dir, probe,
                                                  {f.fingerprint for f in result.findings})
     result.data.setdefault("timings", {})["phases_s"] = round(time.monotonic() - t0, 3)
