@@ -256,20 +256,27 @@ class LiveChildren:
 
 def run_process(cmd: Sequence[str], *, timeout: float, stdout: Path, stderr: Path | None = None,
                 env: Mapping[str, str], cwd: Path | None = None, grace: float = 0.0, foreign: bool = False,
-                append: bool = False, live: LiveChildren | None = None) -> ChildExit:
+                append: bool = False, live: LiveChildren | None = None,
+                warm_as: tuple[Sequence[str], Mapping[str, str]] | None = None) -> ChildExit:
     """Run `cmd` in a fresh session to its end or `timeout` seconds, then `kill_session(grace=…)`: the one place
     this package starts a child process. Output goes to the file `stdout` (and `stderr`, else the same file;
     appended with `append`). `foreign`: the command is not this package's entry point, so the `_LAUNCH` wrapper
     makes it die with this process (ours call `die_with_parent` themselves). Any exception while waiting
     (Ctrl-C) kills the child before it propagates. With `WARM_ENV` set to "1" in `env`, an entry point of this
-    package (`python -m ci_runner.…`) is forked from a warm server (`WarmServer`) instead of started cold."""
+    package (`python -m ci_runner.…`) is forked from a warm server (`WarmServer`) instead of started cold.
+    `warm_as=(argv, server_env)`: with `WARM_ENV` "1" in `server_env`, `argv` (such an entry point, doing what
+    `cmd` does from `cwd`: it changes folder itself) is forked with the environment `env` from the server of
+    `server_env` (the one this process's own children use); `cmd` runs cold when no server can serve."""
     argv = [sys.executable, "-c", _LAUNCH, str(os.getpid()), *cmd] if foreign else list(cmd)
     mode = "ab" if append else "wb"
     with contextlib.ExitStack() as files:
         out_fh = files.enter_context(open(stdout, mode))
         err_fh = files.enter_context(open(stderr, mode)) if stderr is not None else out_fh
-        proc: Any = WarmServer.start(argv, stdout=stdout, stderr=stderr, env=env, cwd=cwd) \
-            if not foreign and env.get(WARM_ENV) == "1" else None
+        proc: Any = None
+        if warm_as is not None and warm_as[1].get(WARM_ENV) == "1":
+            proc = WarmServer.start(warm_as[0], stdout=stdout, stderr=stderr, env=env, server_env=warm_as[1])
+        elif not foreign and env.get(WARM_ENV) == "1":
+            proc = WarmServer.start(argv, stdout=stdout, stderr=stderr, env=env, cwd=cwd)
         if proc is None:  # cold (the default), not our entry point, or no warm server could start
             proc = subprocess.Popen(argv, stdout=out_fh, stderr=err_fh,
                                     stdin=subprocess.DEVNULL, env=dict(env), cwd=str(cwd) if cwd else None,
@@ -375,12 +382,14 @@ class WarmServer:
 
     @classmethod
     def start(cls, argv: Sequence[str], *, stdout: Path, stderr: Path | None, env: Mapping[str, str],
-              cwd: Path | None = None) -> "WarmChild | None":
-        """`argv` (`python -m ci_runner.<module> ARGS…`) forked from this process's server for `env` and `cwd`
-        (started on first use); None when `argv` is not such an entry point or no server can serve it."""
+              cwd: Path | None = None, server_env: Mapping[str, str] | None = None) -> "WarmChild | None":
+        """`argv` (`python -m ci_runner.<module> ARGS…`) forked with the environment `env` from this process's
+        server for `server_env` (default `env`) and `cwd` (started on first use); None when `argv` is not such an
+        entry point or no server can serve it."""
         if len(argv) < 3 or argv[0] != sys.executable or argv[1] != "-m" or not argv[2].startswith("ci_runner."):
             return None
-        key = (tuple(sorted((k, v) for k, v in env.items() if k not in _PER_CHILD_ENV)), str(cwd or os.getcwd()))
+        senv = env if server_env is None else server_env
+        key = (tuple(sorted((k, v) for k, v in senv.items() if k not in _PER_CHILD_ENV)), str(cwd or os.getcwd()))
         with cls._guard:
             if cls._owner != os.getpid():
                 cls._servers, cls._ended, cls._owner = {}, [], os.getpid()
@@ -391,7 +400,7 @@ class WarmServer:
                     cls._ended.append(server.stop())
                 while len(cls._servers) >= _WARM_KEEP:
                     cls._ended.append(cls._servers.pop(next(iter(cls._servers))).stop())
-                server = cls(env, cwd)
+                server = cls(senv, cwd)
             cls._servers[key] = server
         return server.fork(argv[2], argv[3:], stdout=stdout, stderr=stderr, env=env) if server.alive else None
 

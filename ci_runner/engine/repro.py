@@ -25,7 +25,7 @@ import jinja2
 from ..backends import backend_recipe, is_self_test
 from .failure import REPRO_FUNCTIONS
 from ..fsutil import atomic_write_text
-from .isolate import run_process
+from .isolate import child_env, run_process
 from ..results.rootcause import normalize_text
 
 
@@ -108,12 +108,16 @@ def verify_script(script: Path, *, expect_text: Sequence[str], expect_error_type
     beyond the installed packages (and the backend plugin's folder, which `env` may add). `python` runs it with
     another interpreter (default: this one), e.g. the one `bisect-commits` installs each commit into.
     """
-    child_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
-    child_env.update(env or {})
+    script_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
+    script_env.update(env or {})
+    # warm (the opt-in `WARM_ENV`): forked from the server this process's children use, torch already imported;
+    # not for another interpreter, nor for variables of the backend's that torch may read as it is imported
+    warm = None if python is not None or set(env or {}) - {"PYTHONPATH"} else \
+        ([sys.executable, "-m", "ci_runner.engine.script", str(script.parent), script.name], child_env())
     with tempfile.TemporaryDirectory(prefix="deepview-repro-") as tmp:
         out_path, err_path = Path(tmp) / "stdout", Path(tmp) / "stderr"
         end = run_process([python or sys.executable, str(script.name)], timeout=timeout, stdout=out_path, stderr=err_path,
-                          env=child_env, cwd=script.parent, foreign=True)  # foreign: it dies with the worker
+                          env=script_env, cwd=script.parent, foreign=True, warm_as=warm)  # foreign: it dies with the worker
         out = (out_path.read_bytes() + err_path.read_bytes()).decode("utf-8", "replace")
     tail = out[-4000:]
     if end.timed_out:

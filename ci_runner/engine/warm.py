@@ -34,6 +34,15 @@ PRELOAD = ("torch", "torch._dynamo", "transformers")  # what every child imports
 
 
 _REPLIES = 1  # the fd replies go to: the server's stdout, moved aside by `serve` (fd 1 then is its stderr)
+BASE_PATH: list[str] = []  # set by `serve`: the interpreter's own `sys.path` entries (`engine/script.py` uses them)
+
+
+def interpreter_path() -> list[str]:
+    """This interpreter's `sys.path` less what PYTHONPATH and the `-m` working folder added: what a fresh
+    `python SCRIPT` with no PYTHONPATH puts after the script's own folder (site folders and .pth entries kept)."""
+    given = {os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+    given.add(os.getcwd())
+    return [p for p in sys.path if p and os.path.abspath(p) not in given]
 
 
 def _reply(obj: dict[str, Any]) -> None:
@@ -112,6 +121,7 @@ def serve() -> int:
     """The server's loop: fork a child per request line, report each end; stop when the requester closes stdin."""
     global _REPLIES
     die_with_parent()
+    BASE_PATH[:] = interpreter_path()
     _REPLIES = os.dup(1)
     os.dup2(2, 1)  # whatever an import prints goes to stderr, never into the replies
     for name in PRELOAD:

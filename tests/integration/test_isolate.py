@@ -176,27 +176,42 @@ def test_supervise_stops_when_a_child_dies_outside_any_item(tmp_path: Path) -> N
     assert calls == [None] and run.stop_reason == "stop" and run.last is not None and run.last.status == "error"
 
 
-def test_verify_script_runs_from_threads_and_each_outcome_is_named(tmp_path: Path) -> None:
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
+def test_verify_script_runs_from_threads_and_each_outcome_is_named(tmp_path: Path, warm: bool,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Repro verification runs in parallel (a thread pool): the one start site, no `preexec_fn`; a failing
-    script verifies, a passing one does not, a hung one is killed at its timeout."""
+    script verifies, a passing one does not, a hung one is killed at its timeout, an abort is a signal. Warm (forked
+    from the server the children use, `engine/script.py`), a script sees what `python SCRIPT` sees: its folder and
+    its own PYTHONPATH, not the folders the server was given (this checkout), and prints the same traceback."""
     from concurrent.futures import ThreadPoolExecutor
 
     from ci_runner.engine.repro import verify_script
 
+    monkeypatch.setenv(WARM_ENV, "1" if warm else "0")
+    (tmp_path / "plug").mkdir()
+    (tmp_path / "plug" / "acme_plug.py").write_text("NAME = 'acme'\n")
     bodies = {"fails": "raise RuntimeError('unsupported operator aten.x.default')\n", "passes": "print('ok')\n",
-              "hangs": "import time\ntime.sleep(60)\n"}
+              "hangs": "import time\ntime.sleep(60)\n", "aborts": "import os\nos.abort()\n",
+              "plugin": "import acme_plug\nraise RuntimeError('unsupported operator aten.x.default in ' + acme_plug.NAME)\n",
+              "checkout": "import tests.fixtures.paths\nraise RuntimeError('unsupported operator aten.x.default')\n"}
     scripts = {}
     for name, body in bodies.items():
         scripts[name] = tmp_path / f"{name}.py"
         scripts[name].write_text(body)
     with ThreadPoolExecutor(max_workers=3) as pool:
         futs = {n: pool.submit(verify_script, s, expect_text=["unsupported operator aten.x.default"],
-                               expect_error_type="RuntimeError", timeout=3 if n == "hangs" else 60)
+                               expect_error_type="RuntimeError", timeout=3 if n == "hangs" else 60,
+                               expect_signal=n == "aborts",
+                               env={"PYTHONPATH": "plug"} if n == "plugin" else None)
                 for n, s in scripts.items()}
         got = {n: f.result() for n, f in futs.items()}
     assert got["fails"].verified and got["fails"].exit_code == 1, got["fails"]
+    assert got["fails"].output_tail.startswith(f'Traceback (most recent call last):\n  File "{scripts["fails"]}", line 1')
     assert not got["passes"].verified and got["passes"].exit_code == 0
     assert not got["hangs"].verified and got["hangs"].exit_code is None and "timed out" in got["hangs"].note
+    assert got["aborts"].verified and got["aborts"].exit_code == -signal.SIGABRT, got["aborts"]
+    assert got["plugin"].verified and "in acme" in got["plugin"].output_tail, got["plugin"]
+    assert not got["checkout"].verified and "ModuleNotFoundError: No module named 'tests'" in got["checkout"].output_tail
 
 
 def test_a_foreign_child_dies_with_the_process_that_started_it(tmp_path: Path) -> None:

@@ -1,8 +1,9 @@
 """No false alarm: the numerics mode on real compilers on CPU flags no layer, in either view (every layer compared).
 
-aot_eager over every model of the bundled example; inductor over a decoder and the real-weights encoder (its C++
-compiles with a cold cache cost ~60 s a model on 2 cores: the whole example on inductor, and on OpenVINO and IREE,
-is `benchmarks/acceptance_false_alarms.py`, run before a release and when the thresholds change). Kept in a file of
+aot_eager (eager's kernels: any flag is ours) over the example's models whose structure is unlike a plain decoder
+(an SSM hybrid, an MoE, a vision-language model); inductor over a decoder and the real-weights encoder (its C++
+compiles with a cold cache cost ~60 s a model on 2 cores). The whole example on aot_eager and inductor, and on
+OpenVINO and IREE, is `benchmarks/acceptance_false_alarms.py`, run before a release and when the thresholds change. Kept in a file of
 its own so xdist's `--dist loadfile` runs it on one worker while the other runs the rest of the numerics tests."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 from tests.fixtures.false_alarms import EXAMPLE_MODELS, sweep
 
 INDUCTOR_MODELS = ("tiny-llama", "minilm")  # a decoder with random weights; an encoder with real weights
+AOT_EAGER_MODELS = ("tiny-bamba", "tiny-mixtral", "tiny-llava")  # the rest of the example: the benchmark (~26 s each)
 
 
 @pytest.fixture(scope="module")
@@ -23,11 +25,12 @@ def shared_thresholds(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize(("backend", "models"), [("aot_eager", EXAMPLE_MODELS), ("inductor", INDUCTOR_MODELS)])
+@pytest.mark.parametrize(("backend", "models"), [("aot_eager", AOT_EAGER_MODELS), ("inductor", INDUCTOR_MODELS)])
 def test_real_compilers_flag_no_layer_on_the_example_matrix(tmp_path: Path, shared_thresholds: Path, backend: str,
                                                             models: tuple[str, ...]) -> None:
     """One seed each, the example's. The two backends share one thresholds folder, as the cells of one run do:
     the thresholds are derived once."""
+    assert set(models) <= set(EXAMPLE_MODELS)
     rows = sweep(backend, models, tmp_path, shared_thresholds)
     for model, r in rows.items():
         assert r["status"] == "pass" and not r["flagged"] and not r["findings"], (model, r)
