@@ -3,7 +3,8 @@
 A fresh child (an isolated child of `isolate.run_isolated`, a cell worker of `run/execute.py`) spends ~5.5 of its
 first ~6.5 CPU s on this 2-core machine importing torch, Dynamo and transformers, and a run starts many children.
 The warm server (`python -m ci_runner.engine.warm`, started by `isolate.WarmServer` on first use, once per
-environment and working folder) imports them once, then forks one child per request. Each child is still a
+environment and working folder) imports them once, runs one warm-up compile on the meta device (`warm_compile`:
+what a first compile imports), then forks one child per request. Each child is still a
 process of its own: its own session, output files and environment (`PARENT_ENV` names the server, which it dies
 with; the server dies with the process that started it), and it runs its module as `python -m` would (`runpy`,
 as `__main__`), exit status and signal reported as `subprocess.Popen` reports them. Only what the server imported
@@ -117,6 +118,24 @@ def _reap(block: bool = False) -> None:
             pass  # the requester is gone: nobody to tell
 
 
+def warm_compile() -> None:
+    """One `torch.compile` (aot_autograd) of a tiny function on the meta device, then Dynamo reset as a fresh
+    process has it: the modules a first compile imports (functorch, networkx, …: ~0.8 CPU s of every compiling
+    child's start) are loaded once here. Meta tensors run no kernel, so no thread pool starts before the forks."""
+    try:
+        import torch  # deferred: imported by the server first (PRELOAD), when installed
+        import torch._dynamo.utils as dynamo_utils  # deferred: as above
+    except ImportError:
+        return
+    try:
+        torch.compile(lambda x: torch.nn.functional.silu(x) * 2, backend="aot_eager")(torch.empty(4, device="meta"))
+    except Exception:  # noqa: BLE001 - a warm-up only: a child compiles cold if this cannot
+        pass
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    dynamo_utils.compilation_time_metrics.clear()
+
+
 def serve() -> int:
     """The server's loop: fork a child per request line, report each end; stop when the requester closes stdin."""
     global _REPLIES
@@ -129,6 +148,7 @@ def serve() -> int:
             importlib.import_module(name)
         except ImportError:
             pass  # not installed: the children import what they need themselves
+    warm_compile()
     _reply({"ready": os.getpid()})
     buf = b""
     while True:

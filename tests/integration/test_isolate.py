@@ -88,6 +88,8 @@ def test_a_warm_child_is_forked_from_a_server_that_imported_torch(monkeypatch: p
     if warm:  # forked by one server (its parent, not this process), torch imported before the child began
         assert first.value["ppid"] == second.value["ppid"] != os.getpid()
         assert first.value["torch"] and first.value["env"] == "1"
+        # the server's warm-up compile loaded what a first compile imports, and left no trace of itself
+        assert first.value["functorch"] and first.value["counters"] == {} and first.value["compiled_codes"] == 0
     else:
         assert first.value["ppid"] == os.getpid() and not first.value["torch"]
 
