@@ -29,6 +29,10 @@ from tests.fixtures.schedule import heaviest_first
 # warm.py`), the same children and entries. tests/integration/test_isolate.py checks both starts; a run that sets
 # the variable keeps its value.
 os.environ.setdefault(WARM_ENV, "1")
+# Inductor compiles in the process that asks (no pool of compile workers, each importing torch): xdist's workers and
+# their children already share the cores. The ops mode's probe children get a share of their own (`probe_child_env`)
+# unless this is set; with it set they inherit it, so they and the repro checks fork from one warm server per process.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

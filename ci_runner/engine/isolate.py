@@ -319,9 +319,7 @@ def run_isolated(target: str, payload: Mapping[str, Any], *, timeout: float, jou
         result_path = Path(tmp) / "result.json"
         stderr_path = Path(tmp) / "stderr.log"
         payload_path.write_text(json.dumps({"target": target, "payload": payload}), encoding="utf-8")
-        cenv = child_env()
-        cenv.update(env or {})
-        cenv["PYTHONUNBUFFERED"] = "1"
+        cenv = isolated_env(env)
         if journal is not None:
             cenv[JOURNAL_ENV] = str(journal)
         end = run_process([sys.executable, "-m", "ci_runner.engine.isolate", str(payload_path), str(result_path)],
@@ -547,6 +545,16 @@ def supervise(target: str, *, journal: Path, kind: str,
 
 
 # --------------------------------------------------------------------------- process hygiene
+
+def isolated_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of `run_isolated`'s children: `child_env()`, `extra` (a backend's variables), unbuffered
+    output. Repro verification forks from the warm server of this environment (`extra` None): the one its
+    process's isolated children use."""
+    out = child_env()
+    out.update(extra or {})
+    out["PYTHONUNBUFFERED"] = "1"
+    return out
+
 
 def child_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment for a child of this package (`python -m ci_runner.…`) this process starts: `env` (default:

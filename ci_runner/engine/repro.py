@@ -25,7 +25,7 @@ import jinja2
 from ..backends import backend_recipe, is_self_test
 from .failure import REPRO_FUNCTIONS
 from ..fsutil import atomic_write_text
-from .isolate import child_env, run_process
+from .isolate import isolated_env, run_process
 from ..results.rootcause import normalize_text
 
 
@@ -113,7 +113,7 @@ def verify_script(script: Path, *, expect_text: Sequence[str], expect_error_type
     # warm (the opt-in `WARM_ENV`): forked from the server this process's children use, torch already imported;
     # not for another interpreter, nor for variables of the backend's that torch may read as it is imported
     warm = None if python is not None or set(env or {}) - {"PYTHONPATH"} else \
-        ([sys.executable, "-m", "ci_runner.engine.script", str(script.parent), script.name], child_env())
+        ([sys.executable, "-m", "ci_runner.engine.script", str(script.parent), script.name], isolated_env())
     with tempfile.TemporaryDirectory(prefix="deepview-repro-") as tmp:
         out_path, err_path = Path(tmp) / "stdout", Path(tmp) / "stderr"
         end = run_process([python or sys.executable, str(script.name)], timeout=timeout, stdout=out_path, stderr=err_path,

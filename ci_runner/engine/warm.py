@@ -29,7 +29,7 @@ import sys
 import traceback
 from typing import Any
 
-from .isolate import PARENT_ENV, die_with_parent
+from .isolate import PARENT_ENV
 
 PRELOAD = ("torch", "torch._dynamo", "transformers")  # what every child imports first (~5.5 CPU s here)
 
@@ -139,7 +139,9 @@ def warm_compile() -> None:
 def serve() -> int:
     """The server's loop: fork a child per request line, report each end; stop when the requester closes stdin."""
     global _REPLIES
-    die_with_parent()
+    starter = os.getppid()  # not PR_SET_PDEATHSIG (`die_with_parent`): that fires when the starter's THREAD ends,
+    if os.environ.get(PARENT_ENV, str(starter)) != str(starter):  # and servers are started from pool threads
+        os._exit(70)  # the starter died before this began
     BASE_PATH[:] = interpreter_path()
     _REPLIES = os.dup(1)
     os.dup2(2, 1)  # whatever an import prints goes to stderr, never into the replies
@@ -154,6 +156,8 @@ def serve() -> int:
     while True:
         ready, _, _ = select.select([0], [], [], 0.05)
         _reap()
+        if os.getppid() != starter:  # the starter died: so does this server, and its children with it (theirs)
+            os._exit(70)
         if not ready:
             continue
         data = os.read(0, 1 << 16)

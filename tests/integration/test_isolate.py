@@ -94,6 +94,25 @@ def test_a_warm_child_is_forked_from_a_server_that_imported_torch(monkeypatch: p
         assert first.value["ppid"] == os.getpid() and not first.value["torch"]
 
 
+def test_a_warm_server_started_from_a_pool_thread_outlives_the_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The modes start children from thread pools (probes, repro checks). The server a pool thread started serves
+    the next request from another thread after the first one ended (PR_SET_PDEATHSIG would have killed it with
+    its starting thread: a new server, torch imported again, per pool)."""
+    import threading
+
+    monkeypatch.setenv(WARM_ENV, "1")
+    monkeypatch.setenv("DEEPVIEW_TEST_POOL", "fresh")  # a server of its own, started by the first thread below
+    got = []
+    for _ in range(2):
+        t = threading.Thread(target=lambda: got.append(run_isolated("tests.fixtures.iso_targets:whoami", {},
+                                                                     timeout=60)))
+        t.start()
+        t.join()
+        time.sleep(0.5)  # the ended thread's death signal, had the server asked for one, has been delivered
+    assert all(r.ok for r in got), got
+    assert got[0].value["ppid"] == got[1].value["ppid"] != os.getpid()
+
+
 def test_describe_says_what_happened_to_the_child() -> None:
     from ci_runner.engine.isolate import IsolatedResult
 
