@@ -353,6 +353,10 @@ class CompileOptions:
                                               "in eager: a `recompile_limit` finding")
     graph_breaks: bool = option(True, check=boolean,
                                 help="a graph break is a finding (false: only counted in `data.phases`)")
+    reuse: bool = option(True, check=boolean,
+                         help="read a phase's signals from another mode's compiled run of it in the same process "
+                              "(the layers mode's whole-model run) where there is one, instead of compiling the "
+                              "phase again (false: always its own run)")
     repro: bool = option(True, check=boolean, help="write a repro per finding")
     verify: bool = option(True, check=boolean, help="run each repro in a fresh process to verify it")
     verify_timeout: float = option(180.0, check=_SECONDS, help="seconds a repro may take")

@@ -20,11 +20,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ...backends.ran import CompileRecord
+from ...engine.watchedrun import WatchedRun
 from ...engine.workload import Call
 from ...options import CompileOptions
 from ...phases import Phase
 from ...results.model import Finding, fingerprint
-from .signals import Event, changed_input, short_path
+from ...engine.dynamotrace import Event, changed_input, short_path
 
 if TYPE_CHECKING:
     from .. import ModeContext
@@ -48,6 +49,13 @@ class PhaseSignals:
     error: str | None = None
     failed_call: str | None = None
     seconds: float = 0.0
+    by: str = "compile"  # the mode whose compiled run the signals were read from
+
+    def take(self, run: WatchedRun) -> None:
+        """The figures of a watched run (the mode's own, or another mode's in this process)."""
+        self.calls, self.per_call, self.events, self.record = run.calls, run.per_call, run.events, run.record
+        self.facts, self.counters, self.error, self.failed_call = run.facts, run.counters, run.error, run.failed_call
+        self.seconds, self.by = run.seconds, run.by
 
     def of(self, kind: str) -> list[Event]:
         return [e for e in self.events if e.kind == kind]
@@ -94,7 +102,7 @@ class PhaseSignals:
             "compile_s": round(sum(e.seconds for e in self.events), 3),
             "eager_fallbacks": self.eager_fallbacks(),
             "eager_after_limit": bool(self.of("limit")),
-            "per_call": self.per_call, "seconds": round(self.seconds, 3),
+            "per_call": self.per_call, "seconds": round(self.seconds, 3), "run_by": self.by,
         }
         if row["eager_after_limit"]:
             row["eager_calls"] = self.eager_calls()
