@@ -55,7 +55,7 @@ def plain(phases: dict[str, Any]) -> dict[str, Any]:
 
 
 def compile_mode(out: Path) -> dict[str, Any]:
-    res = json.loads((out / "run" / "results.json").read_text())
+    res = json.loads((out / "run" / "report" / "results.json").read_text())
     cell = res["cells"][0]
     return {"modes": {m: round(r.get("duration_s") or 0.0, 1) for m, r in cell["modes"].items()},
             "compile": cell["modes"]["compile"]}

@@ -81,10 +81,13 @@ def test_removing_the_break_is_fixed_in_the_diff(breaks: Any) -> None:
 
 def test_a_decode_step_recompiles_with_a_dynamic_length(tmp_path: Path) -> None:
     """A sliding-window decoder (tiny Mistral, window 4): decode step 1 recompiles (input_ids 6 -> 1 tokens) into a
-    graph whose KV-cache length is symbolic (the one IREE and OpenVINO then fail on: sym_max of it)."""
+    graph whose KV-cache length is symbolic (the one IREE and OpenVINO then fail on: sym_max of it). By default that
+    recompile is the warm-up's (tests/unit/test_compile_warmup.py); with a one-call warm-up and no dynamic recompile
+    expected it is a finding."""
     res = _run(tmp_path, {"id": "sw", "config": "mistral", "overrides": {**LLAMA, "sliding_window": 4}},
                {"id": "ae", "compile": "aot_eager"},
-               inputs={"seq_len": 6, "phases": [{"decode": {"steps": 2}}]}, options={"verify": False})
+               inputs={"seq_len": 6, "phases": [{"decode": {"steps": 2}}]},
+               options={"verify": False, "warmup_calls": 1, "dynamic_recompile_expected": False})
     row = res.data["phases"]["decode"]
     (rc,) = row["recompiles"]
     assert rc["call"] == "decode step 1" and rc["changed"] == "input_ids" and rc["dynamic"] is True
@@ -124,9 +127,14 @@ def test_openvino_lists_what_its_partitioner_left_in_eager_on_a_sliding_window_d
     assert row["recompiles"][0]["changed"] == "input_ids" and row["recompiles"][0]["dynamic"] is True
     assert "op sym_max" in row["eager_fallbacks"]
     assert row["failed_call"] == "decode step 1" and row["per_call"][1]["ran"] == 0  # then OpenVINO fails on it
-    (f,) = res.findings
-    assert f.kind == "eager_fallback" and f.op == "sym_max" and f.repro is not None and f.repro.verified, f.repro
+    kinds = {f.kind: f for f in res.findings}
+    assert set(kinds) == {"eager_fallback", "compile_after_warmup"}
+    f = kinds["eager_fallback"]
+    assert f.op == "sym_max" and f.repro is not None and f.repro.verified, f.repro
     assert f.module == "model"  # the decoder stack's mask code (nn_module_stack of the node left outside)
+    rc = kinds["compile_after_warmup"]  # in the warm-up, but the backend failed on it: the workload finding's cause
+    assert rc.details["call"] == "decode step 1" and rc.details["workload_finding"] == "layers:decode"
+    assert rc.details["dynamic"] and rc.details["changed"] == "input_ids"
 
 
 def test_the_reports_carry_the_per_phase_table_and_junit_properties(breaks: Any) -> None:
