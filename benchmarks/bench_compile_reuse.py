@@ -68,12 +68,19 @@ def main() -> int:
     args = ap.parse_args()
     work = Path(args.out or tempfile.mkdtemp(prefix="compile-reuse-"))
     procs = {name: start(work / name, args.backend, reuse) for name, reuse in (("own", False), ("reuse", True))}
-    rows = {}
-    for name, (proc, t0) in procs.items():
-        _, status, usage = os.wait4(proc.pid, 0)
+    rows: dict[str, Any] = {}
+    by_pid = {proc.pid: name for name, (proc, _) in procs.items()}
+    while len(rows) < len(procs):  # whichever ends first: its wall time is its own
+        pid, status, usage = os.wait4(-1, 0)
+        if pid not in by_pid:
+            continue
+        name = by_pid[pid]
+        proc, t0 = procs[name]
         proc.returncode = os.waitstatus_to_exitcode(status)
-        rows[name] = {"wall": time.monotonic() - t0, "cpu": usage.ru_utime + usage.ru_stime, "rc": proc.returncode,
-                      **compile_mode(work / name)}
+        rows[name] = {"wall": time.monotonic() - t0, "cpu": usage.ru_utime + usage.ru_stime, "rc": proc.returncode}
+    for name in rows:
+        rows[name].update(compile_mode(work / name))
+    rows = {name: rows[name] for name in procs}
     print(f"{'compile.reuse':<14} {'rc':>3} {'wall s':>7} {'CPU s':>7}  per mode (s)")
     for name, r in rows.items():
         print(f"{name:<14} {r['rc']:>3} {r['wall']:>7.1f} {r['cpu']:>7.1f}  {r['modes']}")

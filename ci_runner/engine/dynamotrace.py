@@ -31,6 +31,7 @@ TRACE_LOGGER = "torch.__trace"  # torch._logging's structured trace logger (neve
 LIMIT_TEXT = "Dynamo recompile limit exceeded"  # the graph-break type Dynamo gives up a frame with
 _BREAK_AT = re.compile(r"Graph break in user code at (.+):(\d+)")
 _OBJECT_ID = re.compile(r"(___check_(?:type|obj)_id\([^,]+, )\d+")
+_IDS = {"frame_id", "frame_compile_id", "attempt", "compiled_autograd_id", "rank", "has_payload"}
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 _CHANGED = (re.compile(r"\['([^']+)'\]"), re.compile(r"tensor '([^']+)'"), re.compile(r"___check_\w+\(([^,()]+)"),
             re.compile(r"^\S+: (\S+) (?:==|!=|is|<|>)"), re.compile(r"'([^']+)'"))
@@ -120,6 +121,7 @@ class TraceWatch:
 
     def __init__(self) -> None:
         self.events: list[Event] = []
+        self.seen: set[str] = set()  # the kinds of record this torch gave (artifact names, metadata keys)
         self.call = ""
         self._first_source: dict[str, str] = {}  # frame id -> the compiled function's file:line
         self._logger = logging.getLogger(TRACE_LOGGER)
@@ -152,6 +154,7 @@ class TraceWatch:
         """One structured record (its metadata and payload)."""
         frame = f"{meta.get('frame_id')}/{meta.get('frame_compile_id')}"
         art = meta.get("artifact") or {}
+        self.seen.add(str(art.get("name")) if art else next((k for k in meta if k not in _IDS), "?"))
         if art.get("name") == "dynamo_graph_break_reason" and isinstance(payload, str):
             self._graph_break(frame, payload)
         elif art.get("name") == "recompile_reasons" and payload:

@@ -43,6 +43,7 @@ class WatchedRun:
     record: CompileRecord | None = None
     facts: dict[str, Any] = field(default_factory=dict)  # the backend's own fallbacks (`FallbackWatch.facts`)
     counters: dict[str, dict[str, int]] = field(default_factory=dict)
+    seen: set[str] = field(default_factory=set)  # the kinds of structured-trace record this torch gave
     error: str | None = None
     failed_call: str | None = None
     seconds: float = 0.0
@@ -76,6 +77,7 @@ class PhaseWatch:
         self.run.seconds = time.perf_counter() - self._t0
         self._stack.close()
         self.run.events = list(self.trace.events)
+        self.run.seen = set(self.trace.seen)
         self.run.facts = self._watch.facts() if self._watch is not None else {}
         self.run.counters = self._counters.delta() if self._counters is not None else {}
 

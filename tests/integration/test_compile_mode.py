@@ -67,6 +67,7 @@ def test_a_graph_break_in_our_model_names_reason_line_and_module(breaks: Any) ->
     assert f.repro is not None and f.repro.verified, f.repro
     script = (cell_dir / f.repro.path).read_text()
     assert "watch_graph_breaks()" in script
+    assert f.details["repro_module"] == "gate" and "get_submodule(MODULE)" in script  # the module alone, its inputs
 
 
 def test_removing_the_break_is_fixed_in_the_diff(breaks: Any) -> None:

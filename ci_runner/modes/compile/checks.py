@@ -50,12 +50,31 @@ class PhaseSignals:
     failed_call: str | None = None
     seconds: float = 0.0
     by: str = "compile"  # the mode whose compiled run the signals were read from
+    seen: set[str] = field(default_factory=set)  # the kinds of structured-trace record this torch gave
 
     def take(self, run: WatchedRun) -> None:
         """The figures of a watched run (the mode's own, or another mode's in this process)."""
         self.calls, self.per_call, self.events, self.record = run.calls, run.per_call, run.events, run.record
         self.facts, self.counters, self.error, self.failed_call = run.facts, run.counters, run.error, run.failed_call
-        self.seconds, self.by = run.seconds, run.by
+        self.seconds, self.by, self.seen = run.seconds, run.by, run.seen
+
+    def unknown(self) -> dict[str, str]:
+        """Figures this torch's structured trace did not give although Dynamo did the thing (its counters or its
+        compiles say so): unknown (None in `data.phases`, with the reason), never 0."""
+        out: dict[str, str] = {}
+        compiled = (len(self.record.graphs) if self.record is not None else 0) > 0 or \
+            self.counters.get("frames", {}).get("total", 0) > 0
+        metrics = any(e.kind in ("compile", "limit") for e in self.events)
+        if compiled and not metrics:
+            out["compile_s"] = out["eager_after_limit"] = "this torch's structured trace gave no compilation_metrics"
+        breaks = sum(self.counters.get("graph_break", {}).values())
+        if breaks and not self.of("graph_break"):
+            out["graph_breaks"] = f"Dynamo counted {breaks} graph break(s); this torch's structured trace gave no " \
+                                  f"dynamo_graph_break_reason"
+        recompiled = any(e.kind == "compile" and not e.frame.endswith("/0") for e in self.events)
+        if not self.of("recompile") and "recompile_reasons" not in self.seen and (recompiled or (compiled and not metrics)):
+            out["recompiles"] = "this torch's structured trace gave no recompile_reasons"
+        return out
 
     def of(self, kind: str) -> list[Event]:
         return [e for e in self.events if e.kind == kind]
@@ -89,6 +108,7 @@ class PhaseSignals:
     def row(self) -> dict[str, Any]:
         """`data.phases.<phase>`."""
         graphs = len(self.record.graphs) if self.record is not None else 0
+        unknown = self.unknown()
         row: dict[str, Any] = {
             "status": "error" if self.error else "pass", "phase": self.label, "calls": len(self.per_call),
             "graphs": graphs,
@@ -104,6 +124,10 @@ class PhaseSignals:
             "eager_after_limit": bool(self.of("limit")),
             "per_call": self.per_call, "seconds": round(self.seconds, 3), "run_by": self.by,
         }
+        for key in unknown:
+            row[key] = None
+        if unknown:
+            row["unknown"] = unknown
         if row["eager_after_limit"]:
             row["eager_calls"] = self.eager_calls()
             row["recompile_limit"] = self.of("limit")[0].detail

@@ -73,10 +73,11 @@ def figures_of(phases: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
         if row.get("status") == "skipped" or "graphs" not in row:
             continue
         out[f"graphs.{name}"] = row["graphs"]
-        out[f"graph_breaks.{name}"] = len(row.get("graph_breaks") or ())
-        out[f"recompiles.{name}"] = len(row.get("recompiles") or ())
-        out[f"eager_fallbacks.{name}"] = len(row.get("eager_fallbacks") or ())
-        out[f"compile_s.{name}"] = row.get("compile_s") or 0.0
+        for key in ("graph_breaks", "recompiles", "eager_fallbacks"):
+            if row.get(key) is not None:  # None: unknown on this torch (`data.phases.<phase>.unknown`), never 0
+                out[f"{key}.{name}"] = len(row[key])
+        if row.get("compile_s") is not None:
+            out[f"compile_s.{name}"] = row["compile_s"]
     return out
 
 
