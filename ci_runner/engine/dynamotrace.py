@@ -29,6 +29,10 @@ __all__ = ["Event", "TraceWatch", "short_path", "changed_input", "LIMIT_TEXT"]
 
 TRACE_LOGGER = "torch.__trace"  # torch._logging's structured trace logger (never propagates)
 LIMIT_TEXT = "Dynamo recompile limit exceeded"  # the graph-break type Dynamo gives up a frame with
+# what `compilation_metrics.fail_reason` says when Dynamo gave up on a frame at its limit: torch ≥ 2.8 the graph-break
+# type above; torch 2.7 `RecompileLimitExceeded("<limit_type> reached")` or its "Dynamo cache limit exceeded" break
+_LIMIT_HIT = re.compile(r"^(?:Dynamo recompile limit exceeded|Dynamo cache limit exceeded|"
+                        r"(?:accumulated_)?(?:recompile_limit|cache_size_limit) reached)")
 _BREAK_AT = re.compile(r"Graph break in user code at (.+):(\d+)")
 _OBJECT_ID = re.compile(r"(___check_(?:type|obj)_id\([^,]+, )\d+")
 _IDS = {"frame_id", "frame_compile_id", "attempt", "compiled_autograd_id", "rank", "has_payload"}
@@ -195,11 +199,11 @@ class TraceWatch:
             self._first_source[frame_id] = f"{short_path(cm['co_filename'])}:{cm.get('co_firstlineno')}"
         seconds = float(cm.get("entire_frame_compile_time_s") or 0.0)
         fail = str(cm.get("fail_reason") or "")
-        if fail.startswith(LIMIT_TEXT):
+        if _LIMIT_HIT.search(fail):
             limit = re.search(r"currently set to (\d+)", fail)
             self.events.append(Event("limit", self.call, frame, reason=str(cm.get("recompile_reason") or "")[:500],
                                      source=self._first_source.get(frame_id, ""), seconds=seconds,
-                                     detail=f"recompile_limit {limit.group(1)}" if limit else LIMIT_TEXT))
+                                     detail=f"recompile_limit {limit.group(1)}" if limit else fail.split("\n")[0][:80]))
             return
         self.events.append(Event("compile", self.call, frame, reason=fail[:300], seconds=seconds,
                                  source=self._first_source.get(frame_id, "")))

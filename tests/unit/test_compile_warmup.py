@@ -1,4 +1,4 @@
-"""The compile mode's warm-up rule (`modes/compile/checks.py`): automatic dynamic shapes' first recompile of a
+"""The compile mode's warm-up rule, and a figure its torch's trace did not give (unknown, never 0) (`modes/compile/checks.py`): automatic dynamic shapes' first recompile of a
 function after the warm-up is expected; a second recompile of it, a static one, or one the backend then failed on is
 a `compile_after_warmup` finding. Pure: signals built by hand as Dynamo's trace gives them (no compile)."""
 
@@ -73,3 +73,21 @@ def test_a_recompile_in_the_warmup_the_backend_fails_on_is_a_finding() -> None:
     (f,) = warmup_findings("b", DEFAULT, sig)
     assert f.details["call"] == "decode step 1" and f.details["dynamic"] and "after the warm-up" not in f.message
     assert f.details["workload_finding"] == "layers:decode"
+
+
+def test_a_figure_the_trace_did_not_give_is_unknown_not_zero() -> None:
+    """Dynamo counted a graph break and compiled twice, but no break, recompile or metrics record came (an older
+    torch's structured trace): those figures are None with the reason, and the history's figures leave them out."""
+    from ci_runner.modes.compile.mode import figures_of
+
+    sig = _sig(None, [("forward", 2), ("forward sample 1", 1)], [])
+    sig.counters = {"graph_break": {"Tensor.item()": 1}, "frames": {"total": 3, "ok": 3}}
+    row = sig.row()
+    assert row["graph_breaks"] is None and row["recompiles"] is None and row["compile_s"] is None
+    assert set(row["unknown"]) == {"graph_breaks", "recompiles", "compile_s", "eager_after_limit"}
+    assert "dynamo_graph_break_reason" in row["unknown"]["graph_breaks"]
+    assert figures_of({"forward": row}) == {"graphs.forward": 0, "eager_fallbacks.forward": 0}
+    sig.events = [Event("compile", "forward", "0/0", seconds=0.5), Event("graph_break", "forward", "0/0",
+                                                                         source="m.py:3")]
+    known = sig.row()
+    assert "unknown" not in known and known["graph_breaks"][0]["source"] == "m.py:3" and known["recompiles"] == []
