@@ -12,6 +12,7 @@ import pytest
 
 from ci_runner.backends import resolve_backend
 from ci_runner.config import load_matrix_text
+from ci_runner.engine.repro import verify_script
 from ci_runner.matrix import expand
 from ci_runner.results.baseline import Baseline, diff, make_baseline
 from ci_runner.results.model import CellResult, ModeResult, Results
@@ -123,7 +124,7 @@ def test_openvino_lists_what_its_partitioner_left_in_eager_on_a_sliding_window_d
     ov = {"id": "ov", "compile": "openvino", "compile_options": {"options": {
         "aot_autograd": True, "testing": True, "config": {"INFERENCE_PRECISION_HINT": "f32"}}}}
     res = _run(tmp_path, {"id": "sw", "config": "mistral", "overrides": {**LLAMA, "sliding_window": 4}}, ov,
-               inputs={"seq_len": 6, "phases": [{"decode": {"steps": 1}}]}, options={"warmup_calls": 2})
+               inputs={"seq_len": 6, "phases": [{"decode": {"steps": 1}}]}, options={"verify": False})
     row = res.data["phases"]["decode"]
     assert row["recompiles"][0]["changed"] == "input_ids" and row["recompiles"][0]["dynamic"] is True
     assert "op sym_max" in row["eager_fallbacks"]
@@ -131,7 +132,11 @@ def test_openvino_lists_what_its_partitioner_left_in_eager_on_a_sliding_window_d
     kinds = {f.kind: f for f in res.findings}
     assert set(kinds) == {"eager_fallback", "compile_after_warmup"}
     f = kinds["eager_fallback"]
-    assert f.op == "sym_max" and f.repro is not None and f.repro.verified, f.repro
+    assert f.op == "sym_max" and f.repro is not None
+    # the eager-fallback repro verified here (one OpenVINO child, as before the recompile finding came with it)
+    ver = verify_script(tmp_path / "cells" / "sw@ov" / f.repro.path, expect_text=["REPRO FAILED: sym_max ran in PyTorch eager"],
+                        timeout=300)
+    assert ver.verified, ver.output_tail[-2000:]
     assert f.module == "model"  # the decoder stack's mask code (nn_module_stack of the node left outside)
     rc = kinds["compile_after_warmup"]  # in the warm-up, but the backend failed on it: the workload finding's cause
     assert rc.details["call"] == "decode step 1" and rc.details["workload_finding"] == "layers:decode"
