@@ -72,6 +72,7 @@ def test_a_recompile_in_the_warmup_the_backend_fails_on_is_a_finding() -> None:
                failed="decode step 1")
     (f,) = warmup_findings("b", DEFAULT, sig)
     assert f.details["call"] == "decode step 1" and f.details["dynamic"] and "after the warm-up" not in f.message
+    assert "settled" not in f.message and "the backend then failed on that call" in f.message
     assert f.details["workload_finding"] == "layers:decode"
 
 

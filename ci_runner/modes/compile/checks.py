@@ -254,7 +254,9 @@ def warmup_findings(backend: str, opts: CompileOptions, sig: PhaseSignals) -> li
         changed = changed_input(e.reason) or "?"
         fp = fingerprint("compile_after_warmup", backend, sig.name, e.source, changed)
         failed = e.call == sig.failed_call
-        again = " (its dynamic shapes had settled)" if e.dynamic else ""
+        frame = e.frame.split("/", 1)[0]
+        settled = any(x.kind == "recompile" and x.dynamic and x.frame.split("/", 1)[0] == frame for x in sig.events[:i])
+        again = " (its dynamic shapes had settled)" if settled else ""
         out.setdefault(fp, Finding(
             kind="compile_after_warmup", stage="compile", module=e.source or sig.name, phase=_phase(sig),
             message=f"{sig.name}: {e.call} compiled again"
