@@ -336,10 +336,17 @@ class NumericsOptions:
 class CompileOptions:
     """The compile mode's checks (`modes/compile/checks.py`, docs/compile.md)."""
 
-    warmup_calls: int = option(1, check=integer(ge=1, hint="give an integer ≥ 1, e.g. 2"),
-                               help="calls of a phase that may compile (the first: the prefill, or the first "
-                                    "sample); a later call that compiles again (a decode step, a new sample) is a "
-                                    "`compile_after_warmup` finding; 2 allows the first decode step's recompile")
+    warmup_calls: int | None = option(None, check=integer(ge=1, hint="give an integer ≥ 1, e.g. 2"), nullable=True,
+                                      shown="auto",
+                                      help="calls of a phase that may compile (auto: the first call, and in a "
+                                           "prefill/decode phase decode step 1 too, the first one-token call); a "
+                                           "later call that compiles again is a `compile_after_warmup` finding")
+    dynamic_recompile_expected: bool = option(True, check=boolean,
+                                              help="after the warm-up, automatic dynamic shapes' recompile (the first "
+                                                   "of a compiled function that makes the changed size symbolic) is "
+                                                   "expected, not a finding; a later recompile of it, a static one, or "
+                                                   "one the backend then fails on is (false: every recompile after "
+                                                   "the warm-up is)")
     sweep_graphs_per_frame: int = option(1, check=_COUNT,
                                          help="graphs a `long` length sweep may add after its first length, per "
                                               "graph compiled there (automatic dynamic shapes compile one "
@@ -353,6 +360,10 @@ class CompileOptions:
                                               "in eager: a `recompile_limit` finding")
     graph_breaks: bool = option(True, check=boolean,
                                 help="a graph break is a finding (false: only counted in `data.phases`)")
+    reuse: bool = option(True, check=boolean,
+                         help="read a phase's signals from another mode's compiled run of it in the same process "
+                              "(the layers mode's whole-model run) where there is one, instead of compiling the "
+                              "phase again (false: always its own run)")
     repro: bool = option(True, check=boolean, help="write a repro per finding")
     verify: bool = option(True, check=boolean, help="run each repro in a fresh process to verify it")
     verify_timeout: float = option(180.0, check=_SECONDS, help="seconds a repro may take")

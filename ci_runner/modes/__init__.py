@@ -55,6 +55,8 @@ class ModeContext:
     _models: dict[tuple[Any, ...], "LoadedModel"] = field(default_factory=dict, repr=False)
     model_error: "ModelLoadError | None" = None  # the cell's model did not load: every later load raises it again
     on_checkpoint: Callable[[str, ModeResult], None] | None = field(default=None, repr=False)  # run/cellrun.py's
+    # per phase: a mode's whole-model compiled run, watched for the compile mode's signals (engine/watchedrun.py)
+    compiled_runs: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def model_id(self) -> str:

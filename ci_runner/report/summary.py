@@ -23,7 +23,7 @@ from ..results.model import Results
 from .compiletable import markdown_table as compile_table, worst_offenders
 from .junit import junit_counts, xml_safe
 from ..engine.failure import headline
-from .trendcharts import burndown_line
+from .trendcharts import burndown_line, compile_line
 from ..zoo.report import zoo_view
 from .view import ReportView, build_view, cos_distance, fmt_num, icon
 
@@ -124,6 +124,7 @@ def _environment() -> jinja2.Environment:
     )
     env.filters.update(md=md, h=h, code=code, block=block, num=fmt_num, cosd=cos_distance, icon=icon, first_line=headline)
     env.globals["burndown_line"] = burndown_line
+    env.globals["compile_line"] = compile_line
     return env
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from ci_runner.backends import resolve_backend
 from ci_runner.config import load_matrix_text
+from ci_runner.engine.repro import verify_script
 from ci_runner.matrix import expand
 from ci_runner.results.baseline import Baseline, diff, make_baseline
 from ci_runner.results.model import CellResult, ModeResult, Results
@@ -67,6 +68,7 @@ def test_a_graph_break_in_our_model_names_reason_line_and_module(breaks: Any) ->
     assert f.repro is not None and f.repro.verified, f.repro
     script = (cell_dir / f.repro.path).read_text()
     assert "watch_graph_breaks()" in script
+    assert f.details["repro_module"] == "gate" and "get_submodule(MODULE)" in script  # the module alone, its inputs
 
 
 def test_removing_the_break_is_fixed_in_the_diff(breaks: Any) -> None:
@@ -81,10 +83,13 @@ def test_removing_the_break_is_fixed_in_the_diff(breaks: Any) -> None:
 
 def test_a_decode_step_recompiles_with_a_dynamic_length(tmp_path: Path) -> None:
     """A sliding-window decoder (tiny Mistral, window 4): decode step 1 recompiles (input_ids 6 -> 1 tokens) into a
-    graph whose KV-cache length is symbolic (the one IREE and OpenVINO then fail on: sym_max of it)."""
+    graph whose KV-cache length is symbolic (the one IREE and OpenVINO then fail on: sym_max of it). By default that
+    recompile is the warm-up's (tests/unit/test_compile_warmup.py); with a one-call warm-up and no dynamic recompile
+    expected it is a finding."""
     res = _run(tmp_path, {"id": "sw", "config": "mistral", "overrides": {**LLAMA, "sliding_window": 4}},
                {"id": "ae", "compile": "aot_eager"},
-               inputs={"seq_len": 6, "phases": [{"decode": {"steps": 2}}]}, options={"verify": False})
+               inputs={"seq_len": 6, "phases": [{"decode": {"steps": 2}}]},
+               options={"verify": False, "warmup_calls": 1, "dynamic_recompile_expected": False})
     row = res.data["phases"]["decode"]
     (rc,) = row["recompiles"]
     assert rc["call"] == "decode step 1" and rc["changed"] == "input_ids" and rc["dynamic"] is True
@@ -119,14 +124,23 @@ def test_openvino_lists_what_its_partitioner_left_in_eager_on_a_sliding_window_d
     ov = {"id": "ov", "compile": "openvino", "compile_options": {"options": {
         "aot_autograd": True, "testing": True, "config": {"INFERENCE_PRECISION_HINT": "f32"}}}}
     res = _run(tmp_path, {"id": "sw", "config": "mistral", "overrides": {**LLAMA, "sliding_window": 4}}, ov,
-               inputs={"seq_len": 6, "phases": [{"decode": {"steps": 1}}]}, options={"warmup_calls": 2})
+               inputs={"seq_len": 6, "phases": [{"decode": {"steps": 1}}]}, options={"verify": False})
     row = res.data["phases"]["decode"]
     assert row["recompiles"][0]["changed"] == "input_ids" and row["recompiles"][0]["dynamic"] is True
     assert "op sym_max" in row["eager_fallbacks"]
     assert row["failed_call"] == "decode step 1" and row["per_call"][1]["ran"] == 0  # then OpenVINO fails on it
-    (f,) = res.findings
-    assert f.kind == "eager_fallback" and f.op == "sym_max" and f.repro is not None and f.repro.verified, f.repro
+    kinds = {f.kind: f for f in res.findings}
+    assert set(kinds) == {"eager_fallback", "compile_after_warmup"}
+    f = kinds["eager_fallback"]
+    assert f.op == "sym_max" and f.repro is not None
+    # the eager-fallback repro verified here (one OpenVINO child, as before the recompile finding came with it)
+    ver = verify_script(tmp_path / "cells" / "sw@ov" / f.repro.path, expect_text=["REPRO FAILED: sym_max ran in PyTorch eager"],
+                        timeout=300)
+    assert ver.verified, ver.output_tail[-2000:]
     assert f.module == "model"  # the decoder stack's mask code (nn_module_stack of the node left outside)
+    rc = kinds["compile_after_warmup"]  # in the warm-up, but the backend failed on it: the workload finding's cause
+    assert rc.details["call"] == "decode step 1" and rc.details["workload_finding"] == "layers:decode"
+    assert rc.details["dynamic"] and rc.details["changed"] == "input_ids"
 
 
 def test_the_reports_carry_the_per_phase_table_and_junit_properties(breaks: Any) -> None:

@@ -6,7 +6,7 @@ Finding kinds (`registry.py`), each with its repro (`repro.py`):
 - `eager_fallback`: an op the backend's partitioner left to PyTorch eager (OpenVINO), or a partition it ran in
   eager after it failed at run time;
 - `compile_after_warmup`: a call after the phase's warm-up (`warmup_calls`) that compiled again, with the guard
-  that failed and the input that changed;
+  that failed and the input that changed (automatic dynamic shapes' one recompile per function is expected);
 - `length_sweep_graphs`: a `long` phase whose later lengths compiled more than `sweep_graphs_per_frame` graph(s)
   per compiled frame (one graph per length under `dynamic: false`);
 - `recompile_limit`: calls that ran in eager because Dynamo hit its recompile limit (never a pass);
@@ -20,16 +20,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ...backends.ran import CompileRecord
+from ...engine.watchedrun import WatchedRun
 from ...engine.workload import Call
 from ...options import CompileOptions
 from ...phases import Phase
 from ...results.model import Finding, fingerprint
-from .signals import Event, changed_input, short_path
+from ...engine.dynamotrace import Event, changed_input, short_path
 
 if TYPE_CHECKING:
     from .. import ModeContext
 
-__all__ = ["PhaseSignals", "findings_for", "module_at"]
+__all__ = ["PhaseSignals", "findings_for", "module_at", "warmup_of", "expected_recompiles", "warmup_findings"]
 
 
 @dataclass
@@ -48,6 +49,32 @@ class PhaseSignals:
     error: str | None = None
     failed_call: str | None = None
     seconds: float = 0.0
+    by: str = "compile"  # the mode whose compiled run the signals were read from
+    seen: set[str] = field(default_factory=set)  # the kinds of structured-trace record this torch gave
+
+    def take(self, run: WatchedRun) -> None:
+        """The figures of a watched run (the mode's own, or another mode's in this process)."""
+        self.calls, self.per_call, self.events, self.record = run.calls, run.per_call, run.events, run.record
+        self.facts, self.counters, self.error, self.failed_call = run.facts, run.counters, run.error, run.failed_call
+        self.seconds, self.by, self.seen = run.seconds, run.by, run.seen
+
+    def unknown(self) -> dict[str, str]:
+        """Figures this torch's structured trace did not give although Dynamo did the thing (its counters or its
+        compiles say so): unknown (None in `data.phases`, with the reason), never 0."""
+        out: dict[str, str] = {}
+        compiled = (len(self.record.graphs) if self.record is not None else 0) > 0 or \
+            self.counters.get("frames", {}).get("total", 0) > 0
+        metrics = any(e.kind in ("compile", "limit") for e in self.events)
+        if compiled and not metrics:
+            out["compile_s"] = out["eager_after_limit"] = "this torch's structured trace gave no compilation_metrics"
+        breaks = sum(self.counters.get("graph_break", {}).values())
+        if breaks and not self.of("graph_break"):
+            out["graph_breaks"] = f"Dynamo counted {breaks} graph break(s); this torch's structured trace gave no " \
+                                  f"dynamo_graph_break_reason"
+        recompiled = any(e.kind == "compile" and not e.frame.endswith("/0") for e in self.events)
+        if not self.of("recompile") and "recompile_reasons" not in self.seen and (recompiled or (compiled and not metrics)):
+            out["recompiles"] = "this torch's structured trace gave no recompile_reasons"
+        return out
 
     def of(self, kind: str) -> list[Event]:
         return [e for e in self.events if e.kind == kind]
@@ -81,6 +108,7 @@ class PhaseSignals:
     def row(self) -> dict[str, Any]:
         """`data.phases.<phase>`."""
         graphs = len(self.record.graphs) if self.record is not None else 0
+        unknown = self.unknown()
         row: dict[str, Any] = {
             "status": "error" if self.error else "pass", "phase": self.label, "calls": len(self.per_call),
             "graphs": graphs,
@@ -94,8 +122,12 @@ class PhaseSignals:
             "compile_s": round(sum(e.seconds for e in self.events), 3),
             "eager_fallbacks": self.eager_fallbacks(),
             "eager_after_limit": bool(self.of("limit")),
-            "per_call": self.per_call, "seconds": round(self.seconds, 3),
+            "per_call": self.per_call, "seconds": round(self.seconds, 3), "run_by": self.by,
         }
+        for key in unknown:
+            row[key] = None
+        if unknown:
+            row["unknown"] = unknown
         if row["eager_after_limit"]:
             row["eager_calls"] = self.eager_calls()
             row["recompile_limit"] = self.of("limit")[0].detail
@@ -132,7 +164,7 @@ def findings_for(ctx: "ModeContext", opts: CompileOptions, loaded: Any, signals:
     out: dict[str, Finding] = {}
     for sig in signals:
         for f in (_graph_breaks(backend, loaded, sig) if opts.graph_breaks else []) + _fallbacks(backend, sig) + \
-                _warmup(backend, opts, sig) + _sweep(backend, opts, sig) + _limit(backend, sig) + \
+                warmup_findings(backend, opts, sig) + _sweep(backend, opts, sig) + _limit(backend, sig) + \
                 _count(backend, opts, sig):
             if f.fingerprint in out:
                 out[f.fingerprint].details.setdefault("phases", []).append(sig.name)
@@ -179,38 +211,73 @@ def _fallbacks(backend: str, sig: PhaseSignals) -> list[Finding]:
     return out
 
 
-def _warmup(backend: str, opts: CompileOptions, sig: PhaseSignals) -> list[Finding]:
-    """Calls after the warm-up that compiled (not the long phase: its lengths are the sweep check)."""
+def warmup_of(opts: CompileOptions, sig: PhaseSignals) -> int:
+    """The phase's warm-up calls: `warmup_calls`, or auto: the first call, plus decode step 1 in a prefill/decode
+    phase (Dynamo specialises a size of 1, so the prefill's graph never serves the one-token calls)."""
+    if opts.warmup_calls is not None:
+        return opts.warmup_calls
+    return 2 if sig.phase is not None and sig.phase.name in ("prefill", "decode") else 1
+
+
+def expected_recompiles(opts: CompileOptions, sig: PhaseSignals, late: set[str]) -> set[int]:
+    """Indexes (in `sig.events`) of the recompiles after the warm-up that automatic dynamic shapes makes by design:
+    per compiled function (Dynamo's frame id), its first recompile that made the changed size symbolic, unless the
+    backend then failed on that call."""
+    if not opts.dynamic_recompile_expected:
+        return set()
+    out: set[int] = set()
+    settled: set[str] = set()  # frames whose dynamic shapes settled (a dynamic recompile seen, in or after warm-up)
+    for i, e in enumerate(sig.events):
+        if e.kind != "recompile":
+            continue
+        frame = e.frame.split("/", 1)[0]
+        if e.dynamic and frame not in settled and e.call in late and e.call != sig.failed_call:
+            out.add(i)
+        if e.dynamic:
+            settled.add(frame)
+    return out
+
+
+def warmup_findings(backend: str, opts: CompileOptions, sig: PhaseSignals) -> list[Finding]:
+    """Calls after the warm-up that compiled (not the long phase: its lengths are the sweep check), but for
+    automatic dynamic shapes' expected recompile (`expected_recompiles`)."""
     if sig.phase is not None and sig.phase.name == "long":
         return []
-    late = {c["call"] for c in sig.per_call[opts.warmup_calls:] if c["graphs"] > 0}
+    warm = warmup_of(opts, sig)
+    after = {c["call"] for c in sig.per_call[warm:] if c["graphs"] > 0}
+    late = after | ({sig.failed_call} if sig.failed_call else set())  # a recompile the backend failed on: always
+    expected = expected_recompiles(opts, sig, late)
     out: dict[str, Finding] = {}
-    for e in sig.of("recompile"):
-        if e.call not in late:
+    for i, e in enumerate(sig.events):
+        if e.kind != "recompile" or e.call not in late or i in expected:
             continue
         changed = changed_input(e.reason) or "?"
         fp = fingerprint("compile_after_warmup", backend, sig.name, e.source, changed)
         failed = e.call == sig.failed_call
+        frame = e.frame.split("/", 1)[0]
+        settled = any(x.kind == "recompile" and x.dynamic and x.frame.split("/", 1)[0] == frame for x in sig.events[:i])
+        again = " (its dynamic shapes had settled)" if settled else ""
         out.setdefault(fp, Finding(
             kind="compile_after_warmup", stage="compile", module=e.source or sig.name, phase=_phase(sig),
-            message=f"{sig.name}: {e.call} compiled again after the warm-up ({opts.warmup_calls} call(s))"
+            message=f"{sig.name}: {e.call} compiled again"
+                    f"{f' after the warm-up ({warm} call(s))' if e.call in after else ''}{again}"
                     f"{' into a dynamic graph (symbolic: ' + ', '.join(e.symbolic[:3]) + ')' if e.dynamic else ''}: "
                     f"{changed} changed: {e.source}: {e.reason}"
                     + (f"; the backend then failed on that call ({(sig.error or '')[:200]}): the layers mode's "
                        f"`{sig.name}` phase finding names the failing module" if failed else ""),
-            details={"call": e.call, "reason": e.reason, "source": e.source, "changed": changed,
-                     "dynamic": e.dynamic, "symbolic": e.symbolic[:8], **({"failed": sig.error, "workload_finding": f"layers:{sig.name}"}
-                                              if failed else {})},
+            details={"call": e.call, "reason": e.reason, "source": e.source, "changed": changed, "warmup": warm,
+                     "dynamic": e.dynamic, "symbolic": e.symbolic[:8],
+                     **({"failed": sig.error, "workload_finding": f"layers:{sig.name}"} if failed else {})},
             fingerprint=fp))
-    said = {f.details["call"] for f in out.values()}
-    for c in sig.per_call[opts.warmup_calls:]:
+    said = {f.details["call"] for f in out.values()} | {sig.events[i].call for i in expected}
+    for c in sig.per_call[warm:]:
         if c["graphs"] > 0 and c["call"] not in said:  # a frame compiled for the first time (a new code path)
             fp = fingerprint("compile_after_warmup", backend, sig.name, c["call"].split(" ")[0], "(new frame)")
             out.setdefault(fp, Finding(
                 kind="compile_after_warmup", stage="compile", module=sig.name, phase=_phase(sig),
                 message=f"{sig.name}: {c['call']} compiled {c['graphs']} new graph(s) after the warm-up "
-                        f"({opts.warmup_calls} call(s)) without a failed guard: code the warm-up did not run",
-                details={"call": c["call"], "changed": None, "graphs": c["graphs"]}, fingerprint=fp))
+                        f"({warm} call(s)) without a failed guard: code the warm-up did not run",
+                details={"call": c["call"], "changed": None, "graphs": c["graphs"], "warmup": warm}, fingerprint=fp))
     return list(out.values())
 
 

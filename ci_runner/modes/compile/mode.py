@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
-from ...backends.ran import CompileRecord, DynamoCounters, FallbackWatch
 from ...engine.failure import stage_of, unwrap
 from ...engine.torchcompat import dynamo_config
+from ...engine.watchedrun import PhaseWatch, WatchedRun
 from ...engine.workload import Call, CallRecord, run_phase, skip_reason
 from ...options import CompileOptions
 from ...phases import Phase
@@ -28,7 +28,6 @@ from ...registry import parse_options
 from ...results.model import Finding, ModeResult
 from .checks import PhaseSignals, findings_for
 from .repro import attach_repros
-from .signals import Event, TraceWatch
 
 if TYPE_CHECKING:
     from .. import ModeContext
@@ -74,10 +73,11 @@ def figures_of(phases: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
         if row.get("status") == "skipped" or "graphs" not in row:
             continue
         out[f"graphs.{name}"] = row["graphs"]
-        out[f"graph_breaks.{name}"] = len(row.get("graph_breaks") or ())
-        out[f"recompiles.{name}"] = len(row.get("recompiles") or ())
-        out[f"eager_fallbacks.{name}"] = len(row.get("eager_fallbacks") or ())
-        out[f"compile_s.{name}"] = row.get("compile_s") or 0.0
+        for key in ("graph_breaks", "recompiles", "eager_fallbacks"):
+            if row.get(key) is not None:  # None: unknown on this torch (`data.phases.<phase>.unknown`), never 0
+                out[f"{key}.{name}"] = len(row[key])
+        if row.get("compile_s") is not None:
+            out[f"compile_s.{name}"] = row["compile_s"]
     return out
 
 
@@ -121,56 +121,43 @@ def _forward_calls(ctx: "ModeContext", loaded: Any, fn: Callable[..., Any], befo
                 break
 
 
+def kept_run(ctx: "ModeContext", opts: CompileOptions, phase: Phase | None) -> WatchedRun | None:
+    """Another mode's watched compiled run of `phase` in this process (`engine.watchedrun`), when the mode may read
+    it: `reuse` on, no `recompile_limit` of its own (the other mode ran under Dynamo's), a phase (the single forward's
+    whole-model compiles run in other modes' child processes)."""
+    if not opts.reuse or opts.recompile_limit or phase is None:
+        return None
+    return ctx.compiled_runs.get(phase.name)
+
+
 def measure(ctx: "ModeContext", opts: CompileOptions, loaded: Any, phase: Phase | None) -> PhaseSignals:
-    """One phase through one compiled object, with every watch on."""
+    """One phase through one compiled object, with every watch on: another mode's run of it when one is kept
+    (`kept_run`), else the mode's own."""
     import torch._dynamo  # deferred: Dynamo takes seconds to import
 
     sig = PhaseSignals(name=phase.name if phase is not None else FORWARD,
                        label=phase.label() if phase is not None else "single forward", phase=phase)
-    torch._dynamo.reset()
-    module = copy.deepcopy(loaded.module)
-    if ctx.backend.device != "cpu":
-        module = ctx.backend.to_device(module)
-    fn, record = ctx.backend.compile_recorded(module)
-    patch = dynamo_config({"recompile_limit": opts.recompile_limit}) if opts.recompile_limit else {}
-    trace = TraceWatch()
-    state = {"graphs": 0, "runs": 0, "events": 0}
-
-    def before(call: Call) -> None:
-        trace.mark(call.label)
-        state.update(graphs=len(record.graphs) if record else 0, runs=_runs(record), events=len(trace.events))
-        sig.calls.append(call)
-
-    def after(call: Call, rec: CallRecord) -> None:
-        sig.per_call.append({"call": call.label, "graphs": (len(record.graphs) if record else 0) - state["graphs"],
-                             "ran": _runs(record) - state["runs"],
-                             "compile_s": round(sum(e.seconds for e in trace.events[state["events"]:]), 3)})
-        if rec.error and sig.error is None:
-            sig.error, sig.failed_call = rec.error, call.label
-
-    t = time.perf_counter()
-    with ExitStack() as stack:
-        if patch:
-            stack.enter_context(torch._dynamo.config.patch(**patch))
-        stack.enter_context(trace)
-        watch = stack.enter_context(FallbackWatch(ctx.cell.backend.compile))
-        counters = stack.enter_context(DynamoCounters())
-        if phase is None:
-            _forward_calls(ctx, loaded, fn, before, after)
-        else:
-            run_phase(fn, loaded, ctx.cell.inputs, phase, device=ctx.backend.device, before_call=before,
-                      after_call=after)
-    sig.seconds = time.perf_counter() - t
-    sig.events = list(trace.events)
-    sig.record = record
-    sig.facts = watch.facts()
-    sig.counters = counters.delta()
-    torch._dynamo.reset()
+    run = kept_run(ctx, opts, phase)
+    if run is None:
+        torch._dynamo.reset()
+        module = copy.deepcopy(loaded.module)
+        if ctx.backend.device != "cpu":
+            module = ctx.backend.to_device(module)
+        fn, record = ctx.backend.compile_recorded(module)
+        patch = dynamo_config({"recompile_limit": opts.recompile_limit}) if opts.recompile_limit else {}
+        with ExitStack() as stack:
+            if patch:
+                stack.enter_context(torch._dynamo.config.patch(**patch))
+            watch = stack.enter_context(PhaseWatch(MODE, ctx.cell.backend.compile, record))
+            if phase is None:
+                _forward_calls(ctx, loaded, fn, watch.before, watch.after)
+            else:
+                run_phase(fn, loaded, ctx.cell.inputs, phase, device=ctx.backend.device, before_call=watch.before,
+                          after_call=watch.after)
+        run = watch.result()
+        torch._dynamo.reset()
+    sig.take(run)
     return sig
 
 
-def _runs(record: CompileRecord | None) -> int:
-    return sum(g["calls"] for g in record.graphs) if record is not None else 0
-
-
-__all__ = ["run", "measure", "FORWARD", "Event"]
+__all__ = ["run", "measure", "kept_run", "FORWARD"]

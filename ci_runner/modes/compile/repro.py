@@ -6,6 +6,7 @@ length sweep, OpenVINO's leftover ops for an eager fallback. Each is verified by
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 from pathlib import Path
@@ -16,7 +17,8 @@ import torch
 from ...backends import plugin_pythonpath
 from ...engine.repro import (plugin_modules, render_template, run_command, safe_filename, template_backend,
                                verify_script, write_script)
-from ...engine.workload import cache_kwarg
+from ...engine.codec import TensorStore, Unstorable, encode_call
+from ...engine.workload import cache_kwarg, capture_calls
 from ...fsutil import atomic_write_text
 from ...options import CompileOptions
 from ...results.model import Finding, Repro
@@ -74,6 +76,55 @@ def _cache(loaded: Any, sig: PhaseSignals) -> dict[str, Any] | None:
             "kwarg": cache_kwarg(loaded.module) or "past_key_values"}
 
 
+def _module_inputs(ctx: "ModeContext", loaded: Any, sig: PhaseSignals, name: str, label: str) -> tuple[Any, Any] | None:
+    """(args, kwargs) of module `name`'s first call during the phase's call `label`, run eagerly (a phase's calls
+    through `capture_calls`: its KV cache state as the module saw it); None when it was not called there."""
+    index = next((i for i, c in enumerate(sig.calls) if c.label == label), None)
+    if index is None:
+        return None
+    if sig.phase is not None:
+        calls = capture_calls(loaded, ctx.cell.inputs, sig.phase, forced=None, upto=index).get(name) or []
+        return next(((a, k) for i, a, k in calls if i == index), None)
+    seen: list[tuple[Any, Any]] = []
+
+    def pre(mod: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not seen:
+            seen.append((copy.deepcopy(args), copy.deepcopy(kwargs)))
+
+    handle = loaded.module.get_submodule(name).register_forward_pre_hook(pre, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            loaded.module(**sig.calls[index].kwargs)
+    finally:
+        handle.remove()
+    return seen[0] if seen else None
+
+
+def _minimal(ctx: "ModeContext", loaded: Any, sig: PhaseSignals, f: Finding, folder: Path,
+             index: int) -> dict[str, Any] | None:
+    """A graph break's smallest repro: the module named by the finding (`details.module`), compiled alone and
+    called with its captured inputs (`inputs_<i>.safetensors`, the call in the wire format of `engine/codec.py`).
+    None (the whole model's calls, `details.repro_note` says why) when the break is outside any module's forward,
+    in the model's own, or its inputs cannot be stored."""
+    name = f.details.get("module")
+    if f.kind != "graph_break" or not name or name == "(model)":
+        return None
+    try:
+        captured = _module_inputs(ctx, loaded, sig, name, str(f.details.get("call")))
+        if captured is None:
+            f.details["repro_note"] = f"{name} was not called in {f.details.get('call')}: the whole model's calls"
+            return None
+        store = TensorStore()
+        spec = encode_call(captured[0], captured[1], store.add, strict=True)
+    except Unstorable as exc:
+        f.details["repro_note"] = f"{name}'s inputs cannot be stored ({exc}): the whole model's calls"
+        return None
+    inputs = f"inputs_{index}.safetensors"
+    store.save(folder / inputs)
+    f.details["repro_module"] = name
+    return {"name": name, "call": spec, "inputs": inputs, "label": str(f.details.get("call"))}
+
+
 def _expect(f: Finding) -> tuple[list[str], str | None]:
     """What a verifying run must print: texts and error type."""
     d = f.details
@@ -99,6 +150,7 @@ def attach_repros(ctx: "ModeContext", opts: CompileOptions, loaded: Any, signals
     by_name = {s.name: s for s in signals}
     scripts: dict[tuple[str, ...], tuple[Path, str, str, Finding]] = {}  # share key -> (script, command, pythonpath)
     owners: list[tuple[Finding, tuple[str, ...]]] = []
+    whole_args: dict[tuple[str, ...], tuple[PhaseSignals, int]] = {}
     for i, f in enumerate(findings):
         if f.kind == "eager_fallback" and f.op == "(partition)":
             continue
@@ -109,8 +161,15 @@ def attach_repros(ctx: "ModeContext", opts: CompileOptions, loaded: Any, signals
         key = (f.kind, sig.name, str(f.details.get("call"))) if f.kind == "compile_after_warmup" else (f.fingerprint,)
         if key not in scripts:
             scripts[key] = (*_write(ctx, opts, loaded, sig, f, recipe, folder, i), f)
+            whole_args[key] = (sig, i)
         owners.append((f, key))
     done = _verify_all(ctx, opts, scripts)
+    retry = {k: (*_write(ctx, opts, loaded, whole_args[k][0], t[3], recipe, folder, whole_args[k][1], whole=True), t[3])
+             for k, t in scripts.items() if t[3].details.get("repro_module") and opts.verify and not done[k].verified}
+    for k, repro in _verify_all(ctx, opts, retry).items():  # the module alone did not show it: the whole model's calls
+        f = retry[k][3]
+        f.details["repro_note"] = f"{f.details.pop('repro_module')} alone did not show the break ({done[k].note[:200]})"
+        done[k] = repro
     for f, key in owners:
         f.repro = done[key]
         if scripts[key][3] is not f:
@@ -118,11 +177,12 @@ def attach_repros(ctx: "ModeContext", opts: CompileOptions, loaded: Any, signals
 
 
 def _write(ctx: "ModeContext", opts: CompileOptions, loaded: Any, sig: PhaseSignals, f: Finding,
-           recipe: dict[str, Any], folder: Path, index: int) -> tuple[Path, str, str]:
-    """The rendered script of `f`: (path, command, PYTHONPATH it needs)."""
+           recipe: dict[str, Any], folder: Path, index: int, *, whole: bool = False) -> tuple[Path, str, str]:
+    """The rendered script of `f`: (path, command, PYTHONPATH it needs). A graph break's script is its module alone
+    (`_minimal`) unless `whole` or it cannot be."""
     spec = ctx.cell.backend
     upto = f.details.get("call") if f.kind in ("compile_after_warmup", "recompile_limit") else None
-    name = f"repro_{f.kind}_{safe_filename(sig.name)}_{index}.py"
+    name = f"repro_{f.kind}_{safe_filename(sig.name)}_{index}{'_model' if whole else ''}.py"
     modules = plugin_modules(spec) + ([recipe["module"]] if recipe["kind"] == "factory" else [])
     pythonpath = plugin_pythonpath(modules)
     command = run_command(name, folder, pythonpath)
@@ -130,13 +190,15 @@ def _write(ctx: "ModeContext", opts: CompileOptions, loaded: Any, sig: PhaseSign
 
     limit = opts.recompile_limit or int(torch._dynamo.config.recompile_limit)
     allowed = opts.max_graphs if f.kind == "graph_count" else int(f.metrics.get("allowed", 0) or 0)
+    minimal = _minimal(ctx, loaded, sig, f, folder, index) if whole is False else None
     text = render_template(
         "repro_compile.py.j2", check=f.kind, model_id=ctx.cell.model.id, backend_id=spec.id, phase=sig.label,
         message=f.message[:300], torch_version=torch.__version__, source=f.details.get("source", ""),
-        warmup=opts.warmup_calls, limit=limit, allowed=allowed, expect=f.op or "", model=recipe,
+        warmup=next((i for i, c in enumerate(sig.calls) if c.label == upto), 1), limit=limit, allowed=allowed, expect=f.op or "", model=recipe,
         plugin_modules=plugin_modules(spec), run_it=command, env={str(k): str(v) for k, v in spec.env.items()},
-        imports=list(spec.imports), device=spec.device, calls=_plain_calls(sig, upto), cache=_cache(loaded, sig),
-        backend=template_backend(spec), compile_options=dict(spec.compile_options))
+        imports=list(spec.imports), device=spec.device, calls=_plain_calls(sig, upto) if minimal is None else [],
+        cache=_cache(loaded, sig),
+        backend=template_backend(spec), compile_options=dict(spec.compile_options), minimal=minimal)
     return write_script(folder / name, text), command, os.pathsep.join(pythonpath)
 
 

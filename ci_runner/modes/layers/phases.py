@@ -17,6 +17,7 @@ teacher-forced with eager's tokens. The first call that raises is named (phase, 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import re
@@ -30,6 +31,7 @@ from ...engine.failure import first_line
 from ...backends import plugin_pythonpath
 from ...engine.repro import (plugin_modules, render_template, run_command, safe_filename, template_backend,
                                verify_script, write_script)
+from ...engine.watchedrun import PhaseWatch, wanted
 from ...engine.workload import (Call, Captured, PhaseRun, cache_kwarg, capture_calls, replay_calls, run_phase,
                                  skip_reason, smallest_module, symbolic_functions)
 from ...fsutil import atomic_write_text
@@ -58,15 +60,25 @@ def _fresh(ctx: "ModeContext", loaded: Any) -> torch.nn.Module:
 
 def _target_run(ctx: "ModeContext", loaded: Any, phase: Phase, forced: list[torch.Tensor] | None, *,
                 dynamic: bool | None = None) -> tuple[PhaseRun, CompileRecord | None, dict[int, int]]:
+    """The phase through one compiled object. The first (as users compile it) is watched and kept for the compile
+    mode when the cell runs it (`engine.watchedrun`): its signals then cost no compile of their own."""
     fn, record = _compile(ctx, _fresh(ctx, loaded), dynamic=dynamic)
     graphs_before: dict[int, int] = {}
     index = {"i": 0}
+    watch = PhaseWatch("layers", ctx.cell.backend.compile, record) \
+        if dynamic is None and wanted(ctx.cell.modes) and phase.name not in ctx.compiled_runs else None
 
     def before(call: Call) -> None:
         graphs_before[index["i"]] = len(record.modules) if record is not None else 0
         index["i"] += 1
+        if watch is not None:
+            watch.before(call)
 
-    run = run_phase(fn, loaded, ctx.cell.inputs, phase, forced=forced, device=ctx.backend.device, before_call=before)
+    with watch if watch is not None else contextlib.nullcontext():
+        run = run_phase(fn, loaded, ctx.cell.inputs, phase, forced=forced, device=ctx.backend.device,
+                        before_call=before, after_call=watch.after if watch is not None else None)
+    if watch is not None:
+        ctx.compiled_runs[phase.name] = watch.result()
     return run, record, graphs_before
 
 

@@ -29,8 +29,13 @@ __all__ = ["Event", "TraceWatch", "short_path", "changed_input", "LIMIT_TEXT"]
 
 TRACE_LOGGER = "torch.__trace"  # torch._logging's structured trace logger (never propagates)
 LIMIT_TEXT = "Dynamo recompile limit exceeded"  # the graph-break type Dynamo gives up a frame with
+# what `compilation_metrics.fail_reason` says when Dynamo gave up on a frame at its limit: torch ≥ 2.8 the graph-break
+# type above; torch 2.7 `RecompileLimitExceeded("<limit_type> reached")` or its "Dynamo cache limit exceeded" break
+_LIMIT_HIT = re.compile(r"^(?:Dynamo recompile limit exceeded|Dynamo cache limit exceeded|"
+                        r"(?:accumulated_)?(?:recompile_limit|cache_size_limit) reached)")
 _BREAK_AT = re.compile(r"Graph break in user code at (.+):(\d+)")
 _OBJECT_ID = re.compile(r"(___check_(?:type|obj)_id\([^,]+, )\d+")
+_IDS = {"frame_id", "frame_compile_id", "attempt", "compiled_autograd_id", "rank", "has_payload"}
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 _CHANGED = (re.compile(r"\['([^']+)'\]"), re.compile(r"tensor '([^']+)'"), re.compile(r"___check_\w+\(([^,()]+)"),
             re.compile(r"^\S+: (\S+) (?:==|!=|is|<|>)"), re.compile(r"'([^']+)'"))
@@ -120,6 +125,7 @@ class TraceWatch:
 
     def __init__(self) -> None:
         self.events: list[Event] = []
+        self.seen: set[str] = set()  # the kinds of record this torch gave (artifact names, metadata keys)
         self.call = ""
         self._first_source: dict[str, str] = {}  # frame id -> the compiled function's file:line
         self._logger = logging.getLogger(TRACE_LOGGER)
@@ -152,6 +158,7 @@ class TraceWatch:
         """One structured record (its metadata and payload)."""
         frame = f"{meta.get('frame_id')}/{meta.get('frame_compile_id')}"
         art = meta.get("artifact") or {}
+        self.seen.add(str(art.get("name")) if art else next((k for k in meta if k not in _IDS), "?"))
         if art.get("name") == "dynamo_graph_break_reason" and isinstance(payload, str):
             self._graph_break(frame, payload)
         elif art.get("name") == "recompile_reasons" and payload:
@@ -192,11 +199,11 @@ class TraceWatch:
             self._first_source[frame_id] = f"{short_path(cm['co_filename'])}:{cm.get('co_firstlineno')}"
         seconds = float(cm.get("entire_frame_compile_time_s") or 0.0)
         fail = str(cm.get("fail_reason") or "")
-        if fail.startswith(LIMIT_TEXT):
+        if _LIMIT_HIT.search(fail):
             limit = re.search(r"currently set to (\d+)", fail)
             self.events.append(Event("limit", self.call, frame, reason=str(cm.get("recompile_reason") or "")[:500],
                                      source=self._first_source.get(frame_id, ""), seconds=seconds,
-                                     detail=f"recompile_limit {limit.group(1)}" if limit else LIMIT_TEXT))
+                                     detail=f"recompile_limit {limit.group(1)}" if limit else fail.split("\n")[0][:80]))
             return
         self.events.append(Event("compile", self.call, frame, reason=fail[:300], seconds=seconds,
                                  source=self._first_source.get(frame_id, "")))
