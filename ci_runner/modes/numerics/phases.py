@@ -10,7 +10,10 @@ For each phase (`ci_runner/phases.py`), run as users run it (`engine/workload.py
 3. when a call diverges or is not finite, the target runs again with output hooks on every module, to name the
    first (step, layer) where the divergence starts, or the first layer where NaN/Inf appears in that row.
 The KV cache each layer wrote is compared per step against the reference's, and greedy-token and top-5 agreement
-over the steps are reported.
+over the steps are reported. Each compiled run is a fresh compile, watched (`numerics.watched.not_ran`): a target
+run the backend did not run makes the phase `inconclusive` (never a pass), ops its partitioner left to PyTorch are
+listed with the modules that call them (`backend_ran.partial_sites`, the phase `partial`), and a finding localised
+from a hooked re-run the backend did not run says so.
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
+from ...backends import DynamoCounters, FallbackWatch
 from ...engine.capture import OutputHooks, primary_tensor
 from ...engine.workload import (Call, CallRecord, PhaseRun, capture_calls, replay_calls, run_phase, skip_reason,
                                  smallest_module)
 from ...numerics.metrics import compare_tensors
+from ...numerics.watched import not_ran
 from ...options import NumericsOptions
 from ...phases import Phase
 from ...results.model import Finding, fingerprint
@@ -219,8 +224,10 @@ def _one_phase(ctx: "ModeContext", opts: NumericsOptions, phase: Phase) -> tuple
         return backend.to_device(copy.deepcopy(primary.module))
 
     torch._dynamo.reset()
-    module = fresh()
-    tgt_run, tgt_rec = _run(backend.compile(module), None, primary, ctx, phase, forced=forced, device=device)
+    tgt_run, tgt_rec, ran = _watched_run(backend, fresh(), None, primary, ctx, phase, forced=forced, device=device)
+    if ran.get("not_ran") and tgt_run.failed is None:  # compared PyTorch with PyTorch: nothing of the backend's
+        return [], {"status": "inconclusive", "phase": phase.label(), "backend_ran": ran,
+                    "reason": f"the backend did not run this phase: {ran['not_ran'][:400]}"}
     calls: list[dict[str, Any]] = []
     flagged: list[tuple[int, list[int], dict[str, Any]]] = []
     for i, (r, t) in enumerate(zip(ref_run.records, tgt_run.records)):
@@ -234,7 +241,7 @@ def _one_phase(ctx: "ModeContext", opts: NumericsOptions, phase: Phase) -> tuple
             if bad or _rel(m) > thr:
                 flagged.append((i, bad, m))
         calls.append(row)
-    phase_data: dict[str, Any] = {"status": "pass", "phase": phase.label(), "calls": calls}
+    phase_data: dict[str, Any] = {"status": "pass", "phase": phase.label(), "calls": calls, "backend_ran": ran}
     agreement = _agreement(ref_run, tgt_run)
     if agreement:
         phase_data["agreement"] = agreement
@@ -250,9 +257,14 @@ def _one_phase(ctx: "ModeContext", opts: NumericsOptions, phase: Phase) -> tuple
     if flagged:
         torch._dynamo.reset()
         module = fresh()
-        hooked, hooked_rec = _run(backend.compile(module), module, primary, ctx, phase, forced=forced, device=device,
-                                  inputs=True)
-        out += _localise(ctx, phase, flagged, ref_run, ref_rec, hooked_rec, thresholds, opts, primary.dtype)
+        _hooked, hooked_rec, hooked_ran = _watched_run(backend, module, module, primary, ctx, phase, forced=forced,
+                                                       device=device, inputs=True)
+        found = _localise(ctx, phase, flagged, ref_run, ref_rec, hooked_rec, thresholds, opts, primary.dtype)
+        if hooked_ran.get("not_ran"):  # the layers it names come from a run in PyTorch, not the backend's
+            for f in found:
+                f.details["hooked_not_ran"] = hooked_ran["not_ran"][:300]
+                f.message += f" (the re-run with hooks did not run on the backend: {hooked_ran['not_ran'][:200]})"
+        out += found
     elif kv and any(k["over"] for k in kv):
         first = next(k for k in kv if k["over"])
         out.append(_finding(ctx, phase, first["step"], f"kv:{first['tensor']}", "KVCache",
@@ -261,7 +273,34 @@ def _one_phase(ctx: "ModeContext", opts: NumericsOptions, phase: Phase) -> tuple
                             {"rel": first["rel"]}, {"rel": first["threshold"]}))
     if out:
         phase_data["status"] = "fail"
+    elif ran.get("partial_sites"):
+        phase_data.update(status="partial", reason=_partial_text(ran["partial_sites"]))
     return out, phase_data
+
+
+def _partial_text(sites: Mapping[str, list[str]]) -> str:
+    """`the backend left aten.x (in model.layers.0.mlp) to PyTorch: …`."""
+    ops = "; ".join(f"{op} (in {', '.join(where[:3]) or 'an unknown module'})" for op, where in list(sites.items())[:4])
+    return f"the backend's partitioner left {ops} to PyTorch: those modules are not tested on the backend here"
+
+
+def _watched_run(backend: Any, compiled_from: torch.nn.Module, hooked: torch.nn.Module | None, primary: Any,
+                 ctx: "ModeContext", phase: Phase, **kw: Any) -> tuple[PhaseRun, _Recorder, dict[str, Any]]:
+    """`_run` of a fresh compile of `compiled_from`, watched (`numerics.watched.not_ran`: graphs given and run,
+    Dynamo's eager fallbacks, the backend's own): (run, recorder, `ran` facts with `not_ran` when the backend did
+    not run it and `partial_sites` when its partitioner left ops to PyTorch: op -> the modules that call it)."""
+    compiled, record = backend.compile_recorded(compiled_from)
+    with FallbackWatch(backend.spec.compile) as watch, DynamoCounters() as counters:
+        run, rec = _run(compiled, hooked, primary, ctx, phase, **kw)
+    facts = watch.facts()
+    ran: dict[str, Any] = {**(record.summary() if record is not None else {}),
+                           **{k: v for k, v in facts.items() if not isinstance(v, (list, dict))}}
+    why = not_ran(record, counters, watch)
+    if why:
+        ran["not_ran"] = why
+    elif facts.get("eager_ops"):
+        ran["partial_sites"] = facts.get("eager_sites") or {op: [] for op in facts["eager_ops"]}
+    return run, rec, ran
 
 
 def _kv_rows(ref: _Recorder, tgt: _Recorder, thresholds: Mapping[str, float], run: PhaseRun,
