@@ -261,7 +261,7 @@ def _one_phase(ctx: "ModeContext", opts: NumericsOptions, phase: Phase) -> tuple
                                                        device=device, inputs=True)
         found = _localise(ctx, phase, flagged, ref_run, ref_rec, hooked_rec, thresholds, opts, primary.dtype)
         if hooked_ran.get("not_ran"):  # the layers it names come from a run in PyTorch, not the backend's
-            for f in found:
+            for f in (f for f in found if f.details.get("localised") != "isolated"):  # (modules compiled alone)
                 f.details["hooked_not_ran"] = hooked_ran["not_ran"][:300]
                 f.message += f" (the re-run with hooks did not run on the backend: {hooked_ran['not_ran'][:200]})"
         out += found
