@@ -124,7 +124,8 @@ class Watch:
         failed = [m for m in self.messages if m.startswith("Failed in OpenVINO execution")]
         if failed:
             return "OpenVINO failed and handed the graph to Inductor: " + failed[0]
-        eager = [m for m in self.messages if "Falling back to native PyTorch" in m]
+        eager = [m for m in self.messages if "Falling back to native PyTorch" in m  # (cut at 400 characters:
+                 or m.startswith("OpenVINO execution failed")]  # a long conversion report hides the tail)
         if self._facts["perm_fallback"] or eager:
             return "OpenVINO's execution failed and the graph ran in PyTorch eager: " + (eager or ["(no message)"])[0]
         if self._facts["openvino_partitions"] == 0 or self._facts["openvino_executions"] == 0:

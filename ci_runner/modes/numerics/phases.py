@@ -11,9 +11,10 @@ For each phase (`ci_runner/phases.py`), run as users run it (`engine/workload.py
    first (step, layer) where the divergence starts, or the first layer where NaN/Inf appears in that row.
 The KV cache each layer wrote is compared per step against the reference's, and greedy-token and top-5 agreement
 over the steps are reported. Each compiled run is a fresh compile, watched (`numerics.watched.not_ran`): a target
-run the backend did not run makes the phase `inconclusive` (never a pass), ops its partitioner left to PyTorch are
-listed with the modules that call them (`backend_ran.partial_sites`, the phase `partial`), and a finding localised
-from a hooked re-run the backend did not run says so.
+run the backend did not run (in whole or in part) makes the phase `inconclusive` when it found nothing (never a
+pass; findings stand: a call that ran in PyTorch cannot diverge from the reference), ops its partitioner left to
+PyTorch are listed with the modules that call them (`backend_ran.partial_sites`, the phase `partial`), and a
+finding localised from a hooked re-run the backend did not run says so.
 """
 
 from __future__ import annotations
@@ -225,9 +226,6 @@ def _one_phase(ctx: "ModeContext", opts: NumericsOptions, phase: Phase) -> tuple
 
     torch._dynamo.reset()
     tgt_run, tgt_rec, ran = _watched_run(backend, fresh(), None, primary, ctx, phase, forced=forced, device=device)
-    if ran.get("not_ran") and tgt_run.failed is None:  # compared PyTorch with PyTorch: nothing of the backend's
-        return [], {"status": "inconclusive", "phase": phase.label(), "backend_ran": ran,
-                    "reason": f"the backend did not run this phase: {ran['not_ran'][:400]}"}
     calls: list[dict[str, Any]] = []
     flagged: list[tuple[int, list[int], dict[str, Any]]] = []
     for i, (r, t) in enumerate(zip(ref_run.records, tgt_run.records)):
@@ -273,6 +271,9 @@ def _one_phase(ctx: "ModeContext", opts: NumericsOptions, phase: Phase) -> tuple
                             {"rel": first["rel"]}, {"rel": first["threshold"]}))
     if out:
         phase_data["status"] = "fail"
+    elif ran.get("not_ran") and tgt_run.failed is None:  # (some of) its calls ran in PyTorch: never a pass
+        phase_data.update(status="inconclusive", reason=f"the backend did not run (all of) this phase: "
+                                                        f"{ran['not_ran'][:400]}")
     elif ran.get("partial_sites"):
         phase_data.update(status="partial", reason=_partial_text(ran["partial_sites"]))
     return out, phase_data
