@@ -24,6 +24,7 @@ from ci_runner.numerics.store import DumpReader
 from ci_runner.numerics.thresholds import ThresholdOptions, ThresholdTable
 from ci_runner.numerics.verdict import build_layers, coverage, verdict_of
 from ci_runner.numerics.views import _compare_compiled
+from ci_runner.numerics.weights import WeightsReport, check_weights
 from ci_runner.numerics.watched import CaptureRun, WatchedRunner, partial_sites, watched_capture, watched_outputs
 from ci_runner.phases import parse_phases
 
@@ -56,7 +57,7 @@ def test_whole_model_runs_are_watched_a_silent_fallback_is_not_ran(fresh_dynamo:
     assert "no graph" in fell.not_ran and fell.status()["not_ran"] == fell.not_ran
 
 
-def test_batch_invariance_and_a_compiled_dump_say_when_the_backend_did_not_run(tmp_path: Path,
+def test_batch_invariance_a_compiled_dump_and_the_weights_check_say_when_the_backend_did_not_run(tmp_path: Path,
                                                                                fresh_dynamo: Any) -> None:
     m, kwargs = _net(), {"input": torch.randn(2, 4)}
     with eager_stance():
@@ -64,10 +65,13 @@ def test_batch_invariance_and_a_compiled_dump_say_when_the_backend_did_not_run(t
         manifest = dump_model(m, kwargs, tmp_path / "tgt", backend=resolve_backend(AOT),
                               side=DumpSide(role="target", id="aot_eager", device="cpu", dtype="float32",
                                             compile="aot_eager"))
+        weights = check_weights(m, resolve_backend(AOT))
+    assert weights.not_ran and WeightsReport.from_json(weights.to_json()).not_ran == weights.not_ran
     assert result["not_ran"] and all(r.get("not_ran") for r in result["backend_ran"])
     assert load_dump(manifest.parent).side["ran"]["not_ran"]
     ok = batch_experiment(m, resolve_backend(AOT), kwargs, slots=2)
     assert "not_ran" not in ok and ok["backend_ran"] == [{"capture": "hooks-copy"}]
+    assert check_weights(m, resolve_backend(AOT)).not_ran is None
 
 
 def test_a_phase_the_backend_did_not_run_is_seen(fresh_dynamo: Any) -> None:

@@ -450,13 +450,15 @@ def _note_truncations(data: dict[str, Any], *, layers: int, max_layers: int, cum
 
 
 def _not_ran_parts(data: Mapping[str, Any]) -> list[str]:
-    """The runs besides the layer views the backend did not run (a phase, batch invariance: `inconclusive`) or ran
-    in part (a phase whose ops its partitioner left to PyTorch: `partial`): each is held against a pass."""
+    """The runs besides the layer views the backend did not run (a phase, batch invariance, the weights check:
+    `inconclusive`) or ran in part (a phase whose ops its partitioner left to PyTorch: `partial`): each is held
+    against a pass."""
     out = [f"phase {name}: {p.get('reason', '')[:300]}" for name, p in (data.get("phases") or {}).items()
            if p.get("status") in ("inconclusive", "partial")]
-    batch = data.get("batch_invariance") or {}
-    if batch.get("status") == "inconclusive":
-        out.append(f"batch invariance: {str(batch.get('reason', ''))[:300]}")
+    for key, what in (("batch_invariance", "batch invariance"), ("weights", "weights check")):
+        part = data.get(key) or {}
+        if part.get("status") == "inconclusive":
+            out.append(f"{what}: {str(part.get('reason', ''))[:300]}")
     return out
 
 
