@@ -16,6 +16,7 @@ from torch import nn
 from ci_runner.backends import resolve_backend
 from ci_runner.config import BackendSpec, InputSpec, ModelSpec
 from ci_runner.engine.models import load_model
+from ci_runner.modes.numerics.mode import _result
 from ci_runner.modes.numerics.phases import _watched_run
 from ci_runner.numerics.batch_invariance import batch_experiment
 from ci_runner.numerics.capture import record_reference
@@ -122,6 +123,9 @@ def test_the_verdict_counts_only_layers_compared_in_no_view(tmp_path: Path) -> N
     text = verdict_of(layers, isolated_ran=True)["text"]
     assert "(1 layer(s) could not be compared)" in text, text  # "1" (not_ran); not "0", compared in the other view
     assert coverage(layers, ["cumulative", "isolated"])["compared"] == 2
+    result = _result([], {}, 0.0, cum_errors=[], layers=layers, expected=["cumulative", "isolated"])
+    assert result.status == "inconclusive" and "not run on the backend, first 1 (cumulative view: not_ran: left to " \
+        "PyTorch)" in str(result.reason), result.reason
 
 
 @pytest.mark.slow  # real OpenVINO: a whole-model compile and two modules alone, ~5 s

@@ -488,8 +488,9 @@ def _result(findings: list[Any], data: dict[str, Any], duration: float, *, cum_e
     if cov["missing"] and not why:
         missing = [k for k in cov["missing"] if k in by_key]
         paths = [k for k in missing if any(e.startswith(OTHER_VIEW) for e in by_key[k].errors.values())]
-        why.append(f"not comparable, {first_error(paths, True)}" if paths else
-                   f"not observed: {', '.join(k or '(root)' for k in missing[:5])}")
+        unran = paths and all(e.startswith("not_ran:") for e in by_key[paths[0]].errors.values())
+        why.append(f"{'not run on the backend' if unran else 'not comparable'}, {first_error(paths, True)}" if paths
+                   else f"not observed: {', '.join(k or '(root)' for k in missing[:5])}")
     said = []
     if cov["not_comparable_count"] and not why:
         said.append(f"{cov['not_comparable_count']} layer(s) compared in one view only, the other's paths differ "
