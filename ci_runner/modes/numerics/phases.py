@@ -361,9 +361,12 @@ def _row_finite(out: Any, row: int) -> bool | None:
     return bool(torch.isfinite(t[row].detach().cpu()).all())
 
 
-def _isolated_nonfinite(ctx: "ModeContext", phase: Phase, ref_run: PhaseRun, call: int, row: int) -> tuple[str, list[str]]:
+def _isolated_nonfinite(ctx: "ModeContext", phase: Phase, ref_run: PhaseRun, call: int, row: int,
+                        unran: list[str] | None = None) -> tuple[str, list[str]]:
     """The smallest module that, compiled alone and fed the reference's inputs of `call` (and of the calls before
-    it, in order, through one compiled object), makes `row` non-finite where eager keeps it finite."""
+    it, in order, through one compiled object), makes `row` non-finite where eager keeps it finite. Each compile is
+    watched: a module not blamed that the backend did not run alone (in whole or part) goes to `unran` (it is not
+    shown innocent)."""
     loaded = ctx.model(dtype=ctx.cell.references[0].dtype)
     forced = [r.token for r in ref_run.records if r.token is not None] or None
     captured = capture_calls(loaded, ctx.cell.inputs, phase, forced=forced, upto=call)
@@ -374,14 +377,18 @@ def _isolated_nonfinite(ctx: "ModeContext", phase: Phase, ref_run: PhaseRun, cal
 
         torch._dynamo.reset()
         eager = loaded.module.get_submodule(name)
-        index, got, exc = replay_calls(backend.compile(backend.to_device(copy.deepcopy(eager))), captured.get(name, []),
-                                       call, backend.to_device)
+        fn, record = backend.compile_recorded(backend.to_device(copy.deepcopy(eager)))
+        with FallbackWatch(backend.spec.compile) as watch, DynamoCounters() as counters:
+            index, got, exc = replay_calls(fn, captured.get(name, []), call, backend.to_device)
         if exc is not None or index != call:  # a module that cannot run alone is not the one
             return False
         _, args, kwargs = [c for c in captured[name] if c[0] == call][-1]
         with torch.no_grad():
             want = eager(*copy.deepcopy(args), **copy.deepcopy(kwargs))
-        return _row_finite(want, row) is True and _row_finite(got, row) is False
+        blamed = _row_finite(want, row) is True and _row_finite(got, row) is False
+        if not blamed and unran is not None and not_ran(record, counters, watch):  # (in part) PyTorch's: not shown
+            unran.append(name)
+        return blamed
 
     return smallest_module(loaded.module, captured, call, fails)
 
@@ -418,19 +425,22 @@ def _localise(ctx: "ModeContext", phase: Phase, flagged: list[tuple[int, list[in
                              {"rows": bad_rows, "nonfinite_tgt": logit_metrics.get("nonfinite_tgt")}, {},
                              details={"row": row, "rows": bad_rows, "reaches_real_tokens_in": reach})]
         root = tgt.layers[i].get("") if i < len(tgt.layers) else None
+        unran: list[str] = []  # modules the backend did not run alone: not shown innocent
         if root is None or bool(torch.isfinite(root).all()):  # the hooked run did not reproduce it (OpenVINO
             # hands a graph with hooks it cannot convert to PyTorch): replay the modules alone instead
-            name, passed = _isolated_nonfinite(ctx, phase, ref_run, i, row)
+            name, passed = _isolated_nonfinite(ctx, phase, ref_run, i, row, unran)
             if name:
                 msg = (f"{_where(phase, step)}: NaN/Inf on the real tokens of row {row}; compiled alone on the "
                        f"reference's inputs of that call, {name} ({classes.get(name, '?')}) turns row {row} non-finite "
                        f"where eager stays finite ({len(passed)} of its called children pass alone)")
                 return [_finding(ctx, phase, step, name, classes.get(name, "?"), msg, {"rows": bad_rows}, {},
-                                 details={"row": row, "rows": bad_rows, "localised": "isolated"})]
+                                 details={"row": row, "rows": bad_rows, "localised": "isolated",
+                                          **({"not_ran_alone": unran[:20]} if unran else {})})]
+        alone = f"; {len(unran)} did not run on the backend alone: {', '.join(unran[:3])}" if unran else ""
         return [_finding(ctx, phase, step, "", "output",
                          f"{_where(phase, step)}: NaN/Inf on the real tokens of rows {bad_rows}; the reference is "
-                         f"finite (no single module shows it alone)", {"rows": bad_rows}, {},
-                         details={"rows": bad_rows, "row": row})]
+                         f"finite (no single module shows it alone{alone})", {"rows": bad_rows}, {},
+                         details={"rows": bad_rows, "row": row, **({"not_ran_alone": unran[:20]} if unran else {})})]
     for j in range(min(len(ref.layers), len(tgt.layers))):
         for key, t in tgt.layers[j].items():
             r = ref.layers[j].get(key)
