@@ -47,12 +47,15 @@ def _module_path(source: str) -> str:
 
 
 def _sites(graphs: Any, ops: set[str]) -> dict[str, list[str]]:
-    """Op -> the modules (`nn_module_stack`, innermost) whose code called it, where the graph kept that metadata."""
+    """Op -> the modules (`nn_module_stack`, innermost) whose code called it, where the graph kept that metadata.
+    An entry that is not a sub-module of the compiled callable's arguments (a module held in a global, as
+    transformers' Mamba kernels are: `G['…modeling_mamba'].mamba_selective_scan`) is skipped for the module that
+    called it."""
     out: dict[str, list[str]] = {}
     for gm in graphs:
         for n in gm.graph.nodes:
             name = _op_name(n.target) if n.op == "call_function" else None
-            stack = list((n.meta.get("nn_module_stack") or {}).values())
+            stack = [e for e in (n.meta.get("nn_module_stack") or {}).values() if not str(e[0]).startswith("G[")]
             if name in ops and stack:
                 path = _module_path(str(stack[-1][0]))
                 if path not in out.setdefault(name, []):
@@ -121,7 +124,8 @@ class Watch:
         failed = [m for m in self.messages if m.startswith("Failed in OpenVINO execution")]
         if failed:
             return "OpenVINO failed and handed the graph to Inductor: " + failed[0]
-        eager = [m for m in self.messages if "Falling back to native PyTorch" in m]
+        eager = [m for m in self.messages if "Falling back to native PyTorch" in m  # (cut at 400 characters:
+                 or m.startswith("OpenVINO execution failed")]  # a long conversion report hides the tail)
         if self._facts["perm_fallback"] or eager:
             return "OpenVINO's execution failed and the graph ran in PyTorch eager: " + (eager or ["(no message)"])[0]
         if self._facts["openvino_partitions"] == 0 or self._facts["openvino_executions"] == 0:

@@ -40,10 +40,12 @@ import torch
 from ..config import InputSpec, ModelSpec
 from ..errors import ModelLoadError
 from ..sim import simdev
+from .audio import audio_inputs
 from .fastinit import fast_init
 from .tree import map_tensors
 
-TASKS: tuple[str, ...] = ("causal-lm", "base", "masked-lm", "image-classification", "image-text", "seq2seq")
+TASKS: tuple[str, ...] = ("causal-lm", "base", "masked-lm", "image-classification", "image-text", "seq2seq",
+                          "speech-seq2seq")
 DECODER_LEN = 8  # decoder_input_ids of an encoder-decoder (`decoder_input_ids`): the zoo's and `config:`'s
 
 DTYPES: Mapping[str, torch.dtype] = {
@@ -200,7 +202,7 @@ def _auto_class(task: str) -> Any:
     names = {
         "causal-lm": "AutoModelForCausalLM", "base": "AutoModel", "masked-lm": "AutoModelForMaskedLM",
         "image-classification": "AutoModelForImageClassification", "image-text": "AutoModelForImageTextToText",
-        "seq2seq": "AutoModelForSeq2SeqLM",
+        "seq2seq": "AutoModelForSeq2SeqLM", "speech-seq2seq": "AutoModelForSpeechSeq2Seq",
     }
     return getattr(transformers, names[task])
 
@@ -214,15 +216,17 @@ def _in_mapping(auto_cls: Any, config: Any) -> bool:
 
 def detect_task(config: Any, requested: str = "auto") -> str:
     """The task for a transformers config: the matrix's `task`, else from `architectures`, else from the
-    auto-class mappings (an encoder-decoder's seq2seq head first, as the zoo's `catalog.HEADS` prefers it: it covers
-    the encoder too; then image-text, causal-lm, image-classification, then base)."""
+    auto-class mappings (an encoder-decoder's seq2seq or speech seq2seq head first, as the zoo's `catalog.HEADS`
+    prefers it: it covers the encoder too; then image-text, causal-lm, image-classification, then base)."""
     if requested != "auto":
         return requested
     archs = list(getattr(config, "architectures", None) or [])
-    seq2seq = bool(getattr(config, "is_encoder_decoder", False)) and _in_mapping(_auto_class("seq2seq"), config)
+    enc_dec = bool(getattr(config, "is_encoder_decoder", False))
+    seq2seq = "seq2seq" if enc_dec and _in_mapping(_auto_class("seq2seq"), config) else \
+        "speech-seq2seq" if enc_dec and _in_mapping(_auto_class("speech-seq2seq"), config) else None
     if archs:
         arch = archs[0]
-        generation = "image-text" if hasattr(config, "vision_config") else "seq2seq" if seq2seq else "causal-lm"
+        generation = "image-text" if hasattr(config, "vision_config") else seq2seq or "causal-lm"
         for suffix, task in (("ForCausalLM", "causal-lm"), ("ForMaskedLM", "masked-lm"),
                              ("ForImageClassification", "image-classification"),
                              ("ForConditionalGeneration", generation),
@@ -232,7 +236,7 @@ def detect_task(config: Any, requested: str = "auto") -> str:
         if arch.endswith("Model"):
             return "base"
     if seq2seq:
-        return "seq2seq"
+        return seq2seq
     if hasattr(config, "vision_config") and _in_mapping(_auto_class("image-text"), config):
         return "image-text"
     if _in_mapping(_auto_class("causal-lm"), config):
@@ -642,8 +646,8 @@ def build_inputs(model: LoadedModel, inputs: InputSpec, *, sample: int = 0, devi
     attention mask) or, without a tokenizer, seeded ids within the vocabulary (special ids excluded; `inputs.text`
     is then unused) and an all-ones mask; length
     `sample_length()`. Vision: seeded `pixel_values` of the config's image size, in the model's dtype.
-    Image-text (Llava-style): the image placeholder tokens, then text. An encoder-decoder's decoder side:
-    `decoder_input_ids`. `use_cache=False` when the forward takes it.
+    Image-text (Llava-style): the image placeholder tokens, then text. Audio (a model whose main input is audio):
+    `engine.audio.audio_inputs`, the zoo's builder. An encoder-decoder's decoder side: `decoder_input_ids`. `use_cache=False` when the forward takes it.
     """
     if model.example_inputs is not None:
         ex = model.example_inputs
@@ -655,7 +659,12 @@ def build_inputs(model: LoadedModel, inputs: InputSpec, *, sample: int = 0, devi
                              hint="return (module, inputs) or {'model': ..., 'inputs': ...} from the factory")
     length = sample_length(inputs, sample)
     kwargs: dict[str, Any] = {}
-    if model.task == "image-classification":
+    audio = audio_inputs(model.module, config, inputs, sample)  # the zoo's builder too
+    if audio:
+        kwargs.update({k: v.to(model.dtype) for k, v in audio.items()})
+        if getattr(config, "is_encoder_decoder", False) and _accepts(model.module, "decoder_input_ids"):
+            kwargs["decoder_input_ids"] = decoder_input_ids(config, inputs, sample)
+    elif model.task == "image-classification":
         kwargs["pixel_values"] = _pixel_values(model, inputs, sample)
         native = getattr(config, "image_size", None)
         if inputs.image_size and inputs.image_size != native and _accepts(model.module, "interpolate_pos_encoding"):

@@ -25,6 +25,7 @@ import torch
 
 from ..config import InputSpec
 from ..phases import Phase
+from .audio import is_audio
 from .failure import stage_of, unwrap
 from .models import LoadedModel, build_inputs, seeded_ids, text_config
 
@@ -137,6 +138,8 @@ def skip_reason(loaded: LoadedModel, phase: Phase, inputs: InputSpec) -> str | N
         return "a factory model brings its own inputs; phases are built for token models loaded from a config or folder"
     if loaded.task in ("image-classification",) or loaded.config is None:
         return f"{phase.name} needs token inputs; the model's task is {loaded.task}"
+    if is_audio(loaded.module):
+        return f"{phase.name} needs token inputs; {type(loaded.module).__name__} reads audio"
     if loaded.task == "seq2seq" or getattr(loaded.config, "is_encoder_decoder", False):
         return f"{phase.name} is built for decoder-only models; {type(loaded.module).__name__} is an encoder-decoder"
     if phase.name in ("prefill", "decode"):

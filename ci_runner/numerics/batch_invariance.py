@@ -18,6 +18,10 @@ eager reference itself shows in the same experiment (a reference stack that is n
 not the target's fault). The report also names the first layer whose slots are not bit-identical, as data.
 
 Only tensors whose first dimension is the batch are compared (a rotary table shared by all slots is not).
+
+Each compiled run is watched (`watched.watched_outputs`: a fresh compile, Dynamo's and the backend's own
+fallbacks): a run the backend did not run makes the experiment `inconclusive` (slots of a PyTorch run say nothing
+of the backend), and one it ran only without hooks compares the model's output alone.
 """
 
 from __future__ import annotations
@@ -37,10 +41,11 @@ from ..engine.models import build_inputs, load_model
 from ..options import ThresholdOptions
 from ..engine.tree import map_tensors
 from ..results.model import Finding, clean, fingerprint, number
-from .capture import run_compiled_with_outputs, run_eager_with_outputs
+from .capture import run_eager_with_outputs
 from .metrics import compare_tensors, cos_text, public, worst
 from .settings import CellContext
 from .thresholds import ThresholdTable, exceeded
+from .watched import watched_outputs
 
 if TYPE_CHECKING:
     from ..backends import Backend
@@ -89,13 +94,18 @@ def other_input(row: Mapping[str, Any]) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------------------------- running
 
-def run_with_outputs(module: nn.Module, backend: "Backend | None", kwargs: Mapping[str, Any]) -> Calls:
-    """Every submodule's output of one forward: compiled by `backend` (whole model), or eager when it is None
-    or eager (on its device). Output tensors come back on CPU."""
+def run_with_outputs(module: nn.Module, backend: "Backend | None", kwargs: Mapping[str, Any],
+                     ran: list[dict[str, Any]] | None = None) -> Calls:
+    """Every submodule's output of one forward: compiled by `backend` (whole model, watched: `watched_outputs`;
+    how it ran is appended to `ran`), or eager when it is None or eager (on its device). Output tensors come back
+    on CPU; a compiled run the backend ran only without hooks gives the model's output alone."""
     device = getattr(backend, "device", "cpu") if backend is not None else "cpu"
     args = map_tensors(lambda t: t.to(device), dict(kwargs))
     if backend is not None and not backend.is_eager:
-        _out, calls = run_compiled_with_outputs(module, backend, (), args)
+        run = watched_outputs(module, backend, (), args)
+        calls = run.compared()
+        if ran is not None:
+            ran.append(run.status())
     else:
         calls = run_eager_with_outputs(module, args)
     return [(k, {s: t.detach().to("cpu") for s, t in ts.items()}) for k, ts in calls]
@@ -175,7 +185,8 @@ def batch_experiment(module: nn.Module, backend: "Backend | None", kwargs: Mappi
     ref_calls = run_with_outputs(reference if reference is not None else module, None, same)
     out["reference"] = [_layer_json(x) for x in slot_spread(ref_calls, slots, classes)]
     del ref_calls
-    calls = run_with_outputs(module, backend, same)
+    ran: list[dict[str, Any]] = []
+    calls = run_with_outputs(module, backend, same, ran)
     out["same_input"] = [_layer_json(x) for x in slot_spread(calls, slots, classes)]
     del calls
     if position:
@@ -185,8 +196,13 @@ def batch_experiment(module: nn.Module, backend: "Backend | None", kwargs: Mappi
             rows = [other] * slots
             rows = list(rows)
             rows[j] = row
-            runs.append(run_with_outputs(module, backend, batched(rows)))
+            runs.append(run_with_outputs(module, backend, batched(rows), ran))
         out["position"] = [_layer_json(x) for x in slot_spread(runs[0], slots, classes, per_run=runs)]
+    if ran:  # how the backend ran each compiled run (`watched.CaptureRun.status`)
+        out["backend_ran"] = ran
+        not_ran = next((r["not_ran"] for r in ran if r.get("not_ran")), None)
+        if not_ran:
+            out["not_ran"] = not_ran
     return out
 
 
@@ -323,9 +339,16 @@ def check_cell(ctx: CellContext, *, table: ThresholdTable | None, slots: int = 4
     else:
         margin = 8.0
         thr = default_threshold(primary.dtype)
+    if result.get("not_ran"):  # slots of a run in PyTorch agree or not: nothing of the backend's
+        return [], {"status": "inconclusive", "slots": slots, "backend_ran": result.get("backend_ran"),
+                    "reason": f"the backend did not run the model: {result['not_ran'][:400]}"}
     verdict = evaluate(result, thr, margin=margin)
     findings = findings_for(verdict, backend_id=ctx.cell.backend.id, model_id=ctx.cell.model.id)
     data: dict[str, Any] = {"status": "variant" if findings else "invariant", "slots": slots}
+    if result.get("backend_ran"):
+        data["backend_ran"] = result["backend_ran"]
+        if any(r.get("capture") == "no-hooks" for r in result["backend_ran"]):
+            data["note"] = "the backend ran the model only without hooks: the model's output alone is compared"
     for exp in ("same_input", "position"):
         if exp in verdict:
             v = verdict[exp]

@@ -2,7 +2,7 @@
 
 Eager passes (`capture_layer_outputs`) feed a `CallSink` every module call with its place in the call tree: the
 reference pass records them (`RecordingSink` into a `store.DumpWriter`), an eager target compares them as they
-return (`CompareSink`). Compiled passes (`capture_compiled_outputs`, `run_compiled_with_outputs`) use the
+return (`CompareSink`). Compiled passes (`capture_compiled_outputs`, run watched by `watched.py`) use the
 traceable `capture.OutputHooks`, so the outputs compared are the backend's own.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -19,7 +19,6 @@ from ..engine.capture import CallInfo, FlatOutput, ModuleCapture, OutputHooks, V
 from ..engine.codec import Unstorable, encode_call, encode_value
 from ..errors import DeepviewError
 from .metrics import MetricsError, compare_any_row_order, worst
-from .settings import dynamo_settings
 from .store import DumpReader, DumpWriter
 
 
@@ -261,21 +260,9 @@ def compared_tensors(output: Any) -> dict[str, torch.Tensor]:
     return compared_flat(iter_tensors(output))
 
 
-def run_compiled_with_outputs(module: nn.Module, backend: Any, args: Sequence[Any], kwargs: Mapping[str, Any], *,
-                              clone: bool | Collection[str] = True) -> tuple[Any, list[tuple[str, dict[str, torch.Tensor]]]]:
-    """The module compiled by `backend` and run under no_grad, with every submodule's compared output tensors:
-    (output, [(call key, {sub: tensor})]). Uses the one process-wide hook sink (`capture.OutputHooks`) with hook
-    guards on while capturing: hooks of a capture's own would be silently dropped by Dynamo when it reuses a
-    graph compiled earlier without them. `clone`: the modules whose outputs are copied at the hook (default all:
-    with no eager pass to say which outputs are changed in place later, every one is)."""
-    with OutputHooks(module, clone=clone) as hooks, torch._dynamo.config.patch(**dynamo_settings()):
-        out, keyed = capture_compiled_outputs(module, compile_for_capture(backend), args, kwargs, hooks)
-    return out, [(key, compared_flat(flat)) for key, flat in keyed]
-
-
 def run_eager_with_outputs(module: nn.Module, kwargs: Mapping[str, Any]) -> list[tuple[str, dict[str, torch.Tensor]]]:
     """`module(**kwargs)` eagerly under no_grad with every submodule's compared output tensors, like
-    `run_compiled_with_outputs`; every output is copied at its hook (eagerly, a copy only outlives the original:
+    `watched.watched_outputs` (its compiled twin); every output is copied at its hook (eagerly, a copy only outlives the original:
     the hook's reference kept that alive anyway)."""
     with OutputHooks(module, clone=True) as hooks, torch.no_grad():
         module(**kwargs)

@@ -190,6 +190,13 @@ def compare_dumps(ref: Dump, tgt: Dump, *, thresholds: ThresholdTable | None = N
         diff_keys = sorted(k for k in set(fa or {}) | set(fb or {}) if (fa or {}).get(k) != (fb or {}).get(k))
         warnings.append(f"the model fingerprints differ ({', '.join(diff_keys) or 'model'}): the two sides may not "
                         f"run the same weights")
+    for label, dump in (("target", tgt), ("reference", ref)):
+        ran = dump.side.get("ran") or {}
+        if ran.get("not_ran"):
+            warnings.append(f"inconclusive: the {label} dump's backend did not run the model ({ran['not_ran'][:300]}): "
+                            f"its layers are PyTorch's, nothing here tests the backend")
+        elif ran.get("capture") == "no-hooks":
+            warnings.append(f"the {label} dump's backend ran the model only without hooks: its output alone was dumped")
     rows = []
     first = None
     limit = SEVERITY_RANK.get(fail_on, 99)

@@ -68,8 +68,9 @@ from ..errors import ConfigError, InputError, UsageError
 from ..fsutil import atomic_write_json
 from ..engine.models import build_inputs, load_model, model_fingerprint
 from ..engine.tree import map_tensors
-from .capture import RecordingSink, capture_layer_outputs, run_compiled_with_outputs
+from .capture import RecordingSink, capture_layer_outputs
 from .store import ChunkFiles, DumpWriter
+from .watched import watched_outputs
 
 if TYPE_CHECKING:
     from ..backends import Backend
@@ -211,7 +212,9 @@ def dump_model(module: nn.Module, kwargs: Mapping[str, Any], out: Path, *, side:
     Without `backend` (or with an eager one) the module runs eagerly on `side.device` (hooks on every submodule,
     each call's inputs and outputs streamed). With a compiling backend the whole model goes through
     `backend.compile`, with forward hooks that Dynamo traces into the graph (the outputs are the backend's own);
-    per-call inputs are not observable there and are not stored.
+    per-call inputs are not observable there and are not stored. That run is watched (`watched.watched_outputs`):
+    the manifest's `side.ran` says how the backend ran it, and `not_ran` when it did not (its layers are then
+    PyTorch's: `compare` says the comparison tests nothing of the backend).
     """
     out = Path(out)
     prepare_folder(out)
@@ -226,6 +229,7 @@ def dump_model(module: nn.Module, kwargs: Mapping[str, Any], out: Path, *, side:
     t0 = time.monotonic()
     device = side.device
     compiled = backend is not None and not backend.is_eager
+    ran: dict[str, Any] | None = None
     if device != "cpu":
         module = backend.to_device(module) if backend is not None else module.to(device)
         kwargs = map_tensors(lambda t: t.to(device), kwargs)
@@ -235,19 +239,23 @@ def dump_model(module: nn.Module, kwargs: Mapping[str, Any], out: Path, *, side:
         sink.finish()
     else:
         assert backend is not None
-        _dump_compiled(module, backend, kwargs, writer)
+        ran = _dump_compiled(module, backend, kwargs, writer)
     seconds = time.monotonic() - t0
     writer.close()  # index.json: the numerics mode's view of the same files
     return _write_manifest(out, writer, side=side, digest=digest, tensors=tensors, other=other, model=model,
                            extra=extra, capture="compiled" if compiled else "eager", seconds=seconds,
-                           backend=backend)
+                           backend=backend, ran=ran)
 
 
 
-def _dump_compiled(module: nn.Module, backend: "Backend", kwargs: Mapping[str, Any], writer: _LayerWriter) -> None:
+def _dump_compiled(module: nn.Module, backend: "Backend", kwargs: Mapping[str, Any],
+                   writer: _LayerWriter) -> dict[str, Any]:
+    """The compiled target's outputs into `writer`; how the backend ran it (`watched.CaptureRun.status`: the
+    manifest's `side.ran`; `not_ran` when it did not run the model, `no-hooks` when only without hooks)."""
     classes = {name: type(m).__name__ for name, m in module.named_modules()}
-    _out, records = run_compiled_with_outputs(module, backend, (), kwargs)
-    del _out
+    run = watched_outputs(module, backend, (), kwargs)
+    records = run.compared()
+    run.records = []
     done = 0
     while records:
         key, tensors = records.pop(0)
@@ -261,11 +269,13 @@ def _dump_compiled(module: nn.Module, backend: "Backend", kwargs: Mapping[str, A
         })
         done += 1
         del tensors
+    return run.status()
 
 
 def _write_manifest(out: Path, writer: _LayerWriter, *, side: DumpSide, digest: str,
                     tensors: Mapping[str, torch.Tensor], other: Mapping[str, Any], model: Mapping[str, Any] | None,
-                    extra: Mapping[str, Any] | None, capture: str, seconds: float, backend: "Backend | None") -> Path:
+                    extra: Mapping[str, Any] | None, capture: str, seconds: float, backend: "Backend | None",
+                    ran: Mapping[str, Any] | None = None) -> Path:
     entries = []
     for call in sorted(writer.calls, key=lambda c: c.get("done", c["idx"])):
         for sub, tkey in (call.get("compare") or {}).items():
@@ -283,7 +293,7 @@ def _write_manifest(out: Path, writer: _LayerWriter, *, side: DumpSide, digest: 
         "schema_version": MANIFEST_SCHEMA_VERSION,
         "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "model": dict(model or {}),
-        "side": {**side.as_dict(), "capture": capture},
+        "side": {**side.as_dict(), "capture": capture, **({"ran": dict(ran)} if ran is not None else {})},
         "input": {"hash": digest, "file": INPUTS_NAME,
                   "tensors": [{"name": k, "shape": list(t.shape), "dtype": dtype_name(t.dtype)} for k, t in tensors.items()],
                   "kwargs": dict(other)},

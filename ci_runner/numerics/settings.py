@@ -29,8 +29,13 @@ DYNAMO_SETTINGS: Mapping[str, Any] = {
 
 
 def dynamo_settings() -> dict[str, Any]:
-    """DYNAMO_SETTINGS under the key names this torch's Dynamo config knows (for `config.patch(**…)`)."""
-    return dynamo_config(DYNAMO_SETTINGS)
+    """DYNAMO_SETTINGS under the key names this torch's Dynamo config knows (for `config.patch(**…)`). Under
+    Dynamo's `suppress_errors` (TORCHDYNAMO_SUPPRESS_ERRORS=1) Dynamo refuses `fail_on_recompile_limit_hit`: it is
+    left out, and a frame over the limit runs in eager, which the watches see (`watched.py`)."""
+    settings = dict(DYNAMO_SETTINGS)
+    if torch._dynamo.config.suppress_errors:
+        settings.pop("fail_on_recompile_limit_hit")
+    return dynamo_config(settings)
 
 
 class CellContext(Protocol):

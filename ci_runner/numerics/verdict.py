@@ -100,7 +100,8 @@ def verdict_of(layers: list[Layer], *, isolated_ran: bool) -> dict[str, Any]:
     # pure drift, the first layer over threshold in the cumulative view
     first = (iso or cum or [None])[0]
     if first is None:
-        errs = sum(1 for l in layers if l.errors)
+        # compared in no view (a layer one view could not hold but the other compared was compared)
+        errs = sum(1 for l in layers if l.errors and all(m is None for m in l.metrics.values()))
         text = "no layer exceeds its threshold" + (f" ({errs} layer(s) could not be compared)" if errs else "")
         return {"first_divergent": None, "kind": None, "pattern": None, "text": text}
     kind: str

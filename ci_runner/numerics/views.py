@@ -41,7 +41,7 @@ from .metrics import MetricsError, compare_any_row_order, worst
 from .settings import DTYPES, VIEWS
 from .store import DumpReader, dump_matches
 from .thresholds import LayerStats
-from .watched import CAPTURE, NOT_RAN, CaptureRun, watched_capture
+from .watched import CAPTURE, NOT_RAN, CaptureRun, partial_reason, partial_sites, watched_capture
 
 def cast_tree(obj: Any, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> Any:
     """Floating tensors to `dtype`, every tensor to `device`, through tuples/lists/dicts/ModelOutput."""
@@ -291,7 +291,9 @@ def run_cumulative_view(module: nn.Module, backend: Any, readers: Sequence[DumpR
 def _compare_compiled(reader: DumpReader, run: CaptureRun, emit: ResultFn) -> tuple[set[str], dict[str, str]]:
     """The records of a watched compiled capture against the reference: (keys seen, modules whose call counts
     differ). A capture the backend did not run is no comparison: every call is `not_ran`. Calls the capture's way
-    cannot hold (`no-hooks`: all but the root; `hooks-reference`: outputs changed in place later) are `capture`."""
+    cannot hold (`no-hooks`: all but the root; `hooks-reference`: outputs changed in place later) are `capture`.
+    A module whose own code calls an op the backend's partitioner left to PyTorch (`watched.partial_sites`) is
+    `not_ran` (its ancestors are compared: the rest of their code ran on the backend; `data.capture` lists them)."""
     if run.not_ran is not None:
         for c in reader.calls:
             emit(make_record("cumulative", c, error=f"the backend did not run it ({run.way}): {run.not_ran}"[:600],
@@ -309,6 +311,7 @@ def _compare_compiled(reader: DumpReader, run: CaptureRun, emit: ResultFn) -> tu
             emit(make_record("cumulative", c, stage=CAPTURE, error=f"not compared in this view: with capture hooks "
                              f"the backend did not run the model ({why}); it ran without them, so only the model's "
                              f"output is compared here and its layers in the isolated view"))
+    partial = {w: op for op, where in partial_sites(run.facts).items() for w in where}  # module -> op left eager
     records.reverse()
     while records:
         key, out = records.pop()  # drop each output once compared
@@ -316,6 +319,9 @@ def _compare_compiled(reader: DumpReader, run: CaptureRun, emit: ResultFn) -> tu
         if call is None or call["name"] in differ:
             continue
         seen.add(key)
+        if call["name"] in partial:  # its own code ran in part on PyTorch: not a pass of the backend
+            emit(make_record("cumulative", call, stage=NOT_RAN, error=partial_reason(partial[call["name"]], run.backend)))
+            continue
         if key in run.unheld:
             emit(make_record("cumulative", call, stage=CAPTURE, error="not compared in this view: changed in place "
                              "after its hook, and the backend does not run the model when it is copied there"))

@@ -18,6 +18,10 @@ When none runs on the backend, every call of the sample is `not_ran` (inconclusi
 view's modules are watched the same way (`WatchedRunner`), each on its first call; on a backend with a vendor watch
 each module is a fresh compile (Dynamo reset first: the watch reads the partitions of one compile, and Dynamo would
 otherwise run code it compiled for another module of the same class).
+
+The toolbox's compiled runs of a whole model (a dump of a compiled target, batch invariance) are watched the same
+way (`watched_outputs`: every output copied at its hook, else without hooks), and so are the per-phase runs
+(`modes/numerics/phases.py`, with `not_ran` and `partial_sites`).
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from torch import nn
 
 from ..backends import CompileRecord, DynamoCounters, FallbackWatch
 from ..engine.capture import FlatOutput, OutputHooks, iter_tensors
-from .capture import capture_compiled_outputs
+from .capture import capture_compiled_outputs, compared_flat
+from .settings import dynamo_settings
 
 CAPTURE_WAYS: tuple[str, ...] = ("hooks-copy", "hooks-reference", "no-hooks")
 NOT_RAN = "not_ran"  # the stage of a record whose call the backend did not run (held against a pass)
@@ -48,6 +53,20 @@ def not_ran(record: CompileRecord | None, counters: DynamoCounters, watch: Fallb
             or watch.reason())
 
 
+def partial_sites(facts: Mapping[str, Any]) -> dict[str, list[str]]:
+    """The ops a backend's partitioner left to PyTorch (a vendor watch's `eager_ops`) -> the modules whose own code
+    calls them (`eager_sites`, from the graph's `nn_module_stack`; `""` is the compiled module itself, and stands
+    for an op whose module the graph does not say). Those modules ran in part on PyTorch: not tested there."""
+    sites = facts.get("eager_sites") or {}
+    return {op: sorted({"" if w == "(model)" else w for w in sites.get(op) or ["(model)"]})
+            for op in facts.get("eager_ops") or ()}
+
+
+def partial_reason(op: str, backend: str | None) -> str:
+    """Why a module is not tested on the backend: its partitioner left `op` to PyTorch."""
+    return f"{backend or 'the backend'}'s partitioner left {op} to PyTorch eager here (a partial partition)"
+
+
 @dataclass
 class CaptureRun:
     """One sample's compiled capture: the way it was taken, the ways tried before it and why they did not run on
@@ -60,6 +79,11 @@ class CaptureRun:
     unheld: set[str] = field(default_factory=set)
     not_ran: str | None = None
     facts: dict[str, Any] = field(default_factory=dict)
+    backend: str | None = None  # the backend's compile name (what `partial_reason` says)
+
+    def compared(self) -> list[tuple[str, dict[str, torch.Tensor]]]:
+        """The records as the toolbox reads them: (call key, {sub: compared tensor})."""
+        return [(key, compared_flat(flat)) for key, flat in self.records]
 
     def status(self) -> dict[str, Any]:
         """What the view's status record says of the capture (`data.capture` in the mode)."""
@@ -68,13 +92,15 @@ class CaptureRun:
             out["fallbacks"] = self.tried
         if self.not_ran:
             out["not_ran"] = self.not_ran
+        elif self.facts.get("eager_ops"):
+            out["partial"] = partial_sites(self.facts)
         return out
 
 
 def _attempt(module: nn.Module, backend: Any, args: Sequence[Any], kwargs: Mapping[str, Any],
-             clone: Collection[str] | None) -> tuple[list[tuple[str, FlatOutput]], str | None, dict[str, Any]]:
+             clone: bool | Collection[str] | None) -> tuple[list[tuple[str, FlatOutput]], str | None, dict[str, Any]]:
     """One fresh compile and run, watched: (records, why it did not run on the backend, the backend's facts).
-    `clone` None: no hooks (the root's output is the one record)."""
+    `clone` None: no hooks (the root's output is the one record); True: every output copied at its hook."""
     fn, record = backend.compile_recorded(_forward)
     with FallbackWatch(backend.spec.compile) as watch, DynamoCounters() as counters:
         if clone is None:
@@ -90,11 +116,31 @@ def _attempt(module: nn.Module, backend: Any, args: Sequence[Any], kwargs: Mappi
 def watched_capture(module: nn.Module, backend: Any, args: Sequence[Any], kwargs: Mapping[str, Any],
                     mutated: Collection[str]) -> CaptureRun:
     """The cumulative view's compiled capture of one sample, in the first of `CAPTURE_WAYS` the backend runs."""
-    ways: list[tuple[str, Collection[str] | None]] = [("hooks-copy", set(mutated))]
+    ways: list[tuple[str, bool | Collection[str] | None]] = [("hooks-copy", set(mutated))]
     if mutated:
         ways.append(("hooks-reference", ()))
     ways.append(("no-hooks", None))
-    run = CaptureRun(way=ways[0][0])
+    run = _first_way_that_ran(module, backend, args, kwargs, ways)
+    if run.way == "hooks-reference":
+        run.unheld = {k for k, _ in run.records if k.partition("#")[0] in mutated}
+    return run
+
+
+def watched_outputs(module: nn.Module, backend: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> CaptureRun:
+    """The toolbox's compiled run of a whole model with every submodule's output (a dump of a compiled target,
+    batch invariance; watched, as everything the numerics package compiles): a fresh compile with every output copied at
+    its hook (no eager pass says which are changed in place later) or, when the backend does not run the model
+    with hooks, without them (`no-hooks`: the model's output alone); `not_ran` when it ran neither way."""
+    torch._dynamo.reset()  # a fresh compile: the vendor watch counts one compile's partitions
+    with torch._dynamo.config.patch(**dynamo_settings()):
+        return _first_way_that_ran(module, backend, args, kwargs, [("hooks-copy", True), ("no-hooks", None)])
+
+
+def _first_way_that_ran(module: nn.Module, backend: Any, args: Sequence[Any], kwargs: Mapping[str, Any],
+                        ways: Sequence[tuple[str, bool | Collection[str] | None]]) -> CaptureRun:
+    """The first of `ways` ((name, clone)) the backend runs, each a fresh compile; the last one tried (with its
+    `not_ran`) when none does."""
+    run = CaptureRun(way=ways[0][0], backend=backend.spec.compile)
     for i, (way, clone) in enumerate(ways):
         if i:
             torch._dynamo.reset()  # each way a fresh compile, without counting towards the recompile limit
@@ -105,8 +151,6 @@ def watched_capture(module: nn.Module, backend: Any, args: Sequence[Any], kwargs
         run.tried.append({"capture": way, "not_ran": why[:400]})
     if run.not_ran is not None:
         run.tried.pop()  # the last way tried is the one reported
-    if run.way == "hooks-reference":
-        run.unheld = {k for k, _ in run.records if k.partition("#")[0] in mutated}
     return run
 
 
@@ -134,8 +178,9 @@ class WatchedRunner:
             # (no vendor watch, no reset) Dynamo ran code it compiled for another module of the same class
             given = record is None or bool(record.graphs)
             why = not_ran(record, counters, watch) if given else counters.fallback(breaks=False)
-            if why:
-                self.not_ran[name] = why
+            own = [op for op, where in partial_sites(watch.facts()).items() if "" in where]  # not a stub's
+            if why or own:
+                self.not_ran[name] = why or partial_reason(", ".join(own), self.backend.spec.compile)
             self.compiled[name] = compiled
             return out
 

@@ -33,13 +33,14 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..backends import resolve_backend
+from ..backends import DynamoCounters, FallbackWatch, resolve_backend
 from ..config import BackendSpec, ModelSpec, spec_from_json, spec_to_json
 from ..engine.isolate import run_isolated
 from ..engine.models import load_model
 from ..results.model import Finding, clean, fingerprint, number
 from .metrics import compare_tensors, public
 from .settings import CellContext, dynamo_settings
+from .watched import not_ran
 
 if TYPE_CHECKING:
     from ..backends import Backend
@@ -74,6 +75,7 @@ class WeightsReport:
 
     method: str
     tensors: list[TensorCheck] = field(default_factory=list)
+    not_ran: str | None = None  # why the backend did not run a round trip (`watched.not_ran`): then nothing is shown
 
     @property
     def mismatched(self) -> list[TensorCheck]:
@@ -94,7 +96,8 @@ class WeightsReport:
         }
 
     def to_json(self) -> dict[str, Any]:
-        return {"method": self.method, "tensors": [t.to_json() for t in self.tensors]}
+        return {"method": self.method, "tensors": [t.to_json() for t in self.tensors],
+                **({"not_ran": self.not_ran} if self.not_ran else {})}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "WeightsReport":
@@ -108,7 +111,7 @@ class WeightsReport:
             kw["metrics"] = {k: number(v) if k in ("rel", "cos", "mad", "max_abs", "sqnr_db") else v
                              for k, v in (kw.get("metrics") or {}).items()}
             tensors.append(TensorCheck(**kw))
-        return cls(method=data.get("method", "?"), tensors=tensors)
+        return cls(method=data.get("method", "?"), tensors=tensors, not_ran=data.get("not_ran"))
 
 
 def named_tensors(module: nn.Module) -> list[tuple[str, str, torch.Tensor]]:
@@ -211,8 +214,10 @@ def check_weights(module: nn.Module, backend: "Backend", *, chunk_mb: float = 25
     with torch._dynamo.config.patch(**dynamo_settings()), torch.no_grad():
         for group in _groups(items, chunk_bytes):
             names = [name for name, _k, _t in group]
-            fn = backend.compile(_Reader(target, names))
-            backs = fn()
+            fn, record = backend.compile_recorded(_Reader(target, names))
+            with FallbackWatch(backend.spec.compile) as watch, DynamoCounters() as counters:
+                backs = fn()
+            report.not_ran = report.not_ran or not_ran(record, counters, watch)
             for (name, kind, t), back in zip(group, backs):
                 orig = originals[name] if originals is not None else t
                 report.tensors.append(check_tensor(name, kind, orig, back))
@@ -281,6 +286,8 @@ def cell_outcome(ctx: CellContext, value: Mapping[str, Any]) -> tuple[list[Findi
     classes = value.get("classes") or {}
     findings = findings_for(report, backend_id=ctx.cell.backend.id, model_id=ctx.cell.model.id, module_classes=classes)
     data = {"status": "mismatch" if report.mismatched else "ok", **report.summary()}
+    if report.not_ran and not report.mismatched:  # tensors that PyTorch copied: nothing of the backend's shown
+        data.update(status="inconclusive", reason=f"the backend did not run the round trip: {report.not_ran[:300]}")
     if len(report.mismatched) > len(findings):
         data["findings_truncated"] = len(report.mismatched) - len(findings)
     return findings, data

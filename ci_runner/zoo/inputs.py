@@ -1,10 +1,11 @@
 """Synthetic inputs for a zoo architecture, from the names its forward takes.
 
-Text, vision and Llava-style image-text inputs come from `engine.models.build_inputs` (the one input builder);
-this module picks the task it is called with from the model's `main_input_name` and adds what that builder does
-not make: audio (`input_values` raw waveforms, `input_features` log-mel frames in the layout the model's first
-convolution reads) and the decoder side of a speech encoder-decoder (`engine.models.decoder_input_ids`, which
-`build_inputs` uses for a text encoder-decoder, as `config:` models get it). A forward argument that
+Text, vision and Llava-style image-text inputs come from `engine.models.build_inputs` (the one input builder),
+audio (`input_values` raw waveforms, `input_features` log-mel frames in the layout the model's first convolution
+reads) from `engine.audio` (the one audio builder, which `build_inputs` uses for `config:` models too); this module
+picks the task it is called with from the model's `main_input_name` and adds what those builders do not make: the
+other towers of a multi-tower model and the decoder side of a speech encoder-decoder (`engine.models.decoder_input_ids`,
+which `build_inputs` uses for every encoder-decoder, as `config:` models get it). A forward argument that
 is required and not made here is a `ZooInputError` naming it: the scan lists the architecture with that reason.
 
 Packed-patch vision (Qwen-VL style: a forward that takes `image_grid_thw`, or an encoder that takes `grid_thw`):
@@ -24,11 +25,10 @@ from typing import Any
 import torch
 
 from ..config import InputSpec, ModelSpec
+from ..engine.audio import audio_features, audio_inputs
 from ..engine.models import LoadedModel, build_inputs, decoder_input_ids
 from ..errors import DeepviewError
 
-AUDIO_SAMPLES = 3200  # raw waveform length for `input_values` (0.2 s at 16 kHz)
-FEATURE_FRAMES = 64  # log-mel frames for `input_features` when the config does not fix them
 DEFAULT_VOCAB = 256
 GRID_MERGES = 2  # packed-patch images: merged patches per side
 
@@ -51,37 +51,6 @@ def _builder_task(task: str | None, main: str) -> str:
     if task in ("image-text", "causal-lm", "seq2seq"):
         return task
     return "base"
-
-
-def _first_conv_in(module: torch.nn.Module) -> int | None:
-    for m in module.modules():
-        if isinstance(m, torch.nn.Conv1d):
-            return int(m.in_channels)
-    return None
-
-
-def audio_features(module: torch.nn.Module, config: Any, inputs: InputSpec, sample: int) -> torch.Tensor:
-    """`input_features`: Whisper-style (batch, mel bins, 2 × max_source_positions frames) when the first Conv1d
-    reads the mel bins as channels, else (batch, frames, features) as Speech2Text / Conformer read them."""
-    gen = torch.Generator().manual_seed(inputs.seed * 7919 + sample)
-    bins = next((int(getattr(config, k)) for k in ("num_mel_bins", "feature_size", "input_feat_per_channel",
-                                                   "n_mels", "mel_bins") if isinstance(getattr(config, k, None), int)), 80)
-    channels = int(getattr(config, "input_channels", 1) or 1)
-    if isinstance(getattr(config, "max_length", None), int) and _first_conv_in(module) is None:  # AST: (frames, bins)
-        return torch.randn((inputs.batch, int(config.max_length), bins), generator=gen)
-    if _first_conv_in(module) == bins:
-        frames = 2 * int(getattr(config, "max_source_positions", FEATURE_FRAMES // 2) or FEATURE_FRAMES // 2)
-        return torch.randn((inputs.batch, bins, frames), generator=gen)
-    return torch.randn((inputs.batch, FEATURE_FRAMES, bins * channels), generator=gen)
-
-
-def _waveform(config: Any, inputs: InputSpec, gen: torch.Generator) -> torch.Tensor:
-    """`input_values`: (batch, samples), or (batch, audio_channels, samples) for a codec whose config counts its
-    channels (EnCodec, Mimi)."""
-    channels = getattr(config, "audio_channels", None)
-    shape = (inputs.batch, channels, AUDIO_SAMPLES) if isinstance(channels, int) and channels > 0 \
-        else (inputs.batch, AUDIO_SAMPLES)
-    return torch.randn(shape, generator=gen)
 
 
 def _default_vocab(config: Any) -> None:
@@ -258,11 +227,9 @@ def zoo_inputs(module: torch.nn.Module, config: Any, *, model_type: str, task: s
     params = _params(module)
     main = str(getattr(module, "main_input_name", "input_ids") or "input_ids")
     kwargs: dict[str, Any] = {}
-    if main in ("input_values", "input_features", "audio_values"):
-        gen = torch.Generator().manual_seed(inputs.seed * 7919 + sample)
-        waveform = main == "input_values" and not isinstance(getattr(config, "num_mel_bins", None), int)
-        kwargs[main] = (_waveform(config, inputs, gen) if waveform  # else: AST's frames
-                        else audio_features(module, config, inputs, sample))
+    audio = audio_inputs(module, config, inputs, sample)  # the one audio builder (`engine.audio`)
+    if audio:
+        kwargs.update(audio)
     else:
         _default_vocab(config)
         kwargs.update(build_inputs(_loaded(module, config, model_type, _builder_task(task, main)), inputs,

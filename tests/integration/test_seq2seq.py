@@ -1,6 +1,7 @@
 """Issue 38: an encoder-decoder from `config:` is built with its seq2seq head and decoder inputs (the zoo's), and
-runs in the three modes. Tiny T5 on aot_eager (the point is our model building, not a compiler; checked by hand on
-IREE and OpenVINO, /work/notes/issue38.md)."""
+runs: its numerics compare the encoder's and the decoder's layers. Tiny T5 on aot_eager (the point is our model
+building, not a compiler; checked by hand on IREE and OpenVINO, /work/notes/issue38.md). The three modes on both
+real compilers are in `benchmarks/bench_truth_archs.py` (too big for the suite)."""
 
 from __future__ import annotations
 
@@ -26,15 +27,14 @@ T5 = {"d_model": 16, "d_ff": 32, "d_kv": 8, "num_heads": 2, "num_layers": 1, "nu
 
 @pytest.fixture(scope="module")
 def t5_cell(tmp_path_factory: pytest.TempPathFactory) -> CellResult:
-    """The three modes on tiny T5, run once for the file."""
+    """The numerics mode on tiny T5, run once for the file."""
     tmp = tmp_path_factory.mktemp("t5")
-    text = matrix_text(modes=["ops", "layers", "numerics"], timeout=900,
+    text = matrix_text(modes=["numerics"], timeout=900,
                        inputs={"batch": 1, "seq_len": 8, "samples": 1, "seed": 0},
-                       options={"ops": {"group_testing": True}},  # 87 signatures: a few compiles, not 87
                        models=[{"id": "tiny-t5", "config": "t5", "overrides": T5}],
                        backends=[{"id": "aot_eager", "compile": "aot_eager"}])
     cell = next(iter(expand(load_matrix_text(text, path=str(tmp / "matrix.yaml")))))
-    result = run_cell_inprocess(cell, tmp / "cells" / cell.id, modes=("ops", "layers", "numerics"),
+    result = run_cell_inprocess(cell, tmp / "cells" / cell.id, modes=("numerics",),
                                 deadline=time.monotonic() + cell.timeout)
     validate(result.to_dict(), "cell.schema.json", source="seq2seq test")
     return result
@@ -57,15 +57,11 @@ def test_t5_from_config_has_its_seq2seq_head_and_the_zoos_decoder_inputs() -> No
         assert "encoder-decoder" in (skip_reason(loaded, phase, spec) or ""), phase
 
 
-@pytest.mark.slow  # the three modes' children and probes: ~65 s on 2 shared cores
-def test_t5_runs_in_ops_layers_and_numerics_through_encoder_and_decoder(t5_cell: CellResult) -> None:
-    modes = t5_cell.modes
-    assert {m: r.status for m, r in modes.items()} == {"ops": "pass", "layers": "pass", "numerics": "pass"}, \
-        {m: r.reason for m, r in modes.items()}
-    ops = modes["ops"].data["inventory"]["ops"]
-    where = {m for row in ops for m in row["modules"]}
-    assert any(m.startswith("decoder.block.0.layer.1.EncDecAttention") for m in where), sorted(where)
-    assert modes["layers"].data["whole_model"]["module_class"] == "T5ForConditionalGeneration"
-    assert modes["layers"].data["whole_model"]["ran"]["graphs_executed"] >= 1
-    compared = {str(row.get("module") or row.get("name")) for row in modes["numerics"].data["layers"]}
+@pytest.mark.slow  # the numerics mode's reference, thresholds and target children
+def test_t5_numerics_compares_encoder_and_decoder_layers(t5_cell: CellResult) -> None:
+    numerics = t5_cell.modes["numerics"]
+    assert numerics.status == "pass", numerics.reason
+    compared = {str(row.get("module") or row.get("name")) for row in numerics.data["layers"]
+                if row.get("cumulative") or row.get("isolated")}
     assert any(m.startswith("encoder.") for m in compared) and any(m.startswith("decoder.") for m in compared), compared
+    assert any(m.startswith("decoder.block.0.layer.1.EncDecAttention") for m in compared), sorted(compared)

@@ -254,8 +254,9 @@ def _run_forward(ctx: "ModeContext", opts: LayersOptions, layers_dir: Path) -> M
         return ModeResult(status=status, reason=srun.stop_reason or "the whole model was not probed", data=data,
                           duration_s=time.monotonic() - t0)
     data["whole_model"] = _candidate_row(tree, whole)
-    if not whole.failed:
-        return ModeResult(status="inconclusive" if unran else "pass", reason=_with_eager_ops(note, whole.ran),
+    if not whole.failed:  # ops the partitioner left to PyTorch: the modules calling them did not run on it
+        partial = bool(unran or (whole.ran or {}).get("eager_ops"))
+        return ModeResult(status="inconclusive" if partial else "pass", reason=_with_eager_ops(note, whole.ran),
                           data=data, duration_s=time.monotonic() - t0)
 
     known = read_outcomes(layers_dir / "probes.jsonl")  # with the own-code probes (`own_name`)
@@ -376,12 +377,16 @@ def own_code_words(name: str, o: ProbeOutcome, children: list[str], tried: Mappi
 
 
 def _with_eager_ops(note: str | None, ran: Mapping[str, Any]) -> str | None:
-    """A pass where the backend ran only part of the model says what ran in PyTorch eager instead."""
+    """Where the backend ran only part of the model: what ran in PyTorch eager instead, and in which modules (the
+    vendor watch's `eager_sites`): those modules are not shown to run on the backend (inconclusive, not a pass)."""
     eager = [str(op) for op in ran.get("eager_ops") or ()]
     if not eager:
         return note
+    sites = ran.get("eager_sites") or {}
+    ops = [f"{op} (in {', '.join(str(m) for m in sites[op][:3])})" if sites.get(op) else op for op in eager[:12]]
     words = (f"the backend ran only part of the model: {len(eager)} op(s) ran in PyTorch eager "
-             f"(its partitioner left them out): {', '.join(eager[:12])}{' …' if len(eager) > 12 else ''}")
+             f"(its partitioner left them out), so the modules calling them are not shown to run on it: "
+             f"{', '.join(ops)}{' …' if len(eager) > 12 else ''}")
     return f"{note}; {words}" if note else words
 
 

@@ -396,7 +396,7 @@ def _note_views(records: list[dict[str, Any]], data: dict[str, Any], notes: list
     if iso_skipped:
         data["views"]["isolated"] = "skipped"
         notes.append(f"isolated view skipped: {iso_skipped}")
-    ways = [{"sample": r.get("sample"), **{k: r[k] for k in ("capture", "fallbacks", "not_ran") if k in r}}
+    ways = [{"sample": r.get("sample"), **{k: r[k] for k in ("capture", "fallbacks", "not_ran", "partial") if k in r}}
             for r in records if r.get("view") == "cumulative" and r.get("status") == "ok" and "capture" in r]
     if not ways:
         return
@@ -408,6 +408,11 @@ def _note_views(records: list[dict[str, Any]], data: dict[str, Any], notes: list
         elif w.get("fallbacks"):
             notes.append(f"sample {w['sample']}: captured {w['capture']}; the backend did not run "
                          + "; ".join(f"{f['capture']} ({f['not_ran'][:200]})" for f in w["fallbacks"]))
+        if w.get("partial"):  # the partitioner's leftovers: their modules are not_ran, their ancestors partial
+            notes.append(f"sample {w['sample']}: the backend's partitioner left to PyTorch "
+                         + "; ".join(f"{op} (in {', '.join(m or '(root)' for m in where[:3])})"
+                                     for op, where in list(w["partial"].items())[:4])
+                         + ": those modules are not compared on the backend, the layers around them only in part")
 
 
 def _reference_pass(ctx: "ModeContext", opts: NumericsOptions, table: ThresholdTable, dump_root: Path, dump_key: Any,
@@ -444,6 +449,19 @@ def _note_truncations(data: dict[str, Any], *, layers: int, max_layers: int, cum
         data["findings_truncated"] = findings[0] - findings[1]
 
 
+def _not_ran_parts(data: Mapping[str, Any]) -> list[str]:
+    """The runs besides the layer views the backend did not run (a phase, batch invariance, the weights check:
+    `inconclusive`) or ran in part (a phase whose ops its partitioner left to PyTorch: `partial`): each is held
+    against a pass."""
+    out = [f"phase {name}: {p.get('reason', '')[:300]}" for name, p in (data.get("phases") or {}).items()
+           if p.get("status") in ("inconclusive", "partial")]
+    for key, what in (("batch_invariance", "batch invariance"), ("weights", "weights check")):
+        part = data.get(key) or {}
+        if part.get("status") == "inconclusive":
+            out.append(f"{what}: {str(part.get('reason', ''))[:300]}")
+    return out
+
+
 def _result(findings: list[Any], data: dict[str, Any], duration: float, *, cum_errors: list[dict[str, Any]],
             layers: list[Any], expected: list[str]) -> ModeResult:
     """A pass means compared: with no finding, a mode that compared only part of the model (a view did not run,
@@ -464,13 +482,15 @@ def _result(findings: list[Any], data: dict[str, Any], duration: float, *, cum_e
         view, err = next((v, e) for v, e in layer.errors.items() if e.startswith(OTHER_VIEW) == paths)
         return f"first {layer.key or '(root)'} ({view} view: {err[:240]})"
 
+    why += _not_ran_parts(data)
     if cov["failed_count"]:
         why.append(f"{cov['failed_count']} layer(s) could not be compared in a view, {first_error(cov['failed'], False)}")
     if cov["missing"] and not why:
         missing = [k for k in cov["missing"] if k in by_key]
         paths = [k for k in missing if any(e.startswith(OTHER_VIEW) for e in by_key[k].errors.values())]
-        why.append(f"not comparable, {first_error(paths, True)}" if paths else
-                   f"not observed: {', '.join(k or '(root)' for k in missing[:5])}")
+        unran = paths and all(e.startswith("not_ran:") for e in by_key[paths[0]].errors.values())
+        why.append(f"{'not run on the backend' if unran else 'not comparable'}, {first_error(paths, True)}" if paths
+                   else f"not observed: {', '.join(k or '(root)' for k in missing[:5])}")
     said = []
     if cov["not_comparable_count"] and not why:
         said.append(f"{cov['not_comparable_count']} layer(s) compared in one view only, the other's paths differ "

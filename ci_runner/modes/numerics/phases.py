@@ -10,7 +10,11 @@ For each phase (`ci_runner/phases.py`), run as users run it (`engine/workload.py
 3. when a call diverges or is not finite, the target runs again with output hooks on every module, to name the
    first (step, layer) where the divergence starts, or the first layer where NaN/Inf appears in that row.
 The KV cache each layer wrote is compared per step against the reference's, and greedy-token and top-5 agreement
-over the steps are reported.
+over the steps are reported. Each compiled run is a fresh compile, watched (`numerics.watched.not_ran`): a target
+run the backend did not run (in whole or in part) makes the phase `inconclusive` when it found nothing (never a
+pass; findings stand: a call that ran in PyTorch cannot diverge from the reference), ops its partitioner left to
+PyTorch are listed with the modules that call them (`backend_ran.partial_sites`, the phase `partial`), and a
+finding localised from a hooked re-run the backend did not run says so.
 """
 
 from __future__ import annotations
@@ -21,10 +25,12 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
+from ...backends import DynamoCounters, FallbackWatch
 from ...engine.capture import OutputHooks, primary_tensor
 from ...engine.workload import (Call, CallRecord, PhaseRun, capture_calls, replay_calls, run_phase, skip_reason,
                                  smallest_module)
 from ...numerics.metrics import compare_tensors
+from ...numerics.watched import not_ran
 from ...options import NumericsOptions
 from ...phases import Phase
 from ...results.model import Finding, fingerprint
@@ -219,8 +225,7 @@ def _one_phase(ctx: "ModeContext", opts: NumericsOptions, phase: Phase) -> tuple
         return backend.to_device(copy.deepcopy(primary.module))
 
     torch._dynamo.reset()
-    module = fresh()
-    tgt_run, tgt_rec = _run(backend.compile(module), None, primary, ctx, phase, forced=forced, device=device)
+    tgt_run, tgt_rec, ran = _watched_run(backend, fresh(), None, primary, ctx, phase, forced=forced, device=device)
     calls: list[dict[str, Any]] = []
     flagged: list[tuple[int, list[int], dict[str, Any]]] = []
     for i, (r, t) in enumerate(zip(ref_run.records, tgt_run.records)):
@@ -234,7 +239,7 @@ def _one_phase(ctx: "ModeContext", opts: NumericsOptions, phase: Phase) -> tuple
             if bad or _rel(m) > thr:
                 flagged.append((i, bad, m))
         calls.append(row)
-    phase_data: dict[str, Any] = {"status": "pass", "phase": phase.label(), "calls": calls}
+    phase_data: dict[str, Any] = {"status": "pass", "phase": phase.label(), "calls": calls, "backend_ran": ran}
     agreement = _agreement(ref_run, tgt_run)
     if agreement:
         phase_data["agreement"] = agreement
@@ -250,9 +255,14 @@ def _one_phase(ctx: "ModeContext", opts: NumericsOptions, phase: Phase) -> tuple
     if flagged:
         torch._dynamo.reset()
         module = fresh()
-        hooked, hooked_rec = _run(backend.compile(module), module, primary, ctx, phase, forced=forced, device=device,
-                                  inputs=True)
-        out += _localise(ctx, phase, flagged, ref_run, ref_rec, hooked_rec, thresholds, opts, primary.dtype)
+        _hooked, hooked_rec, hooked_ran = _watched_run(backend, module, module, primary, ctx, phase, forced=forced,
+                                                       device=device, inputs=True)
+        found = _localise(ctx, phase, flagged, ref_run, ref_rec, hooked_rec, thresholds, opts, primary.dtype)
+        if hooked_ran.get("not_ran"):  # the layers it names come from a run in PyTorch, not the backend's
+            for f in (f for f in found if f.details.get("localised") != "isolated"):  # (modules compiled alone)
+                f.details["hooked_not_ran"] = hooked_ran["not_ran"][:300]
+                f.message += f" (the re-run with hooks did not run on the backend: {hooked_ran['not_ran'][:200]})"
+        out += found
     elif kv and any(k["over"] for k in kv):
         first = next(k for k in kv if k["over"])
         out.append(_finding(ctx, phase, first["step"], f"kv:{first['tensor']}", "KVCache",
@@ -261,7 +271,37 @@ def _one_phase(ctx: "ModeContext", opts: NumericsOptions, phase: Phase) -> tuple
                             {"rel": first["rel"]}, {"rel": first["threshold"]}))
     if out:
         phase_data["status"] = "fail"
+    elif ran.get("not_ran") and tgt_run.failed is None:  # (some of) its calls ran in PyTorch: never a pass
+        phase_data.update(status="inconclusive", reason=f"the backend did not run (all of) this phase: "
+                                                        f"{ran['not_ran'][:400]}")
+    elif ran.get("partial_sites"):
+        phase_data.update(status="partial", reason=_partial_text(ran["partial_sites"]))
     return out, phase_data
+
+
+def _partial_text(sites: Mapping[str, list[str]]) -> str:
+    """`the backend left aten.x (in model.layers.0.mlp) to PyTorch: …`."""
+    ops = "; ".join(f"{op} (in {', '.join(where[:3]) or 'an unknown module'})" for op, where in list(sites.items())[:4])
+    return f"the backend's partitioner left {ops} to PyTorch: those modules are not tested on the backend here"
+
+
+def _watched_run(backend: Any, compiled_from: torch.nn.Module, hooked: torch.nn.Module | None, primary: Any,
+                 ctx: "ModeContext", phase: Phase, **kw: Any) -> tuple[PhaseRun, _Recorder, dict[str, Any]]:
+    """`_run` of a fresh compile of `compiled_from`, watched (`numerics.watched.not_ran`: graphs given and run,
+    Dynamo's eager fallbacks, the backend's own): (run, recorder, `ran` facts with `not_ran` when the backend did
+    not run it and `partial_sites` when its partitioner left ops to PyTorch: op -> the modules that call it)."""
+    compiled, record = backend.compile_recorded(compiled_from)
+    with FallbackWatch(backend.spec.compile) as watch, DynamoCounters() as counters:
+        run, rec = _run(compiled, hooked, primary, ctx, phase, **kw)
+    facts = watch.facts()
+    ran: dict[str, Any] = {**(record.summary() if record is not None else {}),
+                           **{k: v for k, v in facts.items() if not isinstance(v, (list, dict))}}
+    why = not_ran(record, counters, watch)
+    if why:
+        ran["not_ran"] = why
+    elif facts.get("eager_ops"):
+        ran["partial_sites"] = facts.get("eager_sites") or {op: [] for op in facts["eager_ops"]}
+    return run, rec, ran
 
 
 def _kv_rows(ref: _Recorder, tgt: _Recorder, thresholds: Mapping[str, float], run: PhaseRun,
@@ -321,9 +361,12 @@ def _row_finite(out: Any, row: int) -> bool | None:
     return bool(torch.isfinite(t[row].detach().cpu()).all())
 
 
-def _isolated_nonfinite(ctx: "ModeContext", phase: Phase, ref_run: PhaseRun, call: int, row: int) -> tuple[str, list[str]]:
+def _isolated_nonfinite(ctx: "ModeContext", phase: Phase, ref_run: PhaseRun, call: int, row: int,
+                        unran: list[str] | None = None) -> tuple[str, list[str]]:
     """The smallest module that, compiled alone and fed the reference's inputs of `call` (and of the calls before
-    it, in order, through one compiled object), makes `row` non-finite where eager keeps it finite."""
+    it, in order, through one compiled object), makes `row` non-finite where eager keeps it finite. Each compile is
+    watched: a module not blamed that the backend did not run alone (in whole or part) goes to `unran` (it is not
+    shown innocent)."""
     loaded = ctx.model(dtype=ctx.cell.references[0].dtype)
     forced = [r.token for r in ref_run.records if r.token is not None] or None
     captured = capture_calls(loaded, ctx.cell.inputs, phase, forced=forced, upto=call)
@@ -334,14 +377,18 @@ def _isolated_nonfinite(ctx: "ModeContext", phase: Phase, ref_run: PhaseRun, cal
 
         torch._dynamo.reset()
         eager = loaded.module.get_submodule(name)
-        index, got, exc = replay_calls(backend.compile(backend.to_device(copy.deepcopy(eager))), captured.get(name, []),
-                                       call, backend.to_device)
+        fn, record = backend.compile_recorded(backend.to_device(copy.deepcopy(eager)))
+        with FallbackWatch(backend.spec.compile) as watch, DynamoCounters() as counters:
+            index, got, exc = replay_calls(fn, captured.get(name, []), call, backend.to_device)
         if exc is not None or index != call:  # a module that cannot run alone is not the one
             return False
         _, args, kwargs = [c for c in captured[name] if c[0] == call][-1]
         with torch.no_grad():
             want = eager(*copy.deepcopy(args), **copy.deepcopy(kwargs))
-        return _row_finite(want, row) is True and _row_finite(got, row) is False
+        blamed = _row_finite(want, row) is True and _row_finite(got, row) is False
+        if not blamed and unran is not None and not_ran(record, counters, watch):  # (in part) PyTorch's: not shown
+            unran.append(name)
+        return blamed
 
     return smallest_module(loaded.module, captured, call, fails)
 
@@ -378,19 +425,22 @@ def _localise(ctx: "ModeContext", phase: Phase, flagged: list[tuple[int, list[in
                              {"rows": bad_rows, "nonfinite_tgt": logit_metrics.get("nonfinite_tgt")}, {},
                              details={"row": row, "rows": bad_rows, "reaches_real_tokens_in": reach})]
         root = tgt.layers[i].get("") if i < len(tgt.layers) else None
+        unran: list[str] = []  # modules the backend did not run alone: not shown innocent
         if root is None or bool(torch.isfinite(root).all()):  # the hooked run did not reproduce it (OpenVINO
             # hands a graph with hooks it cannot convert to PyTorch): replay the modules alone instead
-            name, passed = _isolated_nonfinite(ctx, phase, ref_run, i, row)
+            name, passed = _isolated_nonfinite(ctx, phase, ref_run, i, row, unran)
             if name:
                 msg = (f"{_where(phase, step)}: NaN/Inf on the real tokens of row {row}; compiled alone on the "
                        f"reference's inputs of that call, {name} ({classes.get(name, '?')}) turns row {row} non-finite "
                        f"where eager stays finite ({len(passed)} of its called children pass alone)")
                 return [_finding(ctx, phase, step, name, classes.get(name, "?"), msg, {"rows": bad_rows}, {},
-                                 details={"row": row, "rows": bad_rows, "localised": "isolated"})]
+                                 details={"row": row, "rows": bad_rows, "localised": "isolated",
+                                          **({"not_ran_alone": unran[:20]} if unran else {})})]
+        alone = f"; {len(unran)} did not run on the backend alone: {', '.join(unran[:3])}" if unran else ""
         return [_finding(ctx, phase, step, "", "output",
                          f"{_where(phase, step)}: NaN/Inf on the real tokens of rows {bad_rows}; the reference is "
-                         f"finite (no single module shows it alone)", {"rows": bad_rows}, {},
-                         details={"rows": bad_rows, "row": row})]
+                         f"finite (no single module shows it alone{alone})", {"rows": bad_rows}, {},
+                         details={"rows": bad_rows, "row": row, **({"not_ran_alone": unran[:20]} if unran else {})})]
     for j in range(min(len(ref.layers), len(tgt.layers))):
         for key, t in tgt.layers[j].items():
             r = ref.layers[j].get(key)
