@@ -61,6 +61,7 @@ from .compilers import (
     op_matches,
     op_name,
 )
+from .collectives import make_collective
 from .memhog import make_memhog
 from .workloads import make_decode, make_kvdrift, make_long, make_masknan, make_reuse
 
@@ -93,6 +94,13 @@ def _subset(**options: Any) -> Any:
 
 def _drift(**options: Any) -> Any:
     return make_drift(**options)
+
+
+def _collective(kind: str) -> Callable[..., Any]:
+    def factory(**options: Any) -> Any:
+        return make_collective(kind, **options)
+
+    return factory
 
 
 _OP = "ops to fault on (patterns or alias); default `attention`"
@@ -158,6 +166,21 @@ SIM_BACKENDS: Mapping[str, SimBackendInfo] = MappingProxyType({
         options=MappingProxyType({"instances": "which layers sharing a graph hoard, by first call; default [0]; `all`",
                                   "copies": "extra copies of each activation; default 1"}),
         factory=make_memhog),
+    "sim-tp-drop": SimBackendInfo(
+        name="sim-tp-drop", kind="torch.compile", stage="run",
+        reproduces="tensor parallel: one all-reduce dropped (each rank keeps its partial sum; `collectives.py`)",
+        options=MappingProxyType({"nth": "which all-reduce of the graph; default 1 (layer 0's o_proj under the default plan)"}),
+        factory=_collective("drop")),
+    "sim-tp-dup": SimBackendInfo(
+        name="sim-tp-dup", kind="torch.compile", stage="run",
+        reproduces="tensor parallel: one all-reduce done twice (the output is tp × the reference)",
+        options=MappingProxyType({"nth": "which all-reduce of the graph; default 1"}),
+        factory=_collective("dup")),
+    "sim-tp-shard": SimBackendInfo(
+        name="sim-tp-shard", kind="torch.compile", stage="run",
+        reproduces="tensor parallel: one colwise weight shard laid out the wrong way (its output features permuted)",
+        options=MappingProxyType({"nth": "which transposed weight of the graph; default 0 (layer 0's q_proj)"}),
+        factory=_collective("shard")),
     "simdev": SimBackendInfo(
         name="simdev", kind="device", stage="run",
         reproduces="eager out-of-tree device (PrivateUse1) missing kernels: PyTorch's \"Could not run 'aten::…' with arguments from the 'simdev' backend\"",

@@ -1,0 +1,47 @@
+"""The numerics mode's tensor-parallel hook: with `parallel: {tp: N}` on the cell, the sharded model on the backend,
+layer by layer, against one rank (the method: `ci_runner/numerics/parallel.py`, docs/parallel.md).
+
+It runs after the single-rank comparison, in ranks of their own (`engine/parallel.launch_ranks`), and adds its
+findings (each carrying `parallel: "tpN"`) and `data["parallel"]`: the layout, the status, the per-layer rows and
+the ranks' outcome. The samples are the thresholds' (`thresholds.samples`, else max(2, `inputs.samples`)).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from ...numerics.parallel import analyse, run_ranks
+from ...options import NumericsOptions
+from ...registry import FindingKind
+from ...results.model import Finding, fingerprint
+
+if TYPE_CHECKING:
+    from .. import ModeContext
+
+MAX_ROWS = 200
+
+
+def run_parallel(ctx: "ModeContext", opts: NumericsOptions) -> tuple[list[Finding], dict[str, Any]]:
+    """(findings, data) of the cell's tensor-parallel run on its backend."""
+    layout = ctx.cell.parallel
+    assert layout is not None
+    t = time.monotonic()
+    samples = list(range(opts.thresholds.samples or max(2, ctx.cell.inputs.samples)))
+    timeout = max(60.0, min(opts.timeout or ctx.remaining(), ctx.remaining()) - 10.0)
+    run, value = run_ranks(ctx.cell.model, ctx.cell.inputs, layout, [ctx.cell.backend.spec],
+                           samples=samples, folder=ctx.artifact_dir("numerics") / "parallel", timeout=timeout)
+    data: dict[str, Any] = {"layout": layout.key(), "label": layout.label(), "ranks": run.describe(),
+                            "seconds": round(time.monotonic() - t, 3)}
+    if value is None:
+        data["status"] = "error"
+        message = f"the {layout.label()} run did not finish: {run.describe()}"
+        f = Finding(kind=FindingKind.LAYER_FAILURE, stage="run", message=message, parallel=layout.label(),
+                    fingerprint=fingerprint(FindingKind.LAYER_FAILURE, ctx.cell.backend.id, ctx.cell.model.id,
+                                            layout.label(), "ranks"),
+                    details={"plan": dict(layout.plan), "tp": layout.tp, "hang": run.hang})
+        return [f], data
+    result = analyse(value, ctx.cell.backend.id, model_id=ctx.cell.model.id, parallel=layout, opts=opts.thresholds)
+    data.update(status=result.status, plan=value.get("plan"), reason=result.reason, layers=result.layers[:MAX_ROWS],
+                weights_checked=len(value.get("weights") or []))
+    return result.findings, data
