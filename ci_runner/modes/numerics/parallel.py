@@ -29,7 +29,7 @@ def run_parallel(ctx: "ModeContext", opts: NumericsOptions) -> tuple[list[Findin
     t = time.monotonic()
     samples = list(range(opts.thresholds.samples or max(2, ctx.cell.inputs.samples)))
     timeout = max(60.0, min(opts.timeout or ctx.remaining(), ctx.remaining()) - 10.0)
-    run, value = run_ranks(ctx.cell.model, ctx.cell.inputs, layout, [ctx.cell.backend.spec],
+    run, value = run_ranks(ctx.cell.model, ctx.cell.inputs, layout, [ctx.cell.backend],
                            samples=samples, folder=ctx.artifact_dir("numerics") / "parallel", timeout=timeout)
     data: dict[str, Any] = {"layout": layout.key(), "label": layout.label(), "ranks": run.describe(),
                             "seconds": round(time.monotonic() - t, 3)}
