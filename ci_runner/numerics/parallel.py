@@ -93,15 +93,37 @@ def analyse(value: Mapping[str, Any], backend_id: str, *, model_id: str, paralle
     plan = dict(value.get("plan") or {})
     weights = _weights_findings(value.get("weights") or [], backend_id, model_id, parallel, plan)
     if run.get("status") != "ok":
-        f = _finding(FindingKind.LAYER_FAILURE, backend_id, model_id, parallel, plan, module="",
-                     stage="run", message=f"the sharded model failed on rank {run.get('rank')}: "
-                                          f"{run.get('error_type')}: {run.get('message')}")
-        return TPAnalysis(status="fail", findings=weights + [f], reason=f.message)
+        failed = _failure_findings(run, backend_id, model_id, parallel, plan)
+        return TPAnalysis(status="fail", findings=weights + failed, reason=failed[0].message)
     thresholds = layer_thresholds(run["records"], value["eager"], opts)
     rows = layer_rows(run["records"], thresholds, parallel.tp)
     bad = [r for r in rows if r["over"] or r["error"]]
     findings = weights + ([_divergence(bad, backend_id, model_id, parallel, plan)] if bad else [])
     return TPAnalysis(status="fail" if findings else "pass", findings=findings, layers=rows)
+
+
+def _failure_findings(run: Mapping[str, Any], backend_id: str, model_id: str, parallel: ParallelSpec,
+                      plan: Mapping[str, str]) -> list[Finding]:
+    """A backend that failed on the sharded model: one `unsupported_op` per collective it cannot compile alone
+    (`engine/tpprobe.py`), else one `layer_failure` naming the rank and the error."""
+    out = []
+    for row in run.get("collectives") or []:
+        if row.get("status") in ("unsupported", "mismatch"):
+            kind = FindingKind.UNSUPPORTED_OP if row["status"] == "unsupported" else FindingKind.OP_MISMATCH
+            f = _finding(kind, backend_id, model_id, parallel, plan, module="", key=row["op"],
+                         stage="compile" if row["status"] == "unsupported" else "compare",
+                         message=f"{row['op']} alone ({parallel.label()}, rank {run.get('rank')}): "
+                                 f"{row.get('error_type') or row['status']}: {row.get('message')}")
+            f.op = row["op"]
+            f.error_type = row.get("error_type")
+            f.details["model_error"] = f"{run.get('error_type')}: {run.get('message')}"
+            out.append(f)
+    if out:
+        return out
+    return [_finding(FindingKind.LAYER_FAILURE, backend_id, model_id, parallel, plan, module="",
+                     stage=str(run.get("stage") or "run"),
+                     message=f"the sharded model failed on rank {run.get('rank')}: {run.get('error_type')}: "
+                             f"{run.get('message')}")]
 
 
 def _divergence(bad: list[dict[str, Any]], backend_id: str, model_id: str, parallel: ParallelSpec,

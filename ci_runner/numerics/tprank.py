@@ -18,10 +18,11 @@ import torch
 
 from ..backends.spec import resolve_backend
 from ..config import BackendSpec, InputSpec, ModelSpec, spec_from_json
-from ..engine.failure import first_line
+from ..engine.failure import classify, first_line
 from ..engine.models import build_inputs, load_model
 from ..engine.parallel import arrive, assemble, close_ranks, gather_outputs, init_ranks
 from ..results.model import clean
+from ..engine.tpprobe import probe_collectives
 from ..engine.tpplan import check_plan, local_output_modules, resolve_plan, shard, shard_dim
 from .capture import run_compiled_with_outputs, run_eager_with_outputs
 from .metrics import compare_tensors, public, worst
@@ -147,7 +148,19 @@ def _backend_run(payload: Mapping[str, Any], spec: BackendSpec, sharded: torch.n
         backend.prepare()
         records = _compare_runs(sharded, backend, samples, refs, local)
     except Exception as exc:  # the backend's failure on this rank is the result, named by rank
-        return {"status": "error", "rank": int(payload["rank"]), "error_type": type(exc).__name__,
-                "message": first_line(str(exc), 2000)}
+        arrive(payload, f"probe:{spec.id}")
+        failure = classify(exc)  # the backend's own error, unwrapped from Dynamo's
+        return {"status": "error", "rank": int(payload["rank"]), "stage": failure.stage,
+                "error_type": failure.error_type, "message": first_line(failure.message, 2000),
+                "collectives": _probe(spec)}
     arrive(payload, f"done:{spec.id}")
     return {"status": "ok", "records": records}
+
+
+def _probe(spec: BackendSpec) -> list[dict[str, Any]]:
+    """The plan's collectives alone on the backend (`engine/tpprobe.py`), after it failed on the sharded model."""
+    try:
+        backend = resolve_backend(spec)
+        return probe_collectives(backend.compile)
+    except Exception as exc:  # a probe that cannot run is said, not raised: the failure itself is the finding
+        return [{"op": "(probe)", "status": "error", "error_type": type(exc).__name__, "message": first_line(str(exc), 300)}]

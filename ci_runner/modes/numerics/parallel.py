@@ -11,10 +11,13 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from ...backends.spec import resolution
+from ...config import BackendSpec
+from ...engine.repro import render_template, write_script
 from ...numerics.parallel import analyse, run_ranks
 from ...options import NumericsOptions
 from ...registry import FindingKind
-from ...results.model import Finding, fingerprint
+from ...results.model import Finding, Repro, fingerprint
 
 if TYPE_CHECKING:
     from .. import ModeContext
@@ -44,4 +47,24 @@ def run_parallel(ctx: "ModeContext", opts: NumericsOptions) -> tuple[list[Findin
     result = analyse(value, ctx.cell.backend.id, model_id=ctx.cell.model.id, parallel=layout, opts=opts.thresholds)
     data.update(status=result.status, plan=value.get("plan"), reason=result.reason, layers=result.layers[:MAX_ROWS],
                 weights_checked=len(value.get("weights") or []))
+    for f in result.findings:
+        if f.op and f.op.startswith("_c10d_functional."):
+            f.repro = collective_repro(ctx, f, ctx.cell.backend)
     return result.findings, data
+
+
+def collective_repro(ctx: "ModeContext", f: Finding, spec: BackendSpec) -> Repro:
+    """A standalone script that starts its own ranks and compiles the collective of `f` alone on the backend."""
+    layout = ctx.cell.parallel
+    assert layout is not None and f.op is not None
+    short = f.op.split(".")[1]
+    name = f"repro_{short}.py"
+    kind = resolution(spec).kind
+    text = render_template("repro_collective.py.j2", op=f.op, short=short, backend_id=spec.id,
+                           status=f.kind, world=layout.tp, error_type=f.error_type or "", message=f.message,
+                           model_id=ctx.cell.model.id, layout=layout.label(), script=name, env=dict(spec.env),
+                           compile_options=dict(spec.compile_options), imports=list(spec.imports),
+                           backend=spec.compile)
+    path = write_script(ctx.artifact_dir("numerics") / name, text)
+    note = None if kind == "registered" else f"the script names the backend {spec.compile!r} as a registered one"
+    return Repro(path=str(path.relative_to(ctx.cell_dir)), verified=False, command=f"python numerics/{name}", note=note)
