@@ -78,3 +78,20 @@ def test_a_rank_that_never_arrives_is_named(tmp_path: Path) -> None:
     assert run.results[0].status == "error" and "timed out" in run.results[0].message.lower()  # gloo's own error
     assert run.hang == "rank 1 did not arrive at `barrier` (last: `init`)"
     assert "rank 1 did not arrive" in run.describe()
+
+
+@pytest.mark.slow
+def test_iree_reports_its_unsupported_collective(tmp_path: Path) -> None:
+    """IREE's turbine_cpu cannot lower `_c10d_functional.all_reduce` (checked by hand with a lone funcol all-reduce
+    under gloo: "failed to legalize operation 'torch.operator' … torch._c10d_functional.all_reduce"): the sharded
+    run fails, and the probe names the collective as one unsupported op."""
+    pytest.importorskip("iree.turbine")
+    model = ModelSpec(id="tiny-decoder", factory="tests.fixtures.plugin_tp_models:decoder")
+    run, value = run_ranks(model, InputSpec(samples=1), TP2, [BackendSpec(id="turbine_cpu", compile="turbine_cpu")],
+                           samples=[0], folder=tmp_path, timeout=400)
+    assert value is not None, run.describe()
+    result = analyse(value, "turbine_cpu", model_id="tiny-decoder", parallel=TP2, opts=ThresholdOptions())
+    ops = {f.op: f for f in result.findings}
+    f = ops["_c10d_functional.all_reduce.default"]
+    assert (f.kind, f.stage, f.parallel) == ("unsupported_op", "compile", "tp2")
+    assert value["backends"]["turbine_cpu"]["rank"] in (0, 1)
