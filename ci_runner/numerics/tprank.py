@@ -27,6 +27,7 @@ from ..engine.tpplan import check_plan, local_output_modules, resolve_plan, shar
 from .capture import run_compiled_with_outputs, run_eager_with_outputs
 from .metrics import compare_tensors, public, worst
 from .tpsignature import signature_facts
+from .views import runnable_reference
 
 Outputs = dict[str, dict[str, torch.Tensor]]
 
@@ -69,6 +70,7 @@ def _rank(payload: Mapping[str, Any], mesh: Any) -> dict[str, Any]:
 def _references(module: torch.nn.Module, samples: list[dict[str, Any]]) -> list[tuple[Outputs, Outputs]]:
     """Rank 0's single-rank references per sample: (float32 outputs, float64 outputs) by call key."""
     wide = copy.deepcopy(module).to(torch.float64)
+    runnable_reference(wide, "float64")  # MoE experts: no float64 grouped-mm kernel (numerics/views.py)
     out = []
     for kw in samples:
         kw64 = {k: v.to(torch.float64) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
