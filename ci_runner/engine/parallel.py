@@ -58,9 +58,10 @@ class RankRun:
 
 
 def launch_ranks(target: str, payload: Mapping[str, Any], *, world: int, timeout: float, folder: Path,
-                 env: Mapping[str, str] | None = None) -> RankRun:
+                 env: Mapping[str, str] | None = None, collective_timeout: float | None = None) -> RankRun:
     """Run `target` ("module:function") in `world` ranks at once, each an isolated child given the payload plus
-    `rank`, `world`, `port`, `progress` (its progress file) and `collective_timeout`."""
+    `rank`, `world`, `port`, `progress` (its progress file) and `collective_timeout` (default: `timeout` less
+    `COLLECTIVE_SLACK_S`)."""
     folder.mkdir(parents=True, exist_ok=True)
     port = free_port()
     results: list[IsolatedResult | None] = [None] * world
@@ -69,7 +70,7 @@ def launch_ranks(target: str, payload: Mapping[str, Any], *, world: int, timeout
         progress = folder / PROGRESS.format(rank=rank)
         progress.write_text("", encoding="utf-8")
         body = {**payload, "rank": rank, "world": world, "port": port, "progress": str(progress),
-                "collective_timeout": max(5.0, timeout - COLLECTIVE_SLACK_S)}
+                "collective_timeout": collective_timeout or max(5.0, timeout - COLLECTIVE_SLACK_S)}
         results[rank] = run_isolated(target, body, timeout=timeout, env=env)
 
     threads = [threading.Thread(target=one, args=(r,), name=f"deepview-rank-{r}") for r in range(world)]
