@@ -94,3 +94,29 @@ def test_findings_carry_the_layout_like_a_phase() -> None:
     assert f.to_dict()["parallel"] == "tp2" and Finding.from_dict(f.to_dict()) == f
     assert "parallel" not in Finding(kind="divergence", stage="compare", message="m", fingerprint="f").to_dict()
     assert finding_title(f) == "layers.0.self_attn.o_proj [tp2]"
+
+
+def test_analyse_turns_bad_shards_and_failing_collectives_into_findings() -> None:
+    from ci_runner.numerics.parallel import analyse
+    from ci_runner.options import ThresholdOptions
+    from ci_runner.parallel import ParallelSpec
+
+    value = {"plan": {"l.q_proj": "colwise"}, "eager": [],
+             "weights": [{"param": "l.q_proj.weight", "rank": 1, "equal": False, "dim": 0},
+                         {"param": "l.q_proj.weight", "rank": 0, "equal": True, "dim": 0}],
+             "backends": {"vendor": {"status": "error", "rank": 0, "stage": "compile", "error_type": "RuntimeError",
+                                     "message": "JIT compilation failed",
+                                     "collectives": [
+                                         {"op": "_c10d_functional.all_reduce.default", "status": "unsupported",
+                                          "error_type": "RuntimeError", "message": "failed to legalize"},
+                                         {"op": "_c10d_functional.all_gather_into_tensor.default", "status": "ok"}]}}}
+    result = analyse(value, "vendor", model_id="m", parallel=ParallelSpec(tp=2), opts=ThresholdOptions())
+    kinds = [(f.kind, f.module or f.op, f.parallel) for f in result.findings]
+    assert kinds == [("weights_mismatch", "l.q_proj", "tp2"),
+                     ("unsupported_op", "_c10d_functional.all_reduce.default", "tp2")]
+    assert "rank 1" in result.findings[0].message and result.findings[1].details["plan"] == {"l.q_proj": "colwise"}
+    tp4 = analyse(value, "vendor", model_id="m", parallel=ParallelSpec(tp=4), opts=ThresholdOptions())
+    assert tp4.findings[1].fingerprint != result.findings[1].fingerprint  # the layout is part of the identity
+    value["backends"]["vendor"]["collectives"][0]["status"] = "ok"
+    alone = analyse(value, "vendor", model_id="m", parallel=ParallelSpec(tp=2), opts=ThresholdOptions())
+    assert alone.findings[-1].kind == "layer_failure" and "rank 0" in alone.findings[-1].message
