@@ -20,6 +20,7 @@ import jsonschema
 import yaml
 
 from .errors import ConfigError, OptionError
+from .parallel import ParallelSpec, check_parallel, parse_parallel
 from .phases import Phase, check_phases, parse_phases
 from .registry import default_mode_names, mode_names, parse_options
 from .results.model import schema
@@ -140,6 +141,7 @@ class Cell:
     inputs: InputSpec
     references: tuple[Reference, ...]
     options: Mapping[str, Mapping[str, Any]]  # per-mode options, model and backend merged over defaults
+    parallel: ParallelSpec | None = None  # the tensor-parallel layout (ci_runner/parallel.py); None: one rank
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -426,6 +428,7 @@ def _load(path: Path, text: str) -> Matrix:
     rejected = [tuple(e.absolute_path) for e in errors]  # what the schema rejected: the later checks skip it
     problems += _check_options(data, positions, source, rejected)
     problems += _check_phases(data, positions, source, rejected)
+    problems += _check_parallel(data, positions, source, rejected)
     problems += _duplicate_ids(data, positions, source)
     if problems:
         raise MatrixProblems(problems, source, _backend_specs(data, path.parent, errors))
@@ -506,6 +509,28 @@ def _check_phases(data: dict[str, Any], positions: _Positions, source: str,
             pos = positions.at(path + (index,)) or positions.at(path) or (0, 0)
             problems.append(SchemaProblem(f"{source}:{pos[0]}:{pos[1]}", pos, _fmt_path(path + (index,)), message, hint))
     return problems
+
+
+def _check_parallel(data: dict[str, Any], positions: _Positions, source: str,
+                    rejected: list[tuple[Any, ...]]) -> list[SchemaProblem]:
+    """The problems of every `parallel` of defaults, models and backends (ci_runner/parallel.py), each at its key."""
+    problems: list[SchemaProblem] = []
+    for path, raw in _blocks(data, ("parallel",)):
+        if raw is None or _inside(path, rejected):
+            continue
+        for sub, message, hint in check_parallel(raw):
+            pos = positions.at(path + sub, value=True) or positions.at(path) or (0, 0)
+            problems.append(SchemaProblem(f"{source}:{pos[0]}:{pos[1]}", pos, _fmt_path(path + sub), message, hint))
+    return problems
+
+
+def cell_parallel(defaults: Mapping[str, Any], model: Mapping[str, Any], backend: Mapping[str, Any]) -> ParallelSpec | None:
+    """A cell's layout: the backend's `parallel`, else the model's, else the defaults' (the most specific wins
+    whole; `parallel: null` there turns it off)."""
+    for raw in (backend, model, defaults):
+        if "parallel" in raw:
+            return parse_parallel(raw["parallel"])
+    return None
 
 
 def _check_options(data: dict[str, Any], positions: _Positions, source: str,

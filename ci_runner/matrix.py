@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any, Iterable, Mapping, Sequence
 
-from .config import Cell, Matrix, raw_entry
+from .config import Cell, Matrix, cell_parallel, raw_entry
 from .errors import ConfigError
 from .zoo.shards import Shard, split, zoo_plan_sizes
 
@@ -84,6 +84,7 @@ def expand(matrix: Matrix) -> list[Cell]:
                     inputs=matrix.inputs.merged(m_raw.get("inputs")).merged(b_raw.get("inputs")),
                     references=matrix.references,
                     options=_merge_options(matrix.options, b_raw.get("options"), m_raw.get("options")),
+                    parallel=cell_parallel(matrix.raw.get("defaults") or {}, m_raw, b_raw),
                 )
             )
     return cells

@@ -51,6 +51,7 @@ SIM_OPTIONS: Mapping[str, tuple[str, ...] | None] = {
     "sim-segv": ("op",), "sim-hang": ("op", "seconds"), "sim-decode": ("op", "max_query_len"),
     "sim-kvdrift": ("dtype", "writes"), "sim-masknan": ("op",), "sim-long": ("max_tokens", "op"),
     "sim-reuse": ("outputs",), "sim-memhog": ("instances", "copies"), "simdev": None,
+    "sim-tp-drop": ("nth",), "sim-tp-dup": ("nth",), "sim-tp-shard": ("nth",),
 }
 SIMDEV_OPTIONS = ("allow", "extra_allow", "deny", "capacity_mb")
 IMPORT_LIMIT_S = 20.0  # a backend whose imports take longer is left to its cells (a plugin waiting for a device)

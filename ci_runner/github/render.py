@@ -273,9 +273,11 @@ def _signatures(details: Mapping[str, Any] | None) -> list[dict[str, Any]]:
 def phase_words(f: Mapping[str, Any]) -> str | None:
     """Where in the workload it fails, and what passed before it: "fails in decode step 1 only; prefill passes"."""
     phase = f.get("phase")
+    layout = f.get("parallel")  # a tensor-parallel layout (`tp2`), said like a phase
     if not phase:
-        return None
+        return f"under tensor parallelism ({layout})" if layout else None
     where = f"{phase} step {f['step']}" if f.get("step") is not None else str(phase)
+    where = f"{where}, {layout}" if layout else where
     passed = [str(c) for c in (f.get("details") or {}).get("passed_calls") or []]
     if passed:
         return f"fails in {where} only; {', '.join(passed[:3])} {'passes' if len(passed) == 1 else 'pass'}"

@@ -202,10 +202,12 @@ VIEWS: tuple[str, ...] = ("cumulative", "isolated")
 
 
 def phase_text(f: Finding) -> str | None:
-    """Where in the workload a finding was made: ``decode step 3``, ``batch``; None for the single forward."""
-    if not f.phase:
-        return None
-    return f"{f.phase} step {f.step}" if f.step is not None else f.phase
+    """Where in the workload a finding was made: ``decode step 3``, ``batch``, ``tp2`` (a tensor-parallel layout,
+    after the phase); None for the single forward on one rank."""
+    where = (f"{f.phase} step {f.step}" if f.step is not None else f.phase) if f.phase else None
+    if f.parallel:
+        return f"{where}, {f.parallel}" if where else f.parallel
+    return where
 
 
 def finding_title(f: Finding) -> str:

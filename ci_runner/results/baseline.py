@@ -334,6 +334,7 @@ class DiffEntry:
             return f"cell {self.baseline_status or '—'} → {self.status or '—'}"
         f = self.finding or {}
         where = (f"{f['phase']} step {f['step']}" if f.get("step") is not None else f["phase"]) if f.get("phase") else ""
+        where = ", ".join(w for w in (where, f.get("parallel") or "") if w)  # a tensor-parallel layout: `tp2`
         return f"{self.kind or 'finding'} {self.key}{f' [{where}]' if where else ''}".strip()
 
     def sort_key(self) -> tuple[int, str, str]:

@@ -132,10 +132,11 @@ class Finding:
     details: dict[str, Any] = field(default_factory=dict)
     phase: str | None = None  # the workload phase (prefill, decode, batch, long); None: the single forward
     step: int | None = None  # the decode step (1-based) where it applies
+    parallel: str | None = None  # the tensor-parallel layout (`tp2`, ci_runner/parallel.py); None: one rank
 
     def to_dict(self) -> dict[str, Any]:
         d = {name: getattr(self, name) for name in _FINDING_FIELDS}  # no deep copy: clean builds new containers
-        for name in ("phase", "step"):  # the single forward's findings read as before phases existed
+        for name in ("phase", "step", "parallel"):  # the single forward's findings read as before phases existed
             if d[name] is None:
                 del d[name]
         if self.repro is not None:

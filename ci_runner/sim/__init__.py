@@ -25,6 +25,9 @@ backends:
 | `sim-long` | torch.compile | short prompt OK, long prompt fails: raises `SimCompilerError: [sim-long] unsupported operator … key/value sequence length 80 exceeds the maximum of 64 tokens…` when an attention's query or key/value length (a static cache's `max_cache_len`) is over the limit; graphs without attention: their token inputs; a dynamic length is checked again at run time | compile | `max_tokens` (default 64), `op` (default `attention`) |
 | `sim-reuse` | torch.compile | output buffers reused across calls: each graph returns its outputs in buffers it keeps per output, so a tensor one call returned is overwritten by the same graph's next call | run (no error) | `outputs` (default `all`; or a list of graph output indices) |
 | `sim-memhog` | torch.compile | a compiler change that makes a layer need more memory: the graph runs op by op and keeps `copies` extra copies of every intermediate tensor until it returns, for the chosen instances (layers sharing one compiled graph, numbered by first call); results identical to eager (`memhog.py`) | run (no error) | `instances` (default `[0]`: the first layer that runs; `all`), `copies` (default 1) |
+| `sim-tp-drop` | torch.compile | tensor parallel: the `nth` `_c10d_functional.all_reduce` of the forward graph removed, each rank keeps its partial sum (`collectives.py`) | run (no error) | `nth` (default 1: layer 0's `o_proj` under the default decoder plan; 0 is the embedding's) |
+| `sim-tp-dup` | torch.compile | tensor parallel: the `nth` all-reduce done twice, the output is tp × the reference | run (no error) | `nth` (default 1) |
+| `sim-tp-shard` | torch.compile | tensor parallel: the `nth` transposed weight (a colwise shard) has its rows reversed, its output features come out permuted | run (no error) | `nth` (default 0: layer 0's `q_proj`) |
 | `simdev` | device | an out-of-tree eager device plugin missing kernels: `model.to("simdev")` works; an op without a kernel raises PyTorch's own `NotImplementedError: Could not run 'aten::rsqrt.out' with arguments from the 'simdev' backend…` | run | `allow` (replaces the op set), `extra_allow`, `deny` (default: `rsqrt`, `_softmax`), `capacity_mb` (device memory; allocator statistics in `simalloc.py`) |
 
 Op patterns (`allow`, `extra_allow`, `op`, simdev's lists) match overload names (`aten.rsqrt.default`), packet
@@ -61,6 +64,7 @@ from .compilers import (
     op_matches,
     op_name,
 )
+from .collectives import make_collective
 from .memhog import make_memhog
 from .workloads import make_decode, make_kvdrift, make_long, make_masknan, make_reuse
 
@@ -93,6 +97,13 @@ def _subset(**options: Any) -> Any:
 
 def _drift(**options: Any) -> Any:
     return make_drift(**options)
+
+
+def _collective(kind: str) -> Callable[..., Any]:
+    def factory(**options: Any) -> Any:
+        return make_collective(kind, **options)
+
+    return factory
 
 
 _OP = "ops to fault on (patterns or alias); default `attention`"
@@ -158,6 +169,21 @@ SIM_BACKENDS: Mapping[str, SimBackendInfo] = MappingProxyType({
         options=MappingProxyType({"instances": "which layers sharing a graph hoard, by first call; default [0]; `all`",
                                   "copies": "extra copies of each activation; default 1"}),
         factory=make_memhog),
+    "sim-tp-drop": SimBackendInfo(
+        name="sim-tp-drop", kind="torch.compile", stage="run",
+        reproduces="tensor parallel: one all-reduce dropped (each rank keeps its partial sum; `collectives.py`)",
+        options=MappingProxyType({"nth": "which all-reduce of the graph; default 1 (layer 0's o_proj under the default plan)"}),
+        factory=_collective("drop")),
+    "sim-tp-dup": SimBackendInfo(
+        name="sim-tp-dup", kind="torch.compile", stage="run",
+        reproduces="tensor parallel: one all-reduce done twice (the output is tp × the reference)",
+        options=MappingProxyType({"nth": "which all-reduce of the graph; default 1"}),
+        factory=_collective("dup")),
+    "sim-tp-shard": SimBackendInfo(
+        name="sim-tp-shard", kind="torch.compile", stage="run",
+        reproduces="tensor parallel: one colwise weight shard laid out the wrong way (its output features permuted)",
+        options=MappingProxyType({"nth": "which transposed weight of the graph; default 0 (layer 0's q_proj)"}),
+        factory=_collective("shard")),
     "simdev": SimBackendInfo(
         name="simdev", kind="device", stage="run",
         reproduces="eager out-of-tree device (PrivateUse1) missing kernels: PyTorch's \"Could not run 'aten::…' with arguments from the 'simdev' backend\"",

@@ -328,7 +328,7 @@ def test_fast_finding_to_dict_equals_the_deep_copy() -> None:
         for c in results.cells:
             for f in c.findings:
                 deep = clean(asdict(f))
-                for unset in ("phase", "step"):  # the single forward's findings leave them out, as before phases
+                for unset in ("phase", "step", "parallel"):  # the single forward (one rank) leaves them out, as before
                     if deep.get(unset) is None:
                         deep.pop(unset)
                 assert f.to_dict() == deep

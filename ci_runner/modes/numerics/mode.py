@@ -58,6 +58,7 @@ from ...numerics.verdict import (
     verdict_of,
     view_status,
 )
+from .parallel import run_parallel
 from .phases import run_phases
 from ...numerics.views import cast_copy, derive_reference_stats, runnable_reference
 
@@ -343,6 +344,7 @@ def run(ctx: "ModeContext") -> ModeResult:
     else:
         data["dumps"] = [str(d.relative_to(ctx.cell_dir)) if d.is_relative_to(ctx.cell_dir) else str(d) for d in dumps]
     findings += _phases(ctx, opts, data, findings) if ctx.cell.inputs.phases else []  # per phase and step: phases.py
+    findings += _parallel(ctx, opts, data, findings) if ctx.cell.parallel else []  # tensor parallel: parallel.py
     duration = time.monotonic() - t0
     if not cum_ran and not iso_ran:
         why = cum_errors[0]["error"] if cum_errors else (notes[-1] if notes else "no comparison could run")
@@ -358,6 +360,13 @@ def _phases(ctx: "ModeContext", opts: NumericsOptions, data: dict[str, Any], fin
     ctx.checkpoint("numerics", findings, data)  # kept if a phase kills the process
     found, data["phases"] = run_phases(ctx, opts)
     data.setdefault("timings", {})["phases_s"] = round(time.monotonic() - t, 3)
+    return found
+
+
+def _parallel(ctx: "ModeContext", opts: NumericsOptions, data: dict[str, Any], findings: list[Any]) -> list[Any]:
+    """The cell's tensor-parallel layout (modes/numerics/parallel.py): its findings; its table into `data.parallel`."""
+    ctx.checkpoint("numerics", findings, data)  # kept if the ranks kill the process
+    found, data["parallel"] = run_parallel(ctx, opts)
     return found
 
 

@@ -1,0 +1,70 @@
+"""The numerics mode's tensor-parallel hook: with `parallel: {tp: N}` on the cell, the sharded model on the backend,
+layer by layer, against one rank (the method: `ci_runner/numerics/parallel.py`, docs/parallel.md).
+
+It runs after the single-rank comparison, in ranks of their own (`engine/parallel.launch_ranks`), and adds its
+findings (each carrying `parallel: "tpN"`) and `data["parallel"]`: the layout, the status, the per-layer rows and
+the ranks' outcome. The samples are the thresholds' (`thresholds.samples`, else max(2, `inputs.samples`)).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from ...backends.spec import resolution
+from ...config import BackendSpec
+from ...engine.repro import render_template, write_script
+from ...numerics.parallel import analyse, run_ranks
+from ...options import NumericsOptions
+from ...registry import FindingKind
+from ...results.model import Finding, Repro, fingerprint
+
+if TYPE_CHECKING:
+    from .. import ModeContext
+
+MAX_ROWS = 200
+
+
+def run_parallel(ctx: "ModeContext", opts: NumericsOptions) -> tuple[list[Finding], dict[str, Any]]:
+    """(findings, data) of the cell's tensor-parallel run on its backend."""
+    layout = ctx.cell.parallel
+    assert layout is not None
+    t = time.monotonic()
+    samples = list(range(opts.thresholds.samples or max(2, ctx.cell.inputs.samples)))
+    timeout = max(60.0, min(opts.timeout or ctx.remaining(), ctx.remaining()) - 10.0)
+    run, value = run_ranks(ctx.cell.model, ctx.cell.inputs, layout, [ctx.cell.backend],
+                           samples=samples, folder=ctx.artifact_dir("numerics") / "parallel", timeout=timeout)
+    data: dict[str, Any] = {"layout": layout.key(), "label": layout.label(), "ranks": run.describe(),
+                            "seconds": round(time.monotonic() - t, 3)}
+    if value is None:
+        data["status"] = "error"
+        message = f"the {layout.label()} run did not finish: {run.describe()}"
+        f = Finding(kind=FindingKind.LAYER_FAILURE, stage="run", message=message, parallel=layout.label(),
+                    fingerprint=fingerprint(FindingKind.LAYER_FAILURE, ctx.cell.backend.id, ctx.cell.model.id,
+                                            layout.label(), "ranks"),
+                    details={"plan": dict(layout.plan), "tp": layout.tp, "hang": run.hang})
+        return [f], data
+    result = analyse(value, ctx.cell.backend.id, model_id=ctx.cell.model.id, parallel=layout, opts=opts.thresholds)
+    data.update(status=result.status, plan=value.get("plan"), reason=result.reason, layers=result.layers[:MAX_ROWS],
+                weights_checked=len(value.get("weights") or []))
+    for f in result.findings:
+        if f.op and f.op.startswith("_c10d_functional."):
+            f.repro = collective_repro(ctx, f, ctx.cell.backend)
+    return result.findings, data
+
+
+def collective_repro(ctx: "ModeContext", f: Finding, spec: BackendSpec) -> Repro:
+    """A standalone script that starts its own ranks and compiles the collective of `f` alone on the backend."""
+    layout = ctx.cell.parallel
+    assert layout is not None and f.op is not None
+    short = f.op.split(".")[1]
+    name = f"repro_{short}.py"
+    kind = resolution(spec).kind
+    text = render_template("repro_collective.py.j2", op=f.op, short=short, backend_id=spec.id,
+                           status=f.kind, world=layout.tp, error_type=f.error_type or "", message=f.message,
+                           model_id=ctx.cell.model.id, layout=layout.label(), script=name, env=dict(spec.env),
+                           compile_options=dict(spec.compile_options), imports=list(spec.imports),
+                           backend=spec.compile)
+    path = write_script(ctx.artifact_dir("numerics") / name, text)
+    note = None if kind == "registered" else f"the script names the backend {spec.compile!r} as a registered one"
+    return Repro(path=str(path.relative_to(ctx.cell_dir)), verified=False, command=f"python numerics/{name}", note=note)

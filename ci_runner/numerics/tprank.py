@@ -1,0 +1,168 @@
+"""What one rank of a tensor-parallel numerics run does (`rank_child`, started by `engine/parallel.launch_ranks`).
+
+Every rank builds the same model (same seed), shards a copy by the plan (`engine/tpplan.py`), checks its weight
+shards against the slices of the single-rank weights, runs the sharded model eagerly (the plan's own reference)
+and then compiled by each backend, as a user compiles it, with output hooks on every submodule. The outputs are
+gathered to rank 0 (`engine/parallel.gather_outputs`), which alone holds the single-rank references (float32, the
+primary, and float64) and measures, per module call and sample, the metrics of `numerics/metrics.py` and the
+signature facts of `numerics/tpsignature.py`. Only rank 0 returns records; the parent (`numerics/parallel.py`)
+derives thresholds and verdicts from them.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Mapping
+
+import torch
+
+from ..backends.spec import resolve_backend
+from ..config import BackendSpec, InputSpec, ModelSpec, spec_from_json
+from ..engine.failure import classify, first_line
+from ..engine.models import build_inputs, load_model
+from ..engine.parallel import arrive, assemble, close_ranks, gather_outputs, init_ranks
+from ..results.model import clean
+from ..engine.tpprobe import probe_collectives
+from ..engine.tpplan import check_plan, local_output_modules, resolve_plan, shard, shard_dim
+from .capture import run_compiled_with_outputs, run_eager_with_outputs
+from .metrics import compare_tensors, public, worst
+from .tpsignature import signature_facts
+from .views import runnable_reference
+
+Outputs = dict[str, dict[str, torch.Tensor]]
+
+
+def rank_child(payload: Mapping[str, Any]) -> dict[str, Any]:
+    """One rank (see the module docstring); rank 0 returns {"plan", "weights", "eager", "backends"}."""
+    mesh = init_ranks(payload)
+    arrive(payload, "init")
+    try:
+        return clean(_rank(payload, mesh))
+    finally:
+        close_ranks()
+
+
+def _rank(payload: Mapping[str, Any], mesh: Any) -> dict[str, Any]:
+    rank = int(payload["rank"])
+    model_spec = spec_from_json(ModelSpec, payload["model"])
+    inputs = spec_from_json(InputSpec, payload["inputs"])
+    loaded = load_model(model_spec, seed=inputs.seed, dtype="float32")
+    module = loaded.module
+    resolved = resolve_plan(module, payload["parallel"].get("plan"))
+    check_plan(module, resolved, int(payload["world"]), model_spec.id)
+    samples = [build_inputs(loaded, inputs, sample=s) for s in payload["samples"]]
+    refs = _references(module, samples) if rank == 0 else None
+    sharded = shard(copy.deepcopy(module), mesh, resolved)
+    arrive(payload, "shard")
+    weights = _weights_check(sharded, module, resolved)
+    local = local_output_modules(resolved)
+    eager = _compare_runs(sharded, None, samples, refs, local)
+    arrive(payload, "eager")
+    backends: dict[str, Any] = {}
+    for raw in payload["backends"]:
+        spec = spec_from_json(BackendSpec, raw)
+        torch._dynamo.reset()
+        backends[spec.id] = _backend_run(payload, spec, sharded, samples, refs, local)
+    return {"rank": rank, "plan": resolved, "weights": weights, "eager": eager, "backends": backends} if rank == 0 \
+        else {"rank": rank}
+
+
+def _references(module: torch.nn.Module, samples: list[dict[str, Any]]) -> list[tuple[Outputs, Outputs]]:
+    """Rank 0's single-rank references per sample: (float32 outputs, float64 outputs) by call key."""
+    wide = copy.deepcopy(module).to(torch.float64)
+    runnable_reference(wide, "float64")  # MoE experts: no float64 grouped-mm kernel (numerics/views.py)
+    out = []
+    for kw in samples:
+        kw64 = {k: v.to(torch.float64) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                for k, v in kw.items()}
+        out.append((dict(run_eager_with_outputs(module, kw)), dict(run_eager_with_outputs(wide, kw64))))
+    return out
+
+
+def _weights_check(sharded: torch.nn.Module, module: torch.nn.Module, resolved: Mapping[str, str]) -> list[dict[str, Any]]:
+    """Per shard: each sharded weight's local slice on every rank against the same slice of the single-rank
+    weight (byte-equal); the ranks' answers gathered to rank 0."""
+    import torch.distributed as dist  # deferred: rank children only
+
+    full = dict(module.named_parameters())
+    rows = []
+    for name, param in sharded.named_parameters():
+        owner = name.rsplit(".", 1)[0]
+        if owner not in resolved or not hasattr(param, "to_local"):
+            continue
+        dim = shard_dim(resolved[owner])
+        want = full[name].detach().chunk(dist.get_world_size(), dim=dim)[dist.get_rank()]
+        got = param.to_local().detach()
+        same = tuple(got.shape) == tuple(want.shape) and bool(torch.equal(got, want))
+        rows.append({"param": name, "rank": dist.get_rank(), "equal": same, "dim": dim})
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, rows)
+    return [row for part in every for row in part]
+
+
+def _compare_runs(sharded: torch.nn.Module, backend: Any, samples: list[dict[str, Any]],
+                  refs: list[tuple[Outputs, Outputs]] | None, local: set[str]) -> list[dict[str, Any]]:
+    """The sharded model run on each sample (eager, or compiled by `backend`), gathered and, on rank 0, compared
+    with the single-rank references: one record per (sample, call key)."""
+    records: list[dict[str, Any]] = []
+    for i, kw in enumerate(samples):
+        if backend is None:
+            keyed = run_eager_with_outputs(sharded, kw)
+        else:
+            _, keyed = run_compiled_with_outputs(sharded, backend, (), kw)
+        got = gather_outputs([(k, tuple(v.items())) for k, v in keyed])
+        if refs is not None:
+            records += _records(i, refs[i], got, local)
+    return records
+
+
+def _records(sample: int, ref: tuple[Outputs, Outputs], got: dict[str, dict[str, list[Any]]], local: set[str]
+             ) -> list[dict[str, Any]]:
+    ref32, ref64 = ref
+    out = []
+    for order, (key, subs) in enumerate(got.items()):
+        if key not in ref32:
+            continue
+        try:
+            full, per_rank = {}, {}
+            for s, parts in subs.items():
+                if s in ref32[key]:
+                    full[s], per_rank[s] = assemble(parts, ref32[key][s].shape, sliced=key.split("#")[0] in local)
+            metrics = worst(compare_tensors(ref32[key][s], t) for s, t in full.items())
+            spread = worst(compare_tensors(ref32[key][s], ref64[key][s].to(torch.float32))
+                           for s in full if s in ref64.get(key, {}))
+        except Exception as exc:  # a shape or structure difference: the layer's own finding
+            out.append({"sample": sample, "key": key, "order": order, "error": first_line(str(exc), 400)})
+            continue
+        sub = next(iter(full), None)
+        facts = signature_facts(ref32[key][sub], full[sub], per_rank[sub]) if sub is not None else {}
+        out.append({"sample": sample, "key": key, "order": order, "metrics": public(metrics),
+                    "ref_absmean": metrics.get("ref_absmean", 0.0), "spread": public(spread), "facts": facts})
+    return out
+
+
+def _backend_run(payload: Mapping[str, Any], spec: BackendSpec, sharded: torch.nn.Module, samples: list[dict[str, Any]],
+                 refs: list[tuple[Outputs, Outputs]] | None, local: set[str]) -> dict[str, Any]:
+    """One backend on the sharded model: its records, or how it failed (stage and error) on this rank."""
+    arrive(payload, f"compile:{spec.id}")
+    try:
+        backend = resolve_backend(spec)
+        backend.prepare()
+        records = _compare_runs(sharded, backend, samples, refs, local)
+    except Exception as exc:  # the backend's failure on this rank is the result, named by rank
+        arrive(payload, f"probe:{spec.id}")
+        failure = classify(exc)  # the backend's own error, unwrapped from Dynamo's
+        return {"status": "error", "rank": int(payload["rank"]), "stage": failure.stage,
+                "error_type": failure.error_type, "message": first_line(failure.message, 2000),
+                "collectives": _probe(spec)}
+    arrive(payload, f"done:{spec.id}")
+    return {"status": "ok", "records": records}
+
+
+def _probe(spec: BackendSpec) -> list[dict[str, Any]]:
+    """The plan's collectives alone on the backend (`engine/tpprobe.py`), after it failed on the sharded model."""
+    try:
+        backend = resolve_backend(spec)
+        return probe_collectives(backend.compile)
+    except Exception as exc:  # a probe that cannot run is said, not raised: the failure itself is the finding
+        return [{"op": "(probe)", "status": "error", "error_type": type(exc).__name__, "message": first_line(str(exc), 300)}]

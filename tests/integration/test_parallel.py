@@ -1,0 +1,98 @@
+"""Tensor parallel over gloo on CPU: the ranks, the sharded model against one rank, the self-test backends.
+
+One launch (module-scoped) runs the tiny decoder of `tests/fixtures/plugin_tp_models.py` sharded over 2 ranks by
+the default decoder plan, eagerly and then compiled by aot_eager, sim-tp-drop, sim-tp-dup and sim-tp-shard in turn.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ci_runner.config import BackendSpec, InputSpec, ModelSpec
+from ci_runner.engine.parallel import launch_ranks
+from ci_runner.numerics.parallel import analyse, run_ranks
+from ci_runner.options import ThresholdOptions
+from ci_runner.parallel import ParallelSpec
+
+pytestmark = pytest.mark.subprocess
+
+TP2 = ParallelSpec(tp=2)
+BACKENDS = ("aot_eager", "sim-tp-drop", "sim-tp-dup", "sim-tp-shard")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    model = ModelSpec(id="tiny-decoder", factory="tests.fixtures.plugin_tp_models:decoder")
+    run, value = run_ranks(model, InputSpec(samples=2), TP2, [BackendSpec(id=b, compile=b) for b in BACKENDS],
+                           samples=[0, 1], folder=tmp_path_factory.mktemp("tp"), timeout=400)
+    assert value is not None, run.describe() + "\n" + "\n".join(r.traceback or r.stderr_tail for r in run.results)
+    return value
+
+
+def _only(value: dict[str, Any], backend: str) -> Any:
+    result = analyse(value, backend, model_id="tiny-decoder", parallel=TP2, opts=ThresholdOptions())
+    assert len(result.findings) == 1, [f.message for f in result.findings]
+    return result.findings[0]
+
+
+def test_the_sharded_model_run_eagerly_is_the_single_rank_model(ranks: dict[str, Any]) -> None:
+    assert ranks["eager"] and all(r["metrics"]["rel"] < 1e-5 for r in ranks["eager"])  # the ground truth
+    assert ranks["weights"] and all(w["equal"] for w in ranks["weights"])  # every shard is its slice
+    assert {w["rank"] for w in ranks["weights"]} == {0, 1}
+    assert ranks["plan"]["layers.0.self_attn.o_proj"] == "rowwise"
+
+
+def test_aot_eager_under_tp2_has_no_findings(ranks: dict[str, Any]) -> None:
+    result = analyse(ranks, "aot_eager", model_id="tiny-decoder", parallel=TP2, opts=ThresholdOptions())
+    assert result.status == "pass" and not result.findings
+    assert len(result.layers) >= 15 and not any(r["over"] for r in result.layers)
+
+
+def test_a_dropped_all_reduce_is_found_at_its_projection(ranks: dict[str, Any]) -> None:
+    f = _only(ranks, "sim-tp-drop")
+    assert (f.kind, f.module, f.parallel, f.details["signature"]) == \
+        ("divergence", "layers.0.self_attn.o_proj", "tp2", "reduce_missing")
+    assert f.details["facts"]["ranks_equal"] is False and f.details["facts"]["sum_rel"] < 1e-5
+    assert f.details["plan"]["layers.0.self_attn.q_proj"] == "colwise"
+    assert "layers.0.mlp.down_proj" in f.details["later"]  # the drift it carries in is listed, not a finding
+
+
+def test_a_duplicated_all_reduce_is_found_by_its_norm(ranks: dict[str, Any]) -> None:
+    f = _only(ranks, "sim-tp-dup")
+    assert (f.module, f.details["signature"]) == ("layers.0.self_attn.o_proj", "reduce_duplicated")
+    assert f.metrics["cos"] > 0.9999 and abs(f.details["facts"]["norm_ratio"] - 2.0) < 1e-4  # cosine blind, norm 2×
+
+
+def test_a_wrongly_laid_out_shard_is_found_as_a_permutation(ranks: dict[str, Any]) -> None:
+    f = _only(ranks, "sim-tp-shard")
+    assert (f.module, f.details["signature"]) == ("layers.0.self_attn.q_proj", "shard_layout")
+    assert f.details["facts"]["permuted_rel"] < 1e-5 and f.metrics["cos"] < 0.5
+
+
+def test_a_rank_that_never_arrives_is_named(tmp_path: Path) -> None:
+    run = launch_ranks("tests.fixtures.tp_targets:stall", {"stall_s": 15}, world=2, timeout=120, folder=tmp_path,
+                       collective_timeout=3)
+    assert not run.ok and run.results[1].ok
+    assert run.results[0].status == "error" and "timed out" in run.results[0].message.lower()  # gloo's own error
+    assert run.hang == "rank 1 did not arrive at `barrier` (last: `init`)"
+    assert "rank 1 did not arrive" in run.describe()
+
+
+@pytest.mark.slow
+def test_iree_reports_its_unsupported_collective(tmp_path: Path) -> None:
+    """IREE's turbine_cpu cannot lower `_c10d_functional.all_reduce` (checked by hand with a lone funcol all-reduce
+    under gloo: "failed to legalize operation 'torch.operator' … torch._c10d_functional.all_reduce"): the sharded
+    run fails, and the probe names the collective as one unsupported op."""
+    pytest.importorskip("iree.turbine")
+    model = ModelSpec(id="tiny-decoder", factory="tests.fixtures.plugin_tp_models:decoder")
+    run, value = run_ranks(model, InputSpec(samples=1), TP2, [BackendSpec(id="turbine_cpu", compile="turbine_cpu")],
+                           samples=[0], folder=tmp_path, timeout=400)
+    assert value is not None, run.describe()
+    result = analyse(value, "turbine_cpu", model_id="tiny-decoder", parallel=TP2, opts=ThresholdOptions())
+    ops = {f.op: f for f in result.findings}
+    f = ops["_c10d_functional.all_reduce.default"]
+    assert (f.kind, f.stage, f.parallel) == ("unsupported_op", "compile", "tp2")
+    assert value["backends"]["turbine_cpu"]["rank"] in (0, 1)

@@ -1,0 +1,122 @@
+"""The tensor-parallel workload without ranks: the matrix key, the signatures, the hang report, the layout in
+findings and reports (ci_runner/parallel.py, numerics/tpsignature.py, engine/parallel.py, engine/tpplan.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ci_runner.config import load_matrix_text
+from ci_runner.engine.parallel import hang_report
+from ci_runner.engine.tpplan import check_plan, resolve_plan
+from ci_runner.errors import ConfigError, InputError
+from ci_runner.matrix import expand
+from ci_runner.numerics.tpsignature import classify, signature_facts
+from ci_runner.report.view import finding_title
+from ci_runner.results.model import Finding
+from tests.fixtures.plugin_tp_models import decoder
+
+MATRIX = """version: 1
+defaults:
+  parallel: {tp: 2}
+models:
+  - {id: a, config: llama}
+  - {id: b, config: llama, parallel: null}
+  - {id: c, config: llama, parallel: {tp: 4, plan: {"*.q_proj": colwise}}}
+backends:
+  - {id: x, compile: aot_eager}
+  - {id: y, compile: aot_eager, parallel: {tp: 2, plan: {"*.o_proj": rowwise}}}
+"""
+
+
+def test_the_most_specific_parallel_wins_whole() -> None:
+    cells = {c.id: c.parallel for c in expand(load_matrix_text(MATRIX))}
+    assert cells["a@x"] is not None and cells["a@x"].tp == 2 and not cells["a@x"].plan
+    assert cells["b@x"] is None  # `parallel: null` on the model turns it off
+    assert cells["c@x"] is not None and cells["c@x"].label() == "tp4" and dict(cells["c@x"].plan) == {"*.q_proj": "colwise"}
+    assert all(dict(cells[f"{m}@y"].plan) == {"*.o_proj": "rowwise"} for m in "abc")  # the backend's over the model's
+
+
+@pytest.mark.parametrize("value, where, words, hint", [
+    ("{tp: 0}", "models[0].parallel.tp", "is not a number of ranks", "tp: 2"),
+    ("{tp: 2, plan: {'*.q_proj': colwse}}", "models[0].parallel.plan.*.q_proj", "unknown style 'colwse'",
+     "did you mean 'colwise'"),
+    ("{tp: 2, sizes: 1}", "models[0].parallel.sizes", "unknown key 'sizes'", "known: tp, plan"),
+])
+def test_a_bad_parallel_is_one_error_with_its_place_and_fix(value: str, where: str, words: str, hint: str) -> None:
+    text = f"version: 1\nmodels:\n  - {{id: a, config: llama, parallel: {value}}}\nbackends:\n  - {{id: x, compile: aot_eager}}\n"
+    with pytest.raises(ConfigError) as info:
+        load_matrix_text(text, path="m.yaml")
+    assert f"m.yaml:3:" in info.value.message and where in info.value.message and words in info.value.message
+    assert hint in (info.value.hint or "")
+
+
+def test_signature_facts_name_each_measured_bug() -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(2, 16, 8, generator=g)  # two ranks' row-parallel partial sums of one output
+    ref = w.sum(0)
+    missing = signature_facts(ref, w[0], [w[0], w[1]])
+    assert classify(missing, 2) == "reduce_missing" and missing["sum_rel"] < 1e-6 and missing["ranks_equal"] is False
+    assert 0.5 < missing["norm_ratio"] < 0.9  # about 1/sqrt(2) for independent partials, not 1/tp
+    doubled = signature_facts(ref, 2 * ref, [2 * ref, 2 * ref])
+    assert classify(doubled, 2) == "reduce_duplicated" and abs(doubled["norm_ratio"] - 2) < 1e-9
+    permuted = signature_facts(ref, ref.flip(-1), None)
+    assert classify(permuted, 2) == "shard_layout"
+    assert classify(signature_facts(ref, ref + 0.1 * torch.randn(16, 8, generator=g), [ref, ref]), 2) is None
+
+
+def test_hang_report_names_the_ranks_that_did_not_arrive(tmp_path: Path) -> None:
+    (tmp_path / "rank0.progress").write_text("init\nshard\ncompile:x\n", encoding="utf-8")
+    (tmp_path / "rank1.progress").write_text("init\nshard\n", encoding="utf-8")
+    assert hang_report(tmp_path, 2) == "rank 1 did not arrive at `compile:x` (last: `shard`)"
+    (tmp_path / "rank1.progress").write_text("init\nshard\ncompile:x\n", encoding="utf-8")
+    assert "all reached `compile:x`" in (hang_report(tmp_path, 2) or "")
+
+
+def test_default_plan_matches_the_decoder_names_and_checks_divisibility() -> None:
+    model = decoder()["model"]
+    plan = resolve_plan(model, None)
+    assert plan["layers.0.self_attn.q_proj"] == "colwise" and plan["layers.0.self_attn.o_proj"] == "rowwise"
+    assert plan["layers.0.mlp.down_proj"] == "rowwise" and plan["embed_tokens"] == "rowwise_embedding"
+    assert plan["lm_head"] == "colwise_gather"
+    check_plan(model, plan, 2, "tiny")
+    with pytest.raises(InputError, match="not divisible by tp = 3"):
+        check_plan(model, plan, 3, "tiny")
+    with pytest.raises(InputError, match="no nn.Linear"):
+        check_plan(model, resolve_plan(model, {"*.nothing": "colwise"}), 2, "tiny")
+
+
+def test_findings_carry_the_layout_like_a_phase() -> None:
+    f = Finding(kind="divergence", stage="compare", message="m", fingerprint="f", module="layers.0.self_attn.o_proj",
+                parallel="tp2")
+    assert f.to_dict()["parallel"] == "tp2" and Finding.from_dict(f.to_dict()) == f
+    assert "parallel" not in Finding(kind="divergence", stage="compare", message="m", fingerprint="f").to_dict()
+    assert finding_title(f) == "layers.0.self_attn.o_proj [tp2]"
+
+
+def test_analyse_turns_bad_shards_and_failing_collectives_into_findings() -> None:
+    from ci_runner.numerics.parallel import analyse
+    from ci_runner.options import ThresholdOptions
+    from ci_runner.parallel import ParallelSpec
+
+    value = {"plan": {"l.q_proj": "colwise"}, "eager": [],
+             "weights": [{"param": "l.q_proj.weight", "rank": 1, "equal": False, "dim": 0},
+                         {"param": "l.q_proj.weight", "rank": 0, "equal": True, "dim": 0}],
+             "backends": {"vendor": {"status": "error", "rank": 0, "stage": "compile", "error_type": "RuntimeError",
+                                     "message": "JIT compilation failed",
+                                     "collectives": [
+                                         {"op": "_c10d_functional.all_reduce.default", "status": "unsupported",
+                                          "error_type": "RuntimeError", "message": "failed to legalize"},
+                                         {"op": "_c10d_functional.all_gather_into_tensor.default", "status": "ok"}]}}}
+    result = analyse(value, "vendor", model_id="m", parallel=ParallelSpec(tp=2), opts=ThresholdOptions())
+    kinds = [(f.kind, f.module or f.op, f.parallel) for f in result.findings]
+    assert kinds == [("weights_mismatch", "l.q_proj", "tp2"),
+                     ("unsupported_op", "_c10d_functional.all_reduce.default", "tp2")]
+    assert "rank 1" in result.findings[0].message and result.findings[1].details["plan"] == {"l.q_proj": "colwise"}
+    tp4 = analyse(value, "vendor", model_id="m", parallel=ParallelSpec(tp=4), opts=ThresholdOptions())
+    assert tp4.findings[1].fingerprint != result.findings[1].fingerprint  # the layout is part of the identity
+    value["backends"]["vendor"]["collectives"][0]["status"] = "ok"
+    alone = analyse(value, "vendor", model_id="m", parallel=ParallelSpec(tp=2), opts=ThresholdOptions())
+    assert alone.findings[-1].kind == "layer_failure" and "rank 0" in alone.findings[-1].message
