@@ -19,8 +19,7 @@ from . import warm
 
 def script_path(script: str, pythonpath: str | None, base: list[str]) -> list[str]:
     """`sys.path` for `python SCRIPT` run from the current folder with PYTHONPATH `pythonpath`."""
-    extra = [os.path.abspath(p) for p in (pythonpath or "").split(os.pathsep) if p]
-    return list(dict.fromkeys([os.path.dirname(os.path.abspath(script)), *extra, *base]))
+    return list(dict.fromkeys([os.path.dirname(os.path.abspath(script)), *warm.pythonpath_entries(pythonpath), *base]))
 
 
 def main(argv: list[str]) -> None:

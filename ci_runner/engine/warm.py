@@ -38,11 +38,15 @@ _REPLIES = 1  # the fd replies go to: the server's stdout, moved aside by `serve
 BASE_PATH: list[str] = []  # set by `serve`: the interpreter's own `sys.path` entries (`engine/script.py` uses them)
 
 
+def pythonpath_entries(value: str | None) -> list[str]:
+    """A PYTHONPATH value's folders, absolute (relative ones are taken from the working folder, as Python does)."""
+    return [os.path.abspath(p) for p in (value or "").split(os.pathsep) if p]
+
+
 def interpreter_path() -> list[str]:
     """This interpreter's `sys.path` less what PYTHONPATH and the `-m` working folder added: what a fresh
     `python SCRIPT` with no PYTHONPATH puts after the script's own folder (site folders and .pth entries kept)."""
-    given = {os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
-    given.add(os.getcwd())
+    given = {*pythonpath_entries(os.environ.get("PYTHONPATH")), os.getcwd()}
     return [p for p in sys.path if p and os.path.abspath(p) not in given]
 
 
