@@ -107,15 +107,15 @@ def _fork(req: dict[str, Any]) -> int:
         os._exit(code)
 
 
-def _reap(block: bool = False) -> None:
-    """Report every child that has ended (`block`: wait until none is left)."""
+def _reap() -> bool:
+    """Report every child that has ended; whether any is still running."""
     while True:
         try:
-            pid, status = os.waitpid(-1, 0 if block else os.WNOHANG)
+            pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return
+            return False
         if pid == 0:
-            return
+            return True
         try:
             _reply({"pid": pid, "returncode": os.waitstatus_to_exitcode(status)})
         except OSError:
@@ -156,18 +156,22 @@ def serve() -> int:
             pass  # not installed: the children import what they need themselves
     warm_compile()
     _reply({"ready": os.getpid()})
-    buf = b""
+    buf, done = b"", False
     while True:
-        ready, _, _ = select.select([0], [], [], 0.05)
-        _reap()
-        if os.getppid() != starter:  # the starter died: so does this server, and its children with it (theirs)
+        ready, _, _ = select.select([] if done else [0], [], [], 0.05)
+        running = _reap()
+        # the starter died: so does this server, and its children with it (theirs). Checked on every turn, also
+        # after EOF: a dying starter's pipes close before its children are re-parented
+        if os.getppid() != starter:
             os._exit(70)
-        if not ready:
+        if done and not running:
+            return 0
+        if done or not ready:
             continue
         data = os.read(0, 1 << 16)
         if not data:  # the requester is done with this server: its running children end first
-            _reap(block=True)
-            return 0
+            done = True
+            continue
         buf += data
         while b"\n" in buf:
             line, buf = buf.split(b"\n", 1)
