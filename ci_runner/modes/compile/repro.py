@@ -130,7 +130,9 @@ def _minimal_module(loaded: Any, f: Finding) -> tuple[str | None, str]:
     the recompiled frame, the one module OpenVINO's leftover op sits in; (None, why) for the whole model."""
     if f.kind == "graph_break":
         name = f.details.get("module")
-        return (name, "") if name and name != "(model)" else (None, "the break is in the model's own forward")
+        if not name:
+            return None, "the break is outside any module's forward"
+        return (name, "") if name != "(model)" else (None, "the break is in the model's own forward")
     if f.kind in ("compile_after_warmup", "recompile_limit"):
         name, why = frame_module(loaded.module, str(f.details.get("source") or ""))
         return (name, why) if name != "(model)" else (None, "the recompiled frame is the model's own forward")
