@@ -96,7 +96,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--jobs", default="auto")
     ap.add_argument("--inductor-models", default="all", help="models inductor runs `compile` over (glob; default all)")
-    ap.add_argument("--reuse", action="store_true", help="keep run 1 and run 2 if they exist (compare only)")
+    ap.add_argument("--compare-only", action="store_true", help="keep run 1 and run 2 where they exist: compare only")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     mat = args.out / "matrix.yaml"
@@ -104,7 +104,7 @@ def main() -> int:
     mat.write_text(yaml.safe_dump(m, sort_keys=False))
     for name, select in (("run1", ()), ("run2", COMPILE_CELLS)):
         res = args.out / name / "report" / "results.json"
-        if args.reuse and res.is_file():
+        if args.compare_only and res.is_file():
             continue
         wall = _run(mat, args.out / name, args.jobs, select)
         print(f"{name}: {wall:.0f} s wall")
