@@ -56,6 +56,7 @@ class Event:
     dynamic: bool = False  # a recompile that made a size symbolic (automatic dynamic shapes)
     symbolic: list[str] = field(default_factory=list)  # what it made symbolic (`input_ids.size()[1]`, a cache length)
     at: str = ""  # a graph break's own place (torch's or the stdlib's code, where `source` is the user's frame above it)
+    resized: list[str] = field(default_factory=list)  # a recompile's cache entries that failed on a size ("0/1")
 
 
 def short_path(path: str) -> str:
@@ -120,6 +121,18 @@ def _break_reason(payload: str) -> tuple[str, str]:
     return (f"{kind}: {why}" if why else kind)[:500], "\n".join(lines)[:2000]
 
 
+def _resized(reasons: list[Any]) -> list[str]:
+    """The cache entries (Dynamo's "frame/compile" ids) whose first failed guard is a tensor size: the entry a
+    dynamic recompile re-specialises (one frame can hold entries of several functions: a shared decorator's
+    `wrapper` compiled once per decorated forward, told apart by a guard on the wrapped code object)."""
+    out = []
+    for r in reasons:
+        m = re.match(r"\s*(\d+/\d+): (.*)", _first_line(str(r)))
+        if m and "size mismatch" in m.group(2):
+            out.append(m.group(1))
+    return out
+
+
 class TraceWatch:
     """`with TraceWatch() as w:` … `w.mark(label)` before each call; `w.events` afterwards."""
 
@@ -163,10 +176,11 @@ class TraceWatch:
             self._graph_break(frame, payload)
         elif art.get("name") == "recompile_reasons" and payload:
             reasons = json.loads(payload) if isinstance(payload, str) and payload[:1] in "[\"" else payload
-            first = reasons[0] if isinstance(reasons, list) and reasons else reasons
-            text = str(first).strip()
+            every = reasons if isinstance(reasons, list) else [reasons]
+            text = str(every[0] if every else "").strip()
             self.events.append(Event("recompile", self.call, frame, reason=_first_line(text)[:500], detail=text[:2000],
-                                     source=self._first_source.get(str(meta.get("frame_id")), "")))
+                                     source=self._first_source.get(str(meta.get("frame_id")), ""),
+                                     resized=_resized(every)))
         elif "create_symbol" in meta:
             self._symbol(frame, str((meta["create_symbol"] or {}).get("source", "")))
         elif "compilation_metrics" in meta:

@@ -16,7 +16,7 @@ from ci_runner.engine.repro import verify_script
 from ci_runner.matrix import expand
 from ci_runner.results.baseline import Baseline, diff, make_baseline
 from ci_runner.results.model import CellResult, ModeResult, Results
-from tests.fixtures.compile_models import BREAK_LINE
+from tests.fixtures.compile_models import ARMED_BREAK_LINE, BREAK_LINE
 from tests.fixtures.matrices import matrix_text
 
 LLAMA = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -79,6 +79,37 @@ def test_removing_the_break_is_fixed_in_the_diff(breaks: Any) -> None:
     assert [(e.category, e.kind) for e in d.entries if e.fingerprint] == [("fixed", "graph_break")]
     again = diff(_cell(broken), Baseline.from_dict(make_baseline(_cell(fixed))))
     assert [(e.category, e.kind) for e in again.entries if e.fingerprint] == [("regressed", "graph_break")]
+
+
+@pytest.fixture(scope="module")
+def armed(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModeResult, Path]:
+    """A token model whose gate breaks only once its parent armed it; two samples of different lengths and every
+    recompile after the warm-up a finding: a recompile in the gate's own frame and one in the model's."""
+    tmp = tmp_path_factory.mktemp("compile-armed")
+    res = _run(tmp, {"id": "ab", "factory": "tests.fixtures.compile_models:tokens_with_armed_break"},
+               {"id": "ae", "compile": "aot_eager"}, inputs={"samples": 2},
+               options={"dynamic_recompile_expected": False})
+    return res, tmp / "cells" / "ab@ae"
+
+
+def test_a_recompile_in_a_submodules_frame_is_replayed_on_that_module_alone(armed: Any) -> None:
+    res, cell_dir = armed
+    recompiles = [f for f in res.findings if f.kind == "compile_after_warmup"]
+    gate = [f for f in recompiles if f.details["changed"] == "x"]  # the gate's own frame: its input x
+    assert len(gate) == 1 and gate[0].details["repro_module"] == "gate", gate
+    assert gate[0].repro is not None and gate[0].repro.verified and "RecompileError" in gate[0].repro.note
+    script = (cell_dir / gate[0].repro.path).read_text()
+    assert "get_submodule(MODULE)" in script and script.count("'label': 'forward") == 2  # its two calls, in order
+    model = [f for f in recompiles if f.details["changed"] == "input_ids"]  # the model's own forward: whole model
+    assert model and "the model's own forward" in model[0].details["repro_note"] and model[0].repro.verified
+
+
+def test_a_break_the_module_alone_hides_falls_back_to_the_whole_models_repro(armed: Any) -> None:
+    res, _ = armed
+    (f,) = [f for f in res.findings if f.kind == "graph_break"]
+    assert f.details["source"] == f"tests/fixtures/compile_models.py:{ARMED_BREAK_LINE}" and f.details["module"] == "gate"
+    assert "repro_module" not in f.details and f.details["repro_note"].startswith("gate alone did not show it")
+    assert f.repro is not None and f.repro.verified and f.repro.path.endswith("_model.py"), f.repro
 
 
 def test_a_decode_step_recompiles_with_a_dynamic_length(tmp_path: Path) -> None:

@@ -4,9 +4,10 @@ a `compile_after_warmup` finding. Pure: signals built by hand as Dynamo's trace 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from ci_runner.engine.dynamotrace import Event
+from ci_runner.engine.dynamotrace import Event, TraceWatch
 from ci_runner.modes.compile.checks import PhaseSignals, expected_recompiles, warmup_findings, warmup_of
 from ci_runner.options import CompileOptions
 from ci_runner.phases import Phase
@@ -47,6 +48,28 @@ def test_a_second_sample_of_another_length_recompiling_dynamic_is_expected() -> 
     assert _kinds(DEFAULT, sig) == []
     strict = parse_options("compile", {"dynamic_recompile_expected": False})
     assert _kinds(strict, sig) == [("forward sample 1", True)]
+
+
+def test_a_shared_decorators_frame_recompiling_once_per_decorated_forward_is_expected() -> None:
+    """transformers' `wrapper` (generic.py) is one code object for every decorated forward: tiny Llava's second sample
+    recompiles it once for the model's forward and once for its language model's (each entry's own size changed;
+    checked by hand with TORCH_LOGS=recompiles), which is not its dynamic shapes settling."""
+    outer = _rc("forward sample 1", "0/3", True, "0/2: ___check_obj_id(func.__code__, 1)")
+    outer.resized = ["0/0"]
+    inner = _rc("forward sample 1", "0/4", True, "0/3: len(kwargs) == 3")
+    inner.resized = ["0/1"]
+    sig = _sig(None, [("forward", 3), ("forward sample 1", 2)], [outer, inner])
+    assert expected_recompiles(DEFAULT, sig, {"forward sample 1"}) == {0, 1} and _kinds(DEFAULT, sig) == []
+    again = _rc("forward sample 1", "0/5", True, "0/4: len(kwargs) == 10")
+    again.resized = ["0/0"]  # the model's forward's entry again: settled, then recompiled
+    assert _kinds(DEFAULT, _sig(None, [("forward", 3), ("forward sample 1", 2)], [outer, inner, again])) == [
+        ("forward sample 1", True)]
+    watch = TraceWatch()  # Dynamo's recompile_reasons payload: one failed guard per cache entry, newest first
+    watch.take({"artifact": {"name": "recompile_reasons"}, "frame_id": 0, "frame_compile_id": 2},
+               json.dumps(["0/1: n == 2  # return x * n\nUser stack trace:\n  File", "0/0: tensor 'x' size mismatch at "
+                           "index 0. expected 4, actual 6"]))
+    (e,) = watch.events
+    assert e.reason.startswith("0/1: n == 2") and e.resized == ["0/0"]
 
 
 def test_a_recompile_after_the_dynamic_shapes_settled_or_a_static_one_is_a_finding() -> None:

@@ -221,21 +221,27 @@ def warmup_of(opts: CompileOptions, sig: PhaseSignals) -> int:
 
 def expected_recompiles(opts: CompileOptions, sig: PhaseSignals, late: set[str]) -> set[int]:
     """Indexes (in `sig.events`) of the recompiles after the warm-up that automatic dynamic shapes makes by design:
-    per compiled function (Dynamo's frame id), its first recompile that made the changed size symbolic, unless the
+    per compiled function (Dynamo's frame id, and the cache entry whose size changed: a shared decorator's frame
+    holds one entry per decorated forward), its first recompile that made the changed size symbolic, unless the
     backend then failed on that call."""
     if not opts.dynamic_recompile_expected:
         return set()
     out: set[int] = set()
-    settled: set[str] = set()  # frames whose dynamic shapes settled (a dynamic recompile seen, in or after warm-up)
+    settled: set[tuple[str, ...]] = set()  # functions whose dynamic shapes settled (a dynamic recompile seen)
     for i, e in enumerate(sig.events):
         if e.kind != "recompile":
             continue
-        frame = e.frame.split("/", 1)[0]
-        if e.dynamic and frame not in settled and e.call in late and e.call != sig.failed_call:
+        key = _function_of(e)
+        if e.dynamic and key not in settled and e.call in late and e.call != sig.failed_call:
             out.add(i)
         if e.dynamic:
-            settled.add(frame)
+            settled.add(key)
     return out
+
+
+def _function_of(e: Event) -> tuple[str, ...]:
+    """What a recompile re-specialised: its frame id and the cache entries that failed on a size."""
+    return (e.frame.split("/", 1)[0], *sorted(e.resized))
 
 
 def warmup_findings(backend: str, opts: CompileOptions, sig: PhaseSignals) -> list[Finding]:
@@ -254,8 +260,7 @@ def warmup_findings(backend: str, opts: CompileOptions, sig: PhaseSignals) -> li
         changed = changed_input(e.reason) or "?"
         fp = fingerprint("compile_after_warmup", backend, sig.name, e.source, changed)
         failed = e.call == sig.failed_call
-        frame = e.frame.split("/", 1)[0]
-        settled = any(x.kind == "recompile" and x.dynamic and x.frame.split("/", 1)[0] == frame for x in sig.events[:i])
+        settled = any(x.kind == "recompile" and x.dynamic and _function_of(x) == _function_of(e) for x in sig.events[:i])
         again = " (its dynamic shapes had settled)" if settled else ""
         out.setdefault(fp, Finding(
             kind="compile_after_warmup", stage="compile", module=e.source or sig.name, phase=_phase(sig),

@@ -7,6 +7,7 @@ length sweep, OpenVINO's leftover ops for an eager fallback. Each is verified by
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import re
 from pathlib import Path
@@ -18,6 +19,7 @@ from ...backends import plugin_pythonpath
 from ...engine.repro import (plugin_modules, render_template, run_command, safe_filename, template_backend,
                                verify_script, write_script)
 from ...engine.codec import TensorStore, Unstorable, encode_call
+from ...engine.dynamotrace import short_path
 from ...engine.workload import cache_kwarg, capture_calls
 from ...fsutil import atomic_write_text
 from ...options import CompileOptions
@@ -27,7 +29,7 @@ from .checks import PhaseSignals
 if TYPE_CHECKING:
     from .. import ModeContext
 
-__all__ = ["attach_repros"]
+__all__ = ["attach_repros", "frame_module"]
 
 
 def _model_recipe(ctx: "ModeContext", loaded: Any, folder: Path) -> dict[str, Any] | None:
@@ -76,53 +78,100 @@ def _cache(loaded: Any, sig: PhaseSignals) -> dict[str, Any] | None:
             "kwarg": cache_kwarg(loaded.module) or "past_key_values"}
 
 
-def _module_inputs(ctx: "ModeContext", loaded: Any, sig: PhaseSignals, name: str, label: str) -> tuple[Any, Any] | None:
-    """(args, kwargs) of module `name`'s first call during the phase's call `label`, run eagerly (a phase's calls
-    through `capture_calls`: its KV cache state as the module saw it); None when it was not called there."""
-    index = next((i for i, c in enumerate(sig.calls) if c.label == label), None)
-    if index is None:
-        return None
+def frame_module(root: torch.nn.Module, source: str) -> tuple[str | None, str]:
+    """The module whose `forward` holds Dynamo's compiled frame at `source` (the code object's short `file:line`, a
+    resume function's line inside it too): (name, "") when one module of that class is in the model (the root is
+    "(model)"), else (None, why)."""
+    file, _, line = source.rpartition(":")
+    if not file or not line.isdigit():
+        return None, f"no frame source ({source or 'none'})"
+    names: dict[type, list[str]] = {}
+    for name, mod in root.named_modules():
+        names.setdefault(type(mod), []).append(name)
+    for cls, found in names.items():
+        try:
+            lines, start = inspect.getsourcelines(cls.forward)
+            src = short_path(inspect.getsourcefile(cls.forward) or "")
+        except (OSError, TypeError):
+            continue
+        if src == file and start <= int(line) < start + len(lines):
+            if len(found) > 1:
+                return None, f"{source} is {cls.__name__}.forward, of {len(found)} modules ({', '.join(found[:3])})"
+            return found[0] or "(model)", ""
+    return None, f"{source} is no module's forward (a wrapper or a function)"
+
+
+def _module_calls(ctx: "ModeContext", loaded: Any, sig: PhaseSignals, name: str,
+                  upto: int) -> list[tuple[str, Any, Any]]:
+    """(phase call label, args, kwargs) of every call of module `name` during the phase's calls 0..upto, run
+    eagerly (a phase's calls through `capture_calls`: its KV cache state as the module saw it)."""
     if sig.phase is not None:
-        calls = capture_calls(loaded, ctx.cell.inputs, sig.phase, forced=None, upto=index).get(name) or []
-        return next(((a, k) for i, a, k in calls if i == index), None)
-    seen: list[tuple[Any, Any]] = []
+        calls = capture_calls(loaded, ctx.cell.inputs, sig.phase, forced=None, upto=upto).get(name) or []
+        return [(sig.calls[i].label, a, k) for i, a, k in calls if 0 <= i <= upto]
+    seen: list[tuple[str, Any, Any]] = []
+    current = {"label": ""}
 
     def pre(mod: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not seen:
-            seen.append((copy.deepcopy(args), copy.deepcopy(kwargs)))
+        seen.append((current["label"], copy.deepcopy(args), copy.deepcopy(kwargs)))
 
     handle = loaded.module.get_submodule(name).register_forward_pre_hook(pre, with_kwargs=True)
     try:
         with torch.no_grad():
-            loaded.module(**sig.calls[index].kwargs)
+            for call in sig.calls[:upto + 1]:
+                current["label"] = call.label
+                loaded.module(**call.kwargs)
     finally:
         handle.remove()
-    return seen[0] if seen else None
+    return seen
+
+
+def _minimal_module(loaded: Any, f: Finding) -> tuple[str | None, str]:
+    """The module a finding's smallest repro compiles alone: a graph break's module, the submodule whose forward is
+    the recompiled frame, the one module OpenVINO's leftover op sits in; (None, why) for the whole model."""
+    if f.kind == "graph_break":
+        name = f.details.get("module")
+        if not name:
+            return None, "the break is outside any module's forward"
+        return (name, "") if name != "(model)" else (None, "the break is in the model's own forward")
+    if f.kind in ("compile_after_warmup", "recompile_limit"):
+        name, why = frame_module(loaded.module, str(f.details.get("source") or ""))
+        return (name, why) if name != "(model)" else (None, "the recompiled frame is the model's own forward")
+    if f.kind == "eager_fallback":
+        where = list(f.details.get("modules") or [])
+        return (where[0], "") if len(where) == 1 and where[0] else (None, f"{f.op} sits in {len(where)} modules")
+    return None, "the check is about the whole phase"
 
 
 def _minimal(ctx: "ModeContext", loaded: Any, sig: PhaseSignals, f: Finding, folder: Path,
              index: int) -> dict[str, Any] | None:
-    """A graph break's smallest repro: the module named by the finding (`details.module`), compiled alone and
-    called with its captured inputs (`inputs_<i>.safetensors`, the call in the wire format of `engine/codec.py`).
-    None (the whole model's calls, `details.repro_note` says why) when the break is outside any module's forward,
-    in the model's own, or its inputs cannot be stored."""
-    name = f.details.get("module")
-    if f.kind != "graph_break" or not name or name == "(model)":
+    """A finding's smallest repro: the module `_minimal_module` names, compiled alone and called with its captured
+    inputs (`inputs_<i>.safetensors`, each call in the wire format of `engine/codec.py`): a graph break's one call,
+    else every call of the module up to the finding's call (the same guards fail on the same inputs). None (the
+    whole model's calls, `details.repro_note` says why) when there is no such module or its inputs cannot be
+    stored."""
+    name, why = _minimal_module(loaded, f)
+    if not name:
+        f.details["repro_note"] = f"{why}: the whole model's calls"
         return None
+    label = str(f.details.get("call") or (sig.calls[-1].label if sig.calls else ""))
+    upto = next((i for i, c in enumerate(sig.calls) if c.label == label), None)
     try:
-        captured = _module_inputs(ctx, loaded, sig, name, str(f.details.get("call")))
-        if captured is None:
-            f.details["repro_note"] = f"{name} was not called in {f.details.get('call')}: the whole model's calls"
+        calls = _module_calls(ctx, loaded, sig, name, upto) if upto is not None else []
+        if f.kind == "graph_break":
+            calls = [c for c in calls if c[0] == label][:1]
+        if not calls or calls[-1][0] != label:
+            f.details["repro_note"] = f"{name} was not called in {label}: the whole model's calls"
             return None
         store = TensorStore()
-        spec = encode_call(captured[0], captured[1], store.add, strict=True)
+        specs = [{"label": c[0], "call": encode_call(c[1], c[2], store.add, strict=True)} for c in calls]
     except Unstorable as exc:
         f.details["repro_note"] = f"{name}'s inputs cannot be stored ({exc}): the whole model's calls"
         return None
     inputs = f"inputs_{index}.safetensors"
     store.save(folder / inputs)
     f.details["repro_module"] = name
-    return {"name": name, "call": spec, "inputs": inputs, "label": str(f.details.get("call"))}
+    return {"name": name, "calls": specs, "inputs": inputs, "label": label,
+            "check_at": next(i for i, c in enumerate(specs) if c["label"] == label)}
 
 
 def _expect(f: Finding) -> tuple[list[str], str | None]:
@@ -158,7 +207,8 @@ def attach_repros(ctx: "ModeContext", opts: CompileOptions, loaded: Any, signals
             f.details["repro_note"] = "no repro: the model is neither a transformers class nor a factory"
             continue
         sig = by_name[f.details["phases"][0]]
-        key = (f.kind, sig.name, str(f.details.get("call"))) if f.kind == "compile_after_warmup" else (f.fingerprint,)
+        key = (f.kind, sig.name, str(f.details.get("call")), str(_minimal_module(loaded, f)[0])) \
+            if f.kind == "compile_after_warmup" else (f.fingerprint,)
         if key not in scripts:
             scripts[key] = (*_write(ctx, opts, loaded, sig, f, recipe, folder, i), f)
             whole_args[key] = (sig, i)
@@ -168,7 +218,7 @@ def attach_repros(ctx: "ModeContext", opts: CompileOptions, loaded: Any, signals
              for k, t in scripts.items() if t[3].details.get("repro_module") and opts.verify and not done[k].verified}
     for k, repro in _verify_all(ctx, opts, retry).items():  # the module alone did not show it: the whole model's calls
         f = retry[k][3]
-        f.details["repro_note"] = f"{f.details.pop('repro_module')} alone did not show the break ({done[k].note[:200]})"
+        f.details["repro_note"] = f"{f.details.pop('repro_module')} alone did not show it ({done[k].note[:200]})"
         done[k] = repro
     for f, key in owners:
         f.repro = done[key]
