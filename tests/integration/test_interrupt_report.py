@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.paths import ROOT
+from tests.fixtures.procs import sigint_default
 
 MODELS = '''\
 import time
@@ -36,7 +37,7 @@ def test_ctrl_c_writes_the_report_of_the_finished_cells(tmp_path: Path) -> None:
                       "backends: [{id: b, compile: aot_eager}]\n", encoding="utf-8")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}
     proc = subprocess.Popen([sys.executable, "-m", "ci_runner", "run", str(matrix), "--out", "out", "--jobs", "1"],
-                            cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+                            cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True, preexec_fn=sigint_default)
     assert proc.stderr is not None
     lines = []
     deadline = time.monotonic() + 240
