@@ -196,6 +196,11 @@ def compiler_bisect(layer: nn.Module, args: Sequence[Any], kwargs: Mapping[str, 
     out["steps"] = len(log)
     out["log"] = log[-40:]
     out["bisector_output"] = buf.getvalue()[-3000:]
+    return _compiler_answer(out, res)
+
+
+def _compiler_answer(out: dict[str, Any], res: Any) -> dict[str, Any]:
+    """`out` with the bisector's result `res` (a `BisectionResult`, or None) and its summary."""
     if res is None:
         out.update(backend=None, subsystem=None, bisect_number=None, debug_info=None,
                    summary="the bisector found no stage that reproduces the divergence (flaky?)")
@@ -298,6 +303,24 @@ def _node_info(n: torch.fx.Node, layer_name: str) -> dict[str, Any]:
             "source": "\n".join(line.strip() for line in trace[-2:]) if trace else None}
 
 
+def _first_bad(n: int, is_bad: Callable[[int], bool], out: dict[str, Any]) -> int:
+    """The smallest prefix length k in 1..n with `is_bad(k)`, prefix 0 good and n bad (binary search); a step the
+    backend did not run (`StepNotRan`) leaves `out["between"]`, the range the steps that ran narrowed it to."""
+    lo, hi = 0, n  # prefix lo is good (all eager), prefix hi is bad
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        try:
+            step_bad = is_bad(mid)
+        except StepNotRan:
+            out["between"] = [lo, hi]  # the first bad node is in (lo, hi]
+            raise
+        if step_bad:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
 def node_bisect(layer: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any], backend: "Backend", *,
                 threshold: Mapping[str, float], layer_name: str = "") -> dict[str, Any]:
     """Binary search over the layer's graph nodes for the first one whose run on the target causes the deviation."""
@@ -358,18 +381,10 @@ def node_bisect(layer: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
                    summary="the divergence does not reproduce on the layer's exported graph run on the target; no "
                            "node bisect")
         return out
-    lo, hi = 0, len(units)  # prefix lo is good (all eager), prefix hi is bad
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        try:
-            step_bad = bad(mid)[0]
-        except StepNotRan as exc:
-            out["between"] = [lo, hi]  # the first bad node is in (lo, hi]: as far as the steps that ran say
-            return inconclusive(out, exc, log)
-        if step_bad:
-            hi = mid
-        else:
-            lo = mid
+    try:
+        hi = _first_bad(len(units), lambda k: bad(k)[0], out)
+    except StepNotRan as exc:
+        return inconclusive(out, exc, log)
     node = units[hi - 1]
     info = _node_info(node, layer_name)
     out.update(reproduced=True, steps=len(log), log=log[-40:], first_node=info, first_node_index=hi,
