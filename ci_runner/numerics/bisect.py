@@ -303,7 +303,7 @@ def _node_info(n: torch.fx.Node, layer_name: str) -> dict[str, Any]:
             "source": "\n".join(line.strip() for line in trace[-2:]) if trace else None}
 
 
-def _first_bad(n: int, is_bad: Callable[[int], bool], out: dict[str, Any]) -> int:
+def first_bad(n: int, is_bad: Callable[[int], bool], out: dict[str, Any]) -> int:
     """The smallest prefix length k in 1..n with `is_bad(k)`, prefix 0 good and n bad (binary search); a step the
     backend did not run (`StepNotRan`) leaves `out["between"]`, the range the steps that ran narrowed it to."""
     lo, hi = 0, n  # prefix lo is good (all eager), prefix hi is bad
@@ -382,7 +382,7 @@ def node_bisect(layer: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
                            "node bisect")
         return out
     try:
-        hi = _first_bad(len(units), lambda k: bad(k)[0], out)
+        hi = first_bad(len(units), lambda k: bad(k)[0], out)
     except StepNotRan as exc:
         return inconclusive(out, exc, log)
     node = units[hi - 1]
@@ -482,5 +482,5 @@ def bisect_cell(ctx: CellContext, *, layers: Sequence[Any], verdict: Mapping[str
         return {**base, "status": "error", "summary": None, "reason": f"bisect could not run: {_short(exc)}"}
 
 
-__all__ = ["BisectError", "bisect_cell", "bisect_child", "bisect_layer", "capture_call_inputs", "choose_layer",
+__all__ = ["BisectError", "StepNotRan", "bisect_cell", "first_bad", "inconclusive", "bisect_child", "bisect_layer", "capture_call_inputs", "choose_layer",
            "compiler_bisect", "deviation", "export_layer", "is_inductor_family", "node_bisect"]
