@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -30,7 +31,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -42,11 +43,12 @@ from ..errors import ModelLoadError
 from ..sim import simdev
 from .audio import audio_inputs
 from .fastinit import fast_init
+from ..zoo.catalog import head_config, head_of
+from .synth import DECODER_LEN, decoder_input_ids, forward_inputs
 from .tree import map_tensors
 
 TASKS: tuple[str, ...] = ("causal-lm", "base", "masked-lm", "image-classification", "image-text", "seq2seq",
                           "speech-seq2seq")
-DECODER_LEN = 8  # decoder_input_ids of an encoder-decoder (`decoder_input_ids`): the zoo's and `config:`'s
 
 DTYPES: Mapping[str, torch.dtype] = {
     "float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -215,9 +217,9 @@ def _in_mapping(auto_cls: Any, config: Any) -> bool:
 
 
 def detect_task(config: Any, requested: str = "auto") -> str:
-    """The task for a transformers config: the matrix's `task`, else from `architectures`, else from the
-    auto-class mappings (an encoder-decoder's seq2seq or speech seq2seq head first, as the zoo's `catalog.HEADS`
-    prefers it: it covers the encoder too; then image-text, causal-lm, image-classification, then base)."""
+    """The task for a transformers config: the matrix's `task`, else from `architectures` (a checkpoint's), else
+    the zoo's head for its model_type (`zoo.catalog.head_of`: the first of `catalog.HEADS`, seq2seq, speech
+    seq2seq, causal-lm, image-text, image-classification, base: the one choice of head of both paths)."""
     if requested != "auto":
         return requested
     archs = list(getattr(config, "architectures", None) or [])
@@ -235,15 +237,7 @@ def detect_task(config: Any, requested: str = "auto") -> str:
                 return task
         if arch.endswith("Model"):
             return "base"
-    if seq2seq:
-        return seq2seq
-    if hasattr(config, "vision_config") and _in_mapping(_auto_class("image-text"), config):
-        return "image-text"
-    if _in_mapping(_auto_class("causal-lm"), config):
-        return "causal-lm"
-    if _in_mapping(_auto_class("image-classification"), config):
-        return "image-classification"
-    return "base"
+    return head_of(str(getattr(config, "model_type", "") or ""))[0] or "base"
 
 
 def _finish(module: torch.nn.Module, *, dtype: torch.dtype, device: str, meta: bool) -> torch.nn.Module:
@@ -273,21 +267,38 @@ def _tokenizer_for(folder: Path, spec: ModelSpec) -> Any | None:
 
 # --------------------------------------------------------------------------------------------- sources
 
+def _head_class(spec: ModelSpec, name: str | None) -> Any:
+    import transformers  # deferred: transformers is heavy (seconds)
+
+    cls = getattr(transformers, name, None) if name else None
+    if cls is None:
+        raise _err(spec, f"architecture {spec.config!r} has no model class transformers exports"
+                         + (f" ({name})" if name else ""),
+                   hint="set `task:` to one this architecture supports, or use `factory:`")
+    return cls
+
+
 def _load_config_source(spec: ModelSpec, *, seed: int, meta: bool) -> tuple[torch.nn.Module, Any, str]:
     config = _config_for(spec)
-    task = detect_task(config, spec.task)
     _, loader = _split_overrides(spec)
-    cls = _auto_class(task)
-    if not _in_mapping(cls, config):
-        raise _err(spec, f"architecture {spec.config!r} has no {task} model class",
-                   hint="set `task:` to one this architecture supports, e.g. 'base'")
-    kwargs = dict(loader, trust_remote_code=spec.trust_remote_code, dtype=torch.float32)
+    if spec.task == "auto":  # the zoo's head (`zoo.catalog.head_of`): the same class as the zoo builds
+        task, name = head_of(str(spec.config))
+        cls = _head_class(spec, name)
+        config = head_config(cls, config)
+        build = functools.partial(cls._from_config, config, **loader, dtype=torch.float32)  # as the zoo builds it
+    else:
+        task, auto = spec.task, _auto_class(spec.task)
+        if not _in_mapping(auto, config):
+            raise _err(spec, f"architecture {spec.config!r} has no {task} model class",
+                       hint="set `task:` to one this architecture supports, e.g. 'base'")
+        build = functools.partial(auto.from_config, config, **loader, trust_remote_code=spec.trust_remote_code,
+                                  dtype=torch.float32)
     if meta:
         with torch.device("meta"):
-            module = cls.from_config(config, **kwargs)
+            module = build()
     else:
         with _seeded(seed), fast_init() as finish:  # big tensors: seconds, not minutes (fastinit.py)
-            module = cls.from_config(config, **kwargs)
+            module = build()
             finish(module)
     return module, config, task
 
@@ -626,33 +637,39 @@ def _accepts(module: torch.nn.Module, name: str) -> bool:
         return False
 
 
-def decoder_input_ids(config: Any, inputs: InputSpec, sample: int) -> torch.Tensor:
-    """The decoder side of an encoder-decoder: `DECODER_LEN` seeded ids within the decoder's vocabulary (the one
-    builder of `config:` models and the zoo's)."""
-    dec = getattr(config, "decoder", None) or getattr(config, "text_config", None) or config
-    vocab = int(getattr(dec, "vocab_size", None) or getattr(config, "vocab_size", None) or 2)
-    gen = torch.Generator().manual_seed(inputs.seed * 104729 + sample)
-    return torch.randint(0, max(2, vocab), (inputs.batch, DECODER_LEN), generator=gen)
-
-
 def _move(obj: Any, device: str) -> Any:
     return map_tensors(lambda t: t.to(device), obj)
 
 
 def build_inputs(model: LoadedModel, inputs: InputSpec, *, sample: int = 0, device: str = "cpu") -> dict[str, Any]:
-    """Keyword arguments for `model.module(**kwargs)`, deterministic per (inputs.seed, sample).
+    """Keyword arguments for `model.module(**kwargs)`, deterministic per (inputs.seed, sample): a factory's example
+    inputs; for a `config:` model (and the zoo's, which it builds as one) `engine.synth.forward_inputs`, the one
+    builder of both paths (from the forward's names, on `basic_inputs`; floating tensors in the model's dtype);
+    else (`path:`/`hub:`) `basic_inputs`."""
+    if model.example_inputs is not None:
+        ex = model.example_inputs
+        kwargs = dict(ex(sample) if callable(ex) else ex)
+        return _move(kwargs, device)
+    if model.spec.config and model.config is not None:
+        kwargs = forward_inputs(model.module, model.config, model_type=str(model.spec.config), task=model.task,
+                                inputs=inputs, sample=sample,
+                                basic=lambda task: basic_inputs(replace(model, task=task), inputs, sample=sample))
+        kwargs = map_tensors(lambda t: t.to(model.dtype) if t.is_floating_point() else t, kwargs)
+        return _move(kwargs, device)
+    return _move(basic_inputs(model, inputs, sample=sample), device)
+
+
+def basic_inputs(model: LoadedModel, inputs: InputSpec, *, sample: int = 0) -> dict[str, Any]:
+    """The basic builder (CPU tensors) by `model.task`.
 
     Text: token ids from the model's tokenizer (texts from `inputs.text`, else DEFAULT_TEXTS; padded with an
     attention mask) or, without a tokenizer, seeded ids within the vocabulary (special ids excluded; `inputs.text`
     is then unused) and an all-ones mask; length
     `sample_length()`. Vision: seeded `pixel_values` of the config's image size, in the model's dtype.
     Image-text (Llava-style): the image placeholder tokens, then text. Audio (a model whose main input is audio):
-    `engine.audio.audio_inputs`, the zoo's builder. An encoder-decoder's decoder side: `decoder_input_ids`. `use_cache=False` when the forward takes it.
+    `engine.audio.audio_inputs`. An encoder-decoder's decoder side: `decoder_input_ids`. `use_cache=False` when the
+    forward takes it.
     """
-    if model.example_inputs is not None:
-        ex = model.example_inputs
-        kwargs = dict(ex(sample) if callable(ex) else ex)
-        return _move(kwargs, device)
     config = model.config
     if config is None:
         raise ModelLoadError(f"model {model.spec.id!r}: no config to build inputs from and no example inputs",
@@ -693,7 +710,7 @@ def build_inputs(model: LoadedModel, inputs: InputSpec, *, sample: int = 0, devi
             kwargs["decoder_input_ids"] = decoder_input_ids(config, inputs, sample)
     if _accepts(model.module, "use_cache"):
         kwargs["use_cache"] = False
-    return _move(kwargs, device)
+    return kwargs
 
 
 def model_fingerprint(spec: ModelSpec) -> dict[str, Any]:

@@ -21,7 +21,10 @@ threshold; "good" means within the threshold. Two methods:
   persists to the output (it does for a wrong kernel; a node whose error later cancels out can mislead it).
 
 Both run in a child process in the numerics mode (a bisect recompiles many times; a crash must not cost the
-mode), and each step is logged in the result.
+mode), and each step is logged in the result. Every step is a fresh compile watched like the mode's other compiled
+runs (`CompileRecord`, `DynamoCounters`, `FallbackWatch`: `numerics/watched.not_ran`): a step the backend did not
+run (Dynamo ran it in eager, OpenVINO fell back to PyTorch) would read as "good" and steer the search, so it ends the
+bisect as `status: inconclusive` naming the step and why (never a verdict; the finding itself stands).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..backends import resolve_backend
+from ..backends import CompileRecord, DynamoCounters, FallbackWatch, resolve_backend
 from ..engine.capture import ModuleCapture, iter_tensors
 from ..config import BackendSpec, InputSpec, ModelSpec, spec_from_json, spec_to_json
 from ..engine.isolate import run_isolated
@@ -48,6 +51,7 @@ from ..engine.torchcompat import available, require, skip_reason
 from .metrics import compare_tensors, public, worst
 from .settings import CellContext, dynamo_settings
 from .thresholds import ThresholdTable, exceeded
+from .watched import not_ran
 
 if TYPE_CHECKING:
     from ..backends import Backend
@@ -57,6 +61,23 @@ INDUCTOR_FAMILY = ("inductor",)
 
 class BisectError(Exception):
     """The bisect could not run (the layer could not be captured, exported or compiled)."""
+
+
+class StepNotRan(Exception):
+    """A bisect step the backend did not run: the step says nothing, so the bisect has no verdict."""
+
+    def __init__(self, step: str, why: str) -> None:
+        super().__init__(f"{step}: {why}")
+        self.step = step
+        self.why = why
+
+
+def inconclusive(out: dict[str, Any], exc: StepNotRan, log: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """`out` (a bisect result so far) as inconclusive: the step the backend did not run, and why."""
+    out.update(status="inconclusive", reproduced=None, not_ran={"step": exc.step, "why": exc.why[:400]},
+               steps=len(log), log=list(log)[-40:],
+               summary=f"inconclusive: {exc.step} did not run on the backend ({exc.why[:200]}); no verdict")
+    return out
 
 
 # --------------------------------------------------------------------------------------------- shared helpers
@@ -120,15 +141,25 @@ def compiler_bisect(layer: nn.Module, args: Sequence[Any], kwargs: Mapping[str, 
     log: list[dict[str, Any]] = []
 
     def run(backend_name: str) -> tuple[bool, dict[str, Any]]:
-        torch._dynamo.reset()
-        kw = opts if backend_name == "inductor" else generic
+        torch._dynamo.reset()  # a fresh compile, watched: a step Dynamo ran in eager would read as "good"
+        inner: Any = backend_name
+        if backend_name == "inductor":  # torch.compile special-cases the name: build what it would build
+            inner = torch._TorchCompileInductorWrapper(opts.get("mode"), opts.get("options"), opts.get("dynamic"))
+        record = CompileRecord(inner, backend_name)
         try:
-            with torch.no_grad():
-                out = torch.compile(layer, backend=backend_name, **kw)(*args, **kwargs)
-            m = deviation(ref, out)
-            return not _bad(m, threshold), public(m)
+            with FallbackWatch(backend_name) as watch, DynamoCounters() as counters, torch.no_grad():
+                # Dynamo's own entry: torch.compile would swap the record for the bisector's stage name
+                compiled = torch._dynamo.optimize(record, nopython=bool(generic.get("fullgraph")),
+                                                  dynamic=generic.get("dynamic"))(layer)
+                out = compiled(*args, **kwargs)
         except Exception as exc:  # a failure counts as "bad" (the bisector also finds crashes)
             return False, {"error": _short(exc)}
+        why = not_ran(record, counters, watch)
+        if why:
+            sub = CompilerBisector.get_subsystem()
+            raise StepNotRan(f"the step on {backend_name}" + (f" with subsystem {sub}" if sub else ""), why)
+        m = deviation(ref, out)
+        return not _bad(m, threshold), public(m)
 
     def fn() -> bool:
         be = CompilerBisector.get_backend() or "inductor"
@@ -144,7 +175,10 @@ def compiler_bisect(layer: nn.Module, args: Sequence[Any], kwargs: Mapping[str, 
     with patches:
         patches.enter_context(inductor_config.patch(fx_graph_cache=False, fx_graph_remote_cache=False))
         patches.enter_context(functorch_config.patch(enable_autograd_cache=False))
-        good, m = run("inductor")
+        try:
+            good, m = run("inductor")
+        except StepNotRan as exc:
+            return inconclusive(out, exc, log)
         out["target"] = m
         if good:
             out.update(reproduced=False, summary="the divergence does not reproduce with the layer compiled alone "
@@ -152,13 +186,21 @@ def compiler_bisect(layer: nn.Module, args: Sequence[Any], kwargs: Mapping[str, 
             return out
         buf = io.StringIO()
         t0 = time.monotonic()
-        with contextlib.redirect_stdout(buf):
-            res = CompilerBisector.do_bisect(fn)
+        try:
+            with contextlib.redirect_stdout(buf):
+                res = CompilerBisector.do_bisect(fn)
+        except StepNotRan as exc:
+            return inconclusive(out, exc, log)
         out["seconds_bisect"] = round(time.monotonic() - t0, 3)
     out["reproduced"] = True
     out["steps"] = len(log)
     out["log"] = log[-40:]
     out["bisector_output"] = buf.getvalue()[-3000:]
+    return _compiler_answer(out, res)
+
+
+def _compiler_answer(out: dict[str, Any], res: Any) -> dict[str, Any]:
+    """`out` with the bisector's result `res` (a `BisectionResult`, or None) and its summary."""
     if res is None:
         out.update(backend=None, subsystem=None, bisect_number=None, debug_info=None,
                    summary="the bisector found no stage that reproduces the divergence (flaky?)")
@@ -261,6 +303,24 @@ def _node_info(n: torch.fx.Node, layer_name: str) -> dict[str, Any]:
             "source": "\n".join(line.strip() for line in trace[-2:]) if trace else None}
 
 
+def first_bad(n: int, is_bad: Callable[[int], bool], out: dict[str, Any]) -> int:
+    """The smallest prefix length k in 1..n with `is_bad(k)`, prefix 0 good and n bad (binary search); a step the
+    backend did not run (`StepNotRan`) leaves `out["between"]`, the range the steps that ran narrowed it to."""
+    lo, hi = 0, n  # prefix lo is good (all eager), prefix hi is bad
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        try:
+            step_bad = is_bad(mid)
+        except StepNotRan:
+            out["between"] = [lo, hi]  # the first bad node is in (lo, hi]
+            raise
+        if step_bad:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
 def node_bisect(layer: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any], backend: "Backend", *,
                 threshold: Mapping[str, float], layer_name: str = "") -> dict[str, Any]:
     """Binary search over the layer's graph nodes for the first one whose run on the target causes the deviation."""
@@ -273,51 +333,58 @@ def node_bisect(layer: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
     log: list[dict[str, Any]] = []
     cache: dict[int, tuple[bool, dict[str, Any]]] = {}
 
-    def on_target(prefix: torch.fx.GraphModule) -> Callable[..., Any]:
+    def on_target(prefix: torch.fx.GraphModule) -> tuple[Callable[..., Any], CompileRecord | None]:
         if device != "cpu":
             prefix = copy.deepcopy(prefix).to(device)
-        fn = backend.compile(prefix) if compiled else prefix
+        fn, record = backend.compile_recorded(prefix) if compiled else (prefix, None)
 
         def call(*xs: Any) -> Any:
             moved = [x.to(device) if isinstance(x, torch.Tensor) and device != "cpu" else x for x in xs]
             return fn(*moved)
 
-        return call
+        return call, record
 
     def bad(k: int) -> tuple[bool, dict[str, Any]]:
         if k in cache:
             return cache[k]
         cut, live = _cut(gm, units, k)
+        why = None
         try:
             prefix = _prefix_module(gm, cut, live)
-            torch._dynamo.reset()
+            torch._dynamo.reset()  # a fresh compile, watched: a prefix left to PyTorch would read as "good"
             with torch._dynamo.config.patch(**dynamo_settings()), torch.no_grad():
-                vals = on_target(prefix)(*flat)
+                call, record = on_target(prefix)
+                with FallbackWatch(backend.spec.compile) as watch, DynamoCounters() as counters:
+                    vals = call(*flat)
+                why = not_ran(record, counters, watch) if compiled and live else None
                 given = {n: (v.to("cpu") if isinstance(v, torch.Tensor) else v) for n, v in zip(live, vals)}
                 out = _Hybrid(gm, given, cut).run(*flat)
             m = deviation(ref, out)
             res = (_bad(m, threshold), public(m))
         except Exception as exc:
             res = (True, {"error": _short(exc)})
+        log.append({"k": k, "node": units[k - 1].name if k else None, "bad": res[0], **res[1],
+                    **({"not_ran": why[:300]} if why else {})})
+        if why:
+            raise StepNotRan(f"the step with the first {k} of {len(units)} nodes on the target", why)
         cache[k] = res
-        log.append({"k": k, "node": units[k - 1].name if k else None, "bad": res[0], **res[1]})
         return res
 
     out: dict[str, Any] = {"method": "nodes", "nodes": len(units), "threshold": dict(threshold)}
-    whole_bad, whole = bad(len(units))
+    try:
+        whole_bad, whole = bad(len(units))
+    except StepNotRan as exc:
+        return inconclusive(out, exc, log)
     out["target"] = whole
     if not whole_bad:
         out.update(reproduced=False, log=log,
                    summary="the divergence does not reproduce on the layer's exported graph run on the target; no "
                            "node bisect")
         return out
-    lo, hi = 0, len(units)  # prefix lo is good (all eager), prefix hi is bad
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if bad(mid)[0]:
-            hi = mid
-        else:
-            lo = mid
+    try:
+        hi = first_bad(len(units), lambda k: bad(k)[0], out)
+    except StepNotRan as exc:
+        return inconclusive(out, exc, log)
     node = units[hi - 1]
     info = _node_info(node, layer_name)
     out.update(reproduced=True, steps=len(log), log=log[-40:], first_node=info, first_node_index=hi,
@@ -415,5 +482,5 @@ def bisect_cell(ctx: CellContext, *, layers: Sequence[Any], verdict: Mapping[str
         return {**base, "status": "error", "summary": None, "reason": f"bisect could not run: {_short(exc)}"}
 
 
-__all__ = ["BisectError", "bisect_cell", "bisect_child", "bisect_layer", "capture_call_inputs", "choose_layer",
+__all__ = ["BisectError", "StepNotRan", "bisect_cell", "first_bad", "inconclusive", "bisect_child", "bisect_layer", "capture_call_inputs", "choose_layer",
            "compiler_bisect", "deviation", "export_layer", "is_inductor_family", "node_bisect"]

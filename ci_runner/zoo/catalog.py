@@ -9,6 +9,7 @@ image-text-to-text, image classification, then the base model); a type with none
 from __future__ import annotations
 
 import difflib
+import functools
 import fnmatch
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
@@ -53,6 +54,7 @@ LABELS: tuple[tuple[str, str], ...] = (
 )
 
 
+@functools.lru_cache(maxsize=1)
 def _mappings() -> dict[str, dict[str, Any]]:
     from transformers.models.auto import modeling_auto  # deferred: transformers is heavy (seconds)
 
@@ -122,20 +124,39 @@ def family_of(model_type: str, task: str | None, config: Any | None, labels: fro
     return "encoder"
 
 
-def _entry(model_type: str, maps: dict[str, dict[str, Any]], configs: Any) -> ZooModel:
-    task = cls = None
+def head_of(model_type: str, maps: dict[str, dict[str, Any]] | None = None,
+            configs: Any = None) -> tuple[str | None, str | None]:
+    """(task, class name) of the head built for `model_type`: the first of `HEADS` whose auto mapping knows it;
+    else, for a component config (`clip_text_model`), the model class named after its config class or the first
+    class another auto mapping has, as task "base"; (None, None) when there is none. The one choice of head of the
+    zoo and of `config:` models (`engine.models.detect_task`)."""
+    if maps is None:
+        maps = _mappings()
+    if configs is None:
+        from transformers import CONFIG_MAPPING as configs  # deferred: transformers is heavy (seconds)
     for t, _ in HEADS:
         name = _first(maps[t].get(model_type))
         if name:
-            task, cls = t, name
-            break
+            return t, name
+    cls = _class_for_config(configs, model_type) or _any_head(model_type)
+    return ("base", cls) if cls else (None, None)
+
+
+def head_config(cls: Any, config: Any) -> Any:
+    """The config to build the head class `cls` with: `config`, or its text config when `cls` is built from that
+    (a multimodal type whose causal-LM head is the text model, as transformers' auto classes build it)."""
+    sub = (getattr(config, "sub_configs", None) or {}).get("text_config")
+    if sub is not None and getattr(cls, "config_class", None) is sub and hasattr(config, "get_text_config"):
+        return config.get_text_config()
+    return config
+
+
+def _entry(model_type: str, maps: dict[str, dict[str, Any]], configs: Any) -> ZooModel:
+    task, cls = head_of(model_type, maps, configs)
     try:
         config = configs[model_type]()
     except Exception:  # family from the head alone; the scan reports the build error itself
         config = None
-    if cls is None:  # a component config (`clip_text_model`): the model class named after its config class
-        cls = _class_for_config(configs, model_type) or _any_head(model_type)
-        task = "base" if cls else None
     labels = frozenset(t for t, _ in LABELS if model_type in maps[t])
     family = family_of(model_type, task, config, labels)
     if cls is None:

@@ -36,7 +36,7 @@ from ..engine.isolate import Attempt, IsolatedResult, child_journal, supervise
 from ..engine.repro import safe_filename
 from ..fsutil import atomic_write_json
 from ..results.model import read_json
-from .catalog import catalog
+from .catalog import catalog, head_config
 from .shrink import LEVELS, layer_count, shrink
 
 STAGES: tuple[str, ...] = ("head", "config", "build", "inputs", "trace", "timeout", "crashed", "not scanned")
@@ -168,7 +168,7 @@ def scan_one(model_type: str, *, level: str, device: str, inputs: InputSpec) -> 
             break  # a shrunk config built and failed to trace: the full-size one traces for minutes (zamba)
         stage, t0 = "shrink", time.monotonic()
         try:
-            config = shrink(default, shrink_level)
+            config = head_config(cls, shrink(default, shrink_level))  # the text config for a text-model head
             stage = "build"
             clock.lap("shrink")
             module = _build(cls, config)

@@ -43,6 +43,24 @@ def setup(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-
     return root, load_matrix_text(text, path=str(root / "m.yaml"))
 
 
+def _bisect_left_to_eager(setup, backend: str, layer: str) -> dict:  # type: ignore[no-untyped-def]
+    """The cell's bisect of `layer` with every compiled step left to PyTorch by a real silent fallback
+    (`torch.compiler.set_stance("force_eager")`): each step would read as "good"."""
+    import torch
+
+    from ci_runner.backends import resolve_backend
+    from ci_runner.engine.models import build_inputs, load_model
+    from ci_runner.numerics.bisect import bisect_layer
+
+    _root, matrix = setup
+    cell = find_cell(matrix, f"tiny-llama@{backend}")
+    loaded = load_model(cell.model, seed=cell.inputs.seed)
+    kwargs = build_inputs(loaded, cell.inputs)
+    with torch.compiler.set_stance("force_eager"):
+        return bisect_layer(loaded.module, kwargs, resolve_backend(cell.backend), layer=layer, call_index=0,
+                            threshold={"rel": 1e-6})
+
+
 def _run(setup, backend: str) -> CellResult:  # type: ignore[no-untyped-def]
     root, matrix = setup
     cell = find_cell(matrix, f"tiny-llama@{backend}")
@@ -90,6 +108,11 @@ def test_bisect_traces_a_plugin_divergence_to_its_graph_node(setup) -> None:  # 
     f = next(f for f in mode.findings if f.module == "model.layers.0.mlp.act_fn")
     assert f.kind == "divergence" and "bisect: first node: silu = aten.silu.default" in f.message
     assert f.details["bisect"]["first_node"]["module"] == "model.layers.0.mlp.act_fn"
+    # a step the backend did not run is inconclusive, never "does not reproduce"
+    left = _bisect_left_to_eager(setup, "silu-off", "model.layers.0.mlp.act_fn")
+    assert left["status"] == "inconclusive" and left["reproduced"] is None and "first_node" not in left, left
+    assert left["summary"].startswith("inconclusive: the step with the first 1 of 1 nodes on the target did not run")
+    assert "given no graph" in left["not_ran"]["why"] and left["log"][0]["not_ran"]
 
 
 @pytest.mark.slow
@@ -130,3 +153,6 @@ def test_bisect_traces_an_inductor_pass_to_its_subsystem(setup) -> None:  # type
                                                                "post_grad_custom_post_pass")
     f = next(f for f in mode.findings if f.module == b["layer"])
     assert "compiler bisect: inductor › post_grad_passes" in f.message
+    left = _bisect_left_to_eager(setup, "inductor-wrong-eps", b["layer"])
+    assert left["status"] == "inconclusive" and left["reproduced"] is None and "subsystem" not in left, left
+    assert left["summary"].startswith("inconclusive: the step on inductor did not run on the backend")

@@ -139,3 +139,26 @@ def test_compiler_bisector_traces_an_injected_inductor_pass(wrong_eps_pass) -> N
                                                       "aot_eager_decomp_partition_crossref", "inductor"]
     assert res["summary"].startswith("compiler bisect: inductor › post_grad_passes")
     assert "post_grad_custom_post_pass" in res["summary"]
+
+
+def test_a_search_step_the_backend_did_not_run_stops_the_search_without_a_verdict() -> None:
+    """`first_bad` is the node bisect's binary search: a step that did not run (`StepNotRan`) ends it, leaving the
+    range the steps that ran narrowed the first bad prefix to; `inconclusive` turns that into the result."""
+    from ci_runner.numerics.bisect import StepNotRan, first_bad, inconclusive
+
+    asked: list[int] = []
+
+    def is_bad(k: int) -> bool:
+        asked.append(k)
+        if k == 2:  # this prefix ran in PyTorch: it would have read as "good"
+            raise StepNotRan(f"the step with the first {k} of 8 nodes on the target", "the backend was given no graph")
+        return k >= 3
+
+    assert first_bad(8, lambda k: k >= 3, {}) == 3
+    out: dict = {}
+    with pytest.raises(StepNotRan) as exc:
+        first_bad(8, is_bad, out)
+    assert asked == [4, 2] and out["between"] == [0, 4]
+    res = inconclusive(out, exc.value, [{"k": 4, "bad": True}, {"k": 2, "bad": False, "not_ran": "…"}])
+    assert res["status"] == "inconclusive" and res["reproduced"] is None and res["between"] == [0, 4]
+    assert res["summary"].startswith("inconclusive: the step with the first 2 of 8 nodes on the target did not run")
