@@ -1,7 +1,7 @@
 """Numerics under tensor parallelism: the sharded model on a backend, layer by layer, against one rank.
 
-`run_ranks` starts the ranks (`engine/parallel.launch_ranks` → `numerics/tprank.rank_child`); `analyse` turns rank
-0's records into per-layer rows, thresholds and findings:
+`run_ranks` starts the ranks (`engine/parallel.launch_ranks` of `engine/parallel.rank_tasks` running
+`numerics/tprank.rank_task`); `analyse` turns rank 0's records into per-layer rows, thresholds and findings:
 
 * thresholds as `numerics/thresholds.py` derives them (`threshold_from_stats`: margin × percentile over samples,
   with floors), from the spread of two references: the single-rank float64 reference and the plan run eagerly
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ..config import BackendSpec, InputSpec, ModelSpec, spec_to_json
-from ..engine.parallel import RankRun, launch_ranks
+from ..engine.parallel import RANK_TASKS, RankRun, launch_ranks
 from ..options import ThresholdOptions
 from ..parallel import ParallelSpec
 from ..registry import FindingKind
@@ -30,7 +30,7 @@ from ..results.model import Finding, fingerprint
 from .thresholds import LayerStats, exceeded, threshold_from_stats
 from .tpsignature import SIGNATURES, classify
 
-RANK_CHILD = "ci_runner.numerics.tprank:rank_child"
+TASK = "ci_runner.numerics.tprank:rank_task"  # a task of engine/parallel.rank_tasks
 
 
 @dataclass
@@ -46,11 +46,17 @@ class TPAnalysis:
 def run_ranks(model: ModelSpec, inputs: InputSpec, parallel: ParallelSpec, backends: Sequence[BackendSpec], *,
               samples: Sequence[int], folder: Path, timeout: float) -> tuple[RankRun, dict[str, Any] | None]:
     """The ranks of one TP launch (every backend in turn on the same sharded model); rank 0's value."""
-    payload = {"model": spec_to_json(model), "inputs": spec_to_json(inputs), "parallel": parallel.key(),
-               "backends": [spec_to_json(b) for b in backends], "samples": list(samples)}
-    run = launch_ranks(RANK_CHILD, payload, world=parallel.tp, timeout=timeout, folder=folder)
+    payload = rank_payload(model, inputs, parallel, backends, samples=samples)
+    run = launch_ranks(RANK_TASKS, payload, world=parallel.tp, timeout=timeout, folder=folder)
     value = run.results[0].value if run.results and run.results[0].ok else None
-    return run, value
+    return run, value[TASK] if value else None
+
+
+def rank_payload(model: ModelSpec, inputs: InputSpec, parallel: ParallelSpec, backends: Sequence[BackendSpec], *,
+                 samples: Sequence[int]) -> dict[str, Any]:
+    """The payload of a launch of `engine/parallel.rank_tasks` running this task (others may be added)."""
+    return {"model": spec_to_json(model), "inputs": spec_to_json(inputs), "parallel": parallel.key(),
+            "backends": [spec_to_json(b) for b in backends], "samples": list(samples), "tasks": [TASK]}
 
 
 def layer_thresholds(records: Sequence[Mapping[str, Any]], eager: Sequence[Mapping[str, Any]],

@@ -1,4 +1,4 @@
-"""What one rank of a tensor-parallel numerics run does (`rank_child`, started by `engine/parallel.launch_ranks`).
+"""What one rank of a tensor-parallel numerics run does (`rank_task`, a task of `engine/parallel.rank_tasks`).
 
 Every rank builds the same model (same seed), shards a copy by the plan (`engine/tpplan.py`), checks its weight
 shards against the slices of the single-rank weights, runs the sharded model eagerly (the plan's own reference)
@@ -20,7 +20,7 @@ from ..backends.spec import resolve_backend
 from ..config import BackendSpec, InputSpec, ModelSpec, spec_from_json
 from ..engine.failure import classify, first_line
 from ..engine.models import build_inputs, load_model
-from ..engine.parallel import arrive, assemble, close_ranks, gather_outputs, init_ranks
+from ..engine.parallel import arrive, assemble, gather_outputs
 from ..results.model import clean
 from ..engine.tpprobe import probe_collectives
 from ..engine.tpplan import check_plan, local_output_modules, resolve_plan, shard, shard_dim
@@ -33,14 +33,10 @@ from .views import runnable_reference
 Outputs = dict[str, dict[str, torch.Tensor]]
 
 
-def rank_child(payload: Mapping[str, Any]) -> dict[str, Any]:
-    """One rank (see the module docstring); rank 0 returns {"plan", "weights", "eager", "backends"}."""
-    mesh = init_ranks(payload)
-    arrive(payload, "init")
-    try:
-        return clean(_rank(payload, mesh))
-    finally:
-        close_ranks()
+def rank_task(payload: Mapping[str, Any], mesh: Any) -> dict[str, Any]:
+    """One rank, a task of `engine/parallel.rank_tasks` (see the module docstring); rank 0 returns
+    {"plan", "weights", "eager", "backends"}."""
+    return clean(_rank(payload, mesh))
 
 
 def _rank(payload: Mapping[str, Any], mesh: Any) -> dict[str, Any]:

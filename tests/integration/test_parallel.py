@@ -1,7 +1,8 @@
 """Tensor parallel over gloo on CPU: the ranks, the sharded model against one rank, the self-test backends.
 
 One launch (module-scoped) runs the tiny decoder of `tests/fixtures/plugin_tp_models.py` sharded over 2 ranks by
-the default decoder plan, eagerly and then compiled by aot_eager, sim-tp-drop, sim-tp-dup and sim-tp-shard in turn.
+the default decoder plan, eagerly and then compiled by aot_eager, sim-tp-drop, sim-tp-dup and sim-tp-shard in turn
+(the numerics task), then the layers mode's search on sim-crash in the same ranks (the layers task).
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from typing import Any
 
 import pytest
 
-from ci_runner.config import BackendSpec, InputSpec, ModelSpec
-from ci_runner.engine.parallel import launch_ranks
-from ci_runner.numerics.parallel import analyse, run_ranks
+from ci_runner.config import BackendSpec, InputSpec, ModelSpec, spec_to_json
+from ci_runner.engine.parallel import RANK_TASKS, RankRun, launch_ranks
+from ci_runner.modes.layers.parallel import TASK as LAYERS, tp_findings
+from ci_runner.numerics.parallel import TASK as NUMERICS, analyse, rank_payload, run_ranks
 from ci_runner.options import ThresholdOptions
 from ci_runner.parallel import ParallelSpec
 
@@ -24,12 +26,20 @@ BACKENDS = ("aot_eager", "sim-tp-drop", "sim-tp-dup", "sim-tp-shard")
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def launch(tmp_path_factory: pytest.TempPathFactory) -> tuple[RankRun, Path]:
     model = ModelSpec(id="tiny-decoder", factory="tests.fixtures.plugin_tp_models:decoder")
-    run, value = run_ranks(model, InputSpec(samples=2), TP2, [BackendSpec(id=b, compile=b) for b in BACKENDS],
-                           samples=[0, 1], folder=tmp_path_factory.mktemp("tp"), timeout=400)
-    assert value is not None, run.describe() + "\n" + "\n".join(r.traceback or r.stderr_tail for r in run.results)
-    return value
+    payload = rank_payload(model, InputSpec(samples=2), TP2, [BackendSpec(id=b, compile=b) for b in BACKENDS],
+                           samples=[0, 1])
+    payload.update(tasks=[NUMERICS, LAYERS], search_backends=[spec_to_json(BackendSpec(id="sim-crash", compile="sim-crash"))])
+    folder = tmp_path_factory.mktemp("tp")
+    run = launch_ranks(RANK_TASKS, payload, world=2, timeout=400, folder=folder)
+    assert run.ok, run.describe() + "\n" + "\n".join(r.traceback or r.stderr_tail for r in run.results)
+    return run, folder
+
+
+@pytest.fixture(scope="module")
+def ranks(launch: tuple[RankRun, Path]) -> dict[str, Any]:
+    return launch[0].results[0].value[NUMERICS]
 
 
 def _only(value: dict[str, Any], backend: str) -> Any:
@@ -70,6 +80,20 @@ def test_a_wrongly_laid_out_shard_is_found_as_a_permutation(ranks: dict[str, Any
     f = _only(ranks, "sim-tp-shard")
     assert (f.module, f.details["signature"]) == ("layers.0.self_attn.q_proj", "shard_layout")
     assert f.details["facts"]["permuted_rel"] < 1e-5 and f.metrics["cos"] < 0.5
+
+
+def test_the_layers_search_under_tp2_finds_the_failing_attention_on_every_rank(launch: tuple[RankRun, Path]) -> None:
+    run, folder = launch
+    value = run.results[0].value[LAYERS]
+    found = tp_findings(value, run, "sim-crash", "tiny-decoder", TP2, folder)
+    assert [(f.kind, f.module, f.parallel, f.stage, f.details["ranks"]) for f in found] == \
+        [("layer_failure", "layers.0.self_attn", "tp2", "run", [0, 1])]
+    assert "[sim-crash]" in found[0].message and "on every rank" in found[0].message
+    outcomes = value["backends"]["sim-crash"]["outcomes"]
+    assert outcomes[""]["status"] == "fail"  # the whole sharded model first, as the single-rank search
+    # its sharded children pass alone, the row-parallel o_proj's all-reduce too: the attention itself is smallest
+    assert {outcomes[f"layers.0.self_attn.{p}_proj"]["status"] for p in "qkvo"} == {"pass"}
+    assert outcomes["layers.0.mlp"]["status"] == "pass"
 
 
 def test_a_rank_that_never_arrives_is_named(tmp_path: Path) -> None:
