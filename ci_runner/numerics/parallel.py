@@ -123,6 +123,8 @@ def _failure_findings(run: Mapping[str, Any], backend_id: str, model_id: str, pa
             f.op = row["op"]
             f.error_type = row.get("error_type")
             f.details["model_error"] = f"{run.get('error_type')}: {run.get('message')}"
+            if row.get("call"):
+                f.details["call"] = dict(row["call"])
             out.append(f)
     if out:
         return out

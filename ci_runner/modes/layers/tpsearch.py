@@ -19,11 +19,10 @@ from typing import Any, Mapping
 import torch
 
 from ...backends import resolve_backend
-from ...config import BackendSpec, InputSpec, ModelSpec, spec_from_json
-from ...engine.models import build_inputs, load_model
+from ...config import BackendSpec, spec_from_json
 from ...engine.outcome import ProbeOutcome
 from ...engine.parallel import arrive
-from ...engine.tpplan import check_plan, resolve_plan, shard
+from ...engine.tpplan import sharded_model
 from ...results.model import clean
 from .search import ModuleTree, label, minimal_failing, probe_one, record_calls, search
 
@@ -35,13 +34,7 @@ def rank_task(payload: Mapping[str, Any], mesh: Any) -> dict[str, Any]:
     """Search each backend of `payload["search_backends"]` on the sharded model; rank 0 returns
     {"tree", "plan", "backends": {id: {"outcomes", "ranks", "minimal", "complete"}}}."""
     rank = int(payload["rank"])
-    model_spec = spec_from_json(ModelSpec, payload["model"])
-    inputs = spec_from_json(InputSpec, payload["inputs"])
-    loaded = load_model(model_spec, seed=inputs.seed, dtype="float32")
-    resolved = resolve_plan(loaded.module, payload["parallel"].get("plan"))
-    check_plan(loaded.module, resolved, int(payload["world"]), model_spec.id)
-    kwargs = build_inputs(loaded, inputs, sample=int(payload.get("sample", 0)))
-    sharded = shard(loaded.module, mesh, resolved)
+    sharded, resolved, kwargs = sharded_model(payload, mesh)
     tree, calls = capture_sharded(sharded, kwargs)
     out = {}
     for raw in payload.get("search_backends") or []:
