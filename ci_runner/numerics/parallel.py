@@ -10,7 +10,9 @@
   `numerics/tpsignature.classify` names from the measured facts; every later one is listed in its details;
 * each weight shard that differs from its slice of the single-rank weight is a `weights_mismatch`;
 * a backend that failed on a rank is one finding naming the rank (the run's `hang` names ranks that did not
-  arrive).
+  arrive);
+* a module call the backend did not run (it left the sharded model, or everything but its output, to PyTorch on
+  some rank: `not_ran` records) is inconclusive, never a pass, as in the single-rank mode.
 
 Findings carry `parallel` ("tp2") and the plan in `details.plan`; their fingerprints include the layout.
 """
@@ -37,7 +39,7 @@ TASK = "ci_runner.numerics.tprank:rank_task"  # a task of engine/parallel.rank_t
 class TPAnalysis:
     """One backend's result under tensor parallelism: findings, the per-layer table, the status."""
 
-    status: str  # pass | fail | error
+    status: str  # pass | fail | inconclusive (module calls the backend did not run: `not_ran` rows) | error
     findings: list[Finding] = field(default_factory=list)
     layers: list[dict[str, Any]] = field(default_factory=list)
     reason: str | None = None
@@ -82,6 +84,9 @@ def layer_rows(records: Sequence[Mapping[str, Any]], thresholds: Mapping[str, Ma
     rows: dict[str, dict[str, Any]] = {}
     for r in sorted(records, key=lambda r: (r["order"], r["sample"])):
         row = rows.setdefault(r["key"], {"module": r["key"], "order": r["order"], "over": [], "error": None})
+        if "not_ran" in r:  # the backend did not run it: inconclusive, never a pass
+            row["not_ran"] = r["not_ran"]
+            continue
         if "error" in r:
             row["error"] = r["error"]
             continue
@@ -105,7 +110,11 @@ def analyse(value: Mapping[str, Any], backend_id: str, *, model_id: str, paralle
     rows = layer_rows(run["records"], thresholds, parallel.tp)
     bad = [r for r in rows if r["over"] or r["error"]]
     findings = weights + ([_divergence(bad, backend_id, model_id, parallel, plan)] if bad else [])
-    return TPAnalysis(status="fail" if findings else "pass", findings=findings, layers=rows)
+    unran = [r for r in rows if r.get("not_ran")]
+    reason = (f"{len(unran)} of {len(rows)} module call(s) not run on the backend under {parallel.label()} "
+              f"(inconclusive, not passed): {unran[0]['not_ran']}") if unran else None
+    status = "fail" if findings else "inconclusive" if unran else "pass"
+    return TPAnalysis(status=status, findings=findings, layers=rows, reason=reason)
 
 
 def _failure_findings(run: Mapping[str, Any], backend_id: str, model_id: str, parallel: ParallelSpec,

@@ -25,7 +25,7 @@ from ..results.model import clean
 from ..engine.tpprobe import probe_collectives
 from ..engine.tpplan import check_plan, local_output_modules, resolve_plan, shard, shard_dim
 from .capture import compared_flat, run_eager_with_outputs
-from .watched import watched_outputs
+from .watched import watched_outputs_each
 from .metrics import compare_tensors, public, worst
 from .tpsignature import signature_facts
 from .views import runnable_reference
@@ -99,21 +99,40 @@ def _weights_check(sharded: torch.nn.Module, module: torch.nn.Module, resolved: 
 
 def _compare_runs(sharded: torch.nn.Module, backend: Any, samples: list[dict[str, Any]],
                   refs: list[tuple[Outputs, Outputs]] | None, local: set[str]) -> list[dict[str, Any]]:
-    """The sharded model run on each sample (eager, or compiled by `backend`), gathered and, on rank 0, compared
-    with the single-rank references: one record per (sample, call key)."""
+    """The sharded model run on each sample (eager, or compiled by `backend` once for all samples), gathered and,
+    on rank 0, compared with the single-rank references: one record per (sample, call key). A compiled run the
+    backend left to PyTorch on any rank is never compared: every call key is `not_ran` (inconclusive); one it ran
+    only without output hooks compares the model's output, the other keys `not_ran`."""
+    import torch.distributed as dist  # deferred: rank children only
+
+    keyed_runs = [run_eager_with_outputs(sharded, kw) for kw in samples] if backend is None else []
+    why = None
+    if backend is not None:
+        runs = watched_outputs_each(sharded, backend, samples)  # watched: a run left to eager is never compared
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, (runs[0].way, runs[0].not_ran))  # the ranks decide together: no lone gather
+        why = "; ".join(f"rank {r}: {n}" for r, (_, n) in enumerate(every) if n) or None
+        ways = {w for w, _ in every}
+        if why is not None:
+            return [rec for i in range(len(samples)) for rec in _not_ran(i, refs[i], set(), why)] if refs else []
+        if len(ways) > 1:
+            raise RuntimeError(f"the ranks captured the sharded model differently: {sorted(ways)}")
+        keyed_runs = [[(k, compared_flat(flat)) for k, flat in run.records] for run in runs]
+        if ways == {"no-hooks"}:
+            why = f"the backend ran the sharded model only without output hooks ({runs[0].tried[0]['not_ran'][:200]})"
     records: list[dict[str, Any]] = []
-    for i, kw in enumerate(samples):
-        if backend is None:
-            keyed = run_eager_with_outputs(sharded, kw)
-        else:
-            run = watched_outputs(sharded, backend, (), kw)  # watched: a run left to eager is never compared
-            if run.not_ran is not None:  # inconclusive per layer is not wired for TP yet: never a pass
-                raise RuntimeError(f"the backend did not run the sharded model ({run.way}): {run.not_ran}")
-            keyed = [(k, compared_flat(flat)) for k, flat in run.records]
+    for i, keyed in enumerate(keyed_runs):
         got = gather_outputs([(k, tuple(v.items())) for k, v in keyed])
         if refs is not None:
             records += _records(i, refs[i], got, local)
+            records += _not_ran(i, refs[i], set(got), why) if why else []
     return records
+
+
+def _not_ran(sample: int, ref: tuple[Outputs, Outputs], compared: set[str], why: str) -> list[dict[str, Any]]:
+    """A `not_ran` record per call key of the reference not in `compared` (inconclusive: never a pass)."""
+    return [{"sample": sample, "key": key, "order": order, "not_ran": why[:600]}
+            for order, key in enumerate(ref[0]) if key not in compared]
 
 
 def _records(sample: int, ref: tuple[Outputs, Outputs], got: dict[str, dict[str, list[Any]]], local: set[str]

@@ -350,8 +350,11 @@ def run(ctx: "ModeContext") -> ModeResult:
         why = cum_errors[0]["error"] if cum_errors else (notes[-1] if notes else "no comparison could run")
         return ModeResult(status="error", reason=f"the target could not be compared: {why}", findings=findings,
                           data=data, duration_s=duration)
-    return _result(findings, data, duration, cum_errors=cum_errors, layers=layers,
-                   expected=[v for v in opts.views if not (v == "isolated" and iso_skipped)])
+    result = _result(findings, data, duration, cum_errors=cum_errors, layers=layers,
+                     expected=[v for v in opts.views if not (v == "isolated" and iso_skipped)])
+    if (data.get("parallel") or {}).get("status") == "inconclusive" and result.status == "pass":  # never a pass
+        result.status, result.reason = "inconclusive", data["parallel"].get("reason")
+    return result
 
 
 def _phases(ctx: "ModeContext", opts: NumericsOptions, data: dict[str, Any], findings: list[Any]) -> list[Any]:
