@@ -63,17 +63,19 @@ def rank_payload(model: ModelSpec, inputs: InputSpec, parallel: ParallelSpec, ba
 
 def layer_thresholds(records: Sequence[Mapping[str, Any]], eager: Sequence[Mapping[str, Any]],
                      opts: ThresholdOptions) -> dict[str, dict[str, float]]:
-    """Per call key: the threshold from the float64 reference's and the eager plan's spread around the primary."""
+    """Per call key: the threshold from the float64 reference's and the eager plan's spread around the primary,
+    over every sample the eager plan ran (the compiled run may take fewer: `tprank.same_shapes`); `records`, the
+    compiled run's, add a key the eager plan lacks."""
     stats: dict[str, LayerStats] = {}
-    plan_metrics = {(r["sample"], r["key"]): r.get("metrics") for r in eager}
-    for r in records:
-        if "spread" not in r:
-            continue
-        s = stats.setdefault(r["key"], LayerStats(module_class="", name=r["key"]))
-        s.add("cumulative", {**r["spread"], "ref_absmean": r.get("ref_absmean", 0.0)})
-        plan = plan_metrics.get((r["sample"], r["key"]))
-        if plan:
-            s.add("cumulative", {**plan, "ref_absmean": r.get("ref_absmean", 0.0)})
+    planned = {e.get("key") for e in eager}
+    for plan, rows in ((True, eager), (False, [r for r in records if r.get("key") not in planned])):
+        for r in rows:
+            if "spread" not in r:
+                continue
+            s = stats.setdefault(r["key"], LayerStats(module_class="", name=r["key"]))
+            s.add("cumulative", {**r["spread"], "ref_absmean": r.get("ref_absmean", 0.0)})
+            if plan and r.get("metrics"):  # the plan run eagerly against the single-rank primary
+                s.add("cumulative", {**r["metrics"], "ref_absmean": r.get("ref_absmean", 0.0)})
     return {k: threshold_from_stats(s.views["cumulative"], opts, "float32") for k, s in stats.items()}
 
 
