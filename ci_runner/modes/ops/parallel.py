@@ -71,7 +71,8 @@ def collective_finding(row: Mapping[str, Any], spec: BackendSpec, model_id: str,
     name = f"repro_{safe_filename(row['op'].split('.')[1])}_{safe_filename(shape)}.py"
     script = write_repro(folder / name, call, spec, status=kind, world=layout.tp, error_type=row.get("error_type") or "",
                          message=str(row.get("message")), model_id=model_id, layout=layout.label())
-    f.repro = Repro(path=str(script.relative_to(cell_dir)), verified=False, command=f"python {name}")
+    rel = str(script.relative_to(cell_dir))
+    f.repro = Repro(path=rel, verified=False, command=f"python {rel}", note="not verified (options.ops.verify is false)")
     if opts.verify:
         f.repro.verified, f.repro.note, tail = verify(script, row, spec, opts.verify_timeout)
         f.details["repro_output_tail"] = tail[-1500:]
