@@ -127,6 +127,27 @@ def init_ranks(payload: Mapping[str, Any]) -> Any:
     return init_device_mesh("cpu", (int(payload["world"]),))
 
 
+RANK_TASKS = "ci_runner.engine.parallel:rank_tasks"
+
+
+def rank_tasks(payload: Mapping[str, Any]) -> dict[str, Any]:
+    """A rank running several tasks in one process group (`launch_ranks(RANK_TASKS, {..., "tasks": [...]})`):
+    each "module:function" of `payload["tasks"]` is called in turn with (payload, mesh); {task: its value}. The
+    modes' TP hooks each launch their own task; one launch can run several (the tests share one)."""
+    import importlib  # deferred: a task's module is imported only in the rank that runs it
+
+    mesh = init_ranks(payload)
+    arrive(payload, "init")
+    try:
+        out: dict[str, Any] = {}
+        for task in payload["tasks"]:
+            module, _, name = str(task).partition(":")
+            out[task] = getattr(importlib.import_module(module), name)(payload, mesh)
+        return out
+    finally:
+        close_ranks()
+
+
 def close_ranks() -> None:
     import torch.distributed as dist  # deferred: torch.distributed only in rank children
 

@@ -21,7 +21,9 @@ from typing import Any, Mapping
 
 from torch import nn
 
+from ..config import InputSpec, ModelSpec, spec_from_json
 from ..errors import InputError
+from .models import build_inputs, load_model
 
 DECODER_PLAN: Mapping[str, str] = {
     "*.q_proj": "colwise", "*.k_proj": "colwise", "*.v_proj": "colwise", "*.o_proj": "rowwise",
@@ -106,3 +108,15 @@ def local_output_modules(resolved: Mapping[str, str]) -> set[str]:
 def shard_dim(style: str) -> int:
     """The weight dim a style shards (0: output features or vocabulary; 1: input features)."""
     return 1 if style == "rowwise" else 0
+
+
+def sharded_model(payload: Mapping[str, Any], mesh: Any) -> tuple[nn.Module, dict[str, str], dict[str, Any]]:
+    """What a rank task builds first: the cell's model (same seed on every rank) sharded by its plan, the resolved
+    plan, and the inputs of `payload["sample"]` (default 0). The payload is `engine/parallel.rank_tasks`'s."""
+    model_spec = spec_from_json(ModelSpec, payload["model"])
+    inputs = spec_from_json(InputSpec, payload["inputs"])
+    loaded = load_model(model_spec, seed=inputs.seed, dtype="float32")
+    resolved = resolve_plan(loaded.module, payload["parallel"].get("plan"))
+    check_plan(loaded.module, resolved, int(payload["world"]), model_spec.id)
+    kwargs = build_inputs(loaded, inputs, sample=int(payload.get("sample", 0)))
+    return shard(loaded.module, mesh, resolved), resolved, kwargs

@@ -1,47 +1,97 @@
-"""Each collective a tensor-parallel plan uses, alone on the backend: the ops-mode view of a sharded run.
+"""The collectives of a tensor-parallel run, found in the graphs a backend sees and each run alone on the backend.
 
-A sharded model compiled after `aot_autograd` shows its collectives as functional ops
-(`_c10d_functional.all_reduce`, `all_gather_into_tensor`, each followed by `wait_tensor`). When a backend fails on
-the sharded model, `probe_collectives` runs each of them alone, on every rank at once (the probes are collectives
-themselves), as a one-op function through `torch.compile(backend=…)`, and compares it with the same collective
-run eagerly: `ok`, `unsupported` (compile or run raised: the backend's error, first line) or `mismatch`.
+A sharded model compiled after `aot_autograd` shows its DTensor redistributions as functional collectives
+(`_c10d_functional.all_reduce`, `all_gather_into_tensor`, `reduce_scatter_tensor`, …, each followed by
+`wait_tensor`). `collective_calls` lists the distinct calls of a set of ATen graphs: the op, the input's shape and
+dtype, its other arguments (the reduce op, the group size; the group's name, always last, left out) and how often
+it is called. `probe_collectives` runs each call alone, on every rank at once (a probe is a collective itself), as
+a one-op function through the backend's `compile`, and compares it with the same call run eagerly: `ok`,
+`unsupported` (compile or run raised: the backend's error, first line) or `mismatch`. Without calls it probes
+the plan's two (`PLAN_CALLS`). `repro_values` gives a repro script (`templates/repro_collective.py.j2`) the same
+call; the script starts ranks of its own.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import re
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
 from .failure import classify, first_line
 
+NAMESPACE = "_c10d_functional"
+WAIT = "_c10d_functional.wait_tensor.default"
 # the plan's styles → the functional collectives their redistributions become (engine/tpplan.py's styles)
-COLLECTIVES: dict[str, str] = {
-    "all_reduce": "_c10d_functional.all_reduce.default",
-    "all_gather_into_tensor": "_c10d_functional.all_gather_into_tensor.default",
-}
+PLAN_CALLS: tuple[dict[str, Any], ...] = (
+    {"op": "_c10d_functional.all_reduce.default", "shape": [8], "dtype": "float32", "args": ["sum"], "count": 0},
+    {"op": "_c10d_functional.all_gather_into_tensor.default", "shape": [8], "dtype": "float32", "args": ["@world"],
+     "count": 0},
+)
+COLLECTIVES = {c["op"].split(".")[1]: c["op"] for c in PLAN_CALLS}
 
 
-def _collective(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+def collective_calls(graphs: Iterable[torch.fx.GraphModule]) -> list[dict[str, Any]]:
+    """The distinct functional collective calls of `graphs` (op, shape, dtype, args), in first-call order, each
+    with its call count and the first module that made it (`nn_module_stack`)."""
+    out: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for gm in graphs:
+        for node in gm.graph.nodes:
+            name = str(node.target)
+            if node.op != "call_function" or not name.startswith(NAMESPACE + ".") or name == WAIT:
+                continue
+            val = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+            if val is None:
+                continue
+            args = [a if isinstance(a, (int, float, str)) else str(a) for a in node.args[1:-1]]
+            key = (name, tuple(val.shape), str(val.dtype), tuple(map(str, args)))
+            stack = node.meta.get("nn_module_stack") or {}
+            module = module_path(str(list(stack.values())[-1][0])) if stack else ""
+            row = out.setdefault(key, {"op": name, "shape": [int(d) for d in val.shape],
+                                       "dtype": str(val.dtype).removeprefix("torch."), "args": args, "count": 0,
+                                       "module": module})
+            row["count"] += 1
+    return list(out.values())
+
+
+def module_path(dynamo_path: str) -> str:
+    """Dynamo's module path as a qualified name: `L['self'].layers[0].mlp` → `layers.0.mlp`."""
+    path = re.sub(r"^L\['self'\]", "", dynamo_path)
+    path = re.sub(r"\.?_modules\['([^']+)'\]", r".\1", path)
+    return re.sub(r"\[(\d+)\]", r".\1", path).lstrip(".")
+
+
+def lone_call(call: Mapping[str, Any]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The call alone: the collective on the world group, then its wait (as the graph has them)."""
     import torch.distributed as dist  # deferred: rank children only
-    import torch.distributed._functional_collectives as funcol  # deferred: as above
 
-    group = dist.group.WORLD
-    if name == "all_reduce":
-        return lambda x: funcol.all_reduce(x, "sum", group)
-    return lambda x: funcol.all_gather_tensor(x, 0, group)
+    namespace, name, overload = str(call["op"]).split(".")
+    op = getattr(getattr(getattr(torch.ops, namespace), name), overload)
+    group = dist.group.WORLD.group_name  # type: ignore[union-attr]
+    args = [dist.get_world_size() if a == "@world" else a for a in call["args"]]
+    return lambda x: torch.ops._c10d_functional.wait_tensor(op(x, *args, group))
 
 
-def probe_collectives(compile_fn: Callable[[Callable[..., Any]], Callable[..., Any]]) -> list[dict[str, Any]]:
-    """One row per collective of `COLLECTIVES`: {"op", "status", "error_type", "message"} on this rank."""
+def probe_input(call: Mapping[str, Any], rank: int) -> torch.Tensor:
+    """The probe's input on `rank`: 0, 1, 2, … in the call's shape and dtype, plus the rank (ranks differ)."""
+    shape = [int(d) for d in call["shape"]]
+    n = 1
+    for d in shape:
+        n *= d
+    return (torch.arange(n, dtype=torch.float64) % 97 + rank).reshape(shape).to(getattr(torch, call["dtype"]))
+
+
+def probe_collectives(compile_fn: Callable[[Callable[..., Any]], Callable[..., Any]],
+                      calls: Sequence[Mapping[str, Any]] = PLAN_CALLS) -> list[dict[str, Any]]:
+    """One row per call: {"op", "call", "status", "error_type", "stage", "message"} on this rank."""
     import torch.distributed as dist  # deferred: rank children only
 
     rows = []
-    x = torch.arange(8, dtype=torch.float32) + dist.get_rank()
-    for name, op in COLLECTIVES.items():
-        fn = _collective(name)
+    for call in calls:
+        fn = lone_call(call)
+        x = probe_input(call, dist.get_rank())
         want = fn(x.clone())
-        row: dict[str, Any] = {"op": op, "status": "ok", "error_type": None, "message": ""}
+        row: dict[str, Any] = {"op": call["op"], "call": dict(call), "status": "ok", "error_type": None, "message": ""}
         try:
             torch._dynamo.reset()
             got = compile_fn(fn)(x.clone())
@@ -54,3 +104,58 @@ def probe_collectives(compile_fn: Callable[[Callable[..., Any]], Callable[..., A
         rows.append(row)
         dist.barrier()
     return rows
+
+
+def repro_values(call: Mapping[str, Any]) -> dict[str, Any]:
+    """The template values (`repro_collective.py.j2`) that rebuild `call` in a repro's own ranks."""
+    namespace, name, overload = str(call["op"]).split(".")
+    return {"namespace": namespace, "op_name": name, "overload": overload, "shape": [int(d) for d in call["shape"]],
+            "dtype": str(call["dtype"]), "call_args": list(call["args"])}
+
+
+def merge_rows(every: Sequence[Sequence[Mapping[str, Any]]]) -> list[dict[str, Any]]:
+    """Every rank's probe rows (same calls, same order) as one row per call: the worst status over the ranks
+    (unsupported, then mismatch, then ok), the first such rank's error, and the ranks it had."""
+    order = {"unsupported": 0, "mismatch": 1, "ok": 2}
+    out = []
+    for per_rank in zip(*every):
+        worst = min(range(len(per_rank)), key=lambda r: (order.get(per_rank[r]["status"], 3), r))
+        row = dict(per_rank[worst])
+        row["ranks"] = [r for r, x in enumerate(per_rank) if x["status"] == row["status"]]
+        out.append(row)
+    return out
+
+
+def aten_graphs(module: torch.nn.Module, kwargs: Mapping[str, Any]) -> list[torch.fx.GraphModule]:
+    """The ATen graphs an aot backend gets for `module(**kwargs)` (`torch.compile` + `aot_autograd` with a
+    recording compiler, one graph per graph break), on the real (sharded) tensors: a DTensor model's collectives
+    are in them."""
+    from torch._dynamo.backends.common import aot_autograd  # deferred: Dynamo is imported on first use
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def record(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            torch.compile(module, backend=aot_autograd(fw_compiler=record), dynamic=False)(**kwargs)
+    finally:
+        torch._dynamo.reset()
+    return graphs
+
+
+def write_repro(path: Any, call: Mapping[str, Any], spec: Any, *, status: str, world: int, error_type: str,
+                message: str, model_id: str, layout: str) -> Any:
+    """The collective repro of `call` on backend `spec` at `path` (`templates/repro_collective.py.j2`: it starts
+    `world` ranks of its own; exit 1 while the collective still fails)."""
+    from .repro import plugin_modules, render_template, template_backend, write_script  # deferred: jinja2
+
+    text = render_template("repro_collective.py.j2", op=call["op"], backend_id=spec.id, status=status, world=world,
+                           error_type=error_type, message=message, model_id=model_id, layout=layout,
+                           script=path.name, env=dict(spec.env), compile_options=dict(spec.compile_options),
+                           imports=[m for m in plugin_modules(spec) if m != "ci_runner"],
+                           backend=template_backend(spec), **repro_values(call))
+    return write_script(path, text)

@@ -1,7 +1,7 @@
 """Numerics under tensor parallelism: the sharded model on a backend, layer by layer, against one rank.
 
-`run_ranks` starts the ranks (`engine/parallel.launch_ranks` → `numerics/tprank.rank_child`); `analyse` turns rank
-0's records into per-layer rows, thresholds and findings:
+`run_ranks` starts the ranks (`engine/parallel.launch_ranks` of `engine/parallel.rank_tasks` running
+`numerics/tprank.rank_task`); `analyse` turns rank 0's records into per-layer rows, thresholds and findings:
 
 * thresholds as `numerics/thresholds.py` derives them (`threshold_from_stats`: margin × percentile over samples,
   with floors), from the spread of two references: the single-rank float64 reference and the plan run eagerly
@@ -10,7 +10,9 @@
   `numerics/tpsignature.classify` names from the measured facts; every later one is listed in its details;
 * each weight shard that differs from its slice of the single-rank weight is a `weights_mismatch`;
 * a backend that failed on a rank is one finding naming the rank (the run's `hang` names ranks that did not
-  arrive).
+  arrive);
+* a module call the backend did not run (it left the sharded model, or everything but its output, to PyTorch on
+  some rank: `not_ran` records) is inconclusive, never a pass, as in the single-rank mode.
 
 Findings carry `parallel` ("tp2") and the plan in `details.plan`; their fingerprints include the layout.
 """
@@ -22,7 +24,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ..config import BackendSpec, InputSpec, ModelSpec, spec_to_json
-from ..engine.parallel import RankRun, launch_ranks
+from ..engine.parallel import RANK_TASKS, RankRun, launch_ranks
 from ..options import ThresholdOptions
 from ..parallel import ParallelSpec
 from ..registry import FindingKind
@@ -30,14 +32,14 @@ from ..results.model import Finding, fingerprint
 from .thresholds import LayerStats, exceeded, threshold_from_stats
 from .tpsignature import SIGNATURES, classify
 
-RANK_CHILD = "ci_runner.numerics.tprank:rank_child"
+TASK = "ci_runner.numerics.tprank:rank_task"  # a task of engine/parallel.rank_tasks
 
 
 @dataclass
 class TPAnalysis:
     """One backend's result under tensor parallelism: findings, the per-layer table, the status."""
 
-    status: str  # pass | fail | error
+    status: str  # pass | fail | inconclusive (module calls the backend did not run: `not_ran` rows) | error
     findings: list[Finding] = field(default_factory=list)
     layers: list[dict[str, Any]] = field(default_factory=list)
     reason: str | None = None
@@ -46,26 +48,34 @@ class TPAnalysis:
 def run_ranks(model: ModelSpec, inputs: InputSpec, parallel: ParallelSpec, backends: Sequence[BackendSpec], *,
               samples: Sequence[int], folder: Path, timeout: float) -> tuple[RankRun, dict[str, Any] | None]:
     """The ranks of one TP launch (every backend in turn on the same sharded model); rank 0's value."""
-    payload = {"model": spec_to_json(model), "inputs": spec_to_json(inputs), "parallel": parallel.key(),
-               "backends": [spec_to_json(b) for b in backends], "samples": list(samples)}
-    run = launch_ranks(RANK_CHILD, payload, world=parallel.tp, timeout=timeout, folder=folder)
+    payload = rank_payload(model, inputs, parallel, backends, samples=samples)
+    run = launch_ranks(RANK_TASKS, payload, world=parallel.tp, timeout=timeout, folder=folder)
     value = run.results[0].value if run.results and run.results[0].ok else None
-    return run, value
+    return run, value[TASK] if value else None
+
+
+def rank_payload(model: ModelSpec, inputs: InputSpec, parallel: ParallelSpec, backends: Sequence[BackendSpec], *,
+                 samples: Sequence[int]) -> dict[str, Any]:
+    """The payload of a launch of `engine/parallel.rank_tasks` running this task (others may be added)."""
+    return {"model": spec_to_json(model), "inputs": spec_to_json(inputs), "parallel": parallel.key(),
+            "backends": [spec_to_json(b) for b in backends], "samples": list(samples), "tasks": [TASK]}
 
 
 def layer_thresholds(records: Sequence[Mapping[str, Any]], eager: Sequence[Mapping[str, Any]],
                      opts: ThresholdOptions) -> dict[str, dict[str, float]]:
-    """Per call key: the threshold from the float64 reference's and the eager plan's spread around the primary."""
+    """Per call key: the threshold from the float64 reference's and the eager plan's spread around the primary,
+    over every sample the eager plan ran (the compiled run may take fewer: `tprank.same_shapes`); `records`, the
+    compiled run's, add a key the eager plan lacks."""
     stats: dict[str, LayerStats] = {}
-    plan_metrics = {(r["sample"], r["key"]): r.get("metrics") for r in eager}
-    for r in records:
-        if "spread" not in r:
-            continue
-        s = stats.setdefault(r["key"], LayerStats(module_class="", name=r["key"]))
-        s.add("cumulative", {**r["spread"], "ref_absmean": r.get("ref_absmean", 0.0)})
-        plan = plan_metrics.get((r["sample"], r["key"]))
-        if plan:
-            s.add("cumulative", {**plan, "ref_absmean": r.get("ref_absmean", 0.0)})
+    planned = {e.get("key") for e in eager}
+    for plan, rows in ((True, eager), (False, [r for r in records if r.get("key") not in planned])):
+        for r in rows:
+            if "spread" not in r:
+                continue
+            s = stats.setdefault(r["key"], LayerStats(module_class="", name=r["key"]))
+            s.add("cumulative", {**r["spread"], "ref_absmean": r.get("ref_absmean", 0.0)})
+            if plan and r.get("metrics"):  # the plan run eagerly against the single-rank primary
+                s.add("cumulative", {**r["metrics"], "ref_absmean": r.get("ref_absmean", 0.0)})
     return {k: threshold_from_stats(s.views["cumulative"], opts, "float32") for k, s in stats.items()}
 
 
@@ -76,6 +86,9 @@ def layer_rows(records: Sequence[Mapping[str, Any]], thresholds: Mapping[str, Ma
     rows: dict[str, dict[str, Any]] = {}
     for r in sorted(records, key=lambda r: (r["order"], r["sample"])):
         row = rows.setdefault(r["key"], {"module": r["key"], "order": r["order"], "over": [], "error": None})
+        if "not_ran" in r:  # the backend did not run it: inconclusive, never a pass
+            row["not_ran"] = r["not_ran"]
+            continue
         if "error" in r:
             row["error"] = r["error"]
             continue
@@ -99,7 +112,11 @@ def analyse(value: Mapping[str, Any], backend_id: str, *, model_id: str, paralle
     rows = layer_rows(run["records"], thresholds, parallel.tp)
     bad = [r for r in rows if r["over"] or r["error"]]
     findings = weights + ([_divergence(bad, backend_id, model_id, parallel, plan)] if bad else [])
-    return TPAnalysis(status="fail" if findings else "pass", findings=findings, layers=rows)
+    unran = [r for r in rows if r.get("not_ran")]
+    reason = (f"{len(unran)} of {len(rows)} module call(s) not run on the backend under {parallel.label()} "
+              f"(inconclusive, not passed): {unran[0]['not_ran']}") if unran else None
+    status = "fail" if findings else "inconclusive" if unran else "pass"
+    return TPAnalysis(status=status, findings=findings, layers=rows, reason=reason)
 
 
 def _failure_findings(run: Mapping[str, Any], backend_id: str, model_id: str, parallel: ParallelSpec,
@@ -117,6 +134,8 @@ def _failure_findings(run: Mapping[str, Any], backend_id: str, model_id: str, pa
             f.op = row["op"]
             f.error_type = row.get("error_type")
             f.details["model_error"] = f"{run.get('error_type')}: {run.get('message')}"
+            if row.get("call"):
+                f.details["call"] = dict(row["call"])
             out.append(f)
     if out:
         return out

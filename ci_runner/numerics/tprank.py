@@ -1,4 +1,4 @@
-"""What one rank of a tensor-parallel numerics run does (`rank_child`, started by `engine/parallel.launch_ranks`).
+"""What one rank of a tensor-parallel numerics run does (`rank_task`, a task of `engine/parallel.rank_tasks`).
 
 Every rank builds the same model (same seed), shards a copy by the plan (`engine/tpplan.py`), checks its weight
 shards against the slices of the single-rank weights, runs the sharded model eagerly (the plan's own reference)
@@ -20,12 +20,12 @@ from ..backends.spec import resolve_backend
 from ..config import BackendSpec, InputSpec, ModelSpec, spec_from_json
 from ..engine.failure import classify, first_line
 from ..engine.models import build_inputs, load_model
-from ..engine.parallel import arrive, assemble, close_ranks, gather_outputs, init_ranks
+from ..engine.parallel import arrive, assemble, gather_outputs
 from ..results.model import clean
 from ..engine.tpprobe import probe_collectives
 from ..engine.tpplan import check_plan, local_output_modules, resolve_plan, shard, shard_dim
 from .capture import compared_flat, run_eager_with_outputs
-from .watched import watched_outputs
+from .watched import watched_outputs_each
 from .metrics import compare_tensors, public, worst
 from .tpsignature import signature_facts
 from .views import runnable_reference
@@ -33,14 +33,10 @@ from .views import runnable_reference
 Outputs = dict[str, dict[str, torch.Tensor]]
 
 
-def rank_child(payload: Mapping[str, Any]) -> dict[str, Any]:
-    """One rank (see the module docstring); rank 0 returns {"plan", "weights", "eager", "backends"}."""
-    mesh = init_ranks(payload)
-    arrive(payload, "init")
-    try:
-        return clean(_rank(payload, mesh))
-    finally:
-        close_ranks()
+def rank_task(payload: Mapping[str, Any], mesh: Any) -> dict[str, Any]:
+    """One rank, a task of `engine/parallel.rank_tasks` (see the module docstring); rank 0 returns
+    {"plan", "weights", "eager", "backends"}."""
+    return clean(_rank(payload, mesh))
 
 
 def _rank(payload: Mapping[str, Any], mesh: Any) -> dict[str, Any]:
@@ -102,22 +98,54 @@ def _weights_check(sharded: torch.nn.Module, module: torch.nn.Module, resolved: 
 
 
 def _compare_runs(sharded: torch.nn.Module, backend: Any, samples: list[dict[str, Any]],
-                  refs: list[tuple[Outputs, Outputs]] | None, local: set[str]) -> list[dict[str, Any]]:
-    """The sharded model run on each sample (eager, or compiled by `backend`), gathered and, on rank 0, compared
-    with the single-rank references: one record per (sample, call key)."""
+                  refs: list[tuple[Outputs, Outputs]] | None, local: set[str],
+                  which: list[int] | None = None) -> list[dict[str, Any]]:
+    """The sharded model run on each sample (eager, or compiled by `backend` once for all samples), gathered and,
+    on rank 0, compared with the single-rank references: one record per (sample, call key). A compiled run the
+    backend left to PyTorch on any rank is never compared: every call key is `not_ran` (inconclusive); one it ran
+    only without output hooks compares the model's output, the other keys `not_ran`."""
+    import torch.distributed as dist  # deferred: rank children only
+
+    which = list(range(len(samples))) if which is None else which
+    keyed_runs = [run_eager_with_outputs(sharded, samples[i]) for i in which] if backend is None else []
+    why = None
+    if backend is not None:
+        runs = watched_outputs_each(sharded, backend, [samples[i] for i in which])  # watched: never compared if left to eager
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, (runs[0].way, runs[0].not_ran))  # the ranks decide together: no lone gather
+        why = "; ".join(f"rank {r}: {n}" for r, (_, n) in enumerate(every) if n) or None
+        ways = {w for w, _ in every}
+        if why is not None:
+            return [rec for i in which for rec in _not_ran(i, refs[i], set(), why)] if refs else []
+        if len(ways) > 1:
+            raise RuntimeError(f"the ranks captured the sharded model differently: {sorted(ways)}")
+        keyed_runs = [[(k, compared_flat(flat)) for k, flat in run.records] for run in runs]
+        if ways == {"no-hooks"}:
+            why = f"the backend ran the sharded model only without output hooks ({runs[0].tried[0]['not_ran'][:200]})"
     records: list[dict[str, Any]] = []
-    for i, kw in enumerate(samples):
-        if backend is None:
-            keyed = run_eager_with_outputs(sharded, kw)
-        else:
-            run = watched_outputs(sharded, backend, (), kw)  # watched: a run left to eager is never compared
-            if run.not_ran is not None:  # inconclusive per layer is not wired for TP yet: never a pass
-                raise RuntimeError(f"the backend did not run the sharded model ({run.way}): {run.not_ran}")
-            keyed = [(k, compared_flat(flat)) for k, flat in run.records]
+    for i, keyed in zip(which, keyed_runs):
         got = gather_outputs([(k, tuple(v.items())) for k, v in keyed])
         if refs is not None:
             records += _records(i, refs[i], got, local)
+            records += _not_ran(i, refs[i], set(got), why) if why else []
     return records
+
+
+def same_shapes(samples: list[dict[str, Any]]) -> list[int]:
+    """The samples whose inputs have the first one's shapes: the compiled run takes these, so the backend compiles
+    the sharded model once (a sample of another length would cost a second, dynamic, Dynamo trace of the DTensor
+    model, the larger part of a TP cell; the single-rank cell already runs every sample). The thresholds still come
+    from every sample's references (`numerics/parallel.layer_thresholds` reads the eager plan's records)."""
+    def shapes(kw: Mapping[str, Any]) -> dict[str, Any]:
+        return {k: tuple(v.shape) for k, v in kw.items() if isinstance(v, torch.Tensor)}
+
+    return [i for i, kw in enumerate(samples) if shapes(kw) == shapes(samples[0])]
+
+
+def _not_ran(sample: int, ref: tuple[Outputs, Outputs], compared: set[str], why: str) -> list[dict[str, Any]]:
+    """A `not_ran` record per call key of the reference not in `compared` (inconclusive: never a pass)."""
+    return [{"sample": sample, "key": key, "order": order, "not_ran": why[:600]}
+            for order, key in enumerate(ref[0]) if key not in compared]
 
 
 def _records(sample: int, ref: tuple[Outputs, Outputs], got: dict[str, dict[str, list[Any]]], local: set[str]
@@ -152,7 +180,7 @@ def _backend_run(payload: Mapping[str, Any], spec: BackendSpec, sharded: torch.n
     try:
         backend = resolve_backend(spec)
         backend.prepare()
-        records = _compare_runs(sharded, backend, samples, refs, local)
+        records = _compare_runs(sharded, backend, samples, refs, local, which=same_shapes(samples))
     except Exception as exc:  # the backend's failure on this rank is the result, named by rank
         arrive(payload, f"probe:{spec.id}")
         failure = classify(exc)  # the backend's own error, unwrapped from Dynamo's

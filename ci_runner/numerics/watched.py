@@ -136,6 +136,45 @@ def watched_outputs(module: nn.Module, backend: Any, args: Sequence[Any], kwargs
         return _first_way_that_ran(module, backend, args, kwargs, [("hooks-copy", True), ("no-hooks", None)])
 
 
+def watched_outputs_each(module: nn.Module, backend: Any, calls: Sequence[Mapping[str, Any]]) -> list[CaptureRun]:
+    """`watched_outputs` of several keyword calls (samples of the same shapes) through ONE fresh compile: the hooks
+    stay on across the calls, so Dynamo compiles for the first and reuses that code for the rest (a recompile, when
+    a guard differs, is Dynamo's own). Watched once around all of them: when the backend did not run them, every
+    call's run says so (`not_ran`), after the same fallback to `no-hooks`."""
+    torch._dynamo.reset()  # a fresh compile: the vendor watch counts one compile's partitions
+    tried: list[dict[str, str]] = []
+    runs: list[CaptureRun] = []
+    with torch._dynamo.config.patch(**dynamo_settings()):
+        for i, (way, clone) in enumerate((("hooks-copy", True), ("no-hooks", None))):
+            if i:
+                torch._dynamo.reset()
+            each, why, facts = _attempt_each(module, backend, calls, clone)
+            runs = [CaptureRun(way=way, records=r, tried=list(tried), not_ran=why, facts=facts,
+                               backend=backend.spec.compile) for r in each]
+            if why is None:
+                break
+            tried.append({"capture": way, "not_ran": why[:400]})
+    return runs
+
+
+def _attempt_each(module: nn.Module, backend: Any, calls: Sequence[Mapping[str, Any]],
+                  clone: bool | None) -> tuple[list[list[tuple[str, FlatOutput]]], str | None, dict[str, Any]]:
+    """`_attempt` of every call in turn under one compile, one watch and (with `clone`) one set of hooks."""
+    fn, record = backend.compile_recorded(_forward)
+    out: list[list[tuple[str, FlatOutput]]] = []
+    with FallbackWatch(backend.spec.compile) as watch, DynamoCounters() as counters:
+        if clone is None:
+            for kw in calls:
+                with torch.no_grad():
+                    result = fn(module, (), dict(kw))
+                out.append([("", tuple(iter_tensors(result)))])
+        else:
+            with OutputHooks(module, clone=clone) as hooks:
+                for kw in calls:
+                    out.append(capture_compiled_outputs(module, fn, (), kw, hooks)[1])
+    return out, not_ran(record, counters, watch), {**(record.summary() if record else {}), **watch.facts()}
+
+
 def _first_way_that_ran(module: nn.Module, backend: Any, args: Sequence[Any], kwargs: Mapping[str, Any],
                         ways: Sequence[tuple[str, bool | Collection[str] | None]]) -> CaptureRun:
     """The first of `ways` ((name, clone)) the backend runs, each a fresh compile; the last one tried (with its

@@ -1,7 +1,9 @@
 """Tensor parallel over gloo on CPU: the ranks, the sharded model against one rank, the self-test backends.
 
 One launch (module-scoped) runs the tiny decoder of `tests/fixtures/plugin_tp_models.py` sharded over 2 ranks by
-the default decoder plan, eagerly and then compiled by aot_eager, sim-tp-drop, sim-tp-dup and sim-tp-shard in turn.
+the default decoder plan, eagerly and then compiled by aot_eager, sim-tp-drop, sim-tp-dup and sim-tp-shard in turn
+(the numerics task), then the layers mode's search on sim-crash in the same ranks (the layers task), then the
+ops mode's inventory of the collectives, probed alone on sim-subset allowing ATen ops only (the ops task).
 """
 
 from __future__ import annotations
@@ -11,9 +13,13 @@ from typing import Any
 
 import pytest
 
-from ci_runner.config import BackendSpec, InputSpec, ModelSpec
-from ci_runner.engine.parallel import launch_ranks
-from ci_runner.numerics.parallel import analyse, run_ranks
+from ci_runner.config import BackendSpec, InputSpec, ModelSpec, spec_to_json
+from ci_runner.engine.parallel import RANK_TASKS, RankRun, launch_ranks
+from ci_runner.modes.layers.parallel import TASK as LAYERS, tp_findings
+from ci_runner.modes.ops.parallel import TASK as OPS, collective_finding
+from ci_runner.numerics.parallel import TASK as NUMERICS, analyse, rank_payload
+from ci_runner.options import OpsOptions
+from ci_runner.registry import parse_options
 from ci_runner.options import ThresholdOptions
 from ci_runner.parallel import ParallelSpec
 
@@ -21,15 +27,25 @@ pytestmark = pytest.mark.subprocess
 
 TP2 = ParallelSpec(tp=2)
 BACKENDS = ("aot_eager", "sim-tp-drop", "sim-tp-dup", "sim-tp-shard")
+ATEN_ONLY = BackendSpec(id="sim-subset", compile="sim-subset", backend_options={"allow": ["aten.*"]})
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def launch(tmp_path_factory: pytest.TempPathFactory) -> tuple[RankRun, Path]:
     model = ModelSpec(id="tiny-decoder", factory="tests.fixtures.plugin_tp_models:decoder")
-    run, value = run_ranks(model, InputSpec(samples=2), TP2, [BackendSpec(id=b, compile=b) for b in BACKENDS],
-                           samples=[0, 1], folder=tmp_path_factory.mktemp("tp"), timeout=400)
-    assert value is not None, run.describe() + "\n" + "\n".join(r.traceback or r.stderr_tail for r in run.results)
-    return value
+    payload = rank_payload(model, InputSpec(samples=2), TP2, [BackendSpec(id=b, compile=b) for b in BACKENDS],
+                           samples=[0, 1])
+    payload.update(tasks=[NUMERICS, LAYERS, OPS], ops_backend=spec_to_json(ATEN_ONLY),
+                   search_backends=[spec_to_json(BackendSpec(id="sim-crash", compile="sim-crash"))])
+    folder = tmp_path_factory.mktemp("tp")
+    run = launch_ranks(RANK_TASKS, payload, world=2, timeout=400, folder=folder)
+    assert run.ok, run.describe() + "\n" + "\n".join(r.traceback or r.stderr_tail for r in run.results)
+    return run, folder
+
+
+@pytest.fixture(scope="module")
+def ranks(launch: tuple[RankRun, Path]) -> dict[str, Any]:
+    return launch[0].results[0].value[NUMERICS]
 
 
 def _only(value: dict[str, Any], backend: str) -> Any:
@@ -72,6 +88,43 @@ def test_a_wrongly_laid_out_shard_is_found_as_a_permutation(ranks: dict[str, Any
     assert f.details["facts"]["permuted_rel"] < 1e-5 and f.metrics["cos"] < 0.5
 
 
+def test_the_layers_search_under_tp2_finds_the_failing_attention_on_every_rank(launch: tuple[RankRun, Path]) -> None:
+    run, folder = launch
+    value = run.results[0].value[LAYERS]
+    found = tp_findings(value, run, "sim-crash", "tiny-decoder", TP2, folder)
+    assert [(f.kind, f.module, f.parallel, f.stage, f.details["ranks"]) for f in found] == \
+        [("layer_failure", "layers.0.self_attn", "tp2", "run", [0, 1])]
+    assert "[sim-crash]" in found[0].message and "on every rank" in found[0].message
+    outcomes = value["backends"]["sim-crash"]["outcomes"]
+    assert outcomes[""]["status"] == "fail"  # the whole sharded model first, as the single-rank search
+    # its sharded children pass alone, the row-parallel o_proj's all-reduce too: the attention itself is smallest
+    assert {outcomes[f"layers.0.self_attn.{p}_proj"]["status"] for p in "qkvo"} == {"pass"}
+    assert outcomes["layers.0.mlp"]["status"] == "pass"
+
+
+def test_the_collectives_the_backend_sees_are_ops_each_refused_one_with_a_repro(
+        launch: tuple[RankRun, Path], tmp_path: Path) -> None:
+    run, _ = launch
+    value = run.results[0].value[OPS]
+    rows = {r["op"]: r for r in value["rows"]}
+    assert set(rows) == {"_c10d_functional.all_reduce.default", "_c10d_functional.all_gather_into_tensor.default"}
+    reduce = rows["_c10d_functional.all_reduce.default"]
+    # the rowwise embedding's, o_proj's and down_proj's all-reduces: one call signature (sum over [1, 8, 16])
+    assert (reduce["call"]["shape"], reduce["call"]["args"], reduce["call"]["count"]) == ([1, 8, 16], ["sum"], 3)
+    assert rows["_c10d_functional.all_gather_into_tensor.default"]["call"]["module"] == "lm_head"
+    assert all(r["status"] == "unsupported" and r["ranks"] == [0, 1] for r in rows.values())
+    # the repro is run (verified) by the slow IREE test below: here it is written and compiles (16 s less)
+    opts: OpsOptions = parse_options("ops", {"verify": False})
+    f = collective_finding(reduce, ATEN_ONLY, "tiny-decoder", TP2, opts, tmp_path, tmp_path)
+    assert (f.kind, f.op, f.parallel, f.error_type) == \
+        ("unsupported_op", "_c10d_functional.all_reduce.default", "tp2", "SimCompilerError")
+    assert f.repro is not None and not f.repro.verified
+    script = (tmp_path / f.repro.path).read_text()
+    compile(script, f.repro.path, "exec")
+    assert "OP = ('_c10d_functional', 'all_reduce', 'default')" in script and "SHAPE = [1, 8, 16]" in script
+    assert "make_backend('sim-subset'" in script
+
+
 def test_a_rank_that_never_arrives_is_named(tmp_path: Path) -> None:
     run = launch_ranks("tests.fixtures.tp_targets:stall", {"stall_s": 15}, world=2, timeout=120, folder=tmp_path,
                        collective_timeout=3)
@@ -84,15 +137,18 @@ def test_a_rank_that_never_arrives_is_named(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_iree_reports_its_unsupported_collective(tmp_path: Path) -> None:
     """IREE's turbine_cpu cannot lower `_c10d_functional.all_reduce` (checked by hand with a lone funcol all-reduce
-    under gloo: "failed to legalize operation 'torch.operator' … torch._c10d_functional.all_reduce"): the sharded
-    run fails, and the probe names the collective as one unsupported op."""
+    under gloo: "failed to legalize operation 'torch.operator' … torch._c10d_functional.all_reduce"): the ops
+    mode's TP task finds it among the sharded model's collectives, and its repro (own ranks) fails the same way."""
     pytest.importorskip("iree.turbine")
     model = ModelSpec(id="tiny-decoder", factory="tests.fixtures.plugin_tp_models:decoder")
-    run, value = run_ranks(model, InputSpec(samples=1), TP2, [BackendSpec(id="turbine_cpu", compile="turbine_cpu")],
-                           samples=[0], folder=tmp_path, timeout=400)
-    assert value is not None, run.describe()
-    result = analyse(value, "turbine_cpu", model_id="tiny-decoder", parallel=TP2, opts=ThresholdOptions())
-    ops = {f.op: f for f in result.findings}
-    f = ops["_c10d_functional.all_reduce.default"]
+    spec = BackendSpec(id="turbine_cpu", compile="turbine_cpu")
+    payload = rank_payload(model, InputSpec(samples=1), TP2, [], samples=[0])
+    payload.update(tasks=[OPS], ops_backend=spec_to_json(spec))
+    run = launch_ranks(RANK_TASKS, payload, world=2, timeout=400, folder=tmp_path / "ranks")
+    assert run.ok, run.describe()
+    rows = {r["op"]: r for r in run.results[0].value[OPS]["rows"]}
+    reduce = rows["_c10d_functional.all_reduce.default"]
+    assert reduce["status"] == "unsupported" and reduce["ranks"] == [0, 1]
+    f = collective_finding(reduce, spec, "tiny-decoder", TP2, parse_options("ops", {}), tmp_path, tmp_path)
     assert (f.kind, f.stage, f.parallel) == ("unsupported_op", "compile", "tp2")
-    assert value["backends"]["turbine_cpu"]["rank"] in (0, 1)
+    assert f.repro is not None and f.repro.verified, (f.repro and f.repro.note, f.details.get("repro_output_tail"))

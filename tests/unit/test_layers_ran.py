@@ -14,7 +14,7 @@ from torch import nn
 from ci_runner.backends import resolve_backend
 from ci_runner.config import BackendSpec
 from ci_runner.engine.outcome import ProbeOutcome
-from ci_runner.modes.layers.search import ROOT, ModuleTree, _probe_one, own_code_candidates, search
+from ci_runner.modes.layers.search import ROOT, ModuleTree, probe_one, own_code_candidates, search
 
 
 def refusing_backend(gm: Any, example_inputs: Any) -> Any:
@@ -38,7 +38,7 @@ def _probe(backend: Any, module: nn.Module, tmp_path: Path, fd2: Path | None = N
     model = nn.Sequential()
     model.add_module("m", module)
     with open(tmp_path / "t.txt", "a") as fh:
-        return _probe_one("m", model=model, backend=backend, calls=[((torch.randn(2, 4),), {})], all_calls=False,
+        return probe_one("m", model=model, backend=backend, calls=[((torch.randn(2, 4),), {})], all_calls=False,
                           timeout=120, timeout_fh=fh, fd2_file=str(fd2) if fd2 else None)
 
 
@@ -144,7 +144,7 @@ def test_an_own_code_probe_does_not_count_the_frames_its_eager_children_leave_em
     model = nn.Sequential()
     model.add_module("m", _OwnCode())
     with open(tmp_path / "t.txt", "a") as fh:
-        o = _probe_one("m", model=model, backend=backend, calls=[((torch.randn(2, 4),), {})], all_calls=False,
+        o = probe_one("m", model=model, backend=backend, calls=[((torch.randn(2, 4),), {})], all_calls=False,
                        timeout=120, timeout_fh=fh, eager_children=["m.q", "m.out"])
     assert o.status == "pass", o.message
     assert o.ran["graphs_executed"] >= 1, o.ran

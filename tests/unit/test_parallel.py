@@ -120,3 +120,31 @@ def test_analyse_turns_bad_shards_and_failing_collectives_into_findings() -> Non
     value["backends"]["vendor"]["collectives"][0]["status"] = "ok"
     alone = analyse(value, "vendor", model_id="m", parallel=ParallelSpec(tp=2), opts=ThresholdOptions())
     assert alone.findings[-1].kind == "layer_failure" and "rank 0" in alone.findings[-1].message
+
+
+def test_a_sharded_run_the_backend_left_to_pytorch_is_inconclusive_per_layer_never_a_pass() -> None:
+    from ci_runner.numerics.parallel import analyse
+    from ci_runner.options import ThresholdOptions
+    from ci_runner.parallel import ParallelSpec
+
+    why = "rank 1: OpenVINO fell back to PyTorch: 3 partitions"
+    records = [{"sample": s, "key": k, "order": i, "not_ran": why} for s in (0, 1) for i, k in enumerate(("a#0", "b#0"))]
+    value = {"plan": {}, "eager": [], "weights": [], "backends": {"v": {"status": "ok", "records": records}}}
+    result = analyse(value, "v", model_id="m", parallel=ParallelSpec(tp=2), opts=ThresholdOptions())
+    assert (result.status, result.findings) == ("inconclusive", [])
+    assert [(r["module"], r["not_ran"]) for r in result.layers] == [("a#0", why), ("b#0", why)]
+    assert "2 of 2 module call(s) not run on the backend under tp2" in (result.reason or "")
+
+
+def test_a_dead_rank_in_the_tp_layers_search_names_the_module_it_was_probing(tmp_path: Path) -> None:
+    from ci_runner.engine.isolate import IsolatedResult
+    from ci_runner.engine.parallel import RankRun
+    from ci_runner.modes.layers.parallel import tp_findings
+    from ci_runner.parallel import ParallelSpec
+
+    (tmp_path / "rank0.progress").write_text("init\nprobe:v:<root>\nprobe:v:layers.0.mlp\n")
+    (tmp_path / "rank1.progress").write_text("init\nprobe:v:<root>\nprobe:v:layers.0.mlp\n")
+    results = (IsolatedResult(status="error", message="Gloo timed out"), IsolatedResult(status="crashed", signal="SIGSEGV"))
+    found = tp_findings(None, RankRun(results=results), "v", "m", ParallelSpec(tp=2), tmp_path)
+    assert [(f.kind, f.module, f.parallel) for f in found] == [("layer_failure", "layers.0.mlp", "tp2")]
+    assert "rank 1 was probing layers.0.mlp" in found[0].message and found[0].details["ranks"] == [0, 1]

@@ -15,7 +15,7 @@ from ci_runner.run.aggregate import write_report_dir
 from ci_runner.backends import resolve_backend
 from ci_runner.config import BackendSpec
 from ci_runner.engine.outcome import ProbeOutcome
-from ci_runner.modes.layers.search import ROOT, ModuleTree, _probe_one, own_code_candidates, own_name
+from ci_runner.modes.layers.search import ROOT, ModuleTree, probe_one, own_code_candidates, own_name
 from ci_runner.engine.models import disable_caches, module_names, resolve_module_name
 from ci_runner.modes.layers.mode import own_code_words
 from ci_runner.engine.repro import verify_script, write_script
@@ -185,11 +185,11 @@ def test_own_code_probe_compiles_the_module_with_its_children_eager(tmp_path: Pa
     model.add_module("block", cls())
     x = torch.randn(2, 4)
     with open(tmp_path / "t.txt", "a") as fh:
-        whole = _probe_one("block", model=model, backend=backend, calls=[((x,), {})], all_calls=False,
+        whole = probe_one("block", model=model, backend=backend, calls=[((x,), {})], all_calls=False,
                            timeout=120, timeout_fh=fh)
-        child = _probe_one("block.child", model=model, backend=backend, calls=[((x,), {})], all_calls=False,
+        child = probe_one("block.child", model=model, backend=backend, calls=[((x,), {})], all_calls=False,
                            timeout=120, timeout_fh=fh)
-        own = _probe_one("block", model=model, backend=backend, calls=[((x,), {})], all_calls=False,
+        own = probe_one("block", model=model, backend=backend, calls=[((x,), {})], all_calls=False,
                          timeout=120, timeout_fh=fh, eager_children=["block.child"])
     assert (whole.status, child.status) == ("fail", "pass")
     assert own.name == "block#own" and own.status == own_status, own.message

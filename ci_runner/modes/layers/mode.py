@@ -46,6 +46,7 @@ from .culprit import CulpritResult, CulpritTarget, find_culprits, hints_from_err
 from .groups import IN_PROCESS, cause_families, cause_groups, run_parallel
 from .handoff import drop_handoff, save_target
 from .phases import run_phases
+from .parallel import run_tp
 from ...fsutil import atomic_write_text
 from ...engine.codec import TensorStore, Unstorable
 from ...engine.failure import first_line, tail, unwrap
@@ -191,6 +192,8 @@ def run(ctx: "ModeContext") -> ModeResult:
     opts: LayersOptions = parse_options("layers", ctx.options("layers"))
     layers_dir = ctx.artifact_dir("layers")
     result = _run_forward(ctx, opts, layers_dir)
+    if ctx.cell.parallel and result.status != "error":  # tensor parallel: parallel.py
+        _tp(ctx, opts, result)
     if not ctx.cell.inputs.phases:
         return result
     t0 = time.monotonic()
@@ -204,6 +207,18 @@ def run(ctx: "ModeContext") -> ModeResult:
         if result.status in ("pass", "inconclusive"):
             result.status = "fail"
     return result
+
+
+def _tp(ctx: "ModeContext", opts: LayersOptions, result: ModeResult) -> None:
+    """The cell's tensor-parallel search (modes/layers/parallel.py): its findings; its summary into `data.parallel`."""
+    t0 = time.monotonic()
+    found, result.data["parallel"] = run_tp(ctx, opts.probe_timeout)
+    result.duration_s += time.monotonic() - t0
+    if found:
+        annotate(found, boilerplate=BOILERPLATE)
+        result.findings += found
+        if result.status in ("pass", "inconclusive"):
+            result.status = "fail"
 
 
 def _run_forward(ctx: "ModeContext", opts: LayersOptions, layers_dir: Path) -> ModeResult:

@@ -468,7 +468,7 @@ def probe_child(payload: dict[str, Any]) -> dict[str, Any]:
         versions = weight_versions(model)
         calls = inputs.pop(name, [])
         seen = [(t, t._version) for t in tensors_in(calls[:1])]
-        outcome = _probe_one(name, model=model, backend=backend, calls=calls, all_calls=plan.all_calls,
+        outcome = probe_one(name, model=model, backend=backend, calls=calls, all_calls=plan.all_calls,
                              timeout=max(1.0, min(plan.probe_timeout, plan.deadline_wall - time.time())),
                              timeout_fh=timeout_fh, fd2_file=plan.fd2_file)
         if outcome.failed and name != ROOT:  # its parent is not a smallest failing module
@@ -494,7 +494,7 @@ def probe_child(payload: dict[str, Any]) -> dict[str, Any]:
             for name in own:
                 if time.time() >= plan.deadline_wall:
                     break
-                outcome = _probe_one(name, model=model, backend=backend, calls=calls.get(name, []), all_calls=False,
+                outcome = probe_one(name, model=model, backend=backend, calls=calls.get(name, []), all_calls=False,
                                      timeout=max(1.0, min(plan.probe_timeout, plan.deadline_wall - time.time())),
                                      timeout_fh=timeout_fh, eager_children=tree.children(name),
                                  fd2_file=plan.fd2_file)
@@ -538,7 +538,7 @@ def restore_weights(model: torch.nn.Module, fresh: torch.nn.Module) -> None:
             t.copy_(new[key])
 
 
-def _probe_one(name: str, *, model: torch.nn.Module, backend: Any, calls: list[tuple[tuple[Any, ...], dict[str, Any]]],
+def probe_one(name: str, *, model: torch.nn.Module, backend: Any, calls: list[tuple[tuple[Any, ...], dict[str, Any]]],
                all_calls: bool, timeout: float, timeout_fh: Any, eager_children: Sequence[str] = (),
                fd2_file: str | None = None) -> ProbeOutcome:
     """Compile `name` alone on the backend and run it on its captured inputs. With `eager_children` (qualified

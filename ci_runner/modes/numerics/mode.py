@@ -350,8 +350,8 @@ def run(ctx: "ModeContext") -> ModeResult:
         why = cum_errors[0]["error"] if cum_errors else (notes[-1] if notes else "no comparison could run")
         return ModeResult(status="error", reason=f"the target could not be compared: {why}", findings=findings,
                           data=data, duration_s=duration)
-    return _result(findings, data, duration, cum_errors=cum_errors, layers=layers,
-                   expected=[v for v in opts.views if not (v == "isolated" and iso_skipped)])
+    return _with_parallel(_result(findings, data, duration, cum_errors=cum_errors, layers=layers,
+                                  expected=[v for v in opts.views if not (v == "isolated" and iso_skipped)]))
 
 
 def _phases(ctx: "ModeContext", opts: NumericsOptions, data: dict[str, Any], findings: list[Any]) -> list[Any]:
@@ -368,6 +368,14 @@ def _parallel(ctx: "ModeContext", opts: NumericsOptions, data: dict[str, Any], f
     ctx.checkpoint("numerics", findings, data)  # kept if the ranks kill the process
     found, data["parallel"] = run_parallel(ctx, opts)
     return found
+
+
+def _with_parallel(result: ModeResult) -> ModeResult:
+    """A pass whose TP run the backend left (in part) to PyTorch is inconclusive, never a pass."""
+    tp = result.data.get("parallel") or {}
+    if tp.get("status") == "inconclusive" and result.status == "pass":
+        result.status, result.reason = "inconclusive", tp.get("reason")
+    return result
 
 
 def _references_problem(refs: Any) -> str | None:

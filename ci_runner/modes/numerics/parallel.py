@@ -11,9 +11,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from ...backends.spec import resolution
 from ...config import BackendSpec
-from ...engine.repro import render_template, write_script
+from ...engine.tpprobe import PLAN_CALLS, write_repro
 from ...numerics.parallel import analyse, run_ranks
 from ...options import NumericsOptions
 from ...registry import FindingKind
@@ -54,17 +53,14 @@ def run_parallel(ctx: "ModeContext", opts: NumericsOptions) -> tuple[list[Findin
 
 
 def collective_repro(ctx: "ModeContext", f: Finding, spec: BackendSpec) -> Repro:
-    """A standalone script that starts its own ranks and compiles the collective of `f` alone on the backend."""
+    """A standalone script that starts its own ranks and compiles the collective of `f` alone on the backend
+    (`engine/tpprobe.write_repro`; verified by the ops mode's TP hook, which probes the same calls)."""
     layout = ctx.cell.parallel
     assert layout is not None and f.op is not None
-    short = f.op.split(".")[1]
-    name = f"repro_{short}.py"
-    kind = resolution(spec).kind
-    text = render_template("repro_collective.py.j2", op=f.op, short=short, backend_id=spec.id,
-                           status=f.kind, world=layout.tp, error_type=f.error_type or "", message=f.message,
-                           model_id=ctx.cell.model.id, layout=layout.label(), script=name, env=dict(spec.env),
-                           compile_options=dict(spec.compile_options), imports=list(spec.imports),
-                           backend=spec.compile)
-    path = write_script(ctx.artifact_dir("numerics") / name, text)
-    note = None if kind == "registered" else f"the script names the backend {spec.compile!r} as a registered one"
-    return Repro(path=str(path.relative_to(ctx.cell_dir)), verified=False, command=f"python numerics/{name}", note=note)
+    call = f.details.get("call") or next(c for c in PLAN_CALLS if c["op"] == f.op)
+    name = f"repro_{f.op.split('.')[1]}.py"
+    path = write_repro(ctx.artifact_dir("numerics") / name, call, spec, status=f.kind, world=layout.tp,
+                       error_type=f.error_type or "", message=f.message, model_id=ctx.cell.model.id,
+                       layout=layout.label())
+    return Repro(path=str(path.relative_to(ctx.cell_dir)), verified=False, command=f"python numerics/{name}",
+                 note="not run here: the ops mode's TP hook verifies the repro of each collective it finds")

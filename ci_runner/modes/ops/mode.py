@@ -47,6 +47,7 @@ from .compare import SCRIPT_FUNCTIONS, matches_any
 from .outcome import OpOutcome, OpStatus
 from .inputs import SCRIPT_FUNCTIONS as INPUT_FUNCTIONS, call_source, dynamic_marks
 from .phases import run_phases
+from .parallel import run_tp
 from .probe import not_run_outcome, op_expression
 from .signature import Inventory, OpSignature
 from .store import probe_signatures, probe_spec
@@ -218,7 +219,23 @@ def run(ctx: "ModeContext") -> ModeResult:
                           setup_error=stats.get("setup_error"), data=data, started=t_start)
     if ctx.cell.inputs.phases:
         _add_phases(ctx, opts, inventory, ops_dir, result, level)
+    if ctx.cell.parallel:  # tensor parallel: the collectives the backend sees (parallel.py)
+        _add_parallel(ctx, opts, result)
     return result
+
+
+def _add_parallel(ctx: "ModeContext", opts: OpsOptions, result: ModeResult) -> None:
+    t0 = time.monotonic()
+    found, result.data["parallel"] = run_tp(ctx, opts)
+    result.duration_s += time.monotonic() - t0
+    result.findings += found
+    if found and result.status in ("pass", "inconclusive"):
+        result.status = "fail"
+    if result.data["parallel"]["status"] == "error":
+        why = f"the {ctx.cell.parallel.label() if ctx.cell.parallel else ''} ranks failed: {result.data['parallel']['ranks']}"
+        result.reason = "; ".join(filter(None, [result.reason, why]))
+        if result.status == "pass":
+            result.status = "error"
 
 
 def _add_phases(ctx: "ModeContext", opts: OpsOptions, inventory: Inventory, ops_dir: Path, result: ModeResult,

@@ -1,0 +1,98 @@
+"""The layers mode's tensor-parallel hook: with `parallel: {tp: N}` on the cell, the smallest submodule whose
+sharded run dies on the backend, on any rank, the ranks named (the search inside the ranks: `tpsearch.py`).
+
+It runs after the single-rank search, in ranks of its own (`engine/parallel.launch_ranks` of
+`engine/parallel.rank_tasks` with the `tpsearch.rank_task` task), and adds one `layer_failure` per smallest failing
+module (each carrying `parallel: "tpN"`, the failing ranks in `details.ranks`) and `data["parallel"]`. A rank that
+died or hung is one finding naming the rank and the module it was probing (its progress file's last
+`probe:<backend>:<module>` step); a rank waiting in a collective for it fails with gloo's timeout, and the hang
+report names the ranks that did not arrive.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from ...config import spec_to_json
+from ...engine.failure import first_line
+from ...engine.outcome import ProbeOutcome
+from ...engine.parallel import RANK_TASKS, RankRun, launch_ranks, read_progress
+from ...parallel import ParallelSpec
+from ...registry import FindingKind
+from ...results.model import Finding, fingerprint
+from .tpsearch import PROBE_STEP
+from .tree import ModuleTree, label
+
+if TYPE_CHECKING:
+    from .. import ModeContext
+
+TASK = "ci_runner.modes.layers.tpsearch:rank_task"
+
+
+def run_tp(ctx: "ModeContext", probe_timeout: float) -> tuple[list[Finding], dict[str, Any]]:
+    """(findings, data) of the cell's tensor-parallel search on its backend."""
+    layout = ctx.cell.parallel
+    assert layout is not None
+    t = time.monotonic()
+    folder = ctx.artifact_dir("layers") / "parallel"
+    payload = {"model": spec_to_json(ctx.cell.model), "inputs": spec_to_json(ctx.cell.inputs),
+               "parallel": layout.key(), "tasks": [TASK], "search_backends": [spec_to_json(ctx.cell.backend)],
+               "probe_timeout": probe_timeout}
+    run = launch_ranks(RANK_TASKS, payload, world=layout.tp, folder=folder,
+                       timeout=max(60.0, ctx.remaining() - 10.0))
+    value = run.results[0].value if run.ok and run.results else None
+    found = tp_findings(value[TASK] if value else None, run, ctx.cell.backend.id, ctx.cell.model.id, layout, folder)
+    data = {"layout": layout.key(), "label": layout.label(), "ranks": run.describe(),
+            "seconds": round(time.monotonic() - t, 3)}
+    if value:
+        res = value[TASK]["backends"].get(ctx.cell.backend.id, {})
+        data.update(minimal=[label(n) for n in res.get("minimal", [])], complete=res.get("complete"),
+                    probed=len(res.get("outcomes", {})), plan=value[TASK].get("plan"))
+    return found, data
+
+
+def tp_findings(value: Mapping[str, Any] | None, run: RankRun, backend_id: str, model_id: str,
+                layout: ParallelSpec, folder: Any) -> list[Finding]:
+    """One `layer_failure` per smallest failing module of rank 0's answer; or, when a rank died or hung, one
+    naming the ranks and the module being probed."""
+    if value is None:
+        return [_dead_ranks(run, backend_id, model_id, layout, folder)]
+    res = value["backends"].get(backend_id) or {}
+    tree = ModuleTree.from_json(value["tree"])
+    outcomes = {n: ProbeOutcome.from_json(o) for n, o in (res.get("outcomes") or {}).items()}
+    return [_layer_finding(tree, outcomes[n], list(res.get("ranks", {}).get(n, [])), backend_id, model_id, layout,
+                           dict(value.get("plan") or {})) for n in res.get("minimal", [])]
+
+
+def _layer_finding(tree: ModuleTree, o: ProbeOutcome, ranks: Sequence[int], backend_id: str, model_id: str,
+                   layout: ParallelSpec, plan: Mapping[str, str]) -> Finding:
+    who = "every rank" if len(ranks) == layout.tp else "rank" + ("s " if len(ranks) > 1 else " ") + \
+        ", ".join(map(str, ranks))
+    node = tree.nodes[o.name]
+    message = (f"{label(o.name)} ({layout.label()}, on {who}) fails alone on the backend: "
+               f"{o.error_type}: {first_line(o.message, 600)}")
+    return Finding(kind=FindingKind.LAYER_FAILURE, stage=o.stage or "run", message=message, module=label(o.name),
+                   module_class=node.module_class, error_type=o.error_type, parallel=layout.label(),
+                   fingerprint=fingerprint(FindingKind.LAYER_FAILURE, backend_id, model_id, layout.label(), o.name),
+                   details={"plan": dict(plan), "tp": layout.tp, "ranks": list(ranks),
+                            "path": [label(p) for p in tree.path(o.name)], "traceback": o.traceback[-3000:]})
+
+
+def _dead_ranks(run: RankRun, backend_id: str, model_id: str, layout: ParallelSpec, folder: Any) -> Finding:
+    """The ranks did not all finish: the module each failed rank was probing (its last progress step)."""
+    prefix = PROBE_STEP.format(backend=backend_id, module="")
+    where: dict[int, str] = {}
+    for r, _ in run.failed():
+        steps = read_progress(folder, r)
+        if steps and steps[-1].startswith(prefix):
+            where[r] = steps[-1][len(prefix):]
+    module = next(iter(where.values()), "")
+    words = "; ".join(f"rank {r} was probing {m}" for r, m in where.items())
+    message = f"the {layout.label()} search did not finish: {run.describe()}" + (f" ({words})" if words else "")
+    return Finding(kind=FindingKind.LAYER_FAILURE, stage="run", message=message, module=module or None,
+                   parallel=layout.label(),
+                   fingerprint=fingerprint(FindingKind.LAYER_FAILURE, backend_id, model_id, layout.label(),
+                                           module or "ranks"),
+                   details={"tp": layout.tp, "plan": dict(layout.plan), "hang": run.hang,
+                            "ranks": sorted(where) or [r for r, _ in run.failed()]})

@@ -1,0 +1,41 @@
+"""The ops mode under tensor parallelism, inside the ranks: the collectives the backend sees, each alone on it.
+
+`rank_task` is a task of `engine/parallel.rank_tasks`. Every rank builds and shards the model
+(`engine/tpplan.sharded_model`), traces it as an aot backend receives it (`engine/tpprobe.aten_graphs`: the DTensor
+redistributions are functional collectives there), lists the distinct collective calls
+(`engine/tpprobe.collective_calls`: op, shape, dtype, arguments) and probes each alone with the cell's backend on
+every rank at once (`engine/tpprobe.probe_collectives`). The ranks' rows are merged on rank 0
+(`engine/tpprobe.merge_rows`: a call fails when it fails on any rank, the ranks named).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ...backends import resolve_backend
+from ...config import BackendSpec, spec_from_json
+from ...engine.parallel import arrive
+from ...engine.tpplan import sharded_model
+from ...engine.tpprobe import aten_graphs, collective_calls, merge_rows, probe_collectives
+from ...results.model import clean
+
+
+def rank_task(payload: Mapping[str, Any], mesh: Any) -> dict[str, Any]:
+    """Rank 0 returns {"plan", "graphs", "calls", "rows"}; the other ranks {"rank"}."""
+    import torch.distributed as dist  # deferred: rank children only
+
+    sharded, resolved, kwargs = sharded_model(payload, mesh)
+    arrive(payload, "trace")
+    graphs = aten_graphs(sharded, kwargs)
+    calls = collective_calls(graphs)
+    spec = spec_from_json(BackendSpec, payload["ops_backend"])
+    arrive(payload, f"probe:{spec.id}")
+    backend = resolve_backend(spec)
+    backend.prepare()
+    rows = probe_collectives(backend.compile, calls)
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, rows)
+    arrive(payload, f"probed:{spec.id}")
+    if int(payload["rank"]) != 0:
+        return {"rank": int(payload["rank"])}
+    return clean({"plan": resolved, "graphs": len(graphs), "calls": calls, "rows": merge_rows(every)})
