@@ -6,12 +6,15 @@ It runs after the single-rank search, in ranks of its own (`engine/parallel.laun
 module (each carrying `parallel: "tpN"`, the failing ranks in `details.ranks`) and `data["parallel"]`. A rank that
 died or hung is one finding naming the rank and the module it was probing (its progress file's last
 `probe:<backend>:<module>` step); a rank waiting in a collective for it fails with gloo's timeout, and the hang
-report names the ranks that did not arrive.
+report names the ranks that did not arrive. Each finding gets a repro that starts its own ranks and replays the
+sharded module (`tprepro.py`), verified by running it; when the ranks died, a relaunch that only records stores
+the module's shards and inputs first.
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ...config import spec_to_json
@@ -21,35 +24,63 @@ from ...engine.parallel import RANK_TASKS, RankRun, launch_ranks, read_progress
 from ...parallel import ParallelSpec
 from ...registry import FindingKind
 from ...results.model import Finding, fingerprint
+from .tprepro import STORE_TASK, attach_repros
 from .tpsearch import PROBE_STEP
-from .tree import ModuleTree, label
+from .tree import ModuleTree, label, unlabel
 
 if TYPE_CHECKING:
+    from ...options import LayersOptions
     from .. import ModeContext
 
 TASK = "ci_runner.modes.layers.tpsearch:rank_task"
 
 
-def run_tp(ctx: "ModeContext", probe_timeout: float) -> tuple[list[Finding], dict[str, Any]]:
-    """(findings, data) of the cell's tensor-parallel search on its backend."""
+def run_tp(ctx: "ModeContext", opts: "LayersOptions") -> tuple[list[Finding], dict[str, Any]]:
+    """(findings, data) of the cell's tensor-parallel search on its backend, each finding with its repro
+    (`tprepro.py`; with `opts.repro`)."""
     layout = ctx.cell.parallel
     assert layout is not None
     t = time.monotonic()
     folder = ctx.artifact_dir("layers") / "parallel"
     payload = {"model": spec_to_json(ctx.cell.model), "inputs": spec_to_json(ctx.cell.inputs),
                "parallel": layout.key(), "tasks": [TASK], "search_backends": [spec_to_json(ctx.cell.backend)],
-               "probe_timeout": probe_timeout}
+               "probe_timeout": opts.probe_timeout}
     run = launch_ranks(RANK_TASKS, payload, world=layout.tp, folder=folder,
                        timeout=max(60.0, ctx.remaining() - 10.0))
     value = run.results[0].value if run.ok and run.results else None
     found = tp_findings(value[TASK] if value else None, run, ctx.cell.backend.id, ctx.cell.model.id, layout, folder)
     data = {"layout": layout.key(), "label": layout.label(), "ranks": run.describe(),
             "seconds": round(time.monotonic() - t, 3)}
+    if found and opts.repro:
+        t_repro = time.monotonic()
+        stored = dict(value[TASK].get("stored") or {}) if value else _store_after_death(ctx, found, folder, payload)
+        versions = {str(k): str(v) for k, v in (ctx.env.get("backend") or {}).items() if k != "torch"}
+        attach_repros(found, stored, spec=ctx.cell.backend, layout=layout, model_id=ctx.cell.model.id, folder=folder,
+                      cell_dir=ctx.cell_dir, opts=opts, time_left=ctx.remaining(), versions=versions)
+        data["repro_seconds"] = round(time.monotonic() - t_repro, 3)
     if value:
         res = value[TASK]["backends"].get(ctx.cell.backend.id, {})
         data.update(minimal=[label(n) for n in res.get("minimal", [])], complete=res.get("complete"),
                     probed=len(res.get("outcomes", {})), plan=value[TASK].get("plan"))
     return found, data
+
+
+def _store_after_death(ctx: "ModeContext", found: list[Finding], folder: Any,
+                       payload: Mapping[str, Any]) -> dict[str, Any]:
+    """The ranks died in a probe, before they stored anything: ranks of their own record the module they were
+    probing (`tprepro.store_task`: no probe, one eager forward), so the repro can replay it."""
+    names = [unlabel(f.module) for f in found if f.module]
+    if not names or ctx.remaining() < 60.0:
+        return {}
+    layout = ctx.cell.parallel
+    assert layout is not None
+    run = launch_ranks(RANK_TASKS, {**payload, "tasks": [STORE_TASK], "store_modules": names}, world=layout.tp,
+                       folder=Path(folder), timeout=max(60.0, min(300.0, ctx.remaining() - 30.0)))
+    if not (run.ok and run.results and run.results[0].value):
+        for f in found:
+            f.details["repro_note"] = f"no repro: the ranks that store the module's shards failed: {run.describe()}"
+        return {}
+    return dict(run.results[0].value[STORE_TASK].get("stored") or {})
 
 
 def tp_findings(value: Mapping[str, Any] | None, run: RankRun, backend_id: str, model_id: str,
@@ -75,8 +106,9 @@ def _layer_finding(tree: ModuleTree, o: ProbeOutcome, ranks: Sequence[int], back
     return Finding(kind=FindingKind.LAYER_FAILURE, stage=o.stage or "run", message=message, module=label(o.name),
                    module_class=node.module_class, error_type=o.error_type, parallel=layout.label(),
                    fingerprint=fingerprint(FindingKind.LAYER_FAILURE, backend_id, model_id, layout.label(), o.name),
-                   details={"plan": dict(plan), "tp": layout.tp, "ranks": list(ranks),
-                            "path": [label(p) for p in tree.path(o.name)], "traceback": o.traceback[-3000:]})
+                   details={"plan": dict(plan), "tp": layout.tp, "ranks": list(ranks), "status": o.status,
+                            "path": [label(p) for p in tree.path(o.name)], "message_full": o.message[:4000],
+                            "traceback": o.traceback[-3000:]})
 
 
 def _dead_ranks(run: RankRun, backend_id: str, model_id: str, layout: ParallelSpec, folder: Any) -> Finding:
@@ -90,9 +122,11 @@ def _dead_ranks(run: RankRun, backend_id: str, model_id: str, layout: ParallelSp
     module = next(iter(where.values()), "")
     words = "; ".join(f"rank {r} was probing {m}" for r, m in where.items())
     message = f"the {layout.label()} search did not finish: {run.describe()}" + (f" ({words})" if words else "")
+    hung = run.hang is not None or any(r.status == "timeout" for _, r in run.failed())
     return Finding(kind=FindingKind.LAYER_FAILURE, stage="run", message=message, module=module or None,
                    parallel=layout.label(),
                    fingerprint=fingerprint(FindingKind.LAYER_FAILURE, backend_id, model_id, layout.label(),
                                            module or "ranks"),
                    details={"tp": layout.tp, "plan": dict(layout.plan), "hang": run.hang,
+                            "status": "timeout" if hung else "crashed",
                             "ranks": sorted(where) or [r for r, _ in run.failed()]})
