@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 from ...config import spec_to_json
 from ...engine.failure import first_line
 from ...engine.outcome import ProbeOutcome
-from ...engine.parallel import RANK_TASKS, RankRun, launch_ranks, read_progress
+from ...engine.parallel import PROGRESS, RANK_TASKS, RankRun, launch_ranks, read_progress
 from ...parallel import ParallelSpec
 from ...registry import FindingKind
 from ...results.model import Finding, fingerprint
@@ -53,7 +53,8 @@ def run_tp(ctx: "ModeContext", opts: "LayersOptions") -> tuple[list[Finding], di
             "seconds": round(time.monotonic() - t, 3)}
     if found and opts.repro:
         t_repro = time.monotonic()
-        stored = dict(value[TASK].get("stored") or {}) if value else _store_after_death(ctx, found, folder, payload)
+        stored = dict(value[TASK].get("stored") or {}) if value else \
+            store_after_death(found, payload, world=layout.tp, folder=folder, time_left=ctx.remaining())
         versions = {str(k): str(v) for k, v in (ctx.env.get("backend") or {}).items() if k != "torch"}
         attach_repros(found, stored, spec=ctx.cell.backend, layout=layout, model_id=ctx.cell.model.id, folder=folder,
                       cell_dir=ctx.cell_dir, opts=opts, time_left=ctx.remaining(), versions=versions)
@@ -65,17 +66,17 @@ def run_tp(ctx: "ModeContext", opts: "LayersOptions") -> tuple[list[Finding], di
     return found, data
 
 
-def _store_after_death(ctx: "ModeContext", found: list[Finding], folder: Any,
-                       payload: Mapping[str, Any]) -> dict[str, Any]:
+def store_after_death(found: Sequence[Finding], payload: Mapping[str, Any], *, world: int, folder: Path,
+                      time_left: float) -> dict[str, Any]:
     """The ranks died in a probe, before they stored anything: ranks of their own record the module they were
     probing (`tprepro.store_task`: no probe, one eager forward), so the repro can replay it."""
     names = [unlabel(f.module) for f in found if f.module]
-    if not names or ctx.remaining() < 60.0:
+    if not names or time_left < 60.0:
         return {}
-    layout = ctx.cell.parallel
-    assert layout is not None
-    run = launch_ranks(RANK_TASKS, {**payload, "tasks": [STORE_TASK], "store_modules": names}, world=layout.tp,
-                       folder=Path(folder), timeout=max(60.0, min(300.0, ctx.remaining() - 30.0)))
+    # its own progress files (the search's keep where the ranks died); the module files go where the search's would
+    run = launch_ranks(RANK_TASKS, {**payload, "tasks": [STORE_TASK], "store_modules": names,
+                                    "repro_folder": str(folder)}, world=world, folder=Path(folder) / "store",
+                       timeout=max(60.0, min(300.0, time_left - 30.0)))
     if not (run.ok and run.results and run.results[0].value):
         for f in found:
             f.details["repro_note"] = f"no repro: the ranks that store the module's shards failed: {run.describe()}"
@@ -112,17 +113,22 @@ def _layer_finding(tree: ModuleTree, o: ProbeOutcome, ranks: Sequence[int], back
 
 
 def _dead_ranks(run: RankRun, backend_id: str, model_id: str, layout: ParallelSpec, folder: Any) -> Finding:
-    """The ranks did not all finish: the module each failed rank was probing (its last progress step)."""
+    """The ranks did not all finish: the module each failed rank was probing (its last progress step); a rank whose
+    probe watchdog fired (faulthandler's "Timeout (…)!" in `rank<r>.progress.faults`) hung there."""
     prefix = PROBE_STEP.format(backend=backend_id, module="")
     where: dict[int, str] = {}
+    hung_ranks: set[int] = set()
     for r, _ in run.failed():
         steps = read_progress(folder, r)
         if steps and steps[-1].startswith(prefix):
             where[r] = steps[-1][len(prefix):]
+        if _watchdog_fired(Path(folder) / f"{PROGRESS.format(rank=r)}.faults"):
+            hung_ranks.add(r)
     module = next(iter(where.values()), "")
-    words = "; ".join(f"rank {r} was probing {m}" for r, m in where.items())
+    words = "; ".join(f"rank {r} {'hung (probe_timeout) in' if r in hung_ranks else 'was probing'} {m}"
+                      for r, m in where.items())
     message = f"the {layout.label()} search did not finish: {run.describe()}" + (f" ({words})" if words else "")
-    hung = run.hang is not None or any(r.status == "timeout" for _, r in run.failed())
+    hung = bool(hung_ranks) or run.hang is not None or any(r.status == "timeout" for _, r in run.failed())
     return Finding(kind=FindingKind.LAYER_FAILURE, stage="run", message=message, module=module or None,
                    parallel=layout.label(),
                    fingerprint=fingerprint(FindingKind.LAYER_FAILURE, backend_id, model_id, layout.label(),
@@ -130,3 +136,11 @@ def _dead_ranks(run: RankRun, backend_id: str, model_id: str, layout: ParallelSp
                    details={"tp": layout.tp, "plan": dict(layout.plan), "hang": run.hang,
                             "status": "timeout" if hung else "crashed",
                             "ranks": sorted(where) or [r for r, _ in run.failed()]})
+
+
+def _watchdog_fired(path: Path) -> bool:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            return fh.read(64).startswith("Timeout (")
+    except OSError:
+        return False

@@ -103,7 +103,7 @@ def store_ranks(payload: Mapping[str, Any], sharded: torch.nn.Module, resolved: 
     import torch.distributed as dist  # deferred: rank children only
 
     rank = int(payload["rank"])
-    folder = Path(str(payload["progress"])).parent
+    folder = Path(str(payload.get("repro_folder") or Path(str(payload["progress"])).parent))
     source = model_source(payload, sharded)
     mine: dict[str, str] = {}
     for name in names:
