@@ -21,7 +21,9 @@ only records (`store_task`); its repro is verified when a rank dies or times out
 from __future__ import annotations
 
 import os
+import re
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
@@ -157,6 +159,7 @@ def attach_repros(findings: Sequence[Finding], stored: Mapping[str, Mapping[str,
     finding without them gets a note saying why."""
     from .groups import run_parallel  # deferred: the thread pool the single-rank repros use
 
+    deadline = time.monotonic() + time_left
     jobs = [f for f in findings if f.module is not None and f.module in stored]
     for f in findings:
         if f not in jobs:
@@ -165,7 +168,7 @@ def attach_repros(findings: Sequence[Finding], stored: Mapping[str, Mapping[str,
     def one(f: Finding) -> None:
         try:
             f.repro = write_and_verify(f, stored[str(f.module)], spec=spec, layout=layout, model_id=model_id,
-                                       folder=folder, cell_dir=cell_dir, opts=opts, time_left=time_left,
+                                       folder=folder, cell_dir=cell_dir, opts=opts, deadline=deadline,
                                        versions=versions or {})
         except Exception as exc:  # a repro problem must not lose the finding
             f.repro = Repro(path=str(folder.relative_to(cell_dir)), verified=False,
@@ -175,9 +178,10 @@ def attach_repros(findings: Sequence[Finding], stored: Mapping[str, Mapping[str,
 
 
 def write_and_verify(f: Finding, info: Mapping[str, Any], *, spec: "BackendSpec", layout: "ParallelSpec",
-                     model_id: str, folder: Path, cell_dir: Path, opts: "LayersOptions", time_left: float,
+                     model_id: str, folder: Path, cell_dir: Path, opts: "LayersOptions", deadline: float,
                      versions: Mapping[str, str]) -> Repro:
-    """The finding's repro: `repro.py` beside the ranks' files in `info["dir"]`, run when `opts.verify`."""
+    """The finding's repro: `repro.py` beside the ranks' files in `info["dir"]`, run when `opts.verify` (by
+    `deadline`, a `time.monotonic()`)."""
     rdir = folder / str(info["dir"])
     rel = rdir.relative_to(cell_dir)
     if info.get("errors") or info.get("source") is None:
@@ -212,11 +216,16 @@ def write_and_verify(f: Finding, info: Mapping[str, Any], *, spec: "BackendSpec"
     env = {str(k): str(v) for k, v in spec.env.items()}
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(pythonpath)
-    limit = max(5.0, min(opts.verify_timeout if not hard else timeout + 30.0, time_left - 5.0))
-    if hard:  # a rank died or hung: the script's own deadline or a rank's death shows it again
+    limit = max(5.0, min(opts.verify_timeout if not hard else timeout + 30.0, deadline - time.monotonic() - 5.0))
+    if hard:  # a rank died or hung: a rank's death, or the script's own deadline, shows it again
         v = verify_script(script, expect_text=["fails on rank"], timeout=limit, env=env, expect_signal=True)
-        again = "REPRO TIMEOUT" in v.output_tail or "REPRO DIED" in v.output_tail or v.exit_code is None
-        verified, note = v.verified and again, v.note if again else f"{v.note}; no rank died or hung"
+        if status == "timeout":
+            again = "REPRO TIMEOUT" in v.output_tail or v.exit_code is None
+        else:  # killed by a signal, or exited without a Python error
+            again = "REPRO DIED" in v.output_tail or re.search(r"REPRO FAILED: .*: exit code -?\d+$", v.output_tail,
+                                                               re.MULTILINE) is not None
+        verified = v.verified and again
+        note = v.note if again else f"{v.note}; no rank {'hung' if status == 'timeout' else 'died'} this time"
     else:
         expect = [f"rank {r}: REPRO FAILED" for r in ranks] + key_text(str(f.details.get("message_full") or ""))
         v = verify_script(script, expect_text=expect, expect_error_type=f.error_type, timeout=limit, env=env)
