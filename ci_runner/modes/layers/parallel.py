@@ -24,8 +24,8 @@ from ...engine.parallel import PROGRESS, RANK_TASKS, RankRun, launch_ranks, read
 from ...parallel import ParallelSpec
 from ...registry import FindingKind
 from ...results.model import Finding, fingerprint
-from .tprepro import STORE_TASK, attach_repros
-from .tpsearch import PROBE_STEP
+from .tprepro import attach_repros
+from .tpsearch import PROBE_STEP, STORE_TASK
 from .tree import ModuleTree, label, unlabel
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ def run_tp(ctx: "ModeContext", opts: "LayersOptions") -> tuple[list[Finding], di
 def store_after_death(found: Sequence[Finding], payload: Mapping[str, Any], *, world: int, folder: Path,
                       time_left: float) -> dict[str, Any]:
     """The ranks died in a probe, before they stored anything: ranks of their own record the module they were
-    probing (`tprepro.store_task`: no probe, one eager forward), so the repro can replay it."""
+    probing (`tpsearch.store_task`: no probe, one eager forward), so the repro can replay it."""
     names = [unlabel(f.module) for f in found if f.module]
     if not names or time_left < 60.0:
         return {}

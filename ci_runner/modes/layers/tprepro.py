@@ -15,7 +15,7 @@ shards it with `parallelize_module` by the plan, copies the rank's saved shards 
 backend=…, **compile_options)` under `no_grad`) and runs it; exit 1 while any rank fails, each rank's line naming
 it. With `options.layers.verify` it is run: verified when every failing rank of the finding fails with the
 finding's error type and first line. A module whose rank died or hung has its state saved by a relaunch that
-only records (`store_task`); its repro is verified when a rank dies or times out again.
+only records (`tpsearch.store_task`); its repro is verified when a rank dies or times out again.
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ if TYPE_CHECKING:
     from ...parallel import ParallelSpec
 
 Calls = list[tuple[tuple[Any, ...], dict[str, Any]]]
-STORE_TASK = "ci_runner.modes.layers.tprepro:store_task"
 STARTUP_S = 60.0  # a repro rank's start, model build and shard, on top of the probe's own limit
 
 
@@ -134,20 +133,6 @@ def store_ranks(payload: Mapping[str, Any], sharded: torch.nn.Module, resolved: 
                           "plan": relative_plan(resolved, name), "source": brief,
                           "errors": {str(r): e[name] for r, e in enumerate(every) if name in e}}
             for name in names}
-
-
-def store_task(payload: Mapping[str, Any], mesh: Any) -> dict[str, Any]:
-    """A rank task that only records (after a search whose ranks died): the sharded model, one eager forward,
-    `store_ranks` for `payload["store_modules"]` (qualified names)."""
-    from ...engine.parallel import arrive
-    from ...engine.tpplan import sharded_model
-    from .tpsearch import capture_sharded
-
-    sharded, resolved, kwargs = sharded_model(payload, mesh)
-    _, calls = capture_sharded(sharded, kwargs)
-    stored = store_ranks(payload, sharded, resolved, calls, list(payload["store_modules"]))
-    arrive(payload, "stored")
-    return {"stored": stored}
 
 
 # --------------------------------------------------------------------------- in the parent

@@ -30,6 +30,7 @@ from .tprepro import store_ranks
 
 Calls = list[tuple[tuple[Any, ...], dict[str, Any]]]
 PROBE_STEP = "probe:{backend}:{module}"  # the progress step announcing a probe (parsed back by the parent)
+STORE_TASK = "ci_runner.modes.layers.tpsearch:store_task"
 
 
 def rank_task(payload: Mapping[str, Any], mesh: Any) -> dict[str, Any]:
@@ -48,6 +49,16 @@ def rank_task(payload: Mapping[str, Any], mesh: Any) -> dict[str, Any]:
     if rank != 0:
         return {"rank": rank}
     return clean({"tree": tree.to_json(), "plan": resolved, "backends": out, "stored": stored})
+
+
+def store_task(payload: Mapping[str, Any], mesh: Any) -> dict[str, Any]:
+    """A rank task that only records, after a search whose ranks died: the sharded model, one eager forward, and
+    `tprepro.store_ranks` for `payload["store_modules"]` (qualified names)."""
+    sharded, resolved, kwargs = sharded_model(payload, mesh)
+    _, calls = capture_sharded(sharded, kwargs)
+    stored = store_ranks(payload, sharded, resolved, calls, list(payload["store_modules"]))
+    arrive(payload, "stored")
+    return {"stored": stored}
 
 
 def capture_sharded(sharded: torch.nn.Module, kwargs: Mapping[str, Any]) -> tuple[ModuleTree, dict[str, Calls]]:
