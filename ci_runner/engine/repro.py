@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping, Sequence
 import jinja2
 
 from ..backends import backend_recipe, is_self_test
-from .failure import REPRO_FUNCTIONS
+from .failure import REPRO_FUNCTIONS, first_line
 from ..fsutil import atomic_write_text
 from .isolate import isolated_env, run_process
 from ..results.rootcause import normalize_text
@@ -136,6 +136,16 @@ def verify_script(script: Path, *, expect_text: Sequence[str], expect_error_type
         return Verification(verified=False, exit_code=end.returncode, output_tail=tail,
                             note=f"failed differently: output lacks {', '.join(repr(m) for m in missing)}")
     return Verification(verified=True, exit_code=end.returncode, output_tail=tail, note="reproduces the same failure")
+
+
+def key_text(message: str) -> list[str]:
+    """A stable piece of the error text for verification (first line, before node names or numbers vary)."""
+    line = first_line(message, 120)
+    for cut in (" in node ", " at 0x", "\n"):
+        if cut in line:
+            line = line.split(cut, 1)[0]
+    line = line.strip()
+    return [line[:80]] if len(line) >= 8 else []
 
 
 def safe_filename(text: str, limit: int = 120) -> str:

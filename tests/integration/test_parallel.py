@@ -2,7 +2,8 @@
 
 One launch (module-scoped) runs the tiny decoder of `tests/fixtures/plugin_tp_models.py` sharded over 2 ranks by
 the default decoder plan, eagerly and then compiled by aot_eager, sim-tp-drop, sim-tp-dup and sim-tp-shard in turn
-(the numerics task), then the layers mode's search on sim-crash in the same ranks (the layers task), then the
+(the numerics task), then the layers mode's search on sim-crash in the same ranks (the layers task, which stores
+the failing module's shards and inputs for its repro), then the
 ops mode's inventory of the collectives, probed alone on sim-subset allowing ATen ops only (the ops task).
 """
 
@@ -12,10 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from ci_runner.config import BackendSpec, InputSpec, ModelSpec, spec_to_json
 from ci_runner.engine.parallel import RANK_TASKS, RankRun, launch_ranks
 from ci_runner.modes.layers.parallel import TASK as LAYERS, tp_findings
+from ci_runner.modes.layers.tprepro import attach_repros
 from ci_runner.modes.ops.parallel import TASK as OPS, collective_finding
 from ci_runner.numerics.parallel import TASK as NUMERICS, analyse, rank_payload
 from ci_runner.options import OpsOptions
@@ -27,6 +30,7 @@ pytestmark = pytest.mark.subprocess
 
 TP2 = ParallelSpec(tp=2)
 BACKENDS = ("aot_eager", "sim-tp-drop", "sim-tp-dup", "sim-tp-shard")
+SIM_CRASH = BackendSpec(id="sim-crash", compile="sim-crash")
 ATEN_ONLY = BackendSpec(id="sim-subset", compile="sim-subset", backend_options={"allow": ["aten.*"]})
 
 
@@ -36,7 +40,7 @@ def launch(tmp_path_factory: pytest.TempPathFactory) -> tuple[RankRun, Path]:
     payload = rank_payload(model, InputSpec(samples=2), TP2, [BackendSpec(id=b, compile=b) for b in BACKENDS],
                            samples=[0, 1])
     payload.update(tasks=[NUMERICS, LAYERS, OPS], ops_backend=spec_to_json(ATEN_ONLY),
-                   search_backends=[spec_to_json(BackendSpec(id="sim-crash", compile="sim-crash"))])
+                   search_backends=[spec_to_json(SIM_CRASH)])
     folder = tmp_path_factory.mktemp("tp")
     run = launch_ranks(RANK_TASKS, payload, world=2, timeout=400, folder=folder)
     assert run.ok, run.describe() + "\n" + "\n".join(r.traceback or r.stderr_tail for r in run.results)
@@ -100,6 +104,32 @@ def test_the_layers_search_under_tp2_finds_the_failing_attention_on_every_rank(l
     # its sharded children pass alone, the row-parallel o_proj's all-reduce too: the attention itself is smallest
     assert {outcomes[f"layers.0.self_attn.{p}_proj"]["status"] for p in "qkvo"} == {"pass"}
     assert outcomes["layers.0.mlp"]["status"] == "pass"
+
+
+def test_the_tp_layers_finding_has_a_repro_with_its_own_ranks_that_fails_on_both(launch: tuple[RankRun, Path]) -> None:
+    """Each rank stored the failing attention's local shards and inputs; the script starts 2 ranks of its own,
+    rebuilds the attention from the model's factory, shards it with parallelize_module, compiles it with sim-crash:
+    both ranks fail with the finding's error (run: verified; ~15 s)."""
+    run, folder = launch
+    value = run.results[0].value[LAYERS]
+    found = tp_findings(value, run, "sim-crash", "tiny-decoder", TP2, folder)
+    stored = value["stored"]["layers.0.self_attn"]
+    assert (stored["plan"], stored["errors"]) == ({"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise",
+                                                   "o_proj": "rowwise"}, {})
+    attach_repros(found, value["stored"], spec=SIM_CRASH, layout=TP2, model_id="tiny-decoder", folder=folder,
+                  cell_dir=folder, opts=parse_options("layers", {}), time_left=300.0)
+    f = found[0]
+    assert f.repro is not None and f.repro.path == "repro_layers.0.self_attn/repro.py"
+    assert f.repro.verified, (f.repro.note, f.details.get("repro_output_tail"))
+    tail = f.details["repro_output_tail"]
+    for r in (0, 1):  # the summary the script ends with: every rank, the finding's error
+        assert f"rank {r}: REPRO FAILED: layers.0.self_attn: RuntimeError: [sim-crash] Assertion" in tail
+    assert tail.rstrip().endswith("layers.0.self_attn under tp2 on sim-crash: fails on rank(s) 0, 1")
+    script = (folder / f.repro.path).read_text()
+    assert "weights_only=True)" in script and "parallelize_module(module, mesh" in script
+    blob = torch.load(folder / "repro_layers.0.self_attn" / "rank1.pt", weights_only=True)
+    assert tuple(blob["state"]["q_proj.weight"].shape) == (8, 16)  # rank 1's own shard of the 16 output rows
+    assert tuple(blob["state"]["o_proj.weight"].shape) == (16, 8)  # and of the rowwise projection's inputs
 
 
 def test_the_collectives_the_backend_sees_are_ops_each_refused_one_with_a_repro(

@@ -148,3 +148,17 @@ def test_a_dead_rank_in_the_tp_layers_search_names_the_module_it_was_probing(tmp
     found = tp_findings(None, RankRun(results=results), "v", "m", ParallelSpec(tp=2), tmp_path)
     assert [(f.kind, f.module, f.parallel) for f in found] == [("layer_failure", "layers.0.mlp", "tp2")]
     assert "rank 1 was probing layers.0.mlp" in found[0].message and found[0].details["ranks"] == [0, 1]
+    assert found[0].details["status"] == "crashed"  # its repro (tprepro.py) then expects a rank to die again
+    (tmp_path / "rank1.progress.faults").write_text("Timeout (0:00:10)!\nThread 0x1 (most recent call first):\n")
+    hung = tp_findings(None, RankRun(results=results), "v", "m", ParallelSpec(tp=2), tmp_path)[0]
+    assert "rank 1 hung (probe_timeout) in layers.0.mlp" in hung.message and hung.details["status"] == "timeout"
+
+
+def test_a_tp_repro_shards_the_module_by_the_plan_relative_to_it() -> None:
+    from ci_runner.modes.layers.tprepro import relative_plan
+
+    plan = {"embed_tokens": "rowwise_embedding", "layers.0.self_attn.q_proj": "colwise",
+            "layers.0.self_attn.o_proj": "rowwise", "layers.0.mlp.down_proj": "rowwise", "layers.0.self_attn_x.q": "colwise"}
+    assert relative_plan(plan, "layers.0.self_attn") == {"q_proj": "colwise", "o_proj": "rowwise"}
+    assert relative_plan(plan, "layers.0.self_attn.o_proj") == {"": "rowwise"}  # the module itself is planned
+    assert relative_plan(plan, "") == plan and relative_plan(plan, "layers.0.input_layernorm") == {}

@@ -55,7 +55,7 @@ from ...engine.outcome import ProbeOutcome, append_outcome, read_outcomes
 from .search import BOILERPLATE, ROOT, ChildPlan, ModuleTree, SearchResult, StopSearch, capture_inputs, encode_call, label, own_name, scan_model, search, twin_plan, unlabel, write_root_call
 from ...options import LayersOptions
 from ...registry import FindingKind, parse_options
-from ...engine.repro import plugin_modules as _plugin_modules, render_template, run_command, safe_filename, template_backend, verify_script, write_script
+from ...engine.repro import key_text as _key_text, plugin_modules as _plugin_modules, render_template, run_command, safe_filename, template_backend, verify_script, write_script
 from ...engine.tree import module_tensors
 from ...results.model import JOURNAL_NAME, Finding, ModeResult, Repro, fingerprint
 from ...results.rootcause import annotate
@@ -212,7 +212,7 @@ def run(ctx: "ModeContext") -> ModeResult:
 def _tp(ctx: "ModeContext", opts: LayersOptions, result: ModeResult) -> None:
     """The cell's tensor-parallel search (modes/layers/parallel.py): its findings; its summary into `data.parallel`."""
     t0 = time.monotonic()
-    found, result.data["parallel"] = run_tp(ctx, opts.probe_timeout)
+    found, result.data["parallel"] = run_tp(ctx, opts)
     result.duration_s += time.monotonic() - t0
     if found:
         annotate(found, boilerplate=BOILERPLATE)
@@ -450,16 +450,6 @@ def _finding(ctx: "ModeContext", tree: ModuleTree, result: SearchResult, name: s
 
 
 # --------------------------------------------------------------------------- repros
-
-def _key_text(message: str) -> list[str]:
-    """A stable piece of the error text for verification (first line, before node names or numbers vary)."""
-    line = first_line(message, 120)
-    for cut in (" in node ", " at 0x", "\n"):
-        if cut in line:
-            line = line.split(cut, 1)[0]
-    line = line.strip()
-    return [line[:80]] if len(line) >= 8 else []
-
 
 def _repro_context(ctx: "ModeContext", name: str, node_class: str, o: ProbeOutcome, call: dict[str, Any]) -> dict[str, Any]:
     spec = ctx.cell.backend

@@ -9,7 +9,8 @@ The ranks probe the same modules in the same order, so the collectives inside a 
 probe the ranks' outcomes are agreed with an all-gather (a module fails when it fails on any rank; the first such
 rank's outcome stands and the failing ranks are named). Each probe is announced in the rank's progress file
 (`probe:<backend>:<module>`), so a rank that dies in a probe, or hangs in a collective, is named with its module by
-`engine/parallel.hang_report` and the parent (`modes/layers/parallel.py`).
+`engine/parallel.hang_report` and the parent (`modes/layers/parallel.py`). After the search every rank stores each
+smallest failing module's local shards and inputs for its repro (`tprepro.store_ranks`).
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ from ...engine.parallel import arrive
 from ...engine.tpplan import sharded_model
 from ...results.model import clean
 from .search import ModuleTree, label, minimal_failing, probe_one, record_calls, search
+from .tprepro import store_ranks
 
 Calls = list[tuple[tuple[Any, ...], dict[str, Any]]]
 PROBE_STEP = "probe:{backend}:{module}"  # the progress step announcing a probe (parsed back by the parent)
+STORE_TASK = "ci_runner.modes.layers.tpsearch:store_task"
 
 
 def rank_task(payload: Mapping[str, Any], mesh: Any) -> dict[str, Any]:
@@ -40,9 +43,22 @@ def rank_task(payload: Mapping[str, Any], mesh: Any) -> dict[str, Any]:
     for raw in payload.get("search_backends") or []:
         spec = spec_from_json(BackendSpec, raw)
         out[spec.id] = _search(payload, spec, sharded, tree, calls)
+    # each smallest failing module's local state and inputs, per rank, for its repro (tprepro.py)
+    failing = list(dict.fromkeys(n for res in out.values() for n in res["minimal"]))
+    stored = store_ranks(payload, sharded, resolved, calls, failing) if failing else {}
     if rank != 0:
         return {"rank": rank}
-    return clean({"tree": tree.to_json(), "plan": resolved, "backends": out})
+    return clean({"tree": tree.to_json(), "plan": resolved, "backends": out, "stored": stored})
+
+
+def store_task(payload: Mapping[str, Any], mesh: Any) -> dict[str, Any]:
+    """A rank task that only records, after a search whose ranks died: the sharded model, one eager forward, and
+    `tprepro.store_ranks` for `payload["store_modules"]` (qualified names)."""
+    sharded, resolved, kwargs = sharded_model(payload, mesh)
+    _, calls = capture_sharded(sharded, kwargs)
+    stored = store_ranks(payload, sharded, resolved, calls, list(payload["store_modules"]))
+    arrive(payload, "stored")
+    return {"stored": stored}
 
 
 def capture_sharded(sharded: torch.nn.Module, kwargs: Mapping[str, Any]) -> tuple[ModuleTree, dict[str, Calls]]:
