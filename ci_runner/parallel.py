@@ -144,7 +144,7 @@ def check_process_group(raw: Any) -> list[tuple[str, str]]:
     if raw is None:
         return []
     if not isinstance(raw, str) or not PROCESS_GROUP_NAME.match(raw):
-        return [(f"process_group: {raw!r} is not a c10d backend name",
+        return [(f"{raw!r} is not a c10d backend name",
                  "write the name the device's plugin registers with torch.distributed, e.g. `process_group: hccl` "
                  "(leave it out for gloo on CPU)")]
     return []
