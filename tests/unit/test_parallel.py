@@ -186,3 +186,18 @@ def test_a_dead_rank_in_the_tp_layers_search_names_the_module_it_was_probing(tmp
     found = tp_findings(None, RankRun(results=results), "v", "m", ParallelSpec(tp=2), tmp_path)
     assert [(f.kind, f.module, f.parallel) for f in found] == [("layer_failure", "layers.0.mlp", "tp2")]
     assert "rank 1 was probing layers.0.mlp" in found[0].message and found[0].details["ranks"] == [0, 1]
+
+
+def test_the_ranks_refuse_a_process_group_c10d_does_not_know() -> None:
+    """What a rank does before joining (`engine/parallel.group_of`): the backend prepared, the name checked."""
+    from ci_runner.config import spec_to_json
+    from ci_runner.engine.parallel import group_of
+    from ci_runner.errors import BackendError
+
+    assert group_of({"parallel": {"tp": 2}}) == ("gloo", "cpu")
+    payload = {"parallel": {"tp": 2, "process_group": {"name": "glo", "device": "cpu",
+                                                       "backend": spec_to_json(BackendSpec(id="x", compile="aot_eager"))}}}
+    with pytest.raises(BackendError) as info:
+        group_of(payload)
+    assert "backend 'x': process_group 'glo' is not a c10d backend torch knows" in info.value.message
+    assert "gloo" in (info.value.hint or "") and "register_backend" in (info.value.hint or "")
