@@ -61,7 +61,7 @@ def _rank(payload: Mapping[str, Any], mesh: Any) -> dict[str, Any]:
     for raw in payload["backends"]:
         spec = spec_from_json(BackendSpec, raw)
         torch._dynamo.reset()
-        backends[spec.id] = _backend_run(payload, spec, sharded, placed, refs, local)
+        backends[spec.id] = _backend_run(payload, spec, sharded, placed, refs, local, mesh.device_type)
     group = {"name": dist.get_backend(), "device": mesh.device_type}  # what the ranks ran over, as c10d says
     counts = getattr(dist.group.WORLD, "counts", None)  # a group that counts its collectives (the self-test simccl)
     if counts is not None:
@@ -180,7 +180,7 @@ def _records(sample: int, ref: tuple[Outputs, Outputs], got: dict[str, dict[str,
 
 
 def _backend_run(payload: Mapping[str, Any], spec: BackendSpec, sharded: torch.nn.Module, samples: list[dict[str, Any]],
-                 refs: list[tuple[Outputs, Outputs]] | None, local: set[str]) -> dict[str, Any]:
+                 refs: list[tuple[Outputs, Outputs]] | None, local: set[str], device: str = "cpu") -> dict[str, Any]:
     """One backend on the sharded model: its records, or how it failed (stage and error) on this rank."""
     arrive(payload, f"compile:{spec.id}")
     try:
@@ -192,15 +192,16 @@ def _backend_run(payload: Mapping[str, Any], spec: BackendSpec, sharded: torch.n
         failure = classify(exc)  # the backend's own error, unwrapped from Dynamo's
         return {"status": "error", "rank": int(payload["rank"]), "stage": failure.stage,
                 "error_type": failure.error_type, "message": first_line(failure.message, 2000),
-                "collectives": _probe(spec)}
+                "collectives": _probe(spec, device)}
     arrive(payload, f"done:{spec.id}")
     return {"status": "ok", "records": records}
 
 
-def _probe(spec: BackendSpec) -> list[dict[str, Any]]:
-    """The plan's collectives alone on the backend (`engine/tpprobe.py`), after it failed on the sharded model."""
+def _probe(spec: BackendSpec, device: str) -> list[dict[str, Any]]:
+    """The plan's collectives alone on the backend (`engine/tpprobe.py`), on the mesh's device, after it failed on
+    the sharded model."""
     try:
         backend = resolve_backend(spec)
-        return probe_collectives(backend.compile)
+        return probe_collectives(backend.compile, device=device)
     except Exception as exc:  # a probe that cannot run is said, not raised: the failure itself is the finding
         return [{"op": "(probe)", "status": "error", "error_type": type(exc).__name__, "message": first_line(str(exc), 300)}]

@@ -133,22 +133,25 @@ SIMDEV = {"imports": ("ci_runner.sim.simccl",), "device": "simdev", "process_gro
           "backend_options": {"simdev": {"extra_allow": ["rsqrt", "_softmax"]}}}
 
 
-def _on_simdev(compiler: str, folder: Path) -> tuple[dict[str, Any], ParallelSpec]:
-    """The numerics task over the device's own process group, as a cell whose backend declares it gets it."""
+def _on_simdev(compiler: str, folder: Path, **tasks: Any) -> tuple[dict[str, Any], ParallelSpec]:
+    """The numerics task (and `tasks`: other tasks' payload keys) over the device's own process group, as a cell
+    whose backend declares it gets it; rank 0's value per task."""
     spec = BackendSpec(id=f"simdev-{compiler}", compile=compiler, **SIMDEV)
     layout = with_process_group(TP2, spec.process_group, spec.device, spec_to_json(spec))
     assert layout is not None
     model = ModelSpec(id="tiny-decoder", factory="tests.fixtures.plugin_tp_models:decoder")
     payload = rank_payload(model, InputSpec(samples=2), layout, [spec], samples=[0, 1])
+    payload.update(tasks)
     run = launch_ranks(RANK_TASKS, payload, world=2, timeout=400, folder=folder)
     assert run.ok, run.describe() + "\n" + "\n".join(r.traceback or r.stderr_tail for r in run.results)
-    return run.results[0].value[NUMERICS], layout
+    return run.results[0].value, layout
 
 
 def test_tp2_over_the_devices_own_process_group(tmp_path: Path) -> None:
     """The ranks join simccl (not gloo), the mesh and the sharded model are on simdev, the DTensor collectives run
     over simccl on simdev tensors, the outputs are compared on CPU: aot_eager there has no findings."""
-    value, layout = _on_simdev("aot_eager", tmp_path)
+    values, layout = _on_simdev("aot_eager", tmp_path)
+    value = values[NUMERICS]
     group = value["process_group"]
     assert (group["name"], group["device"]) == ("simccl", "simdev")
     ran = group["collectives"]  # simccl's own count, by collective and the device type of the tensors it was given
@@ -163,11 +166,25 @@ def test_tp2_over_the_devices_own_process_group(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_dropped_all_reduce_is_found_over_the_devices_own_process_group(tmp_path: Path) -> None:
-    value, _ = _on_simdev("sim-tp-drop", tmp_path)
-    f = _only(value, "simdev-sim-tp-drop")
+def test_the_three_modes_tasks_find_the_same_over_the_devices_own_process_group(tmp_path: Path) -> None:
+    """On simdev over simccl, as over gloo on CPU: sim-tp-drop's missing all-reduce, the collectives sim-subset
+    (ATen only) refuses alone (probed on simdev tensors), and the attention sim-crash fails in."""
+    on_simdev = {"simdev": {"extra_allow": ["rsqrt", "_softmax"]}}
+    aten_only = BackendSpec(id="simdev-subset", compile="sim-subset",
+                            **{**SIMDEV, "backend_options": {"allow": ["aten.*"], **on_simdev}})
+    crash = BackendSpec(id="simdev-crash", compile="sim-crash", **SIMDEV)
+    values, _ = _on_simdev("sim-tp-drop", tmp_path, tasks=[NUMERICS, OPS, LAYERS], ops_backend=spec_to_json(aten_only),
+                           search_backends=[spec_to_json(crash)])
+    f = _only(values[NUMERICS], "simdev-sim-tp-drop")
     assert (f.module, f.details["signature"]) == ("layers.0.self_attn.o_proj", "reduce_missing")
     assert f.details["facts"]["sum_rel"] < 1e-5  # the ranks' partial sums, gathered from simdev, sum to the reference
+    rows = {r["op"]: r for r in values[OPS]["rows"]}
+    assert set(rows) == {"_c10d_functional.all_reduce.default", "_c10d_functional.all_gather_into_tensor.default"}
+    assert all(r["status"] == "unsupported" and r["ranks"] == [0, 1] and r["error_type"] == "SimCompilerError"
+               for r in rows.values())
+    outcomes = values[LAYERS]["backends"]["simdev-crash"]["outcomes"]
+    assert outcomes["layers.0.self_attn"]["status"] == "fail"
+    assert {outcomes[f"layers.0.self_attn.{p}_proj"]["status"] for p in "qkvo"} == {"pass"}
 
 
 def test_a_rank_that_never_arrives_is_named(tmp_path: Path) -> None:
