@@ -122,6 +122,8 @@ class BackendSpec:
     setup: tuple[str, ...] = ()  # shell commands run before the cell
     artifacts: tuple[str, ...] = ()  # artifacts of an earlier job, downloaded before `setup`
     source: Mapping[str, Any] | None = None  # {repo (absolute), setup, python?, max_steps?, …}: what bisect-commits walks
+    # the c10d backend its device's ranks join under tensor parallelism (ci_runner/parallel.py); None: gloo on CPU
+    process_group: str | None = None
 
     @property
     def self_hosted(self) -> bool:
@@ -622,6 +624,7 @@ def _backend_spec(b: Mapping[str, Any], base: Path) -> BackendSpec:
         setup=tuple(b.get("setup") or ()),
         artifacts=tuple(b.get("artifacts") or ()),
         source=_source(b.get("source"), base),
+        process_group=b.get("process_group"),
     )
 
 

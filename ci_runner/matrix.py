@@ -13,7 +13,8 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any, Iterable, Mapping, Sequence
 
-from .config import Cell, Matrix, cell_parallel, raw_entry
+from .config import Cell, Matrix, cell_parallel, raw_entry, spec_to_json
+from .parallel import with_process_group
 from .errors import ConfigError
 from .zoo.shards import Shard, split, zoo_plan_sizes
 
@@ -84,7 +85,8 @@ def expand(matrix: Matrix) -> list[Cell]:
                     inputs=matrix.inputs.merged(m_raw.get("inputs")).merged(b_raw.get("inputs")),
                     references=matrix.references,
                     options=_merge_options(matrix.options, b_raw.get("options"), m_raw.get("options")),
-                    parallel=cell_parallel(matrix.raw.get("defaults") or {}, m_raw, b_raw),
+                    parallel=with_process_group(cell_parallel(matrix.raw.get("defaults") or {}, m_raw, b_raw),
+                                                backend.process_group, backend.device, spec_to_json(backend)),
                 )
             )
     return cells

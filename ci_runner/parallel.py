@@ -16,12 +16,26 @@ model's over the defaults'). `parallel: null` (or `tp: 1`) on a model or backend
 module-name globs (`fnmatch`, matched against qualified names) to one of `STYLES`; no `plan`: the default plan of
 the model's family (`ci_runner/engine/tpplan.py`). `check_parallel` finds the mistakes at load, `parse_parallel`
 builds the `ParallelSpec` a cell carries.
+
+The ranks join gloo on CPU unless the cell's backend declares its device's own process group (a backend key, not a
+`parallel` one: the layout is the model's, the collectives are the device's):
+
+```yaml
+backends:
+  - {id: npu-inductor, compile: inductor, device: npu, import: [torch_npu], process_group: hccl}
+```
+
+`with_process_group` adds it to the cell's layout (`ProcessGroupSpec`: the c10d backend name, the device, the
+backend's spec for the ranks to prepare before joining, so a plugin under `import:` can register the name).
+`check_process_group` finds a malformed name at load; whether c10d knows it is checked after the backend's imports
+(`backends/check.py`), and again in the ranks (`engine/parallel.init_ranks`).
 """
 
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Mapping
 
@@ -36,20 +50,46 @@ STYLES: Mapping[str, str] = MappingProxyType({
 PARALLEL_KEYS = ("tp", "plan")
 
 
+DEFAULT_PROCESS_GROUP = "gloo"  # the ranks' c10d backend when the cell's backend declares none (on CPU)
+PROCESS_GROUP_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")  # a c10d backend name (`Backend.register_backend`)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProcessGroupSpec:
+    """A device's own process group, declared by the cell's backend (`process_group: <c10d backend name>`)."""
+
+    name: str  # the c10d backend the ranks join (`init_process_group(name)`)
+    device: str  # the backend's device: the mesh's device type, where the sharded model and its inputs run
+    backend: Mapping[str, Any]  # the backend's spec (config.spec_to_json): prepared in each rank before it joins
+
+    def key(self) -> dict[str, Any]:
+        return {"name": self.name, "device": self.device, "backend": dict(self.backend)}
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParallelSpec:
-    """A resolved layout: `tp` ranks, the plan (glob → style; empty: the family's default plan)."""
+    """A resolved layout: `tp` ranks, the plan (glob → style; empty: the family's default plan), and the device's
+    process group when the cell's backend declares one (None: gloo on CPU)."""
 
     tp: int
     plan: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    process_group: ProcessGroupSpec | None = None
 
     def label(self) -> str:
         """What findings carry in `parallel`: ``tp2``."""
         return f"tp{self.tp}"
 
     def key(self) -> dict[str, Any]:
-        """The layout as plain JSON (thresholds, fingerprints, reports)."""
-        return {"tp": self.tp, "plan": dict(self.plan)}
+        """The layout as plain JSON (thresholds, fingerprints, reports; the ranks' payload)."""
+        out: dict[str, Any] = {"tp": self.tp, "plan": dict(self.plan)}
+        if self.process_group is not None:
+            out["process_group"] = self.process_group.key()
+        return out
+
+    @property
+    def group_name(self) -> str:
+        """The c10d backend the ranks join: the declared one, else gloo."""
+        return self.process_group.name if self.process_group is not None else DEFAULT_PROCESS_GROUP
 
 
 def check_parallel(raw: Any) -> list[tuple[tuple[str, ...], str, str]]:
@@ -88,7 +128,34 @@ def parse_parallel(raw: Any) -> ParallelSpec | None:
 
 def spec_from_key(key: Mapping[str, Any] | None) -> ParallelSpec | None:
     """The inverse of `ParallelSpec.key` (a cell crossing a process boundary)."""
-    return parse_parallel(dict(key)) if key else None
+    if not key:
+        return None
+    layout = parse_parallel({k: v for k, v in key.items() if k in PARALLEL_KEYS})
+    group = key.get("process_group")
+    if layout is None or not group:
+        return layout
+    return replace(layout, process_group=ProcessGroupSpec(name=str(group["name"]), device=str(group["device"]),
+                                                          backend=MappingProxyType(dict(group["backend"]))))
+
+
+def check_process_group(raw: Any) -> list[tuple[str, str]]:
+    """Problems of a backend's raw `process_group` (message, hint each); whether c10d knows the name is checked
+    after the backend's imports (`backends/check.py`)."""
+    if raw is None:
+        return []
+    if not isinstance(raw, str) or not PROCESS_GROUP_NAME.match(raw):
+        return [(f"{raw!r} is not a c10d backend name",
+                 "write the name the device's plugin registers with torch.distributed, e.g. `process_group: hccl` "
+                 "(leave it out for gloo on CPU)")]
+    return []
+
+
+def with_process_group(layout: ParallelSpec | None, name: str | None, device: str,
+                       backend: Mapping[str, Any]) -> ParallelSpec | None:
+    """The cell's layout with its backend's declared process group (`name`; None: unchanged, gloo on CPU)."""
+    if layout is None or not name:
+        return layout
+    return replace(layout, process_group=ProcessGroupSpec(name=name, device=device, backend=MappingProxyType(dict(backend))))
 
 
 def _choices(word: str, choices: tuple[str, ...]) -> str:

@@ -33,6 +33,7 @@ from typing import Any
 from ..config import (BackendSpec, Matrix, MatrixProblems, SchemaProblem, load_matrix, parse_yaml, schema_error,
                       spec_from_json, spec_to_json)
 from ..engine.isolate import Attempt, IsolatedResult, child_journal, supervise
+from ..parallel import DEFAULT_PROCESS_GROUP, check_process_group
 from ..fsutil import append_record, read_records
 
 # torch.compile backend names torch registers itself (torch 2.1 to 2.13): accepted without starting a child
@@ -87,6 +88,7 @@ def static_problems(index: int, spec: BackendSpec) -> list[Problem]:
     """What is wrong with `spec` that needs no import."""
     out = _unknown_keys(index, ("compile_options",), spec.compile_options, COMPILE_KEYS, "compile_options key",
                         " (torch.compile's arguments)")
+    out += [Problem(index, ("process_group",), message, hint) for message, hint in check_process_group(spec.process_group)]
     name, options = spec.compile, dict(spec.backend_options)
     on_simdev = spec.device.split(":")[0] == "simdev"
     if on_simdev:  # simdev's options: the backend_options of an eager backend, else backend_options.simdev
@@ -123,6 +125,8 @@ def needs_child(spec: BackendSpec) -> bool:
     name = spec.compile
     if spec.imports or spec.device.split(":")[0] not in STOCK_DEVICES:
         return True
+    if spec.process_group is not None and spec.process_group != DEFAULT_PROCESS_GROUP:
+        return True  # the c10d backends torch knows here
     return name is not None and name not in SIM_OPTIONS and (":" in name or name not in STOCK_COMPILERS)
 
 
@@ -176,7 +180,8 @@ def _placed(matrix_path: Path, ids: Mapping[int, str], problems: Sequence[Proble
     out = []
     for p in sorted(problems, key=lambda p: (p.index, p.where)):
         path = ("backends", p.index, *p.where)
-        pos = positions.at(path, value=p.where[:1] in (("compile",), ("device",), ("import",))) if positions else None
+        pos = positions.at(path, value=p.where[:1] in (("compile",), ("device",), ("import",), ("process_group",))) \
+            if positions else None
         key_path = f"backends[{p.index}]" + "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in p.where)
         out.append(SchemaProblem(f"{source}:{pos[0]}:{pos[1]}" if pos else source, pos or (0, 0),
                                  f"{key_path} (backend {ids[p.index]!r})", p.message, p.hint))
@@ -303,6 +308,8 @@ def _deep_problems(index: int, spec: BackendSpec, *, missing_ok: bool) -> list[P
             out.append(Problem(index, ("device",), f"unknown device {spec.device!r}",
                                _hint(dev_type, STOCK_DEVICES - {"simdev"} | {torch._C._get_privateuse1_backend_name()},
                                      "; a PrivateUse1 plugin must be listed under `import:` to register its device")))
+    if spec.process_group is not None and not missing:
+        out += _process_group_problems(index, spec.process_group)
     name = spec.compile
     if name is None or name in SIM_OPTIONS:
         return out
@@ -342,3 +349,20 @@ def _plugin_problems(index: int, spec: BackendSpec, missing_ok: bool) -> list[Pr
     known = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     return _unknown_keys(index, ("backend_options",), spec.backend_options, known, "option",
                          f" (the keywords of the factory {spec.compile})")
+
+
+def c10d_backends() -> list[str]:
+    """The c10d backend names torch knows in this process (its own and those plugins registered)."""
+    import torch.distributed as dist  # deferred: after the plugins' imports
+
+    return sorted(n for n in dist.Backend.backend_list if n != "undefined")
+
+
+def _process_group_problems(index: int, name: str) -> list[Problem]:
+    """A declared process group c10d does not know once the backend's plugins are imported (one the plugin knows
+    but cannot start here, e.g. nccl without a GPU, is the cells' to report)."""
+    if name.lower() in c10d_backends():
+        return []
+    return [Problem(index, ("process_group",), f"unknown c10d backend {name!r} (process_group)",
+                    _hint(name.lower(), c10d_backends(), "; a device's plugin registers its own with "
+                          "torch.distributed.Backend.register_backend: list its module under `import:`"))]

@@ -360,9 +360,12 @@ def resolution(spec: BackendSpec) -> Resolution:
         else:
             kind = "registered"
     on_simdev = spec.device.split(":")[0] == "simdev"
+    options = dict(spec.backend_options)
+    if on_simdev and name is not None:
+        options.pop("simdev", None)  # simdev's own (`simdev_options`), not the compiler's
     return Resolution(env=dict(spec.env), imports=tuple(spec.imports),
                       simdev=dict(simdev_options(spec)) if on_simdev else None, kind=kind, module=module, attr=attr,
-                      options=dict(spec.backend_options))
+                      options=options)
 
 
 def is_self_test(spec: BackendSpec) -> bool:

@@ -1,4 +1,5 @@
-"""Tensor-parallel runs: N ranks as processes over gloo on CPU, and what a rank shares with the others.
+"""Tensor-parallel runs: N ranks as processes over gloo on CPU (or the device's own process group, when the cell's
+backend declares one: `group_of`), and what a rank shares with the others.
 
 The parent (`launch_ranks`) picks a free local port and starts one isolated child per rank through
 `engine/isolate.run_isolated` (own session, dies with the parent, killed at the timeout), each running the same
@@ -7,7 +8,7 @@ group with a collective timeout shorter than the child's, so a rank waiting for 
 gloo's own timeout instead of hanging too; `arrive` writes each rank's progress (`rank<r>.progress`, one line per
 step), and `hang_report` turns the steps into "rank 1 did not arrive at `compile:aot_eager` (last: `shard`)".
 
-`gather_outputs` brings every rank's captured module outputs together; `assemble` makes one output of them: a
+`gather_outputs` brings every rank's captured module outputs together (on CPU); `assemble` makes one output of them: a
 module whose output each rank holds a slice of (a colwise projection) is concatenated on its last dim, every other
 one is rank 0's, with every rank's copy kept (a missing all-reduce leaves them different, summing to the
 reference).
@@ -116,15 +117,40 @@ def arrive(payload: Mapping[str, Any], step: str) -> None:
 
 
 def init_ranks(payload: Mapping[str, Any]) -> Any:
-    """Join the gloo process group of this launch; the 1-D device mesh over its ranks."""
+    """Join the process group of this launch; the 1-D device mesh over its ranks. gloo on CPU, unless the layout
+    (`payload["parallel"]`) carries the device's own process group: the backend is prepared first (its env, its
+    `import:` plugins, which may register the c10d backend, its device), then the ranks join that c10d backend
+    and the mesh is on the backend's device type."""
     import torch.distributed as dist  # deferred: torch.distributed only in rank children
     from torch.distributed.device_mesh import init_device_mesh  # deferred: as above
 
+    name, device = group_of(payload)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(payload["port"])
-    dist.init_process_group("gloo", rank=int(payload["rank"]), world_size=int(payload["world"]),
+    dist.init_process_group(name, rank=int(payload["rank"]), world_size=int(payload["world"]),
                             timeout=datetime.timedelta(seconds=float(payload["collective_timeout"])))
-    return init_device_mesh("cpu", (int(payload["world"]),))
+    return init_device_mesh(device, (int(payload["world"]),))
+
+
+def group_of(payload: Mapping[str, Any]) -> tuple[str, str]:
+    """(c10d backend, device type) of a launch: ("gloo", "cpu"), or the declared process group once its backend
+    is prepared in this rank; a name c10d does not know then is a `BackendError` listing the ones it knows."""
+    group = (payload.get("parallel") or {}).get("process_group")
+    if not group:
+        return "gloo", "cpu"
+    from ..backends.check import c10d_backends  # deferred: the declared group only
+    from ..backends.spec import resolve_backend  # deferred: as above
+    from ..config import BackendSpec, spec_from_json  # deferred: as above
+    from ..errors import BackendError  # deferred: as above
+
+    spec = spec_from_json(BackendSpec, group["backend"])
+    resolve_backend(spec)  # env, imports, device: what a user's script does before init_process_group
+    name = str(group["name"])
+    if name.lower() not in c10d_backends():
+        raise BackendError(f"backend {spec.id!r}: process_group {name!r} is not a c10d backend torch knows after "
+                           f"its imports", hint=f"known: {', '.join(c10d_backends())}; a device's plugin registers its "
+                           "own with torch.distributed.Backend.register_backend (list its module under `import:`)")
+    return name, str(group["device"]).split(":")[0]
 
 
 RANK_TASKS = "ci_runner.engine.parallel:rank_tasks"
@@ -168,8 +194,8 @@ def gather_outputs(records: Sequence[tuple[str, Sequence[tuple[str, Any]]]]) -> 
             t = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
             t = t.detach().contiguous()
             parts = [torch.empty_like(t) for _ in range(world)]
-            dist.all_gather(parts, t)
-            out.setdefault(key, {})[sub] = parts
+            dist.all_gather(parts, t)  # over the launch's process group, on the device
+            out.setdefault(key, {})[sub] = [p.cpu() for p in parts]  # compared on CPU, with the references
     return out
 
 

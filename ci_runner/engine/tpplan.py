@@ -94,10 +94,22 @@ def styles(resolved: Mapping[str, str]) -> dict[str, Any]:
 
 
 def shard(module: nn.Module, mesh: Any, resolved: Mapping[str, str]) -> nn.Module:
-    """`parallelize_module(module, mesh, styles)`: the module sharded in place, returned."""
+    """`parallelize_module(module, mesh, styles)`: the module sharded in place, returned; first moved to the
+    mesh's device (a device's own process group: `engine/parallel.group_of`), as a user moves it."""
     from torch.distributed.tensor.parallel import parallelize_module  # deferred: torch.distributed for TP runs only
 
+    if mesh.device_type != "cpu":
+        module = module.to(mesh.device_type)
     return parallelize_module(module, mesh, styles(resolved))
+
+
+def on_mesh_device(kwargs: Mapping[str, Any], mesh: Any) -> dict[str, Any]:
+    """A sample's inputs on the mesh's device (unchanged on CPU): what the sharded model is called with."""
+    from .tree import map_tensors  # deferred: imports torch
+
+    if mesh.device_type == "cpu":
+        return dict(kwargs)
+    return {k: map_tensors(lambda t: t.to(mesh.device_type), v) for k, v in kwargs.items()}
 
 
 def local_output_modules(resolved: Mapping[str, str]) -> set[str]:
@@ -118,5 +130,5 @@ def sharded_model(payload: Mapping[str, Any], mesh: Any) -> tuple[nn.Module, dic
     loaded = load_model(model_spec, seed=inputs.seed, dtype="float32")
     resolved = resolve_plan(loaded.module, payload["parallel"].get("plan"))
     check_plan(loaded.module, resolved, int(payload["world"]), model_spec.id)
-    kwargs = build_inputs(loaded, inputs, sample=int(payload.get("sample", 0)))
+    kwargs = on_mesh_device(build_inputs(loaded, inputs, sample=int(payload.get("sample", 0))), mesh)
     return shard(loaded.module, mesh, resolved), resolved, kwargs

@@ -82,19 +82,20 @@ def probe_input(call: Mapping[str, Any], rank: int) -> torch.Tensor:
 
 
 def probe_collectives(compile_fn: Callable[[Callable[..., Any]], Callable[..., Any]],
-                      calls: Sequence[Mapping[str, Any]] = PLAN_CALLS) -> list[dict[str, Any]]:
-    """One row per call: {"op", "call", "status", "error_type", "stage", "message"} on this rank."""
+                      calls: Sequence[Mapping[str, Any]] = PLAN_CALLS, *, device: str = "cpu") -> list[dict[str, Any]]:
+    """One row per call: {"op", "call", "status", "error_type", "stage", "message"} on this rank; the inputs on
+    `device` (the mesh's: a device's own process group takes its device's tensors), compared on CPU."""
     import torch.distributed as dist  # deferred: rank children only
 
     rows = []
     for call in calls:
         fn = lone_call(call)
-        x = probe_input(call, dist.get_rank())
-        want = fn(x.clone())
+        x = probe_input(call, dist.get_rank()).to(device)
+        want = fn(x.clone()).cpu()
         row: dict[str, Any] = {"op": call["op"], "call": dict(call), "status": "ok", "error_type": None, "message": ""}
         try:
             torch._dynamo.reset()
-            got = compile_fn(fn)(x.clone())
+            got = compile_fn(fn)(x.clone()).cpu()
             if not torch.equal(got, want):
                 row.update(status="mismatch", message=f"max abs difference {float((got - want).abs().max()):.3g}")
         except Exception as exc:  # the backend's refusal is the probe's result

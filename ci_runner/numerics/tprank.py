@@ -15,6 +15,7 @@ import copy
 from typing import Any, Mapping
 
 import torch
+import torch.distributed as dist
 
 from ..backends.spec import resolve_backend
 from ..config import BackendSpec, InputSpec, ModelSpec, spec_from_json
@@ -23,7 +24,7 @@ from ..engine.models import build_inputs, load_model
 from ..engine.parallel import arrive, assemble, gather_outputs
 from ..results.model import clean
 from ..engine.tpprobe import probe_collectives
-from ..engine.tpplan import check_plan, local_output_modules, resolve_plan, shard, shard_dim
+from ..engine.tpplan import check_plan, local_output_modules, on_mesh_device, resolve_plan, shard, shard_dim
 from .capture import compared_flat, run_eager_with_outputs
 from .watched import watched_outputs_each
 from .metrics import compare_tensors, public, worst
@@ -49,19 +50,24 @@ def _rank(payload: Mapping[str, Any], mesh: Any) -> dict[str, Any]:
     check_plan(module, resolved, int(payload["world"]), model_spec.id)
     samples = [build_inputs(loaded, inputs, sample=s) for s in payload["samples"]]
     refs = _references(module, samples) if rank == 0 else None
-    sharded = shard(copy.deepcopy(module), mesh, resolved)
+    sharded = shard(copy.deepcopy(module), mesh, resolved)  # on the mesh's device; the references stay on CPU
+    placed = [on_mesh_device(kw, mesh) for kw in samples]
     arrive(payload, "shard")
     weights = _weights_check(sharded, module, resolved)
     local = local_output_modules(resolved)
-    eager = _compare_runs(sharded, None, samples, refs, local)
+    eager = _compare_runs(sharded, None, placed, refs, local)
     arrive(payload, "eager")
     backends: dict[str, Any] = {}
     for raw in payload["backends"]:
         spec = spec_from_json(BackendSpec, raw)
         torch._dynamo.reset()
-        backends[spec.id] = _backend_run(payload, spec, sharded, samples, refs, local)
-    return {"rank": rank, "plan": resolved, "weights": weights, "eager": eager, "backends": backends} if rank == 0 \
-        else {"rank": rank}
+        backends[spec.id] = _backend_run(payload, spec, sharded, placed, refs, local, mesh.device_type)
+    group = {"name": dist.get_backend(), "device": mesh.device_type}  # what the ranks ran over, as c10d says
+    counts = getattr(dist.group.WORLD, "counts", None)  # a group that counts its collectives (the self-test simccl)
+    if counts is not None:
+        group["collectives"] = dict(counts)
+    return {"rank": rank, "plan": resolved, "weights": weights, "eager": eager, "backends": backends,
+            "process_group": group} if rank == 0 else {"rank": rank}
 
 
 def _references(module: torch.nn.Module, samples: list[dict[str, Any]]) -> list[tuple[Outputs, Outputs]]:
@@ -89,7 +95,7 @@ def _weights_check(sharded: torch.nn.Module, module: torch.nn.Module, resolved: 
             continue
         dim = shard_dim(resolved[owner])
         want = full[name].detach().chunk(dist.get_world_size(), dim=dim)[dist.get_rank()]
-        got = param.to_local().detach()
+        got = param.to_local().detach().cpu()
         same = tuple(got.shape) == tuple(want.shape) and bool(torch.equal(got, want))
         rows.append({"param": name, "rank": dist.get_rank(), "equal": same, "dim": dim})
     every: list[Any] = [None] * dist.get_world_size()
@@ -174,7 +180,7 @@ def _records(sample: int, ref: tuple[Outputs, Outputs], got: dict[str, dict[str,
 
 
 def _backend_run(payload: Mapping[str, Any], spec: BackendSpec, sharded: torch.nn.Module, samples: list[dict[str, Any]],
-                 refs: list[tuple[Outputs, Outputs]] | None, local: set[str]) -> dict[str, Any]:
+                 refs: list[tuple[Outputs, Outputs]] | None, local: set[str], device: str = "cpu") -> dict[str, Any]:
     """One backend on the sharded model: its records, or how it failed (stage and error) on this rank."""
     arrive(payload, f"compile:{spec.id}")
     try:
@@ -186,15 +192,16 @@ def _backend_run(payload: Mapping[str, Any], spec: BackendSpec, sharded: torch.n
         failure = classify(exc)  # the backend's own error, unwrapped from Dynamo's
         return {"status": "error", "rank": int(payload["rank"]), "stage": failure.stage,
                 "error_type": failure.error_type, "message": first_line(failure.message, 2000),
-                "collectives": _probe(spec)}
+                "collectives": _probe(spec, device)}
     arrive(payload, f"done:{spec.id}")
     return {"status": "ok", "records": records}
 
 
-def _probe(spec: BackendSpec) -> list[dict[str, Any]]:
-    """The plan's collectives alone on the backend (`engine/tpprobe.py`), after it failed on the sharded model."""
+def _probe(spec: BackendSpec, device: str) -> list[dict[str, Any]]:
+    """The plan's collectives alone on the backend (`engine/tpprobe.py`), on the mesh's device, after it failed on
+    the sharded model."""
     try:
         backend = resolve_backend(spec)
-        return probe_collectives(backend.compile)
+        return probe_collectives(backend.compile, device=device)
     except Exception as exc:  # a probe that cannot run is said, not raised: the failure itself is the finding
         return [{"op": "(probe)", "status": "error", "error_type": type(exc).__name__, "message": first_line(str(exc), 300)}]

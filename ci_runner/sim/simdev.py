@@ -142,6 +142,33 @@ def _check_same_device(args: Iterable[Any]) -> None:
             )
 
 
+def _fake_internal(args: Iterable[Any]) -> bool:
+    """Is this call a FakeTensor's own construction over a simdev tensor (every tensor argument a data-less meta
+    tensor that carries simdev's dispatch keys)?"""
+    tensors = [x for x in args if isinstance(x, torch.Tensor)]
+    return bool(tensors) and all(x.device.type == "meta" and getattr(x, "_raw", None) is None for x in tensors)
+
+
+def _fake_kernel(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A FakeTensor over a simdev tensor (Dynamo's tracing, DTensor's sharding propagation) is built by
+    `Tensor._make_subclass(..., device_for_backend_keys=simdev)`, which detaches a meta tensor carrying simdev's
+    keys: the dispatcher sends that `aten::detach` here. A device written in C++ answers with its composite kernel
+    and no Python object; a Python kernel's result has one, and the constructor accepts it only when it is a
+    FakeTensor (else "the raw Tensor object is already associated to a python object of type Tensor"). So: the
+    composite (else the meta) kernel, its result typed FakeTensor for the constructor to adopt. Measured, torch
+    2.13: without this, any torch.compile on simdev and any DTensor on a simdev mesh fail with "Expected all
+    tensors to be on the same device, but found at least two devices, simdev:0 and meta!"."""
+    from torch._subclasses.fake_tensor import FakeTensor  # deferred: only when something is traced on simdev
+
+    name = op.name()
+    key = (torch._C.DispatchKey.CompositeExplicitAutograd
+           if torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeExplicitAutograd") else torch._C.DispatchKey.Meta)
+    out = op._op_dk(key, *args, **kwargs)
+    if isinstance(out, torch.Tensor) and type(out) is torch.Tensor:
+        out.__class__ = FakeTensor
+    return out
+
+
 def _kernel(op: torch._ops.OpOverload) -> Callable[..., Any]:
     schema = op._schema
     first = schema.arguments[0] if schema.arguments else None
@@ -151,6 +178,8 @@ def _kernel(op: torch._ops.OpOverload) -> Callable[..., Any]:
     def kernel(*args: Any, **kwargs: Any) -> Any:
         flat_in = [*args, *kwargs.values()]
         nested = [y for x in flat_in if isinstance(x, (list, tuple)) for y in x]
+        if _fake_internal([*flat_in, *nested]):
+            return _fake_kernel(op, args, kwargs)
         _check_same_device([*flat_in, *nested])
         if "device" in kwargs and kwargs["device"] is not None:
             kwargs["device"] = torch.device("cpu")
@@ -296,6 +325,12 @@ def register(
                 )
             if current != DEVICE:
                 torch.utils.backend_registration._setup_privateuseone_for_python_backend(rename=DEVICE)
+            # AOTAutograd's first-call check of custom ops' aliasing (a lint) defers to any tensor subclass it does not
+            # know, so every op of a compiled graph on simdev's tensors (a Python subclass) failed with "Multiple
+            # dispatch failed for 'aten.mul.Tensor'; all __torch_dispatch__ handlers returned NotImplemented"
+            import torch._functorch.config as functorch_config  # deferred: as torch.compile's own
+
+            functorch_config.check_custom_op_aliasing = False
             _state["setup"] = True
         if _state["lib"] is not None and _state["ops"] == ops:
             return ops

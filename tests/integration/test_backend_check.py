@@ -34,6 +34,10 @@ backends:
   - id: b5
     compile: tests.fixtures.plugin_compiler:make
     backend_options: {tga: x}
+  - id: b6
+    import: [ci_runner.sim.simccl]
+    device: simdev
+    process_group: simcl
   - {id: ok, compile: inductor}
 """
 EXPECTED = [  # (line:col, text, did-you-mean)
@@ -43,6 +47,8 @@ EXPECTED = [  # (line:col, text, did-you-mean)
     ("13:14", "backends[3].compile (backend 'b3'): 'tests.fixtures.plugin_compiler' has no attribute 'nope'", None),
     ("15:14", "backends[4].import[0] (backend 'b4'): module 'tests.fixtures.plugin_compilr' not found", None),
     ("19:23", "backends[5].backend_options.tga (backend 'b5'): unknown option 'tga'", "'tag'"),
+    # known to c10d once the backend's plugin (its `import:`) registered it: the names listed then
+    ("23:20", "backends[6].process_group (backend 'b6'): unknown c10d backend 'simcl' (process_group)", "'simccl'"),
 ]
 
 

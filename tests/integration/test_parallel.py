@@ -1,10 +1,13 @@
-"""Tensor parallel over gloo on CPU: the ranks, the sharded model against one rank, the self-test backends.
+"""Tensor parallel over gloo on CPU, and over a device's own process group: the ranks, the sharded model against
+one rank, the self-test backends.
 
 One launch (module-scoped) runs the tiny decoder of `tests/fixtures/plugin_tp_models.py` sharded over 2 ranks by
 the default decoder plan, eagerly and then compiled by aot_eager, sim-tp-drop, sim-tp-dup and sim-tp-shard in turn
 (the numerics task), then the layers mode's search on sim-crash in the same ranks (the layers task, which stores
 the failing module's shards and inputs for its repro), then the
 ops mode's inventory of the collectives, probed alone on sim-subset allowing ATen ops only (the ops task).
+Another (module-scoped) runs the numerics task on the self-test device `simdev` over its own process group
+(`simccl`, declared by the backend), compiled by aot_eager and by sim-tp-drop.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from ci_runner.numerics.parallel import TASK as NUMERICS, analyse, rank_payload
 from ci_runner.options import OpsOptions
 from ci_runner.registry import parse_options
 from ci_runner.options import ThresholdOptions
-from ci_runner.parallel import ParallelSpec
+from ci_runner.parallel import ParallelSpec, with_process_group
 
 pytestmark = pytest.mark.subprocess
 
@@ -153,6 +156,65 @@ def test_the_collectives_the_backend_sees_are_ops_each_refused_one_with_a_repro(
     compile(script, f.repro.path, "exec")
     assert "OP = ('_c10d_functional', 'all_reduce', 'default')" in script and "SHAPE = [1, 8, 16]" in script
     assert "make_backend('sim-subset'" in script
+
+
+# simdev with its kernels for the decoder (RMSNorm's rsqrt, attention's softmax), over simccl (`ci_runner/sim/simccl.py`)
+SIMDEV = {"imports": ("ci_runner.sim.simccl",), "device": "simdev", "process_group": "simccl",
+          "backend_options": {"simdev": {"extra_allow": ["rsqrt", "_softmax"]}}}
+
+
+def _on_simdev(compiler: str, folder: Path, **tasks: Any) -> tuple[dict[str, Any], ParallelSpec]:
+    """The numerics task (and `tasks`: other tasks' payload keys) over the device's own process group, as a cell
+    whose backend declares it gets it; rank 0's value per task."""
+    spec = BackendSpec(id=f"simdev-{compiler}", compile=compiler, **SIMDEV)
+    layout = with_process_group(TP2, spec.process_group, spec.device, spec_to_json(spec))
+    assert layout is not None
+    model = ModelSpec(id="tiny-decoder", factory="tests.fixtures.plugin_tp_models:decoder")
+    payload = rank_payload(model, InputSpec(samples=2), layout, [spec], samples=[0, 1])
+    payload.update(tasks)
+    run = launch_ranks(RANK_TASKS, payload, world=2, timeout=400, folder=folder)
+    assert run.ok, run.describe() + "\n" + "\n".join(r.traceback or r.stderr_tail for r in run.results)
+    return run.results[0].value, layout
+
+
+def test_tp2_over_the_devices_own_process_group(tmp_path: Path) -> None:
+    """The ranks join simccl (not gloo), the mesh and the sharded model are on simdev, the DTensor collectives run
+    over simccl on simdev tensors, the outputs are compared on CPU: aot_eager there has no findings."""
+    values, layout = _on_simdev("aot_eager", tmp_path)
+    value = values[NUMERICS]
+    group = value["process_group"]
+    assert (group["name"], group["device"]) == ("simccl", "simdev")
+    ran = group["collectives"]  # simccl's own count, by collective and the device type of the tensors it was given
+    # the weights' scatter; o_proj's, down_proj's and the embedding's all-reduces, the LM head's gather (2 samples
+    # eagerly, then compiled): on simdev tensors
+    assert ran["scatter:simdev"] >= 1 and ran["allreduce:simdev"] >= 6 and ran["all_gather_into_tensor:simdev"] >= 2
+    assert value["weights"] and all(w["equal"] for w in value["weights"])  # shards on simdev, compared on CPU
+    assert value["eager"] and all(r["metrics"]["rel"] < 1e-5 for r in value["eager"])
+    result = analyse(value, "simdev-aot_eager", model_id="tiny-decoder", parallel=layout, opts=ThresholdOptions())
+    assert result.status == "pass" and not result.findings and len(result.layers) >= 15
+    assert not any(r["over"] or r.get("not_ran") for r in result.layers)
+
+
+@pytest.mark.slow
+def test_the_three_modes_tasks_find_the_same_over_the_devices_own_process_group(tmp_path: Path) -> None:
+    """On simdev over simccl, as over gloo on CPU: sim-tp-drop's missing all-reduce, the collectives sim-subset
+    (ATen only) refuses alone (probed on simdev tensors), and the attention sim-crash fails in."""
+    on_simdev = {"simdev": {"extra_allow": ["rsqrt", "_softmax"]}}
+    aten_only = BackendSpec(id="simdev-subset", compile="sim-subset",
+                            **{**SIMDEV, "backend_options": {"allow": ["aten.*"], **on_simdev}})
+    crash = BackendSpec(id="simdev-crash", compile="sim-crash", **SIMDEV)
+    values, _ = _on_simdev("sim-tp-drop", tmp_path, tasks=[NUMERICS, OPS, LAYERS], ops_backend=spec_to_json(aten_only),
+                           search_backends=[spec_to_json(crash)])
+    f = _only(values[NUMERICS], "simdev-sim-tp-drop")
+    assert (f.module, f.details["signature"]) == ("layers.0.self_attn.o_proj", "reduce_missing")
+    assert f.details["facts"]["sum_rel"] < 1e-5  # the ranks' partial sums, gathered from simdev, sum to the reference
+    rows = {r["op"]: r for r in values[OPS]["rows"]}
+    assert set(rows) == {"_c10d_functional.all_reduce.default", "_c10d_functional.all_gather_into_tensor.default"}
+    assert all(r["status"] == "unsupported" and r["ranks"] == [0, 1] and r["error_type"] == "SimCompilerError"
+               for r in rows.values())
+    outcomes = values[LAYERS]["backends"]["simdev-crash"]["outcomes"]
+    assert outcomes["layers.0.self_attn"]["status"] == "fail"
+    assert {outcomes[f"layers.0.self_attn.{p}_proj"]["status"] for p in "qkvo"} == {"pass"}
 
 
 def test_a_rank_that_never_arrives_is_named(tmp_path: Path) -> None:

@@ -8,12 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from ci_runner.config import load_matrix_text
+from ci_runner.backends.check import check_backends, static_problems
+from ci_runner.config import BackendSpec, load_matrix, load_matrix_text
 from ci_runner.engine.parallel import hang_report
 from ci_runner.engine.tpplan import check_plan, resolve_plan
 from ci_runner.errors import ConfigError, InputError
 from ci_runner.matrix import expand
 from ci_runner.numerics.tpsignature import classify, signature_facts
+from ci_runner.parallel import spec_from_key
 from ci_runner.report.view import finding_title
 from ci_runner.results.model import Finding
 from tests.fixtures.plugin_tp_models import decoder
@@ -51,6 +53,42 @@ def test_a_bad_parallel_is_one_error_with_its_place_and_fix(value: str, where: s
         load_matrix_text(text, path="m.yaml")
     assert f"m.yaml:3:" in info.value.message and where in info.value.message and words in info.value.message
     assert hint in (info.value.hint or "")
+
+
+GROUPS = """version: 1
+defaults:
+  parallel: {tp: 2}
+models:
+  - {id: a, config: llama}
+  - {id: b, config: llama, parallel: null}
+backends:
+  - {id: cpu, compile: aot_eager}
+  - {id: dev, compile: aot_eager, device: simdev, import: [ci_runner.sim.simccl], process_group: simccl}
+"""
+
+
+def test_a_backend_declares_its_devices_process_group() -> None:
+    cells = {c.id: c.parallel for c in expand(load_matrix_text(GROUPS))}
+    assert cells["a@cpu"] is not None and cells["a@cpu"].process_group is None and cells["a@cpu"].group_name == "gloo"
+    dev = cells["a@dev"]
+    assert dev is not None and dev.group_name == "simccl" and dev.process_group is not None
+    assert (dev.process_group.device, dev.process_group.backend["id"], dev.label()) == ("simdev", "dev", "tp2")
+    assert dev.process_group.backend["imports"] == ["ci_runner.sim.simccl"]  # the ranks import it before joining
+    assert spec_from_key(dev.key()) == dev  # the layout crosses into the ranks whole
+    assert cells["b@dev"] is None  # one rank: nothing to join
+
+
+@pytest.mark.parametrize("value", ['"hc cl"', "'-nccl'"])
+def test_a_malformed_process_group_is_placed_with_its_fix(value: str, tmp_path: Path) -> None:
+    [p] = static_problems(0, BackendSpec(id="x", process_group=value.strip("\"'")))
+    assert p.where == ("process_group",) and "is not a c10d backend name" in p.message
+    assert "process_group: hccl" in (p.hint or "")
+    path = tmp_path / "m.yaml"
+    path.write_text(f"version: 1\nmodels: [{{id: a, config: llama}}]\nbackends:\n  - {{id: x, process_group: {value}}}\n")
+    with pytest.raises(ConfigError) as info:
+        check_backends(load_matrix(path))
+    name = value.strip("\"'")
+    assert f"{path}:4:28: backends[0].process_group (backend 'x'): {name!r} is not a c10d backend" in info.value.message
 
 
 def test_signature_facts_name_each_measured_bug() -> None:
@@ -162,3 +200,18 @@ def test_a_tp_repro_shards_the_module_by_the_plan_relative_to_it() -> None:
     assert relative_plan(plan, "layers.0.self_attn") == {"q_proj": "colwise", "o_proj": "rowwise"}
     assert relative_plan(plan, "layers.0.self_attn.o_proj") == {"": "rowwise"}  # the module itself is planned
     assert relative_plan(plan, "") == plan and relative_plan(plan, "layers.0.input_layernorm") == {}
+
+
+def test_the_ranks_refuse_a_process_group_c10d_does_not_know() -> None:
+    """What a rank does before joining (`engine/parallel.group_of`): the backend prepared, the name checked."""
+    from ci_runner.config import spec_to_json
+    from ci_runner.engine.parallel import group_of
+    from ci_runner.errors import BackendError
+
+    assert group_of({"parallel": {"tp": 2}}) == ("gloo", "cpu")
+    payload = {"parallel": {"tp": 2, "process_group": {"name": "glo", "device": "cpu",
+                                                       "backend": spec_to_json(BackendSpec(id="x", compile="aot_eager"))}}}
+    with pytest.raises(BackendError) as info:
+        group_of(payload)
+    assert "backend 'x': process_group 'glo' is not a c10d backend torch knows" in info.value.message
+    assert "gloo" in (info.value.hint or "") and "register_backend" in (info.value.hint or "")

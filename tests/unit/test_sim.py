@@ -252,6 +252,18 @@ def test_simdev_rejects_an_unsupported_op_with_pytorchs_message(dev) -> None:
         x + torch.ones(4)
 
 
+def test_simdev_compiles_with_fake_tensors_and_still_refuses_what_it_lacks(dev) -> None:
+    """torch.compile traces simdev tensors (FakeTensors built over them: simdev's `_fake_kernel`) and runs the graph
+    on simdev; before, any compile failed with "... found at least two devices, simdev:0 and meta!"."""
+    x = torch.rand(3, 4)
+    torch._dynamo.reset()
+    out = torch.compile(lambda t: (t * 2 + 1).sum(-1), backend="aot_eager")(x.to("simdev"))
+    assert out.device.type == "simdev" and torch.equal(out.cpu(), (x * 2 + 1).sum(-1))
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"Could not run 'aten::rsqrt.out' with arguments from the 'simdev' backend"):
+        torch.compile(lambda t: torch.rsqrt(t + 1), backend="aot_eager")(x.to("simdev"))
+
+
 def test_simdev_tiny_llama_moves_then_fails_at_rmsnorm(dev, llama) -> None:
     loaded = load_model(EXAMPLE.model("tiny-llama"))
     kw = build_inputs(loaded, EXAMPLE.inputs)

@@ -2,8 +2,9 @@
 layer by layer, against one rank (the method: `ci_runner/numerics/parallel.py`, docs/parallel.md).
 
 It runs after the single-rank comparison, in ranks of their own (`engine/parallel.launch_ranks`), and adds its
-findings (each carrying `parallel: "tpN"`) and `data["parallel"]`: the layout, the status, the per-layer rows and
-the ranks' outcome. The samples are the thresholds' (`thresholds.samples`, else max(2, `inputs.samples`)).
+findings (each carrying `parallel: "tpN"`) and `data["parallel"]`: the layout, the status, the per-layer rows,
+the ranks' outcome and the process group they ran over (`process_group`: c10d's name for it in the ranks, and the
+mesh's device type). The samples are the thresholds' (`thresholds.samples`, else max(2, `inputs.samples`)).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from ...config import BackendSpec
 from ...engine.tpprobe import PLAN_CALLS, write_repro
 from ...numerics.parallel import analyse, run_ranks
 from ...options import NumericsOptions
+from ...parallel import ParallelSpec
 from ...registry import FindingKind
 from ...results.model import Finding, Repro, fingerprint
 
@@ -34,7 +36,7 @@ def run_parallel(ctx: "ModeContext", opts: NumericsOptions) -> tuple[list[Findin
     run, value = run_ranks(ctx.cell.model, ctx.cell.inputs, layout, [ctx.cell.backend],
                            samples=samples, folder=ctx.artifact_dir("numerics") / "parallel", timeout=timeout)
     data: dict[str, Any] = {"layout": layout.key(), "label": layout.label(), "ranks": run.describe(),
-                            "seconds": round(time.monotonic() - t, 3)}
+                            "seconds": round(time.monotonic() - t, 3), "process_group": declared_group(layout)}
     if value is None:
         data["status"] = "error"
         message = f"the {layout.label()} run did not finish: {run.describe()}"
@@ -45,11 +47,18 @@ def run_parallel(ctx: "ModeContext", opts: NumericsOptions) -> tuple[list[Findin
         return [f], data
     result = analyse(value, ctx.cell.backend.id, model_id=ctx.cell.model.id, parallel=layout, opts=opts.thresholds)
     data.update(status=result.status, plan=value.get("plan"), reason=result.reason, layers=result.layers[:MAX_ROWS],
-                weights_checked=len(value.get("weights") or []))
+                weights_checked=len(value.get("weights") or []),
+                process_group=value.get("process_group") or data["process_group"])  # as c10d named it in the ranks
     for f in result.findings:
         if f.op and f.op.startswith("_c10d_functional."):
             f.repro = collective_repro(ctx, f, ctx.cell.backend)
     return result.findings, data
+
+
+def declared_group(layout: ParallelSpec) -> dict[str, str]:
+    """The process group the cell's ranks join (the backend's `process_group`, else gloo on CPU)."""
+    group = layout.process_group
+    return {"name": layout.group_name, "device": group.device.split(":")[0] if group is not None else "cpu"}
 
 
 def collective_repro(ctx: "ModeContext", f: Finding, spec: BackendSpec) -> Repro:
