@@ -232,7 +232,7 @@ def error_signature(error_type: str, message: str, traceback_text: str = "", *,
     msg = normalize_text(cause_line(message, boilerplate, 1000))[:240]  # an MLIR line's types end past 240
     raised = raised_in(traceback_text)
     key = (error_type, msg, raised.package)
-    digest = hashlib.sha256("\x1f".join(key).encode("utf-8")).hexdigest()[:12]
+    digest = hashlib.sha256("\x1f".join(key).encode("utf-8", "surrogatepass")).hexdigest()[:12]  # any text: a lone surrogate too
     return Signature(id=digest, error_type=error_type, message=msg, raised=raised)
 
 
@@ -244,7 +244,7 @@ def signature(f: Finding, *, boilerplate: Collection[str] = ()) -> Signature:
                                boilerplate=boilerplate)
     etype = f.kind
     msg = f"{f.kind} in {f.op or f.module_class or f.module or '?'}"
-    digest = hashlib.sha256("\x1f".join((etype, msg, "")).encode("utf-8")).hexdigest()[:12]
+    digest = hashlib.sha256("\x1f".join((etype, msg, "")).encode("utf-8", "surrogatepass")).hexdigest()[:12]
     return Signature(id=digest, error_type=etype, message=msg,
                      raised=RaisedIn(package="", role="unknown", frame="", backend_frame=""))
 

@@ -288,9 +288,11 @@ def test_reuse_in_generation_overwrites_decode_steps_not_the_prefill(llama) -> N
             kept.append(compiled(input_ids=torch.tensor([[token]]), cache=cache,
                                  cache_position=torch.tensor([8 + step])).logits)
     ref = generate(llama, llama.config)
-    assert torch.equal(kept[0][:, -1], ref.logits[0])  # the prefill's graph ran once: its output stands
-    assert torch.equal(kept[2][:, -1], ref.logits[2])  # the last decode step is right
-    assert torch.equal(kept[1], kept[2]) and not torch.equal(kept[1][:, -1], ref.logits[1])  # step 0's was overwritten
+    # compiled vs eager decode steps agree to float noise, not bit for bit on every CPU (3e-8 measured on one)
+    torch.testing.assert_close(kept[0][:, -1], ref.logits[0], rtol=0, atol=1e-6)  # the prefill's graph ran once
+    torch.testing.assert_close(kept[2][:, -1], ref.logits[2], rtol=0, atol=1e-6)  # the last decode step is right
+    assert torch.equal(kept[1], kept[2])  # step 0's output buffer now holds step 1's
+    assert not torch.allclose(kept[1][:, -1], ref.logits[1], rtol=0, atol=1e-3)  # so step 0's was overwritten
 
 
 def test_reuse_keeps_a_buffer_per_shape_and_takes_outputs(fresh_dynamo: Callable[[], None]) -> None:
