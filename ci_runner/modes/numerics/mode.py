@@ -282,10 +282,11 @@ def run(ctx: "ModeContext") -> ModeResult:
         return ModeResult(status="error", reason=bad_refs)
     pending = start_parallel(ctx, opts) if ctx.cell.parallel else None  # the TP ranks run beside the single rank
     try:
-        return _single_rank(ctx, opts, t0, pending)
-    finally:
-        if pending is not None:  # never left running past the mode, even when the single-rank part raised
+        return _single_rank(ctx, opts, t0, pending)  # collects the ranks' result at its end
+    except Exception:  # the ranks never outlive the mode (an interrupt ends them with this process)
+        if pending is not None:
             pending.wait()
+        raise
 
 
 def _single_rank(ctx: "ModeContext", opts: NumericsOptions, t0: float, pending: PendingParallel | None) -> ModeResult:
