@@ -76,11 +76,6 @@ def start_parallel(ctx: "ModeContext", opts: NumericsOptions) -> PendingParallel
     return PendingParallel(ctx, opts)
 
 
-def run_parallel(ctx: "ModeContext", opts: NumericsOptions) -> tuple[list[Finding], dict[str, Any]]:
-    """(findings, data) of the cell's tensor-parallel run on its backend, started and waited for here."""
-    return start_parallel(ctx, opts).finish()
-
-
 def _result(ctx: "ModeContext", opts: NumericsOptions, run: RankRun, value: dict[str, Any] | None, *,
             seconds: float, waited: float) -> tuple[list[Finding], dict[str, Any]]:
     layout = ctx.cell.parallel
