@@ -10,6 +10,8 @@ module-name globs to the style names of `ci_runner/parallel.py`; without one the
   colwise and `down_proj` rowwise, `embed_tokens` rowwise over the vocabulary, `lm_head` colwise with its output
   gathered (left out when tied to the embedding: one parameter cannot be sharded twice). Mixtral's fused experts
   (3-D parameters) and Bamba's Mamba mixer stay replicated: the styles shard `nn.Linear` and `nn.Embedding` only.
+  A block the names match only in part (a Llava vision tower's CLIP attention: q/k/v, then `out_proj`) stays
+  replicated too: a multimodal model's language model is sharded, its vision tower is not.
 
 `check_plan` refuses a plan that matches nothing or does not divide the heads, features or vocabulary by `tp`.
 """
@@ -45,7 +47,7 @@ def default_plan(module: nn.Module) -> dict[str, str]:
 
 def resolve_plan(module: nn.Module, plan: Mapping[str, str] | None) -> dict[str, str]:
     """Qualified module name → style, for every `nn.Linear` / `nn.Embedding` a glob of `plan` (or the default plan)
-    matches (the first matching glob wins)."""
+    matches (the first matching glob wins). The default plan shards whole blocks only (`whole_blocks`)."""
     globs = dict(plan) if plan else default_plan(module)
     out: dict[str, str] = {}
     for name, sub in module.named_modules():
@@ -55,7 +57,16 @@ def resolve_plan(module: nn.Module, plan: Mapping[str, str] | None) -> dict[str,
             if fnmatch.fnmatchcase(name, glob):
                 out[name] = style
                 break
-    return out
+    return out if plan else whole_blocks(out)
+
+
+def whole_blocks(resolved: Mapping[str, str]) -> dict[str, str]:
+    """The default plan less its colwise projections whose block has no rowwise one: a block the decoder names
+    match only in part (CLIP's attention in a Llava vision tower: `q_proj`/`k_proj`/`v_proj`, then `out_proj`) is
+    left replicated, since its unmatched output projection would get each rank's slice of the heads."""
+    rowwise_parents = {name.rpartition(".")[0] for name, style in resolved.items() if style == "rowwise"}
+    return {name: style for name, style in resolved.items()
+            if style != "colwise" or name.rpartition(".")[0] in rowwise_parents}
 
 
 def check_plan(module: nn.Module, resolved: Mapping[str, str], tp: int, model_id: str) -> None:

@@ -244,3 +244,31 @@ def test_iree_reports_its_unsupported_collective(tmp_path: Path) -> None:
     f = collective_finding(reduce, spec, "tiny-decoder", TP2, parse_options("ops", {}), tmp_path, tmp_path)
     assert (f.kind, f.stage, f.parallel) == ("unsupported_op", "compile", "tp2")
     assert f.repro is not None and f.repro.verified, (f.repro and f.repro.note, f.details.get("repro_output_tail"))
+
+
+@pytest.mark.slow
+def test_the_numerics_mode_runs_the_ranks_beside_its_single_rank_part(tmp_path: Path) -> None:
+    """A TP cell through the numerics mode (test decoder, aot_eager, the single rank in this process): the ranks
+    start with the mode, so the cell waits only for the part of them left after its single-rank comparison (before,
+    it waited for all of them after it), and the TP result is still the comparison's: pass, every call compared."""
+    import dataclasses
+    import time
+
+    from ci_runner.backends import resolve_backend
+    from ci_runner.config import load_matrix_text
+    from ci_runner.matrix import expand
+    from ci_runner.modes import ModeContext
+    from ci_runner.modes.numerics.mode import run
+    from tests.fixtures.matrices import REFERENCES, matrix_text
+
+    text = matrix_text(models=[{"id": "tiny-decoder", "factory": "tests.fixtures.plugin_tp_models:decoder",
+                                "parallel": {"tp": 2}}], backends=[{"id": "aot_eager", "compile": "aot_eager"}],
+                       modes=["numerics"], inputs={"samples": 2}, references=REFERENCES)
+    cell = dataclasses.replace(expand(load_matrix_text(text))[0], options={"numerics": {"isolate": False}})
+    ctx = ModeContext(cell=cell, cell_dir=tmp_path, backend=resolve_backend(cell.backend),
+                      deadline=time.monotonic() + 600)
+    res = run(ctx)
+    tp = res.data["parallel"]
+    assert (res.status, tp["status"], tp["ranks"]) == ("pass", "pass", "all ranks finished"), res.reason
+    assert not res.findings and len(tp["layers"]) >= 15 and all("metrics" in r for r in tp["layers"])
+    assert tp["waited_s"] < tp["seconds"] - 1.0, tp  # the ranks ran while the single-rank part did

@@ -126,6 +126,25 @@ def test_default_plan_matches_the_decoder_names_and_checks_divisibility() -> Non
         check_plan(model, resolve_plan(model, {"*.nothing": "colwise"}), 2, "tiny")
 
 
+def test_default_plan_leaves_a_partly_matched_block_replicated() -> None:
+    """A Llava-like model: CLIP's attention (q/k/v_proj, then out_proj) matches the decoder names only in part; its
+    q/k/v sharded colwise would hand the unsharded out_proj each rank's half of the heads (the default plan did so on
+    the example's tiny-llava, 2026-12-04). The language model is sharded, the vision tower is not."""
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    vision = CLIPVisionModel(CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                              num_attention_heads=4, image_size=32, patch_size=8))
+    model = torch.nn.ModuleDict({"vision_tower": vision, "language_model": decoder()["model"]})
+    plan = resolve_plan(model, None)
+    assert not [n for n in plan if n.startswith("vision_tower.")]
+    assert plan["language_model.layers.0.self_attn.q_proj"] == "colwise"
+    assert plan["language_model.layers.0.mlp.gate_proj"] == "colwise"
+    alone = {f"language_model.{n}" for n in resolve_plan(decoder()["model"], None)} - {"language_model.lm_head"}
+    assert set(plan) == alone  # all of the decoder's (its head is not the model's top-level `lm_head` here)
+    # a plan of the user's own is taken as written
+    assert resolve_plan(model, {"*.q_proj": "colwise"}).get("vision_tower.encoder.layers.0.self_attn.q_proj") == "colwise"
+
+
 def test_findings_carry_the_layout_like_a_phase() -> None:
     f = Finding(kind="divergence", stage="compare", message="m", fingerprint="f", module="layers.0.self_attn.o_proj",
                 parallel="tp2")

@@ -58,7 +58,7 @@ from ...numerics.verdict import (
     verdict_of,
     view_status,
 )
-from .parallel import run_parallel
+from .parallel import PendingParallel, start_parallel
 from .phases import run_phases
 from ...numerics.views import cast_copy, derive_reference_stats, runnable_reference
 
@@ -277,11 +277,22 @@ def run(ctx: "ModeContext") -> ModeResult:
     """The numerics mode (see the module docstring)."""
     t0 = time.monotonic()
     opts: NumericsOptions = parse_options("numerics", ctx.options("numerics"))
-    toolbox = opts.toolbox  # weights/batch/bisect/reference dumps
-    refs = ctx.cell.references
-    bad_refs = _references_problem(refs)
+    bad_refs = _references_problem(ctx.cell.references)
     if bad_refs is not None:
         return ModeResult(status="error", reason=bad_refs)
+    pending = start_parallel(ctx, opts) if ctx.cell.parallel else None  # the TP ranks run beside the single rank
+    try:
+        return _single_rank(ctx, opts, t0, pending)  # collects the ranks' result at its end
+    except Exception:  # the ranks never outlive the mode (an interrupt ends them with this process)
+        if pending is not None:
+            pending.wait()
+        raise
+
+
+def _single_rank(ctx: "ModeContext", opts: NumericsOptions, t0: float, pending: PendingParallel | None) -> ModeResult:
+    """The single-rank comparison, then the phases and the TP run's result (`pending`, started by `run`)."""
+    toolbox = opts.toolbox  # weights/batch/bisect/reference dumps
+    refs = ctx.cell.references
     work = ctx.artifact_dir("numerics")
     dump_root = work / "ref"
     compare = list(range(opts.compare_samples))
@@ -344,7 +355,7 @@ def run(ctx: "ModeContext") -> ModeResult:
     else:
         data["dumps"] = [str(d.relative_to(ctx.cell_dir)) if d.is_relative_to(ctx.cell_dir) else str(d) for d in dumps]
     findings += _phases(ctx, opts, data, findings) if ctx.cell.inputs.phases else []  # per phase and step: phases.py
-    findings += _parallel(ctx, opts, data, findings) if ctx.cell.parallel else []  # tensor parallel: parallel.py
+    findings += _parallel(ctx, pending, data, findings) if pending is not None else []  # tensor parallel: parallel.py
     duration = time.monotonic() - t0
     if not cum_ran and not iso_ran:
         why = cum_errors[0]["error"] if cum_errors else (notes[-1] if notes else "no comparison could run")
@@ -363,10 +374,11 @@ def _phases(ctx: "ModeContext", opts: NumericsOptions, data: dict[str, Any], fin
     return found
 
 
-def _parallel(ctx: "ModeContext", opts: NumericsOptions, data: dict[str, Any], findings: list[Any]) -> list[Any]:
-    """The cell's tensor-parallel layout (modes/numerics/parallel.py): its findings; its table into `data.parallel`."""
+def _parallel(ctx: "ModeContext", pending: PendingParallel, data: dict[str, Any], findings: list[Any]) -> list[Any]:
+    """The cell's tensor-parallel layout (modes/numerics/parallel.py; its ranks started with the mode): its findings;
+    its table into `data.parallel`."""
     ctx.checkpoint("numerics", findings, data)  # kept if the ranks kill the process
-    found, data["parallel"] = run_parallel(ctx, opts)
+    found, data["parallel"] = pending.finish()
     return found
 
 

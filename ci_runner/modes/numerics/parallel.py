@@ -1,19 +1,25 @@
 """The numerics mode's tensor-parallel hook: with `parallel: {tp: N}` on the cell, the sharded model on the backend,
 layer by layer, against one rank (the method: `ci_runner/numerics/parallel.py`, docs/parallel.md).
 
-It runs after the single-rank comparison, in ranks of their own (`engine/parallel.launch_ranks`), and adds its
+Its ranks (`engine/parallel.launch_ranks`) start with the mode (`start_parallel`) and run while the single-rank
+comparison runs: they need nothing from it (each rank builds the model and its references itself), so the cell
+waits only for what is left of them when its single-rank part is done (`PendingParallel.finish`). It adds its
 findings (each carrying `parallel: "tpN"`) and `data["parallel"]`: the layout, the status, the per-layer rows,
-the ranks' outcome and the process group they ran over (`process_group`: c10d's name for it in the ranks, and the
-mesh's device type). The samples are the thresholds' (`thresholds.samples`, else max(2, `inputs.samples`)).
+the ranks' outcome, the process group they ran over (`process_group`: c10d's name for it in the ranks, and the
+mesh's device type) and the seconds (`seconds`: the ranks' wall time; `waited_s`: the part the cell waited for
+after its single-rank comparison). The samples are the thresholds' (`thresholds.samples`, else max(2,
+`inputs.samples`)).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
 from ...config import BackendSpec
 from ...engine.tpprobe import PLAN_CALLS, write_repro
+from ...engine.parallel import RankRun
 from ...numerics.parallel import analyse, run_ranks
 from ...options import NumericsOptions
 from ...parallel import ParallelSpec
@@ -26,17 +32,60 @@ if TYPE_CHECKING:
 MAX_ROWS = 200
 
 
-def run_parallel(ctx: "ModeContext", opts: NumericsOptions) -> tuple[list[Finding], dict[str, Any]]:
-    """(findings, data) of the cell's tensor-parallel run on its backend."""
+class PendingParallel:
+    """The cell's TP ranks, launched in a thread of their own beside the single-rank comparison (`start_parallel`);
+    `finish` waits for them and turns rank 0's value into (findings, data)."""
+
+    def __init__(self, ctx: "ModeContext", opts: NumericsOptions) -> None:
+        self.ctx, self.opts = ctx, opts
+        self.t0 = time.monotonic()
+        self.seconds = 0.0
+        self.outcome: tuple[RankRun, dict[str, Any] | None] | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._launch, name="deepview-tp-numerics", daemon=True)
+        self.thread.start()
+
+    def _launch(self) -> None:
+        ctx, opts = self.ctx, self.opts
+        layout = ctx.cell.parallel
+        assert layout is not None
+        try:
+            samples = list(range(opts.thresholds.samples or max(2, ctx.cell.inputs.samples)))
+            timeout = max(60.0, min(opts.timeout or ctx.remaining(), ctx.remaining()) - 10.0)
+            self.outcome = run_ranks(ctx.cell.model, ctx.cell.inputs, layout, [ctx.cell.backend], samples=samples,
+                                     folder=ctx.artifact_dir("numerics") / "parallel", timeout=timeout)
+        except BaseException as exc:  # raised again by `finish`, in the mode's own thread
+            self.error = exc
+        finally:
+            self.seconds = time.monotonic() - self.t0
+
+    def wait(self) -> float:
+        """Wait for the ranks; the seconds waited."""
+        t = time.monotonic()
+        self.thread.join()
+        return time.monotonic() - t
+
+    def finish(self) -> tuple[list[Finding], dict[str, Any]]:
+        """(findings, data) of the cell's tensor-parallel run on its backend, once the ranks are done."""
+        waited = self.wait()
+        if self.error is not None:
+            raise self.error
+        assert self.outcome is not None
+        return _result(self.ctx, self.opts, *self.outcome, seconds=self.seconds, waited=waited)
+
+
+def start_parallel(ctx: "ModeContext", opts: NumericsOptions) -> PendingParallel:
+    """Launch the cell's TP ranks now (they run beside the single-rank comparison); `finish()` for the result."""
+    return PendingParallel(ctx, opts)
+
+
+def _result(ctx: "ModeContext", opts: NumericsOptions, run: RankRun, value: dict[str, Any] | None, *,
+            seconds: float, waited: float) -> tuple[list[Finding], dict[str, Any]]:
     layout = ctx.cell.parallel
     assert layout is not None
-    t = time.monotonic()
-    samples = list(range(opts.thresholds.samples or max(2, ctx.cell.inputs.samples)))
-    timeout = max(60.0, min(opts.timeout or ctx.remaining(), ctx.remaining()) - 10.0)
-    run, value = run_ranks(ctx.cell.model, ctx.cell.inputs, layout, [ctx.cell.backend],
-                           samples=samples, folder=ctx.artifact_dir("numerics") / "parallel", timeout=timeout)
     data: dict[str, Any] = {"layout": layout.key(), "label": layout.label(), "ranks": run.describe(),
-                            "seconds": round(time.monotonic() - t, 3), "process_group": declared_group(layout)}
+                            "seconds": round(seconds, 3), "waited_s": round(waited, 3),
+                            "process_group": declared_group(layout)}
     if value is None:
         data["status"] = "error"
         message = f"the {layout.label()} run did not finish: {run.describe()}"
