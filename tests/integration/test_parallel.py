@@ -5,7 +5,8 @@ One launch (module-scoped) runs the tiny decoder of `tests/fixtures/plugin_tp_mo
 the default decoder plan, eagerly and then compiled by aot_eager, sim-tp-drop, sim-tp-dup and sim-tp-shard in turn
 (the numerics task), then the layers mode's search on sim-crash in the same ranks (the layers task, which stores
 the failing module's shards and inputs for its repro), then the
-ops mode's inventory of the collectives, probed alone on sim-subset allowing ATen ops only (the ops task).
+ops mode's inventory of the collectives, probed alone on sim-subset allowing ATen ops only, and of rank 0's
+sharded graphs' other ops (the ops task).
 Another (module-scoped) runs the numerics task on the self-test device `simdev` over its own process group
 (`simccl`, declared by the backend), compiled by aot_eager and by sim-tp-drop.
 """
@@ -272,3 +273,44 @@ def test_the_numerics_mode_runs_the_ranks_beside_its_single_rank_part(tmp_path: 
     assert (res.status, tp["status"], tp["ranks"]) == ("pass", "pass", "all ranks finished"), res.reason
     assert not res.findings and len(tp["layers"]) >= 15 and all("metrics" in r for r in tp["layers"])
     assert tp["waited_s"] < tp["seconds"] - 1.0, tp  # the ranks ran while the single-rank part did
+
+
+def test_the_sharded_graphs_own_ops_are_probed_like_the_single_ranks(launch: tuple[RankRun, Path], tmp_path: Path
+                                                                     ) -> None:
+    """The vocabulary-sharded embedding (rowwise, DTensor's MaskPartial) puts a mask and `aten.index_put` into the
+    sharded graph, which the single-rank model has not: the ops task's inventory of rank 0's graphs, the signatures
+    the single-rank inventory lacks probed by the mode's own prober on sim-subset's default allowlist (no
+    index_put): one `unsupported_op` on aten.index_put.default carrying tp2, with a verified one-op repro."""
+    import dataclasses
+    import time
+
+    from ci_runner.backends import resolve_backend
+    from ci_runner.config import load_matrix_text
+    from ci_runner.matrix import expand
+    from ci_runner.modes import ModeContext
+    from ci_runner.modes.ops.mode import _prober, take_model_inventory
+    from ci_runner.modes.ops.parallel import sharded_ops
+    from ci_runner.modes.ops.signature import Inventory
+    from tests.fixtures.matrices import REFERENCES, matrix_text
+
+    text = matrix_text(models=[{"id": "tiny-decoder", "factory": "tests.fixtures.plugin_tp_models:decoder",
+                                "parallel": {"tp": 2}}], backends=[{"id": "sim-subset", "compile": "sim-subset"}],
+                       modes=["ops"], inputs={"samples": 1}, references=REFERENCES)
+    cell = dataclasses.replace(expand(load_matrix_text(text))[0])
+    ctx = ModeContext(cell=cell, cell_dir=tmp_path, backend=resolve_backend(cell.backend),
+                      deadline=time.monotonic() + 300)
+    single = take_model_inventory(ctx, "aten")
+    assert "aten.index_put.default" not in single.op_names()
+    sharded = Inventory.from_dict(launch[0].results[0].value[OPS]["ops"])
+    assert not any(op.startswith("_c10d_functional.") for op in sharded.op_names())
+    found, row = sharded_ops(sharded, single, _prober(ctx, parse_options("ops", {})), TP2,
+                             ctx.artifact_dir("ops") / "parallel" / "ops", tmp_path, set())
+    assert 0 < row["new_count"] < row["signatures"], row
+    assert [(f.kind, f.op, f.parallel) for f in found] == [("unsupported_op", "aten.index_put.default", "tp2")], row
+    f = found[0]
+    assert f.error_type == "SimCompilerError" and "unsupported operator aten.index_put.default" in f.message
+    assert f.repro is not None and f.repro.verified, f.repro
+    assert f.repro.path.startswith("ops/parallel/ops/") and (tmp_path / f.repro.path).is_file()
+    # an op the single rank already failed on is not reported again
+    assert sharded_ops(sharded, single, _prober(ctx, parse_options("ops", {})), TP2, tmp_path / "again", tmp_path,
+                       {f.fingerprint})[0] == []

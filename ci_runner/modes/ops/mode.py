@@ -219,42 +219,57 @@ def run(ctx: "ModeContext") -> ModeResult:
                           setup_error=stats.get("setup_error"), data=data, started=t_start)
     if ctx.cell.inputs.phases:
         _add_phases(ctx, opts, inventory, ops_dir, result, level)
-    if ctx.cell.parallel:  # tensor parallel: the collectives the backend sees (parallel.py)
-        _add_parallel(ctx, opts, result)
+    if ctx.cell.parallel:  # tensor parallel: the collectives and the sharded graphs' new ops (parallel.py)
+        _add_parallel(ctx, opts, result, inventory)
     return result
 
 
-def _add_parallel(ctx: "ModeContext", opts: OpsOptions, result: ModeResult) -> None:
+def _add_parallel(ctx: "ModeContext", opts: OpsOptions, result: ModeResult, inventory: Inventory) -> None:
     t0 = time.monotonic()
-    found, result.data["parallel"] = run_tp(ctx, opts)
+    found, result.data["parallel"] = run_tp(ctx, opts, inventory, _prober(ctx, opts),
+                                            {f.fingerprint for f in result.findings})
     result.duration_s += time.monotonic() - t0
     result.findings += found
     if found and result.status in ("pass", "inconclusive"):
         result.status = "fail"
-    if result.data["parallel"]["status"] == "error":
-        why = f"the {ctx.cell.parallel.label() if ctx.cell.parallel else ''} ranks failed: {result.data['parallel']['ranks']}"
+    label = ctx.cell.parallel.label() if ctx.cell.parallel else ""
+    tp = result.data["parallel"]
+    if tp["status"] == "error":
+        why = f"the {label} ranks failed: {tp['ranks']}"
         result.reason = "; ".join(filter(None, [result.reason, why]))
         if result.status == "pass":
             result.status = "error"
+    elif (tp.get("ops") or {}).get("reason"):  # a sharded op's probe the backend never ran: not a pass
+        result.reason = "; ".join(filter(None, [result.reason, f"{label}: {tp['ops']['reason']}"]))
+        if result.status == "pass" and tp["ops"]["status"] in ("inconclusive", "error"):
+            result.status = "inconclusive"
+
+
+def _prober(ctx: "ModeContext", opts: OpsOptions) -> Callable[[Inventory, Path], ModeResult]:
+    """Probes an inventory's signatures like the forward's (the backend's probe store, isolated children), writing
+    its table and repros under the folder: the phases' and the sharded graphs' new signatures."""
+    spec, backend = ctx.cell.backend, ctx.backend
+
+    def probe(more: Inventory, folder: Path) -> ModeResult:
+        keys = {s.key: s for s in more.signatures}
+        stats: dict[str, Any] = {}
+        found = probe_signatures(spec, list(keys.values()), store_dir=store_dir(ctx), opts=opts,
+                                 remaining=ctx.remaining, journal=ctx.journal, work_dir=folder / "work",
+                                 versions=ctx.env.get("backend"), stats=stats)
+        _cleanup(folder / "work")
+        return model_result(more, found, spec=spec, model_id=ctx.cell.model.id, level="aten", opts=opts,
+                            ops_dir=folder, env_stamp=ctx.env, remaining=ctx.remaining, eager=backend.is_eager,
+                            setup_error=stats.get("setup_error"))
+
+    return probe
 
 
 def _add_phases(ctx: "ModeContext", opts: OpsOptions, inventory: Inventory, ops_dir: Path, result: ModeResult,
                 level: str) -> None:
     """Each phase's graphs (modes/ops/phases.py), their new signatures probed like the forward's."""
     t0 = time.monotonic()
-    spec, backend = ctx.cell.backend, ctx.backend
-
-    def probe(phase_inventory: Inventory, phase_dir: Path) -> ModeResult:
-        keys = {s.key: s for s in phase_inventory.signatures}
-        found = probe_signatures(spec, list(keys.values()), store_dir=store_dir(ctx), opts=opts,
-                                 remaining=ctx.remaining, journal=ctx.journal, work_dir=phase_dir / "work",
-                                 versions=ctx.env.get("backend"), stats={})
-        _cleanup(phase_dir / "work")
-        return model_result(phase_inventory, found, spec=spec, model_id=ctx.cell.model.id, level="aten", opts=opts,
-                            ops_dir=phase_dir, env_stamp=ctx.env, remaining=ctx.remaining, eager=backend.is_eager)
-
     ctx.checkpoint(MODE, result.findings, result.data)  # a phase that kills the process keeps the forward's result
-    findings, result.data["phases"] = run_phases(ctx, opts, inventory, ops_dir, probe,
+    findings, result.data["phases"] = run_phases(ctx, opts, inventory, ops_dir, _prober(ctx, opts),
                                                  {f.fingerprint for f in result.findings})
     result.data.setdefault("timings", {})["phases_s"] = round(time.monotonic() - t0, 3)
     result.duration_s += time.monotonic() - t0

@@ -6,13 +6,21 @@ It runs after the single-rank inventory and probes, in ranks of its own (`engine
 alone, carrying `parallel: "tpN"` and a repro that starts its own ranks (`engine/tpprobe.write_repro`), verified
 by running it (it must fail with the same error type and first line); and `data["parallel"]`: the layout, every
 collective call (op, shape, dtype, arguments, count, module) with its status and the ranks it had.
+
+The sharded graphs' other ops (rank 0's inventory of them, `tpops.sharded_inventory`) whose signatures the
+single-rank inventory lacks (local shapes, and what DTensor itself adds: a vocabulary-sharded embedding's mask and
+`index_put`) are probed like the single-rank ones, in this process's probe children (a local op on local shapes
+needs no ranks), by the mode's own prober: the same outcomes, findings (`parallel: "tpN"`) and verified one-op
+repros (`ops/parallel/ops/`), the same semantics for a probe the backend never ran (inconclusive, not a pass);
+`data["parallel"]["ops"]` lists them.
 """
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from ...backends import backend_recipe
 from ...config import BackendSpec, spec_to_json
@@ -23,16 +31,21 @@ from ...engine.tpprobe import write_repro
 from ...options import OpsOptions
 from ...parallel import ParallelSpec
 from ...registry import FindingKind
-from ...results.model import Finding, Repro, fingerprint
+from ...results.model import Finding, ModeResult, Repro, fingerprint
+from .signature import Inventory
 
 if TYPE_CHECKING:
     from .. import ModeContext
 
 TASK = "ci_runner.modes.ops.tpops:rank_task"
+ProbeFn = Callable[[Inventory, Path], ModeResult]  # probes an inventory's signatures, writing under the folder
 
 
-def run_tp(ctx: "ModeContext", opts: OpsOptions) -> tuple[list[Finding], dict[str, Any]]:
-    """(findings, data) of the cell's collectives on its backend; data["status"] is "error" when the ranks failed."""
+def run_tp(ctx: "ModeContext", opts: OpsOptions, single: Inventory, probe: ProbeFn, already: set[str]
+           ) -> tuple[list[Finding], dict[str, Any]]:
+    """(findings, data) of the cell's collectives on its backend and of the sharded graphs' ops the single-rank
+    inventory `single` lacks (probed with `probe`; findings whose fingerprint is in `already` are not repeated);
+    data["status"] is "error" when the ranks failed, "inconclusive" when a sharded op's probe never ran."""
     layout = ctx.cell.parallel
     assert layout is not None
     t = time.monotonic()
@@ -47,10 +60,44 @@ def run_tp(ctx: "ModeContext", opts: OpsOptions) -> tuple[list[Finding], dict[st
         return [], data
     findings = [collective_finding(row, ctx.cell.backend, ctx.cell.model.id, layout, opts, folder, ctx.cell_dir)
                 for row in value["rows"] if row["status"] != "ok"]
-    data.update(status="fail" if findings else "pass", graphs=value["graphs"], plan=value["plan"],
+    data.update(graphs=value["graphs"], plan=value["plan"],
                 collectives=[{**row["call"], "status": row["status"], "ranks": row.get("ranks", [])}
-                             for row in value["rows"]], seconds=round(time.monotonic() - t, 3))
+                             for row in value["rows"]])
+    ops_found, data["ops"] = sharded_ops(Inventory.from_dict(value["ops"]), single, probe, layout, folder / "ops",
+                                         ctx.cell_dir, already)
+    findings += ops_found
+    status = "fail" if findings else ("inconclusive" if data["ops"].get("status") in ("inconclusive", "error") else "pass")
+    data.update(status=status, seconds=round(time.monotonic() - t, 3))
     return findings, data
+
+
+def sharded_ops(sharded: Inventory, single: Inventory, probe: ProbeFn, layout: ParallelSpec, folder: Path,
+                cell_dir: Path, already: set[str]) -> tuple[list[Finding], dict[str, Any]]:
+    """Probe the sharded graphs' signatures that `single` lacks: (findings carrying the layout, `data.parallel.ops`:
+    counts, the new signatures, the probe result's status and reason)."""
+    known = {s.key for s in single.signatures}
+    new = [s for s in sharded.signatures if s.key not in known]
+    row: dict[str, Any] = {"signatures": len(sharded.signatures), "new_count": len(new),
+                           "new_signatures": [s.describe()[:200] for s in new[:50]], "status": "pass"}
+    if not new:
+        return [], row
+    folder.mkdir(parents=True, exist_ok=True)
+    result = probe(Inventory(signatures=new, total_calls=sum(s.count for s in new), level="aten", method="tp",
+                             device="cpu"), folder)
+    row.update(status=result.status, reason=result.reason, probe_counts=result.data.get("probe_counts"),
+               probes=[p for p in result.data.get("probes", []) if p.get("status") != "pass"][:50])
+    rel = folder.relative_to(cell_dir).as_posix()
+    findings = []
+    for f in result.findings:
+        if f.fingerprint in already:  # the op failed in the single-rank probes too: reported there
+            row.setdefault("also_single_rank", []).append(f.op)
+            continue
+        if f.repro is not None:
+            f.repro = replace(f.repro, path=f"{rel}/{Path(f.repro.path).name}")
+        f.parallel = layout.label()
+        f.details["shapes"] = "rank 0's local shapes in the sharded graph"
+        findings.append(f)
+    return findings, row
 
 
 def collective_finding(row: Mapping[str, Any], spec: BackendSpec, model_id: str, layout: ParallelSpec,

@@ -5,7 +5,10 @@
 redistributions are functional collectives there), lists the distinct collective calls
 (`engine/tpprobe.collective_calls`: op, shape, dtype, arguments) and probes each alone with the cell's backend on
 every rank at once (`engine/tpprobe.probe_collectives`). The ranks' rows are merged on rank 0
-(`engine/tpprobe.merge_rows`: a call fails when it fails on any rank, the ranks named).
+(`engine/tpprobe.merge_rows`: a call fails when it fails on any rank, the ranks named). Rank 0 also returns the
+inventory of its graphs' other ops (`sharded_inventory`: local ops on its local shapes, among them what DTensor
+itself adds, e.g. a vocabulary-sharded embedding's mask and `index_put`); the parent probes those the single-rank
+inventory lacks (`parallel.py`), with no ranks: they need no collective.
 """
 
 from __future__ import annotations
@@ -16,12 +19,22 @@ from ...backends import resolve_backend
 from ...config import BackendSpec, spec_from_json
 from ...engine.parallel import arrive
 from ...engine.tpplan import sharded_model
-from ...engine.tpprobe import aten_graphs, collective_calls, merge_rows, probe_collectives
+from ...engine.tpprobe import NAMESPACE, aten_graphs, collective_calls, merge_rows, probe_collectives
 from ...results.model import clean
+from .inventory import inventory_of_graphs
+from .signature import Inventory
+
+
+def sharded_inventory(graphs: Any, root_class: str) -> Inventory:
+    """The ATen inventory of a rank's sharded graphs without the functional collectives (probed in the ranks)."""
+    inv = inventory_of_graphs(graphs, root_class, level="aten", method="tp", device="cpu")
+    inv.signatures = [s for s in inv.signatures if not s.op.startswith(NAMESPACE + ".")]
+    inv.total_calls = sum(s.count for s in inv.signatures)
+    return inv
 
 
 def rank_task(payload: Mapping[str, Any], mesh: Any) -> dict[str, Any]:
-    """Rank 0 returns {"plan", "graphs", "calls", "rows"}; the other ranks {"rank"}."""
+    """Rank 0 returns {"plan", "graphs", "calls", "rows", "ops"}; the other ranks {"rank"}."""
     import torch.distributed as dist  # deferred: rank children only
 
     sharded, resolved, kwargs = sharded_model(payload, mesh)
@@ -38,4 +51,5 @@ def rank_task(payload: Mapping[str, Any], mesh: Any) -> dict[str, Any]:
     arrive(payload, f"probed:{spec.id}")
     if int(payload["rank"]) != 0:
         return {"rank": int(payload["rank"])}
-    return clean({"plan": resolved, "graphs": len(graphs), "calls": calls, "rows": merge_rows(every)})
+    ops = sharded_inventory(graphs, type(sharded).__name__).to_dict()
+    return clean({"plan": resolved, "graphs": len(graphs), "calls": calls, "rows": merge_rows(every), "ops": ops})
