@@ -281,7 +281,6 @@ def test_the_sharded_graphs_own_ops_are_probed_like_the_single_ranks(launch: tup
     sharded graph, which the single-rank model has not: the ops task's inventory of rank 0's graphs, the signatures
     the single-rank inventory lacks probed by the mode's own prober on sim-subset's default allowlist (no
     index_put): one `unsupported_op` on aten.index_put.default carrying tp2, with a verified one-op repro."""
-    import dataclasses
     import time
 
     from ci_runner.backends import resolve_backend
@@ -296,7 +295,7 @@ def test_the_sharded_graphs_own_ops_are_probed_like_the_single_ranks(launch: tup
     text = matrix_text(models=[{"id": "tiny-decoder", "factory": "tests.fixtures.plugin_tp_models:decoder",
                                 "parallel": {"tp": 2}}], backends=[{"id": "sim-subset", "compile": "sim-subset"}],
                        modes=["ops"], inputs={"samples": 1}, references=REFERENCES)
-    cell = dataclasses.replace(expand(load_matrix_text(text))[0])
+    cell = expand(load_matrix_text(text))[0]
     ctx = ModeContext(cell=cell, cell_dir=tmp_path, backend=resolve_backend(cell.backend),
                       deadline=time.monotonic() + 300)
     single = take_model_inventory(ctx, "aten")
