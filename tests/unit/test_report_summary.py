@@ -186,3 +186,12 @@ def test_every_finding_shows_the_fingerprint_bisect_commits_takes() -> None:
     assert fingerprints
     for fp in fingerprints:
         assert f"fingerprint `{fp}`" in text, fp
+
+
+def test_the_header_says_all_pass_only_when_every_cell_passed() -> None:
+    def one(status: str) -> Results:
+        return Results(cells=[CellResult(id="m@b", model="m", backend="b", status=status,
+                                         modes={"ops": ModeResult(status=status)})])
+
+    assert "## deepview-ci: ✅ all 1 cells pass" in render_summary(one("pass"))
+    assert "## deepview-ci: ⚠️ none failing, 0 of 1 cells pass" in render_summary(one("inconclusive"))
