@@ -82,10 +82,15 @@ def probe_input(call: Mapping[str, Any], rank: int) -> torch.Tensor:
 
 
 def probe_collectives(compile_fn: Callable[[Callable[..., Any]], Callable[..., Any]],
-                      calls: Sequence[Mapping[str, Any]] = PLAN_CALLS, *, device: str = "cpu") -> list[dict[str, Any]]:
+                      calls: Sequence[Mapping[str, Any]] = PLAN_CALLS, *, device: str = "cpu",
+                      compile_name: str | None = None) -> list[dict[str, Any]]:
     """One row per call: {"op", "call", "status", "error_type", "stage", "message"} on this rank; the inputs on
-    `device` (the mesh's: a device's own process group takes its device's tensors), compared on CPU."""
+    `device` (the mesh's: a device's own process group takes its device's tensors), compared on CPU. Where the
+    backend has a vendor watch (`backends.ran.FallbackWatch` of `compile_name`), a right result the backend left
+    to PyTorch (OpenVINO's partitioner leaves a lone collective outside its partitions) is `not_ran`, not `ok`."""
     import torch.distributed as dist  # deferred: rank children only
+
+    from ..backends.ran import FallbackWatch  # deferred: the vendor watches import their compilers on use
 
     rows = []
     for call in calls:
@@ -95,9 +100,12 @@ def probe_collectives(compile_fn: Callable[[Callable[..., Any]], Callable[..., A
         row: dict[str, Any] = {"op": call["op"], "call": dict(call), "status": "ok", "error_type": None, "message": ""}
         try:
             torch._dynamo.reset()
-            got = compile_fn(fn)(x.clone()).cpu()
+            with FallbackWatch(compile_name) as watch:
+                got = compile_fn(fn)(x.clone()).cpu()
             if not torch.equal(got, want):
                 row.update(status="mismatch", message=f"max abs difference {float((got - want).abs().max()):.3g}")
+            elif watch.active and (left := _left_to_eager(watch, str(call["op"]))):
+                row.update(status="not_ran", message=left)
         except Exception as exc:  # the backend's refusal is the probe's result
             failure = classify(exc)  # the backend's own error, unwrapped from Dynamo's
             row.update(status="unsupported", error_type=failure.error_type, stage=failure.stage,
@@ -105,6 +113,19 @@ def probe_collectives(compile_fn: Callable[[Callable[..., Any]], Callable[..., A
         rows.append(row)
         dist.barrier()
     return rows
+
+
+def _left_to_eager(watch: Any, op: str) -> str | None:
+    """Why a lone collective's right result does not show the backend ran it: its vendor watch's fallback reason,
+    or the collective among the ops its partitioner left to PyTorch eager (`eager_ops`); None when it ran."""
+    reason = watch.reason()
+    if reason:
+        return str(reason)[:600]
+    name = op.split(".")[1] if op.count(".") >= 2 else op
+    eager = [str(o) for o in watch.facts().get("eager_ops", [])]
+    if any(name in o for o in eager):
+        return f"the backend left the collective to PyTorch eager (ops outside its partitions: {', '.join(eager)})"
+    return None
 
 
 def repro_values(call: Mapping[str, Any]) -> dict[str, Any]:
@@ -116,8 +137,8 @@ def repro_values(call: Mapping[str, Any]) -> dict[str, Any]:
 
 def merge_rows(every: Sequence[Sequence[Mapping[str, Any]]]) -> list[dict[str, Any]]:
     """Every rank's probe rows (same calls, same order) as one row per call: the worst status over the ranks
-    (unsupported, then mismatch, then ok), the first such rank's error, and the ranks it had."""
-    order = {"unsupported": 0, "mismatch": 1, "ok": 2}
+    (unsupported, then mismatch, then not_ran, then ok), the first such rank's error, and the ranks it had."""
+    order = {"unsupported": 0, "mismatch": 1, "not_ran": 2, "ok": 3}
     out = []
     for per_rank in zip(*every):
         worst = min(range(len(per_rank)), key=lambda r: (order.get(per_rank[r]["status"], 3), r))

@@ -202,6 +202,6 @@ def _probe(spec: BackendSpec, device: str) -> list[dict[str, Any]]:
     the sharded model."""
     try:
         backend = resolve_backend(spec)
-        return probe_collectives(backend.compile, device=device)
+        return probe_collectives(backend.compile, device=device, compile_name=spec.compile)
     except Exception as exc:  # a probe that cannot run is said, not raised: the failure itself is the finding
         return [{"op": "(probe)", "status": "error", "error_type": type(exc).__name__, "message": first_line(str(exc), 300)}]

@@ -234,3 +234,26 @@ def test_the_ranks_refuse_a_process_group_c10d_does_not_know() -> None:
         group_of(payload)
     assert "backend 'x': process_group 'glo' is not a c10d backend torch knows" in info.value.message
     assert "gloo" in (info.value.hint or "") and "register_backend" in (info.value.hint or "")
+
+
+def test_a_lone_collective_openvino_leaves_to_pytorch_is_not_ran_not_ok(tmp_path: Path) -> None:
+    """OpenVINO leaves a lone all-reduce to PyTorch (its partitioner makes no partition of it): a right result, but
+    not the backend's (`engine/tpprobe.probe_collectives`: `not_ran`, OpenVINO's reason); aot_eager's is `ok`. One
+    rank over gloo."""
+    pytest.importorskip("openvino")
+    import torch.distributed as dist
+
+    from ci_runner.backends import resolve_backend
+    from ci_runner.engine.tpprobe import PLAN_CALLS, probe_collectives
+
+    recipe = {"options": {"aot_autograd": True, "testing": True, "config": {"INFERENCE_PRECISION_HINT": "f32"}}}
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        calls = [c for c in PLAN_CALLS if "all_reduce" in str(c["op"])][:1]
+        ov = resolve_backend(BackendSpec(id="ov", compile="openvino", compile_options=recipe))
+        (row,) = probe_collectives(ov.compile, calls, compile_name="openvino")
+        assert row["status"] == "not_ran" and "OpenVINO ran no partition" in row["message"], row
+        ae = resolve_backend(BackendSpec(id="ae", compile="aot_eager"))
+        assert [r["status"] for r in probe_collectives(ae.compile, calls, compile_name="aot_eager")] == ["ok"]
+    finally:
+        dist.destroy_process_group()

@@ -59,13 +59,20 @@ def run_tp(ctx: "ModeContext", opts: OpsOptions, single: Inventory, probe: Probe
         data.update(status="error", seconds=round(time.monotonic() - t, 3))
         return [], data
     findings = [collective_finding(row, ctx.cell.backend, ctx.cell.model.id, layout, opts, folder, ctx.cell_dir)
-                for row in value["rows"] if row["status"] != "ok"]
+                for row in value["rows"] if row["status"] in ("unsupported", "mismatch")]
     data.update(graphs=value["graphs"], plan=value["plan"],
                 collectives=[{**row["call"], "status": row["status"], "ranks": row.get("ranks", [])}
                              for row in value["rows"]])
     ops_found, data["ops"] = sharded_ops(Inventory.from_dict(value["ops"]), single, probe, layout, folder / "ops",
                                          ctx.cell_dir, already)
     findings += ops_found
+    left = [row for row in value["rows"] if row["status"] == "not_ran"]  # a right result the backend did not run
+    if left:
+        why = (f"{len(left)} collective probe(s) the backend never ran (inconclusive, not passed): "
+               + ", ".join(f"{row['op']} ({row.get('message', '')[:160]})" for row in left))
+        data["ops"]["reason"] = "; ".join(filter(None, [why, data["ops"].get("reason")]))
+        if data["ops"].get("status") == "pass":
+            data["ops"]["status"] = "inconclusive"
     status = "fail" if findings else ("inconclusive" if data["ops"].get("status") in ("inconclusive", "error") else "pass")
     data.update(status=status, seconds=round(time.monotonic() - t, 3))
     return findings, data

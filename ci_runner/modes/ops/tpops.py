@@ -45,7 +45,7 @@ def rank_task(payload: Mapping[str, Any], mesh: Any) -> dict[str, Any]:
     arrive(payload, f"probe:{spec.id}")
     backend = resolve_backend(spec)
     backend.prepare()
-    rows = probe_collectives(backend.compile, calls, device=mesh.device_type)
+    rows = probe_collectives(backend.compile, calls, device=mesh.device_type, compile_name=spec.compile)
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, rows)
     arrive(payload, f"probed:{spec.id}")
