@@ -141,7 +141,7 @@ def merge_rows(every: Sequence[Sequence[Mapping[str, Any]]]) -> list[dict[str, A
     order = {"unsupported": 0, "mismatch": 1, "not_ran": 2, "ok": 3}
     out = []
     for per_rank in zip(*every):
-        worst = min(range(len(per_rank)), key=lambda r: (order.get(per_rank[r]["status"], 3), r))
+        worst = min(range(len(per_rank)), key=lambda r: (order.get(per_rank[r]["status"], 4), r))
         row = dict(per_rank[worst])
         row["ranks"] = [r for r, x in enumerate(per_rank) if x["status"] == row["status"]]
         out.append(row)
