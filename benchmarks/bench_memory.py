@@ -44,7 +44,7 @@ def main() -> int:
     from ci_runner.modes.memory.meters import DispatchMeter
     from ci_runner.modes.memory.runs import metered_run, module_bytes
     from ci_runner.modes.memory.tables import first_over_budget, phase_summary
-    from ci_runner.phases import parse_phases
+    from ci_runner.workloads.phases import parse_phases
 
     t_import = time.perf_counter() - t0
     spec = ModelSpec(id="llama-70b-shape", config="llama", overrides=LLAMA_70B, dtype="bfloat16")

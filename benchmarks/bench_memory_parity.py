@@ -45,7 +45,7 @@ def main() -> int:
     from ci_runner.modes.memory.meters import DispatchMeter, device_meter
     from ci_runner.modes.memory.runs import metered_run
     from ci_runner.modes.memory.tables import compare_rows, kv_growth
-    from ci_runner.phases import parse_phases
+    from ci_runner.workloads.phases import parse_phases
 
     if args.device == "simdev":
         from ci_runner.sim import simdev

@@ -20,8 +20,8 @@ import jsonschema
 import yaml
 
 from .errors import ConfigError, OptionError
-from .parallel import ParallelSpec, check_parallel, parse_parallel
-from .phases import Phase, check_phases, parse_phases
+from .workloads.parallel import ParallelSpec, check_parallel, parse_parallel
+from .workloads.phases import Phase, check_phases, parse_phases
 from .registry import default_mode_names, mode_names, parse_options
 from .results.model import schema
 
@@ -40,7 +40,7 @@ class InputSpec:
     seed: int = 0
     image_size: int | None = None
     text: tuple[str, ...] = ()
-    phases: tuple[Any, ...] = ()  # the raw `phases` list (ci_runner/phases.py); empty: the single forward
+    phases: tuple[Any, ...] = ()  # the raw `phases` list (ci_runner/workloads/phases.py); empty: the single forward
 
     def merged(self, override: Mapping[str, Any] | None) -> "InputSpec":
         if not override:
@@ -122,7 +122,7 @@ class BackendSpec:
     setup: tuple[str, ...] = ()  # shell commands run before the cell
     artifacts: tuple[str, ...] = ()  # artifacts of an earlier job, downloaded before `setup`
     source: Mapping[str, Any] | None = None  # {repo (absolute), setup, python?, max_steps?, …}: what bisect-commits walks
-    # the c10d backend its device's ranks join under tensor parallelism (ci_runner/parallel.py); None: gloo on CPU
+    # the c10d backend its device's ranks join under tensor parallelism (ci_runner/workloads/parallel.py); None: gloo on CPU
     process_group: str | None = None
 
     @property
@@ -143,7 +143,7 @@ class Cell:
     inputs: InputSpec
     references: tuple[Reference, ...]
     options: Mapping[str, Mapping[str, Any]]  # per-mode options, model and backend merged over defaults
-    parallel: ParallelSpec | None = None  # the tensor-parallel layout (ci_runner/parallel.py); None: one rank
+    parallel: ParallelSpec | None = None  # the tensor-parallel layout (ci_runner/workloads/parallel.py); None: one rank
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -515,7 +515,7 @@ def _check_phases(data: dict[str, Any], positions: _Positions, source: str,
 
 def _check_parallel(data: dict[str, Any], positions: _Positions, source: str,
                     rejected: list[tuple[Any, ...]]) -> list[SchemaProblem]:
-    """The problems of every `parallel` of defaults, models and backends (ci_runner/parallel.py), each at its key."""
+    """The problems of every `parallel` of defaults, models and backends (ci_runner/workloads/parallel.py), each at its key."""
     problems: list[SchemaProblem] = []
     for path, raw in _blocks(data, ("parallel",)):
         if raw is None or _inside(path, rejected):

@@ -14,7 +14,7 @@ from types import MappingProxyType
 from typing import Any, Iterable, Mapping, Sequence
 
 from .config import Cell, Matrix, cell_parallel, raw_entry, spec_to_json
-from .parallel import with_process_group
+from .workloads.parallel import with_process_group
 from .errors import ConfigError
 from .zoo.shards import Shard, split, zoo_plan_sizes
 

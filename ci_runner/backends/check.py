@@ -33,7 +33,7 @@ from typing import Any
 from ..config import (BackendSpec, Matrix, MatrixProblems, SchemaProblem, load_matrix, parse_yaml, schema_error,
                       spec_from_json, spec_to_json)
 from ..engine.isolate import Attempt, IsolatedResult, child_journal, supervise
-from ..parallel import DEFAULT_PROCESS_GROUP, check_process_group
+from ..workloads.parallel import DEFAULT_PROCESS_GROUP, check_process_group
 from ..fsutil import append_record, read_records
 
 # torch.compile backend names torch registers itself (torch 2.1 to 2.13): accepted without starting a child

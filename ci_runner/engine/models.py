@@ -29,6 +29,7 @@ import importlib.util
 import inspect
 import json
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -529,6 +530,19 @@ def model_module_stack(node_meta: Mapping[str, Any]) -> list[tuple[str, Any]]:
     since 5.25) is called by the model but is none of its submodules."""
     stack = node_meta.get("nn_module_stack") or {}
     return [(str(path), cls) for path, cls in stack.values() if not str(path).startswith("G[")]
+
+
+_MODULE_PATH_RE = re.compile(r"\._modules\[['\"]([^'\"]+)['\"]\]|\[['\"]([^'\"]+)['\"]\]|\[(\d+)\]")
+
+
+def normalize_module_path(path: str) -> str:
+    """`L['self'].model.layers[0]._modules['mlp']` or `model.layers.0@1` → `model.layers.0.mlp`."""
+    path = re.sub(r"^L\[['\"](self|mod|model|fn)['\"]\]", "", path)
+    path = re.sub(r"^(L__self__|L__self)", "", path)
+    path = _MODULE_PATH_RE.sub(lambda m: "." + (m.group(1) or m.group(2) or m.group(3)), path)
+    path = re.sub(r"@\d+$", "", path)
+    path = re.sub(r"@\d+(?=\.)", "", path)
+    return path.strip(".")
 
 
 def resolve_module_name(candidate: str, names: Mapping[str, str], module_class: str | None = None) -> str | None:

@@ -2,7 +2,7 @@
 
 The sharding is PyTorch's own: `torch.distributed.tensor.parallel.parallelize_module` with `ColwiseParallel` /
 `RowwiseParallel` (DTensor parameters; plain local tensors between modules, `use_local_output`). A plan maps
-module-name globs to the style names of `ci_runner/parallel.py`; without one the family's default plan applies:
+module-name globs to the style names of `ci_runner/workloads/parallel.py`; without one the family's default plan applies:
 
 * decoders with Llama-style names (Llama, Granite, Mistral, Qwen2, the attention layers of Bamba and Mixtral):
   attention `q_proj`/`k_proj`/`v_proj` colwise and `o_proj` rowwise (each rank keeps `heads / tp` heads: HF's

@@ -13,12 +13,13 @@ call; the script starts ranks of its own.
 
 from __future__ import annotations
 
-import re
+import math
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
 from .failure import classify, first_line
+from .models import model_module_stack, normalize_module_path
 
 NAMESPACE = "_c10d_functional"
 WAIT = "_c10d_functional.wait_tensor.default"
@@ -45,20 +46,13 @@ def collective_calls(graphs: Iterable[torch.fx.GraphModule]) -> list[dict[str, A
                 continue
             args = [a if isinstance(a, (int, float, str)) else str(a) for a in node.args[1:-1]]
             key = (name, tuple(val.shape), str(val.dtype), tuple(map(str, args)))
-            stack = node.meta.get("nn_module_stack") or {}
-            module = module_path(str(list(stack.values())[-1][0])) if stack else ""
+            stack = model_module_stack(node.meta)
+            module = normalize_module_path(stack[-1][0]) if stack else ""
             row = out.setdefault(key, {"op": name, "shape": [int(d) for d in val.shape],
                                        "dtype": str(val.dtype).removeprefix("torch."), "args": args, "count": 0,
                                        "module": module})
             row["count"] += 1
     return list(out.values())
-
-
-def module_path(dynamo_path: str) -> str:
-    """Dynamo's module path as a qualified name: `L['self'].layers[0].mlp` → `layers.0.mlp`."""
-    path = re.sub(r"^L\['self'\]", "", dynamo_path)
-    path = re.sub(r"\.?_modules\['([^']+)'\]", r".\1", path)
-    return re.sub(r"\[(\d+)\]", r".\1", path).lstrip(".")
 
 
 def lone_call(call: Mapping[str, Any]) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -75,10 +69,7 @@ def lone_call(call: Mapping[str, Any]) -> Callable[[torch.Tensor], torch.Tensor]
 def probe_input(call: Mapping[str, Any], rank: int) -> torch.Tensor:
     """The probe's input on `rank`: 0, 1, 2, … in the call's shape and dtype, plus the rank (ranks differ)."""
     shape = [int(d) for d in call["shape"]]
-    n = 1
-    for d in shape:
-        n *= d
-    return (torch.arange(n, dtype=torch.float64) % 97 + rank).reshape(shape).to(getattr(torch, call["dtype"]))
+    return (torch.arange(math.prod(shape), dtype=torch.float64) % 97 + rank).reshape(shape).to(getattr(torch, call["dtype"]))
 
 
 def probe_collectives(compile_fn: Callable[[Callable[..., Any]], Callable[..., Any]],

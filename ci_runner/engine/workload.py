@@ -1,4 +1,4 @@
-"""Run a phase (`ci_runner/phases.py`) the way its users run it: one callable, called again and again.
+"""Run a phase (`ci_runner/workloads/phases.py`) the way its users run it: one callable, called again and again.
 
 A phase is a list of calls. The prefill writes the prompt into a KV cache (transformers' `StaticCache` by default,
 as users compile; `DynamicCache` on request); each decode step feeds one token through the same cache object, with
@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..config import InputSpec
-from ..phases import Phase
+from ..workloads.phases import Phase
 from .audio import is_audio
 from .failure import stage_of, unwrap
 from .models import LoadedModel, build_inputs, seeded_ids, text_config

@@ -26,7 +26,7 @@ from typing import Any, Mapping, Sequence
 from ..config import BackendSpec, InputSpec, ModelSpec, spec_to_json
 from ..engine.parallel import RANK_TASKS, RankRun, launch_ranks
 from ..options import ThresholdOptions
-from ..parallel import ParallelSpec
+from ..workloads.parallel import ParallelSpec
 from ..registry import FindingKind
 from ..results.model import Finding, fingerprint
 from .thresholds import LayerStats, exceeded, threshold_from_stats

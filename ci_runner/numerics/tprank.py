@@ -85,8 +85,6 @@ def _references(module: torch.nn.Module, samples: list[dict[str, Any]]) -> list[
 def _weights_check(sharded: torch.nn.Module, module: torch.nn.Module, resolved: Mapping[str, str]) -> list[dict[str, Any]]:
     """Per shard: each sharded weight's local slice on every rank against the same slice of the single-rank
     weight (byte-equal); the ranks' answers gathered to rank 0."""
-    import torch.distributed as dist  # deferred: rank children only
-
     full = dict(module.named_parameters())
     rows = []
     for name, param in sharded.named_parameters():
@@ -110,8 +108,6 @@ def _compare_runs(sharded: torch.nn.Module, backend: Any, samples: list[dict[str
     on rank 0, compared with the single-rank references: one record per (sample, call key). A compiled run the
     backend left to PyTorch on any rank is never compared: every call key is `not_ran` (inconclusive); one it ran
     only without output hooks compares the model's output, the other keys `not_ran`."""
-    import torch.distributed as dist  # deferred: rank children only
-
     which = list(range(len(samples))) if which is None else which
     keyed_runs = [run_eager_with_outputs(sharded, samples[i]) for i in which] if backend is None else []
     why = None

@@ -132,7 +132,7 @@ class Finding:
     details: dict[str, Any] = field(default_factory=dict)
     phase: str | None = None  # the workload phase (prefill, decode, batch, long); None: the single forward
     step: int | None = None  # the decode step (1-based) where it applies
-    parallel: str | None = None  # the tensor-parallel layout (`tp2`, ci_runner/parallel.py); None: one rank
+    parallel: str | None = None  # the tensor-parallel layout (`tp2`, ci_runner/workloads/parallel.py); None: one rank
 
     def to_dict(self) -> dict[str, Any]:
         d = {name: getattr(self, name) for name in _FINDING_FIELDS}  # no deep copy: clean builds new containers

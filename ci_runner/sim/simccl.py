@@ -2,7 +2,7 @@
 
 A real accelerator's plugin registers its collective library with c10d (`torch.distributed.Backend.
 register_backend`, as `hccl` or `xccl` are), and a matrix declares it on the backend (`process_group: simccl`, with
-this module under `import:`): `ci_runner/parallel.py`, docs/parallel.md. Importing this module registers `simccl`
+this module under `import:`): `ci_runner/workloads/parallel.py`, docs/parallel.md. Importing this module registers `simccl`
 for the `simdev` device. Its process group (`SimcclGroup`, a Python `ProcessGroup`) does each collective on the
 ranks' tensors by copying them to the CPU, running gloo's collective on the copies (its own gloo group on the same
 store) and copying the results back into the given tensors; the returned work is already complete. So a collective

@@ -15,7 +15,7 @@ from ci_runner.modes.memory.meters import DispatchMeter, SimdevMeter
 from ci_runner.modes.memory.mode import run
 from ci_runner.modes.memory.runs import metered_run
 from ci_runner.modes.memory.tables import compare_rows, kv_growth
-from ci_runner.phases import parse_phases
+from ci_runner.workloads.phases import parse_phases
 from ci_runner.engine.isolate import open_entry
 from ci_runner.results.model import JOURNAL_NAME, CellResult, Results, validate
 from tests.fixtures.matrices import matrix_text

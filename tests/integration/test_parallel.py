@@ -28,7 +28,7 @@ from ci_runner.numerics.parallel import TASK as NUMERICS, analyse, rank_payload
 from ci_runner.options import OpsOptions
 from ci_runner.registry import parse_options
 from ci_runner.options import ThresholdOptions
-from ci_runner.parallel import ParallelSpec, with_process_group
+from ci_runner.workloads.parallel import ParallelSpec, with_process_group
 
 pytestmark = pytest.mark.subprocess
 
@@ -303,7 +303,7 @@ def test_the_sharded_graphs_own_ops_are_probed_like_the_single_ranks(launch: tup
     sharded = Inventory.from_dict(launch[0].results[0].value[OPS]["ops"])
     assert not any(op.startswith("_c10d_functional.") for op in sharded.op_names())
     found, row = sharded_ops(sharded, single, _prober(ctx, parse_options("ops", {})), TP2,
-                             ctx.artifact_dir("ops") / "parallel" / "ops", tmp_path, set())
+                             ctx.artifact_dir("ops") / "parallel" / "ops", set())
     assert 0 < row["new_count"] < row["signatures"], row
     assert [(f.kind, f.op, f.parallel) for f in found] == [("unsupported_op", "aten.index_put.default", "tp2")], row
     f = found[0]
@@ -311,5 +311,5 @@ def test_the_sharded_graphs_own_ops_are_probed_like_the_single_ranks(launch: tup
     assert f.repro is not None and f.repro.verified, f.repro
     assert f.repro.path.startswith("ops/parallel/ops/") and (tmp_path / f.repro.path).is_file()
     # an op the single rank already failed on is not reported again
-    assert sharded_ops(sharded, single, _prober(ctx, parse_options("ops", {})), TP2, tmp_path / "again", tmp_path,
+    assert sharded_ops(sharded, single, _prober(ctx, parse_options("ops", {})), TP2, tmp_path / "again",
                        {f.fingerprint})[0] == []

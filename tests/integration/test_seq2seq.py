@@ -15,7 +15,7 @@ from ci_runner.config import InputSpec, ModelSpec, load_matrix_text
 from ci_runner.engine.models import build_inputs, load_model
 from ci_runner.engine.workload import skip_reason
 from ci_runner.matrix import expand
-from ci_runner.phases import parse_phases
+from ci_runner.workloads.phases import parse_phases
 from ci_runner.results.model import CellResult, validate
 from ci_runner.run.cellrun import run_cell_inprocess
 from ci_runner.zoo.inputs import zoo_inputs

@@ -10,7 +10,7 @@ import torch
 from ci_runner.config import InputSpec, ModelSpec
 from ci_runner.engine.models import build_inputs, load_model
 from ci_runner.engine.workload import skip_reason
-from ci_runner.phases import parse_phases
+from ci_runner.workloads.phases import parse_phases
 from ci_runner.zoo.inputs import zoo_inputs
 
 SPEC = InputSpec(batch=1, seq_len=8, samples=2, seed=3)

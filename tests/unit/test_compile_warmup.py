@@ -10,7 +10,7 @@ from typing import Any
 from ci_runner.engine.dynamotrace import Event, TraceWatch
 from ci_runner.modes.compile.checks import PhaseSignals, expected_recompiles, warmup_findings, warmup_of
 from ci_runner.options import CompileOptions
-from ci_runner.phases import Phase
+from ci_runner.workloads.phases import Phase
 from ci_runner.registry import parse_options
 
 

@@ -27,7 +27,7 @@ from ci_runner.numerics.verdict import build_layers, coverage, verdict_of
 from ci_runner.numerics.views import _compare_compiled
 from ci_runner.numerics.weights import WeightsReport, check_weights
 from ci_runner.numerics.watched import CaptureRun, WatchedRunner, partial_sites, watched_capture, watched_outputs
-from ci_runner.phases import parse_phases
+from ci_runner.workloads.phases import parse_phases
 
 OPENVINO = {"options": {"aot_autograd": True, "testing": True, "config": {"INFERENCE_PRECISION_HINT": "f32"}}}
 AOT = BackendSpec(id="aot_eager", compile="aot_eager")

@@ -1,5 +1,5 @@
 """The tensor-parallel workload without ranks: the matrix key, the signatures, the hang report, the layout in
-findings and reports (ci_runner/parallel.py, numerics/tpsignature.py, engine/parallel.py, engine/tpplan.py)."""
+findings and reports (ci_runner/workloads/parallel.py, numerics/tpsignature.py, engine/parallel.py, engine/tpplan.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from ci_runner.engine.tpplan import check_plan, resolve_plan
 from ci_runner.errors import ConfigError, InputError
 from ci_runner.matrix import expand
 from ci_runner.numerics.tpsignature import classify, signature_facts
-from ci_runner.parallel import spec_from_key
+from ci_runner.workloads.parallel import spec_from_key
 from ci_runner.report.view import finding_title
 from ci_runner.results.model import Finding
 from tests.fixtures.plugin_tp_models import decoder
@@ -156,7 +156,7 @@ def test_findings_carry_the_layout_like_a_phase() -> None:
 def test_analyse_turns_bad_shards_and_failing_collectives_into_findings() -> None:
     from ci_runner.numerics.parallel import analyse
     from ci_runner.options import ThresholdOptions
-    from ci_runner.parallel import ParallelSpec
+    from ci_runner.workloads.parallel import ParallelSpec
 
     value = {"plan": {"l.q_proj": "colwise"}, "eager": [],
              "weights": [{"param": "l.q_proj.weight", "rank": 1, "equal": False, "dim": 0},
@@ -182,7 +182,7 @@ def test_analyse_turns_bad_shards_and_failing_collectives_into_findings() -> Non
 def test_a_sharded_run_the_backend_left_to_pytorch_is_inconclusive_per_layer_never_a_pass() -> None:
     from ci_runner.numerics.parallel import analyse
     from ci_runner.options import ThresholdOptions
-    from ci_runner.parallel import ParallelSpec
+    from ci_runner.workloads.parallel import ParallelSpec
 
     why = "rank 1: OpenVINO fell back to PyTorch: 3 partitions"
     records = [{"sample": s, "key": k, "order": i, "not_ran": why} for s in (0, 1) for i, k in enumerate(("a#0", "b#0"))]
@@ -197,7 +197,7 @@ def test_a_dead_rank_in_the_tp_layers_search_names_the_module_it_was_probing(tmp
     from ci_runner.engine.isolate import IsolatedResult
     from ci_runner.engine.parallel import RankRun
     from ci_runner.modes.layers.parallel import tp_findings
-    from ci_runner.parallel import ParallelSpec
+    from ci_runner.workloads.parallel import ParallelSpec
 
     (tmp_path / "rank0.progress").write_text("init\nprobe:v:<root>\nprobe:v:layers.0.mlp\n")
     (tmp_path / "rank1.progress").write_text("init\nprobe:v:<root>\nprobe:v:layers.0.mlp\n")

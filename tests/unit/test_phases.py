@@ -9,7 +9,7 @@ import pytest
 from ci_runner.config import InputSpec, load_matrix
 from ci_runner.errors import ConfigError
 from ci_runner.matrix import expand
-from ci_runner.phases import Phase, check_phases, default_batch_lengths, parse_phases
+from ci_runner.workloads.phases import Phase, check_phases, default_batch_lengths, parse_phases
 
 HEAD = "version: 1\ndefaults:\n  inputs: {seq_len: 12, phases: %s}\nmodels:\n  - {id: m, config: llama}\n"
 BACKENDS = "backends:\n  - {id: b, compile: aot_eager}\n"

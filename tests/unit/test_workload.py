@@ -11,7 +11,7 @@ import torch
 from ci_runner.config import InputSpec, ModelSpec
 from ci_runner.engine.models import load_model
 from ci_runner.engine.workload import run_phase, skip_reason
-from ci_runner.phases import parse_phases
+from ci_runner.workloads.phases import parse_phases
 
 pytestmark = pytest.mark.oldtorch
 

@@ -23,7 +23,7 @@ from ...backends.ran import CompileRecord
 from ...engine.watchedrun import WatchedRun
 from ...engine.workload import Call
 from ...options import CompileOptions
-from ...phases import Phase
+from ...workloads.phases import Phase
 from ...results.model import Finding, fingerprint
 from ...engine.dynamotrace import Event, changed_input, short_path
 

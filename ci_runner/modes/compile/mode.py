@@ -23,7 +23,7 @@ from ...engine.torchcompat import dynamo_config
 from ...engine.watchedrun import PhaseWatch, WatchedRun
 from ...engine.workload import Call, CallRecord, run_phase, skip_reason
 from ...options import CompileOptions
-from ...phases import Phase
+from ...workloads.phases import Phase
 from ...registry import parse_options
 from ...results.model import Finding, ModeResult
 from .checks import PhaseSignals, findings_for

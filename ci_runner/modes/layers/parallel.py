@@ -21,7 +21,7 @@ from ...config import spec_to_json
 from ...engine.failure import first_line
 from ...engine.outcome import ProbeOutcome
 from ...engine.parallel import PROGRESS, RANK_TASKS, RankRun, launch_ranks, read_progress
-from ...parallel import ParallelSpec
+from ...workloads.parallel import ParallelSpec
 from ...registry import FindingKind
 from ...results.model import Finding, fingerprint
 from .tprepro import attach_repros

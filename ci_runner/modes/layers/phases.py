@@ -36,7 +36,7 @@ from ...engine.workload import (Call, Captured, PhaseRun, cache_kwarg, capture_c
                                  skip_reason, smallest_module, symbolic_functions)
 from ...fsutil import atomic_write_text
 from ...options import LayersOptions
-from ...phases import Phase
+from ...workloads.phases import Phase
 from ...results.model import Finding, Repro, fingerprint
 
 if TYPE_CHECKING:

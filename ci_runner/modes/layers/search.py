@@ -23,7 +23,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Collection, Mapping, Sequence
+from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
 
 import torch
 
@@ -123,14 +123,22 @@ def scan_model(model: torch.nn.Module, kwargs: Mapping[str, Any], *, all_calls: 
     records the values of the modules about to be probed, level by level.
     """
     recorded, _ = record_calls(model, (), kwargs, keep=False)
+    why_not: dict[str, str] = {}
+    for rec in recorded:
+        if rec.opaque and (all_calls or rec.call_index == 0):
+            why_not.setdefault(rec.name, rec.opaque)
+    return tree_of(recorded, why_not)
+
+
+def tree_of(recorded: Iterable[Any], why_not: Mapping[str, str] | None = None) -> ModuleTree:
+    """The module tree of one recorded forward (`record_calls`' records): every module that ran, its class and its
+    call count, in first-call order; replayable unless `why_not` says why not."""
+    why_not = why_not or {}
     classes: dict[str, str] = {}
     counts: dict[str, int] = {}
-    why_not: dict[str, str] = {}
     for rec in recorded:
         counts[rec.name] = counts.get(rec.name, 0) + 1
         classes.setdefault(rec.name, rec.module_class)
-        if rec.opaque and (all_calls or rec.call_index == 0):
-            why_not.setdefault(rec.name, rec.opaque)
     return ModuleTree.build((n, classes[n], counts[n], n not in why_not, why_not.get(n)) for n in classes)
 
 

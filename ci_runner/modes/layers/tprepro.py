@@ -43,7 +43,7 @@ from .tree import ROOT, label
 if TYPE_CHECKING:
     from ...config import BackendSpec
     from ...options import LayersOptions
-    from ...parallel import ParallelSpec
+    from ...workloads.parallel import ParallelSpec
 
 Calls = list[tuple[tuple[Any, ...], dict[str, Any]]]
 STARTUP_S = 60.0  # a repro rank's start, model build and shard, on top of the probe's own limit

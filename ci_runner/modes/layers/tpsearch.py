@@ -25,7 +25,7 @@ from ...engine.outcome import ProbeOutcome
 from ...engine.parallel import arrive
 from ...engine.tpplan import sharded_model
 from ...results.model import clean
-from .search import ModuleTree, label, minimal_failing, probe_one, record_calls, search
+from .search import ModuleTree, label, minimal_failing, probe_one, record_calls, search, tree_of
 from .tprepro import store_ranks
 
 Calls = list[tuple[tuple[Any, ...], dict[str, Any]]]
@@ -65,16 +65,8 @@ def capture_sharded(sharded: torch.nn.Module, kwargs: Mapping[str, Any]) -> tupl
     """The module tree of one eager sharded forward and every module's first-call inputs (cloned: a later call
     may write into them), kept in memory for the rank's own probes."""
     recorded, _ = record_calls(sharded, (), kwargs, keep=True, clone=True)
-    counts: dict[str, int] = {}
-    classes: dict[str, str] = {}
-    calls: dict[str, Calls] = {}
-    for rec in recorded:
-        counts[rec.name] = counts.get(rec.name, 0) + 1
-        classes.setdefault(rec.name, rec.module_class)
-        if rec.call_index == 0:
-            calls[rec.name] = [(rec.args, rec.kwargs)]
-    tree = ModuleTree.build((n, classes[n], counts[n], True, None) for n in classes)
-    return tree, calls
+    calls: dict[str, Calls] = {rec.name: [(rec.args, rec.kwargs)] for rec in recorded if rec.call_index == 0}
+    return tree_of(recorded), calls
 
 
 def _search(payload: Mapping[str, Any], spec: BackendSpec, sharded: torch.nn.Module, tree: ModuleTree,

@@ -17,7 +17,7 @@ import torch
 
 from ...config import InputSpec
 from ...engine.models import LoadedModel
-from ...phases import Phase
+from ...workloads.phases import Phase
 from .meters import DispatchMeter, Meter, NullMeter, device_meter
 from .runs import MeteredRun, calls_of, metered_run, phase_name, tracked_layers
 from .tracker import ModuleTracker, layer_names

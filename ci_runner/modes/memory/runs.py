@@ -17,7 +17,7 @@ import torch
 from ...config import InputSpec
 from ...engine.models import LoadedModel, build_inputs
 from ...engine.workload import Call, batch_call, cache_kwarg, generation_calls, logits_of, long_calls
-from ...phases import Phase
+from ...workloads.phases import Phase
 from .meters import DispatchMeter, Meter
 from .tracker import Frame, ModuleTracker, layer_names, tracked_modules
 

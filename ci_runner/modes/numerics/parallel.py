@@ -22,7 +22,7 @@ from ...engine.tpprobe import PLAN_CALLS, write_repro
 from ...engine.parallel import RankRun
 from ...numerics.parallel import analyse, run_ranks
 from ...options import NumericsOptions
-from ...parallel import ParallelSpec
+from ...workloads.parallel import ParallelSpec
 from ...registry import FindingKind
 from ...results.model import Finding, Repro, fingerprint
 

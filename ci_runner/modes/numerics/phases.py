@@ -1,6 +1,6 @@
 """Numerics per phase (`inputs.phases`): per layer and per step against references fed the same tokens.
 
-For each phase (`ci_runner/phases.py`), run as users run it (`engine/workload.py`):
+For each phase (`ci_runner/workloads/phases.py`), run as users run it (`engine/workload.py`):
 1. the primary reference (eager, the primary dtype) picks the greedy tokens; the second reference (e.g. float64)
    is fed the same tokens. Per layer and per call, their disagreement times the margin (with the dtype's floor) is
    the threshold, derived per phase as the single forward's are;
@@ -32,7 +32,7 @@ from ...engine.workload import (Call, CallRecord, PhaseRun, capture_calls, repla
 from ...numerics.metrics import compare_tensors
 from ...numerics.watched import not_ran
 from ...options import NumericsOptions
-from ...phases import Phase
+from ...workloads.phases import Phase
 from ...results.model import Finding, fingerprint
 
 if TYPE_CHECKING:

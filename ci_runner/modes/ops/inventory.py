@@ -50,7 +50,7 @@ from .signature import CallSite, Inventory, OpSignature, signature_key
 from .tracefail import (PACKAGE_DIR, error_summary, fake_tensor_error, model_code_error, short_path,
                         transformers_checks_off, where_failed)
 from ...engine.torchcompat import require
-from ...engine.models import model_module_stack, module_names, resolve_module_name
+from ...engine.models import model_module_stack, module_names, normalize_module_path, resolve_module_name
 
 LEVELS: tuple[str, ...] = ("dynamo", "aten", "core_aten", "dispatch")
 MAX_SITES = 8  # call sites kept per signature
@@ -169,19 +169,6 @@ def source_from_stack_trace(stack_trace: str | None) -> str | None:
     outside = [f for f in frames if not f[0].startswith(torch_dir)]
     path, line, fn = (outside or frames)[-1]  # the model's own line, not torch.nn's
     return f"{short_path(path)}:{line} in {fn.strip()}"
-
-
-_MODULE_PATH_RE = re.compile(r"\._modules\[['\"]([^'\"]+)['\"]\]|\[['\"]([^'\"]+)['\"]\]|\[(\d+)\]")
-
-
-def normalize_module_path(path: str) -> str:
-    """`L['self'].model.layers[0]._modules['mlp']` or `model.layers.0@1` → `model.layers.0.mlp`."""
-    path = re.sub(r"^L\[['\"](self|mod|model|fn)['\"]\]", "", path)
-    path = re.sub(r"^(L__self__|L__self)", "", path)
-    path = _MODULE_PATH_RE.sub(lambda m: "." + (m.group(1) or m.group(2) or m.group(3)), path)
-    path = re.sub(r"@\d+$", "", path)
-    path = re.sub(r"@\d+(?=\.)", "", path)
-    return path.strip(".")
 
 
 def _class_name(cls: Any) -> str:

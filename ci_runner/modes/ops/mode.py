@@ -34,7 +34,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -46,7 +46,7 @@ from .inventory import InventoryError, take_inventory
 from .compare import SCRIPT_FUNCTIONS, matches_any
 from .outcome import OpOutcome, OpStatus
 from .inputs import SCRIPT_FUNCTIONS as INPUT_FUNCTIONS, call_source, dynamic_marks
-from .phases import run_phases
+from .phases import ProbeFn, run_phases
 from .parallel import run_tp
 from .probe import not_run_outcome, op_expression
 from .signature import Inventory, OpSignature
@@ -245,21 +245,29 @@ def _add_parallel(ctx: "ModeContext", opts: OpsOptions, result: ModeResult, inve
             result.status = "inconclusive"
 
 
-def _prober(ctx: "ModeContext", opts: OpsOptions) -> Callable[[Inventory, Path], ModeResult]:
-    """Probes an inventory's signatures like the forward's (the backend's probe store, isolated children), writing
-    its table and repros under the folder: the phases' and the sharded graphs' new signatures."""
+def _prober(ctx: "ModeContext", opts: OpsOptions) -> ProbeFn:
+    """Probes new signatures like the forward's (the backend's probe store, isolated children), writing their table
+    and repros under the folder, the repro paths relative to the cell: the phases' and the sharded graphs' ones."""
     spec, backend = ctx.cell.backend, ctx.backend
 
-    def probe(more: Inventory, folder: Path) -> ModeResult:
+    def probe(new: Sequence[OpSignature], method: str, folder: Path) -> ModeResult:
+        folder.mkdir(parents=True, exist_ok=True)
+        more = Inventory(signatures=list(new), total_calls=sum(s.count for s in new), level="aten", method=method,
+                         device="cpu")
         keys = {s.key: s for s in more.signatures}
         stats: dict[str, Any] = {}
         found = probe_signatures(spec, list(keys.values()), store_dir=store_dir(ctx), opts=opts,
                                  remaining=ctx.remaining, journal=ctx.journal, work_dir=folder / "work",
                                  versions=ctx.env.get("backend"), stats=stats)
         _cleanup(folder / "work")
-        return model_result(more, found, spec=spec, model_id=ctx.cell.model.id, level="aten", opts=opts,
-                            ops_dir=folder, env_stamp=ctx.env, remaining=ctx.remaining, eager=backend.is_eager,
-                            setup_error=stats.get("setup_error"))
+        result = model_result(more, found, spec=spec, model_id=ctx.cell.model.id, level="aten", opts=opts,
+                              ops_dir=folder, env_stamp=ctx.env, remaining=ctx.remaining, eager=backend.is_eager,
+                              setup_error=stats.get("setup_error"))
+        rel = folder.relative_to(ctx.cell_dir).as_posix()
+        for f in result.findings:
+            if f.repro is not None:
+                f.repro = replace(f.repro, path=f"{rel}/{Path(f.repro.path).name}")
+        return result
 
     return probe
 

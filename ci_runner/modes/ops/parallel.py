@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from ...backends import backend_recipe
 from ...config import BackendSpec, spec_to_json
@@ -29,16 +28,16 @@ from ...engine.parallel import RANK_TASKS, launch_ranks
 from ...engine.repro import safe_filename, verify_script
 from ...engine.tpprobe import write_repro
 from ...options import OpsOptions
-from ...parallel import ParallelSpec
+from ...workloads.parallel import ParallelSpec
 from ...registry import FindingKind
-from ...results.model import Finding, ModeResult, Repro, fingerprint
+from ...results.model import Finding, Repro, fingerprint
+from .phases import ProbeFn
 from .signature import Inventory
 
 if TYPE_CHECKING:
     from .. import ModeContext
 
 TASK = "ci_runner.modes.ops.tpops:rank_task"
-ProbeFn = Callable[[Inventory, Path], ModeResult]  # probes an inventory's signatures, writing under the folder
 
 
 def run_tp(ctx: "ModeContext", opts: OpsOptions, single: Inventory, probe: ProbeFn, already: set[str]
@@ -64,7 +63,7 @@ def run_tp(ctx: "ModeContext", opts: OpsOptions, single: Inventory, probe: Probe
                 collectives=[{**row["call"], "status": row["status"], "ranks": row.get("ranks", [])}
                              for row in value["rows"]])
     ops_found, data["ops"] = sharded_ops(Inventory.from_dict(value["ops"]), single, probe, layout, folder / "ops",
-                                         ctx.cell_dir, already)
+                                         already)
     findings += ops_found
     left = [row for row in value["rows"] if row["status"] == "not_ran"]  # a right result the backend did not run
     if left:
@@ -79,7 +78,7 @@ def run_tp(ctx: "ModeContext", opts: OpsOptions, single: Inventory, probe: Probe
 
 
 def sharded_ops(sharded: Inventory, single: Inventory, probe: ProbeFn, layout: ParallelSpec, folder: Path,
-                cell_dir: Path, already: set[str]) -> tuple[list[Finding], dict[str, Any]]:
+                already: set[str]) -> tuple[list[Finding], dict[str, Any]]:
     """Probe the sharded graphs' signatures that `single` lacks: (findings carrying the layout, `data.parallel.ops`:
     counts, the new signatures, the probe result's status and reason)."""
     known = {s.key for s in single.signatures}
@@ -88,19 +87,14 @@ def sharded_ops(sharded: Inventory, single: Inventory, probe: ProbeFn, layout: P
                            "new_signatures": [s.describe()[:200] for s in new[:50]], "status": "pass"}
     if not new:
         return [], row
-    folder.mkdir(parents=True, exist_ok=True)
-    result = probe(Inventory(signatures=new, total_calls=sum(s.count for s in new), level="aten", method="tp",
-                             device="cpu"), folder)
+    result = probe(new, "tp", folder)
     row.update(status=result.status, reason=result.reason, probe_counts=result.data.get("probe_counts"),
                probes=[p for p in result.data.get("probes", []) if p.get("status") != "pass"][:50])
-    rel = folder.relative_to(cell_dir).as_posix()
     findings = []
     for f in result.findings:
         if f.fingerprint in already:  # the op failed in the single-rank probes too: reported there
             row.setdefault("also_single_rank", []).append(f.op)
             continue
-        if f.repro is not None:
-            f.repro = replace(f.repro, path=f"{rel}/{Path(f.repro.path).name}")
         f.parallel = layout.label()
         f.details["shapes"] = "rank 0's local shapes in the sharded graph"
         findings.append(f)

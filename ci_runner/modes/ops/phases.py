@@ -20,7 +20,7 @@ import copy
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -29,7 +29,7 @@ from ...engine.repro import (plugin_modules, render_template, run_command, safe_
                                verify_script, write_script)
 from ...engine.workload import run_phase, skip_reason, symbolic_functions
 from ...options import OpsOptions
-from ...phases import Phase
+from ...workloads.phases import Phase
 from ...results.model import Finding, ModeResult, Repro, fingerprint
 from .inventory import inventory_of_graphs
 from .signature import Inventory, OpSignature, signature_key
@@ -39,7 +39,9 @@ if TYPE_CHECKING:
 
 MODE = "ops"
 ATTENTION = ("scaled_dot_product", "_safe_softmax")
-ProbeFn = Callable[[Inventory, Path], ModeResult]  # probes an inventory's signatures, writing under the folder
+# probes new signatures (method: "phase", "tp") with the forward's prober, writing under the folder; the findings'
+# repro paths are relative to the cell (`mode._prober`)
+ProbeFn = Callable[[Sequence[OpSignature], str, Path], ModeResult]
 
 
 def record_phase_graphs(ctx: "ModeContext", phase: Phase) -> tuple[list[torch.fx.GraphModule], list[str]]:
@@ -126,14 +128,9 @@ def run_phases(ctx: "ModeContext", opts: OpsOptions, forward: Inventory, ops_dir
         phase_dir.mkdir(parents=True, exist_ok=True)
         got: list[Finding] = []
         if new:
-            result = probe(Inventory(signatures=new, total_calls=sum(s.count for s in new), level="aten",
-                                     method="phase", device="cpu"), phase_dir)
+            result = probe(new, "phase", phase_dir)
             row["probe_counts"] = result.data.get("probe_counts")
-            rel = phase_dir.relative_to(ctx.cell_dir).as_posix()
-            for f in result.findings:
-                if f.repro is not None:
-                    f.repro = replace(f.repro, path=f"{rel}/{Path(f.repro.path).name}")
-                got.append(f)
+            got += result.findings
         for name in symbolic:
             f = _symbolic_probe(ctx, opts, phase, name, phase_dir)
             if f is not None:
