@@ -10,7 +10,7 @@ import difflib
 import fnmatch
 import os
 import re
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from importlib.resources import as_file, files
 from pathlib import Path
 from types import MappingProxyType
@@ -22,6 +22,7 @@ import yaml
 from .errors import ConfigError, OptionError
 from .workloads.parallel import ParallelSpec, check_parallel, parse_parallel
 from .workloads.phases import Phase, check_phases, parse_phases
+from .workloads.precision import PrecisionPolicy, check_precision, parse_precision
 from .registry import default_mode_names, mode_names, parse_options
 from .results.model import schema
 
@@ -124,6 +125,8 @@ class BackendSpec:
     source: Mapping[str, Any] | None = None  # {repo (absolute), setup, python?, max_steps?, …}: what bisect-commits walks
     # the c10d backend its device's ranks join under tensor parallelism (ci_runner/workloads/parallel.py); None: gloo on CPU
     process_group: str | None = None
+    # the dtype each op class computes in (ci_runner/workloads/precision.py); default `auto`: measured per cell
+    precision: PrecisionPolicy = field(default_factory=PrecisionPolicy)
 
     @property
     def self_hosted(self) -> bool:
@@ -431,6 +434,7 @@ def _load(path: Path, text: str) -> Matrix:
     problems += _check_options(data, positions, source, rejected)
     problems += _check_phases(data, positions, source, rejected)
     problems += _check_parallel(data, positions, source, rejected)
+    problems += _check_precision(data, positions, source, rejected)
     problems += _duplicate_ids(data, positions, source)
     if problems:
         raise MatrixProblems(problems, source, _backend_specs(data, path.parent, errors))
@@ -522,6 +526,20 @@ def _check_parallel(data: dict[str, Any], positions: _Positions, source: str,
             continue
         for sub, message, hint in check_parallel(raw):
             pos = positions.at(path + sub, value=True) or positions.at(path) or (0, 0)
+            problems.append(SchemaProblem(f"{source}:{pos[0]}:{pos[1]}", pos, _fmt_path(path + sub), message, hint))
+    return problems
+
+
+def _check_precision(data: dict[str, Any], positions: _Positions, source: str,
+                     rejected: list[tuple[Any, ...]]) -> list[SchemaProblem]:
+    """The problems of every backend's `precision` (ci_runner/workloads/precision.py), each at its key."""
+    problems: list[SchemaProblem] = []
+    for i, b in _entries(data, "backends"):
+        path = ("backends", i, "precision")
+        if "precision" not in b or _inside(path, rejected):
+            continue
+        for sub, message, hint in check_precision(b["precision"]):
+            pos = positions.at(path + sub, value=not sub) or positions.at(path) or (0, 0)
             problems.append(SchemaProblem(f"{source}:{pos[0]}:{pos[1]}", pos, _fmt_path(path + sub), message, hint))
     return problems
 
@@ -625,6 +643,7 @@ def _backend_spec(b: Mapping[str, Any], base: Path) -> BackendSpec:
         artifacts=tuple(b.get("artifacts") or ()),
         source=_source(b.get("source"), base),
         process_group=b.get("process_group"),
+        precision=parse_precision(b.get("precision")),
     )
 
 
@@ -710,6 +729,8 @@ def raw_entry(matrix: Matrix, kind: str, entry_id: str) -> Mapping[str, Any]:
 def spec_to_json(spec: Any) -> dict[str, Any]:
     """A frozen spec dataclass (ModelSpec, BackendSpec, InputSpec, …) as plain JSON, for a child process."""
     def plain(v: Any) -> Any:
+        if hasattr(v, "to_json"):  # a typed sub-spec (PrecisionPolicy)
+            return v.to_json()
         if isinstance(v, Mapping):
             return {str(k): plain(x) for k, x in v.items()}
         if isinstance(v, (list, tuple)):
@@ -726,7 +747,10 @@ def spec_from_json(cls: type, data: Mapping[str, Any]) -> Any:
         if f.name not in data:
             continue
         v = data[f.name]
-        if isinstance(v, list):
+        factory = f.default_factory if f.default_factory is not MISSING else None
+        if isinstance(factory, type) and hasattr(factory, "from_json"):  # a typed sub-spec (PrecisionPolicy)
+            v = factory.from_json(v)
+        elif isinstance(v, list):
             v = tuple(v)
         elif isinstance(v, dict):
             v = MappingProxyType(dict(v))

@@ -256,6 +256,10 @@ class ThresholdOptions:
                                help="percentile of the reference-vs-reference spread over samples (`numerics/thresholds.py`)")
     margin: float = option(8.0, check=number(ge=1, hint="a margin multiplies the spread; use ≥ 1, e.g. 8"),
                            nullable=True, help="factor on that spread")
+    policy_margin: float = option(3.0, check=number(ge=1, hint="a margin multiplies the spread; use ≥ 1, e.g. 3"),
+                                  nullable=True,
+                                  help="factor on the spread of the backend's precision policy, emulated on the CPU "
+                                       "(`workloads/precision.py`; a float32 policy has none)")
     rel_floor: float | None = option(None, check=number(ge=0, hint="use 0 to disable the floor"), nullable=True,
                                      shown="64·eps",
                                      help="lowest rel threshold (eps of the primary dtype: 7.6e-6 for float32)")

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from ..backends import Backend
     from ..config import Cell
     from ..engine.models import LoadedModel
+    from ..workloads.precision import PrecisionPolicy
 
 ModeFn = Callable[["ModeContext"], ModeResult]
 
@@ -57,6 +58,7 @@ class ModeContext:
     on_checkpoint: Callable[[str, ModeResult], None] | None = field(default=None, repr=False)  # run/cellrun.py's
     # per phase: a mode's whole-model compiled run, watched for the compile mode's signals (engine/watchedrun.py)
     compiled_runs: dict[str, Any] = field(default_factory=dict, repr=False)
+    _precision: tuple[Any, dict[str, Any]] | None = field(default=None, repr=False)
 
     @property
     def model_id(self) -> str:
@@ -64,6 +66,15 @@ class ModeContext:
 
     def options(self, mode: str) -> Mapping[str, Any]:
         return self.cell.options.get(mode, {})
+
+    def precision(self) -> tuple["PrecisionPolicy", dict[str, Any]]:
+        """The cell's precision policy and its `data.precision` record: the backend's declared policy, or for
+        `auto` the one measured once per backend configuration (`engine/precision.resolve_policy`)."""
+        if self._precision is None:
+            from ..engine.precision import resolve_policy  # deferred: it imports torch
+
+            self._precision = resolve_policy(self.cell.backend)
+        return self._precision
 
     def remaining(self) -> float:
         return max(0.0, self.deadline - time.monotonic())

@@ -40,14 +40,16 @@ def thresholds_folder(opts: NumericsOptions, run_dir: Path) -> Path:
     return Path(run_dir) / "thresholds"
 
 
-def cell_key(cell: Any, opts: NumericsOptions) -> dict[str, Any]:
-    """The thresholds key of a cell (see the module docstring)."""
+def cell_key(cell: Any, opts: NumericsOptions, precision: Any = None) -> dict[str, Any]:
+    """The thresholds key of a cell (see the module docstring). `precision` is the cell's resolved policy
+    (`workloads/precision.py`; default: the backend's declared one, `auto` counting as float32 until measured)."""
     from ..engine.models import model_fingerprint  # deferred: it imports torch
 
     samples = opts.thresholds.samples or max(2, cell.inputs.samples)
     refs = [{"id": r.id, "device": r.device, "dtype": r.dtype} for r in cell.references]
+    policy = precision if precision is not None else cell.backend.precision
     return threshold_key(model_fingerprint=model_fingerprint(cell.model), inputs=cell.inputs.key(), references=refs,
-                         samples=samples)
+                         samples=samples, precision=policy.key())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,10 +64,11 @@ class CellThresholds:
         return key_hash(self.key)
 
 
-def cell_thresholds(cell: Any, run_dir: Path, opts: NumericsOptions | None = None) -> CellThresholds:
+def cell_thresholds(cell: Any, run_dir: Path, opts: NumericsOptions | None = None,
+                    precision: Any = None) -> CellThresholds:
     """Where the cell's thresholds file is (derived or reused there) and its key."""
     opts = opts or numerics_options(cell)
-    key = cell_key(cell, opts)
+    key = cell_key(cell, opts, precision)
     return CellThresholds(path=threshold_path(thresholds_folder(opts, run_dir), cell.model.id, key), key=key)
 
 

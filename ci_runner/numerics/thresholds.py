@@ -91,23 +91,33 @@ class LayerStats:
     module_class: str
     name: str
     views: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    # the precision policy's emulation against the primary, per view (empty under a float32 policy)
+    policy: dict[str, dict[str, list[float]]] = field(default_factory=dict)
 
-    def add(self, view: str, metrics: Mapping[str, Any]) -> None:
-        v = self.views.setdefault(view, {"rel": [], "one_minus_cos": [], "mad": [], "ref_absmean": []})
+    def add(self, view: str, metrics: Mapping[str, Any], *, policy: bool = False) -> None:
+        v = (self.policy if policy else self.views).setdefault(
+            view, {"rel": [], "one_minus_cos": [], "mad": [], "ref_absmean": []})
         v["rel"].append(float(metrics["rel"]))
         v["one_minus_cos"].append(max(0.0, 1.0 - float(metrics["cos"])))
         v["mad"].append(float(metrics["mad"]))
         v["ref_absmean"].append(float(metrics.get("ref_absmean", 0.0)))
 
 
-def threshold_from_stats(stats: Mapping[str, list[float]], opts: ThresholdOptions, primary_dtype: str) -> dict[str, float]:
-    """{"rel", "cos", "mad"} for one layer and view: margin × percentile, with floors."""
+def threshold_from_stats(stats: Mapping[str, list[float]], opts: ThresholdOptions, primary_dtype: str,
+                         policy: Mapping[str, list[float]] | None = None) -> dict[str, float]:
+    """{"rel", "cos", "mad"} for one layer and view: margin × percentile, with floors; with `policy` (the
+    precision policy's emulated spread), at least `policy_margin` × its percentile (1 − cos: the margin squared)."""
     rel_floor, mad_floor, cos_floor = opts.floors(primary_dtype)
     p, m = opts.percentile, opts.margin
     scale = percentile(sorted(stats.get("ref_absmean", [])), 50.0) if stats.get("ref_absmean") else 0.0
     rel = max(rel_floor, m * percentile(stats.get("rel", []), p))
     mad = max(mad_floor * scale, m * percentile(stats.get("mad", []), p))
     one_minus_cos = max(cos_floor, m * m * percentile(stats.get("one_minus_cos", []), p))
+    if policy:
+        q = opts.policy_margin
+        rel = max(rel, q * percentile(policy.get("rel", []), p))
+        mad = max(mad, q * percentile(policy.get("mad", []), p))
+        one_minus_cos = max(one_minus_cos, q * q * percentile(policy.get("one_minus_cos", []), p))
     return {"rel": rel, "cos": 1.0 - min(2.0, one_minus_cos), "mad": mad}
 
 
@@ -148,7 +158,7 @@ class ThresholdTable:
             return self._cache[ck], "derived"
         layer = self.layers.get(call_key)
         if layer is not None and view in layer.views:
-            thr = threshold_from_stats(layer.views[view], self.options, self.primary_dtype)
+            thr = threshold_from_stats(layer.views[view], self.options, self.primary_dtype, layer.policy.get(view))
             self._cache[ck] = thr
             return thr, "derived"
         return self._fallback(call_key, view), "fallback"
@@ -173,9 +183,11 @@ class ThresholdTable:
         for k, layer in self.layers.items():
             layers[k] = {
                 "name": layer.name, "module_class": layer.module_class, "stats": layer.views,
-                "thresholds": {v: threshold_from_stats(layer.views[v], self.options, self.primary_dtype)
-                               for v in layer.views},
+                "thresholds": {v: threshold_from_stats(layer.views[v], self.options, self.primary_dtype,
+                                                       layer.policy.get(v)) for v in layer.views},
             }
+            if layer.policy:
+                layers[k]["policy_stats"] = layer.policy
         return {
             "schema_version": SCHEMA_VERSION,
             "method_version": METHOD_VERSION,
@@ -194,7 +206,10 @@ class ThresholdTable:
         layers = {}
         for k, entry in (data.get("layers") or {}).items():
             views = {v: {m: [float(x) for x in vals] for m, vals in s.items()} for v, s in entry["stats"].items()}
-            layers[k] = LayerStats(module_class=entry.get("module_class", ""), name=entry.get("name", k), views=views)
+            policy = {v: {m: [float(x) for x in vals] for m, vals in s.items()}
+                      for v, s in (entry.get("policy_stats") or {}).items()}
+            layers[k] = LayerStats(module_class=entry.get("module_class", ""), name=entry.get("name", k), views=views,
+                                   policy=policy)
         derived = data.get("views")
         if derived is None:  # schema 1: derived whole, in the views its statistics hold (all when it holds none)
             present = {v for layer in layers.values() for v in layer.views}
@@ -208,6 +223,7 @@ class ThresholdTable:
         for k, extra in layers.items():
             own = self.layers.setdefault(k, LayerStats(module_class=extra.module_class, name=extra.name))
             own.views.update({v: s for v, s in extra.views.items() if v in views})
+            own.policy.update({v: s for v, s in extra.policy.items() if v in views})
         self.views = tuple(v for v in VIEWS if v in self.views or v in views)
         self._cache.clear()
 
@@ -215,12 +231,15 @@ class ThresholdTable:
 # ------------------------------------------------------------------------------------------------ key and file
 
 def threshold_key(*, model_fingerprint: Mapping[str, Any], inputs: Mapping[str, Any],
-                  references: list[Mapping[str, Any]], samples: int) -> dict[str, Any]:
+                  references: list[Mapping[str, Any]], samples: int,
+                  precision: Mapping[str, str] | None = None) -> dict[str, Any]:
     """What the stored statistics depend on. Options that only post-process them (margin, percentile, floors) are
-    not part of it."""
+    not part of it. `precision` (the policy's classes below float32) only when there are any: a float32 policy's
+    key is the key thresholds always had."""
     import torch  # deferred: reading/writing threshold files needs no torch
 
-    return {
+    extra = {"precision": dict(precision)} if precision else {}
+    return {**extra,
         "model": json.loads(json.dumps(dict(model_fingerprint), sort_keys=True, default=str)),
         "inputs": json.loads(json.dumps(dict(inputs), sort_keys=True, default=str)),
         "references": [dict(r) for r in references],

@@ -11,6 +11,7 @@ in `docs/numerics.md`.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import shutil
@@ -24,6 +25,7 @@ from torch import nn
 from ..engine.capture import flatten_traceable
 from ..engine.codec import Unstorable
 from ..engine.failure import is_compile_stage
+from ..engine.precision import emulate
 from ..engine.tree import map_tensors
 from .capture import (
     CaptureError,
@@ -41,6 +43,7 @@ from .metrics import MetricsError, compare_any_row_order, worst
 from .settings import DTYPES, VIEWS
 from .store import DumpReader, dump_matches
 from .thresholds import LayerStats
+from ..workloads.precision import PrecisionPolicy
 from .watched import CAPTURE, NOT_RAN, CaptureRun, partial_reason, partial_sites, watched_capture
 
 def cast_tree(obj: Any, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> Any:
@@ -340,14 +343,17 @@ def derive_reference_stats(primary: nn.Module, primary_ref: Any, secondaries: Se
                            sample_inputs: Callable[[int], Mapping[str, Any]], samples: int, dump_root: Path, *,
                            keep: Iterable[int] = (), chunk_mb: float = 64.0,
                            views: Sequence[str] = VIEWS, dump_key: str | None = None,
-                           timings: dict[str, float] | None = None) -> dict[str, LayerStats]:
+                           timings: dict[str, float] | None = None,
+                           policy: PrecisionPolicy | None = None) -> dict[str, LayerStats]:
     """Reference-vs-reference statistics per call key: each secondary reference (a `config.Reference` and its
     module) against the primary's dump, in both views, over `samples` inputs. Dumps of samples in `keep` stay on
     disk (the target is compared against them, `dump_key` marks them as made for these thresholds); the others are
     deleted once measured. A dump already on disk for `dump_key` (the samples kept by a derivation of the other
     view, `thresholds.add_views`) is read, not recorded again. `timings` (when given) gets the seconds of each step:
     `derive_record_s` (the primary's passes with their dumps), `derive_cumulative_s` and `derive_isolated_s` (the
-    secondaries' views, comparisons included)."""
+    secondaries' views, comparisons included). A `policy` below float32 (`workloads/precision.py`) adds its
+    emulation on the primary itself (`engine/precision.emulate`) as one more run in both views, kept apart
+    (`LayerStats.policy`): the spread the backend's declared precision explains."""
     stats: dict[str, LayerStats] = {}
     keep = set(keep)
     spent = timings if timings is not None else {}
@@ -361,32 +367,36 @@ def derive_reference_stats(primary: nn.Module, primary_ref: Any, secondaries: Se
                              meta=dump_meta(primary_ref, s, key=dump_key))
         reader = DumpReader(folder)
         spent["derive_record_s"] += time.monotonic() - t0
-        for ref, module in secondaries:
-            dt = DTYPES.get(ref.dtype)
-
-            def cast(x: Any, dt: torch.dtype | None = dt, dev: str = ref.device) -> Any:
+        runs: list[tuple[nn.Module, torch.dtype | None, str, bool]] = [
+            (module, DTYPES.get(ref.dtype), ref.device, False) for ref, module in secondaries]
+        if policy is not None and not policy.is_float32:
+            runs.append((primary, None, primary_ref.device, True))
+        for module, dt, dev, emulated in runs:
+            def cast(x: Any, dt: torch.dtype | None = dt, dev: str = dev) -> Any:
                 return cast_tree(x, dtype=dt, device=dev)
 
-            def add(rec: dict[str, Any]) -> None:
+            def add(rec: dict[str, Any], emulated: bool = emulated) -> None:
                 if "metrics" not in rec:
                     return
                 call = reader.by_key[rec["key"]]
                 layer = stats.setdefault(rec["key"], LayerStats(module_class=call["module_class"], name=call["name"]))
-                layer.add(rec["view"], rec["metrics"])
+                layer.add(rec["view"], rec["metrics"], policy=emulated)
 
+            rounding = emulate(policy) if emulated and policy is not None else contextlib.nullcontext()
             t0 = time.monotonic()
-            if "cumulative" in views:
-                args, kwargs = reader.inputs(reader.root())
-                taken: list[dict[str, Any]] = []
-                sink = CompareSink(reader, taken.append)
-                capture_layer_outputs(module, cast(args), cast(kwargs), sink)
-                differ = calls_differ(reader, sink.counts)  # another path: no statistics from its calls
-                for rec in taken:
-                    if reader.by_key[rec["key"]]["name"] not in differ:
-                        add(rec)
-            t1 = time.monotonic()
-            if "isolated" in views:
-                run_isolated_view(dict(module.named_modules()), reader, lambda _n, m: m, add, cast=cast)
+            with rounding:
+                if "cumulative" in views:
+                    args, kwargs = reader.inputs(reader.root())
+                    taken: list[dict[str, Any]] = []
+                    sink = CompareSink(reader, taken.append)
+                    capture_layer_outputs(module, cast(args), cast(kwargs), sink)
+                    differ = calls_differ(reader, sink.counts)  # another path: no statistics from its calls
+                    for rec in taken:
+                        if reader.by_key[rec["key"]]["name"] not in differ:
+                            add(rec)
+                t1 = time.monotonic()
+                if "isolated" in views:
+                    run_isolated_view(dict(module.named_modules()), reader, lambda _n, m: m, add, cast=cast)
             spent["derive_cumulative_s"] += t1 - t0
             spent["derive_isolated_s"] += time.monotonic() - t1
         reader.close()

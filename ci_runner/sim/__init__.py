@@ -23,6 +23,7 @@ backends:
 | `sim-kvdrift` | torch.compile | KV-cache contamination: the values a cache write (`index_copy`, `index_put`, `slice_scatter`, DynamicCache's `cat`, when the result outlives the call) stores are rounded to a low dtype; the first token is right, later ones drift | run (no error) | `dtype` (default `bfloat16`; `float16`), `writes` (default `decode`: writes of one position; `all`: every write, the prefill's too) |
 | `sim-masknan` | torch.compile | padded batch NaN: attention with a plain softmax, so a fully-masked query row (a left-padded row's pads) is NaN where eager gives 0, and the NaN spreads to that row's real tokens; other rows match eager | run (no error) | `op` (default `attention`) |
 | `sim-long` | torch.compile | short prompt OK, long prompt fails: raises `SimCompilerError: [sim-long] unsupported operator … key/value sequence length 80 exceeds the maximum of 64 tokens…` when an attention's query or key/value length (a static cache's `max_cache_len`) is over the limit; graphs without attention: their token inputs; a dynamic length is checked again at run time | compile | `max_tokens` (default 64), `op` (default `attention`) |
+| `sim-precision` | torch.compile | a precision policy followed or broken: each op class computed in the dtype its option names; the defaults are a correct bf16 accelerator (matmul-class inputs in bfloat16, float32 accumulation, the rest float32) | run (no error) | `matmul` (default `bfloat16`), `conv`, `attention` (default: `matmul`'s), `accumulate`, `softmax`, `norm` (with RMSNorm's rsqrt), `reduction`, `elementwise`, `kv_cache` (default `float32`), `overflow` (an fp16 saturation: matmul outputs above it become ±inf) (`precision.py`) |
 | `sim-reuse` | torch.compile | output buffers reused across calls: each graph returns its outputs in buffers it keeps per output, so a tensor one call returned is overwritten by the same graph's next call | run (no error) | `outputs` (default `all`; or a list of graph output indices) |
 | `sim-memhog` | torch.compile | a compiler change that makes a layer need more memory: the graph runs op by op and keeps `copies` extra copies of every intermediate tensor until it returns, for the chosen instances (layers sharing one compiled graph, numbered by first call); results identical to eager (`memhog.py`) | run (no error) | `instances` (default `[0]`: the first layer that runs; `all`), `copies` (default 1) |
 | `sim-tp-drop` | torch.compile | tensor parallel: the `nth` `_c10d_functional.all_reduce` of the forward graph removed, each rank keeps its partial sum (`collectives.py`) | run (no error) | `nth` (default 1: layer 0's `o_proj` under the default decoder plan; 0 is the embedding's) |
@@ -67,6 +68,7 @@ from .compilers import (
 from .collectives import make_collective
 from .memhog import make_memhog
 from .workloads import make_decode, make_kvdrift, make_long, make_masknan, make_reuse
+from .precision import CLASSES as PRECISION_CLASSES, make_precision
 
 __all__ = [
     "ALIASES", "ATTENTION_OPS", "NORM_OPS", "SIM_BACKENDS", "SimBackendInfo", "SimCompilerError",
@@ -158,6 +160,12 @@ SIM_BACKENDS: Mapping[str, SimBackendInfo] = MappingProxyType({
         options=MappingProxyType({"max_tokens": "the longest sequence accepted; default 64",
                                   "op": "attention ops to check; default `attention`"}),
         factory=make_long),
+    "sim-precision": SimBackendInfo(
+        name="sim-precision", kind="torch.compile", stage="run",
+        reproduces="a precision policy followed (default: a correct bf16 accelerator) or broken in one class",
+        options=MappingProxyType({c: "the dtype of that op class" for c in PRECISION_CLASSES} |
+                                 {"overflow": "matmul outputs above this magnitude become ±inf (fp16 saturation)"}),
+        factory=make_precision),
     "sim-reuse": SimBackendInfo(
         name="sim-reuse", kind="torch.compile", stage="run",
         reproduces="output buffers reused across calls: a returned tensor is overwritten by the same graph's next call",

@@ -61,7 +61,7 @@ def test_every_sim_backend_is_documented() -> None:
             assert f"`{option}`" in doc, (name, option)
     assert set(SIM_BACKENDS) == {"sim-subset", "sim-drift", "sim-crash", "sim-abort", "sim-segv", "sim-hang", "sim-decode",
                                  "sim-kvdrift", "sim-masknan", "sim-long", "sim-reuse", "sim-memhog", "sim-tp-drop", "sim-tp-dup",
-                                 "sim-tp-shard", "simdev"}
+                                 "sim-tp-shard", "simdev", "sim-precision"}
 
 
 def test_unknown_sim_and_options() -> None:

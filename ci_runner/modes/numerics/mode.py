@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
@@ -210,7 +211,8 @@ def derive_for_cell(ctx: "ModeContext", opts: NumericsOptions, dump_root: Path, 
     The file and its key are `numerics.cache.cell_thresholds`'s (the CI cache key follows the same key). Derived
     now, the reference dumps of the samples in `keep` stay in `dump_root`, marked with the key hash; so do every
     sample's when a view is left for later (`deferred_views`, added by `complete_thresholds`)."""
-    where = cell_thresholds(ctx.cell, ctx.cell_dir.parent.parent, opts)  # the run folder: <run>/cells/<id>
+    policy = ctx.precision()[0]
+    where = cell_thresholds(ctx.cell, ctx.cell_dir.parent.parent, opts, policy)  # the run folder: <run>/cells/<id>
     later = deferred_views(opts)
     views = tuple(v for v in opts.views if v not in later)
     keep = range(int(where.key["samples"])) if later else keep
@@ -259,7 +261,7 @@ def _deriver(ctx: "ModeContext", opts: NumericsOptions, dump_root: Path, *, samp
         with torch._dynamo.config.patch(**dynamo_settings()):
             return derive_reference_stats(loaded.module, primary, secondaries, sample_inputs, samples, dump_root,
                                           keep=keep, chunk_mb=opts.chunk_mb, views=views, dump_key=dump_key,
-                                          timings=timings)
+                                          timings=timings, policy=ctx.precision()[0])
 
     return derive
 
@@ -277,6 +279,10 @@ def run(ctx: "ModeContext") -> ModeResult:
     """The numerics mode (see the module docstring)."""
     t0 = time.monotonic()
     opts: NumericsOptions = parse_options("numerics", ctx.options("numerics"))
+    if not ctx.precision()[0].is_float32 and opts.isolated == "auto":
+        # below float32 the cumulative view carries the policy's drift into every later layer: a class that breaks
+        # the policy (a norm in bf16) shows at its own size only when the layer is fed the reference's inputs
+        opts = replace(opts, isolated="all")
     bad_refs = _references_problem(ctx.cell.references)
     if bad_refs is not None:
         return ModeResult(status="error", reason=bad_refs)
@@ -340,6 +346,7 @@ def _single_rank(ctx: "ModeContext", opts: NumericsOptions, t0: float, pending: 
         "views": {view: view_status(layers, view, errors=bool(cum_errors) if view == "cumulative" else False,
                                      wanted=view in opts.views) for view in VIEWS},
         "isolated": opts.isolated,
+        "precision": ctx.precision()[1],
         "compare_samples": compare,
         "timings": timings,
         "notes": notes,

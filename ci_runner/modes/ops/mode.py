@@ -67,6 +67,13 @@ _MAX_PROBE_ROWS = 1000  # outcomes kept in ModeResult.data["probes"] (all of the
 
 # --------------------------------------------------------------------------------------------- repro scripts
 
+def _tolerance(outcome: OpOutcome, probe: Mapping[str, Any]) -> tuple[float, float]:
+    """(rtol, atol) the probe was judged with: the dtype's, or the one a precision policy widened it to
+    (`probe.policy_tolerance`, kept in the outcome's metrics), which the repro then judges with too."""
+    tol = (outcome.metrics or {}).get("tolerance") or probe["tolerance"]
+    return float(tol[0]), float(tol[1])
+
+
 def render_repro(*, op: str, kind: str, stage: str, error_type: str | None, message: str,
                  signature: OpSignature, probe: Mapping[str, Any], recipe: BackendRecipe, backend_id: str,
                  model_id: str, ir: str, env_stamp: Mapping[str, Any], tolerance: tuple[float, float],
@@ -210,7 +217,7 @@ def run(ctx: "ModeContext") -> ModeResult:
     t_probe = time.monotonic()
     outcomes = probe_signatures(spec, [by_key[p["key"]] for p in probes], store_dir=store_dir(ctx), opts=opts,
                                 remaining=ctx.remaining, journal=ctx.journal, work_dir=ops_dir / "work",
-                                versions=ctx.env.get("backend"), stats=stats)
+                                versions=ctx.env.get("backend"), stats=stats, precision=ctx.precision()[0].key())
     timings["probe_s"] = round(time.monotonic() - t_probe, 3)
     _cleanup(ops_dir / "work")
     data["probe_store"] = {k: stats[k] for k in ("reused", "probed", "waited") if k in stats}
@@ -258,7 +265,7 @@ def _prober(ctx: "ModeContext", opts: OpsOptions) -> ProbeFn:
         stats: dict[str, Any] = {}
         found = probe_signatures(spec, list(keys.values()), store_dir=store_dir(ctx), opts=opts,
                                  remaining=ctx.remaining, journal=ctx.journal, work_dir=folder / "work",
-                                 versions=ctx.env.get("backend"), stats=stats)
+                                 versions=ctx.env.get("backend"), stats=stats, precision=ctx.precision()[0].key())
         _cleanup(folder / "work")
         result = model_result(more, found, spec=spec, model_id=ctx.cell.model.id, level="aten", opts=opts,
                               ops_dir=folder, env_stamp=ctx.env, remaining=ctx.remaining, eager=backend.is_eager,
@@ -489,11 +496,12 @@ def _findings(spec: BackendSpec, model_id: str, env_stamp: Mapping[str, Any], fa
         text = render_repro(op=op, kind=kind, stage=o.stage or "run", error_type=error_type,
                             message=message, signature=lead.signature, probe=lead.probe, recipe=recipe,
                             backend_id=spec.id, model_id=model_id, ir=level, env_stamp=env_stamp,
-                            tolerance=tuple(lead.probe["tolerance"]), compare_results=opts.compare,
+                            tolerance=_tolerance(o, lead.probe), compare_results=opts.compare,
                             command=command, crash=status.is_crash)
         write_script(script, text)
         metrics = dict(o.metrics or {})
-        threshold = {"rtol": lead.probe["tolerance"][0], "atol": lead.probe["tolerance"][1]} if kind == FindingKind.OP_MISMATCH else {}
+        tol = _tolerance(o, lead.probe)
+        threshold = {"rtol": tol[0], "atol": tol[1]} if kind == FindingKind.OP_MISMATCH else {}
         finding = Finding(
             kind=kind, stage=o.stage or "run",
             message=(f"{error_type}: {message}" if error_type and not message.startswith(str(error_type)) else message)[:2000],

@@ -22,9 +22,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
+from torch.utils import _pytree as pytree
 
 from ...backends import (COULD_NOT_RUN_RE, CompileRecord, DynamoCounters, FallbackWatch, groups_agree, named_op_from_error,
                          not_ran_reason, ran_facts)
@@ -32,6 +34,8 @@ from ...config import BackendSpec, spec_to_json
 from ...engine.diagnostics import capture_fd2, compiler_words
 from ...engine.failure import classify, error_text
 from ...engine.isolate import Attempt, IsolatedResult, supervise
+from ...engine.precision import emulate
+from ...workloads.precision import PrecisionPolicy, convention
 from .compare import compare, mismatch_metrics, no_compare_reason
 from .inputs import build_tensors, copy_tensors, dynamic_marks, input_bytes
 from .outcome import CPU_FAILS_TOO, OpOutcome, OpStatus
@@ -379,11 +383,54 @@ def judge(probe: Mapping[str, Any], ref: Reference, value: Any, *, compare_resul
     if reason:
         return {"compare": f"skipped: {reason}"}
     rtol, atol = tolerance
+    policy = policy_tolerance(probe, ref, atol) if probe.get("precision") else None
+    if policy is not None:
+        atol = policy["atol"]
     problem = compare(ref.value, value, rtol, atol, op_name, ref.inputs, probe.get("outputs"))
     if problem is None:
         return {"compare": "ok"}
+    metrics = mismatch_metrics(ref.value, value)
+    if policy is not None:
+        metrics.update(tolerance=[rtol, atol], policy=policy)
+    where = f"CPU eager under the {policy['policy']} policy" if policy is not None else "CPU eager"
     return {"status": "mismatch", "stage": "compare", "error_type": "OpMismatch", "compare": "mismatch",
-            "message": f"{op_name} differs from CPU eager: {problem}", "metrics": mismatch_metrics(ref.value, value)}
+            "message": f"{op_name} differs from {where}: {problem}", "metrics": metrics}
+
+
+POLICY_MARGIN = 3.0  # the op's emulated spread times this is what a policy allows (as the numerics' policy_margin)
+
+
+def policy_tolerance(probe: Mapping[str, Any], ref: Reference, atol: float) -> dict[str, Any] | None:
+    """The op's tolerance under the probe's precision policy: the largest difference between CPU eager and the
+    same op under the policy's emulation (`engine/precision.emulate`), relative to max(1, max|eager|), times
+    `POLICY_MARGIN`, when it exceeds the dtype's `atol`. An op the policy keeps in float32 (a softmax under a bf16
+    policy) has no spread, so its dtype tolerance stands. None when nothing widens it."""
+    op = resolve_op(probe)
+    if isinstance(op, dict) or not isinstance(ref.value, (torch.Tensor, list, tuple)):
+        return None
+    classes = {**convention("float32"), **dict(probe["precision"])}
+    policy = PrecisionPolicy(spelled="table", classes=MappingProxyType(classes))
+    try:
+        built = build_tensors(probe["args"], probe["kwargs"], int(probe["seed"]))
+        args, kwargs = assemble(probe["args"], probe["kwargs"], built, "cpu")
+        with emulate(policy) as mode:
+            emu = select_outputs(op(*args, **kwargs), probe.get("outputs"))
+    except Exception:
+        return None
+    if not mode.rounded:
+        return None
+    worst = 0.0
+    for e, m in zip(pytree.tree_leaves(ref.value), pytree.tree_leaves(emu)):
+        if isinstance(e, torch.Tensor) and isinstance(m, torch.Tensor) and e.is_floating_point() and e.shape == m.shape:
+            ed, md = e.detach().double(), m.detach().double()
+            finite = torch.isfinite(ed) & torch.isfinite(md)
+            if bool(finite.any()):
+                scale = max(1.0, float(ed[finite].abs().max()))
+                worst = max(worst, float((ed - md).abs()[finite].max()) / scale)
+    widened = POLICY_MARGIN * worst
+    if widened <= atol:
+        return None
+    return {"policy": policy.label(), "atol": widened, "emulated_max_abs": worst, "rounded": dict(mode.rounded)}
 
 
 class _CompilerRefused(Exception):

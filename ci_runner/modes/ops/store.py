@@ -82,11 +82,14 @@ def merge_inventories(invs: Mapping[str, Inventory]) -> Merged:
 
 # --------------------------------------------------------------------------------------------- the store
 
-def store_identity(spec: BackendSpec, opts: OpsOptions, versions: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """What decides a probe's outcome besides its signature."""
+def store_identity(spec: BackendSpec, opts: OpsOptions, versions: Mapping[str, Any] | None = None,
+                   precision: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """What decides a probe's outcome besides its signature (`precision`: the cell's policy classes below
+    float32, only when there are any, so a float32 policy keeps the identity stores always had)."""
     import torch  # deferred: the store's file logic needs no torch
 
-    return {"store_version": STORE_VERSION, "backend": spec_to_json(spec), "torch": torch.__version__,
+    extra = {"precision": dict(precision)} if precision else {}
+    return {**extra, "store_version": STORE_VERSION, "backend": spec_to_json(spec), "torch": torch.__version__,
             "versions": {str(k): str(v) for k, v in sorted(dict(versions or {}).items())},
             "compare": opts.compare, "via": opts.via, "probe_timeout": opts.probe_timeout,
             "grouped": grouped(opts, spec), "tolerance": {k: list(v) for k, v in sorted(opts.tolerance.items())}}
@@ -276,30 +279,35 @@ def _wait_for(store: ProbeStore, others: list[OpSignature], out: dict[str, OpOut
     return []
 
 
-def probe_spec(sig: OpSignature, opts: OpsOptions, probe_id: str) -> dict[str, Any]:
-    """The probe of one signature: synthetic-input ranges, seed and tolerance, as the child runs it."""
+def probe_spec(sig: OpSignature, opts: OpsOptions, probe_id: str,
+               precision: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The probe of one signature: synthetic-input ranges, seed and tolerance, as the child runs it; with
+    `precision` (the policy's classes below float32) the child widens the tolerance by the op's emulated spread
+    (`probe.policy_tolerance`)."""
     args, kwargs = with_ranges(sig.op, sig.args, sig.kwargs)
+    extra = {"precision": dict(precision)} if precision else {}
     return {"id": probe_id, "op": sig.op, "key": sig.key, "args": args, "kwargs": kwargs, "outputs": sig.outputs,
             "imports": list(sig.imports), "seed": probe_seed(sig.key),
-            "tolerance": list(opts.tolerance_for(float_dtype(args, kwargs)))}
+            "tolerance": list(opts.tolerance_for(float_dtype(args, kwargs))), **extra}
 
 
 def probe_signatures(spec: BackendSpec, signatures: Sequence[OpSignature], *, store_dir: Path, opts: OpsOptions,
                      remaining: Callable[[], float] = lambda: float("inf"),
                      journal: Callable[[str, str], None] | None = None, work_dir: Path | None = None,
                      versions: Mapping[str, Any] | None = None,
-                     stats: dict[str, Any] | None = None) -> dict[str, OpOutcome]:
+                     stats: dict[str, Any] | None = None,
+                     precision: Mapping[str, str] | None = None) -> dict[str, OpOutcome]:
     """Signature key -> outcome for every signature, probing (in isolated children, `ProbeRunner`) only what the
     backend's store at `store_dir` (`<out>/probes/<backend-id>`) lacks. A signature left without an outcome (time
     ran out) gets a `not_run` one. `stats` (when given) receives reused / probed / waited counts and the
     probe runner's `setup_error`."""
-    store = ProbeStore(store_dir, store_identity(spec, opts, versions))
+    store = ProbeStore(store_dir, store_identity(spec, opts, versions, precision))
     stats = stats if stats is not None else {}
     work = work_dir or store.dir / f"work-{os.getpid()}"
     runner = ProbeRunner(backend_spec=spec, work_dir=work, opts=opts, remaining=remaining, journal=journal)
 
     def prober(sigs: Sequence[OpSignature]) -> dict[str, OpOutcome]:
-        probes = [probe_spec(s, opts, f"s{i:05d}") for i, s in enumerate(sigs)]
+        probes = [probe_spec(s, opts, f"s{i:05d}", precision) for i, s in enumerate(sigs)]
         got = runner.run(probes)
         return {p["key"]: got.get(p["id"]) or not_run_outcome(p, "no outcome recorded") for p in probes}
 
@@ -311,6 +319,6 @@ def probe_signatures(spec: BackendSpec, signatures: Sequence[OpSignature], *, st
     stats["setup_error"] = runner.setup_error
     for i, sig in enumerate(signatures):
         if sig.key not in out:
-            out[sig.key] = not_run_outcome(probe_spec(sig, opts, f"s{i:05d}"), "the cell's time ran out while "
+            out[sig.key] = not_run_outcome(probe_spec(sig, opts, f"s{i:05d}", precision), "the cell's time ran out while "
                                            "another process was probing this signature")
     return out
