@@ -256,7 +256,7 @@ class ThresholdOptions:
                                help="percentile of the reference-vs-reference spread over samples (`numerics/thresholds.py`)")
     margin: float = option(8.0, check=number(ge=1, hint="a margin multiplies the spread; use ≥ 1, e.g. 8"),
                            nullable=True, help="factor on that spread")
-    policy_margin: float = option(3.0, check=number(ge=1, hint="a margin multiplies the spread; use ≥ 1, e.g. 3"),
+    policy_margin: float = option(2.5, check=number(ge=1, hint="a margin multiplies the spread; use ≥ 1, e.g. 2.5"),
                                   nullable=True,
                                   help="factor on the spread of the backend's precision policy, emulated on the CPU "
                                        "(`workloads/precision.py`; a float32 policy has none)")

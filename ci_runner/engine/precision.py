@@ -22,6 +22,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
@@ -214,7 +215,7 @@ def resolve_policy(spec: BackendSpec, folder: Path | None = None, *,
         return declared, {"declared": declared.spelled, "policy": declared.label(), "classes": dict(declared.classes)}
     folder = folder or cache_folder()
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{spec.id}-{_detect_key(spec)}.json"
+    path = folder / f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', str(spec.compile or spec.device))[:40]}-{_detect_key(spec)}.json"
     with locked(path.with_name(path.name + ".lock")):
         measured: dict[str, Any] | None = None
         if path.exists():

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 
 from ...backends import DynamoCounters, FallbackWatch
+from ...engine.precision import emulate
 from ...engine.capture import OutputHooks, primary_tensor
 from ...engine.workload import (Call, CallRecord, PhaseRun, capture_calls, replay_calls, run_phase, skip_reason,
                                  smallest_module)
@@ -218,6 +219,12 @@ def _one_phase(ctx: "ModeContext", opts: NumericsOptions, phase: Phase) -> tuple
         sec_run, sec_rec = _run(second.module, second.module, second, ctx, phase, forced=forced, device="cpu")
         floor = opts.thresholds.floors(primary.dtype)[0]
         thresholds = _thresholds(ref_rec, sec_rec, ref_run, sec_run, opts.thresholds.margin, floor)
+    policy = ctx.precision()[0]
+    if not policy.is_float32:  # the policy's emulation, fed the same tokens: the spread its precision explains
+        with emulate(policy):
+            emu_run, emu_rec = _run(primary.module, primary.module, primary, ctx, phase, forced=forced, device="cpu")
+        widened = _thresholds(ref_rec, emu_rec, ref_run, emu_run, opts.thresholds.policy_margin, 0.0)
+        thresholds = {k: max(thresholds.get(k, 0.0), widened.get(k, 0.0)) for k in thresholds.keys() | widened.keys()}
     backend = ctx.backend
     device = backend.device
 
