@@ -173,7 +173,10 @@ class ModeSpec:
     """One mode. `order` sorts the run order; `issue_groups` are the groups whose issues a cell running this mode
     can close (a group's findings all come from this mode): `IssueGroup`s, or bare names for the default grouping
     and generic issue body. `report`: ``"module:attribute"`` of its `ModeHooks` (report sections, history
-    figures); `templates`: a package whose ``templates/`` folder holds its issue templates (None: ci_runner's)."""
+    figures); `templates`: a package whose ``templates/`` folder holds its issue templates (None: ci_runner's);
+    `layer_table`: its ``data.layers`` rows (name, cumulative, isolated, threshold, flagged_*) and ``data.verdict`` are
+    the cell's per-layer comparison: report.html charts it, the summary and JUnit show its verdict, the history
+    tracks its drift (`report/view.py`, `history/records.py`)."""
 
     name: str
     run: str
@@ -185,6 +188,7 @@ class ModeSpec:
     default: bool = True  # in the mode list of a matrix that names none (false: run only when named)
     report: str | None = None
     templates: str | None = None
+    layer_table: bool = False  # its `data.layers` is the per-layer comparison table and `data.verdict` its verdict
 
     def __post_init__(self) -> None:
         groups = tuple(g if isinstance(g, IssueGroup) else IssueGroup(name=str(g)) for g in self.issue_groups)
@@ -270,6 +274,11 @@ def group_order() -> dict[str, int]:
 def issue_group(name: str) -> IssueGroup | None:
     """The declared issue group `name` (None: no registered mode owns it)."""
     return next((g for m in modes() for g in m.issue_groups if g.name == name), None)
+
+
+def layer_table_modes() -> tuple[str, ...]:
+    """The modes whose results carry the per-layer comparison table (`ModeSpec.layer_table`), in mode order."""
+    return tuple(m.name for m in modes() if m.layer_table)
 
 
 def template_packages() -> tuple[str, ...]:
@@ -370,7 +379,7 @@ register_mode(ModeSpec(
                              title="[deepview-ci] {key[2]} layers diverge on {key[1]}",
                              what="layer class and backend", fields={"pattern": 2},
                              key="ci_runner.modes.numerics.issues:group_key"),),
-    report="ci_runner.modes.numerics.report:HOOKS",
+    report="ci_runner.modes.numerics.report:HOOKS", layer_table=True,
     help="per-layer comparison of the backend with trusted references",
     kinds=(KindSpec(kind=K.DIVERGENCE, key="module", section=SECTION_DIVERGENT, issue_group="divergence"),
            KindSpec(kind=K.WEIGHTS_MISMATCH, key="module", section=SECTION_OTHER),

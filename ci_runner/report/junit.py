@@ -181,7 +181,7 @@ def cell_cases(cv: CellView, *, detail: bool = True) -> list[Case]:
         mode = c.modes[mname]
         t = (mode.duration_s or 0.0) + (rest if mname == carrier else 0.0)
         verdict = None
-        if mname == "numerics" and cv.numerics and cv.numerics.verdict.get("text"):
+        if cv.numerics and mname == cv.numerics.mode and cv.numerics.verdict.get("text"):
             verdict = str(cv.numerics.verdict["text"])
         mine = by_mode.get(mname, [])
         if status in ERROR_STATUSES:
