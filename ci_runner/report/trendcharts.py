@@ -3,7 +3,8 @@
 Takes the `Trends` of ``ci_runner.history.trends`` (read by attribute: the report does not import the
 history). Charts: op-support burn-down per backend (unsupported ops and models blocked, one point per
 night), per-layer error over time for each model × backend (its worst layers, with the threshold as a
-dashed line), and cell time over time. Every chart is an ``svg.trend`` with ``data-points`` = nights, followed by
+dashed line), cell time over time, and each mode's own history figures (`Trends.modes`, drawn by the mode's
+`registry.ModeHooks`: `history_sections`). Every chart is an ``svg.trend`` with ``data-points`` = nights, followed by
 its legend in HTML (a colour swatch and the series' whole name, wrapping where it must).
 """
 
