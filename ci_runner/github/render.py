@@ -22,7 +22,7 @@ import jinja2
 from ..report.view import cell_command
 from ..matrix import artifact_name
 from ..plan import collected_artifacts
-from ..registry import group_order, kind_spec
+from ..registry import IssueGroup, group_order, issue_group, kind_spec, mode_of_group, template_packages
 from ..results.model import fingerprint as _hash_key
 from .client import redact
 from .options import FilingOptions
@@ -84,6 +84,15 @@ def plain(text: Any) -> str:
     return _break_refs(s)
 
 
+def size_text(value: Any) -> str:
+    """A number of bytes as a code span with its MiB beside it ("`34340864` (32.75 MiB)"); anything else as a span."""
+    try:
+        n = float(str(value))
+    except ValueError:
+        return code_span(value)
+    return code_span(value) + (f" ({n / 2**20:.2f} MiB)" if n.is_integer() and abs(n) >= 2**10 else "")
+
+
 def html_text(text: Any) -> str:
     """Text inside an HTML element (`<summary>`): escaped, references broken."""
     return _break_refs(_html.escape(_clean(text).replace("\n", " "), quote=True))
@@ -110,7 +119,7 @@ def _safe_url(url: str | None) -> str | None:
 class Group:
     """The findings that share one issue."""
 
-    kind: str  # the issue group (`registry.py`): "op" | "culprit" | "layer" | "divergence" | a plug-in mode's
+    kind: str  # the issue group (`registry.IssueGroup.name`)
     key: tuple[str, ...]
     fingerprint: str
     title: str
@@ -137,37 +146,15 @@ class Group:
 def group_key(backend: str, model: str, finding: Mapping[str, Any], *, layers: bool) -> tuple[str, ...] | None:
     """The issue a finding belongs to, or None when such findings are not filed.
 
-    The kind's issue group comes from the mode registry; only op issues are filed unless `layers` is set."""
+    The kind's issue group and its key come from the mode registry (`registry.IssueGroup`); only the groups marked
+    `always` (op issues) are filed unless `layers` is set."""
     spec = kind_spec(str(finding.get("kind")))
     if spec is None or spec.issue_group is None:
         return None
-    group, value = spec.issue_group, finding.get(spec.key)
-    if group == "op":
-        return ("op", backend, str(value)) if value else None
-    if not layers:
+    group = issue_group(spec.issue_group) or IssueGroup(name=spec.issue_group)
+    if not group.always and not layers:
         return None
-    if group == "layer":
-        if not value:
-            return None
-        op = culprit_op(finding)
-        if op is not None:  # one issue per failing op and backend, listing every layer and model it breaks
-            return ("culprit", backend, op)
-        return ("layer", backend, model, str(value))
-    if group == "divergence":
-        details = finding.get("details") or {}
-        pattern = details.get("pattern") or finding.get("module_class") or finding.get("module")
-        return ("divergence", backend, str(pattern)) if pattern else None
-    return (group, backend, str(value)) if value else None  # a plug-in mode's group: one issue per key and backend
-
-
-def culprit_op(finding: Mapping[str, Any]) -> str | None:
-    """The op a layer finding's culprit search found failing alone (`details.culprit`), else None (a node range
-    or no culprit: those stay grouped per submodule)."""
-    c = (finding.get("details") or {}).get("culprit") or {}
-    ops = c.get("ops") or []
-    if c.get("found") and c.get("kind") == "single" and len(ops) == 1:
-        return str(ops[0])
-    return None
+    return group.key_of(backend, model, finding, finding.get(spec.key))
 
 
 def group_fingerprint(key: Sequence[str]) -> str:
@@ -175,18 +162,9 @@ def group_fingerprint(key: Sequence[str]) -> str:
 
 
 def group_title(key: Sequence[str]) -> str:
-    kind = key[0]
-    if kind == "op":
-        text = f"[deepview-ci] {key[2]} fails on {key[1]}"
-    elif kind == "culprit":
-        text = f"[deepview-ci] {key[2]} fails on {key[1]} inside model layers"
-    elif kind == "layer":
-        text = f"[deepview-ci] {key[3]} of {key[2]} fails on {key[1]}"
-    elif kind == "divergence":
-        text = f"[deepview-ci] {key[2]} layers diverge on {key[1]}"
-    else:  # a plug-in mode's group
-        text = f"[deepview-ci] {kind}: {key[2]} fails on {key[1]}"
-    return safe_title(text)
+    """The issue title its group declares (`IssueGroup.title`)."""
+    group = issue_group(key[0]) or IssueGroup(name=key[0])
+    return safe_title(group.title_of(key))
 
 
 def entry_finding(e: Mapping[str, Any]) -> Mapping[str, Any] | None:
@@ -366,14 +344,12 @@ def _group_view(g: Group, *, max_entries: int, message_limit: int) -> dict[str, 
              for m in messages[:MAX_MESSAGES]]
     first = ordered[0] if ordered else (g.fixed[0] if g.fixed else {})
     f = first.get("finding") or {}
+    fields = dict.fromkeys(VIEW_FIELDS) | {name: g.key[i] if i < len(g.key) else None
+                                           for name, i in _group_spec(g).fields.items()}
     return {
         "kind": g.kind,
         "backend": g.backend,
-        "op": g.key[2] if g.kind in ("op", "culprit") else None,
-        "model": g.key[2] if g.kind == "layer" else None,
-        "module": g.key[3] if g.kind == "layer" else None,
-        "pattern": g.key[2] if g.kind == "divergence" else None,
-        "source": g.key[2] if g.kind == "graph_break" else None,
+        **fields,
         "module_class": f.get("module_class"),
         "entries": views[:max_entries],
         "more_entries": max(0, len(views) - max_entries),
@@ -389,7 +365,14 @@ def _group_view(g: Group, *, max_entries: int, message_limit: int) -> dict[str, 
     }
 
 
-_JINJA: Any = None
+VIEW_FIELDS = ("op", "model", "module", "pattern", "source")  # always in the group view (None unless declared)
+
+
+def _group_spec(g: Group) -> IssueGroup:
+    return issue_group(g.kind) or IssueGroup(name=g.kind)
+
+
+_JINJA: dict[tuple[str, ...], Any] = {}
 
 
 def _bisect_view(g: Group, ctx: RenderContext) -> dict[str, Any] | None:
@@ -405,19 +388,22 @@ def _bisect_view(g: Group, ctx: RenderContext) -> dict[str, Any] | None:
 
 
 def _jinja() -> Any:
-    global _JINJA
-    if _JINJA is None:
+    """The issue templates' environment: ci_runner's templates, then each registered mode's own folder."""
+    packages = template_packages()
+    if packages not in _JINJA:
+        loaders = [jinja2.PackageLoader("ci_runner", "templates")] + \
+            [jinja2.PackageLoader(p, "templates") for p in packages if p != "ci_runner"]
         env = jinja2.Environment(
-            loader=jinja2.PackageLoader("ci_runner", "templates"),
+            loader=jinja2.ChoiceLoader(loaders),
             autoescape=False,  # markdown: every value goes through one of the filters below
             undefined=jinja2.StrictUndefined,
             trim_blocks=True,
             lstrip_blocks=True,
             keep_trailing_newline=True,
         )
-        env.filters.update(code=code_span, fence=fenced, plain=plain, html=html_text)
-        _JINJA = env
-    return _JINJA
+        env.filters.update(code=code_span, fence=fenced, plain=plain, html=html_text, size=size_text)
+        _JINJA[packages] = env
+    return _JINJA[packages]
 
 
 def _markers(fp: str, meta: Mapping[str, Any]) -> str:
@@ -442,7 +428,7 @@ def _pick_repro(g: Group, ctx: RenderContext) -> dict[str, Any] | None:
     """The repro an issue shows: of its new entries first, one whose script is in the run folder if any."""
     repro = None
     for e in sorted(g.entries, key=lambda e: (e["category"] not in NEW, e["cell"])):
-        candidate = _read_repro(e, ctx.run_dir, culprit=g.kind == "culprit")
+        candidate = _read_repro(e, ctx.run_dir, culprit=_group_spec(g).culprit_repro)
         if candidate and (repro is None or (repro["text"] is None and candidate["text"] is not None)):
             repro = candidate
     return repro
@@ -473,12 +459,11 @@ def render_issue(g: Group, ctx: RenderContext) -> str:
 
 def _render_issue(g: Group, ctx: RenderContext) -> tuple[str, bool]:
     meta = {"v": 1, "kind": g.kind, "key": list(g.key), "cells": g.cells(), "run": ctx.run_key}
-    what = {"op": "operator and backend", "culprit": "operator (found inside failing layers) and backend",
-            "layer": "failing submodule, model and backend",
-            "divergence": "layer class and backend", "graph_break": "graph-break source line and backend"}[g.kind]
+    spec = _group_spec(g)
+    what = spec.what
     links = {"run": _safe_url(ctx.run_url), "artifacts": _safe_url(ctx.artifacts_url or ctx.run_url),
              "retention": _retention(ctx.options.artifact_days)}
-    template = _jinja().get_template(f"issue_{g.kind}.md.j2")
+    template = _jinja().get_template(spec.template)
     repro = _pick_repro(g, ctx)
     limit = ctx.options.body_limit
     max_entries, message_limit = MAX_ENTRIES, MESSAGE_LIMIT
@@ -497,7 +482,9 @@ def _render_issue(g: Group, ctx: RenderContext) -> tuple[str, bool]:
                 r["shown"] = len(r["text"])
             view["repro"] = r
         body = _tidy(template.render(group=view, markers=_markers(g.fingerprint, meta), links=links,
-                                     options=ctx.options, meta={"what": what, "fingerprint": g.fingerprint}))
+                                     options=ctx.options, meta={"what": what, "fingerprint": g.fingerprint,
+                                                                "key": " ".join(g.key[2:]),
+                                                                "mode": mode_of_group().get(g.kind, g.kind)}))
         body = redact(body, ctx.secret)
         over = len(body) - limit
         if over <= 0:

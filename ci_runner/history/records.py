@@ -28,6 +28,7 @@ from typing import Any, Mapping
 
 from ..errors import InputError, NewerFileError, UsageError
 from ..fsutil import atomic_write_bytes
+from ..registry import layer_table_modes
 from ..results.model import CellResult, Results, clean, encode_number
 from ..backends.vendor import boilerplate_lines
 from ..results.rootcause import signature
@@ -154,7 +155,7 @@ def record_of(results: Results, meta: RunMeta) -> dict[str, Any]:
         named = {f"{m}.{k}": v for m, r in sorted(c.modes.items()) for k, v in _figures(r.data)}
         if named:
             figures.append([i, named])
-        table = (c.modes.get("numerics").data.get("layers") if c.modes.get("numerics") else None) or []
+        table = next((c.modes[m].data.get("layers") for m in layer_table_modes() if m in c.modes), None) or []
         rows = [r for r in table if isinstance(r, Mapping) and r.get("name")]
         if rows:
             layers.append([i, [str(r["name"]) for r in rows], [_thresholds(r) for r in rows], [_worst(r) for r in rows]])

@@ -23,6 +23,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from ..registry import mode_hooks
 from ..results.baseline import BAD
 from .store import History, RunRow
 
@@ -138,7 +139,7 @@ class Trends:
     gone: list[Since] = field(default_factory=list)  # findings seen before and not in the newest night
     figures: dict[str, dict[str, list[float | None]]] = field(default_factory=dict)  # cell → name → per night
     moved: list[FigureMove] = field(default_factory=list)  # figures that changed since the night before
-    compile: dict[str, dict[str, list[float | None]]] = field(default_factory=dict)  # backend → figure → per night
+    modes: dict[str, Any] = field(default_factory=dict)  # mode → its history figures (registry.ModeHooks)
 
     def flaky_map(self) -> dict[tuple[str, str], str]:
         """(cell, fingerprint) → why it is flaky, for `baseline.diff(history_flaky=…)`."""
@@ -392,29 +393,18 @@ def compute(h: History, opts: TrendOptions | None = None) -> Trends:
                               for own in owners]
     t.figures = h.named_figures(owners, sorted(newest))
     t.moved = figure_moves(t.figures, opts.figure_change)
-    t.compile = compile_by_backend(t.figures, len(t.dates))
+    t.modes = mode_figures(t.figures, len(t.dates))
     return t
 
 
-COMPILE_FIGURES = ("graphs", "graph_breaks", "recompiles", "compile_s")  # the compile mode's, charted per backend
-
-
-def compile_by_backend(figures: Mapping[str, Mapping[str, Sequence[float | None]]],
-                       nights: int) -> dict[str, dict[str, list[float | None]]]:
-    """The compile mode's figures (`compile.<figure>.<phase>`) per backend (a cell id's part after `@`) and night:
-    summed over the backend's cells and phases that night (None: none of them had it, e.g. unknown on its torch)."""
-    out: dict[str, dict[str, list[float | None]]] = {}
-    for cell, named in sorted(figures.items()):
-        backend = cell.rsplit("@", 1)[-1]
-        for name, vals in sorted(named.items()):
-            mode, _, rest = name.partition(".")
-            figure = rest.split(".", 1)[0]
-            if mode != "compile" or figure not in COMPILE_FIGURES:
-                continue
-            series = out.setdefault(backend, {}).setdefault(figure, [None] * nights)
-            for i, v in enumerate(list(vals)[-nights:] if nights else []):
-                if v is not None:
-                    series[i] = (series[i] or 0.0) + v
+def mode_figures(figures: Mapping[str, Mapping[str, Sequence[float | None]]], nights: int) -> dict[str, Any]:
+    """Each mode's trend data from the named figures (`registry.ModeHooks.history_figures`), in mode order; a mode
+    with nothing to show is left out."""
+    out = {}
+    for mode, hooks in mode_hooks():
+        data = hooks.history_figures(figures, nights)
+        if data:
+            out[mode] = data
     return out
 
 

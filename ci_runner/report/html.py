@@ -24,12 +24,10 @@ from typing import Any
 import jinja2
 from markupsafe import Markup
 
-from ..registry import SECTION_DIVERGENT, kinds_in
+from ..registry import SECTION_DIVERGENT, kinds_in, mode_hooks
 from ..results.model import Results
 from .junit import xml_safe
 from ..engine.failure import headline
-from .phasecharts import decode_chart, memory_chart
-from .compiletable import html_table as compile_table
 from .trendcharts import trends_html
 from ..zoo.report import zoo_view
 from .view import CellView, LayerPoint, NumericsView, ReportView, build_view, cos_distance, fmt_num
@@ -159,15 +157,10 @@ class _Scale:
         return (MT + self.ph - max(0.0, min(1.0, t)) * self.ph, "value")
 
 
-def _decode_chart(cv: Any) -> str:
-    """The decode phase's error per step (report/phasecharts.py), when the cell's numerics ran one; beside it the
-    memory per layer, when the cell's memory mode ran."""
-    mode = cv.cell.modes.get("numerics")
-    chart = decode_chart(mode.data, cell_id=cv.id) if mode is not None and mode.data else None
-    memory = cv.cell.modes.get("memory")
-    mem = memory_chart(memory.data, cell_id=cv.id) if memory is not None and memory.data else None
-    return (f'<div class="chartbox decode">{chart}</div>' if chart else "") + \
-        (f'<div class="chartbox memory">{mem}</div>' if mem else "")
+def mode_blocks(cv: Any, hooks: Sequence[tuple[str, Any]]) -> dict[str, Markup]:
+    """What each mode adds to a cell's block (`registry.ModeHooks`), in mode order: its charts, then its tables."""
+    return {"charts": Markup("".join(h.html_charts(cv.cell) for _, h in hooks)),
+            "tables": Markup("".join(h.html_tables(cv.cell) for _, h in hooks))}
 
 
 def layer_chart(nv: NumericsView, metric: str, *, cell_id: str, label: str, hidden: bool = False) -> str:
@@ -420,11 +413,12 @@ def render_html(
     lazy: dict[str, dict[str, Any]] = {}  # anchor → compact rows drawn on demand
     strings = _Strings()
     full_left, chart_cells = MAX_FULL_FINDINGS, 0
+    hooks = mode_hooks()
     for cv in v.cells:
         shown = max(0, min(len(cv.findings), MAX_FINDINGS_PER_CELL, full_left))
         full_left -= shown
         blocks[cv.id] = {"findings": Markup(findings_html(cv, shown, links=v.links)), "layers": Markup(""),
-                         "decode": Markup(_decode_chart(cv)), "compile": Markup(compile_table(cv.cell))}
+                         **mode_blocks(cv, hooks)}
         entry: dict[str, Any] = {}
         if shown < len(cv.findings):
             entry["findings"] = compact_findings(cv, shown, strings)

@@ -37,9 +37,9 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..fsutil import atomic_write_bytes
+from ..registry import mode_hooks
 from ..results.model import CellError, Results
 from ..engine.failure import headline
-from .compiletable import junit_properties
 from .view import CellView, FindingView, ReportView, build_view
 
 _ILLEGAL_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
@@ -181,7 +181,7 @@ def cell_cases(cv: CellView, *, detail: bool = True) -> list[Case]:
         mode = c.modes[mname]
         t = (mode.duration_s or 0.0) + (rest if mname == carrier else 0.0)
         verdict = None
-        if mname == "numerics" and cv.numerics and cv.numerics.verdict.get("text"):
+        if cv.numerics and mname == cv.numerics.mode and cv.numerics.verdict.get("text"):
             verdict = str(cv.numerics.verdict["text"])
         mine = by_mode.get(mname, [])
         if status in ERROR_STATUSES:
@@ -246,7 +246,8 @@ def _cell_suite(root: ET.Element, cv: CellView) -> dict[str, Any]:
     props = _sub(suite, "properties")
     fixed = [("model", c.model), ("backend", c.backend), ("status", c.status), ("device", cv.env.get("device")),
              ("duration_s", f"{c.duration_s or 0.0:.3f}"), ("artifacts_dir", c.artifacts_dir)]
-    for k, v in fixed + [(f"env.{k}", v) for k, v in cv.env.items()] + junit_properties(c):
+    modes = [p for _, h in mode_hooks() for p in h.junit_properties(c)]  # each mode's own (registry.ModeHooks)
+    for k, v in fixed + [(f"env.{k}", v) for k, v in cv.env.items()] + modes:
         if v is not None:
             _sub(props, "property", {"name": k, "value": v})
     cls = classname(c.id)

@@ -19,11 +19,11 @@ from typing import Any
 import jinja2
 
 from ..log import STEP_SUMMARY_LIMIT
+from ..registry import mode_hooks
 from ..results.model import Results
-from .compiletable import markdown_table as compile_table, worst_offenders
 from .junit import junit_counts, xml_safe
 from ..engine.failure import headline
-from .trendcharts import burndown_line, compile_line
+from .trendcharts import burndown_line, history_sections
 from ..zoo.report import zoo_view
 from .view import ReportView, build_view, cos_distance, fmt_num, icon
 
@@ -124,11 +124,15 @@ def _environment() -> jinja2.Environment:
     )
     env.filters.update(md=md, h=h, code=code, block=block, num=fmt_num, cosd=cos_distance, icon=icon, first_line=headline)
     env.globals["burndown_line"] = burndown_line
-    env.globals["compile_line"] = compile_line
     return env
 
 
 _ENV: jinja2.Environment | None = None
+
+
+def mode_sections(cells: Any) -> list[str]:
+    """Each mode's own section of the summary (`registry.ModeHooks.summary_section`), in mode order; none empty."""
+    return [s for _, h in mode_hooks() if (s := h.summary_section(cells, max_rows=MAX_ROWS))]
 
 
 def render_summary(
@@ -157,7 +161,7 @@ def render_summary(
     for chunk in _ENV.get_template("summary.md.j2").generate(
         v=v, max_rows=MAX_ROWS, max_details=MAX_DETAILS_FINDINGS, diff=v.diff, junit=junit_counts(v), trends=trends,
         zoo=zoo_view(results.zoo) if results.zoo else None,
-        compile_table=compile_table(results.cells, max_rows=MAX_ROWS), compile_worst=worst_offenders(results.cells),
+        mode_sections=mode_sections(results.cells), history_sections=history_sections(trends, "summary"),
     ):
         chunks.append(chunk)
         size += len(chunk)

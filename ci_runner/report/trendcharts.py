@@ -3,7 +3,8 @@
 Takes the `Trends` of ``ci_runner.history.trends`` (read by attribute: the report does not import the
 history). Charts: op-support burn-down per backend (unsupported ops and models blocked, one point per
 night), per-layer error over time for each model × backend (its worst layers, with the threshold as a
-dashed line), and cell time over time. Every chart is an ``svg.trend`` with ``data-points`` = nights, followed by
+dashed line), cell time over time, and each mode's own history figures (`Trends.modes`, drawn by the mode's
+`registry.ModeHooks`: `history_sections`). Every chart is an ``svg.trend`` with ``data-points`` = nights, followed by
 its legend in HTML (a colour swatch and the series' whole name, wrapping where it must).
 """
 
@@ -11,7 +12,9 @@ from __future__ import annotations
 
 import html
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
+
+from ..registry import mode_hooks
 
 W, H = 760, 220
 ML, MR, MT, MB = 56, 16, 14, 34
@@ -102,36 +105,19 @@ def burndown_line(b: Any) -> str:
     return f"unsupported ops: {one(b.unsupported)} · models blocked: {one(b.blocked)}"
 
 
-def _fmt(v: float | None) -> str:
-    return "—" if v is None else (str(int(v)) if float(v).is_integer() else f"{v:.1f}")
-
-
-def compile_line(figures: Mapping[str, Sequence[float | None]]) -> str:
-    """One backend's compile figures (history.trends.compile_by_backend): today, 7 and 30 nights ago."""
-    def one(name: str, label: str) -> str:
-        v = list(figures.get(name) or [])
-        ago = [_fmt(v[-1 - n]) if len(v) > n else "—" for n in (0, 7, 30)]
-        return f"{label} {ago[0]} today, {ago[1]} 7 nights ago, {ago[2]} 30 nights ago"
-
-    return " · ".join(one(n, label) for n, label in (("graphs", "graphs"), ("graph_breaks", "graph breaks"),
-                                                     ("recompiles", "recompiles"), ("compile_s", "compile s")))
-
-
-def compile_html(t: Any) -> list[str]:
-    """The compile mode's figures per backend over the nights: its counts, and compile seconds per backend."""
-    if not getattr(t, "compile", None):
+def history_sections(t: Any, where: str) -> list[str]:
+    """Each mode's history figures (`Trends.modes`, `registry.ModeHooks`) as summary.md (`where="summary"`) or
+    report.html ("html") text, in mode order; none empty."""
+    if t is None:
         return []
-    out = ["<h3>Compile figures per backend</h3>"]
-    for backend, figures in sorted(t.compile.items()):
-        out.append(f"<p><code>{_e(backend)}</code>: {_e(compile_line(figures))}</p>")
-        out.append(line_chart(f"{backend}: graphs, graph breaks and recompiles per night (all its cells and phases)",
-                              t.dates, [(n.replace("_", " "), figures.get(n) or [None] * len(t.dates))
-                                        for n in ("graphs", "graph_breaks", "recompiles")],
-                              kind="compile", ylabel="count"))
-    secs = [(b, f["compile_s"]) for b, f in sorted(t.compile.items()) if f.get("compile_s")]
-    if secs:
-        out.append(line_chart("compile seconds per night and backend (all its cells and phases)", t.dates, secs,
-                              kind="compile-time", ylabel="seconds"))
+    hooks = dict(mode_hooks())
+    out = []
+    for mode, data in (getattr(t, "modes", None) or {}).items():
+        h = hooks.get(mode)
+        if h is not None and data:
+            text = h.history_summary(data) if where == "summary" else h.history_html(data, t.dates)
+            if text:
+                out.append(text)
     return out
 
 
@@ -162,7 +148,7 @@ def trends_html(t: Any) -> str:
                    "<th>figure: before → now</th></tr></thead><tbody>")
         out += [f"<tr><td><code>{_e(m.cell)}</code></td><td>{_e(m.words())}</td></tr>" for m in t.moved[:MAX_SEEN_ROWS]]
         out.append("</tbody></table>")
-    out += compile_html(t)
+    out += history_sections(t, "html")
     slow = sorted(t.cell_times.items(), key=lambda kv: -(kv[1][-1] or 0.0))[:MAX_TIME_CELLS]
     if slow:
         out.append("<h3>Cell time over time</h3>")

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..registry import SECTION_DIVERGENT, SECTION_LAYERS, SECTION_OPS, SECTION_OTHER, FindingKind, kinds_in
-from ..registry import mode_names as registered_modes
+from ..registry import layer_table_modes, mode_names as registered_modes
 from ..results.model import STATUS_SEVERITY, CellResult, Finding, Repro, Results, number
 from ..engine.failure import headline
 from ..backends.vendor import boilerplate_lines
@@ -282,6 +282,7 @@ class NumericsView:
     verdict: dict[str, Any]
     total: int = 0  # the model's layers (module calls); more than `layers` when it kept only part of the table
     compared: int | None = None  # layers compared in at least one view (`data["coverage"]`), when fewer than total
+    mode: str = ""  # the mode whose table it is (`registry.ModeSpec.layer_table`)
 
     @property
     def flagged(self) -> list[LayerPoint]:
@@ -316,7 +317,7 @@ class CellView:
         if not self.findings:
             return None
         head = self.findings[0]
-        if head.mode == "numerics" and self.numerics and self.numerics.verdict.get("first_divergent"):
+        if self.numerics and head.mode == self.numerics.mode and self.numerics.verdict.get("first_divergent"):
             return str(self.numerics.verdict["first_divergent"])
         return head.title
 
@@ -355,7 +356,9 @@ def _metrics(d: Any) -> dict[str, float | None]:
 
 
 def _numerics(cell: CellResult) -> NumericsView | None:
-    mode = cell.modes.get("numerics")
+    """The cell's per-layer comparison: the table of the first mode that declares one (`ModeSpec.layer_table`)."""
+    name = next((m for m in layer_table_modes() if m in cell.modes), "")
+    mode = cell.modes.get(name)
     if mode is None or not isinstance(mode.data, Mapping):
         return None
     rows = mode.data.get("layers")
@@ -383,7 +386,7 @@ def _numerics(cell: CellResult) -> NumericsView | None:
     compared = cov.get("compared") if isinstance(cov, Mapping) else None
     n = total if isinstance(total, int) and total >= len(points) else len(points)
     return NumericsView(layers=points, verdict=dict(verdict) if isinstance(verdict, Mapping) else {}, total=n,
-                        compared=compared if isinstance(compared, int) and compared < n else None)
+                        compared=compared if isinstance(compared, int) and compared < n else None, mode=name)
 
 
 def _flat_env(env: Mapping[str, Any], prefix: str = "") -> dict[str, str]:

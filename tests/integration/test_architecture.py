@@ -172,8 +172,10 @@ def test_the_contract_catches_a_lower_layer_importing_a_higher_one(tmp_path: Pat
 
 
 def test_the_registry_imports_no_torch() -> None:
-    """Matrix loading and the mode registry stay light: no torch (a fresh interpreter tells)."""
-    code = "import sys, ci_runner.registry, ci_runner.config, ci_runner.modes; print('torch' in sys.modules)"
+    """Matrix loading, the mode registry and every mode's report and issue hooks stay light: no torch (a fresh
+    interpreter tells; the reports and the filer load the hooks on a CPU runner)."""
+    code = ("import sys, ci_runner.registry as r, ci_runner.config, ci_runner.modes; r.mode_hooks(); "
+            "[r.load_ref(g.key) for m in r.modes() for g in m.issue_groups if g.key]; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

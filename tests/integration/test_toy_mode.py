@@ -1,6 +1,8 @@
-"""A mode added through the registry alone (`ci_runner/registry.py`): a toy mode in a temporary package, registered
-with one `register_mode` call, is accepted by the matrix schema and its options check, runs in a cell, lands in
-`results.json` (schema-validated), the reports and the diff, and its findings are grouped into issues."""
+"""A mode added through the registry alone (`ci_runner/registry.py`): the toy mode, one package
+(`tests/fixtures/toymode/`) registered with one `register_mode` call, is accepted by the matrix schema and its options
+check, runs in a cell, lands in `results.json` (schema-validated), the diff, and through its own hooks in summary.md,
+report.html, junit.xml and the history's sections; its findings are grouped into issues and filed with its own issue
+template. No file outside the toy package names it."""
 
 from __future__ import annotations
 
@@ -14,34 +16,20 @@ import pytest
 
 from ci_runner.config import load_matrix_text
 from ci_runner.errors import ConfigError
-from ci_runner.github.render import group_entries
+from ci_runner.github.options import FilingOptions
+from ci_runner.github.render import RenderContext, group_entries, render_issue
+from ci_runner.history.store import add_run, load_history
+from ci_runner.history.trends import compute
 from ci_runner.matrix import expand
-from ci_runner.registry import SECTION_OTHER, KindSpec, ModeSpec, mode_names, mode_of_group, register_mode, unregister_mode
+from ci_runner.registry import ModeSpec, mode_names, mode_of_group, register_mode, unregister_mode
+from ci_runner.report import write_reports
 from ci_runner.results.baseline import Baseline, diff
 from ci_runner.run.aggregate import aggregate, write_report_dir
 from ci_runner.run.cellrun import run_cell_inprocess, write_final
+from tests.fixtures import toymode
+from tests.fixtures.history_sim import meta_of
 from tests.fixtures.matrices import matrix_text
 
-TOY_MODULE = '''
-from dataclasses import dataclass
-
-from ci_runner.options import integer, option
-from ci_runner.registry import parse_options
-from ci_runner.results.model import Finding, ModeResult, fingerprint
-
-
-@dataclass(frozen=True, kw_only=True)
-class ToyOptions:
-    count: int = option(1, check=integer(ge=1, hint="give an integer >= 1"), help="findings the toy mode makes")
-
-
-def run(ctx):
-    opts = parse_options("toy", ctx.options("toy"))
-    findings = [Finding(kind="toy_failure", stage="run", message=f"toy part {i} failed", module=f"toy.part{i}",
-                        fingerprint=fingerprint("toy_failure", ctx.cell.backend.id, ctx.model_id, f"toy.part{i}"))
-                for i in range(opts.count)]
-    return ModeResult(status="fail", findings=findings, data={"parts": opts.count})
-'''
 
 def toy_matrix(**toy: Any) -> str:
     """One cell running the toy mode alone, with `toy` as its options."""
@@ -50,22 +38,12 @@ def toy_matrix(**toy: Any) -> str:
 
 
 @pytest.fixture
-def toy_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ModeSpec]:
-    pkg = tmp_path / "toy_pkg"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("", encoding="utf-8")
-    (pkg / "toy_mode.py").write_text(TOY_MODULE, encoding="utf-8")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    from toy_pkg.toy_mode import ToyOptions  # type: ignore[import-not-found]  # the package just written
-
-    spec = register_mode(ModeSpec(
-        name="toy", run="toy_pkg.toy_mode:run", options=ToyOptions, order=40, issue_groups=("toy",),
-        kinds=(KindSpec(kind="toy_failure", key="module", section=SECTION_OTHER, issue_group="toy"),),
-    ))
+def toy_mode() -> Iterator[ModeSpec]:
+    spec = register_mode(toymode.SPEC)
     try:
         yield spec
     finally:
-        unregister_mode("toy")
+        unregister_mode(spec.name)
 
 
 def test_an_unregistered_mode_is_refused_by_the_schema() -> None:
@@ -84,7 +62,7 @@ def test_a_toy_mode_registered_alone_is_accepted_run_reported_and_grouped(toy_mo
     cell_dir = tmp_path / "run" / "cells" / cell.id
     result = run_cell_inprocess(cell, cell_dir, modes=cell.modes, deadline=time.monotonic() + 120)
     write_final(result, cell_dir)
-    assert result.status == "fail" and result.modes["toy"].data == {"parts": 2}
+    assert result.status == "fail" and result.modes["toy"].data == {"parts": 2, "figures": {"parts": 2}}
 
     results = aggregate([tmp_path / "run"])  # schema-validated on load: mode "toy", kind "toy_failure"
     written = write_report_dir(results, tmp_path / "report", run_dir=tmp_path / "run")
@@ -92,7 +70,11 @@ def test_a_toy_mode_registered_alone_is_accepted_run_reported_and_grouped(toy_mo
     assert [f["kind"] for f in saved["cells"][0]["modes"]["toy"]["findings"]] == ["toy_failure"] * 2
     summary = (tmp_path / "report" / "summary.md").read_text(encoding="utf-8")
     assert "toy" in summary and "toy.part1" in summary
-    assert "toy_failure" in (tmp_path / "report" / "junit.xml").read_text(encoding="utf-8")
+    assert "### Toy parts\n\n| cell | toy parts |" in summary and f"| `{cell.id}` | 2 |" in summary  # its section
+    page = (tmp_path / "report" / "report.html").read_text(encoding="utf-8")
+    assert '<table class="toy"><caption>toy parts</caption><tr><td>2</td></tr></table>' in page
+    junit = (tmp_path / "report" / "junit.xml").read_text(encoding="utf-8")
+    assert "toy_failure" in junit and '<property name="toy.parts" value="2"' in junit
 
     d = diff(results, Baseline()).to_dict()
     assert sorted((e["category"], e.get("mode") or "", e.get("kind") or "", e.get("key") or "") for e in d["entries"]) == [
@@ -101,3 +83,24 @@ def test_a_toy_mode_registered_alone_is_accepted_run_reported_and_grouped(toy_mo
     groups = group_entries(d, layers=True)
     assert [g.key for g in groups] == [("toy", "eager", "toy.part0"), ("toy", "eager", "toy.part1")]
     assert mode_of_group()["toy"] == "toy"
+
+    ctx = RenderContext(options=FilingOptions(), run_key="gh-1", run_url=None, artifacts_url=None, run_dir=tmp_path / "run")
+    body = render_issue(groups[0], ctx)  # its own template and title, found through its registration
+    assert groups[0].title == "[deepview-ci] toy part toy.part0 breaks on eager"
+    assert f"<!-- deepview-ci:fingerprint={groups[0].fingerprint} -->" in body
+    assert "### Toy part `toy.part0` breaks on backend `eager`" in body and "The toy mode's own issue template." in body
+    assert "toy wobble: wobble `0.5`" in body and "One issue per toy part and backend" in body
+
+    store = tmp_path / "history"  # its history figure: parts per night, in both reports' history sections
+    for night in (1, 2):
+        add_run(store, results, meta_of(night))
+    h = load_history(store)
+    try:
+        t = compute(h)
+    finally:
+        h.close()
+    assert t.modes["toy"] == [2.0, 2.0]
+    out = write_reports(results, tmp_path / "with-history", env={}, trends=t)
+    assert "#### Toy parts per night\n\n2 · 2\n" in out["summary"].read_text(encoding="utf-8")
+    page = out["html"].read_text(encoding="utf-8")
+    assert "<h3>Toy parts per night</h3>" in page and 'data-kind="toy"' in page

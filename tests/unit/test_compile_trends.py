@@ -1,5 +1,6 @@
-"""The compile mode's figures as a trend per backend over the nights (history/trends.py `compile_by_backend`): the
-summary's line and report.html's charts of graphs, breaks, recompiles and compile seconds."""
+"""The compile mode's figures as a trend per backend over the nights (`modes/compile/report.compile_by_backend`, its
+history hook, kept in `Trends.modes["compile"]`): the summary's line and report.html's charts of graphs, breaks,
+recompiles and compile seconds."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from ci_runner.history.store import add_run, load_history
-from ci_runner.history.trends import compile_by_backend, compute
+from ci_runner.history.trends import compute
+from ci_runner.modes.compile.report import compile_by_backend
 from ci_runner.report import write_reports
 from tests.unit.test_history import meta_of, night_results
 
@@ -41,8 +43,8 @@ def test_the_summary_and_the_page_chart_them(tmp_path: Path) -> None:
         t = compute(h)
     finally:
         h.close()
-    assert sorted(t.compile) == ["inductor", "sim-subset"]  # the two cells with figures, one backend each
-    assert t.compile["inductor"] == {"graphs": [4.0, 6.0], "graph_breaks": [1.0, 0.0], "compile_s": [3.0, 2.5]}
+    assert sorted(t.modes["compile"]) == ["inductor", "sim-subset"]  # the two cells with figures, one backend each
+    assert t.modes["compile"]["inductor"] == {"graphs": [4.0, 6.0], "graph_breaks": [1.0, 0.0], "compile_s": [3.0, 2.5]}
     backend = "inductor"
     out = write_reports(results, tmp_path / "rep", env={}, trends=t)
     summary, page = out["summary"].read_text(), out["html"].read_text()

@@ -112,7 +112,7 @@ def _memory_result(ratio: float | None) -> Any:
 
 def test_the_per_layer_chart_and_a_regression_over_nights(tmp_path: Any) -> None:
     from ci_runner.report.html import render_html
-    from ci_runner.report.phasecharts import memory_chart
+    from ci_runner.modes.memory.report import memory_chart
     from ci_runner.results.baseline import diff, load_baseline, make_baseline
     from ci_runner.fsutil import atomic_write_json
 

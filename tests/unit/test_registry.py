@@ -89,3 +89,31 @@ def test_a_kind_belongs_to_one_mode() -> None:
 
 def test_every_status_has_a_log_mark() -> None:
     assert set(STATUS_MARK) == set(CELL_STATUSES)
+
+
+def test_issue_groups_are_declared_with_their_template_title_and_key() -> None:
+    from ci_runner.registry import IssueGroup, issue_group
+
+    assert issue_group("op") is not None and issue_group("op").always and issue_group("op").fields == {"op": 2}
+    assert issue_group("memory").template == "issue_memory.md.j2"
+    assert issue_group("layer").title_of(("layer", "b", "m", "model.x")) == "[deepview-ci] model.x of m fails on b"
+    culprit = {"details": {"culprit": {"found": True, "kind": "single", "ops": ["aten.sin.default"]}}}
+    assert issue_group("layer").key_of("b", "m", culprit, "model.x") == ("culprit", "b", "aten.sin.default")
+    assert issue_group("layer").key_of("b", "m", {}, "model.x") == ("layer", "b", "m", "model.x")
+    assert issue_group("nobody") is None
+    bare = ModeSpec(name="bare", run="x:run", options=object, order=99, kinds=(), issue_groups=("bare",))
+    assert bare.issue_groups == (IssueGroup(name="bare"),) and bare.group_names == ("bare",)  # a name: the defaults
+    assert bare.issue_groups[0].template == "issue_generic.md.j2" and bare.issue_groups[0].key_of("b", "m", {}, "") is None
+
+
+def test_report_hooks_are_named_by_reference_and_loaded_in_mode_order() -> None:
+    from ci_runner.registry import ModeHooks, layer_table_modes, load_ref, mode_hooks
+
+    names = [n for n, _ in mode_hooks()]
+    assert names == [m.name for m in modes() if m.report] and {"numerics", "compile", "memory"} <= set(names)
+    for _, hooks in mode_hooks():
+        assert isinstance(hooks, ModeHooks)
+    assert layer_table_modes() == ("numerics",)
+    assert load_ref("ci_runner.registry:ModeHooks") is ModeHooks
+    with pytest.raises(ValueError, match="module:attribute"):
+        load_ref("ci_runner.registry")

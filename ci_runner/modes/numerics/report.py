@@ -1,5 +1,5 @@
-"""The workload phases in `report.html`: per cell, the decode phase's error per step as an inline SVG chart, and
-the memory mode's peak per layer and phase beside it (`memory_chart`, from `data.modules`).
+"""The numerics mode's decode phase in report.html (its `registry.ModeHooks`, `HOOKS`): per cell, the error of each
+decode step as an inline SVG chart; no torch.
 
 Reads the numerics mode's `data.phases.decode.calls` (one row per call: prefill, then each decode step, with the
 logits' `rel` error against the reference and the threshold derived for the phase). A drift that starts at step k
@@ -9,10 +9,13 @@ shows as the curve leaving the threshold line there; a call that failed on the b
 from __future__ import annotations
 
 import math
-import re
 from typing import Any, Mapping
 
-from .trendcharts import line_chart
+from ...registry import ModeHooks
+from ...report.trendcharts import line_chart
+from ...results.model import CellResult
+
+MODE = "numerics"
 
 
 def _number(value: Any) -> float | None:
@@ -38,24 +41,13 @@ def decode_chart(numerics_data: Mapping[str, Any], *, cell_id: str) -> str | Non
                       [("logits rel", finite)], kind="decode-steps", log=True, threshold=threshold, ylabel="rel")
 
 
-def _layer_level(name: str) -> bool:
-    """A repeated layer (`model.layers.3`): the element of a module list."""
-    return bool(re.search(r"\.\d+$", name or ""))
+class NumericsHooks(ModeHooks):
+    """The decode chart in the cell's block of report.html (the per-layer charts are report/html.py's own)."""
+
+    def html_charts(self, cell: CellResult) -> str:
+        mode = cell.modes.get(MODE)
+        chart = decode_chart(mode.data, cell_id=cell.id) if mode is not None and mode.data else None
+        return f'<div class="chartbox decode">{chart}</div>' if chart else ""
 
 
-def memory_chart(memory_data: Mapping[str, Any], *, cell_id: str) -> str | None:
-    """The memory mode's per-layer chart of one cell: each repeated layer's peak (MiB) in each phase, predicted and,
-    where the device was measured, measured (None when the cell has no such rows)."""
-    rows = [r for r in (memory_data or {}).get("modules") or [] if _layer_level(str(r.get("module")))]
-    layers = list(dict.fromkeys(str(r["module"]) for r in rows))
-    if not layers:
-        return None
-    series: list[tuple[str, list[float | None]]] = []
-    for phase in dict.fromkeys(str(r.get("phase")) for r in rows):
-        by = {str(r["module"]): r for r in rows if str(r.get("phase")) == phase}
-        for key, label in (("peak_bytes", "predicted"), ("measured_peak_bytes", "measured")):
-            values = [_number((by.get(m) or {}).get(key)) for m in layers]
-            if any(v is not None for v in values):
-                series.append((f"{phase} {label}", [v / 2**20 if v is not None else None for v in values]))
-    return line_chart(f"{cell_id}: memory per layer, peak of its call (MiB)", layers, series, kind="memory-layers",
-                      ylabel="MiB")
+HOOKS = NumericsHooks()
