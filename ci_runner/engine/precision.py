@@ -227,7 +227,7 @@ def resolve_policy(spec: BackendSpec, folder: Path | None = None, *,
             res = run_isolated("ci_runner.engine.precision:detect_child", {"spec": spec_to_json(spec)}, timeout=timeout)
             measured = res.value if res.ok and isinstance(res.value, dict) else \
                 {"classes": {}, "error": f"the precision probe {res.describe()}"[:500]}
-            if not measured.get("error"):  # a failed measurement is not kept: the next cell tries again
+            if res.status != "timeout":  # a busy machine's timeout is not the backend's answer: tried again
                 atomic_write_json(path, measured)
     per_class = {c: v.get("dtype", "unknown") for c, v in (measured.get("classes") or {}).items()}
     policy = detected_policy("auto", per_class)
