@@ -241,7 +241,7 @@ def choices_hint(word: str, choices: list[str]) -> str:
 
 # bounds on a matrix's YAML, checked on the composed node graph before anything walks or builds it: an alias
 # bomb (a few lines that expand to billions of nodes), a recursive alias or nesting 100,000 deep is refused fast
-MAX_YAML_CHARS = 16 * 2**20
+MAX_YAML_CHARS = 4 * 2**20  # the bundled example is 5 kB; PyYAML reads about 1 MB/s
 MAX_YAML_NODES = 100_000  # nodes once every alias is expanded (the bundled example has about 300)
 MAX_YAML_DEPTH = 200
 
@@ -283,7 +283,8 @@ def yaml_bounds_problem(root: yaml.Node, *, max_nodes: int = MAX_YAML_NODES, max
 
 
 class _TooDeep(yaml.YAMLError):
-    """Nesting past `MAX_YAML_DEPTH`, met while scanning or composing (before Python's recursion limit is)."""
+    """Nesting past `MAX_YAML_DEPTH` or more than `MAX_YAML_NODES` nodes, met while scanning or composing (before
+    Python's recursion limit is, and before the composing takes long)."""
 
 
 class BoundedLoader(yaml.SafeLoader):
@@ -294,6 +295,7 @@ class BoundedLoader(yaml.SafeLoader):
     def __init__(self, stream: str) -> None:
         super().__init__(stream)
         self._depth = 0
+        self._composed = 0
 
     def fetch_flow_collection_start(self, TokenClass: Any) -> None:  # noqa: N803 (PyYAML's name)
         if self.flow_level >= MAX_YAML_DEPTH:
@@ -305,6 +307,9 @@ class BoundedLoader(yaml.SafeLoader):
         try:
             if self._depth > MAX_YAML_DEPTH:
                 raise _TooDeep(f"nested more than {MAX_YAML_DEPTH} levels deep")
+            self._composed += 1
+            if self._composed > MAX_YAML_NODES:
+                raise _TooDeep(f"more than {MAX_YAML_NODES:,} values")
             return super().compose_node(parent, index)  # type: ignore[misc]
         finally:
             self._depth -= 1
@@ -314,7 +319,7 @@ def parse_yaml(text: str, source: str) -> tuple[Any, _Positions]:
     """`yaml.safe_load` semantics, plus positions and duplicate-key detection; bounded (`yaml_bounds_problem`)."""
     positions = _Positions()
     if len(text) > MAX_YAML_CHARS:
-        raise ConfigError(f"{source}: matrix file larger than {MAX_YAML_CHARS // 2**20} MiB",
+        raise ConfigError(f"{source}: matrix refused: larger than {MAX_YAML_CHARS // 2**20} MiB",
                           hint="a matrix is a few kilobytes: check that this is the right file")
     try:
         loader = BoundedLoader(text)
@@ -332,7 +337,8 @@ def parse_yaml(text: str, source: str) -> tuple[Any, _Positions]:
             loader.dispose()
     except _TooDeep as exc:
         raise ConfigError(f"{source}: matrix refused: {exc}",
-                          hint=f"a matrix needs a few levels; keep it under {MAX_YAML_DEPTH}") from None
+                          hint=f"a matrix needs a few levels and a few hundred values; keep it under {MAX_YAML_DEPTH} "
+                               f"levels and {MAX_YAML_NODES:,} values") from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
@@ -386,10 +392,10 @@ def _schema_problems(err: Any, positions: _Positions, source: str) -> list[Schem
         instance = err.instance if isinstance(err.instance, dict) else {}
         unknown = [k for k in instance if k not in allowed]
         out = []
-        for key in unknown:
+        for i, key in enumerate(unknown):  # "did you mean" for the first few: thousands of keys stay fast
             where, pos = _place(path + (key,), positions, source, value=False)
             out.append(SchemaProblem(where, pos, _fmt_path(path + (key,)) or "(top level)", f"unknown key {key!r}",
-                                     choices_hint(str(key), allowed)))
+                                     choices_hint(str(key), allowed) if i < 5 * MAX_SCHEMA_ERRORS else None))
         if out:
             return out
     elif err.validator == "oneOf" and path and len(path) >= 2 and path[0] == "models":
