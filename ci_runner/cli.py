@@ -655,7 +655,17 @@ def _dump_commands(add: AddCommand) -> None:
     sp.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
+def _printable_streams() -> None:
+    """A message with a lone surrogate (a compiler's bad byte) is printed escaped, never a UnicodeEncodeError."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
+        except (AttributeError, ValueError, OSError):
+            pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    _printable_streams()
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import math
 import os
 import re
 from dataclasses import MISSING, dataclass, field, fields, replace
@@ -241,19 +242,106 @@ def choices_hint(word: str, choices: list[str]) -> str:
     return f"known: {listed}"
 
 
+# bounds on a matrix's YAML, checked on the composed node graph before anything walks or builds it: an alias
+# bomb (a few lines that expand to billions of nodes), a recursive alias or nesting 100,000 deep is refused fast
+MAX_YAML_CHARS = 4 * 2**20  # the bundled example is 5 kB; PyYAML reads about 1 MB/s
+MAX_YAML_NODES = 100_000  # nodes once every alias is expanded (the bundled example has about 300)
+MAX_YAML_DEPTH = 200
+
+
+def yaml_bounds_problem(root: yaml.Node, *, max_nodes: int = MAX_YAML_NODES, max_depth: int = MAX_YAML_DEPTH) -> str | None:
+    """Why the document under `root` is refused (too many nodes with aliases expanded, too deep, or an alias
+    inside itself); None when it is within bounds. Iterative, and linear in the composed graph."""
+    size: dict[int, int] = {}
+    height: dict[int, int] = {}
+    open_nodes: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        key = id(node)
+        if isinstance(node, yaml.ScalarNode):
+            size[key], height[key] = 1, 1
+            continue
+        children: list[yaml.Node] = ([n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode)
+                                     else list(node.value))
+        if done:
+            open_nodes.discard(key)
+            size[key] = min(1 + sum(size[id(c)] for c in children), max_nodes + 1)
+            height[key] = 1 + max((height[id(c)] for c in children), default=0)
+            if size[key] > max_nodes:
+                return f"more than {max_nodes:,} values once its aliases are expanded (an alias bomb?)"
+            if height[key] > max_depth:
+                return f"nested more than {max_depth} levels deep"
+            continue
+        if key in size:
+            continue
+        if key in open_nodes:
+            return "an alias refers to a node that contains it (a recursive structure)"
+        if len(open_nodes) > max_depth:
+            return f"nested more than {max_depth} levels deep"
+        open_nodes.add(key)
+        stack.append((node, True))
+        stack.extend((c, False) for c in children if id(c) not in size)
+    return None
+
+
+class _TooDeep(yaml.YAMLError):
+    """Nesting past `MAX_YAML_DEPTH` or more than `MAX_YAML_NODES` nodes, met while scanning or composing (before
+    Python's recursion limit is, and before the composing takes long)."""
+
+
+class BoundedLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that refuses nesting past `MAX_YAML_DEPTH` as it reads: in flow style (``[[[…``) when the
+    scanner opens the level (its simple-key bookkeeping is quadratic in the flow depth), in block style when the
+    composer does. The expanded size of aliases is checked on the composed graph (`yaml_bounds_problem`)."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+        self._composed = 0
+
+    def fetch_flow_collection_start(self, TokenClass: Any) -> None:  # noqa: N803 (PyYAML's name)
+        if self.flow_level >= MAX_YAML_DEPTH:
+            raise _TooDeep(f"nested more than {MAX_YAML_DEPTH} levels deep")
+        super().fetch_flow_collection_start(TokenClass)  # type: ignore[misc]
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        self._depth += 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                raise _TooDeep(f"nested more than {MAX_YAML_DEPTH} levels deep")
+            self._composed += 1
+            if self._composed > MAX_YAML_NODES:
+                raise _TooDeep(f"more than {MAX_YAML_NODES:,} values")
+            return super().compose_node(parent, index)  # type: ignore[misc]
+        finally:
+            self._depth -= 1
+
+
 def parse_yaml(text: str, source: str) -> tuple[Any, _Positions]:
-    """`yaml.safe_load` semantics, plus positions and duplicate-key detection."""
+    """`yaml.safe_load` semantics, plus positions and duplicate-key detection; bounded (`yaml_bounds_problem`)."""
     positions = _Positions()
+    if len(text) > MAX_YAML_CHARS:
+        raise ConfigError(f"{source}: matrix refused: larger than {MAX_YAML_CHARS // 2**20} MiB",
+                          hint="a matrix is a few kilobytes: check that this is the right file")
     try:
-        loader = yaml.SafeLoader(text)
+        loader = BoundedLoader(text)
         try:
             node = loader.get_single_node()
             if node is None:
                 return None, positions
+            problem = yaml_bounds_problem(node)
+            if problem is not None:
+                raise ConfigError(f"{source}: matrix refused: {problem}",
+                                  hint="write the matrix out plainly: anchors and aliases for a few shared values only")
             positions.walk(node, (), source)
             data = loader.construct_document(node)
         finally:
             loader.dispose()
+    except _TooDeep as exc:
+        raise ConfigError(f"{source}: matrix refused: {exc}",
+                          hint=f"a matrix needs a few levels and a few hundred values; keep it under {MAX_YAML_DEPTH} "
+                               f"levels and {MAX_YAML_NODES:,} values") from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
@@ -261,7 +349,10 @@ def parse_yaml(text: str, source: str) -> tuple[Any, _Positions]:
         raise ConfigError(f"{where}: invalid YAML: {problem}", hint="fix the YAML syntax at that position") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source}: invalid YAML: {exc}", hint="fix the YAML syntax") from None
-    except (ValueError, TypeError, OverflowError, RecursionError) as exc:  # e.g. timestamps out of range
+    except RecursionError:
+        raise ConfigError(f"{source}: matrix refused: nested too deep to read",
+                          hint=f"a matrix needs a few levels; keep it under {MAX_YAML_DEPTH}") from None
+    except (ValueError, TypeError, OverflowError) as exc:  # e.g. timestamps out of range
         raise ConfigError(f"{source}: invalid YAML value: {exc}", hint="quote the value as a string") from None
     return data, positions
 
@@ -304,10 +395,10 @@ def _schema_problems(err: Any, positions: _Positions, source: str) -> list[Schem
         instance = err.instance if isinstance(err.instance, dict) else {}
         unknown = [k for k in instance if k not in allowed]
         out = []
-        for key in unknown:
+        for i, key in enumerate(unknown):  # "did you mean" for the first few: thousands of keys stay fast
             where, pos = _place(path + (key,), positions, source, value=False)
             out.append(SchemaProblem(where, pos, _fmt_path(path + (key,)) or "(top level)", f"unknown key {key!r}",
-                                     choices_hint(str(key), allowed)))
+                                     choices_hint(str(key), allowed) if i < 5 * MAX_SCHEMA_ERRORS else None))
         if out:
             return out
     elif err.validator == "oneOf" and path and len(path) >= 2 and path[0] == "models":
@@ -436,6 +527,7 @@ def _load(path: Path, text: str) -> Matrix:
     problems += _check_parallel(data, positions, source, rejected)
     problems += _check_precision(data, positions, source, rejected)
     problems += _duplicate_ids(data, positions, source)
+    problems += _non_finite(data, positions, source)
     if problems:
         raise MatrixProblems(problems, source, _backend_specs(data, path.parent, errors))
     return _resolve(path, data, positions)
@@ -479,6 +571,24 @@ def _duplicate_ids(data: dict[str, Any], positions: _Positions, source: str) -> 
                                               f"duplicate id {ident!r}", "ids must be unique"))
             seen.add(ident)
     return problems
+
+
+def _non_finite(data: Any, positions: _Positions, source: str) -> list[SchemaProblem]:
+    """Every `.nan` / `.inf` in the matrix, placed: YAML reads them as floats that the schema's bounds let through
+    (``timeout: .nan``), and no setting means them."""
+    problems: list[SchemaProblem] = []
+    stack: list[tuple[tuple[Any, ...], Any]] = [((), data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            where, pos = _place(path, positions, source, value=True)
+            problems.append(SchemaProblem(where, pos, _fmt_path(path) or "(top level)", f"{value} is not a finite number",
+                                          "use a finite number"))
+        elif isinstance(value, dict):
+            stack.extend((path + (k,), v) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((path + (i,), v) for i, v in enumerate(value))
+    return sorted(problems, key=lambda p: p.pos)
 
 
 def _unique(items: list[dict[str, Any]], what: str, source: str, positions: _Positions) -> None:

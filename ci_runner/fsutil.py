@@ -7,6 +7,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator, Literal, TypeVar
@@ -110,8 +111,23 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, sync: bool 
     return atomic_write_with(path, write)
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def utf8_text(text: str) -> str:
+    """`text` with every lone surrogate (a compiler's badly decoded byte; not encodable as UTF-8) replaced by U+FFFD:
+    `text` itself when it has none. Every text write goes through it, so such a message never fails a write."""
+    if text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return _SURROGATE.sub("\ufffd", text)
+
+
 def atomic_write_text(path: str | os.PathLike[str], text: str, *, sync: bool = True) -> Path:
-    return atomic_write_bytes(path, text.encode("utf-8"), sync=sync)
+    return atomic_write_bytes(path, utf8_text(text).encode("utf-8"), sync=sync)
 
 
 def atomic_write_json(path: str | os.PathLike[str], obj: Any, *, indent: int | None = 2) -> Path:
@@ -125,7 +141,7 @@ def append_line(path: str | os.PathLike[str], line: str, *, sync: bool = True) -
     target = Path(path)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        with open(target, "a", encoding="utf-8") as fh:
+        with open(target, "a", encoding="utf-8", errors="replace") as fh:
             fh.write(line.rstrip("\n") + "\n")
             fh.flush()
             if sync:

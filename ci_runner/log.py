@@ -114,9 +114,9 @@ def format_duration(seconds: float) -> str:
 
 def truncate_utf8(text: str, limit: int, *, note: str = "") -> str:
     """Cut `text` to at most `limit` UTF-8 bytes (note included), at a line boundary when possible."""
-    data = text.encode("utf-8")
+    data = text.encode("utf-8", "replace")  # a lone surrogate (a compiler's bad byte) becomes "?"
     if len(data) <= limit:
-        return text
+        return data.decode("utf-8")
     note_b = note.encode("utf-8")
     room = limit - len(note_b)
     if room <= 0:
@@ -157,7 +157,7 @@ def append_step_summary(
     if room < len(note.encode("utf-8")) + 64:
         return 0
     out = truncate_utf8(text, room, note=note)
-    data = out.encode("utf-8")
+    data = out.encode("utf-8", "replace")
     try:
         with open(path, "ab") as fh:
             fh.write(data)

@@ -41,6 +41,7 @@ from ..config import BackendSpec
 from ..engine.envinfo import tool_version
 from ..engine.torchcompat import available, skip_reason
 from ..errors import BackendError
+from ..quoting import dotted, pyrepr
 from .ran import CompileRecord
 
 # Short descriptions of the usual torch.compile backends, for `deepview-ci env`.
@@ -454,16 +455,16 @@ def backend_recipe(spec: BackendSpec) -> BackendRecipe:
     options = dict(r.options)
     if r.simdev is not None:
         imports.append("ci_runner.sim.simdev")
-        setup.append(f"ci_runner.sim.simdev.register_from_options({dict(r.simdev)!r})  # registers the simdev device")
+        setup.append(f"ci_runner.sim.simdev.register_from_options({pyrepr(dict(r.simdev))})  # registers the simdev device")
     if r.kind == "sim":
         imports.append("ci_runner.sim")
-        setup.append(f"BACKEND = ci_runner.sim.make_backend({spec.compile!r}, {options!r})")
+        setup.append(f"BACKEND = ci_runner.sim.make_backend({pyrepr(spec.compile)}, {pyrepr(options)})")
     elif r.kind == "plugin":
-        imports.append(str(r.module))
-        target = f"{r.module}.{r.attr}"
-        setup.append(f"BACKEND = {target}(**{options!r})" if options else f"BACKEND = {target}")
+        imports.append(dotted(r.module))
+        target = dotted(f"{r.module}.{r.attr}")
+        setup.append(f"BACKEND = {target}(**{pyrepr(options)})" if options else f"BACKEND = {target}")
     elif r.kind == "registered":
-        setup.append(f"BACKEND = {spec.compile!r}")
+        setup.append(f"BACKEND = {pyrepr(spec.compile)}")
     imports = list(dict.fromkeys(imports))
     return BackendRecipe(kind=r.kind, name=spec.compile, module=r.module, attr=r.attr, options=options,
                          simdev_options=dict(r.simdev) if r.simdev is not None else None, imports=tuple(imports),

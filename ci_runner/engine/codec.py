@@ -55,6 +55,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 from .tree import is_model_output
+from ..quoting import dotted, pyrepr
 
 __all__ = [
     "Unstorable", "TensorDedupe", "TensorStore", "encode_value", "encode_arg", "decode_value", "check_value",
@@ -502,17 +503,17 @@ def source_of(spec: Any, tensor: Callable[[Mapping[str, Any]], str], *, device: 
     if isinstance(spec, list):
         return "[" + ", ".join(src(v) for v in spec) + "]"
     if not isinstance(spec, dict):
-        return repr(spec)
+        return pyrepr(spec)
     tag = _tag(spec)
     body = spec[tag]
     if tag == "__tensor__":
         return tensor(body)
     if tag in ("__dtype__", "__layout__", "__memory_format__"):
-        return f"torch.{body}"
+        return f"torch.{dotted(body)}"
     if tag == "__device__":
         return device
     if tag == "__float__":
-        return f"float({body!r})"
+        return f"float({pyrepr(body)})"
     if tag == "__slice__":
         return f"slice({', '.join(src(v) for v in body)})"
     if tag == "__ellipsis__":
@@ -521,9 +522,9 @@ def source_of(spec: Any, tensor: Callable[[Mapping[str, Any]], str], *, device: 
         items = [src(v) for v in body]
         return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
     if tag == "__size__":
-        return f"torch.Size({body!r})"
+        return f"torch.Size({pyrepr(body)})"
     if tag == "__dict__":
-        return "{" + ", ".join(f"{k!r}: {src(v)}" for k, v in body) + "}"
+        return "{" + ", ".join(f"{pyrepr(k)}: {src(v)}" for k, v in body) + "}"
     raise ValueError(f"cannot write value spec {spec!r} as source")
 
 

@@ -25,6 +25,7 @@ import jinja2
 from ..backends import backend_recipe, is_self_test
 from .failure import REPRO_FUNCTIONS, first_line
 from ..fsutil import atomic_write_text
+from ..quoting import TEMPLATE_FILTERS, comment, pyrepr, shell_command  # noqa: F401  (pyrepr, comment: re-exported)
 from .isolate import isolated_env, run_process
 from ..results.rootcause import normalize_text
 
@@ -34,29 +35,21 @@ def run_command(script: str, folder: Path, pythonpath: Sequence[str] = ()) -> st
     plugin folders it needs (`backends.plugin_pythonpath`) on PYTHONPATH relative to `folder`, so that the
     command holds no path of the machine that wrote it and works wherever the run folder and checkout sit alike."""
     rel = [os.path.relpath(p, folder) for p in pythonpath]
-    return (f"PYTHONPATH={os.pathsep.join(rel)} " if rel else "") + f"python {script}"
+    return shell_command(["python", script], {"PYTHONPATH": os.pathsep.join(rel)} if rel else None)
 
 
 @lru_cache(maxsize=1)
 def _env() -> jinja2.Environment:
-    return jinja2.Environment(
+    env = jinja2.Environment(
         loader=jinja2.PackageLoader("ci_runner", "templates"),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         trim_blocks=True,
         lstrip_blocks=True,
-        autoescape=False,  # Python source, not HTML: values go in through |pyrepr only
+        autoescape=False,  # Python source, not HTML: values go in through the `quoting` filters only
     )
-
-
-def pyrepr(value: Any) -> str:
-    """A Python literal for `value` (strings, numbers, lists, dicts, None, bools)."""
-    return repr(value)
-
-
-def comment(text: Any) -> str:
-    """Make arbitrary text safe inside `#` comments."""
-    return re.sub(r"[\r\n]+", " ", str(text))
+    env.filters.update(TEMPLATE_FILTERS)  # pyrepr, comment, dotted, shq
+    return env
 
 
 def plain_source(fn: Callable[..., Any]) -> str:
@@ -77,10 +70,7 @@ FAILURE_SOURCE = "\n\n".join(plain_source(fn) for fn in REPRO_FUNCTIONS)
 
 
 def render_template(name: str, **context: Any) -> str:
-    env = _env()
-    env.filters.setdefault("pyrepr", pyrepr)
-    env.filters.setdefault("comment", comment)
-    return env.get_template(name).render(failure_source=FAILURE_SOURCE, **context)
+    return _env().get_template(name).render(failure_source=FAILURE_SOURCE, **context)
 
 
 def write_script(path: Path, text: str) -> Path:

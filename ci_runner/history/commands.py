@@ -78,7 +78,7 @@ def cmd_history_add(args: argparse.Namespace) -> int:
         meta = RunMeta(**{**meta.to_dict(), "trigger": args.trigger})
     if args.commit:
         meta = RunMeta(**{**meta.to_dict(), "commit": args.commit})
-    path, new = add_run(Path(args.store), results, meta)
+    path, new = add_run(Path(args.store), results, meta, source=str(args.results))
     print(f"history: {'added' if new else 'already holds'} run {meta.run_id} ({meta.date}) → {args.store}"
           f" ({size_on_disk(Path(args.store)) / 1e6:.2f} MB)")
     return 0

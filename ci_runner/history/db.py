@@ -360,9 +360,14 @@ def fold(conn: sqlite3.Connection, records: Iterable[tuple[Path, Mapping[str, An
     added: list[str] = []
     conn.execute("BEGIN IMMEDIATE")
     try:
-        for _, rec in records:
-            if insert_record(conn, rec):
-                added.append(rec["run"]["run_id"])
+        for path, rec in records:
+            try:
+                if insert_record(conn, rec):
+                    added.append(rec["run"]["run_id"])
+            except sqlite3.IntegrityError as exc:  # e.g. a cell twice in one run: refused whole, nothing kept
+                raise InputError(f"{path}: history record cannot be added ({exc})",
+                                 hint="the run holds a cell twice; remove that record from the history's runs/ "
+                                      "folder and add the run again from a results.json without duplicates") from None
         conn.execute("COMMIT")
     except BaseException:
         conn.execute("ROLLBACK")

@@ -22,11 +22,13 @@ import hashlib
 import json
 import math
 import re
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import InputError, NewerFileError, UsageError
+from ..jsontext import parse_json
 from ..fsutil import atomic_write_bytes
 from ..registry import layer_table_modes
 from ..results.model import CellResult, Results, clean, encode_number
@@ -183,12 +185,13 @@ def write_record(record: Mapping[str, Any], runs_dir: Path) -> Path:
 def read_record(path: Path) -> dict[str, Any]:
     """Read and check one record file: `InputError` (exit 3) when corrupt, foreign or from a newer version."""
     try:
-        data = json.loads(gzip.decompress(Path(path).read_bytes()).decode("utf-8"))
+        raw = gzip.decompress(Path(path).read_bytes())
     except FileNotFoundError:
         raise InputError(f"{path}: history record not found") from None
-    except (OSError, EOFError, ValueError) as exc:
+    except (OSError, EOFError, ValueError, zlib.error) as exc:
         raise InputError(f"{path}: not a readable history record ({type(exc).__name__}: {exc})",
                          hint="remove the file from the history's runs/ folder, or restore it from the branch") from None
+    data = parse_json(raw, source=str(path), what="history record")
     if not isinstance(data, dict) or data.get("kind") != RECORD_KIND:
         raise InputError(f"{path}: not a deepview-ci history record (no \"kind\": \"{RECORD_KIND}\")",
                          hint="only `deepview-ci history add` writes into the history's runs/ folder")

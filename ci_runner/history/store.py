@@ -253,8 +253,20 @@ def drop_earlier_attempts(store: Path, run_id: str) -> list[Path]:
     return gone
 
 
-def add_run(store: Path, results: Results, meta: RunMeta) -> tuple[Path, bool]:
-    """Add one run: its record file, then a fold. Returns the record's path and whether the run was new."""
+def check_cells(results: Results, source: str) -> None:
+    """`InputError` naming `source` when the results hold a cell id twice (a history keeps one row per cell and run)."""
+    seen: set[str] = set()
+    for c in results.cells:
+        if c.id in seen:
+            raise InputError(f"{source}: cell {c.id!r} appears twice in the results",
+                             hint="aggregate the run again (each cell once), then add it; nothing was written")
+        seen.add(c.id)
+
+
+def add_run(store: Path, results: Results, meta: RunMeta, *, source: str = "results") -> tuple[Path, bool]:
+    """Add one run: its record file, then a fold. Returns the record's path and whether the run was new.
+    Results that hold a cell twice are refused before anything is written (`check_cells`)."""
+    check_cells(results, source)
     store = check_store(store)
     store.mkdir(parents=True, exist_ok=True)
     conn = db.open_for_write(store / DB_NAME)  # refuses a foreign or newer database before anything is written

@@ -65,6 +65,7 @@ from ..config import choices_hint, raw_entry
 from ..engine.envinfo import cell_stamp
 from ..backends import resolve_backend
 from ..errors import ConfigError, InputError, UsageError
+from ..jsontext import parse_json
 from ..fsutil import atomic_write_json
 from ..engine.models import build_inputs, load_model, model_fingerprint
 from ..engine.tree import map_tensors
@@ -447,17 +448,13 @@ def load_dump(path: str | Path) -> Dump:
     if not folder.is_dir():
         raise InputError(f"{folder}: not a folder", hint="give the folder `deepview-ci dump --out` wrote")
     try:
-        text = manifest_path.read_text(encoding="utf-8")
+        raw = manifest_path.read_bytes()
     except FileNotFoundError:
         raise InputError(f"{manifest_path}: missing: {folder} is not a deepview-ci dump, or the dump did not finish "
                          f"(the manifest is written last)", hint="run `deepview-ci dump … --out DIR` again") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"{manifest_path}: cannot read: {exc}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InputError(f"{manifest_path}:{exc.lineno}:{exc.colno}: corrupt manifest ({exc.msg})",
-                         hint="the dump is corrupt or truncated; dump it again") from None
+    except OSError as exc:
+        raise InputError(f"{manifest_path}: cannot read: {exc.strerror or exc}") from None
+    data = parse_json(raw, source=str(manifest_path), what="dump manifest")
     if not isinstance(data, dict) or data.get("format") != DUMP_FORMAT:
         raise InputError(f"{manifest_path}: not a deepview-ci dump manifest (format "
                          f"{data.get('format') if isinstance(data, dict) else type(data).__name__!r})",

@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import InputError
+from ..jsontext import parse_json
 from ..fsutil import atomic_write_json, locked
 from ..options import NUMERICS_VIEWS as VIEWS, ThresholdOptions
 
@@ -329,11 +330,12 @@ def add_views(table: ThresholdTable, views: Sequence[str], derive: Callable[[], 
 def load_table(path: Path, options: ThresholdOptions | None = None) -> ThresholdTable:
     """Read a thresholds file whatever its key (for offline comparison); `InputError` when it cannot be read."""
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        raw = Path(path).read_bytes()
     except FileNotFoundError:
         raise InputError(f"{path}: thresholds file not found", hint="run the numerics mode once to derive it") from None
-    except (OSError, json.JSONDecodeError) as exc:
+    except OSError as exc:
         raise InputError(f"{path}: cannot read thresholds file: {exc}", hint="delete it; it is re-derived") from None
+    data = parse_json(raw, source=str(path), what="thresholds file")
     if not isinstance(data, dict) or data.get("schema_version") not in READABLE_SCHEMA_VERSIONS:
         raise InputError(f"{path}: thresholds schema_version is not one of {READABLE_SCHEMA_VERSIONS}",
                          hint="re-derive it with this version of deepview-ci")

@@ -18,6 +18,7 @@ from typing import Any
 
 import jinja2
 
+from ..fsutil import utf8_text
 from ..log import STEP_SUMMARY_LIMIT
 from ..registry import mode_hooks
 from ..results.model import Results
@@ -82,6 +83,7 @@ def truncate_markdown(text: str, limit: int, *, pointer: str = DEFAULT_POINTER, 
 
     `cut_already` (the full size in bytes) says the text is already a cut prefix: it then gets the
     closing tags and the note even when it fits."""
+    text = utf8_text(text)
     data = text.encode("utf-8")
     if len(data) <= limit and cut_already is None:
         return text
@@ -171,4 +173,4 @@ def render_summary(
     # Illegal characters (NUL, C0 controls, lone surrogates) become visible escapes in one pass;
     # the escapes are ASCII, so this after rendering equals escaping every value before.
     text = re.sub(r"\n{3,}", "\n\n", xml_safe("".join(chunks)))
-    return truncate_markdown(text, limit, pointer=pointer, cut_already=len(text.encode("utf-8")) if stopped else None)
+    return truncate_markdown(text, limit, pointer=pointer, cut_already=len(utf8_text(text).encode("utf-8")) if stopped else None)

@@ -22,7 +22,8 @@ import fastjsonschema
 import jsonschema
 
 from ..errors import InputError
-from ..fsutil import atomic_write_json, atomic_write_text
+from ..fsutil import atomic_write_json, atomic_write_text, utf8_text
+from ..jsontext import parse_json
 from ..registry import apply_to_schema, kind_names, mode_names
 
 SCHEMA_VERSION = 1
@@ -54,7 +55,7 @@ STATUS_SEVERITY: dict[str, int] = {
 def fingerprint(kind: str, backend: str, *key: str) -> str:
     """Stable id of a finding: kind, backend and a semantic key; never paths, times or addresses."""
     text = "\x1f".join((kind, backend, *key))
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:20]
+    return hashlib.sha256(utf8_text(text).encode("utf-8")).hexdigest()[:20]
 
 
 def encode_number(value: float | int | None) -> float | int | str | None:
@@ -82,18 +83,22 @@ def clean(obj: Any) -> Any:
 
     Concrete type checks come first: a big run calls this on every finding."""
     t = type(obj)
-    if t is str or t is int or t is bool or obj is None:
+    if t is str:
+        return obj if obj.isascii() else utf8_text(obj)  # a lone surrogate from a compiler: U+FFFD
+    if t is int or t is bool or obj is None:
         return obj
     if t is float:
         return encode_number(obj)
     if t is dict:
-        return {str(k): clean(v) for k, v in obj.items()}
+        return {utf8_text(str(k)): clean(v) for k, v in obj.items()}
     if t is list or t is tuple:
         return [clean(v) for v in obj]
     if isinstance(obj, float):
         return encode_number(obj)
+    if isinstance(obj, str):
+        return utf8_text(str.__str__(obj))  # an enum's value, as json writes it
     if isinstance(obj, Mapping):
-        return {str(k): clean(v) for k, v in obj.items()}
+        return {utf8_text(str(k)): clean(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [clean(v) for v in obj]
     return obj
@@ -344,20 +349,17 @@ def validate(obj: Any, schema_name: str, *, source: str) -> None:
 
 
 def read_json(path: str | Path, *, what: str) -> Any:
+    """A JSON file others may have written or cut short: any malformed content is one `InputError` (`jsontext`)."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        data = p.read_bytes()
     except FileNotFoundError:
         raise InputError(f"{p}: {what} not found", hint="check the path") from None
+    except IsADirectoryError:
+        raise InputError(f"{p}: is a folder, not a {what}", hint="give the path of the file") from None
     except OSError as exc:
         raise InputError(f"{p}: cannot read {what}: {exc.strerror}") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InputError(
-            f"{p}:{exc.lineno}:{exc.colno}: {what} is not valid JSON ({exc.msg})",
-            hint="the file is corrupt or truncated; rerun the step that produced it",
-        ) from None
+    return parse_json(data, source=str(p), what=what)
 
 
 def load_cell_result(path: str | Path) -> CellResult:

@@ -52,10 +52,28 @@ _RULES: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"(?<=[A-Za-z_])_\d+\b"), "_<N>"),
     (re.compile(r"\[\d+/\d+\]"), "[<N>/<N>]"),
     # MLIR diagnostics (IREE): the location, SSA value names and the op's function type vary with the module
-    (re.compile(r"[\w./-]+\.mlir:\d+:\d+:"), "<LOC>:"),
+    # (each rule linear in the text: a match starts where its token starts, so a long token is scanned once)
+    (re.compile(r"(?<![\w./-])[\w./-]+\.mlir:\d+:\d+:"), "<LOC>:"),
     (re.compile(r"%[A-Za-z_]*\d+\b"), "%<N>"),
-    (re.compile(r"(?<=}>) : \(.*?\) -> \S+"), " : <TYPES>"),
 )
+_TYPES_AT = re.compile(r"(?<=}>) : \(")  # `}> : (…) -> type`: the op's function type, up to the line's first `) -> type`
+_TYPES_END = re.compile(r"\) -> \S+")
+
+
+def _function_types(text: str) -> str:
+    """`(?<=}>) : \\(.*?\\) -> \\S+` replaced by `` : <TYPES>``, in one pass (the regex itself is quadratic on a line
+    of many `}> : (` with no end: each start scanned the rest of the line)."""
+    out: list[str] = []
+    for line in text.split("\n"):
+        start = 0
+        while (m := _TYPES_AT.search(line, start)) is not None:
+            end = _TYPES_END.search(line, m.end())
+            if end is None:
+                break  # no later start on this line can end either
+            out.append(line[start:m.start()] + " : <TYPES>")
+            start = end.end()
+        out.append(line[start:] + "\n")
+    return "".join(out)[:-1]
 
 
 _PATH_RE = re.compile(r"(?<![\w.])(?:[A-Za-z]:)?[\\/][^\s'\"()\[\],:]+")
@@ -71,13 +89,13 @@ def normalize_text(text: str) -> str:
     out = _PATH_RE.sub(_tmp_path, str(text))
     for pattern, repl in _RULES:
         out = pattern.sub(repl, out)
-    return out
+    return _function_types(out) if "}> : (" in out else out
 
 
 # ---------------------------------------------------------------------------- where it was raised
 
 _FRAME_RE = re.compile(r'File "([^"]+)", line (\d+),? in (\S+)')
-_CHAIN_RE = re.compile(r"\n\s*(?:The above exception was the direct cause of the following exception:"
+_CHAIN_RE = re.compile(r"(?<!\s)[^\S\n]*\n\s*+(?:The above exception was the direct cause of the following exception:"
                        r"|During handling of the above exception, another exception occurred:)\s*\n")
 # packages never named as "where it was raised": helpers that torch or a backend calls into
 _HELPERS = ("sympy", "numpy", "typing_extensions", "contextlib", "functools", "importlib", "threading", "copy",

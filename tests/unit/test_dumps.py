@@ -159,7 +159,7 @@ def test_missing_or_corrupt_manifest_is_an_input_error_naming_the_file(tmp_path:
     d = _dump(tmp_path, "d", model, inputs(0)["x"])
     text = (d / "manifest.json").read_text()
     (d / "manifest.json").write_text(text[: len(text) // 2])
-    with pytest.raises(InputError, match=r"manifest.json:\d+:\d+: corrupt manifest"):
+    with pytest.raises(InputError, match=r"manifest.json:\d+:\d+: dump manifest is not valid JSON"):
         load_dump(d)
     data = json.loads(text)
     del data["entries"][2]["shape"]

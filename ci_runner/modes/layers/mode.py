@@ -48,6 +48,7 @@ from .handoff import drop_handoff, save_target
 from .phases import run_phases
 from .parallel import run_tp
 from ...fsutil import atomic_write_text
+from ...quoting import shell_quote
 from ...engine.codec import TensorStore, Unstorable
 from ...engine.failure import first_line, tail, unwrap
 from ...engine.isolate import Attempt, IsolatedResult, file_tail, supervise
@@ -538,7 +539,7 @@ def _quiet_torch_logs() -> Iterator[None]:
 def _repro(rel: Path, rctx: Mapping[str, Any], ver: Any, notes: list[str]) -> Repro:
     note = "; ".join(notes + ([ver.note] if ver is not None else ["not verified (options.layers.verify: false)"]))
     return Repro(path=str(rel / "repro.py"), verified=bool(ver and ver.verified),
-                 command=f"cd {rel} && {rctx['run_it']}", note=note)
+                 command=f"cd {shell_quote(rel)} && {rctx['run_it']}", note=note)
 
 
 def _verify(ctx: "ModeContext", opts: LayersOptions, script: Path, o: ProbeOutcome) -> Any:
@@ -679,7 +680,7 @@ def _attach_culprit(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, n
         repro = write_repro(result, context=rctx, verify=verify)
         details["repro_seconds"] = round(time.monotonic() - t_repro, 3)
         repro["path"] = str(Path(repro["path"]).relative_to(ctx.cell_dir))
-        repro["command"] = f"cd {Path(repro['path']).parent} && {repro['command']}"
+        repro["command"] = f"cd {shell_quote(Path(repro['path']).parent)} && {repro['command']}"
         details["repro"] = repro
         previous_ops = ctx.previous.get("ops")
         if previous_ops is not None:

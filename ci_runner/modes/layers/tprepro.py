@@ -36,6 +36,7 @@ from ...engine.failure import first_line
 from ...engine.repro import key_text, plugin_modules, render_template, run_command, safe_filename, \
     template_backend, verify_script, write_script
 from ...fsutil import atomic_write_text
+from ...quoting import shell_quote
 from ...results.model import Finding, Repro
 from .search import encode_call
 from .tree import ROOT, label
@@ -194,7 +195,7 @@ def write_and_verify(f: Finding, info: Mapping[str, Any], *, spec: "BackendSpec"
         imports=[m for m in plugin_modules(spec) if m != "ci_runner"], plugin_modules=plugin_modules(spec),
         backend=template_backend(spec), compile_options=dict(spec.compile_options), timeout=timeout, run_it=run_it)
     script = write_script(rdir / "repro.py", text)
-    command = f"cd {rel} && {run_it}"
+    command = f"cd {shell_quote(rel)} && {run_it}"
     if not opts.verify:
         return Repro(path=str(rel / "repro.py"), verified=False, command=command,
                      note="not verified (options.layers.verify: false)")

@@ -22,6 +22,7 @@ from ...engine.tpprobe import PLAN_CALLS, write_repro
 from ...engine.parallel import RankRun
 from ...numerics.parallel import analyse, run_ranks
 from ...options import NumericsOptions
+from ...quoting import shell_command
 from ...workloads.parallel import ParallelSpec
 from ...registry import FindingKind
 from ...results.model import Finding, Repro, fingerprint
@@ -120,5 +121,5 @@ def collective_repro(ctx: "ModeContext", f: Finding, spec: BackendSpec) -> Repro
     path = write_repro(ctx.artifact_dir("numerics") / name, call, spec, status=f.kind, world=layout.tp,
                        error_type=f.error_type or "", message=f.message, model_id=ctx.cell.model.id,
                        layout=layout.label())
-    return Repro(path=str(path.relative_to(ctx.cell_dir)), verified=False, command=f"python numerics/{name}",
+    return Repro(path=str(path.relative_to(ctx.cell_dir)), verified=False, command=shell_command(["python", f"numerics/{name}"]),
                  note="not run here: the ops mode's TP hook verifies the repro of each collective it finds")

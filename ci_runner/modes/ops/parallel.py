@@ -28,6 +28,7 @@ from ...engine.parallel import RANK_TASKS, launch_ranks
 from ...engine.repro import safe_filename, verify_script
 from ...engine.tpprobe import write_repro
 from ...options import OpsOptions
+from ...quoting import shell_command
 from ...workloads.parallel import ParallelSpec
 from ...registry import FindingKind
 from ...results.model import Finding, Repro, fingerprint
@@ -120,7 +121,7 @@ def collective_finding(row: Mapping[str, Any], spec: BackendSpec, model_id: str,
     script = write_repro(folder / name, call, spec, status=kind, world=layout.tp, error_type=row.get("error_type") or "",
                          message=str(row.get("message")), model_id=model_id, layout=layout.label())
     rel = str(script.relative_to(cell_dir))
-    f.repro = Repro(path=rel, verified=False, command=f"python {rel}", note="not verified (options.ops.verify is false)")
+    f.repro = Repro(path=rel, verified=False, command=shell_command(["python", rel]), note="not verified (options.ops.verify is false)")
     if opts.verify:
         f.repro.verified, f.repro.note, tail = verify(script, row, spec, opts.verify_timeout)
         f.details["repro_output_tail"] = tail[-1500:]

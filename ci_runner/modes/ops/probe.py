@@ -42,6 +42,7 @@ from .outcome import CPU_FAILS_TOO, OpOutcome, OpStatus
 from ...engine.codec import decode_value, tensor_specs
 from .signature import resolve_callable
 from ...options import OpsOptions
+from ...quoting import dotted, pyrepr
 from ...engine.tree import map_tensors
 
 _CHILD_STARTUP_S = 60.0  # importing torch, the backend and Dynamo's first compile, on a loaded 2-core machine
@@ -64,9 +65,15 @@ def assemble(args: Any, kwargs: Any, tensors: Sequence[torch.Tensor], device: st
 def op_expression(op: str) -> str:
     """Source that evaluates to the op in a repro: `torch.ops.aten.softplus.default`, `torch.nn.functional.silu`."""
     parts = op.split(".")
-    if len(parts) == 3 and not op.startswith("torch."):
-        return f"torch.ops.{op}"
-    return op
+    source = f"torch.ops.{op}" if len(parts) == 3 and not op.startswith("torch.") else op
+    try:
+        return dotted(source)
+    except ValueError:  # a custom op with an odd name: looked up by name, never pasted in as code
+        head, *rest = source.split(".")
+        expr = head if head.isidentifier() else f"__import__({pyrepr(head)})"
+        for name in rest:
+            expr = f"getattr({expr}, {pyrepr(name)})"
+        return expr
 
 
 def float_dtype(args: Any, kwargs: Any) -> str:

@@ -1,0 +1,224 @@
+"""Every repro template rendered with hostile names and messages: the script still compiles, its syntax tree is the
+one a benign name gives (no value became code), and it stays one line per line; the quoting functions alone."""
+
+from __future__ import annotations
+
+import ast
+import copy
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ci_runner.engine.repro import render_template, run_command
+from ci_runner.quoting import comment, dotted, identifier, pyrepr, shell_command, shell_quote
+
+TEMPLATES = sorted(p.name for p in (Path(__file__).resolve().parents[2] / "ci_runner" / "templates").glob("*.py.j2")
+                   if not p.name.startswith("_"))
+
+PWN = 'x",getattr(__import__("os"),"system")("touch PWNED"),"'
+HOSTILE = [
+    PWN,
+    "x';import os;os.system('touch PWNED');'",
+    'a\\\nimport os\nos.system("touch PWNED")\n#',
+    "nul\x00byte", "lone \ud800 surrogate", "\udfff", "{{ 7*7 }}{% raw %}", '"""', "'''", "# -*- coding: latin-1 -*-",
+    "line\u2028import os\u2029sep", "cr\rimport os", "ff\x0cvt\x0b", "\x1b[31mred", "bidi \u202e txt", "back\\slash\\",
+    "{x}{{y}}", "\\N{BULLET}", "\t tab", "\x85nel", "é 漢字 🙂", "",
+]
+
+_BENIGN_BACKEND = {"kind": "registered", "name": "aot_eager", "module": None, "attr": None, "options": {},
+                   "compile_options": {}}
+_COMMON: dict[str, Any] = dict(
+    module="blk.attn", qualified_name="blk.attn", module_class="Attn", model_id="m", model_source="config:llama",
+    backend_id="b", stage="run", error_type="RuntimeError", message="boom", status="fail", torch_version="2.13",
+    versions={"acme": "1.0"}, env={"FLAG": "1"}, imports=["tests.fixtures"], device="cpu", simdev=False,
+    simdev_options={}, backend=_BENIGN_BACKEND, call={"args": [], "kwargs": {}}, plugin_modules=["tests.fixtures"],
+    run_it="python repro.py", compile_options={"dynamic": False},
+)
+_SOURCE = {"kind": "factory", "factory": "pkg.mod:build", "seed": 0, "overrides": {"width": 8}, "dtype": "float32"}
+# code the tool writes itself (op templates), and values that pick a template's branch: never replaced
+_CODE = {"op_expr", "setup", "tensor_lines", "make_tensor_source", "compare_source", "call_args", "positional_args",
+         "backend_expr", "failure_source", "tensor_names", "check", "kind", "imports", "dtype"}
+_CONTEXTS: dict[str, dict[str, Any]] = {
+    "repro_layer.py.j2": {},
+    "repro_layer_source.py.j2": {"source": _SOURCE},
+    "repro_culprit.py.j2": {"culprit_what": "aten.add", "layer": "blk", "level": "aten", "node_lines": ["add = x + y"]},
+    "repro_layer_tp.py.j2": {"layout": "tp2", "world": 2, "ranks": [0, 1], "plan": {"": "colwise"}, "source": _SOURCE,
+                             "factory_module": "pkg.mod", "timeout": 60.0},
+    "repro_collective.py.j2": {"op": "_c10d_functional.all_reduce.default", "namespace": "_c10d_functional",
+                               "op_name": "all_reduce", "overload": "default", "shape": [2, 3], "dtype": "float32",
+                               "call_args": ["sum"], "world": 2, "layout": "tp2", "script": "repro.py"},
+    "repro_compile.py.j2": {"check": "graph_break", "phase": "prefill", "source": "model.py:12", "limit": 8,
+                            "allowed": 1, "expect": "aten.add", "warmup": 1, "calls": [], "cache": None,
+                            "minimal": None,
+                            "model": {"kind": "factory", "module": "pkg.mod", "function": "build", "seed": 0,
+                                      "overrides": {}}},
+    "repro_phase.py.j2": {"phase": "decode", "failing": "decode", "calls": [], "cache": None,
+                          "config_class": "LlamaConfig", "model_class": "LlamaForCausalLM", "use_cache": True},
+    "repro_symbolic.py.j2": {"op": "torch.sym_max", "phase": "decode", "file_name": "python repro_sym.py"},
+    "repro_memory.py.j2": {"kind": "oom", "title": "out of memory", "model": "m", "phase": "prefill", "step": None,
+                           "setup": ["BACKEND = 'aot_eager'"], "backend_expr": "BACKEND", "command": "python repro.py",
+                           "capacity": 1000, "live_at_entry": 10, "ratio": 1.5},
+    "repro_op.py.j2": {"op": "aten.add.Tensor", "kind": "op_error", "calls": 1, "source": "model.py:3",
+                       "signature": "add(Tensor, Tensor)", "ir": "aten", "python_version": "3.12",
+                       "transformers_version": "5", "backend_versions": "-", "eager": False, "outputs": None,
+                       "positional_args": "t0, t1", "setup": ["BACKEND = 'aot_eager'"], "backend_expr": "BACKEND",
+                       "op_expr": "torch.ops.aten.add.Tensor", "seed": 0, "compare": True, "rtol": 1e-5,
+                       "atol": 1e-6, "make_tensor_source": "def make_tensor(*a):\n    return a",
+                       "compare_source": "def compare(a, b):\n    return True", "tensor_lines": ["t0 = 1", "t1 = 2"],
+                       "tensor_names": ["t0", "t1"], "call_args": "t0, t1", "command": "python repro.py",
+                       "crash": False, "dynamic_marks": [(0, 1)]},
+}
+
+
+def _context(name: str) -> dict[str, Any]:
+    return copy.deepcopy({**_COMMON, **_CONTEXTS[name]})
+
+
+_CODE_IN = {"repro_symbolic.py.j2": {"op"}}  # a `torch.sym_*` function called by name (refused below when odd)
+
+
+def _poison(value: Any, text: str, code: frozenset[str] = frozenset()) -> Any:
+    """`value` with every string in it (not the keys of a mapping, nor code) replaced by `text`."""
+    if isinstance(value, str):
+        return text
+    if isinstance(value, dict):
+        return {k: v if k in _CODE | code else _poison(v, text) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_poison(v, text) for v in value]
+    return value
+
+
+def _shape(src: str) -> list[str]:
+    """The script's syntax tree as node types, every constant alike (what a value may change)."""
+    return [type(n).__name__ for n in ast.walk(ast.parse(src)) if not isinstance(n, (ast.Constant,))]
+
+
+def test_every_repro_template_has_a_context() -> None:
+    assert set(TEMPLATES) == set(_CONTEXTS)
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_hostile_values_never_become_code(name: str) -> None:
+    benign = render_template(name, **_context(name))
+    compile(benign, name, "exec")
+    shape, lines = _shape(benign), len(benign.splitlines())
+    for text in HOSTILE:
+        ctx = _poison(_context(name), text, frozenset(_CODE_IN.get(name, ())))
+        src = render_template(name, **ctx)
+        src.encode("utf-8")  # writable: no lone surrogate left
+        assert "\x00" not in src
+        compile(src, name, "exec")
+        assert _shape(src) == shape, (name, text)
+        assert len(src.splitlines()) == lines, (name, text)  # no value broke a comment line (U+2028, CR, NEL…)
+        assert "coding:" not in "\n".join(src.splitlines()[:2]), (name, text)
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_hostile_env_names_stay_strings(name: str) -> None:
+    ctx = _context(name)
+    if "env" not in ctx:
+        return
+    ctx["env"] = {PWN: PWN}
+    benign = _context(name)
+    benign["env"] = {"A": "B"}
+    assert _shape(render_template(name, **ctx)) == _shape(render_template(name, **benign))
+
+
+@pytest.mark.parametrize("name, field", [("repro_op.py.j2", "imports"), ("repro_op.py.j2", "compile_options"),
+                                         ("repro_memory.py.j2", "compile_options"), ("repro_symbolic.py.j2", "op"),
+                                         ("repro_layer.py.j2", "imports"), ("repro_compile.py.j2", "imports")])
+def test_names_pasted_as_code_are_refused(name: str, field: str) -> None:
+    """A plugin module, compile option or symbolic function that is no Python name is refused, never written."""
+    ctx = _context(name)
+    ctx[field] = {"imports": [PWN], "compile_options": {PWN: 1}, "op": PWN}[field]
+    with pytest.raises(ValueError):
+        render_template(name, **ctx)
+
+
+def test_op_expression_of_an_odd_op_name_is_a_lookup() -> None:
+    from ci_runner.modes.ops.probe import op_expression
+
+    assert op_expression("aten.add.Tensor") == "torch.ops.aten.add.Tensor"
+    assert op_expression("torch.nn.functional.silu") == "torch.nn.functional.silu"
+    tree = ast.parse(op_expression(f"ns.{PWN}.default"), mode="eval")
+    assert {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} == {"getattr", "torch"}
+    assert {type(n).__name__ for n in ast.walk(tree)} <= {"Expression", "Call", "Name", "Load", "Constant"}
+
+
+@pytest.mark.parametrize("value", [None, True, 0, -3, 1.5, float("nan"), float("inf"), float("-inf"), "", PWN,
+                                   "\ud800", b"\x00'", [1, ("a",)], {"k": {"n": [None]}}, set(), {2, 1}, ()])
+def test_pyrepr_is_a_literal_of_the_value(value: Any) -> None:
+    back = eval(pyrepr(value), {"__builtins__": {"float": float, "set": set}})  # noqa: S307 (the literal's check)
+    if isinstance(value, float) and math.isnan(value):
+        assert math.isnan(back)
+    else:
+        assert back == value and type(back) is type(value)
+
+
+def test_pyrepr_refuses_what_has_no_literal() -> None:
+    with pytest.raises(TypeError):
+        pyrepr(object())
+
+
+def test_comment_is_one_printable_line() -> None:
+    for text in HOSTILE:
+        out = comment(text)
+        assert out.isprintable() or out == "", repr(out)
+        assert len(("# " + out).splitlines()) <= 1
+        out.encode("utf-8")
+    assert comment("plain text: a.b(c)") == "plain text: a.b(c)"
+
+
+def test_dotted_and_identifier() -> None:
+    assert dotted("pkg.mod_1") == "pkg.mod_1"
+    assert identifier("dynamic") == "dynamic"
+    for bad in ("", "a..b", "1a", "a.b;c", "import", "a b", PWN):
+        with pytest.raises(ValueError):
+            dotted(bad)
+    with pytest.raises(ValueError):
+        identifier("a.b")
+
+
+def test_printed_commands_are_shell_quoted(tmp_path: Path) -> None:
+    assert shell_command(["python", "repro.py"]) == "python repro.py"
+    assert shell_command(["python", "a b;rm -rf x.py"], {"PYTHONPATH": "../p q"}) == \
+        "PYTHONPATH='../p q' python 'a b;rm -rf x.py'"
+    assert shell_quote("$(touch PWNED)") == "'$(touch PWNED)'"
+    assert run_command("r $x.py", tmp_path, [str(tmp_path / "pl`x`")]) == "PYTHONPATH='pl`x`' python 'r $x.py'"
+
+
+@pytest.mark.slow
+def test_a_hostile_module_name_runs_nothing_end_to_end(tmp_path: Path) -> None:
+    """The issue's case: a submodule named to run `touch PWNED`, its layer repro run to its verdict."""
+    import torch
+
+    from ci_runner.config import BackendSpec
+    from ci_runner.engine.codec import TensorStore
+    from ci_runner.engine.repro import write_script
+    from ci_runner.modes.layers.mode import _plugin_modules, template_backend
+    from ci_runner.modes.layers.search import encode_call
+    from tests.fixtures.paths import ROOT
+    from tests.fixtures.plugin_layers_models import Attn
+
+    x = torch.randn(1, 2, 4, 8)
+    store = TensorStore()
+    call = encode_call((x,), {"scale": 0.5}, store)
+    store.save(tmp_path / "inputs.safetensors")
+    ep = torch.export.export(Attn(8).eval(), (x,), {"scale": 0.5}, strict=False)
+    torch.export.save(ep, str(tmp_path / "module.pt2"))
+    spec = BackendSpec(id="b", compile="tests.fixtures.plugin_layers_fault:raise_backend")
+    ctx = {**_COMMON, "module": PWN, "message": PWN, "model_id": PWN, "backend": template_backend(spec), "call": call,
+           "imports": list(spec.imports), "plugin_modules": _plugin_modules(spec), "env": {}, "compile_options": {}}
+    write_script(tmp_path / "repro.py", render_template("repro_layer.py.j2", **ctx))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run([sys.executable, "repro.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"REPRO FAILED: {PWN}: RuntimeError" in proc.stderr
+    assert not (tmp_path / "PWNED").exists()
