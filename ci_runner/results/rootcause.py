@@ -192,10 +192,13 @@ def _error_text(f: Finding) -> str:
     return str(f.details.get("message_full") or f.details.get("error_message") or f.message or "")
 
 
-def _without_type(text: str, error_type: str) -> str:
+def without_type(text: str, error_type: str | None) -> str:
     """`text` without a leading ``Type: `` (ops messages carry it, layers messages do not): one cause, one key."""
     text = text.lstrip()
-    return text[len(error_type) + 2:] if text.startswith(f"{error_type}: ") else text
+    return text[len(error_type) + 2:] if error_type and text.startswith(f"{error_type}: ") else text
+
+
+_without_type = without_type
 
 
 def _traceback_text(f: Finding) -> str:

@@ -241,14 +241,14 @@ def _repro(ctx: "ModeContext", opts: LayersOptions, loaded: Any, phase: Phase, r
         config_class=type(loaded.config).__name__, calls=calls, cache=cache, use_cache=phase.name in ("prefill", "decode"),
         simdev=spec.device.split(":")[0] == "simdev")
     script = write_script(rdir / "repro.py", text)
-    first = (failed.error or "").splitlines()[0]
-    key = re.sub(r"\s+", " ", first.split(":", 1)[-1]).strip()[:60]
     rel = script.relative_to(ctx.cell_dir).as_posix()
     if not opts.verify:
         return Repro(path=rel, verified=False, command=command, note="not verified (layers.verify: false)")
     env = {str(k): str(v) for k, v in spec.env.items()}
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(pythonpath)
-    ver = verify_script(script, expect_text=[failed.label] + ([key] if len(key) >= 8 else []),
+    # the same call failing with the same error type and cause line (past a backend's boilerplate line)
+    ver = verify_script(script, expect_text=[failed.label], expect_error_type=failed.error_type or None,
+                        expect_message=failed.error or None,
                         timeout=max(30.0, min(opts.verify_timeout, ctx.remaining() / 2)), env=env)
     return Repro(path=rel, verified=ver.verified, command=command, note=ver.note)
