@@ -22,12 +22,12 @@ from typing import Any, Callable, Mapping, Sequence
 
 import jinja2
 
-from ..backends import backend_recipe, is_self_test
+from ..backends import backend_recipe, boilerplate_lines, is_self_test
 from .failure import REPRO_FUNCTIONS, first_line
 from ..fsutil import atomic_write_text
 from ..quoting import TEMPLATE_FILTERS, comment, pyrepr, shell_command  # noqa: F401  (pyrepr, comment: re-exported)
 from .isolate import isolated_env, run_process
-from ..results.rootcause import normalize_text
+from ..results.rootcause import cause_line, normalize_text, without_type
 
 
 def run_command(script: str, folder: Path, pythonpath: Sequence[str] = ()) -> str:
@@ -87,17 +87,66 @@ class Verification:
     note: str
 
 
+# What every rendered repro prints as its first statement (the templates' first line after the header): a run
+# whose output lacks it never reached the script's own code (it failed to compile, e.g. a SyntaxError that echoes
+# the header comment holding the finding's error text), so nothing it printed can verify the finding.
+START_MARKER = "REPRO STARTED"
+
+
+def _did_not_start(script: Path, out: str) -> str | None:
+    """Why the run of `script` (output `out`) does not count as the script having run, or None when it did: the
+    script must compile, and one that prints the start marker must have printed it."""
+    try:
+        source = script.read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        return f"the repro could not be read ({exc})"
+    try:
+        compile(source, str(script), "exec")
+    except (SyntaxError, ValueError) as exc:  # ValueError: a NUL byte in the source
+        return f"the repro did not run: it does not compile ({type(exc).__name__}: {first_line(str(exc), 200)})"
+    if f"print({START_MARKER!r}" in source.replace('"', "'") and START_MARKER not in out:
+        return f"the repro did not run: it failed before its first line ({first_line(_last_line(out), 200) or 'no output'})"
+    return None
+
+
+def _last_line(text: str) -> str:
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
+def expected_cause(message: str, error_type: str | None = None) -> str:
+    """The cause line a repro's output must show for `message`: its first line past a backend's boilerplate
+    (`rootcause.cause_line`, the line root causes are keyed on), normalised (`rootcause.normalize_text`)."""
+    return normalize_text(cause_line(without_type(message, error_type), boilerplate_lines(), 120)).strip()
+
+
+def _is_boilerplate(text: str) -> bool:
+    norm = normalize_text(text).strip().rstrip(".")
+    return bool(norm) and any(normalize_text(b).strip().rstrip(".").startswith(norm) for b in boilerplate_lines())
+
+
 def verify_script(script: Path, *, expect_text: Sequence[str], expect_error_type: str | None = None,
                   timeout: float = 60.0, env: Mapping[str, str] | None = None,
-                  expect_signal: bool = False, python: str | None = None) -> Verification:
-    """Run `script` alone; verified when it fails and its output names the same error type and text
-    (both sides normalised by `rootcause.normalize_text`: `s96` and `s47` match).
+                  expect_signal: bool = False, python: str | None = None, expect_hang: bool | None = None,
+                  expect_message: str | None = None) -> Verification:
+    """Run `script` alone; verified only when it demonstrably ran and fails the same way as the finding.
 
-    With `expect_signal`, a death by signal (abort, segfault) also counts as reproducing the failure.
-    The child gets a clean PYTHONPATH-free environment plus `env`, so it cannot lean on the caller's imports
-    beyond the installed packages (and the backend plugin's folder, which `env` may add). `python` runs it with
-    another interpreter (default: this one), e.g. the one `bisect-commits` installs each commit into.
+    * It ran: the script compiles, and one that prints `START_MARKER` (every template's first statement) printed it.
+    * A crash or error finding: it exits non-zero, its output names the same error type (as a word) and holds every
+      `expect_text` and the finding's cause line (`expect_message` keyed past a backend's boilerplate line by
+      `rootcause.cause_line`, as root causes are); both sides normalised by `rootcause.normalize_text` (`s96` and
+      `s47` match). A text that is only a backend's boilerplate line (IREE's "JIT compilation failed") is no
+      evidence: it is dropped, and an expectation left with no evidence at all verifies nothing.
+    * `expect_signal`: a death by signal (abort, segfault) reproduces a hard fault; `expect_hang` (default:
+      `expect_signal`, as before the two were told apart): still running at `timeout` reproduces a hang. A hard
+      fault's repro that exits on its own, with or without an error, does not reproduce it.
+
+    Anything else leaves it unverified, and the note says what the repro did. The child gets a clean
+    PYTHONPATH-free environment plus `env`, so it cannot lean on the caller's imports beyond the installed packages
+    (and the backend plugin's folder, which `env` may add). `python` runs it with another interpreter (default: this
+    one), e.g. the one `bisect-commits` installs each commit into.
     """
+    hang_ok = expect_signal if expect_hang is None else expect_hang
     script_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
     script_env.update(env or {})
     # warm (the opt-in `WARM_ENV`): forked from the server this process's children use, torch already imported;
@@ -110,27 +159,54 @@ def verify_script(script: Path, *, expect_text: Sequence[str], expect_error_type
                           env=script_env, cwd=script.parent, foreign=True, warm_as=warm)  # foreign: it dies with the worker
         out = (out_path.read_bytes() + err_path.read_bytes()).decode("utf-8", "replace")
     tail = out[-4000:]
+    hard = hang_ok or expect_signal
+    not_started = _did_not_start(script, out)
+    if not_started:
+        return Verification(verified=False, exit_code=None if end.timed_out else end.returncode, output_tail=tail,
+                            note=not_started)
     if end.timed_out:
-        return Verification(verified=expect_signal, exit_code=None, output_tail=tail,
-                            note=f"timed out after {timeout:g}s" + (" (hang reproduced)" if expect_signal else ""))
+        return Verification(verified=hang_ok, exit_code=None, output_tail=tail,
+                            note=f"timed out after {timeout:g}s" + (" (hang reproduced: still stuck past the limit)"
+                                                                    if hang_ok else ": it hung instead of failing"))
     if end.returncode == 0:
-        return Verification(verified=False, exit_code=0, output_tail=tail, note="the repro passed: the failure did not reproduce")
+        return Verification(verified=False, exit_code=0, output_tail=tail,
+                            note="the repro passed: the failure did not reproduce")
     if end.returncode is not None and end.returncode < 0:
         return Verification(verified=expect_signal, exit_code=end.returncode, output_tail=tail,
-                            note=f"killed by signal {-end.returncode}")
+                            note=f"killed by signal {-end.returncode}" + ("" if expect_signal else
+                                                                          ": it crashed instead of failing"))
+    ended = first_line(_last_line(out), 200) or "no output"
+    if hard and not expect_text and not expect_message:
+        what = "a hang" if hang_ok and not expect_signal else "a hard fault" if expect_signal and not hang_ok else \
+            "a hang or hard fault"
+        return Verification(verified=False, exit_code=end.returncode, output_tail=tail,
+                            note=f"failed differently: exit code {end.returncode} instead of {what} ({ended})")
     norm_out = normalize_text(out)
-    missing = [t for t in expect_text if normalize_text(t) not in norm_out]
-    if expect_error_type and expect_error_type not in out:
+    texts = [t for t in expect_text if t and not _is_boilerplate(t)]
+    dropped = len([t for t in expect_text if t]) - len(texts)
+    cause = expected_cause(expect_message, expect_error_type) if expect_message else ""
+    if cause and _is_boilerplate(cause):
+        cause = ""
+    missing = [t for t in texts if normalize_text(t) not in norm_out]
+    if cause and cause not in norm_out:
+        missing.append(cause[:160])
+    if expect_error_type and not re.search(rf"(?<![\w.]){re.escape(expect_error_type)}\b", out):
         missing.append(expect_error_type)
     if missing:
         return Verification(verified=False, exit_code=end.returncode, output_tail=tail,
-                            note=f"failed differently: output lacks {', '.join(repr(m) for m in missing)}")
+                            note=f"failed differently: output lacks {', '.join(repr(m) for m in missing)} "
+                                 f"(it ended: {ended})")
+    if not texts and not cause and dropped:
+        return Verification(verified=False, exit_code=end.returncode, output_tail=tail,
+                            note=f"not the same failure shown: the only shared text is a backend's boilerplate line "
+                                 f"(it ended: {ended})")
     return Verification(verified=True, exit_code=end.returncode, output_tail=tail, note="reproduces the same failure")
 
 
 def key_text(message: str) -> list[str]:
-    """A stable piece of the error text for verification (first line, before node names or numbers vary)."""
-    line = first_line(message, 120)
+    """A stable piece of the error text for verification (its cause line past a backend's boilerplate, before node
+    names or numbers vary)."""
+    line = cause_line(message, boilerplate_lines(), 120)  # past a backend's boilerplate line, as root causes key it
     for cut in (" in node ", " at 0x", "\n"):
         if cut in line:
             line = line.split(cut, 1)[0]

@@ -42,6 +42,7 @@ class WatchedRun:
     events: list[Event] = field(default_factory=list)
     record: CompileRecord | None = None
     facts: dict[str, Any] = field(default_factory=dict)  # the backend's own fallbacks (`FallbackWatch.facts`)
+    fallback_reason: str | None = None  # why its work ran elsewhere, in the backend's words (`FallbackWatch.reason`)
     counters: dict[str, dict[str, int]] = field(default_factory=dict)
     seen: set[str] = field(default_factory=set)  # the kinds of structured-trace record this torch gave
     error: str | None = None
@@ -79,6 +80,7 @@ class PhaseWatch:
         self.run.events = list(self.trace.events)
         self.run.seen = set(self.trace.seen)
         self.run.facts = self._watch.facts() if self._watch is not None else {}
+        self.run.fallback_reason = self._watch.reason() if self._watch is not None else None
         self.run.counters = self._counters.delta() if self._counters is not None else {}
 
     def before(self, call: Call) -> None:

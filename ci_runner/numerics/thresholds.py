@@ -61,6 +61,7 @@ from ..errors import InputError
 from ..jsontext import parse_json
 from ..fsutil import atomic_write_json, locked
 from ..options import NUMERICS_VIEWS as VIEWS, ThresholdOptions
+from ..results.model import clean, number
 
 SCHEMA_VERSION = 2
 READABLE_SCHEMA_VERSIONS = (1, 2)  # 1: no `views` (the views present in its statistics)
@@ -69,7 +70,8 @@ METHOD_VERSION = 1  # bump when the derivation (what is measured, how) changes: 
 
 
 def percentile(values: list[float], p: float) -> float:
-    """Linear-interpolation percentile (numpy's default method) of finite values; NaN/inf propagate as inf."""
+    """Linear-interpolation percentile (numpy's default method) of finite values; NaN/inf propagate as inf
+    (`threshold_from_stats` passes the finite samples only: `finite_samples`)."""
     if not values:
         return 0.0
     if any(not math.isfinite(v) for v in values):
@@ -104,22 +106,37 @@ class LayerStats:
         v["ref_absmean"].append(float(metrics.get("ref_absmean", 0.0)))
 
 
+def finite_samples(values: list[float]) -> list[float]:
+    return [v for v in values if math.isfinite(v)]
+
+
 def threshold_from_stats(stats: Mapping[str, list[float]], opts: ThresholdOptions, primary_dtype: str,
                          policy: Mapping[str, list[float]] | None = None) -> dict[str, float]:
     """{"rel", "cos", "mad"} for one layer and view: margin × percentile, with floors; with `policy` (the
-    precision policy's emulated spread), at least `policy_margin` × its percentile (1 − cos: the margin squared)."""
+    precision policy's emulated spread), at least `policy_margin` × its percentile (1 − cos: the margin squared).
+
+    Non-finite reference spread (issue 45: GPT-OSS's attention sinks, where the two references disagree about which
+    values are finite) bounds nothing: the percentile is taken over the samples where the spread is finite (none:
+    the floors), and the threshold says in how many samples it was not (``ref_nonfinite``). The target is still
+    held to the primary reference, which a target that disagrees with it about finiteness exceeds (rel = inf)."""
     rel_floor, mad_floor, cos_floor = opts.floors(primary_dtype)
     p, m = opts.percentile, opts.margin
-    scale = percentile(sorted(stats.get("ref_absmean", [])), 50.0) if stats.get("ref_absmean") else 0.0
-    rel = max(rel_floor, m * percentile(stats.get("rel", []), p))
-    mad = max(mad_floor * scale, m * percentile(stats.get("mad", []), p))
-    one_minus_cos = max(cos_floor, m * m * percentile(stats.get("one_minus_cos", []), p))
+    absmean = finite_samples(stats.get("ref_absmean", []))
+    scale = percentile(sorted(absmean), 50.0) if absmean else 0.0
+    rel = max(rel_floor, m * percentile(finite_samples(stats.get("rel", [])), p))
+    mad = max(mad_floor * scale, m * percentile(finite_samples(stats.get("mad", [])), p))
+    one_minus_cos = max(cos_floor, m * m * percentile(finite_samples(stats.get("one_minus_cos", [])), p))
     if policy:
         q = opts.policy_margin
-        rel = max(rel, q * percentile(policy.get("rel", []), p))
-        mad = max(mad, q * percentile(policy.get("mad", []), p))
-        one_minus_cos = max(one_minus_cos, q * q * percentile(policy.get("one_minus_cos", []), p))
-    return {"rel": rel, "cos": 1.0 - min(2.0, one_minus_cos), "mad": mad}
+        rel = max(rel, q * percentile(finite_samples(policy.get("rel", [])), p))
+        mad = max(mad, q * percentile(finite_samples(policy.get("mad", [])), p))
+        one_minus_cos = max(one_minus_cos, q * q * percentile(finite_samples(policy.get("one_minus_cos", [])), p))
+    out = {"rel": rel, "cos": 1.0 - min(2.0, one_minus_cos), "mad": mad}
+    bad = sum(1 for i in range(max((len(v) for v in stats.values()), default=0))
+              if any(i < len(v) and not math.isfinite(v[i]) for k, v in stats.items() if k != "ref_absmean"))
+    if bad:
+        out["ref_nonfinite"] = bad  # samples whose reference-vs-reference spread was not finite
+    return out
 
 
 def exceeded(metrics: Mapping[str, Any], threshold: Mapping[str, Any]) -> list[str]:
@@ -180,6 +197,8 @@ class ThresholdTable:
         return {"rel": max(t["rel"] for t in thrs), "cos": min(t["cos"] for t in thrs), "mad": max(t["mad"] for t in thrs)}
 
     def to_json(self) -> dict[str, Any]:
+        """The file's content, strict JSON: a non-finite statistic is written as "inf", "-inf" or "nan"
+        (`results.model.clean`), which `from_json` reads back as the float (`number`)."""
         layers = {}
         for k, layer in self.layers.items():
             layers[k] = {
@@ -199,15 +218,15 @@ class ThresholdTable:
             "derive_seconds": self.derive_seconds,
             "views": list(self.views),
             "options": self.options.as_dict(),  # what the stored "thresholds" were computed with (informative)
-            "layers": layers,
+            "layers": clean(layers),
         }
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any], options: ThresholdOptions, *, path: Path | None = None) -> "ThresholdTable":
         layers = {}
         for k, entry in (data.get("layers") or {}).items():
-            views = {v: {m: [float(x) for x in vals] for m, vals in s.items()} for v, s in entry["stats"].items()}
-            policy = {v: {m: [float(x) for x in vals] for m, vals in s.items()}
+            views = {v: {m: [_read_number(x) for x in vals] for m, vals in s.items()} for v, s in entry["stats"].items()}
+            policy = {v: {m: [_read_number(x) for x in vals] for m, vals in s.items()}
                       for v, s in (entry.get("policy_stats") or {}).items()}
             layers[k] = LayerStats(module_class=entry.get("module_class", ""), name=entry.get("name", k), views=views,
                                    policy=policy)
@@ -227,6 +246,12 @@ class ThresholdTable:
             own.policy.update({v: s for v, s in extra.policy.items() if v in views})
         self.views = tuple(v for v in VIEWS if v in self.views or v in views)
         self._cache.clear()
+
+
+def _read_number(x: Any) -> float:
+    """A stored statistic: a number, or "inf"/"-inf"/"nan" as `to_json` writes a non-finite one (None: nan)."""
+    value = number(x)
+    return math.nan if value is None else value
 
 
 # ------------------------------------------------------------------------------------------------ key and file

@@ -210,10 +210,13 @@ def _error_text(f: Finding) -> str:
     return str(f.details.get("message_full") or f.details.get("error_message") or f.message or "")
 
 
-def _without_type(text: str, error_type: str) -> str:
+def without_type(text: str, error_type: str | None) -> str:
     """`text` without a leading ``Type: `` (ops messages carry it, layers messages do not): one cause, one key."""
     text = text.lstrip()
-    return text[len(error_type) + 2:] if text.startswith(f"{error_type}: ") else text
+    return text[len(error_type) + 2:] if error_type and text.startswith(f"{error_type}: ") else text
+
+
+_without_type = without_type
 
 
 def _traceback_text(f: Finding) -> str:
@@ -256,12 +259,18 @@ def error_signature(error_type: str, message: str, traceback_text: str = "", *,
 
 def signature(f: Finding, *, boilerplate: Collection[str] = ()) -> Signature:
     """The finding's normalised error signature. Findings without an error (numerical ones) are keyed by kind
-    and by what they are about (op or module class): each such group is its own cause."""
+    and by what they are about (op or module class), and by the backend's own words for it where the finding
+    keeps them (`details.cause`: two run-time fallbacks with different errors are two causes): each such group
+    is its own cause. The phase a finding was found in is never part of the key: one error failing the forward,
+    prefill, decode and long is one cause."""
     if f.error_type:
         return error_signature(f.error_type, _without_type(_error_text(f), f.error_type), _traceback_text(f),
                                boilerplate=boilerplate)
     etype = f.kind
     msg = f"{f.kind} in {f.op or f.module_class or f.module or '?'}"
+    cause = f.details.get("cause")  # the backend's own words, where it gave some (a run-time fallback's error)
+    if isinstance(cause, str) and cause.strip():
+        msg += ": " + normalize_text(cause_line(cause, boilerplate, 1000))[:240]
     digest = hashlib.sha256("\x1f".join((etype, msg, "")).encode("utf-8", "surrogatepass")).hexdigest()[:12]
     return Signature(id=digest, error_type=etype, message=msg,
                      raised=RaisedIn(package="", role="unknown", frame="", backend_frame=""))
@@ -281,28 +290,51 @@ def _annotate_one(f: Finding, boilerplate: Collection[str]) -> Signature:
     return sig
 
 
+def joined(sigs: Iterable[Signature]) -> dict[str, Signature]:
+    """Signature id -> the signature of its group. An error whose raising frame is unknown (a finding that kept no
+    traceback) joins the one group with the same error type and cause line whose frame is known; with none, or
+    several (the same words raised in two packages), it stays its own group."""
+    sigs = list(sigs)
+    known: dict[tuple[str, str], dict[str, Signature]] = {}
+    for s in sigs:
+        if s.raised.package:
+            known.setdefault((s.error_type, s.message), {})[s.id] = s
+    out: dict[str, Signature] = {}
+    for s in sigs:
+        same = known.get((s.error_type, s.message), {})
+        out[s.id] = next(iter(same.values())) if not s.raised.package and len(same) == 1 else s
+    return out
+
+
 def root_causes(results: Results, *, boilerplate: Collection[str] = ()) -> list[dict[str, Any]]:
     """The distinct root causes of `results`, most findings first: ``[{signature, count, cells, raised_in,
-    role, frame, error_type, message, example}]``. Also annotates every finding (`annotate`)."""
+    role, frame, error_type, message, example}]``. Also annotates every finding (`annotate`) with its group's
+    signature. A cause is counted once across cells, modes and phases: the key is the error (past a backend's
+    boilerplate line, `cause_line`), never the words a mode or phase wraps it in (`joined` for findings that
+    kept no traceback)."""
+    found = [(cell, mode_name, f, signature(f, boilerplate=boilerplate))
+             for cell in results.cells for mode_name, mode in cell.modes.items() for f in mode.findings]
+    group_of = joined(s for *_, s in found)
     groups: dict[str, dict[str, Any]] = {}
-    for cell in results.cells:
-        for mode_name, mode in cell.modes.items():
-            for f in mode.findings:
-                sig = _annotate_one(f, boilerplate)
-                g = groups.get(sig.id)
-                if g is None:
-                    g = groups[sig.id] = {
-                        "signature": sig.id, "count": 0, "cells": [], "raised_in": sig.raised.words(),
-                        "role": sig.raised.role, "frame": sig.raised.frame, "error_type": sig.error_type,
-                        "message": sig.message, "kinds": [],
-                        "example": {"cell": cell.id, "mode": mode_name, "kind": f.kind, "module": f.module,
-                                    "op": f.op, "message": first_line(f.message, 300)},
-                    }
-                g["count"] += 1
-                if cell.id not in g["cells"]:
-                    g["cells"].append(cell.id)
-                if f.kind not in g["kinds"]:
-                    g["kinds"].append(f.kind)
+    for cell, mode_name, f, own in found:
+        sig = group_of[own.id]
+        f.details["signature"] = sig.id
+        if own.raised.package and "raised_in" not in f.details:
+            f.details["raised_in"] = own.raised.words()
+        g = groups.get(sig.id)
+        if g is None:
+            g = groups[sig.id] = {
+                "signature": sig.id, "count": 0, "cells": [], "raised_in": sig.raised.words(),
+                "role": sig.raised.role, "frame": sig.raised.frame, "error_type": sig.error_type,
+                "message": sig.message, "kinds": [],
+                "example": {"cell": cell.id, "mode": mode_name, "kind": f.kind, "module": f.module,
+                            "op": f.op, "message": first_line(f.message, 300)},
+            }
+        g["count"] += 1
+        if cell.id not in g["cells"]:
+            g["cells"].append(cell.id)
+        if f.kind not in g["kinds"]:
+            g["kinds"].append(f.kind)
     out = list(groups.values())
     out.sort(key=lambda g: (-len(g["cells"]), -g["count"], g["signature"]))
     return out

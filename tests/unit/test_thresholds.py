@@ -187,3 +187,36 @@ def test_load_table_errors(tmp_path: Path) -> None:
     bad.write_text(json.dumps({"schema_version": 99}))
     with pytest.raises(InputError, match="schema_version"):
         load_table(bad)
+
+
+def test_non_finite_reference_spread_is_stored_read_back_and_bounds_nothing(tmp_path: Path) -> None:
+    """Issue 45 (GPT-OSS): the isolated view's statistics held inf and adding them crashed the mode with
+    "Out of range float values are not JSON compliant: inf"; now they are stored as "inf"/"nan", read back as
+    floats, and the layer gets a threshold from its finite samples (none: the floors), saying how many were not."""
+    key = threshold_key(model_fingerprint=FP, inputs=INPUTS, references=REFS, samples=3)
+    path = threshold_path(tmp_path, "tiny", key)
+    sinks = LayerStats(module_class="GptOssAttention", name="l.0.attn")
+    for rel in (2e-6, math.inf, 4e-6):
+        sinks.add("cumulative", {"rel": rel, "cos": 1.0, "mad": rel, "ref_absmean": 1.0})
+    only_inf = LayerStats(module_class="GptOssAttention", name="l.1.attn")
+    only_inf.add("cumulative", {"rel": math.inf, "cos": math.nan, "mad": math.nan, "ref_absmean": math.inf})
+    table, _ = load_or_derive(path, key, ThresholdOptions(percentile=100, margin=8), "float32",
+                              lambda: {"a": _stats([1e-6]), "sinks": sinks, "inf": only_inf}, views=["cumulative"])
+    iso = {"sinks": LayerStats(module_class="GptOssAttention", name="l.0.attn")}
+    iso["sinks"].add("isolated", {"rel": math.inf, "cos": 0.5, "mad": math.inf, "ref_absmean": 2.0})
+    add_views(table, ["isolated"], lambda: iso)  # the crash of issue 45 was here
+    stored = json.loads(path.read_text())  # strict JSON: no bare Infinity/NaN
+    assert stored["layers"]["sinks"]["stats"]["cumulative"]["rel"][1] == "inf"
+    assert stored["layers"]["inf"]["stats"]["cumulative"]["mad"] == ["nan"]
+    back = load_table(path, ThresholdOptions(percentile=100, margin=8))
+    assert back.layers["sinks"].views["cumulative"]["rel"][1] == math.inf
+    assert math.isnan(back.layers["inf"].views["cumulative"]["mad"][0])
+    thr, source = back.get("sinks", "cumulative")
+    assert source == "derived" and thr["rel"] == pytest.approx(8 * 4e-6) and thr["ref_nonfinite"] == 1
+    assert all(math.isfinite(thr[k]) for k in ("rel", "cos", "mad"))
+    none_finite = back.get("inf", "cumulative")[0]
+    assert none_finite["rel"] == pytest.approx(64 * 2 ** -23) and none_finite["ref_nonfinite"] == 1
+    assert back.get("sinks", "isolated")[0]["ref_nonfinite"] == 1
+    # a verdict, not a crash: a target matching the primary reference passes, one off by inf is flagged
+    assert exceeded({"rel": 1e-6, "cos": 1.0, "mad": 1e-6}, thr) == []
+    assert exceeded({"rel": math.inf, "cos": 1.0, "mad": math.inf}, thr) == ["rel", "mad"]

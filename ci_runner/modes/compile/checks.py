@@ -45,6 +45,7 @@ class PhaseSignals:
     events: list[Event] = field(default_factory=list)
     record: CompileRecord | None = None
     facts: dict[str, Any] = field(default_factory=dict)
+    fallback_reason: str | None = None  # the backend's words for why work ran elsewhere (`WatchedRun`)
     counters: dict[str, dict[str, int]] = field(default_factory=dict)
     error: str | None = None
     failed_call: str | None = None
@@ -57,6 +58,7 @@ class PhaseSignals:
         self.calls, self.per_call, self.events, self.record = run.calls, run.per_call, run.events, run.record
         self.facts, self.counters, self.error, self.failed_call = run.facts, run.counters, run.error, run.failed_call
         self.seconds, self.by, self.seen = run.seconds, run.by, run.seen
+        self.fallback_reason = run.fallback_reason
 
     def unknown(self) -> dict[str, str]:
         """Figures this torch's structured trace did not give although Dynamo did the thing (its counters or its
@@ -206,7 +208,9 @@ def _fallbacks(backend: str, sig: PhaseSignals) -> list[Finding]:
     if sig.facts.get("perm_fallback"):
         out.append(Finding(kind="eager_fallback", stage="run", op="(partition)", phase=_phase(sig),
                            message=f"{sig.facts['perm_fallback']} partition(s) failed at run time and ran in PyTorch "
-                                   f"eager from then on", details=dict(sig.facts),
+                                   f"eager from then on",
+                           # `cause`: what tells two run-time fallbacks apart (root causes key on it)
+                           details={**sig.facts, **({"cause": sig.fallback_reason} if sig.fallback_reason else {})},
                            fingerprint=fingerprint("eager_fallback", backend, "(partition)")))
     return out
 

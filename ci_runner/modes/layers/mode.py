@@ -555,10 +555,11 @@ def _verify(ctx: "ModeContext", opts: LayersOptions, script: Path, o: ProbeOutco
     if o.status == "timeout":  # startup plus the probe's own limit: longer than that counts as the hang
         timeout = min(timeout, opts.probe_timeout + 30.0)
     timeout = max(5.0, min(timeout, ctx.remaining() - 5.0))
-    if hard:
-        return verify_script(script, expect_text=[], timeout=timeout, env=env, expect_signal=True)
+    if hard:  # a hang reproduces only as a hang (stuck past the limit), a hard fault only as death by signal
+        return verify_script(script, expect_text=[], timeout=timeout, env=env,
+                             expect_signal=o.status == "crashed", expect_hang=o.status == "timeout")
     return verify_script(script, expect_text=_key_text(o.message), expect_error_type=o.error_type,
-                         timeout=timeout, env=env)
+                         expect_message=o.message, timeout=timeout, env=env)
 
 
 def _save_tensors(tensors: Mapping[str, torch.Tensor], path: Path) -> None:

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 
 from ...backends.ran import CompileRecord
-from ...engine.failure import first_line
-from ...backends import plugin_pythonpath
+from ...engine.failure import first_line, raised_traceback
+from ...backends import boilerplate_lines, plugin_pythonpath
 from ...engine.repro import (plugin_modules, render_template, run_command, safe_filename, template_backend,
                                verify_script, write_script)
 from ...engine.watchedrun import PhaseWatch, wanted
@@ -38,6 +38,7 @@ from ...fsutil import atomic_write_text
 from ...options import LayersOptions
 from ...workloads.phases import Phase
 from ...results.model import Finding, Repro, fingerprint
+from ...results.rootcause import cause_line, without_type
 
 if TYPE_CHECKING:
     from .. import ModeContext
@@ -183,7 +184,11 @@ def _one_phase(ctx: "ModeContext", opts: LayersOptions, phase: Phase, layers_dir
         error_type=failed.error_type, phase=phase.name, step=failed.step,
         details={"call": failed.label, "culprit_ops": culprits, "dynamic_only": bool(dynamic_note and
                                                                                      dynamic_note.startswith("fails only")),
-                 "children_passed": children_passed, "passed_calls": passed_calls},
+                 "children_passed": children_passed, "passed_calls": passed_calls,
+                 # the error itself and where it was raised: root causes key on these, not on the phase's words
+                 # (one cause failing in prefill, decode and long is one cause, as the forward's finding is)
+                 "message_full": (failed.error or "")[:4000],
+                 **({"traceback_tail": raised_traceback(failed.exc)[-3000:]} if failed.exc is not None else {})},
         fingerprint=fingerprint("layer_failure", ctx.cell.backend.id, ctx.cell.model.id, phase.name, module))
     finding.repro = _repro(ctx, opts, loaded, phase, ref, failing, failed, layers_dir)
     data.update(status="fail", failed_call=failed.label, module=module or "(model)", culprit_ops=culprits,
@@ -235,20 +240,20 @@ def _repro(ctx: "ModeContext", opts: LayersOptions, loaded: Any, phase: Phase, r
     text = render_template(
         "repro_phase.py.j2", run_it=command, model_id=ctx.cell.model.id, model_source=ctx.cell.model.source, backend_id=spec.id,
         device=spec.device, phase=phase.label(), failing=failed.label, error_type=failed.error_type or "",
-        message=(failed.error or "").splitlines()[0][:200], torch_version=torch.__version__,
+        message=cause_line(without_type(failed.error or "", failed.error_type), boilerplate_lines(), 200), torch_version=torch.__version__,
         env={str(k): str(v) for k, v in spec.env.items()}, imports=list(spec.imports), backend=template_backend(spec),
         plugin_modules=plugin_modules(spec), model_class=cls.__name__,
         config_class=type(loaded.config).__name__, calls=calls, cache=cache, use_cache=phase.name in ("prefill", "decode"),
         simdev=spec.device.split(":")[0] == "simdev")
     script = write_script(rdir / "repro.py", text)
-    first = (failed.error or "").splitlines()[0]
-    key = re.sub(r"\s+", " ", first.split(":", 1)[-1]).strip()[:60]
     rel = script.relative_to(ctx.cell_dir).as_posix()
     if not opts.verify:
         return Repro(path=rel, verified=False, command=command, note="not verified (layers.verify: false)")
     env = {str(k): str(v) for k, v in spec.env.items()}
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(pythonpath)
-    ver = verify_script(script, expect_text=[failed.label] + ([key] if len(key) >= 8 else []),
+    # the same call failing with the same error type and cause line (past a backend's boilerplate line)
+    ver = verify_script(script, expect_text=[failed.label], expect_error_type=failed.error_type or None,
+                        expect_message=failed.error or None,
                         timeout=max(30.0, min(opts.verify_timeout, ctx.remaining() / 2)), env=env)
     return Repro(path=rel, verified=ver.verified, command=command, note=ver.note)

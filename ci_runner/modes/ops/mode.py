@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 
-from ...backends import BackendRecipe, backend_ran, backend_recipe
+from ...backends import BackendRecipe, backend_ran, backend_recipe, boilerplate_lines
 from ...config import BackendSpec
 from ...errors import DeepviewError
 from ...fsutil import atomic_write_json
@@ -56,6 +56,7 @@ from ...options import OpsOptions
 from ...registry import FindingKind, parse_options
 from ...engine.repro import plain_source, render_template, run_command, safe_filename, verify_script, write_script
 from ...results.model import Finding, ModeResult, Repro, fingerprint
+from ...results.rootcause import cause_line
 
 if TYPE_CHECKING:
     from .. import ModeContext
@@ -180,9 +181,8 @@ def _expectation(outcome: OpOutcome, op: str) -> dict[str, Any]:
     if outcome.named_text:
         text = [outcome.named_text]
     else:
-        first = outcome.message.strip().splitlines()
-        text = [_stable_prefix(first[0])[:80].strip()] if first else []
-        text = [t for t in text if t]
+        line = cause_line(outcome.message, boilerplate_lines())  # past a backend's boilerplate, as causes are keyed
+        text = [t for t in [_stable_prefix(line)[:80].strip()] if t]
     return {"expect_text": text, "expect_error_type": outcome.error_type, "expect_signal": False}
 
 

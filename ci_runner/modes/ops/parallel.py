@@ -23,9 +23,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from ...backends import backend_recipe
 from ...config import BackendSpec, spec_to_json
-from ...engine.failure import first_line
 from ...engine.parallel import RANK_TASKS, launch_ranks
-from ...engine.repro import safe_filename, verify_script
+from ...engine.repro import key_text, safe_filename, verify_script
 from ...engine.tpprobe import write_repro
 from ...options import OpsOptions
 from ...quoting import shell_command
@@ -136,7 +135,7 @@ def verify(script: Path, row: Mapping[str, Any], spec: Any, timeout: float) -> t
     if recipe.pythonpath:
         env["PYTHONPATH"] = ":".join(recipe.pythonpath)
     if row["status"] == "unsupported":
-        expect, error_type = [first_line(str(row.get("message") or ""), 120)], row.get("error_type")
+        expect, error_type = key_text(str(row.get("message") or "")), row.get("error_type")  # past boilerplate
     else:
         expect, error_type = ["MISMATCH"], None
     v = verify_script(script, expect_text=[t for t in expect if t], expect_error_type=error_type, timeout=timeout, env=env)

@@ -179,5 +179,6 @@ def _symbolic_probe(ctx: "ModeContext", opts: OpsOptions, phase: Phase, op: str,
                             f"symbolic-shape function when it recompiles a call with a new length")[:2000],
                    error_type=message.split(":", 1)[0] if ":" in message else None,
                    repro=Repro(path=rel, verified=ver.verified, command=command, note=ver.note),
-                   details={"symbolic": True, "phase": phase.label()},
+                   details={"symbolic": True, "phase": phase.label(),
+                            "message_full": message},  # root causes key on the error, not the phase's words
                    fingerprint=fingerprint("unsupported_op", spec.id, op))
