@@ -25,6 +25,7 @@ from .commits.pipeline import BISECT_NAME, bisect_regressions
 from .commits.walk import Budget
 from .engine.envinfo import base_stamp, env_report, format_env, tool_version
 from .errors import DeepviewError, UsageError
+from .run.resume import run_lock
 from .run.execute import RunOptions, auto_jobs, available_cores, cell_dir, run_cells, run_worker, run_zoo_cells
 from .fsutil import atomic_write_json, atomic_write_text, check_output
 from .github.actions import set_output
@@ -103,6 +104,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     if cores:
         progress.info(f"deepview-ci: --jobs auto: up to {jobs} cell(s) at once on {cores} core(s)")
     run_opts = RunOptions(matrix_path=matrix.path, out_dir=out, jobs=jobs, cores=cores, force=args.force, modes=args.modes)
+    with run_lock(out):  # one run at a time per --out: a second one refuses (exit 7)
+        return _run_locked(cells, run_opts, progress)
+
+
+def _run_locked(cells: "list[Cell]", run_opts: RunOptions, progress: Progress) -> int:
+    out = run_opts.out_dir
     try:
         results = run_cells([c for c in cells if not c.model.zoo], run_opts, progress)
         results += run_zoo_cells([c for c in cells if c.model.zoo], run_opts, progress)
@@ -138,7 +145,8 @@ def cmd_cell(args: argparse.Namespace) -> int:
     check_backends(matrix, [cell.backend.id], missing_ok=True)  # a package not installed stays the cell's own error
     progress = Progress(1)
     opts = RunOptions(matrix_path=matrix.path, out_dir=Path(args.out), force=args.force, modes=args.modes)
-    [result] = (run_zoo_cells if cell.model.zoo else run_cells)([cell], opts, progress)  # a zoo cell: small config
+    with run_lock(opts.out_dir):  # one run at a time per --out, as `run`
+        [result] = (run_zoo_cells if cell.model.zoo else run_cells)([cell], opts, progress)  # a zoo cell: small config
     return errors.EXIT_OK if result.status in ("pass", "skipped") else errors.EXIT_FINDINGS
 
 

@@ -15,6 +15,7 @@ code meaning
 4    environment error: a model, backend or plugin could not be loaded
 5    execution error: the runner itself failed (cannot write output, cannot spawn)
 6    GitHub API error: issues could not be filed (drafts were kept)
+7    busy: another run is writing the same output folder (its lock, `OUT/.deepview-ci.lock`, is held)
 130  interrupted (Ctrl-C); everything finished so far is on disk
 ==== ============================================================================
 """
@@ -30,6 +31,7 @@ EXIT_INPUT = 3
 EXIT_ENVIRONMENT = 4
 EXIT_EXECUTION = 5
 EXIT_GITHUB = 6
+EXIT_BUSY = 7
 EXIT_INTERRUPTED = 130
 
 
@@ -104,6 +106,12 @@ class ExecutionError(DeepviewError):
     """The runner itself failed."""
 
     exit_code = EXIT_EXECUTION
+
+
+class RunBusyError(ExecutionError):
+    """Another live run holds the output folder's lock (`run/resume.run_lock`): this one refuses, touching nothing."""
+
+    exit_code = EXIT_BUSY
 
 
 class GitHubError(DeepviewError):

@@ -87,6 +87,10 @@ class Progress:
             self.done += 1
         self._write(f"[{self.done}/{self.total}] {cell_id}: {STATUS_MARK.get(status, status)} (finished earlier; --force reruns it)")
 
+    def cell_rerun(self, cell_id: str, reason: str) -> None:
+        """A cell that finished in an earlier run runs again: why, on one line."""
+        self._write(f"{cell_id}: rerun ({reason})")
+
     def cell_finished(self, cell_id: str, status: str, duration_s: float, detail: str = "") -> None:
         with self._lock:
             self.done += 1

@@ -211,6 +211,8 @@ class CellResult:
     error: CellError | None = None
     artifacts_dir: str | None = None  # relative to the run folder: cells/<id>
     started_at: str | None = None
+    # the key of the cell's resolved configuration (`run/resume.cell_config`: key, parts, timeout); None: not recorded
+    config: dict[str, Any] | None = None
 
     @property
     def findings(self) -> list[Finding]:
@@ -235,6 +237,7 @@ class CellResult:
             "artifacts_dir": self.artifacts_dir,
             "error": clean(asdict(self.error)) if self.error else None,
             "modes": {name: m.to_dict() for name, m in self.modes.items()},
+            **({"config": self.config} if self.config else {}),
         }
 
     @classmethod
@@ -251,6 +254,7 @@ class CellResult:
             error=CellError(**err) if err else None,
             artifacts_dir=data.get("artifacts_dir"),
             started_at=data.get("started_at"),
+            config=dict(data["config"]) if isinstance(data.get("config"), Mapping) else None,
         )
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from .cellrun import run_cell_inprocess, write_final
+from .resume import cell_config, rerun_reason
 from ..config import Cell, load_matrix
 from ..engine.envinfo import base_stamp
 from ..errors import EXIT_INTERRUPTED, DeepviewError, ExecutionError, InputError, report_error
@@ -214,6 +215,7 @@ def _finish(cell: Cell, cdir: Path, modes: Sequence[str], error: CellError | Non
             result.modes[m] = ModeResult(status="timeout" if error and error.type == "timeout" else "skipped", reason=reason)
     result.modes = {m: result.modes[m] for m in modes if m in result.modes}
     result.error = error or result.error  # a crash found here, else what the worker recorded
+    result.config = cell_config(cell, modes)  # what a rerun into this folder compares (`resume.rerun_reason`)
     result.duration_s = time.monotonic() - started
     result.status = result.fold_status()
     if error is not None and result.status not in ("crashed", "timeout"):
@@ -237,10 +239,13 @@ def run_cells(cells: Sequence[Cell], opts: RunOptions, progress: Progress | None
     todo: list[Cell] = []
     for c in cells:
         prior = None if opts.force else existing_result(opts.out_dir, c.id)
-        if prior is not None:
+        why = rerun_reason(prior, cell_config(c, opts.modes)) if prior is not None else None
+        if prior is not None and why is None:
             results[c.id] = prior
             progress.cell_reused(c.id, prior.status)
         else:
+            if why is not None:
+                progress.cell_rerun(c.id, why)
             todo.append(c)
     if opts.force:  # a forced run probes again: the probe stores earlier runs left for these backends go
 
