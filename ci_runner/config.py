@@ -15,7 +15,7 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from importlib.resources import as_file, files
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jsonschema
 import yaml
@@ -523,9 +523,7 @@ def _load(path: Path, text: str) -> Matrix:
     problems = schema_problems(errors, positions, source) if errors else []
     rejected = [tuple(e.absolute_path) for e in errors]  # what the schema rejected: the later checks skip it
     problems += _check_options(data, positions, source, rejected)
-    problems += _check_phases(data, positions, source, rejected)
-    problems += _check_parallel(data, positions, source, rejected)
-    problems += _check_precision(data, positions, source, rejected)
+    problems += _check_workloads(data, positions, source, rejected)
     problems += _duplicate_ids(data, positions, source)
     problems += _non_finite(data, positions, source)
     if problems:
@@ -613,43 +611,23 @@ def _blocks(data: dict[str, Any], where: tuple[str, ...]) -> list[tuple[tuple[An
     return out
 
 
-def _check_phases(data: dict[str, Any], positions: _Positions, source: str,
-                  rejected: list[tuple[Any, ...]]) -> list[SchemaProblem]:
-    """The problems of every `inputs.phases` of defaults, models and backends (unknown phases or options), each
-    at its item; a list the schema rejected is left to the schema's message."""
-    problems: list[SchemaProblem] = []
-    for path, raw in _blocks(data, ("inputs", "phases")):
-        if not isinstance(raw, list) or _inside(path, rejected):
-            continue
-        for index, message, hint in check_phases(raw):
-            pos = positions.at(path + (index,)) or positions.at(path) or (0, 0)
-            problems.append(SchemaProblem(f"{source}:{pos[0]}:{pos[1]}", pos, _fmt_path(path + (index,)), message, hint))
-    return problems
-
-
-def _check_parallel(data: dict[str, Any], positions: _Positions, source: str,
-                    rejected: list[tuple[Any, ...]]) -> list[SchemaProblem]:
-    """The problems of every `parallel` of defaults, models and backends (ci_runner/workloads/parallel.py), each at its key."""
-    problems: list[SchemaProblem] = []
-    for path, raw in _blocks(data, ("parallel",)):
-        if raw is None or _inside(path, rejected):
-            continue
-        for sub, message, hint in check_parallel(raw):
-            pos = positions.at(path + sub, value=True) or positions.at(path) or (0, 0)
-            problems.append(SchemaProblem(f"{source}:{pos[0]}:{pos[1]}", pos, _fmt_path(path + sub), message, hint))
-    return problems
-
-
-def _check_precision(data: dict[str, Any], positions: _Positions, source: str,
+def _check_workloads(data: dict[str, Any], positions: _Positions, source: str,
                      rejected: list[tuple[Any, ...]]) -> list[SchemaProblem]:
-    """The problems of every backend's `precision` (ci_runner/workloads/precision.py), each at its key."""
+    """The problems of every workload spelling (ci_runner/workloads/): `inputs.phases` (unknown phases or options,
+    each at its item), `parallel` and a backend's `precision` (each at its key); a value the schema rejected is
+    left to the schema's message."""
+    blocks: list[tuple[tuple[Any, ...], Any, Callable[[Any], list[tuple[tuple[Any, ...], str, str]]], bool]] = []
+    blocks += [(path, raw, lambda r: [((i,), m, h) for i, m, h in check_phases(r)], False)
+               for path, raw in _blocks(data, ("inputs", "phases")) if isinstance(raw, list)]
+    blocks += [(path, raw, check_parallel, True) for path, raw in _blocks(data, ("parallel",)) if raw is not None]
+    blocks += [(("backends", i, "precision"), b["precision"], check_precision, True)
+               for i, b in _entries(data, "backends") if "precision" in b]
     problems: list[SchemaProblem] = []
-    for i, b in _entries(data, "backends"):
-        path = ("backends", i, "precision")
-        if "precision" not in b or _inside(path, rejected):
+    for path, raw, check, at_value in blocks:
+        if _inside(path, rejected):
             continue
-        for sub, message, hint in check_precision(b["precision"]):
-            pos = positions.at(path + sub, value=not sub) or positions.at(path) or (0, 0)
+        for sub, message, hint in check(raw):
+            pos = positions.at(path + sub, value=at_value) or positions.at(path) or (0, 0)
             problems.append(SchemaProblem(f"{source}:{pos[0]}:{pos[1]}", pos, _fmt_path(path + sub), message, hint))
     return problems
 

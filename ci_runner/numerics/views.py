@@ -178,7 +178,8 @@ def run_isolated_view(modules: Mapping[str, nn.Module], reader: DumpReader,
                       journal: Callable[[str, str], None] | None = None, prefix: str = "",
                       deadline: float | None = None) -> None:
     """Each reference call re-run alone: `runner(name, module)` (the target's compiled module, or a reference
-    module) on the reference's inputs, its direct sub-calls stubbed with the reference's outputs for them.
+    module) on the reference's inputs, its direct sub-calls stubbed with the reference's outputs for them. It is
+    one piece: the stubs, the deadline, the journal and the record of a call share that call's state.
 
     The call's metrics are the worst of its output and of the inputs it passes to its stubbed sub-calls (an own
     op whose result only feeds a sub-call, e.g. a rotary embedding applied before a projection, shows there; the

@@ -12,7 +12,8 @@ import time
 import pytest
 
 from ci_runner.backends import resolve_backend
-from ci_runner.config import load_matrix_text
+from ci_runner.config import BackendSpec, load_matrix_text
+from ci_runner.engine.precision import resolve_policy
 from ci_runner.matrix import expand
 from ci_runner.modes import ModeContext
 from ci_runner.modes.numerics.mode import run as run_numerics
@@ -67,7 +68,8 @@ def test_each_precision_class_is_found_at_its_class_only(cell_run, fresh_dynamo:
     assert ok.status == "pass" and not ok.findings, (ok.status, ok.reason, [f.message for f in ok.findings])
     assert ok.data["precision"]["policy"] == "bfloat16" and ok.data["views"]["isolated"] == "ran"
     as_f32 = cell_run("numerics", "tiny-llama", "bf16-as-f32")
-    assert _flagged_classes(as_f32) == {"Linear"}, [f.message for f in as_f32.findings]
+    # a float32 policy: every matmul class computed in bf16 is flagged (Linear, and the attention's q/k/v inputs)
+    assert _flagged_classes(as_f32) == {"Linear", "LlamaAttention"}, [f.message for f in as_f32.findings]
     norm = cell_run("numerics", "tiny-llama", "bf16-norm")
     assert _flagged_classes(norm) == {"LlamaRMSNorm"}, [f.message for f in norm.findings]
     assert all("isolated view" in f.message for f in norm.findings)
@@ -82,3 +84,17 @@ def test_ops_judge_each_op_against_the_policy(cell_run, fresh_dynamo: None) -> N
     softmax = cell_run("ops", "tiny-llama-eager", "bf16-softmax")
     assert [(f.kind, f.op) for f in softmax.findings] == [("op_mismatch", "aten._softmax.default")]
     assert softmax.findings[0].repro is not None and softmax.findings[0].repro.verified
+
+
+@pytest.mark.subprocess
+def test_auto_measures_once_per_backend_configuration(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    spec = BackendSpec(id="b", compile="sim-precision")  # a correct bf16 backend
+    policy, record = resolve_policy(spec, tmp_path)
+    assert policy.detected and policy.low == "bfloat16" and record["policy"] == "bfloat16 (detected)"
+    assert record["detected"]["norm"]["dtype"] == "float32"
+    files = [p for p in tmp_path.iterdir() if p.suffix == ".json"]
+    assert len(files) == 1
+    again, _ = resolve_policy(BackendSpec(id="other-id", compile="sim-precision"), tmp_path)  # same configuration
+    assert again == policy and [p for p in tmp_path.iterdir() if p.suffix == ".json"] == files
+    drift, record = resolve_policy(BackendSpec(id="d", compile="sim-drift"), tmp_path)
+    assert drift.is_float32 and "norm measured in bfloat16" in record["note"]

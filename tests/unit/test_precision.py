@@ -103,22 +103,6 @@ def test_a_declared_policy_needs_no_probe(tmp_path) -> None:  # type: ignore[no-
     assert policy.low == "float16" and record["declared"] == "float16" and not list(tmp_path.iterdir())
 
 
-@pytest.mark.subprocess
-def test_auto_measures_once_per_backend_configuration(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from ci_runner.config import BackendSpec
-
-    spec = BackendSpec(id="b", compile="sim-precision")  # a correct bf16 backend
-    policy, record = resolve_policy(spec, tmp_path)
-    assert policy.detected and policy.low == "bfloat16" and record["policy"] == "bfloat16 (detected)"
-    assert record["detected"]["norm"]["dtype"] == "float32"
-    files = [p for p in tmp_path.iterdir() if p.suffix == ".json"]
-    assert len(files) == 1
-    again, _ = resolve_policy(BackendSpec(id="other-id", compile="sim-precision"), tmp_path)  # same configuration
-    assert again == policy and [p for p in tmp_path.iterdir() if p.suffix == ".json"] == files
-    drift, record = resolve_policy(BackendSpec(id="d", compile="sim-drift"), tmp_path)
-    assert drift.is_float32 and "norm measured in bfloat16" in record["note"]
-
-
 def test_thresholds_widen_by_the_policy_spread_only_where_it_has_one() -> None:
     opts = ThresholdOptions()
     ref = {"rel": [1e-8, 2e-8], "one_minus_cos": [0.0, 0.0], "mad": [1e-9, 1e-9], "ref_absmean": [1.0, 1.0]}

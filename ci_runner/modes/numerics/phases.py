@@ -173,6 +173,19 @@ def _thresholds(a: _Recorder, b: _Recorder, ra: PhaseRun, rb: PhaseRun, margin: 
     return {k: max(floor, margin * v) for k, v in worst.items()}
 
 
+def _with_policy(ctx: "ModeContext", opts: NumericsOptions, phase: Phase, primary: Any, ref_run: PhaseRun,
+                 ref_rec: _Recorder, forced: list[torch.Tensor] | None, thresholds: dict[str, float]) -> dict[str, float]:
+    """`thresholds` widened by the cell's precision policy (`workloads/precision.py`): the policy's emulation fed
+    the same tokens, `policy_margin` × its worst disagreement per layer, logits and KV-cache tensor."""
+    policy = ctx.precision()[0]
+    if policy.is_float32:
+        return thresholds
+    with emulate(policy):
+        emu_run, emu_rec = _run(primary.module, primary.module, primary, ctx, phase, forced=forced, device="cpu")
+    widened = _thresholds(ref_rec, emu_rec, ref_run, emu_run, opts.thresholds.policy_margin, 0.0)
+    return {k: max(thresholds.get(k, 0.0), widened.get(k, 0.0)) for k in thresholds.keys() | widened.keys()}
+
+
 def _agreement(ref: PhaseRun, tgt: PhaseRun) -> dict[str, Any] | None:
     """Greedy-token and top-5 agreement of the target's next-token logits with the reference's, per call."""
     greedy = top5 = n = 0
@@ -219,12 +232,7 @@ def _one_phase(ctx: "ModeContext", opts: NumericsOptions, phase: Phase) -> tuple
         sec_run, sec_rec = _run(second.module, second.module, second, ctx, phase, forced=forced, device="cpu")
         floor = opts.thresholds.floors(primary.dtype)[0]
         thresholds = _thresholds(ref_rec, sec_rec, ref_run, sec_run, opts.thresholds.margin, floor)
-    policy = ctx.precision()[0]
-    if not policy.is_float32:  # the policy's emulation, fed the same tokens: the spread its precision explains
-        with emulate(policy):
-            emu_run, emu_rec = _run(primary.module, primary.module, primary, ctx, phase, forced=forced, device="cpu")
-        widened = _thresholds(ref_rec, emu_rec, ref_run, emu_run, opts.thresholds.policy_margin, 0.0)
-        thresholds = {k: max(thresholds.get(k, 0.0), widened.get(k, 0.0)) for k in thresholds.keys() | widened.keys()}
+    thresholds = _with_policy(ctx, opts, phase, primary, ref_run, ref_rec, forced, thresholds)
     backend = ctx.backend
     device = backend.device
 
