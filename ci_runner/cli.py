@@ -41,7 +41,7 @@ from .plan import check_output_size, collect_attempts, load_plan, parse_chunk_re
 from .results.model import RESULT_NAME, load_results, save_cell_result
 
 if TYPE_CHECKING:
-    from .config import Cell
+    from .config import Cell, Matrix
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -97,6 +97,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError(f"{matrix.path}: no cell matches --select/--skip", hint="list the cells with `deepview-ci cells MATRIX`")
     check_backends(matrix, {c.backend.id for c in cells})  # every backend mistake at once, before any cell runs
     out = Path(args.out)
+    with run_lock(out):  # one run at a time per --out: a second one refuses here (exit 7), before any line or file
+        return _run_locked(args, matrix, cells, out)
+
+
+def _run_locked(args: argparse.Namespace, matrix: "Matrix", cells: "list[Cell]", out: Path) -> int:
     progress = Progress(len(cells))
     progress.info(f"deepview-ci: {len(cells)} cell(s) from {matrix.path} → {out}")
     cores = available_cores() if args.jobs == "auto" else None
@@ -104,12 +109,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     if cores:
         progress.info(f"deepview-ci: --jobs auto: up to {jobs} cell(s) at once on {cores} core(s)")
     run_opts = RunOptions(matrix_path=matrix.path, out_dir=out, jobs=jobs, cores=cores, force=args.force, modes=args.modes)
-    with run_lock(out):  # one run at a time per --out: a second one refuses (exit 7)
-        return _run_locked(cells, run_opts, progress)
-
-
-def _run_locked(cells: "list[Cell]", run_opts: RunOptions, progress: Progress) -> int:
-    out = run_opts.out_dir
     try:
         results = run_cells([c for c in cells if not c.model.zoo], run_opts, progress)
         results += run_zoo_cells([c for c in cells if c.model.zoo], run_opts, progress)
@@ -143,10 +142,9 @@ def cmd_cell(args: argparse.Namespace) -> int:
     if args.setup_failed:
         return _record_failed_setup(cell, Path(args.setup_failed), Path(args.out))
     check_backends(matrix, [cell.backend.id], missing_ok=True)  # a package not installed stays the cell's own error
-    progress = Progress(1)
     opts = RunOptions(matrix_path=matrix.path, out_dir=Path(args.out), force=args.force, modes=args.modes)
     with run_lock(opts.out_dir):  # one run at a time per --out, as `run`
-        [result] = (run_zoo_cells if cell.model.zoo else run_cells)([cell], opts, progress)  # a zoo cell: small config
+        [result] = (run_zoo_cells if cell.model.zoo else run_cells)([cell], opts, Progress(1))  # zoo: small config
     return errors.EXIT_OK if result.status in ("pass", "skipped") else errors.EXIT_FINDINGS
 
 

@@ -56,9 +56,11 @@ class ModeContext:
     _models: dict[tuple[Any, ...], "LoadedModel"] = field(default_factory=dict, repr=False)
     model_error: "ModelLoadError | None" = None  # the cell's model did not load: every later load raises it again
     on_checkpoint: Callable[[str, ModeResult], None] | None = field(default=None, repr=False)  # run/cellrun.py's
+    on_event: Callable[[str, str], None] | None = field(default=None, repr=False)  # each journal event (heartbeat)
     # per phase: a mode's whole-model compiled run, watched for the compile mode's signals (engine/watchedrun.py)
     compiled_runs: dict[str, Any] = field(default_factory=dict, repr=False)
     _precision: tuple[Any, dict[str, Any]] | None = field(default=None, repr=False)
+    _checkpoints: dict[str, ModeResult] = field(default_factory=dict, repr=False)  # the last `checkpoint` per mode
 
     @property
     def model_id(self) -> str:
@@ -109,11 +111,28 @@ class ModeContext:
     def checkpoint(self, mode: str, findings: list[Any], data: Mapping[str, Any]) -> None:
         """Save what `mode` has found so far (its single forward's findings and data, before its phases): when the
         process dies later in the mode, the parent keeps it and names the phase that was running (`run/execute.py`)."""
+        saved = ModeResult(status="error", reason="stopped during its phases: what its single forward found is kept",
+                           findings=list(findings), data={**data, CHECKPOINT_KEY: "phases"})
+        self._checkpoints[mode] = saved
         if self.on_checkpoint is not None:
-            self.on_checkpoint(mode, ModeResult(
-                status="error", reason="stopped during its phases: what its single forward found is kept",
-                findings=list(findings), data={**data, CHECKPOINT_KEY: "phases"}))
+            self.on_checkpoint(mode, saved)
+
+    def checkpoint_phase(self, mode: str, phase: str, findings: list[Any], row: Mapping[str, Any]) -> None:
+        """After each finished phase: the mode's checkpoint with this phase's findings and its `data.phases` row
+        added, saved again, so that a timeout or a crash in a later phase keeps every finished one."""
+        saved = self._checkpoints.get(mode)
+        if saved is None:
+            return
+        saved.findings += list(findings)
+        phases = saved.data.setdefault("phases", {})
+        phases[phase] = dict(row)
+        saved.reason = (f"stopped during its phases: what its single forward and its finished phases "
+                        f"({', '.join(phases)}) found is kept")
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(mode, saved)
 
     def journal(self, event: str, name: str) -> None:
         """Append `event name` to the cell's crash journal (fsync'd): the parent reads it after a hard crash."""
         Journal(self.cell_dir / JOURNAL_NAME).write(event, name)
+        if self.on_event is not None:
+            self.on_event(event, name)

@@ -34,6 +34,7 @@ PARTIAL_NAME = "result.partial.json"  # written after each mode, so a hard crash
 CHECKPOINT_KEY = "checkpoint"  # in a mode's data: a result saved mid-mode (`ModeContext.checkpoint`), not final
 JOURNAL_NAME = "journal.log"  # enter/leave events (fsync'd), read by the parent after a hard crash
 STDERR_NAME = "stderr.log"  # the cell worker's stderr
+HEARTBEAT_NAME = "heartbeat.json"  # where the worker is: mode, phase, since when (run/heartbeat.py)
 STARTED_NAME = "started.json"  # written and uploaded by the cell job's shell before the cell runs (the workflow)
 
 CellStatus = Literal["pass", "fail", "error", "timeout", "crashed", "skipped", "inconclusive"]

@@ -19,6 +19,7 @@ from ..engine.envinfo import base_stamp, cell_stamp, plugin_modules
 from ..errors import DeepviewError, ModelLoadError, TorchTooOldError
 from ..fsutil import atomic_write_json
 from ..modes import ModeContext, get_mode
+from .heartbeat import Heartbeat
 from ..results.model import PARTIAL_NAME, RESULT_NAME, CellError, CellResult, ModeResult, save_cell_result
 
 
@@ -59,8 +60,9 @@ def run_cell_inprocess(cell: Cell, cell_dir: Path, *, modes: tuple[str, ...], de
         result.modes[name] = partial
         checkpoint()
 
+    heartbeat = Heartbeat(cell_dir, cell.id)  # where the cell is, for the run's console and CI logs
     ctx = ModeContext(cell=cell, cell_dir=cell_dir, backend=backend, deadline=deadline, env=result.env,
-                      previous=dict(result.modes), on_checkpoint=keep_partial)
+                      previous=dict(result.modes), on_checkpoint=keep_partial, on_event=heartbeat.event)
     for i, name in enumerate(modes):
         if ctx.model_error is not None:  # tried once per cell: the modes after the failed load do not retry it
             _model_failed(result, ctx.model_error, modes[i:])
@@ -86,6 +88,7 @@ def run_cell_inprocess(cell: Cell, cell_dir: Path, *, modes: tuple[str, ...], de
         result.modes[name] = mode_result
         ctx.previous[name] = mode_result
         checkpoint()
+        heartbeat.mode_done(name, mode_result.status, mode_result.duration_s)
     else:
         if ctx.model_error is not None:
             _model_failed(result, ctx.model_error, ())

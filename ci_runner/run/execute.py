@@ -5,11 +5,15 @@ Layout of a run folder::
     DIR/cells/<cell-id>/result.json          final CellResult (atomic)
     DIR/cells/<cell-id>/result.partial.json  written after each mode while the cell runs
     DIR/cells/<cell-id>/journal.log          append-only enter/leave events of modes and modules
+    DIR/cells/<cell-id>/heartbeat.json       where the worker is: mode, phase, since when (run/heartbeat.py)
     DIR/cells/<cell-id>/stderr.log           the worker's stderr
     DIR/cells/<cell-id>/<mode>/…             artifacts (repro scripts, dumps)
 
-When a worker dies, the mode it was in is marked crashed (or timeout), the module named by the
-journal is kept, and a fresh worker continues with the remaining modes while time is left.
+When a worker dies (a crash, SIGKILL, or the cell's timeout), every mode it finished is kept from the partial
+result, and so is what the open mode checkpointed (its single forward, each phase it finished:
+`ModeContext.checkpoint`, `checkpoint_phase`); that mode is marked crashed (or timeout) with where it stopped
+(`data.stopped`: mode, the phase and module the journal names), and a fresh worker continues with the remaining
+modes while time is left.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from .cellrun import run_cell_inprocess, write_final
+from .heartbeat import Watch, mode_seconds
 from .resume import cell_config, rerun_reason
 from ..config import Cell, load_matrix
 from ..engine.envinfo import base_stamp
@@ -34,7 +39,7 @@ from ..log import Progress
 from ..modes.ops.storepath import clear_stores
 from ..engine.isolate import ChildExit, LiveChildren, arm_worker, child_env, file_tail, open_entry, run_process
 from ..matrix import find_cell
-from ..results.model import CHECKPOINT_KEY, JOURNAL_NAME, PARTIAL_NAME, RESULT_NAME, STDERR_NAME, CellError, CellResult, ModeResult, load_cell_result, read_json
+from ..results.model import CHECKPOINT_KEY, HEARTBEAT_NAME, JOURNAL_NAME, PARTIAL_NAME, RESULT_NAME, STDERR_NAME, CellError, CellResult, ModeResult, load_cell_result, read_json
 
 STDERR_TAIL_CHARS = 4000
 WORKER_MODULE = "ci_runner.run.execute"  # the cell worker's entry (`worker_main`), started by `_run_worker`
@@ -131,12 +136,14 @@ def load_partial(cdir: Path) -> CellResult | None:
         return None
 
 
-def run_one(cell: Cell, opts: RunOptions, children: LiveChildren | None = None) -> CellResult:
-    """Run one cell to a final, written result, restarting the worker after a crash."""
+def run_one(cell: Cell, opts: RunOptions, children: LiveChildren | None = None,
+            progress: Progress | None = None) -> CellResult:
+    """Run one cell to a final, written result, restarting the worker after a crash; `progress` says each mode's
+    start and end (and each phase's start) from the cell's heartbeat while a worker runs."""
     children = children or LiveChildren()
     cdir = cell_dir(opts.out_dir, cell.id)
     cdir.mkdir(parents=True, exist_ok=True)
-    for stale in (PARTIAL_NAME, JOURNAL_NAME, STDERR_NAME):
+    for stale in (PARTIAL_NAME, JOURNAL_NAME, STDERR_NAME, HEARTBEAT_NAME):
         (cdir / stale).unlink(missing_ok=True)
     modes = tuple(opts.modes or cell.modes)
     started = time.monotonic()
@@ -147,7 +154,8 @@ def run_one(cell: Cell, opts: RunOptions, children: LiveChildren | None = None) 
         budget = deadline - time.monotonic()
         if budget <= 0:
             break
-        end = _run_worker(cell, opts, remaining, budget, cdir, children)
+        with Watch(cdir, cell.id, progress.info if progress is not None else (lambda _: None)):
+            end = _run_worker(cell, opts, remaining, budget, cdir, children)
         if children.interrupted:
             raise KeyboardInterrupt
         partial = load_partial(cdir)
@@ -198,8 +206,10 @@ def _record_death(cell: Cell, cdir: Path, end: ChildExit, partial: CellResult | 
         data["last_module"] = last_module
     if phase:
         data["phases"] = {**dict(data.get("phases") or {}), phase: {"status": status, "reason": error.message}}
+    data["stopped"] = {"mode": running, "phase": phase, "module": last_module}  # where the worker stopped
     result.modes[running] = ModeResult(status=status, reason=error.message, data=data,
-                                       findings=list(kept.findings) if kept is not None else [])
+                                       findings=list(kept.findings) if kept is not None else [],
+                                       duration_s=mode_seconds(cdir, running) or 0.0)
     _write_partial(cdir, result)
     return error, result
 
@@ -259,7 +269,7 @@ def run_cells(cells: Sequence[Cell], opts: RunOptions, progress: Progress | None
             if children.interrupted:  # Ctrl-C came while this cell waited for cores
                 raise KeyboardInterrupt
             progress.cell_started(c.id)
-            r = run_one(c, opts, children)
+            r = run_one(c, opts, children, progress)
         finally:
             if cores is not None:
                 cores.give(need)

@@ -3,6 +3,7 @@ the other cells complete, and the run folder resumes cleanly."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -100,6 +101,47 @@ def test_a_phase_that_kills_the_worker_keeps_the_modes_forward_result(tmp_path: 
     assert "in phase 'decode'" in layers.reason and "SIGABRT" in layers.reason, layers.reason
     assert layers.data["whole_model"]["status"] == "pass", layers.data  # the forward's search, kept
     assert layers.data["phases"]["decode"]["status"] == "crashed" and "checkpoint" not in layers.data
+
+
+@pytest.mark.slow
+def test_a_cell_timeout_keeps_every_finished_mode_and_phase_and_names_where_it_stopped(
+        tmp_path: Path, write_matrix: Callable[..., Path]) -> None:
+    """The compiler hangs on the first decode step's graph (in the cell's own worker: the layers mode's phase run).
+    The ops mode finished before (its one finding: the decode attention's probe, a hang within its 5 s), the layers
+    mode's forward and its prefill phase too: all kept; the cell is `timeout`, naming the mode and the phase; the
+    heartbeat and the console said where the cell was."""
+    matrix = write_matrix(
+        modes=["ops", "layers"], timeout=120, inputs={"seq_len": 8, "samples": 1, "phases": ["prefill", "decode"]},
+        options={"ops": {"probe_timeout": 5, "verify": False, "only_ops": ["aten._scaled_dot_product*"]},
+                 "layers": {"verify": False, "culprit": False}},
+        models=[{"id": "tiny", "config": "llama",
+                 "overrides": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                               "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 64}}],
+        backends=[{"id": "dh", "compile": "tests.fixtures.plugin_decode_hang:backend"}])
+    out = tmp_path / "out"
+    proc = cli("run", str(matrix), "--out", str(out), timeout=600)
+    assert "Traceback" not in proc.stderr and proc.returncode == 1, proc.stderr[-2000:]
+    cdir = out / "cells" / "tiny@dh"
+    cell = load_cell_result(cdir / "result.json")
+    assert cell.status == "timeout", cell.status
+    assert cell.error is not None and "during mode 'layers' in phase 'decode'" in cell.error.message, cell.error
+    ops, layers = cell.modes["ops"], cell.modes["layers"]
+    assert ops.status == "fail" and [f.error_type for f in ops.findings] == ["Timeout"], (ops.status, ops.findings)
+    assert set(ops.data["phases"]) == {"prefill", "decode"} and "checkpoint" not in ops.data
+    assert layers.status == "timeout" and "checkpoint" not in layers.data, layers
+    assert layers.data["stopped"] == {"mode": "layers", "phase": "decode", "module": None}
+    assert layers.data["whole_model"]["status"] == "pass"  # the forward's search, checkpointed before the phases
+    assert layers.data["phases"]["prefill"]["status"] == "pass"  # the finished phase, checkpointed after it
+    assert layers.data["phases"]["decode"]["status"] == "timeout"
+    assert 0 < layers.duration_s < 120
+    beat = json.loads((cdir / "heartbeat.json").read_text(encoding="utf-8"))
+    assert (beat["mode"], beat["phase"]) == ("layers", "decode")
+    assert [d["mode"] for d in beat["modes_done"]] == ["ops"] and beat["modes_done"][0]["status"] == "fail"
+    lines = proc.stderr.splitlines()
+    for line in ("tiny@dh: ops started", "tiny@dh: layers started"):
+        assert line in lines, proc.stderr
+    assert any(ln.startswith("tiny@dh: ops fail in ") for ln in lines), proc.stderr
+    assert any(ln.startswith("tiny@dh: layers: phase decode started (") for ln in lines), proc.stderr
 
 
 def test_a_corrupt_cell_result_is_rerun_not_fatal(tmp_path: Path, matrix: Path) -> None:

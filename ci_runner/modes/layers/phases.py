@@ -134,6 +134,7 @@ def run_phases(ctx: "ModeContext", opts: LayersOptions, layers_dir: Path) -> tup
         ctx.journal("leave-workload", f"layers.{phase.name}")
         findings += f
         data[phase.name] = d
+        ctx.checkpoint_phase("layers", phase.name, f, d)  # a later phase that kills the process keeps this one
     return findings, data
 
 

@@ -211,6 +211,7 @@ def run_phases(ctx: "ModeContext", opts: NumericsOptions) -> tuple[list[Finding]
         ctx.journal("leave-workload", f"numerics.{phase.name}")
         findings += phase_findings
         data[phase.name] = phase_data
+        ctx.checkpoint_phase("numerics", phase.name, phase_findings, phase_data)  # kept if a later phase kills it
     return findings, data
 
 

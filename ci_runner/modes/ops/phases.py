@@ -147,6 +147,7 @@ def run_phases(ctx: "ModeContext", opts: OpsOptions, forward: Inventory, ops_dir
         row["seconds"] = round(time.monotonic() - t0, 2)
         data[phase.name] = row
         ctx.journal("leave-workload", f"ops.{phase.name}")
+        ctx.checkpoint_phase("ops", phase.name, [f for f in findings if f.phase == phase.name], row)  # kept
     return findings, data
 
 
