@@ -23,6 +23,15 @@ MAX_TIME_CELLS = 8
 MAX_SEEN_ROWS = 300
 
 
+
+def chart_number(value: Any) -> float | None:
+    """A figure read back from a result for a chart: a number, inf for a non-finite one stored as text, else None."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if value in ("inf", "nan"):
+        return math.inf
+    return None
+
 def _e(text: Any) -> str:
     return html.escape("" if text is None else str(text), quote=True)
 

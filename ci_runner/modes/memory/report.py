@@ -4,23 +4,14 @@ phase, predicted and, where the device was measured, measured, as an inline SVG 
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any, Mapping
 
 from ...registry import ModeHooks
-from ...report.trendcharts import line_chart
+from ...report.trendcharts import chart_number as _number, line_chart
 from ...results.model import CellResult
 
 MODE = "memory"
-
-
-def _number(value: Any) -> float | None:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if value in ("inf", "nan"):
-        return math.inf
-    return None
 
 
 def _layer_level(name: str) -> bool:

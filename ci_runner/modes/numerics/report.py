@@ -13,18 +13,10 @@ import math
 from typing import Any, Mapping, Sequence
 
 from ...registry import ModeHooks
-from ...report.trendcharts import line_chart
+from ...report.trendcharts import chart_number as _number, line_chart
 from ...results.model import CellResult
 
 MODE = "numerics"
-
-
-def _number(value: Any) -> float | None:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if value in ("inf", "nan"):
-        return math.inf
-    return None
 
 
 def decode_chart(numerics_data: Mapping[str, Any], *, cell_id: str) -> str | None:
