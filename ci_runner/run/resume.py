@@ -46,12 +46,16 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def config_parts(cell: Cell, modes: Sequence[str] | None = None) -> dict[str, Any]:
+def config_parts(cell: Cell, modes: Sequence[str] | None = None, *, base: Path | None = None) -> dict[str, Any]:
     """The parts of the cell's resolved configuration, by name (`model`, `backend`, `inputs.<field>`, `parallel`,
-    `modes`, `options.<mode>` for each mode it runs, `references`, `version`), as plain JSON."""
+    `modes`, `options.<mode>` for each mode it runs, `references`, `version`), as plain JSON. A `path:` model inside
+    `base` (the matrix file's folder) is keyed by its path relative to it: the same checkout elsewhere, same key."""
     run_modes = list(modes or cell.modes)
     backend = {k: v for k, v in spec_to_json(cell.backend).items() if k not in _JOB_ONLY}
-    parts: dict[str, Any] = {"model": spec_to_json(cell.model), "backend": backend}
+    model = spec_to_json(cell.model)
+    if model.get("path") and base is not None and Path(model["path"]).is_relative_to(base.resolve()):
+        model["path"] = Path(model["path"]).relative_to(base.resolve()).as_posix()
+    parts: dict[str, Any] = {"model": model, "backend": backend}
     parts.update({f"inputs.{k}": v for k, v in spec_to_json(cell.inputs).items()})
     parts["parallel"] = cell.parallel.key() if cell.parallel is not None else None
     parts["modes"] = run_modes
@@ -62,10 +66,10 @@ def config_parts(cell: Cell, modes: Sequence[str] | None = None) -> dict[str, An
     return _plain(parts)
 
 
-def cell_config(cell: Cell, modes: Sequence[str] | None = None) -> dict[str, Any]:
+def cell_config(cell: Cell, modes: Sequence[str] | None = None, *, base: Path | None = None) -> dict[str, Any]:
     """What a cell's result records of its configuration: `key` (sha256 of every part), `parts` (each part's
     sha256, to say what changed), `timeout`."""
-    parts = {name: _digest(value) for name, value in config_parts(cell, modes).items()}
+    parts = {name: _digest(value) for name, value in config_parts(cell, modes, base=base).items()}
     return {"key": _digest(parts), "parts": parts, "timeout": cell.timeout}
 
 
