@@ -28,6 +28,7 @@ from ..errors import RunBusyError
 from ..fsutil import try_lock
 from ..results.model import CellResult
 
+PART_CHARS = 16  # of each part's sha256 kept in the result (the key itself is the whole sha256 of all of them)
 LOCK_NAME = ".deepview-ci.lock"  # in the run folder: held by the run writing it (`run_lock`)
 # the backend's GitHub-job settings that a cell's own computation never reads (`config.BackendSpec`)
 _JOB_ONLY = ("runs_on", "source")
@@ -67,10 +68,11 @@ def config_parts(cell: Cell, modes: Sequence[str] | None = None, *, base: Path |
 
 
 def cell_config(cell: Cell, modes: Sequence[str] | None = None, *, base: Path | None = None) -> dict[str, Any]:
-    """What a cell's result records of its configuration: `key` (sha256 of every part), `parts` (each part's
-    sha256, to say what changed), `timeout`."""
-    parts = {name: _digest(value) for name, value in config_parts(cell, modes, base=base).items()}
-    return {"key": _digest(parts), "parts": parts, "timeout": cell.timeout}
+    """What a cell's result records of its configuration: `key` (sha256 of every part's sha256), `parts` (each part's
+    sha256, its first `PART_CHARS` hex digits: to say what changed), `timeout`."""
+    whole = {name: _digest(value) for name, value in config_parts(cell, modes, base=base).items()}
+    parts = {name: digest[:PART_CHARS] for name, digest in whole.items()}  # enough to say which part changed
+    return {"key": _digest(whole), "parts": parts, "timeout": cell.timeout}
 
 
 def rerun_reason(prior: CellResult, config: Mapping[str, Any]) -> str | None:
