@@ -26,7 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from .cellrun import run_cell_inprocess, write_final
 from .heartbeat import Watch, mode_seconds
@@ -166,7 +166,8 @@ def run_one(cell: Cell, opts: RunOptions, children: LiveChildren | None = None,
         remaining = [m for m in remaining if m not in result.modes]
         if end.timed_out:
             break
-    return _finish(cell, cdir, modes, error, started, deadline)
+    return _finish(cell, cdir, modes, error, started, deadline,
+                   cell_config(cell, modes, base=opts.matrix_path.parent))
 
 
 def _run_worker(cell: Cell, opts: RunOptions, remaining: Sequence[str], budget: float, cdir: Path,
@@ -215,7 +216,7 @@ def _record_death(cell: Cell, cdir: Path, end: ChildExit, partial: CellResult | 
 
 
 def _finish(cell: Cell, cdir: Path, modes: Sequence[str], error: CellError | None, started: float,
-            deadline: float) -> CellResult:
+            deadline: float, config: dict[str, Any]) -> CellResult:
     """The cell's final result: what the workers wrote, modes never reached marked, the crash kept; written."""
     result = load_partial(cdir) or CellResult(id=cell.id, model=cell.model.id, backend=cell.backend.id,
                                                 status="skipped", env=base_stamp(), artifacts_dir=f"cells/{cell.id}")
@@ -225,7 +226,7 @@ def _finish(cell: Cell, cdir: Path, modes: Sequence[str], error: CellError | Non
             result.modes[m] = ModeResult(status="timeout" if error and error.type == "timeout" else "skipped", reason=reason)
     result.modes = {m: result.modes[m] for m in modes if m in result.modes}
     result.error = error or result.error  # a crash found here, else what the worker recorded
-    result.config = cell_config(cell, modes)  # what a rerun into this folder compares (`resume.rerun_reason`)
+    result.config = config  # what a rerun into this folder compares (`resume.rerun_reason`)
     result.duration_s = time.monotonic() - started
     result.status = result.fold_status()
     if error is not None and result.status not in ("crashed", "timeout"):
@@ -249,7 +250,8 @@ def run_cells(cells: Sequence[Cell], opts: RunOptions, progress: Progress | None
     todo: list[Cell] = []
     for c in cells:
         prior = None if opts.force else existing_result(opts.out_dir, c.id)
-        why = rerun_reason(prior, cell_config(c, opts.modes)) if prior is not None else None
+        config = cell_config(c, opts.modes, base=opts.matrix_path.parent)
+        why = rerun_reason(prior, config) if prior is not None else None
         if prior is not None and why is None:
             results[c.id] = prior
             progress.cell_reused(c.id, prior.status)

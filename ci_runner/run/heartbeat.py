@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from ..errors import ExecutionError
 from ..fsutil import atomic_write_text
 from ..results.model import HEARTBEAT_NAME
 
@@ -45,7 +46,9 @@ class Heartbeat:
         self.path = cell_dir / HEARTBEAT_NAME
         before = read_heartbeat(cell_dir)
         done = before.get("modes_done") if before.get("cell") == cell_id else None
+        first = before.get("cell_started") if done is not None else None
         self.state: dict[str, Any] = {"cell": cell_id, "pid": os.getpid(), "mode": None, "phase": None,
+                                      "cell_started": first if isinstance(first, (int, float)) else time.time(),
                                       "mode_started": None, "phase_started": None,
                                       "modes_done": list(done) if isinstance(done, list) else []}
         self._lock = threading.Lock()
@@ -72,9 +75,13 @@ class Heartbeat:
             self._write()
 
     def _write(self) -> None:
+        now = time.time()
+        since = {f"{k}_elapsed_s": round(now - self.state[f"{k}_started"], 1) if self.state[f"{k}_started"] else None
+                 for k in ("cell", "mode", "phase")}
         try:
-            atomic_write_text(self.path, json.dumps({**self.state, "updated_at": _now_iso()}) + "\n", sync=False)
-        except OSError:  # progress is never worth failing the cell for
+            atomic_write_text(self.path, json.dumps({**self.state, **since, "updated_at": _now_iso()}) + "\n",
+                              sync=False)
+        except (OSError, ExecutionError):  # progress is never worth failing the cell for (`fsutil.OutputError`)
             pass
 
 

@@ -28,6 +28,7 @@ from ..errors import RunBusyError
 from ..fsutil import try_lock
 from ..results.model import CellResult
 
+PART_CHARS = 16  # of each part's sha256 kept in the result (the key itself is the whole sha256 of all of them)
 LOCK_NAME = ".deepview-ci.lock"  # in the run folder: held by the run writing it (`run_lock`)
 # the backend's GitHub-job settings that a cell's own computation never reads (`config.BackendSpec`)
 _JOB_ONLY = ("runs_on", "source")
@@ -46,12 +47,16 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def config_parts(cell: Cell, modes: Sequence[str] | None = None) -> dict[str, Any]:
+def config_parts(cell: Cell, modes: Sequence[str] | None = None, *, base: Path | None = None) -> dict[str, Any]:
     """The parts of the cell's resolved configuration, by name (`model`, `backend`, `inputs.<field>`, `parallel`,
-    `modes`, `options.<mode>` for each mode it runs, `references`, `version`), as plain JSON."""
+    `modes`, `options.<mode>` for each mode it runs, `references`, `version`), as plain JSON. A `path:` model inside
+    `base` (the matrix file's folder) is keyed by its path relative to it: the same checkout elsewhere, same key."""
     run_modes = list(modes or cell.modes)
     backend = {k: v for k, v in spec_to_json(cell.backend).items() if k not in _JOB_ONLY}
-    parts: dict[str, Any] = {"model": spec_to_json(cell.model), "backend": backend}
+    model = spec_to_json(cell.model)
+    if model.get("path") and base is not None and Path(model["path"]).is_relative_to(base.resolve()):
+        model["path"] = Path(model["path"]).relative_to(base.resolve()).as_posix()
+    parts: dict[str, Any] = {"model": model, "backend": backend}
     parts.update({f"inputs.{k}": v for k, v in spec_to_json(cell.inputs).items()})
     parts["parallel"] = cell.parallel.key() if cell.parallel is not None else None
     parts["modes"] = run_modes
@@ -62,11 +67,12 @@ def config_parts(cell: Cell, modes: Sequence[str] | None = None) -> dict[str, An
     return _plain(parts)
 
 
-def cell_config(cell: Cell, modes: Sequence[str] | None = None) -> dict[str, Any]:
-    """What a cell's result records of its configuration: `key` (sha256 of every part), `parts` (each part's
-    sha256, to say what changed), `timeout`."""
-    parts = {name: _digest(value) for name, value in config_parts(cell, modes).items()}
-    return {"key": _digest(parts), "parts": parts, "timeout": cell.timeout}
+def cell_config(cell: Cell, modes: Sequence[str] | None = None, *, base: Path | None = None) -> dict[str, Any]:
+    """What a cell's result records of its configuration: `key` (sha256 of every part's sha256), `parts` (each part's
+    sha256, its first `PART_CHARS` hex digits: to say what changed), `timeout`."""
+    whole = {name: _digest(value) for name, value in config_parts(cell, modes, base=base).items()}
+    parts = {name: digest[:PART_CHARS] for name, digest in whole.items()}  # enough to say which part changed
+    return {"key": _digest(whole), "parts": parts, "timeout": cell.timeout}
 
 
 def rerun_reason(prior: CellResult, config: Mapping[str, Any]) -> str | None:

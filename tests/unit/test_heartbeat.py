@@ -20,6 +20,7 @@ def test_the_heartbeat_follows_modes_and_phases(tmp_path: Path) -> None:
     beat.event("enter-probe", "x")  # not a boundary: ignored, nothing written
     hb = read_heartbeat(tmp_path)
     assert (hb["mode"], hb["phase"], hb["cell"]) == ("ops", "decode", "m@b") and hb["updated_at"]
+    assert hb["cell_elapsed_s"] >= hb["mode_elapsed_s"] >= hb["phase_elapsed_s"] >= 0
     assert mode_seconds(tmp_path, "ops") is not None and mode_seconds(tmp_path, "layers") is None
     beat.event("leave-workload", "ops.decode")
     beat.event("leave-mode", "ops")

@@ -86,3 +86,16 @@ def test_the_lock_refuses_a_second_holder_and_is_released(tmp_path: Path) -> Non
         assert "in use by another run (pid" in err.value.message and "\n" not in err.value.message
     with run_lock(tmp_path):  # released with the block; the file stays, and never blocks by itself
         pass
+
+
+def test_a_path_model_keys_the_same_in_another_checkout(tmp_path: Path) -> None:
+    """The same matrix and model folder under two roots (two machines' checkouts) give the same key."""
+    keys = []
+    for root in (tmp_path / "one", tmp_path / "two"):
+        (root / "models" / "tiny").mkdir(parents=True)
+        text = matrix_text(models=[{"id": "m", "path": "./models/tiny"}], backends=[{"id": "ae", "compile": "aot_eager"}])
+        (root / "m.yaml").write_text(text, encoding="utf-8")
+        [cell] = expand(load_matrix_text(text, path=str(root / "m.yaml")))
+        assert cell.model.path and cell.model.path.startswith(str(root))
+        keys.append(cell_config(cell, base=root)["key"])
+    assert keys[0] == keys[1]

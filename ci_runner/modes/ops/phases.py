@@ -110,12 +110,14 @@ def run_phases(ctx: "ModeContext", opts: OpsOptions, forward: Inventory, ops_dir
         reason = skip_reason(loaded, phase, ctx.cell.inputs)
         if reason:
             data[phase.name] = {"status": "skipped", "reason": reason}
+            ctx.checkpoint_phase(MODE, phase.name, [], data[phase.name])
             continue
         ctx.journal("enter-workload", f"ops.{phase.name}")  # a hard crash in it names the phase
         graphs, cpu_errors = record_phase_graphs(ctx, phase)
         if cpu_errors:
             data[phase.name] = {"status": "error", "reason": f"the phase fails on CPU: {cpu_errors[0][:300]}"}
             ctx.journal("leave-workload", f"ops.{phase.name}")
+            ctx.checkpoint_phase(MODE, phase.name, [], data[phase.name])
             continue
         inv = inventory_of_graphs(graphs, type(loaded.module).__name__, level="aten", method="phase", device="cpu")
         new = phase_signatures(phase, inv, known)
@@ -147,7 +149,7 @@ def run_phases(ctx: "ModeContext", opts: OpsOptions, forward: Inventory, ops_dir
         row["seconds"] = round(time.monotonic() - t0, 2)
         data[phase.name] = row
         ctx.journal("leave-workload", f"ops.{phase.name}")
-        ctx.checkpoint_phase("ops", phase.name, [f for f in findings if f.phase == phase.name], row)  # kept
+        ctx.checkpoint_phase(MODE, phase.name, [f for f in findings if f.phase == phase.name], row)  # kept
     return findings, data
 
 
