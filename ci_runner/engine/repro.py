@@ -25,7 +25,7 @@ import jinja2
 from ..backends import backend_recipe, boilerplate_lines, is_self_test
 from .failure import REPRO_FUNCTIONS, first_line
 from ..fsutil import atomic_write_text
-from ..quoting import TEMPLATE_FILTERS, comment, pyrepr, shell_command  # noqa: F401  (pyrepr, comment: re-exported)
+from ..quoting import TEMPLATE_FILTERS, shell_command
 from .isolate import isolated_env, run_process
 from ..results.rootcause import cause_line, normalize_text, without_type
 
