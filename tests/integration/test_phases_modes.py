@@ -3,6 +3,7 @@ class is found in its own phase only, and aot_eager (eager's kernels: any findin
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from ci_runner.modes.layers.phases import run_phases as layers_phases
 from ci_runner.modes.numerics.phases import run_phases as numerics_phases
 from ci_runner.options import LayersOptions, NumericsOptions
+from ci_runner.results.rootcause import signature
 from tests.fixtures.matrices import REFERENCES, matrix_text
 
 pytestmark = pytest.mark.slow
@@ -66,6 +68,11 @@ def test_one_token_steps_fail_in_decode_only(context: Callable[[str], Any]) -> N
     assert f.kind == "layer_failure" and "self_attn" in f.module and "prefill passes" in f.message
     assert f.repro is not None and f.repro.verified, f.repro
     assert data["prefill"]["status"] == data["batch"]["status"] == "pass"
+    # issue 45: the finding keeps the error itself, so its root cause is keyed on it (past any boilerplate line),
+    # not on the phase's words: the same error in another phase or in the forward is the same cause
+    assert f.details["message_full"].startswith(f"{f.error_type}: ") and "traceback_tail" in f.details
+    sig = signature(f)
+    assert sig.id == signature(dataclasses.replace(f, phase="long", message="long fails on the backend: ...")).id
 
 
 def test_a_long_prompt_fails_past_the_limit_only(context: Callable[[str], Any]) -> None:
