@@ -190,7 +190,7 @@ def verify_script(script: Path, *, expect_text: Sequence[str], expect_error_type
     missing = [t for t in texts if normalize_text(t) not in norm_out]
     if cause and cause not in norm_out:
         missing.append(cause[:160])
-    if expect_error_type and not re.search(rf"(?<![\w.]){re.escape(expect_error_type)}\b", out):
+    if expect_error_type and not re.search(rf"(?<!\w){re.escape(expect_error_type)}\b", out):  # a qualified name counts
         missing.append(expect_error_type)
     if missing:
         return Verification(verified=False, exit_code=end.returncode, output_tail=tail,

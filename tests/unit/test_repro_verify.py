@@ -96,3 +96,14 @@ def test_every_repro_template_prints_the_start_marker(name: str) -> None:
     if "common.setup()" in text:  # the layer repros: the shared setup macro prints it first
         text = (TEMPLATES / "_repro_layer_common.py.j2").read_text()
     assert f'print("{START_MARKER}", flush=True)' in text
+
+
+def test_the_error_type_counts_as_a_word_qualified_or_not(tmp_path: Path) -> None:
+    (tmp_path / "vendor_exc.py").write_text("class BackendCompilerFailed(Exception):\n    pass\n")
+    s = _script(tmp_path, f"import vendor_exc\nraise vendor_exc.BackendCompilerFailed({FOUND!r})\n")
+    v = verify_script(s, expect_text=key_text(FOUND), expect_error_type="BackendCompilerFailed", expect_message=FOUND,
+                      timeout=60)
+    assert v.verified, v  # printed as vendor_exc.BackendCompilerFailed
+    other = _script(tmp_path, f"class MyRuntimeError(Exception):\n    pass\nraise MyRuntimeError({FOUND!r})\n", "o.py")
+    v2 = _verify(other)
+    assert not v2.verified and "RuntimeError" in v2.note  # type: ignore[attr-defined]
