@@ -40,7 +40,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from ...backends import named_op_from_error, resolve_backend
+from ...backends import boilerplate_lines, named_op_from_error, resolve_backend
+from ...engine.diagnostics import capture_fd2, compiler_words
 from ...engine.codec import TensorStore, decode_call, encode_call
 from ...config import BackendSpec, ModelSpec, spec_from_json
 from ...engine.tree import map_tensors
@@ -54,6 +55,7 @@ from ...engine.models import load_model
 from ...engine.outcome import ProbeOutcome, append_outcome, read_outcomes
 from .culprit_search import Step, StopSearch, parse_key, search, single_order
 from ...engine.repro import Verification, render_template, run_command, write_script
+from ...results.rootcause import cause_line
 
 __all__ = [
     "KIND", "ANSWER", "CapturedGraph", "CulpritResult", "CulpritTarget", "CulpritPlan",
@@ -454,15 +456,21 @@ def _probe(entry: str, key: str, cg: CapturedGraph, nodes: Sequence[torch.fx.Nod
         return ProbeOutcome(name=key, status="skipped", message=str(exc))
     child_journal(f"enter-{KIND}", entry)
     faulthandler.dump_traceback_later(timeout, exit=True, file=timeout_fh)
+    err = [""]
     try:
-        run_graph(source, [t for _, t in inputs], backend)
+        with capture_fd2() as err:  # a native compiler's own words (IREE's "failed to legalize …") go to fd 2
+            run_graph(source, [t for _, t in inputs], backend)
         r = ProbeOutcome(name=key, status="pass", duration_s=time.monotonic() - t0)
     except Exception as exc:  # the backend's error is the finding
         inner = unwrap(exc)
         stage = "compile" if (not backend.is_eager and is_compile_stage(exc)) else "run"
-        r = ProbeOutcome(name=key, status="fail", stage=stage, error_type=type(inner).__name__,
-                        message=str(inner)[:4000] or type(inner).__name__,
-                        traceback=raised_traceback(exc, inner)[-4000:], duration_s=time.monotonic() - t0)
+        message = str(inner)[:4000] or type(inner).__name__
+        words, _ = compiler_words(err[0], inner, message)
+        if words:  # after the error's first line, as the layer search keeps them: the cause past a boilerplate line
+            message = (message + "\n" + "\n".join(words))[:6000]
+        r = ProbeOutcome(name=key, status="fail", stage=stage, error_type=type(inner).__name__, message=message,
+                        traceback=raised_traceback(exc, inner)[-4000:], duration_s=time.monotonic() - t0,
+                        diagnostics=words)
     finally:
         faulthandler.cancel_dump_traceback_later()
         child_journal(f"leave-{KIND}", entry)
@@ -620,7 +628,7 @@ def _result(target: CulpritTarget, answer: Mapping[str, Any], run: Any, seconds:
                          inputs=[st.inputs for st in chosen], sources=[st.source for st in chosen],
                          status=r.status if r else None, stage=r.stage if r else None,
                          error_type=r.error_type if r else None,
-                         message=first_line(r.message, 400) if r else "", note=note, **common)
+                         message=cause_line(r.message, boilerplate_lines(), 400) if r else "", note=note, **common)
 
 
 def _failing_ops(answer: Mapping[str, Any], steps: Sequence[Step], known: Mapping[str, ProbeOutcome]) -> list[dict[str, Any]]:
@@ -633,7 +641,7 @@ def _failing_ops(answer: Mapping[str, Any], steps: Sequence[Step], known: Mappin
             continue
         out.append({"op": steps[s].op, "node": steps[s].node, "inputs": steps[s].inputs, "source": steps[s].source,
                     "status": r.status, "stage": r.stage, "error_type": r.error_type,
-                    "message": first_line(r.message, 400)})
+                    "message": cause_line(r.message, boilerplate_lines(), 400)})
     return out
 
 
