@@ -609,7 +609,7 @@ def probe_one(name: str, *, model: torch.nn.Module, backend: Any, calls: list[tu
         stage = "compile" if (not backend.is_eager and is_compile_stage(exc)) else "run"
         message = str(inner)[:4000] or type(inner).__name__
         words, _ = compiler_words(err[0], inner, message)
-        if words:  # the compiler's own lines after the error's first line (verification keys on the first)
+        if words:  # the compiler's own lines after the error's first line (the cause line past boilerplate: rootcause)
             message = (message + "\n" + "\n".join(words))[:6000]
         outcome = ProbeOutcome(name=outcome_name, status="fail", stage=stage, error_type=type(inner).__name__,
                                message=message, traceback=raised_traceback(exc, inner),
