@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from .diagnostics import capture_fd2, compiler_words
 from .failure import classify, first_line
 from .models import model_module_stack, normalize_module_path
 
@@ -89,9 +90,10 @@ def probe_collectives(compile_fn: Callable[[Callable[..., Any]], Callable[..., A
         x = probe_input(call, dist.get_rank()).to(device)
         want = fn(x.clone()).cpu()
         row: dict[str, Any] = {"op": call["op"], "call": dict(call), "status": "ok", "error_type": None, "message": ""}
+        err = [""]
         try:
             torch._dynamo.reset()
-            with FallbackWatch(compile_name) as watch:
+            with FallbackWatch(compile_name) as watch, capture_fd2() as err:  # a native compiler's words: fd 2
                 got = compile_fn(fn)(x.clone()).cpu()
             if not torch.equal(got, want):
                 row.update(status="mismatch", message=f"max abs difference {float((got - want).abs().max()):.3g}")
@@ -99,8 +101,10 @@ def probe_collectives(compile_fn: Callable[[Callable[..., Any]], Callable[..., A
                 row.update(status="not_ran", message=left)
         except Exception as exc:  # the backend's refusal is the probe's result
             failure = classify(exc)  # the backend's own error, unwrapped from Dynamo's
+            message = first_line(failure.message, 600)
+            words, _ = compiler_words(err[0], exc, message)  # IREE's cause, past its boilerplate first line
             row.update(status="unsupported", error_type=failure.error_type, stage=failure.stage,
-                       message=first_line(failure.message, 600))
+                       message="\n".join([message, *words])[:2000])
         rows.append(row)
         dist.barrier()
     return rows
