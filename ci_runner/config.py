@@ -814,18 +814,21 @@ def raw_entry(matrix: Matrix, kind: str, entry_id: str) -> Mapping[str, Any]:
 
 # --------------------------------------------------------------------------- specs across processes
 
+def plain_json(value: Any) -> Any:
+    """`value` as plain JSON data: mappings (read-only ones too) as dicts with string keys, tuples as lists, a typed
+    sub-spec (PrecisionPolicy) as its `to_json()`."""
+    if hasattr(value, "to_json"):
+        return value.to_json()
+    if isinstance(value, Mapping):
+        return {str(k): plain_json(x) for k, x in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain_json(x) for x in value]
+    return value
+
+
 def spec_to_json(spec: Any) -> dict[str, Any]:
     """A frozen spec dataclass (ModelSpec, BackendSpec, InputSpec, …) as plain JSON, for a child process."""
-    def plain(v: Any) -> Any:
-        if hasattr(v, "to_json"):  # a typed sub-spec (PrecisionPolicy)
-            return v.to_json()
-        if isinstance(v, Mapping):
-            return {str(k): plain(x) for k, x in v.items()}
-        if isinstance(v, (list, tuple)):
-            return [plain(x) for x in v]
-        return v
-
-    return {f.name: plain(getattr(spec, f.name)) for f in fields(spec)}
+    return {f.name: plain_json(getattr(spec, f.name)) for f in fields(spec)}
 
 
 def spec_from_json(cls: type, data: Mapping[str, Any]) -> Any:

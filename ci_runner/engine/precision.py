@@ -24,6 +24,7 @@ import json
 import os
 import re
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
@@ -35,7 +36,7 @@ from ..config import BackendSpec, spec_from_json, spec_to_json
 from ..fsutil import atomic_write_json, locked
 from ..workloads.precision import DTYPES, FLOAT32_CLASSES, PrecisionPolicy, detected_policy
 from .isolate import run_isolated
-from .rounding import MATMUL_LIKE, OPS_BY_CLASS, TORCH_DTYPES, op_class, round_to
+from .rounding import MATMUL_LIKE, OPS_BY_CLASS, TORCH_DTYPES, op_class, round_to, rounded_inputs, rounded_outputs
 
 class Emulate(TorchDispatchMode):
     """The policy's rounding on CPU eager (see the module docstring)."""
@@ -52,19 +53,10 @@ class Emulate(TorchDispatchMode):
         if cls is None or dt == "float32":
             return func(*args, **kwargs)
         self.rounded[cls] = self.rounded.get(cls, 0) + 1
-        if cls == "kv_cache":  # round the values written, never the cache or the indices
-            args = list(args)
-            if len(args) >= 4 and isinstance(args[3], torch.Tensor) and func.__name__.startswith("index_copy"):
-                args[3] = round_to(args[3], dt)
-            elif len(args) >= 3 and isinstance(args[2], torch.Tensor) and func.__name__.startswith("index_put"):
-                args[2] = round_to(args[2], dt)
-            return func(*args, **kwargs)
-        down = (lambda x: round_to(x, dt) if isinstance(x, torch.Tensor) else x)
-        out = func(*tree_map(down, args), **tree_map(down, kwargs))
-        if cls not in MATMUL_LIKE:
-            return tree_map(down, out)
+        args, kwargs = rounded_inputs(cls, dt, func.__name__, args, kwargs)
+        out = rounded_outputs(cls, dt, func(*args, **kwargs))
         acc = self.policy.dtype("accumulate")
-        if acc != "float32":
+        if cls in MATMUL_LIKE and acc != "float32":
             return tree_map(lambda x: round_to(x, acc) if isinstance(x, torch.Tensor) else x, out)
         return out
 
@@ -118,8 +110,6 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _candidate(cls: str, dtype: str, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """CPU eager of the probe's `cls` output with that class computed in `dtype` (the convention's emulation)."""
-    from types import MappingProxyType
-
     classes = {c: "float32" for c in DETECTED_CLASSES}
     classes[cls] = dtype
     policy = PrecisionPolicy(spelled="table", classes=MappingProxyType(classes))
@@ -140,13 +130,14 @@ def classify(outputs: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...]
             found[cls] = {"dtype": "unknown", "why": "non-finite output", "rel_to_float32": None}
             continue
         rel32 = _rel(got, ref[i])
-        dists = {d: _rel(got, _candidate(cls, d, inputs)) for d in DTYPES if d != "float32"}
+        candidates = {d: _candidate(cls, d, inputs) for d in DTYPES if d != "float32"}
+        dists = {d: _rel(got, c) for d, c in candidates.items()}
         if rel32 <= 4e-6:
             pick = "float32"
         else:
             pick = min(dists, key=lambda d: dists[d])
             # an error that no low dtype explains (far from every candidate) is not a precision
-            if dists[pick] > 1.5 * _rel(_candidate(cls, pick, inputs), ref[i]):
+            if dists[pick] > 1.5 * _rel(candidates[pick], ref[i]):
                 pick = "unknown"
         found[cls] = {"dtype": pick, "rel_to_float32": rel32, "distance": {k: float(f"{v:.3g}") for k, v in dists.items()}}
     return found

@@ -5,9 +5,10 @@ what rounding a tensor to a policy's dtype means (fp8 with a per-tensor scale). 
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
+from torch.utils._pytree import tree_map
 
 # ATen op base names per class (the names a dispatch mode sees on the CPU: linear and matmul decompose to these).
 OPS_BY_CLASS: Mapping[str, frozenset[str]] = {
@@ -59,4 +60,28 @@ def round_to(t: torch.Tensor, dtype: str) -> torch.Tensor:
     return t.to(low).to(t.dtype)
 
 
-__all__ = ["MATMUL_LIKE", "OPS_BY_CLASS", "TORCH_DTYPES", "op_class", "round_to"]
+def rounded_inputs(op_class: str, dtype: str, name: str, args: Sequence[Any],
+                   kwargs: Mapping[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+    """An op's inputs as its class computed in `dtype` sees them: every floating input rounded, except for a KV-cache
+    write (`index_copy*`, `index_put*`, named by `name`), which rounds only the values written, never the cache or
+    the indices."""
+    if op_class == "kv_cache":
+        args = list(args)
+        pos = 3 if "index_copy" in name else 2
+        if len(args) > pos and isinstance(args[pos], torch.Tensor):
+            args[pos] = round_to(args[pos], dtype)
+        return args, dict(kwargs)
+    down = (lambda x: round_to(x, dtype) if isinstance(x, torch.Tensor) else x)
+    return tree_map(down, list(args)), tree_map(down, dict(kwargs))
+
+
+def rounded_outputs(op_class: str, dtype: str, out: Any) -> Any:
+    """An op's result as its class computed in `dtype` leaves it: the matmul-like classes accumulate in float32 and
+    a cache write returns what it wrote, so only the other classes round their outputs too."""
+    if op_class in MATMUL_LIKE or op_class == "kv_cache":
+        return out
+    return tree_map(lambda x: round_to(x, dtype) if isinstance(x, torch.Tensor) else x, out)
+
+
+__all__ = ["MATMUL_LIKE", "OPS_BY_CLASS", "TORCH_DTYPES", "op_class", "round_to", "rounded_inputs",
+           "rounded_outputs"]

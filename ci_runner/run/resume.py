@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from .. import __version__
-from ..config import Cell, spec_to_json
+from ..config import Cell, plain_json, spec_to_json
 from ..errors import RunBusyError
 from ..fsutil import try_lock
 from ..results.model import CellResult
@@ -37,14 +37,6 @@ _JOB_ONLY = ("runs_on", "source")
 def _digest(value: Any) -> str:
     text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=str)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
 
 
 def config_parts(cell: Cell, modes: Sequence[str] | None = None, *, base: Path | None = None) -> dict[str, Any]:
@@ -64,7 +56,7 @@ def config_parts(cell: Cell, modes: Sequence[str] | None = None, *, base: Path |
         parts[f"options.{mode}"] = cell.options.get(mode, {})
     parts["references"] = [spec_to_json(r) for r in cell.references]
     parts["version"] = __version__
-    return _plain(parts)
+    return plain_json(parts)
 
 
 def cell_config(cell: Cell, modes: Sequence[str] | None = None, *, base: Path | None = None) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils._pytree import tree_map
 
-from ..engine.rounding import MATMUL_LIKE, op_class, round_to
+from ..engine.rounding import MATMUL_LIKE, op_class, round_to, rounded_inputs, rounded_outputs
 from .compilers import aot_backend, call_nodes
 
 CLASSES = ("matmul", "conv", "attention", "accumulate", "softmax", "norm", "reduction", "elementwise", "kv_cache")
@@ -67,14 +67,9 @@ class _Node:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         dt = self.opts.get(self.cls, "float32")
-        if self.cls == "kv_cache":  # the values written, never the cache itself
-            args = list(args)
-            pos = 3 if "index_copy" in self.__name__ else 2
-            if len(args) > pos and isinstance(args[pos], torch.Tensor):
-                args[pos] = round_to(args[pos], dt)
+        args, kwargs = rounded_inputs(self.cls, dt, self.__name__, args, kwargs)
+        if self.cls == "kv_cache":
             return self.op(*args, **kwargs)
-        down = (lambda x: round_to(x, dt) if isinstance(x, torch.Tensor) else x)
-        args, kwargs = tree_map(down, list(args)), tree_map(down, kwargs)
         if self.cls == "attention" and self.opts.get("softmax", "float32") != "float32":
             return _attention_low_softmax(args, kwargs, self.opts["softmax"])
         acc = self.opts.get("accumulate", "float32")
@@ -83,10 +78,9 @@ class _Node:
             out = self._accumulated(name, args, acc)
         else:
             out = self.op(*args, **kwargs)
-        if self.cls not in MATMUL_LIKE:
-            return tree_map(down, out)
+        out = rounded_outputs(self.cls, dt, out)
         limit = self.opts.get("overflow")
-        if limit:
+        if limit and self.cls in MATMUL_LIKE:
             out = tree_map(lambda x: torch.where(x.abs() > float(limit), x.sign() * torch.inf, x)
                            if isinstance(x, torch.Tensor) and x.is_floating_point() else x, out)
         return out
