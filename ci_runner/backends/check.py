@@ -52,7 +52,8 @@ SIM_OPTIONS: Mapping[str, tuple[str, ...] | None] = {
     "sim-segv": ("op",), "sim-hang": ("op", "seconds"), "sim-decode": ("op", "max_query_len"),
     "sim-kvdrift": ("dtype", "writes"), "sim-masknan": ("op",), "sim-long": ("max_tokens", "op"),
     "sim-reuse": ("outputs",), "sim-precision": ("matmul", "conv", "attention", "accumulate", "softmax", "norm",
-                                                  "reduction", "elementwise", "kv_cache", "overflow"), "sim-memhog": ("instances", "copies"), "simdev": None,
+                                                  "reduction", "elementwise", "kv_cache", "overflow",
+                                                  "overflow_in"), "sim-memhog": ("instances", "copies"), "simdev": None,
     "sim-tp-drop": ("nth",), "sim-tp-dup": ("nth",), "sim-tp-shard": ("nth",),
 }
 SIMDEV_OPTIONS = ("allow", "extra_allow", "deny", "capacity_mb")

@@ -27,6 +27,7 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import itertools
 import json
 import os
 import re
@@ -241,8 +242,17 @@ def detect_task(config: Any, requested: str = "auto") -> str:
     return head_of(str(getattr(config, "model_type", "") or ""))[0] or "base"
 
 
-def _finish(module: torch.nn.Module, *, dtype: torch.dtype, device: str, meta: bool) -> torch.nn.Module:
+def _finish(module: torch.nn.Module, *, dtype: torch.dtype, device: str, meta: bool,
+            stored: torch.dtype | None = None) -> torch.nn.Module:
+    """`module` in `dtype` on `device`, in eval mode. `stored` is the model's own dtype (its `dtype:` in the
+    matrix): a model stored in bfloat16 or float16 and loaded wider (the numerics references) keeps the stored
+    weights' values, so the references and the target run the same numbers."""
     if not meta:
+        if stored is not None and stored.is_floating_point and stored.itemsize < 4:
+            with torch.no_grad():
+                for t in itertools.chain(module.parameters(), module.buffers()):
+                    if t.is_floating_point() and t.dtype.itemsize > stored.itemsize:
+                        t.copy_(t.to(stored))
         if any(p.dtype != dtype for p in module.parameters() if p.is_floating_point()):
             module = module.to(dtype)
         if device != "cpu":
@@ -484,7 +494,7 @@ def load_model(spec: ModelSpec, *, seed: int = 0, dtype: str | torch.dtype | Non
             raise _err(spec, "no source", hint="give one of `config`, `path`, `hub` or `factory`")
     if task not in TASKS:
         raise _err(spec, f"unknown task {task!r}", hint=f"use one of {', '.join(TASKS)}")
-    module = _finish(module, dtype=dt, device=device, meta=meta)
+    module = _finish(module, dtype=dt, device=device, meta=meta, stored=resolve_dtype(None, spec.dtype))
     disable_caches(module)
     return LoadedModel(spec=spec, module=module, task=task, config=config, tokenizer=tokenizer, revision=revision,
                        dtype=dt, device="meta" if meta else device, meta=meta, example_inputs=example_inputs,

@@ -7,7 +7,9 @@ computed in the tensors' own dtype, so matmuls keep float32 accumulation; a floa
 classes that are not matmul-like (`softmax`, `norm`, `elementwise`, `reduction`) a low dtype also rounds the
 output, as a kernel that computes in that dtype would; `kv_cache` rounds what is written into a cache
 (`index_copy_`, `index_put_`: StaticCache's writes); `accumulate` below float32 rounds the matmul's output (an
-approximation: the accumulator's own rounding is finer-grained than that).
+approximation: the accumulator's own rounding is finer-grained than that). A policy with a low `storage` (a model
+loaded in bfloat16 or float16) also rounds every op's result to that dtype, as eager runs such a model: each
+kernel computes wider inside and stores its result in the model's dtype.
 
 **Detection.** `measure(backend)` compiles one small function on the backend (a matmul, a softmax, a layer norm
 and an exp side by side), runs it on inputs whose low mantissa bits tell the formats apart, and names for each
@@ -45,20 +47,56 @@ class Emulate(TorchDispatchMode):
         super().__init__()
         self.policy = policy
         self.rounded: dict[str, int] = {}  # op class -> calls rounded (what the emulation touched)
+        self.active = True
+
+    @contextlib.contextmanager
+    def switched(self, active: bool) -> Iterator[None]:
+        """Rounding on or off for the block: the reference's own reads and the metrics' arithmetic around an
+        emulated forward (a dump read under the mode would be rounded too) run with it off."""
+        before, self.active = self.active, active
+        try:
+            yield
+        finally:
+            self.active = before
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if not self.active:
+            return func(*args, **kwargs)
         cls = op_class(func)
         dt = self.policy.dtype(cls) if cls else "float32"
         if cls is None or dt == "float32":
-            return func(*args, **kwargs)
+            return self._stored(func(*args, **kwargs), func)
         self.rounded[cls] = self.rounded.get(cls, 0) + 1
         args, kwargs = rounded_inputs(cls, dt, func.__name__, args, kwargs)
         out = rounded_outputs(cls, dt, func(*args, **kwargs))
         acc = self.policy.dtype("accumulate")
         if cls in MATMUL_LIKE and acc != "float32":
-            return tree_map(lambda x: round_to(x, acc) if isinstance(x, torch.Tensor) else x, out)
-        return out
+            out = tree_map(lambda x: round_to(x, acc) if isinstance(x, torch.Tensor) else x, out)
+        return self._stored(out, func)
+
+    def _stored(self, out: Any, func: Any) -> Any:
+        """`out` as a model in the storage dtype keeps it: every op's result rounded, an in-place op's target
+        rounded where it lies; a view aliases a tensor already rounded. Inputs are never touched (rounding one
+        would copy it, and an in-place op or a view of it would then miss the original): what enters the model
+        (its inputs, a stubbed call's output) is rounded by the caller, and the weights by `load_model`. float64
+        tensors (the metrics' arithmetic) are never rounded."""
+        store = self.policy.storage
+        if store == "float32" or func.is_view:
+            return out
+        self.rounded["storage"] = self.rounded.get("storage", 0) + 1
+        if _in_place(func):
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype.itemsize == 4:
+                    t.copy_(round_to(t, store))
+            return out
+        return tree_map(lambda x: round_to(x, store) if isinstance(x, torch.Tensor) else x, out)
+
+
+def _in_place(func: Any) -> bool:
+    """An ATen op that writes into its first argument (`add_`, `index_copy_`) or an `out=` overload."""
+    name = func.__name__.split(".")
+    return name[0].endswith("_") or (len(name) > 1 and name[1].startswith("out"))
 
 
 @contextlib.contextmanager

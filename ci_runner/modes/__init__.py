@@ -19,12 +19,12 @@ from ..engine.isolate import Journal
 from ..errors import ModelLoadError
 from ..registry import mode_spec
 from ..results.model import CHECKPOINT_KEY, JOURNAL_NAME, ModeResult
+from ..workloads.precision import PrecisionPolicy, with_storage
 
 if TYPE_CHECKING:
     from ..backends import Backend
     from ..config import Cell
     from ..engine.models import LoadedModel
-    from ..workloads.precision import PrecisionPolicy
 
 ModeFn = Callable[["ModeContext"], ModeResult]
 
@@ -69,13 +69,18 @@ class ModeContext:
     def options(self, mode: str) -> Mapping[str, Any]:
         return self.cell.options.get(mode, {})
 
-    def precision(self) -> tuple["PrecisionPolicy", dict[str, Any]]:
+    def precision(self) -> tuple[PrecisionPolicy, dict[str, Any]]:
         """The cell's precision policy and its `data.precision` record: the backend's declared policy, or for
-        `auto` the one measured once per backend configuration (`engine/precision.resolve_policy`)."""
+        `auto` the one measured once per backend configuration (`engine/precision.resolve_policy`), with the
+        model's own dtype as its storage (`workloads/precision.with_storage`)."""
         if self._precision is None:
             from ..engine.precision import resolve_policy  # deferred: it imports torch
 
-            self._precision = resolve_policy(self.cell.backend)
+            policy, record = resolve_policy(self.cell.backend)
+            stored = with_storage(policy, self.cell.model.dtype)
+            if stored != policy:
+                record = {**record, "policy": stored.label(), "storage": stored.storage}
+            self._precision = (stored, record)
         return self._precision
 
     def remaining(self) -> float:

@@ -22,8 +22,10 @@ from ..config import BackendSpec, ModelSpec, spec_from_json
 from ..fsutil import append_line, atomic_write_json
 from ..engine.isolate import child_journal
 from ..engine.models import load_model
+from ..engine.rounding import TORCH_DTYPES
 from ..options import ThresholdOptions
 from ..results.model import clean, number
+from ..workloads.precision import STORAGE_DTYPES
 from .capture import ResultFn
 from .handoff import load_weights
 from .settings import VIEWS, dynamo_settings
@@ -43,7 +45,7 @@ class TargetPlan:
     model: Mapping[str, Any]  # ModelSpec fields
     backend: Mapping[str, Any]  # BackendSpec fields
     seed: int
-    dtype: str  # the primary reference's dtype: the target runs the same weights in it
+    dtype: str  # the dtype the target runs the weights in: the primary reference's, or the model's bf16/fp16
     dumps: tuple[str, ...]  # one reference dump folder per compared sample
     results: str  # JSONL file the comparison records are appended to
     journal: str
@@ -61,7 +63,8 @@ def compare_target(module: nn.Module, backend: Any, plan: TargetPlan, emit: Resu
                    journal: Callable[[str, str], None] | None = None, *, table: ThresholdTable | None = None) -> None:
     """Both views of the target against every dump of `plan`; each record goes to `emit` as it is made.
 
-    `module` is the model in the primary reference's dtype on CPU; it is moved to the backend's device (eager
+    `module` is the model in `plan.dtype` on CPU (the primary reference's, or the model's own bfloat16/float16,
+    to which the reference's inputs are then cast); it is moved to the backend's device (eager
     devices) and compiled whole for the cumulative view, then module by module for the isolated view. With
     `plan.isolated == "auto"` the isolated view runs only when the cumulative view flags a layer (against `table`,
     else the thresholds file of the plan), fails, or misses one; otherwise a `{"view": "isolated", "status":
@@ -89,8 +92,10 @@ def compare_target(module: nn.Module, backend: Any, plan: TargetPlan, emit: Resu
     if plan.deadline_wall is not None:
         deadline = time.monotonic() + max(0.0, plan.deadline_wall - time.time())
 
-    def to_dev(x: Any) -> Any:
-        return cast_tree(x, device=device)
+    low = TORCH_DTYPES[plan.dtype] if plan.dtype in STORAGE_DTYPES else None  # a model stored in bf16/fp16
+
+    def to_dev(x: Any) -> Any:  # the reference's inputs and stubbed outputs, as the target's model holds them
+        return cast_tree(x, dtype=low, device=device)
 
     with torch._dynamo.config.patch(**dynamo_settings()):
         if "cumulative" in plan.views:

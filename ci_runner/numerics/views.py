@@ -26,8 +26,10 @@ from ..engine.capture import flatten_traceable
 from ..engine.codec import Unstorable
 from ..engine.failure import is_compile_stage
 from ..engine.precision import emulate
+from ..engine.rounding import round_to
 from ..engine.tree import map_tensors
 from .capture import (
+    CallSink,
     CaptureError,
     CompareSink,
     ResultFn,
@@ -373,8 +375,11 @@ def derive_reference_stats(primary: nn.Module, primary_ref: Any, secondaries: Se
         if policy is not None and not policy.is_float32:
             runs.append((primary, None, primary_ref.device, True))
         for module, dt, dev, emulated in runs:
-            def cast(x: Any, dt: torch.dtype | None = dt, dev: str = dev) -> Any:
-                return cast_tree(x, dtype=dt, device=dev)
+            store = policy.storage if emulated and policy is not None else "float32"
+
+            def cast(x: Any, dt: torch.dtype | None = dt, dev: str = dev, store: str = store) -> Any:
+                x = cast_tree(x, dtype=dt, device=dev)  # a model stored in bf16/fp16 receives its inputs so:
+                return x if store == "float32" else map_tensors(lambda t: round_to(t, store), x)
 
             def add(rec: dict[str, Any], emulated: bool = emulated) -> None:
                 if "metrics" not in rec:
@@ -383,27 +388,55 @@ def derive_reference_stats(primary: nn.Module, primary_ref: Any, secondaries: Se
                 layer = stats.setdefault(rec["key"], LayerStats(module_class=call["module_class"], name=call["name"]))
                 layer.add(rec["view"], rec["metrics"], policy=emulated)
 
-            rounding = emulate(policy) if emulated and policy is not None else contextlib.nullcontext()
             t0 = time.monotonic()
-            with rounding:
-                if "cumulative" in views:
-                    args, kwargs = reader.inputs(reader.root())
-                    taken: list[dict[str, Any]] = []
-                    sink = CompareSink(reader, taken.append)
-                    capture_layer_outputs(module, cast(args), cast(kwargs), sink)
-                    differ = calls_differ(reader, sink.counts)  # another path: no statistics from its calls
-                    for rec in taken:
-                        if reader.by_key[rec["key"]]["name"] not in differ:
-                            add(rec)
-                t1 = time.monotonic()
-                if "isolated" in views:
-                    run_isolated_view(dict(module.named_modules()), reader, lambda _n, m: m, add, cast=cast)
+            with (emulate(policy) if emulated and policy is not None else contextlib.nullcontext()) as mode:
+                # the emulation rounds only the model's own ops: reading the dump and the metrics run with it off
+                rounding = mode.switched if mode is not None else (lambda _on: contextlib.nullcontext())
+                with rounding(False):
+                    if "cumulative" in views:
+                        args, kwargs = reader.inputs(reader.root())
+                        taken: list[dict[str, Any]] = []
+                        sink: CompareSink = CompareSink(reader, taken.append)
+                        with rounding(True):
+                            capture_layer_outputs(module, cast(args), cast(kwargs),
+                                                  _Unrounded(sink, rounding) if mode is not None else sink)
+                        differ = calls_differ(reader, sink.counts)  # another path: no statistics from its calls
+                        for rec in taken:
+                            if reader.by_key[rec["key"]]["name"] not in differ:
+                                add(rec)
+                    t1 = time.monotonic()
+                    if "isolated" in views:
+                        run_isolated_view(dict(module.named_modules()), reader,
+                                          lambda _n, m: _rounded_call(m, rounding), add, cast=cast)
             spent["derive_cumulative_s"] += t1 - t0
             spent["derive_isolated_s"] += time.monotonic() - t1
         reader.close()
         if s not in keep:
             shutil.rmtree(folder, ignore_errors=True)
     return stats
+
+
+def _rounded_call(module: nn.Module, rounding: Callable[[bool], Any]) -> Callable[..., Any]:
+    """`module`'s call with the emulation's rounding on (the isolated view of an emulated reference)."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with rounding(True):
+            return module(*args, **kwargs)
+    return call
+
+
+class _Unrounded(CallSink):
+    """A sink whose comparisons run with the emulation's rounding off (they read the reference's dump)."""
+
+    def __init__(self, inner: CallSink, rounding: Callable[[bool], Any]) -> None:
+        self.inner, self.rounding = inner, rounding
+
+    def enter(self, meta: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        with self.rounding(False):
+            self.inner.enter(meta, args, kwargs)
+
+    def exit(self, meta: Any, output: Any) -> None:
+        with self.rounding(False):
+            self.inner.exit(meta, output)
 
 
 def cast_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:

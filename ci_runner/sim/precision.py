@@ -11,7 +11,7 @@ convention: matmul-class inputs rounded to bfloat16, float32 accumulation, every
 | `{norm: bfloat16}` | norms (and RMSNorm's rsqrt) computed in bf16 |
 | `{accumulate: bfloat16}` | matmuls accumulated in bf16 (a running sum rounded after every term) |
 | `{kv_cache: float8_e4m3fn}` | the KV cache written in fp8 (per-tensor scale) |
-| `{matmul: float16, overflow: 1000}` | fp16 matmuls whose outputs saturate: an output above `overflow` in magnitude becomes ±inf, as an fp16 output register past its range would (the threshold is low so tiny models reach it) |
+| `{matmul: float16, overflow: 0.05, overflow_in: mlp.down_proj}` | an fp16 matmul whose outputs saturate in one layer: an output above `overflow` in magnitude becomes ±inf, as an fp16 output register past its range would (the threshold is low so tiny models reach it; `overflow_in` limits it to the matmuls of modules whose path contains that text) |
 
 Ops run with PyTorch's CPU kernels on rounded inputs, so a graph the backend accepts runs everywhere.
 """
@@ -95,13 +95,14 @@ class _Node:
 def make_precision(*, matmul: str = "bfloat16", conv: str | None = None, attention: str | None = None,
                    accumulate: str = "float32", softmax: str = "float32", norm: str = "float32",
                    reduction: str = "float32", elementwise: str = "float32", kv_cache: str = "float32",
-                   overflow: float | None = None) -> Any:
+                   overflow: float | None = None, overflow_in: str | None = None) -> Any:
     """sim-precision (see the module docstring): every class's dtype, matmul's by default for conv and attention."""
     opts: dict[str, Any] = {"matmul": matmul, "conv": conv or matmul, "attention": attention or matmul,
                             "accumulate": accumulate, "softmax": softmax, "norm": norm, "reduction": reduction,
-                            "elementwise": elementwise, "kv_cache": kv_cache, "overflow": overflow}
+                            "elementwise": elementwise, "kv_cache": kv_cache, "overflow": overflow,
+                            "overflow_in": overflow_in}
     for key, value in opts.items():
-        if key != "overflow" and value not in ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"):
+        if key not in ("overflow", "overflow_in") and value not in ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"):
             raise ValueError(f"sim-precision: {key}={value!r} is not a dtype (float32, bfloat16, float16, "
                              f"float8_e4m3fn, float8_e5m2)")
 
@@ -111,9 +112,11 @@ def make_precision(*, matmul: str = "bfloat16", conv: str | None = None, attenti
             cls = op_class(node.target)
             if cls == "elementwise" and "rsqrt" in str(getattr(node.target, "__name__", "")) and norm != "float32":
                 cls = "norm"  # RMSNorm's rsqrt: the norm a decomposed RMSNorm computes
-            if cls is not None and (opts.get(cls, "float32") != "float32" or (cls == "matmul" and overflow)
+            overflows = bool(overflow) and cls == "matmul" and (overflow_in is None or any(
+                overflow_in in str(path) for path, _cls in (node.meta.get("nn_module_stack") or {}).values()))
+            if cls is not None and (opts.get(cls, "float32") != "float32" or overflows
                                     or (cls == "attention" and softmax != "float32")):
-                node.target = _Node(node.target, cls, opts)
+                node.target = _Node(node.target, cls, {**opts, "overflow": overflow if overflows else None})
                 changed = True
         if changed:
             gm.recompile()

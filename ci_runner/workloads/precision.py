@@ -31,7 +31,7 @@ emulation. `check_precision` reports spelling mistakes at load; `parse_precision
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Mapping
 
@@ -61,11 +61,14 @@ UNIT_ROUNDOFF: Mapping[str, float] = MappingProxyType({
 @dataclass(frozen=True, kw_only=True)
 class PrecisionPolicy:
     """A resolved policy: `classes` maps every op class to its dtype; `spelled` is what the matrix said (`auto`,
-    a dtype, or `table`); `detected` is True when the classes were measured (`auto`)."""
+    a dtype, or `table`); `detected` is True when the classes were measured (`auto`); `storage` is the dtype the
+    model's tensors live in between ops (the model's `dtype:` in the matrix: a model loaded in bfloat16 rounds
+    every op's output to bfloat16 whatever its class computes in; see `with_storage`)."""
 
     spelled: str = DEFAULT
     classes: Mapping[str, str] = field(default_factory=lambda: MappingProxyType(convention("float32")))
     detected: bool = False
+    storage: str = "float32"
 
     @property
     def auto(self) -> bool:
@@ -74,7 +77,7 @@ class PrecisionPolicy:
     @property
     def is_float32(self) -> bool:
         """Every class in float32: the policy changes nothing (keys, thresholds, tolerances stay as they were)."""
-        return all(d == "float32" for d in self.classes.values())
+        return self.storage == "float32" and all(d == "float32" for d in self.classes.values())
 
     @property
     def low(self) -> str:
@@ -88,21 +91,30 @@ class PrecisionPolicy:
         base = convention(self.low)
         extra = {c: d for c, d in self.classes.items() if base.get(c) != d}
         text = self.low if not extra else f"{self.low} + " + ", ".join(f"{c}={d}" for c, d in sorted(extra.items()))
-        return f"{text} (detected)" if self.detected else text
+        text = f"{text} (detected)" if self.detected else text
+        return text if self.storage == "float32" else f"{text}, model in {self.storage}"
 
     def key(self) -> dict[str, str]:
-        """What a threshold file or a probe store is keyed by: the classes that are not float32."""
-        return {c: d for c, d in sorted(self.classes.items()) if d != "float32"}
+        """What a threshold file or a probe store is keyed by: the classes that are not float32 (and the model's
+        storage dtype when it is not float32)."""
+        out = {c: d for c, d in sorted(self.classes.items()) if d != "float32"}
+        if self.storage != "float32":
+            out["storage"] = self.storage
+        return out
 
     def to_json(self) -> dict[str, Any]:
-        return {"spelled": self.spelled, "classes": dict(self.classes), "detected": self.detected}
+        out = {"spelled": self.spelled, "classes": dict(self.classes), "detected": self.detected}
+        if self.storage != "float32":
+            out["storage"] = self.storage
+        return out
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any] | None) -> "PrecisionPolicy":
         if not data:
             return cls()
         return cls(spelled=str(data.get("spelled", DEFAULT)), detected=bool(data.get("detected", False)),
-                   classes=MappingProxyType({**convention("float32"), **dict(data.get("classes") or {})}))
+                   classes=MappingProxyType({**convention("float32"), **dict(data.get("classes") or {})}),
+                   storage=str(data.get("storage", "float32")))
 
 
 def convention(low: str) -> dict[str, str]:
@@ -147,6 +159,20 @@ def parse_precision(raw: Any) -> PrecisionPolicy:
     return PrecisionPolicy(spelled="table", classes=MappingProxyType(classes))
 
 
+STORAGE_DTYPES = ("bfloat16", "float16")  # a model's `dtype:` that makes the tensors between its ops low precision
+
+
+def with_storage(policy: PrecisionPolicy, model_dtype: str) -> PrecisionPolicy:
+    """`policy` for a model loaded in `model_dtype` (the matrix's `dtype:` on the model): a bfloat16 or float16
+    model keeps every tensor between ops in that dtype, so each op's output is rounded to it (the op itself may
+    compute wider: CPU eager and compilers upcast inside a kernel); the op classes keep what the backend's policy
+    says. A float32 or float64 model changes nothing."""
+    name = str(model_dtype).removeprefix("torch.")
+    if name not in STORAGE_DTYPES:
+        return policy
+    return replace(policy, storage=name)
+
+
 def detected_policy(spelled: str, measured: Mapping[str, str]) -> PrecisionPolicy:
     """The policy an `auto` cell takes from what the probes measured per class: the convention of the measured
     matmul dtype. Classes the convention keeps in float32 stay float32 whatever was measured there (a norm measured
@@ -157,4 +183,5 @@ def detected_policy(spelled: str, measured: Mapping[str, str]) -> PrecisionPolic
 
 
 __all__ = ["DEFAULT", "DTYPES", "FLOAT32_CLASSES", "LOW_CLASSES", "NAMES", "OP_CLASSES", "PrecisionPolicy",
-           "UNIT_ROUNDOFF", "check_precision", "convention", "detected_policy", "parse_precision"]
+           "STORAGE_DTYPES", "UNIT_ROUNDOFF", "check_precision", "convention", "detected_policy", "parse_precision",
+           "with_storage"]

@@ -26,7 +26,8 @@ LLAMA = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "nu
 MATRIX = matrix_text(
     inputs={"batch": 1, "seq_len": 8, "samples": 2, "seed": 0}, references=REFERENCES,
     models=[{"id": "tiny-llama", "config": "llama", "overrides": LLAMA},
-            {"id": "tiny-llama-eager", "config": "llama", "overrides": {**LLAMA, "attn_implementation": "eager"}}],
+            {"id": "tiny-llama-eager", "config": "llama", "overrides": {**LLAMA, "attn_implementation": "eager"}},
+            {"id": "tiny-llama-bf16", "config": "llama", "overrides": LLAMA, "dtype": "bfloat16"}],
     backends=[
         {"id": "bf16-ok", "compile": "sim-precision", "precision": "bfloat16"},
         {"id": "bf16-as-f32", "compile": "sim-precision", "precision": "float32"},
@@ -35,6 +36,11 @@ MATRIX = matrix_text(
          "backend_options": {"accumulate": "bfloat16"}},
         {"id": "bf16-softmax", "compile": "sim-precision", "precision": "bfloat16",
          "backend_options": {"softmax": "bfloat16"}},
+        {"id": "kv-fp8", "compile": "sim-precision", "precision": "bfloat16",
+         "backend_options": {"kv_cache": "float8_e4m3fn"}},
+        # an fp16 matmul that saturates in one layer (the sim's limit is tiny: a tiny model's outputs are ~1e-3)
+        {"id": "fp16-overflow", "compile": "sim-precision", "precision": "float16",
+         "backend_options": {"matmul": "float16", "overflow": 0.001, "overflow_in": "mlp.down_proj"}},
     ],
 )
 
@@ -45,10 +51,11 @@ def cell_run(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("precision")
     matrix = load_matrix_text(MATRIX)
 
-    def go(mode: str, model: str, backend: str) -> ModeResult:
+    def go(mode: str, model: str, backend: str, phases: tuple[object, ...] = ()) -> ModeResult:
         cell = next(c for c in expand(matrix) if c.model.id == model and c.backend.id == backend)
         opts = {"numerics": {"isolate": False, "thresholds_dir": str(root / "thresholds")}, "ops": {}}
-        cell = dataclasses.replace(cell, options=opts, modes=(mode,))
+        cell = dataclasses.replace(cell, options=opts, modes=(mode,),
+                                   inputs=dataclasses.replace(cell.inputs, phases=phases))
         cell_dir = root / "run" / "cells" / f"{cell.id}-{mode}"
         cell_dir.mkdir(parents=True, exist_ok=True)
         ctx = ModeContext(cell=cell, cell_dir=cell_dir, backend=resolve_backend(cell.backend),
@@ -98,3 +105,24 @@ def test_auto_measures_once_per_backend_configuration(tmp_path) -> None:  # type
     assert again == policy and [p for p in tmp_path.iterdir() if p.suffix == ".json"] == files
     drift, record = resolve_policy(BackendSpec(id="d", compile="sim-drift"), tmp_path)
     assert drift.is_float32 and "norm measured in bfloat16" in record["note"]
+
+
+@pytest.mark.slow  # ~40 s: a decode cell and an overflow cell
+def test_an_fp8_kv_cache_and_an_fp16_overflow_are_found_at_their_class(cell_run, fresh_dynamo: None) -> None:
+    kv = cell_run("numerics", "tiny-llama", "kv-fp8", phases=({"decode": {"steps": 2}},))
+    assert kv.findings and {f.module_class for f in kv.findings} == {"KVCache"}, [f.message for f in kv.findings]
+    assert "the KV cache layers.0." in kv.findings[0].message
+    agreement = kv.data["phases"]["decode"]["agreement"]  # judged against the policy's own token agreement
+    assert agreement["policy"]["greedy"] == 1.0 and agreement["within_policy"] is True
+    overflow = cell_run("numerics", "tiny-llama", "fp16-overflow")
+    assert {(f.module, f.module_class) for f in overflow.findings} == {("model.layers.0.mlp.down_proj", "Linear")}, \
+        [f.message for f in overflow.findings]
+
+
+@pytest.mark.slow  # ~30 s: two numerics cells of a model loaded in bfloat16
+def test_a_model_loaded_in_bf16_is_held_to_what_bf16_storage_explains(cell_run, fresh_dynamo: None) -> None:
+    ok = cell_run("numerics", "tiny-llama-bf16", "bf16-ok")
+    assert ok.status == "pass" and not ok.findings, [f.message for f in ok.findings]
+    assert ok.data["precision"]["policy"] == "bfloat16, model in bfloat16"
+    acc = cell_run("numerics", "tiny-llama-bf16", "bf16-acc")  # bf16 accumulation: still found, at Linear only
+    assert _flagged_classes(acc) == {"Linear"}, [f.message for f in acc.findings]

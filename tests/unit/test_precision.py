@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from types import MappingProxyType
 
@@ -159,3 +160,62 @@ def test_the_policy_round_trips_through_a_child_payload() -> None:
     assert PrecisionPolicy.from_json(None) == PrecisionPolicy()
     assert convention("bfloat16")["matmul"] == "bfloat16"
     assert MappingProxyType(convention("float32")) == PrecisionPolicy().classes
+
+
+def test_a_model_stored_in_bf16_rounds_every_op_result_as_eager_bf16_does() -> None:
+    from ci_runner.workloads.precision import with_storage
+
+    policy = with_storage(parse_precision("auto"), "bfloat16")
+    assert not policy.is_float32 and policy.key() == {"storage": "bfloat16"}
+    assert policy.label() == "float32, model in bfloat16"
+    assert PrecisionPolicy.from_json(policy.to_json()) == policy
+    assert with_storage(parse_precision("bfloat16"), "float32") == parse_precision("bfloat16")  # float32 model: as is
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.LayerNorm(32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+    with torch.no_grad():  # the weights a bf16 model holds, in float32
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16))
+    x = torch.randn(4, 32).to(torch.bfloat16)
+    with torch.no_grad():
+        eager_bf16 = copy.deepcopy(model).to(torch.bfloat16)(x).float()
+        exact = copy.deepcopy(model).double()(x.double()).float()
+        with emulate(policy) as mode:
+            emulated = model(x.float())
+    assert mode.rounded["storage"] >= 4  # every op's result
+    assert emulated.dtype == torch.float32
+    assert torch.equal(emulated, emulated.to(torch.bfloat16).float())  # the result lies on the bf16 grid
+    off_eager = float((emulated - eager_bf16).norm() / eager_bf16.norm())
+    off_exact = float((emulated - exact).norm() / exact.norm())
+    assert off_eager < 0.5 * off_exact, (off_eager, off_exact)  # it follows eager bf16, not float64
+
+
+def test_the_emulation_leaves_the_tensors_the_mode_does_not_compute_alone() -> None:
+    from ci_runner.workloads.precision import with_storage
+
+    policy = with_storage(parse_precision("auto"), "bfloat16")
+    x = torch.randn(64)
+    with emulate(policy) as mode:
+        with mode.switched(False):  # a dump read or a metric: not the model's own op
+            read = x.clone()
+        cache = torch.zeros(8)
+        cache[2:4] = x[:2]  # a write through a view reaches the cache itself
+        written = torch.zeros(3).add_(x[:3])  # an in-place op rounds its target where it lies
+        wide = x.double() * 3  # float64 arithmetic (the metrics) is never rounded
+    assert torch.equal(read, x)
+    assert torch.equal(cache[2:4], x[:2].to(torch.bfloat16).float())
+    assert torch.equal(written, x[:3].to(torch.bfloat16).float())
+    assert torch.equal(wide, x.double() * 3)
+
+
+def test_a_model_stored_in_bf16_and_loaded_wider_keeps_its_stored_weights() -> None:
+    from ci_runner.config import ModelSpec
+    from ci_runner.engine.models import load_model
+
+    spec = ModelSpec(id="m", config="llama", dtype="bfloat16", overrides={
+        "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "vocab_size": 32})
+    low = load_model(spec, seed=0)
+    wide = load_model(spec, seed=0, dtype="float64")
+    assert low.module.dtype == torch.bfloat16 and wide.module.dtype == torch.float64
+    for (name, a), (_, b) in zip(low.module.named_parameters(), wide.module.named_parameters()):
+        assert torch.equal(a.double(), b), name

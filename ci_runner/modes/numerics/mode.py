@@ -32,6 +32,7 @@ from ...engine.isolate import Attempt, IsolatedResult, Journal, supervise
 from ...engine.models import load_model
 from ...options import NumericsOptions
 from ...results.model import ModeResult
+from ...workloads.precision import STORAGE_DTYPES
 from ...numerics.capture import dump_meta, record_reference
 from ...numerics.settings import DTYPES, VIEWS, dynamo_settings
 from ...numerics.store import DumpReader, dump_matches
@@ -79,7 +80,7 @@ def _run_target(ctx: "ModeContext", opts: NumericsOptions, dumps: list[Path], wo
             p.unlink()
     notes: list[str] = []
     base = dict(model=spec_to_json(ctx.cell.model), backend=spec_to_json(ctx.cell.backend), seed=ctx.cell.inputs.seed,
-                dtype=primary.dtype, dumps=tuple(str(d) for d in dumps), results=str(results), journal=str(journal),
+                dtype=target_dtype(ctx), dumps=tuple(str(d) for d in dumps), results=str(results), journal=str(journal),
                 views=opts.views, isolated=opts.isolated, thresholds=str(table.path) if table.path else None,
                 threshold_options=opts.thresholds.as_dict(),
                 weights={"out": str(weights), "chunk_mb": 256.0} if weights is not None else None)
@@ -95,13 +96,20 @@ def _run_target(ctx: "ModeContext", opts: NumericsOptions, dumps: list[Path], wo
             Path(handed).unlink(missing_ok=True)
 
 
+def target_dtype(ctx: "ModeContext") -> str:
+    """The dtype the target runs the model in: the model's own when the matrix loads it in bfloat16 or float16
+    (the references then run its stored weights in their dtypes), else the primary reference's."""
+    model = str(ctx.cell.model.dtype).removeprefix("torch.")
+    return model if model in STORAGE_DTYPES else ctx.cell.references[0].dtype
+
+
 def _hand_over(ctx: "ModeContext", work: Path) -> str | None:
     """The primary reference's model, written for the target child (`handoff.save_weights`) when it lives on CPU;
     None (the child builds it) otherwise or when it cannot be written."""
     primary = ctx.cell.references[0]
     if primary.device != "cpu":
         return None
-    module = ctx.model(dtype=primary.dtype, device="cpu").module
+    module = ctx.model(dtype=target_dtype(ctx), device="cpu").module
     path = None
     try:
         path = handoff_path(module, work)
@@ -170,10 +178,10 @@ def _supervise_target(ctx: "ModeContext", opts: NumericsOptions, base: dict[str,
 def _run_target_here(ctx: "ModeContext", base: dict[str, Any], results: Path, journal: Path,
                      table: ThresholdTable) -> list[dict[str, Any]]:
     """`isolate: false`: compare the target in this process (faster, not crash-safe)."""
-    primary = ctx.cell.references[0]
-    module = ctx.model(dtype=primary.dtype, device="cpu").module
+    dtype = target_dtype(ctx)
+    module = ctx.model(dtype=dtype, device="cpu").module
     if ctx.backend.device != "cpu":  # moving would move the reference model too: use a copy
-        module = load_model(ctx.cell.model, seed=ctx.cell.inputs.seed, dtype=primary.dtype, device="cpu").module
+        module = load_model(ctx.cell.model, seed=ctx.cell.inputs.seed, dtype=dtype, device="cpu").module
     plan = TargetPlan(**base, deadline_wall=time.time() + ctx.remaining() * 0.9)
 
     def emit(rec: dict[str, Any]) -> None:
