@@ -221,6 +221,7 @@ def run(ctx: "ModeContext") -> ModeResult:
     timings["probe_s"] = round(time.monotonic() - t_probe, 3)
     _cleanup(ops_dir / "work")
     data["probe_store"] = {k: stats[k] for k in ("reused", "probed", "waited") if k in stats}
+    data["precision"] = ctx.precision()[1]  # what each probe was judged under (declared, or measured for auto)
     result = model_result(inventory, outcomes, spec=spec, model_id=ctx.cell.model.id, level=level, opts=opts,
                           ops_dir=ops_dir, env_stamp=ctx.env, remaining=ctx.remaining, eager=backend.is_eager,
                           setup_error=stats.get("setup_error"), data=data, started=t_start)
