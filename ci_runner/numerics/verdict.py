@@ -90,8 +90,11 @@ def build_layers(reader: DumpReader, records: list[dict[str, Any]], table: Thres
     return sorted(layers.values(), key=lambda l: l.idx)
 
 
-def verdict_of(layers: list[Layer], *, isolated_ran: bool) -> dict[str, Any]:
-    """The first divergent layer and the kind of divergence (`algorithmic`, `layer_class`, `drift`), with a text."""
+def verdict_of(layers: list[Layer], *, isolated_ran: bool, policy: str | None = None) -> dict[str, Any]:
+    """The first divergent layer and the kind of divergence (`algorithmic`, `layer_class`, `drift`), with a text.
+    Under a precision policy below float32 (`policy`: its label), drift with every layer compared alone and
+    within the policy is `policy_drift`: the policy's own rounding compounding from layer to layer (two rounding
+    noises of one size compared on a few samples), which `findings_for` does not report."""
     by_done = sorted(layers, key=lambda l: l.done)
     cum = [l for l in by_done if l.flagged("cumulative")]
     iso = [l for l in by_done if l.flagged("isolated")]
@@ -132,6 +135,10 @@ def verdict_of(layers: list[Layer], *, isolated_ran: bool) -> dict[str, Any]:
         text = (f"accumulated drift: no layer is wrong on its own{'' if isolated_ran else ' (isolated view not run)'}, "
                 f"but the cumulative error grows past the thresholds from {first.name or '(root)'} on "
                 f"(rel up to {max(rels):.2e})")
+        if policy is not None and all(l.metrics.get("isolated") for l in layers):
+            kind = "policy_drift"
+            text += (f": every layer is within the {policy} policy on its own (isolated view), so this is the "
+                     f"policy's rounding compounding, not a finding")
     return {"first_divergent": first.name, "kind": kind, "pattern": pattern, "text": text}
 
 
@@ -143,13 +150,14 @@ def _fmt(m: Mapping[str, Any] | None) -> str:
 
 def findings_for(layers: list[Layer], verdict: Mapping[str, Any], *, backend_id: str, model_id: str,
                  max_findings: int) -> tuple[list[Finding], int]:
-    """`divergence` findings (most severe first, at most `max_findings`) and how many there were in all."""
+    """`divergence` findings (most severe first, at most `max_findings`) and how many there were in all. A verdict
+    of kind `policy_drift` (cumulative drift under a precision policy, every layer within it on its own) has none."""
     by_name: dict[str, list[Layer]] = {}
     for l in layers:
         by_name.setdefault(l.name, []).append(l)
     iso_names = [n for n, ls in by_name.items() if any(l.flagged("isolated") for l in ls)]
     chosen: list[tuple[str, str]] = [(n, "isolated") for n in iso_names]
-    if not chosen and verdict.get("first_divergent") is not None:
+    if not chosen and verdict.get("first_divergent") is not None and verdict.get("kind") != "policy_drift":
         chosen = [(verdict["first_divergent"], "cumulative")]
     downstream = sum(1 for l in layers if l.flagged("cumulative"))
     findings = []

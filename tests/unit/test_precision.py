@@ -219,3 +219,20 @@ def test_a_model_stored_in_bf16_and_loaded_wider_keeps_its_stored_weights() -> N
     assert low.module.dtype == torch.bfloat16 and wide.module.dtype == torch.float64
     for (name, a), (_, b) in zip(low.module.named_parameters(), wide.module.named_parameters()):
         assert torch.equal(a.double(), b), name
+
+
+def test_drift_that_is_the_policy_own_is_no_finding() -> None:
+    from ci_runner.numerics.verdict import Layer, findings_for, verdict_of
+
+    over = {"rel": 1e-2, "cos": 0.9999, "mad": 1e-3}
+    layers = [Layer(key="", name="", module_class="M", call_index=0, idx=0, done=1, depth=0,
+                    metrics={"cumulative": over, "isolated": {"rel": 0.0, "cos": 1.0, "mad": 0.0}},
+                    threshold={"cumulative": {"rel": 8e-3}}, exceeded={"cumulative": ["rel"]})]
+    verdict = verdict_of(layers, isolated_ran=True)  # a float32 policy: drift is a finding
+    assert verdict["kind"] == "drift"
+    assert len(findings_for(layers, verdict, backend_id="b", model_id="m", max_findings=5)[0]) == 1
+    low = verdict_of(layers, isolated_ran=True, policy="bfloat16 (detected)")
+    assert low["kind"] == "policy_drift" and "within the bfloat16 (detected) policy" in low["text"]
+    assert findings_for(layers, low, backend_id="b", model_id="m", max_findings=5) == ([], 0)
+    layers[0].metrics["isolated"] = None  # a layer not compared alone: the drift stays a finding
+    assert verdict_of(layers, isolated_ran=True, policy="bfloat16")["kind"] == "drift"

@@ -339,7 +339,10 @@ def _single_rank(ctx: "ModeContext", opts: NumericsOptions, t0: float, pending: 
     reader.close()
     iso_ran = any(l.metrics.get("isolated") for l in layers)
     cum_ran = any(l.metrics.get("cumulative") for l in layers)
-    verdict = verdict_of(layers, isolated_ran=iso_ran)
+    policy = ctx.precision()[0]
+    verdict = verdict_of(layers, isolated_ran=iso_ran, policy=None if policy.is_float32 else policy.label())
+    if verdict.get("kind") == "policy_drift":
+        notes.append(verdict["text"])
     findings, total_findings = findings_for(layers, verdict, backend_id=ctx.cell.backend.id,
                                            model_id=ctx.cell.model.id, max_findings=opts.max_findings)
     post = after_numerics(ctx, toolbox, table=table, layers=layers, verdict=verdict, findings=findings,
