@@ -59,6 +59,13 @@ class TargetPlan:
     model_file: str | None = None  # the parent's model tensors (`handoff.save_weights`): not built again
 
 
+def target_dtype(model_dtype: str, primary_dtype: str) -> str:
+    """The dtype the target runs the model in: the model's own when the matrix loads it in bfloat16 or float16
+    (the references then run its stored weights in their dtypes), else the primary reference's."""
+    model = str(model_dtype).removeprefix("torch.")
+    return model if model in STORAGE_DTYPES else primary_dtype
+
+
 def compare_target(module: nn.Module, backend: Any, plan: TargetPlan, emit: ResultFn,
                    journal: Callable[[str, str], None] | None = None, *, table: ThresholdTable | None = None) -> None:
     """Both views of the target against every dump of `plan`; each record goes to `emit` as it is made.

@@ -32,7 +32,6 @@ from ...engine.isolate import Attempt, IsolatedResult, Journal, supervise
 from ...engine.models import load_model
 from ...options import NumericsOptions
 from ...results.model import ModeResult
-from ...workloads.precision import STORAGE_DTYPES
 from ...numerics.capture import dump_meta, record_reference
 from ...numerics.settings import DTYPES, VIEWS, dynamo_settings
 from ...numerics.store import DumpReader, dump_matches
@@ -45,6 +44,7 @@ from ...numerics.target import (
     json_safe,
     parse_journal_entry,
     read_records,
+    target_dtype,
 )
 from ...numerics.cache import cell_thresholds
 from ...numerics.handoff import handoff_path, save_weights
@@ -80,7 +80,8 @@ def _run_target(ctx: "ModeContext", opts: NumericsOptions, dumps: list[Path], wo
             p.unlink()
     notes: list[str] = []
     base = dict(model=spec_to_json(ctx.cell.model), backend=spec_to_json(ctx.cell.backend), seed=ctx.cell.inputs.seed,
-                dtype=target_dtype(ctx), dumps=tuple(str(d) for d in dumps), results=str(results), journal=str(journal),
+                dtype=target_dtype(ctx.cell.model.dtype, primary.dtype), dumps=tuple(str(d) for d in dumps),
+                results=str(results), journal=str(journal),
                 views=opts.views, isolated=opts.isolated, thresholds=str(table.path) if table.path else None,
                 threshold_options=opts.thresholds.as_dict(),
                 weights={"out": str(weights), "chunk_mb": 256.0} if weights is not None else None)
@@ -96,20 +97,13 @@ def _run_target(ctx: "ModeContext", opts: NumericsOptions, dumps: list[Path], wo
             Path(handed).unlink(missing_ok=True)
 
 
-def target_dtype(ctx: "ModeContext") -> str:
-    """The dtype the target runs the model in: the model's own when the matrix loads it in bfloat16 or float16
-    (the references then run its stored weights in their dtypes), else the primary reference's."""
-    model = str(ctx.cell.model.dtype).removeprefix("torch.")
-    return model if model in STORAGE_DTYPES else ctx.cell.references[0].dtype
-
-
 def _hand_over(ctx: "ModeContext", work: Path) -> str | None:
     """The primary reference's model, written for the target child (`handoff.save_weights`) when it lives on CPU;
     None (the child builds it) otherwise or when it cannot be written."""
     primary = ctx.cell.references[0]
     if primary.device != "cpu":
         return None
-    module = ctx.model(dtype=target_dtype(ctx), device="cpu").module
+    module = ctx.model(dtype=target_dtype(ctx.cell.model.dtype, ctx.cell.references[0].dtype), device="cpu").module
     path = None
     try:
         path = handoff_path(module, work)
@@ -178,7 +172,7 @@ def _supervise_target(ctx: "ModeContext", opts: NumericsOptions, base: dict[str,
 def _run_target_here(ctx: "ModeContext", base: dict[str, Any], results: Path, journal: Path,
                      table: ThresholdTable) -> list[dict[str, Any]]:
     """`isolate: false`: compare the target in this process (faster, not crash-safe)."""
-    dtype = target_dtype(ctx)
+    dtype = target_dtype(ctx.cell.model.dtype, ctx.cell.references[0].dtype)
     module = ctx.model(dtype=dtype, device="cpu").module
     if ctx.backend.device != "cpu":  # moving would move the reference model too: use a copy
         module = load_model(ctx.cell.model, seed=ctx.cell.inputs.seed, dtype=dtype, device="cpu").module

@@ -31,6 +31,7 @@ from ...engine.capture import OutputHooks, primary_tensor
 from ...engine.workload import (Call, CallRecord, PhaseRun, capture_calls, replay_calls, run_phase, skip_reason,
                                  smallest_module)
 from ...numerics.metrics import compare_tensors
+from ...numerics.target import target_dtype
 from ...numerics.watched import not_ran
 from ...options import NumericsOptions
 from ...workloads.phases import Phase
@@ -251,9 +252,7 @@ def _one_phase(ctx: "ModeContext", opts: NumericsOptions, phase: Phase) -> tuple
     thresholds, expected_agreement = _with_policy(ctx, opts, phase, primary, ref_run, ref_rec, forced, thresholds)
     backend = ctx.backend
     device = backend.device
-    from .mode import target_dtype  # deferred: mode imports this module
-
-    target = ctx.model(dtype=target_dtype(ctx))  # the model's own bf16/fp16 when the matrix says so
+    target = ctx.model(dtype=target_dtype(ctx.cell.model.dtype, refs[0].dtype))  # the model's own bf16/fp16, if so
 
     def fresh() -> torch.nn.Module:
         return backend.to_device(copy.deepcopy(target.module))
@@ -286,18 +285,9 @@ def _one_phase(ctx: "ModeContext", opts: NumericsOptions, phase: Phase) -> tuple
                                                    f"localises it): {tgt_run.failed.error[:300]}")
     for ow in tgt_run.overwritten:
         out.append(_overwritten(ctx, phase, ow))
-    kv_over = next((k for k in kv if k["over"]), None) if kv else None
-    labels = [r.label for r in tgt_run.records]
-    if kv_over is not None and (not flagged or labels.index(kv_over["call"]) <= flagged[0][0]
-                                if kv_over["call"] in labels else not flagged):
-        # the cache the target wrote is off at or before the first call whose logits are: the cache is the cause
-        # (a KV cache kept in another precision), and what reads it later only carries it
-        after = (f"; the logits of {labels[flagged[0][0]]} then diverge too (rel {_rel(flagged[0][2]):.3g})"
-                 if flagged else "")
-        out.append(_finding(ctx, phase, kv_over["step"], f"kv:{kv_over['tensor']}", "KVCache",
-                            f"{phase.name}, {kv_over['call']}: the KV cache {kv_over['tensor']} the target wrote "
-                            f"differs from the reference's (rel {kv_over['rel']:.3g} > {kv_over['threshold']:.3g})"
-                            + after, {"rel": kv_over["rel"]}, {"rel": kv_over["threshold"]}))
+    kv_first = _kv_cause(ctx, phase, kv or [], flagged, [r.label for r in tgt_run.records])
+    if kv_first is not None:
+        out.append(kv_first)
     elif flagged:
         torch._dynamo.reset()
         module = fresh()
@@ -317,6 +307,21 @@ def _one_phase(ctx: "ModeContext", opts: NumericsOptions, phase: Phase) -> tuple
     elif ran.get("partial_sites"):
         phase_data.update(status="partial", reason=_partial_text(ran["partial_sites"]))
     return out, phase_data
+
+
+def _kv_cause(ctx: "ModeContext", phase: Phase, kv: list[dict[str, Any]],
+              flagged: list[tuple[int, list[int], dict[str, Any]]], labels: list[str]) -> Finding | None:
+    """The finding of the first KV-cache tensor over its threshold when it is off at or before the first call whose
+    logits are (the cache is then the cause: a cache kept in another precision, and what reads it later only
+    carries it); None otherwise."""
+    over = next((k for k in kv if k["over"]), None)
+    if over is None or (flagged and (over["call"] not in labels or labels.index(over["call"]) > flagged[0][0])):
+        return None
+    after = f"; the logits of {labels[flagged[0][0]]} then diverge too (rel {_rel(flagged[0][2]):.3g})" if flagged else ""
+    return _finding(ctx, phase, over["step"], f"kv:{over['tensor']}", "KVCache",
+                    f"{phase.name}, {over['call']}: the KV cache {over['tensor']} the target wrote differs from the "
+                    f"reference's (rel {over['rel']:.3g} > {over['threshold']:.3g})" + after,
+                    {"rel": over["rel"]}, {"rel": over["threshold"]})
 
 
 def _partial_text(sites: Mapping[str, list[str]]) -> str:
