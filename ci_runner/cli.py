@@ -238,10 +238,17 @@ def cmd_aggregate(args: argparse.Namespace) -> int:
 
 
 def cmd_collect(args: argparse.Namespace) -> int:
-    attempts = collect_attempts(Path(args.artifacts), Path(args.out))
+    warned: list[str] = []
+
+    def warn(message: str) -> None:  # a cell passed over or unreadable: said, never dropped (the step goes on)
+        warned.append(message)
+        print(f"deepview-ci: warning: {message}", file=sys.stderr)
+
+    attempts = collect_attempts(Path(args.artifacts), Path(args.out), warn=warn)
     reruns = sum(1 for a in attempts.values() if a > 1)
     print(f"collected {len(attempts)} cell(s) from {args.artifacts} into {args.out}"
-          + (f", {reruns} of them from a re-run (the newest attempt kept)" if reruns else ""))
+          + (f", {reruns} of them from a re-run (the newest attempt kept)" if reruns else "")
+          + (f"; {len(warned)} warning(s) above" if warned else ""))
     return 0
 
 

@@ -10,7 +10,7 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator, Literal, TypeVar
+from typing import IO, Any, Callable, Iterable, Iterator, Literal, TypeVar
 
 from .errors import ExecutionError
 
@@ -128,6 +128,21 @@ def utf8_text(text: str) -> str:
 
 def atomic_write_text(path: str | os.PathLike[str], text: str, *, sync: bool = True) -> Path:
     return atomic_write_bytes(path, utf8_text(text).encode("utf-8"), sync=sync)
+
+
+def atomic_write_chunks(path: str | os.PathLike[str], chunks: Iterable[str], *, sync: bool = True) -> Path:
+    """`atomic_write_text` of the concatenation of `chunks`, written as they come: a big file (results.json, diff.json)
+    is never held whole in memory, and a reader still sees the old file or the complete new one, never a part."""
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as fh:
+            for chunk in chunks:
+                fh.write(utf8_text(chunk).encode("utf-8"))
+            fh.flush()
+            if sync:
+                os.fsync(fh.fileno())
+
+    return atomic_write_with(path, write)
 
 
 def atomic_write_json(path: str | os.PathLike[str], obj: Any, *, indent: int | None = 2) -> Path:

@@ -19,8 +19,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from .errors import ConfigError, InputError
 from .fsutil import atomic_write_json
-from .matrix import ZOO_ARTIFACT, artifact_cell, dumps_compact
-from .results.model import CellError, CellResult, ModeResult, read_json
+from .matrix import ARTIFACT_PREFIX, ATTEMPT_SEP, ZOO_ARTIFACT, artifact_cell, dumps_compact
+from .results.model import RESULT_NAME, CellError, CellResult, ModeResult, load_cell_result, read_json
 
 NO_RESULT = "no result: its job ended before writing one"
 TAIL_CHARS = 4000
@@ -196,24 +196,78 @@ def check_output_size(outputs: Mapping[str, str], *, limit: int = OUTPUT_LIMIT_U
              "backend ids, or split the matrix over two workflow calls (docs/github.md, Limits)")
 
 
-def collect_attempts(artifacts: Path, run_dir: Path) -> dict[str, int]:
+UNREADABLE_SUFFIX = ".unreadable"  # a cell's result.json that `collect` could not read is kept beside, renamed so
+
+
+def collect_attempts(artifacts: Path, run_dir: Path, *, warn: Callable[[str], None] | None = None) -> dict[str, int]:
     """Copy each cell's newest attempt (`<artifact>-attempt-N` folders, one per downloaded artifact) into
-    `run_dir`, replacing that cell's folder there; returns {cell: attempt}. Other folders are left alone."""
-    newest: dict[str, tuple[int, Path]] = {}
+    `run_dir`, replacing that cell's folder there; returns {cell: attempt}. Other folders are left alone.
+
+    No cell is dropped in silence. An attempt that cannot be read (no `cells/<id>/` folder in it, or a `result.json`
+    that is not a readable result of that cell) is passed over for the newest attempt that can, with a `warn` line;
+    when none can, the cell gets an `error` result that says why (the unreadable file kept as
+    `result.json.unreadable`), so the report shows the cell and the step goes on. A folder named like a cell
+    artifact whose name does not decode is a `warn` line too."""
+    say = warn or (lambda _message: None)
+    attempts: dict[str, list[tuple[int, Path]]] = {}
     for folder in sorted(artifacts.iterdir()) if artifacts.is_dir() else ():
         parsed = artifact_cell(folder.name) if folder.is_dir() else None
         if parsed is None:
+            if folder.is_dir() and folder.name.startswith(ARTIFACT_PREFIX):
+                say(f"{folder}: not collected: the name does not decode to a cell id and attempt "
+                    f"({ARTIFACT_PREFIX}<cell>{ATTEMPT_SEP}N)")
             continue
         cid, attempt = parsed
-        if cid not in newest or attempt > newest[cid][0]:
-            newest[cid] = (attempt, folder)
-    for cid, (_attempt, folder) in sorted(newest.items()):
-        _replace_tree(folder / "cells" / cid, run_dir / "cells" / cid)
+        attempts.setdefault(cid, []).append((attempt, folder))
+    newest: dict[str, tuple[int, Path]] = {}
+    for cid, found in sorted(attempts.items()):
+        found.sort(reverse=True)
+        passed: list[str] = []
+        for attempt, folder in found:
+            why = _unreadable(folder / "cells" / cid, cid)
+            if why is None:
+                break
+            passed.append(f"{folder.name}: {why}")
+        else:
+            attempt, folder = found[0]
+        newest[cid] = (attempt, folder)
+        target = run_dir / "cells" / cid
+        if len(passed) < len(found):
+            _replace_tree(folder / "cells" / cid, target)
+            if passed:
+                say(f"{cid}: took {folder.name}; passed over {'; '.join(passed)}")
+            continue
+        _replace_tree(folder / "cells" / cid, target)
+        if (target / RESULT_NAME).is_file():
+            (target / RESULT_NAME).replace(target / (RESULT_NAME + UNREADABLE_SUFFIX))
+        message = f"collect: no attempt of this cell can be read ({'; '.join(passed)})"
+        model, _, backend = cid.partition("@")
+        result = CellResult(id=cid, model=model or cid, backend=backend or "?", status="error", env={"collected": True},
+                            artifacts_dir=f"cells/{cid}")
+        result.error = CellError(type="unreadable_artifact", message=message)
+        atomic_write_json(target / RESULT_NAME, result.to_dict())
+        say(f"{cid}: {message}; it is an `error` cell in the report")
     names = {cid: folder.name for cid, (_a, folder) in newest.items()}
     zoo = collect_zoo(artifacts, run_dir, names)
     if names:  # which artifact (and attempt) each cell came from: the issues name it, never a guess
         atomic_write_json(run_dir / COLLECTED, {"kind": "deepview-ci-collected", "artifacts": dict(sorted(names.items()))})
     return {**{cid: attempt for cid, (attempt, _f) in newest.items()}, **zoo}
+
+
+def _unreadable(cdir: Path, cid: str) -> str | None:
+    """Why the cell folder of an attempt cannot be used, or None. A folder without `result.json` is usable: its job
+    ended before writing one, and what it left (journal, setup record) is what `aggregate --plan` reads."""
+    if not cdir.is_dir():
+        return f"it holds no cells/{cid}/ folder"
+    if not (cdir / RESULT_NAME).exists():
+        return None
+    try:
+        result = load_cell_result(cdir / RESULT_NAME)
+    except InputError as exc:
+        return exc.message
+    if result.id != cid:
+        return f"its {RESULT_NAME} is the result of cell {result.id!r}"
+    return None
 
 
 def collected_artifacts(run_dir: Path | None) -> dict[str, str]:

@@ -78,14 +78,14 @@ def cmd_history_add(args: argparse.Namespace) -> int:
         meta = RunMeta(**{**meta.to_dict(), "trigger": args.trigger})
     if args.commit:
         meta = RunMeta(**{**meta.to_dict(), "commit": args.commit})
-    path, new = add_run(Path(args.store), results, meta, source=str(args.results))
+    path, new = add_run(Path(args.store), results, meta, source=str(args.results), warn=_warn_history)
     print(f"history: {'added' if new else 'already holds'} run {meta.run_id} ({meta.date}) → {args.store}"
           f" ({size_on_disk(Path(args.store)) / 1e6:.2f} MB)")
     return 0
 
 
 def cmd_history_show(args: argparse.Namespace) -> int:
-    h = load_history(Path(args.store))
+    h = load_history(Path(args.store), warn=_warn_history)
     try:
         print(f"{len(h.runs)} run(s), {night_counts(h.runs)[0]} night(s), {len(h.cells)} cell(s), "
               f"{len(h.findings)} distinct finding(s); {size_on_disk(Path(args.store)) / 1e6:.2f} MB on disk")
@@ -101,7 +101,7 @@ def cmd_history_show(args: argparse.Namespace) -> int:
 
 
 def cmd_history_export(args: argparse.Namespace) -> int:
-    h = load_history(Path(args.store))
+    h = load_history(Path(args.store), warn=_warn_history)
     try:
         written = export_csv(h, Path(args.out))
     finally:

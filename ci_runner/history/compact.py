@@ -57,7 +57,8 @@ def compact(store: Path, *, keep: int = DEFAULT_KEEP) -> tuple[int, int]:
                 _fold_week(conn, week, seqs + ([prior[0]] if prior else []))
             conn.execute("COMMIT")
         except BaseException:
-            conn.execute("ROLLBACK")
+            if conn.in_transaction:  # SQLite rolls back by itself on a full disk or an I/O error
+                conn.execute("ROLLBACK")
             raise
         if old:
             conn.execute("VACUUM")

@@ -28,18 +28,22 @@ version is refused and left untouched; an older one is migrated in place when th
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import math
+import os
 import re
 import sqlite3
+import tempfile
 import zlib
 from array import array
 from itertools import accumulate
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from ..errors import InputError, NewerFileError
+from ..fsutil import OutputError, file_mode, output_error
 
 DB_KIND = "deepview-ci-history"
 DB_VERSION = 2
@@ -176,7 +180,8 @@ def migrate(conn: sqlite3.Connection, version: int) -> None:
         conn.execute("INSERT OR REPLACE INTO meta VALUES('schema_version', ?)", (str(DB_VERSION),))
         conn.execute("COMMIT")
     except BaseException:
-        conn.execute("ROLLBACK")
+        if conn.in_transaction:  # SQLite rolls back by itself on a full disk or an I/O error
+            conn.execute("ROLLBACK")
         raise
 
 
@@ -263,24 +268,31 @@ def insert_record(conn: sqlite3.Connection, record: Mapping[str, Any], *, kind: 
         text = json.dumps(stamp, sort_keys=True)
         env_ids.append(_id(conn, cache, "envs", ("hash",), (hashlib.sha256(text.encode()).hexdigest(),), {"json": text}))
     cell_ids = []
-    rows = []
+    rows: dict[int, tuple[Any, ...]] = {}
     for cid, model, backend, status, duration, env, modes in record["cells"]:
         cell_ids.append(_id(conn, cache, "cells", ("cell",), (cid,), {"model": model, "backend": backend}))
-        rows.append((seq, cell_ids[-1], status, duration, env_ids[env], ",".join(f"{m}={s}" for m, s in modes.items())))
-    conn.executemany("INSERT INTO cell_runs VALUES(?, ?, ?, ?, ?, ?)", rows)
+        rows[cell_ids[-1]] = (seq, cell_ids[-1], status, duration, env_ids[env], ",".join(f"{m}={s}" for m, s in modes.items()))
+    # a cell given twice (a record made elsewhere: `history add` refuses such results) counts once, its last entry
+    last = {ci: i for i, ci in enumerate(cell_ids)}
+    conn.executemany("INSERT INTO cell_runs VALUES(?, ?, ?, ?, ?, ?)", list(rows.values()))
     known = dict(((c, fp), i) for i, c, fp in conn.execute("SELECT id, cell, fingerprint FROM findings WHERE cell IN "
                                                             f"({','.join('?' * len(cell_ids))})", cell_ids)) if cell_ids else {}
     present: list[int] = []
     for ci, fp, fkind, mode, op, module, sig in record["findings"]:
+        if last[cell_ids[ci]] != ci:
+            continue
         key = (cell_ids[ci], fp)
         if key not in known:
             texts = [_id(conn, cache, "strings", ("text",), (t or "",)) for t in (fkind, mode, op, module, sig)]
             known[key] = int(conn.execute("INSERT INTO findings(cell, fingerprint, kind, mode, op, module, signature) "
                                           "VALUES(?, ?, ?, ?, ?, ?, ?)", (*key, *texts)).lastrowid)
         present.append(known[key])
+    present = sorted(set(present))
     conn.execute("INSERT INTO run_findings VALUES(?, ?)", (seq, pack_ids(present)))
     _mark_seen(conn, seq, run["date"], present)
     for ci, names, thresholds, worst in record["layers"]:
+        if last[cell_ids[ci]] != ci:
+            continue
         names_text = json.dumps(names)
         thr = quantize(x for row in thresholds for x in row)
         lsid = _id(conn, cache, "layer_sets", ("hash",), (hashlib.sha256(names_text.encode() + thr).hexdigest(),),
@@ -288,7 +300,8 @@ def insert_record(conn: sqlite3.Connection, record: Mapping[str, Any], *, kind: 
         conn.execute("INSERT INTO layer_figures VALUES(?, ?, ?, ?)",
                      (seq, cell_ids[ci], lsid, quantize(x for row in worst for x in row)))
     conn.executemany("INSERT INTO cell_figures VALUES(?, ?, ?)", [(seq, cell_ids[ci], json.dumps(figs, sort_keys=True))
-                                                                   for ci, figs in record.get("figures") or () if figs])
+                                                                   for ci, figs in record.get("figures") or ()
+                                                                   if figs and last[cell_ids[ci]] == ci])
     if older:
         recompute_seen(conn)
     return True
@@ -350,27 +363,89 @@ def recompute_streaks(conn: sqlite3.Connection) -> None:
 
 
 def open_for_write(path: Path) -> sqlite3.Connection:
-    conn = connect(path, create=True)
-    conn.execute("PRAGMA journal_mode=DELETE")
+    """The database for a writer. A new one is made whole beside it and linked into place (`_create`), so a full disk
+    or a kill never leaves an empty or half-made database; later writes are SQLite transactions (rolled back whole).
+    `sqlite3.OperationalError` (disk full, I/O error, locked past the timeout) is an `OutputError` (exit 5)."""
+    path = Path(path)
+    try:
+        if not path.exists() or path.stat().st_size == 0:
+            _create(path)
+        conn = connect(path, create=True)
+        conn.execute("PRAGMA journal_mode=DELETE")
+    except sqlite3.OperationalError as exc:
+        raise write_error(path, exc) from None
     return conn
 
 
-def fold(conn: sqlite3.Connection, records: Iterable[tuple[Path, Mapping[str, Any]]]) -> list[str]:
-    """Fold records into the database in one write transaction (other writers wait); the run ids added."""
+def write_error(path: Path, exc: sqlite3.Error) -> OutputError:
+    return OutputError(f"cannot write the history database {path}: {exc}",
+                       hint="free space on that file system (or fix its permissions), then add the run again; "
+                            "the history holds what it held before")
+
+
+def _create(path: Path) -> None:
+    """A fresh, migrated database at `path`, made in a temp file beside it and linked into place while holding a lock
+    on the folder (two writers creating one history: the second finds the first's). An empty file at `path` (left by
+    a version that created the database in place when the disk filled) holds nothing and is replaced."""
+    folder = path.parent
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists() and path.stat().st_size > 0:
+            return  # another writer made it meanwhile
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+        os.fchmod(fd, file_mode())  # as SQLite would create it (mkstemp's 0600 otherwise)
+        os.close(fd)
+        try:
+            conn = sqlite3.connect(tmp, isolation_level=None)
+            try:
+                migrate(conn, 0)
+            finally:
+                conn.close()
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as exc:
+        raise output_error(path, exc) from None
+    finally:
+        os.close(lock)
+
+
+FOLD_ERRORS = (sqlite3.IntegrityError, KeyError, IndexError, TypeError, ValueError)  # a damaged or foreign record
+
+
+def fold(conn: sqlite3.Connection, records: Iterable[tuple[Path, Mapping[str, Any]]], *,
+         skip: Callable[[Path, str], None] | None = None) -> list[str]:
+    """Fold records into the database in one write transaction (other writers wait); the run ids added.
+
+    Each record is folded whole or not at all (a savepoint each). One that cannot be folded (a damaged record) is
+    an `InputError` that keeps nothing, or, with `skip`, is left out (`skip(path, why)`) while the others go in:
+    one bad file never wedges a history."""
     added: list[str] = []
     conn.execute("BEGIN IMMEDIATE")
     try:
         for path, rec in records:
+            conn.execute("SAVEPOINT record")
             try:
                 if insert_record(conn, rec):
                     added.append(rec["run"]["run_id"])
-            except sqlite3.IntegrityError as exc:  # e.g. a cell twice in one run: refused whole, nothing kept
-                raise InputError(f"{path}: history record cannot be added ({exc})",
-                                 hint="the run holds a cell twice; remove that record from the history's runs/ "
-                                      "folder and add the run again from a results.json without duplicates") from None
+            except FOLD_ERRORS as exc:
+                conn.execute("ROLLBACK TO record")
+                conn.execute("RELEASE record")
+                why = f"{type(exc).__name__}: {exc}"
+                if skip is None:
+                    raise InputError(f"{path}: history record cannot be added ({why})",
+                                     hint="the record is damaged; remove it from the history's runs/ folder and add "
+                                          "the run again from its results.json") from None
+                skip(path, why)
+                continue
+            conn.execute("RELEASE record")
         conn.execute("COMMIT")
     except BaseException:
-        conn.execute("ROLLBACK")
+        if conn.in_transaction:  # SQLite rolls back by itself on a full disk or an I/O error
+            conn.execute("ROLLBACK")
         raise
     return added
 

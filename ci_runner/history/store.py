@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 from ..errors import InputError, NewerFileError
+from ..fsutil import output_error
 from ..results.model import Results
 from . import db
 from .records import RunMeta, read_record, record_of, write_record
@@ -196,10 +197,25 @@ def check_store(store: Path) -> Path:
     return store
 
 
+REJECTED_SUFFIX = ".rejected"  # a pending record that cannot be folded is renamed so, out of the way, kept for a look
+
+
+def set_aside(path: Path, why: str, warn: Callable[[str], None] | None) -> None:
+    """Rename a pending record that cannot be folded to `<name>.rejected` (no longer pending), and say so."""
+    try:
+        path.replace(path.with_name(path.name + REJECTED_SUFFIX))
+    except FileNotFoundError:
+        return
+    if warn is not None:
+        warn(f"history run file set aside as {path.name}{REJECTED_SUFFIX}: it cannot be folded ({why})")
+
+
 def fold_pending(store: Path, conn: sqlite3.Connection | None = None,
-                 known: Mapping[Path, dict[str, Any]] | None = None) -> list[str]:
+                 known: Mapping[Path, dict[str, Any]] | None = None, *,
+                 warn: Callable[[str], None] | None = None) -> list[str]:
     """Fold every pending record file into the database and remove the folded files; the run ids added.
-    `known`: records already in memory by path (the one just written), not read back."""
+    `known`: records already in memory by path (the one just written), not read back: one of them that cannot be
+    folded is an `InputError` (and nothing is kept); any other file that cannot be folded is set aside (`set_aside`)."""
     store = check_store(store)
     own = conn is None
     conn = conn or db.open_for_write(store / DB_NAME)
@@ -207,7 +223,17 @@ def fold_pending(store: Path, conn: sqlite3.Connection | None = None,
         paths = _pending(store)
         records = [(p, known[p]) for p in paths if known and p in known]
         records += _read_pending([p for p in paths if not known or p not in known])
-        added = db.fold(conn, records)
+
+        def skip(path: Path, why: str) -> None:
+            if known and path in known:
+                raise InputError(f"{path}: history record cannot be added ({why})",
+                                 hint="nothing was added; check the results file")
+            set_aside(path, why, warn)
+
+        try:
+            added = db.fold(conn, records, skip=skip)
+        except sqlite3.OperationalError as exc:
+            raise db.write_error(store / DB_NAME, exc) from None
         for path, rec in records:
             if db.superseded(conn, rec["run"]["run_id"]):  # folded, or an earlier attempt a later one replaced
                 path.unlink(missing_ok=True)
@@ -263,38 +289,53 @@ def check_cells(results: Results, source: str) -> None:
         seen.add(c.id)
 
 
-def add_run(store: Path, results: Results, meta: RunMeta, *, source: str = "results") -> tuple[Path, bool]:
+def add_run(store: Path, results: Results, meta: RunMeta, *, source: str = "results",
+            warn: Callable[[str], None] | None = None) -> tuple[Path, bool]:
     """Add one run: its record file, then a fold. Returns the record's path and whether the run was new.
-    Results that hold a cell twice are refused before anything is written (`check_cells`)."""
+    Results that hold a cell twice are refused before anything is written (`check_cells`). Atomic and idempotent per
+    run id: a run already held is not added again, and a fold that fails (disk full: `OutputError`, exit 5) keeps
+    nothing of this run, its record file included, so the next add or show finds the history as it was."""
     check_cells(results, source)
     store = check_store(store)
-    store.mkdir(parents=True, exist_ok=True)
+    try:
+        store.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise output_error(store, exc) from None
     conn = db.open_for_write(store / DB_NAME)  # refuses a foreign or newer database before anything is written
     try:
         if db.superseded(conn, meta.run_id):
             return store / RUNS_DIR / f"{meta.date}_{meta.run_id}.json.gz", False
         record = record_of(results, meta)
         path = write_record(record, store / RUNS_DIR)
-        added = fold_pending(store, conn, {path: record})
+        try:
+            added = fold_pending(store, conn, {path: record}, warn=warn)
+        except BaseException:
+            if not db.has_run(conn, meta.run_id):
+                path.unlink(missing_ok=True)  # this run's own file: a failed add leaves nothing behind
+            raise
         return path, meta.run_id in added or db.has_run(conn, meta.run_id)
     finally:
         conn.close()
 
 
 def load_history(store: Path, *, current: Results | None = None, current_meta: RunMeta | None = None,
-                 missing_ok: bool = False, window: int | None = None) -> History:
+                 missing_ok: bool = False, window: int | None = None,
+                 warn: Callable[[str], None] | None = None) -> History:
     """Read the history (database plus pending records, merged in memory; nothing on disk is written).
 
     With `current`, that run is merged in as the newest night unless the history already holds it (same
     ``generated_at``): `aggregate --history` reports on a run before it is added. `missing_ok`: no folder yet
     (the first night) reads as an empty history. `window`: only the findings seen in the newest `window` runs are
-    loaded (what the reports draw); None loads all (export)."""
+    loaded (what the reports draw); None loads all (export). With `warn`, a pending record that cannot be folded is
+    left out with a warning (nothing on disk changes); without, it is an `InputError`. An empty database file (what
+    a full disk left under an older version) holds nothing and reads as a new history."""
     store = check_store(store)
     if not store.is_dir() and not missing_ok:
         raise InputError(f"{store}: no history folder", hint="create it with `deepview-ci history add RESULTS --store DIR`")
     dbpath = store / DB_NAME
-    conn = db.memory_copy(dbpath if dbpath.exists() else None)
-    db.fold(conn, _read_pending(_pending(store)))
+    conn = db.memory_copy(dbpath if dbpath.exists() and dbpath.stat().st_size > 0 else None)
+    skip = (lambda path, why: warn(f"history run file left out: {path}: it cannot be folded ({why})")) if warn else None
+    db.fold(conn, _read_pending(_pending(store)), skip=skip)
     _merge_current(conn, current, current_meta)
     return read_all(conn, window=window)
 

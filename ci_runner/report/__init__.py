@@ -10,11 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..fsutil import atomic_write_bytes, atomic_write_text
+from ..fsutil import atomic_write_chunks, atomic_write_text
 from ..log import append_step_summary
 from ..results.model import Results
 from .html import render_html
-from .junit import render_junit, xml_safe
+from .junit import junit_chunks, render_junit, xml_safe
 from .summary import SUMMARY_LIMIT, render_summary, truncate_markdown
 from .view import build_view
 
@@ -30,6 +30,7 @@ def write_reports(
     diff: Any = None,
     env: Mapping[str, str] | None = None,
     trends: Any = None,
+    write_dir: Path | None = None,
 ) -> dict[str, Path]:
     """Write junit.xml, summary.md and report.html into `out_dir`; return their paths.
 
@@ -37,15 +38,18 @@ def write_reports(
     given. With `diff` (a `baseline.Diff`), regressions lead the summary and the page. When
     ``GITHUB_STEP_SUMMARY`` is set (in `env`, default ``os.environ``), the summary is appended to
     it within GitHub's 1 MiB cap. With `trends` (``history.trends.Trends``), the summary and the page carry
-    the history: since when each finding fails, flaky and drifting findings, burn-downs and charts.
+    the history: since when each finding fails, flaky and drifting findings, burn-downs and charts. With
+    `write_dir`, the files are written there instead (a staging folder, `run.aggregate.write_report_dir`), their
+    links still made for `out_dir`.
     """
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    dest = Path(write_dir) if write_dir is not None else out
+    dest.mkdir(parents=True, exist_ok=True)
     view = build_view(results, out_dir=out if run_dir is not None else None, run_dir=run_dir, diff=diff)
     paths = {
-        "junit": atomic_write_bytes(out / "junit.xml", render_junit(results, view=view)),
-        "summary": atomic_write_text(out / "summary.md", summary := render_summary(results, view=view, trends=trends)),
-        "html": atomic_write_text(out / "report.html", render_html(results, view=view, trends=trends)),
+        "junit": atomic_write_chunks(dest / "junit.xml", junit_chunks(view)),
+        "summary": atomic_write_text(dest / "summary.md", summary := render_summary(results, view=view, trends=trends)),
+        "html": atomic_write_text(dest / "report.html", render_html(results, view=view, trends=trends)),
     }
     append_step_summary(summary, env=env, pointer="the full report is `report.html` in the run's report artifact")
     return paths

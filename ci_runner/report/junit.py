@@ -34,9 +34,9 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
-from ..fsutil import atomic_write_bytes
+from ..fsutil import atomic_write_chunks
 from ..registry import mode_hooks
 from ..results.model import CellError, Results
 from ..engine.failure import headline
@@ -265,30 +265,67 @@ def _cell_suite(root: ET.Element, cv: CellView) -> dict[str, Any]:
     return {**counts, "time": total}
 
 
-def build_junit(view: ReportView, *, name: str = "deepview-ci") -> ET.ElementTree:
-    root = ET.Element("testsuites", {"name": name})
+def _totals(cells: list[CellView]) -> tuple[dict[str, int], float]:
+    """The root's `tests`/`failures`/`errors` and `time`: the sums of what each suite states."""
     totals = {"tests": 0, "failures": 0, "errors": 0}
     time = 0.0
-    for cv in sorted(view.cells, key=lambda c: c.id):
-        s = _cell_suite(root, cv)
-        for k in totals:
-            totals[k] += s[k]
-        time += s["time"]
+    for cv in cells:
+        cases = cell_cases(cv, detail=False)
+        totals["tests"] += len(cases)
+        totals["failures"] += sum(1 for case in cases if case.outcome == "failure")
+        totals["errors"] += sum(1 for case in cases if case.outcome == "error")
+        time += sum(float(_time(case.time)) for case in cases)
+    return totals, time
+
+
+def _root(name: str, totals: Mapping[str, int], time: float) -> ET.Element:
+    root = ET.Element("testsuites", {"name": name})
     for k, v in totals.items():  # Jenkins' schema has no `skipped` here: readers sum the suites'
         root.set(k, str(v))
     root.set("time", _time(time))
+    return root
+
+
+def build_junit(view: ReportView, *, name: str = "deepview-ci") -> ET.ElementTree:
+    cells = sorted(view.cells, key=lambda c: c.id)
+    root = _root(name, *_totals(cells))
+    for cv in cells:
+        _cell_suite(root, cv)
     return ET.ElementTree(root)
+
+
+_INSIDE = "\ue000"  # a stand-in for the root's children while its start tag is serialized
+
+
+def junit_chunks(view: ReportView, *, name: str = "deepview-ci") -> Iterator[str]:
+    """The junit.xml text (`build_junit`, indented), one suite at a time: a suite is built, serialized and dropped,
+    so a run of many cells never holds the whole tree nor the whole text."""
+    cells = sorted(view.cells, key=lambda c: c.id)
+    root = _root(name, *_totals(cells))
+    yield "<?xml version='1.0' encoding='utf-8'?>\n"
+    if not cells:
+        yield xml_safe(ET.tostring(root, encoding="unicode")) + "\n"
+        return
+    root.text = _INSIDE
+    start, end = xml_safe(ET.tostring(root, encoding="unicode")).split(_INSIDE)
+    yield start + "\n  "
+    for i, cv in enumerate(cells):
+        holder = ET.Element("testsuites")
+        _cell_suite(holder, cv)
+        suite = holder[0]
+        ET.indent(suite, space="  ", level=1)
+        suite.tail = "\n  " if i < len(cells) - 1 else "\n"
+        yield xml_safe(ET.tostring(suite, encoding="unicode"))
+    yield end + "\n"
 
 
 def render_junit(results: Results, *, out_dir: Path | None = None, run_dir: Path | None = None,
                  view: ReportView | None = None) -> bytes:
     """The junit.xml bytes (UTF-8, with an XML declaration)."""
     v = view or build_view(results, out_dir=out_dir, run_dir=run_dir)
-    tree = build_junit(v)
-    ET.indent(tree, space="  ")
-    text = xml_safe(ET.tostring(tree.getroot(), encoding="unicode"))
-    return ("<?xml version='1.0' encoding='utf-8'?>\n" + text + "\n").encode("utf-8")
+    return "".join(junit_chunks(v)).encode("utf-8")
 
 
 def write_junit(results: Results, path: Path, *, run_dir: Path | None = None, view: ReportView | None = None) -> Path:
-    return atomic_write_bytes(path, render_junit(results, out_dir=path.parent, run_dir=run_dir, view=view))
+    v = view or build_view(results, out_dir=path.parent, run_dir=run_dir)
+    return atomic_write_chunks(path, junit_chunks(v))

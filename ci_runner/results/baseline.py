@@ -57,10 +57,10 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence, TextIO
+from typing import Any, Iterable, Iterator, Mapping, Sequence, TextIO
 
 from ..errors import EXIT_FINDINGS, EXIT_OK, InputError, UsageError
-from ..fsutil import atomic_write_text
+from ..fsutil import atomic_write_chunks, atomic_write_text
 from ..github.actions import AnnotationCap, in_actions
 from ..log import append_step_summary
 from ..report.summary import SUMMARY_LIMIT, code, md, truncate_markdown
@@ -378,7 +378,8 @@ class Diff:
         changed = n["regressed"] + n["fixed"] + n["new_cell"] + n["missing_cell"]
         return EXIT_FINDINGS if changed else EXIT_OK
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, *, entries: bool = True) -> dict[str, Any]:
+        """diff.json as a dict; `entries=False`: with an empty entry list (`diff_chunks` writes them one at a time)."""
         return {
             "schema_version": DIFF_SCHEMA_VERSION,
             "policy": self.policy,
@@ -387,7 +388,7 @@ class Diff:
             "run_dir": self.run_dir,
             "counts": self.counts(),
             **({"drifting": self.drifting} if self.drifting else {}),
-            "entries": [e.to_dict() for e in self.entries],
+            "entries": [e.to_dict() for e in self.entries] if entries else [],
         }
 
 
@@ -605,18 +606,31 @@ def render_diff_markdown(d: Diff, *, max_rows: int = 200) -> str:
                              pointer="the full diff is `diff.json` next to this file")
 
 
-def dumps_diff(data: Mapping[str, Any]) -> str:
-    """diff.json with one entry per line: readable, greppable, and written by the C JSON encoder."""
+def _diff_chunks(head: Mapping[str, Any], entries: Iterable[Mapping[str, Any]]) -> Iterator[str]:
     def one(obj: Any) -> str:
         return json.dumps(obj, ensure_ascii=False, allow_nan=False)
 
-    lines = ["{"]
-    lines += [f"  {one(k)}: {one(v)}," for k, v in data.items() if k != "entries"]
-    entries = data.get("entries", [])
-    lines.append('  "entries": [')
-    lines += [f"    {one(e)}{',' if i < len(entries) - 1 else ''}" for i, e in enumerate(entries)]
-    lines += ["  ]", "}"]
-    return "\n".join(lines) + "\n"
+    yield "{\n"
+    for k, v in head.items():
+        yield f"  {one(k)}: {one(v)},\n"
+    yield '  "entries": ['
+    sep = "\n    "
+    for e in entries:
+        yield sep + one(e)
+        sep = ",\n    "
+    yield "\n  ]\n}\n"
+
+
+def dumps_diff(data: Mapping[str, Any]) -> str:
+    """diff.json with one entry per line: readable, greppable, and written by the C JSON encoder."""
+    return "".join(_diff_chunks({k: v for k, v in data.items() if k != "entries"}, data.get("entries", [])))
+
+
+def diff_chunks(d: Diff) -> Iterator[str]:
+    """`dumps_diff(d.to_dict())` piece by piece: each entry's dict is made, written and dropped (a big run's diff.json
+    is as big as its results.json)."""
+    head = {k: v for k, v in d.to_dict(entries=False).items() if k != "entries"}
+    return _diff_chunks(head, (e.to_dict() for e in d.entries))
 
 
 def write_diff(d: Diff, out_dir: Path, *, env: Mapping[str, str] | None = None) -> tuple[Path, Path]:
@@ -624,7 +638,7 @@ def write_diff(d: Diff, out_dir: Path, *, env: Mapping[str, str] | None = None) 
     ``GITHUB_STEP_SUMMARY`` when it is set (within the 1 MiB cap)."""
     out_dir = Path(out_dir)
     text = render_diff_markdown(d)
-    j = atomic_write_text(out_dir / "diff.json", dumps_diff(d.to_dict()))
+    j = atomic_write_chunks(out_dir / "diff.json", diff_chunks(d))
     m = atomic_write_text(out_dir / "diff.md", text)
     append_step_summary(text, env=env, pointer="the full diff is `diff.json` in the run's artifacts")
     return j, m

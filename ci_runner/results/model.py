@@ -12,17 +12,18 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from functools import lru_cache
 from importlib.resources import files
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterable, Literal, Mapping
+from typing import Any, Iterable, Iterator, Literal, Mapping
 
 import fastjsonschema
 import jsonschema
 
 from ..errors import InputError
-from ..fsutil import atomic_write_json, atomic_write_text, utf8_text
+from ..fsutil import atomic_write_chunks, atomic_write_json, utf8_text
 from ..jsontext import parse_json
 from ..registry import apply_to_schema, kind_names, mode_names
 
@@ -35,6 +36,7 @@ CHECKPOINT_KEY = "checkpoint"  # in a mode's data: a result saved mid-mode (`Mod
 JOURNAL_NAME = "journal.log"  # enter/leave events (fsync'd), read by the parent after a hard crash
 STDERR_NAME = "stderr.log"  # the cell worker's stderr
 HEARTBEAT_NAME = "heartbeat.json"  # where the worker is: mode, phase, since when (run/heartbeat.py)
+RESULTS_LISTED: tuple[str, ...] = ("root_causes", "cells", "ranking", "patterns")  # results.json: one item per line, in this order
 STARTED_NAME = "started.json"  # written and uploaded by the cell job's shell before the cell runs (the workflow)
 
 CellStatus = Literal["pass", "fail", "error", "timeout", "crashed", "skipped", "inconclusive"]
@@ -283,17 +285,16 @@ class Results:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema_version": SCHEMA_VERSION,
-            "tool_version": self.tool_version,
-            "generated_at": self.generated_at,
-            "counts": self.counts(),
-            "cells": [c.to_dict() for c in sorted(self.cells, key=lambda c: c.id)],
-            "ranking": clean(self.ranking),
-            "patterns": clean(self.patterns),
-            "root_causes": clean(self.root_causes),
-            **({"zoo": clean(self.zoo)} if self.zoo is not None else {}),
-        }
+        return {**self.to_dict_head(), "cells": [c.to_dict() for c in sorted(self.cells, key=lambda c: c.id)]}
+
+    def to_dict_head(self) -> dict[str, Any]:
+        """`to_dict` without the cells (`results_chunks` writes them one at a time); the same key order."""
+        out: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "tool_version": self.tool_version,
+                               "generated_at": self.generated_at, "counts": self.counts()}
+        out.update(cells=[], ranking=clean(self.ranking), patterns=clean(self.patterns), root_causes=clean(self.root_causes))
+        if self.zoo is not None:
+            out["zoo"] = clean(self.zoo)
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Results":
@@ -374,6 +375,12 @@ def load_cell_result(path: str | Path) -> CellResult:
 
 
 def load_results(path: str | Path) -> Results:
+    """A results.json, validated. The layout deepview-ci writes (`results_chunks`: one cell per line) is read a line at
+    a time (`_load_by_line`), so a run of many cells is never held as text and dict and model at once; any other
+    layout, or any fault, is read whole, which also words the error."""
+    streamed = _load_by_line(Path(path))
+    if streamed is not None:
+        return streamed
     data = read_json(path, what="results file")
     if isinstance(data, dict) and data.get("schema_version") not in (None, SCHEMA_VERSION):
         raise InputError(
@@ -384,24 +391,114 @@ def load_results(path: str | Path) -> Results:
     return Results.from_dict(data)
 
 
+_OPENS = re.compile(rb', "(' + "|".join(RESULTS_LISTED).encode() + rb')": \[\n\Z')  # a frame line that opens a list
+_CELL_SCHEMA = "cell.schema.json"
+
+
+def _load_by_line(path: Path) -> Results | None:
+    """`path` read in the one-item-per-line layout `results_chunks` writes: the frame lines (the head, each list's
+    opening and closing) parsed as one small object, each item line parsed alone, each cell validated and turned into
+    a `CellResult` before the next is read. None when the file is not in that layout or anything in it is wrong
+    (not JSON, not valid, another schema version): the caller reads it whole, which is also what words the error.
+    The items joined back are exactly the file's text, so what this accepts, the whole-file read accepts too."""
+    try:
+        fh = open(path, "rb")
+    except OSError:
+        return None
+    lists: dict[str, list[Any]] = {}
+    cells: list[CellResult] = []
+    frame: list[bytes] = []
+    with fh:
+        key: str | None = None  # the list whose items are being read
+        pending: bytes | None = None  # the previous item line (it must end with "," unless the list closes after it)
+        for line in fh:
+            if key is None or line.startswith(b"]"):
+                if key is not None:  # the list closes: its last item has no comma
+                    if pending is None or not _take_item(path, key, pending, lists, cells):
+                        return None
+                    pending = None
+                    line = line[1:]  # the frame holds the list closed already
+                m = _OPENS.search(line) if line.endswith(b"[\n") else None
+                if m is None:
+                    frame.append(line)
+                    key = None
+                    continue
+                key = m.group(1).decode()
+                if key in lists:
+                    return None
+                lists[key] = []
+                frame.append(line[:-1] + b"]")  # the frame holds the list empty
+                continue
+            if pending is not None:
+                if not pending.endswith(b",\n") or not _take_item(path, key, pending[:-2] + b"\n", lists, cells):
+                    return None
+            pending = line
+        if key is not None or not lists:
+            return None
+    try:
+        data = parse_json(b"".join(frame), source=str(path), what="results file")
+    except InputError:
+        return None
+    if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION:
+        return None
+    if any(data.get(k) != [] for k in lists):
+        return None  # a key given twice, or the frame is not what it seemed
+    data.update({k: v for k, v in lists.items() if k != "cells"})
+    try:
+        validate(data, "results.schema.json", source=str(path))
+    except InputError:
+        return None
+    results = Results.from_dict(data)
+    results.cells = cells
+    return results
+
+
+def _take_item(path: Path, key: str, line: bytes, lists: dict[str, list[Any]], cells: list[CellResult]) -> bool:
+    try:
+        item = parse_json(line, source=str(path), what="results file")
+        if key == "cells":
+            validate(item, _CELL_SCHEMA, source=str(path))
+            cells.append(CellResult.from_dict(item))
+        else:
+            lists[key].append(item)
+    except InputError:
+        return False
+    return True
+
+
 def save_cell_result(cell: CellResult, path: str | Path) -> Path:
     return atomic_write_json(path, cell.to_dict())
 
 
+def _results_chunks(head: Mapping[str, Any], lists: Iterable[tuple[str, Iterable[Any]]]) -> Iterator[str]:
+    """results.json text, piece by piece: the `head` object's keys, then each listed key's items one per line."""
+    yield json.dumps(dict(head), ensure_ascii=False, allow_nan=False)[:-1]
+    for key, items in lists:
+        sep = f', "{key}": [\n'
+        for item in items:
+            yield sep + json.dumps(item, ensure_ascii=False, allow_nan=False)
+            sep = ",\n"
+        yield f', "{key}": []' if sep != ",\n" else "\n]"
+    yield "}\n"
+
+
 def dumps_results(data: Mapping[str, Any]) -> str:
     """results.json text: one cell per line, so big runs write fast and diffs stay line-oriented."""
-    listed = ("root_causes", "cells", "ranking", "patterns")
-    head = {k: v for k, v in data.items() if k not in listed}
-    parts = [json.dumps(head, ensure_ascii=False, allow_nan=False)[:-1]]
-    for key in listed:
-        items = data.get(key) or []
-        body = ",\n".join(json.dumps(item, ensure_ascii=False, allow_nan=False) for item in items)
-        parts.append(f', "{key}": [\n{body}\n]' if items else f', "{key}": []')
-    return "".join(parts) + "}\n"
+    head = {k: v for k, v in data.items() if k not in RESULTS_LISTED}
+    return "".join(_results_chunks(head, ((key, data.get(key) or []) for key in RESULTS_LISTED)))
+
+
+def results_chunks(results: Results) -> Iterator[str]:
+    """`dumps_results(results.to_dict())`, produced one cell at a time: the text of a run of many cells is never
+    held whole, nor its dict (each cell's dict is made, written and dropped)."""
+    full = results.to_dict_head()
+    head = {k: v for k, v in full.items() if k not in RESULTS_LISTED}
+    cells = (c.to_dict() for c in sorted(results.cells, key=lambda c: c.id))
+    return _results_chunks(head, ((key, cells if key == "cells" else full.get(key) or []) for key in RESULTS_LISTED))
 
 
 def save_results(results: Results, path: str | Path) -> Path:
-    return atomic_write_text(path, dumps_results(results.to_dict()))
+    return atomic_write_chunks(path, results_chunks(results))
 
 
 def iter_findings(results: Results) -> Iterable[tuple[CellResult, str, Finding]]:

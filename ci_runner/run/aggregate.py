@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import datetime as _dt
+import os
+import shutil
+import tempfile
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -10,6 +13,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from ..engine.envinfo import tool_version
 from ..engine.isolate import open_entry
 from ..errors import InputError
+from ..fsutil import OutputError, output_error
 from ..report import write_reports
 from ..plan import NO_RESULT, SETUP_RECORD, TAIL_CHARS, Evidence, PlannedCell, apply_plan, read_setup_record
 from ..registry import SECTION_OPS, FindingKind, kinds_in
@@ -189,8 +193,26 @@ def _killed_while_running(p: PlannedCell, cdir: Path, running: str) -> CellResul
 
 def write_report_dir(results: Results, report_dir: Path, *, run_dir: Path | None = None,
                      trends: Any = None) -> dict[str, Path]:
-    """results.json, junit.xml, summary.md and report.html (with the history's `trends` when given)."""
-    report_dir.mkdir(parents=True, exist_ok=True)
-    written = {"results": save_results(results, report_dir / "results.json")}
-    written.update(write_reports(results, report_dir, run_dir=run_dir, trends=trends))
+    """results.json, junit.xml, summary.md and report.html (with the history's `trends` when given), all or none:
+    each is written into a staging folder inside `report_dir` first, then moved into place (a rename needs no
+    space), so a full disk or a kill while writing (`OutputError`, exit 5) leaves the report folder as it was."""
+    report_dir = Path(report_dir)
+    try:
+        report_dir.mkdir(parents=True, exist_ok=True)
+        stage = Path(tempfile.mkdtemp(prefix=".report.", suffix=".tmp", dir=report_dir))
+    except OSError as exc:
+        raise output_error(report_dir, exc) from None
+    try:
+        staged = {"results": save_results(results, stage / "results.json")}
+        staged.update(write_reports(results, report_dir, run_dir=run_dir, trends=trends, write_dir=stage))
+        written: dict[str, Path] = {}
+        for key, path in staged.items():
+            os.replace(path, report_dir / path.name)
+            written[key] = report_dir / path.name
+    except OutputError as exc:
+        raise OutputError(f"{exc.message}; the report in {report_dir} was left as it was", hint=exc.hint) from None
+    except OSError as exc:
+        raise output_error(report_dir, exc) from None
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
     return written

@@ -93,6 +93,46 @@ def test_collect_keeps_each_cells_newest_attempt(tmp_path: Path) -> None:
     assert (tmp_path / "run2" / "cells" / "b@x" / "result.json").exists()
 
 
+def test_collect_passes_over_an_unreadable_newest_attempt_and_says_so(tmp_path: Path) -> None:
+    art = tmp_path / "artifacts"
+    save_cell_result(_cell("a@x", "fail", "attempt 1"), art / f"{artifact_name('a@x')}-attempt-1" / "cells" / "a@x" / "result.json")
+    newest = art / f"{artifact_name('a@x')}-attempt-2" / "cells" / "a@x" / "result.json"
+    newest.parent.mkdir(parents=True)
+    newest.write_text('{"id": "a@x", "model": "a", "backend"')  # cut short by a failed upload
+    said: list[str] = []
+    assert collect_attempts(art, tmp_path / "run", warn=said.append) == {"a@x": 1}
+    assert json.loads((tmp_path / "run" / "cells" / "a@x" / "result.json").read_text())["modes"]["ops"]["reason"] == "attempt 1"
+    assert len(said) == 1 and "a@x: took" in said[0] and "attempt-2" in said[0] and "not valid JSON" in said[0], said
+
+
+@pytest.mark.parametrize("damage", ["truncated", "no-cell-folder", "another-cell"])
+def test_collect_makes_a_cell_no_attempt_can_read_an_error_cell_never_a_gap(damage: str, tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    art = tmp_path / "artifacts"
+    save_cell_result(_cell("b@x", "pass"), art / f"{artifact_name('b@x')}-attempt-1" / "cells" / "b@x" / "result.json")
+    folder = art / f"{artifact_name('a@x')}-attempt-1"
+    if damage == "truncated":
+        (folder / "cells" / "a@x").mkdir(parents=True)
+        (folder / "cells" / "a@x" / "result.json").write_bytes(b"\x00\x01 not json")
+    elif damage == "no-cell-folder":
+        (folder / "cells" / "other").mkdir(parents=True)
+    else:
+        save_cell_result(_cell("b@x", "pass"), folder / "cells" / "a@x" / "result.json")
+    (art / "deepview-cell-%%bad-attempt-1").mkdir()  # named like a cell artifact, but not one we make
+    run = tmp_path / "run"
+    assert cli.main(["collect", str(art), "--out", str(run)]) == 0  # the report job goes on
+    err = capsys.readouterr().err
+    assert "a@x: collect: no attempt of this cell can be read" in err and "Traceback" not in err, err
+    assert "deepview-cell-%%bad-attempt-1: not collected" in err, err
+    assert cli.main(["aggregate", str(run), "--out", str(run / "report")]) == 0
+    cells = {c.id: c for c in load_results(run / "report" / "results.json").cells}
+    assert sorted(cells) == ["a@x", "b@x"]
+    assert cells["a@x"].status == "error" and cells["a@x"].error is not None
+    assert cells["a@x"].error.type == "unreadable_artifact" and "attempt-1" in cells["a@x"].error.message
+    if damage == "truncated":  # the unreadable file is kept, out of aggregate's way
+        assert (run / "cells" / "a@x" / "result.json.unreadable").read_bytes() == b"\x00\x01 not json"
+
+
 # --------------------------------------------------------------------------- what a job left behind
 
 
