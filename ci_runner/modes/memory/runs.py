@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from .. import FORWARD
 from ...config import InputSpec
 from ...engine.models import LoadedModel, build_inputs
 from ...engine.workload import Call, batch_call, cache_kwarg, generation_calls, logits_of, long_calls
@@ -40,7 +41,7 @@ class MeteredRun:
 
 
 def phase_name(phase: Phase | None) -> str:
-    return phase.name if phase is not None else "forward"
+    return phase.name if phase is not None else FORWARD
 
 
 def calls_of(loaded: LoadedModel, inputs: InputSpec, phase: Phase | None, device: str,
