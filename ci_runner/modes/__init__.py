@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from ..backends import Backend
     from ..config import Cell
     from ..engine.models import LoadedModel
+    from ..engine.watchedrun import WatchedRun
     from ..workloads.phases import Phase
 
 ModeFn = Callable[["ModeContext"], ModeResult]
@@ -60,7 +61,7 @@ class ModeContext:
     on_checkpoint: Callable[[str, ModeResult], None] | None = field(default=None, repr=False)  # run/cellrun.py's
     on_event: Callable[[str, str], None] | None = field(default=None, repr=False)  # each journal event (heartbeat)
     # per phase: a mode's whole-model compiled run, watched for the compile mode's signals (engine/watchedrun.py)
-    compiled_runs: dict[str, Any] = field(default_factory=dict, repr=False)
+    compiled_runs: dict[str, "WatchedRun"] = field(default_factory=dict, repr=False)
     _precision: tuple[Any, dict[str, Any]] | None = field(default=None, repr=False)
     _checkpoints: dict[str, ModeResult] = field(default_factory=dict, repr=False)  # the last `checkpoint` per mode
 
