@@ -29,7 +29,7 @@ from .audio import is_audio
 from .failure import stage_of, unwrap
 from .models import LoadedModel, build_inputs, seeded_ids, text_config
 
-__all__ = ["Call", "CallRecord", "Captured", "PhaseRun", "skip_reason", "run_phase", "cache_kwarg", "logits_of",
+__all__ = ["Call", "CallRecord", "Captured", "PhaseRun", "skip_reason", "run_phase", "phase_calls", "cache_kwarg", "logits_of",
            "capture_calls", "replay_calls", "smallest_module"]
 
 
@@ -253,6 +253,18 @@ def _greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits[:, -1:].float().argmax(-1)
 
 
+def phase_calls(loaded: LoadedModel, inputs: InputSpec, phase: Phase, device: str,
+                next_token: Callable[[int], torch.Tensor]) -> Iterator[Call]:
+    """The calls of `phase`, in order (`next_token(step)`: the token a decode step feeds, asked when it is built):
+    the one place a phase's name picks its calls."""
+    if phase.name in ("prefill", "decode"):
+        yield from generation_calls(loaded, inputs, phase, device, next_token)
+    elif phase.name == "batch":
+        yield batch_call(loaded, inputs, phase, device)
+    else:
+        yield from long_calls(loaded, inputs, phase, device)
+
+
 def run_phase(fn: Callable[..., Any], loaded: LoadedModel, inputs: InputSpec, phase: Phase, *,
               forced: list[torch.Tensor] | None = None, device: str = "cpu", keep_going: bool = False,
               before_call: Callable[[Call], None] | None = None,
@@ -266,12 +278,7 @@ def run_phase(fn: Callable[..., Any], loaded: LoadedModel, inputs: InputSpec, ph
             return forced[step - 1]
         return run.tokens[step - 1]
 
-    if phase.name in ("prefill", "decode"):
-        calls: Iterator[Call] = generation_calls(loaded, inputs, phase, device, next_token)
-    elif phase.name == "batch":
-        calls = iter([batch_call(loaded, inputs, phase, device)])
-    else:
-        calls = long_calls(loaded, inputs, phase, device)
+    calls = phase_calls(loaded, inputs, phase, device, next_token)
     kept: list[tuple[CallRecord, torch.Tensor]] = []
     with torch.no_grad():
         for call in calls:

@@ -25,8 +25,11 @@ if TYPE_CHECKING:
     from ..backends import Backend
     from ..config import Cell
     from ..engine.models import LoadedModel
+    from ..engine.watchedrun import WatchedRun
+    from ..workloads.phases import Phase
 
 ModeFn = Callable[["ModeContext"], ModeResult]
+FORWARD = "forward"  # the `data.phases` key of the single forward, for the modes that measure it as a phase
 
 def get_mode(name: str) -> ModeFn | None:
     """The mode's function, or None when this installation does not have that mode."""
@@ -58,7 +61,7 @@ class ModeContext:
     on_checkpoint: Callable[[str, ModeResult], None] | None = field(default=None, repr=False)  # run/cellrun.py's
     on_event: Callable[[str, str], None] | None = field(default=None, repr=False)  # each journal event (heartbeat)
     # per phase: a mode's whole-model compiled run, watched for the compile mode's signals (engine/watchedrun.py)
-    compiled_runs: dict[str, Any] = field(default_factory=dict, repr=False)
+    compiled_runs: dict[str, "WatchedRun"] = field(default_factory=dict, repr=False)
     _precision: tuple[Any, dict[str, Any]] | None = field(default=None, repr=False)
     _checkpoints: dict[str, ModeResult] = field(default_factory=dict, repr=False)  # the last `checkpoint` per mode
 
@@ -135,6 +138,39 @@ class ModeContext:
                         f"({', '.join(phases)}) found is kept")
         if self.on_checkpoint is not None:
             self.on_checkpoint(mode, saved)
+
+    def each_phase(self, mode: str, body: Callable[["Phase | None"], tuple[list[Any], dict[str, Any]]], *,
+                   loaded: "LoadedModel | None" = None, forward: bool = False,
+                   min_seconds: float = 0.0) -> tuple[list[Any], dict[str, dict[str, Any]]]:
+        """The one phase loop every mode runs its per-phase `body` in: (findings, `data.phases`).
+
+        For each phase of the cell's workload (`inputs.phases`, resolved once: `InputSpec.workload()`; with
+        `forward` and no phases, the single forward as phase `None`, keyed `forward`): a phase the model cannot
+        run (`engine.workload.skip_reason` on `loaded`) or that starts with less than `min_seconds` left is a
+        `skipped` row with its reason; the others run `body(phase) -> (findings, row)` between the journal's
+        `enter-workload`/`leave-workload` lines (a hard crash names the phase), and every phase is checkpointed
+        as it finishes (`checkpoint_phase`: a later timeout or crash keeps it)."""
+        from ..engine.workload import skip_reason  # deferred: engine.workload imports torch
+
+        findings: list[Any] = []
+        data: dict[str, dict[str, Any]] = {}
+        phases: list[Phase | None] = list(self.cell.inputs.workload()) or ([None] if forward else [])
+        for phase in phases:
+            name = phase.name if phase is not None else FORWARD
+            reason = skip_reason(loaded, phase, self.cell.inputs) if phase is not None and loaded is not None else None
+            if reason is None and min_seconds and self.remaining() < min_seconds:
+                reason = "the cell ran out of time before this phase"
+            found: list[Any] = []
+            if reason:
+                row: dict[str, Any] = {"status": "skipped", "reason": reason}
+            else:
+                self.journal("enter-workload", f"{mode}.{name}")
+                found, row = body(phase)
+                self.journal("leave-workload", f"{mode}.{name}")
+            findings += found
+            data[name] = row
+            self.checkpoint_phase(mode, name, found, row)
+        return findings, data
 
     def journal(self, event: str, name: str) -> None:
         """Append `event name` to the cell's crash journal (fsync'd): the parent reads it after a hard crash."""

@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
+from .. import FORWARD
 from ...engine.failure import stage_of, unwrap
 from ...engine.torchcompat import dynamo_config
 from ...engine.watchedrun import PhaseWatch, WatchedRun
-from ...engine.workload import Call, CallRecord, run_phase, skip_reason
+from ...engine.workload import Call, CallRecord, run_phase
 from ...options import CompileOptions
 from ...workloads.phases import Phase
 from ...registry import parse_options
@@ -33,7 +34,6 @@ if TYPE_CHECKING:
     from .. import ModeContext
 
 MODE = "compile"
-FORWARD = "forward"  # the phase key of the single forward
 
 
 def run(ctx: "ModeContext") -> ModeResult:
@@ -43,20 +43,15 @@ def run(ctx: "ModeContext") -> ModeResult:
     if ctx.backend.is_eager:
         return ModeResult(status="skipped", reason="the backend is eager: nothing is compiled")
     loaded = ctx.model()
-    phases: list[Phase | None] = list(ctx.cell.inputs.workload()) or [None]
-    data: dict[str, Any] = {"phases": {}}
+    data: dict[str, Any] = {}
     signals: list[PhaseSignals] = []
-    for phase in phases:
-        name = phase.name if phase is not None else FORWARD
-        reason = skip_reason(loaded, phase, ctx.cell.inputs) if phase is not None else None
-        if reason:
-            data["phases"][name] = {"status": "skipped", "reason": reason}
-            continue
-        ctx.journal("enter-workload", f"{MODE}.{name}")
+
+    def one(phase: Phase | None) -> tuple[list[Finding], dict[str, Any]]:
         sig = measure(ctx, opts, loaded, phase)
-        ctx.journal("leave-workload", f"{MODE}.{name}")
         signals.append(sig)
-        data["phases"][name] = sig.row()
+        return [], sig.row()
+
+    _, data["phases"] = ctx.each_phase(MODE, one, loaded=loaded, forward=True)
     findings = findings_for(ctx, opts, loaded, signals)
     if opts.repro:
         attach_repros(ctx, opts, loaded, signals, findings)

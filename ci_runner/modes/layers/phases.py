@@ -33,7 +33,7 @@ from ...engine.repro import (plugin_modules, render_template, run_command, safe_
                                verify_script, write_script)
 from ...engine.watchedrun import PhaseWatch, wanted
 from ...engine.workload import (Call, Captured, PhaseRun, cache_kwarg, capture_calls, replay_calls, run_phase,
-                                 skip_reason, smallest_module, symbolic_functions)
+                                 smallest_module, symbolic_functions)
 from ...fsutil import atomic_write_text
 from ...options import LayersOptions
 from ...workloads.phases import Phase
@@ -126,23 +126,12 @@ def smallest_failing(ctx: "ModeContext", loaded: Any, captured: Captured, failin
 
 
 def run_phases(ctx: "ModeContext", opts: LayersOptions, layers_dir: Path) -> tuple[list[Finding], dict[str, Any]]:
-    findings: list[Finding] = []
-    data: dict[str, Any] = {}
-    for phase in ctx.cell.inputs.workload():
-        ctx.journal("enter-workload", f"layers.{phase.name}")  # a hard crash in it names the phase
-        f, d = _one_phase(ctx, opts, phase, layers_dir)
-        ctx.journal("leave-workload", f"layers.{phase.name}")
-        findings += f
-        data[phase.name] = d
-        ctx.checkpoint_phase("layers", phase.name, f, d)  # a later phase that kills the process keeps this one
-    return findings, data
+    return ctx.each_phase("layers", lambda phase: _one_phase(ctx, opts, phase, layers_dir),  # type: ignore[arg-type]
+                          loaded=ctx.model())
 
 
 def _one_phase(ctx: "ModeContext", opts: LayersOptions, phase: Phase, layers_dir: Path) -> tuple[list[Finding], dict[str, Any]]:
     loaded = ctx.model()
-    reason = skip_reason(loaded, phase, ctx.cell.inputs)
-    if reason:
-        return [], {"status": "skipped", "reason": reason}
     ref = run_phase(loaded.module, loaded, ctx.cell.inputs, phase)
     if ref.failed is not None:
         return [], {"status": "error", "reason": f"eager fails at {ref.failed.label}: {ref.failed.error}"}

@@ -20,7 +20,6 @@ import gc
 import time
 from typing import TYPE_CHECKING, Any
 
-from ...engine.workload import skip_reason
 from ...options import MemoryOptions
 from ...registry import parse_options
 from ...results.model import Finding, ModeResult, fingerprint
@@ -243,21 +242,18 @@ def run(ctx: "ModeContext") -> ModeResult:
     findings: list[Finding] = []
     runs: list[MeteredRun] = []
     ran: list[Any] = []
-    for phase in list(ctx.cell.inputs.workload()) or [None]:
-        pname = phase_name(phase)
-        reason = skip_reason(meta, phase, ctx.cell.inputs) if phase is not None else None
-        if reason is None and ctx.remaining() < 10.0:
-            reason = "the cell ran out of time before this phase"
-        if reason:
-            data["phases"][pname] = {"status": "skipped", "reason": reason}
-            continue
-        ctx.journal("enter-workload", f"memory.{pname}")
-        data["phases"][pname], pred = _phase(ctx, opts, phase, findings, data["modules"])
-        ctx.journal("leave-workload", f"memory.{pname}")
+
+    def one(phase: Any) -> tuple[list[Finding], dict[str, Any]]:
+        found: list[Finding] = []
+        row, pred = _phase(ctx, opts, phase, found, data["modules"])
         if not pred.error:
             runs.append(pred)
             ran.append(phase)
-            data["peak_bytes"][pname] = data["phases"][pname]["predicted"]["peak_bytes"]
+            data["peak_bytes"][phase_name(phase)] = row["predicted"]["peak_bytes"]
+        return found, row
+
+    phase_findings, data["phases"] = ctx.each_phase("memory", one, loaded=meta, forward=True, min_seconds=10.0)
+    findings += phase_findings
     _compiled(ctx, opts, ran, data, findings)
     if budget is not None:
         data["first_over_budget"] = over = first_over_budget(runs, budget)

@@ -14,9 +14,10 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from .. import FORWARD
 from ...config import InputSpec
 from ...engine.models import LoadedModel, build_inputs
-from ...engine.workload import Call, batch_call, cache_kwarg, generation_calls, logits_of, long_calls
+from ...engine.workload import Call, cache_kwarg, logits_of, phase_calls
 from ...workloads.phases import Phase
 from .meters import DispatchMeter, Meter
 from .tracker import Frame, ModuleTracker, layer_names, tracked_modules
@@ -40,20 +41,16 @@ class MeteredRun:
 
 
 def phase_name(phase: Phase | None) -> str:
-    return phase.name if phase is not None else "forward"
+    return phase.name if phase is not None else FORWARD
 
 
 def calls_of(loaded: LoadedModel, inputs: InputSpec, phase: Phase | None, device: str,
              next_token: Callable[[int], torch.Tensor]) -> Iterator[Call]:
     """The calls of `phase` (None: the single forward on the cell's first input sample)."""
     if phase is None:
-        yield Call("forward", None, "forward", build_inputs(loaded, inputs, sample=0, device=device))
-    elif phase.name in ("prefill", "decode"):
-        yield from generation_calls(loaded, inputs, phase, device, next_token)
-    elif phase.name == "batch":
-        yield batch_call(loaded, inputs, phase, device)
+        yield Call(FORWARD, None, FORWARD, build_inputs(loaded, inputs, sample=0, device=device))
     else:
-        yield from long_calls(loaded, inputs, phase, device)
+        yield from phase_calls(loaded, inputs, phase, device, next_token)
 
 
 def cache_tensors(cache: Any) -> list[torch.Tensor]:

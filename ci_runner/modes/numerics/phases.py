@@ -28,7 +28,7 @@ import torch
 from ...backends import DynamoCounters, FallbackWatch
 from ...engine.precision import emulate
 from ...engine.capture import OutputHooks, primary_tensor
-from ...engine.workload import (Call, CallRecord, PhaseRun, capture_calls, replay_calls, run_phase, skip_reason,
+from ...engine.workload import (Call, CallRecord, PhaseRun, capture_calls, replay_calls, run_phase,
                                  smallest_module)
 from ...numerics.metrics import compare_tensors
 from ...numerics.target import target_dtype
@@ -219,16 +219,8 @@ def _agreement(ref: PhaseRun, tgt: PhaseRun) -> dict[str, Any] | None:
 
 def run_phases(ctx: "ModeContext", opts: NumericsOptions) -> tuple[list[Finding], dict[str, Any]]:
     """Findings and `data.phases` for every phase of the cell's workload."""
-    findings: list[Finding] = []
-    data: dict[str, Any] = {}
-    for phase in ctx.cell.inputs.workload():
-        ctx.journal("enter-workload", f"numerics.{phase.name}")  # a hard crash in it names the phase
-        phase_findings, phase_data = _one_phase(ctx, opts, phase)
-        ctx.journal("leave-workload", f"numerics.{phase.name}")
-        findings += phase_findings
-        data[phase.name] = phase_data
-        ctx.checkpoint_phase("numerics", phase.name, phase_findings, phase_data)  # kept if a later phase kills it
-    return findings, data
+    return ctx.each_phase("numerics", lambda phase: _one_phase(ctx, opts, phase),  # type: ignore[arg-type]
+                          loaded=ctx.model(dtype=ctx.cell.references[0].dtype))
 
 
 def _one_phase(ctx: "ModeContext", opts: NumericsOptions, phase: Phase) -> tuple[list[Finding], dict[str, Any]]:
@@ -236,9 +228,6 @@ def _one_phase(ctx: "ModeContext", opts: NumericsOptions, phase: Phase) -> tuple
 
     refs = ctx.cell.references
     primary = ctx.model(dtype=refs[0].dtype)
-    reason = skip_reason(primary, phase, ctx.cell.inputs)
-    if reason:
-        return [], {"status": "skipped", "reason": reason}
     ref_run, ref_rec = _run(primary.module, primary.module, primary, ctx, phase, forced=None, device="cpu")
     if ref_run.failed is not None:
         return [], {"status": "error", "reason": f"the reference failed at {ref_run.failed.label}: {ref_run.failed.error}"}

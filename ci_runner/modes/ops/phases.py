@@ -27,7 +27,7 @@ import torch
 from ...backends import backend_recipe
 from ...engine.repro import (plugin_modules, render_template, run_command, safe_filename, template_backend,
                                verify_script, write_script)
-from ...engine.workload import run_phase, skip_reason, symbolic_functions
+from ...engine.workload import run_phase, symbolic_functions
 from ...options import OpsOptions
 from ...workloads.phases import Phase
 from ...results.model import Finding, ModeResult, Repro, fingerprint
@@ -100,26 +100,15 @@ def phase_signatures(phase: Phase, inventory: Inventory, known: set[str]) -> lis
 def run_phases(ctx: "ModeContext", opts: OpsOptions, forward: Inventory, ops_dir: Path, probe: ProbeFn,
                already: set[str]) -> tuple[list[Finding], dict[str, Any]]:
     """Findings (new fingerprints only: `already` holds the forward's) and `data.phases`."""
-    findings: list[Finding] = []
-    data: dict[str, Any] = {}
     known = {s.key for s in forward.signatures}
     seen = set(already)
-    for phase in ctx.cell.inputs.workload():
+
+    def one(phase: Phase) -> tuple[list[Finding], dict[str, Any]]:
         t0 = time.monotonic()
-        loaded = ctx.model()
-        reason = skip_reason(loaded, phase, ctx.cell.inputs)
-        if reason:
-            data[phase.name] = {"status": "skipped", "reason": reason}
-            ctx.checkpoint_phase(MODE, phase.name, [], data[phase.name])
-            continue
-        ctx.journal("enter-workload", f"ops.{phase.name}")  # a hard crash in it names the phase
         graphs, cpu_errors = record_phase_graphs(ctx, phase)
         if cpu_errors:
-            data[phase.name] = {"status": "error", "reason": f"the phase fails on CPU: {cpu_errors[0][:300]}"}
-            ctx.journal("leave-workload", f"ops.{phase.name}")
-            ctx.checkpoint_phase(MODE, phase.name, [], data[phase.name])
-            continue
-        inv = inventory_of_graphs(graphs, type(loaded.module).__name__, level="aten", method="phase", device="cpu")
+            return [], {"status": "error", "reason": f"the phase fails on CPU: {cpu_errors[0][:300]}"}
+        inv = inventory_of_graphs(graphs, type(ctx.model().module).__name__, level="aten", method="phase", device="cpu")
         new = phase_signatures(phase, inv, known)
         symbolic = sorted({f"torch.{name}" for gm in graphs for name in symbolic_functions(gm)})
         row: dict[str, Any] = {"status": "pass", "phase": phase.label(), "graphs": len(graphs),
@@ -137,20 +126,20 @@ def run_phases(ctx: "ModeContext", opts: OpsOptions, forward: Inventory, ops_dir
             f = _symbolic_probe(ctx, opts, phase, name, phase_dir)
             if f is not None:
                 got.append(f)
+        kept: list[Finding] = []
         for f in got:
             f.phase = phase.name
             if f.fingerprint in seen:
                 row.setdefault("also_in_forward_or_earlier_phase", []).append(f.op)
                 continue
             seen.add(f.fingerprint)
-            findings.append(f)
-        if any(f.phase == phase.name for f in findings):
+            kept.append(f)
+        if kept:
             row["status"] = "fail"
         row["seconds"] = round(time.monotonic() - t0, 2)
-        data[phase.name] = row
-        ctx.journal("leave-workload", f"ops.{phase.name}")
-        ctx.checkpoint_phase(MODE, phase.name, [f for f in findings if f.phase == phase.name], row)  # kept
-    return findings, data
+        return kept, row
+
+    return ctx.each_phase(MODE, one, loaded=ctx.model())  # type: ignore[arg-type]
 
 
 def _symbolic_probe(ctx: "ModeContext", opts: OpsOptions, phase: Phase, op: str, out_dir: Path) -> Finding | None:
