@@ -135,7 +135,9 @@ def verdict_of(layers: list[Layer], *, isolated_ran: bool, policy: str | None = 
         text = (f"accumulated drift: no layer is wrong on its own{'' if isolated_ran else ' (isolated view not run)'}, "
                 f"but the cumulative error grows past the thresholds from {first.name or '(root)'} on "
                 f"(rel up to {max(rels):.2e})")
-        if policy is not None and all(l.metrics.get("isolated") for l in layers):
+        finite = all(math.isfinite(float((l.metrics.get("cumulative") or {}).get("rel", 0.0)))
+                     and not (l.metrics.get("cumulative") or {}).get("nonfinite_tgt") for l in cum)
+        if policy is not None and finite and all(l.metrics.get("isolated") for l in layers):  # (NaN/Inf: never)
             kind = "policy_drift"
             text += (f": every layer is within the {policy} policy on its own (isolated view), so this is the "
                      f"policy's rounding compounding, not a finding")

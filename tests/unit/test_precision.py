@@ -234,5 +234,8 @@ def test_drift_that_is_the_policy_own_is_no_finding() -> None:
     low = verdict_of(layers, isolated_ran=True, policy="bfloat16 (detected)")
     assert low["kind"] == "policy_drift" and "within the bfloat16 (detected) policy" in low["text"]
     assert findings_for(layers, low, backend_id="b", model_id="m", max_findings=5) == ([], 0)
+    layers[0].metrics["cumulative"] = {**over, "rel": math.inf}  # an overflow is never the policy's rounding
+    assert verdict_of(layers, isolated_ran=True, policy="bfloat16")["kind"] == "drift"
+    layers[0].metrics["cumulative"] = over
     layers[0].metrics["isolated"] = None  # a layer not compared alone: the drift stays a finding
     assert verdict_of(layers, isolated_ran=True, policy="bfloat16")["kind"] == "drift"
