@@ -27,9 +27,11 @@ FAULTS = {"compile": "tests.fixtures.faults:backend", "import": ["tests.fixtures
 
 
 def _two_models(b_inputs: dict | None = None) -> str:
-    """Two tiny Llamas on aot_eager, the ops mode only (the probe store makes the second cell cheap)."""
+    """Two tiny Llamas on aot_eager, the ops mode only, probing the matmuls only (what resumes is the cell, not what
+    it probed; the probe store makes the second cell cheap)."""
     b = {"id": "b", "config": "llama", "overrides": SMALL, **({"inputs": b_inputs} if b_inputs else {})}
     return matrix_text(modes=["ops"], timeout=300, inputs={"seq_len": 8, "samples": 1},
+                       options={"ops": {"only_ops": ["aten.mm*"]}},
                        models=[{"id": "a", "config": "llama", "overrides": SMALL}, b],
                        backends=[{"id": "ae", "compile": "aot_eager"}])
 
