@@ -27,9 +27,11 @@ FAULTS = {"compile": "tests.fixtures.faults:backend", "import": ["tests.fixtures
 
 
 def _two_models(b_inputs: dict | None = None) -> str:
-    """Two tiny Llamas on aot_eager, the ops mode only (the probe store makes the second cell cheap)."""
+    """Two tiny Llamas on aot_eager, the ops mode only, probing the matmuls only (what resumes is the cell, not what
+    it probed; the probe store makes the second cell cheap)."""
     b = {"id": "b", "config": "llama", "overrides": SMALL, **({"inputs": b_inputs} if b_inputs else {})}
     return matrix_text(modes=["ops"], timeout=300, inputs={"seq_len": 8, "samples": 1},
+                       options={"ops": {"only_ops": ["aten.mm*"]}},
                        models=[{"id": "a", "config": "llama", "overrides": SMALL}, b],
                        backends=[{"id": "ae", "compile": "aot_eager"}])
 
@@ -60,11 +62,13 @@ def test_editing_one_model_reruns_exactly_its_cells(tmp_path: Path, write_matrix
 def test_a_second_run_into_a_busy_out_refuses_and_a_killed_runs_lock_never_blocks(
         tmp_path: Path, write_matrix: Callable[..., Path]) -> None:
     """Run 1 hangs in its cell's worker; run 2 into the same folder refuses at once (exit 7, one line, nothing
-    written), and so does `cell`; run 1 is SIGKILLed; run 3 goes ahead: the kernel dropped the lock."""
+    written), and so does `cell`; run 1 is SIGKILLed; run 3 goes ahead: the kernel dropped the lock. Runs 2 select
+    a stock compiler's cell (checked at load without a child: the refusal is all they do)."""
     hang = {"id": "hang", **FAULTS, "env": {"DEEPVIEW_TEST_FAULT": "hang"}}
     raises = {"id": "raises", **FAULTS, "env": {"DEEPVIEW_TEST_FAULT": "raise"}}
     matrix = write_matrix(matrix_text(modes=["ops"], timeout=300, models=[{"id": "tiny", "config": "llama",
-                                                                          "overrides": SMALL}], backends=[hang, raises]))
+                                                                          "overrides": SMALL}],
+                                      backends=[hang, raises, {"id": "ae", "compile": "aot_eager"}]))
     out = tmp_path / "out"
     tag = new_tag()
     env = {**os.environ, "PYTHONPATH": str(ROOT), TAG_VAR: tag}
@@ -77,14 +81,14 @@ def test_a_second_run_into_a_busy_out_refuses_and_a_killed_runs_lock_never_block
             assert first.poll() is None, first.stderr.read() if first.stderr else ""
             time.sleep(0.2)
         assert (out / LOCK_NAME).read_text().split()[0] == str(first.pid)
-        for args in (("run", str(matrix)), ("cell", "tiny@raises", "--matrix", str(matrix))):
-            proc = cli(*args, "--out", str(out), "--select", "tiny@raises") if args[0] == "run" else \
+        for args in (("run", str(matrix)), ("cell", "tiny@ae", "--matrix", str(matrix))):
+            proc = cli(*args, "--out", str(out), "--select", "tiny@ae") if args[0] == "run" else \
                 cli(*args, "--out", str(out))
             assert proc.returncode == EXIT_BUSY, proc.stderr
             error = [ln for ln in proc.stderr.splitlines() if ln.startswith("deepview-ci: error:")]
             assert len(error) == 1 and f"in use by another run (pid {first.pid})" in error[0], proc.stderr
             assert "Traceback" not in proc.stderr
-        assert not (out / "cells" / "tiny@raises").exists()  # refused before touching anything
+        assert not (out / "cells" / "tiny@ae").exists()  # refused before touching anything
         assert first.poll() is None  # and run 1 goes on, its cell not marked by anyone
         assert not (out / "cells" / "tiny@hang" / "result.json").exists()
     finally:
