@@ -27,7 +27,7 @@ import os
 import re
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -108,14 +108,6 @@ def emulate(policy: PrecisionPolicy) -> Iterator[Emulate]:
         return
     with mode:
         yield mode
-
-
-def emulated(fn: Callable[..., Any], policy: PrecisionPolicy) -> Callable[..., Any]:
-    """`fn` run under `emulate(policy)`."""
-    def run(*args: Any, **kwargs: Any) -> Any:
-        with emulate(policy):
-            return fn(*args, **kwargs)
-    return run
 
 
 # ----------------------------------------------------------------------------------------------------- detection
@@ -273,4 +265,4 @@ def resolve_policy(spec: BackendSpec, folder: Path | None = None, *,
 
 
 __all__ = ["DETECTED_CLASSES", "Emulate", "OPS_BY_CLASS", "TORCH_DTYPES", "classify", "detect_child", "emulate",
-           "emulated", "measure", "op_class", "resolve_policy", "round_to"]
+           "measure", "op_class", "resolve_policy", "round_to"]

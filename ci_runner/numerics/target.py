@@ -25,7 +25,7 @@ from ..engine.models import load_model
 from ..engine.rounding import TORCH_DTYPES
 from ..options import ThresholdOptions
 from ..results.model import clean, number
-from ..workloads.precision import STORAGE_DTYPES
+from ..workloads.precision import storage_dtype
 from .capture import ResultFn
 from .handoff import load_weights
 from .settings import VIEWS, dynamo_settings
@@ -62,8 +62,7 @@ class TargetPlan:
 def target_dtype(model_dtype: str, primary_dtype: str) -> str:
     """The dtype the target runs the model in: the model's own when the matrix loads it in bfloat16 or float16
     (the references then run its stored weights in their dtypes), else the primary reference's."""
-    model = str(model_dtype).removeprefix("torch.")
-    return model if model in STORAGE_DTYPES else primary_dtype
+    return storage_dtype(model_dtype) or primary_dtype
 
 
 def compare_target(module: nn.Module, backend: Any, plan: TargetPlan, emit: ResultFn,
@@ -99,7 +98,8 @@ def compare_target(module: nn.Module, backend: Any, plan: TargetPlan, emit: Resu
     if plan.deadline_wall is not None:
         deadline = time.monotonic() + max(0.0, plan.deadline_wall - time.time())
 
-    low = TORCH_DTYPES[plan.dtype] if plan.dtype in STORAGE_DTYPES else None  # a model stored in bf16/fp16
+    store = storage_dtype(plan.dtype)
+    low = TORCH_DTYPES[store] if store else None  # a model stored in bf16/fp16
 
     def to_dev(x: Any) -> Any:  # the reference's inputs and stubbed outputs, as the target's model holds them
         return cast_tree(x, dtype=low, device=device)

@@ -11,7 +11,6 @@ in `docs/numerics.md`.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 import shutil
@@ -25,7 +24,7 @@ from torch import nn
 from ..engine.capture import flatten_traceable
 from ..engine.codec import Unstorable
 from ..engine.failure import is_compile_stage
-from ..engine.precision import emulate
+from ..engine.precision import Emulate, emulate
 from ..engine.rounding import round_to
 from ..engine.tree import map_tensors
 from .capture import (
@@ -370,14 +369,16 @@ def derive_reference_stats(primary: nn.Module, primary_ref: Any, secondaries: Se
                              meta=dump_meta(primary_ref, s, key=dump_key))
         reader = DumpReader(folder)
         spent["derive_record_s"] += time.monotonic() - t0
-        runs: list[tuple[nn.Module, torch.dtype | None, str, bool]] = [
-            (module, DTYPES.get(ref.dtype), ref.device, False) for ref, module in secondaries]
+        # (module, dtype, device, the policy it runs under): the secondaries as they are (float32: no rounding),
+        # then a policy below float32 emulated on the primary itself
+        runs: list[tuple[nn.Module, torch.dtype | None, str, PrecisionPolicy]] = [
+            (module, DTYPES.get(ref.dtype), ref.device, PrecisionPolicy()) for ref, module in secondaries]
         if policy is not None and not policy.is_float32:
-            runs.append((primary, None, primary_ref.device, True))
-        for module, dt, dev, emulated in runs:
-            store = policy.storage if emulated and policy is not None else "float32"
+            runs.append((primary, None, primary_ref.device, policy))
+        for module, dt, dev, run_policy in runs:
+            emulated = not run_policy.is_float32
 
-            def cast(x: Any, dt: torch.dtype | None = dt, dev: str = dev, store: str = store) -> Any:
+            def cast(x: Any, dt: torch.dtype | None = dt, dev: str = dev, store: str = run_policy.storage) -> Any:
                 x = cast_tree(x, dtype=dt, device=dev)  # a model stored in bf16/fp16 receives its inputs so:
                 return x if store == "float32" else map_tensors(lambda t: round_to(t, store), x)
 
@@ -389,25 +390,22 @@ def derive_reference_stats(primary: nn.Module, primary_ref: Any, secondaries: Se
                 layer.add(rec["view"], rec["metrics"], policy=emulated)
 
             t0 = time.monotonic()
-            with (emulate(policy) if emulated and policy is not None else contextlib.nullcontext()) as mode:
+            with emulate(run_policy) as mode, mode.switched(False):  # (a float32 policy: nothing is rounded)
                 # the emulation rounds only the model's own ops: reading the dump and the metrics run with it off
-                rounding = mode.switched if mode is not None else (lambda _on: contextlib.nullcontext())
-                with rounding(False):
-                    if "cumulative" in views:
-                        args, kwargs = reader.inputs(reader.root())
-                        taken: list[dict[str, Any]] = []
-                        sink: CompareSink = CompareSink(reader, taken.append)
-                        with rounding(True):
-                            capture_layer_outputs(module, cast(args), cast(kwargs),
-                                                  _Unrounded(sink, rounding) if mode is not None else sink)
-                        differ = calls_differ(reader, sink.counts)  # another path: no statistics from its calls
-                        for rec in taken:
-                            if reader.by_key[rec["key"]]["name"] not in differ:
-                                add(rec)
-                    t1 = time.monotonic()
-                    if "isolated" in views:
-                        run_isolated_view(dict(module.named_modules()), reader,
-                                          lambda _n, m: _rounded_call(m, rounding), add, cast=cast)
+                if "cumulative" in views:
+                    args, kwargs = reader.inputs(reader.root())
+                    taken: list[dict[str, Any]] = []
+                    sink = CompareSink(reader, taken.append)
+                    with mode.switched(True):
+                        capture_layer_outputs(module, cast(args), cast(kwargs), _Unrounded(sink, mode))
+                    differ = calls_differ(reader, sink.counts)  # another path: no statistics from its calls
+                    for rec in taken:
+                        if reader.by_key[rec["key"]]["name"] not in differ:
+                            add(rec)
+                t1 = time.monotonic()
+                if "isolated" in views:
+                    run_isolated_view(dict(module.named_modules()), reader,
+                                      lambda _n, m: _rounded_call(m, mode), add, cast=cast)
             spent["derive_cumulative_s"] += t1 - t0
             spent["derive_isolated_s"] += time.monotonic() - t1
         reader.close()
@@ -416,10 +414,10 @@ def derive_reference_stats(primary: nn.Module, primary_ref: Any, secondaries: Se
     return stats
 
 
-def _rounded_call(module: nn.Module, rounding: Callable[[bool], Any]) -> Callable[..., Any]:
+def _rounded_call(module: nn.Module, mode: Emulate) -> Callable[..., Any]:
     """`module`'s call with the emulation's rounding on (the isolated view of an emulated reference)."""
     def call(*args: Any, **kwargs: Any) -> Any:
-        with rounding(True):
+        with mode.switched(True):
             return module(*args, **kwargs)
     return call
 
@@ -427,15 +425,15 @@ def _rounded_call(module: nn.Module, rounding: Callable[[bool], Any]) -> Callabl
 class _Unrounded(CallSink):
     """A sink whose comparisons run with the emulation's rounding off (they read the reference's dump)."""
 
-    def __init__(self, inner: CallSink, rounding: Callable[[bool], Any]) -> None:
-        self.inner, self.rounding = inner, rounding
+    def __init__(self, inner: CallSink, mode: Emulate) -> None:
+        self.inner, self.mode = inner, mode
 
     def enter(self, meta: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        with self.rounding(False):
+        with self.mode.switched(False):
             self.inner.enter(meta, args, kwargs)
 
     def exit(self, meta: Any, output: Any) -> None:
-        with self.rounding(False):
+        with self.mode.switched(False):
             self.inner.exit(meta, output)
 
 

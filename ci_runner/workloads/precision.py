@@ -162,15 +162,20 @@ def parse_precision(raw: Any) -> PrecisionPolicy:
 STORAGE_DTYPES = ("bfloat16", "float16")  # a model's `dtype:` that makes the tensors between its ops low precision
 
 
+def storage_dtype(model_dtype: str) -> str | None:
+    """The low dtype a model's tensors live in between ops (the matrix's `dtype:` on the model: `bfloat16` or
+    `float16`, `torch.` prefix or not), or None for a float32 or float64 model."""
+    name = str(model_dtype).removeprefix("torch.")
+    return name if name in STORAGE_DTYPES else None
+
+
 def with_storage(policy: PrecisionPolicy, model_dtype: str) -> PrecisionPolicy:
     """`policy` for a model loaded in `model_dtype` (the matrix's `dtype:` on the model): a bfloat16 or float16
     model keeps every tensor between ops in that dtype, so each op's output is rounded to it (the op itself may
     compute wider: CPU eager and compilers upcast inside a kernel); the op classes keep what the backend's policy
     says. A float32 or float64 model changes nothing."""
-    name = str(model_dtype).removeprefix("torch.")
-    if name not in STORAGE_DTYPES:
-        return policy
-    return replace(policy, storage=name)
+    store = storage_dtype(model_dtype)
+    return policy if store is None else replace(policy, storage=store)
 
 
 def detected_policy(spelled: str, measured: Mapping[str, str]) -> PrecisionPolicy:
@@ -184,4 +189,4 @@ def detected_policy(spelled: str, measured: Mapping[str, str]) -> PrecisionPolic
 
 __all__ = ["DEFAULT", "DTYPES", "FLOAT32_CLASSES", "LOW_CLASSES", "NAMES", "OP_CLASSES", "PrecisionPolicy",
            "STORAGE_DTYPES", "UNIT_ROUNDOFF", "check_precision", "convention", "detected_policy", "parse_precision",
-           "with_storage"]
+           "storage_dtype", "with_storage"]

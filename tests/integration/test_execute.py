@@ -24,6 +24,11 @@ from tests.fixtures.procs import TAG_VAR, new_tag, sigint_default, wait_until_go
 FAULTS = {"compile": "tests.fixtures.faults:backend", "import": ["tests.fixtures.faults"]}
 
 
+TINY = {"id": "tiny", "config": "llama",  # the tiny Llama every matrix of this file runs
+        "overrides": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                      "num_key_value_heads": 1, "vocab_size": 64}}
+
+
 def faults_matrix(timeout: float) -> str:
     """A tiny Llama on the fault-injecting backend: ok, and one backend per way a cell can die. The ops mode probes
     the matmuls only: the faults strike at the plugin's import, and the `ok` cell needs only to run."""
@@ -32,9 +37,7 @@ def faults_matrix(timeout: float) -> str:
     faults[-1]["timeout"] = 6
     return matrix_text(
         modes=["ops"], timeout=timeout, options={"ops": {"only_ops": ["aten.mm*"]}},
-        models=[{"id": "tiny", "config": "llama",
-                 "overrides": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
-                               "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 64}}],
+        models=[TINY],
         backends=[{"id": "ok", **FAULTS}, *faults],
     )
 
@@ -89,9 +92,7 @@ def test_a_phase_that_kills_the_worker_keeps_the_modes_forward_result(tmp_path: 
     matrix = write_matrix(
         modes=["layers"], timeout=600, inputs={"seq_len": 8, "samples": 1, "phases": ["prefill", "decode"]},
         options={"layers": {"culprit": False}},
-        models=[{"id": "tiny", "config": "llama",
-                 "overrides": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
-                               "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 64}}],
+        models=[TINY],
         backends=[{"id": "dies", "compile": "tests.fixtures.plugin_decode_abort:backend"}])
     out = tmp_path / "out"
     proc = cli("run", str(matrix), "--out", str(out), timeout=600)
@@ -115,9 +116,7 @@ def test_a_cell_timeout_keeps_every_finished_mode_and_phase_and_names_where_it_s
         modes=["ops", "layers"], timeout=120, inputs={"seq_len": 8, "samples": 1, "phases": ["prefill", "decode"]},
         options={"ops": {"probe_timeout": 5, "verify": False, "only_ops": ["aten._scaled_dot_product*"]},
                  "layers": {"verify": False, "culprit": False}},
-        models=[{"id": "tiny", "config": "llama",
-                 "overrides": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
-                               "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 64}}],
+        models=[TINY],
         backends=[{"id": "dh", "compile": "tests.fixtures.plugin_decode_hang:backend"}])
     out = tmp_path / "out"
     proc = cli("run", str(matrix), "--out", str(out), timeout=600)
