@@ -19,6 +19,11 @@ A value is written as plain JSON where JSON can hold it, and as a dict with one 
     {"__namedtuple__": {"name": N, "fields": [...], "items": [spec, ...]}}   rebuilt by name and fields
     {"__model_output__": {"class": "module:Class", "items": [[key, spec], ...]}}   a Hugging Face ModelOutput
     {"__cache__": "DynamicCache"}                            a cache object, rebuilt as None
+    {"__kv_cache__": {"class": "transformers.cache_utils:StaticCache", "state": [[attr, spec], ...]}}
+                                                             a transformers cache (or one of its layers) with its
+                                                             tensors (`kv=True`): rebuilt as that class, its
+                                                             attributes set (classes of transformers only)
+    {"__class__": "transformers.cache_utils:DynamicLayer"}   a transformers class a cache refers to
     {"__opaque__": text}                                     anything else (not rebuilt: None, or refused)
 
 Two encoders write it, one decoder reads it:
@@ -27,6 +32,8 @@ Two encoders write it, one decoder reads it:
   layouts, sizes, tuples, lists and dicts with str keys; anything else raises `Unstorable`. `strict=False`
   (numerics) adds namedtuples, ModelOutputs, caches, slices and int dict keys; any other object raises
   `Unstorable`, or is `{"__opaque__": type}` with `opaque=True` (outputs, compared only through their tensors).
+  `kv=True` (the memory repros: a decode step's cache holds memory) stores a transformers cache's state too: its
+  attributes' values (tensors, plain data, devices, its layer objects), never code.
 - `encode_arg(value, tensor_of)` describes an op argument (`modes/ops/signature.py`): tensors by shape, stride and
   dtype, devices by type, namedtuples and Sizes as tuples, SymInts by their hint, any other value
   `{"__opaque__": repr}`. Its JSON is an op signature's identity (`signature_key`, the probe's seed), so its
@@ -250,10 +257,10 @@ def encode_arg(value: Any, tensor_of: Callable[[Any], torch.Tensor | None] = lam
 
 
 def encode_value(obj: Any, put: Callable[[torch.Tensor], str], *, strict: bool = False, opaque: bool = False,
-                 keep_strides: bool = False) -> Any:
+                 keep_strides: bool = False, kv: bool = False) -> Any:
     """The spec of a call value (see the module docstring); tensors go to `put`, which returns their key."""
     def enc(v: Any) -> Any:
-        return encode_value(v, put, strict=strict, opaque=opaque, keep_strides=keep_strides)
+        return encode_value(v, put, strict=strict, opaque=opaque, keep_strides=keep_strides, kv=kv)
 
     if isinstance(obj, torch.Tensor):
         if strict and obj.layout != torch.strided:
@@ -278,7 +285,7 @@ def encode_value(obj: Any, put: Callable[[torch.Tensor], str], *, strict: bool =
     if type(obj) is dict:
         return _encode_dict(obj, enc, strict=strict, opaque=opaque)
     if not strict:
-        return _encode_object(obj, enc, opaque=opaque)
+        return _encode_object(obj, enc, opaque=opaque, kv=kv)
     raise Unstorable(f"an object of type {_type_name(obj)}")
 
 
@@ -294,9 +301,14 @@ def _encode_dict(obj: dict[Any, Any], enc: Callable[[Any], Any], *, strict: bool
     return {"__opaque__": "dict"}
 
 
-def _encode_object(obj: Any, enc: Callable[[Any], Any], *, opaque: bool) -> Any:
+def _encode_object(obj: Any, enc: Callable[[Any], Any], *, opaque: bool, kv: bool = False) -> Any:
     """The non-strict policy's other objects: caches, ModelOutputs, dict subclasses, slices, opaque values."""
     if _is_cache(obj):
+        if kv:
+            try:
+                return _cache_state(obj, enc)
+            except Unstorable:
+                pass  # kept by name: the call runs without it
         return {"__cache__": type(obj).__name__}
     if is_model_output(obj):
         cls = type(obj)
@@ -309,6 +321,59 @@ def _encode_object(obj: Any, enc: Callable[[Any], Any], *, opaque: bool) -> Any:
     if opaque:
         return {"__opaque__": type(obj).__qualname__}
     raise Unstorable(f"an object of type {_type_name(obj)}")
+
+
+def _transformers_path(cls: type) -> str:
+    """`module:qualname` of a class of transformers; `Unstorable` for any other (a spec never names other code)."""
+    if not cls.__module__.startswith("transformers."):
+        raise Unstorable(f"a cache part of type {_type_name(cls)}")
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _cache_state(obj: Any, enc: Callable[[Any], Any], depth: int = 0) -> dict[str, Any]:
+    """`{"__kv_cache__": …}` of a transformers cache object or one of its layers: each attribute's value (its
+    layers' too, two levels down); `Unstorable` when one is neither data nor a part of transformers' caches."""
+    if depth > 2:
+        raise Unstorable("a cache nested too deep")
+    state = [[str(k), _cache_value(v, enc, depth)] for k, v in vars(obj).items()]
+    return {"__kv_cache__": {"class": _transformers_path(type(obj)), "state": state}}
+
+
+def _cache_value(value: Any, enc: Callable[[Any], Any], depth: int) -> Any:
+    if isinstance(value, type):
+        return {"__class__": _transformers_path(value)}
+    if isinstance(value, list):
+        return [_cache_value(v, enc, depth) for v in value]
+    if not isinstance(value, (torch.Tensor, torch.nn.Module, tuple, dict)) and hasattr(value, "__dict__") \
+            and type(value).__module__.startswith("transformers."):
+        return _cache_state(value, enc, depth + 1)
+    return enc(value)
+
+
+def _transformers_class(path: str) -> Any:
+    """The class `module:qualname`, imported only from transformers (None for any other, or one it lacks)."""
+    module, _, qual = path.partition(":")
+    if not module.startswith("transformers."):
+        return None
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in qual.split("."):
+            obj = getattr(obj, part)
+        return obj
+    except (ImportError, AttributeError):
+        return None
+
+
+def _cache_object(body: Mapping[str, Any], decode: Callable[[Any], Any]) -> Any:
+    """A `__kv_cache__` rebuilt: an instance of its transformers class (not initialised: its attributes are set
+    from the state, as unpickling would, but only from data), or None when the class cannot be imported."""
+    cls = _transformers_class(body["class"])
+    if not isinstance(cls, type):
+        return None
+    obj = cls.__new__(cls)
+    for key, spec in body["state"]:
+        obj.__dict__[key] = decode(spec)
+    return obj
 
 
 def check_value(obj: Any, *, strict: bool = False) -> None:
@@ -383,9 +448,13 @@ def _decode(spec: Any, tensor: Callable[[Mapping[str, Any]], torch.Tensor], devi
     if tag == "__namedtuple__":  # rebuilt as a namedtuple of the same name and fields (nothing is imported)
         cls = collections.namedtuple(body["name"], body["fields"], rename=True)  # type: ignore[misc]
         return cls(*(_decode(v, tensor, device) for v in body["items"]))
+    if tag == "__kv_cache__":
+        return _cache_object(body, lambda v: _decode(v, tensor, device))
+    if tag == "__class__":
+        return _transformers_class(body)
     if tag == "__model_output__":
         items = {k: _decode(s, tensor, device) for k, s in body["items"]}
-        mo = _model_output_class(body["class"])
+        mo = _transformers_class(body["class"])
         return mo(**items) if mo is not None else items
     raise ValueError(f"unknown value spec {spec!r}")
 
@@ -397,26 +466,13 @@ _LEAVES: dict[str, Callable[[Any], Any]] = {
 }
 
 
-def _model_output_class(path: str) -> Any:
-    module, _, qual = path.partition(":")
-    if not module.startswith("transformers."):
-        return None
-    try:
-        obj: Any = importlib.import_module(module)
-        for part in qual.split("."):
-            obj = getattr(obj, part)
-        return obj
-    except (ImportError, AttributeError):
-        return None
-
-
 # --------------------------------------------------------------------------- calls
 
 def encode_call(args: tuple[Any, ...] | list[Any], kwargs: Mapping[str, Any], put: Callable[[torch.Tensor], str], *,
-                strict: bool = False, keep_strides: bool = False) -> dict[str, Any]:
+                strict: bool = False, keep_strides: bool = False, kv: bool = False) -> dict[str, Any]:
     """`{"args": <tuple spec>, "kwargs": <dict spec>}` of one call; raises `Unstorable` (never opaque)."""
-    return {"args": encode_value(tuple(args), put, strict=strict, keep_strides=keep_strides),
-            "kwargs": encode_value(dict(kwargs), put, strict=strict, keep_strides=keep_strides)}
+    return {"args": encode_value(tuple(args), put, strict=strict, keep_strides=keep_strides, kv=kv),
+            "kwargs": encode_value(dict(kwargs), put, strict=strict, keep_strides=keep_strides, kv=kv)}
 
 
 def decode_call(spec: Mapping[str, Any], tensors: Tensors) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -475,6 +531,10 @@ def describe_value(spec: Any) -> str:
     for tag in ("__dtype__", "__device__", "__layout__", "__memory_format__", "__float__", "__opaque__", "__cache__"):
         if tag in spec:
             return str(spec[tag])
+    if "__kv_cache__" in spec:
+        return spec["__kv_cache__"]["class"].rpartition(":")[2]
+    if "__class__" in spec:
+        return str(spec["__class__"])
     if "__tensor__" in spec:
         return _describe_tensor(spec["__tensor__"])
     if "__slice__" in spec:

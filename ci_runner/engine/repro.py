@@ -236,3 +236,36 @@ def template_backend(spec: Any) -> dict[str, Any]:
     kind = "callable" if r.kind == "plugin" else r.kind
     return {"kind": kind, "name": r.name if kind in ("sim", "registered") else None, "module": r.module,
             "attr": r.attr, "options": dict(r.options), "compile_options": dict(r.compile_options)}
+
+
+# --------------------------------------------------------------------------------------------- the model in a repro
+
+def save_tensors(tensors: Mapping[str, Any], path: Path) -> Path:
+    """`tensors` (name → CPU tensor) as a safetensors file, written atomically: what every repro loads its weights
+    and inputs from (never a pickle)."""
+    from safetensors.torch import save_file  # deferred: safetensors imports torch, which this module does not
+
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(tmp))
+    os.replace(tmp, path)
+    return path
+
+
+def model_source(spec: Any, seed: int, loaded: Any, folder: Path) -> dict[str, Any] | None:
+    """How a repro script rebuilds the model `spec` (loaded as `loaded`), for `_repro_layer_common.build_model`: its
+    factory, or its transformers class from `config.json` (written into `folder`); None when neither can (a `path:`
+    or plugin model whose class transformers does not export). A submodule's weights come from
+    `weights.safetensors` (`save_tensors` of `tree.module_tensors`), so no weights are downloaded or unpickled."""
+    import transformers  # deferred: only a repro of a transformers model needs it
+
+    if spec.factory:
+        return {"kind": "factory", "factory": spec.factory, "seed": seed, "overrides": dict(spec.overrides),
+                "dtype": spec.dtype}
+    cls = type(loaded.module)
+    if getattr(transformers, cls.__name__, None) is cls and loaded.config is not None:
+        cfg = loaded.config
+        atomic_write_text(folder / "config.json", cfg.to_json_string(use_diff=False))
+        return {"kind": "transformers", "model_class": cls.__name__, "config_class": type(cfg).__name__,
+                "attn_implementation": getattr(cfg, "_attn_implementation", None)}
+    return None
+

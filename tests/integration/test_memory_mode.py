@@ -4,6 +4,7 @@ out-of-memory localised with a verified repro, and a compiled layer that needs m
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
@@ -102,3 +103,19 @@ def test_a_layer_that_hoards_activations_compiled_is_a_regression(mode_context: 
     assert f.metrics["ratio"] > 1.5 and f.repro is not None and f.repro.verified, f.repro
     rows = result.data["phases"]["prefill"]["compiled"]["rows"]
     assert [r["ratio"] < 1.5 for r in rows if r["module"] == "model.layers.1"] == [True]  # the other layer
+
+
+def test_a_decode_step_repro_rebuilds_the_layer_and_its_kv_cache(mode_context: Callable[..., Any],
+                                                                  fresh_dynamo: Any) -> None:
+    """A decode step's regression repro: no pickle (the layer from config.json and weights.safetensors), the step's
+    DynamicCache stored as its keys and values and rebuilt, and it still reproduces (issue 46)."""
+    ctx = _context(mode_context, {"id": "memhog", "compile": "sim-memhog", "device": "cpu"}, {},
+                   [{"decode": {"steps": 1}}])
+    result = run(ctx)
+    step = [f for f in result.findings if f.kind == "memory_regression" and f.step is not None]
+    assert step and all(f.repro is not None and f.repro.verified for f in step), [f.repro for f in step]
+    folder = ctx.cell_dir / Path(step[0].repro.path).parent
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "inputs.safetensors", "repro.py",
+                                                        "weights.safetensors"]
+    script = (folder / "repro.py").read_text(encoding="utf-8")
+    assert "torch.load" not in script and "pickle" not in script and '"__kv_cache__"' in script

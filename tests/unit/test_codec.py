@@ -176,3 +176,52 @@ def test_specs_of_the_earlier_dialect_upgrade_to_the_same_values() -> None:
     assert torch.equal(a[0], x) and a[0].stride() == (1, 2) and a[1:4] == (2, math.inf, torch.Size([2]))
     assert a[4] == slice(1, None) and k["p"]._fields == ("a", "b") and k["p"].b == [torch.int8]
     assert k["c"] is None and k["o"] is None and k["dev"] == torch.device("cpu")
+
+
+def _static_cache() -> object:
+    from transformers import LlamaConfig, StaticCache
+
+    cfg = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=64)
+    cache = StaticCache(config=cfg, max_cache_len=6)
+    for i in range(2):
+        cache.update(torch.randn(1, 1, 3, 8), torch.randn(1, 1, 3, 8), i, {"cache_position": torch.arange(3)})
+    return cache
+
+
+@pytest.mark.parametrize("make", ["dynamic", "static"])
+def test_kv_caches_round_trip_by_their_state(make: str) -> None:
+    """`kv=True` keeps a transformers cache's tensors and state (the memory repros' decode steps, issue 46): the
+    rebuilt cache is of the same class, holds the same tensors and updates as the original does."""
+    from transformers import DynamicCache
+
+    if make == "dynamic":
+        cache: object = DynamicCache()
+        for i in range(2):
+            cache.update(torch.randn(1, 1, 3, 8), torch.randn(1, 1, 3, 8), i)  # type: ignore[attr-defined]
+    else:
+        cache = _static_cache()
+    store = TensorStore()
+    spec = encode_call((), {"cache": cache}, store.add, kv=True)
+    json.dumps(spec)  # plain JSON
+    assert encode_call((), {"cache": cache}, TensorStore().add)["kwargs"] == \
+        {"__dict__": [["cache", {"__cache__": type(cache).__name__}]]}  # without kv: by name only, as before
+    _, kwargs = decode_call(json.loads(json.dumps(spec)), store.tensors)
+    back = kwargs["cache"]
+    assert type(back) is type(cache) and describe_value(spec["kwargs"]) == f"{{cache: {type(cache).__name__}}}"
+    for old, new in zip(cache.layers, back.layers):  # type: ignore[attr-defined]
+        assert type(new) is type(old) and torch.equal(old.keys, new.keys) and torch.equal(old.values, new.values)
+    k, v = torch.randn(1, 1, 1, 8), torch.randn(1, 1, 1, 8)
+    extra = {"cache_position": torch.tensor([3])}
+    assert all(torch.equal(a, b) for a, b in zip(cache.update(k, v, 0, extra), back.update(k, v, 0, extra)))
+
+
+def test_a_cache_spec_imports_nothing_outside_transformers() -> None:
+    """A results or repro file is data: a `__kv_cache__` or `__class__` naming another module rebuilds nothing."""
+    assert decode_value({"__kv_cache__": {"class": "os:_wrap_close", "state": []}}, {}) is None
+    assert decode_value({"__class__": "subprocess:Popen"}, {}) is None
+    assert decode_value({"__kv_cache__": {"class": "transformers.nope:Nope", "state": []}}, {}) is None
+    opaque = type("Odd", (), {})()
+    cache = type("DynamicCache", (), {})()
+    cache.layers = [opaque]  # type: ignore[attr-defined]  # a part no spec may name: the cache is kept by name
+    assert encode_value(cache, TensorStore().add, kv=True) == {"__cache__": "DynamicCache"}

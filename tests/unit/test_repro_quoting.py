@@ -61,7 +61,7 @@ _CONTEXTS: dict[str, dict[str, Any]] = {
                           "config_class": "LlamaConfig", "model_class": "LlamaForCausalLM", "use_cache": True},
     "repro_symbolic.py.j2": {"op": "torch.sym_max", "phase": "decode", "file_name": "python repro_sym.py"},
     "repro_memory.py.j2": {"kind": "oom", "title": "out of memory", "model": "m", "phase": "prefill", "step": None,
-                           "setup": ["BACKEND = 'aot_eager'"], "backend_expr": "BACKEND", "command": "python repro.py",
+                           "setup": [], "source": _SOURCE, "command": "python repro.py",
                            "capacity": 1000, "live_at_entry": 10, "ratio": 1.5},
     "repro_op.py.j2": {"op": "aten.add.Tensor", "kind": "op_error", "calls": 1, "source": "model.py:3",
                        "signature": "add(Tensor, Tensor)", "ir": "aten", "python_version": "3.12",
@@ -130,7 +130,7 @@ def test_hostile_env_names_stay_strings(name: str) -> None:
 
 
 @pytest.mark.parametrize("name, field", [("repro_op.py.j2", "imports"), ("repro_op.py.j2", "compile_options"),
-                                         ("repro_memory.py.j2", "compile_options"), ("repro_symbolic.py.j2", "op"),
+                                         ("repro_memory.py.j2", "imports"), ("repro_symbolic.py.j2", "op"),
                                          ("repro_layer.py.j2", "imports"), ("repro_compile.py.j2", "imports")])
 def test_names_pasted_as_code_are_refused(name: str, field: str) -> None:
     """A plugin module, compile option or symbolic function that is no Python name is refused, never written."""
@@ -222,3 +222,19 @@ def test_a_hostile_module_name_runs_nothing_end_to_end(tmp_path: Path) -> None:
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert f"REPRO FAILED: {PWN}: RuntimeError" in proc.stderr
     assert not (tmp_path / "PWNED").exists()
+
+
+def test_no_repro_unpickles() -> None:
+    """Every artifact a repro loads is safetensors or `torch.load(weights_only=True)` (issue 46: the memory repro
+    used to unpickle its layer)."""
+    from pathlib import Path
+
+    import ci_runner
+
+    root = Path(ci_runner.__file__).parent
+    for path in [*root.rglob("*.j2"), *root.rglob("*.py")]:
+        text = path.read_text(encoding="utf-8")
+        assert "weights_only=False" not in text, path
+        for line in (ln for ln in text.splitlines() if "torch.load(" in ln):
+            assert "weights_only=True" in line, (path, line)
+        assert "pickle.load" not in text, path

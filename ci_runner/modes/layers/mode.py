@@ -56,7 +56,7 @@ from ...engine.outcome import ProbeOutcome, append_outcome, read_outcomes
 from .search import BOILERPLATE, ROOT, ChildPlan, ModuleTree, SearchResult, StopSearch, capture_inputs, encode_call, label, own_name, scan_model, search, twin_plan, unlabel, write_root_call
 from ...options import LayersOptions
 from ...registry import FindingKind, parse_options
-from ...engine.repro import key_text as _key_text, plugin_modules as _plugin_modules, render_template, run_command, safe_filename, template_backend, verify_script, write_script
+from ...engine.repro import key_text as _key_text, model_source, plugin_modules as _plugin_modules, render_template, run_command, safe_filename, save_tensors, template_backend, verify_script, write_script
 from ...engine.tree import module_tensors
 from ...results.model import JOURNAL_NAME, Finding, ModeResult, Repro, fingerprint
 from ...results.rootcause import annotate
@@ -562,37 +562,13 @@ def _verify(ctx: "ModeContext", opts: LayersOptions, script: Path, o: ProbeOutco
                          expect_message=o.message, timeout=timeout, env=env)
 
 
-def _save_tensors(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
-    from safetensors.torch import save_file
-
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
-    os.replace(tmp, path)
-
-
 def _write_source_repro(ctx: "ModeContext", loaded: Any, sub: torch.nn.Module, name: str, rdir: Path,
                         rctx: dict[str, Any]) -> Path | None:
     """The fallback: rebuild the submodule from the model's source, load its own weights, replay the call."""
-    import transformers
-
-    model = loaded.module
-    cls = type(model)
-    spec = ctx.cell.model
-    source: dict[str, Any]
-    if spec.factory:
-        source = {"kind": "factory", "factory": spec.factory, "seed": ctx.cell.inputs.seed,
-                  "overrides": dict(spec.overrides), "dtype": spec.dtype}
-    elif getattr(transformers, cls.__name__, None) is cls and loaded.config is not None:
-        cfg = loaded.config
-        atomic_write_text(rdir / "config.json", cfg.to_json_string(use_diff=False))
-        source = {"kind": "transformers", "model_class": cls.__name__, "config_class": type(cfg).__name__,
-                  "attn_implementation": getattr(cfg, "_attn_implementation", None)}
-    else:
+    source = model_source(ctx.cell.model, ctx.cell.inputs.seed, loaded, rdir)
+    if source is None:
         return None
-    state: dict[str, torch.Tensor] = {}
-    for key, t in module_tensors(sub).items():
-        state[key] = t.detach().to("cpu").contiguous().clone()
-    _save_tensors(state, rdir / "weights.safetensors")
+    save_tensors(module_tensors(sub), rdir / "weights.safetensors")
     script = rdir / "repro.py"
     write_script(script, render_template("repro_layer_source.py.j2", **rctx, source=source))
     return script

@@ -97,14 +97,15 @@ def _oom_finding(ctx: "ModeContext", opts: MemoryOptions, run: MeteredRun) -> Fi
     frame = next((fr for fr in reversed(run.oom_frames) if fr.module == layer and fr.args is not None), None)
     capacity = _capacity(ctx.backend.device)
     if opts.repro and frame is not None and capacity is not None:
-        cpu = ctx.model()
         folder = repro_folder(ctx.cell_dir, "memory_oom", run.phase, layer)
-        script, path = write_repro(folder, kind="memory_oom", title=msg, cell=ctx.cell,
-                                   layer=copy.deepcopy(cpu.module.get_submodule(layer)),
-                                   call_args=to_device(frame.args, "cpu"), phase=run.phase, step=oom.get("step"),
-                                   module=layer, capacity=capacity, live_at_entry=frame.entry)
-        f.repro = verify(script, path, expect=["out of memory", layer], timeout=opts.verify_timeout,
-                         enabled=opts.verify, cell_dir=ctx.cell_dir)
+        written = write_repro(folder, kind="memory_oom", title=msg, cell=ctx.cell, loaded=ctx.model(),
+                              call_args=to_device(frame.args, "cpu"), phase=run.phase, step=oom.get("step"),
+                              module=layer, capacity=capacity, live_at_entry=frame.entry)
+        if isinstance(written, str):
+            f.details["repro_note"] = written
+        else:
+            f.repro = verify(*written, expect=["out of memory", layer], timeout=opts.verify_timeout,
+                             enabled=opts.verify, cell_dir=ctx.cell_dir)
     return f
 
 
@@ -163,12 +164,14 @@ def _regressions(ctx: "ModeContext", opts: MemoryOptions, phase: Any, rows: list
             cpu = ctx.model()
             args = capture_layer_args(cpu, ctx.cell.inputs, phase, name, r["call"])
             if args is not None:
-                script, path = write_repro(repro_folder(ctx.cell_dir, "memory_regression", pname, name),
-                                           kind="memory_regression", title=msg, cell=ctx.cell,
-                                           layer=copy.deepcopy(cpu.module.get_submodule(name)), call_args=args,
-                                           phase=pname, step=r["step"], module=name, ratio=opts.compiled_ratio)
-                f.repro = verify(script, path, expect=["memory regression"], timeout=opts.verify_timeout,
-                                 enabled=opts.verify, cell_dir=ctx.cell_dir)
+                written = write_repro(repro_folder(ctx.cell_dir, "memory_regression", pname, name),
+                                      kind="memory_regression", title=msg, cell=ctx.cell, loaded=cpu, call_args=args,
+                                      phase=pname, step=r["step"], module=name, ratio=opts.compiled_ratio)
+                if isinstance(written, str):
+                    f.details["repro_note"] = written
+                else:
+                    f.repro = verify(*written, expect=["memory regression"], timeout=opts.verify_timeout,
+                                     enabled=opts.verify, cell_dir=ctx.cell_dir)
         out.append(f)
     return out
 

@@ -1,9 +1,13 @@
 """The memory mode's repros: one layer, its captured inputs, and a script that re-runs it alone.
 
-`layer.pt` is the layer module (pickled, CPU), `inputs.pt` its arguments at the failing call (CPU; a KV cache
-object is moved with its tensors). The script (`templates/repro_memory.py.j2`) needs torch, transformers (to
-unpickle the layer) and the backend's plugin; an out-of-memory repro sets the same capacity and holds, as one block,
-the rest of what the run held when the layer began; a regression repro prints the eager and compiled peaks.
+Nothing is unpickled: the script rebuilds the layer from the model's source (its factory, or its transformers class
+from `config.json`: `engine.repro.model_source`) by its qualified name and loads its own weights from
+`weights.safetensors`; its arguments at the failing call are `inputs.safetensors` plus the call in the codec's wire
+format (`engine/codec.py`, with a decode step's DynamicCache stored as its keys and values). The script
+(`templates/repro_memory.py.j2`) needs torch, safetensors, transformers (for a transformers model or a KV cache) and
+the backend's plugin; an out-of-memory repro sets the same capacity and holds, as one block, the rest of what the run
+held when the layer began; a regression repro prints the eager and compiled peaks. A model whose source no script can
+rebuild (a `path:` model of a class transformers does not export) gets no repro, and the finding says so.
 """
 
 from __future__ import annotations
@@ -16,7 +20,10 @@ from typing import Any
 import torch
 
 from ...backends import backend_recipe, plugin_pythonpath
-from ...engine.repro import render_template, run_command, safe_filename, verify_script, write_script
+from ...engine.codec import TensorStore, Unstorable, encode_call
+from ...engine.repro import (model_source, render_template, run_command, safe_filename, save_tensors, template_backend,
+                             verify_script, write_script)
+from ...engine.tree import module_tensors
 from ...results.model import Repro
 
 __all__ = ["to_device", "write_repro", "verify", "repro_folder"]
@@ -38,13 +45,23 @@ def to_device(obj: Any, device: str, depth: int = 0) -> Any:
     return obj
 
 
-def write_repro(folder: Path, *, kind: str, title: str, cell: Any, layer: torch.nn.Module, call_args: Any,
-                phase: str, step: int | None, module: str, **extra: Any) -> tuple[Path, list[str]]:
-    """Write `layer.pt` (`layer`, a CPU module), `inputs.pt` and `repro.py` into `folder`: the script's path and the
-    folders its imports need on PYTHONPATH."""
+def write_repro(folder: Path, *, kind: str, title: str, cell: Any, loaded: Any, call_args: Any, phase: str,
+                step: int | None, module: str, **extra: Any) -> tuple[Path, list[str]] | str:
+    """Write `repro.py`, `weights.safetensors` (the layer `module` of the CPU model `loaded`), `inputs.safetensors`
+    and, for a transformers model, `config.json` into `folder`: the script's path and the folders its imports need on
+    PYTHONPATH; or why no repro can be written (the finding's note)."""
     folder.mkdir(parents=True, exist_ok=True)
-    torch.save(layer, folder / "layer.pt")
-    torch.save(to_device(call_args, "cpu"), folder / "inputs.pt")
+    source = model_source(cell.model, cell.inputs.seed, loaded, folder)
+    if source is None:
+        return f"no repro: the layer cannot be rebuilt from this model's source ({cell.model.source})"
+    store = TensorStore()
+    try:
+        args, kwargs = call_args
+        call = encode_call(args, kwargs, store.add, kv=True)
+    except Unstorable as exc:
+        return f"no repro: the layer's call holds {exc}"
+    store.save(folder / "inputs.safetensors")
+    save_tensors(module_tensors(loaded.module.get_submodule(module)), folder / "weights.safetensors")
     recipe = backend_recipe(cell.backend)
     imports = list(recipe.imports)
     if recipe.device.split(":")[0] == "simdev" and "ci_runner.sim.simdev" not in imports:
@@ -53,9 +70,8 @@ def write_repro(folder: Path, *, kind: str, title: str, cell: Any, layer: torch.
     script = folder / "repro.py"
     text = render_template("repro_memory.py.j2", kind=kind, title=title, model=cell.model.id, backend_id=cell.backend.id,
                            phase=phase, step=step, module=module, env=dict(recipe.env), imports=imports,
-                           setup=list(recipe.setup), device=recipe.device, backend_expr=recipe.backend_expr or "'eager'",
-                           compile_options=dict(recipe.compile_options),
-                           command=run_command(script.name, folder, pythonpath), **extra)
+                           setup=list(recipe.setup), device=recipe.device, backend=template_backend(cell.backend),
+                           source=source, call=call, command=run_command(script.name, folder, pythonpath), **extra)
     return write_script(script, text), pythonpath
 
 
