@@ -38,7 +38,7 @@ from .numerics.cache import cache_for
 from .numerics.thresholds import load_table
 from .zoo import commands as zoo_cli
 from .plan import check_output_size, collect_attempts, load_plan, parse_chunk_results, plan_outputs, read_setup_record
-from .results.model import RESULT_NAME, load_results, save_cell_result
+from .results.model import RESULT_NAME, CellResult, load_results, save_cell_result
 
 if TYPE_CHECKING:
     from .config import Cell, Matrix
@@ -132,7 +132,15 @@ def _run_locked(args: argparse.Namespace, matrix: "Matrix", cells: "list[Cell]",
     )
     for name, path in written.items():
         progress.info(f"  {name}: {path}")
+    return _run_exit(results)
+
+
+def _run_exit(results: Sequence[CellResult]) -> int:
+    """0 when every cell passed (or was skipped); 4 when the cells that did not all failed to load their model or
+    backend (nothing about the backend under test was found); else 1."""
     bad = [r for r in results if r.status not in ("pass", "skipped")]
+    if bad and all(r.status == "error" and r.error is not None and r.error.is_environment for r in bad):
+        return errors.EXIT_ENVIRONMENT
     return errors.EXIT_FINDINGS if bad else errors.EXIT_OK
 
 
@@ -145,7 +153,7 @@ def cmd_cell(args: argparse.Namespace) -> int:
     opts = RunOptions(matrix_path=matrix.path, out_dir=Path(args.out), force=args.force, modes=args.modes)
     with run_lock(opts.out_dir):  # one run at a time per --out, as `run`
         [result] = (run_zoo_cells if cell.model.zoo else run_cells)([cell], opts, Progress(1))  # zoo: small config
-    return errors.EXIT_OK if result.status in ("pass", "skipped") else errors.EXIT_FINDINGS
+    return _run_exit([result])
 
 
 def _record_failed_setup(cell: "Cell", folder: Path, out: Path) -> int:

@@ -12,7 +12,8 @@ code meaning
 1    findings: a cell failed, or `diff` found regressions under `--fail-on`
 2    usage or configuration error (bad CLI arguments, malformed/unknown matrix keys)
 3    input error: a results/baseline/dump file is missing, corrupt or of another schema
-4    environment error: a model, backend or plugin could not be loaded
+4    environment error: a model, backend or plugin could not be loaded (`run`/`cell`: every cell that did not
+     pass failed to load its model or backend)
 5    execution error: the runner itself failed (cannot write output, cannot spawn)
 6    GitHub API error: issues could not be filed (drafts were kept)
 7    busy: another run is writing the same output folder (its lock, `OUT/.deepview-ci.lock`, is held)

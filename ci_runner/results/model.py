@@ -190,6 +190,10 @@ class ModeResult:
         )
 
 
+# `CellError.type`s of a cell whose model, backend, device or plugin could not be loaded (cellrun)
+ENVIRONMENT_ERRORS = ("model_load", "backend_setup")
+
+
 @dataclass
 class CellError:
     """What killed a cell: exception, exit code, signal, and the tail of stderr."""
@@ -200,6 +204,11 @@ class CellError:
     signal: str | None = None
     stderr_tail: str = ""
     last_module: str | None = None  # from the crash journal, when a mode keeps one
+
+    @property
+    def is_environment(self) -> bool:
+        """The cell's model or backend could not be loaded (exit 4 when no cell has anything else to say)."""
+        return self.type in ENVIRONMENT_ERRORS
 
 
 @dataclass

@@ -53,7 +53,7 @@ def run_cell_inprocess(cell: Cell, cell_dir: Path, *, modes: tuple[str, ...], de
         text = str(exc) if isinstance(exc, DeepviewError) else f"{type(exc).__name__}: {exc}"
         for name in modes:
             result.modes[name] = ModeResult(status="error", reason=f"backend setup failed: {text}")
-        result.error = CellError(type=type(exc).__name__, message=f"backend setup failed: {text}")
+        result.error = CellError(type="backend_setup", message=f"backend setup failed: {text}")
         return _finish(result, cell_dir, started)
 
     def keep_partial(name: str, partial: ModeResult) -> None:  # a mode's result so far (`ModeContext.checkpoint`)

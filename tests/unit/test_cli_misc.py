@@ -163,3 +163,20 @@ def test_progress_lines_end_with_the_time_left_from_the_expected_costs() -> None
     wide.expect({"a@b": 1.0, "c@b": 200.0}, width=2)
     wide.cell_finished("a@b", "pass", 2.0)
     assert wide.stream.getvalue().strip().endswith("· about 3m20s left")  # type: ignore[attr-defined]
+
+
+def test_run_exit_code_says_environment_when_only_loads_failed() -> None:
+    """README's exit codes: 4 when every cell that did not pass could not load its model or backend (a Hub id
+    that does not exist, a plugin that does not import); 1 as soon as one cell has something else to say."""
+    from ci_runner.cli import _run_exit
+    from ci_runner.results.model import CellError, CellResult
+
+    def cell(status: str, error: str | None = None) -> CellResult:
+        return CellResult(id=f"m@{status}{error}", model="m", backend="b", status=status, duration_s=1.0,
+                          error=CellError(type=error, message="x") if error else None)
+
+    assert _run_exit([cell("pass"), cell("skipped")]) == 0
+    assert _run_exit([cell("pass"), cell("error", "model_load"), cell("error", "backend_setup")]) == 4
+    assert _run_exit([cell("error", "model_load"), cell("fail")]) == 1
+    assert _run_exit([cell("error", "model_load"), cell("error", "RuntimeError")]) == 1
+    assert _run_exit([cell("timeout", "timeout")]) == 1
