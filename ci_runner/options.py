@@ -391,8 +391,9 @@ class MemoryOptions:
                                  "(backends that compile; CPU counts ATen allocations)")
     compiled_ratio: float = option(1.5, check=number(gt=1, hint="a ratio > 1, e.g. 1.5"),
                                    help="a layer whose compiled peak (above its entry) exceeds eager's by more is a finding")
-    min_bytes: int = option(0, check=integer(ge=0, hint="bytes, e.g. 1048576"),
-                            help="compiled-vs-eager differences below this many bytes are not findings")
+    min_bytes: int = option(1 << 20, check=integer(ge=0, hint="bytes, e.g. 1048576"),
+                            help="compiled-vs-eager differences below this many bytes are not findings (noise: "
+                                 "aot_eager's functional copies differ from eager by kilobytes)")
     repro: bool = option(True, check=boolean, help="write a repro per finding")
     verify: bool = option(True, check=boolean, help="run each repro in a subprocess to verify it")
     verify_timeout: float = option(180.0, check=_SECONDS, help="seconds a repro may take")

@@ -25,6 +25,7 @@ TINY = {"id": "llama", "config": "llama", "overrides": {
     "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
     "num_key_value_heads": 1, "vocab_size": 64, "max_position_embeddings": 128}}
 SIMDEV = {"extra_allow": ["rsqrt", "_softmax"]}
+TINY_REGRESSION = {"min_bytes": 0}  # a 2-layer model's regression is kilobytes, under the default floor of 1 MiB
 
 
 def test_prediction_matches_simdev_per_layer_in_every_phase(example_matrix: Any) -> None:
@@ -96,7 +97,8 @@ def test_budget_and_an_out_of_memory_localised_to_its_layer(mode_context: Callab
 
 def test_a_layer_that_hoards_activations_compiled_is_a_regression(mode_context: Callable[..., Any],
                                                                    fresh_dynamo: Any) -> None:
-    ctx = _context(mode_context, {"id": "memhog", "compile": "sim-memhog", "device": "cpu"}, {}, ["prefill"])
+    ctx = _context(mode_context, {"id": "memhog", "compile": "sim-memhog", "device": "cpu"}, TINY_REGRESSION,
+                   ["prefill"])
     result = run(ctx)
     assert [(f.kind, f.module, f.phase) for f in result.findings] == [("memory_regression", "model.layers.0", "prefill")]
     f = result.findings[0]
@@ -109,7 +111,7 @@ def test_a_decode_step_repro_rebuilds_the_layer_and_its_kv_cache(mode_context: C
                                                                   fresh_dynamo: Any) -> None:
     """A decode step's regression repro: no pickle (the layer from config.json and weights.safetensors), the step's
     DynamicCache stored as its keys and values and rebuilt, and it still reproduces (issue 46)."""
-    ctx = _context(mode_context, {"id": "memhog", "compile": "sim-memhog", "device": "cpu"}, {},
+    ctx = _context(mode_context, {"id": "memhog", "compile": "sim-memhog", "device": "cpu"}, TINY_REGRESSION,
                    [{"decode": {"steps": 1}}])
     result = run(ctx)
     step = [f for f in result.findings if f.kind == "memory_regression" and f.step is not None]
