@@ -24,7 +24,7 @@ from .commits.bisect import Bisection, Request, bisect_targets, target_of_findin
 from .commits.pipeline import BISECT_NAME, bisect_regressions
 from .commits.walk import Budget
 from .engine.envinfo import base_stamp, env_report, format_env, tool_version
-from .errors import DeepviewError, UsageError
+from .errors import ConfigError, DeepviewError, UsageError
 from .run.resume import run_lock
 from .run.execute import RunOptions, auto_jobs, available_cores, cell_dir, run_cells, run_worker, run_zoo_cells
 from .fsutil import atomic_write_json, atomic_write_text, check_output
@@ -96,9 +96,32 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not cells:
         raise UsageError(f"{matrix.path}: no cell matches --select/--skip", hint="list the cells with `deepview-ci cells MATRIX`")
     check_backends(matrix, {c.backend.id for c in cells})  # every backend mistake at once, before any cell runs
+    layout = _layout_problems(cells)
+    if layout:
+        raise ConfigError(f"{matrix.path}: " + "\n  ".join(layout),
+                          hint="choose a tp that divides them, or override the model's head counts (docs/parallel.md)")
     out = Path(args.out)
     with run_lock(out):  # one run at a time per --out: a second one refuses here (exit 7), before any line or file
         return _run_locked(args, matrix, cells, out)
+
+
+def _layout_problems(cells: "Sequence[Cell]") -> list[str]:
+    """Each tensor-parallel layout of `cells` that its model cannot take (heads or features not divisible by tp), as
+    its ranks would refuse it, found before any cell runs; one line per (model, layout)."""
+    if not any(c.parallel is not None for c in cells):
+        return []
+    from .engine.tpplan import layout_problem  # deferred: torch and transformers, paid only by a matrix with TP cells
+
+    seen: set[tuple[str, str]] = set()
+    out = []
+    for c in cells:
+        if c.parallel is None or (c.model.id, json.dumps(c.parallel.key(), sort_keys=True)) in seen:
+            continue
+        seen.add((c.model.id, json.dumps(c.parallel.key(), sort_keys=True)))
+        exc = layout_problem(c.model, c.inputs.seed, c.parallel.tp, dict(c.parallel.plan) or None)
+        if exc is not None:
+            out.append(f"cell {c.id} ({c.parallel.label()}): {exc.message}")
+    return out
 
 
 def _run_locked(args: argparse.Namespace, matrix: "Matrix", cells: "list[Cell]", out: Path) -> int:
@@ -136,11 +159,13 @@ def _run_locked(args: argparse.Namespace, matrix: "Matrix", cells: "list[Cell]",
 
 
 def _run_exit(results: Sequence[CellResult]) -> int:
-    """0 when every cell passed (or was skipped); 4 when the cells that did not all failed to load their model or
-    backend (nothing about the backend under test was found); else 1."""
+    """0 when every cell passed (or was skipped); when every cell that did not never reached its backend, the
+    code of why (`CellError.setup_exit_code`: 2 a layout its model cannot take, 4 a model or backend that did not
+    load; the lower when both); else 1 (findings)."""
     bad = [r for r in results if r.status not in ("pass", "skipped")]
-    if bad and all(r.status == "error" and r.error is not None and r.error.is_environment for r in bad):
-        return errors.EXIT_ENVIRONMENT
+    codes = [r.error.setup_exit_code if r.status == "error" and r.error is not None else None for r in bad]
+    if bad and None not in codes:
+        return min(c for c in codes if c is not None)
     return errors.EXIT_FINDINGS if bad else errors.EXIT_OK
 
 

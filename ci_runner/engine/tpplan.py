@@ -13,7 +13,8 @@ module-name globs to the style names of `ci_runner/workloads/parallel.py`; witho
   A block the names match only in part (a Llava vision tower's CLIP attention: q/k/v, then `out_proj`) stays
   replicated too: a multimodal model's language model is sharded, its vision tower is not.
 
-`check_plan` refuses a plan that matches nothing or does not divide the heads, features or vocabulary by `tp`.
+`check_plan` refuses a plan that matches nothing or does not divide the heads, features or vocabulary by `tp`;
+`layout_problem` runs it on the model built on meta, before any cell runs (`run`) and before a cell's modes (`cell`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any, Mapping
 from torch import nn
 
 from ..config import InputSpec, ModelSpec, spec_from_json
-from ..errors import InputError
+from ..errors import InputError, ModelLoadError
 from .models import build_inputs, load_model
 
 DECODER_PLAN: Mapping[str, str] = {
@@ -88,6 +89,20 @@ def check_plan(module: nn.Module, resolved: Mapping[str, str], tp: int, model_id
         if weight.shape[dim] % tp:
             raise InputError(f"model {model_id!r}: {name}.weight dim {dim} = {weight.shape[dim]} is not divisible by "
                              f"tp = {tp} ({style})", hint="choose a tp that divides it, or leave the module out of the plan")
+
+
+def layout_problem(model: ModelSpec, seed: int, tp: int, plan: Mapping[str, str] | None) -> InputError | None:
+    """What `check_plan` says of `model` under `tp` ranks and `plan`, on the model built on meta (no weights: a
+    second or so), or None when it fits. A model that does not load is not this check's to report: its cell says so."""
+    try:
+        loaded = load_model(model, seed=seed, meta=True)
+    except ModelLoadError:
+        return None
+    try:
+        check_plan(loaded.module, resolve_plan(loaded.module, plan), tp, model.id)
+    except InputError as exc:
+        return exc
+    return None
 
 
 def styles(resolved: Mapping[str, str]) -> dict[str, Any]:

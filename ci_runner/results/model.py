@@ -190,8 +190,10 @@ class ModeResult:
         )
 
 
-# `CellError.type`s of a cell whose model, backend, device or plugin could not be loaded (cellrun)
-ENVIRONMENT_ERRORS = ("model_load", "backend_setup")
+# `CellError.type`s that are no finding, with the exit code of `run`/`cell` when every cell that did not pass
+# failed this way (README's table): the model or backend could not be loaded (4), a matrix mistake only the model
+# could show, a tensor-parallel layout it cannot take (2)
+SETUP_ERRORS = {"model_load": 4, "backend_setup": 4, "layout": 2}
 
 
 @dataclass
@@ -206,9 +208,9 @@ class CellError:
     last_module: str | None = None  # from the crash journal, when a mode keeps one
 
     @property
-    def is_environment(self) -> bool:
-        """The cell's model or backend could not be loaded (exit 4 when no cell has anything else to say)."""
-        return self.type in ENVIRONMENT_ERRORS
+    def setup_exit_code(self) -> int | None:
+        """The exit code of a cell that never reached its backend (`SETUP_ERRORS`), else None."""
+        return SETUP_ERRORS.get(self.type)
 
 
 @dataclass

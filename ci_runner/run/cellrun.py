@@ -60,6 +60,14 @@ def run_cell_inprocess(cell: Cell, cell_dir: Path, *, modes: tuple[str, ...], de
         result.modes[name] = partial
         checkpoint()
 
+    if cell.parallel is not None:
+        layout = _layout_error(cell)
+        if layout is not None:  # a matrix mistake its ranks would refuse: not the backend's finding
+            result.error = CellError(type="layout", message=layout)
+            for name in modes:
+                result.modes[name] = ModeResult(status="error", reason=f"not run: {layout}")
+            return _finish(result, cell_dir, started)
+
     heartbeat = Heartbeat(cell_dir, cell.id)  # where the cell is, for the run's console and CI logs
     ctx = ModeContext(cell=cell, cell_dir=cell_dir, backend=backend, deadline=deadline, env=result.env,
                       previous=dict(result.modes), on_checkpoint=keep_partial, on_event=heartbeat.event)
@@ -93,6 +101,17 @@ def run_cell_inprocess(cell: Cell, cell_dir: Path, *, modes: tuple[str, ...], de
         if ctx.model_error is not None:
             _model_failed(result, ctx.model_error, ())
     return _finish(result, cell_dir, started)
+
+
+def _layout_error(cell: Cell) -> str | None:
+    """Why the cell's tensor-parallel layout cannot shard its model (`tpplan.layout_problem`), or None."""
+    from ..engine.tpplan import layout_problem  # deferred: torch; this module is imported by the run parent too
+
+    assert cell.parallel is not None
+    exc = layout_problem(cell.model, cell.inputs.seed, cell.parallel.tp, dict(cell.parallel.plan) or None)
+    if exc is None:
+        return None
+    return f"{cell.parallel.label()}: {exc.message}" + (f" (fix: {exc.hint})" if exc.hint else "")
 
 
 def _model_failed(result: CellResult, exc: ModelLoadError, rest: tuple[str, ...]) -> None:

@@ -180,3 +180,4 @@ def test_run_exit_code_says_environment_when_only_loads_failed() -> None:
     assert _run_exit([cell("error", "model_load"), cell("fail")]) == 1
     assert _run_exit([cell("error", "model_load"), cell("error", "RuntimeError")]) == 1
     assert _run_exit([cell("timeout", "timeout")]) == 1
+    assert _run_exit([cell("error", "layout"), cell("error", "model_load")]) == 2  # the matrix first

@@ -257,3 +257,31 @@ def test_a_lone_collective_openvino_leaves_to_pytorch_is_not_ran_not_ok(tmp_path
         assert [r["status"] for r in probe_collectives(ae.compile, calls, compile_name="aot_eager")] == ["ok"]
     finally:
         dist.destroy_process_group()
+
+
+def test_a_layout_the_model_cannot_take_is_refused_before_any_cell_runs(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """`parallel: {tp: 3}` on a 4-head model (issue 45: it passed `expand` and became a layer finding blamed on the
+    backend after 83 s): `run` refuses it at once (exit 2, the cell and the fix named, no cell folder); the cell
+    itself, run alone, is an error of type `layout`, never a finding."""
+    from ci_runner.cli import main
+    from ci_runner.run.cellrun import _layout_error
+
+    matrix = tmp_path / "m.yaml"
+    matrix.write_text(
+        "version: 1\ndefaults: {modes: [layers]}\n"
+        "models:\n  - {id: four-heads, config: llama, parallel: {tp: 3}, overrides: {hidden_size: 32,\n"
+        "     intermediate_size: 64, num_hidden_layers: 1, num_attention_heads: 4, num_key_value_heads: 2,\n"
+        "     vocab_size: 96}}\n"
+        "  - {id: fits, config: llama, parallel: {tp: 2}, overrides: {hidden_size: 32, intermediate_size: 64,\n"
+        "     num_hidden_layers: 1, num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 96}}\n"
+        "backends: [{id: b, compile: aot_eager}]\n", encoding="utf-8")
+    assert main(["run", str(matrix), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "cell four-heads@b (tp3): model 'four-heads': num_attention_heads = 4 is not divisible by tp = 3" in err
+    assert "fits@b" not in err and "Traceback" not in err and not (tmp_path / "out" / "cells").exists()
+    cells = {c.model.id: c for c in expand(load_matrix(matrix))}
+    assert _layout_error(cells["fits"]) is None
+    assert _layout_error(cells["four-heads"]) == (
+        "tp3: model 'four-heads': num_attention_heads = 4 is not divisible by tp = 3 (fix: choose a tp that divides "
+        "the head counts, or override them in the model)")
