@@ -245,7 +245,8 @@ def _cell_suite(root: ET.Element, cv: CellView) -> dict[str, Any]:
     suite = _sub(root, "testsuite", attrs)
     props = _sub(suite, "properties")
     fixed = [("model", c.model), ("backend", c.backend), ("status", c.status), ("device", cv.env.get("device")),
-             ("duration_s", f"{c.duration_s or 0.0:.3f}"), ("artifacts_dir", c.artifacts_dir)]
+             ("duration_s", f"{c.duration_s or 0.0:.3f}"), ("artifacts_dir", c.artifacts_dir),
+             ("parallel", cv.layout)]
     modes = [p for _, h in mode_hooks() for p in h.junit_properties(c)]  # each mode's own (registry.ModeHooks)
     for k, v in fixed + [(f"env.{k}", v) for k, v in cv.env.items()] + modes:
         if v is not None:

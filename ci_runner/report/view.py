@@ -303,6 +303,16 @@ class CellView:
         return self.cell.id
 
     @property
+    def layout(self) -> str | None:
+        """The cell's tensor-parallel layout and what each mode's ranks concluded: ``tp2 (ops pass, layers pass)``;
+        None for a one-rank cell."""
+        if not self.cell.parallel:
+            return None
+        ranks = [f"{name} {m.data['parallel'].get('status') or 'ran'}" for name, m in self.cell.modes.items()
+                 if isinstance(m.data, Mapping) and isinstance(m.data.get("parallel"), Mapping)]
+        return self.cell.parallel + (f" ({', '.join(ranks)})" if ranks else "")
+
+    @property
     def status(self) -> str:
         return self.cell.status
 

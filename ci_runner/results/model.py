@@ -227,6 +227,7 @@ class CellResult:
     started_at: str | None = None
     # the key of the cell's resolved configuration (`run/resume.cell_config`: key, parts, timeout); None: not recorded
     config: dict[str, Any] | None = None
+    parallel: str | None = None  # the tensor-parallel layout the cell ran under (`tp2`); None: one rank
 
     @property
     def findings(self) -> list[Finding]:
@@ -252,6 +253,7 @@ class CellResult:
             "error": clean(asdict(self.error)) if self.error else None,
             "modes": {name: m.to_dict() for name, m in self.modes.items()},
             **({"config": self.config} if self.config else {}),
+            **({"parallel": self.parallel} if self.parallel else {}),
         }
 
     @classmethod
@@ -269,6 +271,7 @@ class CellResult:
             artifacts_dir=data.get("artifacts_dir"),
             started_at=data.get("started_at"),
             config=dict(data["config"]) if isinstance(data.get("config"), Mapping) else None,
+            parallel=str(data["parallel"]) if data.get("parallel") else None,
         )
 
 

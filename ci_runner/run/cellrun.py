@@ -36,6 +36,7 @@ def run_cell_inprocess(cell: Cell, cell_dir: Path, *, modes: tuple[str, ...], de
         id=cell.id, model=cell.model.id, backend=cell.backend.id, status="skipped",
         env=base_stamp(), artifacts_dir=f"cells/{cell.id}", started_at=_now(),
     )
+    result.parallel = cell.parallel.label() if cell.parallel is not None else None
 
     def checkpoint() -> None:
         atomic_write_json(cell_dir / PARTIAL_NAME, result.to_dict())

@@ -182,3 +182,26 @@ def test_repro_commands_run_from_the_cell_folder(tmp_path: Path) -> None:
         assert "python ops/repro_aten_add_Tensor.py" in text
     body = check_junit(paths["junit"]).find("testsuite/testcase/failure").text
     assert re.search(r"from the cell folder cells/m@b: python ops/", body) and "<your checkout>" not in body
+
+
+def test_a_tensor_parallel_cell_says_so_in_every_report(tmp_path: Path) -> None:
+    """A TP cell that passes (issue 45: nothing said TP in report.html, summary.md or junit.xml): its layout and what
+    each mode's ranks concluded, in all three, and through results.json (written and read back)."""
+    from ci_runner.results.model import load_results, save_results
+
+    tp = rf.passing_cell("tiny-llama", "aot_eager")
+    tp.parallel = "tp2"
+    tp.modes["layers"].data["parallel"] = {"status": "pass", "tp": 2}
+    one = rf.passing_cell("tiny-bert", "aot_eager")
+    path = tmp_path / "results.json"
+    save_results(Results(cells=[tp, one]), path)
+    loaded = load_results(path)
+    assert {c.model: c.parallel for c in loaded.cells} == {"tiny-llama": "tp2", "tiny-bert": None}
+    written = write_reports(loaded, tmp_path / "report", env={})
+    summary = written["summary"].read_text(encoding="utf-8")
+    assert "tp2 (layers pass)" in summary and summary.count("tp2") == summary.count("tp2 (layers pass)")
+    html = written["html"].read_text(encoding="utf-8")
+    assert 'title="tensor parallel: the layout and each mode' in html and "tp2 (layers pass)" in html
+    junit = written["junit"].read_text(encoding="utf-8")
+    assert '<property name="parallel" value="tp2 (layers pass)"' in junit and junit.count('name="parallel"') == 1
+    check_junit(written["junit"])
