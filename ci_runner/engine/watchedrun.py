@@ -48,6 +48,9 @@ class WatchedRun:
     error: str | None = None
     failed_call: str | None = None
     seconds: float = 0.0
+    # why (some of) its calls ran in PyTorch and not on the backend, in words (None: the backend ran them all):
+    # no graph given or executed, Dynamo's eager fallback, the backend's own fallback
+    not_ran: str | None = None
 
 
 def _runs(record: CompileRecord | None) -> int:
@@ -57,9 +60,11 @@ def _runs(record: CompileRecord | None) -> int:
 class PhaseWatch:
     """Every watch of the compile mode around one phase run (see the module docstring)."""
 
-    def __init__(self, by: str, backend_compile: str | None, record: CompileRecord | None) -> None:
+    def __init__(self, by: str, backend_compile: str | None, record: CompileRecord | None, *,
+                 trace: bool = True) -> None:
         self.run = WatchedRun(by=by, record=record)
         self.trace = TraceWatch()
+        self._trace = trace  # False: only whether the backend ran it (no structured trace: the compile mode's)
         self._compile = backend_compile
         self._state = {"graphs": 0, "runs": 0, "events": 0}
         self._stack = ExitStack()
@@ -68,7 +73,8 @@ class PhaseWatch:
         self._t0 = 0.0
 
     def __enter__(self) -> "PhaseWatch":
-        self._stack.enter_context(self.trace)
+        if self._trace:
+            self._stack.enter_context(self.trace)
         self._watch = self._stack.enter_context(FallbackWatch(self._compile))
         self._counters = self._stack.enter_context(DynamoCounters())
         self._t0 = time.perf_counter()
@@ -82,6 +88,10 @@ class PhaseWatch:
         self.run.facts = self._watch.facts() if self._watch is not None else {}
         self.run.fallback_reason = self._watch.reason() if self._watch is not None else None
         self.run.counters = self._counters.delta() if self._counters is not None else {}
+        record = self.run.record
+        self.run.not_ran = ((record.not_ran() if record is not None else None)
+                            or (self._counters.fallback(breaks=False) if self._counters is not None else None)
+                            or self.run.fallback_reason)
 
     def before(self, call: Call) -> None:
         record = self.run.record

@@ -57,6 +57,7 @@ def test_a_graph_break_in_our_model_names_reason_line_and_module(breaks: Any) ->
     broken, _, cell_dir = breaks
     row = broken.data["phases"]["forward"]
     assert row["graphs"] >= 2 and row["compile_s"] > 0 and not row["eager_after_limit"]
+    assert row["status"] == "fail" and row["findings"] == ["graph_break"]  # the phase agrees with the mode
     src = f"tests/fixtures/compile_models.py:{BREAK_LINE}"
     assert [b["source"] for b in row["graph_breaks"]] == [src]
     assert "Tensor.item()" in row["graph_breaks"][0]["reason"]

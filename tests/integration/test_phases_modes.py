@@ -140,3 +140,19 @@ def test_ops_probes_a_phase_signature_with_its_dynamic_dims(mode_context: Callab
     assert "dynamic size" in f.message and f.repro is not None and f.repro.verified, (f.message, f.repro)
     assert "torch._dynamo.maybe_mark_dynamic(tensors[" in (ctx.cell_dir / f.repro.path).read_text()
     assert result.data["phases"]["long"]["status"] == "fail"
+
+
+def test_a_phase_the_backend_left_to_pytorch_is_no_pass(mode_context: Callable[..., Any], fresh_dynamo: Any) -> None:
+    """Issue 45: a phase whose calls all passed but ran in PyTorch (here Dynamo suppressed the compiler's error and
+    ran each frame eagerly, as OpenVINO's run-time fallback does in its own way) is `inconclusive` with the reason,
+    never `pass`."""
+    import torch._dynamo.config
+
+    refusing = {"id": "refuse", "compile": "tests.unit.test_layers_ran:refusing_backend"}
+    text = matrix_text(models=[LLAMA], backends=[refusing], references=REFERENCES,
+                       inputs={"seq_len": 8, "samples": 1, "phases": ["prefill"]})
+    ctx = mode_context(text, "llama", "refuse")
+    with torch._dynamo.config.patch(suppress_errors=True):
+        findings, data = layers_phases(ctx, LayersOptions(), ctx.artifact_dir("layers"))
+    assert findings == [] and data["prefill"]["status"] == "inconclusive", data["prefill"]
+    assert "the backend did not run (all of) this phase" in data["prefill"]["reason"], data["prefill"]

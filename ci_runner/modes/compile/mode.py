@@ -56,7 +56,10 @@ def run(ctx: "ModeContext") -> ModeResult:
     if opts.repro:
         attach_repros(ctx, opts, loaded, signals, findings)
     for sig in signals:
-        data["phases"][sig.name]["findings"] = sorted({f.kind for f in findings if sig.name in _phases_of(f)})
+        row = data["phases"][sig.name]
+        row["findings"] = sorted({f.kind for f in findings if sig.name in _phases_of(f)})
+        if row["findings"] and row["status"] == "pass":  # the phase's status agrees with the mode's: never a pass
+            row["status"] = "fail"                        # where it ran in PyTorch or broke its graph
     data["figures"] = figures_of(data["phases"])
     return _result(findings, data, signals, time.monotonic() - t0)
 

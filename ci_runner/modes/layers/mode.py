@@ -207,6 +207,11 @@ def run(ctx: "ModeContext") -> ModeResult:
         result.findings += findings
         if result.status in ("pass", "inconclusive"):
             result.status = "fail"
+    unran = [name for name, row in result.data["phases"].items() if row.get("status") == "inconclusive"]
+    if unran and result.status == "pass":  # a phase the backend did not run (all of): the mode is no pass either
+        result.status = "inconclusive"
+        result.reason = f"the backend did not run (all of) phase(s) {', '.join(unran)}: " + \
+            str(result.data["phases"][unran[0]].get("reason", ""))[:300]
     return result
 
 

@@ -60,27 +60,27 @@ def _fresh(ctx: "ModeContext", loaded: Any) -> torch.nn.Module:
 
 
 def _target_run(ctx: "ModeContext", loaded: Any, phase: Phase, forced: list[torch.Tensor] | None, *,
-                dynamic: bool | None = None) -> tuple[PhaseRun, CompileRecord | None, dict[int, int]]:
-    """The phase through one compiled object. The first (as users compile it) is watched and kept for the compile
-    mode when the cell runs it (`engine.watchedrun`): its signals then cost no compile of their own."""
+                dynamic: bool | None = None) -> tuple[PhaseRun, CompileRecord | None, dict[int, int], str | None]:
+    """The phase through one compiled object, and why the backend did not run (some of) it (None: it ran it all).
+    The first (as users compile it) is watched, and kept for the compile mode when the cell runs it
+    (`engine.watchedrun`): its signals then cost no compile of their own."""
     fn, record = _compile(ctx, _fresh(ctx, loaded), dynamic=dynamic)
     graphs_before: dict[int, int] = {}
     index = {"i": 0}
-    watch = PhaseWatch("layers", ctx.cell.backend.compile, record) \
-        if dynamic is None and wanted(ctx.cell.modes) and phase.name not in ctx.compiled_runs else None
+    keep = dynamic is None and wanted(ctx.cell.modes) and phase.name not in ctx.compiled_runs
+    watch = PhaseWatch("layers", ctx.cell.backend.compile, record, trace=keep)
 
     def before(call: Call) -> None:
         graphs_before[index["i"]] = len(record.modules) if record is not None else 0
         index["i"] += 1
-        if watch is not None:
-            watch.before(call)
+        watch.before(call)
 
-    with watch if watch is not None else contextlib.nullcontext():
+    with watch:
         run = run_phase(fn, loaded, ctx.cell.inputs, phase, forced=forced, device=ctx.backend.device,
-                        before_call=before, after_call=watch.after if watch is not None else None)
-    if watch is not None:
+                        before_call=before, after_call=watch.after)
+    if keep:
         ctx.compiled_runs[phase.name] = watch.result()
-    return run, record, graphs_before
+    return run, record, graphs_before, watch.result().not_ran
 
 
 def _node_name(node: Any) -> str:
@@ -136,19 +136,21 @@ def _one_phase(ctx: "ModeContext", opts: LayersOptions, phase: Phase, layers_dir
     if ref.failed is not None:
         return [], {"status": "error", "reason": f"eager fails at {ref.failed.label}: {ref.failed.error}"}
     forced = list(ref.tokens[:-1]) if ref.tokens else None
-    run, record, graphs_before = _target_run(ctx, loaded, phase, forced)
+    run, record, graphs_before, not_ran = _target_run(ctx, loaded, phase, forced)
     calls = [{"call": r.label, "step": r.step, "ok": r.error is None} for r in run.records]
     data: dict[str, Any] = {"status": "pass", "phase": phase.label(), "calls": calls}
     if record is not None:
         data["graphs"] = len(record.graphs)
     failed = run.failed
     if failed is None:
+        if not_ran:  # its calls passed, but (some of) them in PyTorch: never a pass
+            data.update(status="inconclusive", reason=f"the backend did not run (all of) this phase: {not_ran[:400]}")
         return [], data
     failing = len(run.records) - 1
     passed_calls = [r.label for r in run.records if r.error is None]
     dynamic_note = None
     if ctx.cell.backend.compile_options.get("dynamic") is not False and ctx.backend.compiler_backend() is not None:
-        static, _, _ = _target_run(ctx, loaded, phase, forced, dynamic=False)
+        static, _, _, _ = _target_run(ctx, loaded, phase, forced, dynamic=False)
         if static.failed is None:
             dynamic_note = "fails only under dynamic shapes: the same calls pass with torch.compile(..., dynamic=False)"
         else:
