@@ -31,6 +31,8 @@ from .fsutil import atomic_write_json, atomic_write_text, check_output
 from .github.actions import set_output
 from .github.issues import file_issues, load_diff
 from .github.options import FilingOptions
+from .github.client import ClientOptions
+from .github.prcomment import post_pr_comment
 from .history import commands as history_cli
 from .log import Progress
 from .matrix import ZooSplit, expand, expand_json, find_cell, select
@@ -294,6 +296,17 @@ def cmd_file_issues(args: argparse.Namespace) -> int:
                          options=options, env=os.environ, bisect=Path(args.bisect) if args.bisect else None)
     print(report.summary())
     return report.exit_code
+
+
+def cmd_pr_comment(args: argparse.Namespace) -> int:
+    options = ClientOptions(min_write_interval=args.min_interval, max_wait=args.max_wait)
+    report = post_pr_comment(Path(args.diff), repo=args.repo, env=os.environ, pr=args.pr,
+                             results=Path(args.results) if args.results else None, artifacts_url=args.artifacts_url,
+                             key=args.key, dry_run=args.dry_run, client_options=options)
+    if args.dry_run:
+        sys.stdout.write(report.body)
+    print(report.line(), file=sys.stderr if args.dry_run else sys.stdout)
+    return errors.EXIT_OK
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -635,6 +648,24 @@ def _report_commands(add: AddCommand) -> None:
                          "as drafts and said (default 400)")
     sp.add_argument("--bisect", default=None, metavar="FILE",
                     help="bisections from `bisect-regressions` to quote in the issues (default: bisect.json next to DIFF)")
+
+    _pr_comment_parser(add)
+
+
+def _pr_comment_parser(add: AddCommand) -> None:
+    sp = add("pr-comment", cmd_pr_comment, "Create or update the pull request's one deepview-ci comment from a diff.")
+    sp.add_argument("diff", help="diff.json written by `deepview-ci diff`")
+    sp.add_argument("--repo", required=True, help="OWNER/NAME")
+    sp.add_argument("--pr", type=int, default=None, metavar="N",
+                    help="the pull request (default: the one of the `pull_request` event, GITHUB_EVENT_PATH)")
+    sp.add_argument("--results", default=None, metavar="RESULTS",
+                    help="results.json of the run, for the cell counts (default: the one the diff names)")
+    sp.add_argument("--artifacts-url", default=None, help="link to the run's artifacts (default: the run's page)")
+    sp.add_argument("--key", default=None, metavar="NAME",
+                    help="one comment per NAME (several matrices on one pull request); default: one comment")
+    sp.add_argument("--dry-run", action="store_true", help="print the comment's body, call no API")
+    sp.add_argument("--min-interval", type=float, default=1.0, help="seconds between writes (GitHub: ≥ 1)")
+    sp.add_argument("--max-wait", type=float, default=300.0, help="longest rate-limit wait before giving up")
 
 
 def _dump_commands(add: AddCommand) -> None:
