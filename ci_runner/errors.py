@@ -14,7 +14,7 @@ code meaning
 3    input error: a results/baseline/dump file is missing, corrupt or of another schema
 4    environment error: a model, backend or plugin could not be loaded
 5    execution error: the runner itself failed (cannot write output, cannot spawn)
-6    GitHub API error: issues could not be filed (drafts were kept)
+6    GitHub API error: issues could not be filed (drafts were kept), or the PR comment could not be posted
 7    busy: another run is writing the same output folder (its lock, `OUT/.deepview-ci.lock`, is held)
 130  interrupted (Ctrl-C); everything finished so far is on disk
 ==== ============================================================================
