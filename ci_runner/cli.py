@@ -18,7 +18,8 @@ from . import errors
 from .run.aggregate import aggregate, write_report_dir
 from .backends import available_backends
 from .backends.check import check_backends, load_checked
-from .config import LOCAL_MATRIX, load_matrix, local_matrix, write_starter
+from .config import load_matrix
+from .starter import LOCAL_MATRIX, local_matrix, write_starter
 from .registry import mode_names
 from .commits.bisect import Bisection, Request, bisect_targets, target_of_finding, target_of_repro, write_report
 from .commits.pipeline import BISECT_NAME, bisect_regressions

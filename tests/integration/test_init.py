@@ -9,7 +9,8 @@ from pathlib import Path
 
 import yaml
 
-from ci_runner.config import LOCAL_MATRIX, load_matrix, load_matrix_text, local_matrix, starter_matrix, write_starter
+from ci_runner.config import load_matrix, load_matrix_text
+from ci_runner.starter import LOCAL_MATRIX, local_matrix, starter_matrix, write_starter
 from ci_runner.errors import ConfigError
 from ci_runner.matrix import expand
 from tests.fixtures.paths import ROOT
