@@ -19,6 +19,7 @@ from .run.aggregate import aggregate, write_report_dir
 from .backends import available_backends
 from .backends.check import check_backends, load_checked
 from .config import load_matrix
+from .starter import LOCAL_MATRIX, local_matrix, write_starter
 from .registry import mode_names
 from .commits.bisect import Bisection, Request, bisect_targets, target_of_finding, target_of_repro, write_report
 from .commits.pipeline import BISECT_NAME, bisect_regressions
@@ -31,6 +32,8 @@ from .fsutil import atomic_write_json, atomic_write_text, check_output
 from .github.actions import set_output
 from .github.issues import file_issues, load_diff
 from .github.options import FilingOptions
+from .github.client import ClientOptions
+from .github.prcomment import post_pr_comment
 from .history import commands as history_cli
 from .log import Progress
 from .matrix import ZooSplit, expand, expand_json, find_cell, select
@@ -90,8 +93,30 @@ def _report_outputs(report_dir: Path, written: dict[str, Path]) -> None:
             set_output(name, str(written[key]))
 
 
+def _default_matrix(given: str | None, *, say: bool) -> str | None:
+    """MATRIX as given; with none, ./deepview.yaml when it exists (`deepview-ci init`), else None (the bundled
+    example). `say`: one line on stderr naming the file chosen."""
+    if given is not None:
+        return given
+    local = local_matrix()
+    if say:
+        print(f"deepview-ci: no MATRIX given: running ./{LOCAL_MATRIX}" if local else
+              f"deepview-ci: no MATRIX given and no ./{LOCAL_MATRIX}: running the bundled example "
+              "(`deepview-ci init` writes a starter matrix)", file=sys.stderr)
+    return str(local) if local else None
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    path = write_starter(Path(args.path), force=args.force)
+    print(f"wrote {path}: two tiny models x inductor and sim-subset; the phases, tensor parallelism, your own model "
+          f"and your backend are shown commented out")
+    print(f"  check it: deepview-ci expand {shlex.quote(str(args.path))}")
+    print("  run it:   deepview-ci run" + ("" if Path(args.path) == Path(LOCAL_MATRIX) else f" {shlex.quote(str(args.path))}"))
+    return errors.EXIT_OK
+
+
 def cmd_run(args: argparse.Namespace) -> int:
-    matrix = load_checked(args.matrix)
+    matrix = load_checked(_default_matrix(args.matrix, say=True))
     cells = select(expand(matrix), args.select, args.skip)
     if not cells:
         raise UsageError(f"{matrix.path}: no cell matches --select/--skip", hint="list the cells with `deepview-ci cells MATRIX`")
@@ -204,7 +229,7 @@ def cmd_thresholds_key_of(args: argparse.Namespace) -> int:
     inner = build_parser().parse_args([args.of, *shlex.split(args.args)]) if args.of in ("run", "cell") else None
     if inner is None or (inner.modes is not None and "numerics" not in inner.modes):
         return _thresholds_outputs([], Path("."))
-    matrix = load_matrix(inner.matrix)
+    matrix = load_matrix(inner.matrix if args.of == "cell" else _default_matrix(inner.matrix, say=False))
     cells = [find_cell(matrix, inner.cell_id)] if args.of == "cell" else select(expand(matrix), inner.select, inner.skip)
     return _thresholds_outputs(cells, Path(inner.out), absolute=True)
 
@@ -245,7 +270,7 @@ def cmd_expand(args: argparse.Namespace) -> int:
 
 def cmd_cells(args: argparse.Namespace) -> int:
     """One cell id per line (MODEL@BACKEND), what `run --select` and `cell` take."""
-    matrix = load_matrix(args.matrix)
+    matrix = load_matrix(_default_matrix(args.matrix, say=False))
     for cell in select(expand(matrix), args.select, args.skip):
         print(cell.id)
     return 0
@@ -327,6 +352,17 @@ def cmd_file_issues(args: argparse.Namespace) -> int:
                          options=options, env=os.environ, bisect=Path(args.bisect) if args.bisect else None)
     print(report.summary())
     return report.exit_code
+
+
+def cmd_pr_comment(args: argparse.Namespace) -> int:
+    options = ClientOptions(min_write_interval=args.min_interval, max_wait=args.max_wait)
+    report = post_pr_comment(Path(args.diff), repo=args.repo, env=os.environ, pr=args.pr,
+                             results=Path(args.results) if args.results else None, artifacts_url=args.artifacts_url,
+                             key=args.key, dry_run=args.dry_run, client_options=options)
+    if args.dry_run:
+        sys.stdout.write(report.body)
+    print(report.line(), file=sys.stderr if args.dry_run else sys.stdout)
+    return errors.EXIT_OK
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -491,7 +527,7 @@ AddCommand = Callable[..., argparse.ArgumentParser]  # (name, handler, help text
 # before the command starts, so an unwritable path is one line and exit 5, not a traceback after minutes of work
 # (tests/integration/test_cli_outputs.py walks the parser and fails on an output-like option missing here).
 OUTPUT_PATHS: dict[str, dict[str, str]] = {
-    "run": {"out": "dir"}, "expand": {"out": "file"}, "cell": {"out": "dir"},
+    "init": {"path": "file"}, "run": {"out": "dir"}, "expand": {"out": "file"}, "cell": {"out": "dir"},
     "zoo inventory": {"out": "dir"}, "zoo merge": {"out": "dir"}, "zoo probe": {"out": "dir"}, "zoo cells": {"out": "dir"},
     "_worker": {"out": "dir"}, "aggregate": {"out": "dir"}, "collect": {"out": "dir"}, "diff": {"out": "dir"},
     "baseline update": {"out": "file"}, "baseline propose": {"out": "file", "summary": "file"},
@@ -559,8 +595,13 @@ def _selection(sp: argparse.ArgumentParser) -> None:
 
 def _run_commands(add: AddCommand) -> None:
     """run, expand, cell and the internal _worker."""
+    sp = add("init", cmd_init, "Write a commented starter matrix (deepview.yaml) to edit; `run` then picks it up.")
+    sp.add_argument("path", nargs="?", default=LOCAL_MATRIX, metavar="PATH", help=f"file to write (default: {LOCAL_MATRIX})")
+    sp.add_argument("--force", action="store_true", help="overwrite PATH if it exists")
+
     sp = add("run", cmd_run, "Run the whole matrix locally and write the report.")
-    sp.add_argument("matrix", nargs="?", default=None, help="matrix YAML (default: the bundled example)")
+    sp.add_argument("matrix", nargs="?", default=None,
+                    help=f"matrix YAML (default: ./{LOCAL_MATRIX} when it exists, else the bundled example)")
     sp.add_argument("--out", default="out", help="output folder (default: out)")
     _selection(sp)
     sp.add_argument("--modes", type=_modes_arg, default=None, help=f"comma list of {','.join(mode_names())} (default: the matrix's)")
@@ -573,7 +614,8 @@ def _run_commands(add: AddCommand) -> None:
     _add_expand(add("expand", cmd_expand, "Print the GitHub plan JSON (and write GITHUB_OUTPUT when set)."), _selection)
 
     sp = add("cells", cmd_cells, "List the matrix's cell ids (MODEL@BACKEND), one a line: what --select and `cell` take.")
-    sp.add_argument("matrix", nargs="?", default=None, help="matrix YAML (default: the bundled example)")
+    sp.add_argument("matrix", nargs="?", default=None,
+                    help=f"matrix YAML (default: ./{LOCAL_MATRIX} when it exists, else the bundled example)")
     _selection(sp)
 
     sp = add("cell", cmd_cell, "Run one cell (what a CI job runs).")
@@ -668,6 +710,24 @@ def _report_commands(add: AddCommand) -> None:
                          "as drafts and said (default 400)")
     sp.add_argument("--bisect", default=None, metavar="FILE",
                     help="bisections from `bisect-regressions` to quote in the issues (default: bisect.json next to DIFF)")
+
+    _pr_comment_parser(add)
+
+
+def _pr_comment_parser(add: AddCommand) -> None:
+    sp = add("pr-comment", cmd_pr_comment, "Create or update the pull request's one deepview-ci comment from a diff.")
+    sp.add_argument("diff", help="diff.json written by `deepview-ci diff`")
+    sp.add_argument("--repo", required=True, help="OWNER/NAME")
+    sp.add_argument("--pr", type=int, default=None, metavar="N",
+                    help="the pull request (default: the one of the `pull_request` event, GITHUB_EVENT_PATH)")
+    sp.add_argument("--results", default=None, metavar="RESULTS",
+                    help="results.json of the run, for the cell counts (default: the one the diff names)")
+    sp.add_argument("--artifacts-url", default=None, help="link to the run's artifacts (default: the run's page)")
+    sp.add_argument("--key", default=None, metavar="NAME",
+                    help="one comment per NAME (several matrices on one pull request); default: one comment")
+    sp.add_argument("--dry-run", action="store_true", help="print the comment's body, call no API")
+    sp.add_argument("--min-interval", type=float, default=1.0, help="seconds between writes (GitHub: ≥ 1)")
+    sp.add_argument("--max-wait", type=float, default=300.0, help="longest rate-limit wait before giving up")
 
 
 def _dump_commands(add: AddCommand) -> None:

@@ -15,7 +15,7 @@ code meaning
 4    environment error: a model, backend or plugin could not be loaded (`run`/`cell`: every cell that did not
      pass failed to load its model or backend)
 5    execution error: the runner itself failed (cannot write output, cannot spawn)
-6    GitHub API error: issues could not be filed (drafts were kept)
+6    GitHub API error: issues could not be filed (drafts were kept), or the PR comment could not be posted
 7    busy: another run is writing the same output folder (its lock, `OUT/.deepview-ci.lock`, is held)
 130  interrupted (Ctrl-C); everything finished so far is on disk
 ==== ============================================================================

@@ -12,7 +12,10 @@ Sources (one per matrix entry, `models:` in the matrix, `config.ModelSpec`):
   HF_HUB_OFFLINE and HF_TOKEN are read when the model is loaded (not when huggingface_hub was imported).
 * `factory: "module:callable"`: your code. It is called with whichever of `seed`, `dtype`, `device`, `meta`,
   `overrides` it accepts and returns a module, `(module, example_inputs)`, or a dict with `model` and optionally
-  `inputs`, `task`, `tokenizer`, `config`. `example_inputs` is a kwargs dict or a callable `(sample) -> dict`.
+  `inputs`, `task`, `tokenizer`, `config`. `example_inputs` is a dict of keyword arguments, positional inputs (a
+  tensor, a tuple or a list: bound once, here, to the forward's parameter names, so every mode still calls
+  `module(**kwargs)`), or a callable `(sample) -> ` either. Positional inputs the forward cannot name (more than
+  its parameters, `*args`, positional-only) are one `ModelLoadError` naming the factory, when the model loads.
 
 `overrides` apply to every transformers source (config attributes; `attn_implementation` is passed to the
 loader). `trust_remote_code` stays off unless the matrix entry sets it. Models are always in `eval()` mode.
@@ -83,7 +86,7 @@ class LoadedModel:
     dtype: torch.dtype
     device: str
     meta: bool = False
-    example_inputs: Any = None  # from a factory: kwargs dict or callable(sample) -> kwargs
+    example_inputs: Any = None  # from a factory: kwargs dict or callable(sample) -> kwargs (positional ones bound by name)
     source_dir: str | None = None  # the folder loaded from (path/hub sources)
 
 
@@ -438,6 +441,64 @@ def _load_factory(spec: ModelSpec, *, seed: int, dtype: torch.dtype, device: str
     return result
 
 
+def keyword_inputs(spec: ModelSpec, module: torch.nn.Module, inputs: Any) -> Any:
+    """A factory's example inputs as keyword arguments of `module`'s forward (what every mode calls it with): a dict
+    as it is; a tensor, tuple or list bound to the forward's positional parameters by name; a callable
+    `(sample) -> either` wrapped to do the same per sample. Anything else, or positional inputs the forward cannot
+    name, is one `ModelLoadError` naming the factory and the fix."""
+    if inputs is None or isinstance(inputs, Mapping):
+        return inputs
+    if callable(inputs) and not isinstance(inputs, torch.Tensor):
+        names = _positional_names(module)
+
+        def per_sample(sample: int) -> Any:
+            return _bind_positional(spec, module, inputs(sample), names)
+
+        return per_sample
+    return _bind_positional(spec, module, inputs, _positional_names(module))
+
+
+def _positional_names(module: torch.nn.Module) -> tuple[list[str], str | None]:
+    """The forward's parameters that a positional input may fill, by name, in order; and why the list stops short
+    (a `*args` or a positional-only parameter: no name to call it by), if it does."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return [], "its forward has no signature to read"
+    names: list[str] = []
+    for p in params:
+        if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD:
+            names.append(p.name)
+        elif p.kind is inspect.Parameter.POSITIONAL_ONLY:
+            return names, f"its forward's parameter {p.name!r} is positional-only"
+        elif p.kind is inspect.Parameter.VAR_POSITIONAL:
+            return names, f"its forward takes *{p.name}"
+        else:
+            break
+    return names, None
+
+
+def _bind_positional(spec: ModelSpec, module: torch.nn.Module, inputs: Any,
+                     names: tuple[list[str], str | None]) -> dict[str, Any]:
+    if isinstance(inputs, Mapping):
+        return dict(inputs)
+    fix = "return the inputs as a dict of keyword arguments: (model, {'input_ids': ids})"
+    if isinstance(inputs, torch.Tensor):
+        args: tuple[Any, ...] = (inputs,)
+    elif isinstance(inputs, (tuple, list)):
+        args = tuple(inputs)
+    else:
+        raise _err(spec, f"factory {spec.factory!r} returned example inputs of type {type(inputs).__name__}, not a dict "
+                   "of keyword arguments, a tensor, a tuple or a list", hint=fix)
+    params, stop = names
+    if len(args) > len(params):
+        why = stop or f"its forward has {len(params)} parameter(s) ({', '.join(params) or 'none'})"
+        raise _err(spec, f"factory {spec.factory!r} returned {len(args)} positional input(s) "
+                   f"({type(inputs).__name__}) for {type(module).__name__}, which cannot take them by name: {why}",
+                   hint=fix)
+    return dict(zip(params, args))
+
+
 # --------------------------------------------------------------------------------------------- public API
 
 def load_model(spec: ModelSpec, *, seed: int = 0, dtype: str | torch.dtype | None = None, device: str = "cpu",
@@ -487,7 +548,7 @@ def load_model(spec: ModelSpec, *, seed: int = 0, dtype: str | torch.dtype | Non
             module = out["model"]
             config = out.get("config", getattr(module, "config", None))
             tokenizer = out.get("tokenizer")
-            example_inputs = out.get("inputs")
+            example_inputs = keyword_inputs(spec, module, out.get("inputs"))
             task = spec.task if spec.task != "auto" else out.get("task") or (
                 detect_task(config) if config is not None and hasattr(config, "to_dict") else "base")
         else:

@@ -187,6 +187,13 @@ def load_diff(path: Path) -> dict[str, Any]:
 # --------------------------------------------------------------------------- the run
 
 
+def check_repo(repo: str) -> str:
+    """`repo` when it reads OWNER/NAME; else `ConfigError` (exit 2)."""
+    if not _REPO_RE.match(repo or ""):
+        raise ConfigError(f"--repo {repo!r} is not OWNER/NAME", hint="e.g. --repo acme/models (in Actions: ${{ github.repository }})")
+    return repo
+
+
 def run_key_from(env: Mapping[str, str], diff_path: Path) -> str:
     """This run's id for idempotence: the Actions run (reruns included), else the diff's content."""
     run_id = env.get("GITHUB_RUN_ID", "").strip()
@@ -565,8 +572,7 @@ def file_issues(diff_path: Path, *, repo: str, dry_run: Path | None, run_dir: Pa
     `InputError` (exit 3) for an unreadable diff. API failures do not raise: the report says what
     stopped and why, the drafts are on disk, and `exit_code` is 6. Bisections (`bisect`, default bisect.json by the diff) go in.
     """
-    if not _REPO_RE.match(repo or ""):
-        raise ConfigError(f"--repo {repo!r} is not OWNER/NAME", hint="e.g. --repo acme/models (in Actions: ${{ github.repository }})")
+    check_repo(repo)
     diff_path = Path(diff_path)
     diff = load_diff(diff_path)
     token = (env.get("GITHUB_TOKEN") or "").strip()
@@ -708,5 +714,5 @@ def _publish(report: FilingReport, env: Mapping[str, str], token: str) -> None:
     append_step_summary(redact(report.markdown(), token), env=env)
 
 
-__all__ = ["FilingReport", "file_issues", "load_diff"]
+__all__ = ["FilingReport", "check_repo", "file_issues", "load_diff"]
 

@@ -103,7 +103,8 @@ def safe_title(text: str) -> str:
     return s if len(s) <= TITLE_LIMIT else s[: TITLE_LIMIT - 1] + "…"
 
 
-def _safe_url(url: str | None) -> str | None:
+def safe_url(url: str | None) -> str | None:
+    """`url` when it is a plain http(s) URL safe inside a Markdown link; None otherwise."""
     if not url:
         return None
     p = urllib.parse.urlsplit(url)
@@ -387,7 +388,7 @@ def _bisect_view(g: Group, ctx: RenderContext) -> dict[str, Any] | None:
     return None
 
 
-def _jinja() -> Any:
+def templates() -> Any:
     """The issue templates' environment: ci_runner's templates, then each registered mode's own folder."""
     packages = template_packages()
     if packages not in _JINJA:
@@ -461,9 +462,9 @@ def _render_issue(g: Group, ctx: RenderContext) -> tuple[str, bool]:
     meta = {"v": 1, "kind": g.kind, "key": list(g.key), "cells": g.cells(), "run": ctx.run_key}
     spec = _group_spec(g)
     what = spec.what
-    links = {"run": _safe_url(ctx.run_url), "artifacts": _safe_url(ctx.artifacts_url or ctx.run_url),
+    links = {"run": safe_url(ctx.run_url), "artifacts": safe_url(ctx.artifacts_url or ctx.run_url),
              "retention": _retention(ctx.options.artifact_days)}
-    template = _jinja().get_template(spec.template)
+    template = templates().get_template(spec.template)
     repro = _pick_repro(g, ctx)
     limit = ctx.options.body_limit
     max_entries, message_limit = MAX_ENTRIES, MESSAGE_LIMIT
@@ -500,9 +501,9 @@ def _render_issue(g: Group, ctx: RenderContext) -> tuple[str, bool]:
 
 
 def render_comment(g: Group, ctx: RenderContext, event: str, *, closing: bool = False) -> str:
-    links = {"run": _safe_url(ctx.run_url), "artifacts": _safe_url(ctx.artifacts_url or ctx.run_url)}
+    links = {"run": safe_url(ctx.run_url), "artifacts": safe_url(ctx.artifacts_url or ctx.run_url)}
     marker = f"<!-- deepview-ci:event={event} run={ctx.run_key} -->"
-    template = _jinja().get_template("issue_comment.md.j2")
+    template = templates().get_template("issue_comment.md.j2")
     max_entries, message_limit = 20, 1500
     body = ""
     for _ in range(6):

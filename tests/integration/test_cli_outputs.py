@@ -43,7 +43,7 @@ def _argv(command: str, dest: str, value: str) -> list[str]:
     argv = command.split()
     for action in sp._actions:
         if action.dest == dest:
-            argv += [action.option_strings[0], value]
+            argv += [action.option_strings[0], value] if action.option_strings else [value]  # `init PATH`
         elif not action.option_strings and action.dest != "help":
             argv += ["x"]
         elif action.required:

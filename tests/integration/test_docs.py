@@ -53,6 +53,17 @@ def test_the_readme_is_a_front_door() -> None:
         assert f"\n{heading}\n" in text, heading
 
 
+def test_every_docs_page_is_linked_from_the_index_and_the_readme() -> None:
+    """Issue 48: a page nobody links is a page nobody finds. docs/index.md links every other page of docs/; the
+    README links docs/index.md and every page too (its Documentation list, or where it speaks of the topic)."""
+    pages = sorted(p.name for p in (ROOT / "docs").glob("*.md") if p.name != "index.md")
+    index = {t.partition("#")[0] for t in LINK.findall((ROOT / "docs" / "index.md").read_text(encoding="utf-8"))}
+    assert [p for p in pages if p not in index] == [], "docs/index.md does not link these pages"
+    readme = {t.partition("#")[0] for t in LINK.findall(README.read_text(encoding="utf-8"))}
+    assert "docs/index.md" in readme
+    assert [p for p in pages if f"docs/{p}" not in readme] == [], "the README does not link these pages"
+
+
 @pytest.mark.timeout(300)
 def test_every_readme_command_block_not_marked_slow_runs(tmp_path: Path) -> None:
     ran = 0

@@ -152,6 +152,7 @@ def test_every_output_the_cli_writes_is_an_action_output():
     diff = {c.replace("_", "-") for c in CATEGORIES}
     filing = set(FilingReport(repo="o/r").counts()) | {"drafts-dir", "issues"}
     assert set(plan) <= declared and diff <= declared and filing <= declared
+    assert {"pr-comment", "pr-comment-url"} <= declared  # prcomment._publish
     assert not (set(plan) & diff) and not (set(plan) & filing) and not (diff & filing)
 
 
@@ -179,13 +180,15 @@ def test_permissions_are_explicit(path):
     if not reusable:
         assert doc.get("permissions") == {}, f"{path.name}: start from no permissions and grant per job"
     for name, job in doc["jobs"].items():
-        if reusable and name in ("issues", "history"):
+        if reusable and name in ("issues", "history", "pr-comment"):
             assert "permissions" not in job  # inherits the caller's grant; see the workflow's comment
             continue
         assert "permissions" in job, f"{path.name}: job {name} has no permissions block"
         perms = job["permissions"] or {}
         writes = {k for k, v in perms.items() if v == "write"}
         allowed = {"issues"} if (job.get("with") or {}).get("file-issues") else set()
+        if (job.get("with") or {}).get("pr-comment"):
+            allowed.add("pull-requests")  # the pr-comment job's comment, on the caller's opt-in only
         if (job.get("with") or {}).get("history-write"):
             allowed.add("contents")  # the history job pushes the history branch
         assert writes <= allowed, f"{path.name}: job {name} writes {writes}"
@@ -199,7 +202,7 @@ def test_reusable_pipeline_shape():
     doc = load(ROOT / ".github" / "workflows" / "deepview.yml")
     jobs = doc["jobs"]
     assert list(jobs) == ["plan", "cells", "zoo-inventory", "zoo-merge", "zoo-probe", "zoo-cells", "report", "bisect",
-                          "issues", "history"]
+                          "issues", "pr-comment", "history"]
     cells = jobs["cells"]
     assert cells["uses"] == "./.github/workflows/deepview-cells.yml" and "steps" not in cells
     assert cells["strategy"]["matrix"]["chunk"] == "${{ fromJSON(needs.plan.outputs.chunk-ids) }}"
@@ -225,6 +228,10 @@ def test_reusable_pipeline_shape():
     # the run history: the report only reads it; the `history` job alone writes, and only when asked to
     assert all("--history deepview-history" in s["with"]["args"] for s in jobs["report"]["steps"]
                if s.get("uses") == "./.deepview-ci" and s["with"]["command"] in ("aggregate", "diff"))
+    # the opt-in PR comment: pull requests only, after a diff that ran, the token only for that command
+    pr = jobs["pr-comment"]
+    assert "inputs.pr-comment" in pr["if"] and "github.event_name == 'pull_request'" in pr["if"] and "!cancelled()" in pr["if"]
+    assert [s["with"]["command"] for s in pr["steps"] if s.get("uses") == "./.deepview-ci"] == ["pr-comment"]
     assert "inputs.history-write" in jobs["history"]["if"] and "no-result == '0'" in jobs["history"]["if"]
     assert [s["with"]["command"] for s in jobs["history"]["steps"] if s.get("uses") == "./.deepview-ci"] == ["history push"]
     # the opt-in bisection of regressions runs before filing, reads only, and a failed bisection files anyway
@@ -412,7 +419,8 @@ def test_nightly_files_issues_and_pr_check_files_nothing():
     assert set(pr["on"]) == {"pull_request"} and pr["on"]["pull_request"]["paths"]
     job = pr["jobs"]["deepview"]
     assert job["with"]["file-issues"] is False and job["with"]["fail-on"] == "regression"
-    assert job["permissions"] == {"contents": "read"}
+    # its one write is the pull request's comment (issue 48): no issues, no contents, no secret
+    assert job["permissions"] == {"contents": "read", "pull-requests": "write"} and job["with"]["pr-comment"] is True
     assert "secrets" not in job
 
 

@@ -206,6 +206,45 @@ def test_a_fork_pull_request_that_ran_nothing_is_not_a_pass(sim: Sim, tmp_path: 
     assert same["plan"].outputs["count"] == "2" and same["plan"].outputs["fork-pr"] == "false"
 
 
+def test_a_pull_request_gets_one_comment_updated_by_every_run_and_a_fork_gets_a_summary_line(sim: Sim, tmp_path: Path) -> None:
+    """Issue 48: `pr-comment: true` on a pull request. The run's regression (tiny@acme) fails the policy and is the
+    comment's news; "re-run all jobs" edits the same comment; a fork's pull request posts nothing and says so."""
+    pr = sim.gh.add_issue("acme/models", title="lower cumsum", pull_request=True)
+    sim.event = "pull_request"
+    sim.event_payload = {"number": pr["number"], "pull_request": {
+        "number": pr["number"], "head": {"sha": "c0ffee" * 6, "repo": {"full_name": "acme/models"}},
+        "base": {"repo": {"full_name": "acme/models"}}}}
+    sim.inputs.update({"file-issues": False, "history": "", "history-write": False, "pr-comment": True,
+                       "pr-comment-args": ""})
+    sim.calls = {"cells": play_cells({})}
+    jobs = sim.run()
+    assert jobs["report"].outputs["diff-outcome"] == "failure"  # the regression fails the check
+    assert jobs["pr-comment"].result == "success", jobs["pr-comment"].log
+    [comment] = sim.gh.comments("acme/models", pr["number"])
+    assert comment["body"].startswith("<!-- deepview-ci:pr-comment -->") and "`tiny@acme`" in comment["body"]
+    assert "Regressed (1)" in comment["body"] and "| 2 | 1 | 1 |" in comment["body"]
+    assert jobs["pr-comment"].steps["Create or update the pull request's deepview-ci comment"]["outputs"]["pr-comment"] == "created"
+    again = sim.run(rerun="all")
+    assert again["pr-comment"].result == "success"
+    assert [c["id"] for c in sim.gh.comments("acme/models", pr["number"])] == [comment["id"]]  # no second comment
+    # the same pull request from a fork: the job runs, posts nothing, and its step summary says why
+    fork = Sim(sim.workflow, sim.inputs, sim.gh, sim.origin, tmp_path / "fork", run_id=4343, event="pull_request",
+               event_payload={**sim.event_payload, "pull_request": {
+                   **sim.event_payload["pull_request"], "head": {"sha": "f" * 40, "repo": {"full_name": "mallory/models"}}}},
+               calls={"cells": play_cells({})})
+    (tmp_path / "fork").mkdir()
+    writes = len(sim.gh.writes())
+    jobs = fork.run()
+    assert jobs["pr-comment"].result == "success"
+    assert [w for w in sim.gh.writes()[writes:] if "/comments" in w.path] == []
+    summary = (tmp_path / "fork" / "attempt-1" / "pr-comment" / ".step_summary").read_text()
+    assert "did not comment on this pull request" in summary and "mallory/models" in summary
+    # not a pull request (a nightly): the job does not run
+    sim3 = Sim(sim.workflow, sim.inputs, sim.gh, sim.origin, tmp_path / "night", run_id=4444, calls={"cells": play_cells({})})
+    (tmp_path / "night").mkdir()
+    assert sim3.run()["pr-comment"].result == "skipped"
+
+
 def test_a_broken_history_branch_stops_nothing_and_the_push_repairs_it(sim: Sim, tmp_path: Path) -> None:
     """A garbage history.sqlite on the branch. Before: `aggregate --history` exited 3, so the diff, the policy, the
     issues and the history job never ran, every night, and nothing repaired the branch."""

@@ -203,6 +203,38 @@ def test_factory_same_seed_same_weights() -> None:
         build_inputs(a, InputSpec())
 
 
+@pytest.mark.parametrize("name", ["positional_tuple", "positional_list", "positional_tensor", "positional_callable"])
+def test_factory_positional_inputs_are_bound_to_the_forwards_names(name: str) -> None:
+    """Issue 48: `(model, (tensor,))` used to reach `module(**(tensor,))` and fail on the reference ("keywords must
+    be strings"); positional inputs are now keyword arguments named after the forward's parameters."""
+    loaded = load_model(spec(factory=f"tests.fixtures.models_factory:{name}"), seed=3)
+    kw = build_inputs(loaded, InputSpec(), sample=1)
+    assert list(kw) == (["x", "scale"] if name == "positional_list" else ["x"])
+    assert all(isinstance(v, torch.Tensor) for v in kw.values())
+    out = loaded.module(**kw)
+    assert out.shape[-1] == 8
+    if name == "positional_callable":
+        assert kw["x"].shape == (2, 2, 8) and torch.equal(kw["x"], build_inputs(loaded, InputSpec(), sample=1)["x"])
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("too_many_positional", "returned 2 positional input(s) (tuple) for TinyMLP, which cannot take them by name: "
+                                "its forward has 1 parameter(s) (x)"),
+        ("star_args", "returned 1 positional input(s) (tuple) for StarArgs, which cannot take them by name: its forward "
+                      "takes *xs"),
+        ("odd_inputs", "returned example inputs of type str, not a dict of keyword arguments, a tensor, a tuple or a list"),
+    ],
+)
+def test_factory_inputs_the_forward_cannot_take_are_one_load_error(name: str, message: str) -> None:
+    with pytest.raises(ModelLoadError) as info:
+        load_model(spec(id="mine", factory=f"tests.fixtures.models_factory:{name}"))
+    err = info.value
+    assert message in err.message and f"factory 'tests.fixtures.models_factory:{name}'" in err.message, err.message
+    assert "'mine'" in err.message and err.hint and "dict of keyword arguments" in err.hint and err.exit_code == 4
+
+
 # --------------------------------------------------------------------------------------------- errors
 
 @pytest.mark.parametrize(
