@@ -4,7 +4,7 @@ A phase is a list of calls. The prefill writes the prompt into a KV cache (trans
 as users compile; `DynamicCache` on request); each decode step feeds one token through the same cache object, with
 its position, as a hand-written generation loop does. A padded batch is one call with the attention mask and the
 position ids `generate` derives from it (`cumsum(mask) - 1`, 0 on padding), so padded query rows are fully masked.
-A long phase is one call per length. The same `fn` (the eager module, or one compiled object) serves every call,
+A long phase is the prompt's length, then one call per long length. The same `fn` (the eager module, or one compiled object) serves every call,
 so a compiler sees the shapes change exactly as in generation.
 
 Decode is teacher-forced when `forced` tokens are given (the reference's greedy tokens): both sides see the same
@@ -240,8 +240,11 @@ def batch_call(loaded: LoadedModel, inputs: InputSpec, phase: Phase, device: str
 
 
 def long_calls(loaded: LoadedModel, inputs: InputSpec, phase: Phase, device: str) -> Iterator[Call]:
+    """The prompt's length first, then each long length, through the same `fn`: the compiled object has seen the
+    usual prompt when the long one comes, so its recompile (a dynamic length, or a fallback) is what users hit."""
     params = _signature(loaded.module)
-    for n in long_lengths(loaded, phase)[0]:
+    fit = long_lengths(loaded, phase)[0]
+    for n in ([inputs.seq_len] if fit and inputs.seq_len not in fit else []) + fit:
         ids = _ids(loaded, inputs, n, batch=inputs.batch)
         kwargs: dict[str, Any] = {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device)}
         if "use_cache" in params:

@@ -10,7 +10,8 @@ inputs:
   (`cache: static` by default, as users compile; `dynamic` for transformers' DynamicCache).
 - `batch`: prompts of `lengths` in one batch, padded on the `padding` side, with the attention mask and position ids
   `generate` builds from it (padded query rows are fully masked).
-- `long`: one call per length in `seq_len`, through the same compiled object.
+- `long`: the prompt's length (`inputs.seq_len`), then one call per length in `seq_len`, through the same compiled
+  object (the recompile a longer prompt causes is tested as users hit it).
 
 No `phases` key: the single unpadded forward every mode ran before (nothing here is used). `parse_phases` turns the
 raw list into `Phase` records; the matrix schema checks the shape, `check_phases` the values, at load.
