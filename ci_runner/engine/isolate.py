@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from . import compiles
 from .failure import first_line
 from ..fsutil import append_line, atomic_write_json
 
@@ -330,6 +331,8 @@ def run_isolated(target: str, payload: Mapping[str, Any], *, timeout: float, jou
                                   timeout=timeout)
         if result_path.exists():
             data = json.loads(result_path.read_text(encoding="utf-8"))
+            done = compiles.Compiles.from_json(data.get("compiles"))
+            compiles.add(done.graphs, done.compile_s)  # the child's compiles count here, where it was asked for
             return IsolatedResult(status=data["status"], value=data.get("value"), error_type=data.get("error_type"),
                                   message=data.get("message", ""), traceback=data.get("traceback", ""),
                                   exit_code=end.returncode, stderr_tail=tail, timeout=timeout)
@@ -634,13 +637,15 @@ def child_main(payload_path: str, result_path: str) -> int:
     die_with_parent()
     spec = json.loads(Path(payload_path).read_text(encoding="utf-8"))
     module_name, fn_name = spec["target"].split(":")
+    before = compiles.tally()  # a warm server's fork starts with the server's count
     try:
         fn = getattr(importlib.import_module(module_name), fn_name)
         value = fn(spec["payload"])
-        atomic_write_json(result_path, {"status": "ok", "value": value})
+        atomic_write_json(result_path, {"status": "ok", "value": value, "compiles": compiles.since(before).to_json()})
     except BaseException as exc:  # report everything, including SystemExit from a plugin
         atomic_write_json(result_path, {"status": "error", "error_type": type(exc).__name__, "message": str(exc)[:20000],
-                                        "traceback": traceback.format_exc(limit=20)[-8000:]})
+                                        "traceback": traceback.format_exc(limit=20)[-8000:],
+                                        "compiles": compiles.since(before).to_json()})
     return 0
 
 

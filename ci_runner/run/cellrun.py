@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ..backends import resolve_backend
 from ..config import Cell
+from ..engine import compiles
 from ..engine.envinfo import base_stamp, cell_stamp, plugin_modules
 from ..errors import DeepviewError, ModelLoadError, TorchTooOldError
 from ..fsutil import atomic_write_json
@@ -74,6 +75,7 @@ def run_cell_inprocess(cell: Cell, cell_dir: Path, *, modes: tuple[str, ...], de
             continue
         ctx.journal("enter-mode", name)
         t0 = time.monotonic()
+        before = compiles.tally()
         try:
             mode_result = fn(ctx)
         except TorchTooOldError as exc:
@@ -84,6 +86,7 @@ def run_cell_inprocess(cell: Cell, cell_dir: Path, *, modes: tuple[str, ...], de
             tb = traceback.format_exc(limit=8)
             mode_result = ModeResult(status="error", reason=f"{type(exc).__name__}: {exc}", data={"traceback": tb[-4000:]})
         mode_result.duration_s = mode_result.duration_s or (time.monotonic() - t0)
+        mode_result.data["compiles"] = ctx.compiles_data(name, compiles.since(before))  # where the time went
         ctx.journal("leave-mode", name)
         result.modes[name] = mode_result
         ctx.previous[name] = mode_result
