@@ -216,6 +216,7 @@ class CellResult:
     started_at: str | None = None
     # the key of the cell's resolved configuration (`run/resume.cell_config`: key, parts, timeout); None: not recorded
     config: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)  # said at the cell's start: limits that cannot fit its timeout
 
     @property
     def findings(self) -> list[Finding]:
@@ -241,6 +242,7 @@ class CellResult:
             "error": clean(asdict(self.error)) if self.error else None,
             "modes": {name: m.to_dict() for name, m in self.modes.items()},
             **({"config": self.config} if self.config else {}),
+            **({"notes": list(self.notes)} if self.notes else {}),
         }
 
     @classmethod
@@ -258,6 +260,7 @@ class CellResult:
             artifacts_dir=data.get("artifacts_dir"),
             started_at=data.get("started_at"),
             config=dict(data["config"]) if isinstance(data.get("config"), Mapping) else None,
+            notes=[str(n) for n in data.get("notes") or ()],
         )
 
 

@@ -20,6 +20,7 @@ from ..engine.envinfo import base_stamp, cell_stamp, plugin_modules
 from ..errors import DeepviewError, ModelLoadError, TorchTooOldError
 from ..fsutil import atomic_write_json
 from ..modes import ModeContext, get_mode
+from ..registry import load_ref, mode_spec
 from .heartbeat import Heartbeat
 from ..results.model import PARTIAL_NAME, RESULT_NAME, CellError, CellResult, ModeResult, save_cell_result
 
@@ -62,6 +63,10 @@ def run_cell_inprocess(cell: Cell, cell_dir: Path, *, modes: tuple[str, ...], de
         checkpoint()
 
     heartbeat = Heartbeat(cell_dir, cell.id)  # where the cell is, for the run's console and CI logs
+    for note in fit_notes(cell, modes):  # limits that cannot fit the cell's timeout: said now, not found out later
+        if note not in result.notes:
+            result.notes.append(note)
+            heartbeat.note(note)
     ctx = ModeContext(cell=cell, cell_dir=cell_dir, backend=backend, deadline=deadline, env=result.env,
                       previous=dict(result.modes), on_checkpoint=keep_partial, on_event=heartbeat.event)
     for i, name in enumerate(modes):
@@ -96,6 +101,16 @@ def run_cell_inprocess(cell: Cell, cell_dir: Path, *, modes: tuple[str, ...], de
         if ctx.model_error is not None:
             _model_failed(result, ctx.model_error, ())
     return _finish(result, cell_dir, started)
+
+
+def fit_notes(cell: Cell, modes: tuple[str, ...]) -> list[str]:
+    """What each mode's `ModeSpec.fit` says of the cell's timeout against its limits (nothing: they fit)."""
+    out = []
+    for name in modes:
+        spec = mode_spec(name)
+        if spec is not None and spec.fit and (note := load_ref(spec.fit)(cell)):
+            out.append(str(note))
+    return out
 
 
 def _model_failed(result: CellResult, exc: ModelLoadError, rest: tuple[str, ...]) -> None:
