@@ -155,6 +155,8 @@ def test_hard_faults_keep_the_diagnosis_and_the_run_goes_on(tmp_path: Path, back
     assert _modules(mode) == ["model.layers.0.self_attn"]
     f = mode.findings[0]
     assert f.details["status"] == status and f.error_type == error_type and f.stage == "run"
+    if status == "timeout":  # measured: sim-hang sleeps, its session's CPU time and output stopped (issue 44)
+        assert "hung: no progress for 5 s after" in f.details["message_full"], f.details["message_full"]
     search = mode.data["search"]
     assert search["complete"] and search["restarts"] == 2  # root, self_attn: one child each
     rows = _rows(mode)

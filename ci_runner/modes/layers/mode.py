@@ -211,6 +211,21 @@ def _dead_child_outcome(culprit: str, res: IsolatedResult, *, timed_out: bool, o
                         traceback=traceback, signal=res.signal)
 
 
+def _slow_probes(opts: LayersOptions, probed: list[ProbeOutcome], search_data: dict[str, Any],
+                 note: str | None) -> str | None:
+    """Slow is a figure, never a finding: `slow` (the probes that ran past probe_timeout making progress, in
+    seconds) and `unfinished` (those the cell's time cut short: not failing, the search named their failing parent
+    instead) into the search's data; the mode's note, with the unfinished ones added."""
+    search_data["slow"] = {label(o.name): round(o.duration_s, 1) for o in probed
+                           if o.status in ("pass", "fail", "inconclusive") and o.duration_s > opts.probe_timeout}
+    cut = [label(o.name) for o in probed if o.status == UNFINISHED]
+    if not cut:
+        return note
+    search_data["unfinished"] = cut
+    return "; ".join(filter(None, [note, f"{len(cut)} probe(s) still compiling when the cell's time ran out (slow, "
+                                         f"not hangs; their failing parents are named): {', '.join(cut[:8])}"]))
+
+
 def _nonempty(path: Path) -> bool:
     try:
         return path.stat().st_size > 0
@@ -296,15 +311,7 @@ def _run_forward(ctx: "ModeContext", opts: LayersOptions, layers_dir: Path) -> M
     unran = [label(o.name) for o in probed if o.status == "inconclusive"]
     note = (f"{len(unran)} module probe(s) the backend never ran (inconclusive, not passed): "
             f"{', '.join(unran[:8])}{f' … and {len(unran) - 8} more' if len(unran) > 8 else ''}") if unran else None
-    # slow is a figure, never a finding: the probes that ran past probe_timeout making progress, and those the
-    # cell's time cut short (not failing: the search named their failing parent instead)
-    data["search"]["slow"] = {label(o.name): round(o.duration_s, 1) for o in probed
-                              if o.status in ("pass", "fail", "inconclusive") and o.duration_s > opts.probe_timeout}
-    cut = [label(o.name) for o in probed if o.status == UNFINISHED]
-    if cut:
-        data["search"]["unfinished"] = cut
-        note = "; ".join(filter(None, [note, f"{len(cut)} probe(s) still compiling when the cell's time ran out (slow, "
-                                             f"not hangs; their failing parents are named): {', '.join(cut[:8])}"]))
+    note = _slow_probes(opts, probed, data["search"], note)
     whole = result.whole_model
     if whole is not None and whole.status == UNFINISHED:
         return ModeResult(status="timeout", reason=f"{whole.message}; raise the cell's timeout", data=data,
