@@ -226,7 +226,14 @@ _COUNT = integer(ge=0, hint="use a non-negative integer")
 @dataclass(frozen=True, kw_only=True)
 class LayersOptions:
     probe_timeout: float = option(120.0, check=_SECONDS,
-                                  help="seconds one module may take to compile and run before it counts as a hang")
+                                  help="seconds one module may take to compile and run; past them it is a hang only "
+                                       "when it makes no progress (CPU time, output) over `progress_window`")
+    progress_window: float = option(30.0, check=number(gt=0, hint="e.g. 30"),
+                                    help="seconds without CPU time or output that make a probe past probe_timeout a "
+                                         "hang (at most half of probe_timeout)")
+    stuck_factor: float = option(4.0, check=number(ge=1, hint="e.g. 4"),
+                                 help="a probe still busy past this many times the longest probe the cell measured "
+                                      "(and past twice probe_timeout) is stuck: a hang")
     startup_timeout: float = option(180.0, check=_SECONDS,
                                     help="seconds a probing child may take to import, load the model and the backend")
     all_calls: bool = option(False, check=boolean,

@@ -189,6 +189,9 @@ class ModeSpec:
     report: str | None = None
     templates: str | None = None
     layer_table: bool = False  # its `data.layers` is the per-layer comparison table and `data.verdict` its verdict
+    # ``"module:function"``: (cell) -> str | None, said at the cell's start when the mode's limits cannot fit the
+    # cell's timeout (`run/cellrun.py`: one console line and `CellResult.notes`)
+    fit: str | None = None
 
     def __post_init__(self) -> None:
         groups = tuple(g if isinstance(g, IssueGroup) else IssueGroup(name=str(g)) for g in self.issue_groups)
@@ -370,7 +373,7 @@ register_mode(ModeSpec(
                              title="[deepview-ci] {key[3]} of {key[2]} fails on {key[1]}",
                              what="failing submodule, model and backend", fields={"model": 2, "module": 3},
                              key="ci_runner.modes.layers.issues:group_key")),
-    help="each submodule compiled alone: the smallest failing layers",
+    help="each submodule compiled alone: the smallest failing layers", fit="ci_runner.modes.layers.fit:fit",
     kinds=(KindSpec(kind=K.LAYER_FAILURE, key="module", section=SECTION_LAYERS, issue_group="layer"),),
 ))
 register_mode(ModeSpec(

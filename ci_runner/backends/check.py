@@ -49,7 +49,8 @@ COMPILE_KEYS = ("disable", "dynamic", "fullgraph", "mode", "options")  # torch.c
 # name -> its options, None for the device-only `simdev`; kept here because importing ci_runner.sim imports torch
 SIM_OPTIONS: Mapping[str, tuple[str, ...] | None] = {
     "sim-subset": ("allow", "extra_allow"), "sim-drift": ("op", "dtype"), "sim-crash": ("op",), "sim-abort": ("op",),
-    "sim-segv": ("op",), "sim-hang": ("op", "seconds"), "sim-decode": ("op", "max_query_len"),
+    "sim-segv": ("op",), "sim-hang": ("op", "seconds"), "sim-slow": ("seconds",),
+    "sim-decode": ("op", "max_query_len"),
     "sim-kvdrift": ("dtype", "writes"), "sim-masknan": ("op",), "sim-long": ("max_tokens", "op"),
     "sim-reuse": ("outputs",), "sim-precision": ("matmul", "conv", "attention", "accumulate", "softmax", "norm",
                                                   "reduction", "elementwise", "kv_cache", "overflow",

@@ -11,15 +11,19 @@ Three generic sources of evidence, and one per backend that falls back silently:
 
 from __future__ import annotations
 
+import time
 from typing import Any, Mapping
 
+from ..engine import compiles
 from .vendor import VendorWatch, vendor_fact_keys, watch_for
 
 __all__ = ["CompileRecord", "DynamoCounters", "FallbackWatch", "ran_facts", "not_ran_reason", "backend_ran"]
 
 
 class CompileRecord:
-    """A torch.compile backend that forwards to `inner` and records each graph it is given and its executions."""
+    """A torch.compile backend that forwards to `inner` and records each graph it is given and its executions; each
+    graph the backend compiles is counted, with the seconds of its compile, in the process's tally
+    (`engine/compiles.py`: the modes' `data.compiles`)."""
 
     def __init__(self, inner: Any, name: str) -> None:
         self.inner = inner
@@ -37,11 +41,18 @@ class CompileRecord:
         self.graphs.append(rec)
         if self.keep_modules:
             self.modules.append(gm)
+        t0 = time.perf_counter()
         try:
             compiled = lookup_backend(self.inner)(gm, example_inputs, **kwargs)
         except RestartAnalysis:  # Dynamo drops this graph and traces the frame again (e.g. a 0-dim float64
             self.graphs.remove(rec)  # tensor's scalar tensorified): the graph it compiles next is the one that runs
+            compiles.add(0, time.perf_counter() - t0)
             raise
+        except BaseException:
+            compiles.add(1, time.perf_counter() - t0)  # a compile that failed still cost its time
+            raise
+        rec["compile_s"] = round(time.perf_counter() - t0, 3)
+        compiles.add(1, time.perf_counter() - t0)
         if not callable(compiled):
             return compiled
 

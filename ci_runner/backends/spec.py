@@ -252,11 +252,9 @@ class Backend:
         return self._compiler
 
     def compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """`torch.compile(fn, backend=…, **compile_options)`; `fn` itself when eager."""
-        self.prepare()
-        if self._compiler is None:
-            return fn
-        return _torch().compile(fn, backend=self._compiler, **dict(self.spec.compile_options))
+        """`torch.compile(fn, backend=…, **compile_options)`; `fn` itself when eager. Through a `CompileRecord`, as
+        `compile_recorded`: every graph the backend compiles is counted (`engine/compiles.py`)."""
+        return self.compile_recorded(fn)[0]
 
     def compile_recorded(self, fn: Callable[..., Any], *, dynamic: bool | None = None,
                          keep_modules: bool = False) -> tuple[Callable[..., Any], "CompileRecord | None"]:

@@ -41,7 +41,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from . import compiles
 from .failure import first_line
+from .progress import POLL_S, ProgressWatch
 from ..fsutil import append_line, atomic_write_json
 
 __all__ = [
@@ -140,6 +142,7 @@ class IsolatedResult:
     signal: str | None = None
     stderr_tail: str = ""
     timeout: float | None = None  # the limit the child ran under
+    stalled: str | None = None  # timed out because its `ProgressWatch` saw no progress: what it measured, in words
 
     @property
     def ok(self) -> bool:
@@ -197,6 +200,7 @@ class ChildExit:
 
     returncode: int | None  # the exit status (negative: the signal), as Popen reports it
     timed_out: bool  # it ran past its time and was killed
+    stalled: str | None = None  # killed by its `ProgressWatch`: what it measured, in words
 
     @property
     def signal(self) -> str | None:
@@ -257,7 +261,8 @@ class LiveChildren:
 def run_process(cmd: Sequence[str], *, timeout: float, stdout: Path, stderr: Path | None = None,
                 env: Mapping[str, str], cwd: Path | None = None, grace: float = 0.0, foreign: bool = False,
                 append: bool = False, live: LiveChildren | None = None,
-                warm_as: tuple[Sequence[str], Mapping[str, str]] | None = None) -> ChildExit:
+                warm_as: tuple[Sequence[str], Mapping[str, str]] | None = None,
+                watch: ProgressWatch | None = None) -> ChildExit:
     """Run `cmd` in a fresh session to its end or `timeout` seconds, then `kill_session(grace=…)`: the one place
     this package starts a child process. Output goes to the file `stdout` (and `stderr`, else the same file;
     appended with `append`). `foreign`: the command is not this package's entry point, so the `_LAUNCH` wrapper
@@ -266,7 +271,9 @@ def run_process(cmd: Sequence[str], *, timeout: float, stdout: Path, stderr: Pat
     package (`python -m ci_runner.…`) is forked from a warm server (`WarmServer`) instead of started cold.
     `warm_as=(argv, server_env)`: with `WARM_ENV` "1" in `server_env`, `argv` (such an entry point, doing what
     `cmd` does from `cwd`: it changes folder itself) is forked with the environment `env` from the server of
-    `server_env` (the one this process's own children use); `cmd` runs cold when no server can serve."""
+    `server_env` (the one this process's own children use); `cmd` runs cold when no server can serve. `watch`: polled
+    about once a second (`engine/progress.py`); when it says the child's item in flight stalled, the child is ended
+    there (`ChildExit.stalled`)."""
     argv = [sys.executable, "-c", _LAUNCH, str(os.getpid()), *cmd] if foreign else list(cmd)
     mode = "ab" if append else "wb"
     with contextlib.ExitStack() as files:
@@ -284,7 +291,10 @@ def run_process(cmd: Sequence[str], *, timeout: float, stdout: Path, stderr: Pat
         if live is not None:
             live.add(proc)
         try:
-            proc.wait(timeout=max(0.1, timeout))
+            stalled = _wait(proc, timeout, watch, [stdout] if stderr is None else [stdout, stderr])
+            if stalled is not None:
+                kill_session(proc, grace=grace)
+                return ChildExit(returncode=proc.returncode, timed_out=True, stalled=stalled)
         except subprocess.TimeoutExpired:
             kill_session(proc, grace=grace)
             return ChildExit(returncode=proc.returncode, timed_out=True)
@@ -295,6 +305,27 @@ def run_process(cmd: Sequence[str], *, timeout: float, stdout: Path, stderr: Pat
             if live is not None:
                 live.discard(proc)
     return ChildExit(returncode=proc.returncode, timed_out=False)
+
+
+def _wait(proc: Any, timeout: float, watch: ProgressWatch | None, files: Sequence[Path]) -> str | None:
+    """Wait for `proc` up to `timeout` (TimeoutExpired past it); with a `watch`, poll it about once a second and
+    return its verdict when it calls the child stalled (after `before_kill`)."""
+    if watch is None:
+        proc.wait(timeout=max(0.1, timeout))
+        return None
+    end = time.monotonic() + max(0.1, timeout)
+    while True:
+        left = end - time.monotonic()
+        try:
+            proc.wait(timeout=max(0.05, min(left, POLL_S)))
+            return None
+        except subprocess.TimeoutExpired:
+            if left <= POLL_S:
+                raise
+        verdict = watch.poll(proc.pid, files)
+        if verdict is not None:
+            watch.before_kill(proc.pid)
+            return verdict
 
 
 def file_tail(path: Path, limit: int = 4000) -> str:
@@ -311,9 +342,11 @@ def file_tail(path: Path, limit: int = 4000) -> str:
 # --------------------------------------------------------------------------- one child running a target
 
 def run_isolated(target: str, payload: Mapping[str, Any], *, timeout: float, journal: Path | None = None,
-                 env: Mapping[str, str] | None = None, cwd: Path | None = None) -> IsolatedResult:
+                 env: Mapping[str, str] | None = None, cwd: Path | None = None,
+                 watch: ProgressWatch | None = None) -> IsolatedResult:
     """Run `target` ("module:function") on `payload` in a fresh child (its own session; it dies with this
-    process); the child is killed after `timeout` seconds. Never raises for what the child does."""
+    process); the child is killed after `timeout` seconds, or when `watch` says it stalled (`run_process`). Never
+    raises for what the child does."""
     with tempfile.TemporaryDirectory(prefix="deepview-iso-") as tmp:
         payload_path = Path(tmp) / "payload.json"
         result_path = Path(tmp) / "result.json"
@@ -323,13 +356,15 @@ def run_isolated(target: str, payload: Mapping[str, Any], *, timeout: float, jou
         if journal is not None:
             cenv[JOURNAL_ENV] = str(journal)
         end = run_process([sys.executable, "-m", "ci_runner.engine.isolate", str(payload_path), str(result_path)],
-                          timeout=timeout, stdout=stderr_path, env=cenv, cwd=cwd)
+                          timeout=timeout, stdout=stderr_path, env=cenv, cwd=cwd, watch=watch)
         tail = file_tail(stderr_path)
         if end.timed_out:
-            return IsolatedResult(status="timeout", message=f"timed out after {timeout:g}s", stderr_tail=tail,
-                                  timeout=timeout)
+            return IsolatedResult(status="timeout", message=end.stalled or f"timed out after {timeout:g}s",
+                                  stderr_tail=tail, timeout=timeout, stalled=end.stalled)
         if result_path.exists():
             data = json.loads(result_path.read_text(encoding="utf-8"))
+            done = compiles.Compiles.from_json(data.get("compiles"))
+            compiles.add(done.graphs, done.compile_s)  # the child's compiles count here, where it was asked for
             return IsolatedResult(status=data["status"], value=data.get("value"), error_type=data.get("error_type"),
                                   message=data.get("message", ""), traceback=data.get("traceback", ""),
                                   exit_code=end.returncode, stderr_tail=tail, timeout=timeout)
@@ -489,6 +524,7 @@ class Attempt:
 
     payload: Mapping[str, Any]
     timeout: float
+    watch: ProgressWatch | None = None  # ends the child when its item in flight stalls (`engine/progress.py`)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -526,7 +562,8 @@ def supervise(target: str, *, journal: Path, kind: str,
         if step is None or isinstance(step, str):
             return done(step)
         since = jr.size()
-        last = run_isolated(target, step.payload, timeout=step.timeout, journal=journal, env=env, cwd=cwd)
+        last = run_isolated(target, step.payload, timeout=step.timeout, journal=journal, env=env, cwd=cwd,
+                            watch=step.watch)
         children += 1
         if last.ok:
             stop = on_ok(last)
@@ -634,13 +671,15 @@ def child_main(payload_path: str, result_path: str) -> int:
     die_with_parent()
     spec = json.loads(Path(payload_path).read_text(encoding="utf-8"))
     module_name, fn_name = spec["target"].split(":")
+    before = compiles.tally()  # a warm server's fork starts with the server's count
     try:
         fn = getattr(importlib.import_module(module_name), fn_name)
         value = fn(spec["payload"])
-        atomic_write_json(result_path, {"status": "ok", "value": value})
+        atomic_write_json(result_path, {"status": "ok", "value": value, "compiles": compiles.since(before).to_json()})
     except BaseException as exc:  # report everything, including SystemExit from a plugin
         atomic_write_json(result_path, {"status": "error", "error_type": type(exc).__name__, "message": str(exc)[:20000],
-                                        "traceback": traceback.format_exc(limit=20)[-8000:]})
+                                        "traceback": traceback.format_exc(limit=20)[-8000:],
+                                        "compiles": compiles.since(before).to_json()})
     return 0
 
 

@@ -18,10 +18,11 @@ from typing import Any, Collection, Mapping
 from ..fsutil import append_record, read_records
 from ..results.rootcause import error_signature
 
-__all__ = ["CRASH_STATUSES", "FAILED_STATUSES", "ProbeOutcome", "append_outcome", "read_outcomes"]
+__all__ = ["CRASH_STATUSES", "FAILED_STATUSES", "UNFINISHED", "ProbeOutcome", "append_outcome", "read_outcomes"]
 
 CRASH_STATUSES = ("crashed", "timeout")  # the probe's process died or hung (both models)
 FAILED_STATUSES = ("fail", *CRASH_STATUSES)  # `inconclusive` is not failing: a search treats it as a pass
+UNFINISHED = "unfinished"  # a probe cut short while still making progress: not failing (its failing parent is named)
 
 
 @dataclass(kw_only=True)
@@ -30,6 +31,7 @@ class ProbeOutcome:
 
     name: str  # what was probed: a module's qualified name (layers), a node range `start:end` (culprit)
     status: str  # pass | fail | crashed | timeout | skipped | inconclusive (passed, but the backend never ran it)
+    # | unfinished (cut short by the time left while still making progress: not a hang, not failing)
     stage: str | None = None  # compile | run (for failures)
     error_type: str | None = None
     message: str = ""

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
+from ..engine import compiles
 from ..engine.isolate import Journal
 from ..errors import ModelLoadError
 from ..registry import mode_spec
@@ -64,6 +65,7 @@ class ModeContext:
     compiled_runs: dict[str, "WatchedRun"] = field(default_factory=dict, repr=False)
     _precision: tuple[Any, dict[str, Any]] | None = field(default=None, repr=False)
     _checkpoints: dict[str, ModeResult] = field(default_factory=dict, repr=False)  # the last `checkpoint` per mode
+    _compiles: dict[str, dict[str, compiles.Compiles]] = field(default_factory=dict, repr=False)  # mode -> phase -> cost
 
     @property
     def model_id(self) -> str:
@@ -134,6 +136,7 @@ class ModeContext:
         saved.findings += list(findings)
         phases = saved.data.setdefault("phases", {})
         phases[phase] = dict(row)
+        saved.data["compiles"] = {p: c.to_json() for p, c in self._compiles.get(mode, {}).items()}
         saved.reason = (f"stopped during its phases: what its single forward and its finished phases "
                         f"({', '.join(phases)}) found is kept")
         if self.on_checkpoint is not None:
@@ -149,7 +152,8 @@ class ModeContext:
         run (`engine.workload.skip_reason` on `loaded`) or that starts with less than `min_seconds` left is a
         `skipped` row with its reason; the others run `body(phase) -> (findings, row)` between the journal's
         `enter-workload`/`leave-workload` lines (a hard crash names the phase), and every phase is checkpointed
-        as it finishes (`checkpoint_phase`: a later timeout or crash keeps it)."""
+        as it finishes (`checkpoint_phase`: a later timeout or crash keeps it). What the backend compiled in each phase
+        (`engine/compiles.py`) is kept for the mode's `data.compiles` (`compiles_data`)."""
         from ..engine.workload import skip_reason  # deferred: engine.workload imports torch
 
         findings: list[Any] = []
@@ -165,12 +169,26 @@ class ModeContext:
                 row: dict[str, Any] = {"status": "skipped", "reason": reason}
             else:
                 self.journal("enter-workload", f"{mode}.{name}")
+                before = compiles.tally()
                 found, row = body(phase)
+                self._compiles.setdefault(mode, {})[name] = compiles.since(before)
                 self.journal("leave-workload", f"{mode}.{name}")
             findings += found
             data[name] = row
             self.checkpoint_phase(mode, name, found, row)
         return findings, data
+
+    def compiles_data(self, mode: str, total: compiles.Compiles) -> dict[str, dict[str, int | float]]:
+        """The mode's `data.compiles`: per phase of its phase loop (`each_phase`), what it compiled outside them (the
+        single forward's search and probes: `forward`, or `other` where the loop had a `forward` phase), and the
+        mode's `total` (`total`: the tally's growth over the whole mode, its isolated children's included)."""
+        phases = self._compiles.get(mode, {})
+        out = {p: c.to_json() for p, c in phases.items()}
+        rest = total - sum(phases.values(), compiles.Compiles())
+        if rest:
+            out[FORWARD if FORWARD not in phases else "other"] = rest.to_json()
+        out["total"] = total.to_json()
+        return out
 
     def journal(self, event: str, name: str) -> None:
         """Append `event name` to the cell's crash journal (fsync'd): the parent reads it after a hard crash."""

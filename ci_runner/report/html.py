@@ -30,7 +30,7 @@ from .junit import xml_safe
 from ..engine.failure import headline
 from .trendcharts import trends_html
 from ..zoo.report import zoo_view
-from .view import CellView, LayerPoint, NumericsView, ReportView, build_view, cos_distance, fmt_num
+from .view import CellView, LayerPoint, NumericsView, ReportView, build_view, compile_costs, cos_distance, fmt_num
 
 # Big runs stay light: past these budgets, findings and per-layer numbers go into one JSON block
 # embedded once in the page, and a compact table is drawn from it when its <details> is opened.
@@ -394,6 +394,18 @@ def _environment() -> jinja2.Environment:
     return env
 
 
+def compile_table(cv: CellView) -> str:
+    """The cell's compile time per mode and phase (`data.compiles`), "" when nothing compiled."""
+    rows = [r for r in compile_costs(cv.cell) if r.graphs or r.compile_s]
+    if not rows:
+        return ""
+    total = ' class="total"'
+    body = "".join(f"<tr{total if r.phase == 'total' else ''}><td>{_e(r.mode)}</td><td>{_e(r.phase)}</td>"
+                   f"<td>{r.graphs}</td><td>{r.compile_s:.2f}</td></tr>" for r in rows)
+    return ("<details class=\"compiles\"><summary>compile time: where it went</summary><table><thead><tr><th>mode</th>"
+            f"<th>phase</th><th>graphs</th><th>compile s</th></tr></thead><tbody>{body}</tbody></table></details>")
+
+
 def render_html(
     results: Results,
     *,
@@ -418,7 +430,7 @@ def render_html(
         shown = max(0, min(len(cv.findings), MAX_FINDINGS_PER_CELL, full_left))
         full_left -= shown
         blocks[cv.id] = {"findings": Markup(findings_html(cv, shown, links=v.links)), "layers": Markup(""),
-                         **mode_blocks(cv, hooks)}
+                         "compiles": Markup(compile_table(cv)), **mode_blocks(cv, hooks)}
         entry: dict[str, Any] = {}
         if shown < len(cv.findings):
             entry["findings"] = compact_findings(cv, shown, strings)

@@ -26,7 +26,7 @@ from .junit import junit_counts, xml_safe
 from ..engine.failure import headline
 from .trendcharts import burndown_line, history_sections
 from ..zoo.report import zoo_view
-from .view import ReportView, build_view, cos_distance, fmt_num, icon
+from .view import ReportView, build_view, costliest_compiles, cos_distance, fmt_num, icon
 
 # The file stays this far under GitHub's limit, so that appending it after a few lines another
 # step wrote still fits.
@@ -137,6 +137,22 @@ def mode_sections(cells: Any) -> list[str]:
     return [s for _, h in mode_hooks() if (s := h.summary_section(cells, max_rows=MAX_ROWS))]
 
 
+COMPILE_ROWS = 20  # the costliest phases shown in "Where the compile time went"
+
+
+def compile_section(cells: Any, max_rows: int = COMPILE_ROWS) -> str:
+    """Where the compile time went: the phases (every mode's, `data.compiles`) that compiled longest; "" when no
+    cell compiled anything."""
+    top, total = costliest_compiles(cells, max_rows)
+    if not top:
+        return ""
+    lines = ["### Where the compile time went", "",
+             f"{total.graphs} graph(s) compiled by the backends in {total.compile_s:.1f} s in all; the costliest phases:",
+             "", "| cell | mode | phase | graphs | compile s |", "|---|---|---|---:|---:|"]
+    lines += [f"| {code(r.cell)} | {md(r.mode)} | {md(r.phase)} | {r.graphs} | {r.compile_s:.1f} |" for r in top]
+    return "\n".join(lines) + "\n"
+
+
 def render_summary(
     results: Results,
     *,
@@ -163,7 +179,8 @@ def render_summary(
     for chunk in _ENV.get_template("summary.md.j2").generate(
         v=v, max_rows=MAX_ROWS, max_details=MAX_DETAILS_FINDINGS, diff=v.diff, junit=junit_counts(v), trends=trends,
         zoo=zoo_view(results.zoo) if results.zoo else None,
-        mode_sections=mode_sections(results.cells), history_sections=history_sections(trends, "summary"),
+        mode_sections=[s for s in (compile_section(results.cells), *mode_sections(results.cells)) if s],
+        history_sections=history_sections(trends, "summary"),
     ):
         chunks.append(chunk)
         size += len(chunk)

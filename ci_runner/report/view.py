@@ -565,3 +565,50 @@ def build_view(results: Results, *, out_dir: Path | None = None, run_dir: Path |
     view.root_causes = _causes(results, allf)
     view.links = out_dir is not None and run_dir is not None
     return view
+
+
+# --------------------------------------------------------------------------- the cost in compiles
+
+@dataclass(frozen=True)
+class CompileCost:
+    """One row of where a cell's compile time went: a mode's phase (or its `total`), its graphs and seconds."""
+
+    cell: str
+    mode: str
+    phase: str
+    graphs: int
+    compile_s: float
+
+
+def compile_costs(cell: CellResult) -> list[CompileCost]:
+    """Each mode's `data.compiles` rows (`engine/compiles.py`, filled by the cell's mode loop for every mode), phases
+    in the order the mode ran them and its `total` last; modes in the cell's order. Nothing names a mode."""
+    rows: list[CompileCost] = []
+    for mode, result in cell.modes.items():
+        table = result.data.get("compiles") if isinstance(result.data, Mapping) else None
+        if not isinstance(table, Mapping):
+            continue
+        for phase, fig in table.items():
+            if not isinstance(fig, Mapping):
+                continue
+            graphs, seconds = fig.get("graphs"), fig.get("compile_s")
+            rows.append(CompileCost(cell=cell.id, mode=mode, phase=str(phase),
+                                    graphs=graphs if isinstance(graphs, int) and not isinstance(graphs, bool) else 0,
+                                    compile_s=float(seconds) if isinstance(seconds, (int, float))
+                                    and not isinstance(seconds, bool) else 0.0))
+    return rows
+
+
+def costliest_compiles(cells: Sequence[CellResult], limit: int) -> tuple[list[CompileCost], CompileCost]:
+    """The `limit` phases (every mode's, `total` rows left out) that spent the most seconds compiling, costliest
+    first, and the run's total (`cell` and `mode` empty)."""
+    phases: list[CompileCost] = []
+    graphs, seconds = 0, 0.0
+    for cell in cells:
+        for row in compile_costs(cell):
+            if row.phase == "total":
+                graphs, seconds = graphs + row.graphs, seconds + row.compile_s
+            elif row.graphs or row.compile_s:
+                phases.append(row)
+    phases.sort(key=lambda r: (-r.compile_s, -r.graphs, r.cell, r.mode, r.phase))
+    return phases[:limit], CompileCost(cell="", mode="", phase="total", graphs=graphs, compile_s=seconds)

@@ -228,6 +228,7 @@ class CellResult:
     # the key of the cell's resolved configuration (`run/resume.cell_config`: key, parts, timeout); None: not recorded
     config: dict[str, Any] | None = None
     parallel: str | None = None  # the tensor-parallel layout the cell ran under (`tp2`); None: one rank
+    notes: list[str] = field(default_factory=list)  # said at the cell's start: limits that cannot fit its timeout
 
     @property
     def findings(self) -> list[Finding]:
@@ -254,6 +255,7 @@ class CellResult:
             "modes": {name: m.to_dict() for name, m in self.modes.items()},
             **({"config": self.config} if self.config else {}),
             **({"parallel": self.parallel} if self.parallel else {}),
+            **({"notes": list(self.notes)} if self.notes else {}),
         }
 
     @classmethod
@@ -272,6 +274,7 @@ class CellResult:
             started_at=data.get("started_at"),
             config=dict(data["config"]) if isinstance(data.get("config"), Mapping) else None,
             parallel=str(data["parallel"]) if data.get("parallel") else None,
+            notes=[str(n) for n in data.get("notes") or ()],
         )
 
 

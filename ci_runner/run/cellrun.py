@@ -15,10 +15,12 @@ from pathlib import Path
 
 from ..backends import resolve_backend
 from ..config import Cell
+from ..engine import compiles
 from ..engine.envinfo import base_stamp, cell_stamp, plugin_modules
 from ..errors import DeepviewError, ModelLoadError, TorchTooOldError
 from ..fsutil import atomic_write_json
 from ..modes import ModeContext, get_mode
+from ..registry import load_ref, mode_spec
 from .heartbeat import Heartbeat
 from ..results.model import PARTIAL_NAME, RESULT_NAME, CellError, CellResult, ModeResult, save_cell_result
 
@@ -70,6 +72,10 @@ def run_cell_inprocess(cell: Cell, cell_dir: Path, *, modes: tuple[str, ...], de
             return _finish(result, cell_dir, started)
 
     heartbeat = Heartbeat(cell_dir, cell.id)  # where the cell is, for the run's console and CI logs
+    for note in fit_notes(cell, modes):  # limits that cannot fit the cell's timeout: said now, not found out later
+        if note not in result.notes:
+            result.notes.append(note)
+            heartbeat.note(note)
     ctx = ModeContext(cell=cell, cell_dir=cell_dir, backend=backend, deadline=deadline, env=result.env,
                       previous=dict(result.modes), on_checkpoint=keep_partial, on_event=heartbeat.event)
     for i, name in enumerate(modes):
@@ -83,6 +89,7 @@ def run_cell_inprocess(cell: Cell, cell_dir: Path, *, modes: tuple[str, ...], de
             continue
         ctx.journal("enter-mode", name)
         t0 = time.monotonic()
+        before = compiles.tally()
         try:
             mode_result = fn(ctx)
         except TorchTooOldError as exc:
@@ -93,6 +100,7 @@ def run_cell_inprocess(cell: Cell, cell_dir: Path, *, modes: tuple[str, ...], de
             tb = traceback.format_exc(limit=8)
             mode_result = ModeResult(status="error", reason=f"{type(exc).__name__}: {exc}", data={"traceback": tb[-4000:]})
         mode_result.duration_s = mode_result.duration_s or (time.monotonic() - t0)
+        mode_result.data["compiles"] = ctx.compiles_data(name, compiles.since(before))  # where the time went
         ctx.journal("leave-mode", name)
         result.modes[name] = mode_result
         ctx.previous[name] = mode_result
@@ -113,6 +121,16 @@ def _layout_error(cell: Cell) -> str | None:
     if exc is None:
         return None
     return f"{cell.parallel.label()}: {exc.message}" + (f" (fix: {exc.hint})" if exc.hint else "")
+
+
+def fit_notes(cell: Cell, modes: tuple[str, ...]) -> list[str]:
+    """What each mode's `ModeSpec.fit` says of the cell's timeout against its limits (nothing: they fit)."""
+    out = []
+    for name in modes:
+        spec = mode_spec(name)
+        if spec is not None and spec.fit and (note := load_ref(spec.fit)(cell)):
+            out.append(str(note))
+    return out
 
 
 def _model_failed(result: CellResult, exc: ModelLoadError, rest: tuple[str, ...]) -> None:

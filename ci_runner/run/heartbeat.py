@@ -69,6 +69,12 @@ class Heartbeat:
                 self.state.update(phase=None, phase_started=None)
             self._write()
 
+    def note(self, text: str) -> None:
+        """Something the run says once on the console for this cell (`Watch`: "<cell>: note: <text>")."""
+        with self._lock:
+            self.state.setdefault("notes", []).append(text)
+            self._write()
+
     def mode_done(self, mode: str, status: str, seconds: float) -> None:
         with self._lock:
             self.state["modes_done"].append({"mode": mode, "status": status, "seconds": round(seconds, 1)})
@@ -101,6 +107,7 @@ class Watch:
     def __init__(self, cell_dir: Path, cell_id: str, say: Callable[[str], None], every: float = 1.0) -> None:
         self.cell_dir, self.cell_id, self.say, self.every = cell_dir, cell_id, say, every
         self._done = len(read_heartbeat(cell_dir).get("modes_done") or [])
+        self._noted = len(read_heartbeat(cell_dir).get("notes") or [])
         self._at: tuple[Any, Any] = (None, None)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"watch {cell_id}", daemon=True)
@@ -124,6 +131,10 @@ class Watch:
         for d in done[self._done:]:
             self.say(f"{self.cell_id}: {d.get('mode')} {d.get('status')} in {d.get('seconds')}s")
         self._done = max(self._done, len(done))
+        notes = hb.get("notes") or []
+        for text in notes[self._noted:]:
+            self.say(f"{self.cell_id}: note: {text}")
+        self._noted = max(self._noted, len(notes))
         mode, phase = hb.get("mode"), hb.get("phase")
         if mode and mode != self._at[0]:
             self.say(f"{self.cell_id}: {mode} started")

@@ -19,6 +19,7 @@ backends:
 | `sim-abort` | torch.compile | a native abort (SIGABRT, "terminate called after throwing…" on stderr) | run | `op` (default `attention`) |
 | `sim-segv` | torch.compile | a segmentation fault (SIGSEGV: reads address 0 through ctypes) | run | `op` (default `attention`) |
 | `sim-hang` | torch.compile | a hang (sleeps forever; with `seconds`, raises after that long) | run | `op` (default `attention`), `seconds` |
+| `sim-slow` | torch.compile | a slow compiler on a busy runner: each graph's compile spends `seconds` of busy CPU time (not sleeping: on a loaded machine it takes longer in wall time), then runs correctly (like `aot_eager`) | compile (no error) | `seconds` (default 20, CPU seconds per graph) |
 | `sim-decode` | torch.compile | prefill OK, decode fails: raises `SimCompilerError: [sim-decode] unsupported operator aten._scaled_dot_product_flash_attention_for_cpu.default in node …: query sequence length 1 is not supported (a one-token decode step)…` for a graph whose attention has a one-token query (a symbolic length never fires) | compile | `op` (default `attention`), `max_query_len` (default 1: fail at query length ≤ 1) |
 | `sim-kvdrift` | torch.compile | KV-cache contamination: the values a cache write (`index_copy`, `index_put`, `slice_scatter`, DynamicCache's `cat`, when the result outlives the call) stores are rounded to a low dtype; the first token is right, later ones drift | run (no error) | `dtype` (default `bfloat16`; `float16`), `writes` (default `decode`: writes of one position; `all`: every write, the prefill's too) |
 | `sim-masknan` | torch.compile | padded batch NaN: attention with a plain softmax, so a fully-masked query row (a left-padded row's pads) is NaN where eager gives 0, and the NaN spreads to that row's real tokens; other rows match eager | run (no error) | `op` (default `attention`) |
@@ -61,6 +62,7 @@ from .compilers import (
     expand_patterns,
     make_drift,
     make_fault,
+    make_slow,
     make_subset,
     op_matches,
     op_name,
@@ -137,6 +139,11 @@ SIM_BACKENDS: Mapping[str, SimBackendInfo] = MappingProxyType({
         reproduces="hang: sleeps forever when the chosen op (default attention) runs",
         options=MappingProxyType({"op": _OP, "seconds": "hang only this long, then raise (for tests)"}),
         factory=_fault("hang")),
+    "sim-slow": SimBackendInfo(
+        name="sim-slow", kind="torch.compile", stage="compile",
+        reproduces="a slow compiler: each graph's compile spends `seconds` of busy CPU time, then runs correctly",
+        options=MappingProxyType({"seconds": "CPU seconds spent compiling each graph; default 20"}),
+        factory=make_slow),
     "sim-decode": SimBackendInfo(
         name="sim-decode", kind="torch.compile", stage="compile",
         reproduces="prefill OK, decode fails: SimCompilerError for a graph whose attention has a one-token query",

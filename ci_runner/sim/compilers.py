@@ -6,7 +6,8 @@ with the eager ATen kernels (like `aot_eager`), and differ in the one thing they
 
 * `sim-subset` raises `SimCompilerError` at COMPILE time on the first op outside its allowlist;
 * `sim-drift` computes the chosen ops in reduced precision;
-* `sim-crash` / `sim-abort` / `sim-segv` / `sim-hang` compile fine and fault at RUN time, when the chosen op runs.
+* `sim-crash` / `sim-abort` / `sim-segv` / `sim-hang` compile fine and fault at RUN time, when the chosen op runs;
+* `sim-slow` is correct and slow to compile: each graph costs `seconds` of busy CPU time.
 
 Op selectors (`allow`, `extra_allow`, `op`) are lists of patterns matched with `fnmatch` against an op's overload
 name (`aten.rsqrt.default`), packet name (`aten.rsqrt`) and, for `aten`, the bare names (`rsqrt`, `rsqrt.default`),
@@ -312,3 +313,29 @@ def make_fault(kind: str, *, op: str | Iterable[str] = "attention", seconds: flo
         return gm.forward
 
     return aot_backend(fw, f"sim_{kind}")
+
+
+# ----------------------------------------------------------------------------------------- sim-slow
+
+def busy_cpu(seconds: float) -> float:
+    """Spin on this thread until it has used `seconds` of CPU time (not wall time: on a loaded machine it takes
+    longer, as a real compiler's fixed work does); returns the wall seconds it took."""
+    t0, c0 = time.monotonic(), time.thread_time()
+    x = 0
+    while time.thread_time() - c0 < seconds:
+        for i in range(2000):
+            x ^= i
+    return time.monotonic() - t0
+
+
+def make_slow(*, seconds: float = 20.0) -> Any:
+    """sim-slow: a correct backend (the graph runs with the eager ATen kernels, like `aot_eager`) whose compile of
+    each graph spends `seconds` of busy CPU time first, as a slow compiler on a busy runner does."""
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds < 0:
+        raise ValueError(f"sim-slow: `seconds` must be a number >= 0, got {seconds!r}")
+
+    def fw(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        busy_cpu(float(seconds))
+        return gm.forward
+
+    return aot_backend(fw, "sim_slow")

@@ -50,6 +50,7 @@ def _matrix(layers: int, options: str) -> str:
         backends=[{"id": "pair", "compile": "tests.fixtures.plugin_layers_pair:pair_backend"},
                 {"id": "fault-raise", "compile": "tests.fixtures.plugin_layers_fault:raise_backend"},
                 *({"id": f"sim-{s}", "compile": f"sim-{s}"} for s in ("crash", "abort", "segv", "hang")),
+                {"id": "sim-slow", "compile": "sim-slow", "backend_options": {"seconds": 5}},
                 {"id": "simdev", "device": "simdev"}, {"id": "aot", "compile": "aot_eager"}],
     )
 
@@ -154,6 +155,8 @@ def test_hard_faults_keep_the_diagnosis_and_the_run_goes_on(tmp_path: Path, back
     assert _modules(mode) == ["model.layers.0.self_attn"]
     f = mode.findings[0]
     assert f.details["status"] == status and f.error_type == error_type and f.stage == "run"
+    if status == "timeout":  # measured: sim-hang sleeps, its session's CPU time and output stopped (issue 44)
+        assert "hung: no progress for 5 s after" in f.details["message_full"], f.details["message_full"]
     search = mode.data["search"]
     assert search["complete"] and search["restarts"] == 2  # root, self_attn: one child each
     rows = _rows(mode)
@@ -163,6 +166,19 @@ def test_hard_faults_keep_the_diagnosis_and_the_run_goes_on(tmp_path: Path, back
     assert rows["model.layers.0.self_attn.q_proj"]["status"] == "pass"  # probed after the crashes
     assert open_entry(cdir / JOURNAL_NAME, "module") is None
     assert f.repro is not None and f.repro.verified, f.repro  # the repro dies (or hangs) the same way
+
+
+def test_a_slow_compile_past_probe_timeout_is_a_figure_not_a_hang(tmp_path: Path) -> None:
+    """sim-slow spends 5 CPU seconds compiling each graph, past probe_timeout (2 s): the probe keeps using CPU, so it
+    is no hang; it runs to its end (the whole model's probe has no second limit: nothing was measured before it)."""
+    mode, cell, _ = _run(tmp_path, "tiny-llama", "sim-slow", options="probe_timeout: 2")
+    assert mode.status == "pass" and mode.findings == [] and cell.status == "pass", mode.reason
+    assert mode.data["search"]["probed"] == 1 and mode.data["search"]["restarts"] == 0
+    assert mode.data["search"]["slow"]["<root>"] >= 5.0, mode.data["search"]
+    # the cost in compiles: the whole model's probe in its child, counted for the mode (data.compiles)
+    compiled = mode.data["compiles"]
+    assert compiled["forward"]["graphs"] >= 1 and compiled["forward"]["compile_s"] >= 5.0, compiled
+    assert compiled["total"] == compiled["forward"]
 
 
 # --------------------------------------------------------------------------- eager device

@@ -12,8 +12,8 @@ import torch
 
 from ci_runner.config import InputSpec
 from ci_runner.engine.models import load_model
-from ci_runner.modes.memory.meters import DispatchMeter, SimdevMeter
-from ci_runner.modes.memory.mode import run
+from ci_runner.modes.memory.meters import MEM_AVAILABLE_ENV, DispatchMeter, SimdevMeter
+from ci_runner.modes.memory.mode import cannot_fit, run
 from ci_runner.modes.memory.runs import metered_run
 from ci_runner.modes.memory.tables import compare_rows, kv_growth
 from ci_runner.workloads.phases import parse_phases
@@ -93,6 +93,26 @@ def test_budget_and_an_out_of_memory_localised_to_its_layer(mode_context: Callab
     cell = CellResult(id=ctx.cell.id, model="llama", backend="simdev", status="fail", duration_s=1.0,
                       modes={"memory": result})
     validate(Results(cells=[cell]).to_dict(), "results.schema.json", source="test")
+
+
+def test_a_measurement_that_cannot_fit_is_told_not_tried(mode_context: Callable[..., Any],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 44: the prediction says the measured run needs more host memory than is available (faked: 50 KiB,
+    `DEEPVIEW_CI_TEST_MEM_AVAILABLE_MB`): the measurement is skipped with a note, the prediction and the budget's
+    finding stay, nothing crashes."""
+    monkeypatch.setenv(MEM_AVAILABLE_ENV, str(50 / 1024))
+    backend = {"id": "simdev", "device": "simdev", "backend_options": SIMDEV}
+    ctx = _context(mode_context, backend, {"budget_gb": 28 * 1024 / 2**30}, ["prefill", {"decode": {"steps": 1}}])
+    result = run(ctx)
+    rows = result.data["phases"]
+    assert [f.kind for f in result.findings] == ["memory_over_budget"]  # the prediction's finding, no OOM
+    for name in ("prefill", "decode"):
+        assert rows[name]["predicted"]["peak_bytes"] > 26976 and "meter" not in rows[name], rows[name]
+        assert rows[name]["measured"]["skipped"].startswith("not measured: the prediction needs about")
+        assert "50.00 KiB MemAvailable" in rows[name]["note"]
+    assert result.reason is not None and result.reason.startswith("not measured: the prediction needs")
+    monkeypatch.setenv(MEM_AVAILABLE_ENV, "4096")  # room enough: measured as before
+    assert cannot_fit(ctx, rows["prefill"]["predicted"]["peak_bytes"]) is None
 
 
 def test_a_layer_that_hoards_activations_compiled_is_a_regression(mode_context: Callable[..., Any],

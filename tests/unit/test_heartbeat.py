@@ -7,9 +7,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ci_runner.config import load_matrix_text
+from ci_runner.matrix import expand
 from ci_runner.modes import ModeContext
 from ci_runner.results.model import CHECKPOINT_KEY, HEARTBEAT_NAME, JOURNAL_NAME, Finding, ModeResult
+from ci_runner.run.cellrun import fit_notes
 from ci_runner.run.heartbeat import Heartbeat, Watch, mode_seconds, read_heartbeat
+from tests.fixtures.matrices import matrix_text
 
 
 def test_the_heartbeat_follows_modes_and_phases(tmp_path: Path) -> None:
@@ -72,3 +76,24 @@ def test_each_finished_phase_is_checkpointed_onto_the_forwards(tmp_path: Path) -
     assert "(prefill)" in got["reason"]
     ctx.journal("enter-mode", "layers")  # the journal feeds `on_event` (the heartbeat) as well
     assert (tmp_path / JOURNAL_NAME).read_text().strip() == "enter-mode\tlayers"
+
+
+def test_a_mode_whose_limits_cannot_fit_the_cell_says_so_at_its_start(tmp_path: Path) -> None:
+    """Issue 44: the layers mode's first probe needs startup_timeout + probe_timeout; a shorter cell timeout is said
+    once on the console (through the heartbeat) and kept in the cell's notes; a cell that fits says nothing."""
+    def cell(timeout: int, probe: int) -> Any:
+        text = matrix_text(models=[{"id": "m", "config": "llama"}], backends=[{"id": "b", "compile": "aot_eager"}],
+                           modes=["ops", "layers"], timeout=timeout, options={"layers": {"probe_timeout": probe}})
+        return next(iter(expand(load_matrix_text(text))))
+
+    assert fit_notes(cell(900, 120), ("ops", "layers")) == []
+    notes = fit_notes(cell(200, 120), ("ops", "layers"))
+    assert len(notes) == 1 and notes[0].startswith("layers: the cell's timeout (200 s) is shorter than the first "
+                                                   "probe may need (startup_timeout 180 s + probe_timeout 120 s)")
+    assert fit_notes(cell(200, 120), ("ops",)) == []  # only the modes the cell runs
+    said: list[str] = []
+    watch = Watch(tmp_path, "m@b", said.append)
+    Heartbeat(tmp_path, "m@b").note(notes[0])
+    watch.poll()
+    watch.poll()
+    assert said == [f"m@b: note: {notes[0]}"]

@@ -15,7 +15,7 @@ from ci_runner.errors import ConfigError
 from ci_runner.engine.codec import TensorStore, call_tensor_keys, decode_call
 from ci_runner.engine.codec import Unstorable as Opaque
 from ci_runner.engine.isolate import open_entry
-from ci_runner.engine.outcome import ProbeOutcome, append_outcome, read_outcomes
+from ci_runner.engine.outcome import UNFINISHED, ProbeOutcome, append_outcome, read_outcomes
 from ci_runner.modes.layers.search import (
     ROOT,
     ModuleTree,
@@ -26,6 +26,7 @@ from ci_runner.modes.layers.search import (
     record_calls,
     scan_model,
     search,
+    second_limit,
     unlabel,
 )
 from ci_runner.engine.failure import is_compile_stage, unwrap
@@ -549,3 +550,24 @@ def test_capture_stops_the_forward_once_every_wanted_first_call_is_recorded() ->
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in net.modules())
     with pytest.raises(AssertionError, match="ran past"):  # every call: the whole forward runs
         capture_inputs(net, (x,), {}, ["0"], all_calls=True)
+
+
+def test_a_probe_cut_short_while_busy_is_not_a_hang_and_its_failing_parent_is_named() -> None:
+    """Issue 44: `unfinished` (the cell's time ran out while the probe still made progress) is not failing: the search
+    names its failing parent, not it; a measured hang (`timeout`) stays the smallest failing module."""
+    tree = _tree("a", "a.b", "a.c", "d")
+    log: list[str] = []
+    res = search(tree, _prober({ROOT: "fail", "a": "fail", "a.b": UNFINISHED}, log), twins=False)
+    assert res.minimal == ["a"] and res.complete
+    res = search(tree, _prober({ROOT: "fail", "a": "fail", "a.b": "timeout"}, []), twins=False)
+    assert res.minimal == ["a.b"]
+
+
+def test_the_second_limit_scales_with_what_the_cell_measured() -> None:
+    assert second_limit(120.0, 4.0, {}) is None  # the whole model's probe: nothing measured before it
+    known = {"x": ProbeOutcome(name="x", status="pass", duration_s=100.0),
+             "y": ProbeOutcome(name="y", status="fail", duration_s=10.0),
+             "z": ProbeOutcome(name="z", status="timeout", duration_s=900.0),  # a hang measures no compile
+             "w": ProbeOutcome(name="w", status="pass", duration_s=500.0, inferred_from="x")}  # not probed
+    assert second_limit(120.0, 4.0, known) == (400.0, 100.0)
+    assert second_limit(120.0, 1.0, known) == (240.0, 100.0)  # never under twice probe_timeout

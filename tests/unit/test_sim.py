@@ -60,7 +60,7 @@ def test_every_sim_backend_is_documented() -> None:
         for option in info.options:
             assert f"`{option}`" in doc, (name, option)
     assert set(SIM_BACKENDS) == {"sim-subset", "sim-drift", "sim-crash", "sim-abort", "sim-segv", "sim-hang", "sim-decode",
-                                 "sim-kvdrift", "sim-masknan", "sim-long", "sim-reuse", "sim-memhog", "sim-tp-drop", "sim-tp-dup",
+                                 "sim-slow", "sim-kvdrift", "sim-masknan", "sim-long", "sim-reuse", "sim-memhog", "sim-tp-drop", "sim-tp-dup",
                                  "sim-tp-shard", "simdev", "sim-precision"}
 
 
@@ -213,6 +213,20 @@ def test_hang_with_seconds_returns_an_error_after_waiting() -> None:
     with pytest.raises(RuntimeError, match=r"\[sim-hang\] device fence timed out"):
         compiled(q)
     assert time.monotonic() - t0 >= 0.3
+
+
+def test_slow_spends_its_seconds_busy_per_graph_and_is_correct(fresh_dynamo: Callable[[], None]) -> None:
+    """sim-slow: each graph's compile burns `seconds` of CPU time (not sleep), the result is eager's."""
+    import resource
+
+    x = torch.randn(4, 4)
+    fn = lambda x: torch.relu(x @ x) + 1  # noqa: E731
+    cpu0 = resource.getrusage(resource.RUSAGE_THREAD).ru_utime
+    out = torch.compile(fn, backend=make_backend("sim-slow", {"seconds": 0.5}))(x)
+    assert resource.getrusage(resource.RUSAGE_THREAD).ru_utime - cpu0 >= 0.5
+    torch.testing.assert_close(out, fn(x))
+    with pytest.raises(ValueError, match="seconds"):
+        make_backend("sim-slow", {"seconds": -1})
 
 
 # --------------------------------------------------------------------------------------------- simdev

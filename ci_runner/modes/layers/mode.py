@@ -47,12 +47,13 @@ from .groups import IN_PROCESS, cause_families, cause_groups, run_parallel
 from .handoff import drop_handoff, save_target
 from .phases import run_phases
 from .parallel import run_tp
-from ...fsutil import atomic_write_text
+from ...fsutil import atomic_write_text, read_records
 from ...quoting import shell_quote
 from ...engine.codec import TensorStore, Unstorable
 from ...engine.failure import first_line, tail, unwrap
-from ...engine.isolate import Attempt, IsolatedResult, file_tail, supervise
-from ...engine.outcome import ProbeOutcome, append_outcome, read_outcomes
+from ...engine.isolate import Attempt, IsolatedResult, Journal, file_tail, open_entry, supervise
+from ...engine.outcome import UNFINISHED, ProbeOutcome, append_outcome, read_outcomes
+from ...engine.progress import ProgressWatch
 from .search import BOILERPLATE, ROOT, ChildPlan, ModuleTree, SearchResult, StopSearch, capture_inputs, encode_call, label, own_name, scan_model, search, twin_plan, unlabel, write_root_call
 from ...options import LayersOptions
 from ...registry import FindingKind, parse_options
@@ -94,8 +95,11 @@ def run_search(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, layers
     recorded crashed/timeout and a fresh child replays the known outcomes and goes on."""
     outcomes_file = layers_dir / "probes.jsonl"
     outcomes_file.unlink(missing_ok=True)
+    limits_file = layers_dir / "limits.jsonl"  # per probe: the limit its child put on it, and why (`probe_limit`)
+    limits_file.unlink(missing_ok=True)
     timeout_file = layers_dir / "child-0.timeout.txt"
     fd2_file = layers_dir / "child-0.fd2.txt"
+    journal = ctx.cell_dir / JOURNAL_NAME
 
     def next_attempt(children: int) -> Attempt | str | None:
         nonlocal timeout_file, fd2_file
@@ -113,9 +117,11 @@ def run_search(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, layers
                          seed=ctx.cell.inputs.seed, dtype=None, layers_dir=str(layers_dir),
                          outcomes_file=str(outcomes_file), timeout_file=str(timeout_file),
                          probe_timeout=opts.probe_timeout, deadline_wall=time.time() + budget - 5.0,
-                         all_calls=opts.all_calls, fd2_file=str(fd2_file))
-        return Attempt(payload=plan.__dict__,
-                       timeout=min(budget, opts.startup_timeout + opts.probe_timeout * max(1, unknown)))
+                         all_calls=opts.all_calls, fd2_file=str(fd2_file), limits_file=str(limits_file),
+                         stuck_factor=opts.stuck_factor)
+        # past probe_timeout a probe is a hang only when it makes no progress (the watch); a busy one runs on to its
+        # second limit (the child's own watchdog, `search.probe_limit`), or to the time left
+        return Attempt(payload=plan.__dict__, timeout=budget, watch=_probe_watch(opts, journal, fd2_file))
 
     def drop_empty_timeout_file() -> bool:
         hit = _nonempty(timeout_file)
@@ -146,8 +152,9 @@ def run_search(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, layers
             stop = f"the probing child {res.message or res.status} before it entered a module"
             return stop + (f"; stderr: {res.stderr_tail[-1500:]}" if res.stderr_tail else "")
         stack = (file_tail(timeout_file, 6000) or res.stderr_tail) if timed_out else res.stderr_tail
-        append_outcome(outcomes_file, _dead_child_outcome(unlabel(entry), res, timed_out=timed_out,
-                                                          probe_timeout=opts.probe_timeout, traceback=stack + fd2))
+        limit = read_records(limits_file, dict, lambda r: str(r.get("name"))).get(entry)
+        append_outcome(outcomes_file, _dead_child_outcome(unlabel(entry), res, timed_out=timed_out, opts=opts,
+                                                          limit=limit, traceback=stack + fd2))
         return None
 
     run = supervise("ci_runner.modes.layers.search:probe_child", journal=ctx.cell_dir / JOURNAL_NAME, kind="module",
@@ -162,14 +169,39 @@ def run_search(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, layers
     return SearchRun(result=replay, restarts=run.restarts, children=run.children, stop_reason=stop)
 
 
-def _dead_child_outcome(culprit: str, res: IsolatedResult, *, timed_out: bool, probe_timeout: float,
-                        traceback: str) -> ProbeOutcome:
-    """The outcome of the module a probing child died in: timeout (its watchdog fired) or crashed."""
-    if timed_out:
-        return ProbeOutcome(name=culprit, status="timeout", stage="run", error_type="Timeout", duration_s=probe_timeout,
-                            message=f"{label(culprit)} did not finish within {probe_timeout:g}s "
-                                    f"(probe_timeout); the probing child was killed",
+def _probe_watch(opts: LayersOptions, journal: Path, fd2_file: Path) -> ProgressWatch:
+    """The parent's watch on a probing child (`engine/progress.py`): the module in flight is the journal's open
+    `enter-module` entry written after now; past probe_timeout it is a hang when, over `progress_window` (at most half
+    of probe_timeout), the child's session used no CPU time and its output (fd 2 included) did not grow."""
+    since = Journal(journal).size()
+    return ProgressWatch(first_limit=opts.probe_timeout, window=min(opts.progress_window, opts.probe_timeout / 2),
+                         item=lambda: open_entry(journal, "module", since=since), outputs=(fd2_file,))
+
+
+def _dead_child_outcome(culprit: str, res: IsolatedResult, *, timed_out: bool, opts: LayersOptions,
+                        limit: Mapping[str, Any] | None, traceback: str) -> ProbeOutcome:
+    """The outcome of the module a probing child died in: a hang (no progress past probe_timeout, measured by the
+    parent's watch; or still busy past the second limit, its own watchdog's), unfinished (cut short by the cell's
+    time while still making progress: not failing, so the search names its failing parent), or crashed."""
+    if timed_out and res.stalled:
+        return ProbeOutcome(name=culprit, status="timeout", stage="run", error_type="Timeout",
+                            duration_s=opts.probe_timeout,
+                            message=f"{label(culprit)} hung: {res.stalled} (past probe_timeout, "
+                                    f"{opts.probe_timeout:g}s); the probing child was killed",
                             traceback=traceback)
+    if timed_out and limit is not None and limit.get("by") == "second_limit":
+        seconds = float(limit.get("limit_s") or 0.0)
+        return ProbeOutcome(name=culprit, status="timeout", stage="run", error_type="Timeout", duration_s=seconds,
+                            message=f"{label(culprit)} did not finish within {seconds:.0f}s, its second limit "
+                                    f"({opts.stuck_factor:g}× the longest probe this cell measured, "
+                                    f"{float(limit.get('longest_s') or 0.0):.1f}s): stuck past it; the probing child "
+                                    f"was killed",
+                            traceback=traceback)
+    if timed_out:
+        return ProbeOutcome(name=culprit, status=UNFINISHED, stage="run",
+                            duration_s=float((limit or {}).get("limit_s") or 0.0),
+                            message=f"{label(culprit)} was still making progress when the cell's time ran out: cut "
+                                    f"short, not a hang (a slow compile is a figure, not a finding)")
     sig = res.signal or (f"exit code {res.exit_code}" if res.exit_code is not None else "unknown")
     why = res.message or sig
     if res.signal == "SIGKILL":
@@ -177,6 +209,21 @@ def _dead_child_outcome(culprit: str, res: IsolatedResult, *, timed_out: bool, p
     return ProbeOutcome(name=culprit, status="crashed", stage="run", error_type=res.signal or "Crash",
                         message=f"the process died while {label(culprit)} ran: {why}",
                         traceback=traceback, signal=res.signal)
+
+
+def _slow_probes(opts: LayersOptions, probed: list[ProbeOutcome], search_data: dict[str, Any],
+                 note: str | None) -> str | None:
+    """Slow is a figure, never a finding: `slow` (the probes that ran past probe_timeout making progress, in
+    seconds) and `unfinished` (those the cell's time cut short: not failing, the search named their failing parent
+    instead) into the search's data; the mode's note, with the unfinished ones added."""
+    search_data["slow"] = {label(o.name): round(o.duration_s, 1) for o in probed
+                           if o.status in ("pass", "fail", "inconclusive") and o.duration_s > opts.probe_timeout}
+    cut = [label(o.name) for o in probed if o.status == UNFINISHED]
+    if not cut:
+        return note
+    search_data["unfinished"] = cut
+    return "; ".join(filter(None, [note, f"{len(cut)} probe(s) still compiling when the cell's time ran out (slow, "
+                                         f"not hangs; their failing parents are named): {', '.join(cut[:8])}"]))
 
 
 def _nonempty(path: Path) -> bool:
@@ -269,7 +316,11 @@ def _run_forward(ctx: "ModeContext", opts: LayersOptions, layers_dir: Path) -> M
     unran = [label(o.name) for o in probed if o.status == "inconclusive"]
     note = (f"{len(unran)} module probe(s) the backend never ran (inconclusive, not passed): "
             f"{', '.join(unran[:8])}{f' … and {len(unran) - 8} more' if len(unran) > 8 else ''}") if unran else None
+    note = _slow_probes(opts, probed, data["search"], note)
     whole = result.whole_model
+    if whole is not None and whole.status == UNFINISHED:
+        return ModeResult(status="timeout", reason=f"{whole.message}; raise the cell's timeout", data=data,
+                          duration_s=time.monotonic() - t0)
     if whole is None:
         status = "timeout" if srun.stop_reason and "time ran out" in srun.stop_reason else "error"
         return ModeResult(status=status, reason=srun.stop_reason or "the whole model was not probed", data=data,

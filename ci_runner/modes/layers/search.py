@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import faulthandler
 import json
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ from ...engine.capture import ModuleCapture, detach_tree, iter_tensors
 from ...engine.codec import TensorStore, Unstorable, check_value, decode_call
 from ...engine.diagnostics import capture_fd2, compiler_words
 from ...engine.failure import is_compile_stage, raised_traceback, unwrap
-from ...fsutil import atomic_write_json
+from ...fsutil import append_record, atomic_write_json
 from ...config import BackendSpec, ModelSpec, spec_from_json
 from ...engine.isolate import child_journal
 from ...engine.models import load_model
@@ -414,6 +415,36 @@ class ChildPlan:
     deadline_wall: float  # time.time() after which no new module is started
     all_calls: bool = False
     fd2_file: str | None = None  # each module's fd 2 goes here while it compiles and runs (read after a crash)
+    limits_file: str | None = None  # a JSON line per probe: the limit it runs under and why (`probe_limit`)
+    stuck_factor: float = 4.0
+
+
+MEASURED = ("pass", "fail", "inconclusive")  # probes that finished: their durations are what this cell measured
+
+
+def second_limit(probe_timeout: float, factor: float, known: Mapping[str, ProbeOutcome]) -> tuple[float, float] | None:
+    """(the second limit, the longest probe it derives from): a probe still busy past `factor` × the longest probe
+    this cell has measured (the whole model's compile first), and past twice `probe_timeout`, is stuck. None before
+    any probe finished: the first one (the whole model) is bounded by the time left only."""
+    measured = [o.duration_s for o in known.values() if o.status in MEASURED and not o.inferred_from]
+    if not measured:
+        return None
+    longest = max(measured)
+    return max(2.0 * probe_timeout, factor * longest), longest
+
+
+def probe_limit(plan: ChildPlan, known: Mapping[str, ProbeOutcome], name: str) -> float:
+    """The limit the child's own watchdog puts on probing `name` (the second limit, else the time left), written to
+    `plan.limits_file` so that the parent can tell a stuck probe from one cut short by the cell's time."""
+    left = plan.deadline_wall - time.time()
+    second = second_limit(plan.probe_timeout, plan.stuck_factor, known)
+    stuck = second is not None and second[0] < left
+    limit = max(1.0, second[0] if stuck and second is not None else left)
+    if plan.limits_file:
+        append_record(Path(plan.limits_file), {"name": name, "limit_s": round(limit, 3),
+                                               "by": "second_limit" if stuck else "time_left",
+                                               "longest_s": round(second[1], 3) if second else None})
+    return limit
 
 
 def write_root_call(layers_dir: Path, tree: ModuleTree, kwargs: Mapping[str, Any]) -> None:
@@ -457,6 +488,7 @@ def probe_child(payload: dict[str, Any]) -> dict[str, Any]:
     model = loaded.module
     inputs: dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]] = {ROOT: [(root_args, root_kwargs)]}
     timeout_fh = open(plan.timeout_file, "a", encoding="utf-8")
+    faulthandler.register(signal.SIGUSR1, file=timeout_fh, all_threads=True)  # the parent's watch: where it is stuck
     probed = 0
     kept: dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]] = {}  # failing modules' inputs, for own-code probes
 
@@ -477,8 +509,7 @@ def probe_child(payload: dict[str, Any]) -> dict[str, Any]:
         calls = inputs.pop(name, [])
         seen = [(t, t._version) for t in tensors_in(calls[:1])]
         outcome = probe_one(name, model=model, backend=backend, calls=calls, all_calls=plan.all_calls,
-                             timeout=max(1.0, min(plan.probe_timeout, plan.deadline_wall - time.time())),
-                             timeout_fh=timeout_fh, fd2_file=plan.fd2_file)
+                             timeout=probe_limit(plan, known, name), timeout_fh=timeout_fh, fd2_file=plan.fd2_file)
         if outcome.failed and name != ROOT:  # its parent is not a smallest failing module
             kept.pop(tree.nodes[name].parent or ROOT, None)
         if outcome.status == "fail" and tree.children(name) and calls and versions_unchanged(seen):
@@ -503,12 +534,12 @@ def probe_child(payload: dict[str, Any]) -> dict[str, Any]:
                 if time.time() >= plan.deadline_wall:
                     break
                 outcome = probe_one(name, model=model, backend=backend, calls=calls.get(name, []), all_calls=False,
-                                     timeout=max(1.0, min(plan.probe_timeout, plan.deadline_wall - time.time())),
-                                     timeout_fh=timeout_fh, eager_children=tree.children(name),
-                                 fd2_file=plan.fd2_file)
+                                     timeout=probe_limit(plan, known, own_name(name)), timeout_fh=timeout_fh,
+                                     eager_children=tree.children(name), fd2_file=plan.fd2_file)
                 append_outcome(outcomes_file, outcome)
                 known[outcome.name] = outcome
     finally:
+        faulthandler.unregister(signal.SIGUSR1)
         timeout_fh.close()
     return {"complete": result.complete, "probed": probed}
 

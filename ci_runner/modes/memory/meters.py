@@ -15,6 +15,7 @@ can be split by category (parameters, buffers, KV cache, the rest).
 
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Any, Callable, Iterable
 
@@ -291,3 +292,29 @@ class NullMeter(Meter):
 
     def reset_peak(self) -> None:
         return None
+
+
+# --------------------------------------------------------------------------- what the host has left
+
+MEM_AVAILABLE_ENV = "DEEPVIEW_CI_TEST_MEM_AVAILABLE_MB"  # tests only: the MiB `available_bytes` reports instead
+
+
+def available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+    """The host memory a new measurement can use: `MemAvailable` of /proc/meminfo (None where it cannot be read). For
+    tests only, `DEEPVIEW_CI_TEST_MEM_AVAILABLE_MB` replaces it."""
+    fake = os.environ.get(MEM_AVAILABLE_ENV)
+    if fake:
+        return int(float(fake) * 2**20)
+    try:
+        with open(meminfo, encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def host_memory_device(device: str) -> bool:
+    """Whether `device`'s tensors live in host memory (the CPU, simdev's wrapped CPU tensors)."""
+    return device.split(":")[0] in ("cpu", "simdev")

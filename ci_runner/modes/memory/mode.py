@@ -24,6 +24,7 @@ from ...options import MemoryOptions
 from ...registry import parse_options
 from ...results.model import Finding, ModeResult, fingerprint
 from .compiled import capture_layer_args, compare_compiled, compiled_meter
+from . import meters
 from .meters import DispatchMeter, device_meter
 from .repro import repro_folder, to_device, verify, write_repro
 from .runs import MeteredRun, metered_run, module_bytes, phase_name
@@ -142,6 +143,29 @@ def measure(ctx: "ModeContext", opts: MemoryOptions, phase: Any) -> MeteredRun |
         gc.collect()
 
 
+def host_need(ctx: "ModeContext", peak: int) -> int:
+    """The host memory a measured (or compiled-against-eager) run needs, predicted: the CPU reference model, the copy
+    that goes to the device, and, where the device's memory is the host's (cpu, simdev), the run's predicted peak
+    (its parameters included) up to the device's capacity, past which it raises a catchable out-of-memory."""
+    params = sum(module_bytes(ctx.model(meta=True).module))
+    if not meters.host_memory_device(ctx.backend.device):
+        return 2 * params
+    capacity = _capacity(ctx.backend.device)
+    return 2 * params + (min(peak, capacity) if capacity is not None else peak)
+
+
+def cannot_fit(ctx: "ModeContext", peak: int) -> str | None:
+    """Why a measurement the prediction says cannot fit this machine's memory is not tried (None: it fits or the
+    free memory cannot be read): the process would be killed by the host's OOM killer, losing the cell."""
+    free = meters.available_bytes()
+    need = host_need(ctx, peak)
+    if free is None or need <= 0.9 * free:
+        return None
+    return (f"not measured: the prediction needs about {_mib(need)} of host memory (the CPU reference model, its copy "
+            f"for the device{' and the run on it' if meters.host_memory_device(ctx.backend.device) else ''}), more "
+            f"than this machine has available ({_mib(free)} MemAvailable); the prediction is kept")
+
+
 def _regressions(ctx: "ModeContext", opts: MemoryOptions, phase: Any, rows: list[dict[str, Any]]) -> list[Finding]:
     """A finding per layer whose compiled working bytes exceed eager's by more than the ratio (its worst call)."""
     worst: dict[str, dict[str, Any]] = {}
@@ -204,7 +228,11 @@ def _phase(ctx: "ModeContext", opts: MemoryOptions, phase: Any, findings: list[F
         pdata.update(status="error", reason=f"prediction on meta failed at {pred.error}")
         return pdata, pred
     pdata["predicted"] = {**phase_summary(pred), "kv_growth": kv_growth(pred)}
-    meas = measure(ctx, opts, phase)
+    too_big = cannot_fit(ctx, pdata["predicted"]["peak_bytes"]) if opts.measure else None
+    if too_big is not None:  # told, not killed: the prediction stands, the measurement is not tried
+        pdata["measured"] = {"skipped": too_big}
+        pdata["note"] = too_big
+    meas = measure(ctx, opts, phase) if too_big is None else None
     if meas is not None:
         pdata["meter"] = meas.meter
         if meas.oom:
@@ -224,6 +252,10 @@ def _compiled(ctx: "ModeContext", opts: MemoryOptions, phases: list[Any], data: 
     """Compiled against eager for the phases that ran, when the backend compiles and something can measure."""
     factory = compiled_meter(ctx.backend.device)
     if not opts.compiled or ctx.backend.compiler_backend() is None or factory is None or not phases:
+        return
+    peak = max((p.get("predicted") or {}).get("peak_bytes") or 0 for p in data["phases"].values())
+    if (too_big := cannot_fit(ctx, int(peak))) is not None:
+        data["compiled_note"] = too_big.replace("not measured", "compiled against eager not run")
         return
     by_phase = compare_compiled(ctx.model(), ctx.cell.inputs, phases, ctx.backend, factory)
     for phase in phases:
@@ -274,8 +306,11 @@ def _result(findings: list[Finding], data: dict[str, Any], duration: float) -> M
     data["figures"] = {"params_bytes": data["params_bytes"],
                        **{f"peak_bytes.{p}": b for p, b in data["peak_bytes"].items() if isinstance(b, (int, float))}}
     statuses = [p.get("status") for p in data["phases"].values()]
+    # a measurement the machine cannot hold is told, once (the same words for each phase)
+    told = "; ".join(dict.fromkeys([p["note"] for p in data["phases"].values() if p.get("note")]
+                                   + ([data["compiled_note"]] if data.get("compiled_note") else []))) or None
     if findings:
-        return ModeResult(status="fail", findings=findings, duration_s=duration, data=data)
+        return ModeResult(status="fail", findings=findings, duration_s=duration, data=data, reason=told)
     if statuses and all(s == "skipped" for s in statuses):
         return ModeResult(status="skipped", duration_s=duration, data=data,
                           reason="; ".join(p["reason"] for p in data["phases"].values()))
@@ -283,4 +318,4 @@ def _result(findings: list[Finding], data: dict[str, Any], duration: float) -> M
     if errors and len(errors) == len([s for s in statuses if s != "skipped"]):
         return ModeResult(status="error", duration_s=duration, data=data, reason="; ".join(errors)[:500])
     return ModeResult(status="pass", duration_s=duration, data=data,
-                      reason=("; ".join(errors)[:500] or None) if errors else None)
+                      reason="; ".join(filter(None, ["; ".join(errors)[:500], told])) or None)
