@@ -368,6 +368,10 @@ class CompileOptions:
                          help="read a phase's signals from another mode's compiled run of it in the same process "
                               "(the layers mode's whole-model run) where there is one, instead of compiling the "
                               "phase again (false: always its own run)")
+    trace_mb: float = option(8.0, check=number(ge=0, hint="give MiB, e.g. 8 (0 keeps none)"),
+                             help="MiB of Dynamo's structured trace kept per phase for tlparse "
+                                  "(`compile/torch_trace/dedicated_log_torch_trace_<phase>.log`; the records past it "
+                                  "are left out and counted; 0: none kept)")
     repro: bool = option(True, check=boolean, help="write a repro per finding")
     verify: bool = option(True, check=boolean, help="run each repro in a fresh process to verify it")
     verify_timeout: float = option(180.0, check=_SECONDS, help="seconds a repro may take")
