@@ -333,6 +333,13 @@ class NumericsOptions:
                              help="layers listed in `data[\"layers\"]` (the rest is counted, not listed)")
     max_findings: int = option(200, check=integer(ge=1, hint="give an integer ≥ 1"),
                                help="findings emitted (the most severe first)")
+    model_explorer: bool = option(True, check=boolean,
+                                  help="write each view's per-layer ratio to its threshold as Model Explorer node data "
+                                       "(`numerics/model_explorer/<view>.json`) over the model's exported program "
+                                       "(`model.pt2`)")
+    model_explorer_mb: float = option(256.0, check=number(ge=0, hint="give MiB, e.g. 256"),
+                                      help="the exported program is saved when its weights take at most this many "
+                                           "MiB (else only its node data)")
     toolbox: ToolboxOptions = group(ToolboxOptions)
 
 
