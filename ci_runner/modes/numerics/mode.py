@@ -389,6 +389,8 @@ def _overlay(ctx: "ModeContext", opts: NumericsOptions, rows: list[dict[str, Any
     to the cell folder. A failure is said here, never the mode's."""
     if not any(module_ratios(rows, view) for view in VIEWS):
         return {"note": "no layer was compared: no node data"}
+    if ctx.remaining() < 60.0:  # an export of a big model takes its time: the cell's result comes first
+        return {"note": "not written: the cell had under a minute left"}
     t = time.monotonic()
     primary = ctx.cell.references[0]
     folder = ctx.artifact_dir("numerics") / "model_explorer"
