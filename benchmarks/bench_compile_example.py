@@ -37,7 +37,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "ci_runner" / "data" / "example.yaml"
 BASELINE = ROOT / "baselines" / "example.json"
-TIMING = ("compile_s", "seconds")
+TIMING = ("compile_s", "seconds", "trace")  # trace: each run's own records (its size differs)
 COMPILE_CELLS = ("*@aot_eager", "*@inductor", "*@inductor-c")
 
 

@@ -24,7 +24,7 @@ import yaml
 
 LLAMA = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
          "num_key_value_heads": 1, "vocab_size": 64, "max_position_embeddings": 64}
-TIMING = ("compile_s", "seconds", "run_by")
+TIMING = ("compile_s", "seconds", "run_by", "trace")  # trace: each run's own records
 
 
 def matrix(backend: str, reuse: bool) -> dict[str, Any]:

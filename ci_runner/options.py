@@ -340,6 +340,13 @@ class NumericsOptions:
                              help="layers listed in `data[\"layers\"]` (the rest is counted, not listed)")
     max_findings: int = option(200, check=integer(ge=1, hint="give an integer ≥ 1"),
                                help="findings emitted (the most severe first)")
+    model_explorer: bool = option(True, check=boolean,
+                                  help="write each view's per-layer ratio to its threshold as Model Explorer node data "
+                                       "(`numerics/model_explorer/<view>.json`) over the model's exported program "
+                                       "(`model.pt2`)")
+    model_explorer_mb: float = option(256.0, check=number(ge=0, hint="give MiB, e.g. 256"),
+                                      help="the exported program is saved when its weights take at most this many "
+                                           "MiB (else only its node data)")
     toolbox: ToolboxOptions = group(ToolboxOptions)
 
 
@@ -375,6 +382,10 @@ class CompileOptions:
                          help="read a phase's signals from another mode's compiled run of it in the same process "
                               "(the layers mode's whole-model run) where there is one, instead of compiling the "
                               "phase again (false: always its own run)")
+    trace_mb: float = option(8.0, check=number(ge=0, hint="give MiB, e.g. 8 (0 keeps none)"),
+                             help="MiB of Dynamo's structured trace kept per phase for tlparse "
+                                  "(`compile/torch_trace/dedicated_log_torch_trace_<phase>.log`; the records past it "
+                                  "are left out and counted; 0: none kept)")
     repro: bool = option(True, check=boolean, help="write a repro per finding")
     verify: bool = option(True, check=boolean, help="run each repro in a fresh process to verify it")
     verify_timeout: float = option(180.0, check=_SECONDS, help="seconds a repro may take")

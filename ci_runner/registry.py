@@ -141,6 +141,9 @@ class ModeHooks:
       name`` → one value per night, `history/trends.py`); falsy: nothing to show. Kept in `Trends.modes[mode]`.
     - `history_summary(data)` / `history_html(data, dates)`: that data in summary.md's and report.html's history
       sections.
+    - `artifacts(cell)`: ``(label, path)`` of the files the mode left in the cell folder for another tool (a trace,
+      a graph overlay), the path relative to the cell folder as repro paths are: report.html links them in the
+      cell's block.
     """
 
     def summary_section(self, cells: Sequence[Any], *, max_rows: int) -> str:
@@ -163,6 +166,9 @@ class ModeHooks:
 
     def history_html(self, data: Any, dates: Sequence[str]) -> str:
         return ""
+
+    def artifacts(self, cell: Any) -> list[tuple[str, str]]:
+        return []
 
 
 _DEFAULT_HOOKS = ModeHooks()

@@ -13,21 +13,37 @@ tlparse reads): a handler on the ``torch.__trace`` logger for the duration of a 
   frame (its later calls run in eager).
 
 Each event is tagged with the phase call it happened in (`mark`). Nothing here changes what Dynamo does.
+
+The records themselves are kept too (`KeptTrace`, up to `keep_bytes`), each written as torch's `TORCH_TRACE` handler
+writes it (`trace_line`: a glog-style prefix, the metadata as one JSON object, each payload line after a tab), so
+that `write_trace` leaves a `dedicated_log_torch_trace_*.log` file tlparse reads. The file starts with the strings
+torch interned before the watch began (`{"str": [text, index]}` records: later stack frames name their files by
+index) and the torch version, as a fresh `TORCH_TRACE` file does; a record that does not fit under the cap is left
+out and counted (never a part of one).
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import logging
+import os
 import re
 import sysconfig
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
-__all__ = ["Event", "TraceWatch", "short_path", "changed_input", "LIMIT_TEXT"]
+from ..fsutil import atomic_write_chunks
+
+__all__ = ["Event", "TraceWatch", "KeptTrace", "trace_line", "write_trace", "short_path", "changed_input",
+           "LIMIT_TEXT", "TRACE_FILE_PREFIX", "KEEP_BYTES"]
 
 TRACE_LOGGER = "torch.__trace"  # torch._logging's structured trace logger (never propagates)
+TRACE_FILE_PREFIX = "dedicated_log_torch_trace_"  # the names TORCH_TRACE's files have and tlparse looks for
+KEEP_BYTES = 16 * 2**20  # records kept per watch unless the caller says otherwise
 LIMIT_TEXT = "Dynamo recompile limit exceeded"  # the graph-break type Dynamo gives up a frame with
 # what `compilation_metrics.fail_reason` says when Dynamo gave up on a frame at its limit: torch ≥ 2.8 the graph-break
 # type above; torch 2.7 `RecompileLimitExceeded("<limit_type> reached")` or its "Dynamo cache limit exceeded" break
@@ -70,6 +86,12 @@ def short_path(path: str) -> str:
         return Path(p).resolve().relative_to(Path.cwd().resolve()).as_posix()
     except ValueError:
         return "/".join(Path(p).parts[-3:])
+
+
+@functools.lru_cache(maxsize=512)
+def _module_path(path: str) -> str:
+    """`short_path` of a record's source file, once per file (records come by the thousand)."""
+    return short_path(path)
 
 
 def _library_roots() -> tuple[str, ...]:
@@ -133,13 +155,91 @@ def _resized(reasons: list[Any]) -> list[str]:
     return out
 
 
-class TraceWatch:
-    """`with TraceWatch() as w:` … `w.mark(label)` before each call; `w.events` afterwards."""
+def trace_line(metadata: Any, payload: str | None, *, created: float, pid: int, pathname: str, lineno: int,
+               msecs: float | None = None) -> str:
+    """One structured record as torch's `TORCH_TRACE` handler writes it (`TorchLogsFormatter(trace=True)`):
+    ``V<MMDD HH:MM:SS.micro> <pid> <path>:<line>] <metadata JSON>``, then each payload line after a newline and a
+    tab, then a newline. `msecs`: the log record's own (its fraction of a second, as that formatter reads it)."""
+    stamp = time.strftime("%m%d %H:%M:%S", time.localtime(created))
+    micros = int((msecs if msecs is not None else (created - int(created)) * 1000) * 1000)
+    line = f"V{stamp}.{micros:06d} {pid} {_module_path(pathname)}:{lineno}] {json.dumps(metadata, default=repr)}"
+    if payload is not None:
+        line += "".join(f"\n\t{part}" for part in payload.split("\n"))
+    return line + "\n"
 
-    def __init__(self) -> None:
+
+@dataclass
+class KeptTrace:
+    """The records of one watch as trace lines: `head` (the interned strings and the torch version a fresh file
+    starts with), then `lines` while they fit in `cap` bytes; `left_out` records (`left_out_bytes`) did not."""
+
+    cap: int
+    head: list[str] = field(default_factory=list)
+    lines: list[str] = field(default_factory=list)
+    size: int = 0
+    left_out: int = 0
+    left_out_bytes: int = 0
+
+    def add(self, line: str, *, always: bool = False) -> None:
+        """One record; `always`: an interned string (later records name files by its index), kept past the cap."""
+        n = len(line.encode("utf-8", "replace"))
+        if always or self.size + n <= self.cap:
+            self.lines.append(line)
+            self.size += n
+        else:
+            self.left_out += 1
+            self.left_out_bytes += n
+
+    def chunks(self) -> Iterator[str]:
+        yield from self.head
+        yield from self.lines
+
+    @property
+    def records(self) -> int:
+        return len(self.head) + len(self.lines)
+
+
+def _head_lines() -> list[str]:
+    """What a fresh `TORCH_TRACE` file holds before its first record: the strings torch interned earlier in this
+    process (`torch._logging.structured.INTERN_TABLE`, feature-detected) and the torch version artifact."""
+    import torch  # deferred: only for its version and its intern table
+
+    now, pid = time.time(), os.getpid()
+    here = str(Path(__file__))
+    table = getattr(getattr(getattr(torch, "_logging", None), "structured", None), "INTERN_TABLE", None)
+    lines = [trace_line({"str": [text, index]}, None, created=now, pid=pid, pathname=here, lineno=0)
+             for text, index in (table.items() if isinstance(table, dict) else ())]
+    payload = json.dumps({"pytorch_version": torch.__version__, "oss": True}, indent=0)
+    meta = {"artifact": {"name": "torch_version", "encoding": "json"},
+            "has_payload": hashlib.md5(payload.encode("utf-8"), usedforsecurity=False).hexdigest()}
+    return lines + [trace_line(meta, payload, created=now, pid=pid, pathname=here, lineno=0)]
+
+
+def write_trace(path: Path, kept: KeptTrace, *, cap: int | None = None) -> dict[str, Any]:
+    """`kept` written atomically to `path` (a `dedicated_log_torch_trace_*.log` name), cut again to `cap` bytes when
+    given: {"file": name, "records", "bytes", "left_out", "left_out_bytes"} (`left_out` only when records were)."""
+    if cap is not None and cap < kept.size:
+        recut = KeptTrace(cap=cap, head=list(kept.head), left_out=kept.left_out, left_out_bytes=kept.left_out_bytes)
+        for line in kept.lines:
+            recut.add(line, always=line.split("] ", 1)[-1].startswith('{"str":'))
+        kept = recut
+    atomic_write_chunks(path, kept.chunks(), sync=False)
+    out: dict[str, Any] = {"file": path.name, "records": kept.records,
+                           "bytes": sum(len(x.encode("utf-8", "replace")) for x in kept.head) + kept.size}
+    if kept.left_out:
+        out.update(left_out=kept.left_out, left_out_bytes=kept.left_out_bytes)
+    return out
+
+
+class TraceWatch:
+    """`with TraceWatch() as w:` … `w.mark(label)` before each call; `w.events` afterwards, and `w.kept` the records
+    as trace lines (up to `keep_bytes`; 0 keeps none)."""
+
+    def __init__(self, *, keep_bytes: int = KEEP_BYTES) -> None:
         self.events: list[Event] = []
         self.seen: set[str] = set()  # the kinds of record this torch gave (artifact names, metadata keys)
         self.call = ""
+        self.kept: KeptTrace | None = KeptTrace(cap=keep_bytes) if keep_bytes > 0 else None
         self._first_source: dict[str, str] = {}  # frame id -> the compiled function's file:line
         self._logger = logging.getLogger(TRACE_LOGGER)
         self._saved_level = logging.NOTSET
@@ -147,18 +247,37 @@ class TraceWatch:
 
         class _Keep(logging.Handler):
             def emit(self, record: logging.LogRecord) -> None:
+                meta, payload = getattr(record, "metadata", {}) or {}, getattr(record, "payload", None)
                 try:
-                    watch.take(getattr(record, "metadata", {}) or {}, getattr(record, "payload", None))
+                    watch.take(meta, payload)
                 except Exception:  # a record we cannot read costs that record, never the run  # noqa: BLE001
+                    pass
+                try:
+                    watch.keep(record, meta, payload)
+                except Exception:  # nor one we cannot write  # noqa: BLE001
                     pass
 
         self._handler = _Keep(logging.DEBUG)
 
     def __enter__(self) -> "TraceWatch":
+        if self.kept is not None and not self.kept.head:
+            try:
+                self.kept.head = _head_lines()
+            except Exception:  # the file then starts without them; tlparse still reads it  # noqa: BLE001
+                self.kept.head = []
         self._saved_level = self._logger.level
         self._logger.setLevel(logging.DEBUG)
         self._logger.addHandler(self._handler)
         return self
+
+    def keep(self, record: logging.LogRecord, meta: Any, payload: Any) -> None:
+        """One record as its trace line, into `kept`."""
+        if self.kept is None:
+            return
+        line = trace_line(meta, payload if isinstance(payload, str) else None, created=record.created,
+                          pid=record.process or os.getpid(), pathname=record.pathname, lineno=record.lineno,
+                          msecs=record.msecs)
+        self.kept.add(line, always=isinstance(meta, dict) and "str" in meta)
 
     def __exit__(self, *exc: object) -> None:
         self._logger.removeHandler(self._handler)

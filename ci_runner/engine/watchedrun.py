@@ -5,10 +5,11 @@ a process).
 `PhaseWatch(by, backend_compile, record)`: `with PhaseWatch(...) as w:` around one phase's calls through one compiled
 object (pass `w.before`/`w.after` to `engine.workload.run_phase`), then `w.result()` is a `WatchedRun`: the calls,
 per call the graphs compiled and executed and the compile seconds, Dynamo's structured-trace events
-(`engine.dynamotrace.TraceWatch`), the backend's own fallbacks (`FallbackWatch`), Dynamo's counters and the first
-failing call. A mode that compiles the whole model per phase in the cell's process (the layers mode's target run)
-keeps it in `ModeContext.compiled_runs[<phase>]` when the cell also runs the compile mode (`wanted`); the compile
-mode reads it there and compiles a phase itself only when no run of it is there.
+(`engine.dynamotrace.TraceWatch`; its records kept as TORCH_TRACE lines, `keep_bytes` at most), the backend's own
+fallbacks (`FallbackWatch`), Dynamo's counters and the first failing call. A mode that compiles the whole model
+per phase in the cell's process (the layers mode's target run) keeps it in `ModeContext.compiled_runs[<phase>]`
+when the cell also runs the compile mode (`wanted`); the compile mode reads it there and compiles a phase itself
+only when no run of it is there.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from ..backends.ran import CompileRecord, DynamoCounters, FallbackWatch
-from .dynamotrace import Event, TraceWatch
+from .dynamotrace import KEEP_BYTES, Event, KeptTrace, TraceWatch
 from .workload import Call, CallRecord
 
 __all__ = ["WatchedRun", "PhaseWatch", "wanted", "WATCHING_MODE"]
@@ -51,6 +52,7 @@ class WatchedRun:
     # why (some of) its calls ran in PyTorch and not on the backend, in words (None: the backend ran them all):
     # no graph given or executed, Dynamo's eager fallback, the backend's own fallback
     not_ran: str | None = None
+    trace: KeptTrace | None = None  # Dynamo's structured trace records, as TORCH_TRACE lines (`dynamotrace.KeptTrace`)
 
 
 def _runs(record: CompileRecord | None) -> int:
@@ -61,9 +63,9 @@ class PhaseWatch:
     """Every watch of the compile mode around one phase run (see the module docstring)."""
 
     def __init__(self, by: str, backend_compile: str | None, record: CompileRecord | None, *,
-                 trace: bool = True) -> None:
+                 trace: bool = True, keep_bytes: int = KEEP_BYTES) -> None:
         self.run = WatchedRun(by=by, record=record)
-        self.trace = TraceWatch()
+        self.trace = TraceWatch(keep_bytes=keep_bytes)
         self._trace = trace  # False: only whether the backend ran it (no structured trace: the compile mode's)
         self._compile = backend_compile
         self._state = {"graphs": 0, "runs": 0, "events": 0}
@@ -85,6 +87,7 @@ class PhaseWatch:
         self._stack.close()
         self.run.events = list(self.trace.events)
         self.run.seen = set(self.trace.seen)
+        self.run.trace = self.trace.kept
         self.run.facts = self._watch.facts() if self._watch is not None else {}
         self.run.fallback_reason = self._watch.reason() if self._watch is not None else None
         self.run.counters = self._counters.delta() if self._counters is not None else {}

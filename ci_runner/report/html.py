@@ -15,6 +15,7 @@ import hashlib
 import html
 import json
 import math
+import posixpath
 from urllib.parse import quote
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -155,6 +156,16 @@ class _Scale:
             return (MT + self.ph, "zero")
         t = (math.log10(v) - self.lo) / (self.hi - self.lo)
         return (MT + self.ph - max(0.0, min(1.0, t)) * self.ph, "value")
+
+
+def artifact_links(cv: Any, hooks: Sequence[tuple[str, Any]], *, base: str, links: bool) -> str:
+    """The files each mode left in the cell folder for another tool (`ModeHooks.artifacts`), as links from the
+    report folder when it can reach them (`links`), else as paths."""
+    items = [item for _, h in hooks if hasattr(h, "artifacts") for item in h.artifacts(cv.cell)]
+    if not items:
+        return ""
+    parts = [f"{_e(label)} {repro_link(posixpath.normpath(posixpath.join(base, path)), links)}" for label, path in items]
+    return '<p class="files">Files: ' + " · ".join(parts) + "</p>"
 
 
 def mode_blocks(cv: Any, hooks: Sequence[tuple[str, Any]]) -> dict[str, Markup]:
@@ -431,6 +442,7 @@ def render_html(
         full_left -= shown
         blocks[cv.id] = {"findings": Markup(findings_html(cv, shown, links=v.links)), "layers": Markup(""),
                          "compiles": Markup(compile_table(cv)), **mode_blocks(cv, hooks)}
+        blocks[cv.id]["files"] = Markup(artifact_links(cv, hooks, base=cv.base, links=v.links))
         entry: dict[str, Any] = {}
         if shown < len(cv.findings):
             entry["findings"] = compact_findings(cv, shown, strings)

@@ -297,6 +297,7 @@ class CellView:
     findings: list[FindingView]
     env: dict[str, str]
     numerics: NumericsView | None
+    base: str = ""  # the cell folder as the report reader reaches it (`cell_base`)
 
     @property
     def id(self) -> str:
@@ -543,6 +544,7 @@ def build_view(results: Results, *, out_dir: Path | None = None, run_dir: Path |
             findings=fviews,
             env=_flat_env(c.env),
             numerics=nv,
+            base=base,
         ))
     cells.sort(key=lambda cv: (0 if cv.bad else 1, -STATUS_SEVERITY.get(cv.status, 3), cv.id))
     allf = [f for cv in cells for f in cv.findings]

@@ -4,6 +4,7 @@ sweep past a small recompile limit (eager fallback named, never a pass). One com
 
 from __future__ import annotations
 
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from ci_runner.results.baseline import Baseline, diff, make_baseline
 from ci_runner.results.model import CellResult, ModeResult, Results
 from tests.fixtures.compile_models import ARMED_BREAK_LINE, BREAK_LINE
 from tests.fixtures.matrices import matrix_text
+from tests.fixtures.torchtrace import records, tlparse
 
 LLAMA = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
          "num_key_value_heads": 1, "vocab_size": 64, "max_position_embeddings": 64}
@@ -70,6 +72,29 @@ def test_a_graph_break_in_our_model_names_reason_line_and_module(breaks: Any) ->
     script = (cell_dir / f.repro.path).read_text()
     assert "watch_graph_breaks()" in script
     assert f.details["repro_module"] == "gate" and "get_submodule(MODULE)" in script  # the module alone, its inputs
+
+
+def test_the_phase_trace_is_kept_where_tlparse_reads_it(breaks: Any, tmp_path: Path) -> None:
+    broken, _, cell_dir = breaks
+    kept = broken.data["phases"]["forward"]["trace"]
+    assert broken.data["trace_dir"] == "compile/torch_trace"
+    assert kept["file"] == "compile/torch_trace/dedicated_log_torch_trace_forward.log" and "left_out" not in kept
+    (f,) = [f for f in broken.findings if f.kind == "graph_break"]
+    assert f.details["trace"] == kept["file"]
+    text = (cell_dir / kept["file"]).read_text(encoding="utf-8")
+    recs = records(text)
+    assert len(recs) == kept["records"] and len(text.encode()) == kept["bytes"]
+    assert any(m.get("artifact", {}).get("name") == "dynamo_graph_break_reason" for m, _ in recs)
+    exe = tlparse()
+    if exe is None:
+        pytest.skip("tlparse is not installed (the test extra installs it: pip install tlparse); the file's records "
+                    "were checked above")
+    out = tmp_path / "tl_out"
+    proc = subprocess.run([exe, str(cell_dir / kept["file"]), "-o", str(out), "--no-browser", "--strict"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    index = (out / "index.html").read_text(encoding="utf-8")
+    assert "0/0" in index and any(p.name.startswith("dynamo_graph_break_reason") for p in out.rglob("*.txt"))
 
 
 def test_removing_the_break_is_fixed_in_the_diff(breaks: Any) -> None:

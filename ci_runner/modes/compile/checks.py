@@ -52,6 +52,7 @@ class PhaseSignals:
     seconds: float = 0.0
     by: str = "compile"  # the mode whose compiled run the signals were read from
     seen: set[str] = field(default_factory=set)  # the kinds of structured-trace record this torch gave
+    trace: dict[str, Any] | None = None  # the structured trace kept for tlparse (`mode.keep_trace`)
 
     def take(self, run: WatchedRun) -> None:
         """The figures of a watched run (the mode's own, or another mode's in this process)."""
@@ -138,6 +139,8 @@ class PhaseSignals:
             row["frames"] = {"total": frames.get("total", 0), "ok": frames.get("ok", 0)}
         if self.error:
             row.update(error=self.error[:500], failed_call=self.failed_call)
+        if self.trace:
+            row["trace"] = self.trace
         return row
 
 

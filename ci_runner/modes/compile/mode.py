@@ -5,13 +5,18 @@ Each phase of `inputs.phases` (the single forward when there are none: one call 
 through ONE compiled object (`engine/workload.run_phase`), as users run it, after `torch._dynamo.reset()`. Read
 around it: the backend's graphs and their executions (`backends.ran.CompileRecord`), Dynamo's counters
 (`DynamoCounters`), the backend's own fallbacks (`FallbackWatch`: OpenVINO's partitioner leftovers) and Dynamo's
-structured trace (`signals.TraceWatch`: graph breaks with their source line, recompiles with the failed guard,
-compile seconds, recompile-limit hits). `data.phases.<phase>` holds the figures (docs/compile.md).
+structured trace (`engine.dynamotrace.TraceWatch`: graph breaks with their source line, recompiles with the failed
+guard, compile seconds, recompile-limit hits). `data.phases.<phase>` holds the figures (docs/compile.md).
+
+That trace is kept per phase in the cell folder as tlparse reads it (`keep_trace`: `compile/torch_trace/
+dedicated_log_torch_trace_<phase>.log`, at most `trace_mb` MiB; `data.trace_dir`, `data.phases.<phase>.trace` and
+each finding's `details.trace` name it), so a bug report can attach what `TORCH_TRACE` would have written.
 """
 
 from __future__ import annotations
 
 import copy
+import re
 import time
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any, Callable, Mapping
@@ -19,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import torch
 
 from .. import FORWARD
+from ...engine.dynamotrace import TRACE_FILE_PREFIX, write_trace
 from ...engine.failure import stage_of, unwrap
 from ...engine.torchcompat import dynamo_config
 from ...engine.watchedrun import PhaseWatch, WatchedRun
@@ -34,6 +40,7 @@ if TYPE_CHECKING:
     from .. import ModeContext
 
 MODE = "compile"
+TRACE_DIR = "torch_trace"  # the cell's TORCH_TRACE folder, under the mode's own (`compile/torch_trace/`)
 
 
 def run(ctx: "ModeContext") -> ModeResult:
@@ -60,6 +67,13 @@ def run(ctx: "ModeContext") -> ModeResult:
         row["findings"] = sorted({f.kind for f in findings if sig.name in _phases_of(f)})
         if row["findings"] and row["status"] == "pass":  # the phase's status agrees with the mode's: never a pass
             row["status"] = "fail"                        # where it ran in PyTorch or broke its graph
+    traces = {s.name: s.trace["file"] for s in signals if s.trace and s.trace.get("file")}
+    if traces:
+        data["trace_dir"] = f"{MODE}/{TRACE_DIR}"
+        for f in findings:
+            where = next((traces[p] for p in _phases_of(f) if p in traces), None)
+            if where is not None:
+                f.details["trace"] = where
     data["figures"] = figures_of(data["phases"])
     return _result(findings, data, signals, time.monotonic() - t0)
 
@@ -146,7 +160,8 @@ def measure(ctx: "ModeContext", opts: CompileOptions, loaded: Any, phase: Phase 
         with ExitStack() as stack:
             if patch:
                 stack.enter_context(torch._dynamo.config.patch(**patch))
-            watch = stack.enter_context(PhaseWatch(MODE, ctx.cell.backend.compile, record))
+            watch = stack.enter_context(PhaseWatch(MODE, ctx.cell.backend.compile, record,
+                                                   keep_bytes=_trace_bytes(opts)))
             if phase is None:
                 _forward_calls(ctx, loaded, fn, watch.before, watch.after)
             else:
@@ -155,7 +170,32 @@ def measure(ctx: "ModeContext", opts: CompileOptions, loaded: Any, phase: Phase 
         run = watch.result()
         torch._dynamo.reset()
     sig.take(run)
+    sig.trace = keep_trace(ctx, opts, sig.name, run)
     return sig
 
 
-__all__ = ["run", "measure", "kept_run", "FORWARD"]
+def _trace_bytes(opts: CompileOptions) -> int:
+    return int(opts.trace_mb * 2**20)
+
+
+def keep_trace(ctx: "ModeContext", opts: CompileOptions, phase: str, run: WatchedRun) -> dict[str, Any] | None:
+    """The phase's structured trace written where tlparse reads it (`compile/torch_trace/
+    dedicated_log_torch_trace_<phase>.log`, cut to `trace_mb`): {"file" (relative to the cell folder), "records",
+    "bytes", and "left_out", "left_out_bytes", "note" when cut}; None when none is kept."""
+    if run.trace is None or opts.trace_mb <= 0:
+        return None
+    folder = ctx.artifact_dir(MODE) / TRACE_DIR
+    path = folder / f"{TRACE_FILE_PREFIX}{re.sub(r'[^A-Za-z0-9_.-]', '_', phase)}.log"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        out = write_trace(path, run.trace, cap=_trace_bytes(opts))
+    except OSError as exc:
+        return {"error": f"the trace could not be written: {exc}"[:300]}
+    out["file"] = path.relative_to(ctx.cell_dir).as_posix()
+    if out.get("left_out"):
+        out["note"] = (f"cut at {opts.trace_mb:g} MiB (option trace_mb): {out['left_out']} record(s), "
+                       f"{out['left_out_bytes'] / 2**20:.1f} MiB, left out")
+    return out
+
+
+__all__ = ["run", "measure", "kept_run", "keep_trace", "FORWARD"]

@@ -202,5 +202,16 @@ class CompileHooks(ModeHooks):
     def history_html(self, data: Any, dates: Sequence[str]) -> str:
         return compile_html(data, dates)
 
+    def artifacts(self, cell: CellResult) -> list[tuple[str, str]]:
+        return trace_files(cell)
+
+
+def trace_files(cell: CellResult) -> list[tuple[str, str]]:
+    """Each phase's structured trace kept for tlparse (`data.phases.<phase>.trace.file`), as report.html links it."""
+    mode = cell.modes.get(MODE)
+    phases = ((mode.data or {}).get("phases") or {}) if mode is not None else {}
+    return [(f"TORCH_TRACE for tlparse ({name})", str(row["trace"]["file"])) for name, row in phases.items()
+            if isinstance(row, Mapping) and isinstance(row.get("trace"), Mapping) and row["trace"].get("file")]
+
 
 HOOKS = CompileHooks()

@@ -49,6 +49,8 @@ from ...numerics.target import (
 from ...numerics.cache import cell_thresholds
 from ...numerics.handoff import handoff_path, save_weights
 from ...numerics.thresholds import LayerStats, ThresholdTable, add_views, load_or_derive
+from ...numerics.overlay import (PROGRAM_FILE, export_program, module_ratios, place, shared_program,
+                                 weights_mb, write_node_data)
 from ...numerics.toolbox import after_numerics, before_numerics, reference_dumps, weights_from_target, weights_in_target
 from ...numerics.verdict import (
     OTHER_VIEW,
@@ -368,6 +370,8 @@ def _single_rank(ctx: "ModeContext", opts: NumericsOptions, t0: float, pending: 
         data["dumps"] = [str(d.relative_to(ctx.cell_dir)) if d.is_relative_to(ctx.cell_dir) else str(d) for d in dumps]
     findings += _phases(ctx, opts, data, findings) if ctx.cell.inputs.phases else []  # per phase and step: phases.py
     findings += _parallel(ctx, pending, data, findings) if pending is not None else []  # tensor parallel: parallel.py
+    if opts.model_explorer:
+        data["model_explorer"] = _overlay(ctx, opts, data["layers"], compare[0] if compare else 0, dump_key)
     duration = time.monotonic() - t0
     if not cum_ran and not iso_ran:
         why = cum_errors[0]["error"] if cum_errors else (notes[-1] if notes else "no comparison could run")
@@ -375,6 +379,45 @@ def _single_rank(ctx: "ModeContext", opts: NumericsOptions, t0: float, pending: 
                           data=data, duration_s=duration)
     return _with_parallel(_result(findings, data, duration, cum_errors=cum_errors, layers=layers,
                                   expected=[v for v in opts.views if not (v == "isolated" and iso_skipped)]))
+
+
+def _overlay(ctx: "ModeContext", opts: NumericsOptions, rows: list[dict[str, Any]], sample: int,
+             model_key: str) -> dict[str, Any]:
+    """The layer table on the model's graph for Model Explorer (`numerics/overlay.py`): the primary reference's
+    model exported on the compared sample's inputs (once per model key in `<run>/model_explorer/`, linked here),
+    each view's node data and (under `model_explorer_mb`) the program, in `numerics/model_explorer/`; paths relative
+    to the cell folder. A failure is said here, never the mode's."""
+    if not any(module_ratios(rows, view) for view in VIEWS):
+        return {"note": "no layer was compared: no node data"}
+    if ctx.remaining() < 60.0:  # an export of a big model takes its time: the cell's result comes first
+        return {"note": "not written: the cell had under a minute left"}
+    t = time.monotonic()
+    primary = ctx.cell.references[0]
+    folder = ctx.artifact_dir("numerics") / "model_explorer"
+    shared = ctx.cell_dir.parent.parent / "model_explorer" / f"{ctx.cell.model.id}-{model_key}-sample{sample}"
+    try:
+        loaded = ctx.model(dtype=primary.dtype, device=primary.device)
+        mb = weights_mb(loaded.module)
+        stacks, program = shared_program(
+            shared, lambda: export_program(loaded.module, ctx.inputs(loaded, sample=sample, device=primary.device)),
+            save=mb <= opts.model_explorer_mb)
+        folder.mkdir(parents=True, exist_ok=True)
+        out = write_node_data(folder, stacks, rows, VIEWS)
+        if program is not None:
+            place(program, folder / PROGRAM_FILE)
+    except Exception as exc:  # an export torch refuses, a full disk: the comparison stands  # noqa: BLE001
+        return {"error": f"not written: {type(exc).__name__}: {exc}"[:500]}
+    rel = folder.relative_to(ctx.cell_dir).as_posix()
+    files = [f"{rel}/{name}" for name in out["node_data"].values()]
+    out.update(folder=rel, sample=sample, seconds=round(time.monotonic() - t, 3), program=None,
+               node_data={view: f"{rel}/{name}" for view, name in out["node_data"].items()})
+    if program is not None:
+        out["program"] = f"{rel}/{PROGRAM_FILE}"
+        out["command"] = f"model-explorer {out['program']} --node_data_paths={','.join(files)}"
+    else:
+        out["note"] = (f"the exported program is not kept: its weights take {mb:.0f} MiB, over model_explorer_mb="
+                       f"{opts.model_explorer_mb:g}; export the model as docs/numerics.md says to open the node data")
+    return out
 
 
 def _phases(ctx: "ModeContext", opts: NumericsOptions, data: dict[str, Any], findings: list[Any]) -> list[Any]:

@@ -1,5 +1,5 @@
 """The numerics mode's decode phase in report.html (its `registry.ModeHooks`, `HOOKS`): per cell, the error of each
-decode step as an inline SVG chart; no torch.
+decode step as an inline SVG chart, and links to its Model Explorer overlay (`artifacts`); no torch.
 
 Reads the numerics mode's `data.phases.decode.calls` (one row per call: prefill, then each decode step, with the
 logits' `rel` error against the reference and the threshold derived for the phase). A drift that starts at step k
@@ -76,6 +76,20 @@ class NumericsHooks(ModeHooks):
     def junit_properties(self, cell: CellResult) -> list[tuple[str, str]]:
         record = precision_of(cell)
         return [("precision", str(record.get("policy")))] if record is not None else []
+
+    def artifacts(self, cell: CellResult) -> list[tuple[str, str]]:
+        return model_explorer_files(cell)
+
+
+def model_explorer_files(cell: CellResult) -> list[tuple[str, str]]:
+    """The cell's Model Explorer overlay (`data.model_explorer`, numerics/overlay.py): the exported program and each
+    view's node data, as report.html links them."""
+    mode = cell.modes.get(MODE)
+    record = (mode.data or {}).get("model_explorer") if mode is not None else None
+    if not isinstance(record, Mapping):
+        return []
+    out = [("Model Explorer: exported program", str(record["program"]))] if record.get("program") else []
+    return out + [(f"node data ({view})", str(path)) for view, path in (record.get("node_data") or {}).items()]
 
 
 HOOKS = NumericsHooks()
