@@ -344,9 +344,9 @@ class NumericsOptions:
                                   help="write each view's per-layer ratio to its threshold as Model Explorer node data "
                                        "(`numerics/model_explorer/<view>.json`) over the model's exported program "
                                        "(`model.pt2`)")
-    model_explorer_mb: float = option(256.0, check=number(ge=0, hint="give MiB, e.g. 256"),
+    model_explorer_mb: float = option(32.0, check=number(ge=0, hint="give MiB, e.g. 32"),
                                       help="the exported program is saved when its weights take at most this many "
-                                           "MiB (else only its node data)")
+                                           "MiB (else only its node data: a CI artifact holds every cell's copy)")
     toolbox: ToolboxOptions = group(ToolboxOptions)
 
 

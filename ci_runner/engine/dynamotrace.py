@@ -90,8 +90,14 @@ def short_path(path: str) -> str:
 
 @functools.lru_cache(maxsize=512)
 def _module_path(path: str) -> str:
-    """`short_path` of a record's source file, once per file (records come by the thousand)."""
-    return short_path(path)
+    """A record's source file as torch's own trace formatter writes it (relative to the first `sys.path` entry that
+    holds it: `.venv/lib/…/torch/…` when the venv sits in the working folder), once per file (records come by the
+    thousand); `short_path` on a torch without that helper."""
+    try:
+        from torch._logging._internal import make_module_path_relative  # deferred: torch's, private, may move
+    except ImportError:
+        return short_path(path)
+    return make_module_path_relative(path)
 
 
 def _library_roots() -> tuple[str, ...]:
