@@ -63,13 +63,8 @@ def run_cell_inprocess(cell: Cell, cell_dir: Path, *, modes: tuple[str, ...], de
         result.modes[name] = partial
         checkpoint()
 
-    if cell.parallel is not None:
-        layout = _layout_error(cell)
-        if layout is not None:  # a matrix mistake its ranks would refuse: not the backend's finding
-            result.error = CellError(type="layout", message=layout)
-            for name in modes:
-                result.modes[name] = ModeResult(status="error", reason=f"not run: {layout}")
-            return _finish(result, cell_dir, started)
+    if _layout_failed(cell, result, modes):  # a matrix mistake its ranks would refuse: not the backend's finding
+        return _finish(result, cell_dir, started)
 
     heartbeat = Heartbeat(cell_dir, cell.id)  # where the cell is, for the run's console and CI logs
     for note in fit_notes(cell, modes):  # limits that cannot fit the cell's timeout: said now, not found out later
@@ -116,11 +111,23 @@ def _layout_error(cell: Cell) -> str | None:
     """Why the cell's tensor-parallel layout cannot shard its model (`tpplan.layout_problem`), or None."""
     from ..engine.tpplan import layout_problem  # deferred: torch; this module is imported by the run parent too
 
-    assert cell.parallel is not None
+    if cell.parallel is None:
+        return None
     exc = layout_problem(cell.model, cell.inputs.seed, cell.parallel.tp, dict(cell.parallel.plan) or None)
     if exc is None:
         return None
     return f"{cell.parallel.label()}: {exc.message}" + (f" (fix: {exc.hint})" if exc.hint else "")
+
+
+def _layout_failed(cell: Cell, result: CellResult, modes: tuple[str, ...]) -> bool:
+    """Record a layout the cell's model cannot take as the cell's error (every mode not run); True when it did."""
+    layout = _layout_error(cell)
+    if layout is None:
+        return False
+    result.error = CellError(type="layout", message=layout)
+    for name in modes:
+        result.modes[name] = ModeResult(status="error", reason=f"not run: {layout}")
+    return True
 
 
 def fit_notes(cell: Cell, modes: tuple[str, ...]) -> list[str]:

@@ -147,7 +147,7 @@ def test_a_cell_timeout_keeps_every_finished_mode_and_phase_and_names_where_it_s
 def test_a_corrupt_cell_result_is_rerun_not_fatal(tmp_path: Path, matrix: Path) -> None:
     out = tmp_path / "out"
     proc = cli("run", str(matrix), "--out", str(out), "--select", "tiny@raises")
-    assert proc.returncode == 1, proc.stderr
+    assert proc.returncode == 4, proc.stderr  # its plugin does not import: an environment error (README)
     result = out / "cells" / "tiny@raises" / "result.json"
     result.write_text('{"id": "tiny@raises", "trunc', encoding="utf-8")
     proc = cli("run", str(matrix), "--out", str(out), "--select", "tiny@raises")

@@ -70,7 +70,8 @@ def test_a_hang_is_cut_at_probe_timeout(tmp_path: Path) -> None:
     assert [f.module for f in mode.findings] == ["blocks.0.attn", "blocks.1.attn"]
     assert {f.details["status"] for f in mode.findings} == {"timeout"}
     assert {f.error_type for f in mode.findings} == {"Timeout"}
-    assert "Timeout" in mode.findings[0].details["traceback_tail"]  # faulthandler's dump of the hung stack
+    tail = mode.findings[0].details["traceback_tail"]  # faulthandler's dump of the hung stack: in the plugin's code
+    assert ("Current thread" in tail or "Timeout" in tail) and "plugin_layers_fault" in tail, tail
 
 
 @pytest.mark.slow

@@ -96,5 +96,5 @@ def test_a_second_run_into_a_busy_out_refuses_and_a_killed_runs_lock_never_block
         first.wait(timeout=30)
     assert wait_until_gone(out, tag) == []
     proc = cli("run", str(matrix), "--out", str(out), "--select", "tiny@raises")
-    assert proc.returncode == 1, proc.stderr  # the cell's own error: the stale lock file did not block
+    assert proc.returncode == 4, proc.stderr  # the cell's own error (its plugin): the stale lock file did not block
     assert load_cell_result(out / "cells" / "tiny@raises" / "result.json").status == "error"

@@ -62,7 +62,8 @@ def test_a_toy_mode_registered_alone_is_accepted_run_reported_and_grouped(toy_mo
     cell_dir = tmp_path / "run" / "cells" / cell.id
     result = run_cell_inprocess(cell, cell_dir, modes=cell.modes, deadline=time.monotonic() + 120)
     write_final(result, cell_dir)
-    assert result.status == "fail" and result.modes["toy"].data == {"parts": 2, "figures": {"parts": 2}}
+    assert result.status == "fail" and result.modes["toy"].data == {  # `compiles`: filled for every mode, not by it
+        "parts": 2, "figures": {"parts": 2}, "compiles": {"total": {"compile_s": 0.0, "graphs": 0}}}
 
     results = aggregate([tmp_path / "run"])  # schema-validated on load: mode "toy", kind "toy_failure"
     written = write_report_dir(results, tmp_path / "report", run_dir=tmp_path / "run")

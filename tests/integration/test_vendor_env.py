@@ -167,8 +167,8 @@ def test_without_its_setup_the_cell_is_an_error_naming_the_missing_module(runner
     probe = subprocess.run([str(runner.python), "-c", "import acme_compiler"], capture_output=True, text=True, timeout=60)
     assert probe.returncode != 0  # the plugin is not there before `setup`
     proc = runner.action("cell", f"{CELL} --matrix deepview/matrix.yaml --out out-no-setup")
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "exit-code=1" in runner.outputs()
+    assert proc.returncode == 4, proc.stdout + proc.stderr  # the plugin could not be loaded: environment (README)
+    assert "exit-code=4" in runner.outputs()
     result = json.loads((runner.workspace / "out-no-setup" / "cells" / CELL / "result.json").read_text())
     assert result["status"] == "error"
     assert "module not found (acme_compiler)" in result["error"]["message"]
