@@ -169,11 +169,11 @@ def ran_facts(record: CompileRecord | None, counters: DynamoCounters, watch: Fal
 
 
 def not_ran_reason(record: CompileRecord | None, counters: DynamoCounters, watch: FallbackWatch, *,
-                   expected_break: str = "") -> str | None:
+                   expected_break: str = "", breaks: bool = True) -> str | None:
     """Why a compile that raised nothing did not run on the backend (None: it did): no graph given or executed,
-    Dynamo fell back to eager or broke the graph (except the breaks `expected_break` names), the backend's own
-    silent fallback."""
-    return ((record.not_ran() if record is not None else None) or counters.fallback(expected_break)
+    Dynamo fell back to eager or broke the graph (except the breaks `expected_break` names; none with
+    `breaks=False`, a whole model's run judged per graph), the backend's own silent fallback."""
+    return ((record.not_ran() if record is not None else None) or counters.fallback(expected_break, breaks=breaks)
             or watch.reason())
 
 

@@ -19,7 +19,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from ..backends.ran import CompileRecord, DynamoCounters, FallbackWatch
+from ..backends.ran import CompileRecord, DynamoCounters, FallbackWatch, not_ran_reason
 from .dynamotrace import KEEP_BYTES, Event, KeptTrace, TraceWatch
 from .workload import Call, CallRecord
 
@@ -91,10 +91,8 @@ class PhaseWatch:
         self.run.facts = self._watch.facts() if self._watch is not None else {}
         self.run.fallback_reason = self._watch.reason() if self._watch is not None else None
         self.run.counters = self._counters.delta() if self._counters is not None else {}
-        record = self.run.record
-        self.run.not_ran = ((record.not_ran() if record is not None else None)
-                            or (self._counters.fallback(breaks=False) if self._counters is not None else None)
-                            or self.run.fallback_reason)
+        if self._counters is not None and self._watch is not None:
+            self.run.not_ran = not_ran_reason(self.run.record, self._counters, self._watch, breaks=False)
 
     def before(self, call: Call) -> None:
         record = self.run.record

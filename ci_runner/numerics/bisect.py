@@ -22,7 +22,7 @@ threshold; "good" means within the threshold. Two methods:
 
 Both run in a child process in the numerics mode (a bisect recompiles many times; a crash must not cost the
 mode), and each step is logged in the result. Every step is a fresh compile watched like the mode's other compiled
-runs (`CompileRecord`, `DynamoCounters`, `FallbackWatch`: `numerics/watched.not_ran`): a step the backend did not
+runs (`CompileRecord`, `DynamoCounters`, `FallbackWatch`: `backends.ran.not_ran_reason`): a step the backend did not
 run (Dynamo ran it in eager, OpenVINO fell back to PyTorch) would read as "good" and steer the search, so it ends the
 bisect as `status: inconclusive` naming the step and why (never a verdict; the finding itself stands).
 """
@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..backends import CompileRecord, DynamoCounters, FallbackWatch, resolve_backend
+from ..backends import CompileRecord, DynamoCounters, FallbackWatch, not_ran_reason, resolve_backend
 from ..engine.capture import ModuleCapture, iter_tensors
 from ..config import BackendSpec, InputSpec, ModelSpec, spec_from_json, spec_to_json
 from ..engine.isolate import run_isolated
@@ -51,7 +51,6 @@ from ..engine.torchcompat import available, require, skip_reason
 from .metrics import compare_tensors, public, worst
 from .settings import CellContext, dynamo_settings
 from .thresholds import ThresholdTable, exceeded
-from .watched import not_ran
 
 if TYPE_CHECKING:
     from ..backends import Backend
@@ -154,7 +153,7 @@ def compiler_bisect(layer: nn.Module, args: Sequence[Any], kwargs: Mapping[str, 
                 out = compiled(*args, **kwargs)
         except Exception as exc:  # a failure counts as "bad" (the bisector also finds crashes)
             return False, {"error": _short(exc)}
-        why = not_ran(record, counters, watch)
+        why = not_ran_reason(record, counters, watch, breaks=False)
         if why:
             sub = CompilerBisector.get_subsystem()
             raise StepNotRan(f"the step on {backend_name}" + (f" with subsystem {sub}" if sub else ""), why)
@@ -356,7 +355,7 @@ def node_bisect(layer: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
                 call, record = on_target(prefix)
                 with FallbackWatch(backend.spec.compile) as watch, DynamoCounters() as counters:
                     vals = call(*flat)
-                why = not_ran(record, counters, watch) if compiled and live else None
+                why = not_ran_reason(record, counters, watch, breaks=False) if compiled and live else None
                 given = {n: (v.to("cpu") if isinstance(v, torch.Tensor) else v) for n, v in zip(live, vals)}
                 out = _Hybrid(gm, given, cut).run(*flat)
             m = deviation(ref, out)

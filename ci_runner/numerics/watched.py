@@ -32,7 +32,7 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..backends import CompileRecord, DynamoCounters, FallbackWatch
+from ..backends import DynamoCounters, FallbackWatch, not_ran_reason
 from ..engine.capture import FlatOutput, OutputHooks, iter_tensors
 from .capture import capture_compiled_outputs, compared_flat
 from .settings import dynamo_settings
@@ -45,12 +45,6 @@ CAPTURE = "capture"  # the stage of a call this view's capture could not hold (c
 def _forward(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """What the watched captures compile: the model's call in a frame of its own (`capture._capture_forward`)."""
     return module(*args, **kwargs)
-
-
-def not_ran(record: CompileRecord | None, counters: DynamoCounters, watch: FallbackWatch) -> str | None:
-    """Why a compiled run that raised nothing did not run on the backend (None: it did)."""
-    return ((record.not_ran() if record is not None else None) or counters.fallback(breaks=False)
-            or watch.reason())
 
 
 def partial_sites(facts: Mapping[str, Any]) -> dict[str, list[str]]:
@@ -110,7 +104,8 @@ def _attempt(module: nn.Module, backend: Any, args: Sequence[Any], kwargs: Mappi
         else:
             with OutputHooks(module, clone=clone) as hooks:
                 _out, records = capture_compiled_outputs(module, fn, args, kwargs, hooks)
-    return records, not_ran(record, counters, watch), {**(record.summary() if record else {}), **watch.facts()}
+    why = not_ran_reason(record, counters, watch, breaks=False)
+    return records, why, {**(record.summary() if record else {}), **watch.facts()}
 
 
 def watched_capture(module: nn.Module, backend: Any, args: Sequence[Any], kwargs: Mapping[str, Any],
@@ -172,7 +167,8 @@ def _attempt_each(module: nn.Module, backend: Any, calls: Sequence[Mapping[str, 
             with OutputHooks(module, clone=clone) as hooks:
                 for kw in calls:
                     out.append(capture_compiled_outputs(module, fn, (), kw, hooks)[1])
-    return out, not_ran(record, counters, watch), {**(record.summary() if record else {}), **watch.facts()}
+    why = not_ran_reason(record, counters, watch, breaks=False)
+    return out, why, {**(record.summary() if record else {}), **watch.facts()}
 
 
 def _first_way_that_ran(module: nn.Module, backend: Any, args: Sequence[Any], kwargs: Mapping[str, Any],
@@ -216,7 +212,7 @@ class WatchedRunner:
             # no graph for this record: the module has no op of its own (an identity, or its sub-calls stubbed), or
             # (no vendor watch, no reset) Dynamo ran code it compiled for another module of the same class
             given = record is None or bool(record.graphs)
-            why = not_ran(record, counters, watch) if given else counters.fallback(breaks=False)
+            why = not_ran_reason(record, counters, watch, breaks=False) if given else counters.fallback(breaks=False)
             own = [op for op, where in partial_sites(watch.facts()).items() if "" in where]  # not a stub's
             if why or own:
                 self.not_ran[name] = why or partial_reason(", ".join(own), self.backend.spec.compile)

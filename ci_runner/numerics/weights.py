@@ -33,14 +33,13 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..backends import DynamoCounters, FallbackWatch, resolve_backend
+from ..backends import DynamoCounters, FallbackWatch, not_ran_reason, resolve_backend
 from ..config import BackendSpec, ModelSpec, spec_from_json, spec_to_json
 from ..engine.isolate import run_isolated
 from ..engine.models import load_model
 from ..results.model import Finding, clean, fingerprint, number
 from .metrics import compare_tensors, public
 from .settings import CellContext, dynamo_settings
-from .watched import not_ran
 
 if TYPE_CHECKING:
     from ..backends import Backend
@@ -75,7 +74,7 @@ class WeightsReport:
 
     method: str
     tensors: list[TensorCheck] = field(default_factory=list)
-    not_ran: str | None = None  # why the backend did not run a round trip (`watched.not_ran`): then nothing is shown
+    not_ran: str | None = None  # why the backend did not run a round trip (`ran.not_ran_reason`): nothing is shown
 
     @property
     def mismatched(self) -> list[TensorCheck]:
@@ -217,7 +216,7 @@ def check_weights(module: nn.Module, backend: "Backend", *, chunk_mb: float = 25
             fn, record = backend.compile_recorded(_Reader(target, names))
             with FallbackWatch(backend.spec.compile) as watch, DynamoCounters() as counters:
                 backs = fn()
-            report.not_ran = report.not_ran or not_ran(record, counters, watch)
+            report.not_ran = report.not_ran or not_ran_reason(record, counters, watch, breaks=False)
             for (name, kind, t), back in zip(group, backs):
                 orig = originals[name] if originals is not None else t
                 report.tensors.append(check_tensor(name, kind, orig, back))

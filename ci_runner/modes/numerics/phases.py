@@ -10,7 +10,7 @@ For each phase (`ci_runner/workloads/phases.py`), run as users run it (`engine/w
 3. when a call diverges or is not finite, the target runs again with output hooks on every module, to name the
    first (step, layer) where the divergence starts, or the first layer where NaN/Inf appears in that row.
 The KV cache each layer wrote is compared per step against the reference's, and greedy-token and top-5 agreement
-over the steps are reported. Each compiled run is a fresh compile, watched (`numerics.watched.not_ran`): a target
+over the steps are reported. Each compiled run is a fresh compile, watched (`engine.watchedrun.PhaseWatch`): a target
 run the backend did not run (in whole or in part) makes the phase `inconclusive` when it found nothing (never a
 pass; findings stand: a call that ran in PyTorch cannot diverge from the reference), ops its partitioner left to
 PyTorch are listed with the modules that call them (`backend_ran.partial_sites`, the phase `partial`), and a
@@ -25,14 +25,13 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
-from ...backends import DynamoCounters, FallbackWatch
 from ...engine.precision import emulate
 from ...engine.capture import OutputHooks, primary_tensor
+from ...engine.watchedrun import PhaseWatch
 from ...engine.workload import (Call, CallRecord, PhaseRun, capture_calls, replay_calls, run_phase,
                                  smallest_module)
 from ...numerics.metrics import compare_tensors
 from ...numerics.target import target_dtype
-from ...numerics.watched import not_ran
 from ...options import NumericsOptions
 from ...workloads.phases import Phase
 from ...results.model import Finding, fingerprint
@@ -321,16 +320,17 @@ def _partial_text(sites: Mapping[str, list[str]]) -> str:
 
 def _watched_run(backend: Any, compiled_from: torch.nn.Module, hooked: torch.nn.Module | None, primary: Any,
                  ctx: "ModeContext", phase: Phase, **kw: Any) -> tuple[PhaseRun, _Recorder, dict[str, Any]]:
-    """`_run` of a fresh compile of `compiled_from`, watched (`numerics.watched.not_ran`: graphs given and run,
-    Dynamo's eager fallbacks, the backend's own): (run, recorder, `ran` facts with `not_ran` when the backend did
-    not run it and `partial_sites` when its partitioner left ops to PyTorch: op -> the modules that call it)."""
+    """`_run` of a fresh compile of `compiled_from`, watched (`engine.watchedrun.PhaseWatch`, its `not_ran`: graphs
+    given and run, Dynamo's eager fallbacks, the backend's own): (run, recorder, `ran` facts with `not_ran` when the
+    backend did not run it and `partial_sites` when its partitioner left ops to PyTorch: op -> the modules that call
+    it)."""
     compiled, record = backend.compile_recorded(compiled_from)
-    with FallbackWatch(backend.spec.compile) as watch, DynamoCounters() as counters:
+    with PhaseWatch("numerics", backend.spec.compile, record, trace=False) as watch:
         run, rec = _run(compiled, hooked, primary, ctx, phase, **kw)
-    facts = watch.facts()
+    facts = watch.run.facts
     ran: dict[str, Any] = {**(record.summary() if record is not None else {}),
                            **{k: v for k, v in facts.items() if not isinstance(v, (list, dict))}}
-    why = not_ran(record, counters, watch)
+    why = watch.run.not_ran
     if why:
         ran["not_ran"] = why
     elif facts.get("eager_ops"):
@@ -412,7 +412,7 @@ def _isolated_nonfinite(ctx: "ModeContext", phase: Phase, ref_run: PhaseRun, cal
         torch._dynamo.reset()
         eager = loaded.module.get_submodule(name)
         fn, record = backend.compile_recorded(backend.to_device(copy.deepcopy(eager)))
-        with FallbackWatch(backend.spec.compile) as watch, DynamoCounters() as counters:
+        with PhaseWatch("numerics", backend.spec.compile, record, trace=False) as watch:
             index, got, exc = replay_calls(fn, captured.get(name, []), call, backend.to_device)
         if exc is not None or index != call:  # a module that cannot run alone is not the one
             return False
@@ -420,7 +420,7 @@ def _isolated_nonfinite(ctx: "ModeContext", phase: Phase, ref_run: PhaseRun, cal
         with torch.no_grad():
             want = eager(*copy.deepcopy(args), **copy.deepcopy(kwargs))
         blamed = _row_finite(want, row) is True and _row_finite(got, row) is False
-        if not blamed and unran is not None and not_ran(record, counters, watch):  # (in part) PyTorch's: not shown
+        if not blamed and unran is not None and watch.run.not_ran:  # (in part) PyTorch's: not shown
             unran.append(name)
         return blamed
 
