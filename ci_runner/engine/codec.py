@@ -67,7 +67,7 @@ from ..quoting import dotted, pyrepr
 __all__ = [
     "Unstorable", "TensorDedupe", "TensorStore", "encode_value", "encode_arg", "decode_value", "check_value",
     "encode_call", "decode_call", "tensor_keys", "call_tensor_keys", "tensor_specs", "is_opaque", "describe_value",
-    "source_of", "upgrade_v2", "upgrade_call_v2", "dtype_name", "described_tensor", "CACHE_TYPES",
+    "source_of", "upgrade_v2", "upgrade_call_v2", "dtype_name", "described_tensor", "CACHE_TYPES", "save_tensors",
 ]
 
 CACHE_TYPES = ("Cache", "DynamicCache", "StaticCache", "HybridCache", "HybridMambaAttentionDynamicCache")
@@ -149,13 +149,22 @@ class TensorStore:
     __call__ = add
 
     def save(self, path: Path) -> Path:
-        from safetensors.torch import save_file  # deferred: safetensors imports torch machinery only when saving
+        return save_tensors(self.tensors, path)
 
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        save_file(self.tensors, str(tmp))
-        os.replace(tmp, path)
-        return path
+
+def save_tensors(tensors: Mapping[str, torch.Tensor], path: Path, *, copy: bool = False) -> Path:
+    """`tensors` as a safetensors file, written atomically: what the repros and probes load their tensors from (never
+    a pickle). They must be contiguous CPU tensors sharing no memory; `copy=True` makes each its own CPU copy first (a
+    module's parameters by name, `tree.module_tensors`: tied weights share storage, which safetensors refuses)."""
+    from safetensors.torch import save_file  # deferred: safetensors imports torch machinery only when saving
+
+    if copy:
+        tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file(dict(tensors), str(tmp))
+    os.replace(tmp, path)
+    return path
 
 
 # --------------------------------------------------------------------------- encoding

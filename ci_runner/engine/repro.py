@@ -240,22 +240,12 @@ def template_backend(spec: Any) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------------------------- the model in a repro
 
-def save_tensors(tensors: Mapping[str, Any], path: Path) -> Path:
-    """`tensors` (name → CPU tensor) as a safetensors file, written atomically: what every repro loads its weights
-    and inputs from (never a pickle)."""
-    from safetensors.torch import save_file  # deferred: safetensors imports torch, which this module does not
-
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(tmp))
-    os.replace(tmp, path)
-    return path
-
-
 def model_source(spec: Any, seed: int, loaded: Any, folder: Path) -> dict[str, Any] | None:
     """How a repro script rebuilds the model `spec` (loaded as `loaded`), for `_repro_layer_common.build_model`: its
     factory, or its transformers class from `config.json` (written into `folder`); None when neither can (a `path:`
     or plugin model whose class transformers does not export). A submodule's weights come from
-    `weights.safetensors` (`save_tensors` of `tree.module_tensors`), so no weights are downloaded or unpickled."""
+    `weights.safetensors` (`codec.save_tensors(tree.module_tensors(…), copy=True)`), so no weights are downloaded or
+    unpickled."""
     import transformers  # deferred: only a repro of a transformers model needs it
 
     if spec.factory:

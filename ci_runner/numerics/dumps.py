@@ -60,7 +60,7 @@ import torch
 from torch import nn
 
 from ..engine.capture import iter_tensors
-from ..engine.codec import dtype_name
+from ..engine.codec import dtype_name, save_tensors
 from ..config import choices_hint, raw_entry
 from ..engine.envinfo import cell_stamp
 from ..backends import resolve_backend
@@ -223,10 +223,8 @@ def dump_model(module: nn.Module, kwargs: Mapping[str, Any], out: Path, *, side:
     digest = input_hash(tensors, other)
     writer = _LayerWriter(out, chunk_bytes=max(1, int(chunk_mb * (1 << 20))),
                           meta={"dump": DUMP_FORMAT, "side": side.as_dict()})
-    from safetensors.torch import save_file  # deferred: safetensors' torch helpers load only when dumping
-
-    save_file({k: t.detach().cpu().contiguous() if not t.is_complex() else torch.view_as_real(t.detach().cpu()).contiguous()
-               for k, t in tensors.items()}, str(out / INPUTS_NAME))
+    save_tensors({k: t.detach().cpu().contiguous() if not t.is_complex() else torch.view_as_real(t.detach().cpu()).contiguous()
+                  for k, t in tensors.items()}, out / INPUTS_NAME)
     t0 = time.monotonic()
     device = side.device
     compiled = backend is not None and not backend.is_eager

@@ -49,7 +49,7 @@ from .phases import run_phases
 from .parallel import run_tp
 from ...fsutil import atomic_write_text, read_records
 from ...quoting import shell_quote
-from ...engine.codec import TensorStore, Unstorable
+from ...engine.codec import TensorStore, Unstorable, save_tensors
 from ...engine.failure import first_line, tail, unwrap
 from ...engine.isolate import Attempt, IsolatedResult, Journal, file_tail, open_entry, supervise
 from ...engine.outcome import UNFINISHED, ProbeOutcome, append_outcome, read_outcomes
@@ -57,7 +57,7 @@ from ...engine.progress import ProgressWatch
 from .search import BOILERPLATE, ROOT, ChildPlan, ModuleTree, SearchResult, StopSearch, capture_inputs, encode_call, label, own_name, scan_model, search, twin_plan, unlabel, write_root_call
 from ...options import LayersOptions
 from ...registry import FindingKind, parse_options
-from ...engine.repro import key_text as _key_text, model_source, plugin_modules as _plugin_modules, render_template, run_command, safe_filename, save_tensors, template_backend, verify_script, write_script
+from ...engine.repro import key_text as _key_text, model_source, plugin_modules as _plugin_modules, render_template, run_command, safe_filename, template_backend, verify_script, write_script
 from ...engine.tree import module_tensors
 from ...results.model import JOURNAL_NAME, Finding, ModeResult, Repro, fingerprint
 from ...results.rootcause import annotate
@@ -624,7 +624,7 @@ def _write_source_repro(ctx: "ModeContext", loaded: Any, sub: torch.nn.Module, n
     source = model_source(ctx.cell.model, ctx.cell.inputs.seed, loaded, rdir)
     if source is None:
         return None
-    save_tensors(module_tensors(sub), rdir / "weights.safetensors")
+    save_tensors(module_tensors(sub), rdir / "weights.safetensors", copy=True)
     script = rdir / "repro.py"
     write_script(script, render_template("repro_layer_source.py.j2", **rctx, source=source))
     return script

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from ...backends import backend_recipe, plugin_pythonpath
-from ...engine.codec import TensorStore, Unstorable, encode_call
-from ...engine.repro import (model_source, render_template, run_command, safe_filename, save_tensors, template_backend,
+from ...engine.codec import TensorStore, Unstorable, encode_call, save_tensors
+from ...engine.repro import (model_source, render_template, run_command, safe_filename, template_backend,
                              verify_script, write_script)
 from ...engine.tree import module_tensors
 from ...results.model import Repro
@@ -61,7 +61,7 @@ def write_repro(folder: Path, *, kind: str, title: str, cell: Any, loaded: Any, 
     except Unstorable as exc:
         return f"no repro: the layer's call holds {exc}"
     store.save(folder / "inputs.safetensors")
-    save_tensors(module_tensors(loaded.module.get_submodule(module)), folder / "weights.safetensors")
+    save_tensors(module_tensors(loaded.module.get_submodule(module)), folder / "weights.safetensors", copy=True)
     recipe = backend_recipe(cell.backend)
     imports = list(recipe.imports)
     if recipe.device.split(":")[0] == "simdev" and "ci_runner.sim.simdev" not in imports:
