@@ -158,6 +158,18 @@ def test_the_layers_contract_holds() -> None:
     assert "BROKEN" not in proc.stdout and " KEPT" in proc.stdout
 
 
+def test_every_module_sits_in_a_layer_and_the_page_draws_the_contract() -> None:
+    """lint-imports checks only the modules its layers name: a module in none is unchecked. Every module that
+    imports anything is in a layer, and docs/architecture.md's diagram is the contract (`python -m
+    tests.fixtures.archdoc` redraws it)."""
+    from tests.fixtures import archdoc
+
+    assert not archdoc.outside_layers(), f"modules in no layer of pyproject's contract: {archdoc.outside_layers()}"
+    text = archdoc.PAGE.read_text(encoding="utf-8")
+    assert archdoc.MARKER in text and archdoc.render(text) == text, \
+        "docs/architecture.md's layers diagram differs from the contract: python -m tests.fixtures.archdoc"
+
+
 def test_the_contract_catches_a_lower_layer_importing_a_higher_one(tmp_path: Path) -> None:
     """The check can fail: the same contract on a copy of the package where `errors` imports `cli`."""
     shutil.copytree(PKG, tmp_path / "ci_runner", ignore=shutil.ignore_patterns("__pycache__"))
