@@ -38,7 +38,9 @@ from ..errors import ConfigError, ExecutionError, InputError
 from ..fsutil import atomic_write_json
 from ..log import Progress
 from ..matrix import expand
+from ..modes.ops.outcome import OpStatus
 from ..modes.ops.storepath import store_root
+from ..registry import parse_options
 from ..results.model import CellResult, ModeResult, load_cell_result, read_json, save_cell_result
 from .catalog import catalog
 from .report import backend_table
@@ -188,7 +190,6 @@ def write_merged(group: Sequence[Cell], records: Mapping[str, Mapping[str, Any]]
     from ..modes.ops.mode import build_probes  # deferred: the ops engine imports torch
     from ..modes.ops.signature import Inventory  # deferred: torch
     from ..modes.ops.store import merge_inventories  # deferred: torch
-    from ..registry import parse_options  # deferred: with the modes it registers
 
     spec = group[0].backend
     opts = parse_options(MODE, group[0].options.get(MODE) or {}, where=f"zoo {spec.id}: options.ops")
@@ -317,7 +318,6 @@ def _child(payload: Mapping[str, Any]) -> _Child:
     from ..backends.spec import resolve_backend  # deferred: torch and the backend's plugins, in this child only
     from ..engine.envinfo import cell_stamp, plugin_modules  # deferred: torch, in this child only
     from ..modes.ops.mode import choose_level  # deferred: torch, child only
-    from ..registry import parse_options  # deferred: with the modes it registers, in this child only
 
     deadline = time.monotonic() + float(payload["deadline_s"])
     out = Path(payload["out"])
@@ -390,7 +390,6 @@ def backend_child(payload: Mapping[str, Any]) -> dict[str, Any]:
     """Child target: the backend's outcomes for its whole merged list, every architecture's cell, the zoo record."""
 
     from ..modes.ops.mode import model_result  # deferred: torch, child only
-    from ..modes.ops.outcome import OpStatus  # deferred: with the ops mode it belongs to, in this child only
     from ..modes.ops.signature import Inventory  # deferred: torch, in this child only
 
     ctx = _child(payload)

@@ -38,6 +38,7 @@ from ...engine.repro import key_text, plugin_modules, render_template, run_comma
 from ...fsutil import atomic_write_text
 from ...quoting import shell_quote
 from ...results.model import Finding, Repro
+from .groups import run_parallel
 from .search import encode_call
 from .tree import ROOT, label
 
@@ -143,8 +144,6 @@ def attach_repros(findings: Sequence[Finding], stored: Mapping[str, Mapping[str,
                   time_left: float, versions: Mapping[str, str] | None = None) -> None:
     """Write (and with `opts.verify`, run) the repro of each finding whose module's rank files were stored; a
     finding without them gets a note saying why."""
-    from .groups import run_parallel  # deferred: the thread pool the single-rank repros use
-
     deadline = time.monotonic() + time_left
     jobs = [f for f in findings if f.module is not None and f.module in stored]
     for f in findings:
