@@ -226,12 +226,13 @@ def test_the_ranks_refuse_a_process_group_c10d_does_not_know() -> None:
     from ci_runner.config import spec_to_json
     from ci_runner.engine.parallel import group_of
     from ci_runner.errors import BackendError
+    from ci_runner.workloads.parallel import layout_of
 
-    assert group_of({"parallel": {"tp": 2}}) == ("gloo", "cpu")
+    assert group_of(layout_of({"parallel": {"tp": 2}})) == ("gloo", "cpu")
     payload = {"parallel": {"tp": 2, "process_group": {"name": "glo", "device": "cpu",
                                                        "backend": spec_to_json(BackendSpec(id="x", compile="aot_eager"))}}}
     with pytest.raises(BackendError) as info:
-        group_of(payload)
+        group_of(layout_of(payload))
     assert "backend 'x': process_group 'glo' is not a c10d backend torch knows" in info.value.message
     assert "gloo" in (info.value.hint or "") and "register_backend" in (info.value.hint or "")
 
