@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ..fsutil import atomic_write_json
-from ..workloads.parallel import ParallelSpec, layout_of
+from ..workloads.parallel import ParallelSpec, spec_from_key
 from .isolate import IsolatedResult, run_isolated
 
 PROGRESS = "rank{rank}.progress"
@@ -140,7 +140,7 @@ def init_ranks(payload: Mapping[str, Any]) -> Any:
     import torch.distributed as dist  # deferred: torch.distributed only in rank children
     from torch.distributed.device_mesh import init_device_mesh  # deferred: as above
 
-    name, device = group_of(layout_of(payload))
+    name, device = group_of(spec_from_key(payload.get("parallel")))  # a bare launch (no layout): gloo
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(payload["port"])
     dist.init_process_group(name, rank=int(payload["rank"]), world_size=int(payload["world"]),
@@ -148,10 +148,10 @@ def init_ranks(payload: Mapping[str, Any]) -> Any:
     return init_device_mesh(device, (int(payload["world"]),))
 
 
-def group_of(layout: ParallelSpec) -> tuple[str, str]:
+def group_of(layout: ParallelSpec | None) -> tuple[str, str]:
     """(c10d backend, device type) of a launch: ("gloo", "cpu"), or the declared process group once its backend
     is prepared in this rank; a name c10d does not know then is a `BackendError` listing the ones it knows."""
-    group = layout.process_group
+    group = layout.process_group if layout is not None else None
     if group is None:
         return "gloo", "cpu"
     from ..backends.check import c10d_backends  # deferred: the declared group only
@@ -252,8 +252,10 @@ class BackgroundLaunch:
 
     POLL_S = 0.2
 
-    def __init__(self, payload: Mapping[str, Any], *, world: int, timeout: float, folder: Path) -> None:
+    def __init__(self, payload: Mapping[str, Any], *, world: int, timeout: float, folder: Path,
+                 collective_timeout: float | None = None) -> None:
         self.payload = dict(payload)
+        self.collective_timeout = collective_timeout
         self.tasks: tuple[str, ...] = tuple(str(t) for t in payload["tasks"])
         self.world, self.folder, self.timeout = world, folder, timeout
         self.t0 = time.monotonic()
@@ -268,7 +270,8 @@ class BackgroundLaunch:
 
     def _launch(self, payload: dict[str, Any]) -> None:
         try:
-            self.run = launch_ranks(RANK_TASKS, payload, world=self.world, timeout=self.timeout, folder=self.folder)
+            self.run = launch_ranks(RANK_TASKS, payload, world=self.world, timeout=self.timeout, folder=self.folder,
+                                    collective_timeout=self.collective_timeout)
         except BaseException as exc:  # raised again by `take`, in the taker's thread
             self.error = exc
         finally:
