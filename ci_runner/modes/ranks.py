@@ -44,14 +44,19 @@ class CellRanks:
         found = self._launch_of(spec.rank_task)
         if found is not None:
             return found
-        taken = {t for launch in self.launches for t in launch.tasks}
-        specs = [m for m in modes() if m.rank_task and m.rank_task not in taken
-                 and (m.name in self.ctx.modes or m.name == mode)]
+        specs = self.selected(mode)
         folder = self.ctx.cell_dir / (LAUNCH_FOLDER if not self.launches else f"{LAUNCH_FOLDER}-{mode}")
         launch = BackgroundLaunch(self.payload(specs), world=self.ctx.cell.parallel.tp, folder=folder,
                                   timeout=max(60.0, self.ctx.remaining() - 10.0))
         self.launches.append(launch)
         return launch
+
+    def selected(self, mode: str) -> list[ModeSpec]:
+        """The modes whose tasks a launch started for `mode` runs: every mode of the cell's mode list (and `mode`)
+        that declares a rank task no launch runs yet, in mode order."""
+        taken = {t for launch in self.launches for t in launch.tasks}
+        return [m for m in modes() if m.rank_task and m.rank_task not in taken
+                and (m.name in self.ctx.modes or m.name == mode)]
 
     def payload(self, specs: list[ModeSpec]) -> dict[str, Any]:
         """The launch's payload: the cell's model, inputs and layout, the tasks, and each task's own part."""

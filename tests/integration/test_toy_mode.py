@@ -17,13 +17,14 @@ from typing import Any
 
 import pytest
 
-from ci_runner.config import load_matrix_text
+from ci_runner.config import load_matrix_text, spec_to_json
 from ci_runner.errors import ConfigError
 from ci_runner.github.options import FilingOptions
 from ci_runner.github.render import RenderContext, group_entries, render_issue
 from ci_runner.history.store import add_run, load_history
 from ci_runner.history.trends import compute
 from ci_runner.matrix import expand
+from ci_runner.modes import ModeContext
 from ci_runner.engine.parallel import read_progress
 from ci_runner.registry import ModeSpec, mode_names, mode_of_group, mode_spec, register_mode, unregister_mode
 from ci_runner.report import write_reports
@@ -125,6 +126,24 @@ def test_the_toy_modes_phase_body_runs_in_the_one_phase_loop(toy_mode: ModeSpec,
     assert set(data["compiles"]) == {"prefill", "decode", "total"}
     journal = (tmp_path / cell.id / JOURNAL_NAME).read_text(encoding="utf-8")
     assert "enter-workload\ttoy.prefill\n" in journal and "leave-workload\ttoy.decode\n" in journal
+
+
+def test_the_cells_launch_payload_holds_each_declaring_modes_task_and_part(toy_mode: ModeSpec, tmp_path: Path) -> None:
+    """The one launch's payload: the cell's model, inputs and layout once, the tasks of the cell's modes that declare
+    one (mode order; compile declares none), each with its own part, from the registry alone."""
+    text = matrix_text(models=[{"id": "tiny", "config": "llama", "parallel": {"tp": 2}}],
+                       backends=[{"id": "aot_eager", "compile": "aot_eager"}], modes=["toy", "ops", "compile"],
+                       options={"toy": {"count": 3}})
+    (cell,) = expand(load_matrix_text(text))
+    ctx = ModeContext(cell=cell, cell_dir=tmp_path, backend=None, deadline=time.monotonic() + 60,  # type: ignore[arg-type]
+                      modes=cell.modes)
+    specs = ctx.ranks().selected("toy")
+    assert [s.name for s in specs] == ["ops", "toy"]
+    payload = ctx.ranks().payload(specs)
+    assert payload["tasks"] == [mode_spec("ops").rank_task, toy_mode.rank_task]  # type: ignore[union-attr]
+    assert payload["parallel"] == {"tp": 2, "plan": {}} and payload["model"]["id"] == "tiny"
+    assert payload["parts"] == {payload["tasks"][0]: {"ops_backend": spec_to_json(cell.backend)},
+                                payload["tasks"][1]: {"toy_parts": 3}}
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ from ci_runner.engine.tpplan import check_plan, resolve_plan
 from ci_runner.errors import ConfigError, InputError
 from ci_runner.matrix import expand
 from ci_runner.numerics.tpsignature import classify, signature_facts
-from ci_runner.workloads.parallel import spec_from_key
+from ci_runner.workloads.parallel import layout_of, spec_from_key
 from ci_runner.report.view import finding_title
 from ci_runner.results.model import Finding
 from tests.fixtures.plugin_tp_models import decoder
@@ -75,6 +75,7 @@ def test_a_backend_declares_its_devices_process_group() -> None:
     assert (dev.process_group.device, dev.process_group.backend["id"], dev.label()) == ("simdev", "dev", "tp2")
     assert dev.process_group.backend["imports"] == ["ci_runner.sim.simccl"]  # the ranks import it before joining
     assert spec_from_key(dev.key()) == dev  # the layout crosses into the ranks whole
+    assert layout_of({"parallel": dev.key()}) == dev  # and is read there, typed, by the one reader
     assert cells["b@dev"] is None  # one rank: nothing to join
 
 
