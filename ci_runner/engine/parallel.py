@@ -258,7 +258,7 @@ class BackgroundLaunch:
         self.collective_timeout = collective_timeout
         self.tasks: tuple[str, ...] = tuple(str(t) for t in payload["tasks"])
         self.world, self.folder, self.timeout = world, folder, timeout
-        self.t0 = time.monotonic()
+        self.t0, self.t0_wall = time.monotonic(), time.time()
         self.run: RankRun | None = None
         self.error: BaseException | None = None
         self._done = threading.Event()
@@ -305,7 +305,17 @@ class BackgroundLaunch:
             raise self.error
         ended = time.monotonic()
         run = self._view(records, limit if over and not self.done() else None)
-        return TaskRun(run=run, seconds=round(ended - self.t0, 3), waited=round(ended - t, 3))
+        finished = self._recorded_at(index) if all(records) else None  # the task ended before it was taken
+        seconds = finished - self.t0_wall if finished is not None else ended - self.t0
+        return TaskRun(run=run, seconds=round(max(0.0, seconds), 3), waited=round(ended - t, 3))
+
+    def _recorded_at(self, index: int) -> float | None:
+        """When the last rank recorded task `index` (wall clock), or None."""
+        try:
+            return max((self.folder / TASK_RECORD.format(index=index, rank=r)).stat().st_mtime
+                       for r in range(self.world))
+        except OSError:
+            return None
 
     def _view(self, records: Sequence[dict[str, Any] | None], limit: float | None) -> RankRun:
         results = []
