@@ -15,7 +15,8 @@ Derived from it:
 - `history/trends.py` and the reports' history sections: each mode's history figures (`ModeHooks.history_*`);
 - `github/`: which findings are filed, under which group (its key, title, template), and which mode's coverage
   closes a group's issue;
-- `modes/__init__.py`: the run function of a mode.
+- `modes/__init__.py`: the run function of a mode;
+- `modes/ranks.py`: the tasks of a tensor-parallel cell's one launch of ranks (`ModeSpec.rank_task`, `rank_payload`).
 
 The schema files in `ci_runner/schemas/` keep the built-in lists under ``$defs`` (for readers of the files); a test
 checks that they equal what this registry generates, and a loaded schema always takes the registry's lists.
@@ -198,6 +199,13 @@ class ModeSpec:
     # ``"module:function"``: (cell) -> str | None, said at the cell's start when the mode's limits cannot fit the
     # cell's timeout (`run/cellrun.py`: one console line and `CellResult.notes`)
     fit: str | None = None
+    # tensor parallelism (a cell with `parallel: {tp: N}`): ``"module:function"`` called in each rank of the cell's one
+    # launch with (payload, mesh) (`engine/parallel.rank_tasks`); the mode takes rank 0's value with
+    # `ModeContext.ranks().take(name)` (`modes/ranks.py`)
+    rank_task: str | None = None
+    # ``"module:function"``: (ModeContext) -> the mode's own part of the ranks' payload (its task gets it added to the
+    # launch's model, inputs and layout)
+    rank_payload: str | None = None
 
     def __post_init__(self) -> None:
         groups = tuple(g if isinstance(g, IssueGroup) else IssueGroup(name=str(g)) for g in self.issue_groups)
@@ -361,6 +369,7 @@ def apply_to_schema(schema: Mapping[str, Any]) -> dict[str, Any]:
 K = FindingKind
 register_mode(ModeSpec(
     name="ops", run="ci_runner.modes.ops.mode:run", options=OpsOptions, order=10,
+    rank_task="ci_runner.modes.ops.tpops:rank_task", rank_payload="ci_runner.modes.ops.parallel:rank_part",
     issue_groups=(IssueGroup(name="op", template="issue_op.md.j2", title="[deepview-ci] {key[2]} fails on {key[1]}",
                              what="operator and backend", fields={"op": 2}, always=True),),
     help="every operator the model runs, probed alone on the backend",
@@ -371,6 +380,7 @@ register_mode(ModeSpec(
 ))
 register_mode(ModeSpec(
     name="layers", run="ci_runner.modes.layers.mode:run", options=LayersOptions, order=20,
+    rank_task="ci_runner.modes.layers.tpsearch:rank_task", rank_payload="ci_runner.modes.layers.parallel:rank_part",
     issue_groups=(IssueGroup(name="culprit", template="issue_culprit.md.j2",
                              title="[deepview-ci] {key[2]} fails on {key[1]} inside model layers",
                              what="operator (found inside failing layers) and backend", fields={"op": 2},
@@ -384,6 +394,7 @@ register_mode(ModeSpec(
 ))
 register_mode(ModeSpec(
     name="numerics", run="ci_runner.modes.numerics.mode:run", options=NumericsOptions, order=30,
+    rank_task="ci_runner.numerics.tprank:rank_task", rank_payload="ci_runner.modes.numerics.parallel:rank_part",
     issue_groups=(IssueGroup(name="divergence", template="issue_divergence.md.j2",
                              title="[deepview-ci] {key[2]} layers diverge on {key[1]}",
                              what="layer class and backend", fields={"pattern": 2},

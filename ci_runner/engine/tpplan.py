@@ -26,6 +26,7 @@ from torch import nn
 
 from ..config import InputSpec, ModelSpec, spec_from_json
 from ..errors import InputError, ModelLoadError
+from ..workloads.parallel import layout_of
 from .models import build_inputs, load_model
 
 DECODER_PLAN: Mapping[str, str] = {
@@ -154,7 +155,7 @@ def sharded_model(payload: Mapping[str, Any], mesh: Any) -> tuple[nn.Module, dic
     model_spec = spec_from_json(ModelSpec, payload["model"])
     inputs = spec_from_json(InputSpec, payload["inputs"])
     loaded = load_model(model_spec, seed=inputs.seed, dtype="float32")
-    resolved = resolve_plan(loaded.module, payload["parallel"].get("plan"))
+    resolved = resolve_plan(loaded.module, dict(layout_of(payload).plan))
     check_plan(loaded.module, resolved, int(payload["world"]), model_spec.id)
     kwargs = on_mesh_device(build_inputs(loaded, inputs, sample=int(payload.get("sample", 0))), mesh)
     return shard(loaded.module, mesh, resolved), resolved, kwargs

@@ -5,6 +5,9 @@ A mode is a function `run(ctx: ModeContext) -> ModeResult`, registered once in `
 The cell runs the selected modes in the matrix's order; a later mode still runs when an earlier
 one failed (it works on what can run). A mode whose module is absent is reported as skipped with
 that reason: nothing fakes a result.
+
+A cell with `parallel: {tp: N}` launches its ranks once for every mode that declares a rank task
+(`ModeContext.ranks()`, `modes/ranks.py`); each such mode takes its own task's outcome from that launch.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from ..errors import ModelLoadError
 from ..registry import mode_spec
 from ..results.model import CHECKPOINT_KEY, JOURNAL_NAME, ModeResult
 from ..workloads.precision import PrecisionPolicy, with_storage
+from .ranks import CellRanks
 
 if TYPE_CHECKING:
     from ..backends import Backend
@@ -57,6 +61,7 @@ class ModeContext:
     deadline: float  # time.monotonic() at which the cell's timeout strikes
     env: dict[str, Any] = field(default_factory=dict)
     previous: dict[str, ModeResult] = field(default_factory=dict)
+    modes: tuple[str, ...] = ()  # the modes the cell runs (its one launch of ranks runs the tasks of all of them)
     _models: dict[tuple[Any, ...], "LoadedModel"] = field(default_factory=dict, repr=False)
     model_error: "ModelLoadError | None" = None  # the cell's model did not load: every later load raises it again
     on_checkpoint: Callable[[str, ModeResult], None] | None = field(default=None, repr=False)  # run/cellrun.py's
@@ -66,6 +71,7 @@ class ModeContext:
     _precision: tuple[Any, dict[str, Any]] | None = field(default=None, repr=False)
     _checkpoints: dict[str, ModeResult] = field(default_factory=dict, repr=False)  # the last `checkpoint` per mode
     _compiles: dict[str, dict[str, compiles.Compiles]] = field(default_factory=dict, repr=False)  # mode -> phase -> cost
+    _ranks: CellRanks | None = field(default=None, repr=False)
 
     @property
     def model_id(self) -> str:
@@ -87,6 +93,13 @@ class ModeContext:
                 record = {**record, "policy": stored.label(), "storage": stored.storage}
             self._precision = (stored, record)
         return self._precision
+
+    def ranks(self) -> CellRanks:
+        """The cell's tensor-parallel ranks: launched once for every mode that declares a rank task
+        (`CellRanks.start`), each mode's outcome by `CellRanks.take(mode)`."""
+        if self._ranks is None:
+            self._ranks = CellRanks(self)
+        return self._ranks
 
     def remaining(self) -> float:
         return max(0.0, self.deadline - time.monotonic())

@@ -1,7 +1,8 @@
 """Numerics under tensor parallelism: the sharded model on a backend, layer by layer, against one rank.
 
-`run_ranks` starts the ranks (`engine/parallel.launch_ranks` of `engine/parallel.rank_tasks` running
-`numerics/tprank.rank_task`); `analyse` turns rank 0's records into per-layer rows, thresholds and findings:
+The ranks run `numerics/tprank.rank_task` (the numerics mode's rank task, in the cell's one launch:
+`modes/ranks.py`; `rank_part` its part of the payload); `analyse` turns rank 0's records into per-layer rows,
+thresholds and findings:
 
 * thresholds as `numerics/thresholds.py` derives them (`threshold_from_stats`: margin × percentile over samples,
   with floors), from the spread of two references: the single-rank float64 reference and the plan run eagerly
@@ -20,11 +21,9 @@ Findings carry `parallel` ("tp2") and the plan in `details.plan`; their fingerpr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ..config import BackendSpec, InputSpec, ModelSpec, spec_to_json
-from ..engine.parallel import RANK_TASKS, RankRun, launch_ranks
 from ..options import ThresholdOptions
 from ..workloads.parallel import ParallelSpec
 from ..registry import FindingKind
@@ -45,20 +44,16 @@ class TPAnalysis:
     reason: str | None = None
 
 
-def run_ranks(model: ModelSpec, inputs: InputSpec, parallel: ParallelSpec, backends: Sequence[BackendSpec], *,
-              samples: Sequence[int], folder: Path, timeout: float) -> tuple[RankRun, dict[str, Any] | None]:
-    """The ranks of one TP launch (every backend in turn on the same sharded model); rank 0's value."""
-    payload = rank_payload(model, inputs, parallel, backends, samples=samples)
-    run = launch_ranks(RANK_TASKS, payload, world=parallel.tp, timeout=timeout, folder=folder)
-    value = run.results[0].value if run.results and run.results[0].ok else None
-    return run, value[TASK] if value else None
+def rank_part(backends: Sequence[BackendSpec], *, samples: Sequence[int]) -> dict[str, Any]:
+    """The numerics task's own part of a launch's payload: the backends it runs in turn, the samples."""
+    return {"backends": [spec_to_json(b) for b in backends], "samples": list(samples)}
 
 
 def rank_payload(model: ModelSpec, inputs: InputSpec, parallel: ParallelSpec, backends: Sequence[BackendSpec], *,
                  samples: Sequence[int]) -> dict[str, Any]:
-    """The payload of a launch of `engine/parallel.rank_tasks` running this task (others may be added)."""
+    """A whole payload of a launch of `engine/parallel.rank_tasks` running this task alone (others may be added)."""
     return {"model": spec_to_json(model), "inputs": spec_to_json(inputs), "parallel": parallel.key(),
-            "backends": [spec_to_json(b) for b in backends], "samples": list(samples), "tasks": [TASK]}
+            "tasks": [TASK], **rank_part(backends, samples=samples)}
 
 
 def layer_thresholds(records: Sequence[Mapping[str, Any]], eager: Sequence[Mapping[str, Any]],

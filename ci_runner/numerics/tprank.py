@@ -23,6 +23,7 @@ from ..engine.failure import classify, first_line
 from ..engine.models import build_inputs, load_model
 from ..engine.parallel import arrive, assemble, gather_outputs
 from ..results.model import clean
+from ..workloads.parallel import layout_of
 from ..engine.tpprobe import probe_collectives
 from ..engine.tpplan import check_plan, local_output_modules, on_mesh_device, resolve_plan, shard, shard_dim
 from .capture import compared_flat, run_eager_with_outputs
@@ -46,7 +47,7 @@ def _rank(payload: Mapping[str, Any], mesh: Any) -> dict[str, Any]:
     inputs = spec_from_json(InputSpec, payload["inputs"])
     loaded = load_model(model_spec, seed=inputs.seed, dtype="float32")
     module = loaded.module
-    resolved = resolve_plan(module, payload["parallel"].get("plan"))
+    resolved = resolve_plan(module, dict(layout_of(payload).plan))
     check_plan(module, resolved, int(payload["world"]), model_spec.id)
     samples = [build_inputs(loaded, inputs, sample=s) for s in payload["samples"]]
     refs = _references(module, samples) if rank == 0 else None

@@ -12,6 +12,7 @@ import datetime as _dt
 import time
 import traceback
 from pathlib import Path
+from typing import Callable
 
 from ..backends import resolve_backend
 from ..config import Cell
@@ -72,7 +73,18 @@ def run_cell_inprocess(cell: Cell, cell_dir: Path, *, modes: tuple[str, ...], de
             result.notes.append(note)
             heartbeat.note(note)
     ctx = ModeContext(cell=cell, cell_dir=cell_dir, backend=backend, deadline=deadline, env=result.env,
-                      previous=dict(result.modes), on_checkpoint=keep_partial, on_event=heartbeat.event)
+                      previous=dict(result.modes), on_checkpoint=keep_partial, on_event=heartbeat.event, modes=modes)
+    try:
+        _run_modes(ctx, result, modes, checkpoint, heartbeat)
+    finally:
+        ctx.ranks().close()  # the cell's ranks (one launch for its modes' rank tasks) never outlive it
+    return _finish(result, cell_dir, started)
+
+
+def _run_modes(ctx: ModeContext, result: CellResult, modes: tuple[str, ...], checkpoint: Callable[[], None],
+               heartbeat: Heartbeat) -> None:
+    """Each mode in turn; the cell's ranks start with the first mode that declares a rank task (`ModeContext.ranks`),
+    running the tasks of all of them beside the modes' single-rank parts."""
     for i, name in enumerate(modes):
         if ctx.model_error is not None:  # tried once per cell: the modes after the failed load do not retry it
             _model_failed(result, ctx.model_error, modes[i:])
@@ -86,6 +98,7 @@ def run_cell_inprocess(cell: Cell, cell_dir: Path, *, modes: tuple[str, ...], de
         t0 = time.monotonic()
         before = compiles.tally()
         try:
+            ctx.ranks().start(name)  # the first mode with a rank task launches the ranks once, for every such mode
             mode_result = fn(ctx)
         except TorchTooOldError as exc:
             mode_result = ModeResult(status="skipped", reason=exc.message)
@@ -104,7 +117,6 @@ def run_cell_inprocess(cell: Cell, cell_dir: Path, *, modes: tuple[str, ...], de
     else:
         if ctx.model_error is not None:
             _model_failed(result, ctx.model_error, ())
-    return _finish(result, cell_dir, started)
 
 
 def _layout_error(cell: Cell) -> str | None:

@@ -127,7 +127,7 @@ def parse_parallel(raw: Any) -> ParallelSpec | None:
 
 
 def spec_from_key(key: Mapping[str, Any] | None) -> ParallelSpec | None:
-    """The inverse of `ParallelSpec.key` (a cell crossing a process boundary)."""
+    """The inverse of `ParallelSpec.key` (the layout crossing into the ranks: `layout_of`)."""
     if not key:
         return None
     layout = parse_parallel({k: v for k, v in key.items() if k in PARALLEL_KEYS})
@@ -136,6 +136,15 @@ def spec_from_key(key: Mapping[str, Any] | None) -> ParallelSpec | None:
         return layout
     return replace(layout, process_group=ProcessGroupSpec(name=str(group["name"]), device=str(group["device"]),
                                                           backend=MappingProxyType(dict(group["backend"]))))
+
+
+def layout_of(payload: Mapping[str, Any]) -> ParallelSpec:
+    """A rank's layout, typed: the one reader of a rank payload's `parallel` key (`ParallelSpec.key`, written by the
+    cell that launched the ranks), for every rank task and the ranks' own setup (`engine/parallel.init_ranks`)."""
+    layout = spec_from_key(payload.get("parallel"))
+    if layout is None:
+        raise ValueError(f"a rank's payload carries no tensor-parallel layout: {payload.get('parallel')!r}")
+    return layout
 
 
 def check_process_group(raw: Any) -> list[tuple[str, str]]:

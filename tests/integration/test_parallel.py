@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from ci_runner.config import BackendSpec, InputSpec, ModelSpec, spec_to_json
-from ci_runner.engine.parallel import RANK_TASKS, RankRun, launch_ranks
+from ci_runner.engine.parallel import RANK_TASKS, BackgroundLaunch, RankRun, launch_ranks, read_progress
 from ci_runner.modes.layers.parallel import TASK as LAYERS, tp_findings
 from ci_runner.modes.layers.tprepro import attach_repros
 from ci_runner.modes.ops.parallel import TASK as OPS, collective_finding
@@ -225,6 +225,27 @@ def test_a_rank_that_never_arrives_is_named(tmp_path: Path) -> None:
     assert run.results[0].status == "error" and "timed out" in run.results[0].message.lower()  # gloo's own error
     assert run.hang == "rank 1 did not arrive at `barrier` (last: `init`)"
     assert "rank 1 did not arrive" in run.describe()
+
+
+def test_one_launch_keeps_each_tasks_value_past_a_task_that_raises_and_a_rank_that_dies(tmp_path: Path) -> None:
+    """The tasks of one launch run in turn in one process group, each with its own part of the payload; each is
+    recorded as it ends: a task that raises on every rank is that task's error (the next one still runs), and a rank
+    that dies (SIGSEGV) in the last task leaves every earlier task's value."""
+    first, boom, second, die = (f"tests.fixtures.tp_targets:{n}" for n in ("first", "boom", "second", "die"))
+    payload = {"parallel": TP2.key(), "tasks": [first, boom, second, die],
+               "parts": {first: {"tag": "a"}, second: {"tag": "b"}}}
+    launch = BackgroundLaunch(payload, world=2, timeout=120, folder=tmp_path, collective_timeout=20)
+    one = launch.take(first)
+    assert (one.value, one.run.describe()) == ({"sum": 3.0, "tag": "a"}, "all ranks finished")
+    raised = launch.take(boom)
+    assert raised.value is None and [r.error_type for r in raised.run.results] == ["ValueError", "ValueError"]
+    assert "rank 0 failed: ValueError: boom on rank 0" in raised.run.describe()
+    assert launch.take(second).value == {"sum": 3.0, "tag": "b"}
+    died = launch.take(die)
+    assert died.value is None and died.run.results[1].status == "crashed" and "SIGSEGV" in died.run.describe()
+    launch.wait()
+    assert launch.run is not None and not launch.run.ok
+    assert [read_progress(tmp_path, r).count("init") for r in (0, 1)] == [1, 1]  # one launch
 
 
 @pytest.mark.slow

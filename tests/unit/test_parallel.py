@@ -15,7 +15,7 @@ from ci_runner.engine.tpplan import check_plan, resolve_plan
 from ci_runner.errors import ConfigError, InputError
 from ci_runner.matrix import expand
 from ci_runner.numerics.tpsignature import classify, signature_facts
-from ci_runner.workloads.parallel import spec_from_key
+from ci_runner.workloads.parallel import layout_of, spec_from_key
 from ci_runner.report.view import finding_title
 from ci_runner.results.model import Finding
 from tests.fixtures.plugin_tp_models import decoder
@@ -75,6 +75,7 @@ def test_a_backend_declares_its_devices_process_group() -> None:
     assert (dev.process_group.device, dev.process_group.backend["id"], dev.label()) == ("simdev", "dev", "tp2")
     assert dev.process_group.backend["imports"] == ["ci_runner.sim.simccl"]  # the ranks import it before joining
     assert spec_from_key(dev.key()) == dev  # the layout crosses into the ranks whole
+    assert layout_of({"parallel": dev.key()}) == dev  # and is read there, typed, by the one reader
     assert cells["b@dev"] is None  # one rank: nothing to join
 
 
@@ -226,12 +227,13 @@ def test_the_ranks_refuse_a_process_group_c10d_does_not_know() -> None:
     from ci_runner.config import spec_to_json
     from ci_runner.engine.parallel import group_of
     from ci_runner.errors import BackendError
+    from ci_runner.workloads.parallel import layout_of
 
-    assert group_of({"parallel": {"tp": 2}}) == ("gloo", "cpu")
+    assert group_of(layout_of({"parallel": {"tp": 2}})) == ("gloo", "cpu")
     payload = {"parallel": {"tp": 2, "process_group": {"name": "glo", "device": "cpu",
                                                        "backend": spec_to_json(BackendSpec(id="x", compile="aot_eager"))}}}
     with pytest.raises(BackendError) as info:
-        group_of(payload)
+        group_of(layout_of(payload))
     assert "backend 'x': process_group 'glo' is not a c10d backend torch knows" in info.value.message
     assert "gloo" in (info.value.hint or "") and "register_backend" in (info.value.hint or "")
 

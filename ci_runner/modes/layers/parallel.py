@@ -1,14 +1,15 @@
 """The layers mode's tensor-parallel hook: with `parallel: {tp: N}` on the cell, the smallest submodule whose
 sharded run dies on the backend, on any rank, the ranks named (the search inside the ranks: `tpsearch.py`).
 
-It runs after the single-rank search, in ranks of its own (`engine/parallel.launch_ranks` of
-`engine/parallel.rank_tasks` with the `tpsearch.rank_task` task), and adds one `layer_failure` per smallest failing
-module (each carrying `parallel: "tpN"`, the failing ranks in `details.ranks`) and `data["parallel"]`. A rank that
+Its rank task (`tpsearch.rank_task`, declared in the registry with `rank_part`, its part of the payload) runs in
+the cell's one launch of ranks (`modes/ranks.py`), beside the single-rank search; after the search the mode takes its
+value (`ModeContext.ranks().take`) and adds one `layer_failure` per smallest failing module (each carrying `parallel: "tpN"`, the failing ranks in `details.ranks`) and `data["parallel"]`. A rank that
 died or hung is one finding naming the rank and the module it was probing (its progress file's last
 `probe:<backend>:<module>` step); a rank waiting in a collective for it fails with gloo's timeout, and the hang
 report names the ranks that did not arrive. Each finding gets a repro that starts its own ranks and replays the
-sharded module (`tprepro.py`), verified by running it; when the ranks died, a relaunch that only records stores
-the module's shards and inputs first.
+sharded module (`tprepro.py`), verified by running it; when the ranks died, a recovery launch of ranks of its own
+(`store_after_death`: the cell's launch is over by then) that only records stores the module's shards and inputs
+first.
 """
 
 from __future__ import annotations
@@ -18,21 +19,29 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ...config import spec_to_json
+from ...options import LayersOptions
 from ...engine.failure import first_line
 from ...engine.outcome import ProbeOutcome
 from ...engine.parallel import PROGRESS, RANK_TASKS, RankRun, launch_ranks, read_progress
 from ...workloads.parallel import ParallelSpec
-from ...registry import FindingKind
+from ...registry import FindingKind, parse_options
 from ...results.model import Finding, fingerprint
 from .tprepro import attach_repros
 from .tpsearch import PROBE_STEP, STORE_TASK
 from .tree import ModuleTree, label, unlabel
 
 if TYPE_CHECKING:
-    from ...options import LayersOptions
     from .. import ModeContext
 
-TASK = "ci_runner.modes.layers.tpsearch:rank_task"
+TASK = "ci_runner.modes.layers.tpsearch:rank_task"  # the mode's `rank_task` (registry.py)
+
+
+def rank_part(ctx: "ModeContext") -> dict[str, Any]:
+    """The layers task's part of the ranks' payload: the backend it searches, the probes' limit, and where the ranks
+    store each smallest failing module's shards and inputs for its repro (``layers/parallel/``)."""
+    opts: LayersOptions = parse_options("layers", ctx.options("layers"))
+    return {"search_backends": [spec_to_json(ctx.cell.backend)], "probe_timeout": opts.probe_timeout,
+            "repro_folder": str(ctx.artifact_dir("layers") / "parallel")}
 
 
 def run_tp(ctx: "ModeContext", opts: "LayersOptions") -> tuple[list[Finding], dict[str, Any]]:
@@ -42,34 +51,32 @@ def run_tp(ctx: "ModeContext", opts: "LayersOptions") -> tuple[list[Finding], di
     assert layout is not None
     t = time.monotonic()
     folder = ctx.artifact_dir("layers") / "parallel"
-    payload = {"model": spec_to_json(ctx.cell.model), "inputs": spec_to_json(ctx.cell.inputs),
-               "parallel": layout.key(), "tasks": [TASK], "search_backends": [spec_to_json(ctx.cell.backend)],
-               "probe_timeout": opts.probe_timeout}
-    run = launch_ranks(RANK_TASKS, payload, world=layout.tp, folder=folder,
-                       timeout=max(60.0, ctx.remaining() - 10.0))
-    value = run.results[0].value if run.ok and run.results else None
-    found = tp_findings(value[TASK] if value else None, run, ctx.cell.backend.id, ctx.cell.model.id, layout, folder)
+    task = ctx.ranks().take("layers")
+    value, run = task.value, task.run
+    found = tp_findings(value, run, ctx.cell.backend.id, ctx.cell.model.id, layout, ctx.ranks().folder("layers"))
     data = {"layout": layout.key(), "label": layout.label(), "ranks": run.describe(),
             "seconds": round(time.monotonic() - t, 3)}
     if found and opts.repro:
         t_repro = time.monotonic()
-        stored = dict(value[TASK].get("stored") or {}) if value else \
-            store_after_death(found, payload, world=layout.tp, folder=folder, time_left=ctx.remaining())
+        stored = dict(value.get("stored") or {}) if value else \
+            store_after_death(found, ctx.ranks().task_payload("layers"), world=layout.tp, folder=folder,
+                              time_left=ctx.remaining())
         versions = {str(k): str(v) for k, v in (ctx.env.get("backend") or {}).items() if k != "torch"}
         attach_repros(found, stored, spec=ctx.cell.backend, layout=layout, model_id=ctx.cell.model.id, folder=folder,
                       cell_dir=ctx.cell_dir, opts=opts, time_left=ctx.remaining(), versions=versions)
         data["repro_seconds"] = round(time.monotonic() - t_repro, 3)
     if value:
-        res = value[TASK]["backends"].get(ctx.cell.backend.id, {})
+        res = value["backends"].get(ctx.cell.backend.id, {})
         data.update(minimal=[label(n) for n in res.get("minimal", [])], complete=res.get("complete"),
-                    probed=len(res.get("outcomes", {})), plan=value[TASK].get("plan"))
+                    probed=len(res.get("outcomes", {})), plan=value.get("plan"))
     return found, data
 
 
 def store_after_death(found: Sequence[Finding], payload: Mapping[str, Any], *, world: int, folder: Path,
                       time_left: float) -> dict[str, Any]:
-    """The ranks died in a probe, before they stored anything: ranks of their own record the module they were
-    probing (`tpsearch.store_task`: no probe, one eager forward), so the repro can replay it."""
+    """The ranks died in a probe, before they stored anything: a recovery launch, ranks of their own (the cell's one
+    launch is over), record the module they were probing (`tpsearch.store_task`: no probe, one eager forward), so
+    the repro can replay it. `payload` is what the search task was given (`CellRanks.task_payload`)."""
     names = [unlabel(f.module) for f in found if f.module]
     if not names or time_left < 60.0:
         return {}

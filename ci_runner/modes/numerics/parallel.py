@@ -1,30 +1,31 @@
 """The numerics mode's tensor-parallel hook: with `parallel: {tp: N}` on the cell, the sharded model on the backend,
 layer by layer, against one rank (the method: `ci_runner/numerics/parallel.py`, docs/parallel.md).
 
-Its ranks (`engine/parallel.launch_ranks`) start with the mode (`start_parallel`) and run while the single-rank
-comparison runs: they need nothing from it (each rank builds the model and its references itself), so the cell
-waits only for what is left of them when its single-rank part is done (`PendingParallel.finish`). It adds its
+Its rank task (`numerics/tprank.rank_task`, declared in the registry with `rank_part`, its part of the payload) runs
+in the cell's one launch of ranks (`modes/ranks.py`: started by the cell's first mode with a rank task, at the
+latest when this mode starts: `start_parallel`) while the single-rank comparison runs: it needs nothing from it
+(each rank builds the model and its references itself), so the cell waits only for what is left of it when its
+single-rank part is done (`PendingParallel.finish`). It adds its
 findings (each carrying `parallel: "tpN"`) and `data["parallel"]`: the layout, the status, the per-layer rows,
 the ranks' outcome, the process group they ran over (`process_group`: c10d's name for it in the ranks, and the
-mesh's device type) and the seconds (`seconds`: the ranks' wall time; `waited_s`: the part the cell waited for
-after its single-rank comparison). The samples are the thresholds' (`thresholds.samples`, else max(2,
+mesh's device type) and the seconds (`seconds`: from the launch's start until every rank finished the task;
+`waited_s`: the part the cell waited for after its single-rank comparison). `options.numerics.timeout`, when set,
+bounds how long after the launch's start the mode waits for its task. The samples are the thresholds' (`thresholds.samples`, else max(2,
 `inputs.samples`)).
 """
 
 from __future__ import annotations
 
-import threading
-import time
 from typing import TYPE_CHECKING, Any
 
 from ...config import BackendSpec
 from ...engine.tpprobe import PLAN_CALLS, write_repro
-from ...engine.parallel import RankRun
-from ...numerics.parallel import analyse, run_ranks
+from ...engine.parallel import RankRun, TaskRun
+from ...numerics.parallel import analyse, rank_part as rank_part_of
 from ...options import NumericsOptions
 from ...quoting import shell_command
 from ...workloads.parallel import ParallelSpec
-from ...registry import FindingKind
+from ...registry import FindingKind, parse_options
 from ...results.model import Finding, Repro, fingerprint
 
 if TYPE_CHECKING:
@@ -33,50 +34,39 @@ if TYPE_CHECKING:
 MAX_ROWS = 200
 
 
+def rank_part(ctx: "ModeContext") -> dict[str, Any]:
+    """The numerics task's part of the ranks' payload: the backend and the samples (the thresholds')."""
+    opts: NumericsOptions = parse_options("numerics", ctx.options("numerics"))
+    samples = list(range(opts.thresholds.samples or max(2, ctx.cell.inputs.samples)))
+    return rank_part_of([ctx.cell.backend], samples=samples)
+
+
 class PendingParallel:
-    """The cell's TP ranks, launched in a thread of their own beside the single-rank comparison (`start_parallel`);
-    `finish` waits for them and turns rank 0's value into (findings, data)."""
+    """The numerics task in the cell's ranks (`ModeContext.ranks()`), launched at the latest when the mode starts and
+    running beside the single-rank comparison (`start_parallel`); `finish` waits for the task and turns rank 0's
+    value into (findings, data)."""
 
     def __init__(self, ctx: "ModeContext", opts: NumericsOptions) -> None:
         self.ctx, self.opts = ctx, opts
-        self.t0 = time.monotonic()
-        self.seconds = 0.0
-        self.outcome: tuple[RankRun, dict[str, Any] | None] | None = None
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._launch, name="deepview-tp-numerics", daemon=True)
-        self.thread.start()
+        ctx.ranks().start("numerics")
 
-    def _launch(self) -> None:
-        ctx, opts = self.ctx, self.opts
-        layout = ctx.cell.parallel
-        assert layout is not None
-        try:
-            samples = list(range(opts.thresholds.samples or max(2, ctx.cell.inputs.samples)))
-            timeout = max(60.0, min(opts.timeout or ctx.remaining(), ctx.remaining()) - 10.0)
-            self.outcome = run_ranks(ctx.cell.model, ctx.cell.inputs, layout, [ctx.cell.backend], samples=samples,
-                                     folder=ctx.artifact_dir("numerics") / "parallel", timeout=timeout)
-        except BaseException as exc:  # raised again by `finish`, in the mode's own thread
-            self.error = exc
-        finally:
-            self.seconds = time.monotonic() - self.t0
+    def wait(self) -> None:
+        """Wait for the numerics task (the mode's own time limit, `opts.timeout`, as its ranks had it)."""
+        self._take()
 
-    def wait(self) -> float:
-        """Wait for the ranks; the seconds waited."""
-        t = time.monotonic()
-        self.thread.join()
-        return time.monotonic() - t
+    def _take(self) -> TaskRun:
+        limit = self.opts.timeout - 10.0 if self.opts.timeout else None
+        return self.ctx.ranks().take("numerics", limit=max(60.0, limit) if limit is not None else None)
 
     def finish(self) -> tuple[list[Finding], dict[str, Any]]:
-        """(findings, data) of the cell's tensor-parallel run on its backend, once the ranks are done."""
-        waited = self.wait()
-        if self.error is not None:
-            raise self.error
-        assert self.outcome is not None
-        return _result(self.ctx, self.opts, *self.outcome, seconds=self.seconds, waited=waited)
+        """(findings, data) of the cell's tensor-parallel run on its backend, once the ranks are done with it."""
+        task = self._take()
+        return _result(self.ctx, self.opts, task.run, task.value, seconds=task.seconds, waited=task.waited)
 
 
 def start_parallel(ctx: "ModeContext", opts: NumericsOptions) -> PendingParallel:
-    """Launch the cell's TP ranks now (they run beside the single-rank comparison); `finish()` for the result."""
+    """The cell's TP ranks, launched now unless the cell's launch already runs (they run beside the single-rank
+    comparison); `finish()` for the result."""
     return PendingParallel(ctx, opts)
 
 

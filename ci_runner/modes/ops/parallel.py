@@ -1,8 +1,9 @@
 """The ops mode's tensor-parallel hook: with `parallel: {tp: N}` on the cell, the collectives and DTensor
 redistributions the backend sees are inventoried and probed like any other op (inside the ranks: `tpops.py`).
 
-It runs after the single-rank inventory and probes, in ranks of its own (`engine/parallel.rank_tasks` with the
-`tpops.rank_task` task), and adds one `unsupported_op` (or `op_mismatch`) per collective call the backend fails on
+Its rank task (`tpops.rank_task`, declared in the registry with `rank_part`, its part of the payload) runs in the
+cell's one launch of ranks (`modes/ranks.py`), beside the single-rank inventory and probes; after them the mode takes
+its value (`ModeContext.ranks().take`) and adds one `unsupported_op` (or `op_mismatch`) per collective call the backend fails on
 alone, carrying `parallel: "tpN"` and a repro that starts its own ranks (`engine/tpprobe.write_repro`), verified
 by running it (it must fail with the same error type and first line); and `data["parallel"]`: the layout, every
 collective call (op, shape, dtype, arguments, count, module) with its status and the ranks it had.
@@ -23,7 +24,6 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from ...backends import backend_recipe
 from ...config import BackendSpec, spec_to_json
-from ...engine.parallel import RANK_TASKS, launch_ranks
 from ...engine.repro import key_text, safe_filename, verify_script
 from ...engine.tpprobe import write_repro
 from ...options import OpsOptions
@@ -37,7 +37,12 @@ from .signature import Inventory
 if TYPE_CHECKING:
     from .. import ModeContext
 
-TASK = "ci_runner.modes.ops.tpops:rank_task"
+TASK = "ci_runner.modes.ops.tpops:rank_task"  # the mode's `rank_task` (registry.py)
+
+
+def rank_part(ctx: "ModeContext") -> dict[str, Any]:
+    """The ops task's part of the ranks' payload: the backend whose collectives it probes."""
+    return {"ops_backend": spec_to_json(ctx.cell.backend)}
 
 
 def run_tp(ctx: "ModeContext", opts: OpsOptions, single: Inventory, probe: ProbeFn, already: set[str]
@@ -49,11 +54,9 @@ def run_tp(ctx: "ModeContext", opts: OpsOptions, single: Inventory, probe: Probe
     assert layout is not None
     t = time.monotonic()
     folder = ctx.artifact_dir("ops") / "parallel"
-    payload = {"model": spec_to_json(ctx.cell.model), "inputs": spec_to_json(ctx.cell.inputs),
-               "parallel": layout.key(), "tasks": [TASK], "ops_backend": spec_to_json(ctx.cell.backend)}
-    run = launch_ranks(RANK_TASKS, payload, world=layout.tp, folder=folder, timeout=max(60.0, ctx.remaining() - 10.0))
-    data: dict[str, Any] = {"layout": layout.key(), "label": layout.label(), "ranks": run.describe()}
-    value = run.results[0].value[TASK] if run.ok and run.results[0].value else None
+    task = ctx.ranks().take("ops")
+    data: dict[str, Any] = {"layout": layout.key(), "label": layout.label(), "ranks": task.run.describe()}
+    value = task.value
     if value is None:
         data.update(status="error", seconds=round(time.monotonic() - t, 3))
         return [], data
