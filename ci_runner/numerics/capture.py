@@ -35,6 +35,70 @@ class CallMeta:
     depth: int
 
 
+# ------------------------------------------------------------------------------ calls matched by what they are
+
+def _signature_leaves(obj: Any, prefix: str, parts: list[str]) -> None:
+    if isinstance(obj, torch.Tensor):
+        return  # tensors: their shapes are checked and their values compared, not keyed on
+    if obj is None or isinstance(obj, (bool, str)):
+        parts.append(prefix + "=" + type(obj).__name__ + ":" + str(obj))
+    elif isinstance(obj, (int, float)):
+        parts.append(prefix + "=" + type(obj).__name__)  # a size may be symbolic when compiled: its type only
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            if k in ("past_key_values", "cache_params") or "cache" in str(k):
+                continue
+            _signature_leaves(v, prefix + "." + str(k), parts)
+    elif isinstance(obj, (tuple, list)):
+        for i, v in enumerate(obj):
+            _signature_leaves(v, prefix + "." + str(i), parts)
+    else:
+        parts.append(prefix + "=" + type(obj).__name__)
+
+
+def call_signature(args: Any, kwargs: Any) -> str:
+    """What a module call is, besides its tensors' values: its non-tensor inputs (strings, flags and None by value,
+    numbers and other objects by type) with their places. ModernBERT calls its rotary embedding once per
+    `layer_type`, in an order that depends on the process's hash seed (issue 45): the calls' signatures
+    (`args.2=str:full_attention`, `args.2=str:sliding_attention`) tell them apart where their index does not.
+    Traceable by Dynamo (constants only), so a stub or hook inside a compiled graph can compute it."""
+    parts: list[str] = []
+    _signature_leaves(args, "args", parts)
+    _signature_leaves(kwargs, "kwargs", parts)
+    return ";".join(parts)
+
+
+class CallMatcher:
+    """Which reference call a run's call is: the k-th call of module `name` with signature `sig` (`call_signature`)
+    is the reference's k-th call of `name` with that signature, whatever the order of the module's calls with
+    other signatures. A reference without signatures (a dump older than them), or a call whose signature is not
+    known, is matched by its index, as before. `key` returns None for a call the reference has no counterpart of."""
+
+    def __init__(self, calls: Iterable[Mapping[str, Any]]) -> None:
+        self.by_id: dict[tuple[str, str], list[str]] = {}
+        self.signed = True
+        for c in calls:
+            if c.get("sig") is None:
+                self.signed = False
+            self.by_id.setdefault((c["name"], str(c.get("sig"))), []).append(c["key"])
+        self.seen: dict[tuple[str, str], int] = {}
+
+    def key(self, name: str, index_key: str, sig: str | None) -> str | None:
+        if not self.signed or sig is None:
+            return index_key
+        ident = (name, sig)
+        k = self.seen.get(ident, 0)
+        self.seen[ident] = k + 1
+        keys = self.by_id.get(ident, [])
+        return keys[k] if k < len(keys) else None
+
+
+def match_calls(reference: Iterable[Mapping[str, Any]], run: Iterable[tuple[str, str, str | None]]) -> dict[str, str | None]:
+    """`{run key: reference key}` for a run's calls `(key, name, signature)` in call order (`CallMatcher`)."""
+    matcher = CallMatcher(reference)
+    return {key: matcher.key(name, key, sig) for key, name, sig in run}
+
+
 class CallSink:
     """What `capture_layer_outputs` feeds: `enter` before a module runs, `exit` with its output."""
 
@@ -99,7 +163,8 @@ class RecordingSink(CallSink):
 
     def enter(self, meta: CallMeta, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         rec: dict[str, Any] = {"idx": meta.idx, "key": meta.key, "name": meta.name, "module_class": meta.module_class,
-                               "call_index": meta.call_index, "parent": meta.parent, "depth": meta.depth}
+                               "call_index": meta.call_index, "parent": meta.parent, "depth": meta.depth,
+                               "sig": call_signature(args, kwargs)}  # what the call is (`CallMatcher`)
         self.watch.check()
         try:
             rec["inputs"] = encode_call(args, kwargs, self.writer.put)
@@ -200,19 +265,27 @@ class CompareSink(CallSink):
         self.prefix = prefix
         self.seen: set[str] = set()
         self.counts: dict[str, int] = {}  # calls per module name in this run
+        self.matcher = CallMatcher(reader.calls)
+        self.matched: dict[int, str | None] = {}  # this run's call (idx) -> the reference call it is
+        self.moved: dict[str, str] = {}  # this run's call key -> the reference's, where they differ
 
     def enter(self, meta: CallMeta, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self.journal:
             self.journal("enter-module", self.prefix + meta.key)
+        ref_key = self.matcher.key(meta.name, meta.key, call_signature(args, kwargs))
+        self.matched[meta.idx] = ref_key
+        if ref_key is not None and ref_key != meta.key:
+            self.moved[meta.key] = ref_key
 
     def exit(self, meta: CallMeta, output: Any) -> None:
         if self.journal:
             self.journal("leave-module", self.prefix + meta.key)
         self.counts[meta.name] = self.counts.get(meta.name, 0) + 1
-        call = self.reader.by_key.get(meta.key)
+        ref_key = self.matched.pop(meta.idx, meta.key)
+        call = self.reader.by_key.get(ref_key) if ref_key is not None else None
         if call is None:
             return
-        self.seen.add(meta.key)
+        self.seen.add(call["key"])
         if output is None and call["compare"]:  # post hooks run with always_call: the forward raised in here
             self.on_result(make_record("cumulative", call, error="no output: the forward raised inside this module",
                                    stage="run"))
