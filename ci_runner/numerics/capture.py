@@ -15,7 +15,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..engine.capture import CallInfo, FlatOutput, ModuleCapture, OutputHooks, VersionWatch, call_key, iter_tensors
+from ..engine.capture import (CallInfo, FlatOutput, ModuleCapture, OutputHooks, VersionWatch, call_key, call_signature,
+                              iter_tensors)
 from ..engine.codec import Unstorable, encode_call, encode_value
 from ..errors import DeepviewError
 from .metrics import MetricsError, compare_any_row_order, worst
@@ -36,37 +37,6 @@ class CallMeta:
 
 
 # ------------------------------------------------------------------------------ calls matched by what they are
-
-def _signature_leaves(obj: Any, prefix: str, parts: list[str]) -> None:
-    if isinstance(obj, torch.Tensor):
-        return  # tensors: their shapes are checked and their values compared, not keyed on
-    if obj is None or isinstance(obj, (bool, str)):
-        parts.append(prefix + "=" + type(obj).__name__ + ":" + str(obj))
-    elif isinstance(obj, (int, float)):
-        parts.append(prefix + "=" + type(obj).__name__)  # a size may be symbolic when compiled: its type only
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            if k in ("past_key_values", "cache_params") or "cache" in str(k):
-                continue
-            _signature_leaves(v, prefix + "." + str(k), parts)
-    elif isinstance(obj, (tuple, list)):
-        for i, v in enumerate(obj):
-            _signature_leaves(v, prefix + "." + str(i), parts)
-    else:
-        parts.append(prefix + "=" + type(obj).__name__)
-
-
-def call_signature(args: Any, kwargs: Any) -> str:
-    """What a module call is, besides its tensors' values: its non-tensor inputs (strings, flags and None by value,
-    numbers and other objects by type) with their places. ModernBERT calls its rotary embedding once per
-    `layer_type`, in an order that depends on the process's hash seed (issue 45): the calls' signatures
-    (`args.2=str:full_attention`, `args.2=str:sliding_attention`) tell them apart where their index does not.
-    Traceable by Dynamo (constants only), so a stub or hook inside a compiled graph can compute it."""
-    parts: list[str] = []
-    _signature_leaves(args, "args", parts)
-    _signature_leaves(kwargs, "kwargs", parts)
-    return ";".join(parts)
-
 
 class CallMatcher:
     """Which reference call a run's call is: the k-th call of module `name` with signature `sig` (`call_signature`)

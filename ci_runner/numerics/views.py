@@ -347,13 +347,17 @@ def _compare_compiled(reader: DumpReader, run: CaptureRun, emit: ResultFn) -> tu
                              f"the backend did not run the model ({why}); it ran without them, so only the model's "
                              f"output is compared here and its layers in the isolated view"))
     partial = {w: op for op, where in partial_sites(run.facts).items() for w in where}  # module -> op left eager
+    # which reference call each one is: by module and signature (`capture.CallMatcher`), not by order alone
+    matcher = CallMatcher(reader.calls)
     records.reverse()
     while records:
         key, out = records.pop()  # drop each output once compared
-        call = reader.by_key.get(key)
+        name, sig = run.signatures.get(key, (key.partition("#")[0], None))
+        ref_key = matcher.key(name, key, sig)
+        call = reader.by_key.get(ref_key) if ref_key is not None else None
         if call is None or call["name"] in differ:
             continue
-        seen.add(key)
+        seen.add(call["key"])
         if call["name"] in partial:  # its own code ran in part on PyTorch: not a pass of the backend
             emit(make_record("cumulative", call, stage=NOT_RAN, error=partial_reason(partial[call["name"]], run.backend)))
             continue

@@ -111,3 +111,21 @@ def test_a_call_order_by_index_is_kept_when_nothing_tells_the_calls_apart(tmp_pa
     sink = ncap.CompareSink(reader, got.append)
     ncap.capture_layer_outputs(ref, (), {"x": reader.inputs(reader.root())[1]["x"]}, sink)
     assert sink.moved == {} and max(float(r["metrics"]["rel"]) for r in got) == 0.0
+
+
+def test_compiled_cumulative_view_pairs_calls_made_in_another_order(tmp_path: Path) -> None:
+    """The compiled capture's hooks record each call's signature inside the graph (constants at trace time)."""
+    from ci_runner.backends import resolve_backend
+    from ci_runner.config import BackendSpec
+
+    reader, target = _setup(tmp_path)
+    got: list[dict[str, Any]] = []
+    be = resolve_backend(BackendSpec(id="aot_eager", compile="aot_eager"))
+    torch._dynamo.reset()
+    views.run_cumulative_view(target, be, [reader], (), got.append, lambda v: v, None)
+    torch._dynamo.reset()
+    status = [r for r in got if "status" in r]
+    assert status and status[0]["status"] == "ok" and status[0]["capture"] == "hooks-copy", status
+    rel = {r["key"]: float(r["metrics"]["rel"]) for r in got if "metrics" in r}
+    assert set(rel) == {"", "rotary", "rotary#1", "proj"}, got
+    assert max(rel.values()) < 1e-6, rel  # by index: O(1) on both rotary calls
