@@ -41,22 +41,28 @@ class CallMeta:
 class CallMatcher:
     """Which reference call a run's call is: the k-th call of module `name` with signature `sig` (`call_signature`)
     is the reference's k-th call of `name` with that signature, whatever the order of the module's calls with
-    other signatures. A reference without signatures (a dump older than them), or a call whose signature is not
-    known, is matched by its index, as before. `key` returns None for a call the reference has no counterpart of."""
+    other signatures. With `parents` (a run that knows each call's caller: the eager capture), the caller's matched
+    reference call is part of what a call is: the calls inside a parent call made in another order follow it.
+    A reference without signatures (a dump older than them), or a call whose signature is not known, is matched by
+    its index, as before. `key` returns None for a call the reference has no counterpart of."""
 
-    def __init__(self, calls: Iterable[Mapping[str, Any]]) -> None:
-        self.by_id: dict[tuple[str, str], list[str]] = {}
+    def __init__(self, calls: Iterable[Mapping[str, Any]], *, parents: bool = False) -> None:
+        calls = list(calls)
+        self.parents = parents
+        self.by_id: dict[tuple[str, str | None, str], list[str]] = {}
         self.signed = True
         for c in calls:
             if c.get("sig") is None:
                 self.signed = False
-            self.by_id.setdefault((c["name"], str(c.get("sig"))), []).append(c["key"])
-        self.seen: dict[tuple[str, str], int] = {}
+            parent = c.get("parent")
+            parent_key = calls[parent]["key"] if parents and isinstance(parent, int) and parent < len(calls) else None
+            self.by_id.setdefault((c["name"], parent_key, str(c.get("sig"))), []).append(c["key"])
+        self.seen: dict[tuple[str, str | None, str], int] = {}
 
-    def key(self, name: str, index_key: str, sig: str | None) -> str | None:
+    def key(self, name: str, index_key: str, sig: str | None, parent_key: str | None = None) -> str | None:
         if not self.signed or sig is None:
             return index_key
-        ident = (name, sig)
+        ident = (name, parent_key if self.parents else None, sig)
         k = self.seen.get(ident, 0)
         self.seen[ident] = k + 1
         keys = self.by_id.get(ident, [])
@@ -235,14 +241,15 @@ class CompareSink(CallSink):
         self.prefix = prefix
         self.seen: set[str] = set()
         self.counts: dict[str, int] = {}  # calls per module name in this run
-        self.matcher = CallMatcher(reader.calls)
+        self.matcher = CallMatcher(reader.calls, parents=True)
         self.matched: dict[int, str | None] = {}  # this run's call (idx) -> the reference call it is
         self.moved: dict[str, str] = {}  # this run's call key -> the reference's, where they differ
 
     def enter(self, meta: CallMeta, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self.journal:
             self.journal("enter-module", self.prefix + meta.key)
-        ref_key = self.matcher.key(meta.name, meta.key, call_signature(args, kwargs))
+        parent = self.matched.get(meta.parent) if meta.parent is not None else None
+        ref_key = self.matcher.key(meta.name, meta.key, call_signature(args, kwargs), parent)
         self.matched[meta.idx] = ref_key
         if ref_key is not None and ref_key != meta.key:
             self.moved[meta.key] = ref_key

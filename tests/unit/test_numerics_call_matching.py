@@ -129,3 +129,43 @@ def test_compiled_cumulative_view_pairs_calls_made_in_another_order(tmp_path: Pa
     rel = {r["key"]: float(r["metrics"]["rel"]) for r in got if "metrics" in r}
     assert set(rel) == {"", "rotary", "rotary#1", "proj"}, got
     assert max(rel.values()) < 1e-6, rel  # by index: O(1) on both rotary calls
+
+
+class Block(nn.Module):
+    """Its sub-call has no non-tensor input: only its caller tells its calls apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, layer_type: str) -> torch.Tensor:
+        return self.inner(x * (2.0 if layer_type == "full_attention" else -5.0))
+
+
+class Nested(nn.Module):
+    def __init__(self, swap: bool = False) -> None:
+        super().__init__()
+        self.block = Block()
+        self.swap = swap
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kinds = ["sliding_attention", "full_attention"] if self.swap else ["full_attention", "sliding_attention"]
+        out = {k: self.block(x, k) for k in kinds}
+        return out["full_attention"] * out["sliding_attention"]
+
+
+def test_eager_calls_inside_a_reordered_parent_call_follow_their_parent(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    ref = Nested()
+    ncap.record_reference(ref, {"x": torch.randn(2, 8)}, tmp_path / "d")
+    reader = DumpReader(tmp_path / "d")
+    target = copy.deepcopy(ref)
+    target.swap = True
+    got: list[dict[str, Any]] = []
+    sink = ncap.CompareSink(reader, got.append)
+    ncap.capture_layer_outputs(target, (), {"x": reader.inputs(reader.root())[1]["x"]}, sink)
+    rel = {r["key"]: float(r["metrics"]["rel"]) for r in got}
+    assert set(rel) == {"", "block", "block#1", "block.inner", "block.inner#1"}
+    assert max(rel.values()) == 0.0, rel  # block.inner has one signature: its caller's call says which it is
+    assert sink.moved == {"block": "block#1", "block#1": "block", "block.inner": "block.inner#1",
+                          "block.inner#1": "block.inner"}
