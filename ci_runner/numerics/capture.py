@@ -43,6 +43,10 @@ class CallMatcher:
     is the reference's k-th call of `name` with that signature, whatever the order of the module's calls with
     other signatures. With `parents` (a run that knows each call's caller: the eager capture), the caller's matched
     reference call is part of what a call is: the calls inside a parent call made in another order follow it.
+    Only where order can mislead: a module is matched by what its calls are when the reference's calls of it, or of
+    a module it sits in, differ in signature; every other module (one call, or calls that differ only in their
+    tensors' values, as a decoder's layers) keeps its index, so a signature that differs between the reference and a
+    compiled run for reasons of its own (a cache object's type) never leaves a layer unmatched.
     A reference without signatures (a dump older than them), or a call whose signature is not known, is matched by
     its index, as before. `key` returns None for a call the reference has no counterpart of."""
 
@@ -57,10 +61,19 @@ class CallMatcher:
             parent = c.get("parent")
             parent_key = calls[parent]["key"] if parents and isinstance(parent, int) and parent < len(calls) else None
             self.by_id.setdefault((c["name"], parent_key, str(c.get("sig"))), []).append(c["key"])
+        sigs: dict[str, set[str]] = {}
+        for c in calls:
+            sigs.setdefault(c["name"], set()).add(str(c.get("sig")))
+        self.varied = {name for name, found in sigs.items() if len(found) > 1}
         self.seen: dict[tuple[str, str | None, str], int] = {}
 
+    def by_identity(self, name: str) -> bool:
+        """Whether module `name`'s calls are matched by what they are: its reference calls, or those of a module
+        it sits in, differ in signature."""
+        return any(name == v or v == "" or name.startswith(v + ".") for v in self.varied)
+
     def key(self, name: str, index_key: str, sig: str | None, parent_key: str | None = None) -> str | None:
-        if not self.signed or sig is None:
+        if not self.signed or sig is None or not self.by_identity(name):
             return index_key
         ident = (name, parent_key if self.parents else None, sig)
         k = self.seen.get(ident, 0)

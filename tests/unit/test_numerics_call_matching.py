@@ -169,3 +169,21 @@ def test_eager_calls_inside_a_reordered_parent_call_follow_their_parent(tmp_path
     assert max(rel.values()) == 0.0, rel  # block.inner has one signature: its caller's call says which it is
     assert sink.moved == {"block": "block#1", "block#1": "block", "block.inner": "block.inner#1",
                           "block.inner#1": "block.inner"}
+
+
+def test_only_a_module_whose_reference_calls_differ_is_matched_by_what_they_are() -> None:
+    """A decoder's layers (one signature each) keep their index even when the run's signature differs from the
+    reference's (a cache object of another type in a compiled run): by signature they would go unmatched. A module
+    whose reference calls differ (the rotary embedding per layer type), and what sits in it, are matched by
+    signature."""
+    ref = [{"name": "layers.0", "key": "layers.0", "sig": "kwargs.cache=DynamicCache"},
+           {"name": "rotary", "key": "rotary", "sig": "args.1=str:sliding"},
+           {"name": "rotary.inner", "key": "rotary.inner", "sig": ""},
+           {"name": "rotary", "key": "rotary#1", "sig": "args.1=str:full"},
+           {"name": "rotary.inner", "key": "rotary.inner#1", "sig": ""}]
+    run = [("layers.0", "layers.0", "kwargs.cache=StaticCache"), ("rotary", "rotary", "args.1=str:full"),
+           ("rotary#1", "rotary", "args.1=str:sliding")]
+    assert ncap.match_calls(ref, run) == {"layers.0": "layers.0", "rotary": "rotary#1", "rotary#1": "rotary"}
+    matcher = ncap.CallMatcher(ref)
+    assert matcher.by_identity("rotary.inner") and not matcher.by_identity("layers.0")
+    assert not matcher.by_identity("rotary_other")
