@@ -257,6 +257,37 @@ def flatten_traceable(obj: Any, prefix: str, acc: list[tuple[str, torch.Tensor]]
             flatten_traceable(v, prefix + "." + str(i) if prefix else str(i), acc)
 
 
+def _signature_leaves(obj: Any, prefix: str, parts: list[str]) -> None:
+    if isinstance(obj, torch.Tensor):
+        return  # tensors: their shapes are checked and their values compared, not keyed on
+    if obj is None or isinstance(obj, (bool, str)):
+        parts.append(prefix + "=" + type(obj).__name__ + ":" + str(obj))
+    elif isinstance(obj, (int, float)):
+        parts.append(prefix + "=" + type(obj).__name__)  # a size may be symbolic when compiled: its type only
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            if k in ("past_key_values", "cache_params") or "cache" in str(k):
+                continue
+            _signature_leaves(v, prefix + "." + str(k), parts)
+    elif isinstance(obj, (tuple, list)):
+        for i, v in enumerate(obj):
+            _signature_leaves(v, prefix + "." + str(i), parts)
+    else:
+        parts.append(prefix + "=" + type(obj).__name__)
+
+
+def call_signature(args: Any, kwargs: Any) -> str:
+    """What a module call is, besides its tensors' values: its non-tensor inputs (strings, flags and None by value,
+    numbers and other objects by type) with their places. ModernBERT calls its rotary embedding once per
+    `layer_type`, in an order that depends on the process's hash seed (issue 45): the calls' signatures
+    (`args.2=str:full_attention`, `args.2=str:sliding_attention`) tell them apart where their index does not.
+    Traceable by Dynamo (constants only), so a stub or hook inside a compiled graph can compute it."""
+    parts: list[str] = []
+    _signature_leaves(args, "args", parts)
+    _signature_leaves(kwargs, "kwargs", parts)
+    return ";".join(parts)
+
+
 def call_key(name: str, call_index: int) -> str:
     """`name` for the first call of a module, `name#k` for its k-th later call."""
     return name if call_index == 0 else f"{name}#{call_index}"
@@ -267,7 +298,7 @@ FlatOutput = tuple[tuple[str, torch.Tensor], ...]
 # One module-level list that every output hook appends to. Dynamo does not guard on hooks by default
 # (`skip_nnmodule_hook_guards`): a graph traced with an earlier set of hooks is reused for a same-shaped model and
 # replays ITS appends. Appending to this one list, never replaced, keeps that replay pointed at the current capture.
-_OUTPUT_SINK: list[tuple[str, FlatOutput]] = []
+_OUTPUT_SINK: list[tuple[str, FlatOutput, str]] = []  # (module name, flat output, `call_signature`)
 _OUTPUT_HOOKS: dict[tuple[str, bool], Callable[..., None]] = {}
 
 
@@ -277,12 +308,13 @@ def _output_hook(name: str, clone: bool) -> Callable[..., None]:
     tensors are copied at the hook (in the graph, when compiled): later in-place updates do not reach them."""
     hook = _OUTPUT_HOOKS.get((name, clone))
     if hook is None:
-        def hook(mod: nn.Module, args: Any, output: Any) -> None:
+        def hook(mod: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
             acc: list[tuple[str, torch.Tensor]] = []
             flatten_traceable(output, "", acc)  # now: the model may mutate a returned ModelOutput later
             if clone:
                 acc = [(k, t.clone()) for k, t in acc]
-            _OUTPUT_SINK.append((name, tuple(acc)))
+            # what the call is (constants at trace time): calls are matched by it, not by order (`CallMatcher`)
+            _OUTPUT_SINK.append((name, tuple(acc), call_signature(args, kwargs)))
 
         _OUTPUT_HOOKS[(name, clone)] = hook
     return hook
@@ -303,8 +335,10 @@ class OutputHooks:
     def __init__(self, module: nn.Module, *, clone: bool | Collection[str] = ()) -> None:
         self.records = _OUTPUT_SINK
         self.records.clear()
-        self.handles = [sub.register_forward_hook(_output_hook(name, clone is True or (clone is not False and name in clone)))
+        self.handles = [sub.register_forward_hook(_output_hook(name, clone is True or (clone is not False and name in clone)),
+                                                  with_kwargs=True)
                         for name, sub in module.named_modules()]
+        self.signatures: dict[str, tuple[str, str]] = {}  # call key -> (module name, `call_signature`), last `take`
 
     def __enter__(self) -> "OutputHooks":
         return self
@@ -325,8 +359,10 @@ class OutputHooks:
         self.records.clear()
         counts: dict[str, int] = {}
         out = []
-        for name, flat in records:
+        self.signatures = {}
+        for name, flat, sig in records:
             k = counts.get(name, 0)
             counts[name] = k + 1
             out.append((call_key(name, k), flat))
+            self.signatures[out[-1][0]] = (name, sig)
         return out

@@ -15,7 +15,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..engine.capture import CallInfo, FlatOutput, ModuleCapture, OutputHooks, VersionWatch, call_key, iter_tensors
+from ..engine.capture import (CallInfo, FlatOutput, ModuleCapture, OutputHooks, VersionWatch, call_key, call_signature,
+                              iter_tensors)
 from ..engine.codec import Unstorable, encode_call, encode_value
 from ..errors import DeepviewError
 from .metrics import MetricsError, compare_any_row_order, worst
@@ -33,6 +34,58 @@ class CallMeta:
     call_index: int
     parent: int | None  # idx of the calling module's call
     depth: int
+
+
+# ------------------------------------------------------------------------------ calls matched by what they are
+
+class CallMatcher:
+    """Which reference call a run's call is: the k-th call of module `name` with signature `sig` (`call_signature`)
+    is the reference's k-th call of `name` with that signature, whatever the order of the module's calls with
+    other signatures. With `parents` (a run that knows each call's caller: the eager capture), the caller's matched
+    reference call is part of what a call is: the calls inside a parent call made in another order follow it.
+    Only where order can mislead: a module is matched by what its calls are when the reference's calls of it, or of
+    a module it sits in, differ in signature; every other module (one call, or calls that differ only in their
+    tensors' values, as a decoder's layers) keeps its index, so a signature that differs between the reference and a
+    compiled run for reasons of its own (a cache object's type) never leaves a layer unmatched.
+    A reference without signatures (a dump older than them), or a call whose signature is not known, is matched by
+    its index, as before. `key` returns None for a call the reference has no counterpart of."""
+
+    def __init__(self, calls: Iterable[Mapping[str, Any]], *, parents: bool = False) -> None:
+        calls = list(calls)
+        self.parents = parents
+        self.by_id: dict[tuple[str, str | None, str], list[str]] = {}
+        self.signed = True
+        for c in calls:
+            if c.get("sig") is None:
+                self.signed = False
+            parent = c.get("parent")
+            parent_key = calls[parent]["key"] if parents and isinstance(parent, int) and parent < len(calls) else None
+            self.by_id.setdefault((c["name"], parent_key, str(c.get("sig"))), []).append(c["key"])
+        sigs: dict[str, set[str]] = {}
+        for c in calls:
+            sigs.setdefault(c["name"], set()).add(str(c.get("sig")))
+        self.varied = {name for name, found in sigs.items() if len(found) > 1}
+        self.seen: dict[tuple[str, str | None, str], int] = {}
+
+    def by_identity(self, name: str) -> bool:
+        """Whether module `name`'s calls are matched by what they are: its reference calls, or those of a module
+        it sits in, differ in signature."""
+        return any(name == v or v == "" or name.startswith(v + ".") for v in self.varied)
+
+    def key(self, name: str, index_key: str, sig: str | None, parent_key: str | None = None) -> str | None:
+        if not self.signed or sig is None or not self.by_identity(name):
+            return index_key
+        ident = (name, parent_key if self.parents else None, sig)
+        k = self.seen.get(ident, 0)
+        self.seen[ident] = k + 1
+        keys = self.by_id.get(ident, [])
+        return keys[k] if k < len(keys) else None
+
+
+def match_calls(reference: Iterable[Mapping[str, Any]], run: Iterable[tuple[str, str, str | None]]) -> dict[str, str | None]:
+    """`{run key: reference key}` for a run's calls `(key, name, signature)` in call order (`CallMatcher`)."""
+    matcher = CallMatcher(reference)
+    return {key: matcher.key(name, key, sig) for key, name, sig in run}
 
 
 class CallSink:
@@ -99,7 +152,8 @@ class RecordingSink(CallSink):
 
     def enter(self, meta: CallMeta, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         rec: dict[str, Any] = {"idx": meta.idx, "key": meta.key, "name": meta.name, "module_class": meta.module_class,
-                               "call_index": meta.call_index, "parent": meta.parent, "depth": meta.depth}
+                               "call_index": meta.call_index, "parent": meta.parent, "depth": meta.depth,
+                               "sig": call_signature(args, kwargs)}  # what the call is (`CallMatcher`)
         self.watch.check()
         try:
             rec["inputs"] = encode_call(args, kwargs, self.writer.put)
@@ -200,19 +254,28 @@ class CompareSink(CallSink):
         self.prefix = prefix
         self.seen: set[str] = set()
         self.counts: dict[str, int] = {}  # calls per module name in this run
+        self.matcher = CallMatcher(reader.calls, parents=True)
+        self.matched: dict[int, str | None] = {}  # this run's call (idx) -> the reference call it is
+        self.moved: dict[str, str] = {}  # this run's call key -> the reference's, where they differ
 
     def enter(self, meta: CallMeta, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self.journal:
             self.journal("enter-module", self.prefix + meta.key)
+        parent = self.matched.get(meta.parent) if meta.parent is not None else None
+        ref_key = self.matcher.key(meta.name, meta.key, call_signature(args, kwargs), parent)
+        self.matched[meta.idx] = ref_key
+        if ref_key is not None and ref_key != meta.key:
+            self.moved[meta.key] = ref_key
 
     def exit(self, meta: CallMeta, output: Any) -> None:
         if self.journal:
             self.journal("leave-module", self.prefix + meta.key)
         self.counts[meta.name] = self.counts.get(meta.name, 0) + 1
-        call = self.reader.by_key.get(meta.key)
+        ref_key = self.matched.pop(meta.idx, meta.key)
+        call = self.reader.by_key.get(ref_key) if ref_key is not None else None
         if call is None:
             return
-        self.seen.add(meta.key)
+        self.seen.add(call["key"])
         if output is None and call["compare"]:  # post hooks run with always_call: the forward raised in here
             self.on_result(make_record("cumulative", call, error="no output: the forward raised inside this module",
                                    stage="run"))

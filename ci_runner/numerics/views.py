@@ -28,10 +28,12 @@ from ..engine.precision import Emulate, emulate
 from ..engine.rounding import round_to
 from ..engine.tree import map_tensors
 from .capture import (
+    CallMatcher,
     CallSink,
     CaptureError,
     CompareSink,
     ResultFn,
+    call_signature,
     capture_layer_outputs,
     compare_call,
     compare_flat,
@@ -61,19 +63,41 @@ def cast_tree(obj: Any, *, dtype: torch.dtype | None = None, device: str | torch
     return map_tensors(cast, obj)
 
 
-_STUB_QUEUE: list[Any] = []  # the reference's outputs of the stubbed sub-calls, in call order
+# the reference's stubbed sub-calls, in the reference's call order: (index among the call's sub-calls, module name,
+# signature (`capture.call_signature`, None in a dump older than signatures), the reference's output)
+_STUB_QUEUE: list[tuple[int, str, str | None, Any]] = []
 _STUB_SEEN: list[tuple[tuple[str, torch.Tensor], ...]] = []  # what the module passed to each stubbed sub-call
+_STUB_SERVED: list[int] = []  # which reference sub-call each stubbed call was matched with (its index)
+_STUB_FORWARDS: dict[str, Callable[..., Any]] = {}
 _MISSING = object()
 
 
-def _stub_forward(*args: Any, **kwargs: Any) -> Any:
-    """Stands in for a sub-call in the isolated view: records the inputs the module under test passes to it (its
-    own ops may compute them) and returns the reference's output for that sub-call. Traceable by Dynamo."""
-    acc: list[tuple[str, torch.Tensor]] = []
-    flatten_traceable(args, "args", acc)
-    flatten_traceable(kwargs, "kwargs", acc)
-    _STUB_SEEN.append(tuple((k, t.clone()) for k, t in acc))  # copies: the module may change them in place later
-    return _STUB_QUEUE.pop(0)
+def _stub_forward(name: str) -> Callable[..., Any]:
+    """The stand-in for module `name`'s sub-calls in the isolated view (one function per name for the process,
+    so that a compiled module's guards hold from one sample to the next): it records the inputs the module under
+    test passes (its own ops may compute them) and returns the reference's output of the sub-call it IS: the
+    first queued call of the same module with the same signature (`capture.call_signature`), not merely the next
+    one, so calls made in another order than the reference's (ModernBERT's rotary embedding per layer type,
+    whose order follows the hash seed) get their own outputs. Traceable by Dynamo (constants compared only)."""
+    stub = _STUB_FORWARDS.get(name)
+    if stub is None:
+        def stub(*args: Any, **kwargs: Any) -> Any:
+            acc: list[tuple[str, torch.Tensor]] = []
+            flatten_traceable(args, "args", acc)
+            flatten_traceable(kwargs, "kwargs", acc)
+            _STUB_SEEN.append(tuple((k, t.clone()) for k, t in acc))  # copies: the module may change them later
+            sig = call_signature(args, kwargs)
+            pick = 0  # nothing the same: the next one, as the reference's order has it
+            for i, queued in enumerate(_STUB_QUEUE):
+                if queued[1] == name and (queued[2] is None or queued[2] == sig):
+                    pick = i
+                    break
+            index, _name, _sig, out = _STUB_QUEUE.pop(pick)
+            _STUB_SERVED.append(index)
+            return out
+
+        _STUB_FORWARDS[name] = stub
+    return stub
 
 
 class PathMismatch(Exception):
@@ -121,11 +145,11 @@ def _subcall_input_metrics(reader: DumpReader, kids: Sequence[Mapping[str, Any]]
     return out
 
 
-def _install_stubs(modules: Iterable[nn.Module]) -> list[tuple[nn.Module, Any]]:
+def _install_stubs(modules: Iterable[tuple[str, nn.Module]]) -> list[tuple[nn.Module, Any]]:
     saved = []
-    for m in {id(m): m for m in modules}.values():
+    for name, m in {id(m): (n, m) for n, m in modules}.values():
         saved.append((m, m.__dict__.get("forward", _MISSING)))
-        m.forward = _stub_forward  # type: ignore[method-assign]
+        m.forward = _stub_forward(name)  # type: ignore[method-assign]
     return saved
 
 
@@ -187,12 +211,13 @@ def run_isolated_view(modules: Mapping[str, nn.Module], reader: DumpReader,
             on_result(make_record("isolated", call, error="a sub-module was not found in the model", stage="compare"))
             continue
         args, kwargs = cast(args), cast(kwargs)
-        queue = [cast(reader.output(k)) for k in kids]
+        queue = [(i, k["name"], k.get("sig"), cast(reader.output(k))) for i, k in enumerate(kids)]
         if journal:
             journal("enter-module", prefix + call["key"])
-        saved = _install_stubs(kid_modules)  # type: ignore[arg-type]
+        saved = _install_stubs(zip([k["name"] for k in kids], kid_modules))  # type: ignore[arg-type]
         _STUB_QUEUE[:] = queue
         _STUB_SEEN.clear()
+        _STUB_SERVED.clear()
         stage = "compile"
         try:
             fn = runner(call["name"], module)
@@ -200,16 +225,20 @@ def run_isolated_view(modules: Mapping[str, nn.Module], reader: DumpReader,
             with torch.no_grad():
                 out = fn(*args, **kwargs)
             seen = list(_STUB_SEEN)
+            served = [kids[i] for i in _STUB_SERVED]  # the reference sub-call each one was matched with
             _STUB_SEEN.clear()
+            _STUB_SERVED.clear()
             stage = "compare"
             metrics = compare_call(reader, call, out)
             del out
             via = None
-            for kid_key, m in _subcall_input_metrics(reader, kids, seen):
+            for kid_key, m in _subcall_input_metrics(reader, served if len(served) == len(seen) else kids, seen):
                 if float(m["rel"]) > float(metrics["rel"]) or math.isnan(float(m["rel"])):
                     via = kid_key
                 metrics = {**worst([metrics, m]), **({"structure": metrics["structure"]} if "structure" in metrics else {})}
             rec = make_record("isolated", call, metrics=metrics)
+            if len(served) == len(kids) and served != kids:  # matched by what they are (`_stub_forward`)
+                rec["calls_matched"] = "by signature: its sub-calls came in another order than the reference's"
             if via is not None:
                 rec["via"] = via  # the worst difference is in what this module passes to that sub-call
         except PathMismatch as exc:
@@ -226,6 +255,7 @@ def run_isolated_view(modules: Mapping[str, nn.Module], reader: DumpReader,
         finally:
             _STUB_QUEUE.clear()
             _STUB_SEEN.clear()
+            _STUB_SERVED.clear()
             _remove_stubs(saved)
         if journal:
             journal("leave-module", prefix + call["key"])
@@ -317,13 +347,17 @@ def _compare_compiled(reader: DumpReader, run: CaptureRun, emit: ResultFn) -> tu
                              f"the backend did not run the model ({why}); it ran without them, so only the model's "
                              f"output is compared here and its layers in the isolated view"))
     partial = {w: op for op, where in partial_sites(run.facts).items() for w in where}  # module -> op left eager
+    # which reference call each one is: by module and signature (`capture.CallMatcher`), not by order alone
+    matcher = CallMatcher(reader.calls)
     records.reverse()
     while records:
         key, out = records.pop()  # drop each output once compared
-        call = reader.by_key.get(key)
+        name, sig = run.signatures.get(key, (key.partition("#")[0], None))
+        ref_key = matcher.key(name, key, sig)
+        call = reader.by_key.get(ref_key) if ref_key is not None else None
         if call is None or call["name"] in differ:
             continue
-        seen.add(key)
+        seen.add(call["key"])
         if call["name"] in partial:  # its own code ran in part on PyTorch: not a pass of the backend
             emit(make_record("cumulative", call, stage=NOT_RAN, error=partial_reason(partial[call["name"]], run.backend)))
             continue

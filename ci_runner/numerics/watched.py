@@ -74,6 +74,7 @@ class CaptureRun:
     not_ran: str | None = None
     facts: dict[str, Any] = field(default_factory=dict)
     backend: str | None = None  # the backend's compile name (what `partial_reason` says)
+    signatures: dict[str, tuple[str, str]] = field(default_factory=dict)  # call key -> (name, `call_signature`)
 
     def compared(self) -> list[tuple[str, dict[str, torch.Tensor]]]:
         """The records as the toolbox reads them: (call key, {sub: compared tensor})."""
@@ -92,20 +93,24 @@ class CaptureRun:
 
 
 def _attempt(module: nn.Module, backend: Any, args: Sequence[Any], kwargs: Mapping[str, Any],
-             clone: bool | Collection[str] | None) -> tuple[list[tuple[str, FlatOutput]], str | None, dict[str, Any]]:
-    """One fresh compile and run, watched: (records, why it did not run on the backend, the backend's facts).
-    `clone` None: no hooks (the root's output is the one record); True: every output copied at its hook."""
+             clone: bool | Collection[str] | None
+             ) -> tuple[list[tuple[str, FlatOutput]], str | None, dict[str, Any], dict[str, tuple[str, str]]]:
+    """One fresh compile and run, watched: (records, why it did not run on the backend, the backend's facts, what
+    each call is (`OutputHooks.signatures`)). `clone` None: no hooks (the root's output is the one record); True:
+    every output copied at its hook."""
     fn, record = backend.compile_recorded(_forward)
     with FallbackWatch(backend.spec.compile) as watch, DynamoCounters() as counters:
         if clone is None:
             with torch.no_grad():
                 out = fn(module, tuple(args), dict(kwargs))
             records = [("", tuple(iter_tensors(out)))]
+            sigs: dict[str, tuple[str, str]] = {}
         else:
             with OutputHooks(module, clone=clone) as hooks:
                 _out, records = capture_compiled_outputs(module, fn, args, kwargs, hooks)
+                sigs = dict(hooks.signatures)
     why = not_ran_reason(record, counters, watch, breaks=False)
-    return records, why, {**(record.summary() if record else {}), **watch.facts()}
+    return records, why, {**(record.summary() if record else {}), **watch.facts()}, sigs
 
 
 def watched_capture(module: nn.Module, backend: Any, args: Sequence[Any], kwargs: Mapping[str, Any],
@@ -179,8 +184,8 @@ def _first_way_that_ran(module: nn.Module, backend: Any, args: Sequence[Any], kw
     for i, (way, clone) in enumerate(ways):
         if i:
             torch._dynamo.reset()  # each way a fresh compile, without counting towards the recompile limit
-        records, why, facts = _attempt(module, backend, args, kwargs, clone)
-        run.way, run.records, run.facts, run.not_ran = way, records, facts, why
+        records, why, facts, sigs = _attempt(module, backend, args, kwargs, clone)
+        run.way, run.records, run.facts, run.not_ran, run.signatures = way, records, facts, why, sigs
         if why is None:
             break
         run.tried.append({"capture": way, "not_ran": why[:400]})
