@@ -37,6 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from ..backends.check import c10d_backends
+from ..backends.spec import resolve_backend
+from ..config import BackendSpec, spec_from_json
+from ..errors import BackendError
 from ..fsutil import atomic_write_json
 from ..workloads.parallel import ParallelSpec, spec_from_key
 from .isolate import IsolatedResult, run_isolated
@@ -154,11 +158,6 @@ def group_of(layout: ParallelSpec | None) -> tuple[str, str]:
     group = layout.process_group if layout is not None else None
     if group is None:
         return "gloo", "cpu"
-    from ..backends.check import c10d_backends  # deferred: the declared group only
-    from ..backends.spec import resolve_backend  # deferred: as above
-    from ..config import BackendSpec, spec_from_json  # deferred: as above
-    from ..errors import BackendError  # deferred: as above
-
     spec = spec_from_json(BackendSpec, dict(group.backend))
     resolve_backend(spec)  # env, imports, device: what a user's script does before init_process_group
     name = group.name
