@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import torch
 
-from ...backends import backend_ran, plugin_pythonpath, simdev_options
+from ...backends import backend_ran, plugin_pythonpath
 from ...config import spec_to_json
 from ...engine.handoff import handoff_path, save_handoff
 from .culprit import CulpritResult, CulpritTarget, find_culprits, hints_from_error, ops_cross_check, write_repro
@@ -516,10 +516,7 @@ def _repro_context(ctx: "ModeContext", name: str, node_class: str, o: ProbeOutco
         "model_id": ctx.cell.model.id, "model_source": ctx.cell.model.source, "backend_id": spec.id,
         "stage": o.stage or "run", "error_type": o.error_type or "", "message": first_line(o.message, 200),
         "status": o.status, "torch_version": torch.__version__, "versions": versions,
-        "env": {str(k): str(v) for k, v in spec.env.items()}, "imports": list(spec.imports),
-        "device": spec.device, "simdev": spec.device.split(":")[0] == "simdev",
-        "simdev_options": dict(simdev_options(spec)),
-        "backend": template_backend(spec), "call": call, "plugin_modules": _plugin_modules(spec),
+        "backend": template_backend(spec), "call": call,
         "pythonpath": tuple(plugin_pythonpath(_plugin_modules(spec))),  # what the printed command puts on PYTHONPATH
     }
 
