@@ -78,6 +78,34 @@ def test_a_submodule_comes_back_whole_with_its_call(tmp_path: Path, example_matr
     assert load_handoff(shell, Path(files["model.layers.0.mlp"]), "model.layers.1.self_attn") is None
 
 
+def test_the_culprit_child_takes_what_the_layers_cell_hands_over(tmp_path: Path, example_matrix,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layers mode's wiring: the cell's `_handoff` writes the file a `CulpritTarget` names, and the child's
+    `_handed_calls` builds the model on meta once and takes each target from it (one without a file is built)."""
+    from ci_runner.config import spec_to_json
+    from ci_runner.modes.layers.culprit import CulpritPlan, CulpritTarget, _handed_calls
+    from ci_runner.modes.layers.mode import _handoff
+
+    monkeypatch.setattr(handoff, "SHM", tmp_path / "no-shm")  # the target's folder, where the test can see it
+    cell = next(c for c in expand(example_matrix) if c.model.id == "tiny-llama")
+    loaded = load_model(cell.model, seed=0)
+    name = "model.layers.1.mlp"
+    captured = capture_inputs(loaded.module, (), build_inputs(loaded, cell.inputs, sample=0), [name])
+    out_dir = tmp_path / "culprit"
+    file = _handoff(loaded, name, captured, out_dir)
+    assert file is not None and Path(file).parent == out_dir and Path(file).name.startswith(PREFIX)
+    assert _handoff(loaded, "", captured, out_dir) is None  # the whole model: the child has it anyway
+    plan = CulpritPlan(model=spec_to_json(cell.model), backend={}, seed=0, layers_dir=str(tmp_path), targets=[],
+                       timeout_file="", probe_timeout=1.0, deadline_wall=0.0, target_budget_s=1.0)
+    got = _handed_calls(plan, [CulpritTarget(module=name, out_dir=str(out_dir), handoff=file),
+                               CulpritTarget(module="model.layers.0.mlp", out_dir=str(out_dir))])
+    assert list(got) == [name]
+    sub, args, kwargs = got[name]
+    with torch.no_grad():
+        assert torch.equal(sub(*args, **kwargs), loaded.module.get_submodule(name)(*captured[name][0][0],
+                                                                                   **captured[name][0][1]))
+
+
 class _Odd(torch.nn.Module):
     """A parameter, a buffer that is a view of it (shares its memory) and, optionally, a plain tensor attribute
     nothing fills (left on meta in a meta build)."""
