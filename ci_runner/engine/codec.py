@@ -152,18 +152,24 @@ class TensorStore:
         return save_tensors(self.tensors, path)
 
 
-def save_tensors(tensors: Mapping[str, torch.Tensor], path: Path, *, copy: bool = False) -> Path:
-    """`tensors` as a safetensors file, written atomically: what the repros and probes load their tensors from (never
-    a pickle). They must be contiguous CPU tensors sharing no memory; `copy=True` makes each its own CPU copy first (a
-    module's parameters by name, `tree.module_tensors`: tied weights share storage, which safetensors refuses)."""
+def save_tensors(tensors: Mapping[str, torch.Tensor], path: Path, *, copy: bool = False,
+                 metadata: Mapping[str, str] | None = None) -> Path:
+    """`tensors` as a safetensors file, written atomically: what the repros, probes and handoffs load their tensors
+    from (never a pickle). They must be contiguous CPU tensors sharing no memory; `copy=True` makes each its own CPU
+    copy first (a module's parameters by name, `tree.module_tensors`: tied weights share storage, which safetensors
+    refuses). `metadata` goes in the file's header (text only)."""
     from safetensors.torch import save_file  # deferred: safetensors imports torch machinery only when saving
 
     if copy:
         tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    save_file(dict(tensors), str(tmp))
-    os.replace(tmp, path)
+    try:
+        save_file(dict(tensors), str(tmp), metadata=dict(metadata) if metadata else None)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 

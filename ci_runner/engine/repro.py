@@ -229,13 +229,20 @@ def plugin_modules(spec: Any) -> list[str]:
     return list(dict.fromkeys(mods))
 
 
-def template_backend(spec: Any) -> dict[str, Any]:
-    """How the layer repro template gets the backend (`backends.backend_recipe`, as the template names it):
-    kind eager | sim | callable | registered, plus what that kind needs."""
+def template_backend(spec: Any, *, compile_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The backend as every repro writes it: the one context of `templates/_repro_backend.py.j2` (`backend`).
+    From `backends.backend_recipe`: kind eager | sim | callable | registered and what that kind needs (name, module,
+    attr, options), the compile options (`compile_options` when the repro sets some itself, e.g. `dynamic`), the
+    env, the plugin imports (the callable's own module is imported by `get_backend`), the plugin modules a reader
+    needs (`plugin_modules`), the device and simdev's options (None off simdev)."""
     r = backend_recipe(spec)
     kind = "callable" if r.kind == "plugin" else r.kind
     return {"kind": kind, "name": r.name if kind in ("sim", "registered") else None, "module": r.module,
-            "attr": r.attr, "options": dict(r.options), "compile_options": dict(r.compile_options)}
+            "attr": r.attr, "options": dict(r.options),
+            "compile_options": dict(r.compile_options if compile_options is None else compile_options),
+            "env": {str(k): str(v) for k, v in r.env.items()}, "imports": list(dict.fromkeys(spec.imports)),
+            "plugin_modules": plugin_modules(spec), "device": r.device,
+            "simdev": dict(r.simdev_options) if r.simdev_options is not None else None}
 
 
 # --------------------------------------------------------------------------------------------- the model in a repro

@@ -168,11 +168,9 @@ def write_repro(path: Any, call: Mapping[str, Any], spec: Any, *, status: str, w
                 message: str, model_id: str, layout: str) -> Any:
     """The collective repro of `call` on backend `spec` at `path` (`templates/repro_collective.py.j2`: it starts
     `world` ranks of its own; exit 1 while the collective still fails)."""
-    from .repro import plugin_modules, render_template, template_backend, write_script  # deferred: jinja2
+    from .repro import render_template, template_backend, write_script  # deferred: jinja2
 
     text = render_template("repro_collective.py.j2", op=call["op"], backend_id=spec.id, status=status, world=world,
                            error_type=error_type, message=message, model_id=model_id, layout=layout,
-                           script=path.name, env=dict(spec.env), compile_options=dict(spec.compile_options),
-                           imports=[m for m in plugin_modules(spec) if m != "ci_runner"],
-                           backend=template_backend(spec), **repro_values(call))
+                           script=path.name, backend=template_backend(spec), **repro_values(call))
     return write_script(path, text)

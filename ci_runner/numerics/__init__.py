@@ -14,7 +14,6 @@ module              concern
 `capture`           the numerics hooks: record a reference pass, compare calls as they return, compiled capture
 `views`             the isolated view (a module fed the reference's inputs) and the cumulative view
 `target`            the target child: plan, both views against the dumps, its records
-`handoff`           the target child's model from its parent: one file of tensors, memory-mapped, meta build
 `verdict`           layers, verdict, findings and the result table from the records
 `dumps`             the offline dump format (`deepview-ci dump`) and `compare`
 `toolbox`           the toolbox's options and its hooks into the mode (weights, batch, bisect, reference dumps)

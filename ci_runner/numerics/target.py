@@ -8,6 +8,7 @@ module the journal names (`parse_journal_entry`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
@@ -20,14 +21,14 @@ from torch import nn
 from ..backends import resolve_backend
 from ..config import BackendSpec, ModelSpec, spec_from_json
 from ..fsutil import append_line, atomic_write_json
+from ..engine.handoff import load_handoff
 from ..engine.isolate import child_journal
-from ..engine.models import load_model
+from ..engine.models import LoadedModel, load_model
 from ..engine.rounding import TORCH_DTYPES
 from ..options import ThresholdOptions
 from ..results.model import clean, number
 from ..workloads.precision import storage_dtype
 from .capture import ResultFn
-from .handoff import load_weights
 from .settings import VIEWS, dynamo_settings
 from .store import DumpReader
 from .thresholds import ThresholdTable, exceeded, load_table
@@ -56,7 +57,7 @@ class TargetPlan:
     thresholds: str | None = None  # the thresholds file, for `isolated: auto`
     threshold_options: Mapping[str, Any] = field(default_factory=dict)
     weights: Mapping[str, Any] | None = None  # {"out": file, "chunk_mb": …}: the weights check first (`weights_first`)
-    model_file: str | None = None  # the parent's model tensors (`handoff.save_weights`): not built again
+    model_file: str | None = None  # the parent's model tensors (`engine.handoff.save_handoff`): not built again
 
 
 def target_dtype(model_dtype: str, primary_dtype: str) -> str:
@@ -133,12 +134,22 @@ def compare_target(module: nn.Module, backend: Any, plan: TargetPlan, emit: Resu
 
 
 
+def _handed_model(spec: ModelSpec, plan: TargetPlan) -> LoadedModel | None:
+    """The model built on meta and filled from the parent's file (`engine.handoff`); None when it does not fit."""
+    try:
+        shell = load_model(spec, seed=plan.seed, dtype=plan.dtype, meta=True)
+    except Exception:  # the child builds it the usual way, which reports the error
+        return None
+    got = load_handoff(shell.module, Path(str(plan.model_file)))
+    return None if got is None else dataclasses.replace(shell, module=got.module, device="cpu", meta=False)
+
+
 def target_child(payload: Mapping[str, Any]) -> dict[str, Any]:
     """Entry point of the target child process (`run_isolated("ci_runner.numerics.target:target_child", …)`)."""
     plan = TargetPlan(**{**payload, "dumps": tuple(payload["dumps"]), "views": tuple(payload["views"])})
     backend = resolve_backend(spec_from_json(BackendSpec, plan.backend))
     spec = spec_from_json(ModelSpec, plan.model)
-    loaded = load_weights(spec, seed=plan.seed, dtype=plan.dtype, file=Path(plan.model_file)) if plan.model_file else None
+    loaded = _handed_model(spec, plan) if plan.model_file else None
     handed = loaded is not None
     if loaded is None:
         loaded = load_model(spec, seed=plan.seed, dtype=plan.dtype, device="cpu")

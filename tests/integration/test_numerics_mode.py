@@ -19,7 +19,7 @@ from ci_runner.config import load_matrix, load_matrix_text
 from ci_runner.matrix import expand
 from ci_runner.modes import ModeContext
 from ci_runner.modes.numerics.mode import run
-from ci_runner.numerics.handoff import PREFIX, SHM
+from ci_runner.engine.handoff import PREFIX, SHM
 from ci_runner.results.model import CellResult, ModeResult, Results
 from tests.fixtures.matrices import REFERENCES, matrix_text
 
@@ -135,7 +135,7 @@ def test_sim_drift_isolated_view_flags_exactly_the_norms(cell_run: Callable[...,
     assert len(_flagged(res.data, "cumulative")) > len(norms)
     _check_contract(res.data)
     assert not (ctx.cell_dir / "numerics" / "ref").exists()  # dumps removed unless keep_dumps
-    # a target child takes the model from the parent's file (`numerics/handoff.py`), removed after the run
+    # a target child takes the model from the parent's file (`engine/handoff.py`), removed after the run
     assert not any("could not take the model" in n for n in res.data["notes"])
     assert ("handoff_s" in res.data["timings"]) == isolate
     assert not [p for d in (SHM, ctx.cell_dir / "numerics") for p in d.glob(f"*{PREFIX}{os.getpid()}-*")]

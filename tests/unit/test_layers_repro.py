@@ -25,9 +25,7 @@ def _ctx(spec: BackendSpec, call: dict[str, Any], **extra: Any) -> dict[str, Any
     ctx: dict[str, Any] = dict(
         module="blk.attn", qualified_name="blk.attn", module_class="Attn", model_id="m", model_source="config:llama",
         backend_id=spec.id, stage="run", error_type="RuntimeError", message='boom """ \\x \nsecond line', status="fail",
-        torch_version=torch.__version__, versions={}, env=dict(spec.env), imports=list(spec.imports),
-        device=spec.device, simdev=spec.device == "simdev", simdev_options={}, backend=template_backend(spec),
-        call=call, plugin_modules=_plugin_modules(spec))
+        torch_version=torch.__version__, versions={}, backend=template_backend(spec), call=call)
     ctx.update(extra)
     return ctx
 
@@ -89,6 +87,13 @@ def test_backend_recipes_and_plugin_paths() -> None:
     assert template_backend(both)["kind"] == "registered" and _plugin_modules(both) == ["ci_runner"]
     assert _plugin_modules(SPECS[2]) == ["tests.fixtures", "tests.fixtures.plugin_layers_pair"]
     assert _plugin_modules(SPECS[3]) == ["ci_runner"]
+    # all a repro writes of the backend comes from this one dict (`_repro_backend.py.j2`)
+    assert (plug["env"], plug["imports"], plug["plugin_modules"], plug["device"], plug["simdev"],
+            plug["compile_options"]) == ({"VENDOR_FLAG": "1"}, ["tests.fixtures"], _plugin_modules(SPECS[2]), "cpu",
+                                         None, {"dynamic": False})
+    dev = template_backend(SPECS[3])
+    assert (dev["device"], dev["simdev"]) == ("simdev", {"extra_allow": ["rsqrt"]})
+    assert template_backend(SPECS[2], compile_options={})["compile_options"] == {}  # a repro's own, e.g. no `dynamic`
     # the checkout's root holds `tests` and `ci_runner`; torch lives in site-packages and is left out
     assert plugin_pythonpath(["tests.fixtures", "ci_runner", "torch"]) == [str(ROOT)]
 

@@ -17,12 +17,11 @@ import pytest
 import torch
 
 from ci_runner.config import BackendSpec
-from ci_runner.backends import backend_recipe
 from ci_runner.modes.ops.mode import render_repro
 from ci_runner.modes.ops.inputs import with_ranges
 from ci_runner.engine.codec import encode_arg
 from ci_runner.modes.ops.signature import CallSite, OpSignature, signature_key
-from ci_runner.engine.repro import verify_script, write_script
+from ci_runner.engine.repro import template_backend, verify_script, write_script
 from tests.fixtures.paths import ROOT
 
 GOLDEN = ROOT / "tests" / "fixtures" / "golden" / "ops"
@@ -43,7 +42,7 @@ def _render(spec: BackendSpec, op: str, *args: Any, kind: str = "unsupported_op"
             error_type: str = "SimCompilerError", message: str = "", **kwargs: Any) -> str:
     sig, probe = _signature(op, *args, **kwargs)
     return render_repro(op=op, kind=kind, stage=stage, error_type=error_type, message=message, signature=sig,
-                        probe=probe, recipe=backend_recipe(spec), backend_id=spec.id, model_id="tiny-bamba",
+                        probe=probe, backend=template_backend(spec), backend_id=spec.id, model_id="tiny-bamba",
                         ir="aten", env_stamp=ENV_STAMP, tolerance=(1e-4, 1e-5), compare_results=True,
                         command="python repro.py", crash=False)
 
@@ -83,7 +82,8 @@ def test_repro_imports_only_torch_and_the_plugin() -> None:
     imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
     outside_torch = {m for m in imported if m != "torch" and not m.startswith("torch.")}
-    assert outside_torch == {"os", "sys", "traceback", "tests.fixtures", "tests.fixtures.plugin_ops_vendor"}
+    assert outside_torch == {"os", "sys", "traceback", "importlib", "tests.fixtures"}
+    assert "import_module('tests.fixtures.plugin_ops_vendor'), 'make')" in CASES["plugin_mismatch_where.py"]()
     assert "ci_runner" not in CASES["plugin_mismatch_where.py"]()
 
 

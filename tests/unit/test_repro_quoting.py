@@ -30,19 +30,19 @@ HOSTILE = [
     "{x}{{y}}", "\\N{BULLET}", "\t tab", "\x85nel", "é 漢字 🙂", "",
 ]
 
-_BENIGN_BACKEND = {"kind": "registered", "name": "aot_eager", "module": None, "attr": None, "options": {},
-                   "compile_options": {}}
+# as `engine.repro.template_backend` makes it: all a repro writes of the backend (`_repro_backend.py.j2`)
+_BENIGN_BACKEND = {"kind": "registered", "name": "aot_eager", "module": None, "attr": None, "options": {"o": "v"},
+                   "compile_options": {"dynamic": False}, "env": {"FLAG": "1"}, "imports": ["tests.fixtures"],
+                   "plugin_modules": ["tests.fixtures"], "device": "cpu", "simdev": {"deny": ["mm"]}}
 _COMMON: dict[str, Any] = dict(
     module="blk.attn", qualified_name="blk.attn", module_class="Attn", model_id="m", model_source="config:llama",
     backend_id="b", stage="run", error_type="RuntimeError", message="boom", status="fail", torch_version="2.13",
-    versions={"acme": "1.0"}, env={"FLAG": "1"}, imports=["tests.fixtures"], device="cpu", simdev=False,
-    simdev_options={}, backend=_BENIGN_BACKEND, call={"args": [], "kwargs": {}}, plugin_modules=["tests.fixtures"],
-    run_it="python repro.py", compile_options={"dynamic": False},
+    versions={"acme": "1.0"}, backend=_BENIGN_BACKEND, call={"args": [], "kwargs": {}}, run_it="python repro.py",
 )
 _SOURCE = {"kind": "factory", "factory": "pkg.mod:build", "seed": 0, "overrides": {"width": 8}, "dtype": "float32"}
 # code the tool writes itself (op templates), and values that pick a template's branch: never replaced
 _CODE = {"op_expr", "setup", "tensor_lines", "make_tensor_source", "compare_source", "call_args", "positional_args",
-         "backend_expr", "failure_source", "tensor_names", "check", "kind", "imports", "dtype"}
+         "failure_source", "tensor_names", "check", "kind", "imports", "op_imports", "dtype"}
 _CONTEXTS: dict[str, dict[str, Any]] = {
     "repro_layer.py.j2": {},
     "repro_layer_source.py.j2": {"source": _SOURCE},
@@ -61,12 +61,12 @@ _CONTEXTS: dict[str, dict[str, Any]] = {
                           "config_class": "LlamaConfig", "model_class": "LlamaForCausalLM", "use_cache": True},
     "repro_symbolic.py.j2": {"op": "torch.sym_max", "phase": "decode", "file_name": "python repro_sym.py"},
     "repro_memory.py.j2": {"kind": "oom", "title": "out of memory", "model": "m", "phase": "prefill", "step": None,
-                           "setup": [], "source": _SOURCE, "command": "python repro.py",
+                           "source": _SOURCE, "command": "python repro.py",
                            "capacity": 1000, "live_at_entry": 10, "ratio": 1.5},
     "repro_op.py.j2": {"op": "aten.add.Tensor", "kind": "op_error", "calls": 1, "source": "model.py:3",
                        "signature": "add(Tensor, Tensor)", "ir": "aten", "python_version": "3.12",
-                       "transformers_version": "5", "backend_versions": "-", "eager": False, "outputs": None,
-                       "positional_args": "t0, t1", "setup": ["BACKEND = 'aot_eager'"], "backend_expr": "BACKEND",
+                       "transformers_version": "5", "backend_versions": "-", "outputs": None,
+                       "positional_args": "t0, t1", "op_imports": ["torchvision"],
                        "op_expr": "torch.ops.aten.add.Tensor", "seed": 0, "compare": True, "rtol": 1e-5,
                        "atol": 1e-6, "make_tensor_source": "def make_tensor(*a):\n    return a",
                        "compare_source": "def compare(a, b):\n    return True", "tensor_lines": ["t0 = 1", "t1 = 2"],
@@ -119,23 +119,24 @@ def test_hostile_values_never_become_code(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", TEMPLATES)
-def test_hostile_env_names_stay_strings(name: str) -> None:
-    ctx = _context(name)
-    if "env" not in ctx:
-        return
-    ctx["env"] = {PWN: PWN}
-    benign = _context(name)
-    benign["env"] = {"A": "B"}
+def test_hostile_env_and_option_names_stay_strings(name: str) -> None:
+    """The backend's env and its (compile) options' keys: dict keys the poisoning above leaves alone."""
+    ctx, benign = _context(name), _context(name)
+    ctx["backend"].update(env={PWN: PWN}, compile_options={PWN: 1}, options={PWN: PWN})
+    benign["backend"].update(env={"A": "B"}, compile_options={"A": 1}, options={"A": "B"})
     assert _shape(render_template(name, **ctx)) == _shape(render_template(name, **benign))
 
 
-@pytest.mark.parametrize("name, field", [("repro_op.py.j2", "imports"), ("repro_op.py.j2", "compile_options"),
+@pytest.mark.parametrize("name, field", [("repro_op.py.j2", "imports"), ("repro_op.py.j2", "op_imports"),
                                          ("repro_memory.py.j2", "imports"), ("repro_symbolic.py.j2", "op"),
                                          ("repro_layer.py.j2", "imports"), ("repro_compile.py.j2", "imports")])
 def test_names_pasted_as_code_are_refused(name: str, field: str) -> None:
-    """A plugin module, compile option or symbolic function that is no Python name is refused, never written."""
+    """A plugin module, an op's module or a symbolic function that is no Python name is refused, never written."""
     ctx = _context(name)
-    ctx[field] = {"imports": [PWN], "compile_options": {PWN: 1}, "op": PWN}[field]
+    if field == "imports":
+        ctx["backend"]["imports"] = [PWN]
+    else:
+        ctx[field] = [PWN] if field == "op_imports" else PWN
     with pytest.raises(ValueError):
         render_template(name, **ctx)
 
@@ -200,7 +201,7 @@ def test_a_hostile_module_name_runs_nothing_end_to_end(tmp_path: Path) -> None:
     from ci_runner.config import BackendSpec
     from ci_runner.engine.codec import TensorStore
     from ci_runner.engine.repro import write_script
-    from ci_runner.modes.layers.mode import _plugin_modules, template_backend
+    from ci_runner.engine.repro import template_backend
     from ci_runner.modes.layers.search import encode_call
     from tests.fixtures.paths import ROOT
     from tests.fixtures.plugin_layers_models import Attn
@@ -212,8 +213,7 @@ def test_a_hostile_module_name_runs_nothing_end_to_end(tmp_path: Path) -> None:
     ep = torch.export.export(Attn(8).eval(), (x,), {"scale": 0.5}, strict=False)
     torch.export.save(ep, str(tmp_path / "module.pt2"))
     spec = BackendSpec(id="b", compile="tests.fixtures.plugin_layers_fault:raise_backend")
-    ctx = {**_COMMON, "module": PWN, "message": PWN, "model_id": PWN, "backend": template_backend(spec), "call": call,
-           "imports": list(spec.imports), "plugin_modules": _plugin_modules(spec), "env": {}, "compile_options": {}}
+    ctx = {**_COMMON, "module": PWN, "message": PWN, "model_id": PWN, "backend": template_backend(spec), "call": call}
     write_script(tmp_path / "repro.py", render_template("repro_layer.py.j2", **ctx))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(ROOT)
@@ -238,3 +238,27 @@ def test_no_repro_unpickles() -> None:
         for line in (ln for ln in text.splitlines() if "torch.load(" in ln):
             assert "weights_only=True" in line, (path, line)
         assert "pickle.load" not in text, path
+
+
+_BACKEND_WORDS = ("os.environ.setdefault", "torch.compile(", "def get_backend", "def compiled", "register_from_options",
+                  "# backend plugin", "COMPILE_OPTIONS =", "DEVICE =")
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_every_repro_writes_the_backend_one_way(name: str) -> None:
+    """The backend (its callable or name, compile options, env, imports, device, simdev) is written by the one
+    partial `_repro_backend.py.j2` from `template_backend`'s dict: no repro template writes any of it itself, and
+    each rendered script holds the partial's pieces once."""
+    folder = Path(__file__).resolve().parents[2] / "ci_runner" / "templates"
+    own = (folder / name).read_text(encoding="utf-8")
+    assert not [w for w in _BACKEND_WORDS if w in own], name
+    assert "_repro_backend.py.j2" in own or "_repro_layer_common.py.j2" in own
+    common = (folder / "_repro_layer_common.py.j2").read_text(encoding="utf-8")
+    assert not [w for w in _BACKEND_WORDS if w in common]
+    src = render_template(name, **_context(name))
+    for piece in ("def get_backend():", "def compiled(fn):", "torch.compile(", "COMPILE_OPTIONS = {'dynamic': False}",
+                  "DEVICE = 'cpu'", "os.environ.setdefault('FLAG', '1')"):
+        assert src.count(piece) == 1, (name, piece)
+    if name not in ("repro_collective.py.j2", "repro_layer_tp.py.j2"):  # their ranks import IMPORTS themselves
+        assert src.count("import tests.fixtures  # backend plugin") == 1
+        assert src.count("_simdev.register_from_options({'deny': ['mm']})") == 1

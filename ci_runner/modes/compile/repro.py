@@ -245,10 +245,8 @@ def _write(ctx: "ModeContext", opts: CompileOptions, loaded: Any, sig: PhaseSign
         "repro_compile.py.j2", check=f.kind, model_id=ctx.cell.model.id, backend_id=spec.id, phase=sig.label,
         message=f.message[:300], torch_version=torch.__version__, source=f.details.get("source", ""),
         warmup=next((i for i, c in enumerate(sig.calls) if c.label == upto), 1), limit=limit, allowed=allowed, expect=f.op or "", model=recipe,
-        plugin_modules=plugin_modules(spec), run_it=command, env={str(k): str(v) for k, v in spec.env.items()},
-        imports=list(spec.imports), device=spec.device, calls=_plain_calls(sig, upto) if minimal is None else [],
-        cache=_cache(loaded, sig),
-        backend=template_backend(spec), compile_options=dict(spec.compile_options), minimal=minimal)
+        run_it=command, calls=_plain_calls(sig, upto) if minimal is None else [], cache=_cache(loaded, sig),
+        backend=template_backend(spec), minimal=minimal)
     return write_script(folder / name, text), command, os.pathsep.join(pythonpath)
 
 

@@ -49,7 +49,7 @@ from ...fsutil import atomic_write_json, atomic_write_text
 from ...quoting import comment, pyrepr
 from ...engine.failure import first_line, is_compile_stage, raised_traceback, unwrap
 from ...engine.isolate import Attempt, IsolatedResult, child_journal, file_tail, supervise
-from .handoff import load_targets
+from ...engine.handoff import load_handoff
 from .search import capture_inputs
 from ...engine.models import load_model
 from ...engine.outcome import ProbeOutcome, append_outcome, read_outcomes
@@ -64,6 +64,7 @@ __all__ = [
     "ops_cross_check",
 ]
 
+Call = tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any]]  # a submodule and its first call's inputs
 KIND = "culprit"  # the journal's entry kind: enter-culprit / leave-culprit
 # Nodes that compute nothing a backend lowers: never probed alone (still part of ranges).
 _NO_KERNEL = ("aten._assert_tensor_metadata.default", "aten._assert_scalar.default",
@@ -327,6 +328,7 @@ class CulpritTarget:
     module: str  # qualified name of the failing submodule ("" = the whole model)
     out_dir: str
     hints: list[str] = field(default_factory=list)
+    handoff: str | None = None  # the submodule's tensors and its call from the cell (`engine.handoff`), if written
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -349,7 +351,21 @@ class CulpritPlan:
 ANSWER = "answer.json"  # a target's finished search (written by the child, read by the parent)
 
 
-def _module_calls(plan: CulpritPlan, modules: Sequence[str]) -> dict[str, tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any]]]:
+def _handed_calls(plan: CulpritPlan, targets: Sequence[CulpritTarget]) -> dict[str, Call]:
+    """Each target the cell handed over (`engine.handoff`): its submodule, filled from the file, and its call. The
+    model is built once, on the meta device; a target that does not come back whole is left out (built instead)."""
+    todo = [t for t in targets if t.module and t.handoff and Path(t.handoff).is_file()]
+    if not todo:
+        return {}
+    try:
+        shell = load_model(spec_from_json(ModelSpec, plan.model), seed=plan.seed, meta=True).module
+    except Exception:  # `_module_calls` builds the model the usual way, which reports the error
+        return {}
+    got = {t.module: load_handoff(shell, Path(str(t.handoff)), t.module) for t in todo}
+    return {name: (h.module, h.args, h.kwargs) for name, h in got.items() if h is not None}
+
+
+def _module_calls(plan: CulpritPlan, modules: Sequence[str]) -> dict[str, Call]:
     """Each module with its first call's inputs, from one load of the model and one reference forward."""
     from safetensors.torch import load_file  # deferred: heavy
 
@@ -357,7 +373,7 @@ def _module_calls(plan: CulpritPlan, modules: Sequence[str]) -> dict[str, tuple[
     root = json.loads((layers_dir / "root_call.json").read_text(encoding="utf-8"))
     root_args, root_kwargs = decode_call(root, load_file(str(layers_dir / "root_inputs.safetensors")))
     model = load_model(spec_from_json(ModelSpec, plan.model), seed=plan.seed).module
-    out: dict[str, tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any]]] = {}
+    out: dict[str, Call] = {}
     subs = [m for m in modules if m != ""]
     calls = capture_inputs(model, root_args, root_kwargs, subs) if subs else {}
     for m in modules:
@@ -393,7 +409,7 @@ def culprit_child(payload: dict[str, Any]) -> dict[str, Any]:
     todo = [t for t in targets if not (Path(t.out_dir) / ANSWER).exists()]
     if not todo:
         return {"answered": 0}
-    calls = load_targets(plan.model, plan.seed, [(t.module, Path(t.out_dir)) for t in todo])  # handed over: no build
+    calls = _handed_calls(plan, todo)  # handed over: no build
     if rest := [t.module for t in todo if t.module not in calls]:
         calls.update(_module_calls(plan, rest))
     backend = resolve_backend(spec_from_json(BackendSpec, plan.backend))

@@ -34,17 +34,17 @@ import logging
 import os
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import torch
 
-from ...backends import backend_ran, plugin_pythonpath, simdev_options
+from ...backends import backend_ran, plugin_pythonpath
 from ...config import spec_to_json
+from ...engine.handoff import handoff_path, save_handoff
 from .culprit import CulpritResult, CulpritTarget, find_culprits, hints_from_error, ops_cross_check, write_repro
 from .groups import IN_PROCESS, cause_families, cause_groups, run_parallel
-from .handoff import drop_handoff, save_target
 from .phases import run_phases
 from .parallel import run_tp
 from ...fsutil import atomic_write_text, read_records
@@ -516,10 +516,7 @@ def _repro_context(ctx: "ModeContext", name: str, node_class: str, o: ProbeOutco
         "model_id": ctx.cell.model.id, "model_source": ctx.cell.model.source, "backend_id": spec.id,
         "stage": o.stage or "run", "error_type": o.error_type or "", "message": first_line(o.message, 200),
         "status": o.status, "torch_version": torch.__version__, "versions": versions,
-        "env": {str(k): str(v) for k, v in spec.env.items()}, "imports": list(spec.imports),
-        "device": spec.device, "simdev": spec.device.split(":")[0] == "simdev",
-        "simdev_options": dict(simdev_options(spec)),
-        "backend": template_backend(spec), "call": call, "plugin_modules": _plugin_modules(spec),
+        "backend": template_backend(spec), "call": call,
         "pythonpath": tuple(plugin_pythonpath(_plugin_modules(spec))),  # what the printed command puts on PYTHONPATH
     }
 
@@ -632,16 +629,45 @@ def _write_source_repro(ctx: "ModeContext", loaded: Any, sub: torch.nn.Module, n
 
 # --------------------------------------------------------------------------- the culprit inside a finding
 
-def _handoff(loaded: Any, name: str, captured: Mapping[str, list[Any]], out_dir: Path) -> None:
-    """The culprit child gets the submodule and its call from a file (`handoff.py`), not by rebuilding the model."""
-    if name != ROOT and captured.get(name):
+def _handoff(loaded: Any, name: str, captured: Mapping[str, list[Any]], out_dir: Path) -> str | None:
+    """The culprit child gets the submodule and its call from a file (`engine.handoff`), not by rebuilding the
+    model: the file written, or None (the child builds the model for it)."""
+    if name == ROOT or not captured.get(name):
+        return None
+    sub = loaded.module.get_submodule(name)
+    path = handoff_path(sub, out_dir)
+    try:
         with IN_PROCESS:
-            save_target(out_dir, loaded.module.get_submodule(name), *captured[name][0])
+            return save_handoff(sub, path, captured[name][0])["file"]
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+
+
+def _find_culprits(ctx: "ModeContext", opts: LayersOptions, layers_dir: Path, targets: list[CulpritTarget],
+                   budget: float, handoff: Callable[[str, Path], str | None] | None) -> list[CulpritResult]:
+    """`culprit.find_culprits` for one wave of targets, each handed over first when it can be; the handoff files
+    are the child's input only, not artifacts: removed once it is done."""
+    for i, t in enumerate(targets if handoff is not None else ()):
+        try:
+            targets[i] = replace(t, handoff=handoff(t.module, Path(t.out_dir)))
+        except Exception:  # unstorable inputs, no room: the child builds the model instead
+            pass
+    try:
+        return find_culprits(model=spec_to_json(ctx.cell.model), backend=spec_to_json(ctx.cell.backend),
+                             seed=ctx.cell.inputs.seed, layers_dir=layers_dir, targets=targets,
+                             journal=ctx.cell_dir / JOURNAL_NAME, probe_timeout=opts.probe_timeout,
+                             startup_timeout=opts.startup_timeout, budget_s=budget, max_restarts=opts.max_restarts,
+                             env={str(k): str(v) for k, v in ctx.cell.backend.env.items()})
+    finally:
+        for t in targets:
+            if t.handoff:
+                Path(t.handoff).unlink(missing_ok=True)
 
 
 def _attach_culprits(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, result: SearchResult,
                      by_name: Mapping[str, Finding], group_of: Mapping[str, str], layers_dir: Path,
-                     handoff: Callable[[str, Path], None] | None = None) -> None:
+                     handoff: Callable[[str, Path], str | None] | None = None) -> None:
     """Search one failing submodule's graph per cause group for the op(s) that fail (`culprit.find_culprits`: one
     child for all of them; groups that differ from an earlier one in their inputs only probe its culprit op first),
     write and verify their repros (at once, up to `verify_workers`), and put each answer in
@@ -661,19 +687,7 @@ def _attach_culprits(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, 
         targets = [CulpritTarget(module=name, out_dir=str(layers_dir / "repro" / safe_filename(label(name)) / "culprit"),
                                  hints=_culprit_hints(result, name, answers.get(family[name])))
                    for name in wave]
-        for t in targets if handoff is not None else ():
-            try:
-                handoff(t.module, Path(t.out_dir))
-            except Exception:  # unstorable inputs: the child builds the model instead
-                pass
-        found = find_culprits(model=spec_to_json(ctx.cell.model), backend=spec_to_json(ctx.cell.backend),
-                              seed=ctx.cell.inputs.seed, layers_dir=layers_dir, targets=targets,
-                              journal=ctx.cell_dir / JOURNAL_NAME, probe_timeout=opts.probe_timeout,
-                              startup_timeout=opts.startup_timeout, budget_s=budget, max_restarts=opts.max_restarts,
-                              env={str(k): str(v) for k, v in ctx.cell.backend.env.items()})
-        for t in targets:
-            drop_handoff(Path(t.out_dir))
-        answers.update(zip(wave, found))
+        answers.update(zip(wave, _find_culprits(ctx, opts, layers_dir, targets, budget, handoff)))
 
     def attach(name: str) -> None:
         try:

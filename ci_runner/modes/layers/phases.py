@@ -231,12 +231,10 @@ def _repro(ctx: "ModeContext", opts: LayersOptions, loaded: Any, phase: Phase, r
     command = run_command("repro.py", rdir, pythonpath)
     text = render_template(
         "repro_phase.py.j2", run_it=command, model_id=ctx.cell.model.id, model_source=ctx.cell.model.source, backend_id=spec.id,
-        device=spec.device, phase=phase.label(), failing=failed.label, error_type=failed.error_type or "",
+        phase=phase.label(), failing=failed.label, error_type=failed.error_type or "",
         message=cause_line(without_type(failed.error or "", failed.error_type), boilerplate_lines(), 200), torch_version=torch.__version__,
-        env={str(k): str(v) for k, v in spec.env.items()}, imports=list(spec.imports), backend=template_backend(spec),
-        plugin_modules=plugin_modules(spec), model_class=cls.__name__,
-        config_class=type(loaded.config).__name__, calls=calls, cache=cache, use_cache=phase.name in ("prefill", "decode"),
-        simdev=spec.device.split(":")[0] == "simdev")
+        backend=template_backend(spec), model_class=cls.__name__,
+        config_class=type(loaded.config).__name__, calls=calls, cache=cache, use_cache=phase.name in ("prefill", "decode"))
     script = write_script(rdir / "repro.py", text)
     rel = script.relative_to(ctx.cell_dir).as_posix()
     if not opts.verify:

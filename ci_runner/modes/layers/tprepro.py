@@ -190,9 +190,8 @@ def write_and_verify(f: Finding, info: Mapping[str, Any], *, spec: "BackendSpec"
         model_id=model_id, model_source=source.get("factory") or source.get("model_class"),
         factory_module=factory_module, backend_id=spec.id, status=status, stage=f.stage,
         error_type=f.error_type or "", message=first_line(str(f.details.get("message_full") or f.message), 200),
-        torch_version=torch.__version__, versions=dict(versions), env={str(k): str(v) for k, v in spec.env.items()},
-        imports=[m for m in plugin_modules(spec) if m != "ci_runner"], plugin_modules=plugin_modules(spec),
-        backend=template_backend(spec), compile_options=dict(spec.compile_options), timeout=timeout, run_it=run_it)
+        torch_version=torch.__version__, versions=dict(versions), backend=template_backend(spec), timeout=timeout,
+        run_it=run_it)
     script = write_script(rdir / "repro.py", text)
     command = f"cd {shell_quote(rel)} && {run_it}"
     if not opts.verify:

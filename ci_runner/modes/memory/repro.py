@@ -69,8 +69,7 @@ def write_repro(folder: Path, *, kind: str, title: str, cell: Any, loaded: Any, 
     pythonpath = plugin_pythonpath([*imports, "ci_runner"])
     script = folder / "repro.py"
     text = render_template("repro_memory.py.j2", kind=kind, title=title, model=cell.model.id, backend_id=cell.backend.id,
-                           phase=phase, step=step, module=module, env=dict(recipe.env), imports=imports,
-                           setup=list(recipe.setup), device=recipe.device, backend=template_backend(cell.backend),
+                           phase=phase, step=step, module=module, backend=template_backend(cell.backend),
                            source=source, call=call, command=run_command(script.name, folder, pythonpath), **extra)
     return write_script(script, text), pythonpath
 

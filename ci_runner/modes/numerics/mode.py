@@ -47,7 +47,7 @@ from ...numerics.target import (
     target_dtype,
 )
 from ...numerics.cache import cell_thresholds
-from ...numerics.handoff import handoff_path, save_weights
+from ...engine.handoff import handoff_path, save_handoff
 from ...numerics.thresholds import LayerStats, ThresholdTable, add_views, load_or_derive
 from ...numerics.overlay import (PROGRAM_FILE, export_program, module_ratios, place, shared_program,
                                  weights_mb, write_node_data)
@@ -100,7 +100,7 @@ def _run_target(ctx: "ModeContext", opts: NumericsOptions, dumps: list[Path], wo
 
 
 def _hand_over(ctx: "ModeContext", work: Path) -> str | None:
-    """The primary reference's model, written for the target child (`handoff.save_weights`) when it lives on CPU;
+    """The primary reference's model, written for the target child (`engine.handoff.save_handoff`) when it lives on CPU;
     None (the child builds it) otherwise or when it cannot be written."""
     primary = ctx.cell.references[0]
     if primary.device != "cpu":
@@ -109,7 +109,7 @@ def _hand_over(ctx: "ModeContext", work: Path) -> str | None:
     path = None
     try:
         path = handoff_path(module, work)
-        return save_weights(module, path)["file"]
+        return save_handoff(module, path)["file"]
     except (OSError, RuntimeError):
         if path is not None:
             path.unlink(missing_ok=True)

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 
-from ...backends import BackendRecipe, backend_ran, backend_recipe, boilerplate_lines
+from ...backends import backend_ran, backend_recipe, boilerplate_lines
 from ...config import BackendSpec
 from ...errors import DeepviewError
 from ...fsutil import atomic_write_json
@@ -54,7 +54,8 @@ from .store import probe_signatures, probe_spec
 from .storepath import store_root
 from ...options import OpsOptions
 from ...registry import FindingKind, parse_options
-from ...engine.repro import plain_source, render_template, run_command, safe_filename, verify_script, write_script
+from ...engine.repro import (plain_source, render_template, run_command, safe_filename, template_backend, verify_script,
+                            write_script)
 from ...results.model import Finding, ModeResult, Repro, fingerprint
 from ...results.rootcause import cause_line
 
@@ -76,10 +77,10 @@ def _tolerance(outcome: OpOutcome, probe: Mapping[str, Any]) -> tuple[float, flo
 
 
 def render_repro(*, op: str, kind: str, stage: str, error_type: str | None, message: str,
-                 signature: OpSignature, probe: Mapping[str, Any], recipe: BackendRecipe, backend_id: str,
+                 signature: OpSignature, probe: Mapping[str, Any], backend: Mapping[str, Any], backend_id: str,
                  model_id: str, ir: str, env_stamp: Mapping[str, Any], tolerance: tuple[float, float],
                  compare_results: bool, command: str, crash: bool) -> str:
-    """The repro script's text (see `templates/repro_op.py.j2`)."""
+    """The repro script's text (see `templates/repro_op.py.j2`); `backend`: `engine.repro.template_backend`."""
 
     tensor_lines, tensor_names, call_args = call_source(probe["args"], probe["kwargs"])
     positional_args = call_source(probe["args"], {})[2]
@@ -94,10 +95,8 @@ def render_repro(*, op: str, kind: str, stage: str, error_type: str | None, mess
         torch_version=env_stamp.get("torch") or torch.__version__, transformers_version=env_stamp.get("transformers") or "?",
         python_version=env_stamp.get("python") or sys.version.split()[0],
         backend_versions=", ".join(f"{k} {v}" for k, v in sorted(dict(backend_versions).items())) or "-",
-        device=recipe.device, eager=recipe.backend_expr is None, env=dict(recipe.env),
-        imports=list(dict.fromkeys([*recipe.imports, *signature.imports])), outputs=signature.outputs,
-        positional_args=positional_args,
-        setup=list(recipe.setup), backend_expr=recipe.backend_expr or "None", compile_options=dict(recipe.compile_options),
+        backend=backend, op_imports=[m for m in dict.fromkeys(signature.imports) if m not in backend["imports"]],
+        outputs=signature.outputs, positional_args=positional_args,
         op_expr=op_expression(signature.op), seed=int(probe["seed"]), compare=compare_results and kind == FindingKind.OP_MISMATCH,
         rtol=tolerance[0], atol=tolerance[1], make_tensor_source="\n\n".join(plain_source(f) for f in INPUT_FUNCTIONS),
         compare_source="\n\n".join(plain_source(f) for f in SCRIPT_FUNCTIONS), tensor_lines=tensor_lines, tensor_names=tensor_names,
@@ -495,7 +494,8 @@ def _findings(spec: BackendSpec, model_id: str, env_stamp: Mapping[str, Any], fa
         script = ops_dir / file_name
         command = run_command(file_name, ops_dir, recipe.pythonpath)
         text = render_repro(op=op, kind=kind, stage=o.stage or "run", error_type=error_type,
-                            message=message, signature=lead.signature, probe=lead.probe, recipe=recipe,
+                            message=message, signature=lead.signature, probe=lead.probe,
+                            backend=template_backend(spec),
                             backend_id=spec.id, model_id=model_id, ir=level, env_stamp=env_stamp,
                             tolerance=_tolerance(o, lead.probe), compare_results=opts.compare,
                             command=command, crash=status.is_crash)

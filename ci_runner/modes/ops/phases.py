@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 
 from ...backends import backend_recipe
-from ...engine.repro import (plugin_modules, render_template, run_command, safe_filename, template_backend,
+from ...engine.repro import (render_template, run_command, safe_filename, template_backend,
                                verify_script, write_script)
 from ...engine.workload import run_phase, symbolic_functions
 from ...options import OpsOptions
@@ -152,9 +152,8 @@ def _symbolic_probe(ctx: "ModeContext", opts: OpsOptions, phase: Phase, op: str,
     recipe = backend_recipe(spec)
     command = run_command(file_name, out_dir, recipe.pythonpath)
     text = render_template("repro_symbolic.py.j2", op=op, backend_id=spec.id, model_id=ctx.cell.model.id,
-                           phase=phase.label(), plugin_modules=plugin_modules(spec), file_name=command,
-                           env={str(k): str(v) for k, v in spec.env.items()}, imports=list(spec.imports),
-                           device=spec.device, backend=template_backend(spec), compile_options=compile_options)
+                           phase=phase.label(), file_name=command,
+                           backend=template_backend(spec, compile_options=compile_options))
     script = write_script(out_dir / file_name, text)
     env = {str(k): str(v) for k, v in spec.env.items()}
     if recipe.pythonpath:
