@@ -155,13 +155,12 @@ def measure(ctx: "ModeContext", opts: CompileOptions, loaded: Any, phase: Phase 
         module = copy.deepcopy(loaded.module)
         if ctx.backend.device != "cpu":
             module = ctx.backend.to_device(module)
-        fn, record = ctx.backend.compile_recorded(module)
+        fn, compile_watch = ctx.backend.compile_watched(module)
         patch = dynamo_config({"recompile_limit": opts.recompile_limit}) if opts.recompile_limit else {}
         with ExitStack() as stack:
             if patch:
                 stack.enter_context(torch._dynamo.config.patch(**patch))
-            watch = stack.enter_context(PhaseWatch(MODE, ctx.cell.backend.compile, record,
-                                                   keep_bytes=_trace_bytes(opts)))
+            watch = stack.enter_context(PhaseWatch(MODE, compile_watch, keep_bytes=_trace_bytes(opts)))
             if phase is None:
                 _forward_calls(ctx, loaded, fn, watch.before, watch.after)
             else:
