@@ -77,18 +77,17 @@ def aten_recording(fn: Callable[..., Any], *, fw_compiler: Callable[..., Any] | 
 
     graphs: list[torch.fx.GraphModule] = []
     aot = aot_autograd(fw_compiler=fw_compiler if fw_compiler is not None else keep_graph(graphs))
-    backend: Callable[..., Any] = aot
-    if cpu_seconds is not None:
-        def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-            c = time.process_time()
-            try:
-                return aot(gm, example_inputs)
-            finally:
-                cpu_seconds[0] += time.process_time() - c
+
+    def timed(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        c = time.process_time()
+        try:
+            return aot(gm, example_inputs)
+        finally:
+            cpu_seconds[0] += time.process_time() - c  # type: ignore[index]
 
     torch._dynamo.reset()
     try:
-        yield torch.compile(fn, backend=backend, **compile_options), graphs
+        yield torch.compile(fn, backend=aot if cpu_seconds is None else timed, **compile_options), graphs
     finally:
         torch._dynamo.reset()
 

@@ -128,15 +128,15 @@ def test_a_layer_that_hoards_activations_compiled_is_a_regression(mode_context: 
 
 
 def test_a_compiled_layer_the_backend_did_not_run_is_inconclusive_not_compiled_memory(
-        mode_context: Callable[..., Any], fresh_dynamo: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        mode_context: Callable[..., Any], fresh_dynamo: Any) -> None:
     """Issue 47: sim-memhog on every layer would be a regression on each, but sim-subset (allowing only `mm`)
     refuses every layer's graph and Dynamo, told to suppress errors, runs them in PyTorch: the compiled figures are
     eager's. The watched compile sees it: every row is `inconclusive` with why, no finding, the reason says so."""
     import torch._dynamo.config
 
-    monkeypatch.setattr(torch._dynamo.config, "suppress_errors", True)
     backend = {"id": "refuse", "compile": "sim-subset", "device": "cpu", "backend_options": {"allow": ["mm"]}}
-    result = run(_context(mode_context, backend, TINY_REGRESSION, ["prefill"]))
+    with torch._dynamo.config.patch(suppress_errors=True):
+        result = run(_context(mode_context, backend, TINY_REGRESSION, ["prefill"]))
     compiled = result.data["phases"]["prefill"]["compiled"]
     assert compiled["rows"] and {r["module"] for r in compiled["rows"]} == {"model.layers.0", "model.layers.1"}
     assert all(r["status"] == "inconclusive" and r["not_ran"] for r in compiled["rows"]), compiled["rows"]
