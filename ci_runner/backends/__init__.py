@@ -1,7 +1,7 @@
 """Backends: a matrix backend spec resolved to a compile adapter and a device, and what is known about them.
 
-- `spec`: `resolve_backend(spec) -> Backend` (the adapter every mode uses: `compile`, `compile_recorded`,
-  `to_device`, `versions`), `resolution(spec)` (the one resolution order), `backend_recipe` (the same order
+- `spec`: `resolve_backend(spec) -> Backend` (the adapter every mode uses: `compile`, `compile_watched` (with
+  its one `CompileWatch`), `compile_recorded`, `to_device`, `versions`), `resolution(spec)` (the one resolution order), `backend_recipe` (the same order
   written out for a standalone repro), `is_self_test`, `available_backends` / `available_devices`;
 - `ran`: did the backend run the code (`CompileWatch`: `CompileRecord`, `DynamoCounters`, `FallbackWatch` read as one;
   `backend_ran`);
