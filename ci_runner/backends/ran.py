@@ -7,17 +7,23 @@ Three generic sources of evidence, and one per backend that falls back silently:
 * `DynamoCounters`: `torch._dynamo.utils.counters` diffed around a call: frames total vs ok (an error Dynamo
   suppressed, a skipped frame), graph breaks (code between graphs runs in eager), aot_autograd not_ok;
 * `FallbackWatch`: the backend's own fallbacks, from its vendor module (`vendor.watch_for`; OpenVINO today).
+
+They are read together, once: `CompileWatch` holds the records of one compile (`Backend.compile_watched`, the only
+way the modes compile watched) with the other two, `with watch:` around the calls, and `watch.not_ran(...)` is
+`not_ran_reason`, the one reading of them. Nothing else builds `DynamoCounters` or `FallbackWatch`
+(`tests/unit/test_architecture_watch.py`).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from ..engine import compiles
 from .vendor import VendorWatch, vendor_fact_keys, watch_for
 
-__all__ = ["CompileRecord", "DynamoCounters", "FallbackWatch", "ran_facts", "not_ran_reason", "backend_ran"]
+__all__ = ["CompileRecord", "DynamoCounters", "FallbackWatch", "CompileWatch", "ran_facts", "not_ran_reason",
+           "backend_ran"]
 
 
 class CompileRecord:
@@ -175,6 +181,70 @@ def not_ran_reason(record: CompileRecord | None, counters: DynamoCounters, watch
     `breaks=False`, a whole model's run judged per graph), the backend's own silent fallback."""
     return ((record.not_ran() if record is not None else None) or counters.fallback(expected_break, breaks=breaks)
             or watch.reason())
+
+
+class CompileWatch:
+    """Did the backend run the calls of what it compiled: the compile's `CompileRecord` (none when eager; several
+    when compiles join one watch, `Backend.compile_watched(join=…)`), `DynamoCounters` and the backend's
+    `FallbackWatch`, as one. `with watch:` around the calls (each `with` a fresh window for the counters and the
+    vendor watch; the records count from the compile on), then `not_ran(...)`, `ran()`, `summary()`,
+    `vendor_facts()`. An eager backend's watch has no record: it says nothing was given to compile."""
+
+    def __init__(self, compile_name: str | None, records: Sequence[CompileRecord] = ()) -> None:
+        self.compile_name = compile_name
+        self.records: list[CompileRecord] = list(records)
+        self.counters = DynamoCounters()
+        self.vendor = FallbackWatch(compile_name)
+        self.counters.before = self.counters.after = {}
+
+    @property
+    def record(self) -> CompileRecord | None:
+        """The first compile's record (the only one unless compiles joined); None when eager."""
+        return self.records[0] if self.records else None
+
+    @property
+    def active(self) -> bool:
+        """Whether the backend has a vendor watch (`FallbackWatch.active`: its evidence needs a fresh compile)."""
+        return self.vendor.active
+
+    def __enter__(self) -> "CompileWatch":
+        self.vendor.__enter__()
+        self.counters.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.counters.__exit__(*exc)
+        self.vendor.__exit__(*exc)
+
+    def not_ran(self, expected_break: str = "", *, breaks: bool = True, of: int | None = None) -> str | None:
+        """Why the calls did not run on the backend (None: they did), by `not_ran_reason` over each record (`of`:
+        the record of that compile alone, in compile order)."""
+        records: list[CompileRecord | None] = list(self.records) if of is None else [self.records[of]]
+        for record in records or [None]:
+            why = not_ran_reason(record, self.counters, self.vendor, expected_break=expected_break, breaks=breaks)
+            if why:
+                return why
+        return None
+
+    def summary(self) -> dict[str, int]:
+        """`CompileRecord.summary` summed over the records ({} when eager)."""
+        out: dict[str, int] = {}
+        for record in self.records:
+            for k, v in record.summary().items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    def vendor_facts(self) -> dict[str, Any]:
+        """The backend's own facts (`FallbackWatch.facts`: partitions, the ops it left to PyTorch)."""
+        return self.vendor.facts()
+
+    def fallback_reason(self) -> str | None:
+        """Why the backend's work ran elsewhere, in its own words (`FallbackWatch.reason`)."""
+        return self.vendor.reason()
+
+    def ran(self) -> dict[str, Any]:
+        """What the backend compiled and executed (`ran_facts`: the row's `ran`)."""
+        return {**self.summary(), **ran_facts(None, self.counters, self.vendor)}
 
 
 def backend_ran(rows: list[Mapping[str, Any]], *, compiles: bool) -> dict[str, Any]:

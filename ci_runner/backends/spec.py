@@ -42,7 +42,7 @@ from ..engine.envinfo import tool_version
 from ..engine.torchcompat import available, skip_reason
 from ..errors import BackendError
 from ..quoting import dotted, pyrepr
-from .ran import CompileRecord
+from .ran import CompileRecord, CompileWatch
 
 # Short descriptions of the usual torch.compile backends, for `deepview-ci env`.
 _KNOWN_DESCRIPTIONS: Mapping[str, str] = {
@@ -253,8 +253,22 @@ class Backend:
 
     def compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """`torch.compile(fn, backend=…, **compile_options)`; `fn` itself when eager. Through a `CompileRecord`, as
-        `compile_recorded`: every graph the backend compiles is counted (`engine/compiles.py`)."""
+        `compile_recorded`: every graph the backend compiles is counted (`engine/compiles.py`). Unwatched: a run
+        whose result says the backend ran it compiles with `compile_watched`."""
         return self.compile_recorded(fn)[0]
+
+    def compile_watched(self, fn: Callable[..., Any], *, dynamic: bool | None = None, keep_modules: bool = False,
+                        join: CompileWatch | None = None) -> tuple[Callable[..., Any], CompileWatch]:
+        """`compile_recorded(fn, dynamic=…, keep_modules=…)` and ONE watch of it (`backends.ran.CompileWatch`: the
+        record, Dynamo's counters and the backend's own fallback watch, read as one by `watch.not_ran(...)`); use
+        `with watch:` around the calls. When eager, `fn` itself and a watch without a record (nothing was given
+        to compile). `join`: an earlier compile's watch that this compile's record joins (several compiled
+        callables run under one watch, e.g. each layer of a model); it is the watch returned."""
+        compiled, record = self.compile_recorded(fn, dynamic=dynamic, keep_modules=keep_modules)
+        watch = join if join is not None else CompileWatch(self.spec.compile)
+        if record is not None:
+            watch.records.append(record)
+        return compiled, watch
 
     def compile_recorded(self, fn: Callable[..., Any], *, dynamic: bool | None = None,
                          keep_modules: bool = False) -> tuple[Callable[..., Any], "CompileRecord | None"]:

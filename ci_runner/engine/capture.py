@@ -1,6 +1,7 @@
 """One hook mechanism for every mode: forward (pre-)hooks on every submodule, always removed.
 
-Two ways to use it, one per kind of run:
+The hooks are registered and removed by `engine/hooks.py` (`ModuleHooks`, the package's one place that hooks a
+module). Two ways to use them here, one per kind of run:
 
 * **eager** (`ModuleCapture`): pre and post hooks with callbacks, or recorded calls. Every call of every
   submodule is seen separately (modules called several times per forward exist), under its qualified name, with
@@ -27,6 +28,8 @@ from typing import Any, Callable, Collection, Iterator
 
 import torch
 from torch import nn
+
+from .hooks import ModuleHooks
 
 PreCallback = Callable[["CallInfo", tuple[Any, ...], dict[str, Any]], None]
 PostCallback = Callable[["CallInfo", tuple[Any, ...], dict[str, Any], Any], None]
@@ -88,7 +91,7 @@ class ModuleCapture:
         self._record_inputs = record_inputs
         self._record_outputs = record_outputs
         self._include = include
-        self._handles: list[Any] = []
+        self._hooks: ModuleHooks | None = None
         self._names: dict[int, tuple[str, int]] = {}
         self._counts: dict[str, int] = {}
         self._stack: list[CallRecord] = []
@@ -101,22 +104,19 @@ class ModuleCapture:
         model = self._model_ref()
         if model is None:
             raise RuntimeError("model was garbage-collected before capture")
-        for name, module in model.named_modules():
-            if self._include is not None and not self._include(name, module):
-                continue
-            depth = 0 if name == "" else name.count(".") + 1
-            self._names[id(module)] = (name, depth)
-            self._handles.append(module.register_forward_pre_hook(self._on_pre, with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._on_post, with_kwargs=True, always_call=True))
+        modules = [(n, m) for n, m in model.named_modules() if self._include is None or self._include(n, m)]
+        for name, module in modules:
+            self._names[id(module)] = (name, 0 if name == "" else name.count(".") + 1)
+        self._hooks = ModuleHooks(modules, pre=lambda name: self._on_pre, post=lambda name: self._on_post,
+                                  post_kwargs=True, always_call=True)
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        if self._hooks is not None:
+            self._hooks.remove()
         self._stack.clear()
 
     # hooks ------------------------------------------------------------------------------
@@ -335,9 +335,8 @@ class OutputHooks:
     def __init__(self, module: nn.Module, *, clone: bool | Collection[str] = ()) -> None:
         self.records = _OUTPUT_SINK
         self.records.clear()
-        self.handles = [sub.register_forward_hook(_output_hook(name, clone is True or (clone is not False and name in clone)),
-                                                  with_kwargs=True)
-                        for name, sub in module.named_modules()]
+        self.hooks = ModuleHooks(module.named_modules(), post_kwargs=True, post=lambda name: _output_hook(
+            name, clone is True or (clone is not False and name in clone)))
         self.signatures: dict[str, tuple[str, str]] = {}  # call key -> (module name, `call_signature`), last `take`
 
     def __enter__(self) -> "OutputHooks":
@@ -347,9 +346,7 @@ class OutputHooks:
         self.remove()
 
     def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles.clear()
+        self.hooks.remove()
         self.records.clear()
 
     def take(self) -> list[tuple[str, FlatOutput]]:

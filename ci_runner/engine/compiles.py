@@ -2,7 +2,7 @@
 
 One tally per process. `backends.ran.CompileRecord` adds each graph it hands the backend (the seconds inside the
 backend's compile of it); every backend compile a mode makes goes through it (`Backend.compile` and
-`Backend.compile_recorded`). An isolated child (`engine/isolate.py`) reports what it compiled with its result and
+`Backend.compile_recorded`, under `Backend.compile_watched`). An isolated child (`engine/isolate.py`) reports what it compiled with its result and
 the parent folds it in (`add`), so a probe's compiles count where the probe was asked for; a child that crashed or
 hung reports nothing. `ModeContext.each_phase` and the cell's mode loop read the tally before and after (`since`):
 `data.compiles` per mode and phase.

@@ -20,6 +20,7 @@ import torch
 
 from .diagnostics import capture_fd2, compiler_words
 from .failure import classify, first_line
+from .hooks import record_aten_graphs
 from .models import model_module_stack, normalize_module_path
 
 NAMESPACE = "_c10d_functional"
@@ -78,11 +79,11 @@ def probe_collectives(compile_fn: Callable[[Callable[..., Any]], Callable[..., A
                       compile_name: str | None = None) -> list[dict[str, Any]]:
     """One row per call: {"op", "call", "status", "error_type", "stage", "message"} on this rank; the inputs on
     `device` (the mesh's: a device's own process group takes its device's tensors), compared on CPU. Where the
-    backend has a vendor watch (`backends.ran.FallbackWatch` of `compile_name`), a right result the backend left
+    backend has a vendor watch (`backends.ran.CompileWatch(compile_name).active`), a right result the backend left
     to PyTorch (OpenVINO's partitioner leaves a lone collective outside its partitions) is `not_ran`, not `ok`."""
     import torch.distributed as dist  # deferred: rank children only
 
-    from ..backends.ran import FallbackWatch  # deferred: the vendor watches import their compilers on use
+    from ..backends.ran import CompileWatch  # deferred: the vendor watches import their compilers on use
 
     rows = []
     for call in calls:
@@ -93,11 +94,12 @@ def probe_collectives(compile_fn: Callable[[Callable[..., Any]], Callable[..., A
         err = [""]
         try:
             torch._dynamo.reset()
-            with FallbackWatch(compile_name) as watch, capture_fd2() as err:  # a native compiler's words: fd 2
+            # `compile_fn` is the rank's plain compile: only the backend's own fallback watch is read here
+            with CompileWatch(compile_name) as watch, capture_fd2() as err:  # a native compiler's words: fd 2
                 got = compile_fn(fn)(x.clone()).cpu()
             if not torch.equal(got, want):
                 row.update(status="mismatch", message=f"max abs difference {float((got - want).abs().max()):.3g}")
-            elif watch.active and (left := _left_to_eager(watch, str(call["op"]))):
+            elif watch.active and (left := _left_to_eager(watch.vendor, str(call["op"]))):
                 row.update(status="not_ran", message=left)
         except Exception as exc:  # the backend's refusal is the probe's result
             failure = classify(exc)  # the backend's own error, unwrapped from Dynamo's
@@ -147,21 +149,7 @@ def aten_graphs(module: torch.nn.Module, kwargs: Mapping[str, Any]) -> list[torc
     """The ATen graphs an aot backend gets for `module(**kwargs)` (`torch.compile` + `aot_autograd` with a
     recording compiler, one graph per graph break), on the real (sharded) tensors: a DTensor model's collectives
     are in them."""
-    from torch._dynamo.backends.common import aot_autograd  # deferred: Dynamo is imported on first use
-
-    graphs: list[torch.fx.GraphModule] = []
-
-    def record(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-        graphs.append(gm)
-        return gm
-
-    torch._dynamo.reset()
-    try:
-        with torch.no_grad():
-            torch.compile(module, backend=aot_autograd(fw_compiler=record), dynamic=False)(**kwargs)
-    finally:
-        torch._dynamo.reset()
-    return graphs
+    return record_aten_graphs(module, (), kwargs)
 
 
 def write_repro(path: Any, call: Mapping[str, Any], spec: Any, *, status: str, world: int, error_type: str,

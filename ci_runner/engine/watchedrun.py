@@ -2,11 +2,13 @@
 serves every mode that needs it (issue 33: the signals are read from the runs the other modes make where they share
 a process).
 
-`PhaseWatch(by, backend_compile, record)`: `with PhaseWatch(...) as w:` around one phase's calls through one compiled
-object (pass `w.before`/`w.after` to `engine.workload.run_phase`), then `w.result()` is a `WatchedRun`: the calls,
-per call the graphs compiled and executed and the compile seconds, Dynamo's structured-trace events
-(`engine.dynamotrace.TraceWatch`; its records kept as TORCH_TRACE lines, `keep_bytes` at most), the backend's own
-fallbacks (`FallbackWatch`), Dynamo's counters and the first failing call. A mode that compiles the whole model
+`PhaseWatch(by, watch)`: `with PhaseWatch(...) as w:` around one phase's calls through one compiled object (`watch`:
+its `backends.ran.CompileWatch`, from `Backend.compile_watched`; pass `w.before`/`w.after` to
+`engine.workload.run_phase`), then `w.result()` is a `WatchedRun`: the calls, per call the graphs compiled and
+executed and the compile seconds, Dynamo's structured-trace events (`engine.dynamotrace.TraceWatch`; its records kept
+as TORCH_TRACE lines, `keep_bytes` at most; `trace=False`: none), the backend's own fallbacks, Dynamo's counters,
+why the backend did not run (some of) it (`CompileWatch.not_ran`, graph breaks not counted) and the first failing
+call. A mode that compiles the whole model
 per phase in the cell's process (the layers mode's target run) keeps it in `ModeContext.compiled_runs[<phase>]`
 when the cell also runs the compile mode (`wanted`); the compile mode reads it there and compiles a phase itself
 only when no run of it is there.
@@ -19,7 +21,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from ..backends.ran import CompileRecord, DynamoCounters, FallbackWatch, not_ran_reason
+from ..backends.ran import CompileRecord, CompileWatch
 from .dynamotrace import KEEP_BYTES, Event, KeptTrace, TraceWatch
 from .workload import Call, CallRecord
 
@@ -60,25 +62,22 @@ def _runs(record: CompileRecord | None) -> int:
 
 
 class PhaseWatch:
-    """Every watch of the compile mode around one phase run (see the module docstring)."""
+    """The compile mode's watches around one phase run: the compile's `CompileWatch` and Dynamo's structured trace
+    (see the module docstring)."""
 
-    def __init__(self, by: str, backend_compile: str | None, record: CompileRecord | None, *,
-                 trace: bool = True, keep_bytes: int = KEEP_BYTES) -> None:
-        self.run = WatchedRun(by=by, record=record)
+    def __init__(self, by: str, watch: CompileWatch, *, trace: bool = True, keep_bytes: int = KEEP_BYTES) -> None:
+        self.run = WatchedRun(by=by, record=watch.record)
+        self.watch = watch
         self.trace = TraceWatch(keep_bytes=keep_bytes)
         self._trace = trace  # False: only whether the backend ran it (no structured trace: the compile mode's)
-        self._compile = backend_compile
         self._state = {"graphs": 0, "runs": 0, "events": 0}
         self._stack = ExitStack()
-        self._watch: FallbackWatch | None = None
-        self._counters: DynamoCounters | None = None
         self._t0 = 0.0
 
     def __enter__(self) -> "PhaseWatch":
         if self._trace:
             self._stack.enter_context(self.trace)
-        self._watch = self._stack.enter_context(FallbackWatch(self._compile))
-        self._counters = self._stack.enter_context(DynamoCounters())
+        self._stack.enter_context(self.watch)
         self._t0 = time.perf_counter()
         return self
 
@@ -88,11 +87,10 @@ class PhaseWatch:
         self.run.events = list(self.trace.events)
         self.run.seen = set(self.trace.seen)
         self.run.trace = self.trace.kept
-        self.run.facts = self._watch.facts() if self._watch is not None else {}
-        self.run.fallback_reason = self._watch.reason() if self._watch is not None else None
-        self.run.counters = self._counters.delta() if self._counters is not None else {}
-        if self._counters is not None and self._watch is not None:
-            self.run.not_ran = not_ran_reason(self.run.record, self._counters, self._watch, breaks=False)
+        self.run.facts = self.watch.vendor_facts()
+        self.run.fallback_reason = self.watch.fallback_reason()
+        self.run.counters = self.watch.counters.delta()
+        self.run.not_ran = self.watch.not_ran(breaks=False)
 
     def before(self, call: Call) -> None:
         record = self.run.record

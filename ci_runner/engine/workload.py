@@ -27,6 +27,7 @@ from ..config import InputSpec
 from ..workloads.phases import Phase
 from .audio import is_audio
 from .failure import stage_of, unwrap
+from .hooks import ModuleHooks
 from .models import LoadedModel, build_inputs, seeded_ids, text_config
 
 __all__ = ["Call", "CallRecord", "Captured", "PhaseRun", "skip_reason", "run_phase", "phase_calls", "cache_kwarg", "logits_of",
@@ -345,21 +346,18 @@ def capture_calls(loaded: LoadedModel, inputs: InputSpec, phase: Phase, *, force
     module's KV cache state is the one it saw then."""
     captured: Captured = {}
     current = {"i": -1}
-    handles = []
-    for name, sub in loaded.module.named_modules():
-        def pre(mod: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], name: str = name) -> None:
+
+    def pre(name: str) -> Callable[..., None]:
+        def hook(mod: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if current["i"] <= upto:
                 captured.setdefault(name, []).append((current["i"], copy.deepcopy(args), copy.deepcopy(kwargs)))
-        handles.append(sub.register_forward_pre_hook(pre, with_kwargs=True))
+        return hook
 
     def before(call: Call) -> None:
         current["i"] += 1
 
-    try:
+    with ModuleHooks(loaded.module.named_modules(), pre=pre):
         run_phase(loaded.module, loaded, inputs, phase, forced=forced, before_call=before)
-    finally:
-        for h in handles:
-            h.remove()
     return captured
 
 

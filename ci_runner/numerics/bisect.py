@@ -22,7 +22,7 @@ threshold; "good" means within the threshold. Two methods:
 
 Both run in a child process in the numerics mode (a bisect recompiles many times; a crash must not cost the
 mode), and each step is logged in the result. Every step is a fresh compile watched like the mode's other compiled
-runs (`CompileRecord`, `DynamoCounters`, `FallbackWatch`: `backends.ran.not_ran_reason`): a step the backend did not
+runs (`backends.ran.CompileWatch`, its `not_ran`): a step the backend did not
 run (Dynamo ran it in eager, OpenVINO fell back to PyTorch) would read as "good" and steer the search, so it ends the
 bisect as `status: inconclusive` naming the step and why (never a verdict; the finding itself stands).
 """
@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..backends import CompileRecord, DynamoCounters, FallbackWatch, not_ran_reason, resolve_backend
+from ..backends import CompileRecord, CompileWatch, resolve_backend
 from ..engine.capture import ModuleCapture, iter_tensors
 from ..config import BackendSpec, InputSpec, ModelSpec, spec_from_json, spec_to_json
 from ..engine.isolate import run_isolated
@@ -145,15 +145,17 @@ def compiler_bisect(layer: nn.Module, args: Sequence[Any], kwargs: Mapping[str, 
         if backend_name == "inductor":  # torch.compile special-cases the name: build what it would build
             inner = torch._TorchCompileInductorWrapper(opts.get("mode"), opts.get("options"), opts.get("dynamic"))
         record = CompileRecord(inner, backend_name)
+        # the bisector's own stage backend, not the matrix's `Backend` (no `compile_watched`): its record, watched
+        watch = CompileWatch(backend_name, [record])
         try:
-            with FallbackWatch(backend_name) as watch, DynamoCounters() as counters, torch.no_grad():
+            with watch, torch.no_grad():
                 # Dynamo's own entry: torch.compile would swap the record for the bisector's stage name
                 compiled = torch._dynamo.optimize(record, nopython=bool(generic.get("fullgraph")),
                                                   dynamic=generic.get("dynamic"))(layer)
                 out = compiled(*args, **kwargs)
         except Exception as exc:  # a failure counts as "bad" (the bisector also finds crashes)
             return False, {"error": _short(exc)}
-        why = not_ran_reason(record, counters, watch, breaks=False)
+        why = watch.not_ran(breaks=False)
         if why:
             sub = CompilerBisector.get_subsystem()
             raise StepNotRan(f"the step on {backend_name}" + (f" with subsystem {sub}" if sub else ""), why)
@@ -332,16 +334,17 @@ def node_bisect(layer: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
     log: list[dict[str, Any]] = []
     cache: dict[int, tuple[bool, dict[str, Any]]] = {}
 
-    def on_target(prefix: torch.fx.GraphModule) -> tuple[Callable[..., Any], CompileRecord | None]:
+    def on_target(prefix: torch.fx.GraphModule) -> tuple[Callable[..., Any], Any]:
+        """The prefix on the target and its watch (a null context when the backend does not compile)."""
         if device != "cpu":
             prefix = copy.deepcopy(prefix).to(device)
-        fn, record = backend.compile_recorded(prefix) if compiled else (prefix, None)
+        fn, watch = backend.compile_watched(prefix) if compiled else (prefix, contextlib.nullcontext())
 
         def call(*xs: Any) -> Any:
             moved = [x.to(device) if isinstance(x, torch.Tensor) and device != "cpu" else x for x in xs]
             return fn(*moved)
 
-        return call, record
+        return call, watch
 
     def bad(k: int) -> tuple[bool, dict[str, Any]]:
         if k in cache:
@@ -352,10 +355,10 @@ def node_bisect(layer: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
             prefix = _prefix_module(gm, cut, live)
             torch._dynamo.reset()  # a fresh compile, watched: a prefix left to PyTorch would read as "good"
             with torch._dynamo.config.patch(**dynamo_settings()), torch.no_grad():
-                call, record = on_target(prefix)
-                with FallbackWatch(backend.spec.compile) as watch, DynamoCounters() as counters:
+                call, watch = on_target(prefix)
+                with watch:
                     vals = call(*flat)
-                why = not_ran_reason(record, counters, watch, breaks=False) if compiled and live else None
+                why = watch.not_ran(breaks=False) if compiled and live else None
                 given = {n: (v.to("cpu") if isinstance(v, torch.Tensor) else v) for n, v in zip(live, vals)}
                 out = _Hybrid(gm, given, cut).run(*flat)
             m = deviation(ref, out)

@@ -4,9 +4,9 @@ A comparison means something only when the backend ran the code (`backends.ran`)
 silently when its conversion fails, and the capture hooks themselves can make it fail: on a shifted-window model
 (swin) hooks on every module give "Tensor name is not a number: add", with copies and with references alike, and
 the view then compared PyTorch with PyTorch (issue 38). So the cumulative view captures in the first of these ways
-(`CAPTURE_WAYS`) that the backend runs, each a fresh compile watched by `CompileRecord`, `DynamoCounters` (frames
-run in eager, aot_autograd failures, the recompile limit; not graph breaks: the graphs around a break still run on
-the backend) and `FallbackWatch` (the backend's own fallbacks):
+(`CAPTURE_WAYS`) that the backend runs, each a fresh compile watched (`Backend.compile_watched`: the graphs given and
+run, Dynamo's counters (frames run in eager, aot_autograd failures, the recompile limit; not graph breaks: the graphs
+around a break still run on the backend) and the backend's own fallbacks, read as one):
 
 * `hooks-copy`: hooks on every module; outputs the model changes in place later are copied at the hook;
 * `hooks-reference`: the same hooks keeping references (tried only when some output is copied): the outputs
@@ -32,7 +32,6 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..backends import DynamoCounters, FallbackWatch, not_ran_reason
 from ..engine.capture import FlatOutput, OutputHooks, iter_tensors
 from .capture import capture_compiled_outputs, compared_flat
 from .settings import dynamo_settings
@@ -98,8 +97,8 @@ def _attempt(module: nn.Module, backend: Any, args: Sequence[Any], kwargs: Mappi
     """One fresh compile and run, watched: (records, why it did not run on the backend, the backend's facts, what
     each call is (`OutputHooks.signatures`)). `clone` None: no hooks (the root's output is the one record); True:
     every output copied at its hook."""
-    fn, record = backend.compile_recorded(_forward)
-    with FallbackWatch(backend.spec.compile) as watch, DynamoCounters() as counters:
+    fn, watch = backend.compile_watched(_forward)
+    with watch:
         if clone is None:
             with torch.no_grad():
                 out = fn(module, tuple(args), dict(kwargs))
@@ -109,8 +108,7 @@ def _attempt(module: nn.Module, backend: Any, args: Sequence[Any], kwargs: Mappi
             with OutputHooks(module, clone=clone) as hooks:
                 _out, records = capture_compiled_outputs(module, fn, args, kwargs, hooks)
                 sigs = dict(hooks.signatures)
-    why = not_ran_reason(record, counters, watch, breaks=False)
-    return records, why, {**(record.summary() if record else {}), **watch.facts()}, sigs
+    return records, watch.not_ran(breaks=False), {**watch.summary(), **watch.vendor_facts()}, sigs
 
 
 def watched_capture(module: nn.Module, backend: Any, args: Sequence[Any], kwargs: Mapping[str, Any],
@@ -160,9 +158,9 @@ def watched_outputs_each(module: nn.Module, backend: Any, calls: Sequence[Mappin
 def _attempt_each(module: nn.Module, backend: Any, calls: Sequence[Mapping[str, Any]],
                   clone: bool | None) -> tuple[list[list[tuple[str, FlatOutput]]], str | None, dict[str, Any]]:
     """`_attempt` of every call in turn under one compile, one watch and (with `clone`) one set of hooks."""
-    fn, record = backend.compile_recorded(_forward)
+    fn, watch = backend.compile_watched(_forward)
     out: list[list[tuple[str, FlatOutput]]] = []
-    with FallbackWatch(backend.spec.compile) as watch, DynamoCounters() as counters:
+    with watch:
         if clone is None:
             for kw in calls:
                 with torch.no_grad():
@@ -172,8 +170,7 @@ def _attempt_each(module: nn.Module, backend: Any, calls: Sequence[Mapping[str, 
             with OutputHooks(module, clone=clone) as hooks:
                 for kw in calls:
                     out.append(capture_compiled_outputs(module, fn, (), kw, hooks)[1])
-    why = not_ran_reason(record, counters, watch, breaks=False)
-    return out, why, {**(record.summary() if record else {}), **watch.facts()}
+    return out, watch.not_ran(breaks=False), {**watch.summary(), **watch.vendor_facts()}
 
 
 def _first_way_that_ran(module: nn.Module, backend: Any, args: Sequence[Any], kwargs: Mapping[str, Any],
@@ -207,18 +204,19 @@ class WatchedRunner:
         fn = self.compiled.get(name)
         if fn is not None:
             return fn
-        if FallbackWatch(self.backend.spec.compile).active:  # a vendor watch reads one fresh compile: no code
-            torch._dynamo.reset()  # compiled for another module of the same class (Linear.forward) may run here
-        compiled, record = self.backend.compile_recorded(module)
+        compiled, watch = self.backend.compile_watched(module)
+        if watch.active:  # a vendor watch reads one fresh compile: no code compiled for another module of the
+            torch._dynamo.reset()  # same class (Linear.forward) may run here (torch.compile compiles on the call)
 
         def first(*args: Any, **kwargs: Any) -> Any:
-            with FallbackWatch(self.backend.spec.compile) as watch, DynamoCounters() as counters:
+            with watch:
                 out = compiled(*args, **kwargs)
             # no graph for this record: the module has no op of its own (an identity, or its sub-calls stubbed), or
             # (no vendor watch, no reset) Dynamo ran code it compiled for another module of the same class
+            record = watch.record
             given = record is None or bool(record.graphs)
-            why = not_ran_reason(record, counters, watch, breaks=False) if given else counters.fallback(breaks=False)
-            own = [op for op, where in partial_sites(watch.facts()).items() if "" in where]  # not a stub's
+            why = watch.not_ran(breaks=False) if given else watch.counters.fallback(breaks=False)
+            own = [op for op, where in partial_sites(watch.vendor_facts()).items() if "" in where]  # not a stub's
             if why or own:
                 self.not_ran[name] = why or partial_reason(", ".join(own), self.backend.spec.compile)
             self.compiled[name] = compiled

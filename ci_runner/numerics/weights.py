@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..backends import DynamoCounters, FallbackWatch, not_ran_reason, resolve_backend
+from ..backends import resolve_backend
 from ..config import BackendSpec, ModelSpec, spec_from_json, spec_to_json
 from ..engine.isolate import run_isolated
 from ..engine.models import load_model
@@ -74,7 +74,7 @@ class WeightsReport:
 
     method: str
     tensors: list[TensorCheck] = field(default_factory=list)
-    not_ran: str | None = None  # why the backend did not run a round trip (`ran.not_ran_reason`): nothing is shown
+    not_ran: str | None = None  # why the backend did not run a round trip (`CompileWatch.not_ran`): nothing is shown
 
     @property
     def mismatched(self) -> list[TensorCheck]:
@@ -213,10 +213,10 @@ def check_weights(module: nn.Module, backend: "Backend", *, chunk_mb: float = 25
     with torch._dynamo.config.patch(**dynamo_settings()), torch.no_grad():
         for group in _groups(items, chunk_bytes):
             names = [name for name, _k, _t in group]
-            fn, record = backend.compile_recorded(_Reader(target, names))
-            with FallbackWatch(backend.spec.compile) as watch, DynamoCounters() as counters:
+            fn, watch = backend.compile_watched(_Reader(target, names))
+            with watch:
                 backs = fn()
-            report.not_ran = report.not_ran or not_ran_reason(record, counters, watch, breaks=False)
+            report.not_ran = report.not_ran or watch.not_ran(breaks=False)
             for (name, kind, t), back in zip(group, backs):
                 orig = originals[name] if originals is not None else t
                 report.tensors.append(check_tensor(name, kind, orig, back))

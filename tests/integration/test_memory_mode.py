@@ -127,6 +127,28 @@ def test_a_layer_that_hoards_activations_compiled_is_a_regression(mode_context: 
     assert [r["ratio"] < 1.5 for r in rows if r["module"] == "model.layers.1"] == [True]  # the other layer
 
 
+def test_a_compiled_layer_the_backend_did_not_run_is_inconclusive_not_compiled_memory(
+        mode_context: Callable[..., Any], fresh_dynamo: Any) -> None:
+    """Issue 47: sim-memhog on every layer would be a regression on each, but sim-subset (allowing only `mm`)
+    refuses every layer's graph and Dynamo, told to suppress errors, runs them in PyTorch: the compiled figures are
+    eager's. The watched compile sees it: every row is `inconclusive` with why, no finding, the reason says so."""
+    import torch._dynamo.config
+
+    backend = {"id": "refuse", "compile": "sim-subset", "device": "cpu", "backend_options": {"allow": ["mm"]}}
+    with torch._dynamo.config.patch(suppress_errors=True):
+        result = run(_context(mode_context, backend, TINY_REGRESSION, ["prefill"]))
+    compiled = result.data["phases"]["prefill"]["compiled"]
+    assert compiled["rows"] and {r["module"] for r in compiled["rows"]} == {"model.layers.0", "model.layers.1"}
+    assert all(r["status"] == "inconclusive" and r["not_ran"] for r in compiled["rows"]), compiled["rows"]
+    assert "fell back to eager" in compiled["not_ran"] or "never executed" in compiled["not_ran"], compiled
+    assert not result.findings and result.status == "pass"
+    assert result.reason is not None and "did not run" in result.reason, result.reason
+
+    ran = run(_context(mode_context, {"id": "memhog", "compile": "sim-memhog", "device": "cpu"}, TINY_REGRESSION,
+                       ["prefill"])).data["phases"]["prefill"]["compiled"]
+    assert "not_ran" not in ran and all("status" not in r for r in ran["rows"]), ran  # the backend ran every layer
+
+
 def test_a_decode_step_repro_rebuilds_the_layer_and_its_kv_cache(mode_context: Callable[..., Any],
                                                                   fresh_dynamo: Any) -> None:
     """A decode step's regression repro: no pickle (the layer from config.json and weights.safetensors), the step's

@@ -62,3 +62,39 @@ def test_iter_tensors_skips_caches() -> None:
     names = [n for n, _ in iter_tensors(out)]
     assert names == ["last_hidden_state", "attn.0"]
     assert primary_tensor((torch.tensor([1]), torch.ones(2))).dtype == torch.float32
+
+
+def test_module_hooks_name_each_call_and_are_removed_even_when_the_forward_raises() -> None:
+    """`engine.hooks.ModuleHooks`: the factories get each module's name; pre-hooks see kwargs, post-hooks the
+    output (and kwargs with `post_kwargs`); removed on exit, also when the forward raised."""
+    from ci_runner.engine.hooks import ModuleHooks
+
+    model = Shared()
+    seen: list[tuple[str, str]] = []
+    pre = lambda name: lambda mod, args, kwargs: seen.append(("pre", name))  # noqa: E731
+    post = lambda name: lambda mod, args, kwargs, out: seen.append(("post", name))  # noqa: E731
+    with ModuleHooks(model.named_modules(), pre=pre, post=post, post_kwargs=True) as hooks:
+        assert hook_count(model) == 6 and len(hooks.handles) == 6
+        model(torch.randn(1, 4), scale=2.0)
+    assert hook_count(model) == 0
+    assert seen[:3] == [("pre", ""), ("pre", "lin"), ("post", "lin")] and seen[-1] == ("post", "")
+    assert seen.count(("pre", "lin")) == 2 and len(seen) == 2 * (1 + 2 + 2)
+    with pytest.raises(RuntimeError):
+        with ModuleHooks([("lin", model.lin)], pre=pre):
+            model(torch.randn(1, 5))  # the wrong width: Linear raises
+    assert hook_count(model) == 0
+
+
+def test_record_aten_graphs_gives_what_an_aot_backend_is_given_one_graph_per_break(fresh_dynamo) -> None:  # type: ignore[no-untyped-def]
+    """`engine.hooks.record_aten_graphs`: ATen overloads after aot_autograd; a graph break splits the graphs."""
+    from ci_runner.engine.hooks import record_aten_graphs
+
+    def broken(x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(x)
+        torch._dynamo.graph_break()
+        return torch.rsqrt(y + 1)
+
+    graphs = record_aten_graphs(broken, (torch.randn(3),))
+    ops = [[str(n.target) for n in gm.graph.nodes if n.op == "call_function"] for gm in graphs]
+    assert ops == [["aten.relu.default"], ["aten.add.Tensor", "aten.rsqrt.default"]], ops
+    assert len(record_aten_graphs(Shared(), (torch.randn(1, 4),), {"scale": 2.0})) == 1

@@ -157,3 +157,44 @@ def test_only_the_models_own_modules_name_a_call_site() -> None:
                                 "b": ("G['__import_transformers_dot_x'].apply_rotary_pos_emb", nn.Module)}}
     assert model_module_stack(meta) == [("L['self'].layers[0]", nn.Linear)]
     assert model_module_stack({}) == []
+
+
+def test_one_watched_compile_reads_the_record_the_counters_and_the_vendor_watch_as_one(fresh_dynamo: Any) -> None:
+    """`Backend.compile_watched`: the compiled callable and ONE watch (`CompileWatch`) whose `not_ran` is the single
+    reading (`backends.ran.not_ran_reason`). Ran: none; a frame Dynamo never handed over: no graph; a compiler
+    error Dynamo suppressed: eager; compiles that join one watch are read each (`of`) and together; an eager
+    backend's watch holds no record (nothing was given to compile) and the callable is the function itself."""
+    import torch._dynamo.config
+
+    aot = resolve_backend(BackendSpec(id="aot", compile="aot_eager"))
+    fn, watch = aot.compile_watched(nn.Linear(4, 4))
+    with watch:
+        fn(torch.randn(2, 4))
+    assert watch.not_ran() is None and watch.summary() == {"graphs": 1, "nodes": 1, "graphs_executed": 1}
+    assert watch.ran() == watch.summary() and watch.vendor_facts() == {} and not watch.active
+
+    skipped, never = aot.compile_watched(_Disabled())
+    with never:
+        skipped(torch.randn(2, 4))
+    assert "no graph" in (never.not_ran() or ""), never.not_ran()
+
+    refuse = resolve_backend(BackendSpec(id="refuse", compile="tests.unit.test_layers_ran:refusing_backend"))
+    bad, eager_run = refuse.compile_watched(nn.Linear(4, 4))
+    with torch._dynamo.config.patch(suppress_errors=True), eager_run:
+        bad(torch.randn(2, 4))
+    assert "fell back to eager" in (eager_run.not_ran() or "") or "never executed" in (eager_run.not_ran() or "")
+
+    fresh_dynamo()  # Dynamo skips a frame whose compile it suppressed from then on (Linear.forward here)
+    first, joint = aot.compile_watched(nn.Linear(4, 4))
+    _second, same = aot.compile_watched(nn.Linear(4, 4), join=joint)
+    with joint:
+        first(torch.randn(2, 4))
+    assert same is joint and len(joint.records) == 2 and joint.record is joint.records[0]
+    assert joint.not_ran(of=0) is None and "no graph" in (joint.not_ran(of=1) or "")
+    assert joint.not_ran() == joint.not_ran(of=1) and joint.summary()["graphs"] == 1
+
+    module = nn.Linear(4, 4)
+    same_fn, nothing = resolve_backend(BackendSpec(id="cpu")).compile_watched(module)
+    with nothing:
+        same_fn(torch.randn(2, 4))
+    assert same_fn is module and nothing.record is None and nothing.summary() == {} and nothing.not_ran() is None

@@ -139,7 +139,7 @@ def test_a_check_that_raised_crashed_or_never_ran_is_an_error_not_a_pass(tmp_pat
         is_eager = False
         device = "cpu"
 
-        def compile_recorded(self, fn):  # type: ignore[no-untyped-def]  # (the check compiles watched)
+        def compile_watched(self, fn):  # type: ignore[no-untyped-def]  # (the check compiles watched)
             raise RuntimeError("no such op\nmore")
 
     out = tmp_path / "weights.json"

@@ -3,10 +3,10 @@ compile seconds, what ran outside the backend), and the checks users make of it 
 
 Each phase of `inputs.phases` (the single forward when there are none: one call per input sample, at most two) runs
 through ONE compiled object (`engine/workload.run_phase`), as users run it, after `torch._dynamo.reset()`. Read
-around it: the backend's graphs and their executions (`backends.ran.CompileRecord`), Dynamo's counters
-(`DynamoCounters`), the backend's own fallbacks (`FallbackWatch`: OpenVINO's partitioner leftovers) and Dynamo's
-structured trace (`engine.dynamotrace.TraceWatch`: graph breaks with their source line, recompiles with the failed
-guard, compile seconds, recompile-limit hits). `data.phases.<phase>` holds the figures (docs/compile.md).
+around it: the compile's one watch (`Backend.compile_watched`: the backend's graphs and their executions, Dynamo's
+counters, the backend's own fallbacks such as OpenVINO's partitioner leftovers) and Dynamo's structured trace
+(`engine.dynamotrace.TraceWatch`: graph breaks with their source line, recompiles with the failed guard, compile
+seconds, recompile-limit hits). `data.phases.<phase>` holds the figures (docs/compile.md).
 
 That trace is kept per phase in the cell folder as tlparse reads it (`keep_trace`: `compile/torch_trace/
 dedicated_log_torch_trace_<phase>.log`, at most `trace_mb` MiB; `data.trace_dir`, `data.phases.<phase>.trace` and
@@ -155,13 +155,12 @@ def measure(ctx: "ModeContext", opts: CompileOptions, loaded: Any, phase: Phase 
         module = copy.deepcopy(loaded.module)
         if ctx.backend.device != "cpu":
             module = ctx.backend.to_device(module)
-        fn, record = ctx.backend.compile_recorded(module)
+        fn, compile_watch = ctx.backend.compile_watched(module)
         patch = dynamo_config({"recompile_limit": opts.recompile_limit}) if opts.recompile_limit else {}
         with ExitStack() as stack:
             if patch:
                 stack.enter_context(torch._dynamo.config.patch(**patch))
-            watch = stack.enter_context(PhaseWatch(MODE, ctx.cell.backend.compile, record,
-                                                   keep_bytes=_trace_bytes(opts)))
+            watch = stack.enter_context(PhaseWatch(MODE, compile_watch, keep_bytes=_trace_bytes(opts)))
             if phase is None:
                 _forward_calls(ctx, loaded, fn, watch.before, watch.after)
             else:

@@ -20,6 +20,7 @@ from ...engine.repro import (plugin_modules, render_template, run_command, safe_
                                verify_script, write_script)
 from ...engine.codec import TensorStore, Unstorable, encode_call
 from ...engine.dynamotrace import short_path
+from ...engine.hooks import ModuleHooks
 from ...engine.workload import cache_kwarg, capture_calls
 from ...fsutil import atomic_write_text
 from ...options import CompileOptions
@@ -114,14 +115,10 @@ def _module_calls(ctx: "ModeContext", loaded: Any, sig: PhaseSignals, name: str,
     def pre(mod: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         seen.append((current["label"], copy.deepcopy(args), copy.deepcopy(kwargs)))
 
-    handle = loaded.module.get_submodule(name).register_forward_pre_hook(pre, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            for call in sig.calls[:upto + 1]:
-                current["label"] = call.label
-                loaded.module(**call.kwargs)
-    finally:
-        handle.remove()
+    with ModuleHooks([(name, loaded.module.get_submodule(name))], pre=lambda _name: pre), torch.no_grad():
+        for call in sig.calls[:upto + 1]:
+            current["label"] = call.label
+            loaded.module(**call.kwargs)
     return seen
 
 

@@ -42,6 +42,7 @@ import torch
 
 from ...backends import boilerplate_lines, named_op_from_error, resolve_backend
 from ...engine.diagnostics import capture_fd2, compiler_words
+from ...engine.hooks import aten_recording
 from ...engine.codec import TensorStore, decode_call, encode_call
 from ...config import BackendSpec, ModelSpec, spec_from_json
 from ...engine.tree import map_tensors
@@ -132,13 +133,12 @@ def capture_graph(module: torch.nn.Module, args: tuple[Any, ...], kwargs: Mappin
 
         with sdpa_kernel([SDPBackend.MATH]):
             return capture_graph(module, args, kwargs)
-    import torch._dynamo
     from functorch.compile import make_boxed_func  # deferred: functorch is heavy
-    from torch._dynamo.backends.common import aot_autograd
 
     got: list[tuple[torch.fx.GraphModule, dict[torch.fx.Node, Any]]] = []
 
     def recorder(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        # not `keep_graph`: each graph is kept as it RUNS, with every node's value on the real inputs
         def run(*flat: Any) -> Any:
             got.append((gm, _record(gm, flat)))
             return gm(*flat)
@@ -146,19 +146,16 @@ def capture_graph(module: torch.nn.Module, args: tuple[Any, ...], kwargs: Mappin
 
     kw = dict(kwargs)
     note = ""
-    torch._dynamo.reset()
     try:
-        with torch.no_grad():
-            torch.compile(lambda *xs: module(*xs, **kw), backend=aot_autograd(fw_compiler=recorder),
-                          dynamic=False)(*args)
+        with aten_recording(lambda *xs: module(*xs, **kw), fw_compiler=recorder, dynamic=False) as (compiled, _), \
+                torch.no_grad():
+            compiled(*args)
         if len(got) == 1:
             gm, values = got[0]
             return CapturedGraph(gm=gm, values=values, level="aot")
         note = f"Dynamo split the module into {len(got)} graphs"
     except Exception as exc:
         note = f"the aot_autograd trace failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})"
-    finally:
-        torch._dynamo.reset()
     from torch.utils import _pytree as pytree  # deferred: torch
 
     with torch.no_grad():

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
-from ...backends.ran import CompileRecord
+from ...backends.ran import CompileRecord, CompileWatch
 from ...engine.failure import first_line, raised_traceback
 from ...backends import boilerplate_lines, plugin_pythonpath
 from ...engine.repro import (plugin_modules, render_template, run_command, safe_filename, template_backend,
@@ -46,13 +46,13 @@ if TYPE_CHECKING:
 ROOT = ""
 
 
-def _compile(ctx: "ModeContext", module: torch.nn.Module, *, dynamic: bool | None = None) -> tuple[Any, CompileRecord | None]:
-    """The module compiled with the cell's backend as a user compiles it (after a Dynamo reset), keeping the graphs
-    it is given; `dynamic` overrides the backend's `compile_options.dynamic`."""
+def _compile(ctx: "ModeContext", module: torch.nn.Module, *, dynamic: bool | None = None) -> tuple[Any, CompileWatch]:
+    """The module compiled with the cell's backend as a user compiles it (after a Dynamo reset), watched and keeping
+    the graphs it is given; `dynamic` overrides the backend's `compile_options.dynamic`."""
     import torch._dynamo  # deferred: Dynamo takes seconds to import
 
     torch._dynamo.reset()
-    return ctx.backend.compile_recorded(module, dynamic=dynamic, keep_modules=True)
+    return ctx.backend.compile_watched(module, dynamic=dynamic, keep_modules=True)
 
 
 def _fresh(ctx: "ModeContext", loaded: Any) -> torch.nn.Module:
@@ -64,11 +64,12 @@ def _target_run(ctx: "ModeContext", loaded: Any, phase: Phase, forced: list[torc
     """The phase through one compiled object, and why the backend did not run (some of) it (None: it ran it all).
     The first (as users compile it) is watched, and kept for the compile mode when the cell runs it
     (`engine.watchedrun`): its signals then cost no compile of their own."""
-    fn, record = _compile(ctx, _fresh(ctx, loaded), dynamic=dynamic)
+    fn, compiled = _compile(ctx, _fresh(ctx, loaded), dynamic=dynamic)
+    record = compiled.record
     graphs_before: dict[int, int] = {}
     index = {"i": 0}
     keep = dynamic is None and wanted(ctx.cell.modes) and phase.name not in ctx.compiled_runs
-    watch = PhaseWatch("layers", ctx.cell.backend.compile, record, trace=keep)
+    watch = PhaseWatch("layers", compiled, trace=keep)
 
     def before(call: Call) -> None:
         graphs_before[index["i"]] = len(record.modules) if record is not None else 0

@@ -29,7 +29,7 @@ from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
 import torch
 
 from ...engine import codec
-from ...backends import DynamoCounters, FallbackWatch, boilerplate_lines, not_ran_reason, ran_facts, resolve_backend
+from ...backends import CompileWatch, boilerplate_lines, resolve_backend
 from ...engine.capture import ModuleCapture, detach_tree, iter_tensors
 from ...engine.codec import TensorStore, Unstorable, check_value, decode_call
 from ...engine.diagnostics import capture_fd2, compiler_words
@@ -584,9 +584,9 @@ def probe_one(name: str, *, model: torch.nn.Module, backend: Any, calls: list[tu
     names of its child modules) those run eagerly (`torch._dynamo.disable`), so only the module's own code is
     compiled: the outcome is then named `own_name(name)`.
 
-    As the ops mode's probes: the compile goes through `Backend.compile_recorded` (graphs and nodes the backend
-    was given, executions), with `DynamoCounters` and `FallbackWatch` around it; a module that raised nothing but
-    the backend never ran is `inconclusive`, not `pass`. What the compiler wrote to fd 2 (to `fd2_file`, which
+    As the ops mode's probes: the compile goes through `Backend.compile_watched` (graphs and nodes the backend
+    was given, executions, Dynamo's counters and the backend's own fallbacks, watched around the compile and the
+    calls); a module that raised nothing but the backend never ran is `inconclusive`, not `pass`. What the compiler wrote to fd 2 (to `fd2_file`, which
     outlives a crash) and the exception chain are reduced to its own diagnostic lines (`diagnostics`)."""
     import torch._dynamo
 
@@ -596,12 +596,10 @@ def probe_one(name: str, *, model: torch.nn.Module, backend: Any, calls: list[tu
     t0 = time.monotonic()
     tracker: ExecutingTracker | None = None
     tried = 0
-    record: Any = None
-    counters = DynamoCounters()
-    watch = FallbackWatch(None if backend.is_eager else backend.spec.compile)
+    watch = CompileWatch(None if backend.is_eager else backend.spec.compile)  # the compile's record joins it
     err = [""]
     try:
-        with capture_fd2(fd2_file) as err, watch, counters:
+        with capture_fd2(fd2_file) as err, watch:
             if not calls:
                 raise RuntimeError(f"{label(name)} did not run in the reference forward: no inputs to replay")
             torch._dynamo.reset()
@@ -609,7 +607,7 @@ def probe_one(name: str, *, model: torch.nn.Module, backend: Any, calls: list[tu
             for child in eager_children:
                 kid = sub.get_submodule(child[len(name) + 1:] if name else child)
                 kid.forward = torch._dynamo.disable(kid.forward)  # type: ignore[method-assign]
-            fn, record = backend.compile_recorded(sub)
+            fn, _ = backend.compile_watched(sub, join=watch)
             if backend.is_eager:
                 tracker = ExecutingTracker(sub, name)
             for args, kwargs in (calls if all_calls else calls[:1]):
@@ -623,10 +621,9 @@ def probe_one(name: str, *, model: torch.nn.Module, backend: Any, calls: list[tu
                         out = fn(*args, **kwargs)
                     _materialize(out)
                 del out
-        ran = {} if backend.is_eager else ran_facts(record, counters, watch)
+        ran = {} if backend.is_eager else watch.ran()
         # an own-code probe breaks the graph at each child it runs eagerly, on purpose
-        why = None if backend.is_eager else not_ran_reason(record, counters, watch, expected_break=(
-            "torch.compiler.disable()" if eager_children else ""))
+        why = None if backend.is_eager else watch.not_ran("torch.compiler.disable()" if eager_children else "")
         if why:
             outcome = ProbeOutcome(name=outcome_name, status="inconclusive", duration_s=time.monotonic() - t0,
                                    calls_tried=tried, ran=ran,
@@ -646,7 +643,7 @@ def probe_one(name: str, *, model: torch.nn.Module, backend: Any, calls: list[tu
                                message=message, traceback=raised_traceback(exc, inner),
                                executing=tracker.failed_in if tracker is not None else None,
                                duration_s=time.monotonic() - t0, calls_tried=tried,
-                               ran={} if backend.is_eager else ran_facts(record, counters, watch), diagnostics=words)
+                               ran={} if backend.is_eager else watch.ran(), diagnostics=words)
     finally:
         faulthandler.cancel_dump_traceback_later()
         child_journal("leave-module", label(outcome_name))

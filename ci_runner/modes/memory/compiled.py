@@ -6,16 +6,24 @@ workload runs once to compile (not metered), then metered, with the same hooks i
 fail the compiled code's guards and recompile it under the meter); eager runs the same calls. A layer's figure is its
 working bytes: the peak of its call above the bytes live when the call began. On CPU the meter is the
 `DispatchMeter` (ATen allocations), elsewhere the device's allocator.
+
+The layers are compiled watched, under one watch (`Backend.compile_watched(join=…)`), entered around each phase's
+compiled runs: a layer the backend did not run (no graph given or executed, Dynamo's fallback to eager, the backend's
+own silent fallback; graph breaks not counted, the graphs around one still run on the backend) measured PyTorch's
+memory, not the compiled code's. Its rows say so (`status: inconclusive`, `not_ran`) and are never a regression.
 """
 
 from __future__ import annotations
 
 import copy
+from contextlib import nullcontext
 from typing import Any, Callable
 
 import torch
 
+from ...backends.ran import CompileWatch
 from ...config import InputSpec
+from ...engine.hooks import ModuleHooks
 from ...engine.models import LoadedModel
 from ...workloads.phases import Phase
 from .meters import DispatchMeter, Meter, NullMeter, device_meter
@@ -33,41 +41,64 @@ def compiled_meter(device: str) -> Callable[[], Meter] | None:
     return (lambda: meter) if meter is not None else None
 
 
-def _compiled_copy(module: torch.nn.Module, backend: Any) -> torch.nn.Module:
+def _compiled_copy(module: torch.nn.Module,
+                   backend: Any) -> tuple[torch.nn.Module, CompileWatch | None, dict[str, int]]:
+    """A copy on the backend's device with each layer's forward compiled, the watch they share (None: no layer)
+    and each layer's compile in it (its record's index)."""
     out = backend.to_device(copy.deepcopy(module))
+    watch: CompileWatch | None = None
+    index: dict[str, int] = {}
     for name in sorted(layer_names(out)):
         layer = out.get_submodule(name)
-        layer.forward = backend.compile(layer.forward)
-    return out
+        layer.forward, watch = backend.compile_watched(layer.forward, join=watch)
+        if watch.records:
+            index[name] = len(watch.records) - 1
+    return out, watch, index
+
+
+def _not_ran(rows: list[dict[str, Any]], watch: CompileWatch, index: dict[str, int]) -> str | None:
+    """Mark the rows of the layers the backend did not run (`status: inconclusive`, `not_ran`); the first reason."""
+    why: dict[str, str | None] = {}
+    for r in rows:
+        if r["module"] not in why:
+            why[r["module"]] = watch.not_ran(breaks=False, of=index.get(r["module"]))
+        if why[r["module"]]:
+            r.update(status="inconclusive", not_ran=why[r["module"]])
+    return next((w for w in why.values() if w), None)
 
 
 def compare_compiled(loaded: LoadedModel, inputs: InputSpec, phases: list[Phase | None], backend: Any,
-                     new_meter: Callable[[], Meter]) -> dict[str, tuple[list[dict[str, Any]], str | None]]:
-    """Per phase: per (call, layer) eager and compiled working bytes and their ratio, and an error in words or None.
-    One eager copy and one compiled copy serve every phase, as a user compiles once and runs each workload."""
+                     new_meter: Callable[[], Meter]) -> dict[str, tuple[list[dict[str, Any]], str | None, str | None]]:
+    """Per phase: per (call, layer) eager and compiled working bytes and their ratio (a row of a layer the backend
+    did not run marked `inconclusive`), an error in words or None, and why the backend did not run (some of) the
+    layers or None. One eager copy and one compiled copy serve every phase, as a user compiles once and runs each
+    workload."""
     import torch._dynamo  # deferred: Dynamo takes seconds to import
 
     device = backend.device
-    out: dict[str, tuple[list[dict[str, Any]], str | None]] = {}
+    out: dict[str, tuple[list[dict[str, Any]], str | None, str | None]] = {}
     eager_mod = backend.to_device(copy.deepcopy(loaded.module))
     eager = {phase_name(p): metered_run(eager_mod, loaded, inputs, p, device, new_meter(), only_layers=True)
              for p in phases}
     del eager_mod
     torch._dynamo.reset()
-    comp_mod = _compiled_copy(loaded.module, backend)
+    comp_mod, watch, index = _compiled_copy(loaded.module, backend)
     layers = layer_names(comp_mod)
     with ModuleTracker(NullMeter(), tracked_layers(comp_mod, layers), keep_args=layers) as tracker:
         for p in phases:
             name, e = phase_name(p), eager[phase_name(p)]
             if e.error or e.oom:
-                out[name] = [], f"eager: {e.error or e.oom['message']}"  # type: ignore[index]
+                out[name] = [], f"eager: {e.error or e.oom['message']}", None  # type: ignore[index]
                 continue
-            warm = metered_run(comp_mod, loaded, inputs, p, device, NullMeter(), tracker=tracker)
-            c = warm if warm.error else metered_run(comp_mod, loaded, inputs, p, device, new_meter(), tracker=tracker)
+            with watch if watch is not None else nullcontext():
+                warm = metered_run(comp_mod, loaded, inputs, p, device, NullMeter(), tracker=tracker)
+                c = warm if warm.error else metered_run(comp_mod, loaded, inputs, p, device, new_meter(),
+                                                        tracker=tracker)
             if c.error or c.oom:
-                out[name] = [], f"compiled: {c.error or c.oom['message']}"  # type: ignore[index]
+                out[name] = [], f"compiled: {c.error or c.oom['message']}", None  # type: ignore[index]
                 continue
-            out[name] = _pair(e, c, layers), None
+            rows = _pair(e, c, layers)
+            out[name] = rows, None, _not_ran(rows, watch, index) if watch is not None else None
     return out
 
 
@@ -95,18 +126,14 @@ def capture_layer_args(loaded: LoadedModel, inputs: InputSpec, phase: Phase | No
         if current["label"] == call_label and not got:
             got.append(copy.deepcopy((args, kwargs)))
 
-    handle = sub.register_forward_pre_hook(pre, with_kwargs=True)
     tokens: list[torch.Tensor] = []
-    try:
-        with torch.no_grad():
-            for call in calls_of(loaded, inputs, phase, "cpu", lambda step: tokens[step - 1]):
-                current["label"] = call.label
-                out = loaded.module(**call.kwargs)
-                logits = getattr(out, "logits", None)
-                if logits is not None:
-                    tokens.append(logits[:, -1:].argmax(-1))
-                if got:
-                    break
-    finally:
-        handle.remove()
+    with ModuleHooks([(layer, sub)], pre=lambda _name: pre), torch.no_grad():
+        for call in calls_of(loaded, inputs, phase, "cpu", lambda step: tokens[step - 1]):
+            current["label"] = call.label
+            out = loaded.module(**call.kwargs)
+            logits = getattr(out, "logits", None)
+            if logits is not None:
+                tokens.append(logits[:, -1:].argmax(-1))
+            if got:
+                break
     return got[0] if got else None

@@ -9,7 +9,9 @@ For each phase of the cell's workload (`inputs.phases`; none: the single forward
   on the device; prediction and measurement side by side per module. An out-of-memory is localised to the layer,
   phase and step, with the bytes held by category, and a repro that re-runs that layer alone with the same budget;
 - **compiled against eager** per layer on the same device (`compiled.py`) when the backend compiles: a layer whose
-  compiled working bytes exceed eager's by more than `compiled_ratio` is a finding, with a repro printing both.
+  compiled working bytes exceed eager's by more than `compiled_ratio` is a finding, with a repro printing both. The
+  compiled runs are watched: the rows of a layer the backend did not run (it fell back to PyTorch, or was given
+  nothing to compile) are `inconclusive` with `not_ran`, never a finding, and the mode's reason says so.
 """
 
 from __future__ import annotations
@@ -259,9 +261,13 @@ def _compiled(ctx: "ModeContext", opts: MemoryOptions, phases: list[Any], data: 
         return
     by_phase = compare_compiled(ctx.model(), ctx.cell.inputs, phases, ctx.backend, factory)
     for phase in phases:
-        rows, err = by_phase[phase_name(phase)]
-        data["phases"][phase_name(phase)]["compiled"] = {"rows": rows, "error": err}
-        findings += _regressions(ctx, opts, phase, rows)
+        rows, err, not_ran = by_phase[phase_name(phase)]
+        data["phases"][phase_name(phase)]["compiled"] = {"rows": rows, "error": err,
+                                                         **({"not_ran": not_ran} if not_ran else {})}
+        # a layer the backend did not run measured PyTorch's memory: its rows are inconclusive, never a regression
+        findings += _regressions(ctx, opts, phase, [r for r in rows if r.get("status") != "inconclusive"])
+        if not_ran and not data.get("compiled_note"):
+            data["compiled_note"] = f"compiled against eager inconclusive where the backend did not run: {not_ran}"[:500]
 
 
 def run(ctx: "ModeContext") -> ModeResult:

@@ -3,7 +3,7 @@
 One meter has one resettable peak, so nested calls share it through a stack: entering a module folds the peak so
 far into the caller's frame and resets it; leaving folds the callee's peak back into the caller. A call that raises
 (an out-of-memory) leaves its frames on the stack, innermost last: `open_frames()` names where it died.
-The hooks are removed on exit, always (the `torch.utils.module_tracker` discipline).
+The hooks (`engine.hooks.ModuleHooks`) are removed on exit, always (the `torch.utils.module_tracker` discipline).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import torch
 
+from ...engine.hooks import ModuleHooks
 from .meters import Meter
 
 __all__ = ["Frame", "ModuleTracker", "tracked_modules", "layer_names"]
@@ -54,18 +55,15 @@ class ModuleTracker:
         self.stack: list[Frame] = []
         self.rows: list[dict[str, Any]] = []
         self.last_layer: Frame | None = None
-        self._handles: list[Any] = []
+        self._hooks: ModuleHooks | None = None
 
     def __enter__(self) -> "ModuleTracker":
-        for name, mod in self.modules:
-            self._handles.append(mod.register_forward_pre_hook(self._pre(name), with_kwargs=True))
-            self._handles.append(mod.register_forward_hook(self._post(name), always_call=False))
+        self._hooks = ModuleHooks(self.modules, pre=self._pre, post=self._post)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        if self._hooks is not None:
+            self._hooks.remove()
 
     def reset(self) -> None:
         """Forget the frames of a call that raised (its open layers are left, for the journal)."""

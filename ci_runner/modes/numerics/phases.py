@@ -27,6 +27,7 @@ import torch
 
 from ...engine.precision import emulate
 from ...engine.capture import OutputHooks, primary_tensor
+from ...engine.hooks import ModuleHooks
 from ...engine.watchedrun import PhaseWatch
 from ...engine.workload import (Call, CallRecord, PhaseRun, capture_calls, replay_calls, run_phase,
                                  smallest_module)
@@ -103,8 +104,8 @@ class _Recorder:
     def __init__(self, module: torch.nn.Module | None, *, clone: bool, inputs: bool = False) -> None:
         self.hooks = OutputHooks(module, clone=clone) if module is not None else None
         _INPUT_SINK.clear()
-        self.input_handles = [sub.register_forward_hook(_input_hook(name), with_kwargs=True)
-                              for name, sub in module.named_modules()] if inputs and module is not None else []
+        self.input_hooks = ModuleHooks(module.named_modules(), post=_input_hook, post_kwargs=True) \
+            if inputs and module is not None else None
         self.layers: list[Layers] = []
         self.inputs: list[Layers] = []
         self.caches: list[dict[str, torch.Tensor]] = []
@@ -122,7 +123,7 @@ class _Recorder:
                 if isinstance(t, torch.Tensor) and key not in out:
                     out[key] = t.detach().cpu()
             self.layers.append(out)
-        if self.input_handles:
+        if self.input_hooks is not None:
             fed: Layers = {}
             for name, t in _INPUT_SINK:
                 fed.setdefault(name, t.detach().cpu())
@@ -134,8 +135,8 @@ class _Recorder:
     def close(self) -> None:
         if self.hooks is not None:
             self.hooks.remove()
-        for h in self.input_handles:
-            h.remove()
+        if self.input_hooks is not None:
+            self.input_hooks.remove()
         _INPUT_SINK.clear()
 
 
@@ -324,11 +325,11 @@ def _watched_run(backend: Any, compiled_from: torch.nn.Module, hooked: torch.nn.
     given and run, Dynamo's eager fallbacks, the backend's own): (run, recorder, `ran` facts with `not_ran` when the
     backend did not run it and `partial_sites` when its partitioner left ops to PyTorch: op -> the modules that call
     it)."""
-    compiled, record = backend.compile_recorded(compiled_from)
-    with PhaseWatch("numerics", backend.spec.compile, record, trace=False) as watch:
+    compiled, compile_watch = backend.compile_watched(compiled_from)
+    with PhaseWatch("numerics", compile_watch, trace=False) as watch:
         run, rec = _run(compiled, hooked, primary, ctx, phase, **kw)
     facts = watch.run.facts
-    ran: dict[str, Any] = {**(record.summary() if record is not None else {}),
+    ran: dict[str, Any] = {**compile_watch.summary(),
                            **{k: v for k, v in facts.items() if not isinstance(v, (list, dict))}}
     why = watch.run.not_ran
     if why:
@@ -411,8 +412,8 @@ def _isolated_nonfinite(ctx: "ModeContext", phase: Phase, ref_run: PhaseRun, cal
 
         torch._dynamo.reset()
         eager = loaded.module.get_submodule(name)
-        fn, record = backend.compile_recorded(backend.to_device(copy.deepcopy(eager)))
-        with PhaseWatch("numerics", backend.spec.compile, record, trace=False) as watch:
+        fn, compile_watch = backend.compile_watched(backend.to_device(copy.deepcopy(eager)))
+        with PhaseWatch("numerics", compile_watch, trace=False) as watch:
             index, got, exc = replay_calls(fn, captured.get(name, []), call, backend.to_device)
         if exc is not None or index != call:  # a module that cannot run alone is not the one
             return False

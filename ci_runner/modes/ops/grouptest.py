@@ -6,8 +6,8 @@ once through `torch.compile` (the backend sees one FX graph) and compared output
 * the group compiled, ran on the backend and every output matches: each member passes (one compile for all);
 * an output mismatches: that member is probed alone, and its single-probe outcome is the verdict (a backend may
   fuse ops and round differently in a group);
-* the group raised, or it did not run on the backend (`not_ran_reason`: no graph, graph breaks, Dynamo fell back
-  to eager, the backend's own fallback), or the backend was given fewer op nodes than members (outputs optimized
+* the group raised, or it did not run on the backend (`CompileWatch.not_ran`: no graph, graph breaks, Dynamo fell
+  back to eager, the backend's own fallback), or the backend was given fewer op nodes than members (outputs optimized
   away): the group is split in halves, down to single probes, whose outcomes are exactly today's one-at-a-time
   ones. When a failing group's members all pass alone, it "fails only together": the smallest failing subset
   found (members dropped one by one while the rest still fails) is reported on each member's outcome
@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from ...backends import CompileRecord, DynamoCounters, FallbackWatch, named_op_from_error, not_ran_reason, resolve_backend
+from ...backends import named_op_from_error, resolve_backend
 from ...config import BackendSpec, spec_from_json
 from ...engine.codec import source_of, tensor_specs
 from ...engine.diagnostics import capture_fd2
@@ -271,20 +271,17 @@ class _Runner:
             spans.append((len(tensors), len(tensors) + len(ts)))
             tensors.extend(ts)
         fn = group_function([(m.op, m.probe) for m in members], self.device)
-        counters = DynamoCounters()
-        watch = FallbackWatch(getattr(getattr(self.backend, "spec", None), "compile", None))
-        record: CompileRecord | None = None
         try:
-            with capture_fd2(), watch, counters:
-                torch._dynamo.reset()
-                compiled, record = self.backend.compile_recorded(fn)
+            torch._dynamo.reset()  # a fresh cache (torch.compile compiles on the call, under the watch)
+            compiled, watch = self.backend.compile_watched(fn)
+            with capture_fd2(), watch:
                 values = map_tensors(lambda t: t.detach().to("cpu"), compiled(*tensors))
         except Exception as exc:
             text = error_text(exc)
             return _Attempt(ok=False, raised=True, why=f"{type(exc).__name__}: {text[:400]}",
                             named=named_op_from_error(text)[0])
-        why = not_ran_reason(record, counters, watch)
-        nodes = record.summary()["nodes"] if record is not None else 0
+        why = watch.not_ran()
+        nodes = watch.summary().get("nodes", 0)
         if not why and nodes < len(members):
             why = f"the backend was given {nodes} op node(s) for {len(members)} probes (outputs optimized away)"
         if why:

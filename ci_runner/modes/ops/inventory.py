@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from ...engine.capture import ModuleCapture
+from ...engine.hooks import aten_recording
 from ...errors import DeepviewError
 from ...engine.codec import encode_arg, tensor_specs
 from .signature import CallSite, Inventory, OpSignature, signature_key
@@ -368,35 +369,17 @@ def trace_aot(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *
     when given, gets the CPU seconds of the fake copy, Dynamo's bytecode trace (with its guards), aot_autograd
     (with the recording compiler) and our graph walk.
     """
-    from torch._dynamo.backends.common import aot_autograd
-
     t0, c0 = time.monotonic(), time.process_time()
     root_class = type(model).__name__
     model, args, kwargs, host, fake_mode = _traceable(model, args, kwargs, device)
-    graphs: list[torch.fx.GraphModule] = []
-    aot_cpu = [0.0]
-
-    def record(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-        graphs.append(gm)
-        return gm
-
-    aot = aot_autograd(fw_compiler=record)
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:  # aot_autograd, its CPU time booked
-        c = time.process_time()
+    aot_cpu = [0.0]  # aot_autograd's CPU time, booked apart from Dynamo's
+    with aten_recording(model, cpu_seconds=aot_cpu, dynamic=False) as (compiled, graphs):
+        c1 = time.process_time()
         try:
-            return aot(gm, example_inputs)
+            with torch.no_grad(), fake_mode:
+                compiled(*args, **kwargs)
         finally:
-            aot_cpu[0] += time.process_time() - c
-
-    torch._dynamo.reset()
-    c1 = time.process_time()
-    try:
-        with torch.no_grad(), fake_mode:
-            torch.compile(model, backend=backend, dynamic=False)(*args, **kwargs)
-    finally:
-        c2 = time.process_time()
-        torch._dynamo.reset()
+            c2 = time.process_time()
     builder = _Builder()
     notes: list[str] = []
     for gm in graphs:

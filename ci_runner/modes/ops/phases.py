@@ -27,6 +27,7 @@ import torch
 from ...backends import backend_recipe
 from ...engine.repro import (render_template, run_command, safe_filename, template_backend,
                                verify_script, write_script)
+from ...engine.hooks import aten_recording
 from ...engine.workload import run_phase, symbolic_functions
 from ...options import OpsOptions
 from ...workloads.phases import Phase
@@ -46,23 +47,10 @@ ProbeFn = Callable[[Sequence[OpSignature], str, Path], ModeResult]
 
 def record_phase_graphs(ctx: "ModeContext", phase: Phase) -> tuple[list[torch.fx.GraphModule], list[str]]:
     """Every ATen graph the backend would be given over the phase's calls, and the calls that failed on CPU."""
-    import torch._dynamo  # deferred: Dynamo takes seconds to import
-    from torch._dynamo.backends.common import aot_autograd
-
     loaded = ctx.model()
-    graphs: list[torch.fx.GraphModule] = []
-
-    def keep(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-        graphs.append(gm)
-        return gm
-
     options = {k: v for k, v in ctx.cell.backend.compile_options.items() if k in ("dynamic", "fullgraph")}
-    torch._dynamo.reset()
-    try:
-        fn = torch.compile(copy.deepcopy(loaded.module), backend=aot_autograd(fw_compiler=keep), **options)
+    with aten_recording(copy.deepcopy(loaded.module), **options) as (fn, graphs):
         run = run_phase(fn, loaded, ctx.cell.inputs, phase, keep_going=False)
-    finally:
-        torch._dynamo.reset()
     return graphs, [f"{r.label}: {r.error}" for r in run.records if r.error]
 
 

@@ -28,8 +28,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-from ...backends import (COULD_NOT_RUN_RE, CompileRecord, DynamoCounters, FallbackWatch, groups_agree, named_op_from_error,
-                         not_ran_reason, ran_facts)
+from ...backends import COULD_NOT_RUN_RE, CompileRecord, CompileWatch, groups_agree, named_op_from_error
 from ...config import BackendSpec, spec_to_json
 from ...engine.diagnostics import capture_fd2, compiler_words
 from ...engine.failure import classify, error_text
@@ -195,7 +194,7 @@ def run_probe(backend: Any, probe: Mapping[str, Any], *, compare_results: bool,
     `via="dynamo"` (default) goes through `torch.compile` as the user's code does; `via="fx"` hands the one-op FX
     graph straight to the backend's compiler function (faster, but it skips Dynamo and what fails there).
     The probe returns only the op outputs the model's graph uses (`probe["outputs"]`). A compile backend's run
-    counts only when it compiled and executed the op (`CompileRecord`, `DynamoCounters`, `FallbackWatch`); else
+    counts only when it compiled and executed the op (its `CompileWatch`: `Backend.compile_watched`); else
     the outcome is `inconclusive`. What the compiler wrote to fd 2 and the exception chain are kept, reduced to
     the lines that name the op or the failing pass (`diagnostics`).
     Steps: resolve the op, run it on CPU eager (the reference), move the inputs, run it on the target
@@ -225,17 +224,17 @@ def run_probe(backend: Any, probe: Mapping[str, Any], *, compare_results: bool,
         info["message"] = f"moving the inputs to {device} failed: {info['message']}"[:4000]
         return done(**info)
     compile_name = getattr(getattr(backend, "spec", None), "compile", None)
-    run = _TargetRun(counters=DynamoCounters(), watch=FallbackWatch(None if eager else compile_name))
+    run = _TargetRun(watch=CompileWatch(None if eager else compile_name))  # the compile paths' records join it
     if not eager and via == "fx" and not dynamic_marks(probe["args"], probe["kwargs"]):  # a dynamic dim needs Dynamo
         _fx_path(backend, op, probe, tensors, ref, run, device=device)
     try:
         value = _run_on_target(backend, op, probe, tensors, run, eager=eager, device=device)
     except Exception as exc:
         info = _target_failure(exc, run, eager=eager, ref_exc=ref.exc, op_name=probe["op"])
-        return done(**info, ran=ran_facts(run.record, run.counters, run.watch))
-    ran = ran_facts(run.record, run.counters, run.watch)
+        return done(**info, ran=run.watch.ran())
+    ran = run.watch.ran()
     if not eager:
-        why = not_ran_reason(run.record, run.counters, run.watch)
+        why = run.watch.not_ran()
         if why:
             return done(status="inconclusive", stage="run", error_type=None, ran=ran,
                         message=f"{probe['op']} did not run on the backend: {why}"[:2000])
@@ -304,9 +303,7 @@ class _TargetRun:
     """What one run on the target left behind, also when it raised: the evidence that the backend ran it and
     what the compiler wrote to fd 2."""
 
-    counters: DynamoCounters
-    watch: FallbackWatch
-    record: Any = None  # a `CompileRecord` once a compile path made one
+    watch: CompileWatch  # a compile path's `CompileRecord` joins it (`record`)
     err: list[str] = field(default_factory=lambda: [""])
     compiler: Any = None  # the fx path: the backend's compiler function …
     graph: Any = None  # … and the one-op graph handed to it (None: go through torch.compile)
@@ -332,14 +329,15 @@ def _run_on_target(backend: Any, op: Any, probe: Mapping[str, Any], tensors: lis
     args, kwargs, outputs = probe["args"], probe["kwargs"], probe.get("outputs")
     graph = run.graph
     compile_name = getattr(getattr(backend, "spec", None), "compile", None)
-    with capture_fd2() as run.err, run.watch, run.counters:
+    with capture_fd2() as run.err, run.watch:
         if eager:
             a, k = assemble(args, kwargs, tensors, device)
             value = select_outputs(op(*a, **k), outputs)
         elif graph is not None:
-            run.record = CompileRecord(run.compiler, str(compile_name))
+            record = CompileRecord(run.compiler, str(compile_name))  # the compiler function itself, no Dynamo
+            run.watch.records.append(record)
             try:
-                compiled = run.record(graph, list(tensors))
+                compiled = record(graph, list(tensors))
             except Exception as exc:  # the backend's compiler refused the one-op graph
                 raise _CompilerRefused(exc) from exc
             value = _unpack(compiled(*tensors), graph)
@@ -350,8 +348,8 @@ def _run_on_target(backend: Any, op: Any, probe: Mapping[str, Any], tensors: lis
                 a, k = assemble(args, kwargs, ts, device)
                 return select_outputs(op(*a, **k), outputs)
 
-            recorded = getattr(backend, "compile_recorded", None)  # a `backends.Backend`; else plain compile
-            compiled_fn, run.record = recorded(fn) if callable(recorded) else (backend.compile(fn), None)
+            watched = getattr(backend, "compile_watched", None)  # a `backends.Backend`; else plain compile
+            compiled_fn = watched(fn, join=run.watch)[0] if callable(watched) else backend.compile(fn)
             for i, dim in dynamic_marks(args, kwargs):  # the dims the phase's graph had symbolic stay symbolic
                 torch._dynamo.maybe_mark_dynamic(tensors[i], dim)
             value = compiled_fn(*tensors)
@@ -368,7 +366,7 @@ def _target_failure(exc: BaseException, run: _TargetRun, *, eager: bool, ref_exc
         info.update(status="unsupported", stage="compile")
         if ref_exc is not None:  # CPU eager rejects these inputs too: an invalid probe, not a verdict
             info.update(status="probe_error", message=invalid_probe_message(ref_exc, info["message"])[:4000])
-    elif info["status"] == "probe_error" and ref_exc is None and run.record is not None and run.record.graphs:
+    elif info["status"] == "probe_error" and ref_exc is None and run.watch.record is not None and run.watch.record.graphs:
         info.update(status="error", stage="compile")  # Dynamo failed after the backend had the graph
     words, chain = compiler_words(run.err[0], inner, info["message"], op_name)
     if words:
