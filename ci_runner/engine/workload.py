@@ -320,8 +320,6 @@ def _start_ids(loaded: LoadedModel) -> list[int]:
             value = getattr(source, key, None)
             if isinstance(value, int) and value >= 0:
                 return [value]
-            if isinstance(value, (list, tuple)) and value and all(isinstance(v, int) for v in value):
-                return [int(v) for v in value]
     return [0]
 
 
