@@ -1,8 +1,9 @@
 """Issue 45: an encoder-decoder's prefill and decode through the modes (`modes/*/phases.py`) on aot_eager (eager's
 kernels: any finding is ours): Whisper (audio into its encoder) and T5 (tokens) decode through their
 `EncoderDecoderCache`, every call passes, the numerics agree token for token; batch is skipped with its reason.
-A wav2vec2 asked for its CTC head (`task: ctc`) runs the ops and numerics modes on its audio. Tiny configs (one
-layer each side): seconds each."""
+A wav2vec2 asked for its CTC head (`task: ctc`) runs the ops and numerics modes on its audio. Then Whisper decoding
+through a `DynamicCache` on the two real compilers from PyPI, as checked by hand (docs/phases.md). Tiny configs
+(one layer each side): seconds each, the IREE one about a minute (its repro is verified)."""
 
 from __future__ import annotations
 
@@ -62,3 +63,37 @@ def test_a_ctc_head_runs_ops_and_numerics_on_its_audio(tmp_path: Path) -> None:
     for mode in ("ops", "numerics"):
         assert result.modes[mode].status == "pass", (mode, result.modes[mode].reason)
         assert result.modes[mode].findings == []
+
+
+def _real(mode_context: Callable[..., Any], backend: str) -> Any:
+    """Whisper decoding through a `DynamicCache` (generate()'s default) on a real compiler from PyPI."""
+    backends = [{"id": "iree", "compile": "turbine_cpu"},
+                {"id": "ov", "compile": "openvino", "compile_options": {"options": {"aot_autograd": True}}}]
+    text = matrix_text(models=[WHISPER], backends=backends, references=REFERENCES,
+                       inputs={"seq_len": 8, "samples": 1, "phases": [{"decode": {"steps": 2, "cache": "dynamic"}}]})
+    return mode_context(text, "whisper", backend)
+
+
+def test_iree_fails_whisper_decode_once_its_length_is_dynamic(mode_context: Callable[..., Any],
+                                                                fresh_dynamo: Any) -> None:
+    """By hand (docs/phases.md): plain torch.compile on turbine_cpu passes the prefill (the start token) and decode
+    step 1, and fails decode step 2, where Dynamo recompiles with the cache's length dynamic; dynamic=False passes."""
+    pytest.importorskip("iree.turbine")
+    ctx = _real(mode_context, "iree")
+    findings, data = layers_phases(ctx, LayersOptions(), ctx.artifact_dir("layers"))
+    assert [(f.phase, f.step, f.module) for f in findings] == [("decode", 2, "model.decoder.layers.0.self_attn")]
+    f = findings[0]
+    assert f.details["dynamic_only"] and f.details["passed_calls"] == ["prefill", "decode step 1"], f.message
+    assert f.repro is not None and f.repro.verified, f.repro  # the repro rebuilds the EncoderDecoderCache
+
+
+def test_openvino_runs_whisper_prefill_into_a_dynamic_cache_in_pytorch(mode_context: Callable[..., Any],
+                                                                       fresh_dynamo: Any) -> None:
+    """By hand: OpenVINO cannot convert the empty `DynamicCache`'s first concatenation (`aten.cat` of a 0-element
+    tensor), logs it at DEBUG and runs that call in PyTorch; every call returns. The layers mode says the backend
+    did not run the phase, never a pass."""
+    pytest.importorskip("openvino")
+    ctx = _real(mode_context, "ov")
+    findings, data = layers_phases(ctx, LayersOptions(), ctx.artifact_dir("layers"))
+    assert findings == [] and data["decode"]["status"] == "inconclusive"
+    assert "ran in PyTorch eager" in data["decode"]["reason"], data["decode"]["reason"]
