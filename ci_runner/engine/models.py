@@ -48,12 +48,11 @@ from ..errors import ModelLoadError
 from ..sim import simdev
 from .audio import audio_inputs
 from .fastinit import fast_init
-from ..zoo.catalog import head_config, head_of
+from ..zoo.catalog import TASK_HEADS, head_config, head_of, task_of_class
 from .synth import DECODER_LEN, decoder_input_ids, forward_inputs
 from .tree import map_tensors
 
-TASKS: tuple[str, ...] = ("causal-lm", "base", "masked-lm", "image-classification", "image-text", "seq2seq",
-                          "speech-seq2seq")
+TASKS: tuple[str, ...] = tuple(TASK_HEADS)  # every head a model can be asked for: `zoo.catalog.TASK_HEADS`
 
 DTYPES: Mapping[str, torch.dtype] = {
     "float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -206,12 +205,7 @@ def _config_for(spec: ModelSpec) -> Any:
 def _auto_class(task: str) -> Any:
     import transformers  # deferred: transformers is heavy (seconds)
 
-    names = {
-        "causal-lm": "AutoModelForCausalLM", "base": "AutoModel", "masked-lm": "AutoModelForMaskedLM",
-        "image-classification": "AutoModelForImageClassification", "image-text": "AutoModelForImageTextToText",
-        "seq2seq": "AutoModelForSeq2SeqLM", "speech-seq2seq": "AutoModelForSpeechSeq2Seq",
-    }
-    return getattr(transformers, names[task])
+    return getattr(transformers, TASK_HEADS[task][0])
 
 
 def _in_mapping(auto_cls: Any, config: Any) -> bool:
@@ -240,6 +234,9 @@ def detect_task(config: Any, requested: str = "auto") -> str:
                              ("ForImageTextToText", "image-text")):
             if arch.endswith(suffix):
                 return task
+        listed = task_of_class(str(getattr(config, "model_type", "") or ""), arch)
+        if listed is not None:  # another head of the table (`zoo.catalog.TASK_HEADS`): CTC, classification, ...
+            return listed
         if arch.endswith("Model"):
             return "base"
     return head_of(str(getattr(config, "model_type", "") or ""))[0] or "base"
@@ -722,6 +719,12 @@ def _accepts(module: torch.nn.Module, name: str) -> bool:
         return False
 
 
+def reads_images(module: torch.nn.Module) -> bool:
+    """Whether the model's main input is an image (`pixel_values`): a vision head of any task (segmentation,
+    depth, detection, ...)."""
+    return str(getattr(module, "main_input_name", "") or "") == "pixel_values"
+
+
 def _move(obj: Any, device: str) -> Any:
     return map_tensors(lambda t: t.to(device), obj)
 
@@ -766,7 +769,7 @@ def basic_inputs(model: LoadedModel, inputs: InputSpec, *, sample: int = 0) -> d
         kwargs.update({k: v.to(model.dtype) for k, v in audio.items()})
         if getattr(config, "is_encoder_decoder", False) and _accepts(model.module, "decoder_input_ids"):
             kwargs["decoder_input_ids"] = decoder_input_ids(config, inputs, sample)
-    elif model.task == "image-classification":
+    elif model.task == "image-classification" or (model.task != "image-text" and reads_images(model.module)):
         kwargs["pixel_values"] = _pixel_values(model, inputs, sample)
         native = getattr(config, "image_size", None)
         if inputs.image_size and inputs.image_size != native and _accepts(model.module, "interpolate_pos_encoding"):

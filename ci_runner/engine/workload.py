@@ -7,6 +7,14 @@ position ids `generate` derives from it (`cumsum(mask) - 1`, 0 on padding), so p
 A long phase is the prompt's length, then one call per long length. The same `fn` (the eager module, or one compiled object) serves every call,
 so a compiler sees the shapes change exactly as in generation.
 
+An encoder-decoder whose decoder takes tokens (Whisper, T5, BART) is generated as `generate()` does: its encoder
+runs once, eagerly (`get_encoder()`, on the audio features of `engine/audio.py` or the prompt's tokens), and every
+call is the decoder's: the prefill feeds the decoder start token as `decoder_input_ids`, each decode step one token,
+with the encoder's output (`encoder_outputs=`, the encoder's `attention_mask` where it has one) and one
+`EncoderDecoderCache` (self-attention cache of the phase's kind, cross-attention cache of the encoder's length). The
+backend compiles the decoder steps; the reference and the target see the same encoder output. Padded batches and
+long prompts are built for decoder-only prompts and skipped for encoder-decoders.
+
 Decode is teacher-forced when `forced` tokens are given (the reference's greedy tokens): both sides see the same
 tokens, so one flipped token does not hide the layer that drifts. Every call's returned logits are kept as returned
 (`raw`) and as a copy: `overwritten` lists the outputs a later call changed (a runtime that reuses its output
@@ -19,7 +27,7 @@ import copy
 import inspect
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -28,10 +36,11 @@ from ..workloads.phases import Phase
 from .audio import is_audio
 from .failure import stage_of, unwrap
 from .hooks import ModuleHooks
-from .models import LoadedModel, build_inputs, seeded_ids, text_config
+from .models import LoadedModel, build_inputs, reads_images, seeded_ids, text_config
 
 __all__ = ["Call", "CallRecord", "Captured", "PhaseRun", "skip_reason", "run_phase", "phase_calls", "cache_kwarg", "logits_of",
-           "capture_calls", "replay_calls", "smallest_module"]
+           "capture_calls", "replay_calls", "smallest_module", "encoder_decoder", "encoder_run", "cache_recipe",
+           "plain_tensors"]
 
 
 @dataclass
@@ -44,6 +53,11 @@ class Call:
     label: str
     kwargs: dict[str, Any]
     real: torch.Tensor | None = None
+    ids_key: str = "input_ids"  # the token ids the call feeds (`decoder_input_ids` for an encoder-decoder's decoder)
+
+    @property
+    def ids(self) -> torch.Tensor:
+        return self.kwargs[self.ids_key]
 
 
 @dataclass
@@ -133,16 +147,56 @@ def long_lengths(loaded: LoadedModel, phase: Phase) -> tuple[list[int], list[int
     return fit, [n for n in phase.lengths if n not in fit]
 
 
+def encoder_decoder(loaded: LoadedModel) -> bool:
+    """Whether the model is an encoder-decoder (its config says so, or its task is a seq2seq head)."""
+    return loaded.task in ("seq2seq", "speech-seq2seq") or bool(getattr(loaded.config, "is_encoder_decoder", False))
+
+
+def _decodes_tokens(loaded: LoadedModel) -> bool:
+    """An encoder-decoder generated as `generate()` does: a decoder fed `decoder_input_ids`, the encoder's output
+    passed back as `encoder_outputs`, and an encoder to compute it."""
+    params = _signature(loaded.module)
+    return {"decoder_input_ids", "encoder_outputs"} <= params and callable(getattr(loaded.module, "get_encoder", None))
+
+
+def _decoder_positions(loaded: LoadedModel) -> int | None:
+    """The decoder's positions (Whisper's `max_target_positions`, else `max_position_embeddings`), or None."""
+    cfg = _decoder_config(loaded)
+    for key in ("max_target_positions", "max_position_embeddings"):
+        value = getattr(cfg, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _encoder_decoder_skip(loaded: LoadedModel, phase: Phase, inputs: InputSpec) -> str | None:
+    name = type(loaded.module).__name__
+    if phase.name in ("batch", "long"):
+        return (f"{phase.name} is built for decoder-only prompts; {name} is an encoder-decoder (its prompt is the "
+                f"encoder's input, run once: prefill and decode are its generation)")
+    if not _decodes_tokens(loaded) or not _generates(loaded) or cache_kwarg(loaded.module) is None:
+        return (f"{phase.name} needs an encoder-decoder that generates through a KV cache with `decoder_input_ids` "
+                f"and `encoder_outputs`; {name} does not")
+    limit, total = _decoder_positions(loaded), len(_start_ids(loaded)) + phase.steps
+    if limit is not None and total > limit:
+        return f"decoder start + {phase.steps} steps = {total} tokens > the decoder's {limit} positions"
+    enc_limit = _max_positions(loaded)
+    if not is_audio(loaded.module) and enc_limit is not None and inputs.seq_len > enc_limit:
+        return f"prompt {inputs.seq_len} tokens > max_position_embeddings {enc_limit}"
+    return None
+
+
 def skip_reason(loaded: LoadedModel, phase: Phase, inputs: InputSpec) -> str | None:
     """Why `phase` does not apply to this model (None: it applies)."""
     if loaded.example_inputs is not None:
         return "a factory model brings its own inputs; phases are built for token models loaded from a config or folder"
-    if loaded.task in ("image-classification",) or loaded.config is None:
+    if loaded.task in ("image-classification",) or loaded.config is None \
+            or (loaded.task != "image-text" and reads_images(loaded.module)):
         return f"{phase.name} needs token inputs; the model's task is {loaded.task}"
+    if encoder_decoder(loaded):
+        return _encoder_decoder_skip(loaded, phase, inputs)
     if is_audio(loaded.module):
         return f"{phase.name} needs token inputs; {type(loaded.module).__name__} reads audio"
-    if loaded.task == "seq2seq" or getattr(loaded.config, "is_encoder_decoder", False):
-        return f"{phase.name} is built for decoder-only models; {type(loaded.module).__name__} is an encoder-decoder"
     if phase.name in ("prefill", "decode"):
         if not _generates(loaded) or cache_kwarg(loaded.module) is None:
             return f"{phase.name} needs a model that generates through a KV cache; {type(loaded.module).__name__} does not"
@@ -185,13 +239,50 @@ def _pad_id(loaded: LoadedModel) -> int:
     return int(pad) if isinstance(pad, int) and pad >= 0 else 0
 
 
-def make_cache(loaded: LoadedModel, phase: Phase, max_len: int) -> Any:
-    """A fresh KV cache of the phase's kind for `max_len` tokens."""
+def _decoder_config(loaded: LoadedModel) -> Any:
+    """The decoder's config, as `generate()` sizes its caches with (`get_text_config(decoder=True)`)."""
+    config = loaded.module.config
+    get = getattr(config, "get_text_config", None)
+    return get(decoder=True) if callable(get) else config
+
+
+def make_cache(loaded: LoadedModel, phase: Phase, max_len: int, *, cross_len: int | None = None) -> Any:
+    """A fresh KV cache of the phase's kind for `max_len` tokens; with `cross_len` (an encoder-decoder), an
+    `EncoderDecoderCache` of that self-attention cache and a cross-attention cache of the same kind for the
+    encoder's `cross_len` positions, as `generate()` builds them."""
     import transformers  # deferred: only phases with a cache need it
 
-    if phase.cache == "dynamic":
-        return transformers.DynamicCache(config=loaded.module.config)
-    return transformers.StaticCache(config=loaded.module.config, max_cache_len=max_len)
+    config = _decoder_config(loaded) if cross_len is not None else loaded.module.config
+
+    def one(length: int) -> Any:
+        if phase.cache == "dynamic":
+            return transformers.DynamicCache(config=config)
+        return transformers.StaticCache(config=config, max_cache_len=length)
+
+    if cross_len is None:
+        return one(max_len)
+    return transformers.EncoderDecoderCache(one(max_len), one(cross_len))
+
+
+def cache_recipe(loaded: LoadedModel, phase: Phase, first: Call) -> dict[str, Any]:
+    """How a repro script rebuilds the phase's cache: its kind, length and keyword, and `cross_len` (the encoder's
+    length) for an encoder-decoder's `EncoderDecoderCache`."""
+    key = cache_kwarg(loaded.module) or "past_key_values"
+    recipe: dict[str, Any] = {"kind": phase.cache, "max_len": int(first.ids.shape[1]) + phase.steps, "kwarg": key}
+    encoded = first.kwargs.get("encoder_outputs")
+    if encoded is not None:
+        recipe["cross_len"] = int(encoded[0].shape[1])
+    return recipe
+
+
+def plain_tensors(kwargs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """A call's tensors by keyword, an encoder's output (`encoder_outputs`) as its last hidden state: what a repro
+    script writes out as literals (the cache left out)."""
+    out = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+    encoded = kwargs.get("encoder_outputs")
+    if encoded is not None:
+        out["encoder_outputs"] = encoded[0]
+    return out
 
 
 def _image_prefix(loaded: LoadedModel, inputs: InputSpec, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -219,6 +310,48 @@ def generation_calls(loaded: LoadedModel, inputs: InputSpec, phase: Phase, devic
         pos = torch.full((ids.shape[0], 1), length + step - 1, dtype=torch.long, device=device)
         yield Call("decode", step, f"decode step {step}", {"input_ids": tok, key: cache, "use_cache": True,
                                                            "position_ids": pos})
+
+
+def _start_ids(loaded: LoadedModel) -> list[int]:
+    """The decoder's start token(s) `generate()` begins with: `decoder_start_token_id` (of the generation config,
+    else the config), else the decoder's bos or pad id, else 0."""
+    sources = (getattr(loaded.module, "generation_config", None), loaded.config, _decoder_config(loaded))
+    for key in ("decoder_start_token_id", "bos_token_id", "pad_token_id"):
+        for source in sources:
+            value = getattr(source, key, None)
+            if isinstance(value, int) and value >= 0:
+                return [value]
+    return [0]
+
+
+def encoder_run(loaded: LoadedModel, inputs: InputSpec, device: str) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The encoder's output on the cell's first sample (audio features or the prompt's tokens, built as the single
+    forward builds them), computed once and eagerly as `generate()` does, and the encoder's attention mask
+    (`{"attention_mask": ...}` where the inputs have one, else `{}`)."""
+    built = build_inputs(loaded, inputs, sample=0, device=device)
+    main = str(getattr(loaded.module, "main_input_name", "input_ids") or "input_ids")
+    mask = {"attention_mask": built["attention_mask"]} if isinstance(built.get("attention_mask"), torch.Tensor) else {}
+    with torch.no_grad():
+        encoded = loaded.module.get_encoder()(**{main: built[main]}, **mask, return_dict=True)
+    return encoded, mask
+
+
+def encoder_decoder_calls(loaded: LoadedModel, inputs: InputSpec, phase: Phase, device: str,
+                          next_token: Callable[[int], torch.Tensor]) -> Iterator[Call]:
+    """An encoder-decoder's generation: the encoder once (`encoder_run`), then the decoder's prefill (the start
+    token(s)) and `phase.steps` decode steps through one `EncoderDecoderCache`, each call with the encoder's output
+    and the keywords `generate()` passes (`decoder_input_ids`, `encoder_outputs`, the encoder's mask, the cache,
+    `use_cache`)."""
+    encoded, mask = encoder_run(loaded, inputs, device)
+    batch = int(encoded[0].shape[0])
+    start = torch.tensor([_start_ids(loaded)], dtype=torch.long).expand(batch, -1).to(device)
+    cache = make_cache(loaded, phase, start.shape[1] + phase.steps, cross_len=int(encoded[0].shape[1]))
+    key = cache_kwarg(loaded.module) or "past_key_values"
+    shared = {"encoder_outputs": encoded, **mask, key: cache, "use_cache": True}
+    yield Call("prefill", None, "prefill", {"decoder_input_ids": start, **shared}, ids_key="decoder_input_ids")
+    for step in range(1, phase.steps + 1):
+        yield Call("decode", step, f"decode step {step}", {"decoder_input_ids": next_token(step).to(device), **shared},
+                   ids_key="decoder_input_ids")
 
 
 def batch_call(loaded: LoadedModel, inputs: InputSpec, phase: Phase, device: str) -> Call:
@@ -262,7 +395,8 @@ def phase_calls(loaded: LoadedModel, inputs: InputSpec, phase: Phase, device: st
     """The calls of `phase`, in order (`next_token(step)`: the token a decode step feeds, asked when it is built):
     the one place a phase's name picks its calls."""
     if phase.name in ("prefill", "decode"):
-        yield from generation_calls(loaded, inputs, phase, device, next_token)
+        calls = encoder_decoder_calls if encoder_decoder(loaded) else generation_calls
+        yield from calls(loaded, inputs, phase, device, next_token)
     elif phase.name == "batch":
         yield batch_call(loaded, inputs, phase, device)
     else:
@@ -301,9 +435,9 @@ def run_phase(fn: Callable[..., Any], loaded: LoadedModel, inputs: InputSpec, ph
                 rec.stage = stage_of(exc)
             rec.seconds = time.perf_counter() - t0
             if call.step is not None:
-                rec.token = call.kwargs["input_ids"].detach().cpu()
+                rec.token = call.ids.detach().cpu()
             else:
-                rec.prompt_ids = call.kwargs["input_ids"].detach().cpu()
+                rec.prompt_ids = call.ids.detach().cpu()
             run.records.append(rec)
             if rec.error is None:
                 _check_kept(run, kept, rec)

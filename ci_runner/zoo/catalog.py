@@ -16,16 +16,38 @@ from typing import Any, Callable, Iterable, Sequence
 
 from ..errors import ConfigError
 
-# (task name, auto mapping in transformers.models.auto.modeling_auto) in order of preference
-# (an encoder-decoder's seq2seq head covers its encoder too, where its causal-LM head is the decoder alone)
-HEADS: tuple[tuple[str, str], ...] = (
-    ("seq2seq", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),
-    ("speech-seq2seq", "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES"),
-    ("causal-lm", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
-    ("image-text", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES"),
-    ("image-classification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"),
-    ("base", "MODEL_MAPPING_NAMES"),
-)
+# Every head a model can be asked for (`task:` of a `config:`, `path:` or `hub:` model): task name -> (transformers'
+# auto class, its auto mapping in transformers.models.auto.modeling_auto). The one table of heads: `engine.models`
+# builds and checks `task:` with it, the zoo picks its head from it (`HEADS`) and labels families with it (`LABELS`).
+# Inputs follow the model's main input (`main_input_name`), not the task: token ids, `pixel_values` or audio
+# (`engine/audio.py`). Left out: heads whose main input none of those builders makes (multiple choice's
+# (batch, choices, length) ids, text-to-waveform, multimodal LM: image-text covers it).
+TASK_HEADS: dict[str, tuple[str, str]] = {
+    "seq2seq": ("AutoModelForSeq2SeqLM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),
+    "speech-seq2seq": ("AutoModelForSpeechSeq2Seq", "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES"),
+    "causal-lm": ("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
+    "image-text": ("AutoModelForImageTextToText", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES"),
+    "image-classification": ("AutoModelForImageClassification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"),
+    "base": ("AutoModel", "MODEL_MAPPING_NAMES"),
+    "masked-lm": ("AutoModelForMaskedLM", "MODEL_FOR_MASKED_LM_MAPPING_NAMES"),
+    "ctc": ("AutoModelForCTC", "MODEL_FOR_CTC_MAPPING_NAMES"),
+    "audio-classification": ("AutoModelForAudioClassification", "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES"),
+    "audio-frame-classification": ("AutoModelForAudioFrameClassification",
+                                   "MODEL_FOR_AUDIO_FRAME_CLASSIFICATION_MAPPING_NAMES"),
+    "audio-xvector": ("AutoModelForAudioXVector", "MODEL_FOR_AUDIO_XVECTOR_MAPPING_NAMES"),
+    "sequence-classification": ("AutoModelForSequenceClassification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"),
+    "token-classification": ("AutoModelForTokenClassification", "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES"),
+    "question-answering": ("AutoModelForQuestionAnswering", "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES"),
+    "pretraining": ("AutoModelForPreTraining", "MODEL_FOR_PRETRAINING_MAPPING_NAMES"),
+    "semantic-segmentation": ("AutoModelForSemanticSegmentation", "MODEL_FOR_SEMANTIC_SEGMENTATION_MAPPING_NAMES"),
+    "depth-estimation": ("AutoModelForDepthEstimation", "MODEL_FOR_DEPTH_ESTIMATION_MAPPING_NAMES"),
+    "object-detection": ("AutoModelForObjectDetection", "MODEL_FOR_OBJECT_DETECTION_MAPPING_NAMES"),
+    "masked-image-modeling": ("AutoModelForMaskedImageModeling", "MODEL_FOR_MASKED_IMAGE_MODELING_MAPPING_NAMES"),
+}
+# the zoo's head, in order of preference (an encoder-decoder's seq2seq head covers its encoder too, where its
+# causal-LM head is the decoder alone)
+HEADS: tuple[tuple[str, str], ...] = tuple((t, TASK_HEADS[t][1]) for t in (
+    "seq2seq", "speech-seq2seq", "causal-lm", "image-text", "image-classification", "base"))
 FAMILIES: tuple[str, ...] = ("decoder", "MoE", "SSM/hybrid", "encoder", "vision", "audio", "multimodal",
                              "encoder-decoder")
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok")
@@ -47,18 +69,27 @@ class ZooModel:
 
 # mappings that only label the family (an architecture with a masked-LM head is an encoder even when it also has a
 # causal-LM head, as BERT does; CTC and audio classification heads mark audio encoders)
-LABELS: tuple[tuple[str, str], ...] = (
-    ("masked-lm", "MODEL_FOR_MASKED_LM_MAPPING_NAMES"),
-    ("ctc", "MODEL_FOR_CTC_MAPPING_NAMES"),
-    ("audio-classification", "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES"),
-)
+LABELS: tuple[tuple[str, str], ...] = tuple((t, TASK_HEADS[t][1]) for t in ("masked-lm", "ctc", "audio-classification"))
 
 
 @functools.lru_cache(maxsize=1)
 def _mappings() -> dict[str, dict[str, Any]]:
     from transformers.models.auto import modeling_auto  # deferred: transformers is heavy (seconds)
 
-    return {task: dict(getattr(modeling_auto, name, {}) or {}) for task, name in HEADS + LABELS}
+    return {task: dict(getattr(modeling_auto, name, {}) or {}) for task, (_, name) in TASK_HEADS.items()}
+
+
+def task_of_class(model_type: str, class_name: str) -> str | None:
+    """The task (`TASK_HEADS`) whose auto mapping has `class_name` for `model_type` (a checkpoint's
+    `architectures`), or None."""
+    maps = _mappings()
+    return next((t for t in TASK_HEADS if class_name in _names(maps[t].get(model_type))), None)
+
+
+def _names(value: Any) -> tuple[str, ...]:
+    if isinstance(value, (list, tuple)):
+        return tuple(str(v) for v in value)
+    return (str(value),) if value else ()
 
 
 def model_types() -> list[str]:

@@ -52,8 +52,10 @@ def test_t5_from_config_has_its_seq2seq_head_and_the_zoos_decoder_inputs() -> No
     with torch.no_grad():
         logits = loaded.module(**kwargs).logits
     assert logits.shape == (1, kwargs["decoder_input_ids"].shape[1], T5["vocab_size"])
-    # the workload phases are built for decoder-only models: skipped with the reason, not failed
-    for phase in parse_phases(["decode", "batch", "long"], seq_len=8):
+    # prefill and decode are its generation (tests/unit/test_encoder_decoder_phases.py); batch and long prompts are
+    # built for decoder-only models: skipped with the reason, not failed
+    assert skip_reason(loaded, parse_phases(["decode"], seq_len=8)[0], spec) is None
+    for phase in parse_phases(["batch", "long"], seq_len=8):
         assert "encoder-decoder" in (skip_reason(loaded, phase, spec) or ""), phase
 
 

@@ -1,6 +1,7 @@
 """Issue 38: audio models from `config:` get the zoo's audio features (one builder, `engine.audio`): Whisper its
 speech seq2seq head, `input_features` of (batch, mel bins, 2 × max_source_positions) and decoder inputs; HuBERT
-(wav2vec2-like) raw `input_values`; the token workload phases are skipped with the reason."""
+(wav2vec2-like) raw `input_values`, the token workload phases skipped with the reason (Whisper's decoder takes
+tokens: it decodes)."""
 
 from __future__ import annotations
 
@@ -43,8 +44,11 @@ def test_whisper_from_config_gets_its_features_head_and_decoder_inputs(dtype: st
     with torch.no_grad():
         logits = loaded.module(**kwargs).logits
     assert logits.shape == (1, 8, 64) and bool(torch.isfinite(logits).all())
-    for phase in parse_phases(["decode", "batch", "long"], seq_len=8):
-        assert "reads audio" in (skip_reason(loaded, phase, SPEC) or ""), phase
+    # its decoder takes tokens: prefill and decode run (tests/unit/test_encoder_decoder_phases.py); batch and long
+    # prompts are decoder-only prompts, skipped with the reason
+    assert skip_reason(loaded, parse_phases(["decode"], seq_len=8)[0], SPEC) is None
+    for phase in parse_phases(["batch", "long"], seq_len=8):
+        assert "encoder-decoder" in (skip_reason(loaded, phase, SPEC) or ""), phase
 
 
 def test_hubert_from_config_gets_the_zoos_waveform() -> None:
@@ -55,3 +59,5 @@ def test_hubert_from_config_gets_the_zoos_waveform() -> None:
     with torch.no_grad():
         hidden = loaded.module(**kwargs).last_hidden_state
     assert hidden.shape[0] == 1 and hidden.shape[-1] == 16
+    for phase in parse_phases(["decode", "batch", "long"], seq_len=8):
+        assert "reads audio" in (skip_reason(loaded, phase, SPEC) or ""), phase

@@ -21,7 +21,7 @@ from ...engine.repro import (plugin_modules, render_template, run_command, safe_
 from ...engine.codec import TensorStore, Unstorable, encode_call
 from ...engine.dynamotrace import short_path
 from ...engine.hooks import ModuleHooks
-from ...engine.workload import cache_kwarg, capture_calls
+from ...engine.workload import cache_recipe, capture_calls, plain_tensors
 from ...fsutil import atomic_write_text
 from ...options import CompileOptions
 from ...results.model import Finding, Repro
@@ -63,7 +63,7 @@ def _plain_calls(sig: PhaseSignals, upto: str | None) -> list[dict[str, Any]]:
     """The phase's calls as literals, up to the call labelled `upto` (all when None); the KV cache left out."""
     out = []
     for call in sig.calls:
-        tensors = {k: v.tolist() for k, v in call.kwargs.items() if isinstance(v, torch.Tensor)}
+        tensors = {k: v.tolist() for k, v in plain_tensors(call.kwargs).items()}
         plain = {k: v for k, v in call.kwargs.items() if isinstance(v, (bool, int, float, str)) or v is None}
         out.append({"label": call.label, "tensors": tensors, "plain": plain})
         if call.label == upto:
@@ -74,9 +74,7 @@ def _plain_calls(sig: PhaseSignals, upto: str | None) -> list[dict[str, Any]]:
 def _cache(loaded: Any, sig: PhaseSignals) -> dict[str, Any] | None:
     if sig.phase is None or sig.phase.name not in ("prefill", "decode") or not sig.calls:
         return None
-    prompt = int(sig.calls[0].kwargs["input_ids"].shape[1])
-    return {"kind": sig.phase.cache, "max_len": prompt + sig.phase.steps,
-            "kwarg": cache_kwarg(loaded.module) or "past_key_values"}
+    return cache_recipe(loaded, sig.phase, sig.calls[0])
 
 
 def frame_module(root: torch.nn.Module, source: str) -> tuple[str | None, str]:

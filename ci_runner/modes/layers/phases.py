@@ -32,8 +32,8 @@ from ...backends import boilerplate_lines, plugin_pythonpath
 from ...engine.repro import (plugin_modules, render_template, run_command, safe_filename, template_backend,
                                verify_script, write_script)
 from ...engine.watchedrun import PhaseWatch, wanted
-from ...engine.workload import (Call, Captured, PhaseRun, cache_kwarg, capture_calls, replay_calls, run_phase,
-                                 smallest_module, symbolic_functions)
+from ...engine.workload import (Call, Captured, PhaseRun, cache_recipe, capture_calls, plain_tensors, replay_calls,
+                                 run_phase, smallest_module, symbolic_functions)
 from ...fsutil import atomic_write_text
 from ...options import LayersOptions
 from ...workloads.phases import Phase
@@ -190,7 +190,7 @@ def _one_phase(ctx: "ModeContext", opts: LayersOptions, phase: Phase, layers_dir
 
 
 def _plain_call(call_kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v.tolist() for k, v in call_kwargs.items() if isinstance(v, torch.Tensor)}
+    return {k: v.tolist() for k, v in plain_tensors(call_kwargs).items()}
 
 
 def _repro(ctx: "ModeContext", opts: LayersOptions, loaded: Any, phase: Phase, ref: PhaseRun, failing: int,
@@ -216,18 +216,18 @@ def _repro(ctx: "ModeContext", opts: LayersOptions, loaded: Any, phase: Phase, r
     calls: list[dict[str, Any]] = []
     forced = list(ref.tokens[:-1]) if ref.tokens else None
     index = {"i": 0}
+    seen: list[Call] = []  # the phase's first call: its cache's recipe
 
     def keep(call: Call) -> None:
         if index["i"] <= failing:
             calls.append({"label": call.label, "tensors": _plain_call(call.kwargs)})
+        if not seen:
+            seen.append(call)
         index["i"] += 1
 
     run_phase(loaded.module, loaded, ctx.cell.inputs, phase, forced=forced, before_call=keep)
     spec = ctx.cell.backend
-    cache = None
-    if phase.name in ("prefill", "decode"):
-        prompt = len(calls[0]["tensors"]["input_ids"][0])
-        cache = {"kind": phase.cache, "max_len": prompt + phase.steps, "kwarg": cache_kwarg(loaded.module) or "past_key_values"}
+    cache = cache_recipe(loaded, phase, seen[0]) if phase.name in ("prefill", "decode") else None
     pythonpath = plugin_pythonpath(plugin_modules(spec))  # a plugin not installed: its folder, relative
     command = run_command("repro.py", rdir, pythonpath)
     text = render_template(

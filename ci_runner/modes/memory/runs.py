@@ -54,7 +54,11 @@ def calls_of(loaded: LoadedModel, inputs: InputSpec, phase: Phase | None, device
 
 
 def cache_tensors(cache: Any) -> list[torch.Tensor]:
-    """The tensors a KV cache holds (transformers' cache layers: keys, values, and a hybrid's states)."""
+    """The tensors a KV cache holds (transformers' cache layers: keys, values, and a hybrid's states; an
+    encoder-decoder's `EncoderDecoderCache`: its self-attention and cross-attention caches')."""
+    parts = [getattr(cache, k, None) for k in ("self_attention_cache", "cross_attention_cache")]
+    if any(p is not None for p in parts):
+        return [t for p in parts if p is not None for t in cache_tensors(p)]
     out: list[torch.Tensor] = []
     for layer in getattr(cache, "layers", None) or []:
         for value in vars(layer).values():
