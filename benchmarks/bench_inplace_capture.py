@@ -22,9 +22,9 @@ from typing import Any
 import torch
 import transformers
 
-from ci_runner.engine.capture import OutputHooks
-from ci_runner.numerics.capture import capture_compiled_outputs, record_reference
-from ci_runner.numerics.store import DumpReader
+from ci_runner.watch.capture import OutputHooks
+from ci_runner.modes.numerics.capture import capture_compiled_outputs, record_reference
+from ci_runner.modes.numerics.store import DumpReader
 
 
 def held_bytes(records: list[tuple[str, Any]]) -> int:

@@ -37,7 +37,7 @@ def main() -> int:
 
     from ci_runner.config import InputSpec, ModelSpec
     from ci_runner.modes.layers.search import capture_inputs, record_calls, scan_model
-    from ci_runner.engine.models import build_inputs, load_model
+    from ci_runner.models.load import build_inputs, load_model
 
     spec = ModelSpec(id="bench-llama", config="llama", overrides={
         "hidden_size": args.hidden, "intermediate_size": 4 * args.hidden, "num_hidden_layers": args.layers,

@@ -40,7 +40,7 @@ def main() -> int:
     t0 = time.perf_counter()
 
     from ci_runner.config import InputSpec, ModelSpec
-    from ci_runner.engine.models import load_model
+    from ci_runner.models.load import load_model
     from ci_runner.modes.memory.meters import DispatchMeter
     from ci_runner.modes.memory.runs import metered_run, module_bytes
     from ci_runner.modes.memory.tables import first_over_budget, phase_summary

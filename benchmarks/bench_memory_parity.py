@@ -40,8 +40,8 @@ def main() -> int:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from ci_runner.config import InputSpec, load_matrix
-    from ci_runner.engine.models import load_model
-    from ci_runner.engine.workload import skip_reason
+    from ci_runner.models.load import load_model
+    from ci_runner.workloads.calls import skip_reason
     from ci_runner.modes.memory.meters import DispatchMeter, device_meter
     from ci_runner.modes.memory.runs import metered_run
     from ci_runner.modes.memory.tables import compare_rows, kv_growth

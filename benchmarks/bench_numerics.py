@@ -55,11 +55,11 @@ def measure(depth: int, args: argparse.Namespace) -> dict[str, float]:
 
     from ci_runner.backends import resolve_backend
     from ci_runner.config import BackendSpec, InputSpec, ModelSpec, Reference
-    from ci_runner.engine.models import build_inputs, load_model
-    from ci_runner.numerics import settings, views
-    from ci_runner.numerics.target import TargetPlan, compare_target
-    from ci_runner.numerics import capture as ncap
-    from ci_runner.numerics.thresholds import ThresholdOptions, ThresholdTable
+    from ci_runner.models.load import build_inputs, load_model
+    from ci_runner.modes.numerics import settings, views
+    from ci_runner.modes.numerics.target import TargetPlan, compare_target
+    from ci_runner.modes.numerics import capture as ncap
+    from ci_runner.modes.numerics.thresholds import ThresholdOptions, ThresholdTable
 
     if args.threads:
         torch.set_num_threads(args.threads)

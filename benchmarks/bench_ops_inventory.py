@@ -50,7 +50,7 @@ def main() -> int:
 
     from ci_runner.config import InputSpec, ModelSpec
     from ci_runner.modes.ops.inventory import take_inventory
-    from ci_runner.engine.models import build_inputs, load_model
+    from ci_runner.models.load import build_inputs, load_model
 
     t_import = time.perf_counter() - t_start
     rss_import = peak_rss_mb()

@@ -17,8 +17,8 @@ import statistics
 
 import torch
 
-from ci_runner.engine.precision import emulate
-from ci_runner.numerics.thresholds import threshold_from_stats
+from ci_runner.workloads.emulate import emulate
+from ci_runner.modes.numerics.thresholds import threshold_from_stats
 from ci_runner.options import ThresholdOptions
 from ci_runner.workloads.precision import parse_precision
 

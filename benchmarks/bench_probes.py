@@ -32,7 +32,7 @@ FINDING_STATUSES = ("unsupported", "error", "crashed", "timeout", "mismatch")  #
 
 def _inventories(model_ids: list[str]) -> dict[str, Any]:
     from ci_runner.config import load_matrix
-    from ci_runner.engine.models import build_inputs, load_model
+    from ci_runner.models.load import build_inputs, load_model
     from ci_runner.modes.ops.inventory import take_inventory
 
     matrix = load_matrix(None)

@@ -99,7 +99,7 @@ def _cell(layers: int, backend: str, args: argparse.Namespace) -> Any:
 
 
 def case_build(layers: int, args: argparse.Namespace) -> dict[str, Any]:
-    from ci_runner.engine.models import load_model
+    from ci_runner.models.load import load_model
 
     cell = _cell(layers, "sim-crash", args)
     load_model(cell.model.__class__(id="warm", config="qwen2", overrides={**SHAPES[args.shape][0],
@@ -160,7 +160,7 @@ def _numerics_breakdown(data: dict[str, Any], mode_s: float) -> dict[str, float]
 def case_floor(layers: int, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from ci_runner.engine.models import build_inputs, load_model
+    from ci_runner.models.load import build_inputs, load_model
 
     cell = _cell(layers, "aot_eager", args)
     times: dict[str, float] = {}

@@ -37,8 +37,8 @@ from .github.prcomment import post_pr_comment
 from .history import commands as history_cli
 from .log import Progress
 from .matrix import ZooSplit, expand, expand_json, find_cell, select
-from .numerics.cache import cache_for
-from .numerics.thresholds import load_table
+from .modes.numerics.cache import cache_for
+from .modes.numerics.thresholds import load_table
 from .zoo import commands as zoo_cli
 from .plan import check_output_size, collect_attempts, load_plan, parse_chunk_results, plan_outputs, read_setup_record
 from .results.model import RESULT_NAME, CellResult, load_results, save_cell_result
@@ -135,7 +135,7 @@ def _layout_problems(cells: "Sequence[Cell]") -> list[str]:
     its ranks would refuse it, found before any cell runs; one line per (model, layout)."""
     if not any(c.parallel is not None for c in cells):
         return []
-    from .engine.tpplan import layout_problem  # deferred: torch and transformers, paid only by a matrix with TP cells
+    from .workloads.tpplan import layout_problem  # deferred: torch and transformers, paid only by a matrix with TP cells
 
     seen: set[tuple[str, str]] = set()
     out = []
@@ -370,10 +370,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     Exit 0 when inputs, schema and every layer agree; 1 when the schema differs or a layer is flagged; 3 when a
     dump is unreadable or the inputs differ (no layer is compared then)."""
-    from .numerics.compare import compare_dumps, format_comparison  # deferred: torch
-    from .numerics.dumps import load_dump  # deferred: torch
+    from .modes.numerics.compare import compare_dumps, format_comparison  # deferred: torch
+    from .modes.numerics.dumps import load_dump  # deferred: torch
 
-    from .numerics.compare import derive_from_dumps  # deferred: torch
+    from .modes.numerics.compare import derive_from_dumps  # deferred: torch
 
     if getattr(args, "thresholds", None) and getattr(args, "derive", None):
         raise UsageError("compare: give --thresholds FILE or --derive SECOND_REF_DUMP, not both")
@@ -392,7 +392,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_dump(args: argparse.Namespace) -> int:
     """`deepview-ci dump --matrix M --model ID [--backend ID] [--reference ID] [--sample N] --out DIR [--chunk-mb X]`."""
-    from .numerics.dumps import dump_entry  # deferred: torch
+    from .modes.numerics.dumps import dump_entry  # deferred: torch
 
     matrix = load_checked(getattr(args, "matrix", None), check=bool(getattr(args, "backend", None)))
     if getattr(args, "backend", None):

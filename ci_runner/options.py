@@ -260,7 +260,7 @@ class ThresholdOptions:
     """How the numerics thresholds are derived from the reference-vs-reference spread (`ci_runner/thresholds.py`)."""
 
     percentile: float = option(99.0, check=number(gt=0, le=100, hint="e.g. 99"), nullable=True,
-                               help="percentile of the reference-vs-reference spread over samples (`numerics/thresholds.py`)")
+                               help="percentile of the reference-vs-reference spread over samples (`modes/numerics/thresholds.py`)")
     margin: float = option(8.0, check=number(ge=1, hint="a margin multiplies the spread; use ≥ 1, e.g. 8"),
                            nullable=True, help="factor on that spread")
     policy_margin: float = option(2.5, check=number(ge=1, hint="a margin multiplies the spread; use ≥ 1, e.g. 2.5"),

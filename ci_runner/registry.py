@@ -200,7 +200,7 @@ class ModeSpec:
     # cell's timeout (`run/cellrun.py`: one console line and `CellResult.notes`)
     fit: str | None = None
     # tensor parallelism (a cell with `parallel: {tp: N}`): ``"module:function"`` called in each rank of the cell's one
-    # launch with (payload, mesh) (`engine/parallel.rank_tasks`); the mode takes rank 0's value with
+    # launch with (payload, mesh) (`procs/ranks.rank_tasks`); the mode takes rank 0's value with
     # `ModeContext.ranks().take(name)` (`modes/ranks.py`)
     rank_task: str | None = None
     # ``"module:function"``: (ModeContext) -> the mode's own part of the ranks' payload (its task gets it added to the
@@ -394,7 +394,7 @@ register_mode(ModeSpec(
 ))
 register_mode(ModeSpec(
     name="numerics", run="ci_runner.modes.numerics.mode:run", options=NumericsOptions, order=30,
-    rank_task="ci_runner.numerics.tprank:rank_task", rank_payload="ci_runner.modes.numerics.parallel:rank_part",
+    rank_task="ci_runner.modes.numerics.tprank:rank_task", rank_payload="ci_runner.modes.numerics.parallel:rank_part",
     issue_groups=(IssueGroup(name="divergence", template="issue_divergence.md.j2",
                              title="[deepview-ci] {key[2]} layers diverge on {key[1]}",
                              what="layer class and backend", fields={"pattern": 2},

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from ci_runner.config import Matrix, load_matrix, load_matrix_text
-from ci_runner.engine.isolate import WARM_ENV
+from ci_runner.procs.isolate import WARM_ENV
 from ci_runner.matrix import expand
 from tests.fixtures.cli import run_cli
 from tests.fixtures.fake_github import FakeGitHub

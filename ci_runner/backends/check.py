@@ -3,7 +3,7 @@
 What needs no import is checked here (`compile_options` keys, a sim backend's `backend_options`, options given to a
 backend that takes none, a malformed `module:callable`); the rest (the `import` modules, a plugin's callable and its
 factory's keywords, a compile name that is not one of torch's own, a device type torch does not know) once, in one
-child process (`engine.isolate.supervise`): a plugin that crashes or hangs on import cannot crash or stall the run
+child process (`procs.isolate.supervise`): a plugin that crashes or hangs on import cannot crash or stall the run
 (the child is replaced for the other backends, each backend's imports have `IMPORT_LIMIT_S`), and this process
 stays free of torch (`deepview-ci expand` never imports it). A backend left unchecked that way is checked when its
 cells run, as before, with a note.
@@ -32,7 +32,7 @@ from typing import Any
 
 from ..config import (BackendSpec, Matrix, MatrixProblems, SchemaProblem, load_matrix, parse_yaml, schema_error,
                       spec_from_json, spec_to_json)
-from ..engine.isolate import Attempt, IsolatedResult, child_journal, supervise
+from ..procs.isolate import Attempt, IsolatedResult, child_journal, supervise
 from ..workloads.parallel import DEFAULT_PROCESS_GROUP, check_process_group
 from ..fsutil import append_record, read_records
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from typing import Any, Mapping, Sequence
 
-from ..engine import compiles
+from ..watch import compiles
 from .vendor import VendorWatch, vendor_fact_keys, watch_for
 
 __all__ = ["CompileRecord", "DynamoCounters", "FallbackWatch", "CompileWatch", "ran_facts", "not_ran_reason",
@@ -29,7 +29,7 @@ __all__ = ["CompileRecord", "DynamoCounters", "FallbackWatch", "CompileWatch", "
 class CompileRecord:
     """A torch.compile backend that forwards to `inner` and records each graph it is given and its executions; each
     graph the backend compiles is counted, with the seconds of its compile, in the process's tally
-    (`engine/compiles.py`: the modes' `data.compiles`)."""
+    (`watch/compiles.py`: the modes' `data.compiles`)."""
 
     def __init__(self, inner: Any, name: str) -> None:
         self.inner = inner

@@ -39,7 +39,7 @@ from typing import Any
 
 from ..config import BackendSpec
 from ..engine.envinfo import tool_version
-from ..engine.torchcompat import available, skip_reason
+from ..models.torchcompat import available, skip_reason
 from ..errors import BackendError
 from ..quoting import dotted, pyrepr
 from .ran import CompileRecord, CompileWatch
@@ -253,7 +253,7 @@ class Backend:
 
     def compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """`torch.compile(fn, backend=…, **compile_options)`; `fn` itself when eager. Through a `CompileRecord`, as
-        `compile_recorded`: every graph the backend compiles is counted (`engine/compiles.py`). Unwatched: a run
+        `compile_recorded`: every graph the backend compiles is counted (`watch/compiles.py`). Unwatched: a run
         whose result says the backend ran it compiles with `compile_watched`."""
         return self.compile_recorded(fn)[0]
 
@@ -293,7 +293,7 @@ class Backend:
 
     def to_device(self, obj: Any) -> Any:
         """Move a module, tensor or nested dict/list/tuple of them to the backend's device."""
-        from ..engine.tree import map_tensors  # deferred: imports torch
+        from ..models.tree import map_tensors  # deferred: imports torch
 
         self.prepare()
         return map_tensors(lambda x: x.to(self.device), obj, modules=True)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..engine.isolate import CommandResult, run_command
+from ..procs.isolate import CommandResult, run_command
 from ..errors import ExecutionError, InputError, UsageError
 
 GIT_TIMEOUT = 120.0

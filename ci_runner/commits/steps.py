@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..engine.failure import tail
-from ..engine.isolate import run_command
+from ..failures.failure import tail
+from ..procs.isolate import run_command
 from ..engine.repro import verify_script
 from ..fsutil import atomic_write_json
 from ..results.model import Finding

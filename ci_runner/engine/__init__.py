@@ -1,1 +1,3 @@
-"""The engine every mode shares, each concept once: child processes (isolate), hooks (capture), the call codec and tree mapper, a compiler's words (diagnostics), torch feature detection, models and inputs, backends, repro verification."""
+"""What crosses a process or file boundary: the wire format (codec), a module's tensors handed to a child (handoff),
+repro scripts (repro) and the versions a cell ran with (envinfo). Processes are in `procs/`, models in `models/`, hooks
+and watches in `watch/`, failures in `failures/`, how a phase or a TP layout runs in `workloads/`."""

@@ -61,7 +61,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from .tree import is_model_output
+from ..models.tree import is_model_output
 from ..quoting import dotted, pyrepr
 
 __all__ = [

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from .codec import TensorStore, decode_call, encode_call, save_tensors
-from .tree import module_tensors, tensors_in
+from ..models.tree import module_tensors, tensors_in
 
 PREFIX = "deepview-handoff-"
 SHM = Path("/dev/shm")

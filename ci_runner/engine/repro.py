@@ -23,10 +23,10 @@ from typing import Any, Callable, Mapping, Sequence
 import jinja2
 
 from ..backends import backend_recipe, boilerplate_lines, is_self_test
-from .failure import REPRO_FUNCTIONS, first_line
+from ..failures.failure import REPRO_FUNCTIONS, first_line
 from ..fsutil import atomic_write_text
 from ..quoting import TEMPLATE_FILTERS, shell_command
-from .isolate import isolated_env, run_process
+from ..procs.isolate import isolated_env, run_process
 from ..results.rootcause import cause_line, normalize_text, without_type
 
 
@@ -152,7 +152,7 @@ def verify_script(script: Path, *, expect_text: Sequence[str], expect_error_type
     # warm (the opt-in `WARM_ENV`): forked from the server this process's children use, torch already imported;
     # not for another interpreter, nor for variables of the backend's that torch may read as it is imported
     warm = None if python is not None or set(env or {}) - {"PYTHONPATH"} else \
-        ([sys.executable, "-m", "ci_runner.engine.script", str(script.parent), script.name], isolated_env())
+        ([sys.executable, "-m", "ci_runner.procs.script", str(script.parent), script.name], isolated_env())
     with tempfile.TemporaryDirectory(prefix="deepview-repro-") as tmp:
         out_path, err_path = Path(tmp) / "stdout", Path(tmp) / "stderr"
         end = run_process([python or sys.executable, str(script.name)], timeout=timeout, stdout=out_path, stderr=err_path,

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import ConfigError, InputError
-from ..engine.failure import headline
+from ..failures.failure import headline
 from ..jsontext import parse_json
 from ..log import append_step_summary
 from ..matrix import artifact_name

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from ..engine.isolate import CommandResult, run_command
+from ..procs.isolate import CommandResult, run_command
 from ..errors import ExecutionError, UsageError
 from ..results.model import Results
 from .compact import compact

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from ..engine import compiles
-from ..engine.isolate import Journal
+from ..watch import compiles
+from ..procs.isolate import Journal
 from ..errors import ModelLoadError
 from ..registry import mode_spec
 from ..results.model import CHECKPOINT_KEY, JOURNAL_NAME, ModeResult
@@ -29,8 +29,8 @@ from .ranks import CellRanks
 if TYPE_CHECKING:
     from ..backends import Backend
     from ..config import Cell
-    from ..engine.models import LoadedModel
-    from ..engine.watchedrun import WatchedRun
+    from ..models.load import LoadedModel
+    from ..watch.watchedrun import WatchedRun
     from ..workloads.phases import Phase
 
 ModeFn = Callable[["ModeContext"], ModeResult]
@@ -66,7 +66,7 @@ class ModeContext:
     model_error: "ModelLoadError | None" = None  # the cell's model did not load: every later load raises it again
     on_checkpoint: Callable[[str, ModeResult], None] | None = field(default=None, repr=False)  # run/cellrun.py's
     on_event: Callable[[str, str], None] | None = field(default=None, repr=False)  # each journal event (heartbeat)
-    # per phase: a mode's whole-model compiled run, watched for the compile mode's signals (engine/watchedrun.py)
+    # per phase: a mode's whole-model compiled run, watched for the compile mode's signals (watch/watchedrun.py)
     compiled_runs: dict[str, "WatchedRun"] = field(default_factory=dict, repr=False)
     _precision: tuple[Any, dict[str, Any]] | None = field(default=None, repr=False)
     _checkpoints: dict[str, ModeResult] = field(default_factory=dict, repr=False)  # the last `checkpoint` per mode
@@ -82,10 +82,10 @@ class ModeContext:
 
     def precision(self) -> tuple[PrecisionPolicy, dict[str, Any]]:
         """The cell's precision policy and its `data.precision` record: the backend's declared policy, or for
-        `auto` the one measured once per backend configuration (`engine/precision.resolve_policy`), with the
+        `auto` the one measured once per backend configuration (`workloads/emulate.resolve_policy`), with the
         model's own dtype as its storage (`workloads/precision.with_storage`)."""
         if self._precision is None:
-            from ..engine.precision import resolve_policy  # deferred: it imports torch
+            from ..workloads.emulate import resolve_policy  # deferred: it imports torch
 
             policy, record = resolve_policy(self.cell.backend)
             stored = with_storage(policy, self.cell.model.dtype)
@@ -112,7 +112,7 @@ class ModeContext:
     def model(self, *, dtype: str | None = None, device: str = "cpu", meta: bool = False) -> "LoadedModel":
         """Load (once per dtype/device/meta) the cell's model; the same seed gives the same weights. A load that
         failed is tried once per cell: later calls (the next modes) raise the same `ModelLoadError` at once."""
-        from ..engine.models import load_model  # deferred: models imports torch
+        from ..models.load import load_model  # deferred: models imports torch
 
         if self.model_error is not None:
             raise self.model_error
@@ -127,7 +127,7 @@ class ModeContext:
         return self._models[key]
 
     def inputs(self, loaded: "LoadedModel", *, sample: int = 0, device: str = "cpu") -> dict[str, Any]:
-        from ..engine.models import build_inputs  # deferred: models imports torch
+        from ..models.load import build_inputs  # deferred: models imports torch
 
         return build_inputs(loaded, self.cell.inputs, sample=sample, device=device)
 
@@ -162,12 +162,12 @@ class ModeContext:
 
         For each phase of the cell's workload (`inputs.phases`, resolved once: `InputSpec.workload()`; with
         `forward` and no phases, the single forward as phase `None`, keyed `forward`): a phase the model cannot
-        run (`engine.workload.skip_reason` on `loaded`) or that starts with less than `min_seconds` left is a
+        run (`workloads.calls.skip_reason` on `loaded`) or that starts with less than `min_seconds` left is a
         `skipped` row with its reason; the others run `body(phase) -> (findings, row)` between the journal's
         `enter-workload`/`leave-workload` lines (a hard crash names the phase), and every phase is checkpointed
         as it finishes (`checkpoint_phase`: a later timeout or crash keeps it). What the backend compiled in each phase
-        (`engine/compiles.py`) is kept for the mode's `data.compiles` (`compiles_data`)."""
-        from ..engine.workload import skip_reason  # deferred: engine.workload imports torch
+        (`watch/compiles.py`) is kept for the mode's `data.compiles` (`compiles_data`)."""
+        from ..workloads.calls import skip_reason  # deferred: workloads.calls imports torch
 
         findings: list[Any] = []
         data: dict[str, dict[str, Any]] = {}

@@ -3,7 +3,7 @@
 A mode declares what it does in each rank in its registration (`registry.ModeSpec.rank_task`, called with
 (payload, mesh); `rank_payload`, (ctx) -> its own part of the payload). The first time a cell with
 `parallel: {tp: N}` starts such a mode (`run/cellrun.py` calls `start` before the mode runs; a mode may call it
-itself), `CellRanks` launches the ranks ONCE (`engine/parallel.BackgroundLaunch`, in a thread of its own: the
+itself), `CellRanks` launches the ranks ONCE (`procs/ranks.BackgroundLaunch`, in a thread of its own: the
 single-rank parts of the modes run beside them) with the tasks of every selected mode that declares one, in mode
 order, in the launch folder ``<cell>/parallel/`` (the ranks' progress files and each task's records). Each mode
 then takes its own task's outcome (`take`: rank 0's value, and the ranks' view of that task for hang and crash
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..config import spec_to_json
-from ..engine.parallel import BackgroundLaunch, TaskRun
+from ..procs.ranks import BackgroundLaunch, TaskRun
 from ..registry import ModeSpec, load_ref, mode_spec, modes
 
 if TYPE_CHECKING:

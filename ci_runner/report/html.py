@@ -28,7 +28,7 @@ from markupsafe import Markup
 from ..registry import SECTION_DIVERGENT, kinds_in, mode_hooks
 from ..results.model import Results
 from .junit import xml_safe
-from ..engine.failure import headline
+from ..failures.failure import headline
 from .trendcharts import trends_html
 from ..zoo.report import zoo_view
 from .view import CellView, LayerPoint, NumericsView, ReportView, build_view, compile_costs, cos_distance, fmt_num

@@ -39,7 +39,7 @@ from typing import Any, Iterator, Mapping
 from ..fsutil import atomic_write_chunks
 from ..registry import mode_hooks
 from ..results.model import CellError, Results
-from ..engine.failure import headline
+from ..failures.failure import headline
 from .view import CellView, FindingView, ReportView, build_view
 
 _ILLEGAL_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")

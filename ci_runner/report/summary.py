@@ -23,7 +23,7 @@ from ..log import STEP_SUMMARY_LIMIT
 from ..registry import mode_hooks
 from ..results.model import Results
 from .junit import junit_counts, xml_safe
-from ..engine.failure import headline
+from ..failures.failure import headline
 from .trendcharts import burndown_line, history_sections
 from ..zoo.report import zoo_view
 from .view import ReportView, build_view, costliest_compiles, cos_distance, fmt_num, icon

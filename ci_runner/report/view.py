@@ -20,7 +20,7 @@ from typing import Any
 from ..registry import SECTION_DIVERGENT, SECTION_LAYERS, SECTION_OPS, SECTION_OTHER, FindingKind, kinds_in
 from ..registry import layer_table_modes, mode_names as registered_modes
 from ..results.model import STATUS_SEVERITY, CellResult, Finding, Repro, Results, number
-from ..engine.failure import headline
+from ..failures.failure import headline
 from ..backends.vendor import boilerplate_lines
 from ..results.rootcause import root_causes
 
@@ -583,7 +583,7 @@ class CompileCost:
 
 
 def compile_costs(cell: CellResult) -> list[CompileCost]:
-    """Each mode's `data.compiles` rows (`engine/compiles.py`, filled by the cell's mode loop for every mode), phases
+    """Each mode's `data.compiles` rows (`watch/compiles.py`, filled by the cell's mode loop for every mode), phases
     in the order the mode ran them and its `total` last; modes in the cell's order. Nothing names a mode."""
     rows: list[CompileCost] = []
     for mode, result in cell.modes.items():

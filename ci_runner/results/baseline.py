@@ -64,7 +64,7 @@ from ..fsutil import atomic_write_chunks, atomic_write_text
 from ..github.actions import AnnotationCap, in_actions
 from ..log import append_step_summary
 from ..report.summary import SUMMARY_LIMIT, code, md, truncate_markdown
-from ..engine.failure import headline
+from ..failures.failure import headline
 from ..registry import kind_names
 from .model import CELL_STATUSES, STATUS_SEVERITY, CellResult, Finding, Results, backend_commit, clean, load_results, read_json, validate
 

@@ -39,7 +39,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Collection, Iterable, Mapping
 
-from ..engine.failure import first_line
+from ..failures.failure import first_line
 from .model import Finding, Results
 
 # ---------------------------------------------------------------------------- the volatile-token rule

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from ..engine.envinfo import tool_version
-from ..engine.isolate import open_entry
+from ..procs.isolate import open_entry
 from ..errors import InputError
 from ..fsutil import OutputError, output_error
 from ..report import write_reports

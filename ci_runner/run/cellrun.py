@@ -16,7 +16,7 @@ from typing import Callable
 
 from ..backends import resolve_backend
 from ..config import Cell
-from ..engine import compiles
+from ..watch import compiles
 from ..engine.envinfo import base_stamp, cell_stamp, plugin_modules
 from ..errors import DeepviewError, ModelLoadError, TorchTooOldError
 from ..fsutil import atomic_write_json
@@ -121,7 +121,7 @@ def _run_modes(ctx: ModeContext, result: CellResult, modes: tuple[str, ...], che
 
 def _layout_error(cell: Cell) -> str | None:
     """Why the cell's tensor-parallel layout cannot shard its model (`tpplan.layout_problem`), or None."""
-    from ..engine.tpplan import layout_problem  # deferred: torch; this module is imported by the run parent too
+    from ..workloads.tpplan import layout_problem  # deferred: torch; this module is imported by the run parent too
 
     if cell.parallel is None:
         return None

@@ -37,7 +37,7 @@ from ..errors import EXIT_INTERRUPTED, DeepviewError, ExecutionError, InputError
 from ..fsutil import atomic_write_json
 from ..log import Progress
 from ..modes.ops.storepath import clear_stores
-from ..engine.isolate import ChildExit, LiveChildren, arm_worker, child_env, file_tail, open_entry, run_process
+from ..procs.isolate import ChildExit, LiveChildren, arm_worker, child_env, file_tail, open_entry, run_process
 from ..matrix import find_cell
 from ..results.model import CHECKPOINT_KEY, HEARTBEAT_NAME, JOURNAL_NAME, PARTIAL_NAME, RESULT_NAME, STDERR_NAME, CellError, CellResult, ModeResult, load_cell_result, read_json
 

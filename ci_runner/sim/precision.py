@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils._pytree import tree_map
 
-from ..engine.rounding import MATMUL_LIKE, op_class, round_to, rounded_inputs, rounded_outputs
+from ..workloads.rounding import MATMUL_LIKE, op_class, round_to, rounded_inputs, rounded_outputs
 from .compilers import aot_backend, call_nodes
 
 CLASSES = ("matmul", "conv", "attention", "accumulate", "softmax", "norm", "reduction", "elementwise", "kv_cache")

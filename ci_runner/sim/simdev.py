@@ -50,7 +50,7 @@ import torch.utils.backend_registration
 from torch.nn.attention import SDPBackend
 from torch.utils._pytree import tree_map
 
-from ..engine.torchcompat import available, require
+from ..models.torchcompat import available, require
 from . import simalloc
 
 DEVICE = "simdev"
@@ -312,7 +312,7 @@ def register(
 
     Raises RuntimeError if PrivateUse1 is already taken by another backend name in this process, ValueError
     for an op name that is not an ATen overload, and TorchTooOldError on a torch that cannot register a device
-    from Python (before 2.10: `ci_runner.engine.torchcompat`).
+    from Python (before 2.10: `ci_runner.models.torchcompat`).
     """
     require("simdev")
     ops = op_set(allow, extra_allow, deny)

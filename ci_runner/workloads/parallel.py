@@ -14,7 +14,7 @@ models:
 `parallel` may stand in `defaults`, a model or a backend; the most specific one wins whole (a backend's over a
 model's over the defaults'). `parallel: null` (or `tp: 1`) on a model or backend turns it off there. A plan maps
 module-name globs (`fnmatch`, matched against qualified names) to one of `STYLES`; no `plan`: the default plan of
-the model's family (`ci_runner/engine/tpplan.py`). `check_parallel` finds the mistakes at load, `parse_parallel`
+the model's family (`ci_runner/workloads/tpplan.py`). `check_parallel` finds the mistakes at load, `parse_parallel`
 builds the `ParallelSpec` a cell carries.
 
 The ranks join gloo on CPU unless the cell's backend declares its device's own process group (a backend key, not a
@@ -28,7 +28,7 @@ backends:
 `with_process_group` adds it to the cell's layout (`ProcessGroupSpec`: the c10d backend name, the device, the
 backend's spec for the ranks to prepare before joining, so a plugin under `import:` can register the name).
 `check_process_group` finds a malformed name at load; whether c10d knows it is checked after the backend's imports
-(`backends/check.py`), and again in the ranks (`engine/parallel.init_ranks`).
+(`backends/check.py`), and again in the ranks (`procs/ranks.init_ranks`).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 MAX_TP = 64
-# The styles a plan may name: PyTorch's tensor-parallel styles, as the engine builds them (engine/tpplan.py)
+# The styles a plan may name: PyTorch's tensor-parallel styles, as the engine builds them (workloads/tpplan.py)
 STYLES: Mapping[str, str] = MappingProxyType({
     "colwise": "ColwiseParallel(): weight rows (output features) sharded; each rank keeps its slice of the output",
     "rowwise": "RowwiseParallel(): weight columns (input features) sharded; the outputs are all-reduced",
@@ -140,7 +140,7 @@ def spec_from_key(key: Mapping[str, Any] | None) -> ParallelSpec | None:
 
 def layout_of(payload: Mapping[str, Any]) -> ParallelSpec:
     """A rank's layout, typed: the one reader of a rank payload's `parallel` key (`ParallelSpec.key`, written by the
-    cell that launched the ranks), for every rank task and the ranks' own setup (`engine/parallel.init_ranks`)."""
+    cell that launched the ranks), for every rank task and the ranks' own setup (`procs/ranks.init_ranks`)."""
     layout = spec_from_key(payload.get("parallel"))
     if layout is None:
         raise ValueError(f"a rank's payload carries no tensor-parallel layout: {payload.get('parallel')!r}")

@@ -18,13 +18,13 @@ pow, rsqrt, activations) stay float32, and so does the KV cache. So:
 - a table `{default: D, <class>: D, …}`: the convention for `default`, then each named class as given
   (`kv_cache: float8_e4m3fn`, `accumulate: bfloat16`, even `softmax: bfloat16` when a backend documents it);
 - `auto` (the default): a few probes at the cell's start measure what the backend does per class, and the cell
-  takes the convention whose matmul dtype matches (`engine/precision.py`). What was measured is written in
+  takes the convention whose matmul dtype matches (`workloads/emulate.py`). What was measured is written in
   `results.json` (`data.precision` of the numerics and ops modes). Detection never legalises a class the
   convention keeps in float32: a backend measured to compute norms in bf16 keeps a float32 `norm` class, and the
   numerics and ops modes flag it.
 
 The references then follow the policy: the numerics mode's thresholds widen by the spread of an emulation of the
-policy on the CPU (`engine/precision.emulate`), and the ops mode judges each probe against the same op under the
+policy on the CPU (`workloads/emulate.emulate`), and the ops mode judges each probe against the same op under the
 emulation. `check_precision` reports spelling mistakes at load; `parse_precision` gives the typed policy.
 """
 

@@ -17,10 +17,10 @@ from typing import Any, Callable, Iterable, Sequence
 from ..errors import ConfigError
 
 # Every head a model can be asked for (`task:` of a `config:`, `path:` or `hub:` model): task name -> (transformers'
-# auto class, its auto mapping in transformers.models.auto.modeling_auto). The one table of heads: `engine.models`
+# auto class, its auto mapping in transformers.models.auto.modeling_auto). The one table of heads: `models.load`
 # builds and checks `task:` with it, the zoo picks its head from it (`HEADS`) and labels families with it (`LABELS`).
 # Inputs follow the model's main input (`main_input_name`), not the task: token ids, `pixel_values` or audio
-# (`engine/audio.py`). Left out: heads whose main input none of those builders makes (multiple choice's
+# (`models/audio.py`). Left out: heads whose main input none of those builders makes (multiple choice's
 # (batch, choices, length) ids, text-to-waveform, multimodal LM: image-text covers it).
 TASK_HEADS: dict[str, tuple[str, str]] = {
     "seq2seq": ("AutoModelForSeq2SeqLM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),
@@ -160,7 +160,7 @@ def head_of(model_type: str, maps: dict[str, dict[str, Any]] | None = None,
     """(task, class name) of the head built for `model_type`: the first of `HEADS` whose auto mapping knows it;
     else, for a component config (`clip_text_model`), the model class named after its config class or the first
     class another auto mapping has, as task "base"; (None, None) when there is none. The one choice of head of the
-    zoo and of `config:` models (`engine.models.detect_task`)."""
+    zoo and of `config:` models (`models.load.detect_task`)."""
     if maps is None:
         maps = _mappings()
     if configs is None:

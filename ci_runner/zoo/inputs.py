@@ -1,7 +1,7 @@
-"""Synthetic inputs for a zoo architecture: `engine.models.build_inputs` on the model the zoo built, as for a
-`config:` model (one input builder for both paths: `engine/synth.py` picks the inputs from the forward's names).
+"""Synthetic inputs for a zoo architecture: `models.load.build_inputs` on the model the zoo built, as for a
+`config:` model (one input builder for both paths: `models/synth.py` picks the inputs from the forward's names).
 
-A forward argument that is required and not made there is a `ZooInputError` (`engine.synth.MissingInputError`)
+A forward argument that is required and not made there is a `ZooInputError` (`models.synth.MissingInputError`)
 naming it: the scan lists the architecture with that reason.
 """
 
@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from ..config import InputSpec, ModelSpec
-from ..engine.models import LoadedModel, build_inputs
-from ..engine.synth import MissingInputError
+from ..models.load import LoadedModel, build_inputs
+from ..models.synth import MissingInputError
 
 ZooInputError = MissingInputError  # the scan's name for it
 

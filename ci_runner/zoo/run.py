@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from ..config import Cell, load_matrix
-from ..engine.isolate import run_isolated
+from ..procs.isolate import run_isolated
 from ..engine.repro import safe_filename
 from ..errors import ConfigError, ExecutionError, InputError
 from ..fsutil import atomic_write_json

@@ -1,6 +1,6 @@
 """The zoo scan's inventory side: every selected architecture built small on `meta` and traced, many per child.
 
-`scan_inventories` runs `jobs` supervised children (`engine.isolate.supervise`) over ONE shared queue, ordered
+`scan_inventories` runs `jobs` supervised children (`procs.isolate.supervise`) over ONE shared queue, ordered
 longest-first (`cost_hint`, by family): a child claims the next architecture no one has claimed (an exclusive
 claim file per scan), so the children end together. A child builds and traces one architecture after another
 (`inventory_child`), writing one record per architecture (`<dir>/<model_type>.json`, atomic) between journal
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from ..config import InputSpec
-from ..engine.isolate import Attempt, IsolatedResult, child_journal, supervise
+from ..procs.isolate import Attempt, IsolatedResult, child_journal, supervise
 from ..engine.repro import safe_filename
 from ..fsutil import atomic_write_json
 from ..results.model import read_json
@@ -108,7 +108,7 @@ def left_out(model_type: str, stage: str, reason: str, **extra: Any) -> dict[str
 def _build(cls: Any, config: Any) -> Any:
     import torch
 
-    from ..engine.models import disable_caches  # deferred: torch, in the scan child only
+    from ..models.load import disable_caches  # deferred: torch, in the scan child only
 
     with torch.device("meta"):
         module = cls._from_config(config)

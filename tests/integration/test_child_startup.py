@@ -19,8 +19,8 @@ from tests.fixtures.paths import ROOT
 
 CLI_STACK = ("ci_runner.cli", "ci_runner.report", "ci_runner.github", "ci_runner.history", "ci_runner.zoo.commands")
 CHILD_ENTRIES = ("ci_runner.modes.ops.grouptest", "ci_runner.modes.layers.search", "ci_runner.modes.layers.culprit",
-                 "ci_runner.numerics.target", "ci_runner.numerics.bisect", "ci_runner.numerics.weights",
-                 "ci_runner.numerics.batch_invariance")
+                 "ci_runner.modes.numerics.target", "ci_runner.modes.numerics.bisect", "ci_runner.modes.numerics.weights",
+                 "ci_runner.modes.numerics.batch_invariance")
 
 
 def _loaded_after(code: str) -> set[str]:
@@ -50,7 +50,7 @@ def test_the_isolated_childrens_entries_import_no_transformers_and_no_report_sta
 
 @pytest.mark.subprocess
 def test_a_factory_model_is_built_without_importing_transformers() -> None:
-    mods = _loaded_after("from ci_runner.config import ModelSpec\nfrom ci_runner.engine.models import load_model\n"
+    mods = _loaded_after("from ci_runner.config import ModelSpec\nfrom ci_runner.models.load import load_model\n"
                          "m = load_model(ModelSpec(id='g', factory='tests.fixtures.plugin_layers_models:gated'))\n"
                          "assert sum(p.numel() for p in m.module.parameters()) > 0")
     assert "tests.fixtures.plugin_layers_models" in mods

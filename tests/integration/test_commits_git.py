@@ -71,7 +71,7 @@ def test_the_stamp_names_the_commit_of_a_plugin_imported_from_a_checkout(small_r
 def test_run_command_kills_the_whole_session_at_its_timeout(tmp_path: Path) -> None:
     import time
 
-    from ci_runner.engine.isolate import run_command
+    from ci_runner.procs.isolate import run_command
 
     marker = tmp_path / "late"
     t0 = time.monotonic()

@@ -18,7 +18,7 @@ import yaml
 
 from ci_runner.run.cellrun import run_cell_inprocess
 from ci_runner.config import load_matrix_text
-from ci_runner.engine.isolate import open_entry
+from ci_runner.procs.isolate import open_entry
 from ci_runner.matrix import expand
 from ci_runner.results.model import JOURNAL_NAME
 from ci_runner.results.model import CellResult, ModeResult, validate
@@ -81,7 +81,7 @@ def _culprits(mode: ModeResult) -> dict[str, dict[str, Any]]:
 
 def _first_probe(cdir: Path, culprit: dict[str, Any]) -> list[int]:
     """The node range the culprit search probed first (its `probes.jsonl`, in probe order)."""
-    from ci_runner.engine.outcome import read_outcomes
+    from ci_runner.failures.outcome import read_outcomes
 
     first = next(iter(read_outcomes(cdir / Path(culprit["repro"]["path"]).parent / "probes.jsonl")))
     return [int(x) for x in first.split(":")]
@@ -194,9 +194,9 @@ def test_hard_fault_culprit_is_found_and_the_search_goes_on(tmp_path: Path, back
     passes in the first child, the attention kills (or hangs) it; a fresh child keeps those outcomes."""
     from ci_runner.config import spec_to_json
     from ci_runner.modes.layers.culprit import find_culprit
-    from ci_runner.engine.outcome import read_outcomes
+    from ci_runner.failures.outcome import read_outcomes
     from ci_runner.modes.layers.search import scan_model, write_root_call
-    from ci_runner.engine.models import build_inputs, load_model
+    from ci_runner.models.load import build_inputs, load_model
 
     matrix = load_matrix_text(_matrix(1, "probe_timeout: 60"), path=str(tmp_path / "matrix.yaml"))
     cell = next(c for c in expand(matrix) if c.model.id == "tiny-llama" and c.backend.id == backend)

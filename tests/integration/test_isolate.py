@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ci_runner.engine.isolate import WARM_ENV, open_entry, run_isolated
+from ci_runner.procs.isolate import WARM_ENV, open_entry, run_isolated
 from tests.fixtures.paths import ROOT
 
 pytestmark = pytest.mark.subprocess  # every test here starts child processes (the child engine)
@@ -53,7 +53,7 @@ def _assert_dies_with_its_starter(starter: str, pidfile: Path, what: str, cwd: P
 @pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
 def test_child_outcomes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, action: str, status: str, check,
                         warm: bool) -> None:
-    """Cold (`python -m ci_runner.engine.isolate`) and warm (forked from a warm server): the same outcomes."""
+    """Cold (`python -m ci_runner.procs.isolate`) and warm (forked from a warm server): the same outcomes."""
     monkeypatch.setenv(WARM_ENV, "1" if warm else "0")
     journal = tmp_path / "journal.log"
     res = run_isolated("tests.fixtures.iso_targets:act", {"action": action, "n": 3}, timeout=5, journal=journal)
@@ -71,7 +71,7 @@ def test_a_hung_child_dies_with_its_parent(tmp_path: Path, warm: bool) -> None:
     script = (
         f"import os; os.environ[{WARM_ENV!r}] = {'1' if warm else '0'!r}\n"
         "import sys; sys.path.insert(0, %r)\n"
-        "from ci_runner.engine.isolate import run_isolated\n"
+        "from ci_runner.procs.isolate import run_isolated\n"
         "run_isolated('tests.fixtures.iso_targets:hang_and_report', {'pidfile': %r}, timeout=600)\n"
     ) % (str(ROOT), str(pidfile))
     _assert_dies_with_its_starter(script, pidfile, "isolated", cwd=ROOT)
@@ -114,7 +114,7 @@ def test_a_warm_server_started_from_a_pool_thread_outlives_the_thread(monkeypatc
 
 
 def test_describe_says_what_happened_to_the_child() -> None:
-    from ci_runner.engine.isolate import IsolatedResult
+    from ci_runner.procs.isolate import IsolatedResult
 
     assert IsolatedResult(status="crashed", signal="SIGSEGV").describe() == "crashed (SIGSEGV)"
     assert IsolatedResult(status="crashed", message="child process exited with code 7").describe() == \
@@ -125,7 +125,7 @@ def test_describe_says_what_happened_to_the_child() -> None:
 
 
 def test_journal_open_entry_counts_only_lines_since_an_offset(tmp_path: Path) -> None:
-    from ci_runner.engine.isolate import Journal
+    from ci_runner.procs.isolate import Journal
 
     j = Journal(tmp_path / "j.log")
     j.enter("item", "a")
@@ -140,7 +140,7 @@ def test_journal_open_entry_counts_only_lines_since_an_offset(tmp_path: Path) ->
 
 
 def _supervise_items(tmp_path: Path, items: list[str], fail: dict[str, str], **kw: object):
-    from ci_runner.engine.isolate import Attempt, supervise
+    from ci_runner.procs.isolate import Attempt, supervise
 
     out = tmp_path / "done.jsonl"
     crashed: dict[str, str] = {}
@@ -184,7 +184,7 @@ def test_supervise_gives_up_after_max_restarts(tmp_path: Path) -> None:
 
 
 def test_supervise_stops_when_a_child_dies_outside_any_item(tmp_path: Path) -> None:
-    from ci_runner.engine.isolate import Attempt, supervise
+    from ci_runner.procs.isolate import Attempt, supervise
 
     calls: list[str | None] = []
 
@@ -202,7 +202,7 @@ def test_verify_script_runs_from_threads_and_each_outcome_is_named(tmp_path: Pat
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Repro verification runs in parallel (a thread pool): the one start site, no `preexec_fn`; a failing
     script verifies, a passing one does not, a hung one is killed at its timeout, an abort is a signal. Warm (forked
-    from the server the children use, `engine/script.py`), a script sees what `python SCRIPT` sees: its folder and
+    from the server the children use, `procs/script.py`), a script sees what `python SCRIPT` sees: its folder and
     its own PYTHONPATH, not the folders the server was given (this checkout), and prints the same traceback."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -243,7 +243,7 @@ def test_a_foreign_child_dies_with_the_process_that_started_it(tmp_path: Path) -
     hang.write_text(f"import os, time\nopen({str(pidfile)!r}, 'w').write(str(os.getpid()))\ntime.sleep(600)\n")
     starter = (
         "import os, sys; sys.path.insert(0, %r)\nfrom pathlib import Path\n"
-        "from ci_runner.engine.isolate import run_process\n"
+        "from ci_runner.procs.isolate import run_process\n"
         "run_process([sys.executable, %r], timeout=600, stdout=Path(%r), env=dict(os.environ), foreign=True)\n"
     ) % (str(ROOT), str(hang), str(tmp_path / "out.log"))
     _assert_dies_with_its_starter(starter, pidfile, "foreign")

@@ -15,8 +15,8 @@ import yaml
 from ci_runner.run.cellrun import run_cell_inprocess
 from ci_runner.config import load_matrix_text
 from ci_runner.errors import ConfigError
-from ci_runner.engine.isolate import open_entry
-from ci_runner.engine.outcome import read_outcomes
+from ci_runner.procs.isolate import open_entry
+from ci_runner.failures.outcome import read_outcomes
 from ci_runner.matrix import expand
 from ci_runner.results.model import JOURNAL_NAME
 from ci_runner.results.model import ModeResult

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from ci_runner.config import InputSpec
-from ci_runner.engine.models import load_model
+from ci_runner.models.load import load_model
 from ci_runner.modes.memory.meters import MEM_AVAILABLE_ENV, DispatchMeter, SimdevMeter
 from ci_runner.modes.memory.mode import cannot_fit, run
 from ci_runner.modes.memory.runs import metered_run
 from ci_runner.modes.memory.tables import compare_rows, kv_growth
 from ci_runner.workloads.phases import parse_phases
-from ci_runner.engine.isolate import open_entry
+from ci_runner.procs.isolate import open_entry
 from ci_runner.results.model import JOURNAL_NAME, CellResult, Results, validate
 from tests.fixtures.matrices import matrix_text
 

@@ -64,7 +64,7 @@ def _load(cell_dir: Path, rel: str) -> dict[str, Any]:
 def test_each_view_is_model_explorer_node_data_over_the_saved_programs_nodes(drift: Any) -> None:
     import torch
 
-    from ci_runner.numerics.overlay import node_stacks
+    from ci_runner.modes.numerics.overlay import node_stacks
 
     res, cell_dir = drift
     me = res.data["model_explorer"]

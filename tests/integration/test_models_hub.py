@@ -13,7 +13,7 @@ import torch
 
 from ci_runner.config import InputSpec, ModelSpec
 from ci_runner.errors import ModelLoadError
-from ci_runner.engine.models import build_inputs, load_model, model_fingerprint
+from ci_runner.models.load import build_inputs, load_model, model_fingerprint
 from tests.fixtures.paths import ROOT
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
@@ -93,7 +93,7 @@ def test_fresh_process_honours_hf_env(hf_home, tmp_path: Path) -> None:
     """In a new process (as a cell runs), HF_HOME + HF_HUB_OFFLINE set before import are honoured end to end."""
     home, _ = hf_home
     script = (
-        "import json; from ci_runner.config import ModelSpec; from ci_runner.engine.models import load_model\n"
+        "import json; from ci_runner.config import ModelSpec; from ci_runner.models.load import load_model\n"
         "m = load_model(ModelSpec(id='h', hub='acme/tiny-llama'))\n"
         "print(json.dumps({'revision': m.revision, 'cls': type(m.module).__name__}))\n"
     )

@@ -245,7 +245,7 @@ def test_references_see_the_same_weights_in_both_dtypes(model: str) -> None:
     """The thresholds rest on it: float32 and float64 references built from one seed hold identical parameters."""
     import torch
 
-    from ci_runner.engine.models import load_model
+    from ci_runner.models.load import load_model
 
     spec = load_matrix_text(MATRIX).model(model)
     a = dict(load_model(spec, seed=0, dtype="float32").module.named_parameters())

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ci_runner.engine.torchcompat import FEATURES, available
+from ci_runner.models.torchcompat import FEATURES, available
 from tests.fixtures.paths import EXAMPLE
 
 pytestmark = [pytest.mark.oldtorch, pytest.mark.slow]

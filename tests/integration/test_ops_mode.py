@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from ci_runner.config import load_matrix_text
-from ci_runner.engine.isolate import run_isolated
+from ci_runner.procs.isolate import run_isolated
 from ci_runner.results.model import load_results
 from tests.fixtures.matrices import matrix_text
 from tests.fixtures.paths import ROOT
@@ -70,7 +70,7 @@ def _finding_ops(mode: dict[str, Any]) -> set[str]:
 
 
 def _real_model(model_id: str) -> tuple[torch.nn.Module, dict[str, Any]]:
-    from ci_runner.engine.models import build_inputs, load_model
+    from ci_runner.models.load import build_inputs, load_model
 
     matrix = load_matrix_text(MATRIX)
     loaded = load_model(matrix.model(model_id), seed=0)

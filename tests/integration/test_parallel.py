@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from ci_runner.config import BackendSpec, InputSpec, ModelSpec, spec_to_json
-from ci_runner.engine.parallel import RANK_TASKS, BackgroundLaunch, RankRun, launch_ranks, read_progress
+from ci_runner.procs.ranks import RANK_TASKS, BackgroundLaunch, RankRun, launch_ranks, read_progress
 from ci_runner.modes.layers.parallel import TASK as LAYERS, tp_findings
 from ci_runner.modes.layers.tprepro import attach_repros
 from ci_runner.modes.ops.parallel import TASK as OPS, collective_finding
-from ci_runner.numerics.parallel import TASK as NUMERICS, analyse, rank_payload
+from ci_runner.modes.numerics.tpcompare import TASK as NUMERICS, analyse, rank_payload
 from ci_runner.options import OpsOptions
 from ci_runner.registry import parse_options
 from ci_runner.options import ThresholdOptions

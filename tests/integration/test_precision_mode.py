@@ -13,7 +13,7 @@ import pytest
 
 from ci_runner.backends import resolve_backend
 from ci_runner.config import BackendSpec, load_matrix_text
-from ci_runner.engine.precision import resolve_policy
+from ci_runner.workloads.emulate import resolve_policy
 from ci_runner.matrix import expand
 from ci_runner.modes import ModeContext
 from ci_runner.modes.numerics.mode import run as run_numerics

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ci_runner.engine.isolate import run_process
-from ci_runner.engine.progress import ProgressWatch, session_cpu_s
+from ci_runner.procs.isolate import run_process
+from ci_runner.procs.progress import ProgressWatch, session_cpu_s
 
 pytestmark = pytest.mark.subprocess  # every test here starts child processes
 

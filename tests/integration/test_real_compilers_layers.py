@@ -19,7 +19,7 @@ import pytest
 from ci_runner.run.cellrun import run_cell_inprocess
 from ci_runner.config import load_matrix_text
 from ci_runner.matrix import expand
-from ci_runner.engine.models import load_model
+from ci_runner.models.load import load_model
 from ci_runner.results.model import CellResult, ModeResult, Results, iter_findings, validate
 from ci_runner.results.rootcause import root_causes
 from tests.fixtures.matrices import TINY_DECODER, matrix_text

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ci_runner.engine.isolate import run_isolated
+from ci_runner.procs.isolate import run_isolated
 from tests.fixtures.paths import ROOT
 
 FIXTURES = ROOT / "tests" / "fixtures"

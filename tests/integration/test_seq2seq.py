@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from ci_runner.config import InputSpec, ModelSpec, load_matrix_text
-from ci_runner.engine.models import build_inputs, load_model
-from ci_runner.engine.workload import skip_reason
+from ci_runner.models.load import build_inputs, load_model
+from ci_runner.workloads.calls import skip_reason
 from ci_runner.matrix import expand
 from ci_runner.workloads.phases import parse_phases
 from ci_runner.results.model import CellResult, validate

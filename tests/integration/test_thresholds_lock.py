@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ci_runner.numerics.thresholds import LayerStats, ThresholdOptions, load_or_derive, threshold_key, threshold_path
+from ci_runner.modes.numerics.thresholds import LayerStats, ThresholdOptions, load_or_derive, threshold_key, threshold_path
 
 pytestmark = pytest.mark.subprocess  # two forked processes race for the lock
 

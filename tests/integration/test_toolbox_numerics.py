@@ -49,8 +49,8 @@ def _bisect_left_to_eager(setup, backend: str, layer: str) -> dict:  # type: ign
     import torch
 
     from ci_runner.backends import resolve_backend
-    from ci_runner.engine.models import build_inputs, load_model
-    from ci_runner.numerics.bisect import bisect_layer
+    from ci_runner.models.load import build_inputs, load_model
+    from ci_runner.modes.numerics.bisect import bisect_layer
 
     _root, matrix = setup
     cell = find_cell(matrix, f"tiny-llama@{backend}")
@@ -117,7 +117,7 @@ def test_bisect_traces_a_plugin_divergence_to_its_graph_node(setup) -> None:  # 
 
 @pytest.mark.slow
 def test_numerics_consumes_a_reference_dump_instead_of_running_the_reference(setup) -> None:  # type: ignore[no-untyped-def]
-    from ci_runner.numerics.dumps import dump_entry
+    from ci_runner.modes.numerics.dumps import dump_entry
 
     root, matrix = setup
     dump_entry(matrix, "tiny-llama", root / "ref-dump", reference_id="cpu-fp32", sample=0)

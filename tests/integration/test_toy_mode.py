@@ -25,7 +25,7 @@ from ci_runner.history.store import add_run, load_history
 from ci_runner.history.trends import compute
 from ci_runner.matrix import expand
 from ci_runner.modes import ModeContext
-from ci_runner.engine.parallel import read_progress
+from ci_runner.procs.ranks import read_progress
 from ci_runner.registry import ModeSpec, mode_names, mode_of_group, mode_spec, register_mode, unregister_mode
 from ci_runner.report import write_reports
 from ci_runner.results.baseline import Baseline, diff

@@ -495,7 +495,7 @@ def test_action_caches_the_numerics_thresholds_of_run_and_cell(tmp_path, monkeyp
     from ci_runner import cli
     from ci_runner.config import load_matrix
     from ci_runner.matrix import expand, select
-    from ci_runner.numerics.cache import cache_for
+    from ci_runner.modes.numerics.cache import cache_for
 
     action = load(ACTION)
     steps = action["runs"]["steps"]

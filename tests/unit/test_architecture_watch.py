@@ -1,6 +1,6 @@
 """Issue 47: each mechanism once. "Did the backend run it" is one watch (`backends.ran.CompileWatch`, from
-`Backend.compile_watched`), forward hooks are registered in one module (`engine/hooks.py`, `ModuleHooks`) and so is
-the ATen-graph recording compile (`aot_autograd(fw_compiler=…)`: `engine.hooks.aten_recording`). Read from the
+`Backend.compile_watched`), forward hooks are registered in one module (`watch/hooks.py`, `ModuleHooks`) and so is
+the ATen-graph recording compile (`aot_autograd(fw_compiler=…)`: `watch.hooks.aten_recording`). Read from the
 source (AST): a call that builds one of these anywhere else is a second copy of the mechanism."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ PACKAGE = Path(ci_runner.__file__).parent
 ONLY_IN = {
     "FallbackWatch": {"backends/ran.py"},
     "DynamoCounters": {"backends/ran.py"},
-    "register_forward_hook": {"engine/hooks.py"},
-    "register_forward_pre_hook": {"engine/hooks.py"},
-    "aot_autograd": {"engine/hooks.py", "sim/compilers.py"},  # the sims are aot_autograd backends themselves
+    "register_forward_hook": {"watch/hooks.py"},
+    "register_forward_pre_hook": {"watch/hooks.py"},
+    "aot_autograd": {"watch/hooks.py", "sim/compilers.py"},  # the sims are aot_autograd backends themselves
     "compile_recorded": {"backends/spec.py"},  # the modes compile watched (`compile_watched`) or plain (`compile`)
 }
 

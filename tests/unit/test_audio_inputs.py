@@ -1,4 +1,4 @@
-"""Issue 38: audio models from `config:` get the zoo's audio features (one builder, `engine.audio`): Whisper its
+"""Issue 38: audio models from `config:` get the zoo's audio features (one builder, `models.audio`): Whisper its
 speech seq2seq head, `input_features` of (batch, mel bins, 2 × max_source_positions) and decoder inputs; HuBERT
 (wav2vec2-like) raw `input_values`, the token workload phases skipped with the reason (Whisper's decoder takes
 tokens: it decodes)."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from ci_runner.config import InputSpec, ModelSpec
-from ci_runner.engine.models import build_inputs, load_model
-from ci_runner.engine.workload import skip_reason
+from ci_runner.models.load import build_inputs, load_model
+from ci_runner.workloads.calls import skip_reason
 from ci_runner.workloads.phases import parse_phases
 from ci_runner.zoo.inputs import zoo_inputs
 

@@ -19,7 +19,7 @@ from ci_runner.backends import (
 )
 from ci_runner.config import BackendSpec, load_matrix_text
 from ci_runner.errors import BackendError
-from ci_runner.engine.torchcompat import available, skip_reason
+from ci_runner.models.torchcompat import available, skip_reason
 from tests.fixtures.matrices import matrix_text
 from tests.fixtures.paths import ROOT
 

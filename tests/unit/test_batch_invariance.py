@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ci_runner.backends import resolve_backend
-from ci_runner.numerics.batch_invariance import (
+from ci_runner.modes.numerics.batch_invariance import (
     batch_experiment,
     batched,
     default_threshold,
@@ -98,7 +98,7 @@ def test_a_batch_invariant_backend_is_not_flagged() -> None:
 @pytest.mark.slow
 def test_inductor_on_cpu_is_not_flagged_on_a_tiny_llama() -> None:
     from ci_runner.config import InputSpec, ModelSpec
-    from ci_runner.engine.models import build_inputs, load_model
+    from ci_runner.models.load import build_inputs, load_model
 
     spec = ModelSpec(id="tiny-llama", config="llama", overrides=MappingProxyType(dict(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ci_runner.backends import resolve_backend
-from ci_runner.numerics.bisect import (
+from ci_runner.modes.numerics.bisect import (
     BisectError,
     _cut,
     _Hybrid,
@@ -144,7 +144,7 @@ def test_compiler_bisector_traces_an_injected_inductor_pass(wrong_eps_pass) -> N
 def test_a_search_step_the_backend_did_not_run_stops_the_search_without_a_verdict() -> None:
     """`first_bad` is the node bisect's binary search: a step that did not run (`StepNotRan`) ends it, leaving the
     range the steps that ran narrowed the first bad prefix to; `inconclusive` turns that into the result."""
-    from ci_runner.numerics.bisect import StepNotRan, first_bad, inconclusive
+    from ci_runner.modes.numerics.bisect import StepNotRan, first_bad, inconclusive
 
     asked: list[int] = []
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from ci_runner.engine.capture import ModuleCapture, iter_tensors, primary_tensor
+from ci_runner.watch.capture import ModuleCapture, iter_tensors, primary_tensor
 
 pytestmark = pytest.mark.oldtorch  # the old-torch subset (tests/fixtures/oldtorch.py)
 
@@ -65,9 +65,9 @@ def test_iter_tensors_skips_caches() -> None:
 
 
 def test_module_hooks_name_each_call_and_are_removed_even_when_the_forward_raises() -> None:
-    """`engine.hooks.ModuleHooks`: the factories get each module's name; pre-hooks see kwargs, post-hooks the
+    """`watch.hooks.ModuleHooks`: the factories get each module's name; pre-hooks see kwargs, post-hooks the
     output (and kwargs with `post_kwargs`); removed on exit, also when the forward raised."""
-    from ci_runner.engine.hooks import ModuleHooks
+    from ci_runner.watch.hooks import ModuleHooks
 
     model = Shared()
     seen: list[tuple[str, str]] = []
@@ -86,8 +86,8 @@ def test_module_hooks_name_each_call_and_are_removed_even_when_the_forward_raise
 
 
 def test_record_aten_graphs_gives_what_an_aot_backend_is_given_one_graph_per_break(fresh_dynamo) -> None:  # type: ignore[no-untyped-def]
-    """`engine.hooks.record_aten_graphs`: ATen overloads after aot_autograd; a graph break splits the graphs."""
-    from ci_runner.engine.hooks import record_aten_graphs
+    """`watch.hooks.record_aten_graphs`: ATen overloads after aot_autograd; a graph break splits the graphs."""
+    from ci_runner.watch.hooks import record_aten_graphs
 
     def broken(x: torch.Tensor) -> torch.Tensor:
         y = torch.relu(x)

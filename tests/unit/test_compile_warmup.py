@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ci_runner.engine.dynamotrace import Event, TraceWatch
+from ci_runner.watch.dynamotrace import Event, TraceWatch
 from ci_runner.modes.compile.checks import PhaseSignals, expected_recompiles, warmup_findings, warmup_of
 from ci_runner.options import CompileOptions
 from ci_runner.workloads.phases import Phase

@@ -1,4 +1,4 @@
-"""The cost in compiles (issue 44): every backend compile counted with its seconds (`engine/compiles.py`), per mode and
+"""The cost in compiles (issue 44): every backend compile counted with its seconds (`watch/compiles.py`), per mode and
 phase in `data.compiles` (the one phase loop, `ModeContext.each_phase`, and the cell's mode loop), shown generically
 in summary.md and report.html."""
 
@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import torch
 
-from ci_runner.engine import compiles
+from ci_runner.watch import compiles
 from ci_runner.report.html import compile_table
 from ci_runner.report.summary import compile_section
 from ci_runner.report.view import build_view, compile_costs

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ci_runner.modes.layers.culprit import capture_graph, entry_name, graph_source, graph_steps, load_graph, parse_entry, subgraph
-from ci_runner.engine.outcome import ProbeOutcome
+from ci_runner.failures.outcome import ProbeOutcome
 from ci_runner.modes.layers.culprit_search import Step, StopSearch, parse_key, search, single_order
 
 

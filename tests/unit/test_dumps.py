@@ -13,8 +13,8 @@ import torch
 from ci_runner import errors
 from ci_runner.config import load_matrix_text
 from ci_runner.cli import cmd_compare as compare_command
-from ci_runner.numerics.compare import compare_dumps, format_comparison
-from ci_runner.numerics.dumps import (
+from ci_runner.modes.numerics.compare import compare_dumps, format_comparison
+from ci_runner.modes.numerics.dumps import (
     DumpInputsMismatch,
     DumpSide,
     dump_entry,
@@ -259,7 +259,7 @@ def test_schema_diff_names_renamed_and_reshaped_tensors(matrix, tmp_path: Path, 
 
 
 def test_thresholds_table_flags_what_exceeds_each_layers_threshold(tmp_path: Path) -> None:
-    from ci_runner.numerics.thresholds import LayerStats, ThresholdOptions, ThresholdTable
+    from ci_runner.modes.numerics.thresholds import LayerStats, ThresholdOptions, ThresholdTable
 
     model, inputs = base()
     x = inputs(0)["x"]
@@ -322,7 +322,7 @@ def test_one_chunk_reader_keeps_at_most_two_files_open_and_names_a_missing_tenso
     used files are dropped, complex tensors come back complex, a chunk without the tensor is an InputError."""
     from safetensors.torch import save_file
 
-    from ci_runner.numerics.store import ChunkFiles
+    from ci_runner.modes.numerics.store import ChunkFiles
 
     for i in range(3):
         save_file({f"t{i}": torch.full((2,), float(i)), f"z{i}c": torch.ones(2, 2)}, str(tmp_path / f"c{i}.safetensors"))

@@ -1,5 +1,5 @@
 """Issue 45: encoder-decoders whose decoder takes tokens (Whisper, T5, BART) generate in the prefill and decode
-phases as `generate()` runs them (`engine.workload.encoder_decoder_calls`): the encoder once, then the decoder's
+phases as `generate()` runs them (`workloads.calls.encoder_decoder_calls`): the encoder once, then the decoder's
 calls with `decoder_input_ids`, `encoder_outputs` and one `EncoderDecoderCache`. Tiny random-weight configs (2
 layers, hidden 64), eager only: the calls, their logits against the full decoder, and what generate() picks."""
 
@@ -13,8 +13,8 @@ import torch
 import transformers
 
 from ci_runner.config import InputSpec, ModelSpec
-from ci_runner.engine.models import load_model
-from ci_runner.engine.workload import (cache_recipe, encoder_run, phase_calls, plain_tensors, run_phase,
+from ci_runner.models.load import load_model
+from ci_runner.workloads.calls import (cache_recipe, encoder_run, phase_calls, plain_tensors, run_phase,
                                        skip_reason)
 from ci_runner.modes.memory.runs import cache_tensors
 from ci_runner.workloads.phases import parse_phases

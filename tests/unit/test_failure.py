@@ -1,4 +1,4 @@
-"""The one failure classifier (`ci_runner/engine/failure.py`): stage, unwrap, words, raising frame; and
+"""The one failure classifier (`ci_runner/failures/failure.py`): stage, unwrap, words, raising frame; and
 the repro scripts embed the same functions."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ci_runner.engine import failure
+from ci_runner.failures import failure
 from ci_runner.engine.repro import FAILURE_SOURCE
 from ci_runner.results.rootcause import raised_in
 

@@ -1,4 +1,4 @@
-"""Config models built fast (`engine/fastinit.py`): big tensors skip the draw transformers overwrites; the weights
+"""Config models built fast (`models/fastinit.py`): big tensors skip the draw transformers overwrites; the weights
 stay those of transformers' init, the same for the same seed; tiny configs are bit-identical to a plain build."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from ci_runner.config import ModelSpec, load_matrix
-from ci_runner.engine import fastinit
-from ci_runner.engine.models import load_model
+from ci_runner.models import fastinit
+from ci_runner.models.load import load_model
 
 EXAMPLE = load_matrix(None)
 # embed_tokens and lm_head are 8192 x 128 = 1M elements: the deferred path; the rest is small

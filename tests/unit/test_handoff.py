@@ -15,8 +15,8 @@ import torch
 from ci_runner.config import ModelSpec
 from ci_runner.engine import handoff
 from ci_runner.engine.handoff import PREFIX, handoff_path, load_handoff, save_handoff
-from ci_runner.engine.models import build_inputs, load_model
-from ci_runner.engine.tree import module_tensors
+from ci_runner.models.load import build_inputs, load_model
+from ci_runner.models.tree import module_tensors
 from ci_runner.matrix import expand
 from ci_runner.modes.layers.search import capture_inputs
 

@@ -33,8 +33,8 @@ from ci_runner.results.model import (CellResult, Finding, ModeResult, Results, c
                                      load_cell_result, load_results, save_results)
 from ci_runner.github.issues import load_diff
 from ci_runner.history.records import read_record
-from ci_runner.numerics.dumps import load_dump
-from ci_runner.numerics.thresholds import load_table
+from ci_runner.modes.numerics.dumps import load_dump
+from ci_runner.modes.numerics.thresholds import load_table
 from ci_runner.plan import load_plan
 from ci_runner.results.baseline import load_baseline
 from ci_runner.results.rootcause import error_signature, normalize_text

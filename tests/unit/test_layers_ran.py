@@ -13,7 +13,7 @@ from torch import nn
 
 from ci_runner.backends import resolve_backend
 from ci_runner.config import BackendSpec
-from ci_runner.engine.outcome import ProbeOutcome
+from ci_runner.failures.outcome import ProbeOutcome
 from ci_runner.modes.layers.search import ROOT, ModuleTree, probe_one, own_code_candidates, search
 
 
@@ -151,7 +151,7 @@ def test_an_own_code_probe_does_not_count_the_frames_its_eager_children_leave_em
 
 
 def test_only_the_models_own_modules_name_a_call_site() -> None:
-    from ci_runner.engine.models import model_module_stack
+    from ci_runner.models.load import model_module_stack
 
     meta = {"nn_module_stack": {"a": ("L['self'].layers[0]", nn.Linear),
                                 "b": ("G['__import_transformers_dot_x'].apply_rotary_pos_emb", nn.Module)}}

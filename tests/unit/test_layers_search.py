@@ -14,8 +14,8 @@ from torch import nn
 from ci_runner.errors import ConfigError
 from ci_runner.engine.codec import TensorStore, call_tensor_keys, decode_call
 from ci_runner.engine.codec import Unstorable as Opaque
-from ci_runner.engine.isolate import open_entry
-from ci_runner.engine.outcome import UNFINISHED, ProbeOutcome, append_outcome, read_outcomes
+from ci_runner.procs.isolate import open_entry
+from ci_runner.failures.outcome import UNFINISHED, ProbeOutcome, append_outcome, read_outcomes
 from ci_runner.modes.layers.search import (
     ROOT,
     ModuleTree,
@@ -29,7 +29,7 @@ from ci_runner.modes.layers.search import (
     second_limit,
     unlabel,
 )
-from ci_runner.engine.failure import is_compile_stage, unwrap
+from ci_runner.failures.failure import is_compile_stage, unwrap
 from ci_runner.modes.layers.mode import _key_text
 from ci_runner.registry import parse_options
 from tests.fixtures.oldtorch import differs_on_oldest

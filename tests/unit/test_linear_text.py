@@ -9,9 +9,9 @@ from collections.abc import Callable
 import pytest
 
 from ci_runner.backends.errortext import named_op_from_error, unsupported_op_from_error
-from ci_runner.engine.diagnostics import compiler_diagnostics
-from ci_runner.engine.dynamotrace import changed_input
-from ci_runner.engine.failure import first_line, headline, tail
+from ci_runner.failures.diagnostics import compiler_diagnostics
+from ci_runner.watch.dynamotrace import changed_input
+from ci_runner.failures.failure import first_line, headline, tail
 from ci_runner.results.rootcause import cause_line, error_signature, frames, normalize_text, raised_in
 
 N = 200_000

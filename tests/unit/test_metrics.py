@@ -10,7 +10,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from ci_runner.errors import DeepviewError
-from ci_runner.numerics.metrics import (
+from ci_runner.modes.numerics.metrics import (
     METRIC_KEYS,
     MetricsError,
     compare_outputs,
@@ -235,7 +235,7 @@ def test_severity_levels_trust_rel_over_cos() -> None:
 def test_tensors_of_many_blocks_give_the_whole_tensor_definitions() -> None:
     """Metrics are summed block by block (`metrics.CHUNK`); across block boundaries they are still the definitions
     over the whole tensor, a non-finite value in a later block is still seen, and scaling still applies."""
-    from ci_runner.numerics import metrics
+    from ci_runner.modes.numerics import metrics
 
     n = 3 * metrics.CHUNK + 17
     g = torch.Generator().manual_seed(0)

@@ -11,7 +11,7 @@ import torch
 
 from ci_runner.config import InputSpec, ModelSpec, load_matrix
 from ci_runner.errors import ModelLoadError
-from ci_runner.engine.models import (
+from ci_runner.models.load import (
     DEFAULT_TEXTS,
     LoadedModel,
     build_inputs,

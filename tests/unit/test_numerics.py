@@ -17,12 +17,12 @@ from torch import nn
 
 from ci_runner.errors import ConfigError, InputError
 from ci_runner.engine import codec
-from ci_runner.numerics import store, target, verdict, views
+from ci_runner.modes.numerics import store, target, verdict, views
 from ci_runner.registry import parse_options as parse
-from ci_runner.numerics import capture as ncap
+from ci_runner.modes.numerics import capture as ncap
 from ci_runner.backends import resolve_backend
 from ci_runner.config import BackendSpec
-from ci_runner.numerics.thresholds import ThresholdOptions, ThresholdTable
+from ci_runner.modes.numerics.thresholds import ThresholdOptions, ThresholdTable
 from tests.fixtures.paths import ROOT
 
 pytestmark = pytest.mark.oldtorch  # the old-torch subset (tests/fixtures/oldtorch.py)
@@ -518,7 +518,7 @@ def test_cast_copy_is_the_model_load_model_builds_in_float64() -> None:
     """The float64 reference of a config model is the float32 primary cast (no second build): the same parameters,
     buffers (rotary inv_freq included), tied weights and outputs as `load_model(dtype="float64")`."""
     from ci_runner.config import load_matrix_text
-    from ci_runner.engine.models import load_model
+    from ci_runner.models.load import load_model
     from tests.fixtures.matrices import TINY_DECODER, matrix_text
 
     text = matrix_text(models=[{"id": "m", "config": "qwen2", "overrides": {**TINY_DECODER, "tie_word_embeddings": True}}],

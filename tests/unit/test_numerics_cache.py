@@ -1,5 +1,5 @@
 """The thresholds cache: one key per model for the file name, the reuse check and the CI cache
-(`numerics/cache.py`, `deepview-ci thresholds-key`)."""
+(`modes/numerics/cache.py`, `deepview-ci thresholds-key`)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 from ci_runner import cli
 from ci_runner.config import load_matrix_text
 from ci_runner.matrix import expand
-from ci_runner.numerics.cache import CACHE_PREFIX, cache_for, cell_thresholds
-from ci_runner.numerics.thresholds import LayerStats, load_or_derive
+from ci_runner.modes.numerics.cache import CACHE_PREFIX, cache_for, cell_thresholds
+from ci_runner.modes.numerics.thresholds import LayerStats, load_or_derive
 from ci_runner.options import ThresholdOptions
 from tests.fixtures.matrices import REFERENCES, TINY_DECODER, matrix_text
 
@@ -54,7 +54,7 @@ def test_a_changed_model_input_or_reference_is_another_key(tmp_path: Path, chang
 def test_another_torch_or_method_is_another_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from ci_runner.numerics import thresholds
+    from ci_runner.modes.numerics import thresholds
 
     cell = _cells()[0]
     before = cell_thresholds(cell, tmp_path)

@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from ci_runner.numerics import capture as ncap
-from ci_runner.numerics import views
-from ci_runner.numerics.store import DumpReader
+from ci_runner.modes.numerics import capture as ncap
+from ci_runner.modes.numerics import views
+from ci_runner.modes.numerics.store import DumpReader
 
 
 class Rotary(nn.Module):

@@ -13,11 +13,11 @@ from torch import nn
 
 from ci_runner.config import BackendSpec
 from ci_runner.backends import resolve_backend
-from ci_runner.engine.capture import OutputHooks, VersionWatch
-from ci_runner.numerics.capture import capture_compiled_outputs, compile_for_capture, record_reference
-from ci_runner.numerics.metrics import compare_any_row_order, compare_tensors, cos_text
-from ci_runner.numerics.store import DumpReader
-from ci_runner.numerics.views import calls_differ, run_cumulative_view, run_isolated_view, runnable_reference
+from ci_runner.watch.capture import OutputHooks, VersionWatch
+from ci_runner.modes.numerics.capture import capture_compiled_outputs, compile_for_capture, record_reference
+from ci_runner.modes.numerics.metrics import compare_any_row_order, compare_tensors, cos_text
+from ci_runner.modes.numerics.store import DumpReader
+from ci_runner.modes.numerics.views import calls_differ, run_cumulative_view, run_isolated_view, runnable_reference
 
 
 class Block(nn.Module):

@@ -1,4 +1,4 @@
-"""Issue 38: numerics watches whether the backend ran what it compares (`numerics/watched.py`). A capture the backend
+"""Issue 38: numerics watches whether the backend ran what it compares (`modes/numerics/watched.py`). A capture the backend
 did not run is no comparison (`not_ran`, held against a pass); where the capture hooks make the backend fall back,
 the view captures without them and says so (`capture` records, left to the isolated view)."""
 
@@ -13,14 +13,14 @@ from torch import nn
 
 from ci_runner.backends import resolve_backend
 from ci_runner.config import BackendSpec
-from ci_runner.engine.capture import iter_tensors
-from ci_runner.numerics import target
-from ci_runner.numerics.capture import record_reference
-from ci_runner.numerics.store import DumpReader
-from ci_runner.numerics.thresholds import ThresholdOptions, ThresholdTable
-from ci_runner.numerics.verdict import build_layers, coverage
-from ci_runner.numerics.views import _compare_compiled
-from ci_runner.numerics.watched import CaptureRun, watched_capture
+from ci_runner.watch.capture import iter_tensors
+from ci_runner.modes.numerics import target
+from ci_runner.modes.numerics.capture import record_reference
+from ci_runner.modes.numerics.store import DumpReader
+from ci_runner.modes.numerics.thresholds import ThresholdOptions, ThresholdTable
+from ci_runner.modes.numerics.verdict import build_layers, coverage
+from ci_runner.modes.numerics.views import _compare_compiled
+from ci_runner.modes.numerics.watched import CaptureRun, watched_capture
 
 OPENVINO = {"options": {"aot_autograd": True, "testing": True, "config": {"INFERENCE_PRECISION_HINT": "f32"}}}
 

@@ -15,18 +15,18 @@ from torch import nn
 
 from ci_runner.backends import resolve_backend
 from ci_runner.config import BackendSpec, InputSpec, ModelSpec
-from ci_runner.engine.models import load_model
+from ci_runner.models.load import load_model
 from ci_runner.modes.numerics.mode import _result
 from ci_runner.modes.numerics.phases import _watched_run
-from ci_runner.numerics.batch_invariance import batch_experiment
-from ci_runner.numerics.capture import record_reference
-from ci_runner.numerics.dumps import DumpSide, dump_model, load_dump
-from ci_runner.numerics.store import DumpReader
-from ci_runner.numerics.thresholds import ThresholdOptions, ThresholdTable
-from ci_runner.numerics.verdict import build_layers, coverage, verdict_of
-from ci_runner.numerics.views import _compare_compiled
-from ci_runner.numerics.weights import WeightsReport, check_weights
-from ci_runner.numerics.watched import CaptureRun, WatchedRunner, partial_sites, watched_capture, watched_outputs
+from ci_runner.modes.numerics.batch_invariance import batch_experiment
+from ci_runner.modes.numerics.capture import record_reference
+from ci_runner.modes.numerics.dumps import DumpSide, dump_model, load_dump
+from ci_runner.modes.numerics.store import DumpReader
+from ci_runner.modes.numerics.thresholds import ThresholdOptions, ThresholdTable
+from ci_runner.modes.numerics.verdict import build_layers, coverage, verdict_of
+from ci_runner.modes.numerics.views import _compare_compiled
+from ci_runner.modes.numerics.weights import WeightsReport, check_weights
+from ci_runner.modes.numerics.watched import CaptureRun, WatchedRunner, partial_sites, watched_capture, watched_outputs
 from ci_runner.workloads.phases import parse_phases
 
 OPENVINO = {"options": {"aot_autograd": True, "testing": True, "config": {"INFERENCE_PRECISION_HINT": "f32"}}}

@@ -1,6 +1,6 @@
 """Issue 38: `config:` and the zoo build the same head and the same inputs for every family of the zoo: one choice
-of head (`zoo.catalog.head_of`, the zoo's `HEADS` order) and one input builder (`engine.synth.forward_inputs`
-behind `engine.models.build_inputs`). One small architecture per family, built on `meta` (no weights)."""
+of head (`zoo.catalog.head_of`, the zoo's `HEADS` order) and one input builder (`models.synth.forward_inputs`
+behind `models.load.build_inputs`). One small architecture per family, built on `meta` (no weights)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from ci_runner.config import InputSpec, ModelSpec  # noqa: E402
-from ci_runner.engine.models import build_inputs, load_model  # noqa: E402
+from ci_runner.models.load import build_inputs, load_model  # noqa: E402
 from ci_runner.zoo.catalog import FAMILIES, catalog, head_config  # noqa: E402
 from ci_runner.zoo.inputs import zoo_inputs  # noqa: E402
 

@@ -146,7 +146,7 @@ def test_invalid_synthetic_inputs_are_not_blamed_on_the_backend(via: str) -> Non
 
 def test_eager_device_unsupported_op_is_the_dispatcher_error() -> None:
     from ci_runner.sim import simdev
-    from ci_runner.engine.torchcompat import skip_reason
+    from ci_runner.models.torchcompat import skip_reason
 
     if not simdev.supported():
         pytest.skip(skip_reason("simdev"))
@@ -343,7 +343,7 @@ def test_an_op_whose_repro_verified_in_another_cell_is_not_run_again() -> None:
 def test_a_probe_the_timer_ended_is_a_timeout_even_when_the_tail_lost_the_header(tail: str, signal: str | None,
                                                                                  status: str) -> None:
     """glm4v's bicubic `grid_sampler_2d` on inductor (a ~25 s cold compile) read `crashed: exit 1` on a loaded machine."""
-    from ci_runner.engine.isolate import IsolatedResult
+    from ci_runner.procs.isolate import IsolatedResult
     from ci_runner.modes.ops.probe import _crash_outcome
 
     res = IsolatedResult(status="crashed", exit_code=None if signal else 1, signal=signal, stderr_tail=tail)

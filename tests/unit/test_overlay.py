@@ -1,4 +1,4 @@
-"""The numerics overlay for Model Explorer (`numerics/overlay.py`) on hand-made rows and graph nodes: the ratio to the
+"""The numerics overlay for Model Explorer (`modes/numerics/overlay.py`) on hand-made rows and graph nodes: the ratio to the
 threshold, the node → module mapping (later calls, modules held in globals), the gradient that puts 1.0 at the
 amber edge, and the file's format (our JSON Schema of Model Explorer's documented node data). The real numerics
 run, its exported program and Model Explorer's own code on them: tests/integration/test_model_explorer_overlay.py."""
@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 import torch
 
-from ci_runner.numerics.overlay import (AMBER, GREEN, ORANGE, RATIO_CAP, RED, colour_at, gradient, graph_node_data,
+from ci_runner.modes.numerics.overlay import (AMBER, GREEN, ORANGE, RATIO_CAP, RED, colour_at, gradient, graph_node_data,
                                         module_ratios, node_stacks, ratio)
 from tests.fixtures.paths import ROOT
 
@@ -107,7 +107,7 @@ def test_the_schema_refuses_what_model_explorer_would_not_read() -> None:
 
 
 def test_the_program_is_exported_once_per_model_key_and_linked_into_each_cell(tmp_path: Any) -> None:
-    from ci_runner.numerics.overlay import PROGRAM_FILE, export_program, place, shared_program
+    from ci_runner.modes.numerics.overlay import PROGRAM_FILE, export_program, place, shared_program
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
     calls = []

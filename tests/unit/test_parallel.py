@@ -1,5 +1,5 @@
 """The tensor-parallel workload without ranks: the matrix key, the signatures, the hang report, the layout in
-findings and reports (ci_runner/workloads/parallel.py, numerics/tpsignature.py, engine/parallel.py, engine/tpplan.py)."""
+findings and reports (ci_runner/workloads/parallel.py, modes/numerics/tpsignature.py, procs/ranks.py, workloads/tpplan.py)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import torch
 
 from ci_runner.backends.check import check_backends, static_problems
 from ci_runner.config import BackendSpec, load_matrix, load_matrix_text
-from ci_runner.engine.parallel import hang_report
-from ci_runner.engine.tpplan import check_plan, resolve_plan
+from ci_runner.procs.ranks import hang_report
+from ci_runner.workloads.tpplan import check_plan, resolve_plan
 from ci_runner.errors import ConfigError, InputError
 from ci_runner.matrix import expand
-from ci_runner.numerics.tpsignature import classify, signature_facts
+from ci_runner.modes.numerics.tpsignature import classify, signature_facts
 from ci_runner.workloads.parallel import layout_of, spec_from_key
 from ci_runner.report.view import finding_title
 from ci_runner.results.model import Finding
@@ -155,7 +155,7 @@ def test_findings_carry_the_layout_like_a_phase() -> None:
 
 
 def test_analyse_turns_bad_shards_and_failing_collectives_into_findings() -> None:
-    from ci_runner.numerics.parallel import analyse
+    from ci_runner.modes.numerics.tpcompare import analyse
     from ci_runner.options import ThresholdOptions
     from ci_runner.workloads.parallel import ParallelSpec
 
@@ -181,7 +181,7 @@ def test_analyse_turns_bad_shards_and_failing_collectives_into_findings() -> Non
 
 
 def test_a_sharded_run_the_backend_left_to_pytorch_is_inconclusive_per_layer_never_a_pass() -> None:
-    from ci_runner.numerics.parallel import analyse
+    from ci_runner.modes.numerics.tpcompare import analyse
     from ci_runner.options import ThresholdOptions
     from ci_runner.workloads.parallel import ParallelSpec
 
@@ -195,8 +195,8 @@ def test_a_sharded_run_the_backend_left_to_pytorch_is_inconclusive_per_layer_nev
 
 
 def test_a_dead_rank_in_the_tp_layers_search_names_the_module_it_was_probing(tmp_path: Path) -> None:
-    from ci_runner.engine.isolate import IsolatedResult
-    from ci_runner.engine.parallel import RankRun
+    from ci_runner.procs.isolate import IsolatedResult
+    from ci_runner.procs.ranks import RankRun
     from ci_runner.modes.layers.parallel import tp_findings
     from ci_runner.workloads.parallel import ParallelSpec
 
@@ -223,9 +223,9 @@ def test_a_tp_repro_shards_the_module_by_the_plan_relative_to_it() -> None:
 
 
 def test_the_ranks_refuse_a_process_group_c10d_does_not_know() -> None:
-    """What a rank does before joining (`engine/parallel.group_of`): the backend prepared, the name checked."""
+    """What a rank does before joining (`procs/ranks.group_of`): the backend prepared, the name checked."""
     from ci_runner.config import spec_to_json
-    from ci_runner.engine.parallel import group_of
+    from ci_runner.procs.ranks import group_of
     from ci_runner.errors import BackendError
     from ci_runner.workloads.parallel import layout_of
 
@@ -240,13 +240,13 @@ def test_the_ranks_refuse_a_process_group_c10d_does_not_know() -> None:
 
 def test_a_lone_collective_openvino_leaves_to_pytorch_is_not_ran_not_ok(tmp_path: Path) -> None:
     """OpenVINO leaves a lone all-reduce to PyTorch (its partitioner makes no partition of it): a right result, but
-    not the backend's (`engine/tpprobe.probe_collectives`: `not_ran`, OpenVINO's reason); aot_eager's is `ok`. One
+    not the backend's (`workloads/collectives.probe_collectives`: `not_ran`, OpenVINO's reason); aot_eager's is `ok`. One
     rank over gloo."""
     pytest.importorskip("openvino")
     import torch.distributed as dist
 
     from ci_runner.backends import resolve_backend
-    from ci_runner.engine.tpprobe import PLAN_CALLS, probe_collectives
+    from ci_runner.workloads.collectives import PLAN_CALLS, probe_collectives
 
     recipe = {"options": {"aot_autograd": True, "testing": True, "config": {"INFERENCE_PRECISION_HINT": "f32"}}}
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)

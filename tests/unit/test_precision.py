@@ -1,5 +1,5 @@
 """Precision policies: spelling and checks (workloads/precision.py), the CPU emulation and the detection
-(engine/precision.py), the thresholds and op tolerances they widen (numerics/thresholds.py, modes/ops/probe.py)."""
+(workloads/emulate.py), the thresholds and op tolerances they widen (modes/numerics/thresholds.py, modes/ops/probe.py)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from ci_runner.config import load_matrix_text
-from ci_runner.engine.precision import classify, emulate, resolve_policy, _probe_fn, _probe_inputs
-from ci_runner.engine.rounding import op_class, round_to
+from ci_runner.workloads.emulate import classify, emulate, resolve_policy, _probe_fn, _probe_inputs
+from ci_runner.workloads.rounding import op_class, round_to
 from ci_runner.errors import ConfigError
-from ci_runner.numerics.thresholds import LayerStats, threshold_from_stats, threshold_key
+from ci_runner.modes.numerics.thresholds import LayerStats, threshold_from_stats, threshold_key
 from ci_runner.options import ThresholdOptions
 from ci_runner.workloads.precision import (PrecisionPolicy, check_precision, convention, detected_policy,
                                            parse_precision)
@@ -209,7 +209,7 @@ def test_the_emulation_leaves_the_tensors_the_mode_does_not_compute_alone() -> N
 
 def test_a_model_stored_in_bf16_and_loaded_wider_keeps_its_stored_weights() -> None:
     from ci_runner.config import ModelSpec
-    from ci_runner.engine.models import load_model
+    from ci_runner.models.load import load_model
 
     spec = ModelSpec(id="m", config="llama", dtype="bfloat16", overrides={
         "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -222,7 +222,7 @@ def test_a_model_stored_in_bf16_and_loaded_wider_keeps_its_stored_weights() -> N
 
 
 def test_drift_that_is_the_policy_own_is_no_finding() -> None:
-    from ci_runner.numerics.verdict import Layer, findings_for, verdict_of
+    from ci_runner.modes.numerics.verdict import Layer, findings_for, verdict_of
 
     over = {"rel": 1e-2, "cos": 0.9999, "mad": 1e-3}
     layers = [Layer(key="", name="", module_class="M", call_index=0, idx=0, done=1, depth=0,

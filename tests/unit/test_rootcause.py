@@ -14,9 +14,9 @@ from torch import nn
 from ci_runner.run.aggregate import write_report_dir
 from ci_runner.backends import resolve_backend
 from ci_runner.config import BackendSpec
-from ci_runner.engine.outcome import ProbeOutcome
+from ci_runner.failures.outcome import ProbeOutcome
 from ci_runner.modes.layers.search import ROOT, ModuleTree, probe_one, own_code_candidates, own_name
-from ci_runner.engine.models import disable_caches, module_names, resolve_module_name
+from ci_runner.models.load import disable_caches, module_names, resolve_module_name
 from ci_runner.modes.layers.mode import own_code_words
 from ci_runner.engine.repro import verify_script, write_script
 from ci_runner.results.model import CellResult, Finding, ModeResult, Results, load_results
@@ -245,7 +245,7 @@ def test_every_ops_call_site_of_tiny_llava_resolves_on_the_users_model() -> None
     (`encoder.layers.0`): the inventory names them by their full path on the model the user built."""
     from ci_runner.config import load_matrix
     from ci_runner.modes.ops.inventory import take_inventory
-    from ci_runner.engine.models import build_inputs, load_model
+    from ci_runner.models.load import build_inputs, load_model
 
     matrix = load_matrix(None)  # the bundled example's tiny-llava
     loaded = load_model(matrix.model("tiny-llava"), seed=0)
@@ -405,8 +405,8 @@ def test_real_iree_messages_of_histc_and_grouped_mm_are_two_causes() -> None:
     pytest.importorskip("iree.turbine")
     import transformers.integrations.moe  # noqa: F401  (registers torch.ops.transformers.grouped_mm_fallback)
     from ci_runner.backends import boilerplate_lines
-    from ci_runner.engine.diagnostics import capture_fd2, compiler_words
-    from ci_runner.engine.failure import unwrap
+    from ci_runner.failures.diagnostics import capture_fd2, compiler_words
+    from ci_runner.failures.failure import unwrap
     from ci_runner.results.rootcause import error_signature
 
     def histc(x: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 
 import ci_runner.sim as sim
 from ci_runner.config import BackendSpec, load_matrix
-from ci_runner.engine.models import build_inputs, load_model
+from ci_runner.models.load import build_inputs, load_model
 from ci_runner.backends import COULD_NOT_RUN_RE, UNSUPPORTED_RE
 from ci_runner.backends import unsupported_op_from_error as parse_unsupported_op
 from ci_runner.sim import SIM_BACKENDS, SimCompilerError, make_backend
@@ -234,7 +234,7 @@ def test_slow_spends_its_seconds_busy_per_graph_and_is_correct(fresh_dynamo: Cal
 @pytest.fixture
 def dev():
     if not simdev.supported():
-        from ci_runner.engine.torchcompat import skip_reason
+        from ci_runner.models.torchcompat import skip_reason
 
         pytest.skip(skip_reason("simdev"))
     ops = simdev.register()

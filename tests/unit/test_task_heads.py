@@ -1,5 +1,5 @@
 """Issue 45: every head a model has can be asked for with `task:`, from one table (`zoo.catalog.TASK_HEADS`):
-the matrix schema, `engine.models.TASKS`, the auto class built and the task read from a checkpoint's
+the matrix schema, `models.load.TASKS`, the auto class built and the task read from a checkpoint's
 `architectures` all come from it. A tiny wav2vec2 with `task: ctc` is built with its CTC head and fed audio."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import transformers
 from transformers.models.auto import modeling_auto
 
 from ci_runner.config import InputSpec, ModelSpec, load_matrix
-from ci_runner.engine.models import TASKS, build_inputs, detect_task, load_model
+from ci_runner.models.load import TASKS, build_inputs, detect_task, load_model
 from ci_runner.errors import ModelLoadError
 from ci_runner.zoo.catalog import HEADS, LABELS, TASK_HEADS
 

@@ -11,7 +11,7 @@ import pytest
 
 from ci_runner.errors import ConfigError, InputError
 from ci_runner.registry import parse_options as parse
-from ci_runner.numerics.thresholds import (
+from ci_runner.modes.numerics.thresholds import (
     SCHEMA_VERSION,
     LayerStats,
     ThresholdOptions,

@@ -1,4 +1,4 @@
-"""Dynamo's structured trace kept as `TORCH_TRACE` writes it (`engine/dynamotrace.py`: `trace_line`, `KeptTrace`,
+"""Dynamo's structured trace kept as `TORCH_TRACE` writes it (`watch/dynamotrace.py`: `trace_line`, `KeptTrace`,
 `write_trace`): the line format is torch's own formatter's, the cap leaves whole records out and counts them, and a
 watched compile gives a file of valid structured-trace records (tlparse itself reads the compile mode's file in
 tests/integration/test_compile_mode.py)."""
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from ci_runner.engine.dynamotrace import KeptTrace, TraceWatch, trace_line, write_trace
+from ci_runner.watch.dynamotrace import KeptTrace, TraceWatch, trace_line, write_trace
 from tests.fixtures.torchtrace import records
 
 def test_a_line_is_what_torchs_own_trace_formatter_writes() -> None:

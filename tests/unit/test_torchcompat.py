@@ -1,4 +1,4 @@
-"""Feature detection of private or newer torch APIs (`ci_runner.engine.torchcompat`).
+"""Feature detection of private or newer torch APIs (`ci_runner.models.torchcompat`).
 
 On a new torch every feature is present, so each test stands in an old torch by replacing the feature's probe, and
 checks that the feature then reports `skipped` (or refuses) with "needs torch ≥ X", never an Import/AttributeError.
@@ -12,10 +12,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from ci_runner.engine import torchcompat
+from ci_runner.models import torchcompat
 from ci_runner.config import load_matrix
 from ci_runner.errors import EnvironmentSetupError, TorchTooOldError
-from ci_runner.engine.torchcompat import FEATURES
+from ci_runner.models.torchcompat import FEATURES
 from tests.fixtures.paths import ROOT
 
 pytestmark = pytest.mark.oldtorch
@@ -57,7 +57,7 @@ def test_require_raises_a_setup_error_naming_the_release(monkeypatch: pytest.Mon
 
 
 def test_dynamo_keys_fall_back_to_their_names_before_2_7(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ci_runner.numerics.settings import DYNAMO_SETTINGS, dynamo_settings
+    from ci_runner.modes.numerics.settings import DYNAMO_SETTINGS, dynamo_settings
 
     assert dynamo_settings() == dict(DYNAMO_SETTINGS)
     _absent(monkeypatch, "recompile_limit")
@@ -136,7 +136,7 @@ def test_compiler_bisect_is_skipped_with_the_release_it_needs(monkeypatch: pytes
 
     from ci_runner.backends import resolve_backend
     from ci_runner.config import BackendSpec
-    from ci_runner.numerics.bisect import bisect_cell, compiler_bisect
+    from ci_runner.modes.numerics.bisect import bisect_cell, compiler_bisect
 
     _absent(monkeypatch, "compiler_bisector")
     layer = SimpleNamespace(name="norm", done=0, key="norm", module_class="RMSNorm", call_index=0, threshold={},

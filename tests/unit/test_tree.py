@@ -1,4 +1,4 @@
-"""The one tensor-tree mapper (`ci_runner.engine.tree`): every structure the modes hand it keeps its shape and type."""
+"""The one tensor-tree mapper (`ci_runner.models.tree`): every structure the modes hand it keeps its shape and type."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from ci_runner.engine.tree import map_tensors, tensors_in
+from ci_runner.models.tree import map_tensors, tensors_in
 
 pytestmark = pytest.mark.oldtorch  # the old-torch subset (tests/fixtures/oldtorch.py)
 

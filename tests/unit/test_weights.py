@@ -12,8 +12,8 @@ import torch
 from ci_runner.backends import resolve_backend
 from ci_runner.config import BackendSpec
 from ci_runner.results.model import fingerprint
-from ci_runner.engine.torchcompat import available, skip_reason
-from ci_runner.numerics.weights import WeightsReport, check_tensor, check_weights, findings_for, named_tensors
+from ci_runner.models.torchcompat import available, skip_reason
+from ci_runner.modes.numerics.weights import WeightsReport, check_tensor, check_weights, findings_for, named_tensors
 from tests.fixtures.plugin_toolbox_models import TinyNet, base
 
 
@@ -111,8 +111,8 @@ def _ctx() -> object:
 def test_the_target_child_runs_the_check_first_and_the_mode_reads_it_back(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """`target.weights_first` (the check on the model the target child built anyway) → weights.json →
     `toolbox.weights_from_target`: the same findings and data as the check's own child gives."""
-    from ci_runner.numerics import target
-    from ci_runner.numerics.toolbox import weights_from_target
+    from ci_runner.modes.numerics import target
+    from ci_runner.modes.numerics.toolbox import weights_from_target
 
     journal: list[tuple[str, str]] = []
     monkeypatch.setattr(target, "child_journal", lambda event, name: journal.append((event, name)))
@@ -130,8 +130,8 @@ def test_the_target_child_runs_the_check_first_and_the_mode_reads_it_back(tmp_pa
 
 
 def test_a_check_that_raised_crashed_or_never_ran_is_an_error_not_a_pass(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from ci_runner.numerics import target
-    from ci_runner.numerics.toolbox import weights_from_target
+    from ci_runner.modes.numerics import target
+    from ci_runner.modes.numerics.toolbox import weights_from_target
 
     monkeypatch.setattr(target, "child_journal", lambda event, name: None)
 

@@ -1,4 +1,4 @@
-"""The workload engine (`engine/workload.py`) on eager models: it runs phases as generation does."""
+"""The workload engine (`workloads/calls.py`) on eager models: it runs phases as generation does."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from ci_runner.config import InputSpec, ModelSpec
-from ci_runner.engine.models import load_model
-from ci_runner.engine.workload import run_phase, skip_reason
+from ci_runner.models.load import load_model
+from ci_runner.workloads.calls import run_phase, skip_reason
 from ci_runner.workloads.phases import parse_phases
 
 pytestmark = pytest.mark.oldtorch
@@ -98,7 +98,7 @@ def test_what_does_not_apply_is_skipped_with_its_reason(llama: Any) -> None:
 def test_symbolic_functions_are_what_a_dynamic_length_hands_the_backend() -> None:
     """A sliding-window mask's `max(0, s - window + 1)` under a dynamic length is `torch.sym_max` in the graph (the
     backends that fail on it say so); the size queries are ATen ops and are not listed; a static graph has none."""
-    from ci_runner.engine.workload import symbolic_functions
+    from ci_runner.workloads.calls import symbolic_functions
 
     graphs: list[torch.fx.GraphModule] = []
 

@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ...backends.ran import CompileRecord
-from ...engine.watchedrun import WatchedRun
-from ...engine.workload import Call
+from ...watch.watchedrun import WatchedRun
+from ...workloads.calls import Call
 from ...options import CompileOptions
 from ...workloads.phases import Phase
 from ...results.model import Finding, fingerprint
-from ...engine.dynamotrace import Event, changed_input, short_path
+from ...watch.dynamotrace import Event, changed_input, short_path
 
 if TYPE_CHECKING:
     from .. import ModeContext

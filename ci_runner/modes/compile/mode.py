@@ -2,10 +2,10 @@
 compile seconds, what ran outside the backend), and the checks users make of it (`checks.py`).
 
 Each phase of `inputs.phases` (the single forward when there are none: one call per input sample, at most two) runs
-through ONE compiled object (`engine/workload.run_phase`), as users run it, after `torch._dynamo.reset()`. Read
+through ONE compiled object (`workloads/calls.run_phase`), as users run it, after `torch._dynamo.reset()`. Read
 around it: the compile's one watch (`Backend.compile_watched`: the backend's graphs and their executions, Dynamo's
 counters, the backend's own fallbacks such as OpenVINO's partitioner leftovers) and Dynamo's structured trace
-(`engine.dynamotrace.TraceWatch`: graph breaks with their source line, recompiles with the failed guard, compile
+(`watch.dynamotrace.TraceWatch`: graph breaks with their source line, recompiles with the failed guard, compile
 seconds, recompile-limit hits). `data.phases.<phase>` holds the figures (docs/compile.md).
 
 That trace is kept per phase in the cell folder as tlparse reads it (`keep_trace`: `compile/torch_trace/
@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import torch
 
 from .. import FORWARD
-from ...engine.dynamotrace import TRACE_FILE_PREFIX, write_trace
-from ...engine.failure import stage_of, unwrap
-from ...engine.torchcompat import dynamo_config
-from ...engine.watchedrun import PhaseWatch, WatchedRun
-from ...engine.workload import Call, CallRecord, run_phase
+from ...watch.dynamotrace import TRACE_FILE_PREFIX, write_trace
+from ...failures.failure import stage_of, unwrap
+from ...models.torchcompat import dynamo_config
+from ...watch.watchedrun import PhaseWatch, WatchedRun
+from ...workloads.calls import Call, CallRecord, run_phase
 from ...options import CompileOptions
 from ...workloads.phases import Phase
 from ...registry import parse_options
@@ -134,7 +134,7 @@ def _forward_calls(ctx: "ModeContext", loaded: Any, fn: Callable[..., Any], befo
 
 
 def kept_run(ctx: "ModeContext", opts: CompileOptions, phase: Phase | None) -> WatchedRun | None:
-    """Another mode's watched compiled run of `phase` in this process (`engine.watchedrun`), when the mode may read
+    """Another mode's watched compiled run of `phase` in this process (`watch.watchedrun`), when the mode may read
     it: `reuse` on, no `recompile_limit` of its own (the other mode ran under Dynamo's), a phase (the single forward's
     whole-model compiles run in other modes' child processes)."""
     if not opts.reuse or opts.recompile_limit or phase is None:

@@ -19,9 +19,9 @@ from ...backends import plugin_pythonpath
 from ...engine.repro import (plugin_modules, render_template, run_command, safe_filename, template_backend,
                                verify_script, write_script)
 from ...engine.codec import TensorStore, Unstorable, encode_call
-from ...engine.dynamotrace import short_path
-from ...engine.hooks import ModuleHooks
-from ...engine.workload import cache_recipe, capture_calls, plain_tensors
+from ...watch.dynamotrace import short_path
+from ...watch.hooks import ModuleHooks
+from ...workloads.calls import cache_recipe, capture_calls, plain_tensors
 from ...fsutil import atomic_write_text
 from ...options import CompileOptions
 from ...results.model import Finding, Repro

@@ -41,19 +41,19 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 from ...backends import boilerplate_lines, named_op_from_error, resolve_backend
-from ...engine.diagnostics import capture_fd2, compiler_words
-from ...engine.hooks import aten_recording
+from ...failures.diagnostics import capture_fd2, compiler_words
+from ...watch.hooks import aten_recording
 from ...engine.codec import TensorStore, decode_call, encode_call
 from ...config import BackendSpec, ModelSpec, spec_from_json
-from ...engine.tree import map_tensors
+from ...models.tree import map_tensors
 from ...fsutil import atomic_write_json, atomic_write_text
 from ...quoting import comment, pyrepr
-from ...engine.failure import first_line, is_compile_stage, raised_traceback, unwrap
-from ...engine.isolate import Attempt, IsolatedResult, child_journal, file_tail, supervise
+from ...failures.failure import first_line, is_compile_stage, raised_traceback, unwrap
+from ...procs.isolate import Attempt, IsolatedResult, child_journal, file_tail, supervise
 from ...engine.handoff import load_handoff
 from .search import capture_inputs
-from ...engine.models import load_model
-from ...engine.outcome import ProbeOutcome, append_outcome, read_outcomes
+from ...models.load import load_model
+from ...failures.outcome import ProbeOutcome, append_outcome, read_outcomes
 from .culprit_search import Step, StopSearch, parse_key, search, single_order
 from ...engine.repro import Verification, render_template, run_command, write_script
 from ...results.rootcause import cause_line

@@ -1,4 +1,4 @@
-"""The culprit search as a pure function of probe outcomes (`engine.outcome.ProbeOutcome`, named by range key).
+"""The culprit search as a pure function of probe outcomes (`failures.outcome.ProbeOutcome`, named by range key).
 
 `search` decides which node range to probe next from what is known so far (single ops first, in
 `single_order`, then the smallest failing contiguous range); `culprit.py` runs the probes in isolated
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from ...engine.outcome import ProbeOutcome
+from ...failures.outcome import ProbeOutcome
 
 
 

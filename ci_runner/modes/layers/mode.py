@@ -50,15 +50,15 @@ from .parallel import run_tp
 from ...fsutil import atomic_write_text, read_records
 from ...quoting import shell_quote
 from ...engine.codec import TensorStore, Unstorable, save_tensors
-from ...engine.failure import first_line, tail, unwrap
-from ...engine.isolate import Attempt, IsolatedResult, Journal, file_tail, open_entry, supervise
-from ...engine.outcome import UNFINISHED, ProbeOutcome, append_outcome, read_outcomes
-from ...engine.progress import ProgressWatch
+from ...failures.failure import first_line, tail, unwrap
+from ...procs.isolate import Attempt, IsolatedResult, Journal, file_tail, open_entry, supervise
+from ...failures.outcome import UNFINISHED, ProbeOutcome, append_outcome, read_outcomes
+from ...procs.progress import ProgressWatch
 from .search import BOILERPLATE, ROOT, ChildPlan, ModuleTree, SearchResult, StopSearch, capture_inputs, encode_call, label, own_name, scan_model, search, twin_plan, unlabel, write_root_call
 from ...options import LayersOptions
 from ...registry import FindingKind, parse_options
 from ...engine.repro import key_text as _key_text, model_source, plugin_modules as _plugin_modules, render_template, run_command, safe_filename, template_backend, verify_script, write_script
-from ...engine.tree import module_tensors
+from ...models.tree import module_tensors
 from ...results.model import JOURNAL_NAME, Finding, ModeResult, Repro, fingerprint
 from ...results.rootcause import annotate
 
@@ -170,7 +170,7 @@ def run_search(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, layers
 
 
 def _probe_watch(opts: LayersOptions, journal: Path, fd2_file: Path) -> ProgressWatch:
-    """The parent's watch on a probing child (`engine/progress.py`): the module in flight is the journal's open
+    """The parent's watch on a probing child (`procs/progress.py`): the module in flight is the journal's open
     `enter-module` entry written after now; past probe_timeout it is a hang when, over `progress_window` (at most half
     of probe_timeout), the child's session used no CPU time and its output (fd 2 included) did not grow."""
     since = Journal(journal).size()

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ...config import spec_to_json
 from ...options import LayersOptions
-from ...engine.failure import first_line
-from ...engine.outcome import ProbeOutcome
-from ...engine.parallel import PROGRESS, RANK_TASKS, RankRun, launch_ranks, read_progress
+from ...failures.failure import first_line
+from ...failures.outcome import ProbeOutcome
+from ...procs.ranks import PROGRESS, RANK_TASKS, RankRun, launch_ranks, read_progress
 from ...workloads.parallel import ParallelSpec
 from ...registry import FindingKind, parse_options
 from ...results.model import Finding, fingerprint

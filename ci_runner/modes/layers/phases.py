@@ -1,7 +1,7 @@
 """Layers per phase (`inputs.phases`): the call that dies, the smallest submodule it dies in, and why.
 
 For each phase the whole model is compiled once with the backend (its `compile_options` honoured) and called as
-users call it (`engine/workload.py`: prefill, then decode steps through one KV cache; a padded batch; long prompts),
+users call it (`workloads/calls.py`: prefill, then decode steps through one KV cache; a padded batch; long prompts),
 teacher-forced with eager's tokens. The first call that raises is named (phase, step). Then:
 - **dynamic shapes**: the same phase again with `dynamic=False` (one graph per shape). Passing there means the
   failure is "only under dynamic shapes" (Dynamo recompiled the second call with a symbolic length);
@@ -27,12 +27,12 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 
 from ...backends.ran import CompileRecord, CompileWatch
-from ...engine.failure import first_line, raised_traceback
+from ...failures.failure import first_line, raised_traceback
 from ...backends import boilerplate_lines, plugin_pythonpath
 from ...engine.repro import (plugin_modules, render_template, run_command, safe_filename, template_backend,
                                verify_script, write_script)
-from ...engine.watchedrun import PhaseWatch, wanted
-from ...engine.workload import (Call, Captured, PhaseRun, cache_recipe, capture_calls, plain_tensors, replay_calls,
+from ...watch.watchedrun import PhaseWatch, wanted
+from ...workloads.calls import (Call, Captured, PhaseRun, cache_recipe, capture_calls, plain_tensors, replay_calls,
                                  run_phase, smallest_module, symbolic_functions)
 from ...fsutil import atomic_write_text
 from ...options import LayersOptions
@@ -63,7 +63,7 @@ def _target_run(ctx: "ModeContext", loaded: Any, phase: Phase, forced: list[torc
                 dynamic: bool | None = None) -> tuple[PhaseRun, CompileRecord | None, dict[int, int], str | None]:
     """The phase through one compiled object, and why the backend did not run (some of) it (None: it ran it all).
     The first (as users compile it) is watched, and kept for the compile mode when the cell runs it
-    (`engine.watchedrun`): its signals then cost no compile of their own."""
+    (`watch.watchedrun`): its signals then cost no compile of their own."""
     fn, compiled = _compile(ctx, _fresh(ctx, loaded), dynamic=dynamic)
     record = compiled.record
     graphs_before: dict[int, int] = {}
@@ -91,7 +91,7 @@ def _node_name(node: Any) -> str:
 
 def culprit_ops(record: CompileRecord | None, first_graph: int, error: str) -> list[str]:
     """Ops of the graphs given to the backend for the failing call: the symbolic-shape functions among them
-    (`engine.workload.symbolic_functions`), and any op whose name the error text contains."""
+    (`workloads.calls.symbolic_functions`), and any op whose name the error text contains."""
     if record is None:
         return []
     found: list[str] = []

@@ -30,16 +30,16 @@ import torch
 
 from ...engine import codec
 from ...backends import CompileWatch, boilerplate_lines, resolve_backend
-from ...engine.capture import ModuleCapture, detach_tree, iter_tensors
+from ...watch.capture import ModuleCapture, detach_tree, iter_tensors
 from ...engine.codec import TensorStore, Unstorable, check_value, decode_call
-from ...engine.diagnostics import capture_fd2, compiler_words
-from ...engine.failure import is_compile_stage, raised_traceback, unwrap
+from ...failures.diagnostics import capture_fd2, compiler_words
+from ...failures.failure import is_compile_stage, raised_traceback, unwrap
 from ...fsutil import append_record, atomic_write_json
 from ...config import BackendSpec, ModelSpec, spec_from_json
-from ...engine.isolate import child_journal
-from ...engine.models import load_model
-from ...engine.outcome import ProbeOutcome, append_outcome, read_outcomes
-from ...engine.tree import module_tensors, tensors_in
+from ...procs.isolate import child_journal
+from ...models.load import load_model
+from ...failures.outcome import ProbeOutcome, append_outcome, read_outcomes
+from ...models.tree import module_tensors, tensors_in
 from .tree import ROOT, ModuleTree, SearchResult, StopSearch, label, unlabel
 from .tracking import ExecutingTracker
 

@@ -32,7 +32,7 @@ import torch
 from ...backends import plugin_pythonpath
 from ...config import InputSpec, ModelSpec, spec_from_json
 from ...engine.codec import TensorStore
-from ...engine.failure import first_line
+from ...failures.failure import first_line
 from ...engine.repro import key_text, plugin_modules, render_template, run_command, safe_filename, \
     template_backend, verify_script, write_script
 from ...fsutil import atomic_write_text

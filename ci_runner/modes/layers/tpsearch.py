@@ -1,15 +1,15 @@
 """The layers mode under tensor parallelism, inside the ranks: the smallest submodule whose sharded run dies on the
 backend, on any rank.
 
-`rank_task` is a task of `engine/parallel.rank_tasks`. Every rank builds the model (same seed), shards it by the
-plan (`engine/tpplan.py`), records each module's first-call inputs in one eager sharded forward (kept in memory:
+`rank_task` is a task of `procs/ranks.rank_tasks`. Every rank builds the model (same seed), shards it by the
+plan (`workloads/tpplan.py`), records each module's first-call inputs in one eager sharded forward (kept in memory:
 the ranks replay them themselves) and runs the single-rank mode's own top-down search (`search.search`) with a
 probe that compiles the sharded submodule alone on the backend and runs it on its inputs (`search.probe_one`).
 The ranks probe the same modules in the same order, so the collectives inside a probed module meet: after each
 probe the ranks' outcomes are agreed with an all-gather (a module fails when it fails on any rank; the first such
 rank's outcome stands and the failing ranks are named). Each probe is announced in the rank's progress file
 (`probe:<backend>:<module>`), so a rank that dies in a probe, or hangs in a collective, is named with its module by
-`engine/parallel.hang_report` and the parent (`modes/layers/parallel.py`). After the search every rank stores each
+`procs/ranks.hang_report` and the parent (`modes/layers/parallel.py`). After the search every rank stores each
 smallest failing module's local shards and inputs for its repro (`tprepro.store_ranks`).
 """
 
@@ -21,9 +21,9 @@ import torch
 
 from ...backends import resolve_backend
 from ...config import BackendSpec, spec_from_json
-from ...engine.outcome import ProbeOutcome
-from ...engine.parallel import arrive
-from ...engine.tpplan import sharded_model
+from ...failures.outcome import ProbeOutcome
+from ...procs.ranks import arrive
+from ...workloads.tpplan import sharded_model
 from ...results.model import clean
 from .search import ModuleTree, label, minimal_failing, probe_one, record_calls, search, tree_of
 from .tprepro import store_ranks

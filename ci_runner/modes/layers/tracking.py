@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ...engine.capture import ModuleCapture
+from ...watch.capture import ModuleCapture
 
 
 def root_traceback(exc: BaseException, inner: BaseException, *, frames: int = 40, limit: int = 6000) -> str:

@@ -1,12 +1,12 @@
 """The layers mode's data model: the module tree that ran and the search's answer (what one probe found is
-`engine.outcome.ProbeOutcome`, shared with the culprit search)."""
+`failures.outcome.ProbeOutcome`, shared with the culprit search)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
-from ...engine.outcome import ProbeOutcome
+from ...failures.outcome import ProbeOutcome
 
 ROOT = ""  # the root module's qualified name
 ROOT_LABEL = "<root>"  # how the root is named in findings and reports

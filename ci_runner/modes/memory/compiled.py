@@ -23,8 +23,8 @@ import torch
 
 from ...backends.ran import CompileWatch
 from ...config import InputSpec
-from ...engine.hooks import ModuleHooks
-from ...engine.models import LoadedModel
+from ...watch.hooks import ModuleHooks
+from ...models.load import LoadedModel
 from ...workloads.phases import Phase
 from .meters import DispatchMeter, Meter, NullMeter, device_meter
 from .runs import MeteredRun, calls_of, metered_run, phase_name, tracked_layers

@@ -23,7 +23,7 @@ from ...backends import backend_recipe, plugin_pythonpath
 from ...engine.codec import TensorStore, Unstorable, encode_call, save_tensors
 from ...engine.repro import (model_source, render_template, run_command, safe_filename, template_backend,
                              verify_script, write_script)
-from ...engine.tree import module_tensors
+from ...models.tree import module_tensors
 from ...results.model import Repro
 
 __all__ = ["to_device", "write_repro", "verify", "repro_folder"]

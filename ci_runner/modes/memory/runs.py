@@ -16,8 +16,8 @@ import torch
 
 from .. import FORWARD
 from ...config import InputSpec
-from ...engine.models import LoadedModel, build_inputs
-from ...engine.workload import Call, cache_kwarg, logits_of, phase_calls
+from ...models.load import LoadedModel, build_inputs
+from ...workloads.calls import Call, cache_kwarg, logits_of, phase_calls
 from ...workloads.phases import Phase
 from .meters import DispatchMeter, Meter
 from .tracker import Frame, ModuleTracker, layer_names, tracked_modules

@@ -3,7 +3,7 @@
 One meter has one resettable peak, so nested calls share it through a stack: entering a module folds the peak so
 far into the caller's frame and resets it; leaving folds the callee's peak back into the caller. A call that raises
 (an out-of-memory) leaves its frames on the stack, innermost last: `open_frames()` names where it died.
-The hooks (`engine.hooks.ModuleHooks`) are removed on exit, always (the `torch.utils.module_tracker` discipline).
+The hooks (`watch.hooks.ModuleHooks`) are removed on exit, always (the `torch.utils.module_tracker` discipline).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from ...engine.hooks import ModuleHooks
+from ...watch.hooks import ModuleHooks
 from .meters import Meter
 
 __all__ = ["Frame", "ModuleTracker", "tracked_modules", "layer_names"]

@@ -3,7 +3,7 @@
 The failure this mode exists for is silent: the model compiles, runs and answers plausibly while one layer is
 quietly wrong. Every module call is compared against the primary reference, in two views, and each comparison is
 held to that layer's own threshold. The method (thresholds, reference pass, cumulative and isolated views,
-verdict) is described in `docs/numerics.md`; the work is done by the `ci_runner/numerics/` package, this module
+verdict) is described in `docs/numerics.md`; the work is done by the `ci_runner/modes/numerics/` package, this module
 only orchestrates it: options (`options.NumericsOptions`), thresholds for the cell, the reference pass, the
 target in child processes (a fresh child after a crash, skipping the module that crashed), the result.
 
@@ -28,14 +28,14 @@ import torch
 from ...registry import parse_options
 from ...config import spec_to_json
 from ...fsutil import append_line, atomic_write_json
-from ...engine.isolate import Attempt, IsolatedResult, Journal, supervise
-from ...engine.models import load_model
+from ...procs.isolate import Attempt, IsolatedResult, Journal, supervise
+from ...models.load import load_model
 from ...options import NumericsOptions
 from ...results.model import ModeResult
-from ...numerics.capture import dump_meta, record_reference
-from ...numerics.settings import DTYPES, VIEWS, dynamo_settings
-from ...numerics.store import DumpReader, dump_matches
-from ...numerics.target import (
+from .capture import dump_meta, record_reference
+from .settings import DTYPES, VIEWS, dynamo_settings
+from .store import DumpReader, dump_matches
+from .target import (
     TARGET_CHILD,
     WEIGHTS_ITEM,
     TargetPlan,
@@ -46,13 +46,13 @@ from ...numerics.target import (
     read_records,
     target_dtype,
 )
-from ...numerics.cache import cell_thresholds
+from .cache import cell_thresholds
 from ...engine.handoff import handoff_path, save_handoff
-from ...numerics.thresholds import LayerStats, ThresholdTable, add_views, load_or_derive
-from ...numerics.overlay import (PROGRAM_FILE, export_program, module_ratios, place, shared_program,
+from .thresholds import LayerStats, ThresholdTable, add_views, load_or_derive
+from .overlay import (PROGRAM_FILE, export_program, module_ratios, place, shared_program,
                                  weights_mb, write_node_data)
-from ...numerics.toolbox import after_numerics, before_numerics, reference_dumps, weights_from_target, weights_in_target
-from ...numerics.verdict import (
+from .toolbox import after_numerics, before_numerics, reference_dumps, weights_from_target, weights_in_target
+from .verdict import (
     OTHER_VIEW,
     build_layers,
     coverage,
@@ -64,7 +64,7 @@ from ...numerics.verdict import (
 )
 from .parallel import PendingParallel, start_parallel
 from .phases import run_phases
-from ...numerics.views import cast_copy, derive_reference_stats, runnable_reference
+from .views import cast_copy, derive_reference_stats, runnable_reference
 
 if TYPE_CHECKING:
     from .. import ModeContext
@@ -212,7 +212,7 @@ def derive_for_cell(ctx: "ModeContext", opts: NumericsOptions, dump_root: Path, 
                     timings: dict[str, float] | None = None) -> tuple[ThresholdTable, str, str]:
     """Load the model's thresholds, or derive them (once per key, under a file lock): (table, how, key hash).
 
-    The file and its key are `numerics.cache.cell_thresholds`'s (the CI cache key follows the same key). Derived
+    The file and its key are `cache.cell_thresholds`'s (the CI cache key follows the same key). Derived
     now, the reference dumps of the samples in `keep` stay in `dump_root`, marked with the key hash; so do every
     sample's when a view is left for later (`deferred_views`, added by `complete_thresholds`)."""
     policy = ctx.precision()[0]
@@ -383,7 +383,7 @@ def _single_rank(ctx: "ModeContext", opts: NumericsOptions, t0: float, pending: 
 
 def _overlay(ctx: "ModeContext", opts: NumericsOptions, rows: list[dict[str, Any]], sample: int,
              model_key: str) -> dict[str, Any]:
-    """The layer table on the model's graph for Model Explorer (`numerics/overlay.py`): the primary reference's
+    """The layer table on the model's graph for Model Explorer (`modes/numerics/overlay.py`): the primary reference's
     model exported on the compared sample's inputs (once per model key in `<run>/model_explorer/`, linked here),
     each view's node data and (under `model_explorer_mb`) the program, in `numerics/model_explorer/`; paths relative
     to the cell folder. A failure is said here, never the mode's."""

@@ -1,7 +1,7 @@
 """The numerics mode's tensor-parallel hook: with `parallel: {tp: N}` on the cell, the sharded model on the backend,
-layer by layer, against one rank (the method: `ci_runner/numerics/parallel.py`, docs/parallel.md).
+layer by layer, against one rank (the method: `ci_runner/modes/numerics/tpcompare.py`, docs/parallel.md).
 
-Its rank task (`numerics/tprank.rank_task`, declared in the registry with `rank_part`, its part of the payload) runs
+Its rank task (`modes/numerics/tprank.rank_task`, declared in the registry with `rank_part`, its part of the payload) runs
 in the cell's one launch of ranks (`modes/ranks.py`: started by the cell's first mode with a rank task, at the
 latest when this mode starts: `start_parallel`) while the single-rank comparison runs: it needs nothing from it
 (each rank builds the model and its references itself), so the cell waits only for what is left of it when its
@@ -19,9 +19,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ...config import BackendSpec
-from ...engine.tpprobe import PLAN_CALLS, write_repro
-from ...engine.parallel import RankRun, TaskRun
-from ...numerics.parallel import analyse, rank_part as rank_part_of
+from ...workloads.collectives import PLAN_CALLS, write_repro
+from ...procs.ranks import RankRun, TaskRun
+from .tpcompare import analyse, rank_part as rank_part_of
 from ...options import NumericsOptions
 from ...quoting import shell_command
 from ...workloads.parallel import ParallelSpec
@@ -103,7 +103,7 @@ def declared_group(layout: ParallelSpec) -> dict[str, str]:
 
 def collective_repro(ctx: "ModeContext", f: Finding, spec: BackendSpec) -> Repro:
     """A standalone script that starts its own ranks and compiles the collective of `f` alone on the backend
-    (`engine/tpprobe.write_repro`; verified by the ops mode's TP hook, which probes the same calls)."""
+    (`workloads/collectives.write_repro`; verified by the ops mode's TP hook, which probes the same calls)."""
     layout = ctx.cell.parallel
     assert layout is not None and f.op is not None
     call = f.details.get("call") or next(c for c in PLAN_CALLS if c["op"] == f.op)

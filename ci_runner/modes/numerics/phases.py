@@ -1,6 +1,6 @@
 """Numerics per phase (`inputs.phases`): per layer and per step against references fed the same tokens.
 
-For each phase (`ci_runner/workloads/phases.py`), run as users run it (`engine/workload.py`):
+For each phase (`ci_runner/workloads/phases.py`), run as users run it (`workloads/calls.py`):
 1. the primary reference (eager, the primary dtype) picks the greedy tokens; the second reference (e.g. float64)
    is fed the same tokens. Per layer and per call, their disagreement times the margin (with the dtype's floor) is
    the threshold, derived per phase as the single forward's are;
@@ -10,7 +10,7 @@ For each phase (`ci_runner/workloads/phases.py`), run as users run it (`engine/w
 3. when a call diverges or is not finite, the target runs again with output hooks on every module, to name the
    first (step, layer) where the divergence starts, or the first layer where NaN/Inf appears in that row.
 The KV cache each layer wrote is compared per step against the reference's, and greedy-token and top-5 agreement
-over the steps are reported. Each compiled run is a fresh compile, watched (`engine.watchedrun.PhaseWatch`): a target
+over the steps are reported. Each compiled run is a fresh compile, watched (`watch.watchedrun.PhaseWatch`): a target
 run the backend did not run (in whole or in part) makes the phase `inconclusive` when it found nothing (never a
 pass; findings stand: a call that ran in PyTorch cannot diverge from the reference), ops its partitioner left to
 PyTorch are listed with the modules that call them (`backend_ran.partial_sites`, the phase `partial`), and a
@@ -25,14 +25,14 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
-from ...engine.precision import emulate
-from ...engine.capture import OutputHooks, primary_tensor
-from ...engine.hooks import ModuleHooks
-from ...engine.watchedrun import PhaseWatch
-from ...engine.workload import (Call, CallRecord, PhaseRun, capture_calls, replay_calls, run_phase,
+from ...workloads.emulate import emulate
+from ...watch.capture import OutputHooks, primary_tensor
+from ...watch.hooks import ModuleHooks
+from ...watch.watchedrun import PhaseWatch
+from ...workloads.calls import (Call, CallRecord, PhaseRun, capture_calls, replay_calls, run_phase,
                                  smallest_module)
-from ...numerics.metrics import compare_tensors
-from ...numerics.target import target_dtype
+from .metrics import compare_tensors
+from .target import target_dtype
 from ...options import NumericsOptions
 from ...workloads.phases import Phase
 from ...results.model import Finding, fingerprint
@@ -321,7 +321,7 @@ def _partial_text(sites: Mapping[str, list[str]]) -> str:
 
 def _watched_run(backend: Any, compiled_from: torch.nn.Module, hooked: torch.nn.Module | None, primary: Any,
                  ctx: "ModeContext", phase: Phase, **kw: Any) -> tuple[PhaseRun, _Recorder, dict[str, Any]]:
-    """`_run` of a fresh compile of `compiled_from`, watched (`engine.watchedrun.PhaseWatch`, its `not_ran`: graphs
+    """`_run` of a fresh compile of `compiled_from`, watched (`watch.watchedrun.PhaseWatch`, its `not_ran`: graphs
     given and run, Dynamo's eager fallbacks, the backend's own): (run, recorder, `ran` facts with `not_ran` when the
     backend did not run it and `partial_sites` when its partitioner left ops to PyTorch: op -> the modules that call
     it)."""

@@ -82,7 +82,7 @@ class NumericsHooks(ModeHooks):
 
 
 def model_explorer_files(cell: CellResult) -> list[tuple[str, str]]:
-    """The cell's Model Explorer overlay (`data.model_explorer`, numerics/overlay.py): the exported program and each
+    """The cell's Model Explorer overlay (`data.model_explorer`, modes/numerics/overlay.py): the exported program and each
     view's node data, as report.html links them."""
     mode = cell.modes.get(MODE)
     record = (mode.data or {}).get("model_explorer") if mode is not None else None

@@ -36,10 +36,10 @@ import torch
 from ...backends import named_op_from_error, resolve_backend
 from ...config import BackendSpec, spec_from_json
 from ...engine.codec import source_of, tensor_specs
-from ...engine.diagnostics import capture_fd2
-from ...engine.failure import error_text
-from ...engine.isolate import child_journal
-from ...engine.tree import map_tensors
+from ...failures.diagnostics import capture_fd2
+from ...failures.failure import error_text
+from ...procs.isolate import child_journal
+from ...models.tree import map_tensors
 from ...fsutil import append_line
 from .inputs import build_tensors, dynamic_marks, input_bytes
 from .probe import (GROUP_PREFIX, TOGETHER_PREFIX, Reference, assemble, judge, packet_of, probe_inputs, reference,

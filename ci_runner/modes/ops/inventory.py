@@ -43,15 +43,15 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from ...engine.capture import ModuleCapture
-from ...engine.hooks import aten_recording
+from ...watch.capture import ModuleCapture
+from ...watch.hooks import aten_recording
 from ...errors import DeepviewError
 from ...engine.codec import encode_arg, tensor_specs
 from .signature import CallSite, Inventory, OpSignature, signature_key
 from .tracefail import (PACKAGE_DIR, error_summary, fake_tensor_error, model_code_error, short_path,
                         transformers_checks_off, where_failed)
-from ...engine.torchcompat import require
-from ...engine.models import model_module_stack, module_names, normalize_module_path, resolve_module_name
+from ...models.torchcompat import require
+from ...models.load import model_module_stack, module_names, normalize_module_path, resolve_module_name
 
 LEVELS: tuple[str, ...] = ("dynamo", "aten", "core_aten", "dispatch")
 MAX_SITES = 8  # call sites kept per signature

@@ -6,10 +6,10 @@ findings and probe table, the zoo's cross table). Rows become records only at th
 a child's `probes-*.jsonl` line or a store file's `outcome`, `to_row` writes one back. The child side
 (`probe.run_probe`, `grouptest`) builds the wire rows themselves.
 
-This is a second record beside the layers engine's `engine.outcome.ProbeOutcome` on purpose: a layer probe is a
+This is a second record beside the layers engine's `failures.outcome.ProbeOutcome` on purpose: a layer probe is a
 piece of a model that passes or fails (one `fail` status, a root-cause signature), while an op probe carries the
 backend's own verdict (`unsupported`, `error`, `mismatch`, `probe_error` …), a comparison and the op the compiler
-named. Both share the crash vocabulary (`engine.outcome.CRASH_STATUSES`).
+named. Both share the crash vocabulary (`failures.outcome.CRASH_STATUSES`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, Mapping
 
-from ...engine.outcome import CRASH_STATUSES
+from ...failures.outcome import CRASH_STATUSES
 from ...registry import FindingKind
 
 __all__ = ["CPU_FAILS_TOO", "KIND_OF_STATUS", "OpOutcome", "OpStatus", "SEVERITY"]

@@ -4,7 +4,7 @@ redistributions the backend sees are inventoried and probed like any other op (i
 Its rank task (`tpops.rank_task`, declared in the registry with `rank_part`, its part of the payload) runs in the
 cell's one launch of ranks (`modes/ranks.py`), beside the single-rank inventory and probes; after them the mode takes
 its value (`ModeContext.ranks().take`) and adds one `unsupported_op` (or `op_mismatch`) per collective call the backend fails on
-alone, carrying `parallel: "tpN"` and a repro that starts its own ranks (`engine/tpprobe.write_repro`), verified
+alone, carrying `parallel: "tpN"` and a repro that starts its own ranks (`workloads/collectives.write_repro`), verified
 by running it (it must fail with the same error type and first line); and `data["parallel"]`: the layout, every
 collective call (op, shape, dtype, arguments, count, module) with its status and the ranks it had.
 
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from ...backends import backend_recipe
 from ...config import BackendSpec, spec_to_json
 from ...engine.repro import key_text, safe_filename, verify_script
-from ...engine.tpprobe import write_repro
+from ...workloads.collectives import write_repro
 from ...options import OpsOptions
 from ...quoting import shell_command
 from ...workloads.parallel import ParallelSpec
@@ -106,7 +106,7 @@ def sharded_ops(sharded: Inventory, single: Inventory, probe: ProbeFn, layout: P
 
 def collective_finding(row: Mapping[str, Any], spec: BackendSpec, model_id: str, layout: ParallelSpec,
                        opts: OpsOptions, folder: Path, cell_dir: Path) -> Finding:
-    """One failing collective call (a merged row of `engine/tpprobe.merge_rows`): the finding, its repro written
+    """One failing collective call (a merged row of `workloads/collectives.merge_rows`): the finding, its repro written
     into `folder` and (with `opts.verify`) verified."""
     call = row["call"]
     unsupported = row["status"] == "unsupported"

@@ -1,6 +1,6 @@
 """Ops per phase (`inputs.phases`): what the backend is given only in generation, probed in its regime.
 
-Each phase runs on the CPU model as users run it (`engine/workload.py`), through `torch.compile` with the
+Each phase runs on the CPU model as users run it (`workloads/calls.py`), through `torch.compile` with the
 backend's `compile_options` and a recording compiler at the ATen level (after aot_autograd, as the single
 forward's `aot` inventory): every graph of every call, recompiles included. From them:
 - the phase's **inventory**, and the signatures the single forward never had (cache writes such as `index_copy`,
@@ -27,8 +27,8 @@ import torch
 from ...backends import backend_recipe
 from ...engine.repro import (render_template, run_command, safe_filename, template_backend,
                                verify_script, write_script)
-from ...engine.hooks import aten_recording
-from ...engine.workload import run_phase, symbolic_functions
+from ...watch.hooks import aten_recording
+from ...workloads.calls import run_phase, symbolic_functions
 from ...options import OpsOptions
 from ...workloads.phases import Phase
 from ...results.model import Finding, ModeResult, Repro, fingerprint

@@ -30,10 +30,10 @@ from torch.utils import _pytree as pytree
 
 from ...backends import COULD_NOT_RUN_RE, CompileRecord, CompileWatch, groups_agree, named_op_from_error
 from ...config import BackendSpec, spec_to_json
-from ...engine.diagnostics import capture_fd2, compiler_words
-from ...engine.failure import classify, error_text
-from ...engine.isolate import Attempt, IsolatedResult, supervise
-from ...engine.precision import emulate
+from ...failures.diagnostics import capture_fd2, compiler_words
+from ...failures.failure import classify, error_text
+from ...procs.isolate import Attempt, IsolatedResult, supervise
+from ...workloads.emulate import emulate
 from ...workloads.precision import PrecisionPolicy, convention
 from .compare import compare, mismatch_metrics, no_compare_reason
 from .inputs import build_tensors, copy_tensors, dynamic_marks, input_bytes
@@ -42,7 +42,7 @@ from ...engine.codec import decode_value, tensor_specs
 from .signature import resolve_callable
 from ...options import OpsOptions
 from ...quoting import dotted, pyrepr
-from ...engine.tree import map_tensors
+from ...models.tree import map_tensors
 
 _CHILD_STARTUP_S = 60.0  # importing torch, the backend and Dynamo's first compile, on a loaded 2-core machine
 _MIN_PROBES_PER_CHILD = 24
@@ -407,7 +407,7 @@ POLICY_MARGIN = 3.0  # the op's emulated spread times this is what a policy allo
 
 def policy_tolerance(probe: Mapping[str, Any], ref: Reference, atol: float) -> dict[str, Any] | None:
     """The op's tolerance under the probe's precision policy: the largest difference between CPU eager and the
-    same op under the policy's emulation (`engine/precision.emulate`), relative to max(1, max|eager|), times
+    same op under the policy's emulation (`workloads/emulate.emulate`), relative to max(1, max|eager|), times
     `POLICY_MARGIN`, when it exceeds the dtype's `atol`. An op the policy keeps in float32 (a softmax under a bf16
     policy) has no spread, so its dtype tolerance stands. None when nothing widens it."""
     op = resolve_op(probe)

@@ -1,11 +1,11 @@
 """The ops mode under tensor parallelism, inside the ranks: the collectives the backend sees, each alone on it.
 
-`rank_task` is a task of `engine/parallel.rank_tasks`. Every rank builds and shards the model
-(`engine/tpplan.sharded_model`), traces it as an aot backend receives it (`engine/tpprobe.aten_graphs`: the DTensor
+`rank_task` is a task of `procs/ranks.rank_tasks`. Every rank builds and shards the model
+(`workloads/tpplan.sharded_model`), traces it as an aot backend receives it (`workloads/collectives.aten_graphs`: the DTensor
 redistributions are functional collectives there), lists the distinct collective calls
-(`engine/tpprobe.collective_calls`: op, shape, dtype, arguments) and probes each alone with the cell's backend on
-every rank at once (`engine/tpprobe.probe_collectives`). The ranks' rows are merged on rank 0
-(`engine/tpprobe.merge_rows`: a call fails when it fails on any rank, the ranks named). Rank 0 also returns the
+(`workloads/collectives.collective_calls`: op, shape, dtype, arguments) and probes each alone with the cell's backend on
+every rank at once (`workloads/collectives.probe_collectives`). The ranks' rows are merged on rank 0
+(`workloads/collectives.merge_rows`: a call fails when it fails on any rank, the ranks named). Rank 0 also returns the
 inventory of its graphs' other ops (`sharded_inventory`: local ops on its local shapes, among them what DTensor
 itself adds, e.g. a vocabulary-sharded embedding's mask and `index_put`); the parent probes those the single-rank
 inventory lacks (`parallel.py`), with no ranks: they need no collective.
@@ -17,9 +17,9 @@ from typing import Any, Mapping
 
 from ...backends import resolve_backend
 from ...config import BackendSpec, spec_from_json
-from ...engine.parallel import arrive
-from ...engine.tpplan import sharded_model
-from ...engine.tpprobe import NAMESPACE, aten_graphs, collective_calls, merge_rows, probe_collectives
+from ...procs.ranks import arrive
+from ...workloads.tpplan import sharded_model
+from ...workloads.collectives import NAMESPACE, aten_graphs, collective_calls, merge_rows, probe_collectives
 from ...results.model import clean
 from .inventory import inventory_of_graphs
 from .signature import Inventory

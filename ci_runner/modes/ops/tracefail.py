@@ -12,7 +12,7 @@ from typing import Iterator
 
 import torch
 
-from ...engine.failure import first_line
+from ...failures.failure import first_line
 
 # frames inside deepview-ci itself are not the model's source (this file lies in ci_runner/modes/ops/)
 PACKAGE_DIR = str(Path(__file__).parents[2])

@@ -1,0 +1,1 @@
+"""Hooks and watches: module hooks and captures, what the backend compiled and ran, Dynamo traces."""
