@@ -456,17 +456,17 @@ def run_phase(fn: Callable[..., Any], loaded: LoadedModel, inputs: InputSpec, ph
 def _check_kept(run: PhaseRun, kept: list[tuple[CallRecord, torch.Tensor]], latest: CallRecord) -> None:
     """After `latest` returned: did any earlier call's returned output change? (Each is reported once.)"""
     named = {o["call"] for o in run.overwritten}
-    for rec, copy in kept:
+    for rec, saved in kept:
         if rec.label in named or rec.raw is None:
             continue
-        same = rec.raw.shape == copy.shape and torch.equal(rec.raw.nan_to_num(0.0), copy.nan_to_num(0.0))
+        same = rec.raw.shape == saved.shape and torch.equal(rec.raw.nan_to_num(0.0), saved.nan_to_num(0.0))
         if not same:
             shared = rec.raw.untyped_storage().data_ptr() == (latest.raw.untyped_storage().data_ptr()
                                                              if latest.raw is not None else -1)
             run.overwritten.append({"call": rec.label, "step": rec.step, "changed_after": latest.label,
                                     "shares_storage": bool(shared),
-                                    "max_abs_change": float((rec.raw.double() - copy.double()).abs().max())
-                                    if rec.raw.shape == copy.shape else None})
+                                    "max_abs_change": float((rec.raw.double() - saved.double()).abs().max())
+                                    if rec.raw.shape == saved.shape else None})
 
 
 # --------------------------------------------------------------------------------------------- one call, module by module

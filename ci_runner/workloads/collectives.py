@@ -18,6 +18,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from ..backends.ran import CompileWatch
+from ..engine.repro import render_template, template_backend, write_script
 from ..failures.diagnostics import capture_fd2, compiler_words
 from ..failures.failure import classify, first_line
 from ..watch.hooks import record_aten_graphs
@@ -82,8 +84,6 @@ def probe_collectives(compile_fn: Callable[[Callable[..., Any]], Callable[..., A
     backend has a vendor watch (`backends.ran.CompileWatch(compile_name).active`), a right result the backend left
     to PyTorch (OpenVINO's partitioner leaves a lone collective outside its partitions) is `not_ran`, not `ok`."""
     import torch.distributed as dist  # deferred: rank children only
-
-    from ..backends.ran import CompileWatch  # deferred: the vendor watches import their compilers on use
 
     rows = []
     for call in calls:
@@ -156,7 +156,6 @@ def write_repro(path: Any, call: Mapping[str, Any], spec: Any, *, status: str, w
                 message: str, model_id: str, layout: str) -> Any:
     """The collective repro of `call` on backend `spec` at `path` (`templates/repro_collective.py.j2`: it starts
     `world` ranks of its own; exit 1 while the collective still fails)."""
-    from ..engine.repro import render_template, template_backend, write_script  # deferred: jinja2
 
     text = render_template("repro_collective.py.j2", op=call["op"], backend_id=spec.id, status=status, world=world,
                            error_type=error_type, message=message, model_id=model_id, layout=layout,

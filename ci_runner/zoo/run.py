@@ -31,7 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from ..backends.spec import resolve_backend
 from ..config import Cell, load_matrix
+from ..engine.envinfo import cell_stamp, plugin_modules
 from ..procs.isolate import run_isolated
 from ..engine.repro import safe_filename
 from ..errors import ConfigError, ExecutionError, InputError
@@ -315,8 +317,6 @@ class _Child:
 
 
 def _child(payload: Mapping[str, Any]) -> _Child:
-    from ..backends.spec import resolve_backend  # deferred: torch and the backend's plugins, in this child only
-    from ..engine.envinfo import cell_stamp, plugin_modules  # deferred: torch, in this child only
     from ..modes.ops.mode import choose_level  # deferred: torch, child only
 
     deadline = time.monotonic() + float(payload["deadline_s"])

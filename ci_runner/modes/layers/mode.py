@@ -109,7 +109,6 @@ def run_search(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, layers
         budget = ctx.remaining() - reserve_s
         if budget < _MIN_CHILD_S:
             return f"the cell's time ran out after {len(known)} module(s) were probed"
-        unknown = sum(1 for n, node in tree.nodes.items() if node.replayable and n not in known)
         timeout_file = layers_dir / f"child-{children}.timeout.txt"
         timeout_file.unlink(missing_ok=True)
         fd2_file = layers_dir / f"child-{children}.fd2.txt"

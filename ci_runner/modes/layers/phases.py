@@ -17,7 +17,6 @@ teacher-forced with eager's tokens. The first call that raises is named (phase, 
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 import re
