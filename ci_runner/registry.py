@@ -16,7 +16,7 @@ Derived from it:
 - `github/`: which findings are filed, under which group (its key, title, template), and which mode's coverage
   closes a group's issue;
 - `modes/__init__.py`: the run function of a mode;
-- `modes/ranks.py`: the tasks of a tensor-parallel cell's one launch of ranks (`ModeSpec.rank_task`, `rank_payload`).
+- `procs/ranks.py`: the tasks of a tensor-parallel cell's one launch of ranks (`ModeSpec.rank_task`, `rank_payload`).
 
 The schema files in `ci_runner/schemas/` keep the built-in lists under ``$defs`` (for readers of the files); a test
 checks that they equal what this registry generates, and a loaded schema always takes the registry's lists.
@@ -201,7 +201,7 @@ class ModeSpec:
     fit: str | None = None
     # tensor parallelism (a cell with `parallel: {tp: N}`): ``"module:function"`` called in each rank of the cell's one
     # launch with (payload, mesh) (`procs/ranks.rank_tasks`); the mode takes rank 0's value with
-    # `ModeContext.ranks().take(name)` (`modes/ranks.py`)
+    # `ModeContext.ranks().take(name)` (`procs/ranks.py`)
     rank_task: str | None = None
     # ``"module:function"``: (ModeContext) -> the mode's own part of the ranks' payload (its task gets it added to the
     # launch's model, inputs and layout)

@@ -7,7 +7,7 @@ one failed (it works on what can run). A mode whose module is absent is reported
 that reason: nothing fakes a result.
 
 A cell with `parallel: {tp: N}` launches its ranks once for every mode that declares a rank task
-(`ModeContext.ranks()`, `modes/ranks.py`); each such mode takes its own task's outcome from that launch.
+(`ModeContext.ranks()`, `procs/ranks.py`); each such mode takes its own task's outcome from that launch.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from ..watch import compiles
 from ..procs.isolate import Journal
+from ..procs.ranks import CellRanks
 from ..errors import ModelLoadError
 from ..registry import mode_spec
 from ..results.model import CHECKPOINT_KEY, JOURNAL_NAME, ModeResult
 from ..workloads.precision import PrecisionPolicy, with_storage
-from .ranks import CellRanks
 
 if TYPE_CHECKING:
     from ..backends import Backend

@@ -47,8 +47,8 @@ def test_watches_hooks_and_the_aten_recording_are_each_built_in_one_module() -> 
 
 def test_the_check_sees_a_second_copy(tmp_path: Path) -> None:
     """The scan is not vacuous: a module that registers a hook or builds a watch of its own is named."""
-    (tmp_path / "engine").mkdir()
-    (tmp_path / "engine" / "hooks.py").write_text("m.register_forward_hook(f)\n", encoding="utf-8")
+    (tmp_path / "watch").mkdir()
+    (tmp_path / "watch" / "hooks.py").write_text("m.register_forward_hook(f)\n", encoding="utf-8")
     (tmp_path / "other.py").write_text("x = 1\nm.register_forward_pre_hook(f, with_kwargs=True)\n"
                                        "with FallbackWatch(name) as w:\n    pass\n", encoding="utf-8")
     assert calls_outside_their_module(tmp_path) == ["other.py:2: register_forward_pre_hook(…)", "other.py:3: FallbackWatch(…)"]

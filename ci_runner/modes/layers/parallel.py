@@ -2,7 +2,7 @@
 sharded run dies on the backend, on any rank, the ranks named (the search inside the ranks: `tpsearch.py`).
 
 Its rank task (`tpsearch.rank_task`, declared in the registry with `rank_part`, its part of the payload) runs in
-the cell's one launch of ranks (`modes/ranks.py`), beside the single-rank search; after the search the mode takes its
+the cell's one launch of ranks (`procs/ranks.py`), beside the single-rank search; after the search the mode takes its
 value (`ModeContext.ranks().take`) and adds one `layer_failure` per smallest failing module (each carrying `parallel: "tpN"`, the failing ranks in `details.ranks`) and `data["parallel"]`. A rank that
 died or hung is one finding naming the rank and the module it was probing (its progress file's last
 `probe:<backend>:<module>` step); a rank waiting in a collective for it fails with gloo's timeout, and the hang

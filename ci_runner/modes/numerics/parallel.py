@@ -2,7 +2,7 @@
 layer by layer, against one rank (the method: `ci_runner/modes/numerics/tpcompare.py`, docs/parallel.md).
 
 Its rank task (`modes/numerics/tprank.rank_task`, declared in the registry with `rank_part`, its part of the payload) runs
-in the cell's one launch of ranks (`modes/ranks.py`: started by the cell's first mode with a rank task, at the
+in the cell's one launch of ranks (`procs/ranks.py`: started by the cell's first mode with a rank task, at the
 latest when this mode starts: `start_parallel`) while the single-rank comparison runs: it needs nothing from it
 (each rank builds the model and its references itself), so the cell waits only for what is left of it when its
 single-rank part is done (`PendingParallel.finish`). It adds its

@@ -1,7 +1,7 @@
 """Numerics under tensor parallelism: the sharded model on a backend, layer by layer, against one rank.
 
 The ranks run `modes/numerics/tprank.rank_task` (the numerics mode's rank task, in the cell's one launch:
-`modes/ranks.py`; `rank_part` its part of the payload); `analyse` turns rank 0's records into per-layer rows,
+`procs/ranks.py`; `rank_part` its part of the payload); `analyse` turns rank 0's records into per-layer rows,
 thresholds and findings:
 
 * thresholds as `modes/numerics/thresholds.py` derives them (`threshold_from_stats`: margin × percentile over samples,

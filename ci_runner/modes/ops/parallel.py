@@ -2,7 +2,7 @@
 redistributions the backend sees are inventoried and probed like any other op (inside the ranks: `tpops.py`).
 
 Its rank task (`tpops.rank_task`, declared in the registry with `rank_part`, its part of the payload) runs in the
-cell's one launch of ranks (`modes/ranks.py`), beside the single-rank inventory and probes; after them the mode takes
+cell's one launch of ranks (`procs/ranks.py`), beside the single-rank inventory and probes; after them the mode takes
 its value (`ModeContext.ranks().take`) and adds one `unsupported_op` (or `op_mismatch`) per collective call the backend fails on
 alone, carrying `parallel: "tpN"` and a repro that starts its own ranks (`workloads/collectives.write_repro`), verified
 by running it (it must fail with the same error type and first line); and `data["parallel"]`: the layout, every
