@@ -41,7 +41,7 @@ from ..config import BackendSpec
 from ..engine.envinfo import tool_version
 from ..models.torchcompat import available, skip_reason
 from ..errors import BackendError
-from ..quoting import dotted, pyrepr
+from ..quoting import dotted
 from .ran import CompileRecord, CompileWatch
 
 # Short descriptions of the usual torch.compile backends, for `deepview-ci env`.
@@ -442,7 +442,8 @@ def simdev_options(spec: BackendSpec) -> Mapping[str, Any]:
 
 @dataclass(frozen=True, kw_only=True)
 class BackendRecipe:
-    """How a standalone script rebuilds a backend: imports, setup lines, the torch.compile backend expression."""
+    """What a standalone script needs to rebuild a backend (`engine.repro.template_backend` writes it through
+    `templates/_repro_backend.py.j2`): its kind and what that kind needs, the modules to import, the device."""
 
     kind: str  # eager | sim | plugin | registered (as `Backend.kind`)
     name: str | None  # the matrix's `compile` (None when eager)
@@ -451,8 +452,6 @@ class BackendRecipe:
     options: Mapping[str, Any]  # backend_options
     simdev_options: Mapping[str, Any] | None  # None unless the device is simdev
     imports: tuple[str, ...]
-    setup: tuple[str, ...]  # Python lines run after the imports; they bind BACKEND when compiling
-    backend_expr: str | None  # None for eager devices
     device: str
     env: Mapping[str, str]
     compile_options: Mapping[str, Any]
@@ -460,27 +459,19 @@ class BackendRecipe:
 
 
 def backend_recipe(spec: BackendSpec) -> BackendRecipe:
-    """The recipe for `spec`: its `resolution`, written as imports and setup lines (imports, simdev, compiler)."""
+    """The recipe for `spec`: its `resolution`, with the modules a script imports (the backend's, simdev's, the sims',
+    a plugin's own) and the folders they need on PYTHONPATH."""
     r = resolution(spec)
     imports: list[str] = list(r.imports)
-    setup: list[str] = []
-    options = dict(r.options)
     if r.simdev is not None:
         imports.append("ci_runner.sim.simdev")
-        setup.append(f"ci_runner.sim.simdev.register_from_options({pyrepr(dict(r.simdev))})  # registers the simdev device")
     if r.kind == "sim":
         imports.append("ci_runner.sim")
-        setup.append(f"BACKEND = ci_runner.sim.make_backend({pyrepr(spec.compile)}, {pyrepr(options)})")
     elif r.kind == "plugin":
         imports.append(dotted(r.module))
-        target = dotted(f"{r.module}.{r.attr}")
-        setup.append(f"BACKEND = {target}(**{pyrepr(options)})" if options else f"BACKEND = {target}")
-    elif r.kind == "registered":
-        setup.append(f"BACKEND = {pyrepr(spec.compile)}")
     imports = list(dict.fromkeys(imports))
-    return BackendRecipe(kind=r.kind, name=spec.compile, module=r.module, attr=r.attr, options=options,
+    return BackendRecipe(kind=r.kind, name=spec.compile, module=r.module, attr=r.attr, options=dict(r.options),
                          simdev_options=dict(r.simdev) if r.simdev is not None else None, imports=tuple(imports),
-                         setup=tuple(setup), backend_expr=None if r.kind == "eager" else "BACKEND",
                          device=spec.device, env=dict(spec.env), compile_options=dict(spec.compile_options),
                          pythonpath=tuple(plugin_pythonpath(imports)))
 

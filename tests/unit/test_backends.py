@@ -226,7 +226,7 @@ def test_one_resolution_order_drives_the_adapter_the_recipe_and_the_self_test_an
     on_simdev = bspec(device="simdev", backend_options={"deny": ["rsqrt"]})
     assert resolution(on_simdev).simdev == {"deny": ["rsqrt"]} and is_self_test(on_simdev)
     recipe = backend_recipe(on_simdev)
-    assert recipe.imports[-1] == "ci_runner.sim.simdev" and "register_from_options" in recipe.setup[0]
+    assert recipe.imports[-1] == "ci_runner.sim.simdev" and recipe.simdev_options == {"deny": ["rsqrt"]}
     plugin = resolution(bspec(compile="pkg.mod:make"))
     assert (plugin.module, plugin.attr) == ("pkg.mod", "make")
 

@@ -75,17 +75,16 @@ def test_simdev_options_rule() -> None:
 
 def test_backend_recipe_per_kind() -> None:
     r = backend_recipe(_spec(compile="inductor"))
-    assert (r.kind, r.backend_expr, r.setup, r.simdev_options) == ("registered", "BACKEND", ("BACKEND = 'inductor'",), None)
+    assert (r.kind, r.name, r.imports, r.simdev_options) == ("registered", "inductor", (), None)
     r = backend_recipe(_spec(device="simdev", compile="sim-subset",
                              backend_options={"allow": ["mm"], "simdev": {"deny": ["mm"]}}))
     assert r.kind == "sim" and r.simdev_options == {"deny": ["mm"]}
     assert r.imports == ("ci_runner.sim.simdev", "ci_runner.sim")
-    assert r.setup[0].startswith("ci_runner.sim.simdev.register_from_options({'deny': ['mm']})")
     r = backend_recipe(_spec(compile="tests.fixtures.plugin_compiler:backend", imports=("tests.fixtures",)))
     assert (r.kind, r.module, r.attr) == ("plugin", "tests.fixtures.plugin_compiler", "backend")
-    assert r.setup == ("BACKEND = tests.fixtures.plugin_compiler.backend",)
+    assert r.imports == ("tests.fixtures", "tests.fixtures.plugin_compiler")
     r = backend_recipe(_spec(device="simdev"))
-    assert r.kind == "eager" and r.backend_expr is None and r.simdev_options == {}
+    assert r.kind == "eager" and r.name is None and r.simdev_options == {}
 
 
 def test_error_text_patterns() -> None:
