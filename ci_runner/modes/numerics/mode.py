@@ -64,6 +64,7 @@ from .verdict import (
 )
 from .parallel import PendingParallel, start_parallel
 from .phases import run_phases
+from .repro import attach_repros
 from .views import cast_copy, derive_reference_stats, runnable_reference
 
 if TYPE_CHECKING:
@@ -343,6 +344,9 @@ def _single_rank(ctx: "ModeContext", opts: NumericsOptions, t0: float, pending: 
                                            model_id=ctx.cell.model.id, max_findings=opts.max_findings)
     post = after_numerics(ctx, toolbox, table=table, layers=layers, verdict=verdict, findings=findings,
                           isolate=opts.isolate)  # batch invariance, bisect of the divergent layer
+    if findings:  # a script per divergence finding, while the reference dump is on disk (modes/numerics/repro.py)
+        timings["repros_s"] = attach_repros(ctx, findings, layers, dumps[0], ref_dtype=refs[0].dtype,
+                                            target_dtype=target_dtype(ctx.cell.model.dtype, refs[0].dtype))
     errors = [{"key": l.key, "module_class": l.module_class, **{f"{v}": e for v, e in l.errors.items()}}
               for l in layers if l.errors]
     data: dict[str, Any] = {
