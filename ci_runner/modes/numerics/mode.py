@@ -334,8 +334,7 @@ def _single_rank(ctx: "ModeContext", opts: NumericsOptions, t0: float, pending: 
     reader = DumpReader(dumps[0])
     layers = build_layers(reader, records, table)
     reader.close()
-    iso_ran = any(l.metrics.get("isolated") for l in layers)
-    cum_ran = any(l.metrics.get("cumulative") for l in layers)
+    iso_ran, cum_ran = (any(l.metrics.get(view) for l in layers) for view in ("isolated", "cumulative"))
     policy = ctx.precision()[0]
     verdict = verdict_of(layers, isolated_ran=iso_ran, policy=None if policy.is_float32 else policy.label())
     if verdict.get("kind") == "policy_drift":
@@ -344,9 +343,7 @@ def _single_rank(ctx: "ModeContext", opts: NumericsOptions, t0: float, pending: 
                                            model_id=ctx.cell.model.id, max_findings=opts.max_findings)
     post = after_numerics(ctx, toolbox, table=table, layers=layers, verdict=verdict, findings=findings,
                           isolate=opts.isolate)  # batch invariance, bisect of the divergent layer
-    if findings:  # a script per divergence finding, while the reference dump is on disk (modes/numerics/repro.py)
-        timings["repros_s"] = attach_repros(ctx, findings, layers, dumps[0], ref_dtype=refs[0].dtype,
-                                            target_dtype=target_dtype(ctx.cell.model.dtype, refs[0].dtype))
+    timings.update(attach_repros(ctx, findings, layers, dumps[0]))  # while the reference dump is on disk
     errors = [{"key": l.key, "module_class": l.module_class, **{f"{v}": e for v, e in l.errors.items()}}
               for l in layers if l.errors]
     data: dict[str, Any] = {

@@ -31,6 +31,7 @@ from ...models.tree import module_tensors
 from ...registry import FindingKind
 from ...results.model import Finding, Repro
 from .store import DumpReader
+from .target import target_dtype
 from .verdict import Layer
 
 if TYPE_CHECKING:
@@ -42,18 +43,23 @@ MIN_SECONDS = 90.0  # a cell with less left writes no repro: its result comes fi
 VERIFY_SECONDS = 180.0  # at most this long per repro run, and at most a quarter of the cell's time left
 
 
-def attach_repros(ctx: "ModeContext", findings: Sequence[Finding], layers: Sequence[Layer], dump: Path, *,
-                  ref_dtype: str, target_dtype: str) -> float:
-    """A verified repro (or a `details.repro_note`) on each divergence finding of the single forward; seconds spent.
-    `dump`: the primary reference's dump of the compared sample (still on disk)."""
+def attach_repros(ctx: "ModeContext", findings: Sequence[Finding], layers: Sequence[Layer],
+                  dump: Path) -> dict[str, float]:
+    """A verified repro (or a `details.repro_note`) on each divergence finding of the single forward: the timing
+    `{"repros_s": seconds}` ({} with no finding). `dump`: the primary reference's dump of the compared sample (still
+    on disk). The layer runs eagerly in the primary reference's dtype, compiled in the target's (`target_dtype`)."""
+    if not findings:
+        return {}
     t0 = time.monotonic()
+    ref_dtype = ctx.cell.references[0].dtype
+    compiled_dtype = target_dtype(ctx.cell.model.dtype, ref_dtype)
     reader = DumpReader(dump)
     try:
         for f in findings:
             if f.kind != FindingKind.DIVERGENCE:
                 continue
             try:
-                written = _one(ctx, f, layers, reader, ref_dtype=ref_dtype, target_dtype=target_dtype)
+                written = _one(ctx, f, layers, reader, ref_dtype=ref_dtype, compiled_dtype=compiled_dtype)
             except Exception as exc:  # a repro problem must not lose the finding  # noqa: BLE001
                 written = f"no repro: writing it failed: {type(exc).__name__}: {first_line(str(exc), 200)}"
             if isinstance(written, str):
@@ -62,7 +68,7 @@ def attach_repros(ctx: "ModeContext", findings: Sequence[Finding], layers: Seque
                 f.repro = written
     finally:
         reader.close()
-    return round(time.monotonic() - t0, 3)
+    return {"repros_s": round(time.monotonic() - t0, 3)}
 
 
 def _flagged_layer(f: Finding, layers: Sequence[Layer]) -> Layer | None:
@@ -83,7 +89,7 @@ def _via(name: str, via: str | None) -> tuple[str | None, int]:
 
 
 def _one(ctx: "ModeContext", f: Finding, layers: Sequence[Layer], reader: DumpReader, *, ref_dtype: str,
-         target_dtype: str) -> Repro | str:
+         compiled_dtype: str) -> Repro | str:
     if f.details.get("view") not in ("isolated", "both"):
         return ("no repro: accumulated drift (cumulative view only): no layer is wrong on its own, so no one layer "
                 "run alone shows it")
@@ -123,7 +129,7 @@ def _one(ctx: "ModeContext", f: Finding, layers: Sequence[Layer], reader: DumpRe
         "repro_numerics.py.j2", module=label, qualified_name=name, module_class=f.module_class or "",
         model_id=ctx.cell.model.id, model_source=ctx.cell.model.source, backend_id=ctx.cell.backend.id,
         backend=template_backend(ctx.cell.backend), message=f.message, source=source, call=encoded,
-        ref_dtype=ref_dtype, target_dtype=target_dtype, via=via, via_call=via_call,
+        ref_dtype=ref_dtype, target_dtype=compiled_dtype, via=via, via_call=via_call,
         threshold_rel=_number(thr.get("rel")), threshold_cos=_number(thr.get("cos")), command=command))
     return _verify(ctx, script, pythonpath, command, expect=f"{label} diverges")
 
