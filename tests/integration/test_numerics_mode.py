@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -254,3 +256,37 @@ def test_references_see_the_same_weights_in_both_dtypes(model: str) -> None:
     for name, p in a.items():
         assert p.dtype == torch.float32 and b[name].dtype == torch.float64
         assert torch.equal(p.double(), b[name]), name
+
+
+def _run_as_printed(script: Path, command: str) -> subprocess.CompletedProcess[str]:
+    """The repro's printed command, run from its folder in a clean environment (`python` is this interpreter)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    return subprocess.run(command, shell=True, cwd=script.parent, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.slow
+def test_each_divergence_finding_carries_a_verified_repro(cell_run: Callable[..., _Run]) -> None:
+    """modes/numerics/repro.py: the perturbed SiLU's owners each get repro.py (the layer rebuilt from the model's
+    config with its weights, on the reference's inputs), verified, and the printed command exits 1 saying so; a cell
+    with no finding (aot_eager) writes nothing."""
+    res, ctx = cell_run("tiny-llama", "perturb-silu")
+    assert res.status == "fail" and res.findings
+    for f in res.findings:
+        assert f.repro is not None and f.repro.verified, (f.repro, f.details.get("repro_note"))
+        script = ctx.cell_dir / f.repro.path
+        assert script.name == "repro.py"
+        assert {"inputs.safetensors", "weights.safetensors", "config.json"} <= {p.name for p in script.parent.iterdir()}
+        assert f.repro.command is not None and "repro.py" in f.repro.command
+        done = _run_as_printed(script, f.repro.command)
+        out = done.stdout + done.stderr
+        assert done.returncode == 1, out[-3000:]
+        assert out.lstrip().startswith("REPRO STARTED")
+        assert f"REPRO FAILED: {f.module} diverges: rel " in out and "> threshold" in out, out[-3000:]
+    assert res.data["timings"]["repros_s"] > 0
+
+    res, ctx = cell_run("tiny-llama", "aot_eager")
+    assert res.status == "pass" and not res.findings, res.reason
+    assert not (ctx.cell_dir / "numerics" / "repro").exists()
+    assert "repros_s" not in res.data["timings"]

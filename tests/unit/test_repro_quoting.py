@@ -63,6 +63,8 @@ _CONTEXTS: dict[str, dict[str, Any]] = {
     "repro_memory.py.j2": {"kind": "oom", "title": "out of memory", "model": "m", "phase": "prefill", "step": None,
                            "source": _SOURCE, "command": "python repro.py",
                            "capacity": 1000, "live_at_entry": 10, "ratio": 1.5},
+    "repro_numerics.py.j2": {"source": _SOURCE, "ref_dtype": "float32", "target_dtype": "bfloat16", "via": "o_proj",
+                             "via_call": 0, "threshold_rel": 1e-3, "threshold_cos": 0.999, "command": "python repro.py"},
     "repro_op.py.j2": {"op": "aten.add.Tensor", "kind": "op_error", "calls": 1, "source": "model.py:3",
                        "signature": "add(Tensor, Tensor)", "ir": "aten", "python_version": "3.12",
                        "transformers_version": "5", "backend_versions": "-", "outputs": None,

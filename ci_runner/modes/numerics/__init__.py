@@ -15,6 +15,7 @@ module              concern
 `views`             the isolated view (a module fed the reference's inputs) and the cumulative view
 `target`            the target child: plan, both views against the dumps, its records
 `verdict`           layers, verdict, findings and the result table from the records
+`repro`             a verified standalone script per divergence finding (the layer, eager against compiled)
 `dumps`             the offline dump format (`deepview-ci dump`) and `compare`
 `toolbox`           the toolbox's options and its hooks into the mode (weights, batch, bisect, reference dumps)
 `weights`           weights round-trip check

@@ -64,6 +64,7 @@ from .verdict import (
 )
 from .parallel import PendingParallel, start_parallel
 from .phases import run_phases
+from .repro import attach_repros
 from .views import cast_copy, derive_reference_stats, runnable_reference
 
 if TYPE_CHECKING:
@@ -333,8 +334,7 @@ def _single_rank(ctx: "ModeContext", opts: NumericsOptions, t0: float, pending: 
     reader = DumpReader(dumps[0])
     layers = build_layers(reader, records, table)
     reader.close()
-    iso_ran = any(l.metrics.get("isolated") for l in layers)
-    cum_ran = any(l.metrics.get("cumulative") for l in layers)
+    iso_ran, cum_ran = (any(l.metrics.get(view) for l in layers) for view in ("isolated", "cumulative"))
     policy = ctx.precision()[0]
     verdict = verdict_of(layers, isolated_ran=iso_ran, policy=None if policy.is_float32 else policy.label())
     if verdict.get("kind") == "policy_drift":
@@ -343,6 +343,7 @@ def _single_rank(ctx: "ModeContext", opts: NumericsOptions, t0: float, pending: 
                                            model_id=ctx.cell.model.id, max_findings=opts.max_findings)
     post = after_numerics(ctx, toolbox, table=table, layers=layers, verdict=verdict, findings=findings,
                           isolate=opts.isolate)  # batch invariance, bisect of the divergent layer
+    timings.update(attach_repros(ctx, findings, layers, dumps[0]))  # while the reference dump is on disk
     errors = [{"key": l.key, "module_class": l.module_class, **{f"{v}": e for v, e in l.errors.items()}}
               for l in layers if l.errors]
     data: dict[str, Any] = {

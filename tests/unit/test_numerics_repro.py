@@ -1,0 +1,64 @@
+"""The numerics repro (modes/numerics/repro.py, templates/repro_numerics.py.j2) without a run of the mode: the script
+renders, starts with the verification marker, and computes rel and cos as the mode's metrics do."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from ci_runner.engine.repro import render_template, template_backend
+from ci_runner.config import BackendSpec
+from ci_runner.modes.numerics.metrics import compare_tensors
+from ci_runner.modes.numerics.repro import _via
+
+SOURCE = {"kind": "factory", "factory": "pkg.mod:build", "seed": 0, "overrides": {}, "dtype": "float32"}
+
+
+def _render(**over: object) -> str:
+    ctx = dict(module="blk.attn", qualified_name="blk.attn", module_class="Attn", model_id="m",
+               model_source="factory:pkg.mod:build", backend_id="aot_eager",
+               backend=template_backend(BackendSpec(id="aot_eager", compile="aot_eager")),
+               message="blk.attn diverges on its own", source=SOURCE, call={"args": [], "kwargs": {}},
+               ref_dtype="float32", target_dtype="bfloat16", via=None, via_call=0, threshold_rel=1e-3,
+               threshold_cos=0.999, command="python repro.py")
+    ctx.update(over)
+    return render_template("repro_numerics.py.j2", **ctx)
+
+
+def test_via_is_a_path_below_the_layer_and_a_call_index() -> None:
+    assert _via("model.layers.0.self_attn", "model.layers.0.self_attn.o_proj") == ("o_proj", 0)
+    assert _via("model.layers.0.self_attn", "model.layers.0.self_attn.o_proj#2") == ("o_proj", 2)
+    assert _via("", "model.norm") == ("model.norm", 0)
+    assert _via("a", None) == (None, 0)
+    assert _via("a", "ab.c") == (None, 0)  # not below `a`
+
+
+def test_the_script_starts_with_the_marker_and_holds_the_threshold(tmp_path: Path) -> None:
+    src = _render(via="o_proj", via_call=1)
+    compile(src, "repro.py", "exec")
+    code = [ln for ln in src.splitlines() if ln.strip() and not ln.startswith("#")]
+    assert code[0].startswith('print("REPRO STARTED"')
+    assert "THRESHOLD_REL = 0.001" in src and "VIA = 'o_proj'" in src and "VIA_CALL = 1" in src
+    assert "import ci_runner" not in src and "from ci_runner" not in src
+
+
+@pytest.mark.parametrize("ref,tgt", [
+    (torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.0, 2.001, 3.0])),
+    (torch.randn(4, 8, generator=torch.Generator().manual_seed(0)),
+     torch.randn(4, 8, generator=torch.Generator().manual_seed(1))),
+    (torch.zeros(3), torch.zeros(3)),
+    (torch.tensor([1.0, float("-inf")]), torch.tensor([1.5, float("-inf")])),
+    (torch.tensor([1.0, 2.0]), torch.tensor([1.0, float("nan")])),
+])
+def test_the_scripts_metrics_are_the_modes(tmp_path: Path, ref: torch.Tensor, tgt: torch.Tensor) -> None:
+    script = tmp_path / "repro.py"
+    script.write_text(_render(), encoding="utf-8")
+    space: dict[str, object] = {"__name__": "not_main", "__file__": str(script)}
+    exec(compile(script.read_text(encoding="utf-8"), str(script), "exec"), space)
+    rel, cos = space["rel_cos"](ref, tgt)  # type: ignore[operator]
+    want = compare_tensors(ref, tgt)
+    assert math.isclose(rel, float(want["rel"]), rel_tol=1e-9, abs_tol=1e-15) or rel == float(want["rel"])
+    assert math.isclose(cos, float(want["cos"]), rel_tol=1e-9, abs_tol=1e-12)
