@@ -340,6 +340,9 @@ class NumericsOptions:
                              help="layers listed in `data[\"layers\"]` (the rest is counted, not listed)")
     max_findings: int = option(200, check=integer(ge=1, hint="give an integer ≥ 1"),
                                help="findings emitted (the most severe first)")
+    verify: bool = option(True, check=boolean, help="run each finding's repro in a fresh process to verify it")
+    verify_timeout: float = option(180.0, check=_SECONDS,
+                                   help="seconds a repro may take (at most a quarter of the cell's time left)")
     model_explorer: bool = option(True, check=boolean,
                                   help="write each view's per-layer ratio to its threshold as Model Explorer node data "
                                        "(`numerics/model_explorer/<view>.json`) over the model's exported program "

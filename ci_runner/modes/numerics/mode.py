@@ -343,7 +343,7 @@ def _single_rank(ctx: "ModeContext", opts: NumericsOptions, t0: float, pending: 
                                            model_id=ctx.cell.model.id, max_findings=opts.max_findings)
     post = after_numerics(ctx, toolbox, table=table, layers=layers, verdict=verdict, findings=findings,
                           isolate=opts.isolate)  # batch invariance, bisect of the divergent layer
-    timings.update(attach_repros(ctx, findings, layers, dumps[0]))  # while the reference dump is on disk
+    timings.update(attach_repros(ctx, findings, layers, dumps[0], opts))  # while the reference dump is on disk
     errors = [{"key": l.key, "module_class": l.module_class, **{f"{v}": e for v, e in l.errors.items()}}
               for l in layers if l.errors]
     data: dict[str, Any] = {

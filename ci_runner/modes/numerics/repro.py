@@ -28,6 +28,7 @@ from ...engine.repro import (model_source, render_template, run_command, safe_fi
                              verify_script, write_script)
 from ...failures.failure import first_line
 from ...models.tree import module_tensors
+from ...options import NumericsOptions
 from ...registry import FindingKind
 from ...results.model import Finding, Repro
 from .store import DumpReader
@@ -40,14 +41,16 @@ if TYPE_CHECKING:
 __all__ = ["MIN_SECONDS", "attach_repros"]
 
 MIN_SECONDS = 90.0  # a cell with less left writes no repro: its result comes first
-VERIFY_SECONDS = 180.0  # at most this long per repro run, and at most a quarter of the cell's time left
 
 
 def attach_repros(ctx: "ModeContext", findings: Sequence[Finding], layers: Sequence[Layer],
-                  dump: Path) -> dict[str, float]:
+                  dump: Path, opts: NumericsOptions | None = None) -> dict[str, float]:
     """A verified repro (or a `details.repro_note`) on each divergence finding of the single forward: the timing
     `{"repros_s": seconds}` ({} with no finding). `dump`: the primary reference's dump of the compared sample (still
-    on disk). The layer runs eagerly in the primary reference's dtype, compiled in the target's (`target_dtype`)."""
+    on disk). The layer runs eagerly in the primary reference's dtype, compiled in the target's (`target_dtype`). Each
+    repro is run once when `opts.verify` (`numerics.verify`), within `opts.verify_timeout` and a quarter of the cell's
+    time left."""
+    opts = opts or NumericsOptions()
     if not findings:
         return {}
     t0 = time.monotonic()
@@ -59,7 +62,8 @@ def attach_repros(ctx: "ModeContext", findings: Sequence[Finding], layers: Seque
             if f.kind != FindingKind.DIVERGENCE:
                 continue
             try:
-                written = _one(ctx, f, layers, reader, ref_dtype=ref_dtype, compiled_dtype=compiled_dtype)
+                written = _one(ctx, f, layers, reader, ref_dtype=ref_dtype, compiled_dtype=compiled_dtype,
+                               verify=opts.verify, verify_timeout=opts.verify_timeout)
             except Exception as exc:  # a repro problem must not lose the finding  # noqa: BLE001
                 written = f"no repro: writing it failed: {type(exc).__name__}: {first_line(str(exc), 200)}"
             if isinstance(written, str):
@@ -89,7 +93,7 @@ def _via(name: str, via: str | None) -> tuple[str | None, int]:
 
 
 def _one(ctx: "ModeContext", f: Finding, layers: Sequence[Layer], reader: DumpReader, *, ref_dtype: str,
-         compiled_dtype: str) -> Repro | str:
+         compiled_dtype: str, verify: bool = True, verify_timeout: float = 180.0) -> Repro | str:
     if f.details.get("view") not in ("isolated", "both"):
         return ("no repro: accumulated drift (cumulative view only): no layer is wrong on its own, so no one layer "
                 "run alone shows it")
@@ -131,17 +135,22 @@ def _one(ctx: "ModeContext", f: Finding, layers: Sequence[Layer], reader: DumpRe
         backend=template_backend(ctx.cell.backend), message=f.message, source=source, call=encoded,
         ref_dtype=ref_dtype, target_dtype=compiled_dtype, via=via, via_call=via_call,
         threshold_rel=_number(thr.get("rel")), threshold_cos=_number(thr.get("cos")), command=command))
-    return _verify(ctx, script, pythonpath, command, expect=f"{label} diverges")
+    if not verify:
+        return Repro(path=str(script.relative_to(ctx.cell_dir)), verified=False, command=command,
+                     note="not verified (numerics.verify: false)")
+    return _verify(ctx, script, pythonpath, command, expect=f"{label} diverges", limit=verify_timeout)
 
 
 def _number(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
-def _verify(ctx: "ModeContext", script: Path, pythonpath: list[str], command: str, *, expect: str) -> Repro:
-    """Run `script` once within the cell's time: verified when it exits 1 printing `expect`."""
+def _verify(ctx: "ModeContext", script: Path, pythonpath: list[str], command: str, *, expect: str,
+            limit: float) -> Repro:
+    """Run `script` once within `limit` and a quarter of the cell's time left: verified when it exits 1 printing
+    `expect`."""
     rel = str(script.relative_to(ctx.cell_dir))
-    timeout = min(VERIFY_SECONDS, ctx.remaining() * 0.25)
+    timeout = min(limit, ctx.remaining() * 0.25)
     # the repro runs with the deepview-ci that wrote it (a checkout, when that is what runs), as the command says
     own = str(Path(__file__).resolve().parents[3])  # the folder holding `ci_runner/`
     v = verify_script(script, expect_text=[expect], timeout=timeout,
