@@ -65,7 +65,7 @@ def numerics_cell(tmp_path_factory: pytest.TempPathFactory):
 
     def go(model: str, backend: str) -> ModeResult:
         cell = next(c for c in expand(matrix) if c.model.id == model and c.backend.id == backend)
-        cell = dataclasses.replace(cell, options={"numerics": {"isolate": False, "isolated": "all",
+        cell = dataclasses.replace(cell, options={"numerics": {"isolate": False, "isolated": "all", "verify": False,
                                                                "thresholds_dir": str(root / "thresholds")}})
         cell_dir = root / "run" / "cells" / cell.id
         cell_dir.mkdir(parents=True, exist_ok=True)
