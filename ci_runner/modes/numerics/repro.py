@@ -120,11 +120,7 @@ def _one(ctx: "ModeContext", f: Finding, layers: Sequence[Layer], reader: DumpRe
     store.save(folder / "inputs.safetensors")
     save_tensors(module_tensors(loaded.module.get_submodule(name)), folder / "weights.safetensors", copy=True)
     via, via_call = _via(name, layer.via)
-    recipe = backend_recipe(ctx.cell.backend)
-    imports = list(recipe.imports)
-    if recipe.device.split(":")[0] == "simdev" and "ci_runner.sim.simdev" not in imports:
-        imports.append("ci_runner.sim.simdev")
-    pythonpath = plugin_pythonpath([*imports, "ci_runner"])
+    pythonpath = plugin_pythonpath([*backend_recipe(ctx.cell.backend).imports, "ci_runner"])  # simdev's included
     script = folder / "repro.py"
     command = run_command(script.name, folder, pythonpath)
     thr = f.threshold.get("isolated") or {}
