@@ -176,11 +176,26 @@ def group(cls: type) -> Any:
 # --------------------------------------------------------------------------- the declarations
 
 @dataclass(frozen=True, kw_only=True)
+class HangOptions:
+    """When a probe past its `probe_timeout` is a hang (`procs/limits.py`): the layers and the ops modes take them."""
+
+    progress_window: float = option(30.0, check=number(gt=0, hint="e.g. 30"),
+                                    help="seconds without CPU time or output that make a probe past probe_timeout a "
+                                         "hang (at most half of probe_timeout)")
+    stuck_factor: float = option(4.0, check=number(ge=1, hint="e.g. 4"),
+                                 help="a probe still busy past this many times the longest probe the cell measured "
+                                      "(and past twice probe_timeout) is stuck: a hang")
+
+
+@dataclass(frozen=True, kw_only=True)
 class OpsOptions:
     ir: str | None = option(None, check=choice(*IR_LEVELS, what="an IR level", hint=f"use one of: {', '.join(IR_LEVELS)}"), nullable=True,
                             shown="backend", help="override the IR level: `dynamo`, `aten`, `core_aten` or `dispatch`")
     probe_timeout: float = option(30.0, check=number(gt=0, hint="seconds, e.g. 30"),
-                                  help="seconds per probe (the first probe of a child also pays Dynamo's warm-up)")
+                                  help="seconds one probe (or a group of probes) may take to compile and run; past "
+                                       "them it is a hang only when it makes no progress (CPU time, output) over "
+                                       "`progress_window`")
+    hang: HangOptions = group(HangOptions)
     batch_size: int = option(1024, check=integer(ge=1),
                              help="probes per child process (its start, torch and Dynamo imports, costs ~5 s of CPU)")
     workers: int = option(check=integer(ge=1), shown="2",
@@ -228,12 +243,7 @@ class LayersOptions:
     probe_timeout: float = option(120.0, check=_SECONDS,
                                   help="seconds one module may take to compile and run; past them it is a hang only "
                                        "when it makes no progress (CPU time, output) over `progress_window`")
-    progress_window: float = option(30.0, check=number(gt=0, hint="e.g. 30"),
-                                    help="seconds without CPU time or output that make a probe past probe_timeout a "
-                                         "hang (at most half of probe_timeout)")
-    stuck_factor: float = option(4.0, check=number(ge=1, hint="e.g. 4"),
-                                 help="a probe still busy past this many times the longest probe the cell measured "
-                                      "(and past twice probe_timeout) is stuck: a hang")
+    hang: HangOptions = group(HangOptions)
     startup_timeout: float = option(180.0, check=_SECONDS,
                                     help="seconds a probing child may take to import, load the model and the backend")
     all_calls: bool = option(False, check=boolean,

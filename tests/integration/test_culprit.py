@@ -194,6 +194,7 @@ def test_hard_fault_culprit_is_found_and_the_search_goes_on(tmp_path: Path, back
     passes in the first child, the attention kills (or hangs) it; a fresh child keeps those outcomes."""
     from ci_runner.config import spec_to_json
     from ci_runner.modes.layers.culprit import find_culprit
+    from ci_runner.procs.limits import HangLimits
     from ci_runner.failures.outcome import read_outcomes
     from ci_runner.modes.layers.search import scan_model, write_root_call
     from ci_runner.models.load import build_inputs, load_model
@@ -208,7 +209,8 @@ def test_hard_fault_culprit_is_found_and_the_search_goes_on(tmp_path: Path, back
     journal = tmp_path / "journal.log"
     r = find_culprit(model=spec_to_json(cell.model), backend=spec_to_json(cell.backend), seed=0,
                      layers_dir=layers_dir, module="model.layers.0.self_attn", out_dir=tmp_path / "culprit",
-                     journal=journal, probe_timeout=probe_timeout, startup_timeout=60, budget_s=300)
+                     journal=journal, limits=HangLimits(first=probe_timeout, window=30.0, factor=4.0),
+                     startup_timeout=60, budget_s=300)
     assert r.found and r.kind == "single" and r.ops == [SDPA] and r.status == status, r
     assert r.restarts == 1 and r.probes > 10  # the passing probes before the fault were kept, not redone
     known = read_outcomes(tmp_path / "culprit" / "probes.jsonl")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from ci_runner.errors import ConfigError
 from ci_runner.engine.codec import TensorStore, call_tensor_keys, decode_call
 from ci_runner.engine.codec import Unstorable as Opaque
 from ci_runner.procs.isolate import open_entry
+from ci_runner.procs.limits import HangLimits
 from ci_runner.failures.outcome import UNFINISHED, ProbeOutcome, append_outcome, read_outcomes
 from ci_runner.modes.layers.search import (
     ROOT,
@@ -26,7 +28,7 @@ from ci_runner.modes.layers.search import (
     record_calls,
     scan_model,
     search,
-    second_limit,
+    measured_s,
     unlabel,
 )
 from ci_runner.failures.failure import is_compile_stage, unwrap
@@ -564,10 +566,11 @@ def test_a_probe_cut_short_while_busy_is_not_a_hang_and_its_failing_parent_is_na
 
 
 def test_the_second_limit_scales_with_what_the_cell_measured() -> None:
-    assert second_limit(120.0, 4.0, {}) is None  # the whole model's probe: nothing measured before it
+    limits = HangLimits(first=120.0, window=30.0, factor=4.0)
+    assert limits.second(measured_s({})) is None  # the whole model's probe: nothing measured before it
     known = {"x": ProbeOutcome(name="x", status="pass", duration_s=100.0),
              "y": ProbeOutcome(name="y", status="fail", duration_s=10.0),
              "z": ProbeOutcome(name="z", status="timeout", duration_s=900.0),  # a hang measures no compile
              "w": ProbeOutcome(name="w", status="pass", duration_s=500.0, inferred_from="x")}  # not probed
-    assert second_limit(120.0, 4.0, known) == (400.0, 100.0)
-    assert second_limit(120.0, 1.0, known) == (240.0, 100.0)  # never under twice probe_timeout
+    assert limits.second(measured_s(known)) == (400.0, 100.0)
+    assert replace(limits, factor=1.0).second(measured_s(known)) == (240.0, 100.0)  # never under twice probe_timeout

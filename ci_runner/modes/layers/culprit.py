@@ -15,7 +15,7 @@ sees and finds the operator (or the smallest contiguous range of operators) that
    contiguous range is found by delta debugging over the node list (shrink the end, then the start).
 5. Every probe (a node or a range) is one small graph (`subgraph` + `graph_source`) run in an isolated child
    (`isolate.supervise`): each probe is journalled (`enter-culprit`/`leave-culprit`), each outcome appended
-   to `probes.jsonl`; an abort, a segfault or a hang (over `probe_timeout`) kills only that child, the
+   to `probes.jsonl`; an abort, a segfault or a hang (measured: `procs/limits.py`) kills only that child, the
    journal names the probe in flight (`<module>@<start>:<end>`), and a fresh child replays the known outcomes
    and goes on. One child serves all of a cell's findings in turn (`find_culprits`): the model, its inputs
    (one reference forward) and the backend are loaded once; a finished target leaves `answer.json`.
@@ -32,6 +32,7 @@ import faulthandler
 import json
 import os
 import re
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -49,11 +50,12 @@ from ...models.tree import map_tensors
 from ...fsutil import atomic_write_json, atomic_write_text
 from ...quoting import comment, pyrepr
 from ...failures.failure import first_line, is_compile_stage, raised_traceback, unwrap
-from ...procs.isolate import Attempt, IsolatedResult, child_journal, file_tail, supervise
+from ...procs.isolate import Attempt, IsolatedResult, Journal, child_journal, file_tail, supervise
+from ...procs.limits import ChildLimits, HangLimits, dead_item, item_limits
 from ...engine.handoff import load_handoff
 from .search import capture_inputs
 from ...models.load import load_model
-from ...failures.outcome import ProbeOutcome, append_outcome, read_outcomes
+from ...failures.outcome import UNFINISHED, ProbeOutcome, append_outcome, read_outcomes
 from .culprit_search import Step, StopSearch, parse_key, search, single_order
 from ...engine.repro import Verification, render_template, run_command, write_script
 from ...results.rootcause import cause_line
@@ -338,8 +340,9 @@ class CulpritPlan:
     seed: int
     layers_dir: str  # holds root_call.json and root_inputs.safetensors (the layers mode's)
     targets: list[dict[str, Any]]  # CulpritTarget, in order
-    timeout_file: str  # where faulthandler writes the stacks of a probe that overran probe_timeout
-    probe_timeout: float
+    timeout_file: str  # where faulthandler writes the stacks of a probe that overran its limit
+    limits: dict[str, float]  # `procs/limits.HangLimits.to_json()`: probe_timeout, progress_window, stuck_factor
+    limits_file: str  # a JSON line per probe: the limit its child put on it and why (`ChildLimits`)
     deadline_wall: float
     target_budget_s: float  # the most one target's search may take in this child
     all_singles: bool = True  # probe every single op, to name each one that fails alone
@@ -411,25 +414,33 @@ def culprit_child(payload: dict[str, Any]) -> dict[str, Any]:
         calls.update(_module_calls(plan, rest))
     backend = resolve_backend(spec_from_json(BackendSpec, plan.backend))
     backend.prepare()
+    measured = [o.duration_s for t in targets for o in read_outcomes(Path(t.out_dir) / "probes.jsonl").values()
+                if o.status in ("pass", "fail")]  # this cell's finished probes: what the second limit derives from
     with open(plan.timeout_file, "a", encoding="utf-8") as timeout_fh:
-        for t in todo:
-            sub, args, kwargs = calls[t.module]
-            try:
-                _search_target(plan, t, sub, args, kwargs, backend, timeout_fh)
-            except Exception as exc:  # outside any probe (the trace, the culprit's files): this target only
-                atomic_write_json(Path(t.out_dir) / ANSWER, {
-                    "kind": "error", "key": None,
-                    "note": f"the culprit child failed outside any probe: {type(exc).__name__}: {first_line(str(exc))}"})
+        faulthandler.register(signal.SIGUSR1, file=timeout_fh, all_threads=True)  # the parent's watch: where stuck
+        try:
+            for t in todo:
+                sub, args, kwargs = calls[t.module]
+                try:
+                    _search_target(plan, t, sub, args, kwargs, backend, timeout_fh, measured)
+                except Exception as exc:  # outside any probe (the trace, the culprit's files): this target only
+                    atomic_write_json(Path(t.out_dir) / ANSWER, {
+                        "kind": "error", "key": None,
+                        "note": f"the culprit child failed outside any probe: {type(exc).__name__}: "
+                                f"{first_line(str(exc))}"})
+        finally:
+            faulthandler.unregister(signal.SIGUSR1)
     return {"answered": len(todo)}
 
 
 def _search_target(plan: CulpritPlan, target: CulpritTarget, sub: torch.nn.Module, args: tuple[Any, ...],
-                   kwargs: dict[str, Any], backend: Any, timeout_fh: Any) -> None:
+                   kwargs: dict[str, Any], backend: Any, timeout_fh: Any, measured: list[float]) -> None:
     out_dir = Path(target.out_dir)
     outcomes_file = out_dir / "probes.jsonl"
     known = read_outcomes(outcomes_file)
     t0 = time.monotonic()
     deadline = min(plan.deadline_wall, time.time() + plan.target_budget_s)
+    limits = ChildLimits(HangLimits.from_json(plan.limits), deadline, Path(plan.limits_file), measured)
     cg = capture_graph(sub, args, kwargs, eager_device=backend.is_eager)
     steps, nodes = graph_steps(cg)
     atomic_write_json(out_dir / "graph.json", {"level": cg.level, "note": cg.note, "steps": [asdict(s) for s in steps],
@@ -443,8 +454,10 @@ def _search_target(plan: CulpritPlan, target: CulpritTarget, sub: torch.nn.Modul
         if time.time() >= deadline:
             raise StopSearch()
         s, e = parse_key(key)
-        r = _probe(entry_name(target.module, key), key, cg, nodes[s:e], backend,
-                   timeout=max(1.0, min(plan.probe_timeout, deadline - time.time())), timeout_fh=timeout_fh)
+        entry = entry_name(target.module, key)
+        r = _probe(entry, key, cg, nodes[s:e], backend, timeout=limits.limit(entry), timeout_fh=timeout_fh)
+        if r.status in ("pass", "fail"):
+            limits.finished(r.duration_s)
         append_outcome(outcomes_file, r)
         known[key] = r
         probed += 1
@@ -538,18 +551,18 @@ class CulpritResult:
 
 
 def find_culprit(*, model: Mapping[str, Any], backend: Mapping[str, Any], seed: int, layers_dir: Path, module: str,
-                 out_dir: Path, journal: Path, probe_timeout: float, startup_timeout: float, budget_s: float,
+                 out_dir: Path, journal: Path, limits: HangLimits, startup_timeout: float, budget_s: float,
                  hints: Sequence[str] = (), env: Mapping[str, str] | None = None, max_restarts: int = 16,
                  all_singles: bool = True) -> CulpritResult:
     """The culprit search for one module (`find_culprits` with one target)."""
     target = CulpritTarget(module=module, out_dir=str(out_dir), hints=list(hints))
     return find_culprits(model=model, backend=backend, seed=seed, layers_dir=layers_dir, targets=[target],
-                         journal=journal, probe_timeout=probe_timeout, startup_timeout=startup_timeout,
+                         journal=journal, limits=limits, startup_timeout=startup_timeout,
                          budget_s=budget_s, env=env, max_restarts=max_restarts, all_singles=all_singles)[0]
 
 
 def find_culprits(*, model: Mapping[str, Any], backend: Mapping[str, Any], seed: int, layers_dir: Path,
-                  targets: Sequence[CulpritTarget], journal: Path, probe_timeout: float, startup_timeout: float,
+                  targets: Sequence[CulpritTarget], journal: Path, limits: HangLimits, startup_timeout: float,
                   budget_s: float, env: Mapping[str, str] | None = None, max_restarts: int = 16,
                   all_singles: bool = True) -> list[CulpritResult]:
     """Run the culprit searches of `targets` (a cell's findings) in isolated children until each is done, out of
@@ -567,6 +580,8 @@ def find_culprits(*, model: Mapping[str, Any], backend: Mapping[str, Any], seed:
         for name in ("probes.jsonl", ANSWER, "graph.json"):
             (d / name).unlink(missing_ok=True)
     timeout_file = Path(targets[0].out_dir) / "timeout.txt"
+    limits_file = Path(targets[0].out_dir) / "limits.jsonl"
+    limits_file.unlink(missing_ok=True)
     total = budget_s * len(targets)
     deadline = time.monotonic() + total
 
@@ -582,9 +597,12 @@ def find_culprits(*, model: Mapping[str, Any], backend: Mapping[str, Any], seed:
         timeout_file.unlink(missing_ok=True)
         plan = CulpritPlan(model=dict(model), backend=dict(backend), seed=seed, layers_dir=str(layers_dir),
                            targets=[asdict(t) for t in targets], timeout_file=str(timeout_file),
-                           probe_timeout=probe_timeout, deadline_wall=time.time() + left - 5.0,
+                           limits=limits.to_json(), limits_file=str(limits_file), deadline_wall=time.time() + left - 5.0,
                            target_budget_s=budget_s, all_singles=all_singles)
-        return Attempt(payload=asdict(plan), timeout=left)
+        # past probe_timeout a probe is a hang only when it makes no progress (the watch); a busy one runs on to its
+        # second limit (the child's own watchdog, `procs/limits.ChildLimits`), or to its target's time
+        return Attempt(payload=asdict(plan), timeout=left,
+                       watch=limits.watch(journal, KIND, since=Journal(journal).size()))
 
     def on_crash(entry: str | None, res: IsolatedResult) -> str | None:
         if res.status == "error":
@@ -593,11 +611,15 @@ def find_culprits(*, model: Mapping[str, Any], backend: Mapping[str, Any], seed:
             return f"the culprit child {res.message or res.status} before it probed anything"
         module, key = parse_entry(entry)
         target = by_module.get(module, targets[0])
-        hung = res.status == "timeout" or _nonempty(timeout_file)
-        if hung:
-            r = ProbeOutcome(name=key, status="timeout", stage="run", error_type="Timeout", duration_s=probe_timeout,
-                            message=f"no result within {probe_timeout:g}s (probe_timeout); the child was killed",
+        timed_out = res.status == "timeout" or _nonempty(timeout_file)
+        dead = dead_item(res, timed_out=timed_out, limits=limits, record=item_limits(limits_file).get(entry))
+        if dead is not None and dead.verdict == "hung":
+            r = ProbeOutcome(name=key, status="timeout", stage="run", error_type="Timeout", duration_s=dead.seconds,
+                            message=f"the probe {dead.words}; the child was killed",
                             traceback=file_tail(timeout_file) or res.stderr_tail[-3000:])
+        elif dead is not None:  # cut short by the search's time while busy: no verdict (not a failing range)
+            r = ProbeOutcome(name=key, status=UNFINISHED, stage="run", duration_s=dead.seconds,
+                            message=f"the probe {dead.words}")
         else:
             why = res.signal or (f"exit code {res.exit_code}" if res.exit_code is not None else res.status)
             r = ProbeOutcome(name=key, status="crashed", stage="run", error_type=res.signal or "Crash",

@@ -51,8 +51,9 @@ from ...fsutil import atomic_write_text, read_records
 from ...quoting import shell_quote
 from ...engine.codec import TensorStore, Unstorable, save_tensors
 from ...failures.failure import first_line, tail, unwrap
-from ...procs.isolate import Attempt, IsolatedResult, Journal, file_tail, open_entry, supervise
+from ...procs.isolate import Attempt, IsolatedResult, Journal, file_tail, supervise
 from ...failures.outcome import UNFINISHED, ProbeOutcome, append_outcome, read_outcomes
+from ...procs.limits import HangLimits, dead_item
 from ...procs.progress import ProgressWatch
 from .search import BOILERPLATE, ROOT, ChildPlan, ModuleTree, SearchResult, StopSearch, capture_inputs, encode_call, label, own_name, scan_model, search, twin_plan, unlabel, write_root_call
 from ...options import LayersOptions
@@ -117,7 +118,7 @@ def run_search(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, layers
                          outcomes_file=str(outcomes_file), timeout_file=str(timeout_file),
                          probe_timeout=opts.probe_timeout, deadline_wall=time.time() + budget - 5.0,
                          all_calls=opts.all_calls, fd2_file=str(fd2_file), limits_file=str(limits_file),
-                         stuck_factor=opts.stuck_factor)
+                         limits=_limits(opts).to_json())
         # past probe_timeout a probe is a hang only when it makes no progress (the watch); a busy one runs on to its
         # second limit (the child's own watchdog, `search.probe_limit`), or to the time left
         return Attempt(payload=plan.__dict__, timeout=budget, watch=_probe_watch(opts, journal, fd2_file))
@@ -168,39 +169,29 @@ def run_search(ctx: "ModeContext", opts: LayersOptions, tree: ModuleTree, layers
     return SearchRun(result=replay, restarts=run.restarts, children=run.children, stop_reason=stop)
 
 
+def _limits(opts: LayersOptions) -> HangLimits:
+    return HangLimits.of(opts.probe_timeout, opts.hang)
+
+
 def _probe_watch(opts: LayersOptions, journal: Path, fd2_file: Path) -> ProgressWatch:
-    """The parent's watch on a probing child (`procs/progress.py`): the module in flight is the journal's open
-    `enter-module` entry written after now; past probe_timeout it is a hang when, over `progress_window` (at most half
-    of probe_timeout), the child's session used no CPU time and its output (fd 2 included) did not grow."""
-    since = Journal(journal).size()
-    return ProgressWatch(first_limit=opts.probe_timeout, window=min(opts.progress_window, opts.probe_timeout / 2),
-                         item=lambda: open_entry(journal, "module", since=since), outputs=(fd2_file,))
+    """The parent's watch on a probing child (`procs/limits.py`): the module in flight is the journal's open
+    `enter-module` entry written after now; fd 2 counts as its output."""
+    return _limits(opts).watch(journal, "module", since=Journal(journal).size(), outputs=(fd2_file,))
 
 
 def _dead_child_outcome(culprit: str, res: IsolatedResult, *, timed_out: bool, opts: LayersOptions,
                         limit: Mapping[str, Any] | None, traceback: str) -> ProbeOutcome:
-    """The outcome of the module a probing child died in: a hang (no progress past probe_timeout, measured by the
-    parent's watch; or still busy past the second limit, its own watchdog's), unfinished (cut short by the cell's
-    time while still making progress: not failing, so the search names its failing parent), or crashed."""
-    if timed_out and res.stalled:
-        return ProbeOutcome(name=culprit, status="timeout", stage="run", error_type="Timeout",
-                            duration_s=opts.probe_timeout,
-                            message=f"{label(culprit)} hung: {res.stalled} (past probe_timeout, "
-                                    f"{opts.probe_timeout:g}s); the probing child was killed",
+    """The outcome of the module a probing child died in (`procs/limits.dead_item`): a hang (no progress past
+    probe_timeout, or still busy past the second limit), unfinished (cut short by the cell's time while still making
+    progress: not failing, so the search names its failing parent), or crashed."""
+    dead = dead_item(res, timed_out=timed_out, limits=_limits(opts), record=limit)
+    if dead is not None and dead.verdict == "hung":
+        return ProbeOutcome(name=culprit, status="timeout", stage="run", error_type="Timeout", duration_s=dead.seconds,
+                            message=f"{label(culprit)} {dead.words}; the probing child was killed",
                             traceback=traceback)
-    if timed_out and limit is not None and limit.get("by") == "second_limit":
-        seconds = float(limit.get("limit_s") or 0.0)
-        return ProbeOutcome(name=culprit, status="timeout", stage="run", error_type="Timeout", duration_s=seconds,
-                            message=f"{label(culprit)} did not finish within {seconds:.0f}s, its second limit "
-                                    f"({opts.stuck_factor:g}× the longest probe this cell measured, "
-                                    f"{float(limit.get('longest_s') or 0.0):.1f}s): stuck past it; the probing child "
-                                    f"was killed",
-                            traceback=traceback)
-    if timed_out:
-        return ProbeOutcome(name=culprit, status=UNFINISHED, stage="run",
-                            duration_s=float((limit or {}).get("limit_s") or 0.0),
-                            message=f"{label(culprit)} was still making progress when the cell's time ran out: cut "
-                                    f"short, not a hang (a slow compile is a figure, not a finding)")
+    if dead is not None:
+        return ProbeOutcome(name=culprit, status=UNFINISHED, stage="run", duration_s=dead.seconds,
+                            message=f"{label(culprit)} {dead.words}")
     sig = res.signal or (f"exit code {res.exit_code}" if res.exit_code is not None else "unknown")
     why = res.message or sig
     if res.signal == "SIGKILL":
@@ -655,7 +646,7 @@ def _find_culprits(ctx: "ModeContext", opts: LayersOptions, layers_dir: Path, ta
     try:
         return find_culprits(model=spec_to_json(ctx.cell.model), backend=spec_to_json(ctx.cell.backend),
                              seed=ctx.cell.inputs.seed, layers_dir=layers_dir, targets=targets,
-                             journal=ctx.cell_dir / JOURNAL_NAME, probe_timeout=opts.probe_timeout,
+                             journal=ctx.cell_dir / JOURNAL_NAME, limits=_limits(opts),
                              startup_timeout=opts.startup_timeout, budget_s=budget, max_restarts=opts.max_restarts,
                              env={str(k): str(v) for k, v in ctx.cell.backend.env.items()})
     finally:

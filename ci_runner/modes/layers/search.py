@@ -34,9 +34,10 @@ from ...watch.capture import ModuleCapture, detach_tree, iter_tensors
 from ...engine.codec import TensorStore, Unstorable, check_value, decode_call
 from ...failures.diagnostics import capture_fd2, compiler_words
 from ...failures.failure import is_compile_stage, raised_traceback, unwrap
-from ...fsutil import append_record, atomic_write_json
+from ...fsutil import atomic_write_json
 from ...config import BackendSpec, ModelSpec, spec_from_json
 from ...procs.isolate import child_journal
+from ...procs.limits import ChildLimits, HangLimits
 from ...models.load import load_model
 from ...failures.outcome import ProbeOutcome, append_outcome, read_outcomes
 from ...models.tree import module_tensors, tensors_in
@@ -416,35 +417,23 @@ class ChildPlan:
     all_calls: bool = False
     fd2_file: str | None = None  # each module's fd 2 goes here while it compiles and runs (read after a crash)
     limits_file: str | None = None  # a JSON line per probe: the limit it runs under and why (`probe_limit`)
-    stuck_factor: float = 4.0
+    limits: dict[str, float] = field(default_factory=dict)  # `HangLimits.to_json()`
 
 
 MEASURED = ("pass", "fail", "inconclusive")  # probes that finished: their durations are what this cell measured
 
 
-def second_limit(probe_timeout: float, factor: float, known: Mapping[str, ProbeOutcome]) -> tuple[float, float] | None:
-    """(the second limit, the longest probe it derives from): a probe still busy past `factor` × the longest probe
-    this cell has measured (the whole model's compile first), and past twice `probe_timeout`, is stuck. None before
-    any probe finished: the first one (the whole model) is bounded by the time left only."""
-    measured = [o.duration_s for o in known.values() if o.status in MEASURED and not o.inferred_from]
-    if not measured:
-        return None
-    longest = max(measured)
-    return max(2.0 * probe_timeout, factor * longest), longest
+def measured_s(known: Mapping[str, ProbeOutcome]) -> list[float]:
+    """The durations this cell measured: probes that finished (not a hang, not one inferred from a twin)."""
+    return [o.duration_s for o in known.values() if o.status in MEASURED and not o.inferred_from]
 
 
 def probe_limit(plan: ChildPlan, known: Mapping[str, ProbeOutcome], name: str) -> float:
-    """The limit the child's own watchdog puts on probing `name` (the second limit, else the time left), written to
-    `plan.limits_file` so that the parent can tell a stuck probe from one cut short by the cell's time."""
-    left = plan.deadline_wall - time.time()
-    second = second_limit(plan.probe_timeout, plan.stuck_factor, known)
-    stuck = second is not None and second[0] < left
-    limit = max(1.0, second[0] if stuck and second is not None else left)
-    if plan.limits_file:
-        append_record(Path(plan.limits_file), {"name": name, "limit_s": round(limit, 3),
-                                               "by": "second_limit" if stuck else "time_left",
-                                               "longest_s": round(second[1], 3) if second else None})
-    return limit
+    """The limit the child's own watchdog puts on probing `name` (`procs/limits.ChildLimits`: the second limit,
+    else the time left), recorded in `plan.limits_file` for the parent."""
+    child = ChildLimits(HangLimits.from_json(plan.limits), plan.deadline_wall,
+                        Path(plan.limits_file) if plan.limits_file else None)
+    return child.limit(name, measured_s(known))
 
 
 def write_root_call(layers_dir: Path, tree: ModuleTree, kwargs: Mapping[str, Any]) -> None:

@@ -27,8 +27,10 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import json
+import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -39,6 +41,7 @@ from ...engine.codec import source_of, tensor_specs
 from ...failures.diagnostics import capture_fd2
 from ...failures.failure import error_text
 from ...procs.isolate import child_journal
+from ...procs.limits import ChildLimits, HangLimits
 from ...models.tree import map_tensors
 from ...fsutil import append_line
 from .inputs import build_tensors, dynamic_marks, input_bytes
@@ -149,28 +152,33 @@ def group_tag(probes: Sequence[Mapping[str, Any]]) -> str:
 class _Runner:
     """One child's probing: single probes as `probe.run_probe`, groups as one compile, every outcome emitted."""
 
-    def __init__(self, backend: Any, *, compare_results: bool, timeout: float, via: str,
+    def __init__(self, backend: Any, *, compare_results: bool, limits: ChildLimits, via: str,
                  emit: Callable[[dict[str, Any]], None]) -> None:
         self.backend = backend
         self.compare = compare_results
-        self.timeout = timeout
+        self.limits = limits
         self.via = via
         self.emit = emit
         self.device = str(getattr(backend, "device", "cpu"))
 
     @contextlib.contextmanager
-    def guard(self, tag: str, timeout: float) -> Iterator[None]:
-        """Journal `tag` and end the process (faulthandler) when it outlives `timeout`."""
+    def guard(self, tag: str, *, measure: bool = False) -> Iterator[None]:
+        """Journal `tag` and end the process (faulthandler) when it outlives its limit (`procs/limits.py`: past
+        probe_timeout the parent's watch ends it only when it makes no progress; a busy one runs on to the second
+        limit, this watchdog's). `measure`: a compile whose duration the next limits derive from."""
         child_journal("enter-probe", tag, sync=False)  # a few per probe: a crash keeps them, fsync is not needed
-        faulthandler.dump_traceback_later(timeout, exit=True)
+        faulthandler.dump_traceback_later(self.limits.limit(tag), exit=True)
+        t0 = time.monotonic()
         try:
             yield
         finally:
             faulthandler.cancel_dump_traceback_later()
+        if measure:
+            self.limits.finished(time.monotonic() - t0)
         child_journal("leave-probe", tag, sync=False)
 
     def single(self, probe: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
-        with self.guard(str(probe["id"]), self.timeout):
+        with self.guard(str(probe["id"]), measure=True):
             out = run_probe(self.backend, probe, compare_results=self.compare, tolerance=tuple(probe["tolerance"]),
                             via=self.via)
         out.update(extra)
@@ -183,7 +191,7 @@ class _Runner:
         for p in probes:
             m = None
             if len(probes) > 1:
-                with self.guard(str(p["id"]), self.timeout):  # the CPU reference: a crash there is this probe's
+                with self.guard(str(p["id"])):  # the CPU reference: a crash there is this probe's
                     m = self._member(p)
             if m is None:
                 self.single(p)
@@ -256,7 +264,7 @@ class _Runner:
         """Compile and run the members as one graph; ok only when the backend compiled and ran every op."""
         probes = [m.probe for m in members]
         t0 = time.monotonic()
-        with self.guard(group_tag(probes), self.timeout * 2):
+        with self.guard(group_tag(probes), measure=True):
             att = self._compile_run(members)
         att.seconds = time.monotonic() - t0
         return att
@@ -311,12 +319,15 @@ def probe_groups(payload: Mapping[str, Any]) -> dict[str, Any]:
     backend = resolve_backend(spec_from_json(BackendSpec, payload["backend"]))
     backend.prepare()
     results = payload["results"]
-    runner = _Runner(backend, compare_results=bool(payload.get("compare", True)),
-                     timeout=float(payload["probe_timeout"]), via=str(payload.get("via", "dynamo")),
+    limits = ChildLimits(HangLimits.from_json(payload["limits"]), float(payload["deadline_wall"]),
+                         Path(payload["limits_file"]), [float(s) for s in payload.get("measured_s") or ()])
+    runner = _Runner(backend, compare_results=bool(payload.get("compare", True)), limits=limits,
+                     via=str(payload.get("via", "dynamo")),
                      emit=lambda o: append_line(results, json.dumps(o, default=str), sync=False))
     groupable = not bool(getattr(backend, "is_eager", False)) and runner.via == "dynamo"
     tasks = plan_tasks(payload["probes"], int(payload.get("group_size", 1)) if groupable else 1,
                        float(payload.get("max_probe_input_mb") or 0) * 2**20)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent's watch: where a stalled probe is stuck
     for task in tasks:
         runner.task(task)
     return {"probed": len(payload["probes"]), "tasks": len(tasks)}

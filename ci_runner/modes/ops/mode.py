@@ -513,7 +513,8 @@ def _findings(spec: BackendSpec, model_id: str, env_stamp: Mapping[str, Any], fa
             details=details,
         )
         out.append((finding, {"script": script, "recipe": recipe, **_expectation(o, op),
-                              "status": status, "error_type": error_type, "named_text": o.named_text}))
+                              "status": status, "error_type": error_type, "named_text": o.named_text,
+                              "limit_s": o.seconds}))
     return out
 
 
@@ -561,8 +562,8 @@ def _verify_all(remaining: Callable[[], float], findings: list[tuple[Finding, di
         finding, how = item
         assert finding.repro is not None
         timeout = opts.verify_timeout
-        if how["status"] is OpStatus.TIMEOUT:
-            timeout = min(opts.verify_timeout, opts.probe_timeout)
+        if how["status"] is OpStatus.TIMEOUT:  # a hang reproduces only by staying stuck past the probe's own limit
+            timeout = max(opts.probe_timeout, float(how.get("limit_s") or 0.0)) + opts.hang.progress_window
         if remaining() < timeout + 5:
             finding.repro.note = "not verified: the cell's time ran out"
             return

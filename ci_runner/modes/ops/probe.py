@@ -32,7 +32,8 @@ from ...backends import COULD_NOT_RUN_RE, CompileRecord, CompileWatch, groups_ag
 from ...config import BackendSpec, spec_to_json
 from ...failures.diagnostics import capture_fd2, compiler_words
 from ...failures.failure import classify, error_text
-from ...procs.isolate import Attempt, IsolatedResult, supervise
+from ...procs.isolate import Attempt, IsolatedResult, Journal, supervise
+from ...procs.limits import HangLimits, dead_item, item_limits
 from ...workloads.emulate import emulate
 from ...workloads.precision import PrecisionPolicy, convention
 from .compare import compare, mismatch_metrics, no_compare_reason
@@ -44,7 +45,6 @@ from ...options import OpsOptions
 from ...quoting import dotted, pyrepr
 from ...models.tree import map_tensors
 
-_CHILD_STARTUP_S = 60.0  # importing torch, the backend and Dynamo's first compile, on a loaded 2-core machine
 _MIN_PROBES_PER_CHILD = 24
 GROUP_PREFIX = "g:"  # journal tag of a group of probes compiled as one graph (`grouptest`): g:<id>,<id>,…
 TOGETHER_PREFIX = "together:"  # result row of a set that fails only together (`grouptest`)
@@ -507,6 +507,9 @@ class ProbeRunner:
         journal_path.unlink(missing_ok=True)
         batch: list[dict[str, Any]] = []
         results_path = self.work_dir / "probes.jsonl"
+        limits_path = self.work_dir / f"limits-{shard.index:03d}.jsonl"  # each probe's limit and why (`ChildLimits`)
+        limits_path.unlink(missing_ok=True)
+        limits = HangLimits.of(self.opts.probe_timeout, self.opts.hang)
         tag = ""
 
         def next_attempt(_n: int) -> Attempt | str | None:
@@ -522,13 +525,18 @@ class ProbeRunner:
             attempt = self._next_attempt()
             results_path = self.work_dir / f"probes-{attempt:03d}.jsonl"
             payload = {"backend": spec_to_json(self.spec), "probes": batch, "results": str(results_path),
-                       "probe_timeout": self.opts.probe_timeout, "compare": self.opts.compare, "via": self.opts.via,
+                       "limits": limits.to_json(), "limits_file": str(limits_path),
+                       "deadline_wall": time.time() + budget - 2.0, "measured_s": _measured_s(results),
+                       "compare": self.opts.compare, "via": self.opts.via,
                        "group_size": group_size(self.opts, self.spec),
                        "max_probe_input_mb": self.opts.max_probe_input_mb}
             tag = f"{attempt}:{batch[0]['id']}..{batch[-1]['id']}"
             if self.journal:
                 self.journal("enter-probe-batch", tag)
-            return Attempt(payload=payload, timeout=min(budget, self.opts.probe_timeout * len(batch) + _CHILD_STARTUP_S))
+            # past probe_timeout a probe is a hang only when it makes no progress (the watch); a busy one runs on to
+            # its second limit (the child's own watchdog), or to the cell's time
+            return Attempt(payload=payload, timeout=budget,
+                           watch=limits.watch(journal_path, "probe", since=Journal(journal_path).size()))
 
         def collect() -> tuple[dict[str, OpOutcome], list[dict[str, Any]]]:
             nonlocal pending
@@ -561,7 +569,8 @@ class ProbeRunner:
                 pending = [{**p, "group_cap": cap} if p["id"] in members else p for p in left] + pending
                 return None
             culprit = next((p for p in left if p["id"] == open_id), left[0])
-            results[culprit["id"]] = _crash_outcome(culprit, res, self.opts.probe_timeout)
+            record = item_limits(limits_path).get(open_id or "")
+            results[culprit["id"]] = _crash_outcome(culprit, res, limits, record)
             pending = [p for p in left if p is not culprit] + pending
             return None
 
@@ -661,11 +670,26 @@ def _watchdog_fired(res: Any, tail: str) -> bool:
     return "Timeout (" in tail or (not res.signal and res.exit_code == 1 and bool(_DUMP_FRAME_RE.search(tail)))
 
 
-def _crash_outcome(probe: Mapping[str, Any], res: Any, probe_timeout: float) -> OpOutcome:
+def _measured_s(results: Mapping[str, OpOutcome]) -> list[float]:
+    """The compile-and-run seconds this cell measured so far (a group's whole time, from its members' shares): what
+    a fresh child's second limit derives from (`procs/limits.py`)."""
+    return [o.seconds * (o.group or 1) for o in results.values()
+            if o.seconds and o.status not in (OpStatus.TIMEOUT, OpStatus.CRASHED, OpStatus.NOT_RUN)]
+
+
+def _crash_outcome(probe: Mapping[str, Any], res: Any, limits: HangLimits,
+                   record: Mapping[str, Any] | None) -> OpOutcome:
+    """The outcome of the probe a child died in: a measured hang (`procs/limits.dead_item`: no progress past
+    probe_timeout, or still busy past the second limit), no verdict when the cell's time cut it short while busy (a
+    slow compile is not a finding), or a crash."""
     tail = res.stderr_tail or ""
-    if res.status == "timeout" or _watchdog_fired(res, tail):
+    dead = dead_item(res, timed_out=res.status == "timeout" or _watchdog_fired(res, tail), limits=limits,
+                     record=record)
+    if dead is not None and dead.verdict == "unfinished":
+        return not_run_outcome(probe, f"the probe {dead.words}")
+    if dead is not None:
         status, error_type = OpStatus.TIMEOUT, "Timeout"
-        message = f"the probe did not finish within {probe_timeout:g}s"
+        message = f"the probe {dead.words}"
     elif res.signal:
         status, error_type = OpStatus.CRASHED, res.signal
         message = f"the process died by {res.signal}"
@@ -678,4 +702,4 @@ def _crash_outcome(probe: Mapping[str, Any], res: Any, probe_timeout: float) -> 
     named, phrase = named_op_from_error(words)
     return OpOutcome(id=probe["id"], op=probe["op"], status=status, stage="run", error_type=error_type,
                      message=message[:4000], named_op=named, named_text=phrase,
-                     seconds=probe_timeout if status is OpStatus.TIMEOUT else None)
+                     seconds=dead.seconds if dead is not None else None)
