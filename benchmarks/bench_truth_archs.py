@@ -5,7 +5,11 @@ limit, and one row per cell and mode: status, findings and reason. Too big for t
 cores); run it when the capture, the watches or the grouping of causes change, and check every finding and every
 pass by hand with plain torch.compile:
 
-    PYTHONPATH=. python benchmarks/bench_truth_archs.py [--select 'tiny-bloom@*'] [--timeout 1500] [--out DIR]
+    PYTHONPATH=. python benchmarks/bench_truth_archs.py [--matrix benchmarks/truth_archs45.yaml] [--select 'tiny-bloom@*']
+        [--timeout 1500] [--out DIR]
+
+`benchmarks/truth_archs45.yaml` holds issue 45's eight architectures (the decoders with the users' workloads and the
+compile mode).
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ from pathlib import Path
 MATRIX = Path(__file__).with_name("truth_archs.yaml")
 
 
-def _cells(select: str) -> list[str]:
-    out = subprocess.run([sys.executable, "-m", "ci_runner", "cells", str(MATRIX)], capture_output=True, text=True,
+def _cells(matrix: Path, select: str) -> list[str]:
+    out = subprocess.run([sys.executable, "-m", "ci_runner", "cells", str(matrix)], capture_output=True, text=True,
                          check=True).stdout.split()
     import fnmatch  # deferred: only here
 
@@ -42,16 +46,17 @@ def _rows(results: Path) -> list[str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--matrix", default=str(MATRIX), help="the matrix (default: the issue-38 architectures)")
     ap.add_argument("--select", default="*", help="cells to run (glob over MODEL@BACKEND)")
     ap.add_argument("--timeout", type=float, default=1500.0, help="wall limit per cell, seconds")
     ap.add_argument("--out", default=None, help="output folder (default: a new temporary one)")
     args = ap.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="truth-archs-"))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path.cwd()), os.environ.get("PYTHONPATH")]))}
-    for cell in _cells(args.select):
+    for cell in _cells(Path(args.matrix), args.select):
         t0 = time.monotonic()
         try:
-            subprocess.run([sys.executable, "-m", "ci_runner", "run", str(MATRIX), "--select", cell, "--out",
+            subprocess.run([sys.executable, "-m", "ci_runner", "run", args.matrix, "--select", cell, "--out",
                             str(out / cell)], env=env, timeout=args.timeout, capture_output=True, check=False)
         except subprocess.TimeoutExpired:
             print(f"{cell:<24} TIMEOUT after {args.timeout:.0f} s")

@@ -1,0 +1,49 @@
+"""`procs/limits.py`: the one rule every probing child (ops, layers, culprit) runs under (issue 44)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from ci_runner.procs.isolate import IsolatedResult
+from ci_runner.procs.limits import ChildLimits, HangLimits, dead_item, item_limits
+
+LIMITS = HangLimits(first=30.0, window=30.0, factor=4.0)
+
+
+def test_the_first_item_runs_to_the_time_left_and_later_ones_to_the_second_limit(tmp_path: Path) -> None:
+    record = tmp_path / "limits.jsonl"
+    child = ChildLimits(LIMITS, deadline_wall=time.time() + 1000.0, record_file=record)
+    first = child.limit("g:p0,p1")
+    assert 990.0 < first <= 1000.0  # nothing measured yet: a slow first compile is bounded by the cell's time only
+    child.finished(40.0)
+    assert child.limit("p2") == 160.0  # 4 x the longest measured
+    child.finished(5.0)
+    assert child.limit("p3", measured=[10.0]) == 160.0  # the longest counts, whoever measured it
+    rows = item_limits(record)
+    assert rows["g:p0,p1"]["by"] == "time_left" and rows["g:p0,p1"]["longest_s"] is None
+    assert rows["p2"] == {"name": "p2", "limit_s": 160.0, "by": "second_limit", "longest_s": 40.0}
+
+
+def test_the_second_limit_is_never_under_twice_the_first_nor_past_the_deadline(tmp_path: Path) -> None:
+    assert LIMITS.second([1.0]) == (60.0, 1.0)
+    child = ChildLimits(LIMITS, deadline_wall=time.time() + 100.0, measured=[50.0])  # 200 s would pass the deadline
+    assert child.limit("p0") <= 100.0
+    assert LIMITS.watch(tmp_path / "j", "probe", since=0).window == 15.0  # at most half of probe_timeout
+
+
+def test_the_verdict_on_a_dead_probe_says_what_was_measured() -> None:
+    stalled = IsolatedResult(status="timeout", stalled="no progress for 15 s after 45 s: its processes used 0.00 s "
+                                                        "of CPU and its output did not grow")
+    hung = dead_item(stalled, timed_out=True, limits=LIMITS, record=None)
+    assert hung is not None and hung.verdict == "hung" and hung.words.startswith("hung: no progress for 15 s")
+    assert "(past probe_timeout, 30s)" in hung.words and hung.seconds == 30.0
+    own = IsolatedResult(status="crashed", exit_code=1)  # its own watchdog (faulthandler) ended it
+    stuck = dead_item(own, timed_out=True, limits=LIMITS,
+                      record={"name": "p2", "limit_s": 160.0, "by": "second_limit", "longest_s": 40.0})
+    assert stuck is not None and stuck.verdict == "hung" and stuck.seconds == 160.0
+    assert "its second limit (4× the longest probe this cell measured, 40.0s)" in stuck.words
+    cut = dead_item(own, timed_out=True, limits=LIMITS, record={"name": "p0", "limit_s": 900.0, "by": "time_left"})
+    assert cut is not None and cut.verdict == "unfinished" and "not a hang" in cut.words
+    assert dead_item(IsolatedResult(status="crashed", signal="SIGSEGV"), timed_out=False, limits=LIMITS,
+                     record=None) is None  # a crash is no hang
