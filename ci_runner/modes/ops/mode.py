@@ -17,6 +17,10 @@
 4. **Findings and repros**: one finding per failing op overload (fingerprint `(kind, backend, op)`), listing
    every failing signature. Each gets a standalone script rendered from `templates/repro_op.py.j2` (torch and
    the backend's plugin only), run in a subprocess and marked `verified` only when it fails the same way.
+5. **Reach** (`ci_runner/modes/ops/reach.py`, only when there are `op_mismatch` findings; `ops.reach_output`): one
+   isolated child runs the model's forward on the cell's inputs plainly and with each mismatched op computed by
+   the backend; each such finding says whether its mismatch reaches the model's output (`details.reaches_output`,
+   `details.output_effect`, a clause in its message). The finding and the cell's status stay as they are.
 
 Options (`options: {ops: {...}}` in the matrix) are declared in `ci_runner/options.py` (`OpsOptions`).
 

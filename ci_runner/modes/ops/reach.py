@@ -203,8 +203,9 @@ def clause(row: Mapping[str, Any]) -> str:
 
 
 def apply(findings: Sequence[Finding], rows: Mapping[str, Mapping[str, Any]]) -> None:
-    """Each finding's `details.reaches_output`, `reaches_output_note`, `output_effect`, `reach` and message clause
-    from its op's row."""
+    """Each finding's `details.reaches_output`, `reaches_output_note`, `output_effect`, `reach` and, when measured,
+    the clause at the end of its message's first line (the message before it is kept as `details.message_full`,
+    which root causes key on: one cause whether or not its mismatch reaches the output in a cell)."""
     for f in findings:
         row = rows.get(str(f.op)) or {"reaches_output": None, "note": "not measured"}
         f.details["reaches_output"] = row.get("reaches_output")
@@ -213,7 +214,11 @@ def apply(findings: Sequence[Finding], rows: Mapping[str, Mapping[str, Any]]) ->
         if row.get("output_effect") is not None:
             f.details["output_effect"] = dict(row["output_effect"])
         f.details["reach"] = {k: row[k] for k in ("calls", "differing_calls", "problem", "seconds") if k in row}
-        f.message += clause(row)
+        words = clause(row)
+        if words:
+            f.details.setdefault("message_full", f.message)  # root causes key on the error, not on this clause
+            head, sep, rest = f.message.partition("\n")
+            f.message = head + words + sep + rest  # on the first line, which summaries show
 
 
 def _read_rows(path: Path) -> dict[str, dict[str, Any]]:
