@@ -4,7 +4,6 @@ injection itself on a real backend (aot_eager) in this process."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 

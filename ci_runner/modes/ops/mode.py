@@ -53,7 +53,7 @@ from .inputs import SCRIPT_FUNCTIONS as INPUT_FUNCTIONS, call_source, dynamic_ma
 from .phases import ProbeFn, run_phases
 from .parallel import run_tp
 from .probe import not_run_outcome, op_expression
-from .reach import mark_unmeasured, measure as measure_reach
+from .reach import measure as measure_reach
 from .signature import Inventory, OpSignature
 from .store import probe_signatures, probe_spec
 from .storepath import store_root
@@ -229,17 +229,16 @@ def run(ctx: "ModeContext") -> ModeResult:
     result = model_result(inventory, outcomes, spec=spec, model_id=ctx.cell.model.id, level=level, opts=opts,
                           ops_dir=ops_dir, env_stamp=ctx.env, remaining=ctx.remaining, eager=backend.is_eager,
                           setup_error=stats.get("setup_error"), data=data, started=t_start)
+    if ctx.cell.inputs.phases:
+        _add_phases(ctx, opts, inventory, ops_dir, result, level)
+    if ctx.cell.parallel:  # tensor parallel: the collectives and the sharded graphs' new ops (parallel.py)
+        _add_parallel(ctx, opts, result, inventory)
     t_reach = time.monotonic()
     reach = measure_reach(ctx, opts, result.findings, ops_dir / "reach")  # only with op_mismatch findings
     if reach is not None:
         result.data["reach"] = reach
         timings["reach_s"] = round(time.monotonic() - t_reach, 3)
         result.duration_s += time.monotonic() - t_reach
-    if ctx.cell.inputs.phases:
-        _add_phases(ctx, opts, inventory, ops_dir, result, level)
-    if ctx.cell.parallel:  # tensor parallel: the collectives and the sharded graphs' new ops (parallel.py)
-        _add_parallel(ctx, opts, result, inventory)
-    mark_unmeasured(result.findings, opts)
     return result
 
 
