@@ -92,14 +92,21 @@ class Inject(TorchDispatchMode):
         self.calls += 1
         value = run_call(self.backend, func, args, kwargs)
         fitted = _fit(value, out, str(func))
-        if any(isinstance(e, torch.Tensor) and not torch.equal(e, a)
+        if any(isinstance(e, torch.Tensor) and not _same(e, a)
                for e, a in zip(pytree.tree_leaves(out), pytree.tree_leaves(fitted))):
             self.differing += 1
         return fitted
 
 
+def _same(e: torch.Tensor, a: torch.Tensor) -> bool:
+    """Bit for bit the same values, NaN where eager has NaN."""
+    if torch.equal(e, a):
+        return True
+    return e.is_floating_point() and bool(torch.allclose(e, a, rtol=0.0, atol=0.0, equal_nan=True))
+
+
 class _Unfit(Exception):
-    pass
+    """The backend's value cannot stand in for eager's (another structure or shape)."""
 
 
 def _fit(value: Any, like: Any, op: str) -> Any:
@@ -185,7 +192,7 @@ def _one_op(outputs: _Outputs, backend: Any, op_name: str, plain: Sequence[torch
     try:
         op = resolve_callable(op_name)
     except Exception as exc:
-        return {**row, "note": f"the op cannot be resolved here: {type(exc).__name__}: {exc}"[:500]}
+        return {**row, "note": f"not measured: the op cannot be resolved here: {type(exc).__name__}: {exc}"[:500]}
     if not isinstance(op, torch._ops.OpOverload):
         return {**row, "note": "not measured: the op is not an ATen overload (the dispatcher never sees it)"}
     mode = Inject(op, backend)
@@ -193,8 +200,9 @@ def _one_op(outputs: _Outputs, backend: Any, op_name: str, plain: Sequence[torch
         injected = outputs.run(mode)
     except Exception as exc:
         words = str(exc).strip().splitlines()
+        what = "" if isinstance(exc, _Unfit) else f"{type(exc).__name__}: "
         return {**row, "calls": mode.calls, "note": f"not measured: the backend could not run the op on the "
-                f"model's tensors: {type(exc).__name__}: {words[0] if words else ''}"[:600]}
+                f"model's tensors: {what}{words[0] if words else ''}"[:600]}
     row.update(calls=mode.calls, differing_calls=mode.differing, seconds=round(time.monotonic() - t0, 3))
     if mode.calls == 0:
         return {**row, "note": "not measured: the model's eager forward never calls the op (the backend's graph has "
