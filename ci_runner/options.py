@@ -229,6 +229,10 @@ class OpsOptions:
                                        help="a probe whose input tensors take more MB (2^20 bytes) is not run "
                                             "(`not_run`, decided before any probe process allocates them); 0: no "
                                             "limit")
+    reach_output: bool = option(True, check=boolean,
+                                help="for each `op_mismatch`, run the model's forward twice in one child (plain, and "
+                                     "with that op computed by the backend) and say whether the mismatch reaches "
+                                     "the model's output (`details.reaches_output`); false: not measured")
 
     def tolerance_for(self, dtype: str) -> tuple[float, float]:
         return tuple(self.tolerance.get(dtype, (0.0, 0.0)))  # type: ignore[return-value]

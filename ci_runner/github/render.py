@@ -19,7 +19,7 @@ from typing import Any, Mapping, Sequence
 
 import jinja2
 
-from ..report.view import cell_command
+from ..report.view import cell_command, reach_words
 from ..matrix import artifact_name
 from ..plan import collected_artifacts
 from ..registry import IssueGroup, group_order, issue_group, kind_spec, mode_of_group, template_packages
@@ -267,6 +267,7 @@ def _entry_view(e: Mapping[str, Any]) -> dict[str, Any]:
     f = e.get("finding") or {}
     sigs = _signatures(f.get("details"))
     return {
+        "reach": reach_words(f.get("details")),
         "phase": phase_words(f),
         "model": e.get("model") or e["cell"].split("@")[0],
         "cell": e["cell"],

@@ -326,6 +326,8 @@ def findings_html(cv: CellView, limit: int = MAX_FINDINGS_PER_CELL, *, links: bo
             out.append(f"<br>repro: {repro_link(fv.repro, links)} {'(verified)' if fv.verified else '(not verified)'}{cmd}")
         if fv.metrics_text:
             out.append(f"<br>{_e(fv.metrics_text)}")
+        if fv.reach:
+            out.append(f"<br>model output: {_e(fv.reach)}")
         out.append(f"<pre>{_e(f.message)}</pre>\n</div>")
     return "\n".join(out)
 

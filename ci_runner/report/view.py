@@ -196,6 +196,7 @@ class FindingView:
     call: str | None = None  # an op finding: the call that failed, `aten.cumsum.default(f32[1, 4, 1, 16], -1)`
     more_calls: int = 0  # its other failing signatures
     cell_dir: str | None = None  # the cell folder `command` runs from, as `repro` names it (relative to the report)
+    reach: str | None = None  # whether its wrong values reach the model's output (`reach_words`)
 
 
 VIEWS: tuple[str, ...] = ("cumulative", "isolated")
@@ -504,6 +505,21 @@ def _causes(results: Results, allf: Sequence[FindingView]) -> list[dict[str, Any
     return out
 
 
+def reach_words(details: Mapping[str, Any] | None) -> str | None:
+    """Whether a finding's wrong values reach the model's output (`details.reaches_output`, measured by the ops
+    mode's `reach`): one sentence, or None when the finding carries no such measurement."""
+    if not details or "reaches_output" not in details:
+        return None
+    reaches = details.get("reaches_output")
+    max_abs = (details.get("output_effect") or {}).get("max_abs")
+    size = f" (max abs {max_abs:.3g})" if isinstance(max_abs, (int, float)) else ""
+    if reaches is True:
+        return f"its mismatch reaches the model's output{size}"
+    if reaches is False:
+        return f"its mismatch does not reach the model's output for these inputs{size}"
+    return f"whether it reaches the model's output is unknown: {details.get('reaches_output_note') or 'not measured'}"
+
+
 def build_view(results: Results, *, out_dir: Path | None = None, run_dir: Path | None = None, diff: Any = None) -> ReportView:
     """Order: failing cells first (worst status first), then by id; findings in mode order."""
     modes = mode_names(results)
@@ -526,6 +542,7 @@ def build_view(results: Results, *, out_dir: Path | None = None, run_dir: Path |
                     command=repro_command(f),
                     culprit=culprit_text(f), culprit_repro=c_repro, culprit_verified=c_ok,
                     culprit_label=culprit_label(f), cell_dir=base,
+                    reach=reach_words(f.details) if isinstance(f.details, Mapping) else None,
                 ))
                 if f.op:
                     fviews[-1].call, fviews[-1].more_calls = op_call(f)

@@ -216,3 +216,80 @@ def test_ranking_counts_models_blocked_per_op(run_dir: Path) -> None:
     assert ranking["aten.softplus.default"]["count"] == 1
     counts = [r["count"] for r in results.ranking]
     assert counts == sorted(counts, reverse=True)
+
+
+# --------------------------------------------------------------------------------------------- reach (issue 45)
+
+REACH_MATRIX = matrix_text(
+    modes=["ops"], inputs={"batch": 1, "seq_len": 8, "samples": 1, "seed": 0},
+    models=[{"id": "cumsum-reaches", "factory": "tests.fixtures.plugin_ops_models:cumsum_reaches"},
+            {"id": "cumsum-masked", "factory": "tests.fixtures.plugin_ops_models:cumsum_masked"}],
+    backends=[{"id": "wrong-cumsum", "compile": "tests.fixtures.plugin_ops_wrong:make",
+               "backend_options": {"op": "aten.cumsum.default", "offset": 1}}],
+)
+
+
+def _whole_model_max_abs(factory: Callable[[], Any]) -> float:
+    """Ground truth without the mode: the whole model through plain torch.compile on the wrong backend vs eager."""
+    from tests.fixtures.plugin_ops_wrong import make
+
+    model, kwargs = factory()
+    with torch.no_grad():
+        eager = model(**kwargs)
+        compiled = torch.compile(model, backend=make(op="aten.cumsum.default", offset=1))(**kwargs)
+    return float((compiled - eager).abs().max())
+
+
+@pytest.mark.parametrize("model_id,reaches", [("cumsum-reaches", True), ("cumsum-masked", False)])
+def test_an_op_mismatch_says_whether_it_reaches_the_models_output(mode_context: Any, fresh_dynamo: Callable[[], None],
+                                                                    model_id: str, reaches: bool) -> None:
+    from ci_runner.modes.ops.mode import run as run_ops
+    from ci_runner.results.model import fingerprint
+    from tests.fixtures import plugin_ops_models
+
+    factory = plugin_ops_models.cumsum_reaches if reaches else plugin_ops_models.cumsum_masked
+    truth = _whole_model_max_abs(factory)
+    assert (truth > 0.5) is reaches, truth  # the wrong cumsum changes this model's output, or leaves it unchanged
+    fresh_dynamo()
+    res = run_ops(mode_context(REACH_MATRIX, model_id, "wrong-cumsum"))
+    assert res.status == "fail", (res.status, res.reason)  # a wrong op is a bug even where the output hides it
+    [f] = res.findings
+    assert (f.kind, f.op) == ("op_mismatch", "aten.cumsum.default")
+    assert f.fingerprint == fingerprint("op_mismatch", "wrong-cumsum", "aten.cumsum.default")  # unchanged by reach
+    assert f.details["reaches_output"] is reaches and "reaches_output_note" not in f.details
+    assert f.details["output_effect"]["max_abs"] == pytest.approx(truth, abs=1e-5)
+    assert f.details["reach"]["calls"] == 1 and f.details["reach"]["differing_calls"] == 1
+    words = ("its mismatch reaches the model's output (max abs 1)" if reaches
+             else "its mismatch does not reach the model's output for these inputs (max abs 0)")
+    assert f.message.endswith("; " + words), f.message
+    assert "reach" not in f.details["message_full"] and f.message.startswith(f.details["message_full"])
+    assert res.data["reach"]["status"] == "ran" and res.data["reach"]["ops"] == {"aten.cumsum.default": reaches}
+
+
+def test_reach_output_false_measures_nothing(mode_context: Any, fresh_dynamo: Callable[[], None]) -> None:
+    from ci_runner.modes.ops.mode import run as run_ops
+
+    res = run_ops(mode_context(REACH_MATRIX, "cumsum-masked", "wrong-cumsum",
+                               options={"ops": {"reach_output": False}}))
+    [f] = res.findings
+    assert f.kind == "op_mismatch" and "reaches_output" not in f.details and "reach" not in res.data
+    assert "reach" not in f.message
+
+
+def test_a_reach_child_that_crashes_leaves_reaches_output_null_with_why(mode_context: Any, tmp_path: Path) -> None:
+    """The backend segfaults on the op inside the model's forward: the child dies, the parent lives and says so."""
+    from ci_runner.modes.ops.reach import measure
+    from ci_runner.options import OpsOptions
+    from ci_runner.results.model import Finding, fingerprint
+
+    matrix = matrix_text(modes=["ops"], inputs={"batch": 1, "seq_len": 8, "samples": 1, "seed": 0},
+                         models=[{"id": "cumsum-masked", "factory": "tests.fixtures.plugin_ops_models:cumsum_masked"}],
+                         backends=[{"id": "segv", "compile": "sim-segv", "backend_options": {"op": "aten.cumsum.default"}}])
+    ctx = mode_context(matrix, "cumsum-masked", "segv")
+    f = Finding(kind="op_mismatch", stage="compare", message="OpMismatch: aten.cumsum.default differs from CPU eager",
+                fingerprint=fingerprint("op_mismatch", "segv", "aten.cumsum.default"), op="aten.cumsum.default")
+    data = measure(ctx, OpsOptions(), [f], tmp_path / "reach")
+    assert data is not None and data["status"] == "error" and data["ops"] == {"aten.cumsum.default": None}
+    assert f.details["reaches_output"] is None
+    assert f.details["reaches_output_note"] == "not measured: the child crashed (SIGSEGV) while measuring this op"
+    assert f.message == "OpMismatch: aten.cumsum.default differs from CPU eager"  # nothing measured: no clause

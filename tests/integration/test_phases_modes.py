@@ -121,6 +121,11 @@ def test_ops_probes_a_padded_batch_with_a_fully_masked_row(mode_context: Callabl
     f = result.findings[0]
     assert f.repro is not None and f.repro.verified and f.repro.path.startswith("ops/phases/batch/"), f.repro
     assert result.data["phases"]["prefill"]["status"] == "pass" and result.data["phases"]["batch"]["status"] == "fail"
+    # measured on the batch phase's own calls: the padded row's pads are fully masked there, the plain softmax's
+    # NaN reaches its logits (issue 45: an op finding says whether its mismatch reaches the model's output)
+    assert f.details["reaches_output"] is True and "NaN" in f.details["reach"]["problem"], f.details
+    assert "; its mismatch reaches the model's output" in f.message.splitlines()[0]
+    assert result.data["reach"]["ops"] == {"batch:" + f.op: True}
 
 
 def test_ops_probes_a_phase_signature_with_its_dynamic_dims(mode_context: Callable[..., Any], fresh_dynamo: Any) -> None:

@@ -305,6 +305,24 @@ def test_ops_mode_signature_dicts_render_as_call_site_lines():
             "at `modeling_vit.py:69 in forward`") in body
 
 
+def test_an_op_mismatch_entry_says_whether_it_reaches_the_models_output():
+    """Issue 45: each cell's line says what the ops mode measured (`details.reaches_output`), or why it could not."""
+    hidden = op_finding("aten.cumsum.default", "ov", kind="op_mismatch")
+    hidden["details"] = {"reaches_output": False, "output_effect": {"max_abs": 0.0, "rel": 0.0}}
+    shown = op_finding("aten.cumsum.default", "ov", kind="op_mismatch")
+    shown["details"] = {"reaches_output": True, "output_effect": {"max_abs": 0.25, "rel": 0.01}}
+    unknown = op_finding("aten.cumsum.default", "ov", kind="op_mismatch")
+    unknown["details"] = {"reaches_output": None, "reaches_output_note": "not measured: the child crashed (SIGSEGV)"}
+    [g] = group_entries({"entries": [entry("regressed", "whisper", "ov", hidden), entry("regressed", "bert", "ov", shown),
+                                     entry("regressed", "vit", "ov", unknown)]}, layers=False)
+    body = render_issue(g, ctx(None))
+    # prose goes through the `plain` filter, which escapes markdown's parentheses
+    assert "in cell `whisper@ov`; its mismatch does not reach the model's output for these inputs \\(max abs 0\\)" in body
+    assert "in cell `bert@ov`; its mismatch reaches the model's output \\(max abs 0.25\\)" in body
+    assert ("in cell `vit@ov`; whether it reaches the model's output is unknown: not measured: the child crashed "
+            "\\(SIGSEGV\\)") in body
+
+
 def test_local_drafts_find_the_run_folder_and_quote_the_repro(tmp_path):
     """`file-issues --dry-run` of a local run, without --run-dir: the run folder is the one above the diff's
     report folder; the draft quotes the script, says how to run it from the cell folder, in local words."""

@@ -160,3 +160,11 @@ def test_long_messages_are_cut_at_a_word_with_the_whole_text_kept() -> None:
     shown = str(clip(text, 100))
     assert f'title="{text}"' in shown and f'<span class="full">{text}</span>' in shown
     assert str(clip("short", 100)) == "short"
+
+
+def test_an_op_mismatch_says_whether_it_reaches_the_models_output() -> None:
+    results = rf.sample_results()
+    f = next(f for c in results.cells for m in c.modes.values() for f in m.findings if f.op)
+    f.details = {**f.details, "reaches_output": False, "output_effect": {"max_abs": 0.0, "rel": 0.0}}
+    page = render_html(results, view=build_view(results))
+    assert "<br>model output: its mismatch does not reach the model&#x27;s output for these inputs (max abs 0)" in page

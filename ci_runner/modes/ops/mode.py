@@ -17,6 +17,10 @@
 4. **Findings and repros**: one finding per failing op overload (fingerprint `(kind, backend, op)`), listing
    every failing signature. Each gets a standalone script rendered from `templates/repro_op.py.j2` (torch and
    the backend's plugin only), run in a subprocess and marked `verified` only when it fails the same way.
+5. **Reach** (`ci_runner/modes/ops/reach.py`, only when there are `op_mismatch` findings; `ops.reach_output`): one
+   isolated child runs the model's forward on the cell's inputs plainly and with each mismatched op computed by
+   the backend; each such finding says whether its mismatch reaches the model's output (`details.reaches_output`,
+   `details.output_effect`, a clause in its message). The finding and the cell's status stay as they are.
 
 Options (`options: {ops: {...}}` in the matrix) are declared in `ci_runner/options.py` (`OpsOptions`).
 
@@ -49,6 +53,7 @@ from .inputs import SCRIPT_FUNCTIONS as INPUT_FUNCTIONS, call_source, dynamic_ma
 from .phases import ProbeFn, run_phases
 from .parallel import run_tp
 from .probe import not_run_outcome, op_expression
+from .reach import measure as measure_reach
 from .signature import Inventory, OpSignature
 from .store import probe_signatures, probe_spec
 from .storepath import store_root
@@ -228,6 +233,12 @@ def run(ctx: "ModeContext") -> ModeResult:
         _add_phases(ctx, opts, inventory, ops_dir, result, level)
     if ctx.cell.parallel:  # tensor parallel: the collectives and the sharded graphs' new ops (parallel.py)
         _add_parallel(ctx, opts, result, inventory)
+    t_reach = time.monotonic()
+    reach = measure_reach(ctx, opts, result.findings, ops_dir / "reach")  # only with op_mismatch findings
+    if reach is not None:
+        result.data["reach"] = reach
+        timings["reach_s"] = round(time.monotonic() - t_reach, 3)
+        result.duration_s += time.monotonic() - t_reach
     return result
 
 

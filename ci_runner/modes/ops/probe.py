@@ -39,7 +39,7 @@ from ...workloads.precision import PrecisionPolicy, convention
 from .compare import compare, mismatch_metrics, no_compare_reason
 from .inputs import build_tensors, copy_tensors, dynamic_marks, input_bytes
 from .outcome import CPU_FAILS_TOO, OpOutcome, OpStatus
-from ...engine.codec import decode_value, tensor_specs
+from ...engine.codec import decode_value, encode_arg, tensor_specs
 from .signature import resolve_callable
 from ...options import OpsOptions
 from ...quoting import dotted, pyrepr
@@ -354,6 +354,38 @@ def _run_on_target(backend: Any, op: Any, probe: Mapping[str, Any], tensors: lis
                 torch._dynamo.maybe_mark_dynamic(tensors[i], dim)
             value = compiled_fn(*tensors)
         return map_tensors(lambda t: t.detach().to("cpu"), value)
+
+
+class NotRunOnBackend(Exception):
+    """A compile backend was given the call but did not run it (`CompileWatch.not_ran`: a fallback to eager)."""
+
+
+def _live_tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors of a live argument in the order `decode_value` consumes them (nested lists and tuples in order)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _live_tensors(v)]
+    return []
+
+
+def run_call(backend: Any, op: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+    """One live call of `op` (a model's own tensors, on CPU) computed on `backend` by the probe's own path
+    (`_run_on_target` via Dynamo, or on the eager device), all outputs moved to CPU. Raises what the backend raises,
+    and `NotRunOnBackend` when a compile backend did not run it. Used by `reach` to inject the op into a forward."""
+    probe = {"id": "call", "op": str(op), "args": [encode_arg(a) for a in args],
+             "kwargs": {k: encode_arg(v) for k, v in kwargs.items()}, "outputs": None}
+    eager = bool(getattr(backend, "is_eager", False))
+    device = str(getattr(backend, "device", "cpu"))
+    live = [t for a in args for t in _live_tensors(a)] + [t for v in kwargs.values() for t in _live_tensors(v)]
+    tensors = [backend.to_device(t) for t in live]
+    compile_name = getattr(getattr(backend, "spec", None), "compile", None)
+    run = _TargetRun(watch=CompileWatch(None if eager else compile_name))
+    value = _run_on_target(backend, op, probe, tensors, run, eager=eager, device=device)
+    why = None if eager else run.watch.not_ran()
+    if why:
+        raise NotRunOnBackend(f"{op} did not run on the backend: {why}")
+    return value
 
 
 def _target_failure(exc: BaseException, run: _TargetRun, *, eager: bool, ref_exc: BaseException | None,
