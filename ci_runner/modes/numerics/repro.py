@@ -38,7 +38,7 @@ from .verdict import Layer
 if TYPE_CHECKING:
     from .. import ModeContext
 
-__all__ = ["MIN_SECONDS", "attach_repros"]
+__all__ = ["MIN_SECONDS", "attach_repros", "verify_repro"]
 
 MIN_SECONDS = 90.0  # a cell with less left writes no repro: its result comes first
 
@@ -134,14 +134,14 @@ def _one(ctx: "ModeContext", f: Finding, layers: Sequence[Layer], reader: DumpRe
     if not verify:
         return Repro(path=str(script.relative_to(ctx.cell_dir)), verified=False, command=command,
                      note="not verified (numerics.verify: false)")
-    return _verify(ctx, script, pythonpath, command, expect=f"{label} diverges", limit=verify_timeout)
+    return verify_repro(ctx, script, pythonpath, command, expect=f"{label} diverges", limit=verify_timeout)
 
 
 def _number(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
-def _verify(ctx: "ModeContext", script: Path, pythonpath: list[str], command: str, *, expect: str,
+def verify_repro(ctx: "ModeContext", script: Path, pythonpath: list[str], command: str, *, expect: str,
             limit: float) -> Repro:
     """Run `script` once within `limit` and a quarter of the cell's time left: verified when it exits 1 printing
     `expect`."""
