@@ -12,7 +12,8 @@ is run once (`engine.repro.verify_script`) and the finding's `Repro.verified` sa
 
 No repro (and `details.repro_note` says why): a cumulative-only finding (drift: no layer is wrong on its own, so
 no one layer alone shows it), a model whose source no script rebuilds, a call whose inputs were not stored, a cell
-with under `MIN_SECONDS` left. The phases' and tensor-parallel findings are not handled here.
+with under `MIN_SECONDS` left. A phase's findings get theirs from `phaserepro.py`; the tensor-parallel ones
+(`parallel.py`) none.
 """
 
 from __future__ import annotations
