@@ -21,7 +21,9 @@ under `repro.MIN_SECONDS` left. The tensor-parallel findings get none (`parallel
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -57,9 +59,11 @@ def attach_phase_repros(ctx: "ModeContext", findings: Sequence[Finding],
         return {}
     t0 = time.monotonic()
     phases = {p.name: p for p in ctx.cell.inputs.workload()}
+    weights: list[Path] = []  # the whole model's weights, written once per cell: the other repros link to them
     for f in todo:
         try:
-            written = _one(ctx, f, phases.get(f.phase or ""), verify=opts.verify, verify_timeout=opts.verify_timeout)
+            written = _one(ctx, f, phases.get(f.phase or ""), weights, verify=opts.verify,
+                           verify_timeout=opts.verify_timeout)
         except Exception as exc:  # a repro problem must not lose the finding  # noqa: BLE001
             written = f"no repro: writing it failed: {type(exc).__name__}: {first_line(str(exc), 200)}"
         if isinstance(written, str):
@@ -108,7 +112,22 @@ class _Calls:
             self.found, self.real = True, call.real
 
 
-def _one(ctx: "ModeContext", f: Finding, phase: Phase | None, *, verify: bool, verify_timeout: float) -> Repro | str:
+def _save_weights(module: torch.nn.Module, path: Path, written: list[Path]) -> None:
+    """Every parameter and buffer of `module` into `path`: a hard link to the file an earlier repro of the cell
+    wrote where one was (a real model's weights are large, and the same in every phase), else written."""
+    path.unlink(missing_ok=True)
+    for earlier in written:
+        try:
+            os.link(earlier, path)
+            return
+        except OSError:  # another file system, or no hard links there: written again
+            break
+    save_tensors(module_tensors(module), path, copy=True)
+    written.append(path)
+
+
+def _one(ctx: "ModeContext", f: Finding, phase: Phase | None, weights: list[Path], *, verify: bool,
+         verify_timeout: float) -> Repro | str:
     label = f.details.get("call")
     if phase is None or not isinstance(label, str):
         return "no repro: the finding does not name the call of its phase it diverges at"
@@ -128,7 +147,7 @@ def _one(ctx: "ModeContext", f: Finding, phase: Phase | None, *, verify: bool, v
     if not calls.found or calls.first is None:
         return f"no repro: the reference's {phase.name} has no call {label!r}"
     save_tensors(calls.tensors, folder / "inputs.safetensors", copy=True)
-    save_tensors(module_tensors(loaded.module), folder / "weights.safetensors", copy=True)
+    _save_weights(loaded.module, folder / "weights.safetensors", weights)
     cached = phase.name in ("prefill", "decode")
     pythonpath = plugin_pythonpath([*backend_recipe(ctx.cell.backend).imports, "ci_runner"])  # simdev's included
     script = folder / "repro.py"
