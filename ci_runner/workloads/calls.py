@@ -9,10 +9,11 @@ so a compiler sees the shapes change exactly as in generation.
 
 An encoder-decoder whose decoder takes tokens (Whisper, T5, BART) is generated as `generate()` does: its encoder
 runs once, eagerly (`get_encoder()`, on the audio features of `models/audio.py` or the prompt's tokens), and every
-call is the decoder's: the prefill feeds the decoder start token as `decoder_input_ids`, each decode step one token,
-with the encoder's output (`encoder_outputs=`, the encoder's `attention_mask` where it has one) and one
-`EncoderDecoderCache` (self-attention cache of the phase's kind, cross-attention cache of the encoder's length). The
-backend compiles the decoder steps; the reference and the target see the same encoder output. Padded batches and
+call is the decoder's: the prefill feeds the decoder prompt `generate()` starts from as `decoder_input_ids` (T5 and
+BART: their start token; Whisper: the start token and its language, task and no-timestamps tokens, `_start_ids`),
+each decode step one token, with the encoder's output (`encoder_outputs=`, the encoder's `attention_mask` where it
+has one) and one `EncoderDecoderCache` (self-attention cache of the phase's kind, cross-attention cache of the
+encoder's length). The backend compiles the decoder steps; the reference and the target see the same encoder output. Padded batches and
 long prompts are built for decoder-only prompts and skipped for encoder-decoders.
 
 Decode is teacher-forced when `forced` tokens are given (the reference's greedy tokens): both sides see the same
@@ -177,9 +178,11 @@ def _encoder_decoder_skip(loaded: LoadedModel, phase: Phase, inputs: InputSpec) 
     if not _decodes_tokens(loaded) or not _generates(loaded) or cache_kwarg(loaded.module) is None:
         return (f"{phase.name} needs an encoder-decoder that generates through a KV cache with `decoder_input_ids` "
                 f"and `encoder_outputs`; {name} does not")
-    limit, total = _decoder_positions(loaded), len(_start_ids(loaded)) + phase.steps
+    start = len(_start_ids(loaded))
+    limit, total = _decoder_positions(loaded), start + phase.steps
     if limit is not None and total > limit:
-        return f"decoder start + {phase.steps} steps = {total} tokens > the decoder's {limit} positions"
+        return (f"decoder prompt ({start} token{'s' if start > 1 else ''}) + {phase.steps} steps = {total} tokens > "
+                f"the decoder's {limit} positions")
     enc_limit = _max_positions(loaded)
     if not is_audio(loaded.module) and enc_limit is not None and inputs.seq_len > enc_limit:
         return f"prompt {inputs.seq_len} tokens > max_position_embeddings {enc_limit}"
@@ -313,15 +316,47 @@ def generation_calls(loaded: LoadedModel, inputs: InputSpec, phase: Phase, devic
 
 
 def _start_ids(loaded: LoadedModel) -> list[int]:
-    """The decoder's start token(s) `generate()` begins with: `decoder_start_token_id` (of the generation config,
-    else the config), else the decoder's bos or pad id, else 0."""
+    """The decoder prompt `generate()` begins with: `decoder_start_token_id` (of the generation config, else the
+    config), else the decoder's bos or pad id, else 0 (T5, BART: that one token); for a model whose generate()
+    builds its own prompt (Whisper's `_retrieve_init_tokens`), the tokens it puts after it (`_prompt_tail`)."""
     sources = (getattr(loaded.module, "generation_config", None), loaded.config, _decoder_config(loaded))
-    for key in ("decoder_start_token_id", "bos_token_id", "pad_token_id"):
-        for source in sources:
-            value = getattr(source, key, None)
-            if isinstance(value, int) and value >= 0:
-                return [value]
-    return [0]
+    start = next((value for key in ("decoder_start_token_id", "bos_token_id", "pad_token_id") for source in sources
+                  if isinstance(value := getattr(source, key, None), int) and value >= 0), 0)
+    if not callable(getattr(loaded.module, "_retrieve_init_tokens", None)):
+        return [start]
+    return [start, *_prompt_tail(loaded, start)]
+
+
+PROMPT_STAND_INS = 3  # a config-only Whisper's stand-ins for its language, task and no-timestamps tokens
+
+
+def _prompt_tail(loaded: LoadedModel, start: int) -> list[int]:
+    """What Whisper's generate() (transformers' `_retrieve_init_tokens`, no language or task asked) puts after the
+    start token: the `forced_decoder_ids` of its generation config (else its config) at positions 1, 2, …; the
+    language where they leave it open and `lang_to_id` lists languages (English where listed: generate() detects it
+    with one more decoder call, left out); the no-timestamps token where it has one. A config-only model names
+    none of them: the `PROMPT_STAND_INS` ids after the start token (within the vocabulary) stand in for the
+    language, task and no-timestamps tokens, so the prefill feeds a prompt as long as generate()'s."""
+    gen = getattr(loaded.module, "generation_config", None)
+    forced = getattr(gen, "forced_decoder_ids", None) or getattr(loaded.config, "forced_decoder_ids", None) or []
+    tail: list[int | None] = []
+    for position, token in sorted((int(p), t) for p, t in forced):
+        if position != len(tail) + 1:
+            break
+        tail.append(token)
+    languages = getattr(gen, "lang_to_id", None) or {}
+    if languages and (not tail or tail[0] is None):
+        language = languages.get("<|en|>", next(iter(languages.values())))
+        tail[:1] = [int(language)]
+    no_timestamps = getattr(gen, "no_timestamps_token_id", None)
+    if isinstance(no_timestamps, int) and not getattr(gen, "return_timestamps", False) \
+            and (tail[-1:] or [start]) != [no_timestamps]:
+        tail.append(no_timestamps)
+    named = [int(t) for t in tail if t is not None]
+    if named or forced or languages or no_timestamps is not None:
+        return named
+    vocab = int(getattr(_decoder_config(loaded), "vocab_size", 0) or 0) or start + PROMPT_STAND_INS + 1
+    return [(start + k) % vocab for k in range(1, PROMPT_STAND_INS + 1)]
 
 
 def encoder_run(loaded: LoadedModel, inputs: InputSpec, device: str) -> tuple[Any, dict[str, torch.Tensor]]:

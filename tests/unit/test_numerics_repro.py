@@ -12,6 +12,7 @@ import torch
 from ci_runner.engine.repro import render_template, template_backend
 from ci_runner.config import BackendSpec
 from ci_runner.modes.numerics.metrics import compare_tensors
+from ci_runner.modes.numerics.phaserepro import _watched
 from ci_runner.modes.numerics.repro import _via
 
 SOURCE = {"kind": "factory", "factory": "pkg.mod:build", "seed": 0, "overrides": {}, "dtype": "float32"}
@@ -62,3 +63,44 @@ def test_the_scripts_metrics_are_the_modes(tmp_path: Path, ref: torch.Tensor, tg
     want = compare_tensors(ref, tgt)
     assert math.isclose(rel, float(want["rel"]), rel_tol=1e-9, abs_tol=1e-15) or rel == float(want["rel"])
     assert math.isclose(cos, float(want["cos"]), rel_tol=1e-9, abs_tol=1e-12)
+
+
+def _phase_space(tmp_path: Path, **over: object) -> dict[str, object]:
+    """The phase repro (repro_numerics_phase.py.j2) rendered and executed as a module (its main not run)."""
+    ctx = dict(module="blk.attn", qualified_name="blk.attn", module_class="Attn", model_id="m",
+               model_source="config:llama", backend_id="aot_eager",
+               backend=template_backend(BackendSpec(id="aot_eager", compile="aot_eager")), message="diverges",
+               source=SOURCE, call=None, phase="batch (lengths [2, 1])", call_label="batch", module_call=0, kv=None,
+               calls=[{"label": "batch", "tensors": {"input_ids": "0.input_ids"}}], cache=None, use_cache=False,
+               real=[[True, True], [False, True]], ref_dtype="float32", target_dtype="float32", threshold_rel=1e-3,
+               threshold_cos=None, command="python repro.py")
+    ctx.update(over)
+    script = tmp_path / "repro.py"
+    script.write_text(render_template("repro_numerics_phase.py.j2", **ctx), encoding="utf-8")
+    space: dict[str, object] = {"__name__": "not_main", "__file__": str(script)}
+    exec(compile(script.read_text(encoding="utf-8"), str(script), "exec"), space)
+    return space
+
+
+def test_the_phase_script_compares_real_tokens_and_finds_where_nan_starts(tmp_path: Path) -> None:
+    """A module's NaN counts in its whole row (padding included: where deepview-ci sees a NaN start); the logits'
+    only on the real tokens, as the rel is."""
+    ref = torch.zeros(2, 2, 3)
+    tgt = ref.clone()
+    tgt[1, 0, 0] = float("nan")  # row 1's padded position
+    module = _phase_space(tmp_path)
+    assert [tuple(r.shape) for r in module["rows"](ref)] == [(2, 3), (1, 3)]  # type: ignore[operator]
+    assert module["nonfinite_row"](ref, tgt) == 1  # type: ignore[operator]
+    logits = _phase_space(tmp_path, qualified_name="", module="(model)")
+    assert logits["nonfinite_row"](ref, tgt) is None  # type: ignore[operator]
+    assert logits["WATCHED"] == "" and logits["QUALIFIED_NAME"] == ""
+    src = (tmp_path / "repro.py").read_text(encoding="utf-8")
+    assert [ln for ln in src.splitlines() if ln.strip() and not ln.startswith("#")][0].startswith('print("REPRO STARTED"')
+
+
+def test_a_phase_findings_module_names_what_its_repro_compares() -> None:
+    assert _watched("model.layers.0.mlp") == ("model.layers.0.mlp", None)
+    assert _watched("(model)") == ("", None)
+    assert _watched("kv:layers.3.values") == ("", (3, "values"))
+    with pytest.raises(ValueError):
+        _watched("kv:something")

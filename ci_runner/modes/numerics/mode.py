@@ -64,6 +64,7 @@ from .verdict import (
 )
 from .parallel import PendingParallel, start_parallel
 from .phases import run_phases
+from .phaserepro import attach_phase_repros
 from .repro import attach_repros
 from .views import cast_copy, derive_reference_stats, runnable_reference
 
@@ -427,6 +428,7 @@ def _phases(ctx: "ModeContext", opts: NumericsOptions, data: dict[str, Any], fin
     ctx.checkpoint("numerics", findings, data)  # kept if a phase kills the process
     found, data["phases"] = run_phases(ctx, opts)
     data.setdefault("timings", {})["phases_s"] = round(time.monotonic() - t, 3)
+    data["timings"].update(attach_phase_repros(ctx, found, opts))  # a repro per divergence of a phase
     return found
 
 

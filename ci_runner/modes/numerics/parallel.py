@@ -92,7 +92,14 @@ def _result(ctx: "ModeContext", opts: NumericsOptions, run: RankRun, value: dict
     for f in result.findings:
         if f.op and f.op.startswith("_c10d_functional."):
             f.repro = collective_repro(ctx, f, ctx.cell.backend)
+        elif f.kind == FindingKind.DIVERGENCE and f.repro is None:
+            f.details["repro_note"] = TP_NO_REPRO
     return result.findings, data
+
+
+# why a sharded layer's divergence has no repro: the single-rank repro does not shard, and the ranks keep nothing
+TP_NO_REPRO = ("no repro: a sharded layer's divergence needs each rank's shards and inputs of that layer, which the "
+               "numerics ranks do not store (the single-rank layer repro runs the layer unsharded)")
 
 
 def declared_group(layout: ParallelSpec) -> dict[str, str]:

@@ -310,7 +310,7 @@ def _kv_cause(ctx: "ModeContext", phase: Phase, kv: list[dict[str, Any]],
     return _finding(ctx, phase, over["step"], f"kv:{over['tensor']}", "KVCache",
                     f"{phase.name}, {over['call']}: the KV cache {over['tensor']} the target wrote differs from the "
                     f"reference's (rel {over['rel']:.3g} > {over['threshold']:.3g})" + after,
-                    {"rel": over["rel"]}, {"rel": over["threshold"]})
+                    {"rel": over["rel"]}, {"rel": over["threshold"]}, details={"call": over["call"]})
 
 
 def _partial_text(sites: Mapping[str, list[str]]) -> str:
@@ -441,6 +441,7 @@ def _localise(ctx: "ModeContext", phase: Phase, flagged: list[tuple[int, list[in
     first_bad = flagged[0]
     i, bad_rows, logit_metrics = first_bad
     step = ref_run.records[i].step
+    label = ref_run.records[i].label  # the call a finding names (`details.call`): its repro runs the phase up to it
     real = ref_run.records[i].real
     if bad_rows:
         row = bad_rows[0]
@@ -458,7 +459,7 @@ def _localise(ctx: "ModeContext", phase: Phase, flagged: list[tuple[int, list[in
                    f"({classes.get(name, '?')}: finite input, non-finite output){via}; the reference is finite")
             return [_finding(ctx, phase, step, name, classes.get(name, "?"), msg,
                              {"rows": bad_rows, "nonfinite_tgt": logit_metrics.get("nonfinite_tgt")}, {},
-                             details={"row": row, "rows": bad_rows, "reaches_real_tokens_in": reach})]
+                             details={"call": label, "row": row, "rows": bad_rows, "reaches_real_tokens_in": reach})]
         root = tgt.layers[i].get("") if i < len(tgt.layers) else None
         unran: list[str] = []  # modules the backend did not run alone: not shown innocent
         if root is None or bool(torch.isfinite(root).all()):  # the hooked run did not reproduce it (OpenVINO
@@ -469,13 +470,14 @@ def _localise(ctx: "ModeContext", phase: Phase, flagged: list[tuple[int, list[in
                        f"reference's inputs of that call, {name} ({classes.get(name, '?')}) turns row {row} non-finite "
                        f"where eager stays finite ({len(passed)} of its called children pass alone)")
                 return [_finding(ctx, phase, step, name, classes.get(name, "?"), msg, {"rows": bad_rows}, {},
-                                 details={"row": row, "rows": bad_rows, "localised": "isolated",
+                                 details={"call": label, "row": row, "rows": bad_rows, "localised": "isolated",
                                           **({"not_ran_alone": unran[:20]} if unran else {})})]
         alone = f"; {len(unran)} did not run on the backend alone: {', '.join(unran[:3])}" if unran else ""
         return [_finding(ctx, phase, step, "", "output",
                          f"{_where(phase, step)}: NaN/Inf on the real tokens of rows {bad_rows}; the reference is "
                          f"finite (no single module shows it alone{alone})", {"rows": bad_rows}, {},
-                         details={"rows": bad_rows, "row": row, **({"not_ran_alone": unran[:20]} if unran else {})})]
+                         details={"call": label, "rows": bad_rows, "row": row,
+                                  **({"not_ran_alone": unran[:20]} if unran else {})})]
     for j in range(min(len(ref.layers), len(tgt.layers))):
         for key, t in tgt.layers[j].items():
             r = ref.layers[j].get(key)
@@ -484,14 +486,15 @@ def _localise(ctx: "ModeContext", phase: Phase, flagged: list[tuple[int, list[in
             m, _ = _compare(r, t.to(r.dtype), ref_run.records[j].real)
             thr = thresholds.get(key, floor)
             if _rel(m) > thr:
-                name = key.split("#")[0]
+                name, _, k = key.partition("#")
                 cstep = ref_run.records[j].step
                 passes = "; the earlier calls pass" if j else ""
                 msg = (f"{_where(phase, cstep)}: {name} ({classes.get(name, '?')}) diverges first: rel {_rel(m):.3g} > "
                        f"{thr:.3g}{passes}")
                 return [_finding(ctx, phase, cstep, name, classes.get(name, "?"), msg,
                                  {"rel": _rel(m), "cos": m.get("cos")}, {"rel": thr},
-                                 details={"call": ref_run.records[j].label})]
+                                 details={"call": ref_run.records[j].label, "module_call": int(k or 0)})]
     return [_finding(ctx, phase, step, "", "output",
                      f"{_where(phase, step)}: the logits diverge (rel {_rel(logit_metrics):.3g}) but no layer output did "
-                     f"first", {"rel": _rel(logit_metrics)}, {"rel": thresholds.get('', floor)})]
+                     f"first", {"rel": _rel(logit_metrics)}, {"rel": thresholds.get('', floor)},
+                     details={"call": label})]

@@ -12,7 +12,8 @@ is run once (`engine.repro.verify_script`) and the finding's `Repro.verified` sa
 
 No repro (and `details.repro_note` says why): a cumulative-only finding (drift: no layer is wrong on its own, so
 no one layer alone shows it), a model whose source no script rebuilds, a call whose inputs were not stored, a cell
-with under `MIN_SECONDS` left. The phases' and tensor-parallel findings are not handled here.
+with under `MIN_SECONDS` left. A phase's findings get theirs from `phaserepro.py`; the tensor-parallel ones
+(`parallel.py`) none.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from .verdict import Layer
 if TYPE_CHECKING:
     from .. import ModeContext
 
-__all__ = ["MIN_SECONDS", "attach_repros"]
+__all__ = ["MIN_SECONDS", "attach_repros", "verify_repro"]
 
 MIN_SECONDS = 90.0  # a cell with less left writes no repro: its result comes first
 
@@ -134,14 +135,14 @@ def _one(ctx: "ModeContext", f: Finding, layers: Sequence[Layer], reader: DumpRe
     if not verify:
         return Repro(path=str(script.relative_to(ctx.cell_dir)), verified=False, command=command,
                      note="not verified (numerics.verify: false)")
-    return _verify(ctx, script, pythonpath, command, expect=f"{label} diverges", limit=verify_timeout)
+    return verify_repro(ctx, script, pythonpath, command, expect=f"{label} diverges", limit=verify_timeout)
 
 
 def _number(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
-def _verify(ctx: "ModeContext", script: Path, pythonpath: list[str], command: str, *, expect: str,
+def verify_repro(ctx: "ModeContext", script: Path, pythonpath: list[str], command: str, *, expect: str,
             limit: float) -> Repro:
     """Run `script` once within `limit` and a quarter of the cell's time left: verified when it exits 1 printing
     `expect`."""

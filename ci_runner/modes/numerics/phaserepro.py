@@ -1,0 +1,170 @@
+"""The numerics mode's repros of its phase findings: one standalone script per `divergence` finding of a phase.
+
+A phase finding (`phases.py`) names a module (a layer, `(model)` for the logits, or `kv:layers.<i>.keys|values` for
+a KV-cache tensor) and the call of the phase where it diverges first (`details.call`, e.g. `decode step 2`; a module
+called more than once in that call: `details.module_call`). Its state (the KV cache) comes from the calls before, so
+`numerics/repro/phase-<phase>/<module>/repro.py` (`templates/repro_numerics_phase.py.j2`) rebuilds the whole model
+(`engine.repro.model_source`: its transformers class from `config.json`; every weight from `weights.safetensors`)
+and calls it for each call of the phase up to that one, with the calls' tensors (`inputs.safetensors`: the tokens the
+reference picked, so both sides see the same ones; an encoder-decoder's encoder output) and one cache carried along,
+as `workloads.calls` makes them (`_repro_phase_calls.py.j2`, shared with the layers mode's phase repro): eagerly in
+the primary reference's dtype, then compiled once with the backend in the target's dtype. It compares the module's
+output at that call (a forward hook), the logits, or the cache tensor, on the real tokens only for a padded batch,
+by rel and 1 − cos (the formulas of the single forward's repro), and exits 1 with
+"REPRO FAILED: <module> diverges: rel X > threshold T" over the finding's threshold (or "… diverges: NaN/Inf …"
+where the target is not finite and the reference is). Each script is run once as the single forward's are
+(`repro.verify_repro`: `numerics.verify`, `numerics.verify_timeout`).
+
+No repro (and `details.repro_note` says why): a finding that names no call, a model no script rebuilds, a cell with
+under `repro.MIN_SECONDS` left. The tensor-parallel findings get none (`parallel.TP_NO_REPRO` says why).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+
+from ...backends import backend_recipe, plugin_pythonpath
+from ...engine.codec import save_tensors
+from ...engine.repro import model_source, render_template, run_command, safe_filename, template_backend, write_script
+from ...failures.failure import first_line
+from ...models.tree import module_tensors
+from ...options import NumericsOptions
+from ...registry import FindingKind
+from ...results.model import Finding, Repro
+from ...workloads.calls import Call, cache_recipe, plain_tensors, run_phase
+from ...workloads.phases import Phase
+from .repro import MIN_SECONDS, verify_repro
+from .target import target_dtype
+
+if TYPE_CHECKING:
+    from .. import ModeContext
+
+__all__ = ["attach_phase_repros"]
+
+ROOT = "(model)"  # the module name of a finding on the logits
+
+
+def attach_phase_repros(ctx: "ModeContext", findings: Sequence[Finding],
+                        opts: NumericsOptions | None = None) -> dict[str, float]:
+    """A verified repro (or a `details.repro_note`) on each divergence finding of a phase: the timing
+    `{"phase_repros_s": seconds}` ({} with no such finding)."""
+    opts = opts or NumericsOptions()
+    todo = [f for f in findings if f.kind == FindingKind.DIVERGENCE and f.phase]
+    if not todo:
+        return {}
+    t0 = time.monotonic()
+    phases = {p.name: p for p in ctx.cell.inputs.workload()}
+    weights: list[Path] = []  # the whole model's weights, written once per cell: the other repros link to them
+    for f in todo:
+        try:
+            written = _one(ctx, f, phases.get(f.phase or ""), weights, verify=opts.verify,
+                           verify_timeout=opts.verify_timeout)
+        except Exception as exc:  # a repro problem must not lose the finding  # noqa: BLE001
+            written = f"no repro: writing it failed: {type(exc).__name__}: {first_line(str(exc), 200)}"
+        if isinstance(written, str):
+            f.details["repro_note"] = written
+        else:
+            f.repro = written
+    return {"phase_repros_s": round(time.monotonic() - t0, 3)}
+
+
+def _watched(module: str) -> tuple[str, tuple[int, str] | None]:
+    """A finding's module as (the submodule whose output is compared, "" for the logits; the KV-cache tensor
+    `(layer, "keys" | "values")` compared instead, or None)."""
+    if module.startswith("kv:"):
+        parts = module[3:].split(".")  # layers.<i>.<keys|values>
+        if len(parts) == 3 and parts[0] == "layers" and parts[1].isdigit() and parts[2] in ("keys", "values"):
+            return "", (int(parts[1]), parts[2])
+        raise ValueError(f"not a KV-cache tensor: {module}")
+    return ("" if module == ROOT else module), None
+
+
+class _Calls:
+    """The phase's calls as the reference makes them (its own greedy tokens: what the target was fed), up to the one
+    labelled `label`: their tensors (keys `<call>.<keyword>`), their labels, the first call (the cache's recipe)
+    and the real tokens of the finding's call."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.calls: list[dict[str, Any]] = []
+        self.first: Call | None = None
+        self.real: torch.Tensor | None = None
+        self.found = False
+
+    def keep(self, call: Call) -> None:
+        if self.first is None:
+            self.first = call
+        if self.found:
+            return
+        i = len(self.calls)
+        names = {}
+        for name, t in plain_tensors(call.kwargs).items():
+            self.tensors[f"{i}.{name}"] = t
+            names[name] = f"{i}.{name}"
+        self.calls.append({"label": call.label, "tensors": names})
+        if call.label == self.label:
+            self.found, self.real = True, call.real
+
+
+def _save_weights(module: torch.nn.Module, path: Path, written: list[Path]) -> None:
+    """Every parameter and buffer of `module` into `path`: a hard link to the file an earlier repro of the cell
+    wrote where one was (a real model's weights are large, and the same in every phase), else written."""
+    path.unlink(missing_ok=True)
+    for earlier in written:
+        try:
+            os.link(earlier, path)
+            return
+        except OSError:  # another file system, or no hard links there: written again
+            break
+    save_tensors(module_tensors(module), path, copy=True)
+    written.append(path)
+
+
+def _one(ctx: "ModeContext", f: Finding, phase: Phase | None, weights: list[Path], *, verify: bool,
+         verify_timeout: float) -> Repro | str:
+    label = f.details.get("call")
+    if phase is None or not isinstance(label, str):
+        return "no repro: the finding does not name the call of its phase it diverges at"
+    left = ctx.remaining()
+    if left < MIN_SECONDS:
+        return f"no repro: the cell had {left:.0f} s left (under {MIN_SECONDS:.0f} s)"
+    watched, kv = _watched(f.module or ROOT)
+    ref_dtype = ctx.cell.references[0].dtype
+    loaded = ctx.model(dtype=ref_dtype)
+    folder = ctx.artifact_dir("numerics") / "repro" / f"phase-{phase.name}" / safe_filename(f.module or "model")
+    folder.mkdir(parents=True, exist_ok=True)
+    source = model_source(ctx.cell.model, ctx.cell.inputs.seed, loaded, folder)
+    if source is None:
+        return f"no repro: the model cannot be rebuilt from its source ({ctx.cell.model.source})"
+    calls = _Calls(label)
+    run_phase(loaded.module, loaded, ctx.cell.inputs, phase, before_call=calls.keep)
+    if not calls.found or calls.first is None:
+        return f"no repro: the reference's {phase.name} has no call {label!r}"
+    save_tensors(calls.tensors, folder / "inputs.safetensors", copy=True)
+    _save_weights(loaded.module, folder / "weights.safetensors", weights)
+    cached = phase.name in ("prefill", "decode")
+    pythonpath = plugin_pythonpath([*backend_recipe(ctx.cell.backend).imports, "ci_runner"])  # simdev's included
+    script = folder / "repro.py"
+    command = run_command(script.name, folder, pythonpath)
+    rel = f.threshold.get("rel")
+    cos = f.threshold.get("cos")
+    write_script(script, render_template(
+        "repro_numerics_phase.py.j2", module=f.module or ROOT, qualified_name=watched,
+        module_class=f.module_class or "", model_id=ctx.cell.model.id, model_source=ctx.cell.model.source,
+        backend_id=ctx.cell.backend.id, backend=template_backend(ctx.cell.backend), message=f.message, call=None,
+        source=source, phase=phase.label(), call_label=label, module_call=int(f.details.get("module_call") or 0),
+        kv=list(kv) if kv is not None else None, calls=calls.calls,
+        cache=cache_recipe(loaded, phase, calls.first) if cached else None, use_cache=cached,
+        real=calls.real.tolist() if calls.real is not None and kv is None else None, ref_dtype=ref_dtype,
+        target_dtype=target_dtype(ctx.cell.model.dtype, ref_dtype), command=command,
+        threshold_rel=None if rel is None else float(rel), threshold_cos=None if cos is None else float(cos)))
+    if not verify:
+        return Repro(path=str(script.relative_to(ctx.cell_dir)), verified=False, command=command,
+                     note="not verified (numerics.verify: false)")
+    return verify_repro(ctx, script, pythonpath, command, expect=f"{f.module or ROOT} diverges", limit=verify_timeout)
