@@ -344,8 +344,15 @@ def test_a_probe_the_timer_ended_is_a_timeout_even_when_the_tail_lost_the_header
                                                                                  status: str) -> None:
     """glm4v's bicubic `grid_sampler_2d` on inductor (a ~25 s cold compile) read `crashed: exit 1` on a loaded machine."""
     from ci_runner.procs.isolate import IsolatedResult
+    from ci_runner.procs.limits import HangLimits
     from ci_runner.modes.ops.probe import _crash_outcome
 
     res = IsolatedResult(status="crashed", exit_code=None if signal else 1, signal=signal, stderr_tail=tail)
-    out = _crash_outcome({"id": "p1", "op": "aten.grid_sampler_2d.default"}, res, 30.0)
+    limits = HangLimits(first=30.0, window=30.0, factor=4.0)
+    stuck = {"name": "p1", "limit_s": 120.0, "by": "second_limit", "longest_s": 30.0}  # its own watchdog's limit
+    out = _crash_outcome({"id": "p1", "op": "aten.grid_sampler_2d.default"}, res, limits, stuck)
     assert out.status.value == status
+    if status == "timeout":  # the same timer at the cell's deadline (nothing measured yet): cut short, no verdict
+        cut = _crash_outcome({"id": "p1", "op": "aten.grid_sampler_2d.default"}, res, limits,
+                             {"name": "p1", "limit_s": 500.0, "by": "time_left", "longest_s": None})
+        assert cut.status.value == "not_run" and "not a hang" in cut.message
