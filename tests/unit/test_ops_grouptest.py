@@ -4,6 +4,7 @@ group fails, "fails only together", and the guards that keep a group from hiding
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,9 @@ def _probe(i: int, op: str, *args: Any) -> dict[str, Any]:
 def _run(tmp_path: Path, compile: str, probes: list[dict[str, Any]], group_size: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     results = tmp_path / f"out-{group_size}.jsonl"
     payload = {"backend": spec_to_json(BackendSpec(id="t", compile=compile)), "probes": probes,
-               "results": str(results), "probe_timeout": 60, "compare": True, "group_size": group_size}
+               "results": str(results), "compare": True, "group_size": group_size,
+               "limits": {"first": 60.0, "window": 30.0, "factor": 4.0}, "limits_file": str(tmp_path / "limits.jsonl"),
+               "deadline_wall": time.time() + 600.0}
     probe_groups(payload)
     rows = [json.loads(line) for line in results.read_text().splitlines()]
     return {r["id"]: r for r in rows if not r["id"].startswith("together:")}, [r for r in rows if r["id"].startswith("together:")]

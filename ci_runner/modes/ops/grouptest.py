@@ -328,6 +328,9 @@ def probe_groups(payload: Mapping[str, Any]) -> dict[str, Any]:
     tasks = plan_tasks(payload["probes"], int(payload.get("group_size", 1)) if groupable else 1,
                        float(payload.get("max_probe_input_mb") or 0) * 2**20)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent's watch: where a stalled probe is stuck
-    for task in tasks:
-        runner.task(task)
+    try:
+        for task in tasks:
+            runner.task(task)
+    finally:
+        faulthandler.unregister(signal.SIGUSR1)
     return {"probed": len(payload["probes"]), "tasks": len(tasks)}
