@@ -8,6 +8,9 @@ from typing import Any, Callable
 
 import pytest
 
+from ci_runner.backends import boilerplate_lines
+from ci_runner.results.rootcause import cause_line, without_type
+
 from ci_runner.modes.layers.phases import run_phases as layers_phases
 from ci_runner.modes.numerics.phases import run_phases as numerics_phases
 from ci_runner.options import LayersOptions, NumericsOptions
@@ -43,6 +46,10 @@ def test_a_sliding_window_decoder_fails_its_first_decode_step_only_under_dynamic
     assert "own code" in f.message and len(f.details["children_passed"]) == 4
     assert "prefill passes" in f.message and "sym_max" in f.message
     assert f.repro is not None and f.repro.verified, f.repro
+    # the cause is IREE's own words, kept after its boilerplate first line (issue 45: phase groups were keyed by
+    # "JIT compilation failed. See diagnostics."), as the forward's probes keep them
+    cause = cause_line(without_type(f.details["message_full"], f.error_type), boilerplate_lines())
+    assert "JIT compilation failed" not in cause and "sym_max" in f.details["message_full"], f.details["message_full"]
 
 
 def test_a_padded_batch_turns_nan_from_the_first_attention(mode_context: Callable[..., Any], fresh_dynamo: Any) -> None:

@@ -27,6 +27,7 @@ import torch
 
 from ...backends.ran import CompileRecord, CompileWatch
 from ...failures.failure import first_line, raised_traceback
+from ...failures.diagnostics import capture_fd2, compiler_words
 from ...backends import boilerplate_lines, plugin_pythonpath
 from ...engine.repro import (plugin_modules, render_template, run_command, safe_filename, template_backend,
                                verify_script, write_script)
@@ -75,9 +76,14 @@ def _target_run(ctx: "ModeContext", loaded: Any, phase: Phase, forced: list[torc
         index["i"] += 1
         watch.before(call)
 
-    with watch:
+    with watch, capture_fd2() as fd2:  # a native compiler's own words (IREE's "failed to legalize …") go to fd 2
         run = run_phase(fn, loaded, ctx.cell.inputs, phase, forced=forced, device=ctx.backend.device,
                         before_call=before, after_call=watch.after)
+    failed = run.failed
+    if failed is not None and failed.exc is not None:  # kept after the error's first line, as the forward's probes
+        words, _ = compiler_words(fd2[0], failed.exc, failed.error or "")  # keep them: the cause past boilerplate
+        if words:
+            failed.error = (failed.error or "") + "\n" + "\n".join(words)
     if keep:
         ctx.compiled_runs[phase.name] = watch.result()
     return run, record, graphs_before, watch.result().not_ran
