@@ -4,12 +4,17 @@ class is found in its own phase only, and aot_eager (eager's kernels: any findin
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 
 from ci_runner.modes.layers.phases import run_phases as layers_phases
 from ci_runner.modes.numerics.phases import run_phases as numerics_phases
+from ci_runner.modes.numerics.phaserepro import attach_phase_repros
 from ci_runner.options import LayersOptions, NumericsOptions
 from ci_runner.results.rootcause import signature
 from tests.fixtures.matrices import REFERENCES, matrix_text
@@ -102,11 +107,21 @@ def test_nan_in_a_padded_batch_is_named_with_row_and_first_layer(context: Callab
 
 
 def test_outputs_overwritten_by_later_calls_are_found_where_they_happen(context: Callable[[str], Any]) -> None:
-    findings, _ = numerics_phases(context("reuse", ["prefill", {"decode": {"steps": 2}}, {"batch": {"lengths": [8, 3]}}]),
-                                  NumericsOptions())
+    ctx = context("reuse", ["prefill", {"decode": {"steps": 2}}, {"batch": {"lengths": [8, 3]}}])
+    findings, _ = numerics_phases(ctx, NumericsOptions())
     over = [f for f in findings if f.kind == "output_overwritten"]
     assert {f.phase for f in over} == {"decode"} and {f.step for f in over} == {1}
     assert "changed after decode step 2" in over[0].message
+    # its repro replays the calls compiled and shows the kept output changing (issue 45: a repro per numerics finding)
+    attach_phase_repros(ctx, over, NumericsOptions())
+    repro = over[0].repro
+    assert repro is not None and repro.verified, (repro, over[0].details.get("repro_note"))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}  # as printed, `python`
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])  # being this interpreter
+    proc = subprocess.run(repro.command or "", shell=True, cwd=(ctx.cell_dir / repro.path).parent, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "REPRO FAILED: the output returned by decode step 1 changed after decode step 2" \
+        in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
 
 
 def test_ops_probes_a_padded_batch_with_a_fully_masked_row(mode_context: Callable[..., Any], fresh_dynamo: Any) -> None:

@@ -1,4 +1,7 @@
-"""The numerics mode's repros of its phase findings: one standalone script per `divergence` finding of a phase.
+"""The numerics mode's repros of its phase findings: one standalone script per `divergence` finding of a phase, and
+per `output_overwritten` finding (the output a call returned, kept, changes after a later call: the script replays
+the calls compiled, keeps that call's output and its copy, and exits 1 with "REPRO FAILED: the output returned by
+<call> changed after <later call>" when they differ).
 
 A phase finding (`phases.py`) names a module (a layer, `(model)` for the logits, or `kv:layers.<i>.keys|values` for
 a KV-cache tensor) and the call of the phase where it diverges first (`details.call`, e.g. `decode step 2`; a module
@@ -54,7 +57,7 @@ def attach_phase_repros(ctx: "ModeContext", findings: Sequence[Finding],
     """A verified repro (or a `details.repro_note`) on each divergence finding of a phase: the timing
     `{"phase_repros_s": seconds}` ({} with no such finding)."""
     opts = opts or NumericsOptions()
-    todo = [f for f in findings if f.kind == FindingKind.DIVERGENCE and f.phase]
+    todo = [f for f in findings if f.kind in (FindingKind.DIVERGENCE, FindingKind.OUTPUT_OVERWRITTEN) and f.phase]
     if not todo:
         return {}
     t0 = time.monotonic()
@@ -128,7 +131,9 @@ def _save_weights(module: torch.nn.Module, path: Path, written: list[Path]) -> N
 
 def _one(ctx: "ModeContext", f: Finding, phase: Phase | None, weights: list[Path], *, verify: bool,
          verify_timeout: float) -> Repro | str:
-    label = f.details.get("call")
+    overwritten = {"call": f.details.get("call"), "after": f.details.get("changed_after")} \
+        if f.kind == FindingKind.OUTPUT_OVERWRITTEN else None
+    label = overwritten["after"] if overwritten else f.details.get("call")  # an overwrite shows after the later call
     if phase is None or not isinstance(label, str):
         return "no repro: the finding does not name the call of its phase it diverges at"
     left = ctx.remaining()
@@ -163,8 +168,12 @@ def _one(ctx: "ModeContext", f: Finding, phase: Phase | None, weights: list[Path
         cache=cache_recipe(loaded, phase, calls.first) if cached else None, use_cache=cached,
         real=calls.real.tolist() if calls.real is not None and kv is None else None, ref_dtype=ref_dtype,
         target_dtype=target_dtype(ctx.cell.model.dtype, ref_dtype), command=command,
-        threshold_rel=None if rel is None else float(rel), threshold_cos=None if cos is None else float(cos)))
+        threshold_rel=None if rel is None else float(rel), threshold_cos=None if cos is None else float(cos),
+        overwritten=overwritten))
     if not verify:
         return Repro(path=str(script.relative_to(ctx.cell_dir)), verified=False, command=command,
                      note="not verified (numerics.verify: false)")
-    return verify_repro(ctx, script, pythonpath, command, expect=f"{f.module or ROOT} diverges", limit=verify_timeout)
+    expect = f"the output returned by {overwritten['call']} changed after" if overwritten else \
+        f"{f.module or ROOT} diverges"
+    return verify_repro(ctx, script, pythonpath, command, expect=expect, limit=verify_timeout)
+

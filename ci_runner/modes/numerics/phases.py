@@ -373,7 +373,7 @@ def _overwritten(ctx: "ModeContext", phase: Phase, ow: Mapping[str, Any]) -> Fin
     msg = (f"{phase.name}: the output returned by {ow['call']} changed after {ow['changed_after']}{shared}: "
            f"the backend reuses output buffers across calls, so a loop that keeps earlier outputs reads later values")
     return _finding(ctx, phase, ow.get("step"), "", "output", msg, {"max_abs_change": ow.get("max_abs_change")}, {},
-                    kind=OVERWRITTEN, details={"changed_after": ow["changed_after"]})
+                    kind=OVERWRITTEN, details={"call": ow["call"], "changed_after": ow["changed_after"]})
 
 
 def _nonfinite_start(tgt: _Recorder, call: int, row: int) -> str | None:
