@@ -73,7 +73,7 @@ def _phase_space(tmp_path: Path, **over: object) -> dict[str, object]:
                source=SOURCE, call=None, phase="batch (lengths [2, 1])", call_label="batch", module_call=0, kv=None,
                calls=[{"label": "batch", "tensors": {"input_ids": "0.input_ids"}}], cache=None, use_cache=False,
                real=[[True, True], [False, True]], ref_dtype="float32", target_dtype="float32", threshold_rel=1e-3,
-               threshold_cos=None, command="python repro.py")
+               threshold_cos=None, command="python repro.py", overwritten=None)
     ctx.update(over)
     script = tmp_path / "repro.py"
     script.write_text(render_template("repro_numerics_phase.py.j2", **ctx), encoding="utf-8")
