@@ -34,14 +34,13 @@ import torch
 from ...backends import backend_recipe, plugin_pythonpath
 from ...engine.codec import save_tensors
 from ...engine.repro import model_source, render_template, run_command, safe_filename, template_backend, write_script
-from ...failures.failure import first_line
 from ...models.tree import module_tensors
 from ...options import NumericsOptions
 from ...registry import FindingKind
 from ...results.model import Finding, Repro
 from ...workloads.calls import Call, cache_recipe, plain_tensors, run_phase
 from ...workloads.phases import Phase
-from .repro import MIN_SECONDS, verify_repro
+from .repro import MIN_SECONDS, attach, verify_repro
 from .target import target_dtype
 
 if TYPE_CHECKING:
@@ -64,15 +63,8 @@ def attach_phase_repros(ctx: "ModeContext", findings: Sequence[Finding],
     phases = {p.name: p for p in ctx.cell.inputs.workload()}
     weights: list[Path] = []  # the whole model's weights, written once per cell: the other repros link to them
     for f in todo:
-        try:
-            written = _one(ctx, f, phases.get(f.phase or ""), weights, verify=opts.verify,
-                           verify_timeout=opts.verify_timeout)
-        except Exception as exc:  # a repro problem must not lose the finding  # noqa: BLE001
-            written = f"no repro: writing it failed: {type(exc).__name__}: {first_line(str(exc), 200)}"
-        if isinstance(written, str):
-            f.details["repro_note"] = written
-        else:
-            f.repro = written
+        attach(f, lambda: _one(ctx, f, phases.get(f.phase or ""), weights, verify=opts.verify,
+                               verify_timeout=opts.verify_timeout))
     return {"phase_repros_s": round(time.monotonic() - t0, 3)}
 
 

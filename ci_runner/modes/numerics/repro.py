@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ...backends import backend_recipe, plugin_pythonpath
 from ...engine.codec import TensorStore, Unstorable, encode_call, save_tensors
@@ -62,18 +62,24 @@ def attach_repros(ctx: "ModeContext", findings: Sequence[Finding], layers: Seque
         for f in findings:
             if f.kind != FindingKind.DIVERGENCE:
                 continue
-            try:
-                written = _one(ctx, f, layers, reader, ref_dtype=ref_dtype, compiled_dtype=compiled_dtype,
-                               verify=opts.verify, verify_timeout=opts.verify_timeout)
-            except Exception as exc:  # a repro problem must not lose the finding  # noqa: BLE001
-                written = f"no repro: writing it failed: {type(exc).__name__}: {first_line(str(exc), 200)}"
-            if isinstance(written, str):
-                f.details["repro_note"] = written
-            else:
-                f.repro = written
+            attach(f, lambda: _one(ctx, f, layers, reader, ref_dtype=ref_dtype, compiled_dtype=compiled_dtype,
+                                   verify=opts.verify, verify_timeout=opts.verify_timeout))
     finally:
         reader.close()
     return {"repros_s": round(time.monotonic() - t0, 3)}
+
+
+def attach(f: Finding, write: Callable[[], Repro | str]) -> None:
+    """`f.repro` from `write()`, or `details.repro_note` when it gives a reason (a str) or raises: a repro problem
+    never loses the finding."""
+    try:
+        written = write()
+    except Exception as exc:  # noqa: BLE001
+        written = f"no repro: writing it failed: {type(exc).__name__}: {first_line(str(exc), 200)}"
+    if isinstance(written, str):
+        f.details["repro_note"] = written
+    else:
+        f.repro = written
 
 
 def _flagged_layer(f: Finding, layers: Sequence[Layer]) -> Layer | None:
