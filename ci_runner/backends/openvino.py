@@ -39,29 +39,6 @@ def _op_name(target: Any) -> str:
     return str(target) if hasattr(target, "_schema") else getattr(target, "__name__", str(target))
 
 
-_SIZE_OF = ("sym_size", "sym_stride", "sym_numel", "sym_storage_offset")  # a tensor's metadata, read on the host
-
-
-def _scalar(val: Any) -> bool:
-    vals = val if isinstance(val, (list, tuple)) else [val]
-    return bool(vals) and all(isinstance(v, (int, float, bool)) or type(v).__name__ in ("SymInt", "SymFloat", "SymBool")
-                              for v in vals)
-
-
-def _shape_math(node: Any) -> bool:
-    """A node that computes a size, not a tensor (`operator.mod` / `neg` on symbolic ints, `sym_max`, a tensor's
-    `sym_size`): dynamic shapes' host-side arithmetic, which runs in Python on every backend; not a part of the
-    model left to PyTorch eager. A scalar read from a tensor's values (`_local_scalar_dense`, `.item()`) is no
-    shape math, and a node without a recorded value counts as a tensor op."""
-    val = node.meta.get("val", node.meta.get("example_value"))
-    if val is None or not _scalar(val):
-        return False
-    if any(name in str(node.target) for name in _SIZE_OF):
-        return True
-    args = [a for a in (*node.args, *node.kwargs.values()) if hasattr(a, "meta")]
-    return all(_scalar(a.meta.get("val", a.meta.get("example_value"))) for a in args)
-
-
 def _module_path(source: str) -> str:
     """A module's dotted name from Dynamo's source path (`L['args'][0].model._modules['layers']` -> `model.layers`)."""
     path = re.sub(r"\._modules\['([^']+)'\]", r".\1", source)
@@ -130,8 +107,7 @@ class Watch:
                        "openvino_executions": sum(m.startswith("OpenVINO graph execution successful")
                                                   for m in self.messages)}
         # the partitioner's leftovers: ops outside its fused partitions run in PyTorch eager, silently
-        eager = {_op_name(n.target) for gm in execute.partitioned_modules.values() for n in gm.graph.nodes
-                 if n.op == "call_function" and not _shape_math(n)}
+        eager = {_op_name(n.target) for gm in execute.partitioned_modules.values() for n in gm.graph.nodes if n.op == "call_function"}
         if mods and eager - {"getitem"}:
             self._facts["eager_ops"] = sorted(eager - {"getitem"})
             sites = _sites(execute.partitioned_modules.values(), set(self._facts["eager_ops"]))
