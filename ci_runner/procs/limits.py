@@ -27,7 +27,14 @@ from ..options import HangOptions
 from .isolate import IsolatedResult, open_entry
 from .progress import ProgressWatch
 
-__all__ = ["HangLimits", "ChildLimits", "DeadItem", "dead_item", "item_limits"]
+__all__ = ["HangLimits", "ChildLimits", "DeadItem", "dead_item", "item_limits", "finite", "NO_DEADLINE_S"]
+
+NO_DEADLINE_S = 7 * 86400.0  # a run with no deadline (remaining() is inf): the limit timers need a finite number
+
+
+def finite(seconds: float) -> float:
+    """`seconds`, at most NO_DEADLINE_S: an infinite budget as a limit a timer (`faulthandler`, a wait) accepts."""
+    return min(seconds, NO_DEADLINE_S)
 
 
 @dataclass(frozen=True)
@@ -76,7 +83,7 @@ class ChildLimits:
 
     def limit(self, name: str, measured: Iterable[float] = ()) -> float:
         """The watchdog's limit for item `name` (recorded); `measured`: durations known besides `self.measured`."""
-        left = self.deadline_wall - time.time()
+        left = finite(self.deadline_wall - time.time())
         second = self.limits.second([*self.measured, *measured])
         stuck = second is not None and second[0] < left
         limit = max(1.0, second[0] if stuck and second is not None else left)

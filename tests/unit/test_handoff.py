@@ -96,7 +96,8 @@ def test_the_culprit_child_takes_what_the_layers_cell_hands_over(tmp_path: Path,
     assert file is not None and Path(file).parent == out_dir and Path(file).name.startswith(PREFIX)
     assert _handoff(loaded, "", captured, out_dir) is None  # the whole model: the child has it anyway
     plan = CulpritPlan(model=spec_to_json(cell.model), backend={}, seed=0, layers_dir=str(tmp_path), targets=[],
-                       timeout_file="", probe_timeout=1.0, deadline_wall=0.0, target_budget_s=1.0)
+                       timeout_file="", limits={"first": 1.0, "window": 30.0, "factor": 4.0}, limits_file="",
+                       deadline_wall=0.0, target_budget_s=1.0)
     got = _handed_calls(plan, [CulpritTarget(module=name, out_dir=str(out_dir), handoff=file),
                                CulpritTarget(module="model.layers.0.mlp", out_dir=str(out_dir))])
     assert list(got) == [name]

@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from ci_runner.procs.isolate import IsolatedResult
-from ci_runner.procs.limits import ChildLimits, HangLimits, dead_item, item_limits
+from ci_runner.procs.limits import NO_DEADLINE_S, ChildLimits, HangLimits, dead_item, finite, item_limits
 
 LIMITS = HangLimits(first=30.0, window=30.0, factor=4.0)
 
@@ -47,3 +47,10 @@ def test_the_verdict_on_a_dead_probe_says_what_was_measured() -> None:
     assert cut is not None and cut.verdict == "unfinished" and "not a hang" in cut.words
     assert dead_item(IsolatedResult(status="crashed", signal="SIGSEGV"), timed_out=False, limits=LIMITS,
                      record=None) is None  # a crash is no hang
+
+
+def test_no_deadline_is_a_finite_limit() -> None:
+    """A run with no deadline (remaining() is inf, as a zoo probe run's): the watchdog still gets a number
+    `faulthandler` takes (an infinite one raised OverflowError in the probing child)."""
+    limit = ChildLimits(LIMITS, deadline_wall=float("inf")).limit("p0")
+    assert limit == NO_DEADLINE_S and finite(float("inf")) == NO_DEADLINE_S and finite(5.0) == 5.0

@@ -33,7 +33,7 @@ from ...config import BackendSpec, spec_to_json
 from ...failures.diagnostics import capture_fd2, compiler_words
 from ...failures.failure import classify, error_text
 from ...procs.isolate import Attempt, IsolatedResult, Journal, supervise
-from ...procs.limits import HangLimits, dead_item, item_limits
+from ...procs.limits import HangLimits, dead_item, finite, item_limits
 from ...workloads.emulate import emulate
 from ...workloads.precision import PrecisionPolicy, convention
 from .compare import compare, mismatch_metrics, no_compare_reason
@@ -558,7 +558,7 @@ class ProbeRunner:
             results_path = self.work_dir / f"probes-{attempt:03d}.jsonl"
             payload = {"backend": spec_to_json(self.spec), "probes": batch, "results": str(results_path),
                        "limits": limits.to_json(), "limits_file": str(limits_path),
-                       "deadline_wall": time.time() + budget - 2.0, "measured_s": _measured_s(results),
+                       "deadline_wall": time.time() + finite(budget) - 2.0, "measured_s": _measured_s(results),
                        "compare": self.opts.compare, "via": self.opts.via,
                        "group_size": group_size(self.opts, self.spec),
                        "max_probe_input_mb": self.opts.max_probe_input_mb}
@@ -567,7 +567,7 @@ class ProbeRunner:
                 self.journal("enter-probe-batch", tag)
             # past probe_timeout a probe is a hang only when it makes no progress (the watch); a busy one runs on to
             # its second limit (the child's own watchdog), or to the cell's time
-            return Attempt(payload=payload, timeout=budget,
+            return Attempt(payload=payload, timeout=finite(budget),
                            watch=limits.watch(journal_path, "probe", since=Journal(journal_path).size()))
 
         def collect() -> tuple[dict[str, OpOutcome], list[dict[str, Any]]]:
