@@ -47,7 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ...backends import resolve_backend
 from ...config import BackendSpec, InputSpec, ModelSpec, spec_from_json, spec_to_json
 from ...engine.codec import dtype_name
-from ...fsutil import append_line
+from ...fsutil import append_line, read_records
 from ...models.load import build_inputs, load_model
 from ...models.tree import tensors_in
 from ...options import OpsOptions
@@ -281,18 +281,8 @@ def apply(findings: Sequence[Finding], rows: Mapping[str, Mapping[str, Any]]) ->
 
 
 def _read_rows(path: Path) -> dict[str, dict[str, Any]]:
-    rows: dict[str, dict[str, Any]] = {}
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        return rows
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:  # a torn last line from a crash
-            continue
-        rows[_key(row.get("phase"), str(row["op"]))] = row
-    return rows
+    """The child's rows by `_key(phase, op)` (a torn last line from a crash skipped)."""
+    return read_records(path, dict, lambda row: _key(row.get("phase"), str(row["op"])))
 
 
 def _unmeasured(keys: Sequence[str], rows: dict[str, dict[str, Any]], res: IsolatedResult, in_flight: str | None) -> None:
