@@ -17,12 +17,13 @@ culprit search and the ops probes. A hang is measured, not assumed; a slow compi
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Literal, Mapping, Sequence
 
-from ..fsutil import append_record, read_records
+from ..fsutil import append_line, read_records
 from ..options import HangOptions
 from .isolate import IsolatedResult, open_entry
 from .progress import ProgressWatch
@@ -88,9 +89,12 @@ class ChildLimits:
         stuck = second is not None and second[0] < left
         limit = max(1.0, second[0] if stuck and second is not None else left)
         if self.record_file is not None:
-            append_record(self.record_file, {"name": name, "limit_s": round(limit, 3),
-                                             "by": "second_limit" if stuck else "time_left",
-                                             "longest_s": round(second[1], 3) if second else None})
+            # flushed, not fsynced: read by the parent after this child dies, never after the machine does; the ops
+            # probes write one per guarded section, as their journal lines (`sync=False` there too)
+            append_line(self.record_file, json.dumps({"name": name, "limit_s": round(limit, 3),
+                                                      "by": "second_limit" if stuck else "time_left",
+                                                      "longest_s": round(second[1], 3) if second else None}),
+                        sync=False)
         return limit
 
     def finished(self, seconds: float) -> None:
