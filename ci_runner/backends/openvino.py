@@ -39,6 +39,31 @@ def _op_name(target: Any) -> str:
     return str(target) if hasattr(target, "_schema") else getattr(target, "__name__", str(target))
 
 
+_SIZE_OF = ("sym_size", "sym_stride", "sym_numel", "sym_storage_offset")  # a tensor's metadata, read on the host
+
+
+def _scalar(val: Any) -> bool:
+    vals = val if isinstance(val, (list, tuple)) else [val]
+    return bool(vals) and all(isinstance(v, (int, float, bool)) or type(v).__name__ in ("SymInt", "SymFloat", "SymBool")
+                              for v in vals)
+
+
+def shape_math(node: Any) -> bool:
+    """A node that computes a size, not a tensor (`operator.mod` / `neg` on symbolic ints, `sym_max`, a tensor's
+    `sym_size`): dynamic shapes' size arithmetic. OpenVINO's partitioner takes some of it (`_operator.add`, `sub`,
+    `mul`, `floordiv`, `sym_size` are in its support list) and leaves the rest to PyTorch, where it is still a
+    leftover (a sliding-window Mistral's `sym_max` left outside is where OpenVINO then fails): the finding says what
+    it is. A scalar read from a tensor's values (`_local_scalar_dense`, `.item()`) is no size arithmetic, and a node
+    without a recorded value counts as a tensor op."""
+    val = node.meta.get("val", node.meta.get("example_value"))
+    if val is None or not _scalar(val):
+        return False
+    if any(name in str(node.target) for name in _SIZE_OF):
+        return True
+    args = [a for a in (*node.args, *node.kwargs.values()) if hasattr(a, "meta")]
+    return all(_scalar(a.meta.get("val", a.meta.get("example_value"))) for a in args)
+
+
 def _module_path(source: str) -> str:
     """A module's dotted name from Dynamo's source path (`L['args'][0].model._modules['layers']` -> `model.layers`)."""
     path = re.sub(r"\._modules\['([^']+)'\]", r".\1", source)
@@ -107,9 +132,13 @@ class Watch:
                        "openvino_executions": sum(m.startswith("OpenVINO graph execution successful")
                                                   for m in self.messages)}
         # the partitioner's leftovers: ops outside its fused partitions run in PyTorch eager, silently
-        eager = {_op_name(n.target) for gm in execute.partitioned_modules.values() for n in gm.graph.nodes if n.op == "call_function"}
+        nodes = [n for gm in execute.partitioned_modules.values() for n in gm.graph.nodes if n.op == "call_function"]
+        eager = {_op_name(n.target) for n in nodes}
         if mods and eager - {"getitem"}:
             self._facts["eager_ops"] = sorted(eager - {"getitem"})
+            sizes = {_op_name(n.target) for n in nodes if shape_math(n)} - {_op_name(n.target) for n in nodes if not shape_math(n)}
+            if sizes - {"getitem"}:
+                self._facts["eager_size_ops"] = sorted(sizes - {"getitem"})  # every node of the op computes a size
             sites = _sites(execute.partitioned_modules.values(), set(self._facts["eager_ops"]))
             if sites:
                 self._facts["eager_sites"] = sites

@@ -328,6 +328,8 @@ def findings_html(cv: CellView, limit: int = MAX_FINDINGS_PER_CELL, *, links: bo
             out.append(f"<br>{_e(fv.metrics_text)}")
         if fv.reach:
             out.append(f"<br>model output: {_e(fv.reach)}")
+        if fv.same_cause:
+            out.append(f"<br>cause: {_e(fv.same_cause)}")
         out.append(f"<pre>{_e(f.message)}</pre>\n</div>")
     return "\n".join(out)
 

@@ -197,6 +197,7 @@ class FindingView:
     more_calls: int = 0  # its other failing signatures
     cell_dir: str | None = None  # the cell folder `command` runs from, as `repro` names it (relative to the report)
     reach: str | None = None  # whether its wrong values reach the model's output (`reach_words`)
+    same_cause: str | None = None  # the operator finding whose cause it shares (`same_cause_words`)
 
 
 VIEWS: tuple[str, ...] = ("cumulative", "isolated")
@@ -505,6 +506,15 @@ def _causes(results: Results, allf: Sequence[FindingView]) -> list[dict[str, Any
     return out
 
 
+def same_cause_words(details: Mapping[str, Any] | None) -> str | None:
+    """The cause a finding shares with an operator's finding of its cell (`details.same_cause_as`, put there by
+    `results.rootcause.links`), in one sentence; None when it shares none."""
+    link = (details or {}).get("same_cause_as")
+    if not isinstance(link, Mapping) or not link.get("op"):
+        return None
+    return f"one cause with the {link.get('mode', 'ops')} mode's {link.get('kind', 'finding')} of {link['op']}: {link.get('why', '')}".rstrip(": ")
+
+
 def reach_words(details: Mapping[str, Any] | None) -> str | None:
     """Whether a finding's wrong values reach the model's output (`details.reaches_output`, measured by the ops
     mode's `reach`): one sentence, or None when the finding carries no such measurement."""
@@ -543,6 +553,7 @@ def build_view(results: Results, *, out_dir: Path | None = None, run_dir: Path |
                     culprit=culprit_text(f), culprit_repro=c_repro, culprit_verified=c_ok,
                     culprit_label=culprit_label(f), cell_dir=base,
                     reach=reach_words(f.details) if isinstance(f.details, Mapping) else None,
+                    same_cause=same_cause_words(f.details) if isinstance(f.details, Mapping) else None,
                 ))
                 if f.op:
                     fviews[-1].call, fviews[-1].more_calls = op_call(f)

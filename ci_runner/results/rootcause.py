@@ -306,18 +306,105 @@ def joined(sigs: Iterable[Signature]) -> dict[str, Signature]:
     return out
 
 
+# ---------------------------------------------------------------------------- one cause in findings of two kinds
+
+# the ops mode's words for a non-finite mismatch (`modes/ops/compare.compare_leaf`; tests/unit/test_rootcause.py
+# builds them with it)
+_NONFINITE_OP = re.compile(r"\bNaN at \d+ positions\b|\binfinities differ\b")
+
+
+def _bare_op(name: str | None) -> str:
+    """An op's name as both modes can match it: `torch.sym_max` (ops) and `sym_max` (a partitioner's leftover),
+    `aten.histc.default` and `torch.ops.aten.histc.default` read the same."""
+    text = str(name or "")
+    for prefix in ("torch.ops.", "torch.", "_operator.", "operator."):
+        text = text.removeprefix(prefix)
+    return text.removesuffix(".default")
+
+
+def _op_modules(f: Finding) -> list[str]:
+    mods = f.details.get("modules")
+    found = [str(m) for m in mods] if isinstance(mods, list) else []
+    return found or ([f.module] if f.module else [])
+
+
+def _nonfinite_divergence(f: Finding) -> bool:
+    m = f.metrics or {}
+    try:
+        return f.kind == "divergence" and int(m.get("nonfinite_tgt") or 0) > int(m.get("nonfinite_ref") or 0)
+    except (TypeError, ValueError):
+        return False
+
+
+def _inside(module: str, scope: str) -> bool:
+    return module == scope or module.startswith(scope + ".")
+
+
+def _link_of(f: Finding, op_findings: list[Finding]) -> tuple[Finding, str] | None:
+    """The op finding of the same cell whose cause `f` shows, and why; None unless exactly one cause fits.
+
+    * a non-finite divergence (the numerics mode's NaN/Inf where the reference is finite) that starts in a module
+      where one operator's ops finding gives NaN/Inf where CPU eager does not (OpenVINO's SDPA on a fully masked
+      row, and the padded batch's NaN it causes);
+    * a partitioner's leftover (`eager_fallback` of an op) whose op fails on the backend in the ops mode
+      (OpenVINO's `sym_max`: left outside its partitions in the compile mode, unsupported in the ops mode).
+    """
+    if _nonfinite_divergence(f) and f.module:
+        fits = [g for g in op_findings if g.kind == "op_mismatch" and _NONFINITE_OP.search(_error_text(g))
+                and any(_inside(m, f.module) for m in _op_modules(g))]
+        why = "its NaN/Inf starts in {module}, where the ops mode found {op} giving NaN/Inf that CPU eager does not"
+    elif f.kind == "eager_fallback" and f.op:
+        fits = [g for g in op_findings if g.error_type and g.kind != "op_mismatch" and _bare_op(g.op) == _bare_op(f.op)]
+        why = "{op} is the op the ops mode found failing on this backend"
+    else:
+        return None
+    ops = {g.op for g in fits}
+    if len(ops) != 1:
+        return None  # none, or several operators that could each be the cause: no guess
+    g = fits[0]
+    return g, why.format(module=f.module, op=g.op)
+
+
+def links(results: Results) -> dict[int, tuple[Finding, str]]:
+    """id(finding) -> (the ops finding whose cause it shares in its cell, why): a finding of another kind that one
+    operator's failure explains is counted under that operator's cause (`_link_of`). Decided per finding and per
+    cell, never per signature: a divergence in the same layer class elsewhere is not that operator's."""
+    out: dict[int, tuple[Finding, str]] = {}
+    for cell in results.cells:
+        ops_mode = cell.modes.get("ops")
+        op_findings = [g for g in ops_mode.findings if g.op] if ops_mode is not None else []
+        if not op_findings:
+            continue
+        for mode_name, mode in cell.modes.items():
+            if mode_name == "ops":
+                continue
+            for f in mode.findings:
+                link = _link_of(f, op_findings)
+                if link is not None:
+                    out[id(f)] = link
+    return out
+
+
 def root_causes(results: Results, *, boilerplate: Collection[str] = ()) -> list[dict[str, Any]]:
     """The distinct root causes of `results`, most findings first: ``[{signature, count, cells, raised_in,
     role, frame, error_type, message, example}]``. Also annotates every finding (`annotate`) with its group's
     signature. A cause is counted once across cells, modes and phases: the key is the error (past a backend's
     boilerplate line, `cause_line`), never the words a mode or phase wraps it in (`joined` for findings that
-    kept no traceback)."""
+    kept no traceback), and a finding of another kind that an operator's failure in its cell explains is counted
+    under that operator's cause (`links`; the finding says so in ``details.same_cause_as``)."""
     found = [(cell, mode_name, f, signature(f, boilerplate=boilerplate))
              for cell in results.cells for mode_name, mode in cell.modes.items() for f in mode.findings]
     group_of = joined(s for *_, s in found)
+    own_of = {id(f): own for *_, f, own in found}
+    linked = links(results)
     groups: dict[str, dict[str, Any]] = {}
     for cell, mode_name, f, own in found:
         sig = group_of[own.id]
+        if id(f) in linked:
+            g, why = linked[id(f)]
+            sig = group_of[own_of[id(g)].id]
+            f.details["same_cause_as"] = {"mode": "ops", "kind": g.kind, "op": g.op, "fingerprint": g.fingerprint,
+                                          "why": why}
         f.details["signature"] = sig.id
         if own.raised.package and "raised_in" not in f.details:
             f.details["raised_in"] = own.raised.words()

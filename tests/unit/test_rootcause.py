@@ -427,3 +427,76 @@ def test_real_iree_messages_of_histc_and_grouped_mm_are_two_causes() -> None:
         sigs.append(error_signature(type(inner).__name__, message, boilerplate=boilerplate_lines()))
     assert "torch.aten.histc" in sigs[0].message and "grouped_mm_fallback" in sigs[1].message, sigs
     assert sigs[0].id != sigs[1].id
+
+
+# --------------------------------------------------------------------------- one cause in findings of two kinds
+
+def _sdpa_nan() -> Finding:
+    from ci_runner.modes.ops.compare import compare_leaf
+
+    e = torch.zeros(2, 4)
+    words = compare_leaf(0, e, torch.where(torch.arange(4) < 2, torch.nan, 0.0).expand(2, 4), 1e-4, 1e-5)  # the ops mode's words
+    assert words is not None
+    op = "aten._scaled_dot_product_flash_attention_for_cpu.default"
+    return Finding(kind="op_mismatch", stage="compare", op=op, error_type="OpMismatch", fingerprint="aa" * 10,
+                   message=f"OpMismatch: {op} differs from CPU eager: {words}", module="model.layers.0.self_attn",
+                   details={"modules": ["model.layers.0.self_attn", "model.layers.1.self_attn"]})
+
+
+def _nan_divergence(module: str, nonfinite: int = 1408) -> Finding:
+    return Finding(kind="divergence", stage="compare", module=module, module_class="Attention", phase="batch",
+                   message=f"batch: NaN/Inf on the real tokens of row 1; it starts in {module}", fingerprint="bb" * 10,
+                   metrics={"rows": [1], "nonfinite_tgt": nonfinite})
+
+
+def _cells(*modes: dict[str, list[Finding]]) -> Results:
+    return Results(cells=[CellResult(id=f"m{i}@ov", model=f"m{i}", backend="ov", status="fail",
+                                     modes={k: ModeResult(status="fail", findings=v) for k, v in ms.items()})
+                          for i, ms in enumerate(modes)])
+
+
+def test_a_nan_divergence_that_an_operator_gives_is_that_operators_cause() -> None:
+    """Issue 45: OpenVINO's SDPA gives NaN on a fully masked row (the ops finding), and the padded batch's NaN starts
+    in the attention that calls it: one cause, not two. In another cell, without that op finding, the same layer
+    class's divergence is its own cause; a finite divergence in that layer is never the NaN's."""
+    op, div = _sdpa_nan(), _nan_divergence("model.layers.0.self_attn")
+    other = _nan_divergence("model.layers.0.self_attn")
+    finite = _nan_divergence("model.layers.1.self_attn", nonfinite=0)
+    results = _cells({"ops": [op], "numerics": [div]}, {"numerics": [other]}, {"ops": [_sdpa_nan()], "numerics": [finite]})
+    causes = root_causes(results)
+    assert div.details["signature"] == op.details["signature"]
+    assert div.details["same_cause_as"]["op"] == op.op and "NaN/Inf" in div.details["same_cause_as"]["why"]
+    assert other.details["signature"] != op.details["signature"] and "same_cause_as" not in other.details
+    assert "same_cause_as" not in finite.details
+    (sdpa,) = [c for c in causes if c["signature"] == op.details["signature"]]
+    assert sdpa["count"] == 3 and sdpa["kinds"] == ["op_mismatch", "divergence"]
+
+
+def test_a_leftover_op_that_fails_in_the_ops_mode_is_one_cause_and_two_ops_are_no_guess() -> None:
+    """OpenVINO's `sym_max`: left outside its partitions (compile) and unsupported (ops) in one cell: one cause.
+    A NaN divergence in a layer where two different ops give NaN joins neither."""
+    unsupported = Finding(kind="unsupported_op", stage="compile", op="torch.sym_max", error_type="AssertionError",
+                          message="decode: torch.sym_max on a dynamic size fails: AssertionError: expected int",
+                          fingerprint="cc" * 10)
+    leftover = Finding(kind="eager_fallback", stage="run", op="sym_max", fingerprint="dd" * 10,
+                       message="sym_max ran in PyTorch eager: openvino's partitioner left it outside its partitions")
+    histc = Finding(kind="eager_fallback", stage="run", op="aten.histc.default", fingerprint="ee" * 10,
+                    message="aten.histc.default ran in PyTorch eager")
+    nan2 = _sdpa_nan()
+    nan2.op = "aten.softmax.default"
+    div = _nan_divergence("model.layers.0")
+    root_causes(_cells({"ops": [unsupported, _sdpa_nan(), nan2], "compile": [leftover, histc], "numerics": [div]}))
+    assert leftover.details["signature"] == unsupported.details["signature"]
+    assert histc.details["signature"] != unsupported.details["signature"] and "same_cause_as" not in histc.details
+    assert "same_cause_as" not in div.details
+
+
+def test_the_report_says_which_operator_finding_a_finding_shares_its_cause_with(tmp_path: Path) -> None:
+    from ci_runner.report.html import render_html
+
+    op, div = _sdpa_nan(), _nan_divergence("model.layers.0.self_attn")
+    results = _cells({"ops": [op], "numerics": [div]})
+    results.root_causes = root_causes(results)
+    html = render_html(results)
+    assert "cause: one cause with the ops mode&#x27;s op_mismatch of aten._scaled_dot_product_flash_attention" in html \
+        or "cause: one cause with the ops mode's op_mismatch of aten._scaled_dot_product_flash_attention" in html

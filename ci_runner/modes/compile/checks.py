@@ -200,13 +200,17 @@ def _graph_breaks(backend: str, loaded: Any, sig: PhaseSignals) -> list[Finding]
 def _fallbacks(backend: str, sig: PhaseSignals) -> list[Finding]:
     out = []
     sites = sig.facts.get("eager_sites") or {}
+    sizes = set(sig.facts.get("eager_size_ops") or ())
     for op in sig.facts.get("eager_ops") or ():
         where = list(sites.get(op) or [])
+        what = (" (size arithmetic: it computes a dynamic shape's size on the host, not a tensor)"
+                ) if op in sizes else " (that part of the model never ran on the backend)"
         out.append(Finding(kind="eager_fallback", stage="compile", op=str(op), phase=_phase(sig),
                            module=where[0] if where else None,
                            message=f"{op} ran in PyTorch eager: {backend}'s partitioner left it outside its "
-                                   f"partitions (that part of the model never ran on the backend)",
-                           details={"partitions": sig.facts.get("openvino_partitions"), "modules": where[:10]},
+                                   f"partitions{what}",
+                           details={"partitions": sig.facts.get("openvino_partitions"), "modules": where[:10],
+                                    **({"size_arithmetic": True} if op in sizes else {})},
                            fingerprint=fingerprint("eager_fallback", backend, str(op))))
     if sig.facts.get("perm_fallback"):
         out.append(Finding(kind="eager_fallback", stage="run", op="(partition)", phase=_phase(sig),

@@ -469,13 +469,15 @@ def _localise(ctx: "ModeContext", phase: Phase, flagged: list[tuple[int, list[in
                 msg = (f"{_where(phase, step)}: NaN/Inf on the real tokens of row {row}; compiled alone on the "
                        f"reference's inputs of that call, {name} ({classes.get(name, '?')}) turns row {row} non-finite "
                        f"where eager stays finite ({len(passed)} of its called children pass alone)")
-                return [_finding(ctx, phase, step, name, classes.get(name, "?"), msg, {"rows": bad_rows}, {},
+                return [_finding(ctx, phase, step, name, classes.get(name, "?"), msg,
+                                 {"rows": bad_rows, "nonfinite_tgt": logit_metrics.get("nonfinite_tgt")}, {},
                                  details={"call": label, "row": row, "rows": bad_rows, "localised": "isolated",
                                           **({"not_ran_alone": unran[:20]} if unran else {})})]
         alone = f"; {len(unran)} did not run on the backend alone: {', '.join(unran[:3])}" if unran else ""
         return [_finding(ctx, phase, step, "", "output",
                          f"{_where(phase, step)}: NaN/Inf on the real tokens of rows {bad_rows}; the reference is "
-                         f"finite (no single module shows it alone{alone})", {"rows": bad_rows}, {},
+                         f"finite (no single module shows it alone{alone})",
+                         {"rows": bad_rows, "nonfinite_tgt": logit_metrics.get("nonfinite_tgt")}, {},
                          details={"call": label, "rows": bad_rows, "row": row,
                                   **({"not_ran_alone": unran[:20]} if unran else {})})]
     for j in range(min(len(ref.layers), len(tgt.layers))):
