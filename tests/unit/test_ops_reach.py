@@ -80,3 +80,30 @@ def test_inject_computes_every_call_of_the_op_on_the_backend(fresh_dynamo: Any) 
         torch.cumsum(torch.ones(3), 0)  # outside the mode: not counted
     assert mode.calls == 1 and mode.differing == 1
     assert torch.allclose(injected - plain, torch.full_like(plain, 2.0))
+
+
+def test_an_in_place_op_is_computed_from_its_inputs_before_the_call_and_the_model_reads_the_backends_value(
+        fresh_dynamo: Any) -> None:
+    """`x.mul_(2)` as a statement: the model reads `x`, not the return value. The backend (mul off by 1, reached
+    through the in-place op's functionalised graph) computes from `x` as it was before the call, and `x` takes that
+    value, so the injected run differs from the plain one by exactly the offset."""
+    from ci_runner.backends import resolve_backend
+    from ci_runner.config import BackendSpec
+
+    wrong = resolve_backend(BackendSpec(id="w", compile="tests.fixtures.plugin_ops_wrong:make",
+                                        backend_options={"op": "aten.mul.Tensor", "offset": 1, "input_dtype": ""}))
+
+    def model(t: torch.Tensor) -> torch.Tensor:
+        x = t.clone()
+        x.mul_(2.0)  # the return value unused
+        return x + 0
+
+    t = torch.arange(4.0)
+    mode = Inject(torch.ops.aten.mul_.Tensor, wrong)
+    with torch.no_grad():
+        plain = model(t)
+        with mode:
+            injected = model(t)
+    assert mode.calls == 1 and mode.differing == 1
+    assert torch.equal(plain, t * 2) and torch.equal(injected, t * 2 + 1)  # from the inputs before the call, once
+    assert torch.equal(t, torch.arange(4.0))  # the caller's tensor untouched

@@ -74,7 +74,9 @@ class Inject(TorchDispatchMode):
     """Every call of `op` (an OpOverload) computed on `backend` by the probe's path; other ops run as they are.
 
     Counts the calls and those whose backend value differs from the eager kernel's; the backend's value takes the
-    eager value's dtype when they differ (the rest of the forward runs as the model wrote it)."""
+    eager value's dtype when they differ (the rest of the forward runs as the model wrote it). An in-place or `out=`
+    form is computed on the backend from its inputs as they were before the call, and the tensor it writes (which
+    it returns) takes the backend's value: the model reads that tensor, not the return value."""
 
     def __init__(self, op: Any, backend: Any) -> None:
         super().__init__()
@@ -86,16 +88,30 @@ class Inject(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (),
                            kwargs: Mapping[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         if func is not self.op:
-            return out
+            return func(*args, **kwargs)
         self.calls += 1
-        value = run_call(self.backend, func, args, kwargs)
+        mutates = _mutates(func)
+        # an in-place or out= form writes into its inputs: the backend computes from them as they were before
+        before = pytree.tree_map_only(torch.Tensor, lambda t: t.clone(), (args, kwargs)) if mutates else (args, kwargs)
+        out = func(*args, **kwargs)
+        value = run_call(self.backend, func, *before)
         fitted = _fit(value, out, str(func))
-        if any(isinstance(e, torch.Tensor) and not _same(e, a)
-               for e, a in zip(pytree.tree_leaves(out), pytree.tree_leaves(fitted))):
+        pairs = list(zip(pytree.tree_leaves(out), pytree.tree_leaves(fitted)))
+        if any(isinstance(e, torch.Tensor) and not _same(e, a) for e, a in pairs):
             self.differing += 1
-        return fitted
+        if not mutates:
+            return fitted
+        for e, a in pairs:  # the tensor it wrote (the model's own, which it returns) takes the backend's value
+            if isinstance(e, torch.Tensor) and isinstance(a, torch.Tensor):
+                e.copy_(a)
+        return out
+
+
+def _mutates(op: Any) -> bool:
+    """Whether `op` writes into an argument (`add_`, an `out=` overload): its schema marks the argument written."""
+    schema = getattr(op, "_schema", None)
+    return bool(schema is not None and schema.is_mutable)
 
 
 def _same(e: torch.Tensor, a: torch.Tensor) -> bool:
