@@ -340,15 +340,34 @@ def _inside(module: str, scope: str) -> bool:
     return module == scope or module.startswith(scope + ".")
 
 
-def _link_of(f: Finding, op_findings: list[Finding]) -> tuple[Finding, str] | None:
+def _culprit_op(f: Finding, boilerplate: Collection[str]) -> tuple[str, tuple[str, str]] | None:
+    """A layer finding's culprit when it is one operator that fails alone with a verified repro: (its op, its
+    error's (type, cause line) as `error_signature` keys them)."""
+    c = f.details.get("culprit")
+    if f.kind != "layer_failure" or not isinstance(c, Mapping) or not c.get("found") or c.get("kind") != "single":
+        return None
+    ops, repro = c.get("ops"), c.get("repro")
+    if not (isinstance(ops, list) and len(set(ops)) == 1 and isinstance(repro, Mapping) and repro.get("verified")):
+        return None
+    etype = str(c.get("error_type") or "")
+    sig = error_signature(etype, without_type(str(c.get("message") or ""), etype), boilerplate=boilerplate)
+    return str(ops[0]), (sig.error_type, sig.message)
+
+
+def _link_of(f: Finding, op_findings: list[Finding], boilerplate: Collection[str] = ()) -> tuple[Finding, str] | None:
     """The op finding of the same cell whose cause `f` shows, and why; None unless exactly one cause fits.
 
     * a non-finite divergence (the numerics mode's NaN/Inf where the reference is finite) that starts in a module
       where one operator's ops finding gives NaN/Inf where CPU eager does not (OpenVINO's SDPA on a fully masked
       row, and the padded batch's NaN it causes);
     * a partitioner's leftover (`eager_fallback` of an op) whose op fails on the backend in the ops mode
-      (OpenVINO's `sym_max`: left outside its partitions in the compile mode, unsupported in the ops mode).
+      (OpenVINO's `sym_max`: left outside its partitions in the compile mode, unsupported in the ops mode);
+    * a layer failure whose culprit is one operator failing alone (its repro verified) with the very error that
+      operator's ops finding has, though the layer's own first error reads otherwise (DeepSeek-V3's MoE gate on
+      IREE: the gate fails on "torch.constant.int", its culprit `topk(sorted=False)` on "torch.constant.bool", as
+      the ops probe of `topk` does).
     """
+    culprit = _culprit_op(f, boilerplate)
     if _nonfinite_divergence(f) and f.module:
         fits = [g for g in op_findings if g.kind == "op_mismatch" and _NONFINITE_OP.search(_error_text(g))
                 and any(_inside(m, f.module) for m in _op_modules(g))]
@@ -356,6 +375,11 @@ def _link_of(f: Finding, op_findings: list[Finding]) -> tuple[Finding, str] | No
     elif f.kind == "eager_fallback" and f.op:
         fits = [g for g in op_findings if g.error_type and g.kind != "op_mismatch" and _bare_op(g.op) == _bare_op(f.op)]
         why = "{op} is the op the ops mode found failing on this backend"
+    elif culprit is not None:
+        op, key = culprit
+        fits = [g for g in op_findings if g.error_type and _bare_op(g.op) == _bare_op(op)
+                and _key(signature(g, boilerplate=boilerplate)) == key]
+        why = "its culprit is {op} alone, failing with the error the ops mode found for it"
     else:
         return None
     ops = {g.op for g in fits}
@@ -365,7 +389,11 @@ def _link_of(f: Finding, op_findings: list[Finding]) -> tuple[Finding, str] | No
     return g, why.format(module=f.module, op=g.op)
 
 
-def links(results: Results) -> dict[int, tuple[Finding, str]]:
+def _key(sig: Signature) -> tuple[str, str]:
+    return sig.error_type, sig.message
+
+
+def links(results: Results, *, boilerplate: Collection[str] = ()) -> dict[int, tuple[Finding, str]]:
     """id(finding) -> (the ops finding whose cause it shares in its cell, why): a finding of another kind that one
     operator's failure explains is counted under that operator's cause (`_link_of`). Decided per finding and per
     cell, never per signature: a divergence in the same layer class elsewhere is not that operator's."""
@@ -379,7 +407,7 @@ def links(results: Results) -> dict[int, tuple[Finding, str]]:
             if mode_name == "ops":
                 continue
             for f in mode.findings:
-                link = _link_of(f, op_findings)
+                link = _link_of(f, op_findings, boilerplate)
                 if link is not None:
                     out[id(f)] = link
     return out
@@ -396,11 +424,11 @@ def root_causes(results: Results, *, boilerplate: Collection[str] = ()) -> list[
              for cell in results.cells for mode_name, mode in cell.modes.items() for f in mode.findings]
     group_of = joined(s for *_, s in found)
     own_of = {id(f): own for *_, f, own in found}
-    linked = links(results)
+    linked = links(results, boilerplate=boilerplate)
     groups: dict[str, dict[str, Any]] = {}
     for cell, mode_name, f, own in found:
         sig = group_of[own.id]
-        if id(f) in linked:
+        if id(f) in linked and group_of[own_of[id(linked[id(f)][0])].id].id != sig.id:  # else already one cause
             g, why = linked[id(f)]
             sig = group_of[own_of[id(g)].id]
             f.details["same_cause_as"] = {"mode": "ops", "kind": g.kind, "op": g.op, "fingerprint": g.fingerprint,

@@ -500,3 +500,37 @@ def test_the_report_says_which_operator_finding_a_finding_shares_its_cause_with(
     html = render_html(results)
     assert "cause: one cause with the ops mode&#x27;s op_mismatch of aten._scaled_dot_product_flash_attention" in html \
         or "cause: one cause with the ops mode's op_mismatch of aten._scaled_dot_product_flash_attention" in html
+
+
+def _culprit_layer(module: str, error: str, *, op: str = "aten.topk.default", verified: bool = True,
+                   culprit_error: str = "", culprit_type: str = "RuntimeError") -> Finding:
+    culprit = {"found": True, "kind": "single", "ops": [op], "error_type": culprit_type,
+               "message": culprit_error, "repro": {"verified": verified}}
+    return Finding(kind="layer_failure", stage="compile", module=module, error_type="RuntimeError",
+                   message=f"{module} fails alone at compile: RuntimeError: JIT compilation failed. See diagnostics.",
+                   fingerprint="ff" * 10,
+                   details={"message_full": f"JIT compilation failed. See diagnostics.\n{error}", "culprit": culprit})
+
+
+def test_a_layer_whose_verified_culprit_fails_as_the_ops_finding_does_is_that_operators_cause() -> None:
+    """DeepSeek-V3's MoE gate on IREE: the gate's first error names `torch.constant.int`, its culprit
+    `topk(sorted=False)` alone fails on `torch.constant.bool` as the ops probe of `topk` does: one cause. A culprit
+    whose error is another (Llama 4's complex `mul` replayed: a Dynamo error) or whose repro did not reproduce
+    joins nothing."""
+    bool_line = "source.mlir:6:14: error: failed to legalize operation 'torch.constant.bool': %0 = \"torch.constant.bool\"() <{value = false}> : () -> !torch.bool"
+    topk = Finding(kind="unsupported_op", stage="compile", op="aten.topk.default", error_type="RuntimeError",
+                   message=f"RuntimeError: JIT compilation failed. See diagnostics.\n{bool_line}", fingerprint="ab" * 10)
+    gate = _culprit_layer("model.layers.1.mlp.gate", "<unknown>:0: error: failed to legalize operation "
+                          "'torch.constant.int': %8 = \"torch.constant.int\"() <{value = -1 : i64}> : () -> !torch.int",
+                          culprit_error=bool_line.replace("6:14", "9:3").replace("%0", "%4"))
+    unverified = _culprit_layer("model.layers.2.mlp.gate", "<unknown>:0: error: other", culprit_error=bool_line,
+                                verified=False)
+    other_error = _culprit_layer("model.layers.3.mlp.gate", "<unknown>:0: error: LLVM Translation failed",
+                                 culprit_error="Tensor must have a last dimension of size 2",
+                                 culprit_type="InternalTorchDynamoError")
+    boiler = ("JIT compilation failed. See diagnostics.",)
+    root_causes(_cells({"ops": [topk], "layers": [gate, unverified, other_error]}), boilerplate=boiler)
+    assert gate.details["signature"] == topk.details["signature"]
+    assert "culprit is aten.topk.default alone" in gate.details["same_cause_as"]["why"]
+    for f in (unverified, other_error):
+        assert f.details["signature"] != topk.details["signature"] and "same_cause_as" not in f.details
