@@ -213,7 +213,7 @@ def test_a_dead_rank_in_the_tp_layers_search_names_the_module_it_was_probing(tmp
 
 
 def test_a_tp_repro_shards_the_module_by_the_plan_relative_to_it() -> None:
-    from ci_runner.modes.layers.tprepro import relative_plan
+    from ci_runner.engine.tprepro import relative_plan
 
     plan = {"embed_tokens": "rowwise_embedding", "layers.0.self_attn.q_proj": "colwise",
             "layers.0.self_attn.o_proj": "rowwise", "layers.0.mlp.down_proj": "rowwise", "layers.0.self_attn_x.q": "colwise"}
