@@ -9,6 +9,8 @@ ops mode's inventory of the collectives, probed alone on sim-subset allowing ATe
 sharded graphs' other ops (the ops task).
 Another (module-scoped) runs the numerics task on the self-test device `simdev` over its own process group
 (`simccl`, declared by the backend), compiled by aot_eager and by sim-tp-drop.
+The numerics task also stores each divergent layer's shards and inputs: sim-tp-shard's q_proj gets a repro with its
+own ranks, run (verified), by its printed command, and with aot_eager (it passes).
 """
 
 from __future__ import annotations
@@ -343,6 +345,36 @@ def test_the_numerics_mode_runs_the_ranks_beside_its_single_rank_part(tmp_path: 
     assert (res.status, tp["status"], tp["ranks"]) == ("pass", "pass", "all ranks finished"), res.reason
     assert not res.findings and len(tp["layers"]) >= 15 and all("metrics" in r for r in tp["layers"])
     assert tp["waited_s"] < tp["seconds"] - 1.0, tp  # the ranks ran while the single-rank part did
+
+
+@pytest.mark.slow
+def test_the_numerics_mode_gives_a_tp_divergence_its_verified_repro(tmp_path: Path) -> None:
+    """A TP cell through the numerics mode on sim-tp-shard: the ranks store the diverging q_proj's shards and inputs in
+    the cell's `numerics/parallel/` (the mode's payload says where), and the finding carries the repro, verified,
+    no `repro_note`."""
+    import dataclasses
+    import time
+
+    from ci_runner.backends import resolve_backend
+    from ci_runner.config import load_matrix_text
+    from ci_runner.matrix import expand
+    from ci_runner.modes import ModeContext
+    from ci_runner.modes.numerics.mode import run
+    from tests.fixtures.matrices import REFERENCES, matrix_text
+
+    text = matrix_text(models=[{"id": "tiny-decoder", "factory": "tests.fixtures.plugin_tp_models:decoder",
+                                "parallel": {"tp": 2}}], backends=[{"id": "sim-tp-shard", "compile": "sim-tp-shard"}],
+                       modes=["numerics"], inputs={"samples": 2}, references=REFERENCES)
+    cell = dataclasses.replace(expand(load_matrix_text(text))[0], options={"numerics": {"isolate": False}})
+    ctx = ModeContext(cell=cell, cell_dir=tmp_path, backend=resolve_backend(cell.backend),
+                      deadline=time.monotonic() + 600)
+    res = run(ctx)
+    tp = [f for f in res.findings if f.parallel == "tp2"]
+    assert [(f.kind, f.module) for f in tp] == [("divergence", "layers.0.self_attn.q_proj")], res.reason
+    f = tp[0]
+    assert f.repro is not None and f.repro.verified, (f.repro, f.details.get("repro_note"))
+    assert f.repro.path == "numerics/parallel/layers.0.self_attn.q_proj/repro.py" and "repro_note" not in f.details
+    assert (tmp_path / "numerics/parallel/layers.0.self_attn.q_proj/rank1.pt").is_file()
 
 
 def test_the_sharded_graphs_own_ops_are_probed_like_the_single_ranks(launch: tuple[RankRun, Path], tmp_path: Path
