@@ -58,12 +58,16 @@ def divergent_calls(payload: Mapping[str, Any], eager: Sequence[Mapping[str, Any
                     backends: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
     """Rank 0: per backend, its divergence's module call and sample ({"key", "sample"}): the first row over its
     threshold, as `tpcompare.analyse` finds it. A first bad row that is an error (a structure mismatch) has none."""
-    opts = ThresholdOptions(**dict(payload.get("thresholds") or {}))
-    out = {}
+    out: dict[str, dict[str, Any]] = {}
     for backend_id, run in backends.items():
         if run.get("status") != "ok":
             continue
-        _, bad = rows_and_bad(run["records"], eager, opts, int(payload["world"]))
+        try:
+            opts = ThresholdOptions(**dict(payload.get("thresholds") or {}))
+            _, bad = rows_and_bad(run["records"], eager, opts, int(payload["world"]))
+        except Exception as exc:  # the repro is extra: the comparison's own result must not be lost to it
+            out[backend_id] = {"error": f"{type(exc).__name__}: {first_line(str(exc), 300)}"}
+            continue
         if bad and not bad[0]["error"] and "sample" in bad[0]:
             out[backend_id] = {"key": bad[0]["module"], "sample": int(bad[0]["sample"])}
     return out
@@ -84,7 +88,7 @@ def store_divergences(payload: Mapping[str, Any], module: torch.nn.Module, shard
     wanted: dict[str, dict[str, Any]] = box[0]
     folder = Path(str(payload.get("numerics_repro_folder") or Path(str(payload["progress"])).parent / FOLDER))
     source = rank_model_source(payload, module)
-    items = sorted({(w["key"], w["sample"]) for w in wanted.values()})
+    items = sorted({(w["key"], w["sample"]) for w in wanted.values() if "error" not in w})
     mine: dict[str, str] = {}
     for key, sample in items:
         name, _, k = key.partition("#")
@@ -93,8 +97,11 @@ def store_divergences(payload: Mapping[str, Any], module: torch.nn.Module, shard
         if why:
             mine[key] = why
     every = agree_errors(mine)
-    out = {}
+    out: dict[str, dict[str, Any]] = {}
     for backend_id, w in wanted.items():
+        if "error" in w:  # rank 0 could not tell which layer
+            out[backend_id] = {"key": None, "errors": {"0": w["error"]}}
+            continue
         name, _, k = w["key"].partition("#")
         out[backend_id] = {**w, "dir": _dir_name(w["key"], w["sample"], items), "qualified_name": name,
                            "call_index": int(k or 0), "plan": relative_plan(resolved, name),
@@ -119,7 +126,7 @@ def _store_one(rank: int, name: str, k: int, module: torch.nn.Module, sharded: t
     world = dist.get_world_size()
     reference = [_recorded(module, sample, name, k) if rank == 0 else None]
     dist.broadcast_object_list(reference, src=0)
-    mine = _recorded(sharded, placed, name, k)
+    mine = _recorded(sharded, placed, name, k)  # every rank: the sharded forward's collectives
     try:
         if reference[0] is None or mine is None:
             raise RuntimeError(f"call {k} of {name or 'the model'} did not run in an eager forward")
@@ -159,6 +166,8 @@ def _recorded(model: torch.nn.Module, kwargs: Mapping[str, Any], name: str, k: i
     try:
         with torch.no_grad():
             model(**kwargs)
+    except Exception as exc:  # noqa: BLE001 - the layer then has no repro; the task goes on
+        return f"the eager forward failed: {type(exc).__name__}: {first_line(str(exc), 200)}"
     finally:
         handle.remove()
     return seen[0] if seen else None
@@ -210,11 +219,11 @@ def tp_repro(f: Finding, info: Mapping[str, Any] | None, *, spec: "BackendSpec",
     if info is None:
         return ("no repro: the ranks stored no layer for it (its first bad module call is a structure mismatch, "
                 "or the ranks kept nothing)")
-    if info["key"] != f.module:
-        return f"no repro: the ranks stored {info['key']}, not {f.module}"
     if info.get("errors"):
         why = "; ".join(f"rank {r}: {e}" for r, e in dict(info["errors"]).items())
         return f"no repro: the ranks could not store the layer's shards and inputs: {why}"
+    if info["key"] != f.module:
+        return f"no repro: the ranks stored {info['key']}, not {f.module}"
     if info.get("source") is None:
         return "no repro: no rebuild for this model source (a factory or a transformers class is needed)"
     source = dict(info["source"])
