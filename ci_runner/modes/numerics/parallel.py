@@ -107,8 +107,9 @@ def _result(ctx: "ModeContext", opts: NumericsOptions, run: RankRun, value: dict
 
 
 def repro_folder(ctx: "ModeContext") -> Path:
-    """Where the ranks store each divergent layer's shards and inputs, and its repro goes: ``numerics/parallel/``."""
-    return ctx.artifact_dir("numerics") / "parallel"
+    """Where the ranks store each divergent layer's shards and inputs, and its repro goes: ``numerics/parallel/``
+    (made by the ranks, only when they store one: a clean cell writes nothing)."""
+    return ctx.cell_dir / "numerics" / "parallel"
 
 
 def layer_repro(ctx: "ModeContext", opts: NumericsOptions, f: Finding, stored: Mapping[str, Any] | None) -> Repro | str:
