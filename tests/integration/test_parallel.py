@@ -9,10 +9,15 @@ ops mode's inventory of the collectives, probed alone on sim-subset allowing ATe
 sharded graphs' other ops (the ops task).
 Another (module-scoped) runs the numerics task on the self-test device `simdev` over its own process group
 (`simccl`, declared by the backend), compiled by aot_eager and by sim-tp-drop.
+The numerics task also stores each divergent layer's shards and inputs: sim-tp-shard's q_proj gets a repro with its
+own ranks, run (verified), by its printed command, and with aot_eager (it passes).
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +30,10 @@ from ci_runner.modes.layers.parallel import TASK as LAYERS, tp_findings
 from ci_runner.modes.layers.tprepro import attach_repros
 from ci_runner.modes.ops.parallel import TASK as OPS, collective_finding
 from ci_runner.modes.numerics.tpcompare import TASK as NUMERICS, analyse, rank_payload
+from ci_runner.modes.numerics.tprepro import tp_repro
 from ci_runner.options import OpsOptions
 from ci_runner.registry import parse_options
+from ci_runner.results.model import Repro
 from ci_runner.options import ThresholdOptions
 from ci_runner.workloads.parallel import ParallelSpec, with_process_group
 
@@ -94,6 +101,50 @@ def test_a_wrongly_laid_out_shard_is_found_as_a_permutation(ranks: dict[str, Any
     f = _only(ranks, "sim-tp-shard")
     assert (f.module, f.details["signature"]) == ("layers.0.self_attn.q_proj", "shard_layout")
     assert f.details["facts"]["permuted_rel"] < 1e-5 and f.metrics["cos"] < 0.5
+
+
+def test_each_divergence_has_its_layer_stored_by_every_rank(ranks: dict[str, Any], launch: tuple[RankRun, Path]
+                                                            ) -> None:
+    """Rank 0 found each backend's divergence as the parent does; every rank stored that layer's own shards and its
+    part of the reference's inputs: the rowwise o_proj takes a slice of them, the colwise q_proj all of them."""
+    folder = launch[1] / "numerics_repro"
+    stored = ranks["stored"]
+    assert set(stored) == {"sim-tp-drop", "sim-tp-dup", "sim-tp-shard"}  # aot_eager: no divergence, nothing stored
+    assert {b: (s["key"], s["plan"], s["errors"]) for b, s in stored.items()} == {
+        "sim-tp-drop": ("layers.0.self_attn.o_proj", {"": "rowwise"}, {}),
+        "sim-tp-dup": ("layers.0.self_attn.o_proj", {"": "rowwise"}, {}),
+        "sim-tp-shard": ("layers.0.self_attn.q_proj", {"": "colwise"}, {})}
+    o_proj = folder / stored["sim-tp-drop"]["dir"]
+    rank0, rank1 = (torch.load(o_proj / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    whole = rank0["reference"]["tensors"][rank0["reference"]["call"]["args"]["__tuple__"][0]["__tensor__"]["key"]]
+    part = rank1["tensors"][rank1["call"]["args"]["__tuple__"][0]["__tensor__"]["key"]]
+    assert whole.shape[-1] == 16 and torch.equal(part, whole.chunk(2, dim=-1)[1])  # rank 1's half of the input
+    assert tuple(rank1["state"]["weight"].shape) == (16, 8) and "reference" not in rank1
+    assert tuple(rank0["reference"]["state"]["weight"].shape) == (16, 16)  # the layer unsharded, for the reference
+
+
+def test_a_tp_divergence_has_a_verified_repro_and_its_command_shows_it(ranks: dict[str, Any],
+                                                                       launch: tuple[RankRun, Path]) -> None:
+    """The repro of sim-tp-shard's q_proj starts 2 ranks of its own, runs the colwise q_proj compiled with the
+    backend and the unsharded q_proj eagerly: over the finding's threshold, exit 1 (verified; its printed command,
+    run from the cell folder, the same). The same files with aot_eager in it: within, exit 0 (~45 s in all)."""
+    cell = launch[1]
+    f = _only(ranks, "sim-tp-shard")
+    info = ranks["stored"]["sim-tp-shard"]
+    common = dict(layout=TP2, model_id="tiny-decoder", folder=cell / "numerics_repro", cell_dir=cell, timeout=150.0)
+    repro = tp_repro(f, info, spec=BackendSpec(id="sim-tp-shard", compile="sim-tp-shard"), verify=True, **common)
+    assert isinstance(repro, Repro) and repro.verified, repro
+    assert repro.path == "numerics_repro/layers.0.self_attn.q_proj/repro.py"
+    assert repro.command is not None and repro.command.startswith("cd numerics_repro/layers.0.self_attn.q_proj && ")
+    env = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+    shown = subprocess.run(repro.command, shell=True, cwd=cell, capture_output=True, text=True, timeout=150, env=env)
+    assert shown.returncode == 1, shown.stdout[-3000:] + shown.stderr[-2000:]
+    assert "rank 0: REPRO FAILED: layers.0.self_attn.q_proj diverges: rel" in shown.stdout
+    exact = tp_repro(f, info, spec=BackendSpec(id="aot_eager", compile="aot_eager"), verify=False, **common)
+    assert isinstance(exact, Repro) and not exact.verified
+    passed = subprocess.run(exact.command, shell=True, cwd=cell, capture_output=True, text=True, timeout=150, env=env)
+    assert passed.returncode == 0, passed.stdout[-3000:] + passed.stderr[-2000:]
+    assert "rank 0: REPRO PASSED: layers.0.self_attn.q_proj is within the finding's threshold" in passed.stdout
 
 
 def test_the_layers_search_under_tp2_finds_the_failing_attention_on_every_rank(launch: tuple[RankRun, Path]) -> None:
@@ -294,6 +345,36 @@ def test_the_numerics_mode_runs_the_ranks_beside_its_single_rank_part(tmp_path: 
     assert (res.status, tp["status"], tp["ranks"]) == ("pass", "pass", "all ranks finished"), res.reason
     assert not res.findings and len(tp["layers"]) >= 15 and all("metrics" in r for r in tp["layers"])
     assert tp["waited_s"] < tp["seconds"] - 1.0, tp  # the ranks ran while the single-rank part did
+
+
+@pytest.mark.slow
+def test_the_numerics_mode_gives_a_tp_divergence_its_verified_repro(tmp_path: Path) -> None:
+    """A TP cell through the numerics mode on sim-tp-shard: the ranks store the diverging q_proj's shards and inputs in
+    the cell's `numerics/parallel/` (the mode's payload says where), and the finding carries the repro, verified,
+    no `repro_note`."""
+    import dataclasses
+    import time
+
+    from ci_runner.backends import resolve_backend
+    from ci_runner.config import load_matrix_text
+    from ci_runner.matrix import expand
+    from ci_runner.modes import ModeContext
+    from ci_runner.modes.numerics.mode import run
+    from tests.fixtures.matrices import REFERENCES, matrix_text
+
+    text = matrix_text(models=[{"id": "tiny-decoder", "factory": "tests.fixtures.plugin_tp_models:decoder",
+                                "parallel": {"tp": 2}}], backends=[{"id": "sim-tp-shard", "compile": "sim-tp-shard"}],
+                       modes=["numerics"], inputs={"samples": 2}, references=REFERENCES)
+    cell = dataclasses.replace(expand(load_matrix_text(text))[0], options={"numerics": {"isolate": False}})
+    ctx = ModeContext(cell=cell, cell_dir=tmp_path, backend=resolve_backend(cell.backend),
+                      deadline=time.monotonic() + 600)
+    res = run(ctx)
+    tp = [f for f in res.findings if f.parallel == "tp2"]
+    assert [(f.kind, f.module) for f in tp] == [("divergence", "layers.0.self_attn.q_proj")], res.reason
+    f = tp[0]
+    assert f.repro is not None and f.repro.verified, (f.repro, f.details.get("repro_note"))
+    assert f.repro.path == "numerics/parallel/layers.0.self_attn.q_proj/repro.py" and "repro_note" not in f.details
+    assert (tmp_path / "numerics/parallel/layers.0.self_attn.q_proj/rank1.pt").is_file()
 
 
 def test_the_sharded_graphs_own_ops_are_probed_like_the_single_ranks(launch: tuple[RankRun, Path], tmp_path: Path

@@ -213,7 +213,7 @@ def test_a_dead_rank_in_the_tp_layers_search_names_the_module_it_was_probing(tmp
 
 
 def test_a_tp_repro_shards_the_module_by_the_plan_relative_to_it() -> None:
-    from ci_runner.modes.layers.tprepro import relative_plan
+    from ci_runner.engine.tprepro import relative_plan
 
     plan = {"embed_tokens": "rowwise_embedding", "layers.0.self_attn.q_proj": "colwise",
             "layers.0.self_attn.o_proj": "rowwise", "layers.0.mlp.down_proj": "rowwise", "layers.0.self_attn_x.q": "colwise"}
@@ -287,3 +287,25 @@ def test_a_layout_the_model_cannot_take_is_refused_before_any_cell_runs(tmp_path
     assert _layout_error(cells["four-heads"]) == (
         "tp3: model 'four-heads': num_attention_heads = 4 is not divisible by tp = 3 (fix: choose a tp that divides "
         "the head counts, or override them in the model)")
+
+
+def test_a_ranks_repro_inputs_are_its_part_of_the_references() -> None:
+    """A numerics TP repro feeds each rank its part of the single-rank reference's inputs: a tensor the sharded layer
+    takes whole is the reference's, one it takes a slice of is this rank's chunk along the dim that differs; the
+    other values are the rank's own. A tensor that is no chunk of the reference's is refused."""
+    from ci_runner.engine.codec import TensorStore, encode_call
+    from ci_runner.modes.numerics.tprepro import local_inputs
+
+    def encoded(args: tuple, kwargs: dict) -> tuple[dict, dict]:
+        store = TensorStore()
+        return encode_call(args, kwargs, store.add, strict=True, kv=True), store.tensors
+
+    full, mask = torch.arange(24.0).reshape(2, 3, 4), torch.ones(2, 3, dtype=torch.bool)
+    reference = encoded((full,), {"mask": mask, "scale": 2.0})
+    spec, tensors = local_inputs(encoded((torch.zeros(2, 3, 2),), {"mask": mask, "scale": 3.0}), reference, 1, 2)
+    arg = tensors[spec["args"]["__tuple__"][0]["__tensor__"]["key"]]
+    assert torch.equal(arg, full[..., 2:])  # rank 1's half of the last dim
+    kwargs = dict(spec["kwargs"]["__dict__"])
+    assert torch.equal(tensors[kwargs["mask"]["__tensor__"]["key"]], mask) and kwargs["scale"] == 3.0  # the rank's
+    with pytest.raises(ValueError, match="not a shard"):
+        local_inputs(encoded((torch.zeros(2, 3, 3),), {}), encoded((full,), {}), 0, 2)

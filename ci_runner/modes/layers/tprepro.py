@@ -4,9 +4,9 @@ sharded submodule that failed, verified by running it.
 Inside the ranks (`store_ranks`, called by `tpsearch.rank_task` after the search): every rank saves, for each
 smallest failing module, its local state (the local shards of its DTensor parameters, its other parameters and
 buffers) and its recorded first-call inputs (the codec's wire format, `engine/codec.py`) with `torch.save` into
-`<launch folder>/repro_<module>/rank<r>.pt`; rank 0 returns how the script rebuilds the module's structure (the
-model's source: the factory, or transformers from the `config.json` it writes beside) and the plan relative to the
-module.
+`<launch folder>/repro_<module>/rank<r>.pt` (the rank files the TP repros share: `engine/tprepro.py`); rank 0
+returns how the script rebuilds the module's structure (the model's source: the factory, or transformers from the
+`config.json` it writes beside) and the plan relative to the module.
 
 In the parent (`attach_repros`): `repro.py` is rendered there (`templates/repro_layer_tp.py.j2`): it starts `tp`
 ranks (gloo, a free port), each builds the model's structure (meta device when it can), takes the submodule,
@@ -22,19 +22,18 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 
-from ...backends import plugin_pythonpath
-from ...config import InputSpec, ModelSpec, spec_from_json
 from ...engine.codec import TensorStore
+from ...engine.repro import key_text, render_template, run_command, safe_filename, template_backend, verify_script, \
+    write_script
+from ...engine.tprepro import agree_errors, brief_source, errors_of, local_state, rank_model_source, relative_plan, \
+    save_rank_file, script_pythonpath
 from ...failures.failure import first_line
-from ...engine.repro import key_text, plugin_modules, render_template, run_command, safe_filename, \
-    template_backend, verify_script, write_script
 from ...fsutil import atomic_write_text
 from ...quoting import shell_quote
 from ...results.model import Finding, Repro
@@ -58,60 +57,16 @@ def repro_dir(folder: Path, name: str) -> Path:
 
 # --------------------------------------------------------------------------- inside the ranks
 
-def relative_plan(resolved: Mapping[str, str], name: str) -> dict[str, str]:
-    """The plan's entries inside module `name`, named relative to it ("" when `name` itself is planned)."""
-    if name == ROOT:
-        return dict(resolved)
-    out = {}
-    for qual, style in resolved.items():
-        if qual == name:
-            out[""] = style
-        elif qual.startswith(name + "."):
-            out[qual[len(name) + 1:]] = style
-    return out
-
-
-def local_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer of `module` as this rank holds it (a DTensor's local shard), detached copies."""
-    out: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        for key, t in [*module.named_parameters(), *module.named_buffers()]:
-            local = t.to_local() if hasattr(t, "to_local") else t
-            out[key] = local.detach().to("cpu").contiguous().clone()
-    return out
-
-
-def model_source(payload: Mapping[str, Any], model: torch.nn.Module) -> dict[str, Any] | None:
-    """How the script rebuilds the model's structure (the template's `build_model`): the factory with the run's
-    seed, overrides and float32, or the transformers class from its config (`config` holds the JSON); None when
-    neither applies (a path to a model folder of custom code)."""
-    spec = spec_from_json(ModelSpec, payload["model"])
-    if spec.factory:
-        return {"kind": "factory", "factory": spec.factory, "seed": spec_from_json(InputSpec, payload["inputs"]).seed,
-                "overrides": dict(spec.overrides), "dtype": "float32"}
-    transformers = sys.modules.get("transformers")
-    cls = type(model)
-    config = getattr(model, "config", None)
-    if transformers is None or getattr(transformers, cls.__name__, None) is not cls or config is None:
-        return None
-    return {"kind": "transformers", "model_class": cls.__name__, "config_class": type(config).__name__,
-            "attn_implementation": getattr(config, "_attn_implementation", None),
-            "config": config.to_json_string(use_diff=False)}
-
-
 def store_ranks(payload: Mapping[str, Any], sharded: torch.nn.Module, resolved: Mapping[str, str],
                 calls: Mapping[str, Calls], names: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """Save this rank's `rank<r>.pt` for each module of `names` (the same on every rank); on every rank, per
-    module: {"dir", "plan", "source", "errors": {rank: why it could not be saved}} (agreed by an all-gather)."""
-    import torch.distributed as dist  # deferred: rank children only
-
+    """Save this rank's `rank<r>.pt` for each module of `names` (the same on every rank; `engine/tprepro.py`); on
+    every rank, per module: {"dir", "plan", "source", "errors": {rank: why it could not be saved}} (agreed by an
+    all-gather)."""
     rank = int(payload["rank"])
     folder = Path(str(payload.get("repro_folder") or Path(str(payload["progress"])).parent))
-    source = model_source(payload, sharded)
+    source = rank_model_source(payload, sharded)
     mine: dict[str, str] = {}
     for name in names:
-        rdir = repro_dir(folder, name)
-        rdir.mkdir(parents=True, exist_ok=True)
         try:
             if not calls.get(name):
                 raise RuntimeError(f"{label(name)} did not run in the recorded forward")
@@ -119,21 +74,15 @@ def store_ranks(payload: Mapping[str, Any], sharded: torch.nn.Module, resolved: 
             args, kwargs = calls[name][0]
             store = TensorStore()
             call = encode_call(args, kwargs, store)
-            blob = {"format": 1, "rank": rank, "module": name, "state": local_state(sub), "call": call,
-                    "tensors": store.tensors}
-            tmp = rdir / f".rank{rank}.pt.tmp"
-            torch.save(blob, str(tmp))
-            os.replace(tmp, rdir / f"rank{rank}.pt")
-            if rank == 0 and source is not None and source["kind"] == "transformers":
-                atomic_write_text(rdir / "config.json", source["config"])
+            save_rank_file(repro_dir(folder, name), rank, {"format": 1, "rank": rank, "module": name,
+                                                           "state": local_state(sub), "call": call,
+                                                           "tensors": store.tensors}, source)
         except Exception as exc:  # unstorable inputs, a full disk: that module has no repro, the others do
             mine[name] = f"{type(exc).__name__}: {first_line(str(exc), 300)}"
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    brief = None if source is None else {k: v for k, v in source.items() if k != "config"}
+    every = agree_errors(mine)
     return {label(name): {"dir": repro_dir(folder, name).name, "qualified_name": name,
-                          "plan": relative_plan(resolved, name), "source": brief,
-                          "errors": {str(r): e[name] for r, e in enumerate(every) if name in e}}
+                          "plan": relative_plan(resolved, name), "source": brief_source(source),
+                          "errors": errors_of(every, name)}
             for name in names}
 
 
@@ -177,9 +126,7 @@ def write_and_verify(f: Finding, info: Mapping[str, Any], *, spec: "BackendSpec"
     source = dict(info["source"])
     ranks = [int(r) for r in f.details.get("ranks") or []]
     status = str(f.details.get("status") or "fail")
-    factory_module = str(source["factory"]).split(":", 1)[0] if source["kind"] == "factory" else ""
-    modules = plugin_modules(spec) + ([factory_module] if factory_module else [])
-    pythonpath = plugin_pythonpath(modules)
+    factory_module, pythonpath = script_pythonpath(spec, source)
     hard = status in ("crashed", "timeout")
     timeout = float(opts.probe_timeout) + STARTUP_S
     run_it = run_command("repro.py", rdir, pythonpath)

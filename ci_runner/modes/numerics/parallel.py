@@ -12,16 +12,23 @@ mesh's device type) and the seconds (`seconds`: from the launch's start until ev
 `waited_s`: the part the cell waited for after its single-rank comparison). `options.numerics.timeout`, when set,
 bounds how long after the launch's start the mode waits for its task. The samples are the thresholds' (`thresholds.samples`, else max(2,
 `inputs.samples`)).
+
+A sharded layer's `divergence` gets a repro that starts its own ranks (`tprepro.py`: the ranks store the layer's
+shards and inputs in ``numerics/parallel/<module>/``, `layer_repro` writes and verifies `repro.py` there); a refused
+collective gets `collective_repro`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
 
 from ...config import BackendSpec
 from ...workloads.collectives import PLAN_CALLS, write_repro
 from ...procs.ranks import RankRun, TaskRun
+from .repro import MIN_SECONDS, attach
 from .tpcompare import analyse, rank_part as rank_part_of
+from .tprepro import tp_repro
 from ...options import NumericsOptions
 from ...quoting import shell_command
 from ...workloads.parallel import ParallelSpec
@@ -38,7 +45,8 @@ def rank_part(ctx: "ModeContext") -> dict[str, Any]:
     """The numerics task's part of the ranks' payload: the backend and the samples (the thresholds')."""
     opts: NumericsOptions = parse_options("numerics", ctx.options("numerics"))
     samples = list(range(opts.thresholds.samples or max(2, ctx.cell.inputs.samples)))
-    return rank_part_of([ctx.cell.backend], samples=samples)
+    return rank_part_of([ctx.cell.backend], samples=samples, thresholds=opts.thresholds,
+                        repro_folder=str(repro_folder(ctx)))
 
 
 class PendingParallel:
@@ -89,17 +97,32 @@ def _result(ctx: "ModeContext", opts: NumericsOptions, run: RankRun, value: dict
     data.update(status=result.status, plan=value.get("plan"), reason=result.reason, layers=result.layers[:MAX_ROWS],
                 weights_checked=len(value.get("weights") or []),
                 process_group=value.get("process_group") or data["process_group"])  # as c10d named it in the ranks
+    stored = dict(value.get("stored") or {}).get(ctx.cell.backend.id)
     for f in result.findings:
         if f.op and f.op.startswith("_c10d_functional."):
             f.repro = collective_repro(ctx, f, ctx.cell.backend)
         elif f.kind == FindingKind.DIVERGENCE and f.repro is None:
-            f.details["repro_note"] = TP_NO_REPRO
+            attach(f, lambda: layer_repro(ctx, opts, f, stored))
     return result.findings, data
 
 
-# why a sharded layer's divergence has no repro: the single-rank repro does not shard, and the ranks keep nothing
-TP_NO_REPRO = ("no repro: a sharded layer's divergence needs each rank's shards and inputs of that layer, which the "
-               "numerics ranks do not store (the single-rank layer repro runs the layer unsharded)")
+def repro_folder(ctx: "ModeContext") -> Path:
+    """Where the ranks store each divergent layer's shards and inputs, and its repro goes: ``numerics/parallel/``
+    (made by the ranks, only when they store one: a clean cell writes nothing)."""
+    return ctx.cell_dir / "numerics" / "parallel"
+
+
+def layer_repro(ctx: "ModeContext", opts: NumericsOptions, f: Finding, stored: Mapping[str, Any] | None) -> Repro | str:
+    """The repro of a sharded layer's divergence (`tprepro.tp_repro`), verified within `numerics.verify_timeout` and a
+    quarter of the cell's time left; or why it has none."""
+    left = ctx.remaining()
+    if left < MIN_SECONDS:
+        return f"no repro: the cell had {left:.0f} s left (under {MIN_SECONDS:.0f} s)"
+    layout = ctx.cell.parallel
+    assert layout is not None
+    return tp_repro(f, stored, spec=ctx.cell.backend, layout=layout, model_id=ctx.cell.model.id,
+                    folder=repro_folder(ctx), cell_dir=ctx.cell_dir, verify=opts.verify,
+                    timeout=min(opts.verify_timeout, left * 0.25))
 
 
 def declared_group(layout: ParallelSpec) -> dict[str, str]:

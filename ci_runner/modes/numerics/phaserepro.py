@@ -19,7 +19,7 @@ where the target is not finite and the reference is). Each script is run once as
 (`repro.verify_repro`: `numerics.verify`, `numerics.verify_timeout`).
 
 No repro (and `details.repro_note` says why): a finding that names no call, a model no script rebuilds, a cell with
-under `repro.MIN_SECONDS` left. The tensor-parallel findings get none (`parallel.TP_NO_REPRO` says why).
+under `repro.MIN_SECONDS` left. The tensor-parallel findings get theirs from `tprepro.py`.
 """
 
 from __future__ import annotations

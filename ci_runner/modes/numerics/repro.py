@@ -12,8 +12,8 @@ is run once (`engine.repro.verify_script`) and the finding's `Repro.verified` sa
 
 No repro (and `details.repro_note` says why): a cumulative-only finding (drift: no layer is wrong on its own, so
 no one layer alone shows it), a model whose source no script rebuilds, a call whose inputs were not stored, a cell
-with under `MIN_SECONDS` left. A phase's findings get theirs from `phaserepro.py`; the tensor-parallel ones
-(`parallel.py`) none.
+with under `MIN_SECONDS` left. A phase's findings get theirs from `phaserepro.py`; a sharded layer's divergence
+under tensor parallelism (`parallel.py`) from `tprepro.py` (its own ranks; verified with `verify_at`, as here).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from .verdict import Layer
 if TYPE_CHECKING:
     from .. import ModeContext
 
-__all__ = ["MIN_SECONDS", "attach_repros", "verify_repro"]
+__all__ = ["MIN_SECONDS", "attach_repros", "verify_at", "verify_repro"]
 
 MIN_SECONDS = 90.0  # a cell with less left writes no repro: its result comes first
 
@@ -152,8 +152,15 @@ def verify_repro(ctx: "ModeContext", script: Path, pythonpath: list[str], comman
             limit: float) -> Repro:
     """Run `script` once within `limit` and a quarter of the cell's time left: verified when it exits 1 printing
     `expect`."""
-    rel = str(script.relative_to(ctx.cell_dir))
-    timeout = min(limit, ctx.remaining() * 0.25)
+    return verify_at(script, pythonpath, command, cell_dir=ctx.cell_dir, expect=expect,
+                     timeout=min(limit, ctx.remaining() * 0.25))
+
+
+def verify_at(script: Path, pythonpath: list[str], command: str, *, cell_dir: Path, expect: str,
+              timeout: float) -> Repro:
+    """Run `script` once within `timeout`, with this deepview-ci importable: verified when it exits 1 printing
+    `expect`; the `Repro` with its path relative to `cell_dir`."""
+    rel = str(script.relative_to(cell_dir))
     # the repro runs with the deepview-ci that wrote it (a checkout, when that is what runs), as the command says
     own = str(Path(__file__).resolve().parents[3])  # the folder holding `ci_runner/`
     v = verify_script(script, expect_text=[expect], timeout=timeout,

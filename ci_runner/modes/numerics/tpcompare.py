@@ -44,16 +44,21 @@ class TPAnalysis:
     reason: str | None = None
 
 
-def rank_part(backends: Sequence[BackendSpec], *, samples: Sequence[int]) -> dict[str, Any]:
-    """The numerics task's own part of a launch's payload: the backends it runs in turn, the samples."""
-    return {"backends": [spec_to_json(b) for b in backends], "samples": list(samples)}
+def rank_part(backends: Sequence[BackendSpec], *, samples: Sequence[int], thresholds: ThresholdOptions | None = None,
+              repro_folder: str | None = None) -> dict[str, Any]:
+    """The numerics task's own part of a launch's payload: the backends it runs in turn, the samples, the threshold
+    options (rank 0 finds each backend's divergence with them, so the ranks store its layer for the repro) and
+    where the ranks store it (`numerics_repro_folder`; default: the launch folder's `numerics_repro/`)."""
+    part = {"backends": [spec_to_json(b) for b in backends], "samples": list(samples),
+            "thresholds": (thresholds or ThresholdOptions()).as_dict()}
+    return {**part, "numerics_repro_folder": repro_folder} if repro_folder else part
 
 
 def rank_payload(model: ModelSpec, inputs: InputSpec, parallel: ParallelSpec, backends: Sequence[BackendSpec], *,
-                 samples: Sequence[int]) -> dict[str, Any]:
+                 samples: Sequence[int], thresholds: ThresholdOptions | None = None) -> dict[str, Any]:
     """A whole payload of a launch of `procs/ranks.rank_tasks` running this task alone (others may be added)."""
     return {"model": spec_to_json(model), "inputs": spec_to_json(inputs), "parallel": parallel.key(),
-            "tasks": [TASK], **rank_part(backends, samples=samples)}
+            "tasks": [TASK], **rank_part(backends, samples=samples, thresholds=thresholds)}
 
 
 def layer_thresholds(records: Sequence[Mapping[str, Any]], eager: Sequence[Mapping[str, Any]],
@@ -94,6 +99,15 @@ def layer_rows(records: Sequence[Mapping[str, Any]], thresholds: Mapping[str, Ma
     return list(rows.values())
 
 
+def rows_and_bad(records: Sequence[Mapping[str, Any]], eager: Sequence[Mapping[str, Any]], opts: ThresholdOptions,
+                 tp: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(every row, the rows over their threshold or in error, in call order) of one backend's compiled records: the
+    first bad row is the divergence (`analyse`), and the module whose inputs and shards the ranks store for its
+    repro (`tprank`)."""
+    rows = layer_rows(records, layer_thresholds(records, eager, opts), tp)
+    return rows, [r for r in rows if r["over"] or r["error"]]
+
+
 def analyse(value: Mapping[str, Any], backend_id: str, *, model_id: str, parallel: ParallelSpec,
             opts: ThresholdOptions) -> TPAnalysis:
     """Findings of one backend from rank 0's value (see the module docstring)."""
@@ -103,9 +117,7 @@ def analyse(value: Mapping[str, Any], backend_id: str, *, model_id: str, paralle
     if run.get("status") != "ok":
         failed = _failure_findings(run, backend_id, model_id, parallel, plan)
         return TPAnalysis(status="fail", findings=weights + failed, reason=failed[0].message)
-    thresholds = layer_thresholds(run["records"], value["eager"], opts)
-    rows = layer_rows(run["records"], thresholds, parallel.tp)
-    bad = [r for r in rows if r["over"] or r["error"]]
+    rows, bad = rows_and_bad(run["records"], value["eager"], opts, parallel.tp)
     findings = weights + ([_divergence(bad, backend_id, model_id, parallel, plan)] if bad else [])
     unran = [r for r in rows if r.get("not_ran")]
     reason = (f"{len(unran)} of {len(rows)} module call(s) not run on the backend under {parallel.label()} "

@@ -6,7 +6,9 @@ and then compiled by each backend, as a user compiles it, with output hooks on e
 gathered to rank 0 (`procs/ranks.gather_outputs`), which alone holds the single-rank references (float32, the
 primary, and float64) and measures, per module call and sample, the metrics of `modes/numerics/metrics.py` and the
 signature facts of `modes/numerics/tpsignature.py`. Only rank 0 returns records; the parent (`modes/numerics/tpcompare.py`)
-derives thresholds and verdicts from them.
+derives thresholds and verdicts from them. Last, rank 0 finds each backend's divergence as the parent will, and every
+rank stores that layer's shards and inputs for its repro (`modes/numerics/tprepro.store_divergences`; rank 0's value
+lists them under `stored`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from ...workloads.tpplan import check_plan, local_output_modules, on_mesh_device
 from .capture import compared_flat, run_eager_with_outputs
 from .watched import watched_outputs_each
 from .metrics import compare_tensors, public, worst
+from .tprepro import divergent_calls, store_divergences
 from .tpsignature import signature_facts
 from .views import runnable_reference
 
@@ -37,7 +40,7 @@ Outputs = dict[str, dict[str, torch.Tensor]]
 
 def rank_task(payload: Mapping[str, Any], mesh: Any) -> dict[str, Any]:
     """One rank, a task of `procs/ranks.rank_tasks` (see the module docstring); rank 0 returns
-    {"plan", "weights", "eager", "backends"}."""
+    {"plan", "weights", "eager", "backends", "process_group", "stored"}."""
     return clean(_rank(payload, mesh))
 
 
@@ -63,12 +66,15 @@ def _rank(payload: Mapping[str, Any], mesh: Any) -> dict[str, Any]:
         spec = spec_from_json(BackendSpec, raw)
         torch._dynamo.reset()
         backends[spec.id] = _backend_run(payload, spec, sharded, placed, refs, local, mesh.device_type)
+    arrive(payload, "store")  # each divergence's layer: every rank's shards and inputs, for its repro (tprepro.py)
+    found = divergent_calls(payload, eager, backends) if rank == 0 else None
+    stored = store_divergences(payload, module, sharded, resolved, samples, placed, found)
     group = {"name": dist.get_backend(), "device": mesh.device_type}  # what the ranks ran over, as c10d says
     counts = getattr(dist.group.WORLD, "counts", None)  # a group that counts its collectives (the self-test simccl)
     if counts is not None:
         group["collectives"] = dict(counts)
     return {"rank": rank, "plan": resolved, "weights": weights, "eager": eager, "backends": backends,
-            "process_group": group} if rank == 0 else {"rank": rank}
+            "process_group": group, "stored": stored} if rank == 0 else {"rank": rank}
 
 
 def _references(module: torch.nn.Module, samples: list[dict[str, Any]]) -> list[tuple[Outputs, Outputs]]:
