@@ -16,7 +16,8 @@ output at that call (a forward hook), the logits, or the cache tensor, on the re
 by rel and 1 − cos (the formulas of the single forward's repro), and exits 1 with
 "REPRO FAILED: <module> diverges: rel X > threshold T" over the finding's threshold (or "… diverges: NaN/Inf …"
 where the target is not finite and the reference is). Each script is run once as the single forward's are
-(`repro.verify_repro`: `numerics.verify`, `numerics.verify_timeout`).
+(`repro.verify_repro`: `numerics.verify`, `numerics.verify_timeout`). The reference's run of a phase is made once per
+`attach_phase_repros` and shared by the phase's findings (`_Done.reference`; `_Calls.upto` cuts it at each one's call).
 
 No repro (and `details.repro_note` says why): a finding that names no call, a model no script rebuilds, a cell with
 under `repro.MIN_SECONDS` left. The tensor-parallel findings get none (`parallel.TP_NO_REPRO` says why).
