@@ -9,12 +9,16 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from ci_runner.engine.repro import render_template, template_backend
 from ci_runner.config import BackendSpec
 from ci_runner.modes.numerics.metrics import compare_tensors
-from ci_runner.modes.numerics.phaserepro import _watched
+from ci_runner.modes.numerics.phaserepro import _watched, attach_phase_repros
 from ci_runner.modes.numerics.repro import _via
+from ci_runner.options import NumericsOptions
+from ci_runner.results.model import Finding
+from tests.fixtures.matrices import REFERENCES, matrix_text
 
 SOURCE = {"kind": "factory", "factory": "pkg.mod:build", "seed": 0, "overrides": {}, "dtype": "float32"}
 
@@ -111,11 +115,6 @@ def test_the_findings_of_one_phase_share_one_reference_run(mode_context: Any) ->
     """modes/numerics/phaserepro.py: the reference's run of a phase is made once per attach pass, whatever the
     number of its findings (several `output_overwritten` findings of one decode phase ran it once each); each
     finding's script still gets the phase's calls up to its own, as the reference made them."""
-    from ci_runner.modes.numerics.phaserepro import attach_phase_repros
-    from ci_runner.options import NumericsOptions
-    from ci_runner.results.model import Finding
-    from tests.fixtures.matrices import REFERENCES, matrix_text
-
     llama = {"id": "llama", "config": "llama", "overrides": {
         "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
         "num_key_value_heads": 1, "vocab_size": 64, "max_position_embeddings": 64}}
@@ -139,8 +138,6 @@ def test_the_findings_of_one_phase_share_one_reference_run(mode_context: Any) ->
         hook.remove()
     assert all(f.repro is not None for f in findings), [f.details.get("repro_note") for f in findings]
     assert len(forwards) == 3 + 1  # decode: prefill and 2 steps, once; prefill: 1 (it was 3 + 3 + 1)
-    from safetensors.torch import load_file
-
     folder = ctx.cell_dir / Path(findings[1].repro.path).parent  # type: ignore[union-attr]
     kept = load_file(str(folder / "inputs.safetensors"))  # the last overwrite's (both share the folder)
     assert {k.split(".")[0] for k in kept} == {"0", "1", "2"}, sorted(kept)  # up to decode step 2
