@@ -112,16 +112,21 @@ class DynamoCounters:
         return out
 
     def fallback(self, expected_break: str = "", *, breaks: bool = True) -> str | None:
-        """Why code ran in eager instead of the backend (None: it did not); graph breaks whose reason contains
-        `expected_break` (when given) are intended and not counted, and none is with `breaks=False` (the graphs
-        on each side of a break still ran on the backend: a whole model's capture is judged per graph)."""
+        """Why code ran in eager instead of the backend (None: it did not), with what Dynamo said it could not
+        trace (the first line of each `unimplemented` reason, e.g. "Attempt to trace generator"); graph breaks
+        whose reason contains `expected_break` (when given) are intended and not counted, and none is with
+        `breaks=False` (the graphs on each side of a break still ran on the backend: a whole model's capture is
+        judged per graph)."""
         d = self.delta()
         frames = d.get("frames", {})
         eager = frames.get("total", 0) - frames.get("ok", 0)
+        said = {k: v for k, v in d.get("unimplemented", {}).items() if not (expected_break and expected_break in k)}
         if expected_break:  # a frame that holds nothing but the intended break runs eagerly by design
-            eager -= sum(v for k, v in d.get("unimplemented", {}).items() if expected_break in k)
+            eager -= sum(d.get("unimplemented", {}).values()) - sum(said.values())
         if eager > 0:
-            return f"Dynamo fell back to eager for {eager} frame(s) (an error it suppressed, or a skipped frame)"
+            why = "; ".join(dict.fromkeys(k.strip().splitlines()[0] for k in said if k.strip()))[:200]
+            return (f"Dynamo fell back to eager for {eager} frame(s) (an error it suppressed, or a skipped frame"
+                    + (f"; what it could not trace: {why}" if why else "") + ")")
         broken = {k: v for k, v in d.get("graph_break", {}).items()
                   if breaks and not (expected_break and expected_break in k)}
         if broken:

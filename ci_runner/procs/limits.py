@@ -9,7 +9,9 @@ culprit search and the ops probes. A hang is measured, not assumed; a slow compi
   *second limit*, `factor` × the longest item this cell measured and at least twice `first`, for an item still busy
   (a compiler that loops burns CPU time, so the parent's watch never calls it stalled); before anything was measured,
   or when the second limit would pass the cell's deadline, the time left. Each item's limit and why is appended to
-  a JSON-lines file, so that the parent can tell a stuck item from one the cell's time cut short.
+  a JSON-lines file, so that the parent can tell a stuck item from one the cell's time cut short. Around its
+  probing loop the child holds `stacks_on_signal`: the parent's signal (`progress.DUMP_SIGNAL`) before it kills a
+  stalled child has it write every thread's stack.
 - **Verdict.** `dead_item` reads why a child ended in an item: `hung` (stalled, or stuck past the second limit), or
   `unfinished` (cut short while still making progress: not failing, the search goes on from its parent), or None
   (it crashed).
@@ -17,18 +19,21 @@ culprit search and the ops probes. A hang is measured, not assumed; a slow compi
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Literal, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Literal, Mapping, Sequence, TextIO
 
 from ..fsutil import append_line, read_records
 from ..options import HangOptions
 from .isolate import IsolatedResult, open_entry
-from .progress import ProgressWatch
+from .progress import DUMP_SIGNAL, ProgressWatch
 
-__all__ = ["HangLimits", "ChildLimits", "DeadItem", "dead_item", "item_limits", "finite", "NO_DEADLINE_S"]
+__all__ = ["HangLimits", "ChildLimits", "DeadItem", "dead_item", "item_limits", "finite", "stacks_on_signal",
+           "NO_DEADLINE_S"]
 
 NO_DEADLINE_S = 7 * 86400.0  # a run with no deadline (remaining() is inf): the limit timers need a finite number
 
@@ -36,6 +41,21 @@ NO_DEADLINE_S = 7 * 86400.0  # a run with no deadline (remaining() is inf): the 
 def finite(seconds: float) -> float:
     """`seconds`, at most NO_DEADLINE_S: an infinite budget as a limit a timer (`faulthandler`, a wait) accepts."""
     return min(seconds, NO_DEADLINE_S)
+
+
+@contextmanager
+def stacks_on_signal(file: TextIO | None = None) -> Iterator[None]:
+    """A probing child's side of the parent's watch (`HangLimits.watch`): while inside, the signal the parent sends
+    a stalled child before it kills it (`progress.DUMP_SIGNAL`) has faulthandler write every thread's stack to
+    `file` (stderr when None), where the child was stuck; the handler is removed on leaving."""
+    if file is None:
+        faulthandler.register(DUMP_SIGNAL, all_threads=True)
+    else:
+        faulthandler.register(DUMP_SIGNAL, file=file, all_threads=True)
+    try:
+        yield
+    finally:
+        faulthandler.unregister(DUMP_SIGNAL)
 
 
 @dataclass(frozen=True)

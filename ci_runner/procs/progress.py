@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+DUMP_SIGNAL = signal.SIGUSR1  # what the parent sends a stalled child (`procs.limits.stacks_on_signal`)
+
 __all__ = ["ProgressWatch", "Stall", "session_cpu_s", "POLL_S"]
 
 POLL_S = 1.0  # how often run_process asks the watch
@@ -83,7 +85,7 @@ class ProgressWatch:
     item: Callable[[], str | None]
     outputs: Sequence[Path] = ()
     min_cpu_s: float | None = None  # default: 1% of one core over the window, at least 0.05 s
-    dump_signal: int | None = signal.SIGUSR1
+    dump_signal: int | None = DUMP_SIGNAL
     stall: Stall | None = None
     _current: str | None = field(default=None, repr=False)
     _started: float = field(default=0.0, repr=False)

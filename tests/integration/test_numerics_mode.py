@@ -310,6 +310,7 @@ def test_each_phase_divergence_finding_carries_a_verified_repro(tmp_path: Path, 
     assert {f.phase for f in phased} == {"prefill", "decode"}, [f.message for f in res.findings]
     for f in phased:
         assert f.kind == "divergence" and f.module == "model.layers.0.mlp.act_fn", f.message
+        assert "hooked_not_ran" not in f.details, f.details  # the hooked re-run ran on the backend (no frame in eager)
         assert f.repro is not None and f.repro.verified, (f.repro, f.details.get("repro_note"))
         script = ctx.cell_dir / f.repro.path
         assert script.parent.parent.name == f"phase-{f.phase}"

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import faulthandler
+import os
 import time
 from pathlib import Path
 
+import pytest
+
 from ci_runner.procs.isolate import IsolatedResult
-from ci_runner.procs.limits import NO_DEADLINE_S, ChildLimits, HangLimits, dead_item, finite, item_limits
+from ci_runner.procs.limits import (NO_DEADLINE_S, ChildLimits, HangLimits, dead_item, finite, item_limits,
+                                    stacks_on_signal)
+from ci_runner.procs.progress import DUMP_SIGNAL, ProgressWatch
 
 LIMITS = HangLimits(first=30.0, window=30.0, factor=4.0)
 
@@ -54,3 +60,20 @@ def test_no_deadline_is_a_finite_limit() -> None:
     `faulthandler` takes (an infinite one raised OverflowError in the probing child)."""
     limit = ChildLimits(LIMITS, deadline_wall=float("inf")).limit("p0")
     assert limit == NO_DEADLINE_S and finite(float("inf")) == NO_DEADLINE_S and finite(5.0) == 5.0
+
+
+def test_inside_stacks_on_signal_the_parents_signal_writes_where_the_child_is(tmp_path: Path) -> None:
+    """The probing children's one handler for the parent's watch: the signal a stalled child is sent before it is
+    killed (`ProgressWatch.dump_signal`) writes every thread's stack to the given file, and is unhandled again after
+    the block, a raising one too."""
+    assert ProgressWatch(first_limit=1.0, window=1.0, item=lambda: None).dump_signal == DUMP_SIGNAL
+    stacks = tmp_path / "stacks.txt"
+    with open(stacks, "w", encoding="utf-8") as fh:
+        with stacks_on_signal(fh):
+            os.kill(os.getpid(), DUMP_SIGNAL)  # faulthandler writes from the signal handler, at once
+        assert not faulthandler.unregister(DUMP_SIGNAL)  # removed on leaving
+        with pytest.raises(RuntimeError), stacks_on_signal(fh):
+            raise RuntimeError("a probe loop that raised")
+        assert not faulthandler.unregister(DUMP_SIGNAL)
+    text = stacks.read_text(encoding="utf-8")
+    assert "test_inside_stacks_on_signal_the_parents_signal_writes_where_the_child_is" in text, text

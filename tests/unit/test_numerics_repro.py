@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from ci_runner.engine.repro import render_template, template_backend
 from ci_runner.config import BackendSpec
 from ci_runner.modes.numerics.metrics import compare_tensors
-from ci_runner.modes.numerics.phaserepro import _watched
+from ci_runner.modes.numerics.phaserepro import _watched, attach_phase_repros
 from ci_runner.modes.numerics.repro import _via
+from ci_runner.options import NumericsOptions
+from ci_runner.results.model import Finding
+from tests.fixtures.matrices import REFERENCES, matrix_text
 
 SOURCE = {"kind": "factory", "factory": "pkg.mod:build", "seed": 0, "overrides": {}, "dtype": "float32"}
 
@@ -104,3 +109,38 @@ def test_a_phase_findings_module_names_what_its_repro_compares() -> None:
     assert _watched("kv:layers.3.values") == ("", (3, "values"))
     with pytest.raises(ValueError):
         _watched("kv:something")
+
+
+def test_the_findings_of_one_phase_share_one_reference_run(mode_context: Any) -> None:
+    """modes/numerics/phaserepro.py: the reference's run of a phase is made once per attach pass, whatever the
+    number of its findings (several `output_overwritten` findings of one decode phase ran it once each); each
+    finding's script still gets the phase's calls up to its own, as the reference made them."""
+    llama = {"id": "llama", "config": "llama", "overrides": {
+        "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "vocab_size": 64, "max_position_embeddings": 64}}
+    text = matrix_text(models=[llama], backends=[{"id": "aot_eager", "compile": "aot_eager"}], references=REFERENCES,
+                       inputs={"seq_len": 6, "samples": 1, "phases": ["prefill", {"decode": {"steps": 2}}]})
+    ctx = mode_context(text, "llama", "aot_eager")
+    reference = ctx.model(dtype=ctx.cell.references[0].dtype).module
+    forwards: list[int] = []
+    hook = reference.register_forward_pre_hook(lambda *_: forwards.append(1))
+
+    def over(call: str, after: str) -> Finding:
+        return Finding(kind="output_overwritten", stage="compare", message="m", fingerprint=f"{call}>{after}",
+                       module="(model)", phase="decode", details={"call": call, "changed_after": after})
+
+    findings = [over("prefill", "decode step 1"), over("decode step 1", "decode step 2"),
+                Finding(kind="divergence", stage="compare", message="m", fingerprint="p", module="model.norm",
+                        phase="prefill", details={"call": "prefill"}, threshold={"rel": 1e-3})]
+    try:
+        attach_phase_repros(ctx, findings, NumericsOptions(verify=False))
+    finally:
+        hook.remove()
+    assert all(f.repro is not None for f in findings), [f.details.get("repro_note") for f in findings]
+    assert len(forwards) == 3 + 1  # decode: prefill and 2 steps, once; prefill: 1 (it was 3 + 3 + 1)
+    folder = ctx.cell_dir / Path(findings[1].repro.path).parent  # type: ignore[union-attr]
+    kept = load_file(str(folder / "inputs.safetensors"))  # the last overwrite's (both share the folder)
+    assert {k.split(".")[0] for k in kept} == {"0", "1", "2"}, sorted(kept)  # up to decode step 2
+    prefill = load_file(str(ctx.cell_dir / Path(findings[2].repro.path).parent / "inputs.safetensors"))
+    assert {k.split(".")[0] for k in prefill} == {"0"}
+    assert torch.equal(prefill["0.input_ids"], kept["0.input_ids"])

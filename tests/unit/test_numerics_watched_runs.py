@@ -161,3 +161,40 @@ def test_openvino_partial_partition_makes_the_modules_calling_the_left_op_not_ra
         with torch.no_grad():
             runner(name, sub)(kwargs["input"])
     assert "histc" in runner.not_ran.get("0", "") and "0.lin" not in runner.not_ran, runner.not_ran
+
+
+def test_the_hooked_rerun_of_a_phase_is_not_a_fallback_when_the_backend_ran_it(fresh_dynamo: Any) -> None:
+    """The hooked re-run (output and input hooks on every module, the root's included) ran wholly on the backend:
+    the root module's hooks run outside its compiled forward, each a frame Dynamo compiles; a generator in the
+    input hook was a frame Dynamo refused ("Attempt to trace generator"), counted as a fallback to eager, and
+    every localised phase finding said `hooked_not_ran` although the model's graphs all ran on the backend."""
+    spec = ModelSpec(id="llama", config="llama", overrides={"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
+                                                            "num_hidden_layers": 1, "num_attention_heads": 2,
+                                                            "num_key_value_heads": 1})
+    loaded = load_model(spec, seed=0)
+    ctx: Any = types.SimpleNamespace(cell=types.SimpleNamespace(inputs=InputSpec(batch=1, seq_len=6, seed=0)))
+    phase = parse_phases(["prefill"], seq_len=6)[0]
+    run, rec, ran = _watched_run(resolve_backend(AOT), loaded.module, loaded.module, loaded, ctx, phase, forced=None,
+                                 device="cpu", inputs=True)
+    assert run.failed is None and "not_ran" not in ran and ran["graphs_executed"] >= 1, ran
+    assert rec.inputs and "model.layers.0.mlp.act_fn" in rec.inputs[0], rec.inputs  # the input hooks recorded
+
+
+class _GeneratorHooked(nn.Module):
+    """A model whose own forward hook walks its inputs with a generator (a frame Dynamo cannot compile)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_forward_hook(lambda mod, args, out: next((a for a in args if a.is_floating_point()), None))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+def test_a_frame_dynamo_refused_is_named_with_what_it_could_not_trace(fresh_dynamo: Any) -> None:
+    compiled, watch = resolve_backend(AOT).compile_watched(_GeneratorHooked())
+    with watch:
+        compiled(torch.randn(2, 4))
+    why = watch.not_ran(breaks=False) or ""
+    assert why.startswith("Dynamo fell back to eager for 1 frame(s)") and "Attempt to trace generator" in why, why

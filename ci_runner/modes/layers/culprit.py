@@ -32,7 +32,6 @@ import faulthandler
 import json
 import os
 import re
-import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -51,7 +50,7 @@ from ...fsutil import atomic_write_json, atomic_write_text
 from ...quoting import comment, pyrepr
 from ...failures.failure import first_line, is_compile_stage, raised_traceback, unwrap
 from ...procs.isolate import Attempt, IsolatedResult, Journal, child_journal, file_tail, supervise
-from ...procs.limits import ChildLimits, HangLimits, dead_item, item_limits
+from ...procs.limits import ChildLimits, HangLimits, dead_item, item_limits, stacks_on_signal
 from ...engine.handoff import load_handoff
 from .search import capture_inputs
 from ...models.load import load_model
@@ -416,20 +415,17 @@ def culprit_child(payload: dict[str, Any]) -> dict[str, Any]:
     backend.prepare()
     measured = [o.duration_s for t in targets for o in read_outcomes(Path(t.out_dir) / "probes.jsonl").values()
                 if o.status in ("pass", "fail")]  # this cell's finished probes: what the second limit derives from
-    with open(plan.timeout_file, "a", encoding="utf-8") as timeout_fh:
-        faulthandler.register(signal.SIGUSR1, file=timeout_fh, all_threads=True)  # the parent's watch: where stuck
-        try:
-            for t in todo:
-                sub, args, kwargs = calls[t.module]
-                try:
-                    _search_target(plan, t, sub, args, kwargs, backend, timeout_fh, measured)
-                except Exception as exc:  # outside any probe (the trace, the culprit's files): this target only
-                    atomic_write_json(Path(t.out_dir) / ANSWER, {
-                        "kind": "error", "key": None,
-                        "note": f"the culprit child failed outside any probe: {type(exc).__name__}: "
-                                f"{first_line(str(exc))}"})
-        finally:
-            faulthandler.unregister(signal.SIGUSR1)
+    with open(plan.timeout_file, "a", encoding="utf-8") as timeout_fh, \
+            stacks_on_signal(timeout_fh):  # the parent's watch: where stuck
+        for t in todo:
+            sub, args, kwargs = calls[t.module]
+            try:
+                _search_target(plan, t, sub, args, kwargs, backend, timeout_fh, measured)
+            except Exception as exc:  # outside any probe (the trace, the culprit's files): this target only
+                atomic_write_json(Path(t.out_dir) / ANSWER, {
+                    "kind": "error", "key": None,
+                    "note": f"the culprit child failed outside any probe: {type(exc).__name__}: "
+                            f"{first_line(str(exc))}"})
     return {"answered": len(todo)}
 
 

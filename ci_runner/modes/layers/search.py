@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import faulthandler
 import json
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -37,7 +36,7 @@ from ...failures.failure import is_compile_stage, raised_traceback, unwrap
 from ...fsutil import atomic_write_json
 from ...config import BackendSpec, ModelSpec, spec_from_json
 from ...procs.isolate import child_journal
-from ...procs.limits import ChildLimits, HangLimits
+from ...procs.limits import ChildLimits, HangLimits, stacks_on_signal
 from ...models.load import load_model
 from ...failures.outcome import ProbeOutcome, append_outcome, read_outcomes
 from ...models.tree import module_tensors, tensors_in
@@ -476,8 +475,7 @@ def probe_child(payload: dict[str, Any]) -> dict[str, Any]:
     backend.prepare()
     model = loaded.module
     inputs: dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]] = {ROOT: [(root_args, root_kwargs)]}
-    timeout_fh = open(plan.timeout_file, "a", encoding="utf-8")
-    faulthandler.register(signal.SIGUSR1, file=timeout_fh, all_threads=True)  # the parent's watch: where it is stuck
+    timeout_fh = open(plan.timeout_file, "a", encoding="utf-8")  # closed, and the stacks' handler removed, below
     probed = 0
     kept: dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]] = {}  # failing modules' inputs, for own-code probes
 
@@ -511,7 +509,7 @@ def probe_child(payload: dict[str, Any]) -> dict[str, Any]:
         probed += 1
         return outcome
 
-    try:
+    with timeout_fh, stacks_on_signal(timeout_fh):  # the parent's watch: where it is stuck
         result = search(tree, probe, prefetch)
         if result.complete and not backend.is_eager:  # eager devices name the running module instead
             firsts, _ = twin_plan(tree, own_code_candidates(tree, result.outcomes), result.outcomes)
@@ -527,9 +525,6 @@ def probe_child(payload: dict[str, Any]) -> dict[str, Any]:
                                      eager_children=tree.children(name), fd2_file=plan.fd2_file)
                 append_outcome(outcomes_file, outcome)
                 known[outcome.name] = outcome
-    finally:
-        faulthandler.unregister(signal.SIGUSR1)
-        timeout_fh.close()
     return {"complete": result.complete, "probed": probed}
 
 

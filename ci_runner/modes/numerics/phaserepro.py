@@ -16,7 +16,8 @@ output at that call (a forward hook), the logits, or the cache tensor, on the re
 by rel and 1 − cos (the formulas of the single forward's repro), and exits 1 with
 "REPRO FAILED: <module> diverges: rel X > threshold T" over the finding's threshold (or "… diverges: NaN/Inf …"
 where the target is not finite and the reference is). Each script is run once as the single forward's are
-(`repro.verify_repro`: `numerics.verify`, `numerics.verify_timeout`).
+(`repro.verify_repro`: `numerics.verify`, `numerics.verify_timeout`). The reference's run of a phase is made once per
+`attach_phase_repros` and shared by the phase's findings (`_Done.reference`; `_Calls.upto` cuts it at each one's call).
 
 No repro (and `details.repro_note` says why): a finding that names no call, a model no script rebuilds, a cell with
 under `repro.MIN_SECONDS` left. The tensor-parallel findings get theirs from `tprepro.py`.
@@ -61,9 +62,9 @@ def attach_phase_repros(ctx: "ModeContext", findings: Sequence[Finding],
         return {}
     t0 = time.monotonic()
     phases = {p.name: p for p in ctx.cell.inputs.workload()}
-    weights: list[Path] = []  # the whole model's weights, written once per cell: the other repros link to them
+    done = _Done()  # what the findings share: the weights file and each phase's reference run
     for f in todo:
-        attach(f, lambda: _one(ctx, f, phases.get(f.phase or ""), weights, verify=opts.verify,
+        attach(f, lambda: _one(ctx, f, phases.get(f.phase or ""), done, verify=opts.verify,
                                verify_timeout=opts.verify_timeout))
     return {"phase_repros_s": round(time.monotonic() - t0, 3)}
 
@@ -80,31 +81,54 @@ def _watched(module: str) -> tuple[str, tuple[int, str] | None]:
 
 
 class _Calls:
-    """The phase's calls as the reference makes them (its own greedy tokens: what the target was fed), up to the one
-    labelled `label`: their tensors (keys `<call>.<keyword>`), their labels, the first call (the cache's recipe)
-    and the real tokens of the finding's call."""
+    """The phase's calls as the reference makes them (its own greedy tokens: what the target was fed): each call's
+    tensors, label and real tokens, and the first call (the cache's recipe); `upto(label)` the calls up to the
+    first one labelled `label`, as one finding's script replays them."""
 
-    def __init__(self, label: str) -> None:
-        self.label = label
-        self.tensors: dict[str, torch.Tensor] = {}
-        self.calls: list[dict[str, Any]] = []
+    def __init__(self) -> None:
+        self.tensors: list[dict[str, torch.Tensor]] = []
+        self.labels: list[str] = []
+        self.reals: list[torch.Tensor | None] = []
         self.first: Call | None = None
-        self.real: torch.Tensor | None = None
-        self.found = False
 
     def keep(self, call: Call) -> None:
         if self.first is None:
             self.first = call
-        if self.found:
-            return
-        i = len(self.calls)
-        names = {}
-        for name, t in plain_tensors(call.kwargs).items():
-            self.tensors[f"{i}.{name}"] = t
-            names[name] = f"{i}.{name}"
-        self.calls.append({"label": call.label, "tensors": names})
-        if call.label == self.label:
-            self.found, self.real = True, call.real
+        self.tensors.append(plain_tensors(call.kwargs))
+        self.labels.append(call.label)
+        self.reals.append(call.real)
+
+    def upto(self, label: str) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]], torch.Tensor | None] | None:
+        """(their tensors, keys `<call>.<keyword>`; the calls' labels and tensor keys; the real tokens of the call
+        labelled `label`), or None when no call is."""
+        if label not in self.labels:
+            return None
+        tensors: dict[str, torch.Tensor] = {}
+        calls: list[dict[str, Any]] = []
+        for i in range(self.labels.index(label) + 1):
+            names = {name: f"{i}.{name}" for name in self.tensors[i]}
+            tensors.update({names[name]: t for name, t in self.tensors[i].items()})
+            calls.append({"label": self.labels[i], "tensors": names})
+        return tensors, calls, self.reals[self.labels.index(label)]
+
+
+class _Done:
+    """What one attach pass does once and its findings share: the model's weights file (written once per cell, the
+    other repros link to it) and the reference's run of each phase (`runs`: how many were made)."""
+
+    def __init__(self) -> None:
+        self.weights: list[Path] = []
+        self.phases: dict[str, _Calls] = {}
+        self.runs = 0
+
+    def reference(self, loaded: Any, ctx: "ModeContext", phase: Phase) -> _Calls:
+        """The reference's calls of `phase`, run once (a run that raised is made again for the next finding)."""
+        if phase.name not in self.phases:
+            calls = _Calls()
+            self.runs += 1
+            run_phase(loaded.module, loaded, ctx.cell.inputs, phase, before_call=calls.keep)
+            self.phases[phase.name] = calls
+        return self.phases[phase.name]
 
 
 def _save_weights(module: torch.nn.Module, path: Path, written: list[Path]) -> None:
@@ -121,7 +145,7 @@ def _save_weights(module: torch.nn.Module, path: Path, written: list[Path]) -> N
     written.append(path)
 
 
-def _one(ctx: "ModeContext", f: Finding, phase: Phase | None, weights: list[Path], *, verify: bool,
+def _one(ctx: "ModeContext", f: Finding, phase: Phase | None, done: _Done, *, verify: bool,
          verify_timeout: float) -> Repro | str:
     overwritten = {"call": f.details.get("call"), "after": f.details.get("changed_after")} \
         if f.kind == FindingKind.OUTPUT_OVERWRITTEN else None
@@ -139,12 +163,13 @@ def _one(ctx: "ModeContext", f: Finding, phase: Phase | None, weights: list[Path
     source = model_source(ctx.cell.model, ctx.cell.inputs.seed, loaded, folder)
     if source is None:
         return f"no repro: the model cannot be rebuilt from its source ({ctx.cell.model.source})"
-    calls = _Calls(label)
-    run_phase(loaded.module, loaded, ctx.cell.inputs, phase, before_call=calls.keep)
-    if not calls.found or calls.first is None:
+    ref = done.reference(loaded, ctx, phase)
+    upto = ref.upto(label)
+    if upto is None or ref.first is None:
         return f"no repro: the reference's {phase.name} has no call {label!r}"
-    save_tensors(calls.tensors, folder / "inputs.safetensors", copy=True)
-    _save_weights(loaded.module, folder / "weights.safetensors", weights)
+    tensors, calls, real = upto
+    save_tensors(tensors, folder / "inputs.safetensors", copy=True)  # small, and per finding: findings of one
+    _save_weights(loaded.module, folder / "weights.safetensors", done.weights)  # phase may share a folder
     cached = phase.name in ("prefill", "decode")
     pythonpath = plugin_pythonpath([*backend_recipe(ctx.cell.backend).imports, "ci_runner"])  # simdev's included
     script = folder / "repro.py"
@@ -156,9 +181,9 @@ def _one(ctx: "ModeContext", f: Finding, phase: Phase | None, weights: list[Path
         module_class=f.module_class or "", model_id=ctx.cell.model.id, model_source=ctx.cell.model.source,
         backend_id=ctx.cell.backend.id, backend=template_backend(ctx.cell.backend), message=f.message, call=None,
         source=source, phase=phase.label(), call_label=label, module_call=int(f.details.get("module_call") or 0),
-        kv=list(kv) if kv is not None else None, calls=calls.calls,
-        cache=cache_recipe(loaded, phase, calls.first) if cached else None, use_cache=cached,
-        real=calls.real.tolist() if calls.real is not None and kv is None else None, ref_dtype=ref_dtype,
+        kv=list(kv) if kv is not None else None, calls=calls,
+        cache=cache_recipe(loaded, phase, ref.first) if cached else None, use_cache=cached,
+        real=real.tolist() if real is not None and kv is None else None, ref_dtype=ref_dtype,
         target_dtype=target_dtype(ctx.cell.model.dtype, ref_dtype), command=command,
         threshold_rel=None if rel is None else float(rel), threshold_cos=None if cos is None else float(cos),
         overwritten=overwritten))

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import json
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +40,7 @@ from ...engine.codec import source_of, tensor_specs
 from ...failures.diagnostics import capture_fd2
 from ...failures.failure import error_text
 from ...procs.isolate import child_journal
-from ...procs.limits import ChildLimits, HangLimits
+from ...procs.limits import ChildLimits, HangLimits, stacks_on_signal
 from ...models.tree import map_tensors
 from ...fsutil import append_line
 from .inputs import build_tensors, dynamic_marks, input_bytes
@@ -327,10 +326,7 @@ def probe_groups(payload: Mapping[str, Any]) -> dict[str, Any]:
     groupable = not bool(getattr(backend, "is_eager", False)) and runner.via == "dynamo"
     tasks = plan_tasks(payload["probes"], int(payload.get("group_size", 1)) if groupable else 1,
                        float(payload.get("max_probe_input_mb") or 0) * 2**20)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent's watch: where a stalled probe is stuck
-    try:
+    with stacks_on_signal():  # the parent's watch: where a stalled probe is stuck
         for task in tasks:
             runner.task(task)
-    finally:
-        faulthandler.unregister(signal.SIGUSR1)
     return {"probed": len(payload["probes"]), "tasks": len(tasks)}
