@@ -107,15 +107,20 @@ def test_nan_in_a_padded_batch_is_named_with_row_and_first_layer(context: Callab
 
 
 def test_outputs_overwritten_by_later_calls_are_found_where_they_happen(context: Callable[[str], Any]) -> None:
-    ctx = context("reuse", ["prefill", {"decode": {"steps": 2}}, {"batch": {"lengths": [8, 3]}}])
+    ctx = context("reuse", ["prefill", {"decode": {"steps": 3}}, {"batch": {"lengths": [8, 3]}}])
     findings, _ = numerics_phases(ctx, NumericsOptions())
-    over = [f for f in findings if f.kind == "output_overwritten"]
-    assert {f.phase for f in over} == {"decode"} and {f.step for f in over} == {1}
-    assert "changed after decode step 2" in over[0].message
-    # its repro replays the calls compiled and shows the kept output changing (issue 45: a repro per numerics finding)
+    over = sorted((f for f in findings if f.kind == "output_overwritten"), key=lambda f: f.step or 0)
+    assert {f.phase for f in over} == {"decode"} and [f.step for f in over] == [1, 2]
+    assert "changed after decode step 2" in over[0].message and "changed after decode step 3" in over[1].message
+    # its repro replays the calls compiled and shows the kept output changing (issue 45: a repro per numerics finding),
+    # each finding its own script (they once shared one folder: the last written stood for both)
     attach_phase_repros(ctx, over, NumericsOptions())
+    assert all(f.repro is not None and f.repro.verified for f in over), [(f.repro, f.details.get("repro_note")) for f in over]
+    assert len({f.repro.path for f in over if f.repro}) == 2
+    scripts = [(ctx.cell_dir / f.repro.path).read_text() for f in over if f.repro]
+    assert "decode step 3" in scripts[1] and "decode step 3" not in scripts[0]
     repro = over[0].repro
-    assert repro is not None and repro.verified, (repro, over[0].details.get("repro_note"))
+    assert repro is not None
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}  # as printed, `python`
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])  # being this interpreter
     proc = subprocess.run(repro.command or "", shell=True, cwd=(ctx.cell_dir / repro.path).parent, env=env,

@@ -6,7 +6,8 @@ the calls compiled, keeps that call's output and its copy, and exits 1 with "REP
 A phase finding (`phases.py`) names a module (a layer, `(model)` for the logits, or `kv:layers.<i>.keys|values` for
 a KV-cache tensor) and the call of the phase where it diverges first (`details.call`, e.g. `decode step 2`; a module
 called more than once in that call: `details.module_call`). Its state (the KV cache) comes from the calls before, so
-`numerics/repro/phase-<phase>/<module>/repro.py` (`templates/repro_numerics_phase.py.j2`) rebuilds the whole model
+`numerics/repro/phase-<phase>/<module>/repro.py` (an overwrite's: `<module>-<its call>/`, one per finding;
+`templates/repro_numerics_phase.py.j2`) rebuilds the whole model
 (`engine.repro.model_source`: its transformers class from `config.json`; every weight from `weights.safetensors`)
 and calls it for each call of the phase up to that one, with the calls' tensors (`inputs.safetensors`: the tokens the
 reference picked, so both sides see the same ones; an encoder-decoder's encoder output) and one cache carried along,
@@ -158,7 +159,9 @@ def _one(ctx: "ModeContext", f: Finding, phase: Phase | None, done: _Done, *, ve
     watched, kv = _watched(f.module or ROOT)
     ref_dtype = ctx.cell.references[0].dtype
     loaded = ctx.model(dtype=ref_dtype)
-    folder = ctx.artifact_dir("numerics") / "repro" / f"phase-{phase.name}" / safe_filename(f.module or "model")
+    name = safe_filename(f.module or "model")  # an overwrite per call: findings of one phase never share a script
+    folder = ctx.artifact_dir("numerics") / "repro" / f"phase-{phase.name}" / (
+        f"{name}-{safe_filename(str(overwritten['call']))}" if overwritten else name)
     folder.mkdir(parents=True, exist_ok=True)
     source = model_source(ctx.cell.model, ctx.cell.inputs.seed, loaded, folder)
     if source is None:
