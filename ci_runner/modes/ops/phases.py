@@ -155,7 +155,8 @@ def _symbolic_probe(ctx: "ModeContext", opts: OpsOptions, phase: Phase, op: str,
     rel = script.relative_to(ctx.cell_dir).as_posix()
     return Finding(kind="unsupported_op", stage="compile", op=op,
                    message=(f"{phase.name}: {op} on a dynamic size fails: {message}; Dynamo hands the backend this "
-                            f"symbolic-shape function when it recompiles a call with a new length")[:2000],
+                            f"symbolic-shape function when a call recompiles with a size or an int input that changed "
+                            f"(automatic dynamic shapes: a new length, or a cache's position counter)")[:2000],
                    error_type=message.split(":", 1)[0] if ":" in message else None,
                    repro=Repro(path=rel, verified=ver.verified, command=command, note=ver.note),
                    details={"symbolic": True, "phase": phase.label(),
