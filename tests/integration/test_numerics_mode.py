@@ -44,6 +44,7 @@ def _matrix(inputs: dict[str, Any] | None = None, **parts: Any) -> str:
                   {"id": "perturb-attn", "compile": "tests.fixtures.plugin_numerics_perturb:make",
                    "backend_options": {"op": "aten._scaled_dot_product_*"}},
                   {"id": "segv-silu", "compile": "sim-segv", "backend_options": {"op": "silu"}},
+                  {"id": "tp-shard", "compile": "sim-tp-shard"},  # one rank: q_proj wrong in the whole graph only
                   {"id": "aot_eager", "compile": "aot_eager"}],
     )
 
@@ -293,6 +294,21 @@ def test_each_divergence_finding_carries_a_verified_repro(cell_run: Callable[...
     assert res.status == "pass" and not res.findings, res.reason
     assert not (ctx.cell_dir / "numerics" / "repro").exists()
     assert "repros_s" not in res.data["timings"]
+
+
+def test_accumulated_drift_gets_a_verified_whole_model_repro(tmp_path: Path, shared_thresholds: Path) -> None:
+    """Issue 45, a repro for every numerics finding: a cumulative-only finding (no layer wrong on its own: sim-tp-shard
+    permutes layer 0's q_proj output only inside the whole model's graph) gets `numerics/repro/forward/<module>/`, the
+    whole model called once on the forward's inputs, eagerly and compiled; the printed command shows the divergence."""
+    ctx = _ctx(tmp_path, "tiny-llama-1", "tp-shard", options={"thresholds_dir": str(shared_thresholds)})
+    res = run(ctx)
+    (f,) = [f for f in res.findings if f.module == "model.layers.0.self_attn.q_proj"]
+    assert f.details["view"] == "cumulative" and "no layer" not in str(f.details.get("repro_note"))
+    assert f.repro is not None and f.repro.verified, (f.repro, f.details.get("repro_note"))
+    assert f.repro.path == "numerics/repro/forward/model.layers.0.self_attn.q_proj/repro.py"
+    done = _run_as_printed(ctx.cell_dir / f.repro.path, f.repro.command or "")
+    out = done.stdout + done.stderr
+    assert done.returncode == 1 and "REPRO FAILED: model.layers.0.self_attn.q_proj diverges: rel " in out, out[-3000:]
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from functools import partial
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
@@ -64,7 +65,7 @@ from .verdict import (
 )
 from .parallel import PendingParallel, start_parallel
 from .phases import run_phases
-from .phaserepro import attach_phase_repros
+from .phaserepro import attach_phase_repros, forward_repro
 from .repro import attach_repros
 from .views import cast_copy, derive_reference_stats, runnable_reference
 
@@ -344,7 +345,8 @@ def _single_rank(ctx: "ModeContext", opts: NumericsOptions, t0: float, pending: 
                                            model_id=ctx.cell.model.id, max_findings=opts.max_findings)
     post = after_numerics(ctx, toolbox, table=table, layers=layers, verdict=verdict, findings=findings,
                           isolate=opts.isolate)  # batch invariance, bisect of the divergent layer
-    timings.update(attach_repros(ctx, findings, layers, dumps[0], opts))  # while the reference dump is on disk
+    timings.update(attach_repros(ctx, findings, layers, dumps[0], opts, drift=partial(  # while the dump is on disk
+        forward_repro, ctx, verify=opts.verify, verify_timeout=opts.verify_timeout)))
     errors = [{"key": l.key, "module_class": l.module_class, **{f"{v}": e for v, e in l.errors.items()}}
               for l in layers if l.errors]
     data: dict[str, Any] = {

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 
 from ...backends import backend_recipe, plugin_pythonpath
-from ...engine.codec import save_tensors
+from ...engine.codec import Unstorable, save_tensors
 from ...engine.repro import model_source, render_template, run_command, safe_filename, template_backend, write_script
 from ...models.tree import module_tensors
 from ...options import NumericsOptions
@@ -43,12 +43,14 @@ from ...results.model import Finding, Repro
 from ...workloads.calls import Call, cache_recipe, plain_tensors, run_phase
 from ...workloads.phases import Phase
 from .repro import MIN_SECONDS, attach, verify_repro
+from .store import DumpReader
 from .target import target_dtype
+from .verdict import Layer
 
 if TYPE_CHECKING:
     from .. import ModeContext
 
-__all__ = ["attach_phase_repros"]
+__all__ = ["attach_phase_repros", "forward_repro"]
 
 ROOT = "(model)"  # the module name of a finding on the logits
 
@@ -174,26 +176,74 @@ def _one(ctx: "ModeContext", f: Finding, phase: Phase | None, done: _Done, *, ve
     save_tensors(tensors, folder / "inputs.safetensors", copy=True)  # small, and per finding: findings of one
     _save_weights(loaded.module, folder / "weights.safetensors", done.weights)  # phase may share a folder
     cached = phase.name in ("prefill", "decode")
+    expect = f"the output returned by {overwritten['call']} changed after" if overwritten else \
+        f"{f.module or ROOT} diverges"
+    return _write(ctx, f, folder, dict(
+        qualified_name=watched, source=source, phase=phase.label(), call_label=label,
+        module_call=int(f.details.get("module_call") or 0), kv=list(kv) if kv is not None else None, calls=calls,
+        cache=cache_recipe(loaded, phase, ref.first) if cached else None, use_cache=cached,
+        real=real.tolist() if real is not None and kv is None else None, ref_dtype=ref_dtype,
+        threshold=f.threshold, overwritten=overwritten), expect=expect, verify=verify, verify_timeout=verify_timeout)
+
+
+def _write(ctx: "ModeContext", f: Finding, folder: Path, fields: dict[str, Any], *, expect: str, verify: bool,
+           verify_timeout: float) -> Repro:
+    """`folder/repro.py` from the whole-model template with `fields` (the finding's own filled in), run once when
+    `verify`: verified when it exits 1 printing `expect`."""
     pythonpath = plugin_pythonpath([*backend_recipe(ctx.cell.backend).imports, "ci_runner"])  # simdev's included
     script = folder / "repro.py"
     command = run_command(script.name, folder, pythonpath)
-    rel = f.threshold.get("rel")
-    cos = f.threshold.get("cos")
+    threshold = fields.pop("threshold")
+    rel, cos = threshold.get("rel"), threshold.get("cos")
     write_script(script, render_template(
-        "repro_numerics_phase.py.j2", module=f.module or ROOT, qualified_name=watched,
-        module_class=f.module_class or "", model_id=ctx.cell.model.id, model_source=ctx.cell.model.source,
-        backend_id=ctx.cell.backend.id, backend=template_backend(ctx.cell.backend), message=f.message, call=None,
-        source=source, phase=phase.label(), call_label=label, module_call=int(f.details.get("module_call") or 0),
-        kv=list(kv) if kv is not None else None, calls=calls,
-        cache=cache_recipe(loaded, phase, ref.first) if cached else None, use_cache=cached,
-        real=real.tolist() if real is not None and kv is None else None, ref_dtype=ref_dtype,
-        target_dtype=target_dtype(ctx.cell.model.dtype, ref_dtype), command=command,
+        "repro_numerics_phase.py.j2", module=f.module or ROOT, module_class=f.module_class or "",
+        model_id=ctx.cell.model.id, model_source=ctx.cell.model.source, backend_id=ctx.cell.backend.id,
+        backend=template_backend(ctx.cell.backend), message=f.message, call=None,
+        target_dtype=target_dtype(ctx.cell.model.dtype, fields["ref_dtype"]), command=command,
         threshold_rel=None if rel is None else float(rel), threshold_cos=None if cos is None else float(cos),
-        overwritten=overwritten))
+        **fields))
     if not verify:
         return Repro(path=str(script.relative_to(ctx.cell_dir)), verified=False, command=command,
                      note="not verified (numerics.verify: false)")
-    expect = f"the output returned by {overwritten['call']} changed after" if overwritten else \
-        f"{f.module or ROOT} diverges"
     return verify_repro(ctx, script, pythonpath, command, expect=expect, limit=verify_timeout)
+
+
+def forward_repro(ctx: "ModeContext", f: Finding, layers: Sequence[Layer], reader: DumpReader, *, verify: bool,
+                  verify_timeout: float) -> Repro | str:
+    """The repro of a cumulative-only divergence of the single forward (accumulated drift: no layer is wrong on its
+    own, so no layer alone shows it): `numerics/repro/forward/<module>/repro.py`, the whole model rebuilt and called
+    once on the forward's inputs (the reference dump's root call), eagerly and compiled, comparing the module's output
+    at the flagged call against the finding's cumulative threshold (the cumulative view's own comparison)."""
+    left = ctx.remaining()
+    if left < MIN_SECONDS:
+        return f"no repro: the cell had {left:.0f} s left (under {MIN_SECONDS:.0f} s)"
+    own = [l for l in layers if l.name == f.module and l.flagged("cumulative") and l.metrics.get("cumulative")]
+    layer = max(own, key=lambda l: float(l.metrics["cumulative"]["rel"]), default=None)  # type: ignore[index]
+    root = next((c for c in reader.calls if c.get("parent") is None), None)
+    if layer is None or root is None:
+        return "no repro: the flagged call is not in the reference dump"
+    try:
+        args, kwargs = reader.inputs(root)
+    except Unstorable as exc:
+        return f"no repro: the model's inputs were not stored ({exc})"
+    tensors = plain_tensors(kwargs)
+    if args or not tensors:
+        return "no repro: the model was called with positional inputs (the whole-model script passes keywords)"
+    ref_dtype = ctx.cell.references[0].dtype
+    loaded = ctx.model(dtype=ref_dtype, device="cpu")
+    folder = ctx.artifact_dir("numerics") / "repro" / "forward" / safe_filename(f.module or "model")
+    folder.mkdir(parents=True, exist_ok=True)
+    source = model_source(ctx.cell.model, ctx.cell.inputs.seed, loaded, folder)
+    if source is None:
+        return f"no repro: the model cannot be rebuilt from its source ({ctx.cell.model.source})"
+    names = {name: f"0.{name}" for name in tensors}
+    save_tensors({names[n]: t for n, t in tensors.items()}, folder / "inputs.safetensors", copy=True)
+    save_tensors(module_tensors(loaded.module), folder / "weights.safetensors", copy=True)
+    _, _, k = layer.key.partition("#")
+    return _write(ctx, f, folder, dict(
+        qualified_name=layer.name, source=source, phase="forward", call_label="forward",
+        module_call=int(k) if k.isdigit() else 0, kv=None, calls=[{"label": "forward", "tensors": names}],
+        cache=None, use_cache=False, real=None, ref_dtype=ref_dtype,
+        threshold=f.threshold.get("cumulative") or {}, overwritten=None),
+        expect=f"{f.module or ROOT} diverges", verify=verify, verify_timeout=verify_timeout)
 

@@ -10,8 +10,11 @@ the finding's isolated threshold and exits 1 with "REPRO FAILED: <module> diverg
 finding "in what it passes to <child>" (the record's `via`) compares what the layer passes to that child. The script
 is run once (`engine.repro.verify_script`) and the finding's `Repro.verified` says whether it showed the divergence.
 
-No repro (and `details.repro_note` says why): a cumulative-only finding (drift: no layer is wrong on its own, so
-no one layer alone shows it), a model whose source no script rebuilds, a call whose inputs were not stored, a cell
+A cumulative-only finding (drift: no layer is wrong on its own, so no one layer alone shows it) gets a whole-model
+script instead (`phaserepro.forward_repro`: the model called once on the forward's inputs, eagerly and compiled, the
+module's output compared at its call against the cumulative threshold).
+
+No repro (and `details.repro_note` says why): a model whose source no script rebuilds, a call whose inputs were not stored, a cell
 with under `MIN_SECONDS` left. A phase's findings get theirs from `phaserepro.py`; a sharded layer's divergence
 under tensor parallelism (`parallel.py`) from `tprepro.py` (its own ranks; verified with `verify_at`, as here).
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import os
 import time
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -44,13 +48,16 @@ __all__ = ["MIN_SECONDS", "attach_repros", "verify_at", "verify_repro"]
 MIN_SECONDS = 90.0  # a cell with less left writes no repro: its result comes first
 
 
+Drift = Callable[[Finding, Sequence[Layer], DumpReader], "Repro | str"]  # a cumulative-only finding's whole-model repro
+
+
 def attach_repros(ctx: "ModeContext", findings: Sequence[Finding], layers: Sequence[Layer],
-                  dump: Path, opts: NumericsOptions | None = None) -> dict[str, float]:
+                  dump: Path, opts: NumericsOptions | None = None, *, drift: Drift | None = None) -> dict[str, float]:
     """A verified repro (or a `details.repro_note`) on each divergence finding of the single forward: the timing
     `{"repros_s": seconds}` ({} with no finding). `dump`: the primary reference's dump of the compared sample (still
     on disk). The layer runs eagerly in the primary reference's dtype, compiled in the target's (`target_dtype`). Each
     repro is run once when `opts.verify` (`numerics.verify`), within `opts.verify_timeout` and a quarter of the cell's
-    time left."""
+    time left. A cumulative-only finding (accumulated drift) gets `drift`'s whole-model repro (`phaserepro.forward_repro`)."""
     opts = opts or NumericsOptions()
     if not findings:
         return {}
@@ -61,6 +68,9 @@ def attach_repros(ctx: "ModeContext", findings: Sequence[Finding], layers: Seque
     try:
         for f in findings:
             if f.kind != FindingKind.DIVERGENCE:
+                continue
+            if f.details.get("view") not in ("isolated", "both") and drift is not None:
+                attach(f, partial(drift, f, layers, reader))
                 continue
             attach(f, lambda: _one(ctx, f, layers, reader, ref_dtype=ref_dtype, compiled_dtype=compiled_dtype,
                                    verify=opts.verify, verify_timeout=opts.verify_timeout))
