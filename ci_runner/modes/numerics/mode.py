@@ -32,7 +32,7 @@ from ...fsutil import append_line, atomic_write_json
 from ...procs.isolate import Attempt, IsolatedResult, Journal, supervise
 from ...models.load import load_model
 from ...options import NumericsOptions
-from ...results.model import ModeResult
+from ...results.model import Finding, ModeResult
 from .capture import dump_meta, record_reference
 from .settings import DTYPES, VIEWS, dynamo_settings
 from .store import DumpReader, dump_matches
@@ -54,6 +54,7 @@ from .overlay import (PROGRAM_FILE, export_program, module_ratios, place, shared
                                  weights_mb, write_node_data)
 from .toolbox import after_numerics, before_numerics, reference_dumps, weights_from_target, weights_in_target
 from .verdict import (
+    Layer,
     OTHER_VIEW,
     build_layers,
     coverage,
@@ -345,8 +346,7 @@ def _single_rank(ctx: "ModeContext", opts: NumericsOptions, t0: float, pending: 
                                            model_id=ctx.cell.model.id, max_findings=opts.max_findings)
     post = after_numerics(ctx, toolbox, table=table, layers=layers, verdict=verdict, findings=findings,
                           isolate=opts.isolate)  # batch invariance, bisect of the divergent layer
-    timings.update(attach_repros(ctx, findings, layers, dumps[0], opts, drift=partial(  # while the dump is on disk
-        forward_repro, ctx, verify=opts.verify, verify_timeout=opts.verify_timeout)))
+    timings.update(_repros(ctx, opts, findings, layers, dumps[0]))  # while the reference dump is on disk
     errors = [{"key": l.key, "module_class": l.module_class, **{f"{v}": e for v, e in l.errors.items()}}
               for l in layers if l.errors]
     data: dict[str, Any] = {
@@ -383,6 +383,14 @@ def _single_rank(ctx: "ModeContext", opts: NumericsOptions, t0: float, pending: 
                           data=data, duration_s=duration)
     return _with_parallel(_result(findings, data, duration, cum_errors=cum_errors, layers=layers,
                                   expected=[v for v in opts.views if not (v == "isolated" and iso_skipped)]))
+
+
+def _repros(ctx: "ModeContext", opts: NumericsOptions, findings: list[Finding], layers: list[Layer],
+            dump: Path) -> dict[str, float]:
+    """A repro on each divergence of the single forward: a layer's (`repro.py`), or accumulated drift's whole-model
+    one (`phaserepro.forward_repro`)."""
+    drift = partial(forward_repro, ctx, verify=opts.verify, verify_timeout=opts.verify_timeout)
+    return attach_repros(ctx, findings, layers, dump, opts, drift=drift)
 
 
 def _overlay(ctx: "ModeContext", opts: NumericsOptions, rows: list[dict[str, Any]], sample: int,
