@@ -396,13 +396,16 @@ def _key(sig: Signature) -> tuple[str, str]:
 def links(results: Results, *, boilerplate: Collection[str] = ()) -> dict[int, tuple[Finding, str]]:
     """id(finding) -> (the ops finding whose cause it shares in its cell, why): a finding of another kind that one
     operator's failure explains is counted under that operator's cause (`_link_of`). Decided per finding and per
-    cell, never per signature: a divergence in the same layer class elsewhere is not that operator's."""
+    cell, never per signature: a divergence in the same layer class elsewhere is not that operator's. An op finding
+    of a shared cause (`shared_causes`: one torch error failing several ops) explains nothing about its op."""
     out: dict[int, tuple[Finding, str]] = {}
     for cell in results.cells:
         ops_mode = cell.modes.get("ops")
         op_findings = [g for g in ops_mode.findings if g.op] if ops_mode is not None else []
         if not op_findings:
             continue
+        shared = shared_causes(op_findings, boilerplate=boilerplate)  # one torch error failing many ops: not the op's
+        op_findings = [g for g in op_findings if not g.error_type or signature(g, boilerplate=boilerplate).id not in shared]
         for mode_name, mode in cell.modes.items():
             if mode_name == "ops":
                 continue

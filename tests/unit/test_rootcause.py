@@ -534,3 +534,16 @@ def test_a_layer_whose_verified_culprit_fails_as_the_ops_finding_does_is_that_op
     assert "culprit is aten.topk.default alone" in gate.details["same_cause_as"]["why"]
     for f in (unverified, other_error):
         assert f.details["signature"] != topk.details["signature"] and "same_cause_as" not in f.details
+
+
+def test_an_op_failing_on_a_shared_torch_error_explains_no_leftover_of_that_op() -> None:
+    """A guard error raised in torch fails every op of a phase (a shared cause, not the ops'): OpenVINO leaving
+    `histc` to PyTorch is not that error's."""
+    tb = OV_TB % "s1"
+    failing = [Finding(kind="op_error", stage="compile", op=op, error_type="AssertionError", fingerprint=op,
+                       message="AssertionError: sources must not be empty for symbol s1",
+                       details={"traceback_tail": tb}) for op in ("aten.histc.default", "aten.exp.default")]
+    leftover = Finding(kind="eager_fallback", stage="compile", op="aten.histc.default", fingerprint="ee" * 10,
+                       message="aten.histc.default ran in PyTorch eager")
+    root_causes(_cells({"ops": failing, "compile": [leftover]}))
+    assert "same_cause_as" not in leftover.details and leftover.details["signature"] != failing[0].details["signature"]
