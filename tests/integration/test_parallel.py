@@ -319,11 +319,8 @@ def test_iree_reports_its_unsupported_collective(tmp_path: Path) -> None:
     assert f.repro is not None and f.repro.verified, (f.repro and f.repro.note, f.details.get("repro_output_tail"))
 
 
-@pytest.mark.slow
-def test_the_numerics_mode_runs_the_ranks_beside_its_single_rank_part(tmp_path: Path) -> None:
-    """A TP cell through the numerics mode (test decoder, aot_eager, the single rank in this process): the ranks
-    start with the mode, so the cell waits only for the part of them left after its single-rank comparison (before,
-    it waited for all of them after it), and the TP result is still the comparison's: pass, every call compared."""
+def _numerics_tp_cell(tmp_path: Path, backend: dict[str, Any]) -> Any:
+    """The numerics mode on the test decoder with `parallel: {tp: 2}` on `backend` (single rank in this process)."""
     import dataclasses
     import time
 
@@ -335,12 +332,20 @@ def test_the_numerics_mode_runs_the_ranks_beside_its_single_rank_part(tmp_path: 
     from tests.fixtures.matrices import REFERENCES, matrix_text
 
     text = matrix_text(models=[{"id": "tiny-decoder", "factory": "tests.fixtures.plugin_tp_models:decoder",
-                                "parallel": {"tp": 2}}], backends=[{"id": "aot_eager", "compile": "aot_eager"}],
+                                "parallel": {"tp": 2}}], backends=[backend],
                        modes=["numerics"], inputs={"samples": 2}, references=REFERENCES)
     cell = dataclasses.replace(expand(load_matrix_text(text))[0], options={"numerics": {"isolate": False}})
     ctx = ModeContext(cell=cell, cell_dir=tmp_path, backend=resolve_backend(cell.backend),
                       deadline=time.monotonic() + 600)
-    res = run(ctx)
+    return run(ctx)
+
+
+@pytest.mark.slow
+def test_the_numerics_mode_runs_the_ranks_beside_its_single_rank_part(tmp_path: Path) -> None:
+    """A TP cell through the numerics mode (test decoder, aot_eager, the single rank in this process): the ranks
+    start with the mode, so the cell waits only for the part of them left after its single-rank comparison (before,
+    it waited for all of them after it), and the TP result is still the comparison's: pass, every call compared."""
+    res = _numerics_tp_cell(tmp_path, {"id": "aot_eager", "compile": "aot_eager"})
     tp = res.data["parallel"]
     assert (res.status, tp["status"], tp["ranks"]) == ("pass", "pass", "all ranks finished"), res.reason
     assert not res.findings and len(tp["layers"]) >= 15 and all("metrics" in r for r in tp["layers"])
@@ -352,23 +357,7 @@ def test_the_numerics_mode_gives_a_tp_divergence_its_verified_repro(tmp_path: Pa
     """A TP cell through the numerics mode on sim-tp-shard: the ranks store the diverging q_proj's shards and inputs in
     the cell's `numerics/parallel/` (the mode's payload says where), and the finding carries the repro, verified,
     no `repro_note`."""
-    import dataclasses
-    import time
-
-    from ci_runner.backends import resolve_backend
-    from ci_runner.config import load_matrix_text
-    from ci_runner.matrix import expand
-    from ci_runner.modes import ModeContext
-    from ci_runner.modes.numerics.mode import run
-    from tests.fixtures.matrices import REFERENCES, matrix_text
-
-    text = matrix_text(models=[{"id": "tiny-decoder", "factory": "tests.fixtures.plugin_tp_models:decoder",
-                                "parallel": {"tp": 2}}], backends=[{"id": "sim-tp-shard", "compile": "sim-tp-shard"}],
-                       modes=["numerics"], inputs={"samples": 2}, references=REFERENCES)
-    cell = dataclasses.replace(expand(load_matrix_text(text))[0], options={"numerics": {"isolate": False}})
-    ctx = ModeContext(cell=cell, cell_dir=tmp_path, backend=resolve_backend(cell.backend),
-                      deadline=time.monotonic() + 600)
-    res = run(ctx)
+    res = _numerics_tp_cell(tmp_path, {"id": "sim-tp-shard", "compile": "sim-tp-shard"})
     tp = [f for f in res.findings if f.parallel == "tp2"]
     assert [(f.kind, f.module) for f in tp] == [("divergence", "layers.0.self_attn.q_proj")], res.reason
     f = tp[0]

@@ -75,13 +75,17 @@ def test_batch_invariance_a_compiled_dump_and_the_weights_check_say_when_the_bac
     assert check_weights(m, resolve_backend(AOT)).not_ran is None
 
 
-def test_a_phase_the_backend_did_not_run_is_seen(fresh_dynamo: Any) -> None:
+def _prefill_of_a_tiny_llama() -> tuple[Any, Any, Any]:
+    """A one-layer Llama, a context that carries its inputs, and its prefill phase."""
     spec = ModelSpec(id="llama", config="llama", overrides={"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
                                                             "num_hidden_layers": 1, "num_attention_heads": 2,
                                                             "num_key_value_heads": 1})
-    loaded = load_model(spec, seed=0)
     ctx: Any = types.SimpleNamespace(cell=types.SimpleNamespace(inputs=InputSpec(batch=1, seq_len=6, seed=0)))
-    phase = parse_phases(["prefill"], seq_len=6)[0]
+    return load_model(spec, seed=0), ctx, parse_phases(["prefill"], seq_len=6)[0]
+
+
+def test_a_phase_the_backend_did_not_run_is_seen(fresh_dynamo: Any) -> None:
+    loaded, ctx, phase = _prefill_of_a_tiny_llama()
     run, _rec, ran = _watched_run(resolve_backend(AOT), loaded.module, None, loaded, ctx, phase, forced=None,
                                   device="cpu")
     assert run.failed is None and "not_ran" not in ran and ran["graphs_executed"] >= 1
@@ -168,12 +172,7 @@ def test_the_hooked_rerun_of_a_phase_is_not_a_fallback_when_the_backend_ran_it(f
     the root module's hooks run outside its compiled forward, each a frame Dynamo compiles; a generator in the
     input hook was a frame Dynamo refused ("Attempt to trace generator"), counted as a fallback to eager, and
     every localised phase finding said `hooked_not_ran` although the model's graphs all ran on the backend."""
-    spec = ModelSpec(id="llama", config="llama", overrides={"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
-                                                            "num_hidden_layers": 1, "num_attention_heads": 2,
-                                                            "num_key_value_heads": 1})
-    loaded = load_model(spec, seed=0)
-    ctx: Any = types.SimpleNamespace(cell=types.SimpleNamespace(inputs=InputSpec(batch=1, seq_len=6, seed=0)))
-    phase = parse_phases(["prefill"], seq_len=6)[0]
+    loaded, ctx, phase = _prefill_of_a_tiny_llama()
     run, rec, ran = _watched_run(resolve_backend(AOT), loaded.module, loaded.module, loaded, ctx, phase, forced=None,
                                  device="cpu", inputs=True)
     assert run.failed is None and "not_ran" not in ran and ran["graphs_executed"] >= 1, ran
