@@ -20,6 +20,10 @@ where the target is not finite and the reference is). Each script is run once as
 (`repro.verify_repro`: `numerics.verify`, `numerics.verify_timeout`). The reference's run of a phase is made once per
 `attach_phase_repros` and shared by the phase's findings (`_Done.reference`; `_Calls.upto` cuts it at each one's call).
 
+The single forward's accumulated drift (a cumulative-only finding: no layer is wrong on its own) gets the same
+whole-model script with one call, the forward's inputs from the reference dump (`forward_repro`, called by
+`repro.attach_repros`): `numerics/repro/forward/<module>/repro.py`, compared against the cumulative threshold.
+
 No repro (and `details.repro_note` says why): a finding that names no call, a model no script rebuilds, a cell with
 under `repro.MIN_SECONDS` left. The tensor-parallel findings get theirs from `tprepro.py`.
 """
