@@ -9,8 +9,8 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
@@ -42,17 +42,36 @@ def faults_matrix(timeout: float) -> str:
     )
 
 
-@pytest.fixture()
-def matrix(write_matrix: Callable[..., Path]) -> Path:
-    return write_matrix(faults_matrix(120))
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("faults") / "matrix.yaml"
+    path.write_text(faults_matrix(120), encoding="utf-8")
+    return path
+
+
+@dataclass(frozen=True)
+class Run:
+    """One `deepview-ci run` that several tests assert on: its out folder, its process, and what it left running."""
+
+    out: Path
+    proc: subprocess.CompletedProcess[str]
+    left: list[str]
+
+
+@pytest.fixture(scope="module")
+def faults_run(matrix: Path) -> Run:
+    """The faults matrix run once, every cell (`--jobs 2`): the statuses, the resume and the corrupt-result tests
+    each go on from its folder."""
+    out = matrix.parent / "out"
+    tag = new_tag()
+    proc = cli("run", str(matrix), "--out", str(out), "--jobs", "2", env={TAG_VAR: tag})
+    return Run(out, proc, wait_until_gone(out, tag))
 
 
 @pytest.mark.slow
-def test_faults_get_statuses_others_complete_and_the_run_resumes(tmp_path: Path, matrix: Path) -> None:
-    out = tmp_path / "out"
-    tag = new_tag()
-    proc = cli("run", str(matrix), "--out", str(out), "--jobs", "2", env={TAG_VAR: tag})
-    assert wait_until_gone(out, tag) == []  # the timed-out and crashed cells left no process behind
+def test_faults_get_statuses_others_complete_and_the_run_resumes(matrix: Path, faults_run: Run) -> None:
+    out, proc = faults_run.out, faults_run.proc
+    assert faults_run.left == []  # the timed-out and crashed cells left no process behind
     assert proc.returncode == 1, proc.stderr  # findings: some cells did not pass
     assert "Traceback" not in proc.stderr
     cells = {p.parent.name: load_cell_result(p) for p in (out / "cells").glob("*/result.json")}
@@ -83,22 +102,35 @@ def test_faults_get_statuses_others_complete_and_the_run_resumes(tmp_path: Path,
     assert (out / "cells" / "tiny@abort" / "result.json").stat().st_mtime_ns != before["tiny@abort"]
 
 
+@pytest.fixture(scope="module")
+def phase_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """One run of two cells at once (`--jobs 2`), both stopped in the first decode step (of the layers mode's
+    phases): `dies` (layers only) has its worker aborted there, `dh` (ops then layers, 120 s) hangs there until
+    its cell's timeout. The `dies` cell ends while `dh` still works or waits out its hang."""
+    path = tmp_path_factory.mktemp("phases") / "matrix.yaml"
+    path.write_text(matrix_text(
+        inputs={"seq_len": 8, "samples": 1, "phases": ["prefill", "decode"]},
+        models=[TINY],
+        backends=[{"id": "dies", "compile": "tests.fixtures.plugin_decode_abort:backend", "modes": ["layers"],
+                   "timeout": 600, "options": {"layers": {"culprit": False}}},
+                  {"id": "dh", "compile": "tests.fixtures.plugin_decode_hang:backend", "modes": ["ops", "layers"],
+                   "timeout": 120,
+                   "options": {"ops": {"probe_timeout": 5, "verify": False, "only_ops": ["aten._scaled_dot_product*"]},
+                               "layers": {"verify": False, "culprit": False}}}]), encoding="utf-8")
+    out = path.parent / "out"
+    return Run(out, cli("run", str(path), "--out", str(out), "--jobs", "2", timeout=600), [])
+
+
 @pytest.mark.slow
-def test_a_phase_that_kills_the_worker_keeps_the_modes_forward_result(tmp_path: Path,
-                                                                       write_matrix: Callable[..., Path]) -> None:
+def test_a_phase_that_kills_the_worker_keeps_the_modes_forward_result(phase_run: Run) -> None:
     """The forward and the prefill compile; the first decode step aborts the cell's worker. The layers mode keeps
     what its single forward found (its search, from the checkpoint before its phases), is `crashed`, and names the
     phase."""
-    matrix = write_matrix(
-        modes=["layers"], timeout=600, inputs={"seq_len": 8, "samples": 1, "phases": ["prefill", "decode"]},
-        options={"layers": {"culprit": False}},
-        models=[TINY],
-        backends=[{"id": "dies", "compile": "tests.fixtures.plugin_decode_abort:backend"}])
-    out = tmp_path / "out"
-    proc = cli("run", str(matrix), "--out", str(out), timeout=600)
+    proc = phase_run.proc
     assert "Traceback" not in proc.stderr and proc.returncode == 1, proc.stderr[-2000:]
-    cell = load_cell_result(out / "cells" / "tiny@dies" / "result.json")
+    cell = load_cell_result(phase_run.out / "cells" / "tiny@dies" / "result.json")
     layers = cell.modes["layers"]
+    assert set(cell.modes) == {"layers"}
     assert cell.status == "crashed" and layers.status == "crashed", (cell.status, layers)
     assert "in phase 'decode'" in layers.reason and "SIGABRT" in layers.reason, layers.reason
     assert layers.data["whole_model"]["status"] == "pass", layers.data  # the forward's search, kept
@@ -106,22 +138,14 @@ def test_a_phase_that_kills_the_worker_keeps_the_modes_forward_result(tmp_path: 
 
 
 @pytest.mark.slow
-def test_a_cell_timeout_keeps_every_finished_mode_and_phase_and_names_where_it_stopped(
-        tmp_path: Path, write_matrix: Callable[..., Path]) -> None:
+def test_a_cell_timeout_keeps_every_finished_mode_and_phase_and_names_where_it_stopped(phase_run: Run) -> None:
     """The compiler hangs on the first decode step's graph (in the cell's own worker: the layers mode's phase run).
     The ops mode finished before (its one finding: the decode attention's probe, a hang within its 5 s), the layers
     mode's forward and its prefill phase too: all kept; the cell is `timeout`, naming the mode and the phase; the
     heartbeat and the console said where the cell was."""
-    matrix = write_matrix(
-        modes=["ops", "layers"], timeout=120, inputs={"seq_len": 8, "samples": 1, "phases": ["prefill", "decode"]},
-        options={"ops": {"probe_timeout": 5, "verify": False, "only_ops": ["aten._scaled_dot_product*"]},
-                 "layers": {"verify": False, "culprit": False}},
-        models=[TINY],
-        backends=[{"id": "dh", "compile": "tests.fixtures.plugin_decode_hang:backend"}])
-    out = tmp_path / "out"
-    proc = cli("run", str(matrix), "--out", str(out), timeout=600)
+    proc = phase_run.proc
     assert "Traceback" not in proc.stderr and proc.returncode == 1, proc.stderr[-2000:]
-    cdir = out / "cells" / "tiny@dh"
+    cdir = phase_run.out / "cells" / "tiny@dh"
     cell = load_cell_result(cdir / "result.json")
     assert cell.status == "timeout", cell.status
     assert cell.error is not None and "during mode 'layers' in phase 'decode'" in cell.error.message, cell.error
@@ -144,13 +168,15 @@ def test_a_cell_timeout_keeps_every_finished_mode_and_phase_and_names_where_it_s
     assert any(ln.startswith("tiny@dh: layers: phase decode started (") for ln in lines), proc.stderr
 
 
-def test_a_corrupt_cell_result_is_rerun_not_fatal(tmp_path: Path, matrix: Path) -> None:
-    out = tmp_path / "out"
-    proc = cli("run", str(matrix), "--out", str(out), "--select", "tiny@raises")
-    assert proc.returncode == 4, proc.stderr  # its plugin does not import: an environment error (README)
+@pytest.mark.slow
+def test_a_corrupt_cell_result_is_rerun_not_fatal(matrix: Path, faults_run: Run) -> None:
+    """A cell whose result.json is cut short reruns (in the faults run's folder: its `raises` cell finished)."""
+    out = faults_run.out
     result = out / "cells" / "tiny@raises" / "result.json"
+    assert load_cell_result(result).status == "error"
     result.write_text('{"id": "tiny@raises", "trunc', encoding="utf-8")
     proc = cli("run", str(matrix), "--out", str(out), "--select", "tiny@raises")
+    assert proc.returncode == 4, proc.stderr  # its plugin does not import: an environment error (README)
     assert "Traceback" not in proc.stderr
     assert load_cell_result(result).status == "error"
 
