@@ -11,6 +11,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -102,72 +103,6 @@ def test_faults_get_statuses_others_complete_and_the_run_resumes(matrix: Path, f
     assert (out / "cells" / "tiny@abort" / "result.json").stat().st_mtime_ns != before["tiny@abort"]
 
 
-@pytest.fixture(scope="module")
-def phase_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    """One run of two cells at once (`--jobs 2`), both stopped in the first decode step (of the layers mode's
-    phases): `dies` (layers only) has its worker aborted there, `dh` (ops then layers, 120 s) hangs there until
-    its cell's timeout. The `dies` cell ends while `dh` still works or waits out its hang."""
-    path = tmp_path_factory.mktemp("phases") / "matrix.yaml"
-    path.write_text(matrix_text(
-        inputs={"seq_len": 8, "samples": 1, "phases": ["prefill", "decode"]},
-        models=[TINY],
-        backends=[{"id": "dies", "compile": "tests.fixtures.plugin_decode_abort:backend", "modes": ["layers"],
-                   "timeout": 600, "options": {"layers": {"culprit": False}}},
-                  {"id": "dh", "compile": "tests.fixtures.plugin_decode_hang:backend", "modes": ["ops", "layers"],
-                   "timeout": 120,
-                   "options": {"ops": {"probe_timeout": 5, "verify": False, "only_ops": ["aten._scaled_dot_product*"]},
-                               "layers": {"verify": False, "culprit": False}}}]), encoding="utf-8")
-    out = path.parent / "out"
-    return Run(out, cli("run", str(path), "--out", str(out), "--jobs", "2", timeout=600), [])
-
-
-@pytest.mark.slow
-def test_a_phase_that_kills_the_worker_keeps_the_modes_forward_result(phase_run: Run) -> None:
-    """The forward and the prefill compile; the first decode step aborts the cell's worker. The layers mode keeps
-    what its single forward found (its search, from the checkpoint before its phases), is `crashed`, and names the
-    phase."""
-    proc = phase_run.proc
-    assert "Traceback" not in proc.stderr and proc.returncode == 1, proc.stderr[-2000:]
-    cell = load_cell_result(phase_run.out / "cells" / "tiny@dies" / "result.json")
-    layers = cell.modes["layers"]
-    assert set(cell.modes) == {"layers"}
-    assert cell.status == "crashed" and layers.status == "crashed", (cell.status, layers)
-    assert "in phase 'decode'" in layers.reason and "SIGABRT" in layers.reason, layers.reason
-    assert layers.data["whole_model"]["status"] == "pass", layers.data  # the forward's search, kept
-    assert layers.data["phases"]["decode"]["status"] == "crashed" and "checkpoint" not in layers.data
-
-
-@pytest.mark.slow
-def test_a_cell_timeout_keeps_every_finished_mode_and_phase_and_names_where_it_stopped(phase_run: Run) -> None:
-    """The compiler hangs on the first decode step's graph (in the cell's own worker: the layers mode's phase run).
-    The ops mode finished before (its one finding: the decode attention's probe, a hang within its 5 s), the layers
-    mode's forward and its prefill phase too: all kept; the cell is `timeout`, naming the mode and the phase; the
-    heartbeat and the console said where the cell was."""
-    proc = phase_run.proc
-    assert "Traceback" not in proc.stderr and proc.returncode == 1, proc.stderr[-2000:]
-    cdir = phase_run.out / "cells" / "tiny@dh"
-    cell = load_cell_result(cdir / "result.json")
-    assert cell.status == "timeout", cell.status
-    assert cell.error is not None and "during mode 'layers' in phase 'decode'" in cell.error.message, cell.error
-    ops, layers = cell.modes["ops"], cell.modes["layers"]
-    assert ops.status == "fail" and [f.error_type for f in ops.findings] == ["Timeout"], (ops.status, ops.findings)
-    assert set(ops.data["phases"]) == {"prefill", "decode"} and "checkpoint" not in ops.data
-    assert layers.status == "timeout" and "checkpoint" not in layers.data, layers
-    assert layers.data["stopped"] == {"mode": "layers", "phase": "decode", "module": None}
-    assert layers.data["whole_model"]["status"] == "pass"  # the forward's search, checkpointed before the phases
-    assert layers.data["phases"]["prefill"]["status"] == "pass"  # the finished phase, checkpointed after it
-    assert layers.data["phases"]["decode"]["status"] == "timeout"
-    assert 0 < layers.duration_s < 120
-    beat = json.loads((cdir / "heartbeat.json").read_text(encoding="utf-8"))
-    assert (beat["mode"], beat["phase"]) == ("layers", "decode")
-    assert [d["mode"] for d in beat["modes_done"]] == ["ops"] and beat["modes_done"][0]["status"] == "fail"
-    lines = proc.stderr.splitlines()
-    for line in ("tiny@dh: ops started", "tiny@dh: layers started"):
-        assert line in lines, proc.stderr
-    assert any(ln.startswith("tiny@dh: ops fail in ") for ln in lines), proc.stderr
-    assert any(ln.startswith("tiny@dh: layers: phase decode started (") for ln in lines), proc.stderr
-
-
 @pytest.mark.slow
 def test_a_corrupt_cell_result_is_rerun_not_fatal(matrix: Path, faults_run: Run) -> None:
     """A cell whose result.json is cut short reruns (in the faults run's folder: its `raises` cell finished)."""
@@ -248,3 +183,96 @@ def test_aggregate_rejects_a_corrupt_results_file_with_exit_3(tmp_path: Path) ->
     assert proc.returncode == 3
     assert "result.json:1:2" in proc.stderr and "not valid JSON" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def _phase_matrix(folder: Path) -> Path:
+    """Two cells that stop in the first decode step (of the layers mode's phases): `dies` (layers only) has its
+    worker aborted there, `dh` (ops then layers, 120 s) hangs there until its cell's timeout."""
+    path = folder / "matrix.yaml"
+    path.write_text(matrix_text(
+        inputs={"seq_len": 8, "samples": 1, "phases": ["prefill", "decode"]},
+        models=[TINY],
+        backends=[{"id": "dies", "compile": "tests.fixtures.plugin_decode_abort:backend", "modes": ["layers"],
+                   "timeout": 600, "options": {"layers": {"culprit": False}}},
+                  {"id": "dh", "compile": "tests.fixtures.plugin_decode_hang:backend", "modes": ["ops", "layers"],
+                   "timeout": 120,
+                   "options": {"ops": {"probe_timeout": 5, "verify": False, "only_ops": ["aten._scaled_dot_product*"]},
+                               "layers": {"verify": False, "culprit": False}}}]), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _phase_run_started(request: pytest.FixtureRequest,
+                       tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, subprocess.Popen[str]] | None]:
+    """The phase matrix's run (`--jobs 2`), started in the background as this file starts when a selected test
+    reads it: the `dh` cell mostly waits out its hang, so the file's other tests run meanwhile (the two tests that
+    read it come last)."""
+    if not any(item.module is request.module and "phase_run" in item.fixturenames for item in request.session.items):
+        yield None
+        return
+    path = _phase_matrix(tmp_path_factory.mktemp("phases"))
+    out = path.parent / "out"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.Popen([sys.executable, "-m", "ci_runner", "run", str(path), "--out", str(out), "--jobs", "2"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    yield out, proc
+    if proc.poll() is None:  # a test stopped the file early: nothing of the run is left behind
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def phase_run(_phase_run_started: tuple[Path, subprocess.Popen[str]] | None) -> Run:
+    """The phase matrix's run, ended: the `dies` cell ended while `dh` still worked or waited out its hang."""
+    assert _phase_run_started is not None
+    out, proc = _phase_run_started
+    stdout, stderr = proc.communicate(timeout=600)
+    return Run(out, subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), [])
+
+
+@pytest.mark.slow
+def test_a_phase_that_kills_the_worker_keeps_the_modes_forward_result(phase_run: Run) -> None:
+    """The forward and the prefill compile; the first decode step aborts the cell's worker. The layers mode keeps
+    what its single forward found (its search, from the checkpoint before its phases), is `crashed`, and names the
+    phase."""
+    proc = phase_run.proc
+    assert "Traceback" not in proc.stderr and proc.returncode == 1, proc.stderr[-2000:]
+    cell = load_cell_result(phase_run.out / "cells" / "tiny@dies" / "result.json")
+    layers = cell.modes["layers"]
+    assert set(cell.modes) == {"layers"}
+    assert cell.status == "crashed" and layers.status == "crashed", (cell.status, layers)
+    assert "in phase 'decode'" in layers.reason and "SIGABRT" in layers.reason, layers.reason
+    assert layers.data["whole_model"]["status"] == "pass", layers.data  # the forward's search, kept
+    assert layers.data["phases"]["decode"]["status"] == "crashed" and "checkpoint" not in layers.data
+
+
+@pytest.mark.slow
+def test_a_cell_timeout_keeps_every_finished_mode_and_phase_and_names_where_it_stopped(phase_run: Run) -> None:
+    """The compiler hangs on the first decode step's graph (in the cell's own worker: the layers mode's phase run).
+    The ops mode finished before (its one finding: the decode attention's probe, a hang within its 5 s), the layers
+    mode's forward and its prefill phase too: all kept; the cell is `timeout`, naming the mode and the phase; the
+    heartbeat and the console said where the cell was."""
+    proc = phase_run.proc
+    assert "Traceback" not in proc.stderr and proc.returncode == 1, proc.stderr[-2000:]
+    cdir = phase_run.out / "cells" / "tiny@dh"
+    cell = load_cell_result(cdir / "result.json")
+    assert cell.status == "timeout", cell.status
+    assert cell.error is not None and "during mode 'layers' in phase 'decode'" in cell.error.message, cell.error
+    ops, layers = cell.modes["ops"], cell.modes["layers"]
+    assert ops.status == "fail" and [f.error_type for f in ops.findings] == ["Timeout"], (ops.status, ops.findings)
+    assert set(ops.data["phases"]) == {"prefill", "decode"} and "checkpoint" not in ops.data
+    assert layers.status == "timeout" and "checkpoint" not in layers.data, layers
+    assert layers.data["stopped"] == {"mode": "layers", "phase": "decode", "module": None}
+    assert layers.data["whole_model"]["status"] == "pass"  # the forward's search, checkpointed before the phases
+    assert layers.data["phases"]["prefill"]["status"] == "pass"  # the finished phase, checkpointed after it
+    assert layers.data["phases"]["decode"]["status"] == "timeout"
+    assert 0 < layers.duration_s < 120
+    beat = json.loads((cdir / "heartbeat.json").read_text(encoding="utf-8"))
+    assert (beat["mode"], beat["phase"]) == ("layers", "decode")
+    assert [d["mode"] for d in beat["modes_done"]] == ["ops"] and beat["modes_done"][0]["status"] == "fail"
+    lines = proc.stderr.splitlines()
+    for line in ("tiny@dh: ops started", "tiny@dh: layers started"):
+        assert line in lines, proc.stderr
+    assert any(ln.startswith("tiny@dh: ops fail in ") for ln in lines), proc.stderr
+    assert any(ln.startswith("tiny@dh: layers: phase decode started (") for ln in lines), proc.stderr
