@@ -149,7 +149,7 @@ def test_hard_faults_keep_the_diagnosis_and_the_run_goes_on(tmp_path: Path, back
     options = f"probe_timeout: {probe_timeout}"
     if status == "timeout":  # the hanging repro shows its hang by outlasting 8 s (the suite's repro checks fork a
         options += ", verify_timeout: 8"  # warm child: no start to wait for); the default, probe_timeout + 30 s,
-        # would sleep 40 s for the same verdict
+        # would sleep 36 s for the same verdict
     mode, cell, cdir = _run(tmp_path, "tiny-llama", backend, options=options)
     assert cell.status == "fail" and mode.status == "fail", mode.reason
     assert _modules(mode) == ["model.layers.0.self_attn"]
