@@ -213,13 +213,19 @@ def _phase_run_started(request: pytest.FixtureRequest,
     path = _phase_matrix(tmp_path_factory.mktemp("phases"))
     out = path.parent / "out"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    proc = subprocess.Popen([sys.executable, "-m", "ci_runner", "run", str(path), "--out", str(out), "--jobs", "2"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    with open(path.parent / "stdout.txt", "w") as stdout, open(path.parent / "stderr.txt", "w") as stderr:
+        # files, not pipes: nobody reads the run's output until it ends
+        proc = subprocess.Popen([sys.executable, "-m", "ci_runner", "run", str(path), "--out", str(out), "--jobs",
+                                 "2"], cwd=ROOT, env=env, stdout=stdout, stderr=stderr, text=True,
+                                start_new_session=True, preexec_fn=sigint_default)
     yield out, proc
-    if proc.poll() is None:  # a test stopped the file early: nothing of the run is left behind
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+    if proc.poll() is None:  # the file stopped before its tests read the run: stopped as Ctrl-C stops it
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -227,7 +233,8 @@ def phase_run(_phase_run_started: tuple[Path, subprocess.Popen[str]] | None) -> 
     """The phase matrix's run, ended: the `dies` cell ended while `dh` still worked or waited out its hang."""
     assert _phase_run_started is not None
     out, proc = _phase_run_started
-    stdout, stderr = proc.communicate(timeout=600)
+    proc.wait(timeout=600)
+    stdout, stderr = ((out.parent / name).read_text(encoding="utf-8") for name in ("stdout.txt", "stderr.txt"))
     return Run(out, subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), [])
 
 
