@@ -9,8 +9,9 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Iterator
 
 import pytest
 
@@ -42,17 +43,36 @@ def faults_matrix(timeout: float) -> str:
     )
 
 
-@pytest.fixture()
-def matrix(write_matrix: Callable[..., Path]) -> Path:
-    return write_matrix(faults_matrix(120))
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("faults") / "matrix.yaml"
+    path.write_text(faults_matrix(120), encoding="utf-8")
+    return path
+
+
+@dataclass(frozen=True)
+class Run:
+    """One `deepview-ci run` that several tests assert on: its out folder, its process, and what it left running."""
+
+    out: Path
+    proc: subprocess.CompletedProcess[str]
+    left: list[str]
+
+
+@pytest.fixture(scope="module")
+def faults_run(matrix: Path) -> Run:
+    """The faults matrix run once, every cell (`--jobs 2`): the statuses, the resume and the corrupt-result tests
+    each go on from its folder."""
+    out = matrix.parent / "out"
+    tag = new_tag()
+    proc = cli("run", str(matrix), "--out", str(out), "--jobs", "2", env={TAG_VAR: tag})
+    return Run(out, proc, wait_until_gone(out, tag))
 
 
 @pytest.mark.slow
-def test_faults_get_statuses_others_complete_and_the_run_resumes(tmp_path: Path, matrix: Path) -> None:
-    out = tmp_path / "out"
-    tag = new_tag()
-    proc = cli("run", str(matrix), "--out", str(out), "--jobs", "2", env={TAG_VAR: tag})
-    assert wait_until_gone(out, tag) == []  # the timed-out and crashed cells left no process behind
+def test_faults_get_statuses_others_complete_and_the_run_resumes(matrix: Path, faults_run: Run) -> None:
+    out, proc = faults_run.out, faults_run.proc
+    assert faults_run.left == []  # the timed-out and crashed cells left no process behind
     assert proc.returncode == 1, proc.stderr  # findings: some cells did not pass
     assert "Traceback" not in proc.stderr
     cells = {p.parent.name: load_cell_result(p) for p in (out / "cells").glob("*/result.json")}
@@ -84,73 +104,14 @@ def test_faults_get_statuses_others_complete_and_the_run_resumes(tmp_path: Path,
 
 
 @pytest.mark.slow
-def test_a_phase_that_kills_the_worker_keeps_the_modes_forward_result(tmp_path: Path,
-                                                                       write_matrix: Callable[..., Path]) -> None:
-    """The forward and the prefill compile; the first decode step aborts the cell's worker. The layers mode keeps
-    what its single forward found (its search, from the checkpoint before its phases), is `crashed`, and names the
-    phase."""
-    matrix = write_matrix(
-        modes=["layers"], timeout=600, inputs={"seq_len": 8, "samples": 1, "phases": ["prefill", "decode"]},
-        options={"layers": {"culprit": False}},
-        models=[TINY],
-        backends=[{"id": "dies", "compile": "tests.fixtures.plugin_decode_abort:backend"}])
-    out = tmp_path / "out"
-    proc = cli("run", str(matrix), "--out", str(out), timeout=600)
-    assert "Traceback" not in proc.stderr and proc.returncode == 1, proc.stderr[-2000:]
-    cell = load_cell_result(out / "cells" / "tiny@dies" / "result.json")
-    layers = cell.modes["layers"]
-    assert cell.status == "crashed" and layers.status == "crashed", (cell.status, layers)
-    assert "in phase 'decode'" in layers.reason and "SIGABRT" in layers.reason, layers.reason
-    assert layers.data["whole_model"]["status"] == "pass", layers.data  # the forward's search, kept
-    assert layers.data["phases"]["decode"]["status"] == "crashed" and "checkpoint" not in layers.data
-
-
-@pytest.mark.slow
-def test_a_cell_timeout_keeps_every_finished_mode_and_phase_and_names_where_it_stopped(
-        tmp_path: Path, write_matrix: Callable[..., Path]) -> None:
-    """The compiler hangs on the first decode step's graph (in the cell's own worker: the layers mode's phase run).
-    The ops mode finished before (its one finding: the decode attention's probe, a hang within its 5 s), the layers
-    mode's forward and its prefill phase too: all kept; the cell is `timeout`, naming the mode and the phase; the
-    heartbeat and the console said where the cell was."""
-    matrix = write_matrix(
-        modes=["ops", "layers"], timeout=120, inputs={"seq_len": 8, "samples": 1, "phases": ["prefill", "decode"]},
-        options={"ops": {"probe_timeout": 5, "verify": False, "only_ops": ["aten._scaled_dot_product*"]},
-                 "layers": {"verify": False, "culprit": False}},
-        models=[TINY],
-        backends=[{"id": "dh", "compile": "tests.fixtures.plugin_decode_hang:backend"}])
-    out = tmp_path / "out"
-    proc = cli("run", str(matrix), "--out", str(out), timeout=600)
-    assert "Traceback" not in proc.stderr and proc.returncode == 1, proc.stderr[-2000:]
-    cdir = out / "cells" / "tiny@dh"
-    cell = load_cell_result(cdir / "result.json")
-    assert cell.status == "timeout", cell.status
-    assert cell.error is not None and "during mode 'layers' in phase 'decode'" in cell.error.message, cell.error
-    ops, layers = cell.modes["ops"], cell.modes["layers"]
-    assert ops.status == "fail" and [f.error_type for f in ops.findings] == ["Timeout"], (ops.status, ops.findings)
-    assert set(ops.data["phases"]) == {"prefill", "decode"} and "checkpoint" not in ops.data
-    assert layers.status == "timeout" and "checkpoint" not in layers.data, layers
-    assert layers.data["stopped"] == {"mode": "layers", "phase": "decode", "module": None}
-    assert layers.data["whole_model"]["status"] == "pass"  # the forward's search, checkpointed before the phases
-    assert layers.data["phases"]["prefill"]["status"] == "pass"  # the finished phase, checkpointed after it
-    assert layers.data["phases"]["decode"]["status"] == "timeout"
-    assert 0 < layers.duration_s < 120
-    beat = json.loads((cdir / "heartbeat.json").read_text(encoding="utf-8"))
-    assert (beat["mode"], beat["phase"]) == ("layers", "decode")
-    assert [d["mode"] for d in beat["modes_done"]] == ["ops"] and beat["modes_done"][0]["status"] == "fail"
-    lines = proc.stderr.splitlines()
-    for line in ("tiny@dh: ops started", "tiny@dh: layers started"):
-        assert line in lines, proc.stderr
-    assert any(ln.startswith("tiny@dh: ops fail in ") for ln in lines), proc.stderr
-    assert any(ln.startswith("tiny@dh: layers: phase decode started (") for ln in lines), proc.stderr
-
-
-def test_a_corrupt_cell_result_is_rerun_not_fatal(tmp_path: Path, matrix: Path) -> None:
-    out = tmp_path / "out"
-    proc = cli("run", str(matrix), "--out", str(out), "--select", "tiny@raises")
-    assert proc.returncode == 4, proc.stderr  # its plugin does not import: an environment error (README)
+def test_a_corrupt_cell_result_is_rerun_not_fatal(matrix: Path, faults_run: Run) -> None:
+    """A cell whose result.json is cut short reruns (in the faults run's folder: its `raises` cell finished)."""
+    out = faults_run.out
     result = out / "cells" / "tiny@raises" / "result.json"
+    assert load_cell_result(result).status == "error"
     result.write_text('{"id": "tiny@raises", "trunc', encoding="utf-8")
     proc = cli("run", str(matrix), "--out", str(out), "--select", "tiny@raises")
+    assert proc.returncode == 4, proc.stderr  # its plugin does not import: an environment error (README)
     assert "Traceback" not in proc.stderr
     assert load_cell_result(result).status == "error"
 
@@ -222,3 +183,103 @@ def test_aggregate_rejects_a_corrupt_results_file_with_exit_3(tmp_path: Path) ->
     assert proc.returncode == 3
     assert "result.json:1:2" in proc.stderr and "not valid JSON" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def _phase_matrix(folder: Path) -> Path:
+    """Two cells that stop in the first decode step (of the layers mode's phases): `dies` (layers only) has its
+    worker aborted there, `dh` (ops then layers, 120 s) hangs there until its cell's timeout."""
+    path = folder / "matrix.yaml"
+    path.write_text(matrix_text(
+        inputs={"seq_len": 8, "samples": 1, "phases": ["prefill", "decode"]},
+        models=[TINY],
+        backends=[{"id": "dies", "compile": "tests.fixtures.plugin_decode_abort:backend", "modes": ["layers"],
+                   "timeout": 600, "options": {"layers": {"culprit": False}}},
+                  {"id": "dh", "compile": "tests.fixtures.plugin_decode_hang:backend", "modes": ["ops", "layers"],
+                   "timeout": 120,
+                   "options": {"ops": {"probe_timeout": 5, "verify": False, "only_ops": ["aten._scaled_dot_product*"]},
+                               "layers": {"verify": False, "culprit": False}}}]), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _phase_run_started(request: pytest.FixtureRequest,
+                       tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, subprocess.Popen[str]] | None]:
+    """The phase matrix's run (`--jobs 2`), started in the background as this file starts when a selected test
+    reads it: the `dh` cell mostly waits out its hang, so the file's other tests run meanwhile (the two tests that
+    read it come last)."""
+    if not any(item.module is request.module and "phase_run" in item.fixturenames for item in request.session.items):
+        yield None
+        return
+    path = _phase_matrix(tmp_path_factory.mktemp("phases"))
+    out = path.parent / "out"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    with open(path.parent / "stdout.txt", "w") as stdout, open(path.parent / "stderr.txt", "w") as stderr:
+        # files, not pipes: nobody reads the run's output until it ends
+        proc = subprocess.Popen([sys.executable, "-m", "ci_runner", "run", str(path), "--out", str(out), "--jobs",
+                                 "2"], cwd=ROOT, env=env, stdout=stdout, stderr=stderr, text=True,
+                                start_new_session=True, preexec_fn=sigint_default)
+    yield out, proc
+    if proc.poll() is None:  # the file stopped before its tests read the run: stopped as Ctrl-C stops it
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def phase_run(_phase_run_started: tuple[Path, subprocess.Popen[str]] | None) -> Run:
+    """The phase matrix's run, ended: the `dies` cell ended while `dh` still worked or waited out its hang."""
+    assert _phase_run_started is not None
+    out, proc = _phase_run_started
+    proc.wait(timeout=600)
+    stdout, stderr = ((out.parent / name).read_text(encoding="utf-8") for name in ("stdout.txt", "stderr.txt"))
+    return Run(out, subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), [])
+
+
+@pytest.mark.slow
+def test_a_phase_that_kills_the_worker_keeps_the_modes_forward_result(phase_run: Run) -> None:
+    """The forward and the prefill compile; the first decode step aborts the cell's worker. The layers mode keeps
+    what its single forward found (its search, from the checkpoint before its phases), is `crashed`, and names the
+    phase."""
+    proc = phase_run.proc
+    assert "Traceback" not in proc.stderr and proc.returncode == 1, proc.stderr[-2000:]
+    cell = load_cell_result(phase_run.out / "cells" / "tiny@dies" / "result.json")
+    layers = cell.modes["layers"]
+    assert set(cell.modes) == {"layers"}
+    assert cell.status == "crashed" and layers.status == "crashed", (cell.status, layers)
+    assert "in phase 'decode'" in layers.reason and "SIGABRT" in layers.reason, layers.reason
+    assert layers.data["whole_model"]["status"] == "pass", layers.data  # the forward's search, kept
+    assert layers.data["phases"]["decode"]["status"] == "crashed" and "checkpoint" not in layers.data
+
+
+@pytest.mark.slow
+def test_a_cell_timeout_keeps_every_finished_mode_and_phase_and_names_where_it_stopped(phase_run: Run) -> None:
+    """The compiler hangs on the first decode step's graph (in the cell's own worker: the layers mode's phase run).
+    The ops mode finished before (its one finding: the decode attention's probe, a hang within its 5 s), the layers
+    mode's forward and its prefill phase too: all kept; the cell is `timeout`, naming the mode and the phase; the
+    heartbeat and the console said where the cell was."""
+    proc = phase_run.proc
+    assert "Traceback" not in proc.stderr and proc.returncode == 1, proc.stderr[-2000:]
+    cdir = phase_run.out / "cells" / "tiny@dh"
+    cell = load_cell_result(cdir / "result.json")
+    assert cell.status == "timeout", cell.status
+    assert cell.error is not None and "during mode 'layers' in phase 'decode'" in cell.error.message, cell.error
+    ops, layers = cell.modes["ops"], cell.modes["layers"]
+    assert ops.status == "fail" and [f.error_type for f in ops.findings] == ["Timeout"], (ops.status, ops.findings)
+    assert set(ops.data["phases"]) == {"prefill", "decode"} and "checkpoint" not in ops.data
+    assert layers.status == "timeout" and "checkpoint" not in layers.data, layers
+    assert layers.data["stopped"] == {"mode": "layers", "phase": "decode", "module": None}
+    assert layers.data["whole_model"]["status"] == "pass"  # the forward's search, checkpointed before the phases
+    assert layers.data["phases"]["prefill"]["status"] == "pass"  # the finished phase, checkpointed after it
+    assert layers.data["phases"]["decode"]["status"] == "timeout"
+    assert 0 < layers.duration_s < 120
+    beat = json.loads((cdir / "heartbeat.json").read_text(encoding="utf-8"))
+    assert (beat["mode"], beat["phase"]) == ("layers", "decode")
+    assert [d["mode"] for d in beat["modes_done"]] == ["ops"] and beat["modes_done"][0]["status"] == "fail"
+    lines = proc.stderr.splitlines()
+    for line in ("tiny@dh: ops started", "tiny@dh: layers started"):
+        assert line in lines, proc.stderr
+    assert any(ln.startswith("tiny@dh: ops fail in ") for ln in lines), proc.stderr
+    assert any(ln.startswith("tiny@dh: layers: phase decode started (") for ln in lines), proc.stderr

@@ -62,17 +62,17 @@ _Run = tuple[ModeResult, ModeContext]
 
 @pytest.fixture(scope="module")
 def cell_run(tmp_path_factory: pytest.TempPathFactory, shared_thresholds: Path) -> Callable[..., _Run]:
-    """`cell_run(model, backend, isolate=False) -> (result, context)`: the numerics mode on that cell, run once per
-    module (thresholds in `shared_thresholds`) and shared by every test that looks at the same cell."""
-    done: dict[tuple[str, str, bool], _Run] = {}
+    """`cell_run(model, backend, isolate=False, verify=None) -> (result, context)`: the numerics mode on that cell,
+    run once per module (thresholds in `shared_thresholds`) and shared by every test that looks at the same cell.
+    `verify` (whether the repros run) defaults to: only the perturbed SiLU's, the ones a test looks at."""
+    done: dict[tuple[str, str, bool, bool], _Run] = {}
 
-    def go(model: str, backend: str, *, isolate: bool = False) -> _Run:
-        key = (model, backend, isolate)
+    def go(model: str, backend: str, *, isolate: bool = False, verify: bool | None = None) -> _Run:
+        verify = backend == "perturb-silu" if verify is None else verify
+        key = (model, backend, isolate, verify)
         if key not in done:
-            # the repros are run where a test looks at them (the perturbed SiLU's); elsewhere written, not run
             ctx = _ctx(tmp_path_factory.mktemp(f"{model}-{backend}"), model, backend,
-                       options={"isolate": isolate, "thresholds_dir": str(shared_thresholds),
-                                "verify": backend.startswith("perturb")})
+                       options={"isolate": isolate, "thresholds_dir": str(shared_thresholds), "verify": verify})
             done[key] = (run(ctx), ctx)
         return done[key]
 
@@ -148,9 +148,9 @@ def test_sim_drift_isolated_view_flags_exactly_the_norms(cell_run: Callable[...,
 
 
 @pytest.mark.slow
-def test_perturbed_op_is_caught_at_its_owner_and_drifts_downstream(tmp_path: Path, shared_thresholds: Path) -> None:
-    ctx = _ctx(tmp_path, "tiny-llama", "perturb-silu", options={"isolate": False, "thresholds_dir": str(shared_thresholds)})
-    res = run(ctx)
+def test_perturbed_op_is_caught_at_its_owner_and_drifts_downstream(cell_run: Callable[..., _Run]) -> None:
+    """(The perturbed SiLU's run is the one test_each_divergence_finding_carries_a_verified_repro checks too.)"""
+    res, _ = cell_run("tiny-llama", "perturb-silu")
     assert res.status == "fail"
     owners = {"model.layers.0.mlp.act_fn", "model.layers.1.mlp.act_fn"}
     assert _flagged(res.data, "isolated") == owners
@@ -165,8 +165,7 @@ def test_perturbed_op_is_caught_at_its_owner_and_drifts_downstream(tmp_path: Pat
     assert {f.module for f in res.findings} == owners
 
     # an op owned by a container (the attention inside *.self_attn, not in any of its projections)
-    ctx = _ctx(tmp_path, "tiny-llama", "perturb-attn", options={"isolate": False, "thresholds_dir": str(shared_thresholds)})
-    res = run(ctx)
+    res, _ = cell_run("tiny-llama", "perturb-attn")  # its repros written, not run: no assertion looks at them
     assert _flagged(res.data, "isolated") == {"model.layers.0.self_attn", "model.layers.1.self_attn"}
     assert res.data["verdict"]["first_divergent"] == "model.layers.0.self_attn"
     assert res.data["verdict"]["pattern"] == "LlamaAttention"

@@ -270,7 +270,7 @@ def test_the_three_modes_tasks_find_the_same_over_the_devices_own_process_group(
 
 
 def test_a_rank_that_never_arrives_is_named(tmp_path: Path) -> None:
-    run = launch_ranks("tests.fixtures.tp_targets:stall", {"stall_s": 15}, world=2, timeout=120, folder=tmp_path,
+    run = launch_ranks("tests.fixtures.tp_targets:stall", {"stall_s": 9}, world=2, timeout=120, folder=tmp_path,
                        collective_timeout=3)
     assert not run.ok and run.results[1].ok
     assert run.results[0].status == "error" and "timed out" in run.results[0].message.lower()  # gloo's own error
