@@ -29,15 +29,17 @@ HookFactory = Callable[[str], Callable[..., Any]]
 class ModuleHooks:
     """Forward hooks on `modules` ((qualified name, module) pairs), registered at construction: `pre(name)` and
     `post(name)` make each module's hooks (None: none of that kind). A context manager: the hooks are removed on
-    exit; `remove()` removes them earlier (idempotent)."""
+    exit; `remove()` removes them earlier (idempotent). `prepend`: the pre-hooks run before the module's own (the
+    inputs as the caller passed them, before a tensor-parallel style's hook turns them into DTensors)."""
 
     def __init__(self, modules: Iterable[tuple[str, nn.Module]], *, pre: HookFactory | None = None,
-                 post: HookFactory | None = None, post_kwargs: bool = False, always_call: bool = False) -> None:
+                 post: HookFactory | None = None, post_kwargs: bool = False, always_call: bool = False,
+                 prepend: bool = False) -> None:
         self.handles: list[Any] = []
         try:
             for name, module in modules:
-                if pre is not None:
-                    self.handles.append(module.register_forward_pre_hook(pre(name), with_kwargs=True))
+                if pre is not None:  # `prepend`: before the module's other pre-hooks (a parallel style's)
+                    self.handles.append(module.register_forward_pre_hook(pre(name), with_kwargs=True, prepend=prepend))
                 if post is not None:
                     self.handles.append(module.register_forward_hook(post(name), with_kwargs=post_kwargs,
                                                                      always_call=always_call))

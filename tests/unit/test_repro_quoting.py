@@ -49,6 +49,9 @@ _CONTEXTS: dict[str, dict[str, Any]] = {
     "repro_culprit.py.j2": {"culprit_what": "aten.add", "layer": "blk", "level": "aten", "node_lines": ["add = x + y"]},
     "repro_layer_tp.py.j2": {"layout": "tp2", "world": 2, "ranks": [0, 1], "plan": {"": "colwise"}, "source": _SOURCE,
                              "factory_module": "pkg.mod", "timeout": 60.0},
+    "repro_numerics_tp.py.j2": {"layout": "tp2", "world": 2, "plan": {"": "colwise"}, "source": _SOURCE,
+                                "factory_module": "pkg.mod", "sample": 0, "timeout": 60.0,
+                                "threshold": {"rel": 1e-3, "cos": 0.999, "mad": 1e-4}},
     "repro_collective.py.j2": {"op": "_c10d_functional.all_reduce.default", "namespace": "_c10d_functional",
                                "op_name": "all_reduce", "overload": "default", "shape": [2, 3], "dtype": "float32",
                                "call_args": ["sum"], "world": 2, "layout": "tp2", "script": "repro.py"},
@@ -268,6 +271,7 @@ def test_every_repro_writes_the_backend_one_way(name: str) -> None:
     for piece in ("def get_backend():", "def compiled(fn):", "torch.compile(", "COMPILE_OPTIONS = {'dynamic': False}",
                   "DEVICE = 'cpu'", "os.environ.setdefault('FLAG', '1')"):
         assert src.count(piece) == 1, (name, piece)
-    if name not in ("repro_collective.py.j2", "repro_layer_tp.py.j2"):  # their ranks import IMPORTS themselves
+    if name not in ("repro_collective.py.j2", "repro_layer_tp.py.j2", "repro_numerics_tp.py.j2"):  # their ranks
+        # import IMPORTS themselves
         assert src.count("import tests.fixtures  # backend plugin") == 1
         assert src.count("_simdev.register_from_options({'deny': ['mm']})") == 1

@@ -41,6 +41,7 @@ from ...failures.failure import first_line
 from ...options import ThresholdOptions
 from ...quoting import shell_quote
 from ...results.model import Finding, Repro
+from ...watch.hooks import ModuleHooks
 from .repro import verify_at
 from .tpcompare import rows_and_bad
 
@@ -162,14 +163,11 @@ def _recorded(model: torch.nn.Module, kwargs: Mapping[str, Any], name: str, k: i
                 seen.append(f"its inputs cannot be stored: {type(exc).__name__}: {first_line(str(exc), 200)}")
         count[0] += 1
 
-    handle = sub.register_forward_pre_hook(pre, prepend=True, with_kwargs=True)
     try:
-        with torch.no_grad():
+        with ModuleHooks([(name, sub)], pre=lambda _name: pre, prepend=True), torch.no_grad():
             model(**kwargs)
     except Exception as exc:  # noqa: BLE001 - the layer then has no repro; the task goes on
         return f"the eager forward failed: {type(exc).__name__}: {first_line(str(exc), 200)}"
-    finally:
-        handle.remove()
     return seen[0] if seen else None
 
 
