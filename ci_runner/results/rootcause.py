@@ -355,7 +355,8 @@ def _culprit_op(f: Finding, boilerplate: Collection[str]) -> tuple[str, tuple[st
 
 
 def _link_of(f: Finding, op_findings: list[Finding], boilerplate: Collection[str] = ()) -> tuple[Finding, str] | None:
-    """The op finding of the same cell whose cause `f` shows, and why; None unless exactly one cause fits.
+    """The op finding of the same cell whose cause `f` shows, and why; None unless exactly one cause (one operator,
+    one error) fits.
 
     * a non-finite divergence (the numerics mode's NaN/Inf where the reference is finite) that starts in a module
       where one operator's ops finding gives NaN/Inf where CPU eager does not (OpenVINO's SDPA on a fully masked
@@ -382,9 +383,8 @@ def _link_of(f: Finding, op_findings: list[Finding], boilerplate: Collection[str
         why = "its culprit is {op} alone, failing with the error the ops mode found for it"
     else:
         return None
-    ops = {g.op for g in fits}
-    if len(ops) != 1:
-        return None  # none, or several operators that could each be the cause: no guess
+    if len({(g.op, signature(g, boilerplate=boilerplate).id) for g in fits}) != 1:
+        return None  # none, or several operators or errors that could each be the cause: no guess
     g = fits[0]
     return g, why.format(module=f.module, op=g.op)
 
