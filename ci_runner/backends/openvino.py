@@ -132,13 +132,15 @@ class Watch:
                        "openvino_executions": sum(m.startswith("OpenVINO graph execution successful")
                                                   for m in self.messages)}
         # the partitioner's leftovers: ops outside its fused partitions run in PyTorch eager, silently
-        nodes = [n for gm in execute.partitioned_modules.values() for n in gm.graph.nodes if n.op == "call_function"]
-        eager = {_op_name(n.target) for n in nodes}
-        if mods and eager - {"getitem"}:
-            self._facts["eager_ops"] = sorted(eager - {"getitem"})
-            sizes = {_op_name(n.target) for n in nodes if shape_math(n)} - {_op_name(n.target) for n in nodes if not shape_math(n)}
-            if sizes - {"getitem"}:
-                self._facts["eager_size_ops"] = sorted(sizes - {"getitem"})  # every node of the op computes a size
+        sizes: dict[str, bool] = {}  # each op left outside -> whether every node of it computes a size
+        for gm in execute.partitioned_modules.values():
+            for n in gm.graph.nodes:
+                if n.op == "call_function" and (name := _op_name(n.target)) != "getitem":
+                    sizes[name] = sizes.get(name, True) and shape_math(n)
+        if mods and sizes:
+            self._facts["eager_ops"] = sorted(sizes)
+            if any(sizes.values()):
+                self._facts["eager_size_ops"] = sorted(op for op, size in sizes.items() if size)
             sites = _sites(execute.partitioned_modules.values(), set(self._facts["eager_ops"]))
             if sites:
                 self._facts["eager_sites"] = sites
