@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from ...config import BackendSpec
 from ...workloads.collectives import PLAN_CALLS, write_repro
 from ...procs.ranks import RankRun, TaskRun
-from .repro import MIN_SECONDS, attach
+from .repro import attach, too_late
 from .tpcompare import analyse, rank_part as rank_part_of
 from .tprepro import tp_repro
 from ...options import NumericsOptions
@@ -115,14 +115,13 @@ def repro_folder(ctx: "ModeContext") -> Path:
 def layer_repro(ctx: "ModeContext", opts: NumericsOptions, f: Finding, stored: Mapping[str, Any] | None) -> Repro | str:
     """The repro of a sharded layer's divergence (`tprepro.tp_repro`), verified within `numerics.verify_timeout` and a
     quarter of the cell's time left; or why it has none."""
-    left = ctx.remaining()
-    if left < MIN_SECONDS:
-        return f"no repro: the cell had {left:.0f} s left (under {MIN_SECONDS:.0f} s)"
+    if (late := too_late(ctx)) is not None:
+        return late
     layout = ctx.cell.parallel
     assert layout is not None
     return tp_repro(f, stored, spec=ctx.cell.backend, layout=layout, model_id=ctx.cell.model.id,
                     folder=repro_folder(ctx), cell_dir=ctx.cell_dir, verify=opts.verify,
-                    timeout=min(opts.verify_timeout, left * 0.25))
+                    timeout=min(opts.verify_timeout, ctx.remaining() * 0.25))
 
 
 def declared_group(layout: ParallelSpec) -> dict[str, str]:

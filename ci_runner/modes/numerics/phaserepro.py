@@ -25,7 +25,7 @@ whole-model script with one call, the forward's inputs from the reference dump (
 `repro.attach_repros`): `numerics/repro/forward/<module>/repro.py`, compared against the cumulative threshold.
 
 No repro (and `details.repro_note` says why): a finding that names no call, a model no script rebuilds, a cell with
-under `repro.MIN_SECONDS` left. The tensor-parallel findings get theirs from `tprepro.py`.
+under `repro.MIN_SECONDS` left (`repro.too_late`). The tensor-parallel findings get theirs from `tprepro.py`.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from ...registry import FindingKind
 from ...results.model import Finding, Repro
 from ...workloads.calls import Call, cache_recipe, plain_tensors, run_phase
 from ...workloads.phases import Phase
-from .repro import MIN_SECONDS, attach, verify_repro
+from .repro import attach, too_late, verify_repro
 from .store import DumpReader
 from .target import target_dtype
 from .verdict import Layer
@@ -159,9 +159,8 @@ def _one(ctx: "ModeContext", f: Finding, phase: Phase | None, done: _Done, *, ve
     label = overwritten["after"] if overwritten else f.details.get("call")  # an overwrite shows after the later call
     if phase is None or not isinstance(label, str):
         return "no repro: the finding does not name the call of its phase it diverges at"
-    left = ctx.remaining()
-    if left < MIN_SECONDS:
-        return f"no repro: the cell had {left:.0f} s left (under {MIN_SECONDS:.0f} s)"
+    if (late := too_late(ctx)) is not None:
+        return late
     watched, kv = _watched(f.module or ROOT)
     ref_dtype = ctx.cell.references[0].dtype
     loaded = ctx.model(dtype=ref_dtype)
@@ -218,9 +217,8 @@ def forward_repro(ctx: "ModeContext", f: Finding, layers: Sequence[Layer], reade
     own, so no layer alone shows it): `numerics/repro/forward/<module>/repro.py`, the whole model rebuilt and called
     once on the forward's inputs (the reference dump's root call), eagerly and compiled, comparing the module's output
     at the flagged call against the finding's cumulative threshold (the cumulative view's own comparison)."""
-    left = ctx.remaining()
-    if left < MIN_SECONDS:
-        return f"no repro: the cell had {left:.0f} s left (under {MIN_SECONDS:.0f} s)"
+    if (late := too_late(ctx)) is not None:
+        return late
     own = [l for l in layers if l.name == f.module and l.flagged("cumulative") and l.metrics.get("cumulative")]
     layer = max(own, key=lambda l: float(l.metrics["cumulative"]["rel"]), default=None)  # type: ignore[index]
     root = next((c for c in reader.calls if c.get("parent") is None), None)

@@ -43,7 +43,7 @@ from .verdict import Layer
 if TYPE_CHECKING:
     from .. import ModeContext
 
-__all__ = ["MIN_SECONDS", "attach_repros", "verify_at", "verify_repro"]
+__all__ = ["MIN_SECONDS", "attach", "attach_repros", "too_late", "verify_at", "verify_repro"]
 
 MIN_SECONDS = 90.0  # a cell with less left writes no repro: its result comes first
 
@@ -52,7 +52,7 @@ Drift = Callable[[Finding, Sequence[Layer], DumpReader], "Repro | str"]  # a cum
 
 
 def attach_repros(ctx: "ModeContext", findings: Sequence[Finding], layers: Sequence[Layer],
-                  dump: Path, opts: NumericsOptions | None = None, *, drift: Drift | None = None) -> dict[str, float]:
+                  dump: Path, opts: NumericsOptions | None = None, *, drift: Drift) -> dict[str, float]:
     """A verified repro (or a `details.repro_note`) on each divergence finding of the single forward: the timing
     `{"repros_s": seconds}` ({} with no finding). `dump`: the primary reference's dump of the compared sample (still
     on disk). The layer runs eagerly in the primary reference's dtype, compiled in the target's (`target_dtype`). Each
@@ -69,7 +69,7 @@ def attach_repros(ctx: "ModeContext", findings: Sequence[Finding], layers: Seque
         for f in findings:
             if f.kind != FindingKind.DIVERGENCE:
                 continue
-            if f.details.get("view") not in ("isolated", "both") and drift is not None:
+            if f.details.get("view") not in ("isolated", "both"):  # accumulated drift: no layer alone shows it
                 attach(f, partial(drift, f, layers, reader))
                 continue
             attach(f, lambda: _one(ctx, f, layers, reader, ref_dtype=ref_dtype, compiled_dtype=compiled_dtype,
@@ -77,6 +77,12 @@ def attach_repros(ctx: "ModeContext", findings: Sequence[Finding], layers: Seque
     finally:
         reader.close()
     return {"repros_s": round(time.monotonic() - t0, 3)}
+
+
+def too_late(ctx: "ModeContext") -> str | None:
+    """Why a repro is not written when the cell has under `MIN_SECONDS` left (its result comes first), else None."""
+    left = ctx.remaining()
+    return f"no repro: the cell had {left:.0f} s left (under {MIN_SECONDS:.0f} s)" if left < MIN_SECONDS else None
 
 
 def attach(f: Finding, write: Callable[[], Repro | str]) -> None:
@@ -111,12 +117,8 @@ def _via(name: str, via: str | None) -> tuple[str | None, int]:
 
 def _one(ctx: "ModeContext", f: Finding, layers: Sequence[Layer], reader: DumpReader, *, ref_dtype: str,
          compiled_dtype: str, verify: bool = True, verify_timeout: float = 180.0) -> Repro | str:
-    if f.details.get("view") not in ("isolated", "both"):
-        return ("no repro: accumulated drift (cumulative view only): no layer is wrong on its own, so no one layer "
-                "run alone shows it")
-    left = ctx.remaining()
-    if left < MIN_SECONDS:
-        return f"no repro: the cell had {left:.0f} s left (under {MIN_SECONDS:.0f} s)"
+    if (late := too_late(ctx)) is not None:
+        return late
     layer = _flagged_layer(f, layers)
     call = reader.by_key.get(layer.key) if layer is not None else None
     if layer is None or call is None:
